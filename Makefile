@@ -1,0 +1,27 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Both create .venv and install everything on first use.
+SHELL := /bin/bash
+VENV := .venv
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PATH := $(CURDIR)/bin:$(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: install demo test lint clean
+
+install:
+	@bash scripts/bootstrap.sh
+	@bash scripts/get-helm.sh bin
+
+demo: install
+	$(VENV)/bin/ditserve demo
+
+test: install
+	@set +e; $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc = 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+clean:
+	rm -rf $(VENV) bin

@@ -1,0 +1,1 @@
+"""Node-local runtime weight cache: store library, CLI and per-node daemon."""

@@ -1,0 +1,1 @@
+"""Step-wise diffusion engine: continuous batching, layerwise offload, HTTP API."""

@@ -1,0 +1,241 @@
+"""Engine configuration: typed, frozen option groups and the one set of validation rules.
+
+Owns every rule about which option values and combinations are rejected. The engine CLI,
+the HTTP server (``--config`` YAML) and the Kubernetes operator all call ``validate`` /
+``EngineConfig.from_mapping`` so a spec is judged the same way everywhere. Pure Python:
+importing this module must never import torch (the operator depends on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from ditserve.engine.errors import ConfigError
+
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "bypass")
+CHECKPOINT_MMAP_MODES: tuple[str, ...] = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Distributed layerwise offload (DLO) settings.
+
+    enabled: stream the DiT's blocks from host memory through two device slots.
+    use_allgather: with a DP/SP group of size > 1, each rank keeps 1/group of every block and
+        rebuilds it with all_gather; no effect at group size 1.
+    resident_layers: leading blocks kept on the device (not streamed).
+    hbm_budget_gib: keep as many blocks resident as fit in this budget; stream the rest.
+    runtime_cache: use the node cache (cachectl) entry as the host backing.
+    cache_root: root of the node cache; None means $DITSERVE_CACHE_ROOT or the default.
+    cache_lock_timeout_s: how long to wait for another process building the same entry.
+    pin_limit_gib: host-registration budget for mmap backings; 0 uses bounded staging slots.
+    checkpoint_mmap: "auto" streams straight from the checkpoint's safetensors when it can.
+    """
+
+    enabled: bool = False
+    use_allgather: bool = True
+    resident_layers: int = 0
+    hbm_budget_gib: float | None = None
+    runtime_cache: bool = False
+    cache_root: str | None = None
+    cache_lock_timeout_s: float = 600.0
+    pin_limit_gib: float = 0.0
+    checkpoint_mmap: str = "auto"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process topology of one engine replica (one process per accelerator)."""
+
+    data_parallel_size: int = 1
+    sequence_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.sequence_parallel_size * self.tensor_parallel_size
+
+    @property
+    def weight_group(self) -> str | None:
+        """The group DLO's AllGather shards over: DP if dp > 1, else SP if sp > 1, never TP."""
+        if self.data_parallel_size > 1:
+            return "dp"
+        if self.sequence_parallel_size > 1:
+            return "sp"
+        return None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching and admission.
+
+    max_num_seqs: requests that share one denoise forward.
+    policy: "fifo" admits strictly in arrival order; "bypass" lets compatible requests
+        overtake an incompatible head at most ``max_bypass`` times (no starvation).
+    max_queue: waiting requests beyond which new ones are refused (None: unbounded).
+    """
+
+    max_num_seqs: int = 4
+    policy: str = "bypass"
+    max_bypass: int = 8
+    max_queue: int | None = 64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine replica needs. ``model`` None means the embedded tiny model."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    seed_offset: int = 0
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> EngineConfig:
+        """Build from nested plain data (YAML, a CRD spec); unknown keys are an error.
+
+        Nested groups are ``offload``, ``parallel`` and ``scheduler``. The result is validated.
+        """
+        config = _build(cls, data, path="")
+        validate(config)
+        return config
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Plain nested data that ``from_mapping`` reads back to an equal config."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = f" in {path}" if path else ""
+        raise ConfigError(
+            f"unknown option(s){where}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if cls is EngineConfig and key in _NESTED:
+            values[key] = _build(_NESTED[key], value or {}, path=key)
+        else:
+            values[key] = value
+    return cls(**values)
+
+
+def _int_at_least(problems: list[str], name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        problems.append(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _number_at_least(problems: list[str], name: str, value: Any, minimum: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
+        problems.append(f"{name} must be a number >= {minimum}, got {value!r}")
+
+
+def problems(config: EngineConfig) -> list[str]:
+    """Every rule the config breaks, each as a message that says how to fix it."""
+    out: list[str] = []
+    if config.dtype not in DTYPES:
+        out.append(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+    if not isinstance(config.device, str) or not (
+        config.device in ("auto", "cpu", "cuda") or config.device.startswith("cuda:")
+    ):
+        out.append(f"device must be auto, cpu, cuda or cuda:N, got {config.device!r}")
+
+    par = config.parallel
+    _int_at_least(out, "parallel.data_parallel_size", par.data_parallel_size, 1)
+    _int_at_least(out, "parallel.sequence_parallel_size", par.sequence_parallel_size, 1)
+    if par.tensor_parallel_size != 1:
+        out.append(
+            "parallel.tensor_parallel_size must be 1: tensor parallelism is not supported; "
+            "use data_parallel_size (throughput) or sequence_parallel_size (latency)"
+        )
+
+    sch = config.scheduler
+    _int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
+    if sch.policy not in SCHEDULING_POLICIES:
+        out.append(
+            f"scheduler.policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {sch.policy!r}"
+        )
+    _int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
+    if sch.max_queue is not None:
+        _int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)
+
+    off = config.offload
+    out.extend(offload_problems(off, parallel=par))
+    return out
+
+
+def offload_problems(off: OffloadConfig, *, parallel: ParallelConfig | None = None) -> list[str]:
+    """The DLO rules, alone (the offload backend checks them again at its boundary)."""
+    out: list[str] = []
+    par = parallel or ParallelConfig()
+    _int_at_least(out, "offload.resident_layers", off.resident_layers, 0)
+    if off.hbm_budget_gib is not None:
+        _number_at_least(out, "offload.hbm_budget_gib", off.hbm_budget_gib, 0)
+    _number_at_least(out, "offload.pin_limit_gib", off.pin_limit_gib, 0)
+    _number_at_least(out, "offload.cache_lock_timeout_s", off.cache_lock_timeout_s, 0)
+    if off.checkpoint_mmap not in CHECKPOINT_MMAP_MODES:
+        out.append(
+            f"offload.checkpoint_mmap must be one of {', '.join(CHECKPOINT_MMAP_MODES)}, "
+            f"got {off.checkpoint_mmap!r}"
+        )
+    if not off.enabled:
+        touched = [
+            name
+            for name, value in (
+                ("resident_layers", off.resident_layers != 0),
+                ("hbm_budget_gib", off.hbm_budget_gib is not None),
+                ("runtime_cache", off.runtime_cache),
+                ("pin_limit_gib", off.pin_limit_gib != 0),
+            )
+            if value
+        ]
+        if touched:
+            out.append(
+                f"offload.{', offload.'.join(touched)} only apply with offload enabled; "
+                "set offload.enabled (--offload dlo) or remove them"
+            )
+        return out
+    if off.resident_layers and off.hbm_budget_gib is not None:
+        out.append(
+            "offload.resident_layers and offload.hbm_budget_gib both choose the resident blocks; "
+            "set only one"
+        )
+    allgather_active = off.use_allgather and par.weight_group is not None
+    if allgather_active and (off.resident_layers or off.hbm_budget_gib is not None):
+        out.append(
+            "resident layers are not supported with AllGather sharding (every rank would hold "
+            "a full copy of them); set offload.use_allgather=false (--dlo-no-use-allgather) or "
+            "drop resident_layers/hbm_budget_gib"
+        )
+    if allgather_active and off.runtime_cache and off.pin_limit_gib:
+        out.append(
+            "offload.pin_limit_gib registers runtime-cache mappings, which AllGather mode does "
+            "not stream from (it pins its own 1/group shards); set it to 0 or disable AllGather"
+        )
+    return out
+
+
+def validate(config: EngineConfig) -> EngineConfig:
+    """Raise ConfigError listing every problem, or return the config unchanged."""
+    found = problems(config)
+    if found:
+        raise ConfigError("invalid engine configuration:\n  - " + "\n  - ".join(found))
+    return config

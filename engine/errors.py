@@ -1,0 +1,42 @@
+"""The engine's error taxonomy. Every error a user can cause says how to fix it."""
+
+
+class DitServeError(Exception):
+    """Base class of every error raised on purpose by ditserve.engine."""
+
+
+class ConfigError(DitServeError, ValueError):
+    """An engine option, or a combination of options, is invalid."""
+
+
+class ModelLoadError(DitServeError):
+    """A model directory is missing, incomplete, or of an unsupported pipeline class."""
+
+
+class InvalidRequestError(DitServeError, ValueError):
+    """A generation request has an invalid field; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class RequestAborted(DitServeError):
+    """The request was cancelled (client gone, timeout, or shutdown) before it finished."""
+
+
+class EngineStoppedError(DitServeError):
+    """The engine is not running (never started, shutting down, or its loop died)."""
+
+
+class QueueFullError(DitServeError):
+    """The waiting queue is at ``max_queue``; retry later."""
+
+
+class OffloadError(DitServeError):
+    """Layerwise offload could not be enabled or failed while running."""
+
+
+class DistributedError(DitServeError):
+    """A worker process died, hung, or disagreed with the group."""

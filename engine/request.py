@@ -1,0 +1,150 @@
+"""Generation requests: sampling parameters, the batch-compatibility key, and request status.
+
+Pure Python (no torch): the scheduler, the HTTP layer and the operator-facing code import it.
+``SamplingParams`` is what a client asks for; ``BatchKey`` is the subset of it that changes the
+shape or meaning of the denoise forward, so only requests with equal keys share a batch.
+The number of steps, the seed and the current step are deliberately not in the key.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ditserve.engine.errors import InvalidRequestError
+
+MAX_STEPS = 1000
+MAX_IMAGES = 8
+MAX_SIDE = 8192
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Finished states sort last so ``status >= FINISHED_OK`` works."""
+
+    WAITING = 0
+    ENCODING = 1
+    DENOISING = 2
+    DECODING = 3
+    FINISHED_OK = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_OK
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Fields that change the denoise tensor contract; equal keys may share a forward."""
+
+    height: int
+    width: int
+    num_frames: int
+    cfg: bool
+    guidance_scale: float
+    true_cfg_scale: float
+    num_images: int
+    lora: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One generation request, as the client specified it.
+
+    guidance_scale: the distilled-guidance value fed to guidance-embedding models (Flux-dev);
+        ignored by models without a guidance embedding.
+    true_cfg_scale: classifier-free guidance with ``negative_prompt``; active when > 1 and a
+        negative prompt is given (as in diffusers' FluxPipeline).
+    seed: None draws a random seed at admission; the seed used is reported back.
+    """
+
+    prompt: str
+    negative_prompt: str | None = None
+    height: int = 64
+    width: int = 64
+    num_inference_steps: int = 4
+    guidance_scale: float = 3.5
+    true_cfg_scale: float = 1.0
+    seed: int | None = None
+    num_images: int = 1
+    num_frames: int = 1
+
+    @property
+    def uses_true_cfg(self) -> bool:
+        return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
+
+    def batch_key(self) -> BatchKey:
+        return BatchKey(
+            height=self.height,
+            width=self.width,
+            num_frames=self.num_frames,
+            cfg=self.uses_true_cfg,
+            guidance_scale=float(self.guidance_scale),
+            true_cfg_scale=float(self.true_cfg_scale) if self.uses_true_cfg else 1.0,
+            num_images=self.num_images,
+        )
+
+    def validate(
+        self,
+        *,
+        pixel_multiple: int = 16,
+        max_prompt_chars: int | None = None,
+        requires_prompt: bool = True,
+        max_images: int = MAX_IMAGES,
+    ) -> SamplingParams:
+        """Raise InvalidRequestError naming the first bad field, else return self.
+
+        pixel_multiple: the model's spatial granularity (VAE factor x patch size).
+        """
+        if not isinstance(self.prompt, str):
+            raise InvalidRequestError("prompt", "must be a string")
+        if requires_prompt and not self.prompt.strip():
+            raise InvalidRequestError("prompt", "must not be empty")
+        if max_prompt_chars is not None and len(self.prompt) > max_prompt_chars:
+            raise InvalidRequestError(
+                "prompt", f"is {len(self.prompt)} characters; the limit is {max_prompt_chars}"
+            )
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            raise InvalidRequestError("negative_prompt", "must be a string")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+            if value < pixel_multiple or value > MAX_SIDE:
+                raise InvalidRequestError(
+                    name, f"must be between {pixel_multiple} and {MAX_SIDE}, got {value}"
+                )
+            if value % pixel_multiple:
+                lower = value - value % pixel_multiple
+                raise InvalidRequestError(
+                    name,
+                    f"must be a multiple of {pixel_multiple} for this model, got {value} "
+                    f"(try {lower} or {lower + pixel_multiple})",
+                )
+        steps = self.num_inference_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
+            raise InvalidRequestError(
+                "num_inference_steps", f"must be an integer in [1, {MAX_STEPS}], got {steps!r}"
+            )
+        n = self.num_images
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_images:
+            raise InvalidRequestError("n", f"must be an integer in [1, {max_images}], got {n!r}")
+        if self.num_frames != 1:
+            raise InvalidRequestError("num_frames", "only image models (num_frames=1) are served")
+        for name in ("guidance_scale", "true_cfg_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise InvalidRequestError(name, f"must be a number, got {value!r}")
+            if not 0.0 <= value <= 100.0 or value != value:
+                raise InvalidRequestError(name, f"must be in [0, 100], got {value}")
+        if self.true_cfg_scale > 1.0 and not self.negative_prompt:
+            raise InvalidRequestError(
+                "true_cfg_scale", "> 1 needs a negative_prompt (true CFG contrasts the two)"
+            )
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            or not 0 <= self.seed < 2**63
+        ):
+            raise InvalidRequestError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
+        return self

@@ -1,0 +1,1 @@
+"""Kubernetes operator reconciling DiffusionDeployment objects into engine pods."""
