@@ -1,0 +1,30 @@
+"""Suite-wide pytest setup: offline hub settings and the `gpu` marker's skip rule."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Nothing in the suite may reach a model hub; fail fast instead of hanging on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any("gpu" in item.keywords for item in items):
+        return
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

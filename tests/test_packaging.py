@@ -1,0 +1,26 @@
+"""The distribution maps its folders under `ditserve` and never shadows the stdlib."""
+
+import importlib
+import subprocess
+import sys
+
+
+def test_subpackages_import_under_ditserve() -> None:
+    for name in ("ditserve.engine", "ditserve.cachectl", "ditserve.operator"):
+        module = importlib.import_module(name)
+        assert module.__doc__
+
+
+def test_operator_folder_never_shadows_stdlib_operator() -> None:
+    # A fresh interpreter started from the repository root must still see the stdlib module.
+    out = subprocess.run(
+        [sys.executable, "-c", "import operator; print(hasattr(operator, 'itemgetter'))"],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == "True"
+
+
+def test_config_imports_no_torch() -> None:
+    code = "import sys, ditserve.engine.config, ditserve.engine.request; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
