@@ -36,15 +36,17 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(frozen=True)
 class BatchKey:
-    """Fields that change the denoise tensor contract; equal keys may share a forward."""
+    """Fields that change the denoise tensor contract; equal keys may share a forward.
+
+    Only the token grid (height, width, frames) and the adapter weights do. Everything else is
+    per row: each row carries its own timestep and guidance value, true CFG just adds rows for
+    the negative prompt, and several images per request are several rows. Keeping the key this
+    small is what lets requests with different step counts, guidance and CFG share a batch.
+    """
 
     height: int
     width: int
-    num_frames: int
-    cfg: bool
-    guidance_scale: float
-    true_cfg_scale: float
-    num_images: int
+    num_frames: int = 1
     lora: str | None = None
 
 
@@ -75,15 +77,12 @@ class SamplingParams:
         return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
 
     def batch_key(self) -> BatchKey:
-        return BatchKey(
-            height=self.height,
-            width=self.width,
-            num_frames=self.num_frames,
-            cfg=self.uses_true_cfg,
-            guidance_scale=float(self.guidance_scale),
-            true_cfg_scale=float(self.true_cfg_scale) if self.uses_true_cfg else 1.0,
-            num_images=self.num_images,
-        )
+        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames)
+
+    @property
+    def rows(self) -> int:
+        """Rows this request adds to a denoise forward (images, doubled under true CFG)."""
+        return self.num_images * (2 if self.uses_true_cfg else 1)
 
     def validate(
         self,

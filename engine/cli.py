@@ -1,0 +1,185 @@
+"""`ditserve` command line: generate, demo, serve, model init-tiny.
+
+A thin shell: parse flags, build an EngineConfig (engine.cli_options), call one library
+function, print results. Heavy imports (torch, diffusers) happen inside the commands so
+`ditserve --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.errors import DitServeError
+
+log = logging.getLogger("ditserve")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("httpx", "urllib3", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _save_images(images: list, out: Path) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if len(images) == 1:
+        images[0].save(out)
+        return [out]
+    paths = []
+    for i, image in enumerate(images):
+        path = out.with_name(f"{out.stem}-{i}{out.suffix or '.png'}")
+        image.save(path)
+        paths.append(path)
+    return paths
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.request import SamplingParams
+
+    config = engine_config_from_args(args)
+    engine = DiffusionEngine(config).start()
+    try:
+        params = SamplingParams(
+            prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
+            width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+            true_cfg_scale=args.true_cfg_scale, seed=args.seed, num_images=args.num_images,
+        )
+        started = time.perf_counter()
+        handle = engine.add_request(
+            params, on_event=lambda e: e.kind == "step" and print(
+                f"\rstep {e.step}/{e.total_steps}", end="", file=sys.stderr, flush=True)
+        )
+        result = handle.result()
+        print(file=sys.stderr)
+        paths = _save_images(result.images, args.out)
+        print(f"saved {', '.join(map(str, paths))} (seed {result.seed}, "
+              f"{args.steps} steps, {time.perf_counter() - started:.2f}s)")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+DEMO_PROMPTS = [
+    "a red fox in fresh snow", "a lighthouse at dusk", "a bowl of ramen, studio light",
+    "an astronaut riding a horse", "a watercolor city skyline", "a macro photo of a bee",
+]
+DEMO_STEPS = [4, 8, 2, 6, 4, 3]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.request import SamplingParams
+
+    config = engine_config_from_args(args)
+    print("ditserve demo: a tiny random-weight Flux model (images are noise-like by design); "
+          f"{len(DEMO_PROMPTS)} concurrent requests with different step counts, "
+          f"max_num_seqs={config.scheduler.max_num_seqs}")
+    engine = DiffusionEngine(config).start()
+    out_dir: Path = args.out_dir
+    try:
+        started = time.perf_counter()
+        handles = [
+            engine.add_request(SamplingParams(prompt=p, num_inference_steps=s, seed=i,
+                                              height=args.size, width=args.size))
+            for i, (p, s) in enumerate(zip(DEMO_PROMPTS, DEMO_STEPS, strict=True))
+        ]
+        results = [h.result(timeout=600) for h in handles]
+        elapsed = time.perf_counter() - started
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"\n{'request':<8} {'steps':>5} {'seed':>5} {'queue s':>8} {'latency s':>9}  image")
+    for i, r in enumerate(results):
+        path = out_dir / f"demo-{i}.png"
+        r.images[0].save(path)
+        print(f"{i:<8} {r.num_inference_steps:>5} {r.seed:>5} {r.queue_seconds:>8.3f} "
+              f"{r.latency_seconds:>9.3f}  {path}")
+    images = sum(len(r.images) for r in results)
+    print(f"\nrequests {len(results)} | denoise steps run {stats.steps_run} "
+          f"(vs {sum(DEMO_STEPS)} unbatched) | mean batch size {stats.mean_batch_rows:.2f} | "
+          f"{images / elapsed:.2f} images/s | wall {elapsed:.2f}s")
+    return 0
+
+
+def cmd_init_tiny(args: argparse.Namespace) -> int:
+    from ditserve.engine.tiny_model import init_tiny
+
+    path = init_tiny(args.dir)
+    print(f"wrote a tiny random-weight Flux pipeline to {path}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ditserve.engine.server.main import serve_from_args
+
+    return serve_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ditserve", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate one image with a local model")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("--out", type=Path, default=Path("out.png"), help="PNG path")
+    gen.add_argument("--height", type=int, default=64)
+    gen.add_argument("--width", type=int, default=64)
+    gen.add_argument("--steps", type=int, default=4, help="num_inference_steps")
+    gen.add_argument("--seed", type=int, default=None, help="random if omitted (printed)")
+    gen.add_argument("--guidance-scale", type=float, default=3.5)
+    gen.add_argument("--true-cfg-scale", type=float, default=1.0,
+                     help="> 1 with --negative-prompt enables true CFG")
+    gen.add_argument("--num-images", type=int, default=1)
+    add_engine_options(gen, with_config_file=False)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="run concurrent requests on the embedded tiny model")
+    demo.add_argument("--out-dir", type=Path, default=Path("demo-out"))
+    demo.add_argument("--size", type=int, default=64, help="image side in pixels")
+    add_engine_options(demo, with_config_file=False)
+    demo.set_defaults(func=cmd_demo)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-style HTTP API")
+    add_engine_options(serve)
+    try:
+        from ditserve.engine.server.main import add_server_options
+    except ImportError:  # the server package is optional at import time of the CLI
+        add_server_options = None
+    if add_server_options is not None:
+        add_server_options(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    tiny = model_sub.add_parser("init-tiny", help="write the tiny random Flux pipeline to DIR")
+    tiny.add_argument("dir", type=Path)
+    tiny.set_defaults(func=cmd_init_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return int(args.func(args))
+    except DitServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

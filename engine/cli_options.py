@@ -1,0 +1,110 @@
+"""Engine options shared by `ditserve generate`, `serve` and `demo`: flags -> EngineConfig.
+
+Flags default to None so that only options given on the command line override a ``--config``
+YAML file (whose keys follow ``EngineConfig.to_mapping()``). The resulting mapping goes through
+``EngineConfig.from_mapping``, the same validation the operator uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ditserve.engine.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
+from ditserve.engine.errors import ConfigError
+
+# (flag dest) -> (section or None, key in EngineConfig.to_mapping())
+_FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
+    "model": (None, "model"),
+    "dtype": (None, "dtype"),
+    "device": (None, "device"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "scheduling_policy": ("scheduler", "policy"),
+    "max_bypass": ("scheduler", "max_bypass"),
+    "max_queue": ("scheduler", "max_queue"),
+    "dlo_resident_layers": ("offload", "resident_layers"),
+    "dlo_hbm_budget_gib": ("offload", "hbm_budget_gib"),
+    "dlo_use_allgather": ("offload", "use_allgather"),
+    "dlo_runtime_cache": ("offload", "runtime_cache"),
+    "cache_root": ("offload", "cache_root"),
+    "dlo_pin_limit_gib": ("offload", "pin_limit_gib"),
+    "dlo_checkpoint_mmap": ("offload", "checkpoint_mmap"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
+    "sequence_parallel_size": ("parallel", "sequence_parallel_size"),
+}
+
+
+def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: bool = True) -> None:
+    g = parser.add_argument_group("engine")
+    if with_config_file:
+        g.add_argument("--config", type=Path, default=None,
+                       help="YAML file with engine options; command-line flags override it")
+    g.add_argument("--model", default=None,
+                   help="local diffusers pipeline directory (default: the embedded tiny model)")
+    g.add_argument("--dtype", choices=DTYPES, default=None, help="runtime dtype (default float32)")
+    g.add_argument("--device", default=None, help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests batched into one denoise forward (default 4)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
+                   help="admission: fifo, or bypass (compatible requests may overtake an "
+                        "incompatible head a bounded number of times; default)")
+    g.add_argument("--max-bypass", type=int, default=None,
+                   help="how often the head of the queue may be overtaken (default 8)")
+    g.add_argument("--max-queue", type=int, default=None,
+                   help="waiting requests beyond which new ones are refused (default 64)")
+    o = parser.add_argument_group("layerwise offload (DLO)")
+    o.add_argument("--offload", choices=("none", "dlo"), default=None,
+                   help="dlo: stream DiT blocks from host memory through two device slots")
+    o.add_argument("--dlo-resident-layers", type=int, default=None,
+                   help="leading DiT blocks kept on the device")
+    o.add_argument("--dlo-hbm-budget-gib", type=float, default=None,
+                   help="keep as many blocks resident as fit in this many GiB; stream the rest")
+    o.add_argument("--dlo-no-use-allgather", dest="dlo_use_allgather", action="store_const",
+                   const=False, default=None,
+                   help="with DP/SP > 1: keep full rank-local blocks instead of 1/group shards")
+    o.add_argument("--dlo-runtime-cache", action="store_const", const=True, default=None,
+                   help="use the node cache (cachectl) entry as the host backing")
+    o.add_argument("--cache-root", default=None,
+                   help="node cache root (default $DITSERVE_CACHE_ROOT or /var/cache/ditserve)")
+    o.add_argument("--dlo-pin-limit-gib", type=float, default=None,
+                   help="host-registration budget for mmap backings (0: staging copies)")
+    o.add_argument("--dlo-checkpoint-mmap", choices=("auto", "off"), default=None,
+                   help="stream straight from the checkpoint's safetensors when possible")
+    p = parser.add_argument_group("parallelism")
+    p.add_argument("--data-parallel-size", type=int, default=None,
+                   help="engine worker processes, one per device, each with its own batch")
+    p.add_argument("--sequence-parallel-size", type=int, default=None,
+                   help="sequence-parallel degree (selects the DLO weight group)")
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
+
+
+def engine_config_from_args(
+    args: argparse.Namespace, base: dict[str, Any] | None = None
+) -> EngineConfig:
+    """Merge ``base`` (e.g. a YAML file's engine keys) with the flags given; validate."""
+    merged: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v)
+                              for k, v in (base or {}).items()}
+    for dest, (section, key) in _FLAG_TARGETS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        target = merged.setdefault(section, {}) if section else merged
+        target[key] = value
+    offload = getattr(args, "offload", None)
+    if offload is not None:
+        merged.setdefault("offload", {})["enabled"] = offload == "dlo"
+    return EngineConfig.from_mapping(merged)

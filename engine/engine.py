@@ -1,0 +1,378 @@
+"""DiffusionEngine: the background step loop and the thread-safe request API.
+
+Owns the scheduler and the model runner and drives them: ``schedule -> execute -> update``,
+one step per iteration, on a dedicated thread (torch releases the GIL in kernels, so HTTP
+handlers stay responsive). Callers submit from any thread (``add_request`` returns a handle
+with a concurrent Future) or from asyncio (``await generate(...)``). Per-request progress
+events and engine-wide observers (metrics) are called from the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ditserve.engine.config import EngineConfig, validate
+from ditserve.engine.errors import (
+    EngineStoppedError,
+    InvalidRequestError,
+    RequestAborted,
+)
+from ditserve.engine.request import RequestStatus, SamplingParams
+from ditserve.engine.scheduler import StatusChange, StepScheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request. ``pixels`` is (n, 3, H, W) float in [0, 1] on CPU."""
+
+    request_id: str
+    images: list[Any]
+    pixels: Any
+    seed: int
+    num_inference_steps: int
+    queue_seconds: float
+    latency_seconds: float
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """Progress of one request. kind: queued | step | finished | failed | aborted."""
+
+    request_id: str
+    kind: str
+    step: int = 0
+    total_steps: int = 0
+    queue_position: int | None = None
+    error: str | None = None
+
+
+class EngineObserver(Protocol):
+    """Receives engine-wide measurements (the HTTP server turns them into metrics)."""
+
+    def on_step(self, *, requests: int, rows: int, seconds: float) -> None: ...
+    def on_finished(self, result: GenerationResult) -> None: ...
+    def on_failed(self, request_id: str, reason: str) -> None: ...
+
+
+@dataclass
+class RequestHandle:
+    """A submitted request: wait on ``future`` or ``result()``; ``cancel()`` aborts it."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+    future: concurrent.futures.Future[GenerationResult]
+    engine: DiffusionEngine
+    on_event: Callable[[RequestEvent], None] | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        return self.future.result(timeout)
+
+    def cancel(self) -> bool:
+        return self.engine.abort(self.request_id)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    steps_run: int
+    rows_run: int
+    requests_finished: int
+
+    @property
+    def mean_batch_rows(self) -> float:
+        return self.rows_run / self.steps_run if self.steps_run else 0.0
+
+
+class DiffusionEngine:
+    """The engine of one replica. ``start()`` loads the model; ``shutdown()`` drains and stops."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        observers: list[EngineObserver] | None = None,
+    ) -> None:
+        self.config = validate(config)
+        self.observers = list(observers or [])
+        self.scheduler = StepScheduler(config.scheduler)
+        self.runner: Any = None
+        self.model_dir: Path | None = None
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._handles: dict[str, RequestHandle] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._accepting = False
+        self._loop_error: BaseException | None = None
+        self._steps_run = 0
+        self._rows_run = 0
+        self._finished = 0
+        self.ready = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> DiffusionEngine:
+        """Load the model (blocking), run one warm-up step, start the step loop."""
+        from ditserve.engine.model_runner import ModelRunner
+        from ditserve.engine.tiny_model import ensure_tiny
+
+        if self.config.model is None:
+            self.model_dir = ensure_tiny()
+            log.warning("no --model given: serving the embedded tiny model (random weights) "
+                        "from %s", self.model_dir)
+        else:
+            self.model_dir = Path(self.config.model)
+        self.runner = ModelRunner(self.config, model_dir=self.model_dir)
+        self._warmup()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run_loop, name="ditserve-engine", daemon=True)
+        self._thread.start()
+        self.ready = True
+        return self
+
+    def _warmup(self) -> None:
+        # One real step through every stage so the first request does not pay for lazy init.
+        multiple = self.pixel_multiple
+        params = SamplingParams(prompt="warm up", height=multiple * 2, width=multiple * 2,
+                                num_inference_steps=1, seed=0)
+        scheduler = StepScheduler(self.config.scheduler)
+        scheduler.add("warmup", params)
+        plan = scheduler.schedule()
+        self.runner.add_request("warmup", params, 0)
+        out = self.runner.execute(plan)
+        self.runner.take_state("warmup")
+        if out.failed:
+            raise RuntimeError(f"warm-up step failed: {out.failed['warmup']}")
+
+    def stop_accepting(self) -> None:
+        """New requests are refused from now on; running and queued ones continue."""
+        with self._lock:
+            self._accepting = False
+            self.ready = False
+
+    def shutdown(self, grace_seconds: float = 0.0) -> None:
+        """Stop admitting, let work finish for up to ``grace_seconds``, abort the rest, stop."""
+        self.stop_accepting()
+        deadline = time.monotonic() + grace_seconds
+        with self._lock:
+            while self._handles and time.monotonic() < deadline and self._loop_alive():
+                self._wakeup.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+            for rid in list(self._handles):
+                self._abort_locked(rid, "engine shut down")
+            self._stopping = True
+            self._wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.runner is not None and getattr(self.runner, "offload", None) is not None:
+            self.runner.offload.disable()
+
+    def _loop_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- properties used by the API layer ---------------------------------------------------
+    @property
+    def pixel_multiple(self) -> int:
+        return int(self.runner.pipeline.pixel_multiple) if self.runner else 16
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        return self.runner.pipeline.max_prompt_chars if self.runner else None
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
+                               self._steps_run, self._rows_run, self._finished)
+
+    def queue_position(self, request_id: str) -> int | None:
+        with self._lock:
+            return self.scheduler.queue_position(request_id)
+
+    def offload_report(self) -> dict[str, Any] | None:
+        offload = getattr(self.runner, "offload", None)
+        return offload.report() if offload is not None else None
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate_params(self, params: SamplingParams) -> SamplingParams:
+        return params.validate(pixel_multiple=self.pixel_multiple,
+                               max_prompt_chars=self.max_prompt_chars)
+
+    def add_request(
+        self,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        on_event: Callable[[RequestEvent], None] | None = None,
+    ) -> RequestHandle:
+        """Validate and enqueue; raises InvalidRequestError, QueueFullError, EngineStoppedError."""
+        self.validate_params(params)
+        rid = request_id or uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        handle = RequestHandle(rid, params, seed, concurrent.futures.Future(), self, on_event)
+        with self._lock:
+            if self._loop_error is not None:
+                raise EngineStoppedError(f"the engine loop died: {self._loop_error!r}")
+            if not self._accepting:
+                raise EngineStoppedError("the engine is not accepting requests (starting or "
+                                         "shutting down)")
+            if rid in self._handles:
+                raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+            self.scheduler.add(rid, params)
+            self._handles[rid] = handle
+            position = self.scheduler.queue_position(rid)
+            self._wakeup.notify_all()
+        self._emit(handle, RequestEvent(rid, "queued", 0, params.num_inference_steps, position))
+        return handle
+
+    async def generate(
+        self,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        on_event: Callable[[RequestEvent], None] | None = None,
+    ) -> GenerationResult:
+        """Async form of add_request + wait; cancelling the awaiting task aborts the request."""
+        handle = self.add_request(params, request_id=request_id, on_event=on_event)
+        try:
+            return await asyncio.wrap_future(handle.future)
+        except asyncio.CancelledError:
+            self.abort(handle.request_id)
+            raise
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Abort a request; a running one frees its batch slot at the next step boundary."""
+        with self._lock:
+            return self._abort_locked(request_id, reason)
+
+    def _abort_locked(self, request_id: str, reason: str) -> bool:
+        handle = self._handles.pop(request_id, None)
+        if handle is None:
+            return False
+        self.scheduler.abort(request_id)
+        self._wakeup.notify_all()
+        if not handle.future.done():
+            handle.future.set_exception(RequestAborted(f"request {request_id}: {reason}"))
+        self._emit(handle, RequestEvent(request_id, "aborted", error=reason))
+        return True
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self.scheduler.has_work():
+                        self._wakeup.wait()
+                    if self._stopping:
+                        return
+                    plan = self.scheduler.schedule()
+                    new = [(rid, self._handles[rid]) for rid in plan.encode if rid in self._handles]
+                now = time.monotonic()
+                for rid, handle in new:
+                    handle.started_at = now
+                    self.runner.add_request(rid, handle.params, handle.seed)
+                output = self.runner.execute(plan)
+                with self._lock:
+                    changes = self.scheduler.update(plan, output)
+                    if output.stepped and self.runner.last_step is not None:
+                        self._steps_run += 1
+                        self._rows_run += self.runner.last_step.rows
+                    waiting = [(rid, self.scheduler.queue_position(rid))
+                               for rid, h in self._handles.items()
+                               if h.on_event and self.scheduler.queue_position(rid) is not None]
+                if output.stepped and self.runner.last_step is not None:
+                    step = self.runner.last_step
+                    for observer in self.observers:
+                        observer.on_step(requests=step.requests, rows=step.rows,
+                                         seconds=step.seconds)
+                self._dispatch(changes)
+                for rid, position in waiting:
+                    handle = self._handles.get(rid)
+                    if handle is not None:
+                        self._emit(handle, RequestEvent(rid, "queued", 0,
+                                                        handle.params.num_inference_steps,
+                                                        position))
+        except BaseException as e:  # the loop must never die silently
+            log.exception("engine loop died")
+            with self._lock:
+                self._loop_error = e
+                self.ready = False
+                for rid in list(self._handles):
+                    handle = self._handles.pop(rid)
+                    if not handle.future.done():
+                        handle.future.set_exception(
+                            EngineStoppedError(f"the engine loop died: {e!r}"))
+                self._wakeup.notify_all()
+
+    def _dispatch(self, changes: list[StatusChange]) -> None:
+        for change in changes:
+            rid = change.request_id
+            if change.status == RequestStatus.DENOISING:
+                handle = self._handles.get(rid)
+                if handle is not None:
+                    self._emit(handle, RequestEvent(rid, "step", change.steps_done,
+                                                    change.total_steps))
+            elif change.status == RequestStatus.FINISHED_OK:
+                self._finish(rid)
+            elif change.status == RequestStatus.FINISHED_ERROR:
+                self._fail(rid, change.error or "failed")
+
+    def _finish(self, rid: str) -> None:
+        state = self.runner.take_state(rid)
+        with self._lock:
+            handle = self._handles.pop(rid, None)
+            self._finished += 1
+            self._wakeup.notify_all()
+        if handle is None or state is None:
+            return
+        now = time.monotonic()
+        started = handle.started_at or now
+        result = GenerationResult(
+            request_id=rid, images=list(state.images or []), pixels=state.pixels,
+            seed=handle.seed, num_inference_steps=handle.params.num_inference_steps,
+            queue_seconds=started - handle.submitted_at,
+            latency_seconds=now - handle.submitted_at,
+        )
+        self._emit(handle, RequestEvent(rid, "finished", result.num_inference_steps,
+                                        result.num_inference_steps))
+        if not handle.future.done():
+            handle.future.set_result(result)
+        for observer in self.observers:
+            observer.on_finished(result)
+
+    def _fail(self, rid: str, reason: str) -> None:
+        self.runner.drop(rid)
+        with self._lock:
+            handle = self._handles.pop(rid, None)
+            self._wakeup.notify_all()
+        for observer in self.observers:
+            observer.on_failed(rid, reason)
+        if handle is None:
+            return
+        self._emit(handle, RequestEvent(rid, "failed", error=reason))
+        if not handle.future.done():
+            from ditserve.engine.errors import DitServeError
+
+            handle.future.set_exception(DitServeError(f"request {rid} failed: {reason}"))
+
+    @staticmethod
+    def _emit(handle: RequestHandle, event: RequestEvent) -> None:
+        if handle.on_event is None:
+            return
+        try:
+            handle.on_event(event)
+        except Exception:  # a broken listener must not break the loop
+            log.exception("progress listener of %s failed", handle.request_id)

@@ -1,0 +1,136 @@
+"""InputBatch: gathers the rows of many requests into one denoise forward and scatters back.
+
+Called by the model runner every step. Static rows (prompt embeddings, pooled embeddings,
+guidance) do not change across a request's steps, so while the batch composition is unchanged
+they are reused instead of concatenated again; only latents and timesteps are gathered each
+step (into reused buffers). Sequence tensors of different lengths are right-padded to the
+batch maximum and described by a boolean mask named ``<name>_mask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ditserve.engine.denoise_state import DenoiseState
+
+
+def _pad_cat(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate along dim 0, right-padding dim 1 to the longest; mask is None if no padding."""
+    if tensors[0].dim() < 2 or all(t.shape[1] == tensors[0].shape[1] for t in tensors):
+        return torch.cat(list(tensors)), None
+    longest = max(t.shape[1] for t in tensors)
+    padded, masks = [], []
+    for t in tensors:
+        extra = longest - t.shape[1]
+        # (rows, L, ...) -> (rows, longest, ...): zeros after the real tokens.
+        pad_shape = (t.shape[0], extra, *t.shape[2:])
+        padded.append(torch.cat([t, t.new_zeros(pad_shape)], dim=1))
+        mask = torch.zeros(t.shape[0], longest, dtype=torch.bool, device=t.device)
+        mask[:, : t.shape[1]] = True
+        masks.append(mask)
+    return torch.cat(padded), torch.cat(masks)
+
+
+@dataclass
+class InputBatch:
+    """The batched model inputs of one step.
+
+    request_ids: batch order; row_slices[i] are request i's rows in every batched tensor.
+    static: batched static rows (+ masks); shared: tensors common to all rows (equal BatchKey);
+    hidden_states: (rows, tokens, channels);
+    timesteps: (rows,) each row's current timestep.
+    """
+
+    request_ids: tuple[str, ...]
+    row_slices: tuple[slice, ...]
+    static: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor]
+    hidden_states: torch.Tensor
+    timesteps: torch.Tensor
+    _reused_static: bool = field(default=False, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.hidden_states.shape[0])
+
+    def split(self, output: torch.Tensor) -> list[torch.Tensor]:
+        """Per-request views of a (rows, ...) model output, in batch order."""
+        return [output[s] for s in self.row_slices]
+
+
+class InputBatchBuilder:
+    """Builds InputBatch objects, reusing static rows and buffers across unchanged steps."""
+
+    def __init__(self) -> None:
+        self._signature: tuple[tuple[str, int], ...] | None = None
+        self._static: dict[str, torch.Tensor] = {}
+        self._hidden: torch.Tensor | None = None
+        self._timesteps: torch.Tensor | None = None
+        self.static_rebuilds = 0
+
+    def build(self, states: Sequence[DenoiseState]) -> InputBatch:
+        if not states:
+            raise ValueError("an InputBatch needs at least one request")
+        slices, start = [], 0
+        for state in states:
+            slices.append(slice(start, start + state.rows))
+            start += state.rows
+        signature = tuple((s.request_id, s.rows) for s in states)
+        reused = signature == self._signature
+        if not reused:
+            self._static = self._gather_static(states)
+            self._signature = signature
+            self._hidden = None
+            self._timesteps = None
+            self.static_rebuilds += 1
+        hidden = self._gather_latents(states)
+        timesteps = self._gather_timesteps(states, hidden)
+        return InputBatch(
+            request_ids=tuple(s.request_id for s in states),
+            row_slices=tuple(slices),
+            static=self._static,
+            shared=states[0].shared,
+            hidden_states=hidden,
+            timesteps=timesteps,
+            _reused_static=reused,
+        )
+
+    @staticmethod
+    def _gather_static(states: Sequence[DenoiseState]) -> dict[str, torch.Tensor]:
+        names = list(states[0].static_rows)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            batched, mask = _pad_cat([s.static_rows[name] for s in states])
+            out[name] = batched
+            if mask is not None:
+                out[f"{name}_mask"] = mask
+        return out
+
+    def _gather_latents(self, states: Sequence[DenoiseState]) -> torch.Tensor:
+        parts: list[torch.Tensor] = []
+        for s in states:
+            assert s.latents is not None, "state used before prepare_encode"
+            # Under true CFG the negative-prompt rows denoise the same latents.
+            repeats = s.rows // s.latents.shape[0]
+            parts.extend([s.latents] * repeats)
+        total = sum(p.shape[0] for p in parts)
+        shape = (total, *parts[0].shape[1:])
+        if self._hidden is None or self._hidden.shape != shape or self._hidden.dtype != parts[0].dtype:
+            self._hidden = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+        torch.cat(parts, out=self._hidden)
+        return self._hidden
+
+    def _gather_timesteps(
+        self, states: Sequence[DenoiseState], hidden: torch.Tensor
+    ) -> torch.Tensor:
+        rows = hidden.shape[0]
+        if self._timesteps is None or self._timesteps.shape[0] != rows:
+            self._timesteps = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        start = 0
+        for s in states:
+            self._timesteps[start : start + s.rows] = s.current_timestep()
+            start += s.rows
+        return self._timesteps

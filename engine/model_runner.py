@@ -1,0 +1,140 @@
+"""ModelRunner: executes StepPlans on one device; owns the pipeline and per-request tensors.
+
+Called only from the engine's step loop. One ``execute(plan)`` encodes the newly admitted
+requests, runs one batched denoise forward over the plan's batch, applies each request's own
+sampler step, and decodes the requests that just finished. Failures are isolated: a request
+that fails to encode or decode fails alone; if the batched forward fails, each request is
+retried alone so only the culprit fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.input_batch import InputBatchBuilder
+from ditserve.engine.loader import load_components
+from ditserve.engine.pipelines import StepPipeline, build_pipeline
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.scheduler import RunnerOutput, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from ditserve.engine.errors import ConfigError
+
+        raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    return device
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last executed plan did (for metrics)."""
+
+    requests: int
+    rows: int
+    seconds: float
+
+
+class ModelRunner:
+    """Owns the loaded pipeline, the optional offload handle and every request's DenoiseState."""
+
+    def __init__(self, config: EngineConfig, *, model_dir: str | Path) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        started = time.perf_counter()
+        components = load_components(model_dir, dtype=config.dtype)
+        offload = config.offload.enabled
+        self.pipeline: StepPipeline = build_pipeline(
+            components, device=self.device, move_transformer=not offload
+        )
+        self.offload: Any = None
+        if offload:
+            from ditserve.engine.offload import enable_offload
+
+            self.offload = enable_offload(
+                self.pipeline.transformer, config.offload, device=self.device
+            )
+        log.info(
+            "loaded %s from %s on %s in %.1fs (offload: %s)",
+            components.pipeline_class, model_dir, self.device,
+            time.perf_counter() - started, "dlo" if offload else "off",
+        )
+        self._states: dict[str, DenoiseState] = {}
+        self._batches = InputBatchBuilder()
+        self.last_step: StepStats | None = None
+
+    # -- request registry ---------------------------------------------------------------------
+    def add_request(self, request_id: str, params: SamplingParams, seed: int) -> None:
+        self._states[request_id] = DenoiseState(request_id, params, seed)
+
+    def take_state(self, request_id: str) -> DenoiseState | None:
+        """Remove and return a request's state (its outputs, once decoded)."""
+        return self._states.pop(request_id, None)
+
+    def drop(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    # -- one step -----------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        out = RunnerOutput()
+        for rid in plan.freed:
+            self.drop(rid)
+        for rid in plan.encode:
+            self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
+        batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
+        if batch:
+            started = time.perf_counter()
+            self._denoise(batch, out)
+            rows = sum(s.rows for s in batch)
+            self.last_step = StepStats(len(batch), rows, time.perf_counter() - started)
+        for rid in plan.decode:
+            if rid in out.failed:
+                continue
+            if self._guarded(out, rid, "decode", self.pipeline.post_decode):
+                out.decoded.append(rid)
+        return out
+
+    def _guarded(self, out: RunnerOutput, rid: str, stage: str, fn: Any) -> bool:
+        state = self._states.get(rid)
+        if state is None:
+            out.failed[rid] = f"{stage}: request state missing"
+            return False
+        try:
+            fn(state)
+        except Exception as e:  # isolate: this request fails, the engine keeps serving
+            log.exception("request %s failed in %s", rid, stage)
+            out.failed[rid] = f"{stage} failed: {type(e).__name__}: {e}"
+            return False
+        return True
+
+    def _denoise(self, batch: list[DenoiseState], out: RunnerOutput) -> None:
+        try:
+            inputs = self._batches.build(batch)
+            prediction = self.pipeline.denoise_step(inputs)
+        except Exception as e:
+            if len(batch) == 1:
+                rid = batch[0].request_id
+                log.exception("request %s failed in denoise", rid)
+                out.failed[rid] = f"denoise failed: {type(e).__name__}: {e}"
+                return
+            # Find the culprit: no state was advanced, so rerun each request alone.
+            log.warning("batched forward failed; retrying %d requests one by one", len(batch))
+            for state in batch:
+                self._denoise([state], out)
+            return
+        for state, rows in zip(batch, inputs.split(prediction), strict=True):
+            if self._guarded(out, state.request_id, "step", lambda s, r=rows: self.pipeline.step(s, r)):
+                out.stepped.append(state.request_id)

@@ -1,0 +1,176 @@
+"""Step-wise Flux (FluxPipeline layout) on top of diffusers components.
+
+Matches diffusers' FluxPipeline numerically for the same seed: the same prompt encoding
+(CLIP pooled + T5 sequence), the same initial noise draw (a CPU generator seeded with the
+request's seed, shape (n, C, h, w), then 2x2 packing), the same schedule and Euler update, the
+same decode. Differences are on purpose: true CFG runs the negative-prompt rows in the same
+forward as the positive rows (weights are read once per step, which matters when they stream
+over PCIe), and every row carries its own timestep and guidance value so requests at
+different steps share one forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.sampler import FlowMatchEulerSampler
+
+if TYPE_CHECKING:
+    from ditserve.engine.input_batch import InputBatch
+    from ditserve.engine.loader import LoadedComponents
+
+MAX_T5_TOKENS = 512  # diffusers' FluxPipeline refuses more
+
+
+class FluxStepPipeline:
+    """StepPipeline for Flux.1-style models (see module docstring)."""
+
+    def __init__(
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
+    ) -> None:
+        m = components.modules
+        self.device = device
+        self.transformer = m["transformer"]
+        self.vae = m["vae"].to(device)
+        self.text_encoder = m["text_encoder"].to(device)
+        self.text_encoder_2 = m["text_encoder_2"].to(device)
+        self.tokenizer = m["tokenizer"]
+        self.tokenizer_2 = m["tokenizer_2"]
+        if move_transformer:
+            self.transformer.to(device)
+        self.dtype: torch.dtype = next(self.transformer.parameters()).dtype
+        self.sampler = FlowMatchEulerSampler(m["scheduler"].config)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        # 2x2 latent packing: pixel sizes must divide by twice the VAE factor.
+        self.pixel_multiple = self.vae_scale_factor * 2
+        self.clip_max_length = int(getattr(self.tokenizer, "model_max_length", 77))
+        self.max_sequence_length = min(
+            MAX_T5_TOKENS, int(getattr(self.tokenizer_2, "model_max_length", MAX_T5_TOKENS))
+        )
+        self.max_prompt_chars: int | None = 4000
+        self.latent_channels = int(self.transformer.config.in_channels) // 4
+        self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+        self._img_ids: dict[tuple[int, int], torch.Tensor] = {}
+        self._txt_ids: torch.Tensor | None = None
+
+    # -- encode ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _encode_prompt(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, L, D) T5 sequence embeddings and (1, P) CLIP pooled embeddings."""
+        clip_ids = self.tokenizer(
+            [prompt], padding="max_length", max_length=self.clip_max_length,
+            truncation=True, return_tensors="pt",
+        ).input_ids.to(self.device)
+        pooled = self.text_encoder(clip_ids, output_hidden_states=False).pooler_output
+        t5_ids = self.tokenizer_2(
+            [prompt], padding="max_length", max_length=self.max_sequence_length,
+            truncation=True, return_tensors="pt",
+        ).input_ids.to(self.device)
+        seq = self.text_encoder_2(t5_ids, output_hidden_states=False)[0]
+        return seq.to(self.dtype), pooled.to(self.dtype)
+
+    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        return (
+            2 * (height // (self.vae_scale_factor * 2)),
+            2 * (width // (self.vae_scale_factor * 2)),
+        )
+
+    def _image_ids(self, lh: int, lw: int) -> torch.Tensor:
+        key = (lh, lw)
+        if key not in self._img_ids:
+            ids = torch.zeros(lh // 2, lw // 2, 3)
+            ids[..., 1] = ids[..., 1] + torch.arange(lh // 2)[:, None]
+            ids[..., 2] = ids[..., 2] + torch.arange(lw // 2)[None, :]
+            self._img_ids[key] = ids.reshape(-1, 3).to(self.device, self.dtype)
+        return self._img_ids[key]
+
+    @torch.inference_mode()
+    def prepare_encode(self, state: DenoiseState) -> None:
+        p = state.params
+        n = p.num_images
+        seq, pooled = self._encode_prompt(p.prompt)
+        seqs, pooleds = [seq.repeat(n, 1, 1)], [pooled.repeat(n, 1)]
+        if p.uses_true_cfg:
+            neg_seq, neg_pooled = self._encode_prompt(p.negative_prompt or "")
+            seqs.append(neg_seq.repeat(n, 1, 1))
+            pooleds.append(neg_pooled.repeat(n, 1))
+        rows = state.rows
+        state.static_rows = {
+            "encoder_hidden_states": torch.cat(seqs),
+            "pooled_projections": torch.cat(pooleds),
+            "guidance": torch.full((rows,), float(p.guidance_scale), device=self.device),
+        }
+        lh, lw = self._latent_grid(p.height, p.width)
+        state.shared = {"img_ids": self._image_ids(lh, lw), "txt_ids": self._text_ids(seq.shape[1])}
+        # Same draw as diffusers: CPU generator, (n, C, h, w), then moved and packed.
+        generator = torch.Generator("cpu").manual_seed(state.seed)
+        noise = torch.randn(
+            (n, self.latent_channels, lh, lw), generator=generator, dtype=self.dtype
+        ).to(self.device)
+        # (n, C, h, w) -> (n, h/2 * w/2, 4C): 2x2 patches become tokens.
+        packed = noise.view(n, self.latent_channels, lh // 2, 2, lw // 2, 2)
+        packed = packed.permute(0, 2, 4, 1, 3, 5)
+        state.latents = packed.reshape(n, (lh // 2) * (lw // 2), self.latent_channels * 4)
+        state.schedule = self.sampler.schedule(p.num_inference_steps, state.latents.shape[1])
+        state.step_index = 0
+
+    # -- denoise ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def denoise_step(self, batch: InputBatch) -> torch.Tensor:
+        # diffusers casts the timestep to the latents' dtype before dividing by 1000.
+        timestep = batch.timesteps.to(self.device, batch.hidden_states.dtype) / 1000
+        guidance = batch.static["guidance"] if self.guidance_embeds else None
+        return self.transformer(
+            hidden_states=batch.hidden_states,
+            timestep=timestep,
+            guidance=guidance,
+            pooled_projections=batch.static["pooled_projections"],
+            encoder_hidden_states=batch.static["encoder_hidden_states"],
+            txt_ids=batch.shared["txt_ids"],
+            img_ids=batch.shared["img_ids"],
+            return_dict=False,
+        )[0]
+
+    def _text_ids(self, length: int) -> torch.Tensor:
+        if self._txt_ids is None or self._txt_ids.shape[0] != length:
+            self._txt_ids = torch.zeros(length, 3, device=self.device, dtype=self.dtype)
+        return self._txt_ids
+
+    def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
+        assert state.schedule is not None and state.latents is not None
+        n = state.params.num_images
+        prediction = output_rows
+        if state.params.uses_true_cfg:
+            cond, uncond = output_rows[:n], output_rows[n:]
+            prediction = uncond + state.params.true_cfg_scale * (cond - uncond)
+        state.latents = self.sampler.step(
+            state.latents, prediction, state.schedule, state.step_index
+        )
+        state.step_index += 1
+
+    # -- decode -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def post_decode(self, state: DenoiseState) -> None:
+        assert state.latents is not None
+        p = state.params
+        lh, lw = self._latent_grid(p.height, p.width)
+        n, _, channels = state.latents.shape
+        # (n, h/2 * w/2, 4C) -> (n, C, h, w): undo the 2x2 packing.
+        latents = state.latents.view(n, lh // 2, lw // 2, channels // 4, 2, 2)
+        latents = latents.permute(0, 3, 1, 4, 2, 5).reshape(n, channels // 4, lh, lw)
+        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        decoded = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        pixels = (decoded.float() / 2 + 0.5).clamp(0, 1).cpu()  # (n, 3, H, W) in [0, 1]
+        state.pixels = pixels
+        state.images = [_to_pil(img) for img in pixels]
+
+
+def _to_pil(pixels: torch.Tensor) -> Any:
+    from PIL import Image
+
+    # (3, H, W) float [0, 1] -> (H, W, 3) uint8, rounded like diffusers' postprocess.
+    array = (pixels.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+    return Image.fromarray(array)

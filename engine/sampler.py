@@ -1,0 +1,70 @@
+"""Flow-matching Euler sampler with no hidden state.
+
+The step index lives on each request, so one batch can mix requests at different timesteps.
+The schedule (timesteps and sigmas) is computed once per request with diffusers'
+FlowMatchEulerDiscreteScheduler so it matches diffusers exactly; the per-step update is the
+Euler rule, written here because the diffusers object keeps a step counter (one object per
+trajectory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """timesteps: (steps,) model-time values; sigmas: (steps + 1,) ending at 0."""
+
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+
+def _calculate_shift(image_seq_len: int, config: Any) -> float:
+    # Resolution-dependent shift of Flux: linear in the token count between two anchors.
+    base_len = config.get("base_image_seq_len", 256)
+    max_len = config.get("max_image_seq_len", 4096)
+    base_shift = config.get("base_shift", 0.5)
+    max_shift = config.get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * slope + (base_shift - slope * base_len)
+
+
+class FlowMatchEulerSampler:
+    """Builds per-request schedules and applies one Euler step to any slice of a batch."""
+
+    def __init__(self, scheduler_config: Any) -> None:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        self._scheduler_cls = FlowMatchEulerDiscreteScheduler
+        self._config = scheduler_config
+
+    def schedule(self, num_steps: int, image_seq_len: int) -> Schedule:
+        # A throwaway scheduler object: it only computes the schedule, never steps.
+        scheduler = self._scheduler_cls.from_config(self._config)
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        kwargs: dict[str, Any] = {"sigmas": sigmas}
+        if self._config.get("use_dynamic_shifting", False):
+            kwargs["mu"] = _calculate_shift(image_seq_len, self._config)
+        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        return Schedule(
+            timesteps=scheduler.timesteps.clone(), sigmas=scheduler.sigmas.clone()
+        )
+
+    @staticmethod
+    def step(
+        sample: torch.Tensor, model_output: torch.Tensor, schedule: Schedule, step_index: int
+    ) -> torch.Tensor:
+        """x_{i+1} = x_i + (sigma_{i+1} - sigma_i) * v, computed in fp32 like diffusers."""
+        sigmas = schedule.sigmas
+        dt = sigmas[step_index + 1] - sigmas[step_index]
+        prev = sample.to(torch.float32) + dt * model_output
+        return prev.to(model_output.dtype)

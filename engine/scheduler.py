@@ -1,0 +1,223 @@
+"""StepScheduler: decides what every engine step does; pure Python, no torch.
+
+One ``schedule()`` is one engine step: admit waiting requests into the running batch (they are
+encoded this step), run one denoise forward over every running request, and decode those whose
+last step this is. ``update(plan, output)`` applies what the model runner reports. Nothing else
+changes request status, so the lifecycle is visible in these two methods.
+
+Requests share a batch when their ``BatchKey`` (token grid) is equal; their step counts,
+current steps, seeds, guidance and CFG may all differ. Admission policy:
+  fifo   - strict arrival order; an incompatible head blocks everyone behind it until the
+           running batch drains (head-of-line blocking, the baseline).
+  bypass - compatible requests may overtake an incompatible head, but each overtaking counts
+           against the head; after ``max_bypass`` overtakes nobody passes it, so the running
+           batch drains and the head is admitted (bounded wait, no starvation).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.errors import QueueFullError
+from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """The scheduler's view of one request: identity, status and step bookkeeping."""
+
+    request_id: str
+    params: SamplingParams
+    arrival: int
+    status: RequestStatus = RequestStatus.WAITING
+    steps_done: int = 0
+    times_bypassed: int = 0
+    error: str | None = None
+
+    @property
+    def key(self) -> BatchKey:
+        return self.params.batch_key()
+
+    @property
+    def total_steps(self) -> int:
+        return self.params.num_inference_steps
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one engine step does.
+
+    encode: admitted this step; encode them, then they join this step's denoise batch.
+    denoise: every request in this step's forward, in batch order (includes ``encode``).
+    decode: requests whose final denoise step is this one; decode after the forward.
+    freed: aborted requests whose runner state must be dropped.
+    """
+
+    step_id: int
+    encode: tuple[str, ...] = ()
+    denoise: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    freed: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.encode or self.denoise or self.decode or self.freed)
+
+
+@dataclass
+class RunnerOutput:
+    """What the model runner did with a plan. ``failed`` maps request id -> error message."""
+
+    stepped: list[str] = field(default_factory=list)
+    decoded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StatusChange:
+    """A status transition reported by ``update`` (for progress events and metrics)."""
+
+    request_id: str
+    status: RequestStatus
+    steps_done: int
+    total_steps: int
+    error: str | None = None
+
+
+class StepScheduler:
+    """Continuous-batching scheduler over request ids; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._waiting: OrderedDict[str, ScheduledRequest] = OrderedDict()
+        self._running: OrderedDict[str, ScheduledRequest] = OrderedDict()
+        self._aborted_running: list[str] = []
+        self._arrivals = itertools.count()
+        self._step_ids = itertools.count()
+
+    # -- queries (never mutate) -------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._aborted_running)
+
+    def get(self, request_id: str) -> ScheduledRequest | None:
+        return self._running.get(request_id) or self._waiting.get(request_id)
+
+    def queue_position(self, request_id: str) -> int | None:
+        """0-based position among waiting requests, or None if not waiting."""
+        for position, rid in enumerate(self._waiting):
+            if rid == request_id:
+                return position
+        return None
+
+    def running_key(self) -> BatchKey | None:
+        for request in self._running.values():
+            return request.key
+        return None
+
+    # -- lifecycle inputs ------------------------------------------------------------------
+    def add(self, request_id: str, params: SamplingParams) -> ScheduledRequest:
+        if request_id in self._waiting or request_id in self._running:
+            raise ValueError(f"request id {request_id!r} is already scheduled")
+        limit = self.config.max_queue
+        if limit is not None and len(self._waiting) >= limit:
+            raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue={limit})")
+        request = ScheduledRequest(request_id, params, arrival=next(self._arrivals))
+        self._waiting[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Remove a request; a running one is freed at the next step boundary."""
+        if self._waiting.pop(request_id, None) is not None:
+            return True
+        if self._running.pop(request_id, None) is not None:
+            self._aborted_running.append(request_id)
+            return True
+        return False
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        admitted = self._admit()
+        decode = tuple(
+            rid for rid, r in self._running.items() if r.steps_done + 1 >= r.total_steps
+        )
+        freed, self._aborted_running = tuple(self._aborted_running), []
+        return StepPlan(
+            step_id=next(self._step_ids),
+            encode=tuple(admitted),
+            denoise=tuple(self._running),
+            decode=decode,
+            freed=freed,
+        )
+
+    def update(self, plan: StepPlan, output: RunnerOutput) -> list[StatusChange]:
+        """Apply the runner's results; return the status changes, finished ones last."""
+        changes: list[StatusChange] = []
+        for rid, message in output.failed.items():
+            request = self._running.pop(rid, None) or self._waiting.pop(rid, None)
+            if request is not None:
+                changes.append(self._set(request, RequestStatus.FINISHED_ERROR, message))
+        for rid in output.stepped:
+            request = self._running.get(rid)
+            if request is None:  # aborted while the step ran
+                continue
+            request.steps_done += 1
+            changes.append(self._set(request, RequestStatus.DENOISING))
+        for rid in output.decoded:
+            request = self._running.pop(rid, None)
+            if request is not None:
+                changes.append(self._set(request, RequestStatus.FINISHED_OK))
+        changes.sort(key=lambda c: c.status.is_finished)
+        return changes
+
+    # -- internals -------------------------------------------------------------------------
+    def _set(
+        self, request: ScheduledRequest, status: RequestStatus, error: str | None = None
+    ) -> StatusChange:
+        request.status = status
+        request.error = error
+        return StatusChange(
+            request.request_id, status, request.steps_done, request.total_steps, error
+        )
+
+    def _admit(self) -> list[str]:
+        capacity = self.config.max_num_seqs - len(self._running)
+        if capacity <= 0 or not self._waiting:
+            return []
+        key = self.running_key()
+        admitted: list[str] = []
+        blocked_head: ScheduledRequest | None = None
+        for request in list(self._waiting.values()):
+            if capacity == 0:
+                break
+            if key is None or request.key == key:
+                if blocked_head is not None:
+                    blocked_head.times_bypassed += 1
+                key = request.key
+                self._admit_one(request)
+                admitted.append(request.request_id)
+                capacity -= 1
+                continue
+            # Incompatible with the running batch.
+            if self.config.policy == "fifo":
+                break
+            if blocked_head is None:
+                blocked_head = request
+            if blocked_head.times_bypassed >= self.config.max_bypass:
+                break  # the head has waited long enough: let the batch drain for it
+        return admitted
+
+    def _admit_one(self, request: ScheduledRequest) -> None:
+        del self._waiting[request.request_id]
+        request.status = RequestStatus.ENCODING
+        self._running[request.request_id] = request
