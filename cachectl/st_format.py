@@ -1,0 +1,186 @@
+"""The safetensors file format, as the cache writes and checks it.
+
+Owns streaming shard writing (header, then each tensor's bytes straight from its buffer,
+hashed on the way: no second in-memory copy of a multi-GB state dict) and header parsing
+for validation. Files are standard safetensors: ``safetensors.safe_open`` / ``load_file``
+read them and keep the mmap. Tensors come as torch tensors or numpy arrays; torch is only
+touched when a torch tensor is given (tests and light tools can use numpy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ditserve.cachectl.errors import CacheError
+
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+_TORCH_NAMES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fn": "F8_E4M3", "int16": "I16", "uint16": "U16", "float16": "F16",
+    "bfloat16": "BF16", "int32": "I32", "uint32": "U32", "float32": "F32", "int64": "I64",
+    "uint64": "U64", "float64": "F64",
+}
+_NUMPY_NAMES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16",
+                "float16": "F16", "int32": "I32", "uint32": "U32", "float32": "F32",
+                "int64": "I64", "uint64": "U64", "float64": "F64"}
+MAX_HEADER = 100 * 2**20
+WRITE_CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor as bytes: safetensors dtype name, shape and a flat byte view."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def as_raw(value: Any) -> RawTensor:
+    """Flatten a torch tensor or numpy array into a byte view without copying when contiguous."""
+    module = type(value).__module__
+    if module.startswith("torch"):
+        import torch  # only when the caller handed torch tensors
+
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _TORCH_NAMES:
+            raise CacheError(f"tensor dtype {t.dtype} cannot be stored in safetensors")
+        flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        return RawTensor(_TORCH_NAMES[name], tuple(t.shape), memoryview(flat.numpy()))
+    import numpy as np
+
+    a = np.ascontiguousarray(value)
+    if a.dtype.name not in _NUMPY_NAMES:
+        raise CacheError(f"array dtype {a.dtype} cannot be stored in safetensors")
+    return RawTensor(_NUMPY_NAMES[a.dtype.name], tuple(a.shape),
+                     memoryview(a.reshape(-1).view(np.uint8)))
+
+
+@dataclass(frozen=True)
+class WrittenTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    size: int
+    sha256: str
+    tensors: tuple[WrittenTensor, ...]
+
+
+def _header_bytes(entries: Sequence[tuple[str, RawTensor]], metadata: Mapping[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, raw in entries:
+        header[name] = {"dtype": raw.dtype, "shape": list(raw.shape),
+                        "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    # Pad with spaces to 8 bytes so every tensor's data stays aligned to its element size.
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def order_for_alignment(names: Sequence[str], raws: Mapping[str, RawTensor]) -> list[str]:
+    """Largest element size first, then by name: each tensor starts aligned to its itemsize."""
+    return sorted(names, key=lambda n: (-ITEMSIZE[raws[n].dtype], n))
+
+
+def write_shard(
+    path: Path,
+    entries: Sequence[tuple[str, RawTensor]],
+    metadata: Mapping[str, str],
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+) -> WrittenFile:
+    """Write one safetensors file, hashing the whole file and each tensor as bytes go out."""
+    head = _header_bytes(entries, metadata)
+    file_hash = hashlib.sha256(head)
+    written = []
+    offset = len(head)
+    # O_EXCL: a temp directory is private to this writer; a collision means a bug, not a retry.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+    with os.fdopen(fd, "wb", buffering=0) as f:
+        f.write(head)
+        for name, raw in entries:
+            tensor_hash = hashlib.sha256()
+            data = raw.data.cast("B") if raw.data.format != "B" else raw.data
+            for start in range(0, raw.nbytes, WRITE_CHUNK):
+                chunk = data[start:start + WRITE_CHUNK]
+                file_hash.update(chunk)
+                tensor_hash.update(chunk)
+                view = chunk
+                while view.nbytes:  # a raw write may be partial
+                    n = f.write(view)
+                    view = view[n:]
+                if on_bytes is not None:
+                    on_bytes(chunk.nbytes)
+            written.append(WrittenTensor(name, raw.dtype, raw.shape, offset, raw.nbytes,
+                                         tensor_hash.hexdigest()))
+            offset += raw.nbytes
+    return WrittenFile(offset, file_hash.hexdigest(), tuple(written))
+
+
+@dataclass(frozen=True)
+class HeaderTensor:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute
+    nbytes: int
+
+
+def read_header(path: Path) -> tuple[dict[str, HeaderTensor], dict[str, str], int]:
+    """Parse a shard's header: (tensors, metadata, expected file size). Raises ValueError."""
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError("file shorter than the 8-byte header length")
+        (length,) = struct.unpack("<Q", raw_len)
+        if length > MAX_HEADER:
+            raise ValueError(f"header length {length} is implausible")
+        body = f.read(length)
+    if len(body) != length:
+        raise ValueError("file ends inside the header")
+    try:
+        header = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    base = 8 + length
+    tensors: dict[str, HeaderTensor] = {}
+    end = 0
+    for name, info in header.items():
+        try:
+            begin, stop = (int(x) for x in info["data_offsets"])
+            tensors[name] = HeaderTensor(str(info["dtype"]), tuple(int(s) for s in info["shape"]),
+                                         base + begin, stop - begin)
+            end = max(end, stop)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad header record for tensor {name!r}") from e
+    return tensors, metadata, base + end

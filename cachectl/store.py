@@ -1,0 +1,355 @@
+"""The cache store: publish, join, ensure (build-or-join), recipes, verify, list, GC.
+
+``CacheStore(root)`` is the one library API of the cache. The engine joins entries through
+it (issue 6), the CLI and the daemon call it for everything else. No HTTP, no Kubernetes;
+torch is touched only when torch tensors are written or read (see ``st_format``, ``entry``).
+Concurrency rules: one writer per key (kernel flock), readers hold a shared lease while they
+map an entry, GC removes only entries whose lease it can take exclusively.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ditserve.cachectl import locks
+from ditserve.cachectl.entry import Entry
+from ditserve.cachectl.errors import (
+    CacheError,
+    EntryCorruptError,
+    EntryNotFoundError,
+    LockTimeoutError,
+    Problem,
+)
+from ditserve.cachectl.hashing import RateLimiter
+from ditserve.cachectl.identity import EntryIdentity, Recipe, is_key
+from ditserve.cachectl.layout import Layout
+from ditserve.cachectl.manifest import Manifest
+from ditserve.cachectl.publish import ProgressFn, StageHook, remove_stale_temps, write_entry
+from ditserve.cachectl.verify import (
+    VerifyReport,
+    check_content,
+    check_structure,
+    load_manifest,
+    signatures,
+    stamp_matches,
+    write_stamp,
+)
+
+BuildFn = Callable[[], Mapping[str, Any]]
+DEFAULT_SHARD_BYTES = 2**30
+LEASE_WAIT_S = 30.0  # GC holds a lease exclusively only while renaming an entry away
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    key: str
+    path: Path
+    bytes: int
+    created_at: str | None
+    last_used: float
+    in_use: bool
+    identity: dict[str, Any] | None
+    problem: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "bytes": self.bytes, "created_at": self.created_at,
+                "last_used": self.last_used, "in_use": self.in_use,
+                "identity": self.identity, "problem": self.problem}
+
+
+@dataclass
+class GcReport:
+    removed: list[str] = field(default_factory=list)
+    kept_in_use: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class CacheStore:
+    """A node-local cache rooted at ``root`` (created on first use).
+
+    lock_timeout_s bounds waiting for another builder; ``threads`` caps hashing parallelism;
+    ``clock`` (wall seconds) is injectable for LRU order and stamp trust in tests; ``on_stage``
+    is the publication stage hook (crash tests).
+    """
+
+    def __init__(self, root: Path | str, *, lock_timeout_s: float = 600.0,
+                 threads: int | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 clock: Callable[[], float] = time.time,
+                 on_stage: StageHook | None = None) -> None:
+        if lock_timeout_s <= 0 or shard_bytes <= 0:
+            raise CacheError("lock_timeout_s and shard_bytes must be positive")
+        self.layout = Layout(Path(root))
+        self.layout.create()
+        self.lock_timeout_s = lock_timeout_s
+        self.threads = threads
+        self.shard_bytes = shard_bytes
+        self.clock = clock
+        self.on_stage = on_stage
+
+    @property
+    def root(self) -> Path:
+        return self.layout.root
+
+    # ---- keys and existence -------------------------------------------------------------
+    @staticmethod
+    def key_of(identity: EntryIdentity) -> str:
+        return identity.key
+
+    def exists(self, key: str) -> bool:
+        return self.layout.entry(_checked(key)).is_dir()
+
+    def keys(self) -> list[str]:
+        return sorted(p.name for p in self.layout.entries.iterdir() if is_key(p.name))
+
+    # ---- join ---------------------------------------------------------------------------
+    def join(self, key: str, *, full: bool = False) -> Entry:
+        """Validate and lease a published entry. Raises EntryNotFound / EntryCorrupt.
+
+        Validation always checks structure (manifest, file set, sizes, headers); it re-hashes
+        every file unless a stamp shows no file changed since the last full hash (``full``
+        forces the re-hash).
+        """
+        path = self.layout.entry(_checked(key))
+        if not path.is_dir():
+            raise EntryNotFoundError(key)
+        lease = locks.acquire(self.layout.lease(key), shared=True, timeout_s=LEASE_WAIT_S)
+        if lease is None:
+            raise LockTimeoutError(key, LEASE_WAIT_S, "garbage collection")
+        try:
+            if not path.is_dir():  # GC removed it while we waited for the lease
+                raise EntryNotFoundError(key)
+            manifest, by = self._validate(key, path, full=full)
+            now = self.clock()
+            os.utime(self.layout.lease(key), (now, now))  # last-used time, for LRU GC
+            return Entry(path, manifest, lease, validated_by=by)
+        except BaseException:
+            lease.release()
+            raise
+
+    def _validate(self, key: str, path: Path, *, full: bool) -> tuple[Manifest, str]:
+        manifest, problems = check_structure(path, key)
+        if problems or manifest is None:
+            raise EntryCorruptError(key, problems)
+        stamp = self.layout.stamp(key)
+        if not full and stamp_matches(stamp, path, manifest):
+            return manifest, "stamp"
+        before = signatures(path, manifest)
+        started = int(self.clock() * 1e9)
+        problems, _ = check_content(path, manifest, threads=self.threads)
+        if problems:
+            stamp.unlink(missing_ok=True)
+            raise EntryCorruptError(key, problems)
+        write_stamp(stamp, before, signatures(path, manifest), started)
+        return manifest, "hash"
+
+    # ---- publish / ensure ---------------------------------------------------------------
+    def publish(self, identity: EntryIdentity, tensors: Mapping[str, Any], *,
+                metadata: Mapping[str, str] | None = None,
+                on_progress: ProgressFn | None = None) -> Entry:
+        """Publish ``tensors`` under ``identity`` (or join the entry if it already exists)."""
+        return self.ensure(identity, lambda: tensors, metadata=metadata, on_progress=on_progress)
+
+    def ensure(self, identity: EntryIdentity, build_fn: BuildFn, *,
+               metadata: Mapping[str, str] | None = None,
+               on_wait: Callable[[float], None] | None = None,
+               on_progress: ProgressFn | None = None) -> Entry:
+        """Join the entry of ``identity``, building it under the key's lock if it is missing.
+
+        Exactly one process builds a key at a time; the others wait (bounded by
+        ``lock_timeout_s``) and then join what it published. A corrupt entry raises: it is
+        never rebuilt over silently.
+        """
+        key = identity.key
+        try:
+            return self.join(key)
+        except EntryNotFoundError:
+            pass
+        lock_path = self.layout.build_lock(key)
+        held = locks.acquire(lock_path, shared=False, timeout_s=self.lock_timeout_s,
+                             on_wait=on_wait)
+        if held is None:
+            raise LockTimeoutError(key, self.lock_timeout_s, locks.read_holder(lock_path))
+        with held:
+            try:
+                return self.join(key)  # published while we waited
+            except EntryNotFoundError:
+                pass
+            remove_stale_temps(self.layout, key)
+            tensors = build_fn()
+            write_entry(self.layout, identity, tensors, shard_bytes=self.shard_bytes,
+                        metadata=metadata, on_stage=self.on_stage, on_progress=on_progress)
+            entry = self.join(key)
+            entry.built = True
+            return entry
+
+    # ---- recipes: skip-load-on-hit ------------------------------------------------------
+    def resolve_recipe(self, recipe: Recipe) -> str | None:
+        """The entry key a recipe was last published as, if that entry still exists."""
+        try:
+            record = json.loads(self.layout.recipe(recipe.key).read_text())
+            key = str(record["entry"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return key if is_key(key) and self.layout.entry(key).is_dir() else None
+
+    def record_recipe(self, recipe: Recipe, key: str) -> None:
+        path = self.layout.recipe(recipe.key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps({"entry": key, "recipe": recipe.to_json()}, sort_keys=True))
+        os.replace(tmp, path)
+
+    def ensure_recipe(self, recipe: Recipe, *, model_digest: Callable[[], str],
+                      build_fn: BuildFn, **kwargs: Any) -> Entry:
+        """Map the recipe's entry without hashing or loading the model when it is known.
+
+        On a miss: compute the model digest, ensure the entry, record the recipe.
+        """
+        key = self.resolve_recipe(recipe)
+        if key is not None:
+            try:
+                entry = self.join(key)
+                entry.via_recipe = True
+                return entry
+            except EntryNotFoundError:
+                pass  # GC'ed between resolve and join: fall through to a normal ensure
+        identity = recipe.identity(model_digest())
+        entry = self.ensure(identity, build_fn, **kwargs)
+        self.record_recipe(recipe, identity.key)
+        return entry
+
+    # ---- verify -------------------------------------------------------------------------
+    def verify(self, keys: Iterable[str] | None = None, *,
+               limiter: RateLimiter | None = None) -> list[VerifyReport]:
+        """Re-hash entries (all when ``keys`` is None); one report per entry, nothing fixed."""
+        reports = []
+        for key in (list(keys) if keys is not None else self.keys()):
+            report = VerifyReport(key)
+            start = time.monotonic()
+            path = self.layout.entry(_checked(key))
+            if not path.is_dir():
+                report.problems.append(Problem(key, None, "no such entry"))
+            else:
+                manifest, report.problems = check_structure(path, key)
+                if manifest is not None and not report.problems:
+                    before = signatures(path, manifest)
+                    started = int(self.clock() * 1e9)
+                    report.problems, report.bytes_hashed = check_content(
+                        path, manifest, threads=self.threads, limiter=limiter)
+                    if report.ok:
+                        write_stamp(self.layout.stamp(key), before, signatures(path, manifest),
+                                    started)
+                if not report.ok:
+                    self.layout.stamp(key).unlink(missing_ok=True)
+            report.seconds = time.monotonic() - start
+            reports.append(report)
+        return reports
+
+    # ---- list / gc / remove -------------------------------------------------------------
+    def list(self) -> list[EntryInfo]:
+        infos = []
+        for key in self.keys():
+            path = self.layout.entry(key)
+            size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+            probe = locks.try_exclusive(self.layout.lease(key))
+            in_use = probe is None
+            if probe is not None:
+                probe.release()
+            try:
+                m = load_manifest(path)
+                identity, created, problem = m.identity, m.created_at, None
+            except CacheError as e:
+                identity, created, problem = None, None, str(e)
+            infos.append(EntryInfo(key, path, size, created, self._last_used(key), in_use,
+                                   identity, problem))
+        return infos
+
+    def _last_used(self, key: str) -> float:
+        for p in (self.layout.lease(key), self.layout.entry(key)):
+            try:
+                return p.stat().st_mtime
+            except FileNotFoundError:
+                continue
+        return 0.0
+
+    def remove(self, key: str) -> bool:
+        """Remove one entry now; False if a reader or a builder holds it."""
+        return self._remove(_checked(key), dry_run=False)
+
+    def _remove(self, key: str, *, dry_run: bool) -> bool:
+        build = locks.try_exclusive(self.layout.build_lock(key))
+        if build is None:
+            return False
+        with build:
+            lease = locks.try_exclusive(self.layout.lease(key))
+            if lease is None:
+                return False
+            if dry_run:
+                lease.release()
+                return True
+            doomed = self.layout.tmp / f"{key}.gc.{os.getpid()}.{secrets.token_hex(4)}"
+            os.rename(self.layout.entry(key), doomed)  # vanishes atomically for new joiners
+            self.layout.stamp(key).unlink(missing_ok=True)
+            lease.unlink_and_release()
+            build.unlink_and_release()
+        shutil.rmtree(doomed, ignore_errors=True)
+        return True
+
+    def gc(self, max_bytes: int = 0, *, dry_run: bool = False) -> GcReport:
+        """Remove unleased entries, least recently used first, until at most ``max_bytes``."""
+        if max_bytes < 0:
+            raise CacheError("--max-bytes must be >= 0")
+        report = GcReport(dry_run=dry_run)
+        infos = sorted(self.list(), key=lambda i: i.last_used)
+        total = report.bytes_before = sum(i.bytes for i in infos)
+        for info in infos:
+            if total <= max_bytes:
+                break
+            if self._remove(info.key, dry_run=dry_run):
+                report.removed.append(info.key)
+                report.freed_bytes += info.bytes
+                total -= info.bytes
+            else:
+                report.kept_in_use.append(info.key)
+        report.bytes_after = total
+        if not dry_run:
+            self._sweep_orphans()
+        return report
+
+    def _sweep_orphans(self) -> None:
+        """Drop temp dirs of dead writers and recipe records whose entry is gone."""
+        for d in self.layout.tmp.iterdir():
+            key = d.name.split(".", 1)[0]
+            if ".gc." in d.name or not is_key(key):
+                shutil.rmtree(d, ignore_errors=True)
+                continue
+            held = locks.try_exclusive(self.layout.build_lock(key))
+            if held is not None:  # no live writer of that key: its temps are stale
+                with held:
+                    remove_stale_temps(self.layout, key)
+        for rec in self.layout.recipes.glob("*.json"):
+            try:
+                key = json.loads(rec.read_text())["entry"]
+            except (OSError, ValueError, KeyError, TypeError):
+                key = None
+            if not (isinstance(key, str) and is_key(key) and self.layout.entry(key).is_dir()):
+                rec.unlink(missing_ok=True)
+
+
+def _checked(key: str) -> str:
+    if not is_key(key):
+        raise CacheError(f"{key!r} is not an entry key (64 lowercase hex digits); see `cachectl list`")
+    return key
