@@ -1,0 +1,129 @@
+"""Hooks: stream blocks through two device slots around each block's forward.
+
+Per streamed block, in call order (circular, so the last block prefetches the first and the
+next step starts warm):
+
+- pre-forward of block k: make sure k is in a slot (normally prefetched; a miss loads it
+  now), have the compute stream wait for its bytes, repoint k's parameters/buffers into
+  the slot (zero-copy views prepared at enable time; the Parameter objects stay the same),
+  then start loading block k+1 into the other slot;
+- post-forward of block k: mark the slot free on the compute stream, and turn k's tensors
+  into placeholders (zero-stride views of one scalar: right shape and dtype, no storage).
+
+A slot's bytes stay valid until overwritten, so a block already in a slot is never loaded
+again (with two streamed blocks nothing moves after the first step). Weights are read-only:
+this is an inference path.
+
+Called by ``backend`` (build, attach, detach); reads copy sources from ``host``, moves bytes
+through ``transfer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from ditserve.engine.offload.transfer import CopyPairs
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+@dataclass
+class StreamedBlock:
+    """One streamed block and everything its hooks need, prepared once."""
+
+    name: str
+    module: nn.Module
+    tensors: list[torch.Tensor]  # the block's Parameter/buffer objects, in layout order
+    views: tuple[list[torch.Tensor], list[torch.Tensor]]  # per slot: a view per tensor
+    copies: tuple[CopyPairs, CopyPairs]  # per slot: (slot region, host region) pairs
+    placeholders: list[torch.Tensor]
+    nbytes: int
+
+
+def placeholder(base: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """A zero-stride view of the 0-d ``base``: keeps shape/dtype/device, holds no storage."""
+    return base.expand(tuple(shape))
+
+
+class BlockStreamer:
+    """The per-block hook state machine over two slots."""
+
+    def __init__(self, blocks: Sequence[StreamedBlock], transfer) -> None:
+        self.blocks = list(blocks)
+        self.transfer = transfer
+        self.loaded: list[int | None] = [None, None]  # block position held by each slot
+        self.last_slot: int | None = None  # slot of the block that ran last
+        self.pointed: dict[int, int] = {}  # block position -> slot its tensors point into
+        self.bytes_transferred = 0
+        self.loads = 0
+        self.misses = 0
+        self._handles: list[RemovableHandle] = []
+
+    def attach(self) -> None:
+        for k, block in enumerate(self.blocks):
+            self._handles.append(block.module.register_forward_pre_hook(self._pre_hook(k)))
+            self._handles.append(block.module.register_forward_hook(self._post_hook(k)))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_hook(self, k: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.before_block(k)
+
+        return hook
+
+    def _post_hook(self, k: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            self.after_block(k)
+
+        return hook
+
+    def _load(self, k: int, slot: int) -> None:
+        block = self.blocks[k]
+        self.transfer.load(block.copies[slot], slot)
+        self.loaded[slot] = k
+        self.loads += 1
+        self.bytes_transferred += block.nbytes
+
+    def _point(self, k: int, slot: int | None) -> None:
+        block = self.blocks[k]
+        targets = block.placeholders if slot is None else block.views[slot]
+        for tensor, target in zip(block.tensors, targets, strict=True):
+            tensor.data = target
+        if slot is None:
+            self.pointed.pop(k, None)
+        else:
+            self.pointed[k] = slot
+
+    def before_block(self, k: int) -> None:
+        slot = self.loaded.index(k) if k in self.loaded else None
+        if slot is None:
+            # Miss: the first forward, or blocks ran out of the expected order (or a forward
+            # was aborted mid-way). Fence all compute queued so far before reusing a slot,
+            # and drop any stale pointers into slots.
+            self.misses += 1
+            slot = 0 if self.last_slot is None else 1 - self.last_slot
+            for other in list(self.pointed):
+                self._point(other, None)
+            self.transfer.release(slot)
+            self._load(k, slot)
+        self.transfer.wait_ready(slot)
+        self._point(k, slot)
+        nxt = (k + 1) % len(self.blocks)
+        if nxt not in self.loaded:
+            # The other slot held the previous block; its release (recorded after that
+            # block's forward) orders this copy behind its last read.
+            self._load(nxt, 1 - slot)
+
+    def after_block(self, k: int) -> None:
+        slot = self.pointed.get(k)
+        if slot is None:  # not ours to release (hooks re-entered); nothing points into a slot
+            return
+        self.transfer.release(slot)
+        self._point(k, None)
+        self.last_slot = slot

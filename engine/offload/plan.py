@@ -1,0 +1,267 @@
+"""The offload plan: which blocks stream, and how each block's tensors lie in flat memory.
+
+Pure: built from tensor metadata (names, dtypes, shapes, item sizes), never from tensors, and
+imports no torch, so it is tested alone and reused as is by the distributed backend, which
+shards every block's per-dtype flat region over a group (``shard_multiple``).
+
+Layout of one streamed block (the same in its host slab and in a device slot):
+one flat region per dtype, tensors packed in registration order, each starting
+``ALIGN_BYTES``-aligned. The slab holds the regions back to back; a slot holds one flat
+buffer per dtype, sized to the largest streamed block's region of that dtype.
+
+Called by ``backend.enable_offload``; read by ``host`` (slab layout), ``transfer`` (copy
+sizes) and ``hooks`` (views into slots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from ditserve.engine.errors import OffloadError
+
+# Every tensor starts 256-byte aligned in slabs and slots: the same alignment cudaMalloc
+# gives a fresh tensor, so GEMM kernels pick the same (vectorized) code paths on views.
+ALIGN_BYTES = 256
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter or buffer of a block, as metadata. ``name`` is its path in the block."""
+
+    name: str
+    dtype: Hashable
+    itemsize: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where one tensor lies: ``offset`` elements into its dtype's flat region."""
+
+    name: str
+    dtype: Hashable
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class DtypeRegion:
+    """One dtype's flat region of a block: ``numel`` elements (padded) at ``host_offset`` bytes."""
+
+    dtype: Hashable
+    itemsize: int
+    numel: int
+    host_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """A block's flat layout. ``nbytes`` is its slab size (what one load moves)."""
+
+    index: int
+    name: str
+    regions: tuple[DtypeRegion, ...]
+    tensors: tuple[TensorPlacement, ...]
+    payload_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """One device slot: ``numel`` elements per dtype (the largest streamed region of it)."""
+
+    regions: tuple[tuple[Hashable, int, int], ...]  # (dtype, itemsize, numel)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(itemsize * numel for _, itemsize, numel in self.regions)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def layout_block(
+    index: int, name: str, tensors: Sequence[TensorSpec], *, shard_multiple: int = 1
+) -> BlockLayout:
+    """Pack a block's tensors into per-dtype flat regions (dtypes in first-seen order).
+
+    ``shard_multiple`` pads each region to a multiple of it, so a group of that size can
+    split the region into equal shards (1 on a single device).
+    """
+    by_dtype: dict[Hashable, list[TensorSpec]] = {}
+    for spec in tensors:
+        by_dtype.setdefault(spec.dtype, []).append(spec)
+    regions: list[DtypeRegion] = []
+    placements: list[TensorPlacement] = []
+    host_offset = 0
+    for dtype, specs in by_dtype.items():
+        itemsize = specs[0].itemsize
+        align = max(1, ALIGN_BYTES // itemsize)
+        cursor = 0
+        for spec in specs:
+            cursor = _round_up(cursor, align)
+            placements.append(TensorPlacement(spec.name, dtype, spec.shape, cursor, spec.numel))
+            cursor += spec.numel
+        numel = _round_up(_round_up(cursor, align), align * shard_multiple)
+        regions.append(DtypeRegion(dtype, itemsize, numel, host_offset))
+        host_offset += numel * itemsize  # stays ALIGN_BYTES-aligned: numel is a multiple of align
+    payload = sum(s.numel * s.itemsize for s in tensors)
+    return BlockLayout(index, name, tuple(regions), tuple(placements), payload)
+
+
+def slot_layout(blocks: Sequence[BlockLayout]) -> SlotLayout:
+    """The slot every streamed block fits in: per dtype, the largest region of that dtype."""
+    sizes: dict[Hashable, tuple[int, int]] = {}
+    for block in blocks:
+        for r in block.regions:
+            _, numel = sizes.get(r.dtype, (r.itemsize, 0))
+            sizes[r.dtype] = (r.itemsize, max(numel, r.numel))
+    return SlotLayout(tuple((d, item, n) for d, (item, n) in sizes.items()))
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Which blocks stay on the device, and why (for the startup report)."""
+
+    mode: str  # "none" | "resident_layers" | "hbm_budget"
+    resident: tuple[int, ...]
+    budget_bytes: int | None = None
+    activation_reserve_bytes: int | None = None
+
+
+def leading_residency(num_blocks: int, resident_layers: int) -> Residency:
+    """Keep the first ``resident_layers`` blocks on the device (the fixed-count option)."""
+    if resident_layers > num_blocks:
+        raise OffloadError(
+            f"offload.resident_layers={resident_layers} exceeds the model's {num_blocks} blocks; "
+            f"use at most {num_blocks} (or run without --offload)"
+        )
+    mode = "resident_layers" if resident_layers else "none"
+    return Residency(mode, tuple(range(resident_layers)))
+
+
+def budget_residency(
+    block_bytes: Sequence[int],
+    *,
+    budget_bytes: int,
+    fixed_bytes: int,
+    activation_reserve_bytes: int,
+) -> Residency:
+    """Keep as many block bytes resident as fit in the budget, spread along the block order.
+
+    The budget pays first for the always-resident modules (``fixed_bytes``), the activation
+    reserve and two slots of the largest block; what is left holds resident blocks. They are
+    spread evenly (error diffusion over cumulative bytes), not taken from the front: while a
+    resident block computes, the copy stream keeps loading the next streamed block, so the
+    step stays at streamed bytes / bandwidth. A leading run of resident blocks would leave
+    the copy engine idle for their whole compute time.
+    """
+    largest = max(block_bytes, default=0)
+    minimum = fixed_bytes + activation_reserve_bytes + 2 * largest
+    if budget_bytes < minimum:
+        raise OffloadError(
+            f"offload.hbm_budget_gib={budget_bytes / GIB:.2f} is below the "
+            f"{minimum / GIB:.2f} GiB needed for the resident modules "
+            f"({fixed_bytes / GIB:.2f}), the activation reserve "
+            f"({activation_reserve_bytes / GIB:.2f}) and two slots ({2 * largest / GIB:.2f}); "
+            "raise the budget or use --dlo-resident-layers"
+        )
+    available = budget_bytes - minimum
+    total = sum(block_bytes)
+    if total == 0:
+        return Residency("hbm_budget", (), budget_bytes, activation_reserve_bytes)
+    share = min(1.0, available / total)
+    resident: list[int] = []
+    kept = 0
+    seen = 0
+    for i, size in enumerate(block_bytes):
+        seen += size
+        # Keep block i when that brings the kept bytes closest to share * bytes seen so far.
+        if kept + size <= available and kept + size / 2 <= share * seen:
+            resident.append(i)
+            kept += size
+    # Rounding can leave room for a few more whole blocks: fill it front to back.
+    for i, size in enumerate(block_bytes):
+        if i not in resident and kept + size <= available:
+            resident.append(i)
+            kept += size
+    return Residency("hbm_budget", tuple(sorted(resident)), budget_bytes, activation_reserve_bytes)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Every block's layout, which of them stream (in call order), and the slot size."""
+
+    blocks: tuple[BlockLayout, ...]
+    residency: Residency
+    resident_module_bytes: int
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        keep = set(self.residency.resident)
+        return tuple(b.index for b in self.blocks if b.index not in keep)
+
+    @property
+    def streamed_blocks(self) -> tuple[BlockLayout, ...]:
+        return tuple(self.blocks[i] for i in self.streamed)
+
+    @property
+    def slot(self) -> SlotLayout:
+        return slot_layout(self.streamed_blocks)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(b.nbytes for b in self.streamed_blocks)
+
+    @property
+    def resident_block_bytes(self) -> int:
+        return sum(self.blocks[i].payload_bytes for i in self.residency.resident)
+
+
+def build_plan(
+    blocks: Sequence[tuple[str, Sequence[TensorSpec]]],
+    *,
+    resident_layers: int = 0,
+    hbm_budget_bytes: int | None = None,
+    resident_module_bytes: int = 0,
+    activation_reserve_bytes: int = 0,
+    shard_multiple: int = 1,
+) -> OffloadPlan:
+    """Lay out every block and choose the resident ones (fixed count or HBM budget)."""
+    if resident_layers and hbm_budget_bytes is not None:
+        raise OffloadError(
+            "offload.resident_layers and offload.hbm_budget_gib both choose the resident "
+            "blocks; set only one"
+        )
+    layouts = tuple(
+        layout_block(i, name, specs, shard_multiple=shard_multiple)
+        for i, (name, specs) in enumerate(blocks)
+    )
+    if hbm_budget_bytes is None:
+        residency = leading_residency(len(layouts), resident_layers)
+    else:
+        residency = budget_residency(
+            [b.nbytes for b in layouts],
+            budget_bytes=hbm_budget_bytes,
+            fixed_bytes=resident_module_bytes,
+            activation_reserve_bytes=activation_reserve_bytes,
+        )
+    return OffloadPlan(layouts, residency, resident_module_bytes)

@@ -1,0 +1,176 @@
+"""Transfer: moves block bytes from host slabs into device slots. The only CUDA-specific module.
+
+Two implementations behind one small interface:
+
+- ``SyncTransfer`` (CPU, and any device without streams): copies run synchronously when a
+  load is issued, so every ordering rule holds trivially. CI runs the offload logic on it.
+- ``CudaStreamTransfer``: one copy stream and two event pairs per slot. A load waits (on the
+  copy stream) for the compute stream to release the slot (write-after-read), copies
+  asynchronously from pinned memory, and records ``ready``; the compute stream waits on
+  ``ready`` before the block runs. Only stream waits - no host synchronization per block.
+
+Host allocation lives here too, because pinning is CUDA-specific: ``allocate_host`` returns
+page-locked memory registered in place with ``cudaHostRegister`` (exact size, unlike the
+caching host allocator, which rounds every pinned allocation up to a power of two).
+
+Called by ``host.HostStorage`` (allocation), ``hooks.BlockStreamer`` (loads and waits) and
+``backend`` (synchronize, close).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from ditserve.engine.errors import OffloadError
+
+log = logging.getLogger(__name__)
+PAGE = 4096
+CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (device destination, host source)
+
+
+class SyncTransfer:
+    """Synchronous copies on the calling thread; events are not needed."""
+
+    name = "sync-copy"
+    backing = "pageable"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned_bytes = 0
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 host buffer of exactly ``nbytes`` bytes (page-aligned start)."""
+        return _aligned_empty(nbytes)
+
+    def free_host(self, buffer: torch.Tensor) -> bool:
+        """Nothing to undo for ordinary memory: it stays valid (True) until unreferenced."""
+        return True
+
+    def load(self, pairs: CopyPairs, slot: int) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    def wait_ready(self, slot: int) -> None:
+        """The copy already finished when ``load`` returned."""
+
+    def release(self, slot: int) -> None:
+        """Compute already finished reading the slot when the block returned."""
+
+    def synchronize(self) -> None:
+        """Nothing is in flight."""
+
+    def close(self) -> None:
+        """No streams or events to free."""
+
+
+class CudaStreamTransfer:
+    """Asynchronous H2D copies on a dedicated copy stream, ordered by events."""
+
+    name = "cuda-copy-stream"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        # ready[s]: the copy into slot s finished; free[s]: compute stopped reading slot s.
+        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self.free = [torch.cuda.Event(), torch.cuda.Event()]
+        self.pinned_bytes = 0
+        self.backing = "pinned-registered"
+        self._registered: dict[int, int] = {}  # data_ptr -> bytes, to unregister on release
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        """Page-locked host memory of exactly ``nbytes``: malloc'd, then cudaHostRegister'ed.
+
+        Falls back to the caching host allocator (``pin_memory=True``, power-of-two rounding)
+        only where registration is refused, and says so in ``backing``.
+        """
+        if self.backing == "pinned-registered":
+            buffer = _aligned_empty(nbytes)
+            if nbytes == 0:
+                return buffer
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+            if err == cudart.cudaError.success:
+                self._registered[buffer.data_ptr()] = nbytes
+                self.pinned_bytes += nbytes
+                return buffer
+            log.warning(
+                "cudaHostRegister refused %d bytes (%s); falling back to the caching host "
+                "allocator, which rounds each slab up to a power of two",
+                nbytes,
+                cudart.cudaGetErrorString(err),
+            )
+            self.backing = "pinned-caching-allocator"
+        try:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:
+            raise OffloadError(
+                f"could not pin {nbytes} bytes of host memory for offload ({e}); free host RAM "
+                "or keep more blocks resident (--dlo-hbm-budget-gib)"
+            ) from e
+        self.pinned_bytes += 1 << max(nbytes - 1, 0).bit_length()  # what the allocator takes
+        return buffer
+
+    def free_host(self, buffer: torch.Tensor) -> bool:
+        """Unregister a buffer from ``allocate_host``.
+
+        True: the memory stays valid as ordinary pageable memory. False: it came from the
+        caching pinned allocator and stays pinned while referenced.
+        """
+        nbytes = self._registered.pop(buffer.data_ptr(), None)
+        if nbytes is None:
+            if buffer.numel():
+                self.pinned_bytes -= 1 << max(buffer.numel() - 1, 0).bit_length()
+            return buffer.numel() == 0
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostUnregister(buffer.data_ptr())
+        if err != cudart.cudaError.success:
+            log.warning("cudaHostUnregister failed: %s", cudart.cudaGetErrorString(err))
+        self.pinned_bytes -= nbytes
+        return True
+
+    def load(self, pairs: CopyPairs, slot: int) -> None:
+        with torch.cuda.stream(self.stream):
+            # Write-after-read: the block that last used this slot may still be running on
+            # the compute stream; the copy stream waits for it, the host does not.
+            self.stream.wait_event(self.free[slot])
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            self.ready[slot].record(self.stream)
+
+    def wait_ready(self, slot: int) -> None:
+        # Read-after-write: the block's kernels (on the current stream) start only after its
+        # bytes landed. A stream wait; the host runs on to queue the block's kernels.
+        torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+
+    def release(self, slot: int) -> None:
+        # Marks the point on the compute stream after which the slot may be overwritten.
+        self.free[slot].record(torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+def make_transfer(device: torch.device) -> SyncTransfer | CudaStreamTransfer:
+    """The transfer path for ``device``: copy stream on CUDA, synchronous copies elsewhere."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OffloadError(
+                f"offload device {device} is not available in this process; pass a CUDA "
+                "device that exists or use --device cpu"
+            )
+        return CudaStreamTransfer(device)
+    return SyncTransfer(device)
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of ordinary host memory starting on a page boundary (for registration)."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % PAGE
+    return raw[start : start + nbytes]
