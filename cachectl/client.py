@@ -1,0 +1,70 @@
+"""A small HTTP client for the node daemon over its Unix socket (stdlib only).
+
+Called by ``cachectl ensure`` (and usable by the engine). Raises DaemonError on transport
+failures so callers can fall back to building under the lock themselves.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from ditserve.cachectl.errors import DaemonError
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class DaemonClient:
+    def __init__(self, socket_path: Path | str, *, timeout_s: float = 30.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout_s = timeout_s
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                *, timeout_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        conn = _UnixConnection(self.socket_path, timeout_s or self.timeout_s)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if payload is not None else {}
+            conn.request(method, path, body=payload, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except OSError as e:
+            raise DaemonError(f"cachectl daemon at {self.socket_path} unreachable: {e}") from e
+        finally:
+            conn.close()
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError as e:
+            raise DaemonError(f"daemon sent a non-JSON answer ({resp.status})") from e
+        return resp.status, data
+
+    def available(self) -> bool:
+        """True if a daemon answers /healthz on the socket."""
+        if not self.socket_path.exists():
+            return False
+        try:
+            status, _ = self.request("GET", "/healthz", timeout_s=2.0)
+        except DaemonError:
+            return False
+        return status == 200
+
+    def ensure(self, model: str, dtype: str, revision: str | None, *,
+               wait_s: float) -> tuple[int, dict[str, Any]]:
+        body = {"model": model, "dtype": dtype, "revision": revision, "wait_s": wait_s}
+        return self.request("POST", "/v1/ensure", body, timeout_s=wait_s + self.timeout_s)
+
+    def entry(self, key: str) -> tuple[int, dict[str, Any]]:
+        return self.request("GET", f"/v1/entries/{key}")

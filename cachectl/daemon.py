@@ -1,0 +1,183 @@
+"""The per-node daemon (``cachectl serve``): HTTP API on a Unix socket, scrub, metrics.
+
+Owns ``DaemonConfig``, the FastAPI app and socket setup. Endpoints:
+
+    GET  /healthz              liveness, root, entry count
+    POST /v1/ensure            {model, dtype, revision, wait_s} -> 200 ready / 202 building /
+                               400 bad request / 409 corrupt entry / 500 failed
+    GET  /v1/entries/{key}     status of one entry (structure checked, not re-hashed)
+    GET  /metrics              Prometheus text (also on --metrics-port)
+
+The handlers are thin: they validate the body and call the build coordinator or the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ditserve.cachectl.builds import BuildCoordinator, EnsureFn, JobStatus
+from ditserve.cachectl.errors import CacheError
+from ditserve.cachectl.identity import is_key
+from ditserve.cachectl.logs import event
+from ditserve.cachectl.metrics import DaemonMetrics
+from ditserve.cachectl.model_build import ModelRequest, ensure_model
+from ditserve.cachectl.scrub import Scrubber
+from ditserve.cachectl.store import CacheStore
+from ditserve.cachectl.verify import check_structure
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+from pydantic import BaseModel, Field
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Validated once by the CLI; see ``cachectl serve --help`` for each option."""
+
+    root: Path
+    socket_path: Path
+    tcp: tuple[str, int] | None = None
+    metrics_port: int | None = None
+    scrub_interval_s: float = 6 * 3600.0
+    scrub_rate_mib_s: float = 256.0
+    max_builds: int = 2
+    socket_mode: int = 0o666
+
+    def __post_init__(self) -> None:
+        if self.scrub_interval_s < 0 or self.scrub_rate_mib_s < 0:
+            raise CacheError("--scrub-interval and --scrub-rate-mib must be >= 0 (0 disables)")
+        if self.max_builds < 1:
+            raise CacheError("max_builds must be >= 1")
+
+
+class EnsureBody(BaseModel):
+    model: str = Field(min_length=1, description="local diffusers model directory")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    revision: str | None = None
+    wait_s: float = Field(0.0, ge=0, le=3600, description="long-poll up to this many seconds")
+
+
+class Daemon:
+    """The daemon's parts, apart from the sockets (tests drive it in-process)."""
+
+    def __init__(self, config: DaemonConfig, logger: logging.Logger, *,
+                 store: CacheStore | None = None, ensure_fn: EnsureFn = ensure_model,
+                 job_key: Any = None) -> None:
+        self.config = config
+        self.logger = logger
+        self.store = store or CacheStore(config.root)
+        self.metrics = DaemonMetrics(self.store)
+        self.builds = BuildCoordinator(self.store, self.metrics, logger,
+                                       max_builds=config.max_builds, ensure_fn=ensure_fn,
+                                       job_key=job_key)
+        rate = config.scrub_rate_mib_s * 2**20 if config.scrub_rate_mib_s else None
+        self.scrubber = Scrubber(self.store, self.metrics, logger,
+                                 interval_s=config.scrub_interval_s, rate_bytes_per_s=rate)
+
+    def start(self) -> None:
+        self.scrubber.start()
+
+    def stop(self) -> None:
+        self.scrubber.stop()
+        self.builds.shutdown()
+
+
+_STATUS_CODE = {JobStatus.READY: 200, JobStatus.BUILDING: 202}
+
+
+def create_app(daemon: Daemon) -> FastAPI:
+    app = FastAPI(title="cachectl", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        return {"status": "ok", "root": str(daemon.store.root), "entries": len(daemon.store.keys())}
+
+    @app.post("/v1/ensure")
+    async def ensure(body: EnsureBody) -> JSONResponse:
+        try:
+            request = ModelRequest(Path(body.model), body.dtype, body.revision)
+            job = await asyncio.to_thread(daemon.builds.submit, request)
+        except CacheError as e:
+            return JSONResponse({"status": "failed", "reason": "bad_request", "error": str(e)}, 400)
+        if body.wait_s > 0 and not job.future.done():
+            # shield: a client that gives up must not cancel the shared build.
+            await asyncio.wait({asyncio.shield(asyncio.wrap_future(job.future))},
+                               timeout=body.wait_s)
+        snap = job.snapshot()
+        code = _STATUS_CODE.get(job.status, 409 if job.reason == "corrupt" else 500)
+        return JSONResponse(snap, code)
+
+    @app.get("/v1/entries/{key}")
+    def entry(key: str) -> JSONResponse:
+        if not is_key(key):
+            return JSONResponse({"error": "not an entry key (64 lowercase hex digits)"}, 400)
+        info = next((i for i in daemon.store.list() if i.key == key), None)
+        if info is None:
+            return JSONResponse({"key": key, "status": "missing"}, 404)
+        _, problems = check_structure(info.path, key)
+        body = {**info.to_json(), "path": str(info.path),
+                "status": "corrupt" if problems else "ready",
+                "problems": [str(p) for p in problems]}
+        return JSONResponse(body, 200)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(daemon.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _bind_unix(path: Path, mode: int) -> socket.socket:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # a dead daemon's socket file
+        else:
+            raise CacheError(f"another daemon already serves {path}; stop it or pass --socket")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, mode)  # engine pods run as other users; the hostPath dir guards access
+    return sock
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve(config: DaemonConfig, logger: logging.Logger) -> None:
+    """Run until SIGTERM/SIGINT; uvicorn handles the signals and the graceful stop."""
+    import uvicorn
+
+    daemon = Daemon(config, logger)
+    sockets = [_bind_unix(config.socket_path, config.socket_mode)]
+    if config.tcp is not None:
+        sockets.append(_bind_tcp(*config.tcp))
+    if config.metrics_port is not None:
+        start_http_server(config.metrics_port, registry=daemon.metrics.registry)
+    daemon.start()
+    event(logger, "daemon_started", root=str(config.root), socket=str(config.socket_path),
+          tcp=config.tcp, metrics_port=config.metrics_port, pid=os.getpid(),
+          scrub_interval_s=config.scrub_interval_s, scrub_rate_mib_s=config.scrub_rate_mib_s)
+    server = uvicorn.Server(uvicorn.Config(create_app(daemon), log_config=None,
+                                           access_log=False, lifespan="off"))
+    try:
+        server.run(sockets=sockets)
+    finally:
+        daemon.stop()
+        config.socket_path.unlink(missing_ok=True)
+        event(logger, "daemon_stopped")
