@@ -1,0 +1,161 @@
+"""A small async Kubernetes API client for the operator's own requests (children, status).
+
+Owns URL building, authentication from kopf's ``ConnectionInfo`` (the login handler hands it
+over, so kopf and this client always use the same credentials) and the few verbs the
+operator needs: get, list, server-side apply, and a merge-patch of ``/status``.
+
+Why not the ``kubernetes`` package: it is synchronous (kopf would run every handler in a
+thread), reads $KUBECONFIG at import time, and validates bodies against its own models.
+Called by ``handlers`` only.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import kopf
+from ditserve.operator.errors import KubeApiError, NotLoggedInError
+
+FIELD_MANAGER = "ditserve-operator"
+# In-cluster tokens are short-lived and rotated on disk: read the file per request.
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+_PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
+            "Pod": "pods", "DiffusionDeployment": "diffusiondeployments"}
+
+
+def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
+                  subresource: str | None = None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    parts = [base]
+    if namespace:
+        parts.append(f"namespaces/{namespace}")
+    parts.append(plural)
+    if name:
+        parts.append(name)
+    if subresource:
+        parts.append(subresource)
+    return "/".join(parts)
+
+
+def manifest_path(manifest: Mapping[str, Any], *, named: bool = True) -> str:
+    meta = manifest["metadata"]
+    return resource_path(manifest["apiVersion"], _PLURALS[manifest["kind"]], meta.get("namespace"),
+                         meta["name"] if named else None)
+
+
+def _write_temp(data: str | bytes, suffix: str) -> str:
+    raw = base64.b64decode(data) if isinstance(data, str) else data
+    fd, path = tempfile.mkstemp(suffix=suffix)
+    with os.fdopen(fd, "wb") as f:
+        f.write(raw)
+    return path
+
+
+class KubeClient:
+    """One aiohttp session bound to one API server; ``login`` may be called again on rotation."""
+
+    def __init__(self, *, request_timeout_s: float = 30.0) -> None:
+        self._info: kopf.ConnectionInfo | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+
+    def login(self, info: kopf.ConnectionInfo) -> None:
+        self._info = info
+
+    def _ssl(self, info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+        if info.insecure:
+            return False
+        ctx = ssl.create_default_context(
+            cafile=info.ca_path,
+            cadata=base64.b64decode(info.ca_data).decode() if info.ca_data else None)
+        cert = info.certificate_path or (
+            _write_temp(info.certificate_data, ".crt") if info.certificate_data else None)
+        key = info.private_key_path or (
+            _write_temp(info.private_key_data, ".key") if info.private_key_data else None)
+        if cert:
+            ctx.load_cert_chain(cert, key)
+        return ctx
+
+    def _headers(self, info: kopf.ConnectionInfo) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        token = info.token
+        if os.path.exists(SERVICE_ACCOUNT_TOKEN) and info.scheme in (None, "Bearer"):
+            with open(SERVICE_ACCOUNT_TOKEN) as f:
+                token = f.read().strip() or token
+        if token:
+            headers["Authorization"] = f"{info.scheme or 'Bearer'} {token}"
+        elif info.username and info.password:
+            basic = base64.b64encode(f"{info.username}:{info.password}".encode()).decode()
+            headers["Authorization"] = f"Basic {basic}"
+        return headers
+
+    async def _request(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
+                       body: Any = None, content_type: str = "application/json",
+                       missing_ok: bool = False) -> dict[str, Any] | None:
+        if self._info is None:
+            raise NotLoggedInError("the operator has no API credentials yet (no login happened)")
+        info = self._info
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=self._ssl(info)))
+        headers = self._headers(info)
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        url = info.server.rstrip("/") + path
+        async with self._session.request(method, url, params=params, data=data,
+                                         headers=headers) as resp:
+            text = await resp.text()
+            try:
+                payload = json.loads(text) if text else None
+            except ValueError:
+                payload = {"message": text[:500]}
+            if resp.status == 404 and missing_ok:
+                return None
+            if resp.status >= 400:
+                payload = payload if isinstance(payload, dict) else {}
+                raise KubeApiError(resp.status, str(payload.get("reason", resp.reason)),
+                                   str(payload.get("message", "")))
+            return payload if isinstance(payload, dict) else {}
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        """The object at ``path``, or None if it does not exist."""
+        return await self._request("GET", path, missing_ok=True)
+
+    async def list(self, path: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        result = await self._request("GET", path, params=params) or {}
+        return list(result.get("items") or [])
+
+    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply with ``force``: the operator owns every field it renders, and a
+        field it stops rendering is removed. A server that does not create on apply (the
+        test emulator) gets a POST instead."""
+        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        applied = await self._request("PATCH", manifest_path(manifest), params=params,
+                                      body=manifest, content_type="application/apply-patch+yaml",
+                                      missing_ok=True)
+        if applied is not None:
+            return applied
+        created = await self._request("POST", manifest_path(manifest, named=False),
+                                      params={"fieldManager": FIELD_MANAGER}, body=manifest)
+        return created or {}
+
+    async def patch_status(self, path: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch ``status`` through the status subresource; None if the object is gone."""
+        return await self._request("PATCH", f"{path}/status", body={"status": status},
+                                   content_type="application/merge-patch+json", missing_ok=True)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
