@@ -65,7 +65,10 @@ class InputBatchBuilder:
     """Builds InputBatch objects, reusing static rows and buffers across unchanged steps."""
 
     def __init__(self) -> None:
-        self._signature: tuple[tuple[str, int], ...] | None = None
+        # Identity of the last batch's members: the state objects and their static-row dicts
+        # (held, so their ids cannot be recycled). Request ids are not enough: a finished
+        # request's id may be reused by a new request with other prompts.
+        self._members: list[tuple[DenoiseState, dict[str, torch.Tensor], int]] = []
         self._static: dict[str, torch.Tensor] = {}
         self._hidden: torch.Tensor | None = None
         self._timesteps: torch.Tensor | None = None
@@ -78,11 +81,13 @@ class InputBatchBuilder:
         for state in states:
             slices.append(slice(start, start + state.rows))
             start += state.rows
-        signature = tuple((s.request_id, s.rows) for s in states)
-        reused = signature == self._signature
+        reused = len(states) == len(self._members) and all(
+            state is old and state.static_rows is rows and state.rows == n
+            for state, (old, rows, n) in zip(states, self._members, strict=True)
+        )
         if not reused:
             self._static = self._gather_static(states)
-            self._signature = signature
+            self._members = [(s, s.static_rows, s.rows) for s in states]
             self._hidden = None
             self._timesteps = None
             self.static_rebuilds += 1

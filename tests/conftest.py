@@ -28,3 +28,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A tiny random-weight Flux pipeline directory, built once per test session."""
+    from ditserve.engine.tiny_model import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny-flux")

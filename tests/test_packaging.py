@@ -20,7 +20,7 @@ def test_operator_folder_never_shadows_stdlib_operator() -> None:
     assert out.stdout.strip() == "True"
 
 
-def test_config_imports_no_torch() -> None:
-    code = "import sys, ditserve.engine.config, ditserve.engine.request; print('torch' in sys.modules)"
+def test_pure_modules_import_no_torch() -> None:
+    code = "import sys, ditserve.engine.config, ditserve.engine.request, ditserve.engine.scheduler; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -22,6 +22,8 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
+from torch import nn
+
 from ditserve.engine.config import OffloadConfig, offload_problems
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.discovery import discover
@@ -29,7 +31,6 @@ from ditserve.engine.offload.hooks import BlockStreamer, StreamedBlock, placehol
 from ditserve.engine.offload.host import HostStorage
 from ditserve.engine.offload.plan import GIB, OffloadPlan, TensorSpec, build_plan
 from ditserve.engine.offload.transfer import make_transfer
-from torch import nn
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ditserve.engine.errors import OffloadError
 from torch import nn
+
+from ditserve.engine.errors import OffloadError
 
 # Model class name -> its block lists, in the order the forward runs them.
 KNOWN_BLOCK_LISTS: dict[str, tuple[str, ...]] = {

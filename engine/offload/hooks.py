@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from ditserve.engine.offload.transfer import CopyPairs
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from ditserve.engine.offload.transfer import CopyPairs
 
 
 @dataclass

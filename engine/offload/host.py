@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
+
 from ditserve.engine.offload.plan import BlockLayout
 
 

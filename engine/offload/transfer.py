@@ -23,6 +23,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
+
 from ditserve.engine.errors import OffloadError
 
 log = logging.getLogger(__name__)

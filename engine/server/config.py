@@ -1,0 +1,106 @@
+"""ServerConfig: the HTTP server's own options (the ``server:`` section of ``--config``).
+
+Validated once here; the engine's options stay in ``EngineConfig``. Pure Python: the
+operator may render these keys, so importing this module must stay cheap.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ditserve.engine.errors import ConfigError
+
+DEFAULT_API_KEY_ENV = "DITSERVE_API_KEY"
+SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def parse_size(text: str) -> tuple[int, int] | None:
+    """'WxH' -> (width, height); None if the text is not of that form."""
+    match = SIZE_PATTERN.match(text)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of the HTTP layer.
+
+    api_key: the Bearer token clients must send to /v1/*; None disables auth. Usually read
+        from the environment variable named by ``api_key_env`` (never written in YAML).
+    request_timeout_s: a request not finished after this long is aborted (504).
+    shutdown_grace_s: on SIGTERM, how long admitted requests may run before they are aborted.
+    retry_after_s: the Retry-After hint sent with 429 (queue full) and 503 (draining).
+    model_name: the id of the served model in /v1/models; None derives it from the model dir.
+    default_size / default_steps: used when a request omits size / num_inference_steps;
+        None picks 64x64 / 4 for the embedded tiny model and 1024x1024 / 28 otherwise.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    api_key_env: str = DEFAULT_API_KEY_ENV
+    request_timeout_s: float = 600.0
+    shutdown_grace_s: float = 30.0
+    retry_after_s: int = 1
+    model_name: str | None = None
+    default_size: str | None = None
+    default_steps: int | None = None
+    log_level: str = "info"
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
+        """From the YAML ``server:`` section; unknown keys are an error that names them."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"server: expected a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)} - {"api_key"}
+        unknown = sorted(set(data) - known)
+        if "api_key" in unknown:
+            raise ConfigError(
+                "server.api_key must not be written in a config file; put the key in the "
+                f"environment variable named by server.api_key_env (default {DEFAULT_API_KEY_ENV})"
+            )
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) in server: {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return validate_server(cls(**dict(data)))
+
+
+def problems(config: ServerConfig) -> list[str]:
+    out: list[str] = []
+    if not isinstance(config.host, str) or not config.host:
+        out.append(f"server.host must be a host name or address, got {config.host!r}")
+    port = config.port
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        out.append(f"server.port must be an integer in [0, 65535], got {port!r}")
+    for name in ("request_timeout_s", "shutdown_grace_s"):
+        value = getattr(config, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            out.append(f"server.{name} must be a number >= 0, got {value!r}")
+    if config.request_timeout_s == 0:
+        out.append("server.request_timeout_s must be > 0")
+    retry = config.retry_after_s
+    if not isinstance(retry, int) or isinstance(retry, bool) or retry < 0:
+        out.append(f"server.retry_after_s must be an integer >= 0, got {retry!r}")
+    if config.default_size is not None and (
+        not isinstance(config.default_size, str) or parse_size(config.default_size) is None
+    ):
+        out.append(f"server.default_size must look like '1024x1024', got {config.default_size!r}")
+    steps = config.default_steps
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        out.append(f"server.default_steps must be an integer >= 1, got {steps!r}")
+    if config.api_key is not None and not config.api_key:
+        out.append("server.api_key must not be empty (omit it to disable auth)")
+    if config.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+        out.append(f"server.log_level must be a uvicorn level name, got {config.log_level!r}")
+    return out
+
+
+def validate_server(config: ServerConfig) -> ServerConfig:
+    found = problems(config)
+    if found:
+        raise ConfigError("invalid server configuration:\n  - " + "\n  - ".join(found))
+    return config

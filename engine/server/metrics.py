@@ -1,0 +1,115 @@
+"""Prometheus metrics of one replica, with vLLM-style ``ditserve:`` names.
+
+``ServingMetrics`` is both an ``EngineObserver`` (the engine calls ``on_step``,
+``on_finished`` and ``on_failed`` from its loop thread; prometheus_client is thread-safe) and
+the counter of HTTP-level errors. Gauges that mirror engine state (running, waiting, offload
+bytes) are read at scrape time by a collector, so they can never drift. Each app owns its own
+registry, so several apps (tests) never share series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Error reasons are a closed set so the label never explodes.
+ERROR_REASONS = ("invalid_request", "not_found", "unauthorized", "queue_full", "unavailable",
+                 "timeout", "client_disconnect", "engine_error", "internal")
+
+
+class _EngineStateCollector(Collector):
+    """Reads running/waiting counts and offload totals from the engine at scrape time."""
+
+    def __init__(self, engine_fn: Callable[[], Any]) -> None:
+        self._engine_fn = engine_fn
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine_fn()
+        running = waiting = 0
+        ready = 0.0
+        report = None
+        if engine is not None and engine.runner is not None:
+            stats = engine.stats()
+            running, waiting = stats.running, stats.waiting
+            ready = 1.0 if engine.ready else 0.0
+            report = engine.offload_report()
+        yield GaugeMetricFamily("ditserve:num_requests_running",
+                                "Requests in the running denoise batch.", value=running)
+        yield GaugeMetricFamily("ditserve:num_requests_waiting",
+                                "Requests admitted to the queue, waiting for a batch slot.",
+                                value=waiting)
+        yield GaugeMetricFamily("ditserve:engine_ready",
+                                "1 when the model is loaded, warmed up and admitting.",
+                                value=ready)
+        transferred = float((report or {}).get("bytes_transferred", 0))
+        yield CounterMetricFamily("ditserve:offload_bytes_transferred",
+                                  "Weight bytes streamed host->device by layerwise offload.",
+                                  value=transferred)
+
+
+class ServingMetrics:
+    """Every metric of the server; see the module docstring."""
+
+    def __init__(self, engine_fn: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_time = Histogram(
+            "ditserve:request_queue_time_seconds",
+            "Time from admission to the first denoise step.", buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.e2e_latency = Histogram(
+            "ditserve:e2e_request_latency_seconds",
+            "Time from admission to the decoded image.", buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram(
+            "ditserve:step_time_seconds", "Wall time of one batched denoise step.",
+            buckets=STEP_BUCKETS, registry=r)
+        self.step_batch_size = Histogram(
+            "ditserve:step_batch_size", "Requests in one denoise step.", buckets=BATCH_BUCKETS,
+            registry=r)
+        self.step_batch_rows = Histogram(
+            "ditserve:step_batch_rows",
+            "Rows (images, doubled under true CFG) in one denoise step.",
+            buckets=BATCH_BUCKETS, registry=r)
+        self.images = Counter("ditserve:images_generated", "Images generated.", registry=r)
+        self.success = Counter("ditserve:request_success", "Requests that returned images.",
+                               registry=r)
+        self.errors = Counter("ditserve:request_errors", "Requests that ended in an error.",
+                              ["reason"], registry=r)
+        for reason in ERROR_REASONS:
+            self.errors.labels(reason=reason)  # export zeros so rates work from the start
+        self.engine_failures = Counter(
+            "ditserve:engine_request_failures",
+            "Requests the engine failed (encode, denoise or decode error).", registry=r)
+        r.register(_EngineStateCollector(engine_fn))
+
+    # -- EngineObserver (called from the engine thread) ---------------------------------------
+    def on_step(self, *, requests: int, rows: int, seconds: float) -> None:
+        self.step_time.observe(seconds)
+        self.step_batch_size.observe(requests)
+        self.step_batch_rows.observe(rows)
+
+    def on_finished(self, result: Any) -> None:
+        self.queue_time.observe(result.queue_seconds)
+        self.e2e_latency.observe(result.latency_seconds)
+        self.images.inc(len(result.images))
+
+    def on_failed(self, request_id: str, reason: str) -> None:
+        self.engine_failures.inc()
+
+    # -- HTTP layer -------------------------------------------------------------------------
+    def count_error(self, reason: str) -> None:
+        self.errors.labels(reason=reason if reason in ERROR_REASONS else "internal").inc()
+
+    def count_success(self) -> None:
+        self.success.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,46 @@
+"""Scripted, thread-free step driver for engine tests (scheduler + runner, fixed arrivals)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.model_runner import ModelRunner
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.scheduler import StepScheduler
+
+Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]
+
+
+def drive(
+    runner: ModelRunner, arrivals: Arrivals, *, max_num_seqs: int, policy: str = "fifo"
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Run a scripted arrival pattern to completion without threads.
+
+    arrivals[k] are added just before engine step k. Returns each request's decoded pixels
+    and the batch size (requests) of every denoise forward.
+    """
+    scheduler = StepScheduler(SchedulerConfig(max_num_seqs=max_num_seqs, policy=policy))
+    pending = dict(arrivals)
+    results: dict[str, torch.Tensor] = {}
+    batch_sizes: list[int] = []
+    step = 0
+    while pending or scheduler.has_work():
+        for rid, params in pending.pop(step, ()):
+            scheduler.add(rid, params)
+            runner.add_request(rid, params, params.seed if params.seed is not None else 0)
+        plan = scheduler.schedule()
+        output = runner.execute(plan)
+        scheduler.update(plan, output)
+        assert not output.failed, output.failed
+        if plan.denoise:
+            batch_sizes.append(len(plan.denoise))
+        for rid in output.decoded:
+            state = runner.take_state(rid)
+            assert state is not None and state.pixels is not None
+            results[rid] = state.pixels
+        step += 1
+        assert step < 10_000, "scripted run did not terminate"
+    return results, batch_sizes

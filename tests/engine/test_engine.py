@@ -1,0 +1,135 @@
+"""DiffusionEngine: the threaded loop, request API, errors, abort, events, async use."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from engine.driver import drive  # type: ignore[import-not-found]
+
+from ditserve.engine.config import EngineConfig, SchedulerConfig
+from ditserve.engine.engine import DiffusionEngine, RequestEvent
+from ditserve.engine.errors import DitServeError, InvalidRequestError, RequestAborted
+from ditserve.engine.request import SamplingParams
+
+
+@pytest.fixture
+def engine(tiny_model_dir):  # type: ignore[no-untyped-def]
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu",
+                          scheduler=SchedulerConfig(max_num_seqs=4))
+    eng = DiffusionEngine(config).start()
+    yield eng
+    eng.shutdown()
+
+
+def test_concurrent_requests_equal_alone(engine, tiny_runner) -> None:  # type: ignore[no-untyped-def]
+    requests = [SamplingParams(prompt=f"prompt {i}", num_inference_steps=2 + i, seed=100 + i)
+                for i in range(6)]
+    gate = threading.Event()
+    handles = [engine.add_request(p) for p in requests]
+    gate.set()
+    results = [h.result(timeout=120) for h in handles]
+    assert engine.stats().mean_batch_rows > 1
+    for params, result in zip(requests, results, strict=True):
+        alone, _ = drive(tiny_runner, {0: [("x", params)]}, max_num_seqs=1)
+        assert (result.pixels - alone["x"]).abs().max().item() <= 1e-4
+        assert result.seed == params.seed and len(result.images) == 1
+
+
+BAD = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="x", height=30), "height"),
+    (dict(prompt="x", width=0), "width"),
+    (dict(prompt="x", num_inference_steps=0), "num_inference_steps"),
+    (dict(prompt="x", num_images=99), "n"),
+    (dict(prompt="x", guidance_scale=-1.0), "guidance_scale"),
+    (dict(prompt="x", true_cfg_scale=3.0), "true_cfg_scale"),
+    (dict(prompt="x", seed=-5), "seed"),
+    (dict(prompt="x" * 5000), "prompt"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field"), BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_input_names_the_field_and_engine_keeps_serving(engine, fields, field) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(SamplingParams(**fields))
+    assert info.value.field == field
+    assert info.value.message
+    ok = engine.add_request(SamplingParams(prompt="still fine", num_inference_steps=1, seed=1))
+    assert ok.result(timeout=60).images
+
+
+def test_size_error_suggests_valid_sizes(engine) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidRequestError, match="multiple of 4.*try 28 or 32"):
+        engine.add_request(SamplingParams(prompt="x", height=30))
+
+
+def test_failure_in_one_request_is_isolated(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    pipeline = engine.runner.pipeline
+    original = pipeline.prepare_encode
+
+    def flaky(state):  # type: ignore[no-untyped-def]
+        if state.params.prompt == "explode":
+            raise RuntimeError("boom")
+        return original(state)
+
+    monkeypatch.setattr(pipeline, "prepare_encode", flaky)
+    good = engine.add_request(SamplingParams(prompt="fine", num_inference_steps=3, seed=2))
+    bad = engine.add_request(SamplingParams(prompt="explode", num_inference_steps=3, seed=3))
+    with pytest.raises(DitServeError, match="boom"):
+        bad.result(timeout=60)
+    assert good.result(timeout=60).images
+
+
+def test_abort_running_request_frees_its_slot(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu",
+                          scheduler=SchedulerConfig(max_num_seqs=1))
+    engine = DiffusionEngine(config).start()
+    try:
+        started = threading.Event()
+
+        def on_event(event: RequestEvent) -> None:
+            if event.kind == "step":
+                started.set()
+
+        long = engine.add_request(SamplingParams(prompt="long", num_inference_steps=500, seed=1),
+                                  on_event=on_event)
+        queued = engine.add_request(SamplingParams(prompt="next", num_inference_steps=1, seed=2))
+        assert started.wait(60)
+        assert long.cancel()
+        with pytest.raises(RequestAborted):
+            long.result(timeout=60)
+        assert queued.result(timeout=60).images  # admitted once the slot was freed
+    finally:
+        engine.shutdown()
+
+
+def test_events_arrive_in_order(engine) -> None:  # type: ignore[no-untyped-def]
+    events: list[RequestEvent] = []
+    handle = engine.add_request(SamplingParams(prompt="x", num_inference_steps=3, seed=1),
+                                on_event=events.append)
+    handle.result(timeout=60)
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "queued" and kinds[-1] == "finished"
+    assert [e.step for e in events if e.kind == "step"] == [1, 2, 3]
+
+
+def test_async_generate(engine) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> list[int]:
+        results = await asyncio.gather(*[
+            engine.generate(SamplingParams(prompt="a", num_inference_steps=2, seed=s))
+            for s in (1, 2, 3)
+        ])
+        return [r.seed for r in results]
+
+    assert asyncio.run(main()) == [1, 2, 3]
+
+
+def test_shutdown_refuses_new_requests(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.errors import EngineStoppedError
+
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_model_dir), device="cpu")).start()
+    engine.shutdown()
+    with pytest.raises(EngineStoppedError):
+        engine.add_request(SamplingParams(prompt="late"))
