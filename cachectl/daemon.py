@@ -21,6 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+from pydantic import BaseModel, Field
+
 from ditserve.cachectl.builds import BuildCoordinator, EnsureFn, JobStatus
 from ditserve.cachectl.errors import CacheError
 from ditserve.cachectl.identity import is_key
@@ -30,10 +35,6 @@ from ditserve.cachectl.model_build import ModelRequest, ensure_model
 from ditserve.cachectl.scrub import Scrubber
 from ditserve.cachectl.store import CacheStore
 from ditserve.cachectl.verify import check_structure
-from fastapi import FastAPI, Response
-from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
-from pydantic import BaseModel, Field
 
 
 @dataclass(frozen=True)

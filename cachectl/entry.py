@@ -16,6 +16,27 @@ from typing import Any
 
 from ditserve.cachectl.locks import HeldLock
 from ditserve.cachectl.manifest import Manifest
+from ditserve.cachectl.st_format import ITEMSIZE
+
+_ITEMSIZE = ITEMSIZE
+
+
+class _DtypeTable(dict):  # type: ignore[type-arg]
+    """safetensors dtype name -> torch dtype, built on first use (keeps torch out of imports)."""
+
+    def __missing__(self, name: str) -> Any:
+        import torch
+
+        table = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+                 "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+                 "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
+                 "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn}
+        self.update(table)
+        return table[name]
+
+
+_TORCH_DTYPES = _DtypeTable()
 
 
 @dataclass(frozen=True)
@@ -80,6 +101,39 @@ class Entry:
         if wanted is not None and wanted - out.keys():
             missing = ", ".join(sorted(wanted - out.keys()))
             raise KeyError(f"entry {self.key} has no tensor(s) {missing}")
+        return out
+
+    def readonly_tensors(self, names: Iterable[str] | None = None) -> dict[str, Any]:
+        """Tensors over a PROT_READ shared mapping of the shards: a write faults instead of
+        copying the page. For host registration (``cudaHostRegisterReadOnly``) and for callers
+        that must prove they never modify the weights. ``tensors()`` gives private
+        copy-on-write mappings instead (what safetensors does), equally shared until written.
+        """
+        import mmap
+        import warnings
+
+        import torch
+
+        self._require_open()
+        wanted = set(names) if names is not None else None
+        maps: dict[str, mmap.mmap] = {}
+        out: dict[str, Any] = {}
+        for t in self.manifest.tensors:
+            if wanted is not None and t.name not in wanted:
+                continue
+            if t.file not in maps:
+                with open(self.path / t.file, "rb") as f:
+                    maps[t.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            dtype = _TORCH_DTYPES[t.dtype]
+            count = t.nbytes // _ITEMSIZE[t.dtype]
+            with warnings.catch_warnings():
+                # torch warns that the buffer is not writable: that is the point here.
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(maps[t.file], dtype=dtype, count=count, offset=t.offset) \
+                    if count else torch.empty(0, dtype=dtype)
+            out[t.name] = flat.view(t.shape)
+        if wanted is not None and wanted - out.keys():
+            raise KeyError(f"entry {self.key} has no tensor(s) {', '.join(sorted(wanted - out.keys()))}")
         return out
 
     def _require_open(self) -> None:

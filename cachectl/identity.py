@@ -212,3 +212,21 @@ def source_digest(paths: Sequence[Path], base: Path, *, threads: int | None = No
             raise InvalidIdentityError(f"cannot read model source file {full}: {digest}") from digest
         files.append({"path": name, "size": full.stat().st_size, "sha256": digest})
     return sha256_json({"files": files})
+
+
+def identity_for(
+    *,
+    model_digest: str,
+    dtype: str,
+    loader: str,
+    loader_version: str,
+    revision: str | None = None,
+    loader_inputs: Mapping[str, str] | None = None,
+    components: Sequence[str] = ("transformer",),
+    placement: Placement | None = None,
+) -> EntryIdentity:
+    """The entry identity of a process at ``placement`` (DP and SP rank are dropped)."""
+    recipe = recipe_for(source_fingerprint="0" * 64, dtype=dtype, loader=loader,
+                        loader_version=loader_version, revision=revision,
+                        loader_inputs=loader_inputs, components=components, placement=placement)
+    return recipe.identity(model_digest)

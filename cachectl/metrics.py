@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ditserve.cachectl.store import CacheStore
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from ditserve.cachectl.store import CacheStore
 
 
 class _StoreCollector(Collector):
