@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+
 from ditserve.operator import render
 from ditserve.operator.errors import InvalidSpecError, KubeApiError
 from ditserve.operator.kube import KubeClient, resource_path

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+
 from ditserve.operator.errors import KubeApiError, NotLoggedInError
 
 FIELD_MANAGER = "ditserve-operator"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+
 from ditserve.operator import pod, sizing
 from ditserve.operator.spec import DeploymentSpec, engine_config
 
