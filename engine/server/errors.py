@@ -9,6 +9,7 @@ generic message, never a stack trace, and never for bad input).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # eq would make the exception unhashable
 class APIError(Exception):
     """An error the API reports to the client; ``reason`` labels the errors metric."""
 
@@ -47,11 +48,13 @@ def invalid(param: str | None, message: str, *, status: int = 422,
     return APIError(status, message, param=param, code=code)
 
 
-def install_handlers(app: FastAPI) -> None:
-    """Render APIError, framework HTTP errors and unexpected exceptions as OpenAI JSON."""
+def install_handlers(app: FastAPI, count: Callable[[str], None]) -> None:
+    """Render APIError, framework HTTP errors and unexpected exceptions as OpenAI JSON;
+    ``count(reason)`` is called once per error response (the errors metric)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        count(exc.reason)
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -69,5 +72,6 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
+        count("internal")
         return APIError(500, "internal server error; see the server log", type="server_error",
                         code="internal_error", reason="internal").response()

@@ -1,0 +1,150 @@
+"""`ditserve serve`: server flags, the config file's ``server:`` section, uvicorn, and the
+SIGTERM drain.
+
+Called by engine.cli (``add_server_options`` while building the parser, ``serve_from_args``
+to run). Precedence: command-line flag > ``--config`` YAML > default; the API key comes from
+``--api-key`` or the environment variable named by ``server.api_key_env``.
+
+Shutdown: the first SIGTERM/SIGINT starts a drain - /ready turns 503 and new requests get
+503 at once while the listener stays open, admitted requests run for up to
+``shutdown_grace_s``, the rest are aborted - then uvicorn exits. A second signal exits now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import replace
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from ditserve.engine.cli_options import engine_config_from_args, load_config_file
+from ditserve.engine.server.config import ServerConfig, validate_server
+
+log = logging.getLogger(__name__)
+
+# (flag dest) -> ServerConfig field
+_SERVER_FLAGS = {
+    "host": "host", "port": "port", "request_timeout": "request_timeout_s",
+    "shutdown_grace": "shutdown_grace_s", "served_model_name": "model_name",
+    "default_size": "default_size", "default_steps": "default_steps",
+    "api_key_env": "api_key_env", "log_level": "log_level", "retry_after": "retry_after_s",
+}
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks one)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*; prefer the env var")
+    g.add_argument("--api-key-env", default=None,
+                   help="environment variable holding the API key (default DITSERVE_API_KEY)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds before an unfinished request is aborted (default 600)")
+    g.add_argument("--shutdown-grace", type=float, default=None,
+                   help="seconds admitted requests may finish after SIGTERM (default 30)")
+    g.add_argument("--retry-after", type=int, default=None,
+                   help="Retry-After seconds sent with 429 and 503 (default 1)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model id in /v1/models (default: the model directory's name)")
+    g.add_argument("--default-size", default=None,
+                   help="size when a request omits it (default 64x64 tiny, else 1024x1024)")
+    g.add_argument("--default-steps", type=int, default=None,
+                   help="num_inference_steps when omitted (default 4 tiny, else 28)")
+    g.add_argument("--log-level", default=None,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+
+
+def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None,
+                            environ: dict[str, str] | None = None) -> ServerConfig:
+    config = ServerConfig.from_mapping(base or {})
+    changes = {field: getattr(args, dest) for dest, field in _SERVER_FLAGS.items()
+               if getattr(args, dest, None) is not None}
+    config = replace(config, **changes)
+    env = os.environ if environ is None else environ
+    api_key = getattr(args, "api_key", None) or env.get(config.api_key_env) or None
+    return validate_server(replace(config, api_key=api_key))
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[Any, ServerConfig]:
+    """(EngineConfig, ServerConfig) from the flags and the optional YAML file."""
+    data: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        data = load_config_file(args.config)
+    server_section = data.pop("server", None) or {}
+    return engine_config_from_args(args, base=data), server_config_from_args(
+        args, base=server_section)
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    engine_config, server_config = configs_from_args(args)
+    return run_server(engine_config, server_config)
+
+
+def run_server(engine_config: Any, server_config: ServerConfig) -> int:
+    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.server.app import create_app
+
+    failed: list[BaseException] = []
+    server: DrainingServer | None = None
+
+    def on_start_failed(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    engine = DiffusionEngine(engine_config)
+    app = create_app(engine, server_config, on_start_failed=on_start_failed)
+    uv_config = uvicorn.Config(
+        app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
+        lifespan="on", timeout_graceful_shutdown=5, access_log=server_config.log_level != "info",
+    )
+    server = DrainingServer(uv_config, state=app.state.server)
+    if server_config.api_key is None:
+        log.info("auth is off (set %s or --api-key to require a Bearer token)",
+                 server_config.api_key_env)
+    server.run()
+    if failed:
+        log.error("the engine failed to start: %s", failed[0])
+        return 1
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before exiting."""
+
+    def __init__(self, config: Any, *, state: Any) -> None:
+        super().__init__(config)
+        self._state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_started = False
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the signal handler: only flip flags and schedule work on the loop.
+        if self._drain_started or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._drain_started
+            return
+        self._drain_started = True
+        log.info("received %s: draining", signal.Signals(sig).name)
+        self._state.draining = True  # /ready is 503 from this moment
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.to_thread(self._state.drain, self._state.config.shutdown_grace_s)
+        finally:
+            self.should_exit = True

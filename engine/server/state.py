@@ -1,0 +1,82 @@
+"""ServerState: what the routes share (engine, config, metrics) and the engine's lifecycle
+as seen by the server (loading, ready, draining, stopped).
+
+The lifespan starts the engine in a worker thread (``start_engine``) so /health answers while
+weights load; the SIGTERM handler calls ``drain``; the lifespan's exit calls ``stop``. Both
+end in ``engine.shutdown``, which runs exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ditserve.engine.server.config import ServerConfig, parse_size
+from ditserve.engine.server.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+TINY_MODEL_NAME = "ditserve-tiny-flux"
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    config: ServerConfig
+    metrics: ServingMetrics
+    model_name: str
+    default_size: tuple[int, int]
+    default_steps: int
+    on_start_failed: Callable[[BaseException], None] | None = None
+    startup_error: str | None = None
+    draining: bool = False
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
+    _stopped: bool = False
+
+    @classmethod
+    def build(cls, engine: Any, config: ServerConfig, **kwargs: Any) -> ServerState:
+        model = engine.config.model
+        name = config.model_name or (Path(model).name if model else TINY_MODEL_NAME)
+        tiny = model is None
+        size = parse_size(config.default_size or ("64x64" if tiny else "1024x1024"))
+        assert size is not None  # ServerConfig validated the pattern
+        steps = config.default_steps or (4 if tiny else 28)
+        metrics = ServingMetrics(lambda: engine)
+        engine.observers.append(metrics)
+        return cls(engine, config, metrics, name, size, steps, **kwargs)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.engine.ready) and not self.draining and not self._stopped
+
+    def start_engine(self) -> None:
+        """Blocking; run in a thread. A failure is recorded and reported, never raised."""
+        try:
+            self.engine.start()
+            log.info("engine ready: serving %s", self.model_name)
+        except BaseException as e:
+            log.exception("engine failed to start")
+            self.startup_error = f"{type(e).__name__}: {e}"
+            if self.on_start_failed is not None:
+                self.on_start_failed(e)
+
+    def drain(self, grace_seconds: float) -> None:
+        """Blocking: refuse new work, let admitted requests finish for up to the grace
+        period, abort the rest, stop the engine."""
+        self.draining = True
+        self.stop(grace_seconds)
+
+    def stop(self, grace_seconds: float = 0.0) -> None:
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if self.engine.runner is None:  # never finished loading: nothing to drain
+            return
+        log.info("draining: up to %.1fs for admitted requests", grace_seconds)
+        self.engine.shutdown(grace_seconds)
+        log.info("engine stopped")
