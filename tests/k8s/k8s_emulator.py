@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -64,6 +65,8 @@ class Emulator(kmock.KubernetesEmulator):
             subresources={"status", "scale"},
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
         self._dd_schema = version_schema(crd)
+        (version,) = crd["spec"]["versions"]
+        self._dd_columns = version["additionalPrinterColumns"]
 
     def _current(self, request: kmock.Request) -> Mapping[str, Any] | None:
         key = (request.resource, request.namespace, request.name)
@@ -128,7 +131,28 @@ class Emulator(kmock.KubernetesEmulator):
         info = self.resources[resource] if resource in self.resources else None  # noqa: SIM401 (no .get)
         kind = (info.kind if info and info.kind else resource.plural.capitalize()) + "List"
         api_version = f"{resource.group}/{resource.version}" if resource.group else resource.version
-        return {"apiVersion": api_version, "kind": kind, **data}
+        listing = {"apiVersion": api_version, "kind": kind, **data}
+        if resource == DD and "as=Table" in request.headers.get("Accept", ""):
+            return self._table(listing["items"])
+        return listing
+
+    def _table(self, items: list[Mapping[str, Any]]) -> dict[str, Any]:
+        """What a server answers `kubectl get` with: the CRD's printer columns, evaluated."""
+        columns = [{"name": "Name", "type": "string", "format": "name"}] + [
+            {"name": c["name"], "type": c["type"], "format": ""} for c in self._dd_columns]
+        rows = []
+        for item in items:
+            cells: list[Any] = [item["metadata"]["name"]]
+            for column in self._dd_columns:
+                value = jsonpath(item, column["jsonPath"])
+                if column["type"] == "date" and value:
+                    value = "0s"  # an age; the emulator has no clock worth printing
+                cells.append(value)
+            rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata",
+                                                    "apiVersion": "meta.k8s.io/v1",
+                                                    "metadata": item["metadata"]}})
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {},
+                "columnDefinitions": columns, "rows": rows}
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         data = await super()._serve_version(request)
@@ -152,6 +176,27 @@ class Emulator(kmock.KubernetesEmulator):
     async def _serve_update(self, request: kmock.Request) -> Any:
         obj = await super()._serve_update(request)
         return self._scale(obj) if request.subresource == "scale" else obj
+
+
+_FILTER = re.compile(r'^\[\?\(@\.(\w+)=="([^"]*)"\)\]')
+
+
+def jsonpath(obj: Any, path: str) -> Any:
+    """The subset of JSONPath printer columns use: `.a.b` and `[?(@.key=="value")]`."""
+    rest = path
+    while rest and obj is not None:
+        match = _FILTER.match(rest)
+        if match:
+            key, want = match.groups()
+            obj = next((x for x in obj or [] if isinstance(x, Mapping) and x.get(key) == want), None)
+            rest = rest[match.end():]
+            continue
+        field = re.match(r"^\.(\w+)", rest)
+        if field is None:
+            raise ValueError(f"unsupported JSONPath {path!r} at {rest!r}")
+        obj = obj.get(field.group(1)) if isinstance(obj, Mapping) else None
+        rest = rest[field.end():]
+    return obj
 
 
 def _deep_merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
