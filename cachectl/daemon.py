@@ -14,9 +14,12 @@ The handlers are thin: they validate the body and call the build coordinator or 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -149,6 +152,7 @@ def _bind_unix(path: Path, mode: int) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(path))
     os.chmod(path, mode)  # engine pods run as other users; the hostPath dir guards access
+    sock.listen(128)  # clients that connect before the event loop accepts wait in the backlog
     return sock
 
 
@@ -157,6 +161,7 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(128)
     return sock
 
 
@@ -174,8 +179,20 @@ def serve(config: DaemonConfig, logger: logging.Logger) -> None:
     event(logger, "daemon_started", root=str(config.root), socket=str(config.socket_path),
           tcp=config.tcp, metrics_port=config.metrics_port, pid=os.getpid(),
           scrub_interval_s=config.scrub_interval_s, scrub_rate_mib_s=config.scrub_rate_mib_s)
-    server = uvicorn.Server(uvicorn.Config(create_app(daemon), log_config=None,
-                                           access_log=False, lifespan="off"))
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises SIGTERM after its graceful stop, killing us before our own
+            # cleanup; a daemon should stop gracefully and exit 0 instead.
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    server = _Server(uvicorn.Config(create_app(daemon), log_config=None,
+                                    access_log=False, lifespan="off"))
     try:
         server.run(sockets=sockets)
     finally:

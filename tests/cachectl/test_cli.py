@@ -1,0 +1,124 @@
+"""The cachectl CLI: its frozen flag set, and build/list/verify/gc/rm on a real tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cachectl_support import make_identity, synthetic_tensors
+
+from ditserve.cachectl.cli import build_parser, main, parse_size
+from ditserve.cachectl.store import CacheStore
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for a in parser._actions for opt in a.option_strings if opt not in ("-h", "--help")} | {
+        a.dest for a in parser._actions if not a.option_strings and a.dest != "command"}
+
+
+def test_the_cli_surface_is_the_documented_one() -> None:
+    # Other components (Helm chart, engine init container) call these exact flags.
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert _flags(parser) == {"--root"}
+    assert {name: _flags(p) for name, p in sub.choices.items()} == {
+        "build": {"--root", "--model", "--dtype", "--revision", "--json", "--timeout"},
+        "ensure": {"--root", "--model", "--dtype", "--revision", "--json", "--timeout",
+                   "--socket", "--no-daemon"},
+        "verify": {"--root", "keys", "--json", "--threads"},
+        "list": {"--root", "--json"},
+        "gc": {"--root", "--max-bytes", "--dry-run", "--json"},
+        "rm": {"--root", "keys"},
+        "serve": {"--root", "--socket", "--tcp", "--metrics-port", "--scrub-interval",
+                  "--scrub-rate-mib", "--max-builds"},
+    }
+
+
+@pytest.mark.parametrize(("text", "value"), [("1024", 1024), ("10G", 10 * 2**30),
+                                             ("512MiB", 512 * 2**20), ("1.5k", 1536)])
+def test_sizes_parse_in_binary_units(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+def test_root_before_or_after_the_subcommand_or_from_the_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = CacheStore(tmp_path / "c")
+    store.publish(make_identity(), synthetic_tensors()).close()
+    keys = []
+    for argv in (["--root", str(store.root), "list", "--json"],
+                 ["list", "--root", str(store.root), "--json"]):
+        assert main(argv) == 0
+        keys.append([e["key"] for e in json.loads(capsys.readouterr().out)])
+    monkeypatch.setenv("DITSERVE_CACHE_ROOT", str(store.root))
+    assert main(["list", "--json"]) == 0
+    keys.append([e["key"] for e in json.loads(capsys.readouterr().out)])
+    assert keys == [[make_identity().key]] * 3
+
+
+def test_build_list_verify_gc_rm_on_a_tiny_model(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    root = str(tmp_path / "cache")
+    assert main(["build", "--root", root, "--model", str(tiny_model), "--dtype", "float32",
+                 "--json"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    assert built["built"] and built["status"] == "ready"
+
+    # The entry holds the loader's final DiT tensors, bit for bit.
+    from ditserve.engine.loader import load_dit_state_dict
+
+    expected = load_dit_state_dict(tiny_model, dtype="float32")
+    with CacheStore(root).join(built["key"]) as entry:
+        got = entry.tensors()
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+    # Second build: the recipe hits, nothing is hashed or loaded.
+    assert main(["build", "--root", root, "--model", str(tiny_model), "--dtype", "float32",
+                 "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["key"] == built["key"] and again["via_recipe"] and not again["built"]
+
+    # Another dtype is another entry.
+    assert main(["ensure", "--no-daemon", "--root", root, "--model", str(tiny_model),
+                 "--dtype", "bfloat16", "--json"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert bf16["key"] != built["key"]
+
+    assert main(["list", "--root", root, "--json"]) == 0
+    listed = {e["key"]: e for e in json.loads(capsys.readouterr().out)}
+    assert set(listed) == {built["key"], bf16["key"]}
+    assert listed[bf16["key"]]["identity"]["dtype"] == "bfloat16"
+
+    assert main(["verify", "--root", root]) == 0
+    assert capsys.readouterr().out.count("OK ") == 2
+
+    assert main(["gc", "--root", root, "--dry-run", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["removed"]) == 2
+    assert main(["rm", "--root", root, bf16["key"]]) == 0
+    assert main(["gc", "--root", root, "--max-bytes", "1G"]) == 0
+    assert CacheStore(root).keys() == [built["key"]]
+
+
+def test_console_script_runs_as_a_real_process(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "c")
+    ident = make_identity()
+    with store.publish(ident, synthetic_tensors()) as e:
+        shard = e.files()[0]
+    shard.chmod(0o644)
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\x7f")
+    out = subprocess.run([sys.executable, "-m", "ditserve.cachectl.cli", "--root",
+                          str(store.root), "verify", ident.key], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert f"CORRUPT {ident.key}" in out.stdout and shard.name in out.stdout
+
+
+def test_errors_exit_3_with_a_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["build", "--root", str(tmp_path / "c"), "--model", str(tmp_path / "nope")])
+    assert rc == 3 and "model directory" in capsys.readouterr().err
