@@ -8,8 +8,6 @@ object), and the decoded output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from ditserve.engine.request import SamplingParams
@@ -35,7 +33,6 @@ class DenoiseState:
     latents: torch.Tensor | None = None
     static_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
-    images: list[Any] | None = None
     pixels: torch.Tensor | None = None
 
     @property

@@ -1,8 +1,9 @@
 """DiffusionEngine: the background step loop and the thread-safe request API.
 
-Owns the scheduler and the model runner and drives them: ``schedule -> execute -> update``,
-one step per iteration, on a dedicated thread (torch releases the GIL in kernels, so HTTP
-handlers stay responsive). Callers submit from any thread (``add_request`` returns a handle
+Owns one StepScheduler per data-parallel rank and an Executor (the model runners) and drives
+them in waves: every rank's ``schedule -> execute -> update``, one step per iteration, on a
+dedicated thread (torch releases the GIL in kernels, so HTTP handlers stay responsive). Each
+DP rank has its own continuous batch; a new request goes to the least-loaded rank. Callers submit from any thread (``add_request`` returns a handle
 with a concurrent Future) or from asyncio (``await generate(...)``). Per-request progress
 events and engine-wide observers (metrics) are called from the loop thread.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import secrets
 import threading
@@ -23,8 +25,10 @@ from typing import Any, Protocol
 
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.errors import (
+    DitServeError,
     EngineStoppedError,
     InvalidRequestError,
+    QueueFullError,
     RequestAborted,
 )
 from ditserve.engine.request import RequestStatus, SamplingParams
@@ -93,6 +97,7 @@ class EngineStats:
     steps_run: int
     rows_run: int
     requests_finished: int
+    ranks: int = 1
 
     @property
     def mean_batch_rows(self) -> float:
@@ -110,12 +115,16 @@ class DiffusionEngine:
     ) -> None:
         self.config = validate(config)
         self.observers = list(observers or [])
-        self.scheduler = StepScheduler(config.scheduler)
-        self.runner: Any = None
+        ranks = config.parallel.data_parallel_size
+        # The queue bound is engine-wide (checked in add_request), not per rank.
+        per_rank = dataclasses.replace(config.scheduler, max_queue=None)
+        self.schedulers = [StepScheduler(per_rank) for _ in range(ranks)]
+        self.executor: Any = None
         self.model_dir: Path | None = None
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._handles: dict[str, RequestHandle] = {}
+        self._rank_of: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = False
@@ -125,10 +134,20 @@ class DiffusionEngine:
         self._finished = 0
         self.ready = False
 
+    @property
+    def scheduler(self) -> StepScheduler:
+        """Rank 0's scheduler (the only one when data_parallel_size is 1)."""
+        return self.schedulers[0]
+
+    @property
+    def runner(self) -> Any:
+        """Rank 0's ModelRunner, in this process."""
+        return self.executor.runner if self.executor is not None else None
+
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> DiffusionEngine:
         """Load the model (blocking), run one warm-up step, start the step loop."""
-        from ditserve.engine.model_runner import ModelRunner
+        from ditserve.engine.executor import make_executor
         from ditserve.engine.tiny_model import ensure_tiny
 
         if self.config.model is None:
@@ -137,8 +156,12 @@ class DiffusionEngine:
                         "from %s", self.model_dir)
         else:
             self.model_dir = Path(self.config.model)
-        self.runner = ModelRunner(self.config, model_dir=self.model_dir)
-        self._warmup()
+        self.executor = make_executor(self.config, model_dir=self.model_dir)
+        try:
+            self._warmup()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self._accepting = True
         self._thread = threading.Thread(target=self._run_loop, name="ditserve-engine", daemon=True)
         self._thread.start()
@@ -146,18 +169,20 @@ class DiffusionEngine:
         return self
 
     def _warmup(self) -> None:
-        # One real step through every stage so the first request does not pay for lazy init.
+        # One real step through every stage on every rank, so the first request does not pay
+        # for lazy initialization (and every rank proves it can run).
         multiple = self.pixel_multiple
         params = SamplingParams(prompt="warm up", height=multiple * 2, width=multiple * 2,
                                 num_inference_steps=1, seed=0)
-        scheduler = StepScheduler(self.config.scheduler)
-        scheduler.add("warmup", params)
-        plan = scheduler.schedule()
-        self.runner.add_request("warmup", params, 0)
-        out = self.runner.execute(plan)
-        self.runner.take_state("warmup")
-        if out.failed:
-            raise RuntimeError(f"warm-up step failed: {out.failed['warmup']}")
+        plans, new = [], []
+        for rank in range(self.executor.num_ranks):
+            scheduler = StepScheduler(self.config.scheduler)
+            scheduler.add(f"warmup-{rank}", params)
+            plans.append(scheduler.schedule())
+            new.append([(f"warmup-{rank}", params, 0)])
+        for rank, out in enumerate(self.executor.execute(plans, new)):
+            if out.failed:
+                raise DitServeError(f"warm-up step failed on rank {rank}: {out.failed}")
 
     def stop_accepting(self) -> None:
         """New requests are refused from now on; running and queued ones continue."""
@@ -177,9 +202,9 @@ class DiffusionEngine:
             self._stopping = True
             self._wakeup.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
-        if self.runner is not None and getattr(self.runner, "offload", None) is not None:
-            self.runner.offload.disable()
+            self._thread.join(timeout=60)
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _loop_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -187,29 +212,53 @@ class DiffusionEngine:
     # -- properties used by the API layer ---------------------------------------------------
     @property
     def pixel_multiple(self) -> int:
-        return int(self.runner.pipeline.pixel_multiple) if self.runner else 16
+        return int(self.runner.pixel_multiple) if self.runner else 16
 
     @property
     def max_prompt_chars(self) -> int | None:
-        return self.runner.pipeline.max_prompt_chars if self.runner else None
+        return self.runner.max_prompt_chars if self.runner else None
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
-                               self._steps_run, self._rows_run, self._finished)
+            return EngineStats(
+                sum(s.num_running for s in self.schedulers),
+                sum(s.num_waiting for s in self.schedulers),
+                self._steps_run, self._rows_run, self._finished, len(self.schedulers),
+            )
 
     def queue_position(self, request_id: str) -> int | None:
         with self._lock:
-            return self.scheduler.queue_position(request_id)
+            rank = self._rank_of.get(request_id)
+            return None if rank is None else self.schedulers[rank].queue_position(request_id)
 
     def offload_report(self) -> dict[str, Any] | None:
-        offload = getattr(self.runner, "offload", None)
-        return offload.report() if offload is not None else None
+        """Rank 0's offload report, with every rank's under ``ranks`` when there are several."""
+        if self.executor is None:
+            return None
+        reports = self.executor.offload_reports()
+        if reports[0] is None:
+            return None
+        report = dict(reports[0])
+        if len(reports) > 1:
+            report["ranks"] = reports
+        return report
 
     # -- requests ---------------------------------------------------------------------------
     def validate_params(self, params: SamplingParams) -> SamplingParams:
         return params.validate(pixel_multiple=self.pixel_multiple,
                                max_prompt_chars=self.max_prompt_chars)
+
+    def _pick_rank(self, params: SamplingParams) -> int:
+        # Least loaded first; among equals prefer a rank already running compatible requests.
+        key = params.batch_key()
+
+        def load(rank: int) -> tuple[int, int, int]:
+            s = self.schedulers[rank]
+            running_key = s.running_key()
+            compatible = running_key is None or running_key == key
+            return (s.num_waiting + s.num_running, 0 if compatible else 1, rank)
+
+        return min(range(len(self.schedulers)), key=load)
 
     def add_request(
         self,
@@ -225,15 +274,21 @@ class DiffusionEngine:
         handle = RequestHandle(rid, params, seed, concurrent.futures.Future(), self, on_event)
         with self._lock:
             if self._loop_error is not None:
-                raise EngineStoppedError(f"the engine loop died: {self._loop_error!r}")
+                raise EngineStoppedError(f"the engine loop died: {self._loop_error}")
             if not self._accepting:
                 raise EngineStoppedError("the engine is not accepting requests (starting or "
                                          "shutting down)")
             if rid in self._handles:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in use")
-            self.scheduler.add(rid, params)
+            limit = self.config.scheduler.max_queue
+            waiting = sum(s.num_waiting for s in self.schedulers)
+            if limit is not None and waiting >= limit:
+                raise QueueFullError(f"{waiting} requests are waiting (max_queue={limit})")
+            rank = self._pick_rank(params)
+            self.schedulers[rank].add(rid, params)
             self._handles[rid] = handle
-            position = self.scheduler.queue_position(rid)
+            self._rank_of[rid] = rank
+            position = self.schedulers[rank].queue_position(rid)
             self._wakeup.notify_all()
         self._emit(handle, RequestEvent(rid, "queued", 0, params.num_inference_steps, position))
         return handle
@@ -260,9 +315,11 @@ class DiffusionEngine:
 
     def _abort_locked(self, request_id: str, reason: str) -> bool:
         handle = self._handles.pop(request_id, None)
+        rank = self._rank_of.pop(request_id, None)
         if handle is None:
             return False
-        self.scheduler.abort(request_id)
+        if rank is not None:
+            self.schedulers[rank].abort(request_id)
         self._wakeup.notify_all()
         if not handle.future.done():
             handle.future.set_exception(RequestAborted(f"request {request_id}: {reason}"))
@@ -270,35 +327,44 @@ class DiffusionEngine:
         return True
 
     # -- the loop ---------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return any(s.has_work() for s in self.schedulers)
+
     def _run_loop(self) -> None:
         try:
             while True:
                 with self._lock:
-                    while not self._stopping and not self.scheduler.has_work():
+                    while not self._stopping and not self._has_work():
                         self._wakeup.wait()
                     if self._stopping:
                         return
-                    plan = self.scheduler.schedule()
-                    new = [(rid, self._handles[rid]) for rid in plan.encode if rid in self._handles]
+                    plans = [s.schedule() for s in self.schedulers]
+                    new = [[(rid, self._handles[rid].params, self._handles[rid].seed)
+                            for rid in plan.encode if rid in self._handles] for plan in plans]
                 now = time.monotonic()
-                for rid, handle in new:
-                    handle.started_at = now
-                    self.runner.add_request(rid, handle.params, handle.seed)
-                output = self.runner.execute(plan)
+                for batch in new:
+                    for rid, _, _ in batch:
+                        self._handles[rid].started_at = now
+                outputs = self.executor.execute(plans, new)
                 with self._lock:
-                    changes = self.scheduler.update(plan, output)
-                    if output.stepped and self.runner.last_step is not None:
+                    changes = [c for s, plan, out in zip(self.schedulers, plans, outputs,
+                                                         strict=True)
+                               for c in s.update(plan, out)]
+                    rows = sum(out.forward_rows for out in outputs)
+                    if rows:
                         self._steps_run += 1
-                        self._rows_run += self.runner.last_step.rows
-                    waiting = [(rid, self.scheduler.queue_position(rid))
-                               for rid, h in self._handles.items()
-                               if h.on_event and self.scheduler.queue_position(rid) is not None]
-                if output.stepped and self.runner.last_step is not None:
-                    step = self.runner.last_step
-                    for observer in self.observers:
-                        observer.on_step(requests=step.requests, rows=step.rows,
-                                         seconds=step.seconds)
-                self._dispatch(changes)
+                        self._rows_run += rows
+                    waiting = [(rid, self.schedulers[rank].queue_position(rid))
+                               for rid, rank in self._rank_of.items()
+                               if self._handles[rid].on_event is not None
+                               and self.schedulers[rank].queue_position(rid) is not None]
+                for out in outputs:
+                    if out.forward_rows:
+                        for observer in self.observers:
+                            observer.on_step(requests=out.forward_requests, rows=out.forward_rows,
+                                             seconds=out.forward_seconds)
+                finished = {rid: pixels for out in outputs for rid, pixels in out.finished.items()}
+                self._dispatch(changes, finished)
                 for rid, position in waiting:
                     handle = self._handles.get(rid)
                     if handle is not None:
@@ -310,14 +376,16 @@ class DiffusionEngine:
             with self._lock:
                 self._loop_error = e
                 self.ready = False
+                self._accepting = False
                 for rid in list(self._handles):
                     handle = self._handles.pop(rid)
+                    self._rank_of.pop(rid, None)
                     if not handle.future.done():
                         handle.future.set_exception(
-                            EngineStoppedError(f"the engine loop died: {e!r}"))
+                            EngineStoppedError(f"the engine loop died: {e}"))
                 self._wakeup.notify_all()
 
-    def _dispatch(self, changes: list[StatusChange]) -> None:
+    def _dispatch(self, changes: list[StatusChange], finished: dict[str, Any]) -> None:
         for change in changes:
             rid = change.request_id
             if change.status == RequestStatus.DENOISING:
@@ -326,22 +394,24 @@ class DiffusionEngine:
                     self._emit(handle, RequestEvent(rid, "step", change.steps_done,
                                                     change.total_steps))
             elif change.status == RequestStatus.FINISHED_OK:
-                self._finish(rid)
+                self._finish(rid, finished.get(rid))
             elif change.status == RequestStatus.FINISHED_ERROR:
                 self._fail(rid, change.error or "failed")
 
-    def _finish(self, rid: str) -> None:
-        state = self.runner.take_state(rid)
+    def _finish(self, rid: str, pixels: Any) -> None:
+        from ditserve.engine.images import to_pil_images
+
         with self._lock:
             handle = self._handles.pop(rid, None)
+            self._rank_of.pop(rid, None)
             self._finished += 1
             self._wakeup.notify_all()
-        if handle is None or state is None:
+        if handle is None or pixels is None:
             return
         now = time.monotonic()
         started = handle.started_at or now
         result = GenerationResult(
-            request_id=rid, images=list(state.images or []), pixels=state.pixels,
+            request_id=rid, images=to_pil_images(pixels), pixels=pixels,
             seed=handle.seed, num_inference_steps=handle.params.num_inference_steps,
             queue_seconds=started - handle.submitted_at,
             latency_seconds=now - handle.submitted_at,
@@ -354,9 +424,9 @@ class DiffusionEngine:
             observer.on_finished(result)
 
     def _fail(self, rid: str, reason: str) -> None:
-        self.runner.drop(rid)
         with self._lock:
             handle = self._handles.pop(rid, None)
+            self._rank_of.pop(rid, None)
             self._wakeup.notify_all()
         for observer in self.observers:
             observer.on_failed(rid, reason)
@@ -364,8 +434,6 @@ class DiffusionEngine:
             return
         self._emit(handle, RequestEvent(rid, "failed", error=reason))
         if not handle.future.done():
-            from ditserve.engine.errors import DitServeError
-
             handle.future.set_exception(DitServeError(f"request {rid} failed: {reason}"))
 
     @staticmethod

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +37,6 @@ def resolve_device(name: str) -> torch.device:
 
         raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
     return device
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What the last executed plan did (for metrics)."""
-
-    requests: int
-    rows: int
-    seconds: float
 
 
 class ModelRunner:
@@ -74,22 +65,46 @@ class ModelRunner:
         )
         self._states: dict[str, DenoiseState] = {}
         self._batches = InputBatchBuilder()
-        self.last_step: StepStats | None = None
+
+    @property
+    def pixel_multiple(self) -> int:
+        return int(self.pipeline.pixel_multiple)
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        return self.pipeline.max_prompt_chars
+
+    def offload_report(self) -> dict[str, Any] | None:
+        return self.offload.report() if self.offload is not None else None
+
+    def close(self) -> None:
+        if self.offload is not None and getattr(self.offload, "active", True):
+            self.offload.disable()
 
     # -- request registry ---------------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams, seed: int) -> None:
         self._states[request_id] = DenoiseState(request_id, params, seed)
 
-    def take_state(self, request_id: str) -> DenoiseState | None:
-        """Remove and return a request's state (its outputs, once decoded)."""
-        return self._states.pop(request_id, None)
-
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
     # -- one step -----------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> RunnerOutput:
+    def execute(
+        self,
+        plan: StepPlan,
+        new_requests: Sequence[tuple[str, SamplingParams, int]] = (),
+        *,
+        collective_wave: bool = False,
+    ) -> RunnerOutput:
+        """Run one step. ``new_requests`` (id, params, seed) are the plan's admitted requests.
+
+        collective_wave: another rank runs a forward in this wave; if this rank has no batch
+        and its offload shares weights through a collective, it still joins every block's
+        collective (without computing) so the ranks' collectives stay matched.
+        """
         out = RunnerOutput()
+        for rid, params, seed in new_requests:
+            self.add_request(rid, params, seed)
         for rid in plan.freed:
             self.drop(rid)
         for rid in plan.encode:
@@ -98,13 +113,20 @@ class ModelRunner:
         if batch:
             started = time.perf_counter()
             self._denoise(batch, out)
-            rows = sum(s.rows for s in batch)
-            self.last_step = StepStats(len(batch), rows, time.perf_counter() - started)
+            out.forward_requests = len(batch)
+            out.forward_rows = sum(s.rows for s in batch)
+            out.forward_seconds = time.perf_counter() - started
+        elif collective_wave and self.offload is not None and getattr(
+            self.offload, "needs_collective_participation", False
+        ):
+            self.offload.idle_pass()
         for rid in plan.decode:
             if rid in out.failed:
                 continue
             if self._guarded(out, rid, "decode", self.pipeline.post_decode):
+                state = self._states.pop(rid)
                 out.decoded.append(rid)
+                out.finished[rid] = state.pixels
         return out
 
     def _guarded(self, out: RunnerOutput, rid: str, stage: str, fn: Any) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import QueueFullError
@@ -69,11 +70,20 @@ class StepPlan:
 
 @dataclass
 class RunnerOutput:
-    """What the model runner did with a plan. ``failed`` maps request id -> error message."""
+    """What the model runner did with a plan (plain data: it crosses process boundaries).
+
+    failed: request id -> error message. finished: request id -> decoded output (the
+    runner's pixels, opaque here). forward_rows/forward_seconds describe the denoise forward
+    (0 rows: none ran).
+    """
 
     stepped: list[str] = field(default_factory=list)
     decoded: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    finished: dict[str, Any] = field(default_factory=dict)
+    forward_requests: int = 0
+    forward_rows: int = 0
+    forward_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

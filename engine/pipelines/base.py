@@ -23,7 +23,8 @@ class StepPipeline(Protocol):
         output, (rows, tokens, channels).
     step(state, output_rows): combine this request's rows (true CFG) and apply one sampler
         step to its latents; advances ``state.step_index``.
-    post_decode(state): decode the final latents into ``state.images`` / ``state.pixels``.
+    post_decode(state): decode the final latents into ``state.pixels``, (n, 3, H, W) float
+        in [0, 1] on the CPU.
     """
 
     transformer: torch.nn.Module

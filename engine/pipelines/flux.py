@@ -11,7 +11,7 @@ different steps share one forward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -165,12 +165,3 @@ class FluxStepPipeline:
         decoded = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         pixels = (decoded.float() / 2 + 0.5).clamp(0, 1).cpu()  # (n, 3, H, W) in [0, 1]
         state.pixels = pixels
-        state.images = [_to_pil(img) for img in pixels]
-
-
-def _to_pil(pixels: torch.Tensor) -> Any:
-    from PIL import Image
-
-    # (3, H, W) float [0, 1] -> (H, W, 3) uint8, rounded like diffusers' postprocess.
-    array = (pixels.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-    return Image.fromarray(array)

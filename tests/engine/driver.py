@@ -28,19 +28,18 @@ def drive(
     batch_sizes: list[int] = []
     step = 0
     while pending or scheduler.has_work():
+        new = []
         for rid, params in pending.pop(step, ()):
             scheduler.add(rid, params)
-            runner.add_request(rid, params, params.seed if params.seed is not None else 0)
+            new.append((rid, params, params.seed if params.seed is not None else 0))
         plan = scheduler.schedule()
-        output = runner.execute(plan)
+        output = runner.execute(plan, new)
         scheduler.update(plan, output)
         assert not output.failed, output.failed
         if plan.denoise:
             batch_sizes.append(len(plan.denoise))
         for rid in output.decoded:
-            state = runner.take_state(rid)
-            assert state is not None and state.pixels is not None
-            results[rid] = state.pixels
+            results[rid] = output.finished[rid]
         step += 1
         assert step < 10_000, "scripted run did not terminate"
     return results, batch_sizes

@@ -1,0 +1,21 @@
+"""Decoded pixels -> PIL images and PNG bytes (the engine's output formats)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+
+def to_pil_images(pixels: Any) -> list[Any]:
+    """(n, 3, H, W) float tensor in [0, 1] -> n RGB PIL images, rounded like diffusers."""
+    from PIL import Image
+
+    # (n, 3, H, W) -> (n, H, W, 3) uint8
+    array = (pixels.permute(0, 2, 3, 1).numpy() * 255).round().astype("uint8")
+    return [Image.fromarray(a) for a in array]
+
+
+def png_bytes(image: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
