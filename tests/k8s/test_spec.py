@@ -1,0 +1,57 @@
+"""parse_spec and engine_config: the CRD spec read into typed values and mapped onto the
+engine's own config, judged by the engine's rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.spec import engine_config, parse_spec, validate
+
+
+def test_mapping_onto_the_engine_config() -> None:
+    spec, config = validate({
+        "model": {"persistentVolumeClaim": {"claimName": "m", "subPath": "flux"},
+                  "dtype": "float16", "sizeGiB": 12},
+        "parallelism": {"data": 2, "sequence": 3},
+        "offload": {"enabled": True, "useAllGather": False, "residentLayers": 2,
+                    "runtimeCache": {"enabled": True, "pinLimitGiB": 8}},
+        "batching": {"maxNumSeqs": 6, "maxQueue": 0},
+    })
+    assert spec.parallelism.gpus_per_pod == 6
+    assert config.dtype == "float16" and config.model == "/models/model"
+    assert (config.parallel.data_parallel_size, config.parallel.sequence_parallel_size) == (2, 3)
+    off = config.offload
+    assert (off.enabled, off.use_allgather, off.resident_layers, off.runtime_cache,
+            off.pin_limit_gib) == (True, False, 2, True, 8.0)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_queue) == (6, 0)
+    assert off.cache_root is None  # pods get it from $DITSERVE_CACHE_ROOT
+
+
+def test_every_shape_problem_is_reported_at_once() -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        parse_spec({"model": {"hostPath": "/m", "dtype": "int4"}, "replicas": True,
+                    "parallelism": {"data": 0}, "engine": {"port": "http"}})
+    message = str(info.value)
+    for expected in ("spec.model.dtype must be one of", "spec.replicas must be an integer",
+                     "spec.parallelism.data must be an integer >= 1", "spec.engine.port must be"):
+        assert expected in message
+
+
+def test_missing_model_says_how_to_fix_it() -> None:
+    with pytest.raises(InvalidSpecError, match="set model.hostPath or model.persistentVolumeClaim"):
+        parse_spec({})
+
+
+@pytest.mark.parametrize(("offload", "parallelism", "engine_says"), [
+    ({"residentLayers": 2}, {}, "only apply with offload enabled"),
+    ({"enabled": True, "residentLayers": 2}, {"data": 2}, "not supported with AllGather"),
+    ({"enabled": True, "runtimeCache": {"enabled": True, "pinLimitGiB": 4}}, {"sequence": 2},
+     "pin_limit_gib registers runtime-cache mappings"),
+])
+def test_engine_rules_judge_option_combinations(offload: dict, parallelism: dict,
+                                                engine_says: str) -> None:
+    spec = parse_spec({"model": {"hostPath": "/m", "sizeGiB": 1}, "offload": offload,
+                       "parallelism": parallelism})
+    with pytest.raises(InvalidSpecError, match=engine_says):
+        engine_config(spec)
