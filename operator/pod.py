@@ -132,25 +132,36 @@ def engine_container(spec: DeploymentSpec, image: str) -> dict[str, Any]:
 
 def ensure_container(spec: DeploymentSpec, image: str) -> dict[str, Any]:
     """`cachectl ensure`: asks the node daemon for the model's cache entry (or builds it under
-    the same lock itself) so the engine starts from a published, verified entry."""
+    the same lock itself) so the engine starts from a published, verified entry.
+
+    The daemon opens the model by the path it is given, so a hostPath model is mounted here at
+    its node path, which the DaemonSet also mounts (values `cachectl.modelHostPaths`). A PVC
+    model is invisible to the daemon: that init container builds or joins under the lock itself.
+    """
     memory = sizing.mebibytes(
         sizing.quantity_bytes(spec.engine.memory, what="engine.resources.memory")
         + sizing.dlo_host_bytes(spec)
     )
+    model_mount = _model_mount_for(spec)
+    command = ["cachectl", "ensure", "--model", MODEL_MOUNT_PATH, "--dtype", spec.model.dtype,
+               "--root", spec.cache.root, "--timeout", str(sizing.ensure_timeout_s(spec))]
+    if spec.model.host_path is not None:
+        model_mount["mountPath"] = spec.model.host_path
+        command[3] = spec.model.host_path
+    else:
+        command.append("--no-daemon")
     return {
         "name": ENSURE_CONTAINER,
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": ["cachectl", "ensure", "--model", MODEL_MOUNT_PATH,
-                    "--dtype", spec.model.dtype, "--root", spec.cache.root,
-                    "--timeout", str(sizing.ensure_timeout_s(spec))],
+        "command": command,
         "env": [{"name": "DITSERVE_CACHE_ROOT", "value": spec.cache.root},
                 {"name": "HF_HUB_OFFLINE", "value": "1"}],
         # An init container's request never adds to the pod's: the pod reserves the max of the
         # init and the regular containers, so matching the engine costs nothing.
         "resources": {"requests": {"cpu": str(spec.engine.cpu), "memory": memory},
                       "limits": {"memory": memory}},
-        "volumeMounts": [_model_mount_for(spec),
+        "volumeMounts": [model_mount,
                          {"name": "cache", "mountPath": spec.cache.root},
                          {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": copy.deepcopy(_RESTRICTED_CONTAINER),

@@ -138,9 +138,11 @@ def test_hostpath_volumes_probes_and_cache_mounts() -> None:
     assert env_of(engine)["DITSERVE_CACHE_ROOT"] == "/var/cache/ditserve"
 
     (init,) = pod["initContainers"]
-    assert init["command"] == ["cachectl", "ensure", "--model", "/models/model", "--dtype",
+    # The daemon opens the model by path: the init container names it by its node path.
+    assert init["command"] == ["cachectl", "ensure", "--model", "/mnt/models/flux", "--dtype",
                                "bfloat16", "--root", "/var/cache/ditserve", "--timeout", "1320"]
     init_mounts = {m["name"]: m for m in init["volumeMounts"]}
+    assert init_mounts["model"]["mountPath"] == "/mnt/models/flux"
     assert not init_mounts["cache"].get("readOnly")  # it may have to build the entry itself
 
 
@@ -160,6 +162,10 @@ def test_pvc_volumes_api_key_env_scheduling_and_rollout() -> None:
     engine = pod["containers"][0]
     model_mount = next(m for m in engine["volumeMounts"] if m["name"] == "model")
     assert model_mount["subPath"] == "flux"
+    # The daemon cannot see a PVC: the init container builds or joins under the lock itself.
+    (init,) = pod["initContainers"]
+    assert init["command"][:4] == ["cachectl", "ensure", "--model", "/models/model"]
+    assert init["command"][-1] == "--no-daemon"
     env = env_of(engine)
     assert env["DITSERVE_API_KEY"] == {"secretKeyRef": {"name": "flux-key", "key": "api-key"}}
     assert env["LOG_LEVEL"] == "debug"
