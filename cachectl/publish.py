@@ -17,7 +17,9 @@ import os
 import secrets
 import shutil
 import socket
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,13 @@ from ditserve.cachectl.manifest import (
     TensorRecord,
     content_digest,
 )
-from ditserve.cachectl.st_format import RawTensor, as_raw, order_for_alignment, write_shard
+from ditserve.cachectl.st_format import (
+    RawTensor,
+    WrittenFile,
+    as_raw,
+    order_for_alignment,
+    write_shard,
+)
 
 StageHook = Callable[[str], None]
 ProgressFn = Callable[[int, int], None]
@@ -76,6 +84,7 @@ def write_entry(
     tensors: Mapping[str, Any],
     *,
     shard_bytes: int,
+    threads: int | None = None,
     metadata: Mapping[str, str] | None = None,
     on_stage: StageHook | None = None,
     on_progress: ProgressFn | None = None,
@@ -96,20 +105,31 @@ def write_entry(
     stage("tmp_created")
     meta = {"format": "pt", **(metadata or {})}
     done = 0
+    progress_lock = threading.Lock()
 
     def progress(n: int) -> None:
         nonlocal done
-        done += n
+        with progress_lock:
+            done += n
+            current = done
         if on_progress is not None:
-            on_progress(done, total)
+            on_progress(current, total)
 
     shards = plan_shards(raws, shard_bytes)
+    names = [f"part-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    def write_one(i: int) -> WrittenFile:
+        return write_shard(tmp / names[i], [(n, raws[n]) for n in shards[i]],
+                           {**meta, "ditserve.entry": key}, on_bytes=progress)
+
+    # Shards are written in parallel: hashing (file and tensor digests) is the bottleneck and
+    # hashlib releases the GIL, so threads scale across cores.
+    workers = max(1, min(threads or os.cpu_count() or 1, len(shards)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="cachectl-write") as pool:
+        written_files = list(pool.map(write_one, range(len(shards))))
     files: list[FileRecord] = []
     records: list[TensorRecord] = []
-    for i, names in enumerate(shards):
-        fname = f"part-{i:05d}-of-{len(shards):05d}.safetensors"
-        written = write_shard(tmp / fname, [(n, raws[n]) for n in names],
-                              {**meta, "ditserve.entry": key}, on_bytes=progress)
+    for fname, written in zip(names, written_files, strict=True):
         files.append(FileRecord(fname, written.size, written.sha256))
         records += [TensorRecord(t.name, t.dtype, t.shape, fname, t.offset, t.nbytes, t.sha256)
                     for t in written.tensors]

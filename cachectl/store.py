@@ -190,11 +190,30 @@ class CacheStore:
                 pass
             remove_stale_temps(self.layout, key)
             tensors = build_fn()
-            write_entry(self.layout, identity, tensors, shard_bytes=self.shard_bytes,
-                        metadata=metadata, on_stage=self.on_stage, on_progress=on_progress)
-            entry = self.join(key)
-            entry.built = True
-            return entry
+            manifest = write_entry(self.layout, identity, tensors, shard_bytes=self.shard_bytes,
+                                   threads=self.threads, metadata=metadata,
+                                   on_stage=self.on_stage, on_progress=on_progress)
+            return self._join_just_published(key, manifest)
+
+    def _join_just_published(self, key: str, manifest: Manifest) -> Entry:
+        # The digests were computed from the very bytes we wrote and fsync'ed, under the build
+        # lock: re-hashing them now would double the build time and prove nothing new. The
+        # structure check still runs (it reads the files back from disk).
+        path = self.layout.entry(key)
+        lease = locks.acquire(self.layout.lease(key), shared=True, timeout_s=LEASE_WAIT_S)
+        if lease is None:
+            raise LockTimeoutError(key, LEASE_WAIT_S, "garbage collection")
+        try:
+            on_disk, problems = check_structure(path, key)
+            if problems or on_disk != manifest:
+                raise EntryCorruptError(key, problems or [Problem(key, "manifest.json",
+                                                                  "differs from what was written")])
+            now = self.clock()
+            os.utime(self.layout.lease(key), (now, now))
+            return Entry(path, manifest, lease, validated_by="publish", built=True)
+        except BaseException:
+            lease.release()
+            raise
 
     # ---- recipes: skip-load-on-hit ------------------------------------------------------
     def resolve_recipe(self, recipe: Recipe) -> str | None:

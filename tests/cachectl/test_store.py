@@ -123,6 +123,8 @@ def test_stamp_skips_the_rehash_until_a_file_changes(tmp_path: Path) -> None:
     store = CacheStore(tmp_path / "c", clock=lambda: time.time() + 10)
     ident = make_identity()
     with store.publish(ident, synthetic_tensors()) as e:
+        assert e.validated_by == "publish"  # digests of the bytes just written
+    with store.join(ident.key) as e:
         assert e.validated_by == "hash"
     with store.join(ident.key) as e:
         assert e.validated_by == "stamp"
