@@ -86,15 +86,15 @@ def readiness(state: ServerState) -> dict[str, Any]:
     elif state.ready:
         phase = "ready"
     else:
-        phase = "loading" if engine.runner is None or not engine.ready else "stopped"
+        phase = "loading" if engine.executor is None or not engine.ready else "stopped"
     body: dict[str, Any] = {"ready": state.ready, "phase": phase, "model": state.model_name}
     if state.startup_error:
         body["error"] = state.startup_error
-    if engine.runner is not None:
+    if engine.executor is not None:
         stats = engine.stats()
         offload = engine.offload_report()
         body.update({
-            "device": str(engine.runner.device),
+            "device": str(getattr(engine.runner, "device", engine.config.device)),
             "dtype": engine.config.dtype,
             "max_num_seqs": engine.config.scheduler.max_num_seqs,
             "max_queue": engine.config.scheduler.max_queue,

@@ -36,7 +36,7 @@ class _EngineStateCollector(Collector):
         running = waiting = 0
         ready = 0.0
         report = None
-        if engine is not None and engine.runner is not None:
+        if engine is not None and engine.executor is not None:
             stats = engine.stats()
             running, waiting = stats.running, stats.waiting
             ready = 1.0 if engine.ready else 0.0

@@ -75,7 +75,7 @@ class ServerState:
             if self._stopped:
                 return
             self._stopped = True
-        if self.engine.runner is None:  # never finished loading: nothing to drain
+        if self.engine.executor is None:  # never finished loading: nothing to drain
             return
         log.info("draining: up to %.1fs for admitted requests", grace_seconds)
         self.engine.shutdown(grace_seconds)

@@ -1,0 +1,116 @@
+"""Fixtures for the HTTP server tests: `ditserve serve` as a real process on a free port.
+
+Each server process costs ~5-10 s of imports and model building, so the suite uses two: a
+session-wide default server (``server``) for most tests, and the admission-control server in
+test_admission.py (auth on, one batch slot, one queue slot, ends with the SIGTERM drain).
+Every process gets its own DITSERVE_HOME, so the tiny model is built there and never in the
+user's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """A running `ditserve serve`; ``url`` is its base URL, ``log`` its combined output."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n"
+                                   f"{self.log_text()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)  # polling another process; there is no event to wait on
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log_text()}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return int(self.process.returncode)
+
+
+def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    port = free_port()
+    log = tmp / "server.log"
+    environ = {k: v for k, v in os.environ.items() if k != "DITSERVE_API_KEY"}
+    environ.update({"DITSERVE_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1",
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})})
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ditserve.engine.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(port), "--device", "cpu", *args],
+            stdout=out, stderr=subprocess.STDOUT, env=environ,
+        )
+    server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def launch_server():
+    """launch_server(tmp_dir, *flags, env=...) -> a ready ServerProcess (caller stops it)."""
+    return start_server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The default server: tiny model, max_num_seqs 4, auth off."""
+    proc = start_server(tmp_path_factory.mktemp("server"), "--max-num-seqs", "4")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def metric():
+    """metric(text, name) -> float: one sample of a Prometheus exposition."""
+    return metric_value
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of one sample line (``name`` includes labels) of a Prometheus exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(f"{name} not in metrics:\n{text}")

@@ -1,0 +1,98 @@
+"""A pure-Python stand-in for DiffusionEngine, for in-process API tests (no torch).
+
+It keeps the engine's public contract (add_request/abort/validate_params/stats/events) and
+lets a test choose the outcome of each request: finish, fail, hang (never finishes), or a
+full queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from PIL import Image
+
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.engine import EngineStats, GenerationResult, RequestEvent
+from ditserve.engine.errors import DitServeError, QueueFullError, RequestAborted
+
+
+@dataclass
+class FakeEngine:
+    outcome: str = "finish"  # finish | fail | hang | queue_full
+    ready: bool = True
+    config: EngineConfig = field(default_factory=EngineConfig)
+    observers: list[Any] = field(default_factory=list)
+    aborted: list[tuple[str, str]] = field(default_factory=list)
+    pixel_multiple: int = 4
+    max_prompt_chars: int = 4000
+    _handles: dict[str, Any] = field(default_factory=dict)
+    _ids: Any = field(default_factory=itertools.count)
+
+    @property
+    def executor(self) -> Any:
+        return object() if self.ready else None
+
+    @property
+    def runner(self) -> Any:
+        return SimpleNamespace(device="cpu") if self.ready else None
+
+    def start(self) -> FakeEngine:
+        self.ready = True
+        return self
+
+    def validate_params(self, params: Any) -> Any:
+        return params.validate(pixel_multiple=self.pixel_multiple,
+                               max_prompt_chars=self.max_prompt_chars)
+
+    def add_request(self, params: Any, *, request_id: str | None = None,
+                    on_event: Any = None) -> Any:
+        self.validate_params(params)
+        if self.outcome == "queue_full":
+            raise QueueFullError("1 requests are waiting (max_queue=1)")
+        rid = request_id or f"req-{next(self._ids)}"
+        handle = SimpleNamespace(request_id=rid, future=concurrent.futures.Future(),
+                                 submitted_at=time.monotonic(), on_event=on_event)
+        self._handles[rid] = handle
+        emit = on_event or (lambda event: None)
+        steps = params.num_inference_steps
+        emit(RequestEvent(rid, "queued", 0, steps, 0))
+        if self.outcome == "finish":
+            for step in range(1, steps + 1):
+                emit(RequestEvent(rid, "step", step, steps))
+            image = Image.new("RGB", (params.width, params.height), (10, 20, 30))
+            result = GenerationResult(rid, [image] * params.num_images, None, params.seed or 0,
+                                      steps, 0.0, 0.01)
+            emit(RequestEvent(rid, "finished", steps, steps))
+            handle.future.set_result(result)
+            for observer in self.observers:
+                observer.on_finished(result)
+        elif self.outcome == "fail":
+            emit(RequestEvent(rid, "failed", error="decode failed: boom"))
+            handle.future.set_exception(DitServeError(f"request {rid} failed: decode failed"))
+            for observer in self.observers:
+                observer.on_failed(rid, "decode failed")
+        return handle
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        handle = self._handles.pop(request_id, None)
+        if handle is None or handle.future.done():
+            return False
+        self.aborted.append((request_id, reason))
+        handle.future.set_exception(RequestAborted(f"request {request_id}: {reason}"))
+        if handle.on_event is not None:
+            handle.on_event(RequestEvent(request_id, "aborted", error=reason))
+        return True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0, 0, 0)
+
+    def offload_report(self) -> None:
+        return None
+
+    def shutdown(self, grace_seconds: float = 0.0) -> None:
+        self.ready = False

@@ -1,0 +1,133 @@
+"""The API in-process (httpx ASGITransport) around a fake engine: outcomes a real tiny model
+cannot produce on demand - engine failures, hung requests (timeouts), a full queue, loading."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ditserve.engine.server.app import create_app
+from ditserve.engine.server.auth import check_bearer
+from ditserve.engine.server.config import ServerConfig
+from ditserve.engine.server.errors import APIError
+from ditserve.engine.server.streaming import parse_sse
+
+_spec = importlib.util.spec_from_file_location("server_fake_engine",
+                                               Path(__file__).with_name("fake_engine.py"))
+assert _spec and _spec.loader
+fake_engine = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = fake_engine  # dataclasses look the module up while decorating
+_spec.loader.exec_module(fake_engine)
+FakeEngine = fake_engine.FakeEngine
+
+GEN = "/v1/images/generations"
+
+
+def call(engine, *requests, config: ServerConfig | None = None):
+    """Run (method, path, json) requests against a fresh app; return the responses."""
+    app = create_app(engine, config or ServerConfig(), start_engine=False)
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [await client.request(m, p, json=j) for m, p, j in requests]
+
+    return asyncio.run(run()), app
+
+
+def test_engine_failure_is_a_500_for_that_request_only(metric) -> None:
+    engine = FakeEngine(outcome="fail")
+    body = {"prompt": "cat"}
+
+    async def run(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            failed = await client.post(GEN, json=body)
+            engine.outcome = "finish"
+            ok = await client.post(GEN, json=body)
+            metrics = (await client.get("/metrics")).text
+            return failed, ok, metrics
+
+    app = create_app(engine, ServerConfig(), start_engine=False)
+    failed, ok, metrics = asyncio.run(run(app))
+    assert failed.status_code == 500
+    assert failed.json()["error"]["code"] == "engine_error"
+    assert "decode failed" in failed.json()["error"]["message"]
+    assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+    assert metric(metrics, 'ditserve:request_errors_total{reason="engine_error"}') == 1
+    assert metric(metrics, "ditserve:engine_request_failures_total") == 1
+    assert metric(metrics, "ditserve:request_success_total") == 1
+
+
+def test_timeout_aborts_the_request() -> None:
+    engine = FakeEngine(outcome="hang")
+    config = ServerConfig(request_timeout_s=0.05)
+    (plain, streamed), _ = call(engine, ("POST", GEN, {"prompt": "cat"}),
+                                ("POST", GEN, {"prompt": "cat", "stream": True}), config=config)
+    assert plain.status_code == 504
+    assert plain.json()["error"] == {
+        "message": "the request did not finish within 0.05s and was aborted",
+        "type": "server_error", "param": None, "code": "timeout"}
+    events = parse_sse(streamed.text)
+    assert [kind for kind, _ in events] == ["image_generation.queued", "error"]
+    assert events[-1][1]["error"]["code"] == "timeout"
+    assert [reason for _, reason in engine.aborted] == ["timed out", "timed out"]
+
+
+def test_stream_reports_engine_failure_as_error_event() -> None:
+    (response,), _ = call(FakeEngine(outcome="fail"),
+                          ("POST", GEN, {"prompt": "cat", "stream": True}))
+    events = parse_sse(response.text)
+    assert events[-1][0] == "error"
+    assert events[-1][1]["error"]["code"] == "engine_error"
+
+
+def test_queue_full_is_429_with_retry_after() -> None:
+    (response,), _ = call(FakeEngine(outcome="queue_full"), ("POST", GEN, {"prompt": "cat"}),
+                          config=ServerConfig(retry_after_s=7))
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "7"
+    assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_loading_engine_is_not_ready_and_refuses_work() -> None:
+    (ready, gen, health), _ = call(FakeEngine(ready=False), ("GET", "/ready", None),
+                                   ("POST", GEN, {"prompt": "cat"}), ("GET", "/health", None))
+    assert ready.status_code == 503 and ready.json()["phase"] == "loading"
+    assert gen.status_code == 503
+    assert gen.json()["error"]["message"] == "the model is still loading; poll GET /ready"
+    assert health.status_code == 200
+
+
+def test_default_size_and_steps_follow_the_config() -> None:
+    config = ServerConfig(default_size="32x48", default_steps=3)
+    (response,), _ = call(FakeEngine(), ("POST", GEN, {"prompt": "cat", "seed": 5}),
+                          config=config)
+    meta = response.json()["ditserve"]
+    assert meta["num_inference_steps"] == 3 and meta["seed"] == 5
+    from base64 import b64decode
+    from io import BytesIO
+
+    from PIL import Image
+
+    image = Image.open(BytesIO(b64decode(response.json()["data"][0]["b64_json"])))
+    assert image.size == (32, 48)  # width x height
+
+
+@pytest.mark.parametrize(("header", "ok"), [
+    (None, False), ("", False), ("Bearer k", True), ("bearer k", True), ("Bearer k2", False),
+    ("Basic k", False), ("Bearerk", False),
+])
+def test_check_bearer(header, ok) -> None:
+    if ok:
+        check_bearer(header, "k")
+    else:
+        with pytest.raises(APIError) as info:
+            check_bearer(header, "k")
+        assert info.value.status == 401
+    check_bearer(header, None)  # auth off: anything passes

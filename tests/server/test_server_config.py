@@ -1,0 +1,65 @@
+"""`ditserve serve` configuration: YAML file + flags -> (EngineConfig, ServerConfig)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ditserve.engine.cli import build_parser
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.server.config import ServerConfig
+from ditserve.engine.server.main import configs_from_args
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "engine.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_supplies_options_and_flags_override(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DITSERVE_API_KEY", "from-env")
+    path = write(tmp_path, """
+scheduler: {max_num_seqs: 2, max_queue: 5}
+dtype: bfloat16
+server: {host: 0.0.0.0, port: 8000, request_timeout_s: 30, shutdown_grace_s: 12}
+""")
+    engine, server = configs_from_args(parse("--config", path, "--max-num-seqs", "3",
+                                             "--port", "9001"))
+    assert engine.scheduler.max_num_seqs == 3 and engine.scheduler.max_queue == 5
+    assert engine.dtype == "bfloat16"
+    assert (server.host, server.port) == ("0.0.0.0", 9001)
+    assert server.request_timeout_s == 30 and server.shutdown_grace_s == 12
+    assert server.api_key == "from-env"
+
+
+def test_api_key_flag_and_custom_env(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MY_KEY", "k2")
+    monkeypatch.delenv("DITSERVE_API_KEY", raising=False)
+    path = write(tmp_path, "server: {api_key_env: MY_KEY}\n")
+    assert configs_from_args(parse("--config", path))[1].api_key == "k2"
+    assert configs_from_args(parse("--api-key", "k1"))[1].api_key == "k1"
+    assert configs_from_args(parse())[1].api_key is None
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("server: {hots: 1.2.3.4}\n", "unknown option(s) in server: hots"),
+    ("schedular: {}\n", "unknown option(s): schedular"),
+    ("scheduler: {max_num_seq: 2}\n", "unknown option(s) in scheduler: max_num_seq"),
+    ("server: {api_key: x}\n", "server.api_key must not be written in a config file"),
+    ("server: {port: 70000}\n", "server.port must be an integer in [0, 65535], got 70000"),
+    ("server: {default_size: big}\n", "server.default_size must look like '1024x1024'"),
+    ("server: [1]\n", "server: expected a mapping, got list"),
+])
+def test_bad_config_names_the_problem(tmp_path, text, message) -> None:
+    with pytest.raises(ConfigError) as info:
+        configs_from_args(parse("--config", write(tmp_path, text)))
+    assert message in str(info.value)
+
+
+def test_defaults() -> None:
+    config = ServerConfig()
+    assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
