@@ -119,6 +119,37 @@ def cmd_init_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init_random(args: argparse.Namespace) -> int:
+    from ditserve.engine.random_model import init_random
+
+    path = init_random(args.dir, family=args.family, size=args.size, dtype=args.dtype,
+                       device=args.device, seed=args.seed)
+    print(f"wrote a random-weight {args.family} pipeline ({args.size} DiT, {args.dtype}) to {path}")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """A rank > 0 of a replica whose processes were started by a launcher (e.g. a pod)."""
+    from ditserve.engine.cli_options import load_config_file
+    from ditserve.engine.distributed.rendezvous import Rendezvous, worker_timeout_s
+    from ditserve.engine.distributed.worker import worker_main
+    from ditserve.engine.tiny_model import ensure_tiny
+
+    base = load_config_file(args.config) if args.config else {}
+    base.pop("server", None)
+    config = engine_config_from_args(args, base)
+    rdv = Rendezvous.from_env()
+    if rdv is None or rdv.rank == 0:
+        raise DitServeError(
+            "`ditserve worker` needs WORLD_SIZE > 1 and RANK >= 1 in the environment "
+            "(with MASTER_ADDR/MASTER_PORT of rank 0, which runs `ditserve serve`)"
+        )
+    model_dir = config.model or str(ensure_tiny())
+    worker_main(rdv.rank, rdv.world_size, rdv.master_addr, rdv.master_port,
+                config.to_mapping(), model_dir, worker_timeout_s())
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ditserve.engine.server.main import serve_from_args
 
@@ -161,11 +192,28 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_options(serve)
     serve.set_defaults(func=cmd_serve)
 
+    worker = sub.add_parser(
+        "worker", help="run rank RANK of a multi-process replica (environment rendezvous)")
+    add_engine_options(worker)
+    worker.set_defaults(func=cmd_worker)
+
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("init-tiny", help="write the tiny random Flux pipeline to DIR")
     tiny.add_argument("dir", type=Path)
     tiny.set_defaults(func=cmd_init_tiny)
+    rnd = model_sub.add_parser(
+        "init-random", help="write a random-weight pipeline with a full-size DiT to DIR "
+                            "(tiny text encoders and VAE; for benchmarks)")
+    rnd.add_argument("dir", type=Path)
+    rnd.add_argument("--family", choices=("flux",), default="flux")
+    rnd.add_argument("--size", choices=("tiny", "small", "full"), default="full",
+                     help="full: the real Flux.1 DiT (~12B parameters, ~24 GB in bfloat16)")
+    rnd.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    rnd.add_argument("--device", default="auto",
+                     help="where to allocate and initialize the DiT (auto: cuda if present)")
+    rnd.add_argument("--seed", type=int, default=0)
+    rnd.set_defaults(func=cmd_init_random)
     return parser
 
 

@@ -42,9 +42,18 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     """Owns the loaded pipeline, the optional offload handle and every request's DenoiseState."""
 
-    def __init__(self, config: EngineConfig, *, model_dir: str | Path) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model_dir: str | Path,
+        device: torch.device | None = None,
+        weight_group: Any = None,
+    ) -> None:
+        """device: overrides ``config.device`` (each DP rank passes its own).
+        weight_group: the process group DLO shards weights over (None: rank-local)."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = device if device is not None else resolve_device(config.device)
         started = time.perf_counter()
         components = load_components(model_dir, dtype=config.dtype)
         offload = config.offload.enabled
@@ -55,8 +64,11 @@ class ModelRunner:
         if offload:
             from ditserve.engine.offload import enable_offload
 
+            kwargs: dict[str, Any] = {}
+            if weight_group is not None and config.offload.use_allgather:
+                kwargs["group"] = weight_group  # 1/group shards, rebuilt by all_gather
             self.offload = enable_offload(
-                self.pipeline.transformer, config.offload, device=self.device
+                self.pipeline.transformer, config.offload, device=self.device, **kwargs
             )
         log.info(
             "loaded %s from %s on %s in %.1fs (offload: %s)",

@@ -36,3 +36,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
     from ditserve.engine.tiny_model import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny-flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_model_dir):  # type: ignore[no-untyped-def]
+    """A CPU ModelRunner on the tiny model (drive it with tests/engine/driver.py)."""
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.model_runner import ModelRunner
+
+    return ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu"),
+                       model_dir=tiny_model_dir)

@@ -1,0 +1,180 @@
+"""MultiProcessExecutor: rank 0 of a data-parallel replica.
+
+Rank 0 runs in the engine's process (its ModelRunner is ``runner``); ranks 1..N-1 are worker
+processes, spawned here when the environment names no rendezvous, or already started by a
+launcher (a Kubernetes pod's entry point) when it does. Every engine step is a *wave*: rank 0
+broadcasts all ranks' plans, every rank runs its own plan (its own continuous batch), and rank
+0 gathers the outputs. When any rank runs a forward, ranks without work still join each
+block's weight collective (``collective_wave``), so requests of any step count and arrival
+time share waves without the ranks' collectives going out of step.
+
+Failure detection: a worker that dies breaks the control group's connection and a worker
+that hangs exceeds its timeout (``DITSERVE_WORKER_TIMEOUT_S``); either way the wave raises
+``DistributedError`` naming the rank and, for spawned workers, its exit status.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.distributed.rendezvous import (
+    Rendezvous,
+    destroy,
+    free_port,
+    init_groups,
+    rank_device,
+    worker_timeout_s,
+)
+from ditserve.engine.distributed.worker import Stop, Wave, WorkerFailure, WorkerHello, worker_main
+from ditserve.engine.errors import ConfigError, DistributedError
+from ditserve.engine.executor import NewRequests
+from ditserve.engine.scheduler import RunnerOutput, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class MultiProcessExecutor:
+    """Rank 0's side of a multi-process replica (see module docstring)."""
+
+    def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
+        from ditserve.engine.model_runner import ModelRunner
+
+        par = config.parallel
+        if par.sequence_parallel_size != 1:
+            raise ConfigError(
+                "sequence parallelism is not implemented in this build (its DLO weight group "
+                "is selected and validated); use data_parallel_size for several GPUs"
+            )
+        self.num_ranks = par.data_parallel_size
+        self.timeout_s = worker_timeout_s()
+        self._procs: dict[int, mp.process.BaseProcess] = {}
+        rdv = Rendezvous.from_env()
+        if rdv is None:
+            rdv = Rendezvous("127.0.0.1", free_port(), self.num_ranks, 0, 0)
+            self._spawn_workers(rdv, config, model_dir)
+        elif rdv.world_size != self.num_ranks or rdv.rank != 0:
+            raise ConfigError(
+                f"environment rendezvous (WORLD_SIZE={rdv.world_size}, RANK={rdv.rank}) does "
+                f"not match data_parallel_size={self.num_ranks} on rank 0; start ranks > 0 with "
+                "`ditserve worker`"
+            )
+        device = rank_device(config.device, rdv.local_rank)
+        try:
+            self._groups = init_groups(rdv, device, self.timeout_s)
+            self.runner = ModelRunner(config, model_dir=model_dir, device=device,
+                                      weight_group=self._groups.weight)
+            hellos = self._gather(None)
+        except BaseException:
+            self._kill_workers()
+            destroy()
+            raise
+        failures = [h for h in hellos[1:] if isinstance(h, WorkerFailure)]
+        if failures:
+            self.shutdown()
+            raise DistributedError("; ".join(f"rank {f.rank}: {f.message}" for f in failures))
+        for hello in hellos[1:]:
+            assert isinstance(hello, WorkerHello)
+            log.info("rank %d ready (pid %d, %s)", hello.rank, hello.pid, hello.device)
+        self._closed = False
+
+    # -- process management ---------------------------------------------------------------------
+    def _spawn_workers(self, rdv: Rendezvous, config: EngineConfig, model_dir: Path) -> None:
+        ctx = mp.get_context("spawn")  # fork after torch/CUDA init is unsafe
+        for rank in range(1, rdv.world_size):
+            proc = ctx.Process(
+                target=worker_main, name=f"ditserve-rank{rank}", daemon=True,
+                args=(rank, rdv.world_size, rdv.master_addr, rdv.master_port,
+                      config.to_mapping(), str(model_dir), self.timeout_s),
+            )
+            proc.start()
+            self._procs[rank] = proc
+        log.info("spawned %d worker process(es) on %s:%d", len(self._procs),
+                 rdv.master_addr, rdv.master_port)
+
+    def worker_pids(self) -> dict[int, int]:
+        """Spawned workers' pids by rank (empty when a launcher started them)."""
+        return {rank: p.pid for rank, p in self._procs.items() if p.pid is not None}
+
+    def _dead_workers(self) -> str:
+        dead = [
+            f"rank {rank} (pid {p.pid}) exited with {_describe_exit(p.exitcode)}"
+            for rank, p in self._procs.items() if p.exitcode is not None
+        ]
+        return "; ".join(dead)
+
+    def _kill_workers(self) -> None:
+        for proc in self._procs.values():
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs.values():
+            proc.join(timeout=10)
+
+    # -- control messages -----------------------------------------------------------------------
+    def _broadcast(self, message: Any) -> None:
+        try:
+            dist.broadcast_object_list([message], src=0, group=self._groups.control)
+        except Exception as e:
+            raise self._failure("broadcast", e) from e
+
+    def _gather(self, payload: Any) -> list[Any]:
+        box: list[Any] = [None] * self.num_ranks
+        try:
+            dist.gather_object(payload, box, dst=0, group=self._groups.control)
+        except Exception as e:
+            raise self._failure("gather", e) from e
+        return box
+
+    def _failure(self, what: str, error: Exception) -> DistributedError:
+        dead = self._dead_workers()
+        detail = dead or f"no reply within the timeout or connection lost ({error})"
+        return DistributedError(
+            f"a worker failed during {what}: {detail}. The replica cannot continue; restart it "
+            f"(timeout {self.timeout_s:.0f}s, set {'DITSERVE_WORKER_TIMEOUT_S'})"
+        )
+
+    # -- Executor interface ---------------------------------------------------------------------
+    def execute(
+        self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
+    ) -> list[RunnerOutput]:
+        forward = any(plan.denoise for plan in plans)
+        self._broadcast(Wave(plans=list(plans), new=[list(n) for n in new], forward=forward))
+        own = self.runner.execute(plans[0], new[0], collective_wave=forward)
+        outputs = self._gather(own)
+        failures = [o for o in outputs if isinstance(o, WorkerFailure)]
+        if failures:
+            raise DistributedError("; ".join(f"rank {f.rank} failed: {f.message}"
+                                             for f in failures))
+        return outputs
+
+    def offload_reports(self) -> list[dict[str, Any] | None]:
+        self._broadcast("reports")
+        return self._gather(self.runner.offload_report())
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        try:
+            self._broadcast(Stop())
+        except DistributedError as e:
+            log.warning("could not stop workers cleanly: %s", e)
+        for proc in self._procs.values():
+            proc.join(timeout=30)
+        self._kill_workers()
+        self.runner.close()
+        destroy()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "no exit yet"
+    if code < 0:
+        return f"signal {-code}"
+    return f"status {code}"

@@ -1,0 +1,119 @@
+"""Rendezvous and process groups for the multi-process engine.
+
+A replica's processes find each other through the usual torch.distributed environment
+(MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK). Locally the engine spawns its own
+workers and sets these itself; in a Kubernetes pod the operator sets them. Two groups are
+created: the *weight group* (NCCL on GPUs, gloo on CPU) for DLO's all_gather of weight shards,
+and a gloo *control group* for the small per-step messages between rank 0 and the workers.
+Its timeout bounds how long a dead or hung worker can stall the engine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ditserve.engine.errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "DITSERVE_WORKER_TIMEOUT_S"
+
+
+def worker_timeout_s() -> float:
+    """Seconds a collective may wait for a peer (model loading included): env or default."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ConfigError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from e
+    if value <= 0:
+        raise ConfigError(f"{TIMEOUT_ENV} must be positive, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> Rendezvous | None:
+        """The rendezvous described by the environment, or None when it describes none."""
+        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+            return None
+        try:
+            world = int(os.environ["WORLD_SIZE"])
+            rank = int(os.environ["RANK"])
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            port = int(os.environ.get("MASTER_PORT", "29500"))
+        except ValueError as e:
+            raise ConfigError(f"bad torch.distributed environment: {e}") from e
+        if world <= 1:
+            return None
+        if not 0 <= rank < world:
+            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
+        return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, world, rank, local)
+
+    def for_rank(self, rank: int) -> Rendezvous:
+        return Rendezvous(self.master_addr, self.master_port, self.world_size, rank, rank)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """This rank's device: one accelerator per process, indexed by LOCAL_RANK."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device in ("auto", "cuda"):
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        if device == "cuda":
+            raise ConfigError("device 'cuda' requested but CUDA is not available")
+        return torch.device("cpu")
+    raise ConfigError(
+        f"with several ranks, device must be auto, cuda or cpu (each rank takes cuda:LOCAL_RANK), "
+        f"got {device!r}"
+    )
+
+
+@dataclass
+class Groups:
+    weight: dist.ProcessGroup
+    control: dist.ProcessGroup
+    rank: int
+    world_size: int
+
+
+def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float) -> Groups:
+    """Join the rendezvous; returns the weight and control groups."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{rdv.master_addr}:{rdv.master_port}",
+        rank=rdv.rank, world_size=rdv.world_size, timeout=timeout,
+    )
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    weight = dist.group.WORLD
+    assert weight is not None
+    return Groups(weight=weight, control=control, rank=rdv.rank, world_size=rdv.world_size)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,114 @@
+"""The worker loop of ranks 1..N-1: receive a wave, run this rank's plan, send the output.
+
+Kept light at import time (spawned children re-import this module). Messages travel on the
+gloo control group: rank 0 broadcasts a ``Wave`` (every rank's plan and new requests, and
+whether any rank runs a forward), each rank answers with its RunnerOutput via gather. A worker
+that cannot start or hits an unexpected error answers with a ``WorkerFailure`` and exits, so
+rank 0 reports it instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Wave:
+    plans: Sequence[Any]  # StepPlan per rank
+    new: Sequence[Any]  # NewRequests per rank
+    forward: bool  # some rank runs a denoise forward (collective participation needed)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Rank 0 is shutting down; workers leave their loop."""
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    rank: int
+    pid: int
+    device: str
+    pixel_multiple: int
+    offload: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    rank: int
+    pid: int
+    message: str
+
+
+def _gather(payload: Any, group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.gather_object(payload, None, dst=0, group=group)
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    config_mapping: dict[str, Any],
+    model_dir: str,
+    timeout_s: float,
+) -> None:
+    """Entry point of a spawned worker process (also used by `ditserve worker`)."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                      WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.distributed.rendezvous import (
+        Rendezvous,
+        destroy,
+        init_groups,
+        rank_device,
+    )
+    from ditserve.engine.model_runner import ModelRunner
+
+    config = EngineConfig.from_mapping(config_mapping)
+    rdv = Rendezvous(master_addr, master_port, world_size, rank, rank)
+    device = rank_device(config.device, rdv.local_rank)
+    groups = init_groups(rdv, device, timeout_s)
+    runner = None
+    try:
+        try:
+            runner = ModelRunner(config, model_dir=model_dir, device=device,
+                                 weight_group=groups.weight)
+        except Exception as e:
+            _gather(WorkerFailure(rank, os.getpid(), f"startup failed: {e!r}"), groups.control)
+            return
+        _gather(WorkerHello(rank, os.getpid(), str(device), runner.pixel_multiple,
+                            runner.offload_report()), groups.control)
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=groups.control)
+            message = box[0]
+            if isinstance(message, Stop):
+                break
+            if message == "reports":
+                _gather(runner.offload_report(), groups.control)
+                continue
+            try:
+                output = runner.execute(message.plans[rank], message.new[rank],
+                                        collective_wave=message.forward)
+            except Exception:
+                _gather(WorkerFailure(rank, os.getpid(), traceback.format_exc()), groups.control)
+                return
+            _gather(output, groups.control)
+    finally:
+        if runner is not None:
+            runner.close()
+        destroy()
