@@ -8,6 +8,7 @@ object), and the decoded output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from ditserve.engine.request import SamplingParams
