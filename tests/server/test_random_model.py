@@ -1,0 +1,60 @@
+"""`ditserve model init-random`: the random pipeline has Flux's latent layout, loads through
+the engine's loader and generates; the CLI refuses to overwrite a different model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ditserve.engine.cli import main
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.random_model import FLUX_TRANSFORMER, init_random
+from ditserve.engine.request import SamplingParams
+
+
+def test_tiny_random_flux_serves_with_flux_layout(tmp_path) -> None:
+    from ditserve.engine.engine import DiffusionEngine
+
+    model = tmp_path / "rnd"
+    assert main(["model", "init-random", "--size", "tiny", "--dtype", "float32",
+                 "--device", "cpu", str(model)]) == 0
+    config = json.loads((model / "transformer" / "config.json").read_text())
+    assert config["in_channels"] == 64 and config["guidance_embeds"] is True
+    assert json.loads((model / "vae" / "config.json").read_text())["latent_channels"] == 16
+    marker = json.loads((model / ".ditserve-random-complete").read_text())
+    assert marker["size"] == "tiny" and marker["transformer_parameters"] > 0
+
+    engine = DiffusionEngine(EngineConfig(model=str(model), device="cpu")).start()
+    try:
+        assert engine.pixel_multiple == 16  # 8x VAE and 2x2 packing, as real Flux
+        result = engine.add_request(
+            SamplingParams(prompt="a random cat", height=32, width=48, num_inference_steps=2,
+                           seed=0)).result(timeout=120)
+    finally:
+        engine.shutdown()
+    assert tuple(result.pixels.shape) == (1, 3, 32, 48)
+
+
+def test_full_config_is_diffusers_default_flux_with_guidance() -> None:
+    import inspect
+
+    from diffusers import FluxTransformer2DModel
+
+    defaults = {name: p.default for name, p in
+                inspect.signature(FluxTransformer2DModel.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty and name != "out_channels"}
+    full = FLUX_TRANSFORMER["full"]
+    assert {**defaults, "guidance_embeds": True} == {k: full[k] for k in defaults}
+    assert full["num_attention_heads"] * full["attention_head_dim"] == 3072
+
+
+def test_refuses_a_directory_holding_another_random_model(tmp_path) -> None:
+    (tmp_path / ".ditserve-random-complete").write_text(json.dumps(
+        {"family": "flux", "size": "small", "dtype": "bfloat16", "seed": 0,
+         "random_weights": True}))
+    with pytest.raises(ConfigError, match="already holds a different random model"):
+        init_random(tmp_path, size="tiny")
+    with pytest.raises(ConfigError, match="size must be one of tiny, small, full"):
+        init_random(tmp_path / "x", size="huge")
