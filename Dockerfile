@@ -1,0 +1,58 @@
+# The one ditserve image: the engine (`ditserve`), the node cache (`cachectl`) and the
+# operator (`ditserve-operator`). The Helm chart and the operator default to it.
+#
+#   docker build -t ghcr.io/ditserve/ditserve:0.1.0 .
+#   docker push ghcr.io/ditserve/ditserve:0.1.0
+#
+# No model weights are baked in: engines read a diffusers directory from a volume
+# (DiffusionDeployment spec.model) and never reach a model hub.
+
+# A CUDA build of PyTorch; the project's other dependencies are installed on top of it.
+ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="ditserve" \
+      org.opencontainers.image.description="Serving diffusion transformers with continuous batching and layerwise offload" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    DITSERVE_CACHE_ROOT=/var/cache/ditserve
+
+WORKDIR /opt/ditserve
+COPY pyproject.toml setup.py README.md requirements.txt ./
+COPY ditserve/ ditserve/
+COPY engine/ engine/
+COPY cachectl/ cachectl/
+COPY operator/ operator/
+
+# Keep the base image's CUDA torch: constrain everything else to the versions CI verified,
+# but drop the CPU torch pin from them.
+RUN grep -v '^torch==' requirements.txt > /tmp/constraints.txt \
+ && pip install --constraint /tmp/constraints.txt . \
+ && rm /tmp/constraints.txt \
+ && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+# Non-root user uid/gid 1000: the chart's pods and the engine pods run as it, and the
+# cachectl DaemonSet hands the node's cache root to it. Reuse uid 1000 if the base has one.
+RUN if getent passwd 1000 >/dev/null; then \
+        usermod --login ditserve --home /home/ditserve --move-home "$(getent passwd 1000 | cut -d: -f1)"; \
+    else \
+        groupadd --gid 1000 ditserve 2>/dev/null || true; \
+        useradd --uid 1000 --gid 1000 --create-home ditserve; \
+    fi \
+ && mkdir -p /var/cache/ditserve \
+ && chown 1000:1000 /var/cache/ditserve
+
+USER 1000:1000
+# Every entry point must start (the chart runs them as the container command).
+RUN ditserve --help >/dev/null && cachectl --help >/dev/null && ditserve-operator --help >/dev/null
+
+EXPOSE 8000
+CMD ["ditserve", "serve", "--config", "/etc/ditserve/engine.yaml"]
