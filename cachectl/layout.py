@@ -4,7 +4,7 @@
     <root>/v1/recipes/<rkey>.json  recipe key -> entry key records (skip-load-on-hit)
     <root>/v1/stamps/<key>.json    stat signatures after the last full hash (hints only)
     <root>/.locks/<key>.lock       build lock, one writer per key (flock, exclusive)
-    <root>/.locks/<key>.lease      reader lease (flock shared; GC takes it exclusive)
+    (reader leases are flocks on the entry directory itself; see locks.py)
     <root>/.tmp/<key>.<pid>.<nonce>/  publications in progress, and entries GC is deleting
 """
 
@@ -56,9 +56,6 @@ class Layout:
 
     def build_lock(self, key: str) -> Path:
         return self.locks / f"{key}.lock"
-
-    def lease(self, key: str) -> Path:
-        return self.locks / f"{key}.lease"
 
     def stamp(self, key: str) -> Path:
         return self.stamps / f"{key}.json"

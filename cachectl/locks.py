@@ -1,9 +1,11 @@
 """Kernel ``flock`` locks: the per-key build lock and the per-entry reader lease.
 
-The build lock (``.locks/<key>.lock``, exclusive) gives one writer per key across processes;
-a reader lease (``.locks/<key>.lease``, shared) pins an entry against GC, which needs it
-exclusive. Both are released by the kernel when their holder dies, even by ``kill -9``,
-so no stale lock can block the cache. Called by the store and GC only.
+The build lock (``.locks/<key>.lock``, exclusive) gives one writer per key across processes.
+A reader lease is a shared flock on the entry *directory* itself: it needs no file to be
+created, so engines can join entries on a read-only mount of the cache; GC needs the same
+lock exclusively to remove an entry. The kernel releases every flock when its holder dies,
+even by ``kill -9``, so no stale lock can block the cache. flock needs a local filesystem
+(on NFS it becomes a POSIX lock with other rules). Called by the store and GC only.
 """
 
 from __future__ import annotations
@@ -46,10 +48,16 @@ class HeldLock:
         self.release()
 
 
-def _try_lock(path: Path, mode: int) -> HeldLock | None:
-    """One non-blocking attempt; None if someone else holds a conflicting lock."""
+def _try_lock(path: Path, mode: int, *, directory: bool = False) -> HeldLock | None:
+    """One non-blocking attempt; None if someone else holds a conflicting lock.
+
+    A lock file is created when missing; a directory must exist (FileNotFoundError).
+    """
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if directory:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except OSError as e:
@@ -57,8 +65,8 @@ def _try_lock(path: Path, mode: int) -> HeldLock | None:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 return None
             raise
-        # The file may have been unlinked (GC removing an entry) between our open and our
-        # flock: then we hold a lock nobody else can see. Retry on the current file.
+        # The file may have been unlinked or renamed away (GC removing an entry) between our
+        # open and our flock: then we hold a lock nobody else can see. Retry on the current one.
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -66,14 +74,17 @@ def _try_lock(path: Path, mode: int) -> HeldLock | None:
         if same:
             return HeldLock(path, fd)
         os.close(fd)
+        if directory and not path.exists():
+            raise FileNotFoundError(path)
 
 
 def try_exclusive(path: Path) -> HeldLock | None:
     return _try_lock(path, fcntl.LOCK_EX)
 
 
-def try_shared(path: Path) -> HeldLock | None:
-    return _try_lock(path, fcntl.LOCK_SH)
+def try_exclusive_dir(path: Path) -> HeldLock | None:
+    """GC's side of a lease; FileNotFoundError if the directory is gone."""
+    return _try_lock(path, fcntl.LOCK_EX, directory=True)
 
 
 def read_holder(path: Path) -> str | None:
@@ -88,6 +99,7 @@ def acquire(
     *,
     shared: bool,
     timeout_s: float,
+    directory: bool = False,
     on_wait: Callable[[float], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> HeldLock | None:
@@ -99,9 +111,9 @@ def acquire(
     start = clock()
     delay = 0.01
     while True:
-        held = _try_lock(path, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        held = _try_lock(path, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, directory=directory)
         if held is not None:
-            if not shared:
+            if not shared and not directory:
                 # Record who builds, for the timeout message of the processes that wait.
                 os.ftruncate(held.fd, 0)  # type: ignore[arg-type]
                 os.pwrite(held.fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)  # type: ignore[arg-type]

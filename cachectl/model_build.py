@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.cachectl.entry import Entry
-from ditserve.cachectl.errors import BuildError, CacheError
+from ditserve.cachectl.errors import BuildError, CacheError, EntryCorruptError
 from ditserve.cachectl.identity import (
     DTYPES,
     Placement,
@@ -131,5 +131,14 @@ def ensure_model(store: CacheStore, request: ModelRequest, *,
         phase("writing entry")
         return tensors
 
-    return store.ensure_recipe(plan.recipe, model_digest=digest, build_fn=build,
-                               on_wait=on_wait, on_progress=on_progress)
+    entry = store.ensure_recipe(plan.recipe, model_digest=digest, build_fn=build,
+                                on_wait=on_wait, on_progress=on_progress)
+    if entry.built:
+        # Stamp now, while we can write: engines join on a read-only mount and would
+        # otherwise re-hash the whole entry at every start.
+        phase("verifying and stamping")
+        report = store.stamp(entry.key)
+        if not report.ok:
+            entry.close()
+            raise EntryCorruptError(entry.key, report.problems)
+    return entry

@@ -9,6 +9,7 @@ map an entry, GC removes only entries whose lease it can take exclusively.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -38,6 +39,7 @@ from ditserve.cachectl.verify import (
     check_content,
     check_structure,
     load_manifest,
+    racy_margin_ns,
     signatures,
     stamp_matches,
     write_stamp,
@@ -93,7 +95,13 @@ class CacheStore:
         if lock_timeout_s <= 0 or shard_bytes <= 0:
             raise CacheError("lock_timeout_s and shard_bytes must be positive")
         self.layout = Layout(Path(root))
-        self.layout.create()
+        try:
+            self.layout.create()
+        except OSError as e:
+            # A read-only mount (engine pods) can still join what is published there.
+            if not self.layout.entries.is_dir():
+                raise CacheError(f"cache root {root} is not usable ({e}); create it or fix "
+                                 "--root / $DITSERVE_CACHE_ROOT") from e
         self.lock_timeout_s = lock_timeout_s
         self.threads = threads
         self.shard_bytes = shard_bytes
@@ -124,21 +132,32 @@ class CacheStore:
         forces the re-hash).
         """
         path = self.layout.entry(_checked(key))
-        if not path.is_dir():
-            raise EntryNotFoundError(key)
-        lease = locks.acquire(self.layout.lease(key), shared=True, timeout_s=LEASE_WAIT_S)
-        if lease is None:
-            raise LockTimeoutError(key, LEASE_WAIT_S, "garbage collection")
+        lease = self._lease(key)
         try:
-            if not path.is_dir():  # GC removed it while we waited for the lease
-                raise EntryNotFoundError(key)
             manifest, by = self._validate(key, path, full=full)
-            now = self.clock()
-            os.utime(self.layout.lease(key), (now, now))  # last-used time, for LRU GC
+            self._touch(key)
             return Entry(path, manifest, lease, validated_by=by)
         except BaseException:
             lease.release()
             raise
+
+    def _lease(self, key: str) -> locks.HeldLock:
+        """A shared flock on the entry directory: works on a read-only mount of the cache."""
+        try:
+            lease = locks.acquire(self.layout.entry(key), shared=True, directory=True,
+                                  timeout_s=LEASE_WAIT_S)
+        except FileNotFoundError as e:  # never published, or GC renamed it away meanwhile
+            raise EntryNotFoundError(key) from e
+        if lease is None:
+            raise LockTimeoutError(key, LEASE_WAIT_S, "garbage collection")
+        return lease
+
+    def _touch(self, key: str) -> None:
+        # The entry directory's mtime is its last-used time, for LRU GC. Best effort: engines
+        # join on a read-only mount; their init container (read-write) touched it already.
+        now = self.clock()
+        with contextlib.suppress(OSError):
+            os.utime(self.layout.entry(key), (now, now))
 
     def _validate(self, key: str, path: Path, *, full: bool) -> tuple[Manifest, str]:
         manifest, problems = check_structure(path, key)
@@ -151,7 +170,7 @@ class CacheStore:
         started = int(self.clock() * 1e9)
         problems, _ = check_content(path, manifest, threads=self.threads)
         if problems:
-            stamp.unlink(missing_ok=True)
+            _forget(stamp)
             raise EntryCorruptError(key, problems)
         write_stamp(stamp, before, signatures(path, manifest), started)
         return manifest, "hash"
@@ -200,16 +219,13 @@ class CacheStore:
         # lock: re-hashing them now would double the build time and prove nothing new. The
         # structure check still runs (it reads the files back from disk).
         path = self.layout.entry(key)
-        lease = locks.acquire(self.layout.lease(key), shared=True, timeout_s=LEASE_WAIT_S)
-        if lease is None:
-            raise LockTimeoutError(key, LEASE_WAIT_S, "garbage collection")
+        lease = self._lease(key)
         try:
             on_disk, problems = check_structure(path, key)
             if problems or on_disk != manifest:
                 raise EntryCorruptError(key, problems or [Problem(key, "manifest.json",
                                                                   "differs from what was written")])
-            now = self.clock()
-            os.utime(self.layout.lease(key), (now, now))
+            self._touch(key)
             return Entry(path, manifest, lease, validated_by="publish", built=True)
         except BaseException:
             lease.release()
@@ -272,10 +288,25 @@ class CacheStore:
                         write_stamp(self.layout.stamp(key), before, signatures(path, manifest),
                                     started)
                 if not report.ok:
-                    self.layout.stamp(key).unlink(missing_ok=True)
+                    _forget(self.layout.stamp(key))
             report.seconds = time.monotonic() - start
             reports.append(report)
         return reports
+
+    def stamp(self, key: str) -> VerifyReport:
+        """Full-hash an entry and record its stamp, so later joins (read-only ones too) skip
+        the re-hash. Right after a publication this first waits out the racy window (at most
+        ``racy_margin_ns``; see verify.py)."""
+        path = self.layout.entry(_checked(key))
+        try:
+            sigs = signatures(path, load_manifest(path))
+        except (CacheError, OSError):
+            return self.verify([key])[0]  # let verify describe what is wrong
+        ready_ns = max(sig[4] for sig in sigs.values()) + racy_margin_ns(sigs)
+        wait_s = (ready_ns - self.clock() * 1e9) / 1e9
+        if wait_s > 0:
+            time.sleep(wait_s)  # the kernel's coarse ctime clock must move past the files' ctime
+        return self.verify([key])[0]
 
     # ---- list / gc / remove -------------------------------------------------------------
     def list(self) -> list[EntryInfo]:
@@ -283,7 +314,10 @@ class CacheStore:
         for key in self.keys():
             path = self.layout.entry(key)
             size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-            probe = locks.try_exclusive(self.layout.lease(key))
+            try:
+                probe = locks.try_exclusive_dir(path)
+            except FileNotFoundError:
+                continue  # removed while we listed
             in_use = probe is None
             if probe is not None:
                 probe.release()
@@ -297,12 +331,10 @@ class CacheStore:
         return infos
 
     def _last_used(self, key: str) -> float:
-        for p in (self.layout.lease(key), self.layout.entry(key)):
-            try:
-                return p.stat().st_mtime
-            except FileNotFoundError:
-                continue
-        return 0.0
+        try:
+            return self.layout.entry(key).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
 
     def remove(self, key: str) -> bool:
         """Remove one entry now; False if a reader or a builder holds it."""
@@ -313,16 +345,21 @@ class CacheStore:
         if build is None:
             return False
         with build:
-            lease = locks.try_exclusive(self.layout.lease(key))
+            try:
+                lease = locks.try_exclusive_dir(self.layout.entry(key))
+            except FileNotFoundError:
+                return False
             if lease is None:
                 return False
             if dry_run:
                 lease.release()
                 return True
             doomed = self.layout.tmp / f"{key}.gc.{os.getpid()}.{secrets.token_hex(4)}"
-            os.rename(self.layout.entry(key), doomed)  # vanishes atomically for new joiners
-            self.layout.stamp(key).unlink(missing_ok=True)
-            lease.unlink_and_release()
+            # The rename makes it vanish atomically for new joiners; one already waiting on the
+            # old directory's flock sees the path gone (inode check) and reports it missing.
+            os.rename(self.layout.entry(key), doomed)
+            _forget(self.layout.stamp(key))
+            lease.release()
             build.unlink_and_release()
         shutil.rmtree(doomed, ignore_errors=True)
         return True
@@ -372,3 +409,9 @@ def _checked(key: str) -> str:
     if not is_key(key):
         raise CacheError(f"{key!r} is not an entry key (64 lowercase hex digits); see `cachectl list`")
     return key
+
+
+def _forget(stamp: Path) -> None:
+    """Drop a stamp; best effort (a read-only mount keeps it, and joins still re-check)."""
+    with contextlib.suppress(OSError):
+        stamp.unlink(missing_ok=True)

@@ -24,8 +24,15 @@ from ditserve.cachectl.manifest import MANIFEST_NAME, Manifest
 from ditserve.cachectl.st_format import read_header
 
 # A stamp is only written when hashing began this long after the files' last change: a later
-# write in the same coarse kernel clock tick as the stamped ctime would otherwise go unseen.
-RACY_MARGIN_NS = 2_000_000_000
+# write within the same tick of the kernel's coarse timestamp clock would otherwise leave ctime
+# unchanged and go unseen. A jiffy is 1-10 ms; filesystems with whole-second timestamps get 2 s.
+RACY_MARGIN_NS = 100_000_000
+COARSE_FS_MARGIN_NS = 2_000_000_000
+
+
+def racy_margin_ns(sigs: dict[str, list[int]]) -> int:
+    whole_seconds = all(sig[4] % 1_000_000_000 == 0 for sig in sigs.values())
+    return COARSE_FS_MARGIN_NS if whole_seconds else RACY_MARGIN_NS
 
 
 @dataclass
@@ -165,9 +172,12 @@ def write_stamp(stamp_path: Path, before: dict[str, list[int]], after: dict[str,
     if before != after:
         return False
     newest_ctime = max(sig[4] for sig in after.values())
-    if hash_started_ns - newest_ctime < RACY_MARGIN_NS:
+    if hash_started_ns - newest_ctime < racy_margin_ns(after):
         return False
     tmp = stamp_path.with_name(f".{stamp_path.name}.{os.getpid()}.{time.monotonic_ns()}")
-    tmp.write_text(json.dumps({"files": after, "hash_started_ns": hash_started_ns}))
-    os.replace(tmp, stamp_path)  # a stamp is a hint: no fsync needed, a lost one costs a re-hash
+    try:
+        tmp.write_text(json.dumps({"files": after, "hash_started_ns": hash_started_ns}))
+        os.replace(tmp, stamp_path)  # a hint: no fsync needed, a lost one costs a re-hash
+    except OSError:
+        return False  # read-only mount: the next read-write joiner or scrub writes it
     return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,12 @@ def synthetic_tensors(seed: int = 0, n: int = 4, size: int = 4096) -> dict[str, 
 class Child:
     """A child process running cachectl/cache_child.py; talks in JSON lines on stdout."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, wrap: list[str] | None = None) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), *args], stdin=subprocess.PIPE,
+        argv = [sys.executable, str(CHILD), *args]
+        if wrap is not None:  # e.g. in a namespace: the last item of wrap is a shell snippet
+            argv = [*wrap[:-1], f"{wrap[-1]} {shlex.join(argv)}"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=env)
 

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     elif mode == "lease":
         store = CacheStore(root)
         with store.join(argv[2]) as entry:
-            say(leased=entry.key)
+            say(leased=entry.key, validated_by=entry.validated_by)
             sys.stdin.read()
     else:
         raise SystemExit(f"unknown mode {mode}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -59,7 +62,7 @@ def test_gc_never_removes_an_entry_a_live_process_maps(
     keys = _three_entries(lru_store, clock)
     reader = Child("lease", str(lru_store.root), keys[0])  # the oldest entry, held
     children.append(reader)
-    assert reader.read() == {"leased": keys[0]}
+    assert reader.read()["leased"] == keys[0]
     assert next(i for i in lru_store.list() if i.key == keys[0]).in_use
 
     report = lru_store.gc(max_bytes=0)
@@ -102,3 +105,29 @@ def test_gc_sweeps_dead_writers_temps_and_orphan_recipes(
     lru_store.gc(max_bytes=0)
     assert list(lru_store.layout.tmp.iterdir()) == []
     assert list(lru_store.layout.recipes.iterdir()) == []
+
+
+def _can_mount_read_only() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_read_only(), reason="needs unshare -rm (user+mount namespace)")
+def test_readers_on_a_read_only_mount_join_and_are_protected(
+    lru_store: CacheStore, clock: Clock, children: list[Child],
+) -> None:
+    # As in an engine pod: the cache root is mounted read-only; the reader creates nothing.
+    keys = _three_entries(lru_store, clock)
+    root = lru_store.root
+    clock.now = time.time() + 10  # old enough to stamp
+    assert lru_store.stamp(keys[0]).ok
+    wrap = ["unshare", "-rm", "sh", "-c", f"mount --bind -o ro {root} {root} && exec"]
+    readers = [Child("lease", str(root), key, wrap=wrap) for key in keys[:2]]
+    children.extend(readers)
+    first, second = (r.read() for r in readers)
+    assert first == {"leased": keys[0], "validated_by": "stamp"}
+    assert second == {"leased": keys[1], "validated_by": "hash"}  # no stamp: re-hashed, fine
+    report = lru_store.gc(max_bytes=0)
+    assert sorted(report.kept_in_use) == sorted(keys[:2]) and report.removed == [keys[2]]
+    assert all(r.finish() == 0 for r in readers)

@@ -119,7 +119,7 @@ def test_join_of_a_missing_entry_names_the_fix(store: CacheStore) -> None:
 
 
 def test_stamp_skips_the_rehash_until_a_file_changes(tmp_path: Path) -> None:
-    # A clock 10 s ahead makes the fresh files old enough to be stamped (see RACY_MARGIN_NS).
+    # A clock 10 s ahead makes the fresh files old enough to be stamped (see verify.py).
     store = CacheStore(tmp_path / "c", clock=lambda: time.time() + 10)
     ident = make_identity()
     with store.publish(ident, synthetic_tensors()) as e:
@@ -143,12 +143,26 @@ def test_stamp_skips_the_rehash_until_a_file_changes(tmp_path: Path) -> None:
         store.join(ident.key)
 
 
-def test_a_fresh_entry_is_never_stamped(store: CacheStore) -> None:
+def test_files_changed_within_the_racy_window_are_never_stamped(tmp_path: Path) -> None:
+    # A clock behind the files' ctime: a write right after the stamp could share its tick.
+    store = CacheStore(tmp_path / "c", clock=lambda: time.time() - 10)
     ident = make_identity()
     store.publish(ident, synthetic_tensors()).close()
     with store.join(ident.key) as e:
         assert e.validated_by == "hash"
     assert not store.layout.stamp(ident.key).exists()
+    with store.join(ident.key) as e:
+        assert e.validated_by == "hash"
+
+
+def test_stamp_waits_out_the_racy_window_then_lets_joins_skip_the_hash(
+    store: CacheStore,
+) -> None:
+    ident = make_identity()
+    store.publish(ident, synthetic_tensors()).close()
+    assert store.stamp(ident.key).ok
+    with store.join(ident.key) as e:
+        assert e.validated_by == "stamp"
 
 
 def test_ensure_times_out_with_the_holder_named(tmp_path: Path) -> None:
