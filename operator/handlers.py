@@ -33,6 +33,7 @@ DD = (render.API_GROUP, "v1alpha1", render.PLURAL)
 MANAGED = {"app.kubernetes.io/managed-by": render.MANAGER}
 IMAGE_ENV = "DITSERVE_ENGINE_IMAGE"  # set by the chart to the image the operator runs
 RETRY_DELAY_S = 15
+Log = logging.Logger | logging.LoggerAdapter[Any]
 
 
 def _now() -> str:
@@ -109,8 +110,8 @@ async def _apply_children(client: KubeClient, body: Mapping[str, Any],
 @kopf.on.resume(*DD)
 @kopf.on.create(*DD)
 @kopf.on.update(*DD)
-async def reconcile(body: kopf.Body, name: str, namespace: str, patch: kopf.Patch, memo: Any,
-                    logger: logging.Logger, **_: Any) -> None:
+async def reconcile(body: kopf.Body, name: str, namespace: str | None, patch: kopf.Patch, memo: Any,
+                    logger: Log, **_: Any) -> None:
     client = _client(memo)
     try:
         deployment = await _apply_children(client, body, memo.get("image", render.DEFAULT_IMAGE))
@@ -121,12 +122,12 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, patch: kopf.Patc
         return
     except KubeApiError as e:
         raise kopf.TemporaryError(f"applying children failed: {e}", delay=RETRY_DELAY_S) from e
-    deployment, pods = await _observe(client, namespace, name, deployment)
+    deployment, pods = await _observe(client, namespace or "default", name, deployment)
     patch["status"] = compute_status(body, deployment, pods, now=_now())
 
 
 async def _refresh(memo: Any, namespace: str, name: str, *, child_deleted: bool,
-                   logger: logging.Logger) -> None:
+                   logger: Log) -> None:
     client = _client(memo)
     path = resource_path(render.API_VERSION, render.PLURAL, namespace, name)
     body = await client.get(path)
@@ -153,10 +154,10 @@ def _owner_name(body: Mapping[str, Any]) -> str | None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-async def child_deployment_changed(body: kopf.Body, type: str | None, namespace: str, memo: Any,
-                                   logger: logging.Logger, **_: Any) -> None:
+async def child_deployment_changed(body: kopf.Body, type: str, namespace: str | None, memo: Any,
+                                   logger: Log, **_: Any) -> None:
     owner = _owner_name(body)
-    if owner is None:
+    if owner is None or namespace is None:
         return
     try:
         await _refresh(memo, namespace, owner, child_deleted=type == "DELETED", logger=logger)
@@ -165,10 +166,10 @@ async def child_deployment_changed(body: kopf.Body, type: str | None, namespace:
 
 
 @kopf.on.event("v1", "pods", labels=MANAGED)
-async def engine_pod_changed(body: kopf.Body, namespace: str, memo: Any, logger: logging.Logger,
+async def engine_pod_changed(body: kopf.Body, namespace: str | None, memo: Any, logger: Log,
                              **_: Any) -> None:
     owner = (body.get("metadata") or {}).get("labels", {}).get("app.kubernetes.io/instance")
-    if not owner:
+    if not owner or namespace is None:
         return
     try:
         await _refresh(memo, namespace, owner, child_deleted=False, logger=logger)

@@ -139,14 +139,14 @@ class _Reader:
             return default
         return value
 
-    def str(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> Any:
+    def text(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> Any:
         value = self._get(key, (str,), default, "a string")
         if choices and value is not None and value not in choices:
             self.problems.append(f"{self.path}.{key} must be one of {', '.join(choices)}, got {value!r}")
             return default
         return value
 
-    def int(self, key: str, default: int | None, minimum: int = 0) -> Any:
+    def integer(self, key: str, default: int | None, minimum: int = 0) -> Any:
         value = self._get(key, (int,), default, f"an integer >= {minimum}")
         if value is not None and value < minimum:
             self.problems.append(f"{self.path}.{key} must be an integer >= {minimum}, got {value}")
@@ -160,14 +160,14 @@ class _Reader:
             return default
         return None if value is None else float(value)
 
-    def bool(self, key: str, default: bool) -> bool:
+    def flag(self, key: str, default: bool) -> bool:
         return bool(self._get(key, (bool,), default, "true or false"))
 
     def int_or_str(self, key: str, default: int | str) -> Any:
         value = self._get(key, (int, str), default, "an integer or a string")
         return str(value) if isinstance(value, int) and isinstance(default, str) else value
 
-    def list(self, key: str) -> tuple[Any, ...]:
+    def items(self, key: str) -> tuple[Any, ...]:
         return tuple(self._get(key, (list, tuple), (), "a list") or ())
 
     def child(self, key: str) -> _Reader:
@@ -183,11 +183,11 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     m = root.child("model")
     pvc = m.child("persistentVolumeClaim")
     model = ModelSpec(
-        host_path=m.str("hostPath"),
-        claim_name=pvc.str("claimName"),
-        sub_path=pvc.str("subPath", "") or "",
-        family=m.str("family", "Auto", FAMILIES),
-        dtype=m.str("dtype", "bfloat16", DTYPES),
+        host_path=m.text("hostPath"),
+        claim_name=pvc.text("claimName"),
+        sub_path=pvc.text("subPath", "") or "",
+        family=m.text("family", "Auto", FAMILIES),
+        dtype=m.text("dtype", "bfloat16", DTYPES),
         size_gib=m.number("sizeGiB", None),
     )
     p = root.child("parallelism")
@@ -202,45 +202,45 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     r = root.child("rollout")
     spec = DeploymentSpec(
         model=model,
-        replicas=root.int("replicas", 1),
-        parallelism=ParallelismSpec(data=p.int("data", 1, 1), sequence=p.int("sequence", 1, 1)),
+        replicas=root.integer("replicas", 1),
+        parallelism=ParallelismSpec(data=p.integer("data", 1, 1), sequence=p.integer("sequence", 1, 1)),
         offload=OffloadSpec(
-            enabled=o.bool("enabled", False),
-            use_all_gather=o.bool("useAllGather", True),
-            resident_layers=o.int("residentLayers", 0),
-            runtime_cache=rc.bool("enabled", False),
+            enabled=o.flag("enabled", False),
+            use_all_gather=o.flag("useAllGather", True),
+            resident_layers=o.integer("residentLayers", 0),
+            runtime_cache=rc.flag("enabled", False),
             pin_limit_gib=rc.number("pinLimitGiB", 0.0),
         ),
         batching=BatchingSpec(
-            max_num_seqs=b.int("maxNumSeqs", 4, 1), max_queue=b.int("maxQueue", 64)
+            max_num_seqs=b.integer("maxNumSeqs", 4, 1), max_queue=b.integer("maxQueue", 64)
         ),
         engine=EngineSpec(
-            image=e.str("image") or None,
-            image_pull_policy=e.str("imagePullPolicy", "IfNotPresent", PULL_POLICIES),
+            image=e.text("image") or None,
+            image_pull_policy=e.text("imagePullPolicy", "IfNotPresent", PULL_POLICIES),
             cpu=res.int_or_str("cpu", "4"),
             memory=res.int_or_str("memory", "16Gi"),
             shm_size=e.int_or_str("shmSize", "8Gi"),
-            port=e.int("port", 8000, 1024),
-            args=tuple(str(a) for a in e.list("args")),
-            env=tuple(dict(v) for v in e.list("env") if isinstance(v, Mapping)),
+            port=e.integer("port", 8000, 1024),
+            args=tuple(str(a) for a in e.items("args")),
+            env=tuple(dict(v) for v in e.items("env") if isinstance(v, Mapping)),
             api_key_secret=(
-                (key_secret.str("name"), key_secret.str("key", "api-key"))
+                (key_secret.text("name"), key_secret.text("key", "api-key"))
                 if key_secret.data.get("name")
                 else None
             ),
         ),
         cache=CacheSpec(
-            mode=c.str("mode", "NodeLocal", CACHE_MODES),
-            root=c.str("root", "/var/cache/ditserve"),
-            claim_name=c.child("persistentVolumeClaim").str("claimName"),
+            mode=c.text("mode", "NodeLocal", CACHE_MODES),
+            root=c.text("root", "/var/cache/ditserve"),
+            claim_name=c.child("persistentVolumeClaim").text("claimName"),
         ),
-        startup_timeout_s=root.child("probes").int("startupTimeoutSeconds", None, 30),
+        startup_timeout_s=root.child("probes").integer("startupTimeoutSeconds", None, 30),
         scheduling=SchedulingSpec(
             node_selector=dict(s.data.get("nodeSelector") or {}),
-            tolerations=tuple(dict(t) for t in s.list("tolerations") if isinstance(t, Mapping)),
+            tolerations=tuple(dict(t) for t in s.items("tolerations") if isinstance(t, Mapping)),
             affinity=s.data.get("affinity") or None,
-            priority_class_name=s.str("priorityClassName") or None,
-            runtime_class_name=s.str("runtimeClassName") or None,
+            priority_class_name=s.text("priorityClassName") or None,
+            runtime_class_name=s.text("runtimeClassName") or None,
         ),
         rollout=RolloutSpec(
             max_unavailable=r.int_or_str("maxUnavailable", 1),
