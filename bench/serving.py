@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Serving benchmark: Poisson arrivals against `ditserve serve`, measured like a client.
+
+Sends N generation requests (mixed step counts) whose arrival times are a Poisson process at
+``--rate`` requests/s, waits for every response, and reports throughput, client latency
+percentiles, server queue time, and - from /metrics deltas - the mean step batch size and
+step time. Two ways to run it:
+
+  against a running server:
+    python bench/serving.py --url http://127.0.0.1:8000 --requests 32 --rate 4
+  launching one server per --max-num-seqs value (same workload, one after the other):
+    python bench/serving.py --launch --max-num-seqs 1,4 --serve-args "--offload dlo" ...
+
+It prints a table and writes everything (settings, per-request records, summaries, the
+throughput ratio of the last to the first configuration) to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+GEN = "/v1/images/generations"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")
+
+
+@dataclass
+class Record:
+    index: int
+    steps: int
+    arrival_s: float
+    status: int
+    latency_s: float
+    queue_s: float | None
+    images: int
+    finished_s: float
+    error: str | None = None
+
+
+def workload(n: int, rate: float, steps: list[int], seed: int) -> list[tuple[float, int]]:
+    """(arrival offset in s, num_inference_steps) per request; rate <= 0 or inf: all at 0."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append((t, rng.choice(steps)))
+        if 0 < rate < math.inf:
+            t += rng.expovariate(rate)
+    return out
+
+
+def scrape(url: str, headers: dict[str, str]) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+async def run_workload(url: str, plan: list[tuple[float, int]], *, size: str, n_images: int,
+                       headers: dict[str, str], timeout: float) -> list[Record]:
+    limits = httpx.Limits(max_connections=len(plan) + 4)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
+                                 limits=limits) as client:
+        start = time.monotonic()
+
+        async def one(i: int, arrival: float, steps: int) -> Record:
+            await asyncio.sleep(max(0.0, start + arrival - time.monotonic()))
+            body = {"prompt": f"benchmark prompt {i}: a lighthouse at dusk", "seed": i,
+                    "num_inference_steps": steps, "size": size, "n": n_images}
+            sent = time.monotonic()
+            try:
+                response = await client.post(GEN, json=body)
+            except httpx.HTTPError as e:
+                now = time.monotonic()
+                return Record(i, steps, sent - start, 0, now - sent, None, 0, now - start,
+                              repr(e))
+            now = time.monotonic()
+            data = response.json() if response.headers.get("content-type", "").startswith(
+                "application/json") else {}
+            if response.status_code != 200:
+                return Record(i, steps, sent - start, response.status_code, now - sent, None, 0,
+                              now - start, json.dumps(data.get("error")))
+            meta = data.get("ditserve", {})
+            return Record(i, steps, sent - start, 200, now - sent, meta.get("queue_seconds"),
+                          len(data.get("data", [])), now - start)
+
+        return list(await asyncio.gather(*(one(i, a, s) for i, (a, s) in enumerate(plan))))
+
+
+def summarize(records: list[Record], before: dict[str, float], after: dict[str, float]
+              ) -> dict[str, Any]:
+    ok = [r for r in records if r.status == 200]
+    duration = max((r.finished_s for r in records), default=0.0) - min(
+        (r.arrival_s for r in records), default=0.0)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("ditserve:step_batch_size_count")
+    latencies = [r.latency_s for r in ok]
+    queues = [r.queue_s for r in ok if r.queue_s is not None]
+    return {
+        "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+        "images": sum(r.images for r in ok), "duration_s": duration,
+        "throughput_rps": len(ok) / duration if duration > 0 else None,
+        "throughput_images_per_s": sum(r.images for r in ok) / duration if duration else None,
+        "latency_mean_s": sum(latencies) / len(latencies) if latencies else None,
+        "latency_p50_s": percentile(latencies, 0.5),
+        "latency_p90_s": percentile(latencies, 0.9),
+        "latency_p99_s": percentile(latencies, 0.99),
+        "queue_mean_s": sum(queues) / len(queues) if queues else None,
+        "queue_p50_s": percentile(queues, 0.5), "queue_p90_s": percentile(queues, 0.9),
+        "queue_p99_s": percentile(queues, 0.99),
+        "denoise_steps": steps,
+        "mean_batch_size": delta("ditserve:step_batch_size_sum") / steps if steps else None,
+        "mean_batch_rows": delta("ditserve:step_batch_rows_sum") / steps if steps else None,
+        "mean_step_s": delta("ditserve:step_time_seconds_sum") / steps if steps else None,
+        "offload_bytes": delta("ditserve:offload_bytes_transferred_total"),
+    }
+
+
+def bench_url(url: str, args: argparse.Namespace, headers: dict[str, str]) -> dict[str, Any]:
+    steps = [int(s) for s in args.steps.split(",")]
+    for i in range(args.warmup):  # not measured: first-request costs (kernels, allocator)
+        asyncio.run(run_workload(url, [(0.0, steps[0])], size=args.size, n_images=args.n,
+                                 headers=headers, timeout=args.timeout))
+        print(f"  warm-up request {i + 1}/{args.warmup} done", file=sys.stderr)
+    plan = workload(args.requests, args.rate, steps, args.seed)
+    before = scrape(url, headers)
+    records = asyncio.run(run_workload(url, plan, size=args.size, n_images=args.n,
+                                       headers=headers, timeout=args.timeout))
+    after = scrape(url, headers)
+    ready = httpx.get(f"{url}/ready", timeout=30).json()
+    return {"summary": summarize(records, before, after), "server": ready,
+            "records": [asdict(r) for r in records]}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(args: argparse.Namespace, max_num_seqs: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [*shlex.split(args.server_cmd), "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--max-num-seqs", str(max_num_seqs), "--max-queue", str(max(64, args.requests)),
+           "--request-timeout", str(args.timeout), *shlex.split(args.serve_args)]
+    if args.model:
+        cmd += ["--model", args.model]
+    log = open(Path(args.out).with_suffix(f".server-{max_num_seqs}.log"), "wb")  # noqa: SIM115
+    print(f"launching: {shlex.join(cmd)}", file=sys.stderr)
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode}; see {log.name}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)  # polling a child process's HTTP readiness
+    process.kill()
+    raise SystemExit(f"server not ready after {args.startup_timeout}s; see {log.name}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def fmt(value: Any, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
+    head = (f"{'config':<22} {'ok/n':>6} {'dur s':>7} {'req/s':>7} {'img/s':>7} {'p50 s':>7} "
+            f"{'p90 s':>7} {'p99 s':>7} {'queue s':>8} {'batch':>6} {'step s':>7}")
+    print(head)
+    print("-" * len(head))
+    for label, s in rows:
+        print(f"{label:<22} {s['ok']:>3}/{s['requests']:<2} {fmt(s['duration_s']):>7} "
+              f"{fmt(s['throughput_rps'], '.3f'):>7} {fmt(s['throughput_images_per_s'], '.3f'):>7} "
+              f"{fmt(s['latency_p50_s']):>7} {fmt(s['latency_p90_s']):>7} "
+              f"{fmt(s['latency_p99_s']):>7} {fmt(s['queue_mean_s']):>8} "
+              f"{fmt(s['mean_batch_size']):>6} {fmt(s['mean_step_s'], '.3f'):>7}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="a running server (omit with --launch)")
+    p.add_argument("--launch", action="store_true", help="start one server per --max-num-seqs")
+    p.add_argument("--max-num-seqs", default="1,4", help="with --launch: comma list")
+    p.add_argument("--serve-args", default="", help="with --launch: extra `serve` flags")
+    p.add_argument("--server-cmd", default=f"{sys.executable} -m ditserve.engine.cli",
+                   help="with --launch: how to run the ditserve CLI")
+    p.add_argument("--model", default=None, help="with --launch: --model for the server")
+    p.add_argument("--label", default="", help="prefix of the configuration names")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
+    p.add_argument("--steps", default="4,8,12", help="step counts, drawn uniformly")
+    p.add_argument("--size", default="64x64")
+    p.add_argument("--n", type=int, default=1, help="images per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--out", default="serving-bench.json")
+    args = p.parse_args(argv)
+    headers = {}
+    if os.environ.get("DITSERVE_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['DITSERVE_API_KEY']}"
+
+    results: list[dict[str, Any]] = []
+    if args.launch:
+        for value in [int(v) for v in args.max_num_seqs.split(",")]:
+            process, url = launch(args, value)
+            try:
+                result = bench_url(url, args, headers)
+            finally:
+                stop(process)
+            result["label"] = f"{args.label}max_num_seqs={value}"
+            result["max_num_seqs"] = value
+            results.append(result)
+            print_table([(result["label"], result["summary"])])
+    elif args.url:
+        result = bench_url(args.url.rstrip("/"), args, headers)
+        result["label"] = args.label or args.url
+        results.append(result)
+    else:
+        p.error("give --url or --launch")
+
+    print()
+    print_table([(r["label"], r["summary"]) for r in results])
+    report: dict[str, Any] = {
+        "settings": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "results": results,
+    }
+    first, last = results[0]["summary"], results[-1]["summary"]
+    if len(results) > 1 and first["throughput_rps"] and last["throughput_rps"]:
+        report["throughput_ratio_last_vs_first"] = last["throughput_rps"] / first["throughput_rps"]
+        print(f"\nthroughput ratio {results[-1]['label']} / {results[0]['label']}: "
+              f"{report['throughput_ratio_last_vs_first']:.2f}x")
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0 if all(r["summary"]["errors"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
