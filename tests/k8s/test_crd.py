@@ -61,7 +61,10 @@ def _test_crs() -> Iterator[tuple[str, dict[str, Any]]]:
     from k8s.test_operator_e2e import SPEC
     from k8s.test_render import VARIANTS
 
-    yield "example", yaml.safe_load(EXAMPLE_PATH.read_text())
+    for path in sorted(EXAMPLE_PATH.parent.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] == "DiffusionDeployment":
+                yield f"{path.stem}/{doc['metadata']['name']}", doc
     yield "e2e", cr(SPEC)
     for name, spec in VARIANTS.items():
         yield name, cr(spec)
@@ -187,3 +190,22 @@ def test_cel_rules_agree_with_the_operators_own_checks() -> None:
         spec = {**copy.deepcopy(GOOD), **change}
         with pytest.raises(InvalidSpecError):
             parse_spec(apply_defaults(version_schema(), cr(spec))["spec"])
+
+
+def test_example_files_hold_only_valid_objects() -> None:
+    """Everything else in examples/ validates against the Kubernetes schemas; the restricted
+    example's engine pod meets the restricted Pod Security level."""
+    from k8s.test_render import _violates_restricted
+
+    from ditserve.operator.render import Owner, render
+
+    for path in sorted(EXAMPLE_PATH.parent.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] != "DiffusionDeployment":
+                kubernetes_validate.validate(doc, "1.33.0", strict=True)
+    restricted = [d for d in yaml.safe_load_all(
+        (EXAMPLE_PATH.parent / "restricted-namespace.yaml").read_text())
+        if d["kind"] == "DiffusionDeployment"][0]
+    owner = Owner.from_body({**restricted, "metadata": {**restricted["metadata"], "uid": "u"}})
+    kids = {m["kind"]: m for m in render(parse_spec(restricted["spec"]), owner)}
+    assert _violates_restricted(kids["Deployment"]["spec"]["template"]["spec"]) == []
