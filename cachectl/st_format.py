@@ -65,14 +65,14 @@ def as_raw(value: Any) -> RawTensor:
         if name not in _TORCH_NAMES:
             raise CacheError(f"tensor dtype {t.dtype} cannot be stored in safetensors")
         flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        return RawTensor(_TORCH_NAMES[name], tuple(t.shape), memoryview(flat.numpy()))
+        return RawTensor(_TORCH_NAMES[name], tuple(t.shape), flat.numpy().data)
     import numpy as np
 
     a = np.ascontiguousarray(value)
     if a.dtype.name not in _NUMPY_NAMES:
         raise CacheError(f"array dtype {a.dtype} cannot be stored in safetensors")
     return RawTensor(_NUMPY_NAMES[a.dtype.name], tuple(a.shape),
-                     memoryview(a.reshape(-1).view(np.uint8)))
+                     a.reshape(-1).view(np.uint8).data)
 
 
 @dataclass(frozen=True)
