@@ -1,8 +1,8 @@
 """A small async Kubernetes API client for the operator's own requests (children, status).
 
 Owns URL building, authentication from kopf's ``ConnectionInfo`` (the login handler hands it
-over, so kopf and this client always use the same credentials) and the few verbs the
-operator needs: get, list, server-side apply, and a merge-patch of ``/status``.
+over, so kopf and this client use the same credentials, TLS settings and headers) and the few
+verbs the operator needs: get, list, server-side apply, and a merge-patch of ``/status``.
 
 Why not the ``kubernetes`` package: it is synchronous (kopf would run every handler in a
 thread), reads $KUBECONFIG at import time, and validates bodies against its own models.
@@ -11,11 +11,8 @@ Called by ``handlers`` only.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import ssl
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +24,7 @@ from ditserve.operator.errors import KubeApiError, NotLoggedInError
 FIELD_MANAGER = "ditserve-operator"
 # In-cluster tokens are short-lived and rotated on disk: read the file per request.
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+SERVICE_ACCOUNT_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
 _PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
             "Pod": "pods", "DiffusionDeployment": "diffusiondeployments"}
@@ -52,14 +50,6 @@ def manifest_path(manifest: Mapping[str, Any], *, named: bool = True) -> str:
                          meta["name"] if named else None)
 
 
-def _write_temp(data: str | bytes, suffix: str) -> str:
-    raw = base64.b64decode(data) if isinstance(data, str) else data
-    fd, path = tempfile.mkstemp(suffix=suffix)
-    with os.fdopen(fd, "wb") as f:
-        f.write(raw)
-    return path
-
-
 class KubeClient:
     """One aiohttp session bound to one API server; ``login`` may be called again on rotation."""
 
@@ -67,35 +57,25 @@ class KubeClient:
         self._info: kopf.ConnectionInfo | None = None
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._retired: list[aiohttp.ClientSession] = []
 
     def login(self, info: kopf.ConnectionInfo) -> None:
+        """Use new credentials from now on (kopf logs in again when its own requests get 401)."""
+        if self._session is not None and info != self._info:
+            # The session's connector holds the old TLS context; close it on the next request.
+            self._retired.append(self._session)
+            self._session = None
         self._info = info
 
-    def _ssl(self, info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
-        if info.insecure:
-            return False
-        ctx = ssl.create_default_context(
-            cafile=info.ca_path,
-            cadata=base64.b64decode(info.ca_data).decode() if info.ca_data else None)
-        cert = info.certificate_path or (
-            _write_temp(info.certificate_data, ".crt") if info.certificate_data else None)
-        key = info.private_key_path or (
-            _write_temp(info.private_key_data, ".key") if info.private_key_data else None)
-        if cert:
-            ctx.load_cert_chain(cert, key)
-        return ctx
-
-    def _headers(self, info: kopf.ConnectionInfo) -> dict[str, str]:
-        headers = {"Accept": "application/json"}
-        token = info.token
-        if os.path.exists(SERVICE_ACCOUNT_TOKEN) and info.scheme in (None, "Bearer"):
+    @staticmethod
+    def _headers(info: kopf.ConnectionInfo) -> dict[str, str]:
+        headers = {"Accept": "application/json", **info.as_http_headers()}
+        if info.ca_path == SERVICE_ACCOUNT_CA and os.path.exists(SERVICE_ACCOUNT_TOKEN):
+            # In-cluster: the kubelet rotates the projected token on disk; read it each time.
             with open(SERVICE_ACCOUNT_TOKEN) as f:
-                token = f.read().strip() or token
-        if token:
-            headers["Authorization"] = f"{info.scheme or 'Bearer'} {token}"
-        elif info.username and info.password:
-            basic = base64.b64encode(f"{info.username}:{info.password}".encode()).decode()
-            headers["Authorization"] = f"Basic {basic}"
+                token = f.read().strip()
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
         return headers
 
     async def _request(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
@@ -104,9 +84,11 @@ class KubeClient:
         if self._info is None:
             raise NotLoggedInError("the operator has no API credentials yet (no login happened)")
         info = self._info
+        while self._retired:
+            await self._retired.pop().close()
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=self._ssl(info)))
+                timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=info.as_ssl_context()))
         headers = self._headers(info)
         data = None
         if body is not None:
@@ -157,6 +139,8 @@ class KubeClient:
                                    content_type="application/merge-patch+json", missing_ok=True)
 
     async def close(self) -> None:
+        while self._retired:
+            await self._retired.pop().close()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,0 +1,49 @@
+"""The operator's small API client: URL building, and its verbs against the emulator."""
+
+from __future__ import annotations
+
+import kopf
+import pytest
+from k8s.k8s_emulator import CONFIGMAPS, Emulator
+
+from ditserve.operator.errors import KubeApiError, NotLoggedInError
+from ditserve.operator.kube import KubeClient, manifest_path, resource_path
+
+
+def test_paths() -> None:
+    assert resource_path("v1", "pods", "ml") == "/api/v1/namespaces/ml/pods"
+    assert resource_path("apps/v1", "deployments", "ml", "flux") == (
+        "/apis/apps/v1/namespaces/ml/deployments/flux")
+    assert resource_path("ditserve.io/v1alpha1", "diffusiondeployments", "ml", "f", "status") == (
+        "/apis/ditserve.io/v1alpha1/namespaces/ml/diffusiondeployments/f/status")
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "ml"}}
+    assert manifest_path(cm) == "/api/v1/namespaces/ml/configmaps/c"
+    assert manifest_path(cm, named=False) == "/api/v1/namespaces/ml/configmaps"
+
+
+async def test_requests_before_login_say_so() -> None:
+    with pytest.raises(NotLoggedInError):
+        await KubeClient().get("/api/v1/namespaces/default/pods/x")
+
+
+@pytest.mark.kmock(cls=Emulator)
+async def test_apply_creates_then_updates_and_errors_are_typed(kmock: Emulator) -> None:
+    client = KubeClient()
+    client.login(kopf.ConnectionInfo(server=str(kmock.url)))
+    try:
+        cm = {"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": {"name": "c", "namespace": "default"}, "data": {"a": "1"}}
+        created = await client.apply(cm)
+        assert created["data"] == {"a": "1"} and created["metadata"]["uid"]
+        updated = await client.apply({**cm, "data": {"a": "2"}})
+        assert updated["metadata"]["uid"] == created["metadata"]["uid"]
+        assert kmock.objects[CONFIGMAPS, "default", "c"].raw["data"] == {"a": "2"}
+        assert await client.get(manifest_path({**cm, "metadata": {"name": "nope",
+                                                                  "namespace": "default"}})) is None
+        items = await client.list("/api/v1/namespaces/default/configmaps")
+        assert [i["metadata"]["name"] for i in items] == ["c"]
+        with pytest.raises(KubeApiError) as info:
+            await client.list("/apis/example.dev/v1/namespaces/default/widgets")
+        assert info.value.status == 404
+    finally:
+        await client.close()
