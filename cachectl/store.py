@@ -13,14 +13,12 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ditserve.cachectl import locks
+from ditserve.cachectl import gc, locks
 from ditserve.cachectl.entry import Entry
 from ditserve.cachectl.errors import (
     CacheError,
@@ -29,6 +27,7 @@ from ditserve.cachectl.errors import (
     LockTimeoutError,
     Problem,
 )
+from ditserve.cachectl.gc import EntryInfo, GcReport
 from ditserve.cachectl.hashing import RateLimiter
 from ditserve.cachectl.identity import EntryIdentity, Recipe, is_key
 from ditserve.cachectl.layout import Layout
@@ -38,6 +37,7 @@ from ditserve.cachectl.verify import (
     VerifyReport,
     check_content,
     check_structure,
+    forget_stamp,
     load_manifest,
     racy_margin_ns,
     signatures,
@@ -48,36 +48,6 @@ from ditserve.cachectl.verify import (
 BuildFn = Callable[[], Mapping[str, Any]]
 DEFAULT_SHARD_BYTES = 2**30
 LEASE_WAIT_S = 30.0  # GC holds a lease exclusively only while renaming an entry away
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    key: str
-    path: Path
-    bytes: int
-    created_at: str | None
-    last_used: float
-    in_use: bool
-    identity: dict[str, Any] | None
-    problem: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "bytes": self.bytes, "created_at": self.created_at,
-                "last_used": self.last_used, "in_use": self.in_use,
-                "identity": self.identity, "problem": self.problem}
-
-
-@dataclass
-class GcReport:
-    removed: list[str] = field(default_factory=list)
-    kept_in_use: list[str] = field(default_factory=list)
-    freed_bytes: int = 0
-    bytes_before: int = 0
-    bytes_after: int = 0
-    dry_run: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class CacheStore:
@@ -170,7 +140,7 @@ class CacheStore:
         started = int(self.clock() * 1e9)
         problems, _ = check_content(path, manifest, threads=self.threads)
         if problems:
-            _forget(stamp)
+            forget_stamp(stamp)
             raise EntryCorruptError(key, problems)
         write_stamp(stamp, before, signatures(path, manifest), started)
         return manifest, "hash"
@@ -288,7 +258,7 @@ class CacheStore:
                         write_stamp(self.layout.stamp(key), before, signatures(path, manifest),
                                     started)
                 if not report.ok:
-                    _forget(self.layout.stamp(key))
+                    forget_stamp(self.layout.stamp(key))
             report.seconds = time.monotonic() - start
             reports.append(report)
         return reports
@@ -308,110 +278,21 @@ class CacheStore:
             time.sleep(wait_s)  # the kernel's coarse ctime clock must move past the files' ctime
         return self.verify([key])[0]
 
-    # ---- list / gc / remove -------------------------------------------------------------
+    # ---- list / gc / remove (see gc.py) -------------------------------------------------
     def list(self) -> list[EntryInfo]:
-        infos = []
-        for key in self.keys():
-            path = self.layout.entry(key)
-            size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-            try:
-                probe = locks.try_exclusive_dir(path)
-            except FileNotFoundError:
-                continue  # removed while we listed
-            in_use = probe is None
-            if probe is not None:
-                probe.release()
-            try:
-                m = load_manifest(path)
-                identity, created, problem = m.identity, m.created_at, None
-            except CacheError as e:
-                identity, created, problem = None, None, str(e)
-            infos.append(EntryInfo(key, path, size, created, self._last_used(key), in_use,
-                                   identity, problem))
-        return infos
-
-    def _last_used(self, key: str) -> float:
-        try:
-            return self.layout.entry(key).stat().st_mtime
-        except FileNotFoundError:
-            return 0.0
+        """Every published entry with its size, last use and whether a process holds it."""
+        return gc.list_entries(self.layout)
 
     def remove(self, key: str) -> bool:
         """Remove one entry now; False if a reader or a builder holds it."""
-        return self._remove(_checked(key), dry_run=False)
-
-    def _remove(self, key: str, *, dry_run: bool) -> bool:
-        build = locks.try_exclusive(self.layout.build_lock(key))
-        if build is None:
-            return False
-        with build:
-            try:
-                lease = locks.try_exclusive_dir(self.layout.entry(key))
-            except FileNotFoundError:
-                return False
-            if lease is None:
-                return False
-            if dry_run:
-                lease.release()
-                return True
-            doomed = self.layout.tmp / f"{key}.gc.{os.getpid()}.{secrets.token_hex(4)}"
-            # The rename makes it vanish atomically for new joiners; one already waiting on the
-            # old directory's flock sees the path gone (inode check) and reports it missing.
-            os.rename(self.layout.entry(key), doomed)
-            _forget(self.layout.stamp(key))
-            lease.release()
-            build.unlink_and_release()
-        shutil.rmtree(doomed, ignore_errors=True)
-        return True
+        return gc.remove_entry(self.layout, _checked(key), dry_run=False)
 
     def gc(self, max_bytes: int = 0, *, dry_run: bool = False) -> GcReport:
         """Remove unleased entries, least recently used first, until at most ``max_bytes``."""
-        if max_bytes < 0:
-            raise CacheError("--max-bytes must be >= 0")
-        report = GcReport(dry_run=dry_run)
-        infos = sorted(self.list(), key=lambda i: i.last_used)
-        total = report.bytes_before = sum(i.bytes for i in infos)
-        for info in infos:
-            if total <= max_bytes:
-                break
-            if self._remove(info.key, dry_run=dry_run):
-                report.removed.append(info.key)
-                report.freed_bytes += info.bytes
-                total -= info.bytes
-            else:
-                report.kept_in_use.append(info.key)
-        report.bytes_after = total
-        if not dry_run:
-            self._sweep_orphans()
-        return report
-
-    def _sweep_orphans(self) -> None:
-        """Drop temp dirs of dead writers and recipe records whose entry is gone."""
-        for d in self.layout.tmp.iterdir():
-            key = d.name.split(".", 1)[0]
-            if ".gc." in d.name or not is_key(key):
-                shutil.rmtree(d, ignore_errors=True)
-                continue
-            held = locks.try_exclusive(self.layout.build_lock(key))
-            if held is not None:  # no live writer of that key: its temps are stale
-                with held:
-                    remove_stale_temps(self.layout, key)
-        for rec in self.layout.recipes.glob("*.json"):
-            try:
-                key = json.loads(rec.read_text())["entry"]
-            except (OSError, ValueError, KeyError, TypeError):
-                key = None
-            if not (isinstance(key, str) and is_key(key) and self.layout.entry(key).is_dir()):
-                rec.unlink(missing_ok=True)
+        return gc.collect(self.layout, max_bytes, dry_run=dry_run)
 
 
 def _checked(key: str) -> str:
     if not is_key(key):
         raise CacheError(f"{key!r} is not an entry key (64 lowercase hex digits); see `cachectl list`")
     return key
-
-
-def _forget(stamp: Path) -> None:
-    """Drop a stamp; best effort (a read-only mount keeps it, and joins still re-check)."""
-    with contextlib.suppress(OSError):
-        stamp.unlink(missing_ok=True)

@@ -10,6 +10,7 @@ userspace cannot set back. Called by the store (join, verify) and the daemon's s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -181,3 +182,9 @@ def write_stamp(stamp_path: Path, before: dict[str, list[int]], after: dict[str,
     except OSError:
         return False  # read-only mount: the next read-write joiner or scrub writes it
     return True
+
+
+def forget_stamp(stamp_path: Path) -> None:
+    """Drop a stamp; best effort (on a read-only mount it stays, and joins still re-check)."""
+    with contextlib.suppress(OSError):
+        stamp_path.unlink(missing_ok=True)
