@@ -12,7 +12,7 @@ import argparse
 import kopf
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ditserve-operator",
         description="Reconcile DiffusionDeployment objects into engine pods.")
@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     # Importing the module registers the handlers in kopf's default registry.
     from ditserve.operator import handlers  # noqa: F401
 

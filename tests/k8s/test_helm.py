@@ -16,7 +16,7 @@ from k8s.conftest import require_tool
 from k8s.crd_schema import CRD_PATH, REPO
 
 from ditserve.cachectl.cli import build_parser as cachectl_parser
-from ditserve.operator.main import _parser as operator_parser
+from ditserve.operator.main import build_parser as operator_parser
 from ditserve.operator.render import DEFAULT_IMAGE
 
 CHART = REPO / "charts" / "ditserve"
