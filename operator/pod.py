@@ -84,9 +84,8 @@ def _env(spec: DeploymentSpec) -> list[dict[str, Any]]:
         name, key = spec.engine.api_key_secret
         env.append({"name": "DITSERVE_API_KEY",
                     "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
-    # User env last, after the operator's, and without duplicating a name the operator owns.
-    owned = {item["name"] for item in env}
-    env.extend(dict(item) for item in spec.engine.env if item.get("name") not in owned)
+    # User env last; parse_spec already refused names the operator sets (spec.OPERATOR_ENV).
+    env.extend(dict(item) for item in spec.engine.env)
     return env
 
 

@@ -22,6 +22,10 @@ FAMILIES = ("Auto", "Flux", "SD3", "QwenImage", "Wan")
 DTYPES = ("bfloat16", "float16", "float32")
 CACHE_MODES = ("NodeLocal", "None")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Set by the operator on every engine pod; a user value would silently break the rendezvous,
+# the cache or the auth, so engine.env may not name them.
+OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "DITSERVE_CACHE_ROOT",
+                "DITSERVE_API_KEY", "HF_HUB_OFFLINE")
 
 
 @dataclass(frozen=True)
@@ -271,6 +275,10 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
         out.append("cache.persistentVolumeClaim only applies with cache.mode NodeLocal")
     if spec.parallelism.gpus_per_pod > 16:
         out.append("parallelism.data x parallelism.sequence (GPUs per pod) must be at most 16")
+    clashing = sorted({str(e.get("name")) for e in spec.engine.env} & set(OPERATOR_ENV))
+    if clashing:
+        out.append(f"engine.env must not set {', '.join(clashing)}: the operator sets them "
+                   "(use engine.apiKeySecret for the API key)")
     if str(spec.rollout.max_surge) in ("0", "0%") and str(spec.rollout.max_unavailable) in ("0", "0%"):
         out.append("rollout.maxSurge and rollout.maxUnavailable cannot both be 0")
     return out

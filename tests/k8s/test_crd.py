@@ -162,6 +162,9 @@ INVALID = {
     "bad toleration": ({"scheduling": {"tolerations": [{"operator": "Maybe"}]}},
                        "'Maybe' is not one of"),
     "short startup": ({"probes": {"startupTimeoutSeconds": 5}}, "less than the minimum of 30"),
+    "operator env": ({"engine": {"env": [{"name": "X", "value": "1"},
+                                         {"name": "WORLD_SIZE", "value": "8"}]}},
+                     "engine.env must not set variables the operator sets"),
 }
 
 
@@ -185,7 +188,8 @@ def test_cel_rules_agree_with_the_operators_own_checks() -> None:
     from ditserve.operator.errors import InvalidSpecError
 
     for case in ("two model sources", "no model source", "subPath escapes", "offload without size",
-                 "runtime cache without cache", "cache pvc without cache", "frozen rollout"):
+                 "runtime cache without cache", "cache pvc without cache", "frozen rollout",
+                 "operator env"):
         change, _ = INVALID[case]
         spec = {**copy.deepcopy(GOOD), **change}
         with pytest.raises(InvalidSpecError):
