@@ -21,7 +21,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/lint-imports
+	bash scripts/lint-imports.sh
 
 clean:
 	rm -rf $(VENV) bin
