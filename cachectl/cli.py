@@ -162,6 +162,10 @@ def _local_ensure(root: Path, args: argparse.Namespace, progress: _Progress) -> 
         return _entry_result(entry)
 
 
+class _DaemonCannotSeeModel(CacheError):
+    pass
+
+
 def _daemon_ensure(client: Any, args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
     deadline = time.monotonic() + args.timeout
     last_phase = None
@@ -180,6 +184,9 @@ def _daemon_ensure(client: Any, args: argparse.Namespace, progress: _Progress) -
         progress.bytes(int(prog.get("done_bytes") or 0), int(prog.get("total_bytes") or 0))
         if status == 200:
             return {**body, "via": "daemon"}
+        if status == 400 and body.get("reason") == "bad_request" and args.model.is_dir():
+            # We see the model, the daemon does not (e.g. a PVC mounted only in this pod).
+            raise _DaemonCannotSeeModel(f"the daemon cannot use {args.model}: {body.get('error')}")
         if status != 202:
             err = body.get("error") or body.get("detail") or body
             if body.get("reason") == "corrupt":
@@ -194,10 +201,15 @@ def _cmd_ensure(root: Path, args: argparse.Namespace) -> int:
     progress = _Progress(enabled=not args.json)
     client = DaemonClient(args.socket or default_socket(root))
     try:
+        result = None
         if not args.no_daemon and client.available():
-            result = _daemon_ensure(client, args, progress)
+            try:
+                result = _daemon_ensure(client, args, progress)
+            except _DaemonCannotSeeModel as e:
+                progress.phase(f"{e}; building or joining here under the lock instead")
         else:
             progress.phase("no daemon on the socket; building or joining under the lock")
+        if result is None:
             result = _local_ensure(root, args, progress)
     finally:
         progress.done()

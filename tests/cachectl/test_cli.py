@@ -122,3 +122,20 @@ def test_console_script_runs_as_a_real_process(tmp_path: Path) -> None:
 def test_errors_exit_3_with_a_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["build", "--root", str(tmp_path / "c"), "--model", str(tmp_path / "nope")])
     assert rc == 3 and "model directory" in capsys.readouterr().err
+
+
+def test_ensure_builds_here_when_the_daemon_cannot_see_the_model(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ditserve.cachectl.client import DaemonClient
+
+    # A daemon that answers but cannot open the path (a PVC mounted only in this pod).
+    monkeypatch.setattr(DaemonClient, "available", lambda self: True)
+    monkeypatch.setattr(DaemonClient, "ensure", lambda self, *a, **k: (
+        400, {"status": "failed", "reason": "bad_request", "error": "model directory missing"}))
+    assert main(["ensure", "--root", str(tmp_path / "c"), "--model", str(tiny_model),
+                 "--dtype", "float32", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["built"]
+    assert "building or joining here under the lock instead" in captured.err
