@@ -193,13 +193,20 @@ def launch(args: argparse.Namespace, max_num_seqs: int) -> tuple[subprocess.Pope
     raise SystemExit(f"server not ready after {args.startup_timeout}s; see {log.name}")
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGTERM)
+def stop(process: subprocess.Popen[bytes], *, force: bool = False) -> None:
+    if force:  # interrupted: do not wait for the server's drain
+        process.kill()
+    else:
+        process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=120)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # so `timeout` (SIGTERM) still stops launched servers and reports
 
 
 def fmt(value: Any, spec: str = ".2f") -> str:
@@ -244,27 +251,48 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("DITSERVE_API_KEY"):
         headers["Authorization"] = f"Bearer {os.environ['DITSERVE_API_KEY']}"
 
+    signal.signal(signal.SIGTERM, _interrupt)
     results: list[dict[str, Any]] = []
-    if args.launch:
-        for value in [int(v) for v in args.max_num_seqs.split(",")]:
-            process, url = launch(args, value)
-            try:
-                result = bench_url(url, args, headers)
-            finally:
+    interrupted = False
+    try:
+        if args.launch:
+            for value in [int(v) for v in args.max_num_seqs.split(",")]:
+                process, url = launch(args, value)
+                try:
+                    result = bench_url(url, args, headers)
+                except BaseException:
+                    stop(process, force=True)
+                    raise
                 stop(process)
-            result["label"] = f"{args.label}max_num_seqs={value}"
-            result["max_num_seqs"] = value
+                result["label"] = f"{args.label}max_num_seqs={value}"
+                result["max_num_seqs"] = value
+                results.append(result)
+                print_table([(result["label"], result["summary"])])
+                write_report(args, results)  # keep what is done if a later run is cut off
+        elif args.url:
+            result = bench_url(args.url.rstrip("/"), args, headers)
+            result["label"] = args.label or args.url
             results.append(result)
-            print_table([(result["label"], result["summary"])])
-    elif args.url:
-        result = bench_url(args.url.rstrip("/"), args, headers)
-        result["label"] = args.label or args.url
-        results.append(result)
-    else:
-        p.error("give --url or --launch")
-
+        else:
+            p.error("give --url or --launch")
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted; reporting the finished configurations", file=sys.stderr)
+    if not results:
+        return 130 if interrupted else 1
     print()
     print_table([(r["label"], r["summary"]) for r in results])
+    report = write_report(args, results)
+    if "throughput_ratio_last_vs_first" in report:
+        print(f"\nthroughput ratio {results[-1]['label']} / {results[0]['label']}: "
+              f"{report['throughput_ratio_last_vs_first']:.2f}x")
+    print(f"wrote {args.out}")
+    if interrupted:
+        return 130
+    return 0 if all(r["summary"]["errors"] == 0 for r in results) else 1
+
+
+def write_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
     report: dict[str, Any] = {
         "settings": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "results": results,
@@ -272,11 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     first, last = results[0]["summary"], results[-1]["summary"]
     if len(results) > 1 and first["throughput_rps"] and last["throughput_rps"]:
         report["throughput_ratio_last_vs_first"] = last["throughput_rps"] / first["throughput_rps"]
-        print(f"\nthroughput ratio {results[-1]['label']} / {results[0]['label']}: "
-              f"{report['throughput_ratio_last_vs_first']:.2f}x")
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
-    return 0 if all(r["summary"]["errors"] == 0 for r in results) else 1
+    return report
 
 
 if __name__ == "__main__":
