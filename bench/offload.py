@@ -187,9 +187,13 @@ def rss_gib() -> float:
     return float("nan")
 
 
-def profile_steps(model: torch.nn.Module, inputs: dict[str, Any], steps: int, path: Path | None) -> dict[str, Any]:
-    """Host-synchronizing CUDA calls per steady-state step, and a chrome trace."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_steps(model: torch.nn.Module, inputs: dict[str, Any], steps: int, path: Path) -> dict[str, Any]:
+    """Profile steady-state steps; count host-synchronizing CUDA calls inside them.
+
+    Each step runs under a ``bench_step`` range, so the profiler's own synchronize at stop
+    (after the last step) is not counted. Also reports how busy the copy engine was.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -199,22 +203,41 @@ def profile_steps(model: torch.nn.Module, inputs: dict[str, Any], steps: int, pa
         sync()
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                model(**inputs)
+                with record_function("bench_step"):
+                    model(**inputs)
     sync()
-    counts = Counter(e.name for e in prof.events() if e.name.startswith("cuda"))
-    result = {
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    result = analyze_trace(json.loads(raw.read_text())["traceEvents"], steps)
+    with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+        dst.write(src.read())
+    raw.unlink()
+    result["trace"] = path.name
+    return result
+
+
+def analyze_trace(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    ranges = [(e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("name") == "bench_step" and e.get("cat") == "user_annotation"]
+
+    def inside(e: dict[str, Any]) -> bool:
+        return any(a <= e["ts"] <= b for a, b in ranges)
+
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and inside(e)]
+    counts = Counter(e["name"] for e in runtime)
+    copies = sorted((e for e in events if e.get("cat") == "gpu_memcpy"), key=lambda e: e["ts"])
+    result: dict[str, Any] = {
         "steps": steps,
         "sync_calls_per_step": {n: counts.get(n, 0) / steps for n in SYNC_CALLS},
         "memcpy_async_per_step": counts.get("cudaMemcpyAsync", 0) / steps,
         "stream_wait_event_per_step": counts.get("cudaStreamWaitEvent", 0) / steps,
     }
-    if path is not None:
-        raw = path.with_suffix("")
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
-            dst.write(src.read())
-        raw.unlink()
-        result["trace"] = path.name
+    if copies:
+        busy = sum(e["dur"] for e in copies)
+        span = copies[-1]["ts"] + copies[-1]["dur"] - copies[0]["ts"]
+        nbytes = sum(int(e.get("args", {}).get("bytes", 0)) for e in copies)
+        result["h2d_busy_fraction"] = busy / span if span else None
+        result["h2d_gbps_while_busy"] = nbytes / (busy * 1e-6) / 1e9 if busy else None
     return result
 
 
@@ -243,8 +266,8 @@ class Bench:
         (self.out / "offload_bench.json").write_text(json.dumps(self.results, indent=1))
 
     def cells(self, method: str, model: torch.nn.Module, batches_for: dict[int, tuple[int, ...]] | None = None) -> None:
-        for res in RESOLUTIONS:
-            for batch in (batches_for or {}).get(res, BATCHES):
+        for res in self.args.resolutions:
+            for batch in (batches_for or {}).get(res, self.args.batches):
                 if self.over_deadline():
                     self.results["skipped"].append(f"{method} {res} b{batch}")
                     continue
@@ -345,7 +368,8 @@ class Bench:
             self.results["methods"][method] = info
             self.cells(method, model)
             if method == "diffusers-block" and not self.over_deadline():
-                info["profile"] = profile_steps(model, flux_inputs(1024, 1, self.device), 2, None)
+                info["profile"] = profile_steps(model, flux_inputs(1024, 1, self.device), 2,
+                                                self.out / "diffusers_block_trace.json.gz")
                 log(f"{method} profile: {info['profile']}")
             del model
             release_host_cache()
@@ -464,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-reserve-gib", type=float, default=None,
                    help="HBM the budget keeps for activations (default: the library's)")
     p.add_argument("--deadline-s", type=float, default=420.0, help="skip cells after this")
+    p.add_argument("--resolutions", type=int, nargs="+", default=list(RESOLUTIONS))
+    p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--tiny", action="store_true", help="small model: smoke-test on a CPU")
     p.add_argument("--methods", nargs="+",
                    default=["resident", "dlo", "dlo-budget", "diffusers-block", "diffusers-leaf"])
