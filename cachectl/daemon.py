@@ -171,13 +171,18 @@ def serve(config: DaemonConfig, logger: logging.Logger) -> None:
 
     daemon = Daemon(config, logger)
     sockets = [_bind_unix(config.socket_path, config.socket_mode)]
+    tcp = None
     if config.tcp is not None:
         sockets.append(_bind_tcp(*config.tcp))
+        bound_host, bound_port = sockets[-1].getsockname()[:2]
+        tcp = f"{bound_host}:{bound_port}"  # the real port when asked for port 0
+    metrics_port = None
     if config.metrics_port is not None:
-        start_http_server(config.metrics_port, registry=daemon.metrics.registry)
+        httpd, _thread = start_http_server(config.metrics_port, registry=daemon.metrics.registry)
+        metrics_port = httpd.server_port
     daemon.start()
     event(logger, "daemon_started", root=str(config.root), socket=str(config.socket_path),
-          tcp=config.tcp, metrics_port=config.metrics_port, pid=os.getpid(),
+          tcp=tcp, metrics_port=metrics_port, pid=os.getpid(),
           scrub_interval_s=config.scrub_interval_s, scrub_rate_mib_s=config.scrub_rate_mib_s)
     class _Server(uvicorn.Server):
         @contextlib.contextmanager

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -124,11 +125,13 @@ def test_serve_as_a_real_process_with_ensure_through_the_socket(
     root, sock = tmp_path / "cache", tmp_path / "run" / "cachectl.sock"
     cli = [sys.executable, "-m", "ditserve.cachectl.cli"]
     daemon = subprocess.Popen([*cli, "serve", "--root", str(root), "--socket", str(sock),
+                               "--tcp", "127.0.0.1:0", "--metrics-port", "0",
                                "--scrub-interval", "0"], stderr=subprocess.PIPE, text=True)
     try:
         assert daemon.stderr is not None
-        started = json.loads(daemon.stderr.readline())  # the socket listens once this is logged
+        started = json.loads(daemon.stderr.readline())  # the sockets listen once this is logged
         assert started["event"] == "daemon_started"
+        host, port = started["tcp"].rsplit(":", 1)
 
         ensure = [*cli, "ensure", "--root", str(root), "--socket", str(sock),
                   "--model", str(tiny_model), "--dtype", "float32", "--json"]
@@ -147,6 +150,14 @@ def test_serve_as_a_real_process_with_ensure_through_the_socket(
             assert e.manifest.total_bytes > 0
         status, _ = client.request("GET", "/healthz")
         assert status == 200
+        # The same API on TCP, and Prometheus on the metrics port.
+        with urllib.request.urlopen(f"http://{host}:{port}/v1/entries/{result['key']}") as r:
+            assert json.loads(r.read())["status"] == "ready"
+        metrics_url = f"http://127.0.0.1:{started['metrics_port']}/metrics"
+        with urllib.request.urlopen(metrics_url) as r:
+            text = r.read().decode()
+        assert 'cachectl_builds_total{result="ok"} 1.0' in text
+        assert 'cachectl_ensure_requests_total{outcome="hit"} 1.0' in text
     finally:
         daemon.send_signal(signal.SIGTERM)
         rc = daemon.wait(timeout=30)
