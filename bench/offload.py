@@ -465,8 +465,11 @@ def markdown_table(r: dict[str, Any]) -> str:
     for m in ("diffusers-block", "diffusers-leaf"):
         info = r["methods"].get(m)
         if info:
-            stats = info.get("host_pinned_after", {})
-            pinned = max(stats.values()) if stats else info["pinned_bytes_pow2_estimate"]
+            # Pinned bytes held by the caching host allocator for this model (its
+            # "allocated" counter; "active" also counts freed blocks it keeps cached).
+            after = info.get("host_pinned_after", {}).get("allocated_bytes.current")
+            before = info.get("host_pinned_before", {}).get("allocated_bytes.current", 0)
+            pinned = after - before if after else info["pinned_bytes_pow2_estimate"]
             lines.append(f"| {m} | {r['model']['bytes'] / GIB:.2f} | {pinned / GIB:.2f} | "
                          f"caching host allocator (power-of-two rounding) |")
     lines.append("")
