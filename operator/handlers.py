@@ -33,6 +33,7 @@ DD = (render.API_GROUP, "v1alpha1", render.PLURAL)
 MANAGED = {"app.kubernetes.io/managed-by": render.MANAGER}
 IMAGE_ENV = "DITSERVE_ENGINE_IMAGE"  # set by the chart to the image the operator runs
 RETRY_DELAY_S = 15
+STATUS_ATTEMPTS = 5
 Log = logging.Logger | logging.LoggerAdapter[Any]
 
 
@@ -85,65 +86,80 @@ async def close_client(memo: Any, **_: Any) -> None:
     await _client(memo).close()
 
 
-async def _observe(client: KubeClient, namespace: str, name: str,
-                   deployment: Mapping[str, Any] | None = None) -> tuple[Any, list[dict[str, Any]]]:
-    if deployment is None:
-        deployment = await client.get(resource_path("apps/v1", "deployments", namespace, name))
+async def _observe(client: KubeClient, namespace: str,
+                   name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    deployment = await client.get(resource_path("apps/v1", "deployments", namespace, name))
     pods = await client.list(resource_path("v1", "pods", namespace),
                              label_selector=render.selector_string(name))
     return deployment, pods
 
 
-async def _apply_children(client: KubeClient, body: Mapping[str, Any],
-                          image: str) -> dict[str, Any] | None:
-    """Apply the rendered children; returns the applied Deployment, None if the spec is invalid."""
+async def _apply_children(client: KubeClient, body: Mapping[str, Any], image: str) -> None:
+    """Apply the rendered children; InvalidSpecError (nothing applied) if the spec is invalid."""
     owner = render.Owner.from_body(body)
     spec, _ = validate(body.get("spec"))
-    deployment = None
     for manifest in render.adopt(render.render(spec, owner, image=image), owner):
-        applied = await client.apply(manifest)
-        if manifest["kind"] == "Deployment":
-            deployment = applied
-    return deployment
+        await client.apply(manifest)
 
 
 @kopf.on.resume(*DD)
 @kopf.on.create(*DD)
 @kopf.on.update(*DD)
-async def reconcile(body: kopf.Body, name: str, namespace: str | None, patch: kopf.Patch, memo: Any,
-                    logger: Log, **_: Any) -> None:
+async def reconcile(body: kopf.Body, name: str, namespace: str | None, memo: Any, logger: Log,
+                    **_: Any) -> None:
     client = _client(memo)
     try:
-        deployment = await _apply_children(client, body, memo.get("image", render.DEFAULT_IMAGE))
+        await _apply_children(client, body, memo.get("image", render.DEFAULT_IMAGE))
     except InvalidSpecError as e:
-        # Not retried: the same spec fails the same way until the user edits it.
+        # Not retried: the same spec fails the same way until the user edits it. The status
+        # (written below) says InvalidSpec with this message.
         logger.warning(f"invalid spec, children left as they were: {e}")
-        patch["status"] = compute_status(body, None, [], now=_now())
-        return
     except KubeApiError as e:
         raise kopf.TemporaryError(f"applying children failed: {e}", delay=RETRY_DELAY_S) from e
-    deployment, pods = await _observe(client, namespace or "default", name, deployment)
-    patch["status"] = compute_status(body, deployment, pods, now=_now())
+    try:
+        await _sync_status(client, namespace or "default", name)
+    except KubeApiError as e:
+        raise kopf.TemporaryError(f"writing the status failed: {e}", delay=RETRY_DELAY_S) from e
+
+
+async def _sync_status(client: KubeClient, namespace: str, name: str) -> None:
+    """Recompute the owner's status from a fresh view and write it if it changed.
+
+    Several handlers write the status concurrently (the owner's and its children's). Each
+    reads the owner first and patches with that resourceVersion as a precondition, so a
+    write computed from an older view than another writer's fails with 409 and is redone.
+    """
+    path = resource_path(render.API_VERSION, render.PLURAL, namespace, name)
+    for _attempt in range(STATUS_ATTEMPTS):
+        body = await client.get(path)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return  # the owner is gone or going; its children follow it
+        deployment, pods = await _observe(client, namespace, name)
+        new = compute_status(body, deployment, pods, now=_now())
+        if not status_changed(body.get("status"), new):
+            return
+        try:
+            await client.patch_status(path, new,
+                                      resource_version=body["metadata"].get("resourceVersion"))
+            return
+        except KubeApiError as e:
+            if e.status != 409:
+                raise
+    raise KubeApiError(409, "Conflict", f"status of {namespace}/{name} kept changing; retrying")
 
 
 async def _refresh(memo: Any, namespace: str, name: str, *, child_deleted: bool,
                    logger: Log) -> None:
     client = _client(memo)
-    path = resource_path(render.API_VERSION, render.PLURAL, namespace, name)
-    body = await client.get(path)
-    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-        return  # the owner is gone or going; its children follow it
-    deployment = None
     if child_deleted:
-        try:
-            deployment = await _apply_children(client, body, memo.get("image", render.DEFAULT_IMAGE))
-            logger.info(f"re-created the children of {namespace}/{name}")
-        except InvalidSpecError:
-            pass  # the status already says InvalidSpec
-    deployment, pods = await _observe(client, namespace, name, deployment)
-    new = compute_status(body, deployment, pods, now=_now())
-    if status_changed(body.get("status"), new):
-        await client.patch_status(path, new)
+        body = await client.get(resource_path(render.API_VERSION, render.PLURAL, namespace, name))
+        if body is not None and not (body.get("metadata") or {}).get("deletionTimestamp"):
+            try:
+                await _apply_children(client, body, memo.get("image", render.DEFAULT_IMAGE))
+                logger.info(f"re-created the children of {namespace}/{name}")
+            except InvalidSpecError:
+                pass  # the status says InvalidSpec already
+    await _sync_status(client, namespace, name)
 
 
 def _owner_name(body: Mapping[str, Any]) -> str | None:

@@ -133,9 +133,16 @@ class KubeClient:
                                       params={"fieldManager": FIELD_MANAGER}, body=manifest)
         return created or {}
 
-    async def patch_status(self, path: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Merge-patch ``status`` through the status subresource; None if the object is gone."""
-        return await self._request("PATCH", f"{path}/status", body={"status": status},
+    async def patch_status(self, path: str, status: Mapping[str, Any], *,
+                           resource_version: str | None = None) -> dict[str, Any] | None:
+        """Merge-patch ``status`` through the status subresource; None if the object is gone.
+
+        With ``resource_version`` the write is conditional: 409 if the object changed since.
+        """
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return await self._request("PATCH", f"{path}/status", body=body,
                                    content_type="application/merge-patch+json", missing_ok=True)
 
     async def close(self) -> None:

@@ -86,6 +86,8 @@ class Emulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> Any:
         data = request.data
         if request.resource is not None and isinstance(data, dict):
+            if request.action == kmock.action.CREATE and request.resource == DD:
+                data.update(self._check_dd(data))  # defaulted, as the server stores it
             meta = data.setdefault("metadata", {})
             if request.action == kmock.action.CREATE:
                 meta.setdefault("uid", str(uuid.uuid4()))
@@ -93,13 +95,21 @@ class Emulator(kmock.KubernetesEmulator):
                 meta.setdefault("creationTimestamp", _now())
                 if request.namespace:
                     meta.setdefault("namespace", request.namespace)
-                if request.resource == DD:
-                    data.update(self._check_dd(data))
             if request.action == kmock.action.UPDATE:
+                self._check_precondition(request, meta)
                 self._on_update(request, data)
             if request.action in (kmock.action.CREATE, kmock.action.UPDATE):
                 meta["resourceVersion"] = str(next(_resource_versions))
         return await super()._handle(request)
+
+    def _check_precondition(self, request: kmock.Request, meta: Mapping[str, Any]) -> None:
+        """A write that names a resourceVersion only applies to that version (409 otherwise)."""
+        current = self._current(request)
+        wanted = meta.get("resourceVersion")
+        if wanted and current is not None and wanted != current["metadata"].get("resourceVersion"):
+            raise kmock.KubernetesError(
+                status=409, reason="Conflict",
+                message=f"the object has been modified (resourceVersion {wanted} is stale)")
 
     def _on_update(self, request: kmock.Request, data: dict[str, Any]) -> None:
         current = self._current(request)
@@ -110,7 +120,7 @@ class Emulator(kmock.KubernetesEmulator):
             for key in list(data):
                 if key not in ("status", "metadata"):
                     del data[key]
-            data["metadata"] = {}
+            data["metadata"].clear()  # in place: the caller stamps a new resourceVersion on it
             return
         if "status" in data and request.resource == DD:
             del data["status"]  # the main resource ignores status when /status exists

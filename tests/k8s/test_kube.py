@@ -47,3 +47,32 @@ async def test_apply_creates_then_updates_and_errors_are_typed(kmock: Emulator) 
         assert info.value.status == 404
     finally:
         await client.close()
+
+
+@pytest.mark.kmock(cls=Emulator)
+async def test_conditional_status_patch_conflicts_when_stale(kmock: Emulator) -> None:
+    from k8s.k8s_emulator import DD
+
+    client = KubeClient()
+    client.login(kopf.ConnectionInfo(server=str(kmock.url)))
+    path = "/apis/ditserve.io/v1alpha1/namespaces/default/diffusiondeployments"
+    body = {"apiVersion": "ditserve.io/v1alpha1", "kind": "DiffusionDeployment",
+            "metadata": {"name": "f", "namespace": "default"},
+            "spec": {"model": {"hostPath": "/m"}}}
+    try:
+        created = await client.apply(body)
+        rv = created["metadata"]["resourceVersion"]
+        await client.patch_status(f"{path}/f", {"replicas": 1}, resource_version=rv)
+        with pytest.raises(KubeApiError) as info:  # rv moved on with the first write
+            await client.patch_status(f"{path}/f", {"replicas": 2}, resource_version=rv)
+        assert info.value.status == 409
+        assert kmock.objects[DD, "default", "f"].raw["status"] == {"replicas": 1}
+        # The emulator admits CRs like an API server: defaults filled in, schema enforced.
+        assert kmock.objects[DD, "default", "f"].raw["spec"]["parallelism"] == {
+            "data": 1, "sequence": 1}
+        with pytest.raises(KubeApiError) as info:
+            await client.apply({**body, "metadata": {"name": "g", "namespace": "default"},
+                                "spec": {"model": {"hostPath": "/m"}, "replicas": -1}})
+        assert info.value.status == 422 and "spec.replicas" in info.value.message
+    finally:
+        await client.close()
