@@ -76,3 +76,40 @@ async def test_conditional_status_patch_conflicts_when_stale(kmock: Emulator) ->
         assert info.value.status == 422 and "spec.replicas" in info.value.message
     finally:
         await client.close()
+
+
+class _RacingClient:
+    """Answers like an API server whose owner object changes once between read and write."""
+
+    def __init__(self) -> None:
+        self.rv = 1
+        self.patches: list[tuple[str, dict, str | None]] = []
+
+    async def get(self, path: str) -> dict | None:
+        if "/deployments/" in path:
+            return None
+        return {"metadata": {"name": "f", "namespace": "default", "generation": 1,
+                             "resourceVersion": str(self.rv), "uid": "u"},
+                "spec": {"model": {"hostPath": "/m"}}, "status": {}}
+
+    async def list(self, path: str, *, label_selector: str | None = None) -> list[dict]:
+        return []
+
+    async def patch_status(self, path: str, status: dict, *,
+                           resource_version: str | None = None) -> dict:
+        self.patches.append((path, status, resource_version))
+        if len(self.patches) == 1:
+            self.rv += 1  # another writer got there first
+            raise KubeApiError(409, "Conflict", "the object has been modified")
+        return {}
+
+
+async def test_status_writes_are_redone_from_a_fresh_read_on_conflict() -> None:
+    from ditserve.operator.handlers import _sync_status
+
+    client = _RacingClient()
+    await _sync_status(client, "default", "f")  # type: ignore[arg-type]
+    assert [rv for _, _, rv in client.patches] == ["1", "2"]
+    path, status, _ = client.patches[-1]
+    assert path.endswith("/diffusiondeployments/f")
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["Ready"] == "ChildrenMissing"
