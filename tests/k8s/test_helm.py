@@ -112,6 +112,7 @@ def test_operator_deployment(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert op["image"] == DEFAULT_IMAGE  # the chart's default is what the operator assumes
     env = {e["name"]: e["value"] for e in op["env"]}
     assert env["DITSERVE_ENGINE_IMAGE"] == DEFAULT_IMAGE
+    assert op["securityContext"]["readOnlyRootFilesystem"] and env["HOME"] == "/tmp"
     assert op["command"][0] == "ditserve-operator"
     args = operator_parser().parse_args(op["command"][1:])
     assert args.namespace == [] and args.liveness_port == 8080
@@ -203,3 +204,16 @@ def test_notes_tell_how_to_apply_and_wait(tmp_path: Path) -> None:
     notes = out[out.index("NOTES:"):]
     assert "kubectl apply -f examples/deployment.yaml" in notes
     assert "--for=condition=Ready" in notes
+
+
+def test_example_models_are_visible_to_the_default_daemon(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The daemon builds entries by the model's node path: the example's hostPath must lie
+    under a directory the default DaemonSet mounts at the same path."""
+    from k8s.crd_schema import EXAMPLE_PATH
+
+    (ds,) = by_kind(rendered["default"], "DaemonSet")
+    mounted = [m["mountPath"] for m in _container(ds)["volumeMounts"]
+               if m["name"].startswith("models-")]
+    host_path = yaml.safe_load(EXAMPLE_PATH.read_text())["spec"]["model"]["hostPath"]
+    assert any(host_path.startswith(root.rstrip("/") + "/") for root in mounted)
