@@ -19,7 +19,7 @@ import datetime
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kopf
 
@@ -34,7 +34,8 @@ MANAGED = {"app.kubernetes.io/managed-by": render.MANAGER}
 IMAGE_ENV = "DITSERVE_ENGINE_IMAGE"  # set by the chart to the image the operator runs
 RETRY_DELAY_S = 15
 STATUS_ATTEMPTS = 5
-Log = logging.Logger | logging.LoggerAdapter[Any]
+if TYPE_CHECKING:  # LoggerAdapter is subscriptable at run time only from Python 3.11
+    Log = logging.Logger | logging.LoggerAdapter[Any]
 
 
 def _now() -> str:
