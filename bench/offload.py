@@ -66,7 +66,7 @@ def build_flux(device: torch.device, seed: int = 0) -> torch.nn.Module:
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
-        model = FluxTransformer2DModel(guidance_embeds=True, **MODEL_KWARGS)
+        model: Any = FluxTransformer2DModel(guidance_embeds=True, **MODEL_KWARGS)
     model = model.to(torch.bfloat16).to_empty(device=device).eval()
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -357,7 +357,7 @@ class Bench:
                 record_stream=self.device.type == "cuda")
             if offload_type == "block_level":
                 kwargs["num_blocks_per_group"] = 1
-            model.enable_group_offload(**kwargs)
+            model.enable_group_offload(**kwargs)  # type: ignore[operator]
             release_host_cache_device_only()
             info = {"enable_s": time.monotonic() - t0, "host_pinned_before": before,
                     "host_pinned_after": host_pinned_stats(), "rss_gib": rss_gib(),

@@ -75,7 +75,7 @@ def discover(model: nn.Module) -> Discovery:
     blocks: list[tuple[str, nn.Module]] = []
     for list_name in list_names:
         block_list = model.get_submodule(list_name)
-        blocks.extend((f"{list_name}.{i}", m) for i, m in enumerate(block_list))
+        blocks.extend((f"{list_name}.{i}", m) for i, m in enumerate(block_list.children()))
 
     lists = set(list_names)
     resident: list[tuple[str, nn.Module]] = []

@@ -16,7 +16,8 @@ def build_flux(*, num_layers: int = 3, num_single_layers: int = 2, seed: int = 0
         pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
     )
     kwargs.update(overrides)
-    return FluxTransformer2DModel(**kwargs).eval()
+    model: torch.nn.Module = FluxTransformer2DModel(**kwargs)  # type: ignore[assignment]
+    return model.eval()
 
 
 def flux_inputs(batch: int, *, seed: int = 1, device: str | torch.device = "cpu",

@@ -13,7 +13,8 @@ DLO = OffloadConfig(enabled=True)
 
 
 def streamed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [*model.transformer_blocks, *model.single_transformer_blocks]
+    return [*model.get_submodule("transformer_blocks").children(),
+            *model.get_submodule("single_transformer_blocks").children()]
 
 
 @pytest.mark.parametrize("batch", [1, 3])

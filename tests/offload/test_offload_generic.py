@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from offload.support import build_flux, flux_inputs, holds_storage, run  # type: ignore[import-not-found]
@@ -68,9 +70,9 @@ def test_heterogeneous_blocks_and_dtypes_match_resident() -> None:
             with torch.inference_mode():
                 assert torch.equal(model(x), expected)
         assert holds_storage(model.scale) and holds_storage(model.head.weight)
-        assert not holds_storage(model.blocks[2].up.weight)
-        assert model.blocks[2].up.weight.shape == (256, 16)
-        assert model.blocks[1].gate.dtype == torch.float64
+        assert not holds_storage(model.get_parameter("blocks.2.up.weight"))
+        assert model.get_parameter("blocks.2.up.weight").shape == (256, 16)
+        assert model.get_parameter("blocks.1.gate").dtype == torch.float64
     finally:
         handle.disable()
     with torch.inference_mode():
@@ -81,11 +83,12 @@ def test_generic_rule_finds_sd3_blocks() -> None:
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(0)
-    model = SD3Transformer2DModel(
+    model: Any = SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
         num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
         pooled_projection_dim=64, out_channels=4,
-    ).eval()
+    )
+    model.eval()
     g = torch.Generator().manual_seed(0)
     inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g),
                   encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
@@ -133,7 +136,7 @@ def test_weights_shared_across_blocks_are_rejected() -> None:
     with pytest.raises(OffloadError, match="own its weights"):
         enable_offload(model, DLO, device="cpu")
     model = ToyDiT()
-    model.head.weight = model.blocks[0].up.weight  # a block weight used by a resident module
+    model.head.weight = model.get_parameter("blocks.0.up.weight")  # used by a resident module
     with pytest.raises(OffloadError, match="untie them"):
         enable_offload(model, DLO, device="cpu")
 
