@@ -27,7 +27,7 @@ from torch import nn
 from ditserve.engine.config import OffloadConfig, offload_problems
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.discovery import discover
-from ditserve.engine.offload.hooks import BlockStreamer, StreamedBlock, placeholder
+from ditserve.engine.offload.hooks import BlockStreamer, make_streamed_block
 from ditserve.engine.offload.host import HostStorage
 from ditserve.engine.offload.plan import GIB, OffloadPlan, TensorSpec, build_plan
 from ditserve.engine.offload.transfer import make_transfer
@@ -86,6 +86,10 @@ def _check_tensors(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Non
             f"a tensor is shared by {', '.join(names)}; layerwise offload needs every block to "
             "own its weights - untie them before enabling offload"
         )
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 class OffloadHandle:
@@ -241,32 +245,17 @@ def enable_offload(
             dtype: torch.zeros((), dtype=dtype, device=device)  # type: ignore[arg-type]
             for dtype, _, _ in slot_layout.regions
         }
-        streamed: list[StreamedBlock] = []
-        for index in plan.streamed:
-            layout, tensors = plan.blocks[index], block_tensors[index]
-            host_regions = storage.regions(index)
-            views = tuple(
-                [
-                    slots[s][p.dtype][p.offset : p.offset + p.numel].view(p.shape)
-                    for p in layout.tensors
-                ]
-                for s in range(2)
+        streamed = [
+            make_streamed_block(
+                plan.blocks[index],
+                found.blocks[index][1],
+                block_tensors[index],
+                slots=slots,
+                host_regions=storage.regions(index),
+                placeholder_bases=bases,
             )
-            copies = tuple(
-                [(slots[s][r.dtype][: r.numel], host_regions[r.dtype]) for r in layout.regions]
-                for s in range(2)
-            )
-            streamed.append(
-                StreamedBlock(
-                    name=layout.name,
-                    module=found.blocks[index][1],
-                    tensors=tensors,
-                    views=views,  # type: ignore[arg-type]
-                    copies=copies,  # type: ignore[arg-type]
-                    placeholders=[placeholder(bases[p.dtype], p.shape) for p in layout.tensors],
-                    nbytes=layout.nbytes,
-                )
-            )
+            for index in plan.streamed
+        ]
         streamer = BlockStreamer(streamed, transfer)
         streamer.attach()
         # Commit: from here the streamed blocks' original tensors are released.
@@ -293,16 +282,16 @@ def enable_offload(
     _ACTIVE[transformer] = handle
     r = handle.report()
     log.info(
-        "DLO on %s: %d blocks streamed (%.2f GiB/step), %d resident (%s), slots 2 x %.2f GiB, "
-        "host %s %.2f GiB via %s",
+        "DLO on %s: %d blocks streamed (%s/step), %d resident (%s), slots 2 x %s, "
+        "host %s %s via %s",
         device,
         r["streamed_blocks"],
-        r["streamed_bytes"] / GIB,
+        _fmt_bytes(r["streamed_bytes"]),
         r["resident_blocks"],
         r["residency"],
-        r["slot_bytes"] / GIB,
+        _fmt_bytes(r["slot_bytes"]),
         r["backing"],
-        r["host_bytes"] / GIB,
+        _fmt_bytes(r["host_bytes"]),
         r["transfer"],
     )
     return handle

@@ -20,13 +20,14 @@ through ``transfer``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ditserve.engine.offload.plan import BlockLayout
 from ditserve.engine.offload.transfer import CopyPairs
 
 
@@ -46,6 +47,39 @@ class StreamedBlock:
 def placeholder(base: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """A zero-stride view of the 0-d ``base``: keeps shape/dtype/device, holds no storage."""
     return base.expand(tuple(shape))
+
+
+def make_streamed_block(
+    layout: BlockLayout,
+    module: nn.Module,
+    tensors: list[torch.Tensor],
+    *,
+    slots: Sequence[Mapping[Hashable, torch.Tensor]],
+    host_regions: Mapping[Hashable, torch.Tensor],
+    placeholder_bases: Mapping[Hashable, torch.Tensor],
+) -> StreamedBlock:
+    """Precompute a block's views into both slots, its copy pairs and its placeholders.
+
+    Done once at enable time, outside any inference-mode context, so the hooks only swap
+    ``.data`` pointers and never create tensors.
+    """
+    views = tuple(
+        [slots[s][p.dtype][p.offset : p.offset + p.numel].view(p.shape) for p in layout.tensors]
+        for s in range(2)
+    )
+    copies = tuple(
+        [(slots[s][r.dtype][: r.numel], host_regions[r.dtype]) for r in layout.regions]
+        for s in range(2)
+    )
+    return StreamedBlock(
+        name=layout.name,
+        module=module,
+        tensors=tensors,
+        views=(views[0], views[1]),
+        copies=(copies[0], copies[1]),
+        placeholders=[placeholder(placeholder_bases[p.dtype], p.shape) for p in layout.tensors],
+        nbytes=layout.nbytes,
+    )
 
 
 class BlockStreamer:
