@@ -92,3 +92,19 @@ def test_budget_below_the_minimum_says_what_it_needs() -> None:
     with pytest.raises(OffloadError, match="below the .* GiB needed .* raise the budget"):
         budget_residency([1 << 30, 1 << 30], budget_bytes=1 << 30, fixed_bytes=0,
                          activation_reserve_bytes=0)
+
+
+def test_budget_on_flux_sizes_spreads_over_both_block_kinds() -> None:
+    # Flux: 19 double blocks (680 MB) then 38 single blocks (283 MB), bf16.
+    sizes = [679_662_592] * 19 + [283_181_056] * 38
+    gib = 1024**3
+    r = budget_residency(sizes, budget_bytes=int(11.08 * gib), fixed_bytes=128_249_984,
+                         activation_reserve_bytes=2 * gib)
+    kept = sum(sizes[i] for i in r.resident)
+    available = int(11.08 * gib) - 128_249_984 - 2 * gib - 2 * max(sizes)
+    assert available - max(sizes) < kept <= available
+    doubles = [i for i in r.resident if i < 19]
+    singles = [i for i in r.resident if i >= 19]
+    assert doubles and singles  # both kinds, in proportion to their bytes
+    assert abs(len(doubles) / 19 - len(singles) / 38) < 0.15
+    assert max(b - a for a, b in zip(r.resident, r.resident[1:], strict=False)) <= 4
