@@ -178,10 +178,9 @@ def enable_offload(
     leaving the model unchanged. The model must then be called with inputs on ``device``;
     do not move it with ``.to()`` while offload is enabled.
     """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     _check_config(offload_config)
+    transfer = make_transfer(torch.device(device))  # raises if the device is unusable
+    device = transfer.device
     if transformer in _ACTIVE:
         raise OffloadError(
             "offload is already enabled on this model; call handle.disable() before enabling "
@@ -223,7 +222,6 @@ def enable_offload(
     for index in plan.residency.resident:
         resident_tensors.extend(block_tensors[index])
 
-    transfer = make_transfer(device)
     storage = HostStorage(transfer)
     streamer: BlockStreamer | None = None
     journal: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, original data) to undo

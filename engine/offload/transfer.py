@@ -72,6 +72,8 @@ class CudaStreamTransfer:
     name = "cuda-copy-stream"
 
     def __init__(self, device: torch.device) -> None:
+        if device.index is None:  # "cuda" means the current device; pin it down once
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         # ready[s]: the copy into slot s finished; free[s]: compute stopped reading slot s.
