@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", required=True, type=Path, help="local diffusers model directory")
         sp.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="runtime dtype")
         sp.add_argument("--revision", default=None, help="revision label recorded in the identity")
+        sp.add_argument("--sp-size", type=int, default=1,
+                        help="sequence-parallel world size of the engines (part of the identity)")
+        sp.add_argument("--sp-impl", default=None,
+                        help="sequence-parallel implementation name (with --sp-size > 1)")
         sp.add_argument("--json", action="store_true", help="print the result as JSON")
 
     b = sub.add_parser("build", parents=[common], help="build (or join) a model's entry here")
@@ -144,12 +148,18 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
         print(f"{result['status']} {result['key']} {result['path']} ({how})")
 
 
+def _placement(args: argparse.Namespace) -> Any:
+    from ditserve.cachectl.identity import Placement
+
+    return Placement(sp_size=args.sp_size, sp_impl=args.sp_impl)
+
+
 def _local_ensure(root: Path, args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
     from ditserve.cachectl.model_build import ModelRequest, ensure_model
     from ditserve.cachectl.store import CacheStore
 
     store = CacheStore(root, lock_timeout_s=args.timeout)
-    request = ModelRequest(args.model.resolve(), args.dtype, args.revision)
+    request = ModelRequest(args.model.resolve(), args.dtype, args.revision, _placement(args))
     waited_shown = [False]
 
     def on_wait(waited: float) -> None:
@@ -176,7 +186,8 @@ def _daemon_ensure(client: Any, args: argparse.Namespace, progress: _Progress) -
                              f"(last phase: {last_phase}); it keeps building, run ensure again")
         # Long-poll: the daemon answers as soon as the build ends, or after wait_s.
         status, body = client.ensure(str(args.model.resolve()), args.dtype, args.revision,
-                                     wait_s=min(5.0, left))
+                                     wait_s=min(5.0, left), sp_size=args.sp_size,
+                                     sp_impl=args.sp_impl)
         if body.get("phase") != last_phase:
             last_phase = body.get("phase")
             progress.phase(f"daemon: {last_phase}")

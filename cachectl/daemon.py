@@ -3,7 +3,8 @@
 Owns ``DaemonConfig``, the FastAPI app and socket setup. Endpoints:
 
     GET  /healthz              liveness, root, entry count
-    POST /v1/ensure            {model, dtype, revision, wait_s} -> 200 ready / 202 building /
+    POST /v1/ensure            {model, dtype, revision, sp_size, sp_impl, wait_s} -> 200 ready /
+                               202 building /
                                400 bad request / 409 corrupt entry / 500 failed
     GET  /v1/entries/{key}     status of one entry (structure checked, not re-hashed)
     GET  /metrics              Prometheus text (also on --metrics-port)
@@ -31,7 +32,7 @@ from pydantic import BaseModel, Field
 
 from ditserve.cachectl.builds import BuildCoordinator, EnsureFn, JobStatus
 from ditserve.cachectl.errors import CacheError
-from ditserve.cachectl.identity import is_key
+from ditserve.cachectl.identity import Placement, is_key
 from ditserve.cachectl.logs import event
 from ditserve.cachectl.metrics import DaemonMetrics
 from ditserve.cachectl.model_build import ModelRequest, ensure_model
@@ -64,6 +65,8 @@ class EnsureBody(BaseModel):
     model: str = Field(min_length=1, description="local diffusers model directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     revision: str | None = None
+    sp_size: int = Field(1, ge=1, description="sequence-parallel world size (identity)")
+    sp_impl: str | None = None
     wait_s: float = Field(0.0, ge=0, le=3600, description="long-poll up to this many seconds")
 
 
@@ -105,7 +108,8 @@ def create_app(daemon: Daemon) -> FastAPI:
     @app.post("/v1/ensure")
     async def ensure(body: EnsureBody) -> JSONResponse:
         try:
-            request = ModelRequest(Path(body.model), body.dtype, body.revision)
+            placement = Placement(sp_size=body.sp_size, sp_impl=body.sp_impl)
+            request = ModelRequest(Path(body.model), body.dtype, body.revision, placement)
             job = await asyncio.to_thread(daemon.builds.submit, request)
         except CacheError as e:
             return JSONResponse({"status": "failed", "reason": "bad_request", "error": str(e)}, 400)

@@ -27,9 +27,10 @@ def test_the_cli_surface_is_the_documented_one() -> None:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert _flags(parser) == {"--root"}
     assert {name: _flags(p) for name, p in sub.choices.items()} == {
-        "build": {"--root", "--model", "--dtype", "--revision", "--json", "--timeout"},
-        "ensure": {"--root", "--model", "--dtype", "--revision", "--json", "--timeout",
-                   "--socket", "--no-daemon"},
+        "build": {"--root", "--model", "--dtype", "--revision", "--sp-size", "--sp-impl",
+                  "--json", "--timeout"},
+        "ensure": {"--root", "--model", "--dtype", "--revision", "--sp-size", "--sp-impl",
+                   "--json", "--timeout", "--socket", "--no-daemon"},
         "verify": {"--root", "keys", "--json", "--threads"},
         "list": {"--root", "--json"},
         "gc": {"--root", "--max-bytes", "--dry-run", "--json"},
@@ -139,3 +140,28 @@ def test_ensure_builds_here_when_the_daemon_cannot_see_the_model(
     captured = capsys.readouterr()
     assert captured.out.startswith("ready ") and captured.out.rstrip().endswith("(built)")
     assert "building or joining here under the lock instead" in captured.err
+
+
+def test_an_sp_engine_finds_what_ensure_built_for_its_topology(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ditserve.cachectl.identity import Placement
+    from ditserve.cachectl.model_build import ModelRequest, ensure_model
+
+    root = tmp_path / "c"
+    base = ["ensure", "--no-daemon", "--root", str(root), "--model", str(tiny_model),
+            "--dtype", "float32", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)["key"]
+    assert main([*base, "--sp-size", "2", "--sp-impl", "ulysses"]) == 0
+    sp = json.loads(capsys.readouterr().out)["key"]
+    assert sp != plain
+
+    # Any DP replica and any SP rank of that topology maps the same entry, without loading.
+    store = CacheStore(root)
+    for dp_rank, sp_rank in ((0, 0), (1, 1)):
+        placement = Placement(dp_size=2, dp_rank=dp_rank, sp_size=2, sp_rank=sp_rank,
+                              sp_impl="ulysses")
+        request = ModelRequest(tiny_model, "float32", placement=placement)
+        with ensure_model(store, request) as entry:
+            assert entry.key == sp and entry.via_recipe and not entry.built
