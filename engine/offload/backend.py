@@ -180,7 +180,7 @@ def enable_offload(
     """
     _check_config(offload_config)
     transfer = make_transfer(torch.device(device))  # raises if the device is unusable
-    device = transfer.device
+    target: torch.device = transfer.device
     if transformer in _ACTIVE:
         raise OffloadError(
             "offload is already enabled on this model; call handle.disable() before enabling "
@@ -231,16 +231,16 @@ def enable_offload(
         slot_layout = plan.slot
         slots = [
             {
-                dtype: torch.empty(numel, dtype=dtype, device=device)  # type: ignore[arg-type]
+                dtype: torch.empty(numel, dtype=dtype, device=target)  # type: ignore[arg-type]
                 for dtype, _, numel in slot_layout.regions
             }
             for _ in range(2)
         ]
         for t in resident_tensors:
             journal.append((t, t.data))
-            t.data = t.data.to(device)
+            t.data = t.data.to(target)
         bases = {
-            dtype: torch.zeros((), dtype=dtype, device=device)  # type: ignore[arg-type]
+            dtype: torch.zeros((), dtype=dtype, device=target)  # type: ignore[arg-type]
             for dtype, _, _ in slot_layout.regions
         }
         streamed = [
@@ -276,13 +276,13 @@ def enable_offload(
         ) from e
     journal.clear()
 
-    handle = OffloadHandle(transformer, plan, device, transfer, storage, streamer, slots)
+    handle = OffloadHandle(transformer, plan, target, transfer, storage, streamer, slots)
     _ACTIVE[transformer] = handle
     r = handle.report()
     log.info(
         "DLO on %s: %d blocks streamed (%s/step), %d resident (%s), slots 2 x %s, "
         "host %s %s via %s",
-        device,
+        target,
         r["streamed_blocks"],
         _fmt_bytes(r["streamed_bytes"]),
         r["resident_blocks"],
