@@ -114,8 +114,9 @@ def test_console_script_runs_as_a_real_process(tmp_path: Path) -> None:
         shard = e.files()[0]
     shard.chmod(0o644)
     shard.write_bytes(shard.read_bytes()[:-1] + b"\x7f")
-    out = subprocess.run([sys.executable, "-m", "ditserve.cachectl.cli", "--root",
-                          str(store.root), "verify", ident.key], capture_output=True, text=True)
+    script = Path(sys.executable).with_name("cachectl")  # the installed console script
+    out = subprocess.run([str(script), "--root", str(store.root), "verify", ident.key],
+                         capture_output=True, text=True)
     assert out.returncode == 1
     assert f"CORRUPT {ident.key}" in out.stdout and shard.name in out.stdout
 
