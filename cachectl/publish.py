@@ -102,54 +102,60 @@ def write_entry(
 
     tmp = layout.tmp / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
     tmp.mkdir()
-    stage("tmp_created")
-    meta = {"format": "pt", **(metadata or {})}
-    done = 0
-    progress_lock = threading.Lock()
+    try:
+        stage("tmp_created")
+        meta = {"format": "pt", **(metadata or {})}
+        done = 0
+        progress_lock = threading.Lock()
 
-    def progress(n: int) -> None:
-        nonlocal done
-        with progress_lock:
-            done += n
-            current = done
-        if on_progress is not None:
-            on_progress(current, total)
+        def progress(n: int) -> None:
+            nonlocal done
+            with progress_lock:
+                done += n
+                current = done
+            if on_progress is not None:
+                on_progress(current, total)
 
-    shards = plan_shards(raws, shard_bytes)
-    names = [f"part-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        shards = plan_shards(raws, shard_bytes)
+        names = [f"part-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
 
-    def write_one(i: int) -> WrittenFile:
-        return write_shard(tmp / names[i], [(n, raws[n]) for n in shards[i]],
-                           {**meta, "ditserve.entry": key}, on_bytes=progress)
+        def write_one(i: int) -> WrittenFile:
+            return write_shard(tmp / names[i], [(n, raws[n]) for n in shards[i]],
+                               {**meta, "ditserve.entry": key}, on_bytes=progress)
 
-    # Shards are written in parallel: hashing (file and tensor digests) is the bottleneck and
-    # hashlib releases the GIL, so threads scale across cores.
-    workers = max(1, min(threads or os.cpu_count() or 1, len(shards)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="cachectl-write") as pool:
-        written_files = list(pool.map(write_one, range(len(shards))))
-    files: list[FileRecord] = []
-    records: list[TensorRecord] = []
-    for fname, written in zip(names, written_files, strict=True):
-        files.append(FileRecord(fname, written.size, written.sha256))
-        records += [TensorRecord(t.name, t.dtype, t.shape, fname, t.offset, t.nbytes, t.sha256)
-                    for t in written.tensors]
-    stage("written")
-    for f in files:
-        fsync_path(tmp / f.name)
-    manifest = Manifest(
-        key=key, identity=identity.to_json(), files=tuple(files),
-        tensors=tuple(sorted(records, key=lambda t: t.name)), metadata=meta,
-        total_bytes=total, content_digest=content_digest(records, meta),
-        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        writer={"host": socket.gethostname(), "pid": os.getpid()},
-    )
-    fd = os.open(tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest.to_json(), f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(tmp)
-    stage("synced")
+        # Shards are written in parallel: hashing (file and tensor digests) is the bottleneck and
+        # hashlib releases the GIL, so threads scale across cores.
+        workers = max(1, min(threads or os.cpu_count() or 1, len(shards)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="cachectl-write") as pool:
+            written_files = list(pool.map(write_one, range(len(shards))))
+        files: list[FileRecord] = []
+        records: list[TensorRecord] = []
+        for fname, written in zip(names, written_files, strict=True):
+            files.append(FileRecord(fname, written.size, written.sha256))
+            records += [TensorRecord(t.name, t.dtype, t.shape, fname, t.offset, t.nbytes, t.sha256)
+                        for t in written.tensors]
+        stage("written")
+        for f in files:
+            fsync_path(tmp / f.name)
+        manifest = Manifest(
+            key=key, identity=identity.to_json(), files=tuple(files),
+            tensors=tuple(sorted(records, key=lambda t: t.name)), metadata=meta,
+            total_bytes=total, content_digest=content_digest(records, meta),
+            created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            writer={"host": socket.gethostname(), "pid": os.getpid()},
+        )
+        fd = os.open(tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest.to_json(), f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(tmp)
+        stage("synced")
+    except BaseException:
+        # A failed write (disk full, I/O error, Ctrl-C) leaves nothing behind; only a killed
+        # writer leaves a temp dir, which the next owner of the key's lock removes.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     stage("before_rename")
     # rename(2) of a directory onto a missing name is atomic: readers see all of it or nothing.
     os.rename(tmp, layout.entry(key))

@@ -195,3 +195,16 @@ def test_a_corrupt_entry_is_never_rebuilt_silently(store: CacheStore) -> None:
     shard.unlink()
     with pytest.raises(EntryCorruptError, match="missing file"):
         store.ensure(ident, lambda: pytest.fail("must not rebuild over a corrupt entry"))
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:
+    def fail(stage: str) -> None:
+        if stage == "written":
+            raise OSError(28, "No space left on device")
+
+    store = CacheStore(tmp_path / "c", on_stage=fail)
+    with pytest.raises(OSError, match="No space"):
+        store.publish(make_identity(), synthetic_tensors())
+    assert store.keys() == [] and list(store.layout.tmp.iterdir()) == []
+    with CacheStore(tmp_path / "c").publish(make_identity(), synthetic_tensors()) as e:
+        assert e.built  # the lock was released with the failure
