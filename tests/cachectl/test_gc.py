@@ -131,3 +131,24 @@ def test_readers_on_a_read_only_mount_join_and_are_protected(
     report = lru_store.gc(max_bytes=0)
     assert sorted(report.kept_in_use) == sorted(keys[:2]) and report.removed == [keys[2]]
     assert all(r.finish() == 0 for r in readers)
+
+
+def test_a_reader_that_loses_the_race_to_gc_sees_the_entry_gone(
+    lru_store: CacheStore, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fcntl
+
+    with lru_store.publish(make_identity(), synthetic_tensors()) as e:
+        key = e.key
+    real_flock = fcntl.flock
+
+    def gc_runs_between_open_and_flock(fd: int, op: int) -> None:
+        # The reader has opened the entry directory; GC removes the entry before its flock.
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        assert lru_store.remove(key)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", gc_runs_between_open_and_flock)
+    with pytest.raises(EntryNotFoundError):
+        lru_store.join(key)
+    assert lru_store.keys() == []
