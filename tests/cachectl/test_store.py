@@ -208,3 +208,14 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:
     assert store.keys() == [] and list(store.layout.tmp.iterdir()) == []
     with CacheStore(tmp_path / "c").publish(make_identity(), synthetic_tensors()) as e:
         assert e.built  # the lock was released with the failure
+
+
+def test_the_store_and_cli_import_neither_torch_nor_the_engine() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ditserve.cachectl.store, ditserve.cachectl.cli, ditserve.cachectl.daemon;"
+            "print(sorted(m for m in ('torch', 'ditserve.engine', 'kubernetes', 'diffusers')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
