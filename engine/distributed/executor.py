@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,14 @@ class MultiProcessExecutor:
         """Spawned workers' pids by rank (empty when a launcher started them)."""
         return {rank: p.pid for rank, p in self._procs.items() if p.pid is not None}
 
-    def _dead_workers(self) -> str:
+    def _dead_workers(self, settle_s: float = 3.0) -> str:
+        # A broken connection can surface a moment before the dead worker is reaped; give
+        # the exit status a short while to appear so the error can name it.
+        deadline = time.monotonic() + settle_s
+        while self._procs and time.monotonic() < deadline:
+            if any(p.exitcode is not None for p in self._procs.values()):
+                break
+            time.sleep(0.05)
         dead = [
             f"rank {rank} (pid {p.pid}) exited with {_describe_exit(p.exitcode)}"
             for rank, p in self._procs.items() if p.exitcode is not None
