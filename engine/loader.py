@@ -80,7 +80,7 @@ def _torch_dtype(name: str) -> torch.dtype:
 def load_components(model_dir: str | Path, *, dtype: str = "float32") -> LoadedComponents:
     """Load every component of a supported pipeline onto the CPU."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
     cls, _ = read_model_index(model_dir)
     _quiet_transformers()
@@ -99,7 +99,7 @@ def load_components(model_dir: str | Path, *, dtype: str = "float32") -> LoadedC
                 root, subfolder="text_encoder_2", dtype=torch_dtype
             ),
             "tokenizer": CLIPTokenizer.from_pretrained(root, subfolder="tokenizer"),
-            "tokenizer_2": T5TokenizerFast.from_pretrained(root, subfolder="tokenizer_2"),
+            "tokenizer_2": T5Tokenizer.from_pretrained(root, subfolder="tokenizer_2"),
             "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(
                 root, subfolder="scheduler"
             ),

@@ -65,7 +65,7 @@ def _build_pipeline(*, transformer_kwargs: dict[str, object], seed: int):  # typ
     t5 = T5EncoderModel(
         T5Config(
             vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,  # type: ignore[call-arg]
         )
     )
     transformer = FluxTransformer2DModel(**transformer_kwargs)  # type: ignore[arg-type]
