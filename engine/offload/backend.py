@@ -11,7 +11,13 @@ ordinary (pageable, unpinned) host tensors - views of the former slabs, no copy 
 the slots. Resident modules stay on the device: call ``model.to(device)`` afterwards to run
 it fully resident, or ``enable_offload`` again.
 
-Called by the engine's model runner (``--offload dlo``) and by ``bench/offload.py``.
+With ``group=`` a process group of size > 1 (AllGather mode), each rank keeps only its
+1/group shard of every streamed block (``shard_storage``) and loads rebuild blocks with
+``all_gather_into_tensor`` (``gather``); every rank of the group must then run the same passes
+(forwards or ``OffloadHandle.idle_pass``), see ``hooks``.
+
+Called by the engine's model runner (``--offload dlo``) and by ``bench/offload.py`` /
+``bench/offload_dp.py``.
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ from torch import nn
 from ditserve.engine.config import OffloadConfig, offload_problems
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.discovery import discover
+from ditserve.engine.offload.gather import GatherTransfer
 from ditserve.engine.offload.hooks import BlockStreamer, make_streamed_block
 from ditserve.engine.offload.host import HostStorage
 from ditserve.engine.offload.plan import GIB, OffloadPlan, TensorSpec, build_plan
+from ditserve.engine.offload.shard_storage import ShardStorage
+from ditserve.engine.offload.shards import shard_block, shard_slot_numel
 from ditserve.engine.offload.transfer import make_transfer
 
 log = logging.getLogger(__name__)
@@ -101,7 +110,7 @@ class OffloadHandle:
         plan: OffloadPlan,
         device: torch.device,
         transfer: Any,
-        storage: HostStorage,
+        storage: HostStorage | ShardStorage,
         streamer: BlockStreamer,
         slots: list[dict[Hashable, torch.Tensor]],
     ) -> None:
@@ -113,6 +122,22 @@ class OffloadHandle:
         self._streamer = streamer
         self._slots = slots
         self.active = True
+        # AllGather mode: every load is a collective of the group.
+        self.needs_collective_participation = isinstance(storage, ShardStorage)
+
+    @property
+    def passes(self) -> int:
+        """AllGather mode: whole passes run so far (forwards and idle passes)."""
+        return self._streamer.passes
+
+    def idle_pass(self) -> None:
+        """Join every block's gather, in a forward's order, without running any block.
+
+        AllGather mode: a rank with no batch calls this while another rank runs a forward, so
+        the group's collectives stay matched. No-op in rank-local mode.
+        """
+        if self.needs_collective_participation and self.active:
+            self._streamer.idle_pass()
 
     def report(self) -> dict[str, Any]:
         """JSON-able facts: the split, bytes per step, memory, backing and transfer so far."""
@@ -140,13 +165,32 @@ class OffloadHandle:
             "bytes_transferred": streamer.bytes_transferred,
             "block_loads": streamer.loads,
             "load_misses": streamer.misses,
+            **self._shard_report(),
         }
 
-    def disable(self) -> None:
+    def _shard_report(self) -> dict[str, Any]:
+        storage, transfer = self._storage, self._transfer
+        if not isinstance(storage, ShardStorage):
+            return {"group_size": 1}
+        return {
+            "group_size": storage.group_size,
+            "group_rank": storage.rank,
+            "shard_bytes": storage.nbytes,  # this rank's host bytes for the streamed blocks
+            "h2d_bytes": transfer.h2d_bytes,
+            "gathered_bytes": transfer.gathered_bytes,
+            "passes": self._streamer.passes,
+        }
+
+    def disable(self, *, gather: bool = False) -> None:
         """Synchronize, remove hooks, restore ordinary host tensors, free slabs and slots.
 
         Idempotent. Streamed blocks end up on the CPU (pageable memory, no copy); resident
         modules stay on the device.
+
+        AllGather mode: no rank holds the full blocks. ``gather=True`` rebuilds them on the
+        host - a collective, so every rank of the group must call it together; without it
+        (e.g. at shutdown, when a peer may be gone) the streamed tensors are left empty and
+        the model must be reloaded before it runs again.
         """
         if not self.active:
             return
@@ -154,7 +198,12 @@ class OffloadHandle:
         self._streamer.detach()
         for position, index in enumerate(self.plan.streamed):
             block = self._streamer.blocks[position]
-            for tensor, host in zip(block.tensors, self._storage.release(index), strict=True):
+            if isinstance(self._storage, ShardStorage):
+                hosts = self._gathered_tensors(index, block.tensors, gather)
+                self._storage.release(index)
+            else:
+                hosts = self._storage.release(index)
+            for tensor, host in zip(block.tensors, hosts, strict=True):
                 tensor.data = host
         self._slots.clear()
         self._streamer.blocks.clear()
@@ -164,6 +213,18 @@ class OffloadHandle:
         if model is not None:
             _ACTIVE.pop(model, None)
 
+    def _gathered_tensors(
+        self, index: int, tensors: list[torch.Tensor], gather: bool
+    ) -> list[torch.Tensor]:
+        assert isinstance(self._storage, ShardStorage)
+        if not gather:
+            return [torch.empty(0, dtype=t.dtype) for t in tensors]
+        full = self._transfer.gather_full(self._storage.regions(index))
+        return [
+            full[p.dtype][p.offset : p.offset + p.numel].view(p.shape)
+            for p in self.plan.blocks[index].tensors
+        ]
+
 
 def enable_offload(
     transformer: nn.Module,
@@ -171,14 +232,27 @@ def enable_offload(
     device: torch.device | str,
     *,
     activation_reserve_bytes: int | None = None,
+    group: Any = None,
 ) -> OffloadHandle:
     """Stream ``transformer``'s blocks from host memory through two slots on ``device``.
+
+    ``group``: a torch.distributed process group; with more than one rank, each rank keeps
+    1/group of every streamed block and rebuilds blocks with all_gather (AllGather mode).
 
     All or nothing: raises ``OffloadError`` with a message that says how to fix the cause,
     leaving the model unchanged. The model must then be called with inputs on ``device``;
     do not move it with ``.to()`` while offload is enabled.
     """
     _check_config(offload_config)
+    group_size = _group_size(group)
+    if group_size > 1 and (
+        offload_config.resident_layers or offload_config.hbm_budget_gib is not None
+    ):
+        raise OffloadError(
+            "resident layers are not supported with AllGather sharding (every rank would hold "
+            "a full copy of them); drop resident_layers/hbm_budget_gib or run without a group "
+            "(--dlo-no-use-allgather)"
+        )
     transfer = make_transfer(torch.device(device))  # raises if the device is unusable
     target: torch.device = transfer.device
     if transformer in _ACTIVE:
@@ -218,11 +292,25 @@ def enable_offload(
         hbm_budget_bytes=None if budget is None else int(budget * GIB),
         resident_module_bytes=sum(t.numel() * t.element_size() for t in resident_tensors),
         activation_reserve_bytes=reserve,
+        shard_multiple=group_size,
     )
     for index in plan.residency.resident:
         resident_tensors.extend(block_tensors[index])
 
-    storage = HostStorage(transfer)
+    storage: HostStorage | ShardStorage = HostStorage(transfer)
+    if group_size > 1:
+        try:
+            rank = _group_rank(group)
+            shards = [shard_block(plan.blocks[i], rank=rank, group_size=group_size)
+                      for i in plan.streamed]
+            transfer = GatherTransfer(transfer, group, shard_slot_numel(shards))
+        except Exception as e:
+            transfer.close()
+            raise OffloadError(
+                f"could not set up AllGather offload over a group of {group_size}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        storage = ShardStorage(transfer, rank=rank, group_size=group_size)
     streamer: BlockStreamer | None = None
     journal: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, original data) to undo
     try:
@@ -254,8 +342,11 @@ def enable_offload(
             )
             for index in plan.streamed
         ]
-        streamer = BlockStreamer(streamed, transfer)
-        streamer.attach()
+        streamer = BlockStreamer(streamed, transfer, strict=group_size > 1)
+        if group_size > 1:
+            streamer.attach(root=transformer)  # completes passes even when a forward raises
+        else:
+            streamer.attach()
         # Commit: from here the streamed blocks' original tensors are released.
         for block in streamed:
             for t, ph in zip(block.tensors, block.placeholders, strict=True):
@@ -293,3 +384,17 @@ def enable_offload(
         r["transfer"],
     )
     return handle
+
+
+def _group_size(group: Any) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group))
+
+
+def _group_rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_rank(group))

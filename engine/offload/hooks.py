@@ -14,6 +14,13 @@ A slot's bytes stay valid until overwritten, so a block already in a slot is nev
 again (with two streamed blocks nothing moves after the first step). Weights are read-only:
 this is an inference path.
 
+Passes (AllGather mode, ``strict=True``): every load is then a collective, so every rank must
+issue the same loads in the same order. Loads depend only on the streamer's state, so ranks
+stay matched as long as each runs whole *passes* (blocks 0..n-1, once each, in order):
+``idle_pass`` runs a pass's hook steps without running the blocks (a rank with no batch), a
+forward that raises mid-way is completed by ``finish_pass`` (a root forward hook that runs
+even on exceptions), and a block called out of order is refused before it loads anything.
+
 Called by ``backend`` (build, attach, detach); reads copy sources from ``host``, moves bytes
 through ``transfer``.
 """
@@ -27,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.plan import BlockLayout
 from ditserve.engine.offload.transfer import CopyPairs
 
@@ -85,9 +93,12 @@ def make_streamed_block(
 class BlockStreamer:
     """The per-block hook state machine over two slots."""
 
-    def __init__(self, blocks: Sequence[StreamedBlock], transfer) -> None:
+    def __init__(self, blocks: Sequence[StreamedBlock], transfer, *, strict: bool = False) -> None:
         self.blocks = list(blocks)
         self.transfer = transfer
+        self.strict = strict  # whole passes only (AllGather: loads are collectives)
+        self.position = 0  # strict: the block the current pass runs next
+        self.passes = 0  # strict: completed passes (forwards and idle passes)
         self.loaded: list[int | None] = [None, None]  # block position held by each slot
         self.last_slot: int | None = None  # slot of the block that ran last
         self.pointed: dict[int, int] = {}  # block position -> slot its tensors point into
@@ -96,10 +107,15 @@ class BlockStreamer:
         self.misses = 0
         self._handles: list[RemovableHandle] = []
 
-    def attach(self) -> None:
+    def attach(self, root: nn.Module | None = None) -> None:
         for k, block in enumerate(self.blocks):
             self._handles.append(block.module.register_forward_pre_hook(self._pre_hook(k)))
             self._handles.append(block.module.register_forward_hook(self._post_hook(k)))
+        if self.strict and root is not None:
+            # always_call: a forward that raises still completes its pass, so this rank's
+            # collectives stay matched with the other ranks'.
+            self._handles.append(root.register_forward_hook(
+                lambda module, args, output: self.finish_pass(), always_call=True))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -136,6 +152,14 @@ class BlockStreamer:
             self.pointed[k] = slot
 
     def before_block(self, k: int) -> None:
+        if self.strict:
+            if k != self.position:
+                raise OffloadError(
+                    f"block {self.blocks[k].name} ran out of order (expected "
+                    f"{self.blocks[self.position % len(self.blocks)].name}); AllGather mode needs "
+                    "every forward to run each streamed block once, in order"
+                )
+            self.position += 1
         slot = self.loaded.index(k) if k in self.loaded else None
         if slot is None:
             # Miss: the first forward, or blocks ran out of the expected order (or a forward
@@ -162,3 +186,26 @@ class BlockStreamer:
         self.transfer.release(slot)
         self._point(k, None)
         self.last_slot = slot
+
+    def idle_pass(self) -> None:
+        """A pass's hook steps without running any block: the same loads as a forward."""
+        if self.position:
+            self.finish_pass()
+        for k in range(len(self.blocks)):
+            self.before_block(k)
+            self.after_block(k)
+        self.finish_pass()
+
+    def finish_pass(self) -> None:
+        """Complete the current pass: release a block left pointed (its forward raised), then
+        take the hook steps of every block it did not reach."""
+        if not self.strict:
+            return
+        for k in list(self.pointed):
+            self.after_block(k)
+        while self.position < len(self.blocks):
+            k = self.position
+            self.before_block(k)
+            self.after_block(k)
+        self.position = 0
+        self.passes += 1

@@ -110,7 +110,7 @@ def layout_block(
     for spec in tensors:
         by_dtype.setdefault(spec.dtype, []).append(spec)
     regions: list[DtypeRegion] = []
-    placements: list[TensorPlacement] = []
+    placed: dict[int, TensorPlacement] = {}  # id(spec) -> placement
     host_offset = 0
     for dtype, specs in by_dtype.items():
         itemsize = specs[0].itemsize
@@ -118,13 +118,16 @@ def layout_block(
         cursor = 0
         for spec in specs:
             cursor = _round_up(cursor, align)
-            placements.append(TensorPlacement(spec.name, dtype, spec.shape, cursor, spec.numel))
+            placed[id(spec)] = TensorPlacement(spec.name, dtype, spec.shape, cursor, spec.numel)
             cursor += spec.numel
         numel = _round_up(_round_up(cursor, align), align * shard_multiple)
         regions.append(DtypeRegion(dtype, itemsize, numel, host_offset))
         host_offset += numel * itemsize  # stays ALIGN_BYTES-aligned: numel is a multiple of align
     payload = sum(s.numel * s.itemsize for s in tensors)
-    return BlockLayout(index, name, tuple(regions), tuple(placements), payload)
+    # Placements stay in the caller's order (not grouped by dtype): callers zip them with the
+    # block's tensors, listed in that order, even when dtypes interleave.
+    placements = tuple(placed[id(spec)] for spec in tensors)
+    return BlockLayout(index, name, tuple(regions), placements, payload)
 
 
 def slot_layout(blocks: Sequence[BlockLayout]) -> SlotLayout:

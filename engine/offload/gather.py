@@ -1,0 +1,162 @@
+"""AllGather transfer: rebuild each streamed block on the device from every rank's 1/group shard.
+
+Same interface as ``transfer``'s single-device paths (``load`` / ``wait_ready`` / ``release``
+and host allocation), so ``hooks.BlockStreamer`` drives it unchanged. A load of block k into
+slot s takes ``(slot region, host shard)`` pairs, one per dtype, and:
+
+1. copies the rank's host shard into device *shard slot* s (its own small buffer) on the copy
+   stream - first waiting until the previous gather out of shard slot s finished reading it;
+2. on the communication stream, waits for that copy and for the compute stream to release
+   block slot s (write-after-read), then ``all_gather_into_tensor`` from the shard slot into
+   the block slot's region, sized per block (blocks may differ in size);
+3. records slot s's ``ready`` event on the communication stream; the compute stream waits on
+   it before the block runs (``wait_ready``).
+
+Only stream waits - the host never blocks per block - so block k+1's copy and gather overlap
+block k's compute. On a CPU (gloo, in CI) the same steps run synchronously in call order.
+
+Every rank of the group must issue the same gathers in the same order: the streamer's state
+machine is deterministic, so ranks that run the same sequence of forwards and idle passes
+(``BlockStreamer.idle_pass``) stay matched.
+
+Called by ``backend.enable_offload`` (built around a single-device transfer, whose copy stream,
+events and host pinning it reuses), by ``hooks`` (loads) and ``backend.disable(gather=True)``
+(``gather_full``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ditserve.engine.errors import OffloadError
+from ditserve.engine.offload.transfer import CopyPairs
+
+# torch >= 2.13 renames all_gather_into_tensor (and deprecates the old name); older torch
+# (the device image's 2.11) only has the old one. Same signature.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GatherTransfer:
+    """H2D of the local shard + all_gather into the block slot (see module docstring)."""
+
+    name = "h2d+allgather"
+
+    def __init__(
+        self,
+        base,  # SyncTransfer | CudaStreamTransfer: host pinning, copy stream, ready/free events
+        group: dist.ProcessGroup,
+        shard_slot: Mapping[Hashable, tuple[int, int]],  # dtype -> (itemsize, numel)
+    ) -> None:
+        self._base = base
+        self.device: torch.device = base.device
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._cuda = self.device.type == "cuda"
+        # Two device shard slots, one per block slot: the H2D target and the gather's input.
+        self.shard_slots = [
+            {
+                dtype: torch.empty(numel, dtype=dtype, device=self.device)  # type: ignore[call-overload]
+                for dtype, (_, numel) in shard_slot.items()
+            }
+            for _ in range(2)
+        ]
+        if self._cuda:
+            self.comm_stream = torch.cuda.Stream(device=self.device)
+            self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.h2d_bytes = 0
+        self.gathered_bytes = 0
+        self.gathers = 0
+
+    # -- host memory: the base transfer's ---------------------------------------------------------
+    @property
+    def backing(self) -> str:
+        return f"{self._base.backing}-shards"
+
+    @property
+    def pinned_bytes(self) -> int:
+        return int(self._base.pinned_bytes)
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        return self._base.allocate_host(nbytes)
+
+    def free_host(self, buffer: torch.Tensor) -> bool:
+        return bool(self._base.free_host(buffer))
+
+    # -- loads ------------------------------------------------------------------------------------
+    def _pairs(self, pairs: CopyPairs, slot: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        out = []
+        for dst, src in pairs:
+            n = src.numel()
+            if dst.numel() != n * self.group_size:
+                raise OffloadError(
+                    f"a {dst.numel()}-element slot region cannot be gathered from "
+                    f"{self.group_size} shards of {n}; the plan must be laid out with "
+                    f"shard_multiple={self.group_size}"
+                )
+            out.append((dst, src, self.shard_slots[slot][src.dtype][:n]))
+        return out
+
+    def load(self, pairs: CopyPairs, slot: int) -> None:
+        triples = self._pairs(pairs, slot)
+        self.gathers += len(triples)
+        for dst, src, _ in triples:
+            self.h2d_bytes += src.numel() * src.element_size()
+            self.gathered_bytes += dst.numel() * dst.element_size()
+        if not self._cuda:
+            for dst, src, shard in triples:
+                shard.copy_(src)
+                _all_gather(dst, shard, group=self.group)
+            return
+        copy, comm = self._base.stream, self.comm_stream
+        with torch.cuda.stream(copy):
+            # Shard slot s was last read by the gather into block slot s (its ``ready``).
+            copy.wait_event(self._base.ready[slot])
+            for _, src, shard in triples:
+                shard.copy_(src, non_blocking=True)
+            self.copied[slot].record(copy)
+        with torch.cuda.stream(comm):
+            # Read-after-write on the shard slot; write-after-read on the block slot, whose
+            # previous block may still be running on the compute stream.
+            comm.wait_event(self.copied[slot])
+            comm.wait_event(self._base.free[slot])
+            for dst, _, shard in triples:
+                # NCCL runs it on its own stream after everything queued on ``comm`` and makes
+                # ``comm`` wait for it (async_op=False is a stream wait, not a host wait).
+                _all_gather(dst, shard, group=self.group)
+            self._base.ready[slot].record(comm)
+
+    def wait_ready(self, slot: int) -> None:
+        self._base.wait_ready(slot)
+
+    def release(self, slot: int) -> None:
+        self._base.release(slot)
+
+    def synchronize(self) -> None:
+        self._base.synchronize()
+        if self._cuda:
+            self.comm_stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+        self.shard_slots.clear()
+        self._base.close()
+
+    # -- whole blocks, synchronously --------------------------------------------------------------
+    def gather_full(self, shards: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
+        """A collective: every rank's shards of one block -> the full regions, on the host.
+
+        Synchronous; every rank of the group must call it for the same block in the same order.
+        """
+        self.synchronize()
+        out: dict[Hashable, torch.Tensor] = {}
+        for dtype, shard in shards.items():
+            local = shard.to(self.device)
+            full = torch.empty(shard.numel() * self.group_size, dtype=shard.dtype,
+                               device=self.device)
+            _all_gather(full, local, group=self.group)
+            out[dtype] = full.cpu() if self._cuda else full
+        return out
