@@ -122,15 +122,16 @@ class ModelRunner:
         for rid in plan.encode:
             self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
+        passes = self._collective_passes()
         if batch:
             started = time.perf_counter()
             self._denoise(batch, out)
             out.forward_requests = len(batch)
             out.forward_rows = sum(s.rows for s in batch)
             out.forward_seconds = time.perf_counter() - started
-        elif collective_wave and self.offload is not None and getattr(
-            self.offload, "needs_collective_participation", False
-        ):
+        if collective_wave and passes is not None and self._collective_passes() == passes:
+            # No forward reached the transformer here (no batch, or it failed before):
+            # still join every block's collective, exactly once per wave like the others.
             self.offload.idle_pass()
         for rid in plan.decode:
             if rid in out.failed:
@@ -140,6 +141,12 @@ class ModelRunner:
                 out.decoded.append(rid)
                 out.finished[rid] = state.pixels
         return out
+
+    def _collective_passes(self) -> int | None:
+        """Passes run by an offload whose loads are collectives (None: not such an offload)."""
+        if self.offload is None or not getattr(self.offload, "needs_collective_participation", False):
+            return None
+        return int(self.offload.passes)
 
     def _guarded(self, out: RunnerOutput, rid: str, stage: str, fn: Any) -> bool:
         state = self._states.get(rid)
@@ -159,10 +166,12 @@ class ModelRunner:
             inputs = self._batches.build(batch)
             prediction = self.pipeline.denoise_step(inputs)
         except Exception as e:
-            if len(batch) == 1:
-                rid = batch[0].request_id
-                log.exception("request %s failed in denoise", rid)
-                out.failed[rid] = f"denoise failed: {type(e).__name__}: {e}"
+            if len(batch) == 1 or self._collective_passes() is not None:
+                # Alone, or with AllGather offload, where a retry would run extra passes the
+                # other ranks do not join: the batch fails together.
+                log.exception("request %s failed in denoise", ", ".join(s.request_id for s in batch))
+                for state in batch:
+                    out.failed[state.request_id] = f"denoise failed: {type(e).__name__}: {e}"
                 return
             # Find the culprit: no state was advanced, so rerun each request alone.
             log.warning("batched forward failed; retrying %d requests one by one", len(batch))
