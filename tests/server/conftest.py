@@ -67,16 +67,21 @@ class ServerProcess:
         return int(self.process.returncode)
 
 
-def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-    port = free_port()
+def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> ServerProcess:
+    """Start `ditserve serve ARGS`; without ``port``, on a free port of 127.0.0.1 (given as
+    flags), else the caller's ARGS (e.g. a --config file) must bind ``port`` themselves."""
+    flags: list[str] = []
+    if port is None:
+        port = free_port()
+        flags = ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
     log = tmp / "server.log"
     environ = {k: v for k, v in os.environ.items() if k != "DITSERVE_API_KEY"}
     environ.update({"DITSERVE_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})})
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "ditserve.engine.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(port), "--device", "cpu", *args],
+            [sys.executable, "-m", "ditserve.engine.cli", "serve", *flags, *args],
             stdout=out, stderr=subprocess.STDOUT, env=environ,
         )
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
@@ -96,8 +101,17 @@ def launch_server():
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The default server: tiny model, max_num_seqs 4, auth off."""
-    proc = start_server(tmp_path_factory.mktemp("server"), "--max-num-seqs", "4")
+    """The default server: tiny model, max_num_seqs 4, auth off. Started the way the
+    operator starts it: `ditserve serve --config FILE`, the file holding a server section."""
+    tmp = tmp_path_factory.mktemp("server")
+    port = free_port()
+    config = tmp / "engine.yaml"
+    config.write_text(
+        "device: cpu\n"
+        "scheduler: {max_num_seqs: 4, max_queue: 64}\n"
+        f"server: {{host: 127.0.0.1, port: {port}, request_timeout_s: 120}}\n"
+    )
+    proc = start_server(tmp, "--config", str(config), port=port)
     yield proc
     proc.stop()
 
