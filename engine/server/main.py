@@ -91,6 +91,11 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     from ditserve.engine.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
 
+    if engine_config.model is not None:
+        from ditserve.engine.loader import read_model_index
+
+        read_model_index(engine_config.model)  # a wrong path fails now, not after binding
+
     failed: list[BaseException] = []
     server: DrainingServer | None = None
 

@@ -63,3 +63,10 @@ def test_bad_config_names_the_problem(tmp_path, text, message) -> None:
 def test_defaults() -> None:
     config = ServerConfig()
     assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
+
+
+def test_serve_refuses_a_missing_model_dir_before_binding(tmp_path, capsys) -> None:
+    from ditserve.engine.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "nope"), "--port", "0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
