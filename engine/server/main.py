@@ -108,7 +108,9 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     app = create_app(engine, server_config, on_start_failed=on_start_failed)
     uv_config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
-        lifespan="on", timeout_graceful_shutdown=5, access_log=server_config.log_level != "info",
+        lifespan="on", timeout_graceful_shutdown=5,
+        # One line per request is noise at serving rates; debug/trace turn it on.
+        access_log=server_config.log_level in ("debug", "trace"),
     )
     server = DrainingServer(uv_config, state=app.state.server)
     if server_config.api_key is None:
