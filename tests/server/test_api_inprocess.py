@@ -131,3 +131,28 @@ def test_check_bearer(header, ok) -> None:
             check_bearer(header, "k")
         assert info.value.status == 401
     check_bearer(header, None)  # auth off: anything passes
+
+
+def test_plain_request_aborted_when_the_client_disconnects(metric) -> None:
+    engine = FakeEngine(outcome="hang")
+    app = create_app(engine, ServerConfig(), start_engine=False)
+    incoming = [{"type": "http.request", "body": b'{"prompt": "cat"}', "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        # The body, then the client is gone (the handler has admitted the request by then).
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": GEN,
+             "raw_path": GEN.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert engine.aborted == [("req-0", "client disconnected")]
+    assert sent[0]["status"] == 499
+    text = app.state.server.metrics.render().decode()
+    assert metric(text, 'ditserve:request_errors_total{reason="client_disconnect"}') == 1
