@@ -7,7 +7,8 @@ to run). Precedence: command-line flag > ``--config`` YAML > default; the API ke
 
 Shutdown: the first SIGTERM/SIGINT starts a drain - /ready turns 503 and new requests get
 503 at once while the listener stays open, admitted requests run for up to
-``shutdown_grace_s``, the rest are aborted - then uvicorn exits. A second signal exits now.
+``shutdown_grace_s``, the rest are aborted - then uvicorn exits. A second signal ends the
+grace period at once.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class DrainingServer(uvicorn.Server):
         self._state = state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_started = False
+        self._hurry = False
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -138,20 +140,37 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the signal handler: only flip flags and schedule work on the loop.
-        if self._drain_started or self._loop is None:
+        if self._loop is None:
             self.should_exit = True
-            self.force_exit = self._drain_started
+            return
+        if self._drain_started:
+            # A second signal ends the grace period now (the drain aborts what is left and
+            # exits cleanly); a third one makes uvicorn skip its own graceful shutdown too.
+            self.force_exit = self._hurry
+            self._hurry = True
             return
         self._drain_started = True
-        log.info("received %s: draining", signal.Signals(sig).name)
         self._state.draining = True  # /ready is 503 from this moment
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._loop.call_soon_threadsafe(self._start_drain, sig)
 
-    def _start_drain(self) -> None:
+    def _start_drain(self, sig: int) -> None:
+        log.info("received %s", signal.Signals(sig).name)
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
+        state, loop = self._state, asyncio.get_running_loop()
+        grace = state.config.shutdown_grace_s
+        log.info("draining: admitted requests may finish for up to %.1fs", grace)
         try:
-            await asyncio.to_thread(self._state.drain, self._state.config.shutdown_grace_s)
+            state.begin_drain()
+            deadline = loop.time() + grace
+            # Polled: the engine has no "idle" event, and 0.1 s is nothing next to a grace
+            # period. A second signal ends the wait at once.
+            while state.has_work() and loop.time() < deadline and not self._hurry:
+                await asyncio.sleep(0.1)
+            if state.has_work():
+                log.warning("%s: aborting the requests still admitted",
+                            "second signal" if self._hurry else "grace period over")
+            await asyncio.to_thread(state.stop, 0.0)  # aborts what is left, stops the engine
         finally:
             self.should_exit = True

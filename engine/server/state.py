@@ -2,8 +2,8 @@
 as seen by the server (loading, ready, draining, stopped).
 
 The lifespan starts the engine in a worker thread (``start_engine``) so /health answers while
-weights load; the SIGTERM handler calls ``drain``; the lifespan's exit calls ``stop``. Both
-end in ``engine.shutdown``, which runs exactly once.
+weights load; the SIGTERM handler calls ``begin_drain``, waits while ``has_work``, then
+``stop``; the lifespan's exit calls ``stop`` too. ``engine.shutdown`` runs exactly once.
 """
 
 from __future__ import annotations
@@ -64,11 +64,17 @@ class ServerState:
             if self.on_start_failed is not None:
                 self.on_start_failed(e)
 
-    def drain(self, grace_seconds: float) -> None:
-        """Blocking: refuse new work, let admitted requests finish for up to the grace
-        period, abort the rest, stop the engine."""
+    def begin_drain(self) -> None:
+        """Refuse new work from now on (/ready 503, new requests 503); admitted work goes on."""
         self.draining = True
-        self.stop(grace_seconds)
+        if self.engine.executor is not None:
+            self.engine.stop_accepting()
+
+    def has_work(self) -> bool:
+        if self.engine.executor is None:
+            return False
+        stats = self.engine.stats()
+        return stats.running + stats.waiting > 0
 
     def stop(self, grace_seconds: float = 0.0) -> None:
         with self._stop_lock:
@@ -77,6 +83,5 @@ class ServerState:
             self._stopped = True
         if self.engine.executor is None:  # never finished loading: nothing to drain
             return
-        log.info("draining: up to %.1fs for admitted requests", grace_seconds)
         self.engine.shutdown(grace_seconds)
         log.info("engine stopped")
