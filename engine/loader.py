@@ -77,8 +77,33 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_components(model_dir: str | Path, *, dtype: str = "float32") -> LoadedComponents:
-    """Load every component of a supported pipeline onto the CPU."""
+def dit_class() -> Any:
+    """The DiT's model class (the offload loader builds it on the meta device)."""
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel
+
+
+def load_dit(model_dir: str | Path, *, dtype: str) -> Any:
+    """The DiT alone, ordinarily loaded onto the CPU (eval, no grad)."""
+    read_model_index(model_dir)
+    try:
+        model = dit_class().from_pretrained(
+            Path(model_dir), subfolder=DIT_COMPONENT, dtype=_torch_dtype(dtype)
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"could not load the DiT from {str(model_dir)!r}: {e}") from e
+    return model.eval().requires_grad_(False)
+
+
+def load_components(
+    model_dir: str | Path, *, dtype: str = "float32", transformer: Any = None
+) -> LoadedComponents:
+    """Load every component of a supported pipeline onto the CPU.
+
+    transformer: an already prepared DiT (the offload loader's, e.g. bound to a mapping);
+    it is used as is instead of loading one.
+    """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
@@ -88,8 +113,10 @@ def load_components(model_dir: str | Path, *, dtype: str = "float32") -> LoadedC
     torch_dtype = _torch_dtype(dtype)
     try:
         modules: dict[str, Any] = {
-            "transformer": FluxTransformer2DModel.from_pretrained(
-                root, subfolder="transformer", dtype=torch_dtype
+            "transformer": transformer if transformer is not None else (
+                FluxTransformer2DModel.from_pretrained(
+                    root, subfolder="transformer", dtype=torch_dtype
+                )
             ),
             "vae": AutoencoderKL.from_pretrained(root, subfolder="vae", dtype=torch_dtype),
             "text_encoder": CLIPTextModel.from_pretrained(

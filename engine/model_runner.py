@@ -55,21 +55,39 @@ class ModelRunner:
         self.config = config
         self.device = device if device is not None else resolve_device(config.device)
         started = time.perf_counter()
-        components = load_components(model_dir, dtype=config.dtype)
         offload = config.offload.enabled
-        self.pipeline: StepPipeline = build_pipeline(
-            components, device=self.device, move_transformer=not offload
-        )
-        self.offload: Any = None
+        dit, host_plan = None, None
         if offload:
-            from ditserve.engine.offload import enable_offload
+            # The DiT's host backing (checkpoint mmap, node cache, or ordinary) and its plan.
+            from ditserve.engine.offload.host_weights import prepare_dit
 
-            kwargs: dict[str, Any] = {}
-            if weight_group is not None and config.offload.use_allgather:
-                kwargs["group"] = weight_group  # 1/group shards, rebuilt by all_gather
-            self.offload = enable_offload(
-                self.pipeline.transformer, config.offload, device=self.device, **kwargs
+            dit, host_plan = prepare_dit(
+                model_dir, dtype=config.dtype, offload=config.offload,
+                tp_size=config.parallel.tensor_parallel_size,
             )
+        try:
+            components = load_components(model_dir, dtype=config.dtype, transformer=dit)
+            self.pipeline: StepPipeline = build_pipeline(
+                components, device=self.device, move_transformer=not offload
+            )
+            self.offload: Any = None
+            if offload:
+                from ditserve.engine.offload import enable_offload
+
+                kwargs: dict[str, Any] = {}
+                if weight_group is not None and config.offload.use_allgather:
+                    kwargs["group"] = weight_group  # 1/group shards, rebuilt by all_gather
+                self.offload = enable_offload(
+                    self.pipeline.transformer, config.offload, device=self.device,
+                    host_plan=host_plan, **kwargs,
+                )
+        except BaseException:
+            if host_plan is not None:
+                host_plan.close()
+            raise
+        if host_plan is not None:
+            # Exactly once: a plan that replaced the ordinary load must have been taken.
+            host_plan.require_consumed()
         log.info(
             "loaded %s from %s on %s in %.1fs (offload: %s)",
             components.pipeline_class, model_dir, self.device,

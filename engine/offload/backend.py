@@ -36,9 +36,12 @@ from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.gather import GatherTransfer
 from ditserve.engine.offload.hooks import BlockStreamer, make_streamed_block
 from ditserve.engine.offload.host import HostStorage
+from ditserve.engine.offload.host_plan import HostWeightPlan
+from ditserve.engine.offload.mapped_storage import MappedStorage
 from ditserve.engine.offload.plan import GIB, OffloadPlan, TensorSpec, build_plan
 from ditserve.engine.offload.shard_storage import ShardStorage
 from ditserve.engine.offload.shards import shard_block, shard_slot_numel
+from ditserve.engine.offload.staging import MappedTransfer, make_mapped_transfer
 from ditserve.engine.offload.transfer import make_transfer
 
 log = logging.getLogger(__name__)
@@ -54,18 +57,14 @@ def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(block.named_parameters()) + list(block.named_buffers())
 
 
-def _check_config(config: OffloadConfig) -> None:
+def _check_config(config: OffloadConfig, host_plan: HostWeightPlan | None) -> None:
     found = offload_problems(config)
     if not config.enabled:
         found.insert(0, "offload.enabled is false; set it (--offload dlo) to enable offload")
-    if config.runtime_cache:
+    if host_plan is None and (config.runtime_cache or config.pin_limit_gib):
         found.append(
-            "offload.runtime_cache backings are not implemented in this build; unset it"
-        )
-    if config.pin_limit_gib:
-        found.append(
-            "offload.pin_limit_gib applies to mmap backings, not implemented in this build; "
-            "set it to 0"
+            "offload.runtime_cache / offload.pin_limit_gib act on the loader's HostWeightPlan; "
+            "pass host_plan= (ModelRunner does) or unset them"
         )
     if found:
         raise OffloadError("cannot enable offload:\n  - " + "\n  - ".join(found))
@@ -110,7 +109,7 @@ class OffloadHandle:
         plan: OffloadPlan,
         device: torch.device,
         transfer: Any,
-        storage: HostStorage | ShardStorage,
+        storage: HostStorage | ShardStorage | MappedStorage,
         streamer: BlockStreamer,
         slots: list[dict[Hashable, torch.Tensor]],
     ) -> None:
@@ -122,6 +121,8 @@ class OffloadHandle:
         self._streamer = streamer
         self._slots = slots
         self.active = True
+        # Where the host bytes live and how they move (HostWeightPlan kind, path, reasons).
+        self.host_info: dict[str, Any] = {}
         # AllGather mode: every load is a collective of the group.
         self.needs_collective_participation = isinstance(storage, ShardStorage)
 
@@ -165,6 +166,7 @@ class OffloadHandle:
             "bytes_transferred": streamer.bytes_transferred,
             "block_loads": streamer.loads,
             "load_misses": streamer.misses,
+            **self.host_info,
             **self._shard_report(),
         }
 
@@ -233,17 +235,23 @@ def enable_offload(
     *,
     activation_reserve_bytes: int | None = None,
     group: Any = None,
+    host_plan: HostWeightPlan | None = None,
 ) -> OffloadHandle:
     """Stream ``transformer``'s blocks from host memory through two slots on ``device``.
 
     ``group``: a torch.distributed process group; with more than one rank, each rank keeps
     1/group of every streamed block and rebuilds blocks with all_gather (AllGather mode).
 
+    ``host_plan``: the loader's HostWeightPlan (consumed here). A mapped plan streams straight
+    from its read-only mappings: registered with ``pin_limit_gib`` > 0, else through two
+    pinned staging slots (``staging``); in AllGather mode the shards are copied out of the
+    mapping and the mapping is closed.
+
     All or nothing: raises ``OffloadError`` with a message that says how to fix the cause,
     leaving the model unchanged. The model must then be called with inputs on ``device``;
     do not move it with ``.to()`` while offload is enabled.
     """
-    _check_config(offload_config)
+    _check_config(offload_config, host_plan)
     group_size = _group_size(group)
     if group_size > 1 and (
         offload_config.resident_layers or offload_config.hbm_budget_gib is not None
@@ -297,7 +305,13 @@ def enable_offload(
     for index in plan.residency.resident:
         resident_tensors.extend(block_tensors[index])
 
-    storage: HostStorage | ShardStorage = HostStorage(transfer)
+    storage: HostStorage | ShardStorage | MappedStorage = HostStorage(transfer)
+    mapped: MappedStorage | None = None
+    if host_plan is not None and host_plan.mapped:
+        if group_size == 1:
+            mapped = storage = MappedStorage(host_plan)  # consumes the plan
+        else:
+            host_plan.consume()  # shards are copied out of its mapping below, then it closes
     if group_size > 1:
         try:
             rank = _group_rank(group)
@@ -317,6 +331,10 @@ def enable_offload(
         for index in plan.streamed:
             storage.add(plan.blocks[index], block_tensors[index])
         slot_layout = plan.slot
+        if mapped is not None:
+            transfer = make_mapped_transfer(
+                transfer, mapped, slot_layout, pin_limit_gib=offload_config.pin_limit_gib
+            )
         slots = [
             {
                 dtype: torch.empty(numel, dtype=dtype, device=target)  # type: ignore[arg-type]
@@ -359,6 +377,8 @@ def enable_offload(
             t.data = original
         storage.release_all()
         transfer.close()
+        if host_plan is not None:
+            host_plan.close()
         if isinstance(e, OffloadError):
             raise
         raise OffloadError(
@@ -368,6 +388,9 @@ def enable_offload(
     journal.clear()
 
     handle = OffloadHandle(transformer, plan, target, transfer, storage, streamer, slots)
+    handle.host_info = _host_info(host_plan, transfer, group_size)
+    if host_plan is not None and mapped is None:
+        host_plan.close()  # ordinary, or AllGather shards already copied out of the mapping
     _ACTIVE[transformer] = handle
     r = handle.report()
     log.info(
@@ -384,6 +407,17 @@ def enable_offload(
         r["transfer"],
     )
     return handle
+
+
+def _host_info(host_plan: HostWeightPlan | None, transfer: Any, group_size: int) -> dict[str, Any]:
+    info: dict[str, Any] = (
+        host_plan.describe() if host_plan is not None
+        else {"backing_kind": "ordinary", "backing_reason": "no HostWeightPlan given"}
+    )
+    if isinstance(transfer, MappedTransfer):
+        return info | transfer.report()
+    path = "allgather-shards" if group_size > 1 else "private-slabs"
+    return info | {"transfer_path": path, "fallback_reason": None}
 
 
 def _group_size(group: Any) -> int:

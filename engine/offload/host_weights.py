@@ -1,0 +1,118 @@
+"""Choosing the DiT's host backing for offload, with the reason: the loader's side of the plan.
+
+``prepare_dit`` returns the DiT and its ``HostWeightPlan``, trying in order:
+
+1. ``runtime_cache`` (``--dlo-runtime-cache``): the node cache entry (``runtime_cache``);
+   if the cache cannot be used, ordinary memory with the error as the reason;
+2. ``checkpoint_mmap`` (``--dlo-checkpoint-mmap auto``): preflight the checkpoint's
+   safetensors against a meta-device DiT; if it passes, the DiT's tensors become read-only
+   views of the checkpoint files and the ordinary load is skipped;
+3. ``ordinary``: the loader's usual private tensors; the plan says why (1) or (2) did not
+   apply, and the reason is logged.
+
+Called by ``ModelRunner`` when offload is enabled.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditserve.engine.config import OffloadConfig
+from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan
+from ditserve.engine.offload.mmap_source import (
+    MappedSafetensors,
+    bind_views,
+    expected_tensors,
+    meta_dit,
+    preflight,
+    source_views,
+)
+
+log = logging.getLogger(__name__)
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_dit(
+    model_dir: str | Path, *, dtype: str, model_cls: Any, component: str, tp_size: int = 1
+) -> tuple[nn.Module | None, HostWeightPlan]:
+    """The DiT as views of its checkpoint files, or (None, ordinary plan with the reason)."""
+    folder = Path(model_dir) / component
+    paths = sorted(folder.glob("*.safetensors"))
+    if tp_size != 1:
+        return None, HostWeightPlan.ordinary(
+            f"checkpoint mmap refused: tensor parallel size {tp_size}")
+    if not paths:
+        return None, HostWeightPlan.ordinary(
+            f"checkpoint mmap refused: no .safetensors files in {component}/")
+    files: list[MappedSafetensors] = []
+    try:
+        for p in paths:
+            files.append(MappedSafetensors(p))
+        config = model_cls.load_config(str(model_dir), subfolder=component)
+        model = meta_dit(model_cls, config, _TORCH_DTYPES[dtype])
+        checked = preflight(expected_tensors(model), files, tp_size=tp_size)
+        if not checked.ok:
+            raise ValueError(checked.reason)
+        views = source_views(checked.bindings, files)
+        bind_views(model, views)
+    except Exception as e:  # any failure: ordinary loading, with the reason
+        for f in files:
+            f.close()
+        return None, HostWeightPlan.ordinary(f"checkpoint mmap refused: {e}")
+    return model, HostWeightPlan(
+        BackingKind.CHECKPOINT_MMAP,
+        reason=f"checkpoint {component}/ mapped read-only ({len(files)} file(s))",
+        bindings=checked.bindings, sources=views, mappings=files, coverage=checked.coverage,
+        skipped_materialization=True,
+    )
+
+
+def prepare_dit(
+    model_dir: str | Path, *, dtype: str, offload: OffloadConfig, tp_size: int = 1
+) -> tuple[nn.Module, HostWeightPlan]:
+    """The DiT for offload and its HostWeightPlan (see module doc). Never fails over a
+    backing: only the ordinary load's own errors propagate."""
+    from ditserve.engine import loader
+
+    model_cls = loader.dit_class()
+
+    loaded: list[nn.Module] = []
+
+    def load() -> nn.Module:  # at most once, also when a backing fails after loading
+        if not loaded:
+            loaded.append(loader.load_dit(model_dir, dtype=dtype))
+        return loaded[0]
+
+    if offload.runtime_cache:
+        from ditserve.cachectl.errors import CacheError
+
+        try:
+            model, plan = _runtime_cache(model_dir, dtype, offload, model_cls, load, tp_size)
+        except (CacheError, OSError, ValueError) as e:
+            plan = HostWeightPlan.ordinary(f"runtime cache unavailable: {e}")
+            log.warning("DLO host backing: %s; using ordinary host memory", plan.reason)
+            return load(), plan
+        log.info("DLO host backing: %s (%s)", plan.kind, plan.reason)
+        return model, plan
+    if offload.checkpoint_mmap == "off":
+        return load(), HostWeightPlan.ordinary("checkpoint mmap off (--dlo-checkpoint-mmap off)")
+    mapped, plan = checkpoint_dit(model_dir, dtype=dtype, model_cls=model_cls,
+                                  component=loader.DIT_COMPONENT, tp_size=tp_size)
+    if mapped is None:
+        log.info("DLO host backing: ordinary (%s)", plan.reason)
+        return load(), plan
+    log.info("DLO host backing: %s (%s)", plan.kind, plan.reason)
+    return mapped, plan
+
+
+def _runtime_cache(model_dir: str | Path, dtype: str, offload: OffloadConfig, model_cls: Any,
+                   load: Any, tp_size: int) -> tuple[nn.Module, HostWeightPlan]:
+    from ditserve.engine.offload.runtime_cache import runtime_cache_dit
+
+    return runtime_cache_dit(model_dir, dtype=dtype, offload=offload, model_cls=model_cls,
+                             load_dit=load, tp_size=tp_size)

@@ -1,0 +1,109 @@
+"""Mapped storage: streamed blocks read straight from a HostWeightPlan's file mappings.
+
+The mmap counterpart of ``host.HostStorage``, with the same ``add`` / ``regions`` /
+``release`` surface, but no slab and no copy: a block's tensors stay views of the shared,
+read-only mapping (checkpoint or node-cache entry). Because those bytes lie where the file
+put them - not in the block's packed layout - ``regions`` returns, per dtype, a
+``MappedRegion``: the list of (offset in the slot region, source view) parts that make up
+the region. The mapped transfer (``staging``) turns it into copies: straight H2D per part
+from registered pages, or a pack into a pinned staging slot then one H2D per dtype.
+
+Called by ``backend.enable_offload`` (when the plan is mapped); regions are read by the
+hooks (as opaque copy sources) and the transfer; ``release`` gives the views back on disable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ditserve.engine.errors import OffloadError
+from ditserve.engine.offload.host_plan import HostWeightPlan, TensorBinding
+from ditserve.engine.offload.plan import BlockLayout
+from ditserve.engine.offload.registration import SourceRange
+
+
+@dataclass(frozen=True)
+class MappedRegion:
+    """One dtype region of a block, as parts of the mapping: (element offset, flat source)."""
+
+    dtype: Hashable
+    numel: int  # the region's padded size (what the slot region holds)
+    parts: tuple[tuple[int, torch.Tensor], ...]
+
+
+class MappedStorage:
+    """The streamed blocks' source views, keyed by block index. Consumes the plan."""
+
+    def __init__(self, host_plan: HostWeightPlan) -> None:
+        if not host_plan.mapped:
+            raise OffloadError("MappedStorage needs a mapped HostWeightPlan")
+        self.plan = host_plan
+        self._sources = host_plan.consume()
+        self._layouts: dict[int, BlockLayout] = {}
+        self._views: dict[int, list[torch.Tensor]] = {}
+        self._bindings: dict[int, list[TensorBinding]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Mapped (shared, not private) bytes behind the streamed blocks."""
+        return sum(b.nbytes for bs in self._bindings.values() for b in bs)
+
+    def add(self, layout: BlockLayout, tensors: Sequence[torch.Tensor]) -> None:
+        """Record the block's sources; every tensor must be a view the plan bound."""
+        views, bindings = [], []
+        for placement, tensor in zip(layout.tensors, tensors, strict=True):
+            name = f"{layout.name}.{placement.name}"
+            source = self._sources.get(name)
+            binding = self.plan.bindings.get(name)
+            if source is None or binding is None:
+                raise OffloadError(
+                    f"{name} has no source in the {self.plan.kind} plan; the plan must cover "
+                    "every streamed tensor (load with --dlo-checkpoint-mmap off to use "
+                    "ordinary host memory)"
+                )
+            if tuple(source.shape) != tuple(tensor.shape) or source.dtype != tensor.dtype:
+                raise OffloadError(
+                    f"{name}: the plan binds {source.dtype} {list(source.shape)} but the model "
+                    f"holds {tensor.dtype} {list(tensor.shape)}"
+                )
+            views.append(source)
+            bindings.append(binding)
+        self._layouts[layout.index] = layout
+        self._views[layout.index] = views
+        self._bindings[layout.index] = bindings
+
+    def regions(self, index: int) -> dict[Hashable, MappedRegion]:
+        layout = self._layouts[index]
+        parts: dict[Hashable, list[tuple[int, torch.Tensor]]] = {r.dtype: [] for r in layout.regions}
+        for placement, view in zip(layout.tensors, self._views[index], strict=True):
+            parts[placement.dtype].append((placement.offset, view.reshape(-1)))
+        return {
+            r.dtype: MappedRegion(r.dtype, r.numel, tuple(parts[r.dtype])) for r in layout.regions
+        }
+
+    def tensor_views(self, index: int) -> list[torch.Tensor]:
+        return list(self._views[index])
+
+    def source_ranges(self) -> list[SourceRange]:
+        """Every streamed tensor's byte range, per mapped file (for host registration)."""
+        return [
+            SourceRange(str(b.file), b.offset, b.nbytes)
+            for bs in self._bindings.values()
+            for b in bs
+        ]
+
+    def streamed_views(self) -> list[torch.Tensor]:
+        return [v for vs in self._views.values() for v in vs]
+
+    def release(self, index: int) -> list[torch.Tensor]:
+        """Forget the block; its tensors go back as the mapping views (no copy)."""
+        self._layouts.pop(index)
+        self._bindings.pop(index)
+        return self._views.pop(index)
+
+    def release_all(self) -> None:
+        for index in list(self._layouts):
+            self.release(index)

@@ -1,0 +1,152 @@
+"""The runtime-cache backing: the DiT's host bytes are the node cache entry's shared pages.
+
+``runtime_cache_dit`` returns the DiT and a ``runtime_cache`` HostWeightPlan:
+
+- hit (the recipe of this model directory, dtype and loader names a published entry): join
+  it, create the DiT on the meta device and bind its tensors to the entry's read-only
+  mappings. The model files are neither read nor hashed (skip-load-on-hit), so the plan is
+  marked ``skipped_materialization`` and must be consumed.
+- miss: load the DiT ordinarily, build (or join) the entry from its final tensors under the
+  key's lock, then repoint every Parameter's / buffer's storage to the entry's views
+  (``param.data = view``: the objects stay, no post-load step runs again) and release the
+  private copies (gc + ``malloc_trim``).
+
+The entry's lease is held by the plan, so GC cannot remove the entry while it is mapped.
+Entries are built by this process under the same lock and layout as ``cachectl`` (the
+daemon is not asked; an init container or ``cachectl ensure`` may have built it already).
+
+In AllGather mode the backend copies the rank's 1/group shards out of the mapping and then
+closes the plan (mapping and lease): the shards are private and pinned, nothing reads the
+mapping afterwards.
+
+Called by ``host_weights.prepare_dit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditserve.engine.config import OffloadConfig
+from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan
+from ditserve.engine.offload.mmap_source import (
+    MappedSafetensors,
+    bind_views,
+    expected_tensors,
+    meta_dit,
+    preflight,
+    source_views,
+)
+
+log = logging.getLogger(__name__)
+
+
+def release_private_memory() -> None:
+    """Collect dropped tensors and hand freed heap pages back to the OS (glibc only)."""
+    gc.collect()
+    # Not glibc (OSError/AttributeError): freed memory is returned lazily by the allocator.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def repoint(model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
+    """Point every named parameter/buffer's storage at its view; the objects stay the same."""
+    for name, view in views.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        tensor = module._parameters.get(leaf)
+        if tensor is None:
+            tensor = module._buffers[leaf]
+        tensor.data = view
+
+
+def _map_entry(entry: Any) -> list[MappedSafetensors]:
+    return [MappedSafetensors(p) for p in entry.files() if p.suffix == ".safetensors"]
+
+
+def _close_all(files: list[MappedSafetensors]) -> None:
+    for f in files:
+        f.close()
+
+
+def runtime_cache_dit(
+    model_dir: str | Path,
+    *,
+    dtype: str,
+    offload: OffloadConfig,
+    model_cls: Any,
+    load_dit: Callable[[], nn.Module],
+    tp_size: int = 1,
+) -> tuple[nn.Module, HostWeightPlan]:
+    """The DiT backed by its node cache entry (see module doc). Raises ``CacheError`` /
+    ``OSError`` when the cache cannot be used; the caller falls back to ordinary memory."""
+    from ditserve.cachectl.errors import EntryNotFoundError
+    from ditserve.cachectl.layout import default_root
+    from ditserve.cachectl.model_build import ModelRequest, plan_model
+    from ditserve.cachectl.store import CacheStore
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
+    store = CacheStore(offload.cache_root or default_root(),
+                       lock_timeout_s=offload.cache_lock_timeout_s)
+    model_plan = plan_model(ModelRequest(Path(model_dir), dtype=dtype))
+    key = store.resolve_recipe(model_plan.recipe)
+    note = ""
+    if key is not None:
+        try:
+            entry = store.join(key)
+        except EntryNotFoundError:
+            entry = None  # removed between resolve and join: build or join below
+        if entry is not None:
+            files = _map_entry(entry)
+            config = model_cls.load_config(str(model_dir), subfolder="transformer")
+            model = meta_dit(model_cls, config, torch_dtype)
+            checked = preflight(expected_tensors(model), files, tp_size=tp_size)
+            if checked.ok:
+                views = source_views(checked.bindings, files)
+                bind_views(model, views)
+                return model, HostWeightPlan(
+                    BackingKind.RUNTIME_CACHE,
+                    reason=f"cache hit: entry {key[:12]} mapped, DiT load skipped (recipe)",
+                    bindings=checked.bindings, sources=views,
+                    mappings=files, coverage=checked.coverage, skipped_materialization=True,
+                    lease=entry,
+                )
+            _close_all(files)
+            entry.close()
+            note = f" (the recipe's entry {key[:12]} did not fit: {checked.reason})"
+            log.warning("runtime cache: entry %s refused: %s", key[:12], checked.reason)
+
+    model = load_dit()
+    entry = store.ensure_recipe(
+        model_plan.recipe, model_digest=model_plan.model_digest,
+        build_fn=lambda: {n: t.detach().contiguous() for n, t in model.state_dict().items()},
+    )
+    if entry.built:
+        store.stamp(entry.key)  # later (read-only) joins skip the full re-hash
+    files = _map_entry(entry)
+    checked = preflight(expected_tensors(model), files, tp_size=tp_size)
+    if not checked.ok:
+        _close_all(files)
+        entry.close()
+        return model, HostWeightPlan.ordinary(
+            f"runtime cache entry {entry.key[:12]} does not match the loaded DiT: "
+            f"{checked.reason}")
+    views = source_views(checked.bindings, files)
+    repoint(model, views)
+    release_private_memory()
+    how = "built" if entry.built else "joined"
+    return model, HostWeightPlan(
+        BackingKind.RUNTIME_CACHE,
+        reason=f"entry {entry.key[:12]} {how} after an ordinary load{note}; private copy released",
+        bindings=checked.bindings, sources=views, mappings=files, coverage=checked.coverage,
+        lease=entry,
+    )
