@@ -93,7 +93,6 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
-    seed_offset: int = 0
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,77 @@
+"""The `ditserve` command line: the flag set is frozen, options map onto EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ditserve.engine.cli import build_parser, main
+from ditserve.engine.cli_options import engine_config_from_args
+from ditserve.engine.errors import ConfigError
+
+ENGINE_FLAGS = {
+    "--model", "--dtype", "--device", "--max-num-seqs", "--scheduling-policy", "--max-bypass",
+    "--max-queue", "--offload", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
+    "--dlo-no-use-allgather", "--dlo-runtime-cache", "--cache-root", "--dlo-pin-limit-gib",
+    "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
+}
+
+
+def flags(command: str) -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {opt for action in sub.choices[command]._actions for opt in action.option_strings
+            if opt.startswith("--") and opt != "--help"}
+
+
+def test_generate_flag_set_is_frozen() -> None:
+    # Renaming or dropping a flag breaks users' scripts and the operator: change this on purpose.
+    assert flags("generate") == ENGINE_FLAGS | {
+        "--prompt", "--negative-prompt", "--out", "--height", "--width", "--steps", "--seed",
+        "--guidance-scale", "--true-cfg-scale", "--num-images",
+    }
+
+
+def test_serve_and_worker_take_every_engine_flag_and_a_config_file() -> None:
+    assert ENGINE_FLAGS | {"--config"} <= flags("serve")
+    assert flags("worker") == ENGINE_FLAGS | {"--config"}
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["generate", "--prompt", "p", *argv])
+
+
+def test_flags_override_the_config_file_and_map_onto_sections() -> None:
+    base = {"dtype": "bfloat16", "scheduler": {"max_num_seqs": 2, "policy": "fifo"},
+            "offload": {"enabled": True, "resident_layers": 1}}
+    config = engine_config_from_args(
+        parse("--max-num-seqs", "8", "--dlo-resident-layers", "3", "--data-parallel-size", "2",
+              "--dlo-no-use-allgather"), base)
+    assert config.dtype == "bfloat16"
+    assert config.scheduler.max_num_seqs == 8 and config.scheduler.policy == "fifo"
+    assert config.offload.enabled and config.offload.resident_layers == 3
+    assert config.offload.use_allgather is False
+    assert config.parallel.data_parallel_size == 2
+    plain = {"offload": {"enabled": True}}
+    assert engine_config_from_args(parse("--offload", "none"), plain).offload.enabled is False
+
+
+def test_invalid_combinations_are_reported_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match="only apply with offload enabled"):
+        engine_config_from_args(parse("--dlo-resident-layers", "2"))
+    with pytest.raises(ConfigError, match="unknown option"):
+        engine_config_from_args(parse(), {"scheduler": {"max_seqs": 1}})
+
+
+def test_missing_model_directory_is_a_clean_error(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    code = main(["generate", "--prompt", "x", "--model", str(tmp_path / "nope"), "--device", "cpu"])
+    assert code == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_worker_without_rendezvous_explains_itself(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["worker"]) == 2
+    assert "WORLD_SIZE > 1 and RANK >= 1" in capsys.readouterr().err
