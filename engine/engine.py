@@ -3,9 +3,11 @@
 Owns one StepScheduler per data-parallel rank and an Executor (the model runners) and drives
 them in waves: every rank's ``schedule -> execute -> update``, one step per iteration, on a
 dedicated thread (torch releases the GIL in kernels, so HTTP handlers stay responsive). Each
-DP rank has its own continuous batch; a new request goes to the least-loaded rank. Callers submit from any thread (``add_request`` returns a handle
-with a concurrent Future) or from asyncio (``await generate(...)``). Per-request progress
-events and engine-wide observers (metrics) are called from the loop thread.
+DP rank has its own continuous batch; a new request goes to the least-loaded rank.
+
+Callers submit from any thread (``add_request`` returns a handle with a concurrent Future) or
+from asyncio (``await generate(...)``). Per-request progress events and engine-wide observers
+(metrics) are called from the loop thread. The types it hands back live in ``results``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.errors import (
@@ -32,76 +33,21 @@ from ditserve.engine.errors import (
     RequestAborted,
 )
 from ditserve.engine.request import RequestStatus, SamplingParams
+from ditserve.engine.results import (
+    EngineObserver,
+    EngineStats,
+    GenerationResult,
+    RequestEvent,
+    RequestHandle,
+)
 from ditserve.engine.scheduler import StatusChange, StepScheduler
 
+__all__ = [
+    "DiffusionEngine", "EngineObserver", "EngineStats", "GenerationResult", "RequestEvent",
+    "RequestHandle",
+]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """A finished request. ``pixels`` is (n, 3, H, W) float in [0, 1] on CPU."""
-
-    request_id: str
-    images: list[Any]
-    pixels: Any
-    seed: int
-    num_inference_steps: int
-    queue_seconds: float
-    latency_seconds: float
-
-
-@dataclass(frozen=True)
-class RequestEvent:
-    """Progress of one request. kind: queued | step | finished | failed | aborted."""
-
-    request_id: str
-    kind: str
-    step: int = 0
-    total_steps: int = 0
-    queue_position: int | None = None
-    error: str | None = None
-
-
-class EngineObserver(Protocol):
-    """Receives engine-wide measurements (the HTTP server turns them into metrics)."""
-
-    def on_step(self, *, requests: int, rows: int, seconds: float) -> None: ...
-    def on_finished(self, result: GenerationResult) -> None: ...
-    def on_failed(self, request_id: str, reason: str) -> None: ...
-
-
-@dataclass
-class RequestHandle:
-    """A submitted request: wait on ``future`` or ``result()``; ``cancel()`` aborts it."""
-
-    request_id: str
-    params: SamplingParams
-    seed: int
-    future: concurrent.futures.Future[GenerationResult]
-    engine: DiffusionEngine
-    on_event: Callable[[RequestEvent], None] | None = None
-    submitted_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        return self.future.result(timeout)
-
-    def cancel(self) -> bool:
-        return self.engine.abort(self.request_id)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    steps_run: int
-    rows_run: int
-    requests_finished: int
-    ranks: int = 1
-
-    @property
-    def mean_batch_rows(self) -> float:
-        return self.rows_run / self.steps_run if self.steps_run else 0.0
 
 
 class DiffusionEngine:

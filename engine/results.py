@@ -1,0 +1,84 @@
+"""What the engine hands back: results, progress events, request handles, stats, observers.
+
+Plain types shared by the engine loop (engine.py), the HTTP layer and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ditserve.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from ditserve.engine.engine import DiffusionEngine
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request. ``pixels`` is (n, 3, H, W) float in [0, 1] on CPU."""
+
+    request_id: str
+    images: list[Any]
+    pixels: Any
+    seed: int
+    num_inference_steps: int
+    queue_seconds: float
+    latency_seconds: float
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """Progress of one request. kind: queued | step | finished | failed | aborted."""
+
+    request_id: str
+    kind: str
+    step: int = 0
+    total_steps: int = 0
+    queue_position: int | None = None
+    error: str | None = None
+
+
+class EngineObserver(Protocol):
+    """Receives engine-wide measurements (the HTTP server turns them into metrics)."""
+
+    def on_step(self, *, requests: int, rows: int, seconds: float) -> None: ...
+    def on_finished(self, result: GenerationResult) -> None: ...
+    def on_failed(self, request_id: str, reason: str) -> None: ...
+
+
+@dataclass
+class RequestHandle:
+    """A submitted request: wait on ``future`` or ``result()``; ``cancel()`` aborts it."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+    future: concurrent.futures.Future[GenerationResult]
+    engine: DiffusionEngine
+    on_event: Callable[[RequestEvent], None] | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        return self.future.result(timeout)
+
+    def cancel(self) -> bool:
+        return self.engine.abort(self.request_id)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    steps_run: int
+    rows_run: int
+    requests_finished: int
+    ranks: int = 1
+
+    @property
+    def mean_batch_rows(self) -> float:
+        return self.rows_run / self.steps_run if self.steps_run else 0.0
