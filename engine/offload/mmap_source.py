@@ -72,6 +72,11 @@ class MappedSafetensors:
         """Start address of the mapping (page-aligned): host registration works on it."""
         return self._whole().data_ptr()
 
+    @property
+    def raw(self) -> torch.Tensor:
+        """The whole mapping as flat uint8 (read-only)."""
+        return self._whole()
+
     def _whole(self) -> torch.Tensor:
         if self._bytes is None:
             raise ValueError(f"{self.path.name} is closed")
