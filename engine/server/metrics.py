@@ -53,6 +53,23 @@ class _EngineStateCollector(Collector):
         yield CounterMetricFamily("ditserve:offload_bytes_transferred",
                                   "Weight bytes streamed host->device by layerwise offload.",
                                   value=transferred)
+        if report:
+            # Which host backing and transfer path DLO uses, and why it fell back (if it did).
+            info = GaugeMetricFamily(
+                "ditserve:offload_host_backing_info",
+                "1 for the DLO host backing in use; labels: backing kind (ordinary, "
+                "checkpoint_mmap, runtime_cache), transfer path, fallback reason (empty: none).",
+                labels=["backing_kind", "transfer_path", "fallback_reason"])
+            reason = report.get("fallback_reason") or (
+                report.get("backing_reason", "") if report.get("backing_kind") == "ordinary"
+                else "")
+            info.add_metric([str(report.get("backing_kind", "ordinary")),
+                             str(report.get("transfer_path", "")), str(reason)[:200]], 1.0)
+            yield info
+            yield GaugeMetricFamily("ditserve:offload_pinned_host_bytes",
+                                    "Page-locked host bytes of DLO (slabs, registered "
+                                    "mappings or staging slots).",
+                                    value=float(report.get("pinned_host_bytes", 0)))
 
 
 class ServingMetrics:

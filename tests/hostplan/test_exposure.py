@@ -1,0 +1,30 @@
+"""The backing, transfer path and fallback reason are visible in /metrics (and /ready's report)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from ditserve.engine.server.metrics import ServingMetrics
+
+
+def engine_with(report: dict[str, Any]) -> Any:
+    return SimpleNamespace(executor=object(), ready=True, offload_report=lambda: report,
+                           stats=lambda: SimpleNamespace(running=0, waiting=0))
+
+
+def test_metrics_name_the_mapped_backing_and_path() -> None:
+    report = {"backing_kind": "runtime_cache", "transfer_path": "registered",
+              "fallback_reason": None, "pinned_host_bytes": 8192, "bytes_transferred": 0}
+    text = ServingMetrics(lambda: engine_with(report)).render().decode()
+    assert ('ditserve:offload_host_backing_info{backing_kind="runtime_cache",'
+            'fallback_reason="",transfer_path="registered"} 1.0') in text
+    assert "ditserve:offload_pinned_host_bytes 8192.0" in text
+
+
+def test_metrics_carry_the_fallback_reason() -> None:
+    report = {"backing_kind": "ordinary", "transfer_path": "private-slabs",
+              "backing_reason": "checkpoint mmap refused: dtype mismatch", "fallback_reason": None,
+              "pinned_host_bytes": 0, "bytes_transferred": 0}
+    text = ServingMetrics(lambda: engine_with(report)).render().decode()
+    assert 'fallback_reason="checkpoint mmap refused: dtype mismatch"' in text
