@@ -104,9 +104,16 @@ def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float) -> Grou
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    options = None
+    if backend == "nccl":
+        # High-priority NCCL streams: DLO's per-block all_gather then gets SMs as soon as the
+        # running GEMM's thread blocks retire, instead of queueing behind the whole kernel
+        # (measured on 2 x H200: a 648 MiB gather took ~6 ms next to compute, 1.3 ms with this).
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
     dist.init_process_group(
         backend, init_method=f"tcp://{rdv.master_addr}:{rdv.master_port}",
-        rank=rdv.rank, world_size=rdv.world_size, timeout=timeout,
+        rank=rdv.rank, world_size=rdv.world_size, timeout=timeout, pg_options=options,
     )
     control = dist.new_group(backend="gloo", timeout=timeout)
     weight = dist.group.WORLD

@@ -4,8 +4,10 @@ Same interface as ``transfer``'s single-device paths (``load`` / ``wait_ready`` 
 and host allocation), so ``hooks.BlockStreamer`` drives it unchanged. A load of block k into
 slot s takes ``(slot region, host shard)`` pairs, one per dtype, and:
 
-1. copies the rank's host shard into device *shard slot* s (its own small buffer) on the copy
-   stream - first waiting until the previous gather out of shard slot s finished reading it;
+1. copies the rank's host shard into the next of three device *shard slots* (small buffers
+   used in turn) on the copy stream - first waiting until the gather that last read that shard
+   slot finished. Three, not two: the copy of block k+1 then waits only for the gather of
+   block k-2, so a gather held back by compute never stalls the copy engine;
 2. on the communication stream, waits for that copy and for the compute stream to release
    block slot s (write-after-read), then ``all_gather_into_tensor`` from the shard slot into
    the block slot's region, sized per block (blocks may differ in size);
@@ -34,6 +36,8 @@ import torch.distributed as dist
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.transfer import CopyPairs
 
+SHARD_SLOTS = 3
+
 # torch >= 2.13 renames all_gather_into_tensor (and deprecates the old name); older torch
 # (the device image's 2.11) only has the old one. Same signature.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,17 +60,20 @@ class GatherTransfer:
         self.group_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._cuda = self.device.type == "cuda"
-        # Two device shard slots, one per block slot: the H2D target and the gather's input.
+        # Device shard slots, used in turn: the H2D target and the gather's input.
         self.shard_slots = [
             {
                 dtype: torch.empty(numel, dtype=dtype, device=self.device)  # type: ignore[call-overload]
                 for dtype, (_, numel) in shard_slot.items()
             }
-            for _ in range(2)
+            for _ in range(SHARD_SLOTS)
         ]
+        self._next_shard = 0
         if self._cuda:
             self.comm_stream = torch.cuda.Stream(device=self.device)
-            self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+            # copied[j]: the H2D into shard slot j finished; gathered[j]: a gather read it.
+            self.copied = [torch.cuda.Event() for _ in range(SHARD_SLOTS)]
+            self.gathered = [torch.cuda.Event() for _ in range(SHARD_SLOTS)]
         self.h2d_bytes = 0
         self.gathered_bytes = 0
         self.gathers = 0
@@ -87,7 +94,7 @@ class GatherTransfer:
         return bool(self._base.free_host(buffer))
 
     # -- loads ------------------------------------------------------------------------------------
-    def _pairs(self, pairs: CopyPairs, slot: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _pairs(self, pairs: CopyPairs, shard_slot: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         out = []
         for dst, src in pairs:
             n = src.numel()
@@ -97,11 +104,13 @@ class GatherTransfer:
                     f"{self.group_size} shards of {n}; the plan must be laid out with "
                     f"shard_multiple={self.group_size}"
                 )
-            out.append((dst, src, self.shard_slots[slot][src.dtype][:n]))
+            out.append((dst, src, self.shard_slots[shard_slot][src.dtype][:n]))
         return out
 
     def load(self, pairs: CopyPairs, slot: int) -> None:
-        triples = self._pairs(pairs, slot)
+        j = self._next_shard
+        self._next_shard = (j + 1) % SHARD_SLOTS
+        triples = self._pairs(pairs, j)
         self.gathers += len(triples)
         for dst, src, _ in triples:
             self.h2d_bytes += src.numel() * src.element_size()
@@ -113,20 +122,21 @@ class GatherTransfer:
             return
         copy, comm = self._base.stream, self.comm_stream
         with torch.cuda.stream(copy):
-            # Shard slot s was last read by the gather into block slot s (its ``ready``).
-            copy.wait_event(self._base.ready[slot])
+            # Write-after-read on the shard slot: wait for the gather that last read it.
+            copy.wait_event(self.gathered[j])
             for _, src, shard in triples:
                 shard.copy_(src, non_blocking=True)
-            self.copied[slot].record(copy)
+            self.copied[j].record(copy)
         with torch.cuda.stream(comm):
             # Read-after-write on the shard slot; write-after-read on the block slot, whose
             # previous block may still be running on the compute stream.
-            comm.wait_event(self.copied[slot])
+            comm.wait_event(self.copied[j])
             comm.wait_event(self._base.free[slot])
             for dst, _, shard in triples:
                 # NCCL runs it on its own stream after everything queued on ``comm`` and makes
                 # ``comm`` wait for it (async_op=False is a stream wait, not a host wait).
                 _all_gather(dst, shard, group=self.group)
+            self.gathered[j].record(comm)
             self._base.ready[slot].record(comm)
 
     def wait_ready(self, slot: int) -> None:

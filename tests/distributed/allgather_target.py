@@ -66,30 +66,34 @@ class ToyDiT(nn.Module):
         return self.head(h)
 
 
-def _inputs(seed: int) -> torch.Tensor:
-    return torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))
+def _inputs(seed: int, device: torch.device) -> torch.Tensor:
+    return torch.randn(3, 8, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 class BlockFault(Exception):
     """Raised on purpose inside a block."""
 
 
-def run_rank(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def run_rank(rank: int, world: int, port: int, out: str, backend: str = "gloo") -> None:
+    """One rank: gloo on the CPU, or NCCL on cuda:rank (the gpu-marked test)."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        _checks(rank, world, Path(out))
+        _checks(rank, world, Path(out), device)
     finally:
         dist.destroy_process_group()
 
 
-def _checks(rank: int, world: int, out: Path) -> None:
-    model = ToyDiT().eval()
+def _checks(rank: int, world: int, out: Path, device: torch.device) -> None:
+    model = ToyDiT().eval().to(device)
     originals = {name: t.detach().clone() for name, t in model.blocks.state_dict().items()}
     with torch.inference_mode():
-        expected = {seed: model(_inputs(seed)) for seed in range(world + 1)}
+        expected = {seed: model(_inputs(seed, device)) for seed in range(world + 1)}
 
-    handle = enable_offload(model, OffloadConfig(enabled=True), device="cpu",
+    handle = enable_offload(model, OffloadConfig(enabled=True), device=device,
                             group=dist.group.WORLD)
     report = handle.report()
     assert handle.needs_collective_participation
@@ -107,7 +111,7 @@ def _checks(rank: int, world: int, out: Path) -> None:
 
     def forward(seed: int) -> None:
         with torch.inference_mode():
-            got = model(_inputs(seed))
+            got = model(_inputs(seed, device))
         assert torch.equal(got, expected[seed]), f"rank {rank}: forward {seed} differs"
 
     forward(0)  # cold: the first blocks load on a miss
@@ -141,8 +145,9 @@ def _checks(rank: int, world: int, out: Path) -> None:
     handle.disable(gather=True)  # collective: every rank rebuilds the full blocks
     restored = {name: t for name, t in model.blocks.state_dict().items()}
     for name, t in originals.items():
-        assert torch.equal(restored[name], t), f"rank {rank}: {name} not restored exactly"
-    forward(0)  # the model runs again on its restored host tensors
+        assert torch.equal(restored[name].to(device), t), f"rank {rank}: {name} not restored"
+    model.to(device)
+    forward(0)  # the model runs again on its restored tensors
 
     (out / f"rank{rank}.json").write_text(json.dumps({
         "report": report, "final": final, "passes": passes,

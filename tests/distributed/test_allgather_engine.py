@@ -71,11 +71,9 @@ class TestDp2AllGather:
     """One dp=2 AllGather engine for these tests (class scope: one replica per process at a
     time, since a process joins one default process group)."""
 
-
     def test_dp2_allgather_generation_equals_resident(self, engine2, alone) -> None:  # type: ignore[no-untyped-def]
         handles = [engine2.add_request(p) for p in REQUESTS]
         check([h.result(timeout=120) for h in handles], alone, range(len(REQUESTS)))
-
 
     def test_dp2_host_bytes_per_rank_are_half_the_blocks(self, engine2, block_bytes) -> None:  # type: ignore[no-untyped-def]
         report = engine2.offload_report()
@@ -91,7 +89,6 @@ class TestDp2AllGather:
         # Every rank ran the same passes: warm-up, forwards and idle passes stayed matched.
         assert ranks[0]["passes"] == ranks[1]["passes"] > 0
         assert ranks[0]["h2d_bytes"] == ranks[1]["h2d_bytes"]
-
 
     def test_dp2_uneven_loads_and_staggered_arrivals(self, engine2, alone) -> None:  # type: ignore[no-untyped-def]
         # One long request keeps one rank busy while the other idles (joining gathers only);

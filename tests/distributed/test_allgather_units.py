@@ -79,3 +79,17 @@ def test_gloo_ranks_gather_exact_blocks(tmp_path, world: int) -> None:  # type: 
         assert final["passes"] == f["passes"]
     # Every rank ran the same number of passes, so every collective was matched.
     assert len({f["passes"] for f in facts}) == 1
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_gather_exact_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The CUDA path: shard H2D on the copy stream, all_gather on the comm stream, events.
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    mp.spawn(run_rank, args=(2, free_port(), str(tmp_path), "nccl"), nprocs=2, join=True)
+    facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert facts[0]["final"]["transfer"] == "h2d+allgather"
+    assert facts[0]["final"]["pinned_host_bytes"] == facts[0]["final"]["shard_bytes"]
+    assert facts[0]["passes"] == facts[1]["passes"]

@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""DLO over two data-parallel ranks: AllGather shards vs rank-local replicas vs resident.
+
+One process per GPU (torch.multiprocessing spawn, NCCL), each building the same random
+Flux-sized transformer on its GPU (``bench/offload.py``'s builder: 11.9B parameters, bf16,
+from a fixed seed), 1024x1024 latents (4096 image + 512 text tokens). Both ranks run their
+own batch at the same time, as DP ranks serving their own requests do. Methods:
+
+- ``resident``: the whole transformer in each GPU's HBM (two replicas; the compute floor);
+- ``local``: two rank-local DLO replicas (``enable_offload`` without a group): each rank keeps a
+  full pinned host copy and streams every block over its own PCIe link;
+- ``allgather``: ``enable_offload(group=WORLD)``: each rank pins 1/2 of every block, copies
+  its half H2D and rebuilds the block with ``all_gather_into_tensor`` over NVLink;
+- ``allgather-idle``: the same, but only rank 0 has a batch; rank 1 runs idle passes (joins
+  each block's gather without computing), as a DP rank with no requests does.
+
+Also measured: pinned H2D bandwidth with one GPU and with both copying at once, and the
+gather time of the largest block. Reports ms/step per rank (median of CUDA-event timings),
+per-rank pinned host bytes, images/s derived from the step times for 2 and 4 concurrent
+requests (one or two per rank), and the issue's target. Prints a table; writes JSON and a
+markdown table to --out.
+
+    NCCL_NVLS_ENABLE=0 python3 bench/offload_dp.py --out $OUT
+    python3 bench/offload_dp.py --tiny            # CPU smoke run (gloo, 2 processes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offload as single  # noqa: E402  (bench/offload.py: model builder, inputs, step timer)
+
+from ditserve.engine.config import OffloadConfig  # noqa: E402
+from ditserve.engine.offload import enable_offload  # noqa: E402
+from ditserve.engine.offload.gather import _all_gather  # noqa: E402
+
+GIB = 1024**3
+RES = 1024
+STEPS_PER_IMAGE = 28  # for the derived images/s
+# NVLink multicast must stay off on the shared hosts (see the device notes); NCCL reads these.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Rank:
+    def __init__(self, rank: int, world: int, args: argparse.Namespace) -> None:
+        self.rank, self.world, self.args = rank, world, args
+        self.cuda = torch.cuda.is_available() and not args.tiny
+        self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+        self.ctl = dist.new_group(backend="gloo")  # barriers and results, off the GPU
+        self.out: dict[str, Any] = {"rank": rank, "cells": [], "methods": {}}
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.ctl)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def weight_group(self) -> Any:
+        """The group the shards are gathered over: WORLD, or a new NCCL group whose internal
+        streams have high priority (the default; ``--normal-priority`` turns it off), so a gather's kernel gets SMs as
+        soon as the running GEMM's thread blocks retire instead of queueing behind them."""
+        if not (self.cuda and self.args.high_priority):
+            return dist.group.WORLD
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        return dist.new_group(backend="nccl", pg_options=opts)
+
+    # -- link measurements ----------------------------------------------------------------------
+    def h2d(self, *, both: bool) -> float:
+        """Pinned H2D GB/s on this rank: rank 0 alone, or ``both`` ranks copying at once."""
+        self.barrier()
+        gbps = float("nan")
+        if self.cuda and (both or self.rank == 0):
+            gbps = float(single.measure_h2d(self.device, nbytes=GIB, reps=10)["registered_gbps"])
+        self.barrier()
+        return gbps
+
+    def gather_ms(self, nbytes: int) -> float:
+        """all_gather_into_tensor of an ``nbytes`` block from halves (median ms)."""
+        n = nbytes // 2 // self.world * 2  # bf16 elements per shard, even
+        shard = torch.ones(n, dtype=torch.bfloat16, device=self.device)
+        full = torch.empty(n * self.world, dtype=torch.bfloat16, device=self.device)
+        times = []
+        for i in range(12):
+            self.sync()
+            self.barrier()
+            t0 = time.perf_counter()
+            if self.cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                _all_gather(full, shard)
+                e.record()
+                e.synchronize()
+                ms = s.elapsed_time(e)
+            else:
+                _all_gather(full, shard)
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= 2:
+                times.append(ms)
+        return statistics.median(times)
+
+    # -- step timing ----------------------------------------------------------------------------
+    def cells(self, method: str, model: torch.nn.Module, *, idle_handle: Any = None) -> None:
+        a = self.args
+        for batch in a.batches:
+            inputs = single.flux_inputs(RES if not a.tiny else 64, batch, self.device)
+            self.sync()
+            self.barrier()
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            if idle_handle is not None and self.rank != 0:
+                for _ in range(a.warmup + a.iters):  # as many passes as rank 0's forwards
+                    idle_handle.idle_pass()
+                self.sync()
+                times = []
+            else:
+                times = single.time_steps(model, inputs, a.warmup, a.iters)
+            cell = {"method": method, "batch": batch,
+                    "ms": statistics.median(times) if times else None,
+                    "ms_all": [round(t, 2) for t in times],
+                    "peak_hbm_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else 0}
+            self.out["cells"].append(cell)
+            if cell["ms"] is not None:
+                print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method:15s} b{batch}: "
+                      f"{cell['ms']:8.1f} ms/step, peak {cell['peak_hbm_bytes'] / GIB:6.2f} GiB",
+                      flush=True)
+            del inputs
+
+    def offloaded(self, method: str, model: torch.nn.Module, group: Any) -> Any:
+        t0 = time.monotonic()
+        handle = enable_offload(model, OffloadConfig(enabled=True), device=self.device,
+                                group=group)
+        single.release_host_cache() if self.cuda else None
+        info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
+                "rss_gib": single.rss_gib()}
+        self.out["methods"][method] = info
+        r = info["report_at_start"]
+        print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} enabled in "
+              f"{info['enable_s']:.1f}s: pinned {r['pinned_host_bytes'] / GIB:.2f} GiB, host "
+              f"{r['host_bytes'] / GIB:.2f} GiB, transfer {r['transfer']}", flush=True)
+        return handle
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        self.out["h2d_one_gbps"] = self.h2d(both=False)
+        self.out["h2d_both_gbps"] = self.h2d(both=True)
+        log(self.rank, f"H2D GB/s: one GPU {self.out['h2d_one_gbps']:.1f}, "
+                       f"both at once {self.out['h2d_both_gbps']:.1f} (rank 0)")
+        model = single.build_flux(self.device)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.out["model"] = {"params": sum(p.numel() for p in model.parameters()), "bytes": weights}
+        log(self.rank, f"model {self.out['model']['params'] / 1e9:.2f}B params, {weights / GIB:.2f} GiB")
+        if "resident" in a.methods:
+            self.cells("resident", model)
+        if "local" in a.methods:
+            handle = self.offloaded("local", model, None)
+            self.cells("local", model)
+            self.out["methods"]["local"]["report_at_end"] = handle.report()
+            handle.disable()  # blocks back on the host (pageable), ready to be sharded
+        self.barrier()
+        if "allgather" in a.methods:
+            handle = self.offloaded("allgather", model, self.weight_group())
+            slot = handle.report()["slot_bytes"]
+            self.out["largest_block_bytes"] = slot
+            self.out["gather_ms_largest_block"] = self.gather_ms(slot)
+            log(self.rank, f"all_gather of the largest block ({slot / 2**20:.0f} MiB): "
+                           f"{self.out['gather_ms_largest_block']:.2f} ms")
+            self.cells("allgather", model)
+            self.cells("allgather-idle", model, idle_handle=handle)
+            if self.cuda and a.profile:
+                # Host-blocking CUDA calls inside steady-state steps (both ranks profile, in
+                # lockstep: every forward is a pass of collectives).
+                where = Path(a.out) if self.rank == 0 else Path("/tmp")
+                where.mkdir(parents=True, exist_ok=True)
+                prof = single.profile_steps(model, single.flux_inputs(RES, 1, self.device), 3,
+                                            where / f"allgather_trace_rank{self.rank}.json.gz")
+                self.out["methods"]["allgather"]["profile"] = prof
+                log(self.rank, f"allgather profile: {prof}")
+            self.out["methods"]["allgather"]["report_at_end"] = handle.report()
+            handle.disable()  # no gather: the run ends here
+        return self.out
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(SAFE_ENV)
+    cuda = torch.cuda.is_available() and not args.tiny
+    if cuda:
+        torch.cuda.set_device(rank)
+    if args.tiny:
+        single.MODEL_KWARGS.update(single.TINY)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        bench = Rank(rank, world, args)
+        result = bench.run()
+        box: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(result, box if rank == 0 else None, dst=0, group=bench.ctl)
+        if rank == 0:
+            finish(box, args)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- report ---------------------------------------------------------------------------------------
+def cell(r: dict[str, Any], method: str, batch: int) -> float | None:
+    for c in r["cells"]:
+        if c["method"] == method and c["batch"] == batch:
+            return c["ms"]
+    return None
+
+
+def finish(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    r0 = ranks[0]
+    summary: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu",
+        "torch": torch.__version__, "world": len(ranks), "ranks": ranks,
+    }
+    ag = r0["methods"].get("allgather", {}).get("report_at_start")
+    resident_b1 = cell(r0, "resident", 1)
+    if ag and resident_b1:
+        half = ag["streamed_bytes"] / len(ranks)
+        floor = half / (r0["h2d_both_gbps"] * 1e9) * 1e3 + r0["gather_ms_largest_block"]
+        bound = 1.05 * max(resident_b1, floor)
+        worst = max(cell(r, "allgather", 1) or 0.0 for r in ranks)
+        summary["target"] = {"transfer_floor_ms": floor, "bound_ms": bound,
+                             "allgather_b1_ms_worst_rank": worst, "ok": worst <= bound}
+    (out / "offload_dp.json").write_text(json.dumps(summary, indent=1))
+    table = markdown(summary, args)
+    (out / "offload_dp.md").write_text(table)
+    print(table, flush=True)
+
+
+def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
+    ranks = s["ranks"]
+    r0 = ranks[0]
+    lines = [f"GPU: {len(ranks)} x {s['gpu']}, torch {s['torch']}, {s['date']}; model "
+             f"{r0['model']['params'] / 1e9:.2f}B params ({r0['model']['bytes'] / GIB:.2f} GiB "
+             f"bf16); pinned H2D {r0['h2d_one_gbps']:.1f} GB/s one GPU, "
+             f"{r0['h2d_both_gbps']:.1f} GB/s per GPU with both copying; all_gather of the "
+             f"largest block ({r0.get('largest_block_bytes', 0) / 2**20:.0f} MiB): "
+             f"{r0.get('gather_ms_largest_block', float('nan')):.2f} ms", ""]
+    methods = ("resident", "local", "allgather", "allgather-idle")
+    lines.append("| method | batch | " + " | ".join(f"rank {r['rank']} ms/step" for r in ranks)
+                 + " | images/s (busy ranks, 28 steps) |")
+    lines.append("|---|---|" + "---|" * len(ranks) + "---|")
+    for m in methods:
+        for b in args.batches:
+            ms = [cell(r, m, b) for r in ranks]
+            if all(v is None for v in ms):
+                continue
+            busy = [v for v in ms if v is not None]
+            ips = (sum(b * 1e3 / (STEPS_PER_IMAGE * v) for v in busy))
+            lines.append(f"| {m} | {b} | " + " | ".join("idle" if v is None else f"{v:.0f}"
+                                                         for v in ms) + f" | {ips:.3f} |")
+    lines += ["", "| method | per-rank pinned host GiB | per-rank host GiB | streamed GiB/step/rank over PCIe | enable s |",
+              "|---|---|---|---|---|"]
+    for m in ("local", "allgather"):
+        infos = [r["methods"].get(m) for r in ranks]
+        if not infos[0]:
+            continue
+        rep = infos[0]["report_at_start"]
+        pcie = rep["streamed_bytes"] / rep.get("group_size", 1)
+        lines.append(f"| {m} | " + " / ".join(f"{i['report_at_start']['pinned_host_bytes'] / GIB:.2f}" for i in infos)
+                     + " | " + " / ".join(f"{i['report_at_start']['host_bytes'] / GIB:.2f}" for i in infos)
+                     + f" | {pcie / GIB:.2f} | " + " / ".join(f"{i['enable_s']:.1f}" for i in infos) + " |")
+    prof = r0["methods"].get("allgather", {}).get("profile")
+    if prof:
+        lines += ["", f"AllGather steady state (rank 0, 3 profiled steps at b1): host-blocking "
+                      f"CUDA calls per step {sum(prof['sync_calls_per_step'].values()):.0f} "
+                      f"({prof['sync_calls_per_step']}); cudaMemcpyAsync per step "
+                      f"{prof['memcpy_async_per_step']:.0f}; cudaStreamWaitEvent per step "
+                      f"{prof['stream_wait_event_per_step']:.0f}; H2D busy fraction "
+                      f"{prof.get('h2d_busy_fraction') or float('nan'):.3f}"]
+    t = s.get("target")
+    if t:
+        lines += ["", f"Target: AllGather b1 per-rank step <= 1.05 x max(resident b1, half the "
+                      f"streamed bytes / H2D (both copying) + one largest-block gather) = "
+                      f"1.05 x max({cell(r0, 'resident', 1):.1f}, {t['transfer_floor_ms']:.1f}) = "
+                      f"{t['bound_ms']:.1f} ms; worst rank {t['allgather_b1_ms_worst_rank']:.1f} ms: "
+                      f"{'met' if t['ok'] else 'NOT met'}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "out/offload_dp"))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--methods", nargs="+", default=["resident", "local", "allgather"])
+    p.add_argument("--normal-priority", dest="high_priority", action="store_false",
+                   help="gather over WORLD (normal-priority NCCL streams) instead of a "
+                        "high-priority NCCL group, as the engine's weight group uses")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the torch-profiler pass (sync calls per step)")
+    p.add_argument("--tiny", action="store_true", help="small model on CPU (gloo): smoke test")
+    args = p.parse_args(argv)
+    os.environ.update(SAFE_ENV)
+    world = 2
+    if not args.tiny and torch.cuda.device_count() < world:
+        print("bench/offload_dp.py needs 2 CUDA devices (or --tiny for a CPU smoke run)",
+              file=sys.stderr)
+        return 2
+    from ditserve.engine.distributed.rendezvous import free_port
+
+    mp.spawn(rank_main, args=(world, free_port(), args), nprocs=world, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
