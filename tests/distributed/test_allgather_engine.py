@@ -1,9 +1,12 @@
 """AllGather DLO through the multi-process engine on CPU (gloo): dp=2 and dp=3 generations equal
 the single-process resident result, per-rank host bytes are 1/group, uneven loads (one rank
-idle, different step counts, staggered arrivals) finish, and --dlo-no-use-allgather works."""
+idle, different step counts, staggered arrivals) finish, a killed worker is reported, and
+--dlo-no-use-allgather works."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -12,6 +15,7 @@ from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
 from ditserve.engine.engine import DiffusionEngine, RequestEvent
+from ditserve.engine.errors import EngineStoppedError
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import ALIGN_BYTES
 from ditserve.engine.request import SamplingParams
@@ -140,3 +144,19 @@ def test_dp2_without_allgather_keeps_rank_local_blocks(tiny_model_dir, alone, bl
     for r in ranks:
         assert r["transfer"] == "sync-copy" and r["group_size"] == 1
         assert r["host_bytes"] >= block_bytes  # a full copy per rank
+
+
+def test_dp2_allgather_killed_worker_is_reported(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DITSERVE_WORKER_TIMEOUT_S", "60")
+        engine = start_engine(tiny_model_dir, 2)
+        try:
+            os.kill(engine.executor.worker_pids()[1], signal.SIGKILL)
+            # Rank 0 may be inside a weight gather when its peer dies: the wave still ends
+            # with an error naming the rank, not a hang.
+            handles = [engine.add_request(p) for p in REQUESTS[:2]]
+            for handle in handles:
+                with pytest.raises(EngineStoppedError, match="rank 1"):
+                    handle.result(timeout=90)
+        finally:
+            engine.shutdown()
