@@ -163,6 +163,7 @@ class Bench:
                     expected: torch.Tensor) -> None:
         gc.collect()
         before = smaps()
+        log(f"{name}: enabling")
         started = time.perf_counter()
         handle = enable_offload(model, config, self.device, host_plan=plan)
         enable_s = time.perf_counter() - started
@@ -245,9 +246,6 @@ class Bench:
         biggest = max(entry.manifest.tensors, key=lambda t: t.nbytes)
         entry.close()
         log(f"entry {entry.key[:12]}: {self.results['entry']}")
-        self.results["register_probe"] = register_probe(
-            entry.path / biggest.file, biggest.name)
-        log(f"cudaHostRegister(ReadOnly): {self.results['register_probe']}")
 
         if "private" in a.methods:
             self.time_method("private", model, OffloadConfig(enabled=True), None, inputs, expected)
@@ -272,6 +270,11 @@ class Bench:
                 f"GiB, entry Rss summed {s['total_entry_rss_gib']:.2f} GiB, whole-process Pss "
                 f"summed {s['total_pss_gib']:.2f} GiB (entry {entry.total_bytes / GIB:.2f} GiB)")
             self.save()
+        if a.probe:  # last: a refused registration of a writable mapping may be slow
+            log("probing cudaHostRegister(ReadOnly) on writable vs read-only mappings")
+            self.results["register_probe"] = register_probe(
+                entry.path / biggest.file, biggest.name)
+            log(f"cudaHostRegister(ReadOnly): {self.results['register_probe']}")
         private = self.results["methods"].get("private", {}).get("ms")
         registered = self.results["methods"].get("mmap-registered", {}).get("ms")
         if private and registered:
@@ -290,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, nargs="*", default=[2, 4])
     p.add_argument("--cache-root", default=None, help="default: a fresh temporary directory")
     p.add_argument("--methods", nargs="+", default=["private", "mmap-staging", "mmap-registered"])
+    p.add_argument("--probe", action="store_true",
+                   help="also try cudaHostRegister on a writable (safetensors) mapping")
     p.add_argument("--tiny", action="store_true", help="small model: smoke-test on a CPU")
     args = p.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():

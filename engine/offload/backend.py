@@ -331,10 +331,6 @@ def enable_offload(
         for index in plan.streamed:
             storage.add(plan.blocks[index], block_tensors[index])
         slot_layout = plan.slot
-        if mapped is not None:
-            transfer = make_mapped_transfer(
-                transfer, mapped, slot_layout, pin_limit_gib=offload_config.pin_limit_gib
-            )
         slots = [
             {
                 dtype: torch.empty(numel, dtype=dtype, device=target)  # type: ignore[arg-type]
@@ -345,6 +341,13 @@ def enable_offload(
         for t in resident_tensors:
             journal.append((t, t.data))
             t.data = t.data.to(target)
+        if mapped is not None:
+            # After the resident copies: a registered range is page-aligned, so a resident
+            # tensor may share its edge page, and a copy that starts inside a registered
+            # range but runs past its end is refused by the driver (invalid argument).
+            transfer = make_mapped_transfer(
+                transfer, mapped, slot_layout, pin_limit_gib=offload_config.pin_limit_gib
+            )
         bases = {
             dtype: torch.zeros((), dtype=dtype, device=target)  # type: ignore[arg-type]
             for dtype, _, _ in slot_layout.regions

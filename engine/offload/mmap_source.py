@@ -83,13 +83,22 @@ class MappedSafetensors:
         return self._bytes
 
     def view(self, key: str) -> torch.Tensor:
-        """The tensor ``key`` as a zero-copy view of the mapping."""
+        """The tensor ``key``, zero-copy over the mapping, with a storage of its own bytes.
+
+        Its own storage (not a slice of one whole-file storage): ``Tensor.is_pinned()`` asks
+        the driver about the *storage's* start, so only then does a registered tensor report
+        pinned when the file's header page is not registered.
+        """
         info = self.tensors[key]
         dtype = _DTYPES[info.dtype]
-        raw = self._whole()[info.offset : info.offset + info.nbytes]
-        return raw.view(dtype).view(info.shape) if info.nbytes else torch.empty(
-            info.shape, dtype=dtype
-        )
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=dtype)
+        self._whole()  # raises if closed
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only on purpose (see above)
+            flat = torch.frombuffer(self._map, dtype=dtype,  # type: ignore[arg-type]
+                                    count=info.nbytes // ITEMSIZE[info.dtype], offset=info.offset)
+        return flat.view(info.shape)
 
     def close(self) -> None:
         """Drop our references; the mapping goes away with the last view of it.
