@@ -220,7 +220,7 @@ class Bench:
             dlo_bench.MODEL_KWARGS.update(dlo_bench.TINY)
         log(f"GPU {self.results['gpu']}, torch {torch.__version__}")
         model = dlo_bench.build_flux(self.device)
-        config = dict(model.config)
+        config: dict[str, Any] = dict(model.config)  # type: ignore[arg-type]
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         self.results["model"] = {"double": a.double, "single": a.single, "bytes": weights}
         inputs = dlo_bench.flux_inputs(a.res, 1, self.device)

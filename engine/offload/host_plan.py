@@ -31,10 +31,15 @@ from ditserve.engine.errors import OffloadError
 log = logging.getLogger(__name__)
 
 
-class BackingKind(enum.StrEnum):
+class BackingKind(str, enum.Enum):
+    """Where the DiT's host bytes live."""
+
     ORDINARY = "ordinary"
     CHECKPOINT_MMAP = "checkpoint_mmap"
     RUNTIME_CACHE = "runtime_cache"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 # The bounded set of transforms a binding may ask for between file bytes and runtime tensor.

@@ -62,9 +62,11 @@ def repoint(model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
     for name, view in views.items():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name) if module_name else model
-        tensor = module._parameters.get(leaf)
+        tensor: torch.Tensor | None = module._parameters.get(leaf)
         if tensor is None:
             tensor = module._buffers[leaf]
+        if tensor is None:
+            raise KeyError(f"{name} is neither a parameter nor a buffer of the DiT")
         tensor.data = view
 
 

@@ -136,7 +136,12 @@ def test_registered_path_with_fake_registrar_then_teardown_order(mapped) -> None
     journal: list[tuple[str, int]] = []
     fake = FakeRegistrar(journal=journal)
     closed = plan.close
-    plan.close = lambda: (journal.append(("close-mappings", 0)), closed())[1]  # type: ignore[method-assign]
+
+    def close_and_record() -> None:
+        journal.append(("close-mappings", 0))
+        closed()
+
+    plan.close = close_and_record  # type: ignore[method-assign]
     transfer = make_mapped_transfer(SyncTransfer(torch.device("cpu")), storage, layout.slot,
                                     pin_limit_gib=1.0, registrar=fake, verify=lambda: None)
     assert transfer.path == "registered" and transfer.fallback_reason is None
