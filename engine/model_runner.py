@@ -61,9 +61,11 @@ class ModelRunner:
             # The DiT's host backing (checkpoint mmap, node cache, or ordinary) and its plan.
             from ditserve.engine.offload.host_weights import prepare_dit
 
+            sharded = weight_group is not None and config.offload.use_allgather
             dit, host_plan = prepare_dit(
                 model_dir, dtype=config.dtype, offload=config.offload,
                 tp_size=config.parallel.tensor_parallel_size,
+                streams_from_mapping=self.device.type == "cuda" and not sharded,
             )
         try:
             components = load_components(model_dir, dtype=config.dtype, transformer=dit)

@@ -73,10 +73,22 @@ def checkpoint_dit(
 
 
 def prepare_dit(
-    model_dir: str | Path, *, dtype: str, offload: OffloadConfig, tp_size: int = 1
+    model_dir: str | Path,
+    *,
+    dtype: str,
+    offload: OffloadConfig,
+    tp_size: int = 1,
+    streams_from_mapping: bool = False,
 ) -> tuple[nn.Module, HostWeightPlan]:
     """The DiT for offload and its HostWeightPlan (see module doc). Never fails over a
-    backing: only the ordinary load's own errors propagate."""
+    backing: only the ordinary load's own errors propagate.
+
+    streams_from_mapping: blocks would be copied to a CUDA device straight from the backing
+    (rank-local transfer, not AllGather shards, which are always copied into pinned slabs).
+    Then ``checkpoint_mmap="auto"`` maps the checkpoint only when ``pin_limit_gib`` lets the
+    mapping be registered: unregistered, it streams through staging slots at about half the
+    speed of private pinned slabs (docs/benchmarks.md), a bad default trade for sharing.
+    """
     from ditserve.engine import loader
 
     model_cls = loader.dit_class()
@@ -101,6 +113,12 @@ def prepare_dit(
         return model, plan
     if offload.checkpoint_mmap == "off":
         return load(), HostWeightPlan.ordinary("checkpoint mmap off (--dlo-checkpoint-mmap off)")
+    if streams_from_mapping and offload.pin_limit_gib <= 0:
+        plan = HostWeightPlan.ordinary(
+            "checkpoint mmap auto: skipped on CUDA without --dlo-pin-limit-gib (an unregistered "
+            "mapping streams through staging slots, about 2x slower than private pinned memory)")
+        log.info("DLO host backing: ordinary (%s)", plan.reason)
+        return load(), plan
     mapped, plan = checkpoint_dit(model_dir, dtype=dtype, model_cls=model_cls,
                                   component=loader.DIT_COMPONENT, tp_size=tp_size)
     if mapped is None:

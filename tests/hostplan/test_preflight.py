@@ -137,3 +137,22 @@ def test_unconsumed_skipped_plan_is_a_hard_error_ordinary_is_not(tiny_model_dir)
     with pytest.raises(OffloadError, match="refusing to start"):
         plan.require_consumed()
     HostWeightPlan.ordinary("checkpoint mmap off").require_consumed()
+
+
+def test_auto_maps_the_checkpoint_on_cuda_only_when_the_mapping_can_be_registered(
+    tiny_model_dir,  # type: ignore[no-untyped-def]
+) -> None:
+    from ditserve.engine.config import OffloadConfig
+    from ditserve.engine.offload.host_plan import BackingKind
+    from ditserve.engine.offload.host_weights import prepare_dit
+
+    unpinned = OffloadConfig(enabled=True)
+    _, plan = prepare_dit(tiny_model_dir, dtype="float32", offload=unpinned,
+                          streams_from_mapping=True)
+    assert plan.kind == BackingKind.ORDINARY and "--dlo-pin-limit-gib" in plan.reason
+    pinned = OffloadConfig(enabled=True, pin_limit_gib=1.0)
+    _, plan = prepare_dit(tiny_model_dir, dtype="float32", offload=pinned,
+                          streams_from_mapping=True)
+    assert plan.kind == BackingKind.CHECKPOINT_MMAP
+    _, plan = prepare_dit(tiny_model_dir, dtype="float32", offload=unpinned)
+    assert plan.kind == BackingKind.CHECKPOINT_MMAP  # CPU / AllGather shards: always worth it
