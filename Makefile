@@ -22,6 +22,7 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 	bash scripts/lint-imports.sh
+	$(VENV)/bin/mypy engine cachectl operator
 
 clean:
 	rm -rf $(VENV) bin
