@@ -84,7 +84,7 @@ def test_killed_worker_is_reported_within_bounded_time(tiny_model_dir) -> None: 
 
 
 def test_hung_worker_times_out(tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("DITSERVE_WORKER_TIMEOUT_S", "20")
+    monkeypatch.setenv("DITSERVE_WORKER_TIMEOUT_S", "30")  # covers a cold worker start
     engine = dp_engine(tiny_model_dir, 2)
     pid = engine.executor.worker_pids()[1]
     try:
