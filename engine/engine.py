@@ -3,7 +3,8 @@
 Owns one StepScheduler per data-parallel rank and an Executor (the model runners) and drives
 them in waves: every rank's ``schedule -> execute -> update``, one step per iteration, on a
 dedicated thread (torch releases the GIL in kernels, so HTTP handlers stay responsive). Each
-DP rank has its own continuous batch; a new request goes to the least-loaded rank.
+DP rank has its own continuous batch. With several ranks, new requests wait in one shared
+queue and go, oldest first, to the least-loaded rank that has a free batch slot.
 
 Callers submit from any thread (``add_request`` returns a handle with a concurrent Future) or
 from asyncio (``await generate(...)``). Per-request progress events and engine-wide observers
@@ -20,6 +21,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,9 @@ class DiffusionEngine:
         self._wakeup = threading.Condition(self._lock)
         self._handles: dict[str, RequestHandle] = {}
         self._rank_of: dict[str, int] = {}
+        # With several ranks, requests wait here until some rank has a free batch slot, so a
+        # request never waits behind a busy rank while another one idles.
+        self._pending: OrderedDict[str, RequestHandle] = OrderedDict()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = False
@@ -168,14 +173,24 @@ class DiffusionEngine:
         with self._lock:
             return EngineStats(
                 sum(s.num_running for s in self.schedulers),
-                sum(s.num_waiting for s in self.schedulers),
+                self._num_waiting_locked(),
                 self._steps_run, self._rows_run, self._finished, len(self.schedulers),
             )
 
     def queue_position(self, request_id: str) -> int | None:
         with self._lock:
-            rank = self._rank_of.get(request_id)
-            return None if rank is None else self.schedulers[rank].queue_position(request_id)
+            return self._queue_position_locked(request_id)
+
+    def _queue_position_locked(self, request_id: str) -> int | None:
+        if request_id in self._pending:
+            # Behind everything already queued at a rank, then its place in the shared queue.
+            ahead = sum(s.num_waiting for s in self.schedulers)
+            return ahead + list(self._pending).index(request_id)
+        rank = self._rank_of.get(request_id)
+        return None if rank is None else self.schedulers[rank].queue_position(request_id)
+
+    def _num_waiting_locked(self) -> int:
+        return sum(s.num_waiting for s in self.schedulers) + len(self._pending)
 
     def offload_report(self) -> dict[str, Any] | None:
         """Rank 0's offload report, with every rank's under ``ranks`` when there are several."""
@@ -194,7 +209,7 @@ class DiffusionEngine:
         return params.validate(pixel_multiple=self.pixel_multiple,
                                max_prompt_chars=self.max_prompt_chars)
 
-    def _pick_rank(self, params: SamplingParams) -> int:
+    def _pick_rank(self, params: SamplingParams, ranks: list[int]) -> int:
         # Least loaded first; among equals prefer a rank already running compatible requests.
         key = params.batch_key()
 
@@ -204,7 +219,22 @@ class DiffusionEngine:
             compatible = running_key is None or running_key == key
             return (s.num_waiting + s.num_running, 0 if compatible else 1, rank)
 
-        return min(range(len(self.schedulers)), key=load)
+        return min(ranks, key=load)
+
+    def _assign_locked(self, handle: RequestHandle, rank: int) -> None:
+        self.schedulers[rank].add(handle.request_id, handle.params)
+        self._rank_of[handle.request_id] = rank
+
+    def _release_pending_locked(self) -> None:
+        """Hand shared-queue requests, oldest first, to ranks with a free batch slot."""
+        capacity = self.config.scheduler.max_num_seqs
+        while self._pending:
+            free = [r for r, s in enumerate(self.schedulers)
+                    if s.num_running + s.num_waiting < capacity]
+            if not free:
+                return
+            rid, handle = self._pending.popitem(last=False)
+            self._assign_locked(handle, self._pick_rank(handle.params, free))
 
     def add_request(
         self,
@@ -227,14 +257,17 @@ class DiffusionEngine:
             if rid in self._handles:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             limit = self.config.scheduler.max_queue
-            waiting = sum(s.num_waiting for s in self.schedulers)
+            waiting = self._num_waiting_locked()
             if limit is not None and waiting >= limit:
                 raise QueueFullError(f"{waiting} requests are waiting (max_queue={limit})")
-            rank = self._pick_rank(params)
-            self.schedulers[rank].add(rid, params)
             self._handles[rid] = handle
-            self._rank_of[rid] = rank
-            position = self.schedulers[rank].queue_position(rid)
+            if len(self.schedulers) == 1:
+                # One rank: its scheduler sees the whole queue (the bypass policy needs that).
+                self._assign_locked(handle, 0)
+            else:
+                self._pending[rid] = handle
+                self._release_pending_locked()
+            position = self._queue_position_locked(rid)
             self._wakeup.notify_all()
         self._emit(handle, RequestEvent(rid, "queued", 0, params.num_inference_steps, position))
         return handle
@@ -262,6 +295,7 @@ class DiffusionEngine:
     def _abort_locked(self, request_id: str, reason: str) -> bool:
         handle = self._handles.pop(request_id, None)
         rank = self._rank_of.pop(request_id, None)
+        self._pending.pop(request_id, None)
         if handle is None:
             return False
         if rank is not None:
@@ -274,7 +308,7 @@ class DiffusionEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def _has_work(self) -> bool:
-        return any(s.has_work() for s in self.schedulers)
+        return bool(self._pending) or any(s.has_work() for s in self.schedulers)
 
     def _run_loop(self) -> None:
         try:
@@ -284,6 +318,7 @@ class DiffusionEngine:
                         self._wakeup.wait()
                     if self._stopping:
                         return
+                    self._release_pending_locked()
                     plans = [s.schedule() for s in self.schedulers]
                     new = [[(rid, self._handles[rid].params, self._handles[rid].seed)
                             for rid in plan.encode if rid in self._handles] for plan in plans]
@@ -300,10 +335,10 @@ class DiffusionEngine:
                     if rows:
                         self._steps_run += 1
                         self._rows_run += rows
-                    waiting = [(rid, self.schedulers[rank].queue_position(rid))
-                               for rid, rank in self._rank_of.items()
-                               if self._handles[rid].on_event is not None
-                               and self.schedulers[rank].queue_position(rid) is not None]
+                    self._release_pending_locked()
+                    waiting = [(rid, position) for rid, handle in self._handles.items()
+                               if handle.on_event is not None
+                               and (position := self._queue_position_locked(rid)) is not None]
                 for out in outputs:
                     if out.forward_rows:
                         for observer in self.observers:
@@ -323,6 +358,7 @@ class DiffusionEngine:
                 self._loop_error = e
                 self.ready = False
                 self._accepting = False
+                self._pending.clear()
                 for rid in list(self._handles):
                     handle = self._handles.pop(rid)
                     self._rank_of.pop(rid, None)

@@ -95,3 +95,28 @@ def test_hung_worker_times_out(tiny_model_dir, monkeypatch) -> None:  # type: ig
     finally:
         os.kill(pid, signal.SIGKILL)
         engine.shutdown()
+
+
+def test_requests_go_to_the_rank_that_frees_up_first(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    # One batch slot per rank; rank 0 is taken by a long request. Binding requests to a rank
+    # at arrival would queue every other short request behind it (ties go to rank 0); the
+    # shared queue hands each one to rank 1 as soon as it frees up.
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu",
+                          parallel=ParallelConfig(data_parallel_size=2),
+                          scheduler=SchedulerConfig(max_num_seqs=1))
+    engine = DiffusionEngine(config).start()
+    finished: list[str] = []
+    try:
+        handles = [engine.add_request(
+            SamplingParams(prompt="long", num_inference_steps=40, seed=1), request_id="long",
+            on_event=lambda e: finished.append(e.request_id) if e.kind == "finished" else None)]
+        handles += [engine.add_request(
+            SamplingParams(prompt="short", num_inference_steps=2, seed=10 + i),
+            request_id=f"short{i}",
+            on_event=lambda e: finished.append(e.request_id) if e.kind == "finished" else None)
+            for i in range(3)]
+        for handle in handles:
+            handle.result(timeout=120)
+    finally:
+        engine.shutdown()
+    assert finished == ["short0", "short1", "short2", "long"]
