@@ -6,10 +6,7 @@ device slots, move resident modules to the device, attach the hooks, and only th
 streamed blocks' tensors for placeholders. Any failure undoes every step and raises
 ``OffloadError``; the model is left as it was.
 
-``OffloadHandle.disable`` synchronizes, removes the hooks, gives the streamed blocks back
-ordinary (pageable, unpinned) host tensors - views of the former slabs, no copy - and frees
-the slots. Resident modules stay on the device: call ``model.to(device)`` afterwards to run
-it fully resident, or ``enable_offload`` again.
+The returned ``OffloadHandle`` (``handle``) reports what is streamed and undoes it.
 
 With ``group=`` a process group of size > 1 (AllGather mode), each rank keeps only its
 1/group shard of every streamed block (``shard_storage``) and loads rebuild blocks with
@@ -23,8 +20,6 @@ Called by the engine's model runner (``--offload dlo``) and by ``bench/offload.p
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -34,11 +29,12 @@ from ditserve.engine.config import OffloadConfig, offload_problems
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.gather import GatherTransfer
+from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle
 from ditserve.engine.offload.hooks import BlockStreamer, make_streamed_block
 from ditserve.engine.offload.host import HostStorage
 from ditserve.engine.offload.host_plan import HostWeightPlan
 from ditserve.engine.offload.mapped_storage import MappedStorage
-from ditserve.engine.offload.plan import GIB, OffloadPlan, TensorSpec, build_plan
+from ditserve.engine.offload.plan import GIB, TensorSpec, build_plan
 from ditserve.engine.offload.shard_storage import ShardStorage
 from ditserve.engine.offload.shards import shard_block, shard_slot_numel
 from ditserve.engine.offload.staging import MappedTransfer, make_mapped_transfer
@@ -49,9 +45,6 @@ log = logging.getLogger(__name__)
 # HBM kept free for activations when residency comes from --dlo-hbm-budget-gib; callers that
 # know their batch and resolution pass ``activation_reserve_bytes`` instead.
 DEFAULT_ACTIVATION_RESERVE_BYTES = 2 * GIB
-
-_ACTIVE: weakref.WeakKeyDictionary[nn.Module, OffloadHandle] = weakref.WeakKeyDictionary()
-
 
 def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(block.named_parameters()) + list(block.named_buffers())
@@ -98,134 +91,6 @@ def _check_tensors(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Non
 
 def _fmt_bytes(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
-
-
-class OffloadHandle:
-    """A live offload of one model: ``report()`` what it does, ``disable()`` to undo it."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        plan: OffloadPlan,
-        device: torch.device,
-        transfer: Any,
-        storage: HostStorage | ShardStorage | MappedStorage,
-        streamer: BlockStreamer,
-        slots: list[dict[Hashable, torch.Tensor]],
-    ) -> None:
-        self._model = weakref.ref(model)
-        self.plan = plan
-        self.device = device
-        self._transfer = transfer
-        self._storage = storage
-        self._streamer = streamer
-        self._slots = slots
-        self.active = True
-        # Where the host bytes live and how they move (HostWeightPlan kind, path, reasons).
-        self.host_info: dict[str, Any] = {}
-        # AllGather mode: every load is a collective of the group.
-        self.needs_collective_participation = isinstance(storage, ShardStorage)
-
-    @property
-    def passes(self) -> int:
-        """AllGather mode: whole passes run so far (forwards and idle passes)."""
-        return self._streamer.passes
-
-    def idle_pass(self) -> None:
-        """Join every block's gather, in a forward's order, without running any block.
-
-        AllGather mode: a rank with no batch calls this while another rank runs a forward, so
-        the group's collectives stay matched. No-op in rank-local mode.
-        """
-        if self.needs_collective_participation and self.active:
-            self._streamer.idle_pass()
-
-    def report(self) -> dict[str, Any]:
-        """JSON-able facts: the split, bytes per step, memory, backing and transfer so far."""
-        plan, streamer = self.plan, self._streamer
-        names = [b.name for b in plan.blocks]
-        return {
-            "active": self.active,
-            "device": str(self.device),
-            "blocks": len(plan.blocks),
-            "streamed_blocks": len(plan.streamed),
-            "resident_blocks": len(plan.residency.resident),
-            "resident_block_names": [names[i] for i in plan.residency.resident],
-            "residency": plan.residency.mode,
-            "hbm_budget_bytes": plan.residency.budget_bytes,
-            "activation_reserve_bytes": plan.residency.activation_reserve_bytes,
-            "streamed_bytes": plan.streamed_bytes,
-            "resident_block_bytes": plan.resident_block_bytes,
-            "resident_module_bytes": plan.resident_module_bytes,
-            "slot_bytes": plan.slot.nbytes,
-            "slots": 2 if plan.streamed else 0,
-            "host_bytes": self._storage.nbytes,
-            "pinned_host_bytes": self._transfer.pinned_bytes,
-            "backing": self._transfer.backing,
-            "transfer": self._transfer.name,
-            "bytes_transferred": streamer.bytes_transferred,
-            "block_loads": streamer.loads,
-            "load_misses": streamer.misses,
-            **self.host_info,
-            **self._shard_report(),
-        }
-
-    def _shard_report(self) -> dict[str, Any]:
-        storage, transfer = self._storage, self._transfer
-        if not isinstance(storage, ShardStorage):
-            return {"group_size": 1}
-        return {
-            "group_size": storage.group_size,
-            "group_rank": storage.rank,
-            "shard_bytes": storage.nbytes,  # this rank's host bytes for the streamed blocks
-            "h2d_bytes": transfer.h2d_bytes,
-            "gathered_bytes": transfer.gathered_bytes,
-            "passes": self._streamer.passes,
-        }
-
-    def disable(self, *, gather: bool = False) -> None:
-        """Synchronize, remove hooks, restore ordinary host tensors, free slabs and slots.
-
-        Idempotent. Streamed blocks end up on the CPU (pageable memory, no copy); resident
-        modules stay on the device.
-
-        AllGather mode: no rank holds the full blocks. ``gather=True`` rebuilds them on the
-        host - a collective, so every rank of the group must call it together; without it
-        (e.g. at shutdown, when a peer may be gone) the streamed tensors are left empty and
-        the model must be reloaded before it runs again.
-        """
-        if not self.active:
-            return
-        self._transfer.synchronize()
-        self._streamer.detach()
-        for position, index in enumerate(self.plan.streamed):
-            block = self._streamer.blocks[position]
-            if isinstance(self._storage, ShardStorage):
-                hosts = self._gathered_tensors(index, block.tensors, gather)
-                self._storage.release(index)
-            else:
-                hosts = self._storage.release(index)
-            for tensor, host in zip(block.tensors, hosts, strict=True):
-                tensor.data = host
-        self._slots.clear()
-        self._streamer.blocks.clear()
-        self._transfer.close()
-        self.active = False
-        model = self._model()
-        if model is not None:
-            _ACTIVE.pop(model, None)
-
-    def _gathered_tensors(
-        self, index: int, tensors: list[torch.Tensor], gather: bool
-    ) -> list[torch.Tensor]:
-        assert isinstance(self._storage, ShardStorage)
-        if not gather:
-            return [torch.empty(0, dtype=t.dtype) for t in tensors]
-        full = self._transfer.gather_full(self._storage.regions(index))
-        return [
-            full[p.dtype][p.offset : p.offset + p.numel].view(p.shape)
-            for p in self.plan.blocks[index].tensors
-        ]
 
 
 def enable_offload(
