@@ -93,14 +93,35 @@ TINY_TRANSFORMER = dict(
 
 
 def init_tiny(path: str | os.PathLike[str], *, seed: int = TINY_SEED) -> Path:
-    """Write the tiny Flux pipeline to ``path`` (about 1 MB). Idempotent once complete."""
+    """Write the tiny Flux pipeline to ``path`` (about 1 MB). Idempotent once complete.
+
+    Safe when several processes ask at once (the demo, a server and its workers): one builds
+    into a temporary sibling under a file lock and renames it into place.
+    """
+    import shutil
+    import tempfile
+
+    from filelock import FileLock
+
     target = Path(path)
     if (target / _COMPLETE_MARKER).exists():
         return target
-    pipe = _build_pipeline(transformer_kwargs=TINY_TRANSFORMER, seed=seed)
-    target.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(target)
-    (target / _COMPLETE_MARKER).write_text(json.dumps({"seed": seed, "random_weights": True}))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / _COMPLETE_MARKER).exists():
+            return target
+        pipe = _build_pipeline(transformer_kwargs=TINY_TRANSFORMER, seed=seed)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            pipe.save_pretrained(staging)
+            (staging / _COMPLETE_MARKER).write_text(
+                json.dumps({"seed": seed, "random_weights": True}))
+            if target.exists():  # an incomplete leftover from an interrupted older version
+                shutil.rmtree(target)
+            staging.rename(target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return target
 
 
