@@ -192,11 +192,15 @@ class DiffusionEngine:
     def _num_waiting_locked(self) -> int:
         return sum(s.num_waiting for s in self.schedulers) + len(self._pending)
 
-    def offload_report(self) -> dict[str, Any] | None:
-        """Rank 0's offload report, with every rank's under ``ranks`` when there are several."""
+    def offload_report(self, *, refresh: bool = False) -> dict[str, Any] | None:
+        """Rank 0's offload report, with every rank's under ``ranks`` when there are several.
+
+        Other ranks' reports are cached (refreshed every few seconds while busy);
+        ``refresh=True`` fetches fresh ones, waiting for the current step to end.
+        """
         if self.executor is None:
             return None
-        reports = self.executor.offload_reports()
+        reports = self.executor.offload_reports(refresh=refresh)
         if reports[0] is None:
             return None
         report = dict(reports[0])

@@ -26,7 +26,7 @@ class Executor(Protocol):
     def execute(
         self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
     ) -> list[RunnerOutput]: ...
-    def offload_reports(self) -> list[dict[str, Any] | None]: ...
+    def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]: ...
     def shutdown(self) -> None: ...
 
 
@@ -45,7 +45,7 @@ class LocalExecutor:
     ) -> list[RunnerOutput]:
         return [self.runner.execute(plans[0], new[0])]
 
-    def offload_reports(self) -> list[dict[str, Any] | None]:
+    def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]:
         return [self.runner.offload_report()]
 
     def shutdown(self) -> None:

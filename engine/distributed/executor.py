@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,12 +34,20 @@ from ditserve.engine.distributed.rendezvous import (
     rank_device,
     worker_timeout_s,
 )
-from ditserve.engine.distributed.worker import Stop, Wave, WorkerFailure, WorkerHello, worker_main
+from ditserve.engine.distributed.worker import (
+    Stop,
+    Wave,
+    WorkerFailure,
+    WorkerHello,
+    WorkerReply,
+    worker_main,
+)
 from ditserve.engine.errors import ConfigError, DistributedError
 from ditserve.engine.executor import NewRequests
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 
 log = logging.getLogger(__name__)
+REPORT_EVERY_S = 5.0
 
 
 class MultiProcessExecutor:
@@ -56,6 +65,9 @@ class MultiProcessExecutor:
         self.num_ranks = par.data_parallel_size
         self.timeout_s = worker_timeout_s()
         self._procs: dict[int, mp.process.BaseProcess] = {}
+        # Waves and report refreshes use the control group from different threads; one at a
+        # time, or their collectives would interleave.
+        self._control_lock = threading.Lock()
         rdv = Rendezvous.from_env()
         if rdv is None:
             rdv = Rendezvous("127.0.0.1", free_port(), self.num_ranks, 0, 0)
@@ -83,6 +95,12 @@ class MultiProcessExecutor:
         for hello in hellos[1:]:
             assert isinstance(hello, WorkerHello)
             log.info("rank %d ready (pid %d, %s)", hello.rank, hello.pid, hello.device)
+        # Workers' offload reports, refreshed by riding on a wave every REPORT_EVERY_S: the
+        # control group must only ever be used by the engine loop's thread, never by a
+        # /ready handler running concurrently with a wave.
+        self._worker_reports: list[dict[str, Any] | None] = [
+            None, *[h.offload for h in hellos[1:]]]
+        self._reports_at = time.monotonic()
         self._closed = False
 
     # -- process management ---------------------------------------------------------------------
@@ -151,19 +169,36 @@ class MultiProcessExecutor:
     def execute(
         self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
     ) -> list[RunnerOutput]:
+        with self._control_lock:
+            return self._wave(plans, new, refresh=time.monotonic() - self._reports_at
+                              > REPORT_EVERY_S)
+
+    def _wave(
+        self, plans: Sequence[StepPlan], new: Sequence[NewRequests], *, refresh: bool
+    ) -> list[RunnerOutput]:
         forward = any(plan.denoise for plan in plans)
-        self._broadcast(Wave(plans=list(plans), new=[list(n) for n in new], forward=forward))
+        self._broadcast(Wave(plans=list(plans), new=[list(n) for n in new], forward=forward,
+                             reports=refresh))
         own = self.runner.execute(plans[0], new[0], collective_wave=forward)
-        outputs = self._gather(own)
-        failures = [o for o in outputs if isinstance(o, WorkerFailure)]
+        replies = self._gather(WorkerReply(own))
+        failures = [r for r in replies if isinstance(r, WorkerFailure)]
         if failures:
             raise DistributedError("; ".join(f"rank {f.rank} failed: {f.message}"
                                              for f in failures))
-        return outputs
+        if refresh:
+            self._worker_reports = [None, *[r.offload_report for r in replies[1:]]]
+            self._reports_at = time.monotonic()
+        return [r.output for r in replies]
 
-    def offload_reports(self) -> list[dict[str, Any] | None]:
-        self._broadcast("reports")
-        return self._gather(self.runner.offload_report())
+    def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]:
+        """Rank 0's live report and the workers' latest: at most ~REPORT_EVERY_S old while
+        the replica is busy, from start-up while idle. Never blocks unless ``refresh``, which
+        runs an empty wave for fresh reports (waiting for a running wave to end first)."""
+        if refresh:
+            empty = [StepPlan(step_id=-1)] * self.num_ranks
+            with self._control_lock:
+                self._wave(empty, [[] for _ in range(self.num_ranks)], refresh=True)
+        return [self.runner.offload_report(), *self._worker_reports[1:]]
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", False):

@@ -24,6 +24,13 @@ class Wave:
     plans: Sequence[Any]  # StepPlan per rank
     new: Sequence[Any]  # NewRequests per rank
     forward: bool  # some rank runs a denoise forward (collective participation needed)
+    reports: bool = False  # attach this rank's offload report to the reply
+
+
+@dataclass(frozen=True)
+class WorkerReply:
+    output: Any  # RunnerOutput
+    offload_report: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,16 +105,14 @@ def worker_main(
             message = box[0]
             if isinstance(message, Stop):
                 break
-            if message == "reports":
-                _gather(runner.offload_report(), groups.control)
-                continue
             try:
                 output = runner.execute(message.plans[rank], message.new[rank],
                                         collective_wave=message.forward)
             except Exception:
                 _gather(WorkerFailure(rank, os.getpid(), traceback.format_exc()), groups.control)
                 return
-            _gather(output, groups.control)
+            report = runner.offload_report() if message.reports else None
+            _gather(WorkerReply(output, report), groups.control)
     finally:
         if runner is not None:
             runner.close()

@@ -80,7 +80,7 @@ class TestDp2AllGather:
         check([h.result(timeout=120) for h in handles], alone, range(len(REQUESTS)))
 
     def test_dp2_host_bytes_per_rank_are_half_the_blocks(self, engine2, block_bytes) -> None:  # type: ignore[no-untyped-def]
-        report = engine2.offload_report()
+        report = engine2.offload_report(refresh=True)
         ranks = report["ranks"]
         assert len(ranks) == 2
         streamed = ranks[0]["streamed_bytes"]
@@ -111,7 +111,7 @@ class TestDp2AllGather:
             late.append(engine2.add_request(params))
         check([h.result(timeout=120) for h in late], alone, range(len(REQUESTS)))
         check([long.result(timeout=120)], alone, [len(REQUESTS)])
-        ranks = engine2.offload_report()["ranks"]
+        ranks = engine2.offload_report(refresh=True)["ranks"]
         assert ranks[0]["passes"] == ranks[1]["passes"]
 
 
@@ -122,7 +122,7 @@ def test_dp3_allgather_generation_equals_resident(tiny_model_dir, alone, block_b
         try:
             handles = [engine.add_request(p) for p in REQUESTS]
             results = [h.result(timeout=120) for h in handles]
-            ranks = engine.offload_report()["ranks"]
+            ranks = engine.offload_report(refresh=True)["ranks"]
         finally:
             engine.shutdown()
     check(results, alone, range(len(REQUESTS)))
@@ -137,7 +137,7 @@ def test_dp2_without_allgather_keeps_rank_local_blocks(tiny_model_dir, alone, bl
     try:
         handles = [engine.add_request(p) for p in REQUESTS]
         results = [h.result(timeout=120) for h in handles]
-        ranks = engine.offload_report()["ranks"]
+        ranks = engine.offload_report(refresh=True)["ranks"]
     finally:
         engine.shutdown()
     check(results, alone, range(len(REQUESTS)))

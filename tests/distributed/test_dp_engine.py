@@ -120,3 +120,32 @@ def test_requests_go_to_the_rank_that_frees_up_first(tiny_model_dir) -> None:  #
     finally:
         engine.shutdown()
     assert finished == ["short0", "short1", "short2", "long"]
+
+
+def test_report_refreshes_from_another_thread_do_not_disturb_waves(tiny_model_dir, alone) -> None:  # type: ignore[no-untyped-def]
+    # /ready handlers ask for offload reports while the loop runs waves on the same control
+    # group; the executor must serialize them.
+    import threading
+
+    engine = dp_engine(tiny_model_dir, 2)
+    stop = threading.Event()
+    refreshes = 0
+
+    def poll() -> None:
+        nonlocal refreshes
+        while not stop.is_set():
+            engine.offload_report(refresh=True)
+            engine.offload_report()
+            refreshes += 1
+
+    poller = threading.Thread(target=poll)
+    try:
+        poller.start()
+        handles = [engine.add_request(p) for p in REQUESTS]
+        for i, handle in enumerate(handles):
+            assert (handle.result(timeout=120).pixels - alone[i]).abs().max().item() <= 1e-4
+    finally:
+        stop.set()
+        poller.join(timeout=60)
+        engine.shutdown()
+    assert refreshes > 0
