@@ -47,7 +47,13 @@ log = logging.getLogger(__name__)
 DEFAULT_ACTIVATION_RESERVE_BYTES = 2 * GIB
 
 def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(block.named_parameters()) + list(block.named_buffers())
+    # Sorted by name: the order safetensors writes a block's tensors in (within one dtype),
+    # so a block mapped from a checkpoint or cache entry lies in its slot exactly as in the
+    # file and loads with one copy instead of one per tensor. Every layout (slabs, shards,
+    # slots) and every pairing of tensors with views derives from this one order.
+    return sorted(
+        list(block.named_parameters()) + list(block.named_buffers()), key=lambda item: item[0]
+    )
 
 
 def _check_config(config: OffloadConfig, host_plan: HostWeightPlan | None) -> None:

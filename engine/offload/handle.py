@@ -93,7 +93,17 @@ class OffloadHandle:
             "load_misses": streamer.misses,
             **self.host_info,
             **self._shard_report(),
+            **self._mapped_report(),
         }
+
+    def _mapped_report(self) -> dict[str, Any]:
+        if not isinstance(self._storage, MappedStorage) or not self.active:
+            return {}
+        # Copies per pass: file-contiguous tensors are merged into one copy each.
+        parts = sum(len(region.parts) for index in self.plan.streamed
+                    for region in self._storage.regions(index).values())
+        tensors = sum(len(self.plan.blocks[index].tensors) for index in self.plan.streamed)
+        return {"mapped_copies_per_pass": parts, "mapped_tensors_per_pass": tensors}
 
     def _shard_report(self) -> dict[str, Any]:
         storage, transfer = self._storage, self._transfer

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,42 @@ class MappedRegion:
     dtype: Hashable
     numel: int  # the region's padded size (what the slot region holds)
     parts: tuple[tuple[int, torch.Tensor], ...]
+
+
+class _Run:
+    """Tensors contiguous in a slot region and in one mapped file: one copy covers them all."""
+
+    def __init__(self, offset: int, numel: int, binding: TensorBinding, view: torch.Tensor):
+        self.offset = offset  # elements into the slot region
+        self.numel = numel
+        self.file = str(binding.file)
+        self.file_offset = binding.offset  # bytes into the file
+        self.nbytes = binding.nbytes
+        self.views = [view]
+
+    def continues(self, offset: int, binding: TensorBinding) -> bool:
+        return (offset == self.offset + self.numel and str(binding.file) == self.file
+                and binding.offset == self.file_offset + self.nbytes)
+
+    def add(self, numel: int, binding: TensorBinding, view: torch.Tensor) -> None:
+        self.numel += numel
+        self.nbytes += binding.nbytes
+        self.views.append(view)
+
+    def parts(self, files: dict[str, Any]) -> list[tuple[int, torch.Tensor]]:
+        itemsize = self.views[0].element_size()
+        mapping = files.get(self.file)
+        if (mapping is None or len(self.views) == 1 or not hasattr(mapping, "raw")
+                or self.file_offset % itemsize or self.nbytes != self.numel * itemsize):
+            # One part per tensor (its own view; nothing to merge or no whole-file view).
+            parts, offset = [], self.offset
+            for view in self.views:
+                parts.append((offset, view.reshape(-1)))
+                offset += view.numel()
+            return parts
+        # (nbytes,) uint8 slice of the whole mapping -> (numel,) of the tensors' dtype.
+        raw = mapping.raw[self.file_offset : self.file_offset + self.nbytes]
+        return [(self.offset, raw.view(self.views[0].dtype))]
 
 
 class MappedStorage:
@@ -76,12 +113,25 @@ class MappedStorage:
         self._bindings[layout.index] = bindings
 
     def regions(self, index: int) -> dict[Hashable, MappedRegion]:
+        """Per dtype, the parts to copy: tensors that lie back to back both in the slot region
+        and in one file become a single part (one copy instead of one per tensor)."""
         layout = self._layouts[index]
-        parts: dict[Hashable, list[tuple[int, torch.Tensor]]] = {r.dtype: [] for r in layout.regions}
-        for placement, view in zip(layout.tensors, self._views[index], strict=True):
-            parts[placement.dtype].append((placement.offset, view.reshape(-1)))
+        runs: dict[Hashable, list[_Run]] = {r.dtype: [] for r in layout.regions}
+        members = zip(layout.tensors, self._views[index], self._bindings[index], strict=True)
+        for placement, view, binding in members:
+            same_region = runs[placement.dtype]
+            last = same_region[-1] if same_region else None
+            if last is not None and last.continues(placement.offset, binding):
+                last.add(placement.numel, binding, view)
+            else:
+                same_region.append(_Run(placement.offset, placement.numel, binding, view))
+        files = {str(m.path): m for m in self.plan.mappings}
         return {
-            r.dtype: MappedRegion(r.dtype, r.numel, tuple(parts[r.dtype])) for r in layout.regions
+            r.dtype: MappedRegion(
+                r.dtype, r.numel,
+                tuple(part for run in runs[r.dtype] for part in run.parts(files)),
+            )
+            for r in layout.regions
         }
 
     def tensor_views(self, index: int) -> list[torch.Tensor]:
