@@ -42,7 +42,10 @@ from ditserve.engine.results import (
     RequestEvent,
     RequestHandle,
 )
-from ditserve.engine.scheduler import StatusChange, StepScheduler
+from ditserve.engine.scheduler import StatusChange, StepPlan, StepScheduler
+
+# How long an independent rank's worker may sit idle before the engine pings it.
+HEARTBEAT_S = 2.0
 
 __all__ = [
     "DiffusionEngine", "EngineObserver", "EngineStats", "GenerationResult", "RequestEvent",
@@ -76,7 +79,7 @@ class DiffusionEngine:
         # With several ranks, requests wait here until some rank has a free batch slot, so a
         # request never waits behind a busy rank while another one idles.
         self._pending: OrderedDict[str, RequestHandle] = OrderedDict()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stopping = False
         self._accepting = False
         self._loop_error: BaseException | None = None
@@ -114,8 +117,7 @@ class DiffusionEngine:
             self.executor.shutdown()
             raise
         self._accepting = True
-        self._thread = threading.Thread(target=self._run_loop, name="ditserve-engine", daemon=True)
-        self._thread.start()
+        self._start_loops()
         self.ready = True
         return self
 
@@ -152,13 +154,13 @@ class DiffusionEngine:
                 self._abort_locked(rid, "engine shut down")
             self._stopping = True
             self._wakeup.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
+        for thread in self._threads:
+            thread.join(timeout=60)
         if self.executor is not None:
             self.executor.shutdown()
 
     def _loop_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return any(thread.is_alive() for thread in self._threads)
 
     # -- properties used by the API layer ---------------------------------------------------
     @property
@@ -311,37 +313,80 @@ class DiffusionEngine:
         return True
 
     # -- the loop ---------------------------------------------------------------------------
-    def _has_work(self) -> bool:
-        return bool(self._pending) or any(s.has_work() for s in self.schedulers)
+    def _has_work(self, ranks: list[int]) -> bool:
+        if any(self.schedulers[r].has_work() for r in ranks):
+            return True
+        capacity = self.config.scheduler.max_num_seqs
+        # Shared-queue requests are work for a rank only if it could take one.
+        return bool(self._pending) and any(
+            self.schedulers[r].num_running + self.schedulers[r].num_waiting < capacity
+            for r in ranks
+        )
 
-    def _run_loop(self) -> None:
+    def _start_loops(self) -> None:
+        """One loop over all ranks (waves), or one loop per rank when ranks are independent."""
+        independent = self.executor.independent and self.executor.num_ranks > 1
+        groups = ([[r] for r in range(self.executor.num_ranks)] if independent
+                  else [list(range(self.executor.num_ranks))])
+        self._threads = [
+            threading.Thread(target=self._run_loop, args=(ranks,), daemon=True,
+                             name=f"ditserve-engine-{'-'.join(map(str, ranks))}")
+            for ranks in groups
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run_loop(self, ranks: list[int]) -> None:
+        """Drive ``ranks``: all of them in waves, or a single rank at its own pace."""
+        wave = len(ranks) == self.executor.num_ranks
         try:
             while True:
                 with self._lock:
-                    while not self._stopping and not self._has_work():
-                        self._wakeup.wait()
+                    idle_since = time.monotonic()
+                    while not self._stopping and not self._has_work(ranks):
+                        if not wave and ranks[0] > 0 and (
+                                time.monotonic() - idle_since >= HEARTBEAT_S):
+                            break  # idle too long: ping the worker (below)
+                        self._wakeup.wait(timeout=None if wave else HEARTBEAT_S)
                     if self._stopping:
                         return
-                    self._release_pending_locked()
-                    plans = [s.schedule() for s in self.schedulers]
-                    new = [[(rid, self._handles[rid].params, self._handles[rid].seed)
-                            for rid in plan.encode if rid in self._handles] for plan in plans]
-                now = time.monotonic()
-                for batch in new:
-                    for rid, _, _ in batch:
-                        self._handles[rid].started_at = now
-                outputs = self.executor.execute(plans, new)
+                    heartbeat = not self._has_work(ranks)
+                if heartbeat:
+                    # An idle worker is still checked: a dead or hung one fails the replica
+                    # within HEARTBEAT_S + the worker timeout, not at the next request.
+                    self.executor.execute_rank(ranks[0], StepPlan(step_id=-1), [])
+                    continue
                 with self._lock:
-                    changes = [c for s, plan, out in zip(self.schedulers, plans, outputs,
-                                                         strict=True)
-                               for c in s.update(plan, out)]
+                    self._release_pending_locked()
+                    self._wakeup.notify_all()  # released requests may be another loop's work
+                    plans = [self.schedulers[r].schedule() for r in ranks]
+                    now = time.monotonic()
+                    new = []
+                    for plan in plans:
+                        admitted = []
+                        for rid in plan.encode:
+                            handle = self._handles.get(rid)
+                            if handle is not None:  # not aborted meanwhile
+                                handle.started_at = now
+                                admitted.append((rid, handle.params, handle.seed))
+                        new.append(admitted)
+                if wave:
+                    outputs = self.executor.execute(plans, new)
+                else:
+                    outputs = [self.executor.execute_rank(ranks[0], plans[0], new[0])]
+                with self._lock:
+                    changes = [c for r, plan, out in zip(ranks, plans, outputs, strict=True)
+                               for c in self.schedulers[r].update(plan, out)]
                     rows = sum(out.forward_rows for out in outputs)
                     if rows:
                         self._steps_run += 1
                         self._rows_run += rows
                     self._release_pending_locked()
+                    self._wakeup.notify_all()
                     waiting = [(rid, position) for rid, handle in self._handles.items()
                                if handle.on_event is not None
+                               and (self._rank_of.get(rid) in ranks
+                                    or (0 in ranks and rid in self._pending))
                                and (position := self._queue_position_locked(rid)) is not None]
                 for out in outputs:
                     if out.forward_rows:
@@ -356,10 +401,12 @@ class DiffusionEngine:
                         self._emit(handle, RequestEvent(rid, "queued", 0,
                                                         handle.params.num_inference_steps,
                                                         position))
-        except BaseException as e:  # the loop must never die silently
+        except BaseException as e:  # a loop must never die silently
             log.exception("engine loop died")
             with self._lock:
-                self._loop_error = e
+                if self._loop_error is None:
+                    self._loop_error = e
+                self._stopping = True  # the replica cannot continue: stop the other loops
                 self.ready = False
                 self._accepting = False
                 self._pending.clear()
@@ -389,7 +436,7 @@ class DiffusionEngine:
 
         with self._lock:
             handle = self._handles.pop(rid, None)
-            self._rank_of.pop(rid, None)
+            rank = self._rank_of.pop(rid, 0)
             self._finished += 1
             self._wakeup.notify_all()
         if handle is None or pixels is None:
@@ -400,7 +447,7 @@ class DiffusionEngine:
             request_id=rid, images=to_pil_images(pixels), pixels=pixels,
             seed=handle.seed, num_inference_steps=handle.params.num_inference_steps,
             queue_seconds=started - handle.submitted_at,
-            latency_seconds=now - handle.submitted_at,
+            latency_seconds=now - handle.submitted_at, rank=rank,
         )
         self._emit(handle, RequestEvent(rid, "finished", result.num_inference_steps,
                                         result.num_inference_steps))

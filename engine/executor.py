@@ -22,10 +22,13 @@ NewRequests = Sequence[tuple[str, SamplingParams, int]]  # (request id, params, 
 class Executor(Protocol):
     num_ranks: int
     runner: Any  # rank 0's ModelRunner (in this process)
+    # True: ranks may step at their own pace (``execute_rank``); False: only in waves.
+    independent: bool
 
     def execute(
         self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
     ) -> list[RunnerOutput]: ...
+    def execute_rank(self, rank: int, plan: StepPlan, new: NewRequests) -> RunnerOutput: ...
     def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]: ...
     def shutdown(self) -> None: ...
 
@@ -34,6 +37,7 @@ class LocalExecutor:
     """One ModelRunner in this process."""
 
     num_ranks = 1
+    independent = True
 
     def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
         from ditserve.engine.model_runner import ModelRunner
@@ -44,6 +48,9 @@ class LocalExecutor:
         self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
     ) -> list[RunnerOutput]:
         return [self.runner.execute(plans[0], new[0])]
+
+    def execute_rank(self, rank: int, plan: StepPlan, new: NewRequests) -> RunnerOutput:
+        return self.runner.execute(plan, new)
 
     def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]:
         return [self.runner.offload_report()]

@@ -28,6 +28,7 @@ class GenerationResult:
     num_inference_steps: int
     queue_seconds: float
     latency_seconds: float
+    rank: int = 0  # the data-parallel rank that generated it
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ broadcasts all ranks' plans, every rank runs its own plan (its own continuous ba
 block's weight collective (``collective_wave``), so requests of any step count and arrival
 time share waves without the ranks' collectives going out of step.
 
+Without a weight collective (no DLO AllGather), ranks are *independent*: the engine runs one
+step loop per rank and ``execute_rank`` talks to that rank's worker alone, over a gloo group
+of just {0, r}, so a rank with a cheap batch never waits for a rank with an expensive one.
+
 Failure detection: a worker that dies breaks the control group's connection and a worker
 that hangs exceeds its timeout (``DITSERVE_WORKER_TIMEOUT_S``); either way the wave raises
 ``DistributedError`` naming the rank and, for spawned workers, its exit status.
@@ -20,6 +24,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +40,13 @@ from ditserve.engine.distributed.rendezvous import (
     worker_timeout_s,
 )
 from ditserve.engine.distributed.worker import (
+    RankStep,
     Stop,
     Wave,
     WorkerFailure,
     WorkerHello,
     WorkerReply,
+    independent_ranks,
     worker_main,
 )
 from ditserve.engine.errors import ConfigError, DistributedError
@@ -68,6 +75,10 @@ class MultiProcessExecutor:
         # Waves and report refreshes use the control group from different threads; one at a
         # time, or their collectives would interleave.
         self._control_lock = threading.Lock()
+        # Independent mode: each rank steps on its own (the engine runs one loop per rank);
+        # a worker's pair group is used by one thread at a time.
+        self.independent = independent_ranks(config)
+        self._rank_locks = [threading.Lock() for _ in range(self.num_ranks)]
         rdv = Rendezvous.from_env()
         if rdv is None:
             rdv = Rendezvous("127.0.0.1", free_port(), self.num_ranks, 0, 0)
@@ -101,6 +112,7 @@ class MultiProcessExecutor:
         self._worker_reports: list[dict[str, Any] | None] = [
             None, *[h.offload for h in hellos[1:]]]
         self._reports_at = time.monotonic()
+        self._rank_reports_at = [time.monotonic()] * self.num_ranks
         self._closed = False
 
     # -- process management ---------------------------------------------------------------------
@@ -169,9 +181,42 @@ class MultiProcessExecutor:
     def execute(
         self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
     ) -> list[RunnerOutput]:
+        if self.independent:
+            # No collective ties the ranks together: step them concurrently, one thread each.
+            with ThreadPoolExecutor(max_workers=self.num_ranks) as pool:
+                futures = [pool.submit(self.execute_rank, r, plans[r], new[r])
+                           for r in range(self.num_ranks)]
+                return [f.result() for f in futures]
         with self._control_lock:
             return self._wave(plans, new, refresh=time.monotonic() - self._reports_at
                               > REPORT_EVERY_S)
+
+    def execute_rank(self, rank: int, plan: StepPlan, new: NewRequests) -> RunnerOutput:
+        """Independent mode: one step of one rank, at that rank's own pace."""
+        if rank == 0:
+            with self._rank_locks[0]:
+                return self.runner.execute(plan, new)
+        refresh = time.monotonic() - self._rank_reports_at[rank] > REPORT_EVERY_S
+        with self._rank_locks[rank]:
+            reply = self._exchange(rank, RankStep(plan, list(new), reports=refresh))
+        if refresh:
+            self._worker_reports[rank] = reply.offload_report
+            self._rank_reports_at[rank] = time.monotonic()
+        return reply.output
+
+    def _exchange(self, rank: int, message: Any) -> WorkerReply:
+        pair = self._groups.pair(rank)
+        try:
+            dist.send_object_list([message], dst=rank, group=pair)
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=rank, group=pair)
+        except Exception as e:
+            raise self._failure(f"a step of rank {rank}", e) from e
+        reply = box[0]
+        if isinstance(reply, WorkerFailure):
+            raise DistributedError(f"rank {reply.rank} failed: {reply.message}")
+        assert isinstance(reply, WorkerReply)
+        return reply
 
     def _wave(
         self, plans: Sequence[StepPlan], new: Sequence[NewRequests], *, refresh: bool
@@ -194,7 +239,13 @@ class MultiProcessExecutor:
         """Rank 0's live report and the workers' latest: at most ~REPORT_EVERY_S old while
         the replica is busy, from start-up while idle. Never blocks unless ``refresh``, which
         runs an empty wave for fresh reports (waiting for a running wave to end first)."""
-        if refresh:
+        if refresh and self.independent:
+            for rank in range(1, self.num_ranks):
+                with self._rank_locks[rank]:
+                    reply = self._exchange(rank, RankStep(StepPlan(step_id=-1), [], True))
+                self._worker_reports[rank] = reply.offload_report
+                self._rank_reports_at[rank] = time.monotonic()
+        elif refresh:
             empty = [StepPlan(step_id=-1)] * self.num_ranks
             with self._control_lock:
                 self._wave(empty, [[] for _ in range(self.num_ranks)], refresh=True)
@@ -205,8 +256,18 @@ class MultiProcessExecutor:
             return
         self._closed = True
         try:
-            self._broadcast(Stop())
-        except DistributedError as e:
+            if self.independent:
+                for rank in range(1, self.num_ranks):
+                    # A step stuck on a hung worker holds its lock: skip it (killed below).
+                    if not self._rank_locks[rank].acquire(timeout=5):
+                        continue
+                    try:
+                        dist.send_object_list([Stop()], dst=rank, group=self._groups.pair(rank))
+                    finally:
+                        self._rank_locks[rank].release()
+            else:
+                self._broadcast(Stop())
+        except Exception as e:
             log.warning("could not stop workers cleanly: %s", e)
         for proc in self._procs.values():
             proc.join(timeout=30)

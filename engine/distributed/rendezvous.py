@@ -96,10 +96,16 @@ class Groups:
     control: dist.ProcessGroup
     rank: int
     world_size: int
+    # pairs[r - 1]: a gloo group of ranks {0, r}, so rank 0 can talk to each worker on its own
+    # (independent step loops) without two threads ever sharing a group.
+    pairs: list[dist.ProcessGroup]
+
+    def pair(self, rank: int) -> dist.ProcessGroup:
+        return self.pairs[rank - 1]
 
 
 def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float) -> Groups:
-    """Join the rendezvous; returns the weight and control groups."""
+    """Join the rendezvous; returns the weight, control and per-worker pair groups."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -116,9 +122,13 @@ def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float) -> Grou
         rank=rdv.rank, world_size=rdv.world_size, timeout=timeout, pg_options=options,
     )
     control = dist.new_group(backend="gloo", timeout=timeout)
+    # Every rank creates every group, in the same order (a collective requirement).
+    pairs = [dist.new_group([0, r], backend="gloo", timeout=timeout)
+             for r in range(1, rdv.world_size)]
     weight = dist.group.WORLD
     assert weight is not None
-    return Groups(weight=weight, control=control, rank=rdv.rank, world_size=rdv.world_size)
+    return Groups(weight=weight, control=control, rank=rdv.rank, world_size=rdv.world_size,
+                  pairs=pairs)
 
 
 def destroy() -> None:

@@ -5,6 +5,10 @@ gloo control group: rank 0 broadcasts a ``Wave`` (every rank's plan and new requ
 whether any rank runs a forward), each rank answers with its RunnerOutput via gather. A worker
 that cannot start or hits an unexpected error answers with a ``WorkerFailure`` and exits, so
 rank 0 reports it instead of waiting for a timeout.
+
+Without a weight collective (no DLO AllGather) ranks are independent: after start-up each
+worker instead serves ``RankStep`` messages from rank 0 on its own pair group, one step at a
+time, at whatever pace its own batch allows.
 """
 
 from __future__ import annotations
@@ -25,6 +29,21 @@ class Wave:
     new: Sequence[Any]  # NewRequests per rank
     forward: bool  # some rank runs a denoise forward (collective participation needed)
     reports: bool = False  # attach this rank's offload report to the reply
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """Independent mode: one step of this rank alone (no other rank is involved)."""
+
+    plan: Any  # StepPlan
+    new: Any  # NewRequests
+    reports: bool = False
+
+
+def independent_ranks(config: Any) -> bool:
+    """Ranks step on their own unless DLO shards weights over the group (every block load is
+    then a collective, so ranks must run matched passes in waves)."""
+    return not (config.offload.enabled and config.offload.use_allgather)
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,26 @@ def _gather(payload: Any, group: Any) -> None:
     import torch.distributed as dist
 
     dist.gather_object(payload, None, dst=0, group=group)
+
+
+def _serve_steps(runner: Any, rank: int, pair: Any) -> None:
+    """Independent mode: answer rank 0's RankSteps over this worker's pair group."""
+    import torch.distributed as dist
+
+    while True:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=0, group=pair)
+        message = box[0]
+        if isinstance(message, Stop):
+            return
+        try:
+            output = runner.execute(message.plan, message.new)
+        except Exception:
+            dist.send_object_list([WorkerFailure(rank, os.getpid(), traceback.format_exc())],
+                                  dst=0, group=pair)
+            return
+        report = runner.offload_report() if message.reports else None
+        dist.send_object_list([WorkerReply(output, report)], dst=0, group=pair)
 
 
 def worker_main(
@@ -99,6 +138,9 @@ def worker_main(
             return
         _gather(WorkerHello(rank, os.getpid(), str(device), runner.pixel_multiple,
                             runner.offload_report()), groups.control)
+        if independent_ranks(config):
+            _serve_steps(runner, rank, groups.pair(rank))
+            return
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=groups.control)
