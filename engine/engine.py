@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import secrets
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from ditserve.engine.errors import (
     QueueFullError,
     RequestAborted,
 )
+from ditserve.engine.rank_queues import RankQueues
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.results import (
     EngineObserver,
@@ -66,19 +65,12 @@ class DiffusionEngine:
     ) -> None:
         self.config = validate(config)
         self.observers = list(observers or [])
-        ranks = config.parallel.data_parallel_size
-        # The queue bound is engine-wide (checked in add_request), not per rank.
-        per_rank = dataclasses.replace(config.scheduler, max_queue=None)
-        self.schedulers = [StepScheduler(per_rank) for _ in range(ranks)]
+        self.queues = RankQueues(config.scheduler, config.parallel.data_parallel_size)
         self.executor: Any = None
         self.model_dir: Path | None = None
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._handles: dict[str, RequestHandle] = {}
-        self._rank_of: dict[str, int] = {}
-        # With several ranks, requests wait here until some rank has a free batch slot, so a
-        # request never waits behind a busy rank while another one idles.
-        self._pending: OrderedDict[str, RequestHandle] = OrderedDict()
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._accepting = False
@@ -87,6 +79,11 @@ class DiffusionEngine:
         self._rows_run = 0
         self._finished = 0
         self.ready = False
+
+    @property
+    def schedulers(self) -> list[StepScheduler]:
+        """One StepScheduler per data-parallel rank."""
+        return self.queues.schedulers
 
     @property
     def scheduler(self) -> StepScheduler:
@@ -174,25 +171,13 @@ class DiffusionEngine:
     def stats(self) -> EngineStats:
         with self._lock:
             return EngineStats(
-                sum(s.num_running for s in self.schedulers),
-                self._num_waiting_locked(),
+                self.queues.num_running, self.queues.num_waiting,
                 self._steps_run, self._rows_run, self._finished, len(self.schedulers),
             )
 
     def queue_position(self, request_id: str) -> int | None:
         with self._lock:
-            return self._queue_position_locked(request_id)
-
-    def _queue_position_locked(self, request_id: str) -> int | None:
-        if request_id in self._pending:
-            # Behind everything already queued at a rank, then its place in the shared queue.
-            ahead = sum(s.num_waiting for s in self.schedulers)
-            return ahead + list(self._pending).index(request_id)
-        rank = self._rank_of.get(request_id)
-        return None if rank is None else self.schedulers[rank].queue_position(request_id)
-
-    def _num_waiting_locked(self) -> int:
-        return sum(s.num_waiting for s in self.schedulers) + len(self._pending)
+            return self.queues.queue_position(request_id)
 
     def offload_report(self, *, refresh: bool = False) -> dict[str, Any] | None:
         """Rank 0's offload report, with every rank's under ``ranks`` when there are several.
@@ -215,33 +200,6 @@ class DiffusionEngine:
         return params.validate(pixel_multiple=self.pixel_multiple,
                                max_prompt_chars=self.max_prompt_chars)
 
-    def _pick_rank(self, params: SamplingParams, ranks: list[int]) -> int:
-        # Least loaded first; among equals prefer a rank already running compatible requests.
-        key = params.batch_key()
-
-        def load(rank: int) -> tuple[int, int, int]:
-            s = self.schedulers[rank]
-            running_key = s.running_key()
-            compatible = running_key is None or running_key == key
-            return (s.num_waiting + s.num_running, 0 if compatible else 1, rank)
-
-        return min(ranks, key=load)
-
-    def _assign_locked(self, handle: RequestHandle, rank: int) -> None:
-        self.schedulers[rank].add(handle.request_id, handle.params)
-        self._rank_of[handle.request_id] = rank
-
-    def _release_pending_locked(self) -> None:
-        """Hand shared-queue requests, oldest first, to ranks with a free batch slot."""
-        capacity = self.config.scheduler.max_num_seqs
-        while self._pending:
-            free = [r for r, s in enumerate(self.schedulers)
-                    if s.num_running + s.num_waiting < capacity]
-            if not free:
-                return
-            rid, handle = self._pending.popitem(last=False)
-            self._assign_locked(handle, self._pick_rank(handle.params, free))
-
     def add_request(
         self,
         params: SamplingParams,
@@ -263,17 +221,12 @@ class DiffusionEngine:
             if rid in self._handles:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             limit = self.config.scheduler.max_queue
-            waiting = self._num_waiting_locked()
+            waiting = self.queues.num_waiting
             if limit is not None and waiting >= limit:
                 raise QueueFullError(f"{waiting} requests are waiting (max_queue={limit})")
+            self.queues.add(rid, params)
             self._handles[rid] = handle
-            if len(self.schedulers) == 1:
-                # One rank: its scheduler sees the whole queue (the bypass policy needs that).
-                self._assign_locked(handle, 0)
-            else:
-                self._pending[rid] = handle
-                self._release_pending_locked()
-            position = self._queue_position_locked(rid)
+            position = self.queues.queue_position(rid)
             self._wakeup.notify_all()
         self._emit(handle, RequestEvent(rid, "queued", 0, params.num_inference_steps, position))
         return handle
@@ -300,12 +253,9 @@ class DiffusionEngine:
 
     def _abort_locked(self, request_id: str, reason: str) -> bool:
         handle = self._handles.pop(request_id, None)
-        rank = self._rank_of.pop(request_id, None)
-        self._pending.pop(request_id, None)
         if handle is None:
             return False
-        if rank is not None:
-            self.schedulers[rank].abort(request_id)
+        self.queues.remove(request_id)  # a running request is freed at its next step
         self._wakeup.notify_all()
         if not handle.future.done():
             handle.future.set_exception(RequestAborted(f"request {request_id}: {reason}"))
@@ -313,16 +263,6 @@ class DiffusionEngine:
         return True
 
     # -- the loop ---------------------------------------------------------------------------
-    def _has_work(self, ranks: list[int]) -> bool:
-        if any(self.schedulers[r].has_work() for r in ranks):
-            return True
-        capacity = self.config.scheduler.max_num_seqs
-        # Shared-queue requests are work for a rank only if it could take one.
-        return bool(self._pending) and any(
-            self.schedulers[r].num_running + self.schedulers[r].num_waiting < capacity
-            for r in ranks
-        )
-
     def _start_loops(self) -> None:
         """One loop over all ranks (waves), or one loop per rank when ranks are independent."""
         independent = self.executor.independent and self.executor.num_ranks > 1
@@ -343,21 +283,21 @@ class DiffusionEngine:
             while True:
                 with self._lock:
                     idle_since = time.monotonic()
-                    while not self._stopping and not self._has_work(ranks):
+                    while not self._stopping and not self.queues.has_work(ranks):
                         if not wave and ranks[0] > 0 and (
                                 time.monotonic() - idle_since >= HEARTBEAT_S):
                             break  # idle too long: ping the worker (below)
                         self._wakeup.wait(timeout=None if wave else HEARTBEAT_S)
                     if self._stopping:
                         return
-                    heartbeat = not self._has_work(ranks)
+                    heartbeat = not self.queues.has_work(ranks)
                 if heartbeat:
                     # An idle worker is still checked: a dead or hung one fails the replica
                     # within HEARTBEAT_S + the worker timeout, not at the next request.
                     self.executor.execute_rank(ranks[0], StepPlan(step_id=-1), [])
                     continue
                 with self._lock:
-                    self._release_pending_locked()
+                    self.queues.release()
                     self._wakeup.notify_all()  # released requests may be another loop's work
                     plans = [self.schedulers[r].schedule() for r in ranks]
                     now = time.monotonic()
@@ -381,13 +321,13 @@ class DiffusionEngine:
                     if rows:
                         self._steps_run += 1
                         self._rows_run += rows
-                    self._release_pending_locked()
+                    self.queues.release()
                     self._wakeup.notify_all()
                     waiting = [(rid, position) for rid, handle in self._handles.items()
                                if handle.on_event is not None
-                               and (self._rank_of.get(rid) in ranks
-                                    or (0 in ranks and rid in self._pending))
-                               and (position := self._queue_position_locked(rid)) is not None]
+                               and (self.queues.rank_of(rid) in ranks
+                                    or (0 in ranks and self.queues.is_shared(rid)))
+                               and (position := self.queues.queue_position(rid)) is not None]
                 for out in outputs:
                     if out.forward_rows:
                         for observer in self.observers:
@@ -409,10 +349,9 @@ class DiffusionEngine:
                 self._stopping = True  # the replica cannot continue: stop the other loops
                 self.ready = False
                 self._accepting = False
-                self._pending.clear()
+                self.queues.clear()
                 for rid in list(self._handles):
                     handle = self._handles.pop(rid)
-                    self._rank_of.pop(rid, None)
                     if not handle.future.done():
                         handle.future.set_exception(
                             EngineStoppedError(f"the engine loop died: {e}"))
@@ -436,7 +375,7 @@ class DiffusionEngine:
 
         with self._lock:
             handle = self._handles.pop(rid, None)
-            rank = self._rank_of.pop(rid, 0)
+            rank = self.queues.remove(rid) or 0
             self._finished += 1
             self._wakeup.notify_all()
         if handle is None or pixels is None:
@@ -459,7 +398,7 @@ class DiffusionEngine:
     def _fail(self, rid: str, reason: str) -> None:
         with self._lock:
             handle = self._handles.pop(rid, None)
-            self._rank_of.pop(rid, None)
+            self.queues.remove(rid)
             self._wakeup.notify_all()
         for observer in self.observers:
             observer.on_failed(rid, reason)

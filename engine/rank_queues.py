@@ -1,0 +1,113 @@
+"""RankQueues: where waiting requests live in a replica - one shared queue, one scheduler per rank.
+
+Pure Python (no torch), owned by the engine and always used under the engine's lock. With one
+rank a request goes straight to that rank's StepScheduler (whose admission policy then sees
+the whole queue). With several data-parallel ranks it first waits in a shared FIFO and is
+handed, oldest first, to the least-loaded rank that has a free batch slot (preferring a rank
+whose running batch is compatible), so a request never waits behind a busy rank while another
+rank has room.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.scheduler import StepScheduler
+
+
+class RankQueues:
+    """The shared queue and the per-rank schedulers of one replica (see module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, ranks: int) -> None:
+        self.capacity = config.max_num_seqs
+        # The queue bound is replica-wide (checked by the engine), not per rank.
+        per_rank = dataclasses.replace(config, max_queue=None)
+        self.schedulers = [StepScheduler(per_rank) for _ in range(ranks)]
+        self._shared: OrderedDict[str, SamplingParams] = OrderedDict()
+        self._rank_of: dict[str, int] = {}
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.schedulers) + len(self._shared)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.num_running for s in self.schedulers)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank a request was handed to (None while in the shared queue or unknown)."""
+        return self._rank_of.get(request_id)
+
+    def is_shared(self, request_id: str) -> bool:
+        return request_id in self._shared
+
+    def queue_position(self, request_id: str) -> int | None:
+        """Requests ahead of this one, or None if it is not waiting."""
+        if request_id in self._shared:
+            # Behind everything already queued at a rank, then its place in the shared queue.
+            ahead = sum(s.num_waiting for s in self.schedulers)
+            return ahead + list(self._shared).index(request_id)
+        rank = self._rank_of.get(request_id)
+        return None if rank is None else self.schedulers[rank].queue_position(request_id)
+
+    def has_work(self, ranks: Sequence[int]) -> bool:
+        """Whether ``ranks`` have anything to do (shared requests count only where they fit)."""
+        if any(self.schedulers[r].has_work() for r in ranks):
+            return True
+        return bool(self._shared) and any(self._has_room(r) for r in ranks)
+
+    def _has_room(self, rank: int) -> bool:
+        s = self.schedulers[rank]
+        return s.num_running + s.num_waiting < self.capacity
+
+    # -- changes ------------------------------------------------------------------------------
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        if request_id in self._shared or request_id in self._rank_of:
+            raise ValueError(f"request id {request_id!r} is already queued")
+        if len(self.schedulers) == 1:
+            self._hand(request_id, params, 0)
+        else:
+            self._shared[request_id] = params
+            self.release()
+
+    def release(self) -> None:
+        """Hand shared requests, oldest first, to ranks with a free batch slot."""
+        while self._shared:
+            free = [r for r in range(len(self.schedulers)) if self._has_room(r)]
+            if not free:
+                return
+            request_id, params = self._shared.popitem(last=False)
+            self._hand(request_id, params, self._pick(params, free))
+
+    def remove(self, request_id: str) -> int | None:
+        """Forget a request (aborted, finished or failed); returns the rank it was on."""
+        self._shared.pop(request_id, None)
+        rank = self._rank_of.pop(request_id, None)
+        if rank is not None:
+            self.schedulers[rank].abort(request_id)  # no-op once it finished
+        return rank
+
+    def clear(self) -> None:
+        self._shared.clear()
+        self._rank_of.clear()
+
+    def _hand(self, request_id: str, params: SamplingParams, rank: int) -> None:
+        self.schedulers[rank].add(request_id, params)
+        self._rank_of[request_id] = rank
+
+    def _pick(self, params: SamplingParams, ranks: list[int]) -> int:
+        # Least loaded first; among equals a rank already running compatible requests.
+        key = params.batch_key()
+
+        def load(rank: int) -> tuple[int, int, int]:
+            s = self.schedulers[rank]
+            running = s.running_key()
+            compatible = running is None or running == key
+            return (s.num_waiting + s.num_running, 0 if compatible else 1, rank)
+
+        return min(ranks, key=load)

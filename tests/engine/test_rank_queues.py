@@ -1,0 +1,84 @@
+"""RankQueues: the shared queue and per-rank schedulers of a replica (pure, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.scheduler import RunnerOutput
+
+
+def params(size: int = 64, steps: int = 2) -> SamplingParams:
+    return SamplingParams(prompt="p", height=size, width=size, num_inference_steps=steps)
+
+
+def finish_step(queues: RankQueues, rank: int) -> list[str]:
+    """Run one perfect step on ``rank``; returns the requests it finished."""
+    scheduler = queues.schedulers[rank]
+    plan = scheduler.schedule()
+    scheduler.update(plan, RunnerOutput(stepped=list(plan.denoise), decoded=list(plan.decode)))
+    for rid in plan.decode:
+        queues.remove(rid)
+    return list(plan.decode)
+
+
+def test_one_rank_takes_everything_directly() -> None:
+    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=1)
+    for rid in "abc":
+        queues.add(rid, params())
+    assert [queues.rank_of(r) for r in "abc"] == [0, 0, 0]
+    assert queues.num_waiting == 3 and queues.queue_position("c") == 2
+
+
+def test_shared_queue_fills_free_slots_least_loaded_first() -> None:
+    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=2)
+    for rid in "abcd":
+        queues.add(rid, params())
+    assert (queues.rank_of("a"), queues.rank_of("b")) == (0, 1)
+    assert queues.is_shared("c") and queues.is_shared("d")
+    assert (queues.queue_position("c"), queues.queue_position("d")) == (0, 1)
+    assert queues.num_waiting == 4  # a, b wait at their ranks until the next schedule
+
+
+def test_a_freed_rank_takes_the_oldest_shared_request() -> None:
+    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=2)
+    queues.add("long", params(steps=100))
+    queues.add("short", params(steps=1))
+    queues.add("next", params(steps=1))
+    assert queues.has_work([1])
+    assert finish_step(queues, 1) == ["short"]
+    queues.release()
+    assert queues.rank_of("next") == 1  # not queued behind "long" on rank 0
+
+
+def test_compatible_rank_preferred_among_equally_loaded() -> None:
+    queues = RankQueues(SchedulerConfig(max_num_seqs=2), ranks=2)
+    queues.add("small", params(size=64))
+    queues.add("big", params(size=128))
+    for rank in (0, 1):
+        plan = queues.schedulers[rank].schedule()
+        queues.schedulers[rank].update(plan, RunnerOutput(stepped=list(plan.denoise)))
+    queues.add("big2", params(size=128))
+    assert queues.rank_of("big2") == queues.rank_of("big")
+
+
+def test_shared_work_counts_only_where_it_fits() -> None:
+    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=2)
+    for rid in "abc":
+        queues.add(rid, params())
+    for rank in (0, 1):
+        queues.schedulers[rank].schedule()
+    assert queues.has_work([0]) and queues.has_work([1])  # their own running requests
+
+
+def test_remove_frees_shared_and_handed_requests() -> None:
+    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=2)
+    for rid in "abc":
+        queues.add(rid, params())
+    assert queues.remove("c") is None and not queues.is_shared("c")
+    assert queues.remove("a") == 0
+    assert queues.rank_of("a") is None
+    with pytest.raises(ValueError):
+        queues.add("b", params())
