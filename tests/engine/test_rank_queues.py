@@ -38,7 +38,7 @@ def test_shared_queue_fills_free_slots_least_loaded_first() -> None:
         queues.add(rid, params())
     assert (queues.rank_of("a"), queues.rank_of("b")) == (0, 1)
     assert queues.is_shared("c") and queues.is_shared("d")
-    assert (queues.queue_position("c"), queues.queue_position("d")) == (0, 1)
+    assert (queues.queue_position("c"), queues.queue_position("d")) == (2, 3)  # a, b first
     assert queues.num_waiting == 4  # a, b wait at their ranks until the next schedule
 
 
