@@ -45,14 +45,7 @@ import offload as dlo_bench  # noqa: E402  (bench/offload.py: model, inputs, tim
 from ditserve.engine.config import OffloadConfig  # noqa: E402
 from ditserve.engine.offload import enable_offload  # noqa: E402
 from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan  # noqa: E402
-from ditserve.engine.offload.mmap_source import (  # noqa: E402
-    MappedSafetensors,
-    bind_views,
-    expected_tensors,
-    meta_dit,
-    preflight,
-    source_views,
-)
+from ditserve.engine.offload.mmap_source import MappedSafetensors, map_dit  # noqa: E402
 from ditserve.engine.offload.runtime_cache import release_private_memory  # noqa: E402
 
 GIB = 1024**3
@@ -198,12 +191,9 @@ class Bench:
 
         entry = store.join(key)
         files = [MappedSafetensors(p) for p in entry.files() if p.suffix == ".safetensors"]
-        model = meta_dit(FluxTransformer2DModel, config, torch.bfloat16)
-        checked = preflight(expected_tensors(model), files)
-        if not checked.ok:
+        model, checked, views = map_dit(FluxTransformer2DModel, config, torch.bfloat16, files)
+        if model is None:
             raise SystemExit(f"entry does not fit the model: {checked.reason}")
-        views = source_views(checked.bindings, files)
-        bind_views(model, views)
         plan = HostWeightPlan(BackingKind.RUNTIME_CACHE, reason="bench: entry mapped",
                               bindings=checked.bindings, sources=views, mappings=files,
                               coverage=checked.coverage, skipped_materialization=True,

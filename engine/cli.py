@@ -130,14 +130,12 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """A rank > 0 of a replica whose processes were started by a launcher (e.g. a pod)."""
-    from ditserve.engine.cli_options import load_config_file
+    from ditserve.engine.cli_options import engine_config_and_server_section
     from ditserve.engine.distributed.rendezvous import Rendezvous, worker_timeout_s
     from ditserve.engine.distributed.worker import worker_main
     from ditserve.engine.tiny_model import ensure_tiny
 
-    base = load_config_file(args.config) if args.config else {}
-    base.pop("server", None)
-    config = engine_config_from_args(args, base)
+    config, _ = engine_config_and_server_section(args)  # the server section is rank 0's
     rdv = Rendezvous.from_env()
     if rdv is None or rdv.rank == 0:
         raise DitServeError(

@@ -108,3 +108,13 @@ def engine_config_from_args(
     if offload is not None:
         merged.setdefault("offload", {})["enabled"] = offload == "dlo"
     return EngineConfig.from_mapping(merged)
+
+
+def engine_config_and_server_section(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, Any]]:
+    """The EngineConfig from ``--config`` (if given) and the flags, and the file's ``server:``
+    section (the HTTP layer's own options; empty without a file)."""
+    data: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        data = load_config_file(args.config)
+    server_section = data.pop("server", None) or {}
+    return engine_config_from_args(args, base=data), server_section

@@ -118,16 +118,26 @@ class EngineConfig:
 _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
 
 
-def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+def reject_unknown_keys(data: Any, known: set[str], path: str = "") -> None:
+    """A config mapping may only hold ``known`` keys; the error names the others."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
         where = f" in {path}" if path else ""
         raise ConfigError(
             f"unknown option(s){where}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
+
+
+def raise_problems(what: str, found: list[str]) -> None:
+    """Raise one ConfigError listing every problem of a ``what`` configuration, if any."""
+    if found:
+        raise ConfigError(f"invalid {what} configuration:\n  - " + "\n  - ".join(found))
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    reject_unknown_keys(data, {f.name for f in fields(cls)}, path)
     values: dict[str, Any] = {}
     for key, value in data.items():
         if cls is EngineConfig and key in _NESTED:
@@ -137,12 +147,12 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
     return cls(**values)
 
 
-def _int_at_least(problems: list[str], name: str, value: Any, minimum: int) -> None:
+def int_at_least(problems: list[str], name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         problems.append(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _number_at_least(problems: list[str], name: str, value: Any, minimum: float) -> None:
+def number_at_least(problems: list[str], name: str, value: Any, minimum: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
         problems.append(f"{name} must be a number >= {minimum}, got {value!r}")
 
@@ -158,8 +168,8 @@ def problems(config: EngineConfig) -> list[str]:
         out.append(f"device must be auto, cpu, cuda or cuda:N, got {config.device!r}")
 
     par = config.parallel
-    _int_at_least(out, "parallel.data_parallel_size", par.data_parallel_size, 1)
-    _int_at_least(out, "parallel.sequence_parallel_size", par.sequence_parallel_size, 1)
+    int_at_least(out, "parallel.data_parallel_size", par.data_parallel_size, 1)
+    int_at_least(out, "parallel.sequence_parallel_size", par.sequence_parallel_size, 1)
     if par.tensor_parallel_size != 1:
         out.append(
             "parallel.tensor_parallel_size must be 1: tensor parallelism is not supported; "
@@ -167,14 +177,14 @@ def problems(config: EngineConfig) -> list[str]:
         )
 
     sch = config.scheduler
-    _int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
+    int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
     if sch.policy not in SCHEDULING_POLICIES:
         out.append(
             f"scheduler.policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {sch.policy!r}"
         )
-    _int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
+    int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
     if sch.max_queue is not None:
-        _int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)
+        int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)
 
     off = config.offload
     out.extend(offload_problems(off, parallel=par))
@@ -185,11 +195,11 @@ def offload_problems(off: OffloadConfig, *, parallel: ParallelConfig | None = No
     """The DLO rules, alone (the offload backend checks them again at its boundary)."""
     out: list[str] = []
     par = parallel or ParallelConfig()
-    _int_at_least(out, "offload.resident_layers", off.resident_layers, 0)
+    int_at_least(out, "offload.resident_layers", off.resident_layers, 0)
     if off.hbm_budget_gib is not None:
-        _number_at_least(out, "offload.hbm_budget_gib", off.hbm_budget_gib, 0)
-    _number_at_least(out, "offload.pin_limit_gib", off.pin_limit_gib, 0)
-    _number_at_least(out, "offload.cache_lock_timeout_s", off.cache_lock_timeout_s, 0)
+        number_at_least(out, "offload.hbm_budget_gib", off.hbm_budget_gib, 0)
+    number_at_least(out, "offload.pin_limit_gib", off.pin_limit_gib, 0)
+    number_at_least(out, "offload.cache_lock_timeout_s", off.cache_lock_timeout_s, 0)
     if off.checkpoint_mmap not in CHECKPOINT_MMAP_MODES:
         out.append(
             f"offload.checkpoint_mmap must be one of {', '.join(CHECKPOINT_MMAP_MODES)}, "
@@ -234,7 +244,5 @@ def offload_problems(off: OffloadConfig, *, parallel: ParallelConfig | None = No
 
 def validate(config: EngineConfig) -> EngineConfig:
     """Raise ConfigError listing every problem, or return the config unchanged."""
-    found = problems(config)
-    if found:
-        raise ConfigError("invalid engine configuration:\n  - " + "\n  - ".join(found))
+    raise_problems("engine", problems(config))
     return config

@@ -40,10 +40,6 @@ class DenoiseState:
     def rows(self) -> int:
         return self.params.rows
 
-    @property
-    def finished_denoising(self) -> bool:
-        return self.schedule is not None and self.step_index >= self.schedule.num_steps
-
     def current_timestep(self) -> torch.Tensor:
         assert self.schedule is not None, "state used before prepare_encode"
         return self.schedule.timesteps[self.step_index]

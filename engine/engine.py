@@ -226,7 +226,7 @@ class DiffusionEngine:
                 raise QueueFullError(f"{waiting} requests are waiting (max_queue={limit})")
             self.queues.add(rid, params)
             self._handles[rid] = handle
-            position = self.queues.queue_position(rid)
+            position = handle.queue_position = self.queues.queue_position(rid)
             self._wakeup.notify_all()
         self._emit(handle, RequestEvent(rid, "queued", 0, params.num_inference_steps, position))
         return handle
@@ -279,68 +279,23 @@ class DiffusionEngine:
     def _run_loop(self, ranks: list[int]) -> None:
         """Drive ``ranks``: all of them in waves, or a single rank at its own pace."""
         wave = len(ranks) == self.executor.num_ranks
+        # An idle worker of an independent rank is pinged, so a dead or hung one fails the
+        # replica within HEARTBEAT_S + the worker timeout, not at the next request.
+        pings = not wave and ranks[0] > 0
         try:
             while True:
-                with self._lock:
-                    idle_since = time.monotonic()
-                    while not self._stopping and not self.queues.has_work(ranks):
-                        if not wave and ranks[0] > 0 and (
-                                time.monotonic() - idle_since >= HEARTBEAT_S):
-                            break  # idle too long: ping the worker (below)
-                        self._wakeup.wait(timeout=None if wave else HEARTBEAT_S)
-                    if self._stopping:
-                        return
-                    heartbeat = not self.queues.has_work(ranks)
-                if heartbeat:
-                    # An idle worker is still checked: a dead or hung one fails the replica
-                    # within HEARTBEAT_S + the worker timeout, not at the next request.
+                work = self._wait_for_work(ranks, heartbeat_s=HEARTBEAT_S if pings else None)
+                if work is None:
+                    return
+                if not work:
                     self.executor.execute_rank(ranks[0], StepPlan(step_id=-1), [])
                     continue
-                with self._lock:
-                    self.queues.release()
-                    self._wakeup.notify_all()  # released requests may be another loop's work
-                    plans = [self.schedulers[r].schedule() for r in ranks]
-                    now = time.monotonic()
-                    new = []
-                    for plan in plans:
-                        admitted = []
-                        for rid in plan.encode:
-                            handle = self._handles.get(rid)
-                            if handle is not None:  # not aborted meanwhile
-                                handle.started_at = now
-                                admitted.append((rid, handle.params, handle.seed))
-                        new.append(admitted)
+                plans, new = self._begin_step(ranks)
                 if wave:
                     outputs = self.executor.execute(plans, new)
                 else:
                     outputs = [self.executor.execute_rank(ranks[0], plans[0], new[0])]
-                with self._lock:
-                    changes = [c for r, plan, out in zip(ranks, plans, outputs, strict=True)
-                               for c in self.schedulers[r].update(plan, out)]
-                    rows = sum(out.forward_rows for out in outputs)
-                    if rows:
-                        self._steps_run += 1
-                        self._rows_run += rows
-                    self.queues.release()
-                    self._wakeup.notify_all()
-                    waiting = [(rid, position) for rid, handle in self._handles.items()
-                               if handle.on_event is not None
-                               and (self.queues.rank_of(rid) in ranks
-                                    or (0 in ranks and self.queues.is_shared(rid)))
-                               and (position := self.queues.queue_position(rid)) is not None]
-                for out in outputs:
-                    if out.forward_rows:
-                        for observer in self.observers:
-                            observer.on_step(requests=out.forward_requests, rows=out.forward_rows,
-                                             seconds=out.forward_seconds)
-                finished = {rid: pixels for out in outputs for rid, pixels in out.finished.items()}
-                self._dispatch(changes, finished)
-                for rid, position in waiting:
-                    handle = self._handles.get(rid)
-                    if handle is not None:
-                        self._emit(handle, RequestEvent(rid, "queued", 0,
-                                                        handle.params.num_inference_steps,
-                                                        position))
+                self._end_step(ranks, plans, outputs)
         except BaseException as e:  # a loop must never die silently
             log.exception("engine loop died")
             with self._lock:
@@ -356,6 +311,74 @@ class DiffusionEngine:
                         handle.future.set_exception(
                             EngineStoppedError(f"the engine loop died: {e}"))
                 self._wakeup.notify_all()
+
+    def _wait_for_work(self, ranks: list[int], *, heartbeat_s: float | None) -> bool | None:
+        """True: ``ranks`` have work; False: idle for ``heartbeat_s``; None: stopping."""
+        with self._lock:
+            idle_since = time.monotonic()
+            while not self._stopping and not self.queues.has_work(ranks):
+                if heartbeat_s is None:
+                    self._wakeup.wait()
+                    continue
+                # Measured from idle_since: other loops' notifications must not postpone it.
+                remaining = heartbeat_s - (time.monotonic() - idle_since)
+                if remaining <= 0:
+                    return False
+                self._wakeup.wait(timeout=remaining)
+            return None if self._stopping else True
+
+    def _begin_step(self, ranks: list[int]) -> tuple[list[StepPlan], list[list[Any]]]:
+        """Schedule one step of ``ranks``; returns their plans and admitted requests."""
+        with self._lock:
+            self.queues.release()
+            self._wakeup.notify_all()  # released requests may be another loop's work
+            plans = [self.schedulers[r].schedule() for r in ranks]
+            now = time.monotonic()
+            new = []
+            for plan in plans:
+                admitted = []
+                for rid in plan.encode:
+                    handle = self._handles.get(rid)
+                    if handle is not None:  # not aborted meanwhile
+                        handle.started_at = now
+                        admitted.append((rid, handle.params, handle.seed))
+                new.append(admitted)
+        return plans, new
+
+    def _end_step(self, ranks: list[int], plans: list[StepPlan], outputs: list[Any]) -> None:
+        """Apply a step's outputs: statuses, stats, observers, results and progress events."""
+        with self._lock:
+            changes = [c for r, plan, out in zip(ranks, plans, outputs, strict=True)
+                       for c in self.schedulers[r].update(plan, out)]
+            rows = sum(out.forward_rows for out in outputs)
+            if rows:
+                self._steps_run += 1
+                self._rows_run += rows
+            self.queues.release()
+            self._wakeup.notify_all()
+            moved = self._moved_in_queue_locked()
+        for out in outputs:
+            if out.forward_rows:
+                for observer in self.observers:
+                    observer.on_step(requests=out.forward_requests, rows=out.forward_rows,
+                                     seconds=out.forward_seconds)
+        finished = {rid: pixels for out in outputs for rid, pixels in out.finished.items()}
+        self._dispatch(changes, finished)
+        for handle in moved:
+            self._emit(handle, RequestEvent(handle.request_id, "queued", 0,
+                                            handle.params.num_inference_steps,
+                                            handle.queue_position))
+
+    def _moved_in_queue_locked(self) -> list[RequestHandle]:
+        """Listening requests whose queue position changed since they were last told."""
+        moved = []
+        for rid, position in self.queues.waiting_positions().items():
+            handle = self._handles.get(rid)
+            if handle is not None and handle.on_event is not None \
+                    and handle.queue_position != position:
+                handle.queue_position = position
+                moved.append(handle)
+        return moved
 
     def _dispatch(self, changes: list[StatusChange], finished: dict[str, Any]) -> None:
         for change in changes:

@@ -10,7 +10,7 @@ batch maximum and described by a boolean mask named ``<name>_mask``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -50,7 +50,6 @@ class InputBatch:
     shared: dict[str, torch.Tensor]
     hidden_states: torch.Tensor
     timesteps: torch.Tensor
-    _reused_static: bool = field(default=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -100,7 +99,6 @@ class InputBatchBuilder:
             shared=states[0].shared,
             hidden_states=hidden,
             timesteps=timesteps,
-            _reused_static=reused,
         )
 
     @staticmethod

@@ -71,10 +71,16 @@ def read_model_index(model_dir: str | Path) -> tuple[str, dict[str, Any]]:
     return cls, index
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name (``float32``, ``bfloat16``, ``float16``)."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    from ditserve.engine.config import DTYPES
+    from ditserve.engine.errors import ConfigError
+
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
 
 
 def dit_class() -> Any:
@@ -89,7 +95,7 @@ def load_dit(model_dir: str | Path, *, dtype: str) -> Any:
     read_model_index(model_dir)
     try:
         model = dit_class().from_pretrained(
-            Path(model_dir), subfolder=DIT_COMPONENT, dtype=_torch_dtype(dtype)
+            Path(model_dir), subfolder=DIT_COMPONENT, dtype=torch_dtype(dtype)
         )
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"could not load the DiT from {str(model_dir)!r}: {e}") from e
@@ -110,20 +116,20 @@ def load_components(
     cls, _ = read_model_index(model_dir)
     _quiet_transformers()
     root = Path(model_dir)
-    torch_dtype = _torch_dtype(dtype)
+    dit_dtype = torch_dtype(dtype)  # every module in the serving dtype
     try:
         modules: dict[str, Any] = {
             "transformer": transformer if transformer is not None else (
                 FluxTransformer2DModel.from_pretrained(
-                    root, subfolder="transformer", dtype=torch_dtype
+                    root, subfolder="transformer", dtype=dit_dtype
                 )
             ),
-            "vae": AutoencoderKL.from_pretrained(root, subfolder="vae", dtype=torch_dtype),
+            "vae": AutoencoderKL.from_pretrained(root, subfolder="vae", dtype=dit_dtype),
             "text_encoder": CLIPTextModel.from_pretrained(
-                root, subfolder="text_encoder", dtype=torch_dtype
+                root, subfolder="text_encoder", dtype=dit_dtype
             ),
             "text_encoder_2": T5EncoderModel.from_pretrained(
-                root, subfolder="text_encoder_2", dtype=torch_dtype
+                root, subfolder="text_encoder_2", dtype=dit_dtype
             ),
             "tokenizer": CLIPTokenizer.from_pretrained(root, subfolder="tokenizer"),
             "tokenizer_2": T5Tokenizer.from_pretrained(root, subfolder="tokenizer_2"),
@@ -162,7 +168,7 @@ def load_dit_state_dict(model_dir: str | Path, *, dtype: str) -> dict[str, torch
     read_model_index(model_dir)
     try:
         model = FluxTransformer2DModel.from_pretrained(
-            model_dir, subfolder=DIT_COMPONENT, dtype=_torch_dtype(dtype)
+            model_dir, subfolder=DIT_COMPONENT, dtype=torch_dtype(dtype)
         )
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load the DiT from {str(model_dir)!r}: {e}") from e

@@ -50,15 +50,6 @@ FLUX_TRANSFORMER: dict[str, dict[str, Any]] = {
 T5_TOKENS = {"full": 512, "small": 512, "tiny": 64}
 
 
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ConfigError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
-    return dtypes[name]
-
-
 def _resolve_device(name: str) -> Any:
     import torch
 
@@ -145,7 +136,9 @@ def init_random(
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    torch_dtype = _torch_dtype(dtype)
+    from ditserve.engine.loader import torch_dtype as to_torch_dtype
+
+    torch_dtype = to_torch_dtype(dtype)
     started = time.perf_counter()
     config = FLUX_TRANSFORMER[size]
     torch.manual_seed(seed)

@@ -55,6 +55,15 @@ class RankQueues:
         rank = self._rank_of.get(request_id)
         return None if rank is None else self.schedulers[rank].queue_position(request_id)
 
+    def waiting_positions(self) -> dict[str, int]:
+        """``queue_position`` of every waiting request, in one pass."""
+        positions: dict[str, int] = {}
+        for scheduler in self.schedulers:
+            positions.update((rid, i) for i, rid in enumerate(scheduler.waiting_ids()))
+        ahead = sum(s.num_waiting for s in self.schedulers)
+        positions.update((rid, ahead + i) for i, rid in enumerate(self._shared))
+        return positions
+
     def has_work(self, ranks: Sequence[int]) -> bool:
         """Whether ``ranks`` have anything to do (shared requests count only where they fit)."""
         if any(self.schedulers[r].has_work() for r in ranks):

@@ -63,6 +63,7 @@ class RequestHandle:
     on_event: Callable[[RequestEvent], None] | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
+    queue_position: int | None = None  # the last one reported in a "queued" event
 
     def result(self, timeout: float | None = None) -> GenerationResult:
         return self.future.result(timeout)

@@ -63,10 +63,6 @@ class StepPlan:
     decode: tuple[str, ...] = ()
     freed: tuple[str, ...] = ()
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.encode or self.denoise or self.decode or self.freed)
-
 
 @dataclass
 class RunnerOutput:
@@ -129,6 +125,10 @@ class StepScheduler:
             if rid == request_id:
                 return position
         return None
+
+    def waiting_ids(self) -> list[str]:
+        """Waiting request ids, in queue order."""
+        return list(self._waiting)
 
     def running_key(self) -> BatchKey | None:
         for request in self._running.values():

@@ -19,22 +19,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan
-from ditserve.engine.offload.mmap_source import (
-    MappedSafetensors,
-    bind_views,
-    expected_tensors,
-    meta_dit,
-    preflight,
-    source_views,
-)
+from ditserve.engine.offload.mmap_source import MappedSafetensors, map_dit
 
 log = logging.getLogger(__name__)
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def checkpoint_dit(
@@ -53,13 +44,13 @@ def checkpoint_dit(
     try:
         for p in paths:
             files.append(MappedSafetensors(p))
+        from ditserve.engine.loader import torch_dtype
+
         config = model_cls.load_config(str(model_dir), subfolder=component)
-        model = meta_dit(model_cls, config, _TORCH_DTYPES[dtype])
-        checked = preflight(expected_tensors(model), files, tp_size=tp_size)
-        if not checked.ok:
+        model, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files,
+                                        tp_size=tp_size)
+        if model is None:
             raise ValueError(checked.reason)
-        views = source_views(checked.bindings, files)
-        bind_views(model, views)
     except Exception as e:  # any failure: ordinary loading, with the reason
         for f in files:
             f.close()

@@ -238,3 +238,22 @@ def bind_views(model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
     """
     model.load_state_dict(dict(views), strict=True, assign=True)
     model.eval().requires_grad_(False)
+
+
+def map_dit(
+    model_cls: Any,
+    config: Mapping[str, Any],
+    dtype: torch.dtype,
+    files: Sequence[MappedSafetensors],
+    *,
+    tp_size: int = 1,
+) -> tuple[nn.Module | None, Preflight, dict[str, torch.Tensor]]:
+    """A meta-device DiT whose tensors become read-only views of ``files``, its preflight
+    verdict and the views; ``(None, verdict, {})`` when the files do not fit the model."""
+    model = meta_dit(model_cls, config, dtype)
+    checked = preflight(expected_tensors(model), files, tp_size=tp_size)
+    if not checked.ok:
+        return None, checked, {}
+    views = source_views(checked.bindings, files)
+    bind_views(model, views)
+    return model, checked, views

@@ -39,9 +39,8 @@ from ditserve.engine.config import OffloadConfig
 from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan
 from ditserve.engine.offload.mmap_source import (
     MappedSafetensors,
-    bind_views,
     expected_tensors,
-    meta_dit,
+    map_dit,
     preflight,
     source_views,
 )
@@ -94,9 +93,8 @@ def runtime_cache_dit(
     from ditserve.cachectl.layout import default_root
     from ditserve.cachectl.model_build import ModelRequest, plan_model
     from ditserve.cachectl.store import CacheStore
+    from ditserve.engine.loader import torch_dtype
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                   "float16": torch.float16}[dtype]
     store = CacheStore(offload.cache_root or default_root(),
                        lock_timeout_s=offload.cache_lock_timeout_s)
     model_plan = plan_model(ModelRequest(Path(model_dir), dtype=dtype))
@@ -110,12 +108,10 @@ def runtime_cache_dit(
         if entry is not None:
             files = _map_entry(entry)
             config = model_cls.load_config(str(model_dir), subfolder="transformer")
-            model = meta_dit(model_cls, config, torch_dtype)
-            checked = preflight(expected_tensors(model), files, tp_size=tp_size)
-            if checked.ok:
-                views = source_views(checked.bindings, files)
-                bind_views(model, views)
-                return model, HostWeightPlan(
+            mapped, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files,
+                                             tp_size=tp_size)
+            if mapped is not None:
+                return mapped, HostWeightPlan(
                     BackingKind.RUNTIME_CACHE,
                     reason=f"cache hit: entry {key[:12]} mapped, DiT load skipped (recipe)",
                     bindings=checked.bindings, sources=views,

@@ -11,6 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ditserve.engine.config import (
+    int_at_least,
+    number_at_least,
+    raise_problems,
+    reject_unknown_keys,
+)
 from ditserve.engine.errors import ConfigError
 
 DEFAULT_API_KEY_ENV = "DITSERVE_API_KEY"
@@ -52,20 +58,12 @@ class ServerConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
         """From the YAML ``server:`` section; unknown keys are an error that names them."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"server: expected a mapping, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)} - {"api_key"}
-        unknown = sorted(set(data) - known)
-        if "api_key" in unknown:
+        if isinstance(data, Mapping) and "api_key" in data:
             raise ConfigError(
                 "server.api_key must not be written in a config file; put the key in the "
                 f"environment variable named by server.api_key_env (default {DEFAULT_API_KEY_ENV})"
             )
-        if unknown:
-            raise ConfigError(
-                f"unknown option(s) in server: {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
+        reject_unknown_keys(data, {f.name for f in fields(cls)} - {"api_key"}, "server")
         return validate_server(cls(**dict(data)))
 
 
@@ -77,21 +75,16 @@ def problems(config: ServerConfig) -> list[str]:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         out.append(f"server.port must be an integer in [0, 65535], got {port!r}")
     for name in ("request_timeout_s", "shutdown_grace_s"):
-        value = getattr(config, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            out.append(f"server.{name} must be a number >= 0, got {value!r}")
+        number_at_least(out, f"server.{name}", getattr(config, name), 0)
     if config.request_timeout_s == 0:
         out.append("server.request_timeout_s must be > 0")
-    retry = config.retry_after_s
-    if not isinstance(retry, int) or isinstance(retry, bool) or retry < 0:
-        out.append(f"server.retry_after_s must be an integer >= 0, got {retry!r}")
+    int_at_least(out, "server.retry_after_s", config.retry_after_s, 0)
     if config.default_size is not None and (
         not isinstance(config.default_size, str) or parse_size(config.default_size) is None
     ):
         out.append(f"server.default_size must look like '1024x1024', got {config.default_size!r}")
-    steps = config.default_steps
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        out.append(f"server.default_steps must be an integer >= 1, got {steps!r}")
+    if config.default_steps is not None:
+        int_at_least(out, "server.default_steps", config.default_steps, 1)
     if config.api_key is not None and not config.api_key:
         out.append("server.api_key must not be empty (omit it to disable auth)")
     if config.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
@@ -100,7 +93,5 @@ def problems(config: ServerConfig) -> list[str]:
 
 
 def validate_server(config: ServerConfig) -> ServerConfig:
-    found = problems(config)
-    if found:
-        raise ConfigError("invalid server configuration:\n  - " + "\n  - ".join(found))
+    raise_problems("server", problems(config))
     return config

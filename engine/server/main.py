@@ -24,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from ditserve.engine.cli_options import engine_config_from_args, load_config_file
+from ditserve.engine.cli_options import engine_config_and_server_section
 from ditserve.engine.server.config import ServerConfig, validate_server
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,8 @@ def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | Non
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, ServerConfig]:
     """(EngineConfig, ServerConfig) from the flags and the optional YAML file."""
-    data: dict[str, Any] = {}
-    if getattr(args, "config", None) is not None:
-        data = load_config_file(args.config)
-    server_section = data.pop("server", None) or {}
-    return engine_config_from_args(args, base=data), server_config_from_args(
-        args, base=server_section)
+    engine_config, server_section = engine_config_and_server_section(args)
+    return engine_config, server_config_from_args(args, base=server_section)
 
 
 def serve_from_args(args: argparse.Namespace) -> int:

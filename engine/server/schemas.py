@@ -9,7 +9,6 @@ Every 422 names the offending field in ``param`` and in the message.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt, Stric
 from pydantic import ValidationError as PydanticValidationError
 
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.images import png_bytes
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid
@@ -148,9 +148,7 @@ def request_error(e: InvalidRequestError) -> APIError:
 
 # -- responses -------------------------------------------------------------------------------
 def png_base64(image: Any) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return base64.b64encode(png_bytes(image)).decode("ascii")
 
 
 def generation_response(result: Any, *, created: int | None = None) -> dict[str, Any]:

@@ -133,3 +133,23 @@ def test_shutdown_refuses_new_requests(tiny_model_dir) -> None:  # type: ignore[
     engine.shutdown()
     with pytest.raises(EngineStoppedError):
         engine.add_request(SamplingParams(prompt="late"))
+
+
+def test_queue_position_events_only_when_the_position_changes(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu",
+                          scheduler=SchedulerConfig(max_num_seqs=1))
+    engine = DiffusionEngine(config).start()
+    try:
+        events: list[RequestEvent] = []
+        handles = [engine.add_request(SamplingParams(prompt="x", num_inference_steps=3, seed=s))
+                   for s in (1, 2)]
+        third = engine.add_request(SamplingParams(prompt="x", num_inference_steps=1, seed=3),
+                                   on_event=events.append)
+        for handle in (*handles, third):
+            handle.result(timeout=60)
+    finally:
+        engine.shutdown()
+    positions = [e.queue_position for e in events if e.kind == "queued"]
+    # Told once per move (2 ahead, then 1, then 0), never repeated while it waits.
+    assert positions == sorted(set(positions), reverse=True) and positions[-1] == 0
+    assert positions[0] in (1, 2)
