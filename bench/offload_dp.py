@@ -14,6 +14,12 @@ own batch at the same time, as DP ranks serving their own requests do. Methods:
 - ``allgather-idle``: the same, but only rank 0 has a batch; rank 1 runs idle passes (joins
   each block's gather without computing), as a DP rank with no requests does.
 
+AllGather runs once per *variant* (``--variants``): a device slot count (``sN``,
+``offload.slots``), optionally with an NCCL CTA cap for the gathers (``-cM``; NCCL chooses
+without it), e.g. ``s4`` or ``s8-c4``.
+More slots let shard copies run ahead through blocks whose compute outlasts their copy; fewer
+CTAs leave more SMs to the blocks' compute while a gather runs.
+
 Also measured: pinned H2D bandwidth with one GPU and with both copying at once, and the
 gather time of the largest block. Reports ms/step per rank (median of CUDA-event timings),
 per-rank pinned host bytes, images/s derived from the step times for 2 and 4 concurrent
@@ -75,14 +81,19 @@ class Rank:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def weight_group(self) -> Any:
+    def weight_group(self, max_ctas: int = 0) -> Any:
         """The group the shards are gathered over: WORLD, or a new NCCL group whose internal
-        streams have high priority (the default; ``--normal-priority`` turns it off), so a gather's kernel gets SMs as
-        soon as the running GEMM's thread blocks retire instead of queueing behind them."""
-        if not (self.cuda and self.args.high_priority):
+        streams have high priority (the default; ``--normal-priority`` turns it off), so a
+        gather's kernel gets SMs as soon as the running GEMM's thread blocks retire instead of
+        queueing behind them. ``max_ctas`` > 0 caps the CTAs (SMs) NCCL's kernels use."""
+        if not self.cuda:
+            return dist.group.WORLD
+        if not self.args.high_priority and not max_ctas:
             return dist.group.WORLD
         opts = dist.ProcessGroupNCCL.Options()
-        opts.is_high_priority_stream = True
+        opts.is_high_priority_stream = self.args.high_priority
+        if max_ctas:
+            opts.config.max_ctas = max_ctas
         return dist.new_group(backend="nccl", pg_options=opts)
 
     # -- link measurements ----------------------------------------------------------------------
@@ -146,10 +157,10 @@ class Rank:
                       flush=True)
             del inputs
 
-    def offloaded(self, method: str, model: torch.nn.Module, group: Any) -> Any:
+    def offloaded(self, method: str, model: torch.nn.Module, group: Any, slots: int = 2) -> Any:
         t0 = time.monotonic()
-        handle = enable_offload(model, OffloadConfig(enabled=True), device=self.device,
-                                group=group)
+        handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots),
+                                device=self.device, group=group)
         single.release_host_cache() if self.cuda else None
         info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
                 "rss_gib": single.rss_gib()}
@@ -179,26 +190,53 @@ class Rank:
             handle.disable()  # blocks back on the host (pageable), ready to be sharded
         self.barrier()
         if "allgather" in a.methods:
-            handle = self.offloaded("allgather", model, self.weight_group())
-            slot = handle.report()["slot_bytes"]
+            variants = [parse_variant(v) for v in a.variants]
+            self.out["variants"] = [variant_name(s, c) for s, c in variants]
+            for i, (slots, ctas) in enumerate(variants):
+                last = i == len(variants) - 1
+                self.allgather(model, slots, ctas, first=i == 0, last=last)
+        return self.out
+
+    def allgather(self, model: torch.nn.Module, slots: int, ctas: int, *, first: bool,
+                  last: bool) -> None:
+        a = self.args
+        name = variant_name(slots, ctas)
+        method = f"allgather {name}"
+        handle = self.offloaded(method, model, self.weight_group(ctas), slots)
+        slot = handle.report()["slot_bytes"]
+        if first:
             self.out["largest_block_bytes"] = slot
             self.out["gather_ms_largest_block"] = self.gather_ms(slot)
             log(self.rank, f"all_gather of the largest block ({slot / 2**20:.0f} MiB): "
                            f"{self.out['gather_ms_largest_block']:.2f} ms")
-            self.cells("allgather", model)
-            self.cells("allgather-idle", model, idle_handle=handle)
-            if self.cuda and a.profile:
-                # Host-blocking CUDA calls inside steady-state steps (both ranks profile, in
-                # lockstep: every forward is a pass of collectives).
-                where = Path(a.out) if self.rank == 0 else Path("/tmp")
-                where.mkdir(parents=True, exist_ok=True)
-                prof = single.profile_steps(model, single.flux_inputs(RES, 1, self.device), 3,
-                                            where / f"allgather_trace_rank{self.rank}.json.gz")
-                self.out["methods"]["allgather"]["profile"] = prof
-                log(self.rank, f"allgather profile: {prof}")
-            self.out["methods"]["allgather"]["report_at_end"] = handle.report()
-            handle.disable()  # no gather: the run ends here
-        return self.out
+        self.cells(method, model)
+        if first or a.idle_every_variant:
+            self.cells(f"allgather-idle {name}", model, idle_handle=handle)
+        if self.cuda and a.profile:
+            # Host-blocking CUDA calls inside steady-state steps (both ranks profile, in
+            # lockstep: every forward is a pass of collectives); copy-engine busy fraction.
+            where = Path(a.out) if self.rank == 0 and first else Path("/tmp")
+            where.mkdir(parents=True, exist_ok=True)
+            prof = single.profile_steps(model, single.flux_inputs(RES, 1, self.device), 3,
+                                        where / f"allgather_{name}_trace_rank{self.rank}.json.gz")
+            self.out["methods"][method]["profile"] = prof
+            log(self.rank, f"{method} profile: {prof}")
+        self.out["methods"][method]["report_at_end"] = handle.report()
+        # Rebuild the full blocks on the host for the next variant (a collective); the last
+        # variant ends the run and skips it.
+        handle.disable(gather=not last)
+
+
+def variant_name(slots: int, ctas: int) -> str:
+    return f"s{slots}" + (f"-c{ctas}" if ctas else "")
+
+
+def parse_variant(text: str) -> tuple[int, int]:
+    """``s8`` -> (8, 0); ``s8-c4`` -> (8, 4)."""
+    slots, _, ctas = text.partition("-c")
+    if not slots.startswith("s") or not slots[1:].isdigit() or (ctas and not ctas.isdigit()):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected sN or sN-cM (e.g. s8-c4)")
+    return int(slots[1:]), int(ctas or 0)
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -239,15 +277,18 @@ def finish(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu",
         "torch": torch.__version__, "world": len(ranks), "ranks": ranks,
     }
-    ag = r0["methods"].get("allgather", {}).get("report_at_start")
     resident_b1 = cell(r0, "resident", 1)
-    if ag and resident_b1:
+    summary["targets"] = {}
+    for name in r0.get("variants", []):
+        ag = r0["methods"][f"allgather {name}"]["report_at_start"]
+        if not resident_b1:
+            break
         half = ag["streamed_bytes"] / len(ranks)
         floor = half / (r0["h2d_both_gbps"] * 1e9) * 1e3 + r0["gather_ms_largest_block"]
         bound = 1.05 * max(resident_b1, floor)
-        worst = max(cell(r, "allgather", 1) or 0.0 for r in ranks)
-        summary["target"] = {"transfer_floor_ms": floor, "bound_ms": bound,
-                             "allgather_b1_ms_worst_rank": worst, "ok": worst <= bound}
+        worst = max(cell(r, f"allgather {name}", 1) or 0.0 for r in ranks)
+        summary["targets"][name] = {"transfer_floor_ms": floor, "bound_ms": bound,
+                                    "allgather_b1_ms_worst_rank": worst, "ok": worst <= bound}
     (out / "offload_dp.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args)
     (out / "offload_dp.md").write_text(table)
@@ -263,7 +304,9 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
              f"{r0['h2d_both_gbps']:.1f} GB/s per GPU with both copying; all_gather of the "
              f"largest block ({r0.get('largest_block_bytes', 0) / 2**20:.0f} MiB): "
              f"{r0.get('gather_ms_largest_block', float('nan')):.2f} ms", ""]
-    methods = ("resident", "local", "allgather", "allgather-idle")
+    variants = r0.get("variants", [])
+    methods = ["resident", "local"] + [f"{m} {v}" for v in variants
+                                       for m in ("allgather", "allgather-idle")]
     lines.append("| method | batch | " + " | ".join(f"rank {r['rank']} ms/step" for r in ranks)
                  + " | images/s (busy ranks, 28 steps) |")
     lines.append("|---|---|" + "---|" * len(ranks) + "---|")
@@ -278,7 +321,7 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
                                                          for v in ms) + f" | {ips:.3f} |")
     lines += ["", "| method | per-rank pinned host GiB | per-rank host GiB | streamed GiB/step/rank over PCIe | enable s |",
               "|---|---|---|---|---|"]
-    for m in ("local", "allgather"):
+    for m in ["local"] + [f"allgather {v}" for v in variants]:
         infos = [r["methods"].get(m) for r in ranks]
         if not infos[0]:
             continue
@@ -287,18 +330,23 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(f"| {m} | " + " / ".join(f"{i['report_at_start']['pinned_host_bytes'] / GIB:.2f}" for i in infos)
                      + " | " + " / ".join(f"{i['report_at_start']['host_bytes'] / GIB:.2f}" for i in infos)
                      + f" | {pcie / GIB:.2f} | " + " / ".join(f"{i['enable_s']:.1f}" for i in infos) + " |")
-    prof = r0["methods"].get("allgather", {}).get("profile")
-    if prof:
-        lines += ["", f"AllGather steady state (rank 0, 3 profiled steps at b1): host-blocking "
-                      f"CUDA calls per step {sum(prof['sync_calls_per_step'].values()):.0f} "
-                      f"({prof['sync_calls_per_step']}); cudaMemcpyAsync per step "
-                      f"{prof['memcpy_async_per_step']:.0f}; cudaStreamWaitEvent per step "
-                      f"{prof['stream_wait_event_per_step']:.0f}; H2D busy fraction "
-                      f"{prof.get('h2d_busy_fraction') or float('nan'):.3f}"]
-    t = s.get("target")
-    if t:
-        lines += ["", f"Target: AllGather b1 per-rank step <= 1.05 x max(resident b1, half the "
-                      f"streamed bytes / H2D (both copying) + one largest-block gather) = "
+    profiled = [(v, r0["methods"][f"allgather {v}"].get("profile")) for v in variants]
+    if any(p for _, p in profiled):
+        lines += ["", "AllGather steady state (rank 0, 3 profiled steps at b1):", "",
+                  "| variant | host-blocking CUDA calls/step | cudaMemcpyAsync/step | "
+                  "cudaStreamWaitEvent/step | H2D busy fraction | H2D GB/s while busy |",
+                  "|---|---|---|---|---|---|"]
+        for v, prof in profiled:
+            if prof:
+                lines.append(
+                    f"| {v} | {sum(prof['sync_calls_per_step'].values()):.0f} | "
+                    f"{prof['memcpy_async_per_step']:.0f} | "
+                    f"{prof['stream_wait_event_per_step']:.0f} | "
+                    f"{prof.get('h2d_busy_fraction') or float('nan'):.3f} | "
+                    f"{prof.get('h2d_gbps_while_busy') or float('nan'):.1f} |")
+    for v, t in s.get("targets", {}).items():
+        lines += ["", f"Target ({v}): AllGather b1 per-rank step <= 1.05 x max(resident b1, half "
+                      f"the streamed bytes / H2D (both copying) + one largest-block gather) = "
                       f"1.05 x max({cell(r0, 'resident', 1):.1f}, {t['transfer_floor_ms']:.1f}) = "
                       f"{t['bound_ms']:.1f} ms; worst rank {t['allgather_b1_ms_worst_rank']:.1f} ms: "
                       f"{'met' if t['ok'] else 'NOT met'}"]
@@ -312,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
     p.add_argument("--methods", nargs="+", default=["resident", "local", "allgather"])
+    p.add_argument("--variants", nargs="+", default=["s2", "s4", "s8"],
+                   help="AllGather variants: sN = N device slots, -cM = NCCL kernels capped "
+                        "at M CTAs (e.g. s2 s4 s8 s8-c4)")
+    p.add_argument("--idle-every-variant", action="store_true",
+                   help="run the idle-rank cells for every variant, not just the first")
     p.add_argument("--normal-priority", dest="high_priority", action="store_false",
                    help="gather over WORLD (normal-priority NCCL streams) instead of a "
                         "high-priority NCCL group, as the engine's weight group uses")
@@ -319,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the torch-profiler pass (sync calls per step)")
     p.add_argument("--tiny", action="store_true", help="small model on CPU (gloo): smoke test")
     args = p.parse_args(argv)
+    for v in args.variants:
+        try:
+            parse_variant(v)
+        except argparse.ArgumentTypeError as e:
+            p.error(str(e))
     os.environ.update(SAFE_ENV)
     world = 2
     if not args.tiny and torch.cuda.device_count() < world:

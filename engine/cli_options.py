@@ -23,6 +23,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "scheduling_policy": ("scheduler", "policy"),
     "max_bypass": ("scheduler", "max_bypass"),
     "max_queue": ("scheduler", "max_queue"),
+    "dlo_slots": ("offload", "slots"),
     "dlo_resident_layers": ("offload", "resident_layers"),
     "dlo_hbm_budget_gib": ("offload", "hbm_budget_gib"),
     "dlo_use_allgather": ("offload", "use_allgather"),
@@ -55,7 +56,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="waiting requests beyond which new ones are refused (default 64)")
     o = parser.add_argument_group("layerwise offload (DLO)")
     o.add_argument("--offload", choices=("none", "dlo"), default=None,
-                   help="dlo: stream DiT blocks from host memory through two device slots")
+                   help="dlo: stream DiT blocks from host memory through device slots")
+    o.add_argument("--dlo-slots", type=int, default=None,
+                   help="device slots blocks stream through (default 2; more let copies run "
+                        "ahead of compute, one largest block of HBM each)")
     o.add_argument("--dlo-resident-layers", type=int, default=None,
                    help="leading DiT blocks kept on the device")
     o.add_argument("--dlo-hbm-budget-gib", type=float, default=None,

@@ -55,6 +55,7 @@ class ParallelismSpec:
 class OffloadSpec:
     enabled: bool = False
     use_all_gather: bool = True
+    slots: int = 2
     resident_layers: int = 0
     runtime_cache: bool = False
     pin_limit_gib: float = 0.0
@@ -211,6 +212,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         offload=OffloadSpec(
             enabled=o.flag("enabled", False),
             use_all_gather=o.flag("useAllGather", True),
+            slots=o.integer("slots", 2, 2),
             resident_layers=o.integer("residentLayers", 0),
             runtime_cache=rc.flag("enabled", False),
             pin_limit_gib=rc.number("pinLimitGiB", 0.0),
@@ -296,6 +298,7 @@ def engine_config(spec: DeploymentSpec) -> EngineConfig:
         "offload": {
             "enabled": spec.offload.enabled,
             "use_allgather": spec.offload.use_all_gather,
+            "slots": spec.offload.slots,
             "resident_layers": spec.offload.resident_layers,
             "runtime_cache": spec.offload.runtime_cache,
             "pin_limit_gib": spec.offload.pin_limit_gib,

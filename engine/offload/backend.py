@@ -1,8 +1,8 @@
 """Enable and disable layerwise offload (DLO) on one device: the package's entry point.
 
 ``enable_offload`` turns a diffusers DiT into a streamed model, all or nothing: discover the
-block lists, plan layouts and residency, fill one host slab per streamed block, allocate two
-device slots, move resident modules to the device, attach the hooks, and only then swap the
+block lists, plan layouts and residency, fill one host slab per streamed block, allocate the
+device slots (``offload.slots``, two by default), move resident modules to the device, attach the hooks, and only then swap the
 streamed blocks' tensors for placeholders. Any failure undoes every step and raises
 ``OffloadError``; the model is left as it was.
 
@@ -108,7 +108,7 @@ def enable_offload(
     group: Any = None,
     host_plan: HostWeightPlan | None = None,
 ) -> OffloadHandle:
-    """Stream ``transformer``'s blocks from host memory through two slots on ``device``.
+    """Stream ``transformer``'s blocks from host memory through ``offload.slots`` device slots.
 
     ``group``: a torch.distributed process group; with more than one rank, each rank keeps
     1/group of every streamed block and rebuilds blocks with all_gather (AllGather mode).
@@ -132,7 +132,8 @@ def enable_offload(
             "a full copy of them); drop resident_layers/hbm_budget_gib or run without a group "
             "(--dlo-no-use-allgather)"
         )
-    transfer = make_transfer(torch.device(device))  # raises if the device is unusable
+    # raises if the device is unusable
+    transfer = make_transfer(torch.device(device), offload_config.slots)
     target: torch.device = transfer.device
     if transformer in _ACTIVE:
         raise OffloadError(
@@ -172,6 +173,7 @@ def enable_offload(
         resident_module_bytes=sum(t.numel() * t.element_size() for t in resident_tensors),
         activation_reserve_bytes=reserve,
         shard_multiple=group_size,
+        slots=offload_config.slots,
     )
     for index in plan.residency.resident:
         resident_tensors.extend(block_tensors[index])
@@ -207,7 +209,7 @@ def enable_offload(
                 dtype: torch.empty(numel, dtype=dtype, device=target)  # type: ignore[arg-type]
                 for dtype, _, numel in slot_layout.regions
             }
-            for _ in range(2)
+            for _ in range(offload_config.slots)
         ]
         for t in resident_tensors:
             journal.append((t, t.data))
@@ -268,13 +270,14 @@ def enable_offload(
     _ACTIVE[transformer] = handle
     r = handle.report()
     log.info(
-        "DLO on %s: %d blocks streamed (%s/step), %d resident (%s), slots 2 x %s, "
+        "DLO on %s: %d blocks streamed (%s/step), %d resident (%s), slots %d x %s, "
         "host %s %s via %s",
         target,
         r["streamed_blocks"],
         _fmt_bytes(r["streamed_bytes"]),
         r["resident_blocks"],
         r["residency"],
+        r["slots"],
         _fmt_bytes(r["slot_bytes"]),
         r["backing"],
         _fmt_bytes(r["host_bytes"]),

@@ -83,7 +83,7 @@ class OffloadHandle:
             "resident_block_bytes": plan.resident_block_bytes,
             "resident_module_bytes": plan.resident_module_bytes,
             "slot_bytes": plan.slot.nbytes,
-            "slots": 2 if plan.streamed else 0,
+            "slots": len(self._slots) if plan.streamed else 0,
             "host_bytes": self._storage.nbytes,
             "pinned_host_bytes": self._transfer.pinned_bytes,
             "backing": self._transfer.backing,

@@ -1,17 +1,21 @@
-"""Hooks: stream blocks through two device slots around each block's forward.
+"""Hooks: stream blocks through a ring of device slots (two by default) around each forward.
 
-Per streamed block, in call order (circular, so the last block prefetches the first and the
-next step starts warm):
+Per streamed block, in call order (circular, so the last blocks prefetch the first ones and
+the next step starts warm):
 
 - pre-forward of block k: make sure k is in a slot (normally prefetched; a miss loads it
   now), have the compute stream wait for its bytes, repoint k's parameters/buffers into
   the slot (zero-copy views prepared at enable time; the Parameter objects stay the same),
-  then start loading block k+1 into the other slot;
+  then start loading blocks k+1 .. k+slots-1 that are not in a slot yet, each into the slot
+  of a block that already ran. Two slots overlap one copy with one block's compute; more
+  let the copies run further ahead, which pays when some blocks compute for longer than they
+  take to copy and others the other way round (a step is then bounded by the sum of copies,
+  not by the slower of the two per block);
 - post-forward of block k: mark the slot free on the compute stream, and turn k's tensors
   into placeholders (zero-stride views of one scalar: right shape and dtype, no storage).
 
 A slot's bytes stay valid until overwritten, so a block already in a slot is never loaded
-again (with two streamed blocks nothing moves after the first step). Weights are read-only:
+again (with no more streamed blocks than slots nothing moves after the first step). Weights are read-only:
 this is an inference path.
 
 Passes (AllGather mode, ``strict=True``): every load is then a collective, so every rank must
@@ -46,8 +50,8 @@ class StreamedBlock:
     name: str
     module: nn.Module
     tensors: list[torch.Tensor]  # the block's Parameter/buffer objects, in layout order
-    views: tuple[list[torch.Tensor], list[torch.Tensor]]  # per slot: a view per tensor
-    copies: tuple[CopyPairs, CopyPairs]  # per slot: (slot region, host region) pairs
+    views: list[list[torch.Tensor]]  # per slot: a view per tensor
+    copies: list[CopyPairs]  # per slot: (slot region, host region) pairs
     placeholders: list[torch.Tensor]
     nbytes: int
 
@@ -66,32 +70,32 @@ def make_streamed_block(
     host_regions: Mapping[Hashable, torch.Tensor],
     placeholder_bases: Mapping[Hashable, torch.Tensor],
 ) -> StreamedBlock:
-    """Precompute a block's views into both slots, its copy pairs and its placeholders.
+    """Precompute a block's views into every slot, its copy pairs and its placeholders.
 
     Done once at enable time, outside any inference-mode context, so the hooks only swap
     ``.data`` pointers and never create tensors.
     """
-    views = tuple(
-        [slots[s][p.dtype][p.offset : p.offset + p.numel].view(p.shape) for p in layout.tensors]
-        for s in range(2)
-    )
-    copies = tuple(
-        [(slots[s][r.dtype][: r.numel], host_regions[r.dtype]) for r in layout.regions]
-        for s in range(2)
-    )
+    views = [
+        [slot[p.dtype][p.offset : p.offset + p.numel].view(p.shape) for p in layout.tensors]
+        for slot in slots
+    ]
+    copies: list[CopyPairs] = [
+        [(slot[r.dtype][: r.numel], host_regions[r.dtype]) for r in layout.regions]
+        for slot in slots
+    ]
     return StreamedBlock(
         name=layout.name,
         module=module,
         tensors=tensors,
-        views=(views[0], views[1]),
-        copies=(copies[0], copies[1]),
+        views=views,
+        copies=copies,
         placeholders=[placeholder(placeholder_bases[p.dtype], p.shape) for p in layout.tensors],
         nbytes=layout.nbytes,
     )
 
 
 class BlockStreamer:
-    """The per-block hook state machine over two slots."""
+    """The per-block hook state machine over a ring of slots."""
 
     def __init__(self, blocks: Sequence[StreamedBlock], transfer, *, strict: bool = False) -> None:
         self.blocks = list(blocks)
@@ -99,8 +103,8 @@ class BlockStreamer:
         self.strict = strict  # whole passes only (AllGather: loads are collectives)
         self.position = 0  # strict: the block the current pass runs next
         self.passes = 0  # strict: completed passes (forwards and idle passes)
-        self.loaded: list[int | None] = [None, None]  # block position held by each slot
-        self.last_slot: int | None = None  # slot of the block that ran last
+        self.slots = len(self.blocks[0].views) if self.blocks else 2
+        self.loaded: list[int | None] = [None] * self.slots  # block position held by each slot
         self.pointed: dict[int, int] = {}  # block position -> slot its tensors point into
         self.bytes_transferred = 0
         self.loads = 0
@@ -160,24 +164,44 @@ class BlockStreamer:
                     "every forward to run each streamed block once, in order"
                 )
             self.position += 1
+        window = self._window(k)  # k and the blocks to prefetch after it
         slot = self.loaded.index(k) if k in self.loaded else None
         if slot is None:
             # Miss: the first forward, or blocks ran out of the expected order (or a forward
             # was aborted mid-way). Fence all compute queued so far before reusing a slot,
             # and drop any stale pointers into slots.
             self.misses += 1
-            slot = 0 if self.last_slot is None else 1 - self.last_slot
+            slot = self._victim(window)
             for other in list(self.pointed):
                 self._point(other, None)
             self.transfer.release(slot)
             self._load(k, slot)
         self.transfer.wait_ready(slot)
         self._point(k, slot)
-        nxt = (k + 1) % len(self.blocks)
-        if nxt not in self.loaded:
-            # The other slot held the previous block; its release (recorded after that
-            # block's forward) orders this copy behind its last read.
-            self._load(nxt, 1 - slot)
+        for nxt in window[1:]:
+            if nxt not in self.loaded:
+                # The victim slot held a block that already ran; its release (recorded after
+                # that block's forward) orders this copy behind the block's last read.
+                self._load(nxt, self._victim(window))
+
+    def _window(self, k: int) -> list[int]:
+        """Block k and the blocks after it (circularly) that should sit in slots now."""
+        n = len(self.blocks)
+        return [(k + j) % n for j in range(min(self.slots, n))]
+
+    def _victim(self, window: list[int]) -> int:
+        """A slot to load into: an empty one, else the one whose block is needed again last.
+
+        Blocks run in a loop, so outside the window the block needed last is the one that
+        ran most recently (furthest ahead, circularly, of the window's start); its compute
+        was queued before block k's, so a copy into its slot waits no longer than k's start.
+        Deterministic: AllGather ranks must pick the same slot.
+        """
+        if None in self.loaded:
+            return self.loaded.index(None)
+        n, start = len(self.blocks), window[0]
+        candidates = [s for s, b in enumerate(self.loaded) if b not in window]
+        return max(candidates, key=lambda s: (int(self.loaded[s]) - start) % n)  # type: ignore[arg-type]
 
     def after_block(self, k: int) -> None:
         slot = self.pointed.get(k)
@@ -185,7 +209,6 @@ class BlockStreamer:
             return
         self.transfer.release(slot)
         self._point(k, None)
-        self.last_slot = slot
 
     def idle_pass(self) -> None:
         """A pass's hook steps without running any block: the same loads as a forward."""

@@ -167,24 +167,26 @@ def budget_residency(
     budget_bytes: int,
     fixed_bytes: int,
     activation_reserve_bytes: int,
+    slots: int = 2,
 ) -> Residency:
     """Keep as many block bytes resident as fit in the budget, spread along the block order.
 
     The budget pays first for the always-resident modules (``fixed_bytes``), the activation
-    reserve and two slots of the largest block; what is left holds resident blocks. They are
+    reserve and ``slots`` slots of the largest block; what is left holds resident blocks. They are
     spread evenly (error diffusion over cumulative bytes), not taken from the front: while a
     resident block computes, the copy stream keeps loading the next streamed block, so the
     step stays at streamed bytes / bandwidth. A leading run of resident blocks would leave
     the copy engine idle for their whole compute time.
     """
     largest = max(block_bytes, default=0)
-    minimum = fixed_bytes + activation_reserve_bytes + 2 * largest
+    minimum = fixed_bytes + activation_reserve_bytes + slots * largest
     if budget_bytes < minimum:
         raise OffloadError(
             f"offload.hbm_budget_gib={budget_bytes / GIB:.2f} is below the "
             f"{minimum / GIB:.2f} GiB needed for the resident modules "
             f"({fixed_bytes / GIB:.2f}), the activation reserve "
-            f"({activation_reserve_bytes / GIB:.2f}) and two slots ({2 * largest / GIB:.2f}); "
+            f"({activation_reserve_bytes / GIB:.2f}) and {slots} slots "
+            f"({slots * largest / GIB:.2f}); "
             "raise the budget or use --dlo-resident-layers"
         )
     available = budget_bytes - minimum
@@ -247,6 +249,7 @@ def build_plan(
     resident_module_bytes: int = 0,
     activation_reserve_bytes: int = 0,
     shard_multiple: int = 1,
+    slots: int = 2,
 ) -> OffloadPlan:
     """Lay out every block and choose the resident ones (fixed count or HBM budget)."""
     if resident_layers and hbm_budget_bytes is not None:
@@ -266,5 +269,6 @@ def build_plan(
             budget_bytes=hbm_budget_bytes,
             fixed_bytes=resident_module_bytes,
             activation_reserve_bytes=activation_reserve_bytes,
+            slots=slots,
         )
     return OffloadPlan(layouts, residency, resident_module_bytes)

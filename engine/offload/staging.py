@@ -5,14 +5,15 @@ Two paths behind the transfer interface the hooks already use (``load`` / ``wait
 ``make_mapped_transfer``:
 
 - ``registered`` (a positive ``--dlo-pin-limit-gib`` that covers the streamed ranges, and a
-  registration that succeeded and verified): one async H2D per tensor straight from the
-  page-locked, read-only mapping. No host copy at all.
+  registration that succeeded and verified): async H2Ds straight from the page-locked,
+  read-only mapping, one per run of tensors that lie back to back in the file and in the slot
+  (one per block for a file written in the slot's name order). No host copy at all.
 - ``staging`` (pin limit 0, or registration refused: the reason is kept): two bounded,
-  pinned host staging slots mirroring the device slots. A load packs the block's tensors from
-  the mapping into staging slot s (a host memcpy), then issues one H2D per dtype on the copy
+  pinned host staging slots used in turn. A load packs the block's tensors from
+  the mapping into the next staging slot (a host memcpy), then issues one H2D per dtype on the copy
   stream. On CUDA the pack runs on one worker thread (torch copies release the GIL), so the
   compute stream keeps being fed while the next block is packed; ``wait_ready`` joins the
-  worker first. The worker waits (host-side) for the previous upload out of staging slot s
+  worker first. The worker waits (host-side) for the previous upload out of a staging slot
   before overwriting it - the only host wait, bounded by the two-slot ring.
 
 Both paths keep the base transfer's event protocol: a copy into device slot s waits on
@@ -71,6 +72,7 @@ class MappedTransfer:
         self._buffers: list[torch.Tensor] = []
         self._pending: dict[int, Future[None]] = {}
         self._uploaded: list[Any] = []
+        self._next_stage = 0  # staging slots are used in turn, whatever device slot a load fills
         self._executor: ThreadPoolExecutor | None = None
         if path == "staging":
             assert slot_layout is not None
@@ -118,17 +120,22 @@ class MappedTransfer:
                  for off, src in region.parts],
                 slot,
             )
-        elif self._executor is None:
-            self._stage(pairs, slot)
+            return
+        stage = self._next_stage
+        self._next_stage = (stage + 1) % len(self._staging)
+        if self._executor is None:
+            self._stage(pairs, slot, stage)
         else:
-            self._pending[slot] = self._executor.submit(self._stage, pairs, slot)
+            self._pending[slot] = self._executor.submit(self._stage, pairs, slot, stage)
 
-    def _stage(self, pairs: Sequence[tuple[torch.Tensor, MappedRegion]], slot: int) -> None:
+    def _stage(
+        self, pairs: Sequence[tuple[torch.Tensor, MappedRegion]], slot: int, stage_index: int
+    ) -> None:
         if self._uploaded:
-            # Host wait: staging slot ``slot`` is about to be overwritten, so its previous
-            # upload must have left it. Bounded: it was issued one load ago.
-            self._uploaded[slot].synchronize()
-        stage = self._staging[slot]
+            # Host wait: staging slot ``stage_index`` is about to be overwritten, so its
+            # previous upload must have left it. Bounded: it was issued two loads ago.
+            self._uploaded[stage_index].synchronize()
+        stage = self._staging[stage_index]
         uploads = []
         for dst, region in pairs:
             buf = stage[region.dtype]
@@ -137,7 +144,7 @@ class MappedTransfer:
             uploads.append((dst, buf[: region.numel]))
         self.base.load(uploads, slot)
         if self._uploaded:
-            self._uploaded[slot].record(self.base.stream)
+            self._uploaded[stage_index].record(self.base.stream)
 
     def wait_ready(self, slot: int) -> None:
         pending = self._pending.pop(slot, None)

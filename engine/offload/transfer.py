@@ -4,7 +4,7 @@ Two implementations behind one small interface:
 
 - ``SyncTransfer`` (CPU, and any device without streams): copies run synchronously when a
   load is issued, so every ordering rule holds trivially. CI runs the offload logic on it.
-- ``CudaStreamTransfer``: one copy stream and two event pairs per slot. A load waits (on the
+- ``CudaStreamTransfer``: one copy stream and an event pair per device slot. A load waits (on the
   copy stream) for the compute stream to release the slot (write-after-read), copies
   asynchronously from pinned memory, and records ``ready``; the compute stream waits on
   ``ready`` before the block runs. Only stream waits - no host synchronization per block.
@@ -71,14 +71,14 @@ class CudaStreamTransfer:
 
     name = "cuda-copy-stream"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, slots: int = 2) -> None:
         if device.index is None:  # "cuda" means the current device; pin it down once
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         # ready[s]: the copy into slot s finished; free[s]: compute stopped reading slot s.
-        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
-        self.free = [torch.cuda.Event(), torch.cuda.Event()]
+        self.ready = [torch.cuda.Event() for _ in range(slots)]
+        self.free = [torch.cuda.Event() for _ in range(slots)]
         self.pinned_bytes = 0
         self.backing = "pinned-registered"
         self._registered: dict[int, int] = {}  # data_ptr -> bytes, to unregister on release
@@ -160,15 +160,16 @@ class CudaStreamTransfer:
         self.synchronize()
 
 
-def make_transfer(device: torch.device) -> SyncTransfer | CudaStreamTransfer:
-    """The transfer path for ``device``: copy stream on CUDA, synchronous copies elsewhere."""
+def make_transfer(device: torch.device, slots: int = 2) -> SyncTransfer | CudaStreamTransfer:
+    """The transfer path for ``device`` with ``slots`` device slots: copy stream on CUDA,
+    synchronous copies elsewhere."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise OffloadError(
                 f"offload device {device} is not available in this process; pass a CUDA "
                 "device that exists or use --device cpu"
             )
-        return CudaStreamTransfer(device)
+        return CudaStreamTransfer(device, slots)
     return SyncTransfer(device)
 
 

@@ -74,7 +74,8 @@ class BlockFault(Exception):
     """Raised on purpose inside a block."""
 
 
-def run_rank(rank: int, world: int, port: int, out: str, backend: str = "gloo") -> None:
+def run_rank(rank: int, world: int, port: int, out: str, backend: str = "gloo",
+             slots: int = 2) -> None:
     """One rank: gloo on the CPU, or NCCL on cuda:rank (the gpu-marked test)."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -82,18 +83,18 @@ def run_rank(rank: int, world: int, port: int, out: str, backend: str = "gloo") 
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        _checks(rank, world, Path(out), device)
+        _checks(rank, world, Path(out), device, slots)
     finally:
         dist.destroy_process_group()
 
 
-def _checks(rank: int, world: int, out: Path, device: torch.device) -> None:
+def _checks(rank: int, world: int, out: Path, device: torch.device, slots: int) -> None:
     model = ToyDiT().eval().to(device)
     originals = {name: t.detach().clone() for name, t in model.blocks.state_dict().items()}
     with torch.inference_mode():
         expected = {seed: model(_inputs(seed, device)) for seed in range(world + 1)}
 
-    handle = enable_offload(model, OffloadConfig(enabled=True), device=device,
+    handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots), device=device,
                             group=dist.group.WORLD)
     report = handle.report()
     assert handle.needs_collective_participation

@@ -57,11 +57,12 @@ def test_shard_refuses_unpadded_regions_and_bad_ranks() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_gloo_ranks_gather_exact_blocks(tmp_path, world: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("world", "slots"), [(2, 2), (3, 2), (2, 4)])
+def test_gloo_ranks_gather_exact_blocks(tmp_path, world: int, slots: int) -> None:  # type: ignore[no-untyped-def]
     # Every check (bit-identical gathered blocks, exact forwards, idle passes, a faulting
     # forward, collective restore) runs inside the ranks; a failure there fails the spawn.
-    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path), "gloo", slots), nprocs=world,
+             join=True)
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     model_bytes = facts[0]["model_block_bytes"]
     streamed = facts[0]["report"]["streamed_bytes"]
@@ -82,13 +83,14 @@ def test_gloo_ranks_gather_exact_blocks(tmp_path, world: int) -> None:  # type: 
 
 
 @pytest.mark.gpu
-def test_nccl_ranks_gather_exact_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("slots", [2, 4])
+def test_nccl_ranks_gather_exact_blocks(tmp_path, slots: int) -> None:  # type: ignore[no-untyped-def]
     # The CUDA path: shard H2D on the copy stream, all_gather on the comm stream, events.
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    mp.spawn(run_rank, args=(2, free_port(), str(tmp_path), "nccl"), nprocs=2, join=True)
+    mp.spawn(run_rank, args=(2, free_port(), str(tmp_path), "nccl", slots), nprocs=2, join=True)
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert facts[0]["final"]["transfer"] == "h2d+allgather"
     assert facts[0]["final"]["pinned_host_bytes"] == facts[0]["final"]["shard_bytes"]

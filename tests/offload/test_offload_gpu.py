@@ -72,18 +72,20 @@ class Stack(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("slots", [2, 4])
 @pytest.mark.parametrize(
     ("width", "sleep_cycles"),
     [(4096, 0), (1024, 2_000_000)],
     ids=["copy-bound (read-after-write)", "compute-bound (write-after-read)"],
 )
-def test_stream_ordering_holds_under_pressure(width: int, sleep_cycles: int) -> None:
+def test_stream_ordering_holds_under_pressure(width: int, sleep_cycles: int, slots: int) -> None:
     # Without the ready wait, a block reads a half-copied slot; without the free wait, the
-    # next copy overwrites a slot a slow block still reads. Either breaks equality.
+    # next copy overwrites a slot a slow block still reads. Either breaks equality. With more
+    # slots the copies run several blocks ahead, so a wrong slot choice would show here too.
     model = Stack(7, width, sleep_cycles).to(torch.bfloat16)
     x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
     expected = run(copy.deepcopy(model).to("cuda"), {"x": x})
-    handle = enable_offload(model, DLO, device="cuda")
+    handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots), device="cuda")
     try:
         outs = [run(model, {"x": x}) for _ in range(5)]  # queued back to back, no host sync
         torch.cuda.synchronize()
