@@ -202,7 +202,13 @@ class Rank:
         a = self.args
         name = variant_name(slots, ctas)
         method = f"allgather {name}"
-        handle = self.offloaded(method, model, self.weight_group(ctas), slots)
+        try:
+            group = self.weight_group(ctas)
+        except AttributeError as e:  # torch without ProcessGroupNCCL.Options().config
+            log(self.rank, f"{method}: skipped, cannot cap NCCL CTAs here ({e})")
+            self.out["variants"].remove(name)
+            return
+        handle = self.offloaded(method, model, group, slots)
         slot = handle.report()["slot_bytes"]
         if first:
             self.out["largest_block_bytes"] = slot
