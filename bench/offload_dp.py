@@ -16,7 +16,8 @@ own batch at the same time, as DP ranks serving their own requests do. Methods:
 
 AllGather runs once per *variant* (``--variants``): a device slot count (``sN``,
 ``offload.slots``), optionally with an NCCL CTA cap for the gathers (``-cM``; NCCL chooses
-without it), e.g. ``s4`` or ``s8-c4``.
+without it) or with copy-engine gathers instead of NCCL (``-ce``, ``offload.gather``), e.g.
+``s4``, ``s8-c4`` or ``s8-ce``.
 More slots let shard copies run ahead through blocks whose compute outlasts their copy; fewer
 CTAs leave more SMs to the blocks' compute while a gather runs.
 
@@ -157,9 +158,10 @@ class Rank:
                       flush=True)
             del inputs
 
-    def offloaded(self, method: str, model: torch.nn.Module, group: Any, slots: int = 2) -> Any:
+    def offloaded(self, method: str, model: torch.nn.Module, group: Any, slots: int = 2,
+                  gather: str = "nccl") -> Any:
         t0 = time.monotonic()
-        handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots),
+        handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots, gather=gather),
                                 device=self.device, group=group)
         single.release_host_cache() if self.cuda else None
         info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
@@ -190,17 +192,15 @@ class Rank:
             handle.disable()  # blocks back on the host (pageable), ready to be sharded
         self.barrier()
         if "allgather" in a.methods:
-            variants = [parse_variant(v) for v in a.variants]
-            self.out["variants"] = [variant_name(s, c) for s, c in variants]
-            for i, (slots, ctas) in enumerate(variants):
-                last = i == len(variants) - 1
-                self.allgather(model, slots, ctas, first=i == 0, last=last)
+            self.out["variants"] = list(a.variants)
+            for i, name in enumerate(a.variants):
+                last = i == len(a.variants) - 1
+                self.allgather(model, name, first=i == 0, last=last)
         return self.out
 
-    def allgather(self, model: torch.nn.Module, slots: int, ctas: int, *, first: bool,
-                  last: bool) -> None:
+    def allgather(self, model: torch.nn.Module, name: str, *, first: bool, last: bool) -> None:
         a = self.args
-        name = variant_name(slots, ctas)
+        slots, ctas, gather = parse_variant(name)
         method = f"allgather {name}"
         try:
             group = self.weight_group(ctas)
@@ -208,7 +208,7 @@ class Rank:
             log(self.rank, f"{method}: skipped, cannot cap NCCL CTAs here ({e})")
             self.out["variants"].remove(name)
             return
-        handle = self.offloaded(method, model, group, slots)
+        handle = self.offloaded(method, model, group, slots, gather)
         slot = handle.report()["slot_bytes"]
         if first:
             self.out["largest_block_bytes"] = slot
@@ -233,16 +233,22 @@ class Rank:
         handle.disable(gather=not last)
 
 
-def variant_name(slots: int, ctas: int) -> str:
-    return f"s{slots}" + (f"-c{ctas}" if ctas else "")
-
-
-def parse_variant(text: str) -> tuple[int, int]:
-    """``s8`` -> (8, 0); ``s8-c4`` -> (8, 4)."""
-    slots, _, ctas = text.partition("-c")
-    if not slots.startswith("s") or not slots[1:].isdigit() or (ctas and not ctas.isdigit()):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected sN or sN-cM (e.g. s8-c4)")
-    return int(slots[1:]), int(ctas or 0)
+def parse_variant(text: str) -> tuple[int, int, str]:
+    """``s8`` -> (8, 0, "nccl"); ``s8-c4`` -> (8, 4, "nccl"); ``s8-ce`` -> (8, 0, "copy-engine")."""
+    head, *mods = text.split("-")
+    ctas, gather = 0, "nccl"
+    ok = head.startswith("s") and head[1:].isdigit()
+    for mod in mods:
+        if mod == "ce":
+            gather = "copy-engine"
+        elif mod.startswith("c") and mod[1:].isdigit():
+            ctas = int(mod[1:])
+        else:
+            ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"variant {text!r}: expected sN, sN-cM or sN-ce (e.g. s8-c4, s8-ce)")
+    return int(head[1:]), ctas, gather
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", default=["resident", "local", "allgather"])
     p.add_argument("--variants", nargs="+", default=["s2", "s4", "s8"],
                    help="AllGather variants: sN = N device slots, -cM = NCCL kernels capped "
-                        "at M CTAs (e.g. s2 s4 s8 s8-c4)")
+                        "at M CTAs, -ce = copy-engine gathers (e.g. s2 s4 s8 s8-c4 s8-ce)")
     p.add_argument("--idle-every-variant", action="store_true",
                    help="run the idle-rank cells for every variant, not just the first")
     p.add_argument("--normal-priority", dest="high_priority", action="store_false",

@@ -177,7 +177,8 @@ class Bench:
             "report": {k: report.get(k) for k in (
                 "backing", "backing_kind", "transfer_path", "fallback_reason", "streamed_blocks",
                 "streamed_bytes", "host_bytes", "pinned_host_bytes", "registered_bytes",
-                "registered_ranges", "slot_bytes")},
+                "registered_ranges", "slot_bytes", "mapped_copies_per_pass",
+                "mapped_tensors_per_pass")},
         }
         log(f"{name:16s} {ms:8.1f} ms/step ({ms / max(report['streamed_blocks'], 1):.2f} "
             f"ms/block), enable {enable_s:.1f}s, equal={equal}, Rss {during['Rss']:.2f} "

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
+from ditserve.engine.config import DTYPES, GATHER_ENGINES, SCHEDULING_POLICIES, EngineConfig
 from ditserve.engine.errors import ConfigError
 
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
@@ -27,6 +27,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "dlo_resident_layers": ("offload", "resident_layers"),
     "dlo_hbm_budget_gib": ("offload", "hbm_budget_gib"),
     "dlo_use_allgather": ("offload", "use_allgather"),
+    "dlo_gather": ("offload", "gather"),
     "dlo_runtime_cache": ("offload", "runtime_cache"),
     "cache_root": ("offload", "cache_root"),
     "dlo_pin_limit_gib": ("offload", "pin_limit_gib"),
@@ -67,6 +68,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     o.add_argument("--dlo-no-use-allgather", dest="dlo_use_allgather", action="store_const",
                    const=False, default=None,
                    help="with DP/SP > 1: keep full rank-local blocks instead of 1/group shards")
+    o.add_argument("--dlo-gather", choices=GATHER_ENGINES, default=None,
+                   help="AllGather: rebuild blocks with NCCL all_gather kernels (default) or "
+                        "copy-engine peer-to-peer copies that take no SMs from compute")
     o.add_argument("--dlo-runtime-cache", action="store_const", const=True, default=None,
                    help="use the node cache (cachectl) entry as the host backing")
     o.add_argument("--cache-root", default=None,

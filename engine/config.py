@@ -19,6 +19,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "bypass")
 CHECKPOINT_MMAP_MODES: tuple[str, ...] = ("auto", "off")
+GATHER_ENGINES: tuple[str, ...] = ("nccl", "copy-engine")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class OffloadConfig:
         than they copy (AllGather's single blocks), at one largest block of HBM per slot.
     use_allgather: with a DP/SP group of size > 1, each rank keeps 1/group of every block and
         rebuilds it with all_gather; no effect at group size 1.
+    gather: how AllGather rebuilds a block: "nccl" (all_gather kernels) or "copy-engine"
+        (peer-to-peer DMA through CUDA symmetric memory: no SMs taken from compute).
     resident_layers: leading blocks kept on the device (not streamed).
     hbm_budget_gib: keep as many blocks resident as fit in this budget; stream the rest.
     runtime_cache: use the node cache (cachectl) entry as the host backing.
@@ -43,6 +46,7 @@ class OffloadConfig:
     enabled: bool = False
     slots: int = 2
     use_allgather: bool = True
+    gather: str = "nccl"
     resident_layers: int = 0
     hbm_budget_gib: float | None = None
     runtime_cache: bool = False
@@ -205,6 +209,8 @@ def offload_problems(off: OffloadConfig, *, parallel: ParallelConfig | None = No
         number_at_least(out, "offload.hbm_budget_gib", off.hbm_budget_gib, 0)
     number_at_least(out, "offload.pin_limit_gib", off.pin_limit_gib, 0)
     number_at_least(out, "offload.cache_lock_timeout_s", off.cache_lock_timeout_s, 0)
+    if off.gather not in GATHER_ENGINES:
+        out.append(f"offload.gather must be one of {', '.join(GATHER_ENGINES)}, got {off.gather!r}")
     if off.checkpoint_mmap not in CHECKPOINT_MMAP_MODES:
         out.append(
             f"offload.checkpoint_mmap must be one of {', '.join(CHECKPOINT_MMAP_MODES)}, "

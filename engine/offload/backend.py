@@ -27,6 +27,7 @@ from torch import nn
 
 from ditserve.engine.config import OffloadConfig, offload_problems
 from ditserve.engine.errors import OffloadError
+from ditserve.engine.offload.ce_gather import CopyEngineGather
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.gather import GatherTransfer
 from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle
@@ -190,7 +191,9 @@ def enable_offload(
             rank = _group_rank(group)
             shards = [shard_block(plan.blocks[i], rank=rank, group_size=group_size)
                       for i in plan.streamed]
-            transfer = GatherTransfer(transfer, group, shard_slot_numel(shards))
+            gather_cls = (CopyEngineGather if offload_config.gather == "copy-engine"
+                          else GatherTransfer)
+            transfer = gather_cls(transfer, group, shard_slot_numel(shards))
         except Exception as e:
             transfer.close()
             raise OffloadError(

@@ -47,12 +47,15 @@ class GatherTransfer:
     """H2D of the local shard + all_gather into the block slot (see module docstring)."""
 
     name = "h2d+allgather"
+    _next_shard: int  # the shard slot the next load uses
 
     def __init__(
         self,
         base,  # SyncTransfer | CudaStreamTransfer: host pinning, copy stream, ready/free events
         group: dist.ProcessGroup,
         shard_slot: Mapping[Hashable, tuple[int, int]],  # dtype -> (itemsize, numel)
+        *,
+        allocate_slots: bool = True,  # False: a subclass places the shard slots itself
     ) -> None:
         self._base = base
         self.device: torch.device = base.device
@@ -61,12 +64,12 @@ class GatherTransfer:
         self.rank = dist.get_rank(group)
         self._cuda = self.device.type == "cuda"
         # Device shard slots, used in turn: the H2D target and the gather's input.
-        self.shard_slots = [
+        self.shard_slots: list[dict[Hashable, torch.Tensor]] = [
             {
                 dtype: torch.empty(numel, dtype=dtype, device=self.device)  # type: ignore[call-overload]
                 for dtype, (_, numel) in shard_slot.items()
             }
-            for _ in range(SHARD_SLOTS)
+            for _ in range(SHARD_SLOTS if allocate_slots else 0)
         ]
         self._next_shard = 0
         if self._cuda:

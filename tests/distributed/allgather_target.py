@@ -75,7 +75,7 @@ class BlockFault(Exception):
 
 
 def run_rank(rank: int, world: int, port: int, out: str, backend: str = "gloo",
-             slots: int = 2) -> None:
+             slots: int = 2, gather: str = "nccl") -> None:
     """One rank: gloo on the CPU, or NCCL on cuda:rank (the gpu-marked test)."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -83,22 +83,24 @@ def run_rank(rank: int, world: int, port: int, out: str, backend: str = "gloo",
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        _checks(rank, world, Path(out), device, slots)
+        _checks(rank, world, Path(out), device, OffloadConfig(enabled=True, slots=slots,
+                                                              gather=gather))
     finally:
         dist.destroy_process_group()
 
 
-def _checks(rank: int, world: int, out: Path, device: torch.device, slots: int) -> None:
+def _checks(rank: int, world: int, out: Path, device: torch.device, config: OffloadConfig) -> None:
     model = ToyDiT().eval().to(device)
     originals = {name: t.detach().clone() for name, t in model.blocks.state_dict().items()}
     with torch.inference_mode():
         expected = {seed: model(_inputs(seed, device)) for seed in range(world + 1)}
 
-    handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots), device=device,
+    handle = enable_offload(model, config, device=device,
                             group=dist.group.WORLD)
     report = handle.report()
     assert handle.needs_collective_participation
-    assert report["transfer"] == "h2d+allgather" and report["group_size"] == world
+    expected_transfer = "h2d+p2p-copy" if config.gather == "copy-engine" else "h2d+allgather"
+    assert report["transfer"] == expected_transfer and report["group_size"] == world
 
     seen: dict[str, bool] = {}
 

@@ -83,15 +83,19 @@ def test_gloo_ranks_gather_exact_blocks(tmp_path, world: int, slots: int) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slots", [2, 4])
-def test_nccl_ranks_gather_exact_blocks(tmp_path, slots: int) -> None:  # type: ignore[no-untyped-def]
-    # The CUDA path: shard H2D on the copy stream, all_gather on the comm stream, events.
+@pytest.mark.parametrize(("slots", "gather"), [(2, "nccl"), (4, "nccl"), (2, "copy-engine"),
+                                               (4, "copy-engine")])
+def test_nccl_ranks_gather_exact_blocks(tmp_path, slots: int, gather: str) -> None:  # type: ignore[no-untyped-def]
+    # The CUDA path: shard H2D on the copy stream, all_gather (or peer-to-peer copies through
+    # symmetric memory) on the comm stream, events and signals.
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    mp.spawn(run_rank, args=(2, free_port(), str(tmp_path), "nccl", slots), nprocs=2, join=True)
+    mp.spawn(run_rank, args=(2, free_port(), str(tmp_path), "nccl", slots, gather), nprocs=2,
+             join=True)
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert facts[0]["final"]["transfer"] == "h2d+allgather"
+    assert facts[0]["final"]["transfer"] == (
+        "h2d+p2p-copy" if gather == "copy-engine" else "h2d+allgather")
     assert facts[0]["final"]["pinned_host_bytes"] == facts[0]["final"]["shard_bytes"]
     assert facts[0]["passes"] == facts[1]["passes"]

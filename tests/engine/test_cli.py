@@ -13,7 +13,8 @@ from ditserve.engine.errors import ConfigError
 ENGINE_FLAGS = {
     "--model", "--dtype", "--device", "--max-num-seqs", "--scheduling-policy", "--max-bypass",
     "--max-queue", "--offload", "--dlo-slots", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
-    "--dlo-no-use-allgather", "--dlo-runtime-cache", "--cache-root", "--dlo-pin-limit-gib",
+    "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
+    "--dlo-pin-limit-gib",
     "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
 }
 

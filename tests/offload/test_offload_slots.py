@@ -121,3 +121,17 @@ def test_cli_flag_sets_the_slot_count() -> None:
     add_engine_options(parser)
     args = parser.parse_args(["--offload", "dlo", "--dlo-slots", "6"])
     assert engine_config_from_args(args).offload.slots == 6
+
+
+def test_unknown_gather_engine_is_refused() -> None:
+    problems = offload_problems(OffloadConfig(enabled=True, gather="mpi"))
+    assert problems == ["offload.gather must be one of nccl, copy-engine, got 'mpi'"]
+
+
+def test_copy_engine_gather_needs_cuda() -> None:
+    from ditserve.engine.errors import OffloadError
+    from ditserve.engine.offload.ce_gather import CopyEngineGather
+    from ditserve.engine.offload.transfer import SyncTransfer
+
+    with pytest.raises(OffloadError, match="needs CUDA devices; use 'nccl'"):
+        CopyEngineGather(SyncTransfer(torch.device("cpu")), None, {})  # type: ignore[arg-type]
