@@ -27,9 +27,10 @@ class OffloadConfig:
     """Distributed layerwise offload (DLO) settings.
 
     enabled: stream the DiT's blocks from host memory through device slots.
-    slots: device slots blocks stream through (>= 2). Two overlap one block's copy with the
-        previous block's compute; more let copies run ahead where some blocks compute longer
-        than they copy (AllGather's single blocks), at one largest block of HBM per slot.
+    slots: device slots blocks stream through (>= 2); None picks 2 for rank-local streaming
+        and 8 for AllGather. Two overlap one block's copy with the previous block's compute;
+        more let copies run ahead where some blocks compute longer than they copy
+        (AllGather's single blocks), at one largest block of HBM per slot.
     use_allgather: with a DP/SP group of size > 1, each rank keeps 1/group of every block and
         rebuilds it with all_gather; no effect at group size 1.
     gather: how AllGather rebuilds a block: "nccl" (all_gather kernels) or "copy-engine"
@@ -44,7 +45,7 @@ class OffloadConfig:
     """
 
     enabled: bool = False
-    slots: int = 2
+    slots: int | None = None
     use_allgather: bool = True
     gather: str = "nccl"
     resident_layers: int = 0
@@ -204,7 +205,8 @@ def offload_problems(off: OffloadConfig, *, parallel: ParallelConfig | None = No
     out: list[str] = []
     par = parallel or ParallelConfig()
     int_at_least(out, "offload.resident_layers", off.resident_layers, 0)
-    int_at_least(out, "offload.slots", off.slots, 2)
+    if off.slots is not None:
+        int_at_least(out, "offload.slots", off.slots, 2)
     if off.hbm_budget_gib is not None:
         number_at_least(out, "offload.hbm_budget_gib", off.hbm_budget_gib, 0)
     number_at_least(out, "offload.pin_limit_gib", off.pin_limit_gib, 0)
@@ -220,7 +222,7 @@ def offload_problems(off: OffloadConfig, *, parallel: ParallelConfig | None = No
         touched = [
             name
             for name, value in (
-                ("slots", off.slots != 2),
+                ("slots", off.slots is not None),
                 ("resident_layers", off.resident_layers != 0),
                 ("hbm_budget_gib", off.hbm_budget_gib is not None),
                 ("runtime_cache", off.runtime_cache),

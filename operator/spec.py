@@ -55,7 +55,7 @@ class ParallelismSpec:
 class OffloadSpec:
     enabled: bool = False
     use_all_gather: bool = True
-    slots: int = 2
+    slots: int | None = None  # None: the engine's default for the mode
     resident_layers: int = 0
     runtime_cache: bool = False
     pin_limit_gib: float = 0.0
@@ -212,7 +212,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         offload=OffloadSpec(
             enabled=o.flag("enabled", False),
             use_all_gather=o.flag("useAllGather", True),
-            slots=o.integer("slots", 2, 2),
+            slots=o.integer("slots", None, 2),
             resident_layers=o.integer("residentLayers", 0),
             runtime_cache=rc.flag("enabled", False),
             pin_limit_gib=rc.number("pinLimitGiB", 0.0),
@@ -298,7 +298,6 @@ def engine_config(spec: DeploymentSpec) -> EngineConfig:
         "offload": {
             "enabled": spec.offload.enabled,
             "use_allgather": spec.offload.use_all_gather,
-            "slots": spec.offload.slots,
             "resident_layers": spec.offload.resident_layers,
             "runtime_cache": spec.offload.runtime_cache,
             "pin_limit_gib": spec.offload.pin_limit_gib,
@@ -312,6 +311,8 @@ def engine_config(spec: DeploymentSpec) -> EngineConfig:
             "max_queue": spec.batching.max_queue,
         },
     }
+    if spec.offload.slots is not None:  # unset: the engine picks per mode
+        mapping["offload"]["slots"] = spec.offload.slots  # type: ignore[index]
     try:
         return EngineConfig.from_mapping(mapping)
     except ConfigError as e:

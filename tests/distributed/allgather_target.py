@@ -75,7 +75,7 @@ class BlockFault(Exception):
 
 
 def run_rank(rank: int, world: int, port: int, out: str, backend: str = "gloo",
-             slots: int = 2, gather: str = "nccl") -> None:
+             slots: int | None = None, gather: str = "nccl") -> None:
     """One rank: gloo on the CPU, or NCCL on cuda:rank (the gpu-marked test)."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -101,6 +101,7 @@ def _checks(rank: int, world: int, out: Path, device: torch.device, config: Offl
     assert handle.needs_collective_participation
     expected_transfer = "h2d+p2p-copy" if config.gather == "copy-engine" else "h2d+allgather"
     assert report["transfer"] == expected_transfer and report["group_size"] == world
+    assert report["slots"] == (config.slots or 8)  # AllGather's default when unset
 
     seen: dict[str, bool] = {}
 

@@ -57,8 +57,8 @@ def test_shard_refuses_unpadded_regions_and_bad_ranks() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "slots"), [(2, 2), (3, 2), (2, 4)])
-def test_gloo_ranks_gather_exact_blocks(tmp_path, world: int, slots: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("world", "slots"), [(2, 2), (3, None), (2, 4)])
+def test_gloo_ranks_gather_exact_blocks(tmp_path, world: int, slots: int | None) -> None:  # type: ignore[no-untyped-def]
     # Every check (bit-identical gathered blocks, exact forwards, idle passes, a faulting
     # forward, collective restore) runs inside the ranks; a failure there fails the spawn.
     mp.spawn(run_rank, args=(world, free_port(), str(tmp_path), "gloo", slots), nprocs=world,

@@ -28,6 +28,16 @@ def test_mapping_onto_the_engine_config() -> None:
     assert off.cache_root is None  # pods get it from $DITSERVE_CACHE_ROOT
 
 
+def test_slots_pass_through_only_when_set() -> None:
+    base = {"model": {"hostPath": "/m", "sizeGiB": 1}, "parallelism": {"data": 2}}
+    _, config = validate({**base, "offload": {"enabled": True, "slots": 6}})
+    assert config.offload.slots == 6
+    _, config = validate({**base, "offload": {"enabled": True}})
+    assert config.offload.slots is None  # the engine picks: 8 with AllGather, else 2
+    with pytest.raises(InvalidSpecError, match="spec.offload.slots must be an integer >= 2"):
+        validate({**base, "offload": {"enabled": True, "slots": 1}})
+
+
 def test_every_shape_problem_is_reported_at_once() -> None:
     with pytest.raises(InvalidSpecError) as info:
         parse_spec({"model": {"hostPath": "/m", "dtype": "int4"}, "replicas": True,

@@ -110,6 +110,7 @@ def test_out_of_order_calls_with_many_slots_stay_safe() -> None:
 
 
 def test_fewer_than_two_slots_is_refused_with_the_fix() -> None:
+    assert offload_problems(OffloadConfig(enabled=True)) == []  # unset: picked per mode
     problems = offload_problems(OffloadConfig(enabled=True, slots=1))
     assert problems == ["offload.slots must be an integer >= 2, got 1"]
     problems = offload_problems(OffloadConfig(enabled=False, slots=4))
