@@ -394,8 +394,6 @@ class DiffusionEngine:
                 self._fail(rid, change.error or "failed")
 
     def _finish(self, rid: str, pixels: Any) -> None:
-        from ditserve.engine.images import to_pil_images
-
         with self._lock:
             handle = self._handles.pop(rid, None)
             rank = self.queues.remove(rid) or 0
@@ -406,7 +404,7 @@ class DiffusionEngine:
         now = time.monotonic()
         started = handle.started_at or now
         result = GenerationResult(
-            request_id=rid, images=to_pil_images(pixels), pixels=pixels,
+            request_id=rid, pixels=pixels,
             seed=handle.seed, num_inference_steps=handle.params.num_inference_steps,
             queue_seconds=started - handle.submitted_at,
             latency_seconds=now - handle.submitted_at, rank=rank,

@@ -63,14 +63,22 @@ class FluxStepPipeline:
         clip_ids = self.tokenizer(
             [prompt], padding="max_length", max_length=self.clip_max_length,
             truncation=True, return_tensors="pt",
-        ).input_ids.to(self.device)
-        pooled = self.text_encoder(clip_ids, output_hidden_states=False).pooler_output
+        ).input_ids
+        pooled = self.text_encoder(self._upload(clip_ids), output_hidden_states=False).pooler_output
         t5_ids = self.tokenizer_2(
             [prompt], padding="max_length", max_length=self.max_sequence_length,
             truncation=True, return_tensors="pt",
-        ).input_ids.to(self.device)
-        seq = self.text_encoder_2(t5_ids, output_hidden_states=False)[0]
+        ).input_ids
+        seq = self.text_encoder_2(self._upload(t5_ids), output_hidden_states=False)[0]
         return seq.to(self.dtype), pooled.to(self.dtype)
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without a host sync: a copy from pageable memory blocks
+        until the GPU has drained everything queued before it (a whole DiT step while another
+        request denoises); from pinned memory it is queued like a kernel."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return (
@@ -107,9 +115,9 @@ class FluxStepPipeline:
         state.shared = {"img_ids": self._image_ids(lh, lw), "txt_ids": self._text_ids(seq.shape[1])}
         # Same draw as diffusers: CPU generator, (n, C, h, w), then moved and packed.
         generator = torch.Generator("cpu").manual_seed(state.seed)
-        noise = torch.randn(
+        noise = self._upload(torch.randn(
             (n, self.latent_channels, lh, lw), generator=generator, dtype=self.dtype
-        ).to(self.device)
+        ))
         # (n, C, h, w) -> (n, h/2 * w/2, 4C): 2x2 patches become tokens.
         packed = noise.view(n, self.latent_channels, lh // 2, 2, lw // 2, 2)
         packed = packed.permute(0, 2, 4, 1, 3, 5)

@@ -116,7 +116,7 @@ class ServingMetrics:
     def on_finished(self, result: Any) -> None:
         self.queue_time.observe(result.queue_seconds)
         self.e2e_latency.observe(result.latency_seconds)
-        self.images.inc(len(result.images))
+        self.images.inc(result.num_images)
 
     def on_failed(self, request_id: str, reason: str) -> None:
         self.engine_failures.inc()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from PIL import Image
+import torch
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.engine import EngineStats, GenerationResult, RequestEvent
@@ -64,9 +64,9 @@ class FakeEngine:
         if self.outcome == "finish":
             for step in range(1, steps + 1):
                 emit(RequestEvent(rid, "step", step, steps))
-            image = Image.new("RGB", (params.width, params.height), (10, 20, 30))
-            result = GenerationResult(rid, [image] * params.num_images, None, params.seed or 0,
-                                      steps, 0.0, 0.01)
+            color = torch.tensor([10, 20, 30], dtype=torch.float32).view(1, 3, 1, 1) / 255
+            pixels = color.expand(params.num_images, 3, params.height, params.width).contiguous()
+            result = GenerationResult(rid, pixels, params.seed or 0, steps, 0.0, 0.01)
             emit(RequestEvent(rid, "finished", steps, steps))
             handle.future.set_result(result)
             for observer in self.observers:
