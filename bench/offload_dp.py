@@ -192,15 +192,18 @@ class Rank:
             handle.disable()  # blocks back on the host (pageable), ready to be sharded
         self.barrier()
         if "allgather" in a.methods:
-            self.out["variants"] = list(a.variants)
-            for i, name in enumerate(a.variants):
-                last = i == len(a.variants) - 1
+            # A variant named twice runs twice (fresh shards each time): "s8", "s8#2", ...
+            names = [v if a.variants[:i].count(v) == 0 else f"{v}#{a.variants[:i].count(v) + 1}"
+                     for i, v in enumerate(a.variants)]
+            self.out["variants"] = names
+            for i, name in enumerate(names):
+                last = i == len(names) - 1
                 self.allgather(model, name, first=i == 0, last=last)
         return self.out
 
     def allgather(self, model: torch.nn.Module, name: str, *, first: bool, last: bool) -> None:
         a = self.args
-        slots, ctas, gather = parse_variant(name)
+        slots, ctas, gather = parse_variant(name.split("#")[0])
         method = f"allgather {name}"
         try:
             group = self.weight_group(ctas)
