@@ -132,8 +132,6 @@ def enable_offload(
     """
     _check_config(offload_config, host_plan)
     group_size = _group_size(group)
-    n_slots = offload_config.slots or (
-        DEFAULT_ALLGATHER_SLOTS if group_size > 1 else DEFAULT_SLOTS)
     if group_size > 1 and (
         offload_config.resident_layers or offload_config.hbm_budget_gib is not None
     ):
@@ -142,9 +140,6 @@ def enable_offload(
             "a full copy of them); drop resident_layers/hbm_budget_gib or run without a group "
             "(--dlo-no-use-allgather)"
         )
-    # raises if the device is unusable
-    transfer = make_transfer(torch.device(device), n_slots)
-    target: torch.device = transfer.device
     if transformer in _ACTIVE:
         raise OffloadError(
             "offload is already enabled on this model; call handle.disable() before enabling "
@@ -152,6 +147,13 @@ def enable_offload(
         )
     found = discover(transformer)
     _check_tensors(transformer, list(found.blocks))
+    # More slots than blocks would only hold copies of blocks already in a slot.
+    n_slots = min(
+        offload_config.slots or (DEFAULT_ALLGATHER_SLOTS if group_size > 1 else DEFAULT_SLOTS),
+        max(len(found.blocks), 2),
+    )
+    transfer = make_transfer(torch.device(device), n_slots)  # raises if the device is unusable
+    target: torch.device = transfer.device
 
     block_tensors = [[t for _, t in _block_tensors(m)] for _, m in found.blocks]
     specs = [

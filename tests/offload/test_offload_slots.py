@@ -27,7 +27,7 @@ def test_any_slot_count_equals_resident(slots: int) -> None:
             with torch.inference_mode():
                 assert torch.equal(model(x), expected)
         report = handle.report()
-        assert report["slots"] == slots
+        assert report["slots"] == min(slots, 5)  # never more slots than blocks
         if slots >= 5:  # every block has its own slot: nothing moves after the first pass
             assert report["block_loads"] == 5
         else:  # three passes, plus the next pass's first slots-1 blocks, already prefetched
