@@ -27,7 +27,6 @@ import json
 import mmap
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import warnings
@@ -36,6 +35,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offload as single  # noqa: E402  (bench/offload.py: the copy timer)
 
 GIB = 1024**3
 MADV_NOHUGEPAGE = 15
@@ -101,17 +103,7 @@ def file_mapping(directory: str, nbytes: int) -> tuple[Any, int]:
 
 def gbps(device: torch.device, host: torch.Tensor, reps: int) -> float:
     dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device=device)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            s.record(stream)
-            dev.copy_(host, non_blocking=True)
-            e.record(stream)
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return host.numel() / (statistics.median(times) * 1e-3) / 1e9
+    return float(single.copy_gbps(dev, host, torch.cuda.Stream(device=device), reps))
 
 
 def measure(device: torch.device, make, flags: int, reps: int, offset: int = 0) -> float | str:

@@ -134,6 +134,20 @@ def time_steps(model: torch.nn.Module, inputs: dict[str, Any], warmup: int, iter
     return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
 
 
+def copy_gbps(dev: torch.Tensor, host: torch.Tensor, stream: Any, reps: int) -> float:
+    """GB/s of ``dev.copy_(host)`` on ``stream`` (median of ``reps`` CUDA-event timings)."""
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            s.record(stream)
+            dev.copy_(host, non_blocking=True)
+            e.record(stream)
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return host.numel() * host.element_size() / (statistics.median(times) * 1e-3) / 1e9
+
+
 def measure_h2d(device: torch.device, nbytes: int = 2 * GIB, reps: int = 10) -> dict[str, float]:
     """Pinned host -> device copy bandwidth (GB/s), on a side stream like DLO's copies."""
     out: dict[str, float] = {}
@@ -146,16 +160,7 @@ def measure_h2d(device: torch.device, nbytes: int = 2 * GIB, reps: int = 10) -> 
     sources["registered"].fill_(1)
     sources["caching-allocator"] = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
     for name, host in sources.items():
-        times = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                s.record(stream)
-                dev.copy_(host, non_blocking=True)
-                e.record(stream)
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        out[f"{name}_gbps"] = nbytes / (statistics.median(times) * 1e-3) / 1e9
+        out[f"{name}_gbps"] = copy_gbps(dev, host, stream, reps)
     out["registered_backing"] = transfer.backing  # type: ignore[assignment]
     transfer.free_host(sources["registered"])
     del sources, dev
