@@ -40,6 +40,9 @@ class DenoiseState:
     def rows(self) -> int:
         return self.params.rows
 
-    def current_timestep(self) -> torch.Tensor:
+    def current_timestep(self) -> float:
+        """The timestep of the next denoise step, as a host float: written into a device
+        batch it becomes a fill kernel, where a CPU tensor would be a host-to-device copy that
+        waits for everything already queued."""
         assert self.schedule is not None, "state used before prepare_encode"
-        return self.schedule.timesteps[self.step_index]
+        return float(self.schedule.timesteps[self.step_index])

@@ -134,8 +134,6 @@ class InputBatchBuilder:
             self._timesteps = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         start = 0
         for s in states:
-            # A Python float becomes a fill kernel; a CPU tensor would be a pageable host-to-
-            # device copy, which waits for everything already queued (the previous step).
-            self._timesteps[start : start + s.rows] = float(s.current_timestep())
+            self._timesteps[start : start + s.rows] = s.current_timestep()
             start += s.rows
         return self._timesteps

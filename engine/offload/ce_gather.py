@@ -58,29 +58,32 @@ class CopyEngineGather(GatherTransfer):
     ) -> None:
         if base.device.type != "cuda":
             raise OffloadError("offload.gather='copy-engine' needs CUDA devices; use 'nccl'")
-        super().__init__(base, group, shard_slot, allocate_slots=False)
+        super().__init__(base, group, shard_slot)
+        self.peers = [r for r in range(self.group_size) if r != self.rank]
+        # Any handle's signal pads will do: one set of signals orders all dtypes of a load.
+        self._signals = next(iter(self._handles.values()))
+        self._used = [False] * SHARD_SLOTS  # shard slot j has been loaded before
+
+    def _make_shard_slots(
+        self, shard_slot: Mapping[Hashable, tuple[int, int]]
+    ) -> list[dict[Hashable, torch.Tensor]]:
+        """One symmetric buffer per dtype holding the SHARD_SLOTS slots back to back."""
         import torch.distributed._symmetric_memory as symm_mem
 
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # older torch needs it first
-            symm_mem.enable_symm_mem_for_group(group.group_name)
-        self.peers = [r for r in range(self.group_size) if r != self.rank]
-        self._buffers: dict[Hashable, torch.Tensor] = {}
+            symm_mem.enable_symm_mem_for_group(self.group.group_name)
         self._handles: dict[Hashable, object] = {}
         self._numel: dict[Hashable, int] = {}
+        buffers = {}
         for dtype, (_, numel) in shard_slot.items():
             numel = max(numel, 1)
             buffer = symm_mem.empty(SHARD_SLOTS * numel, dtype=dtype, device=self.device)  # type: ignore[call-overload]
-            self._buffers[dtype] = buffer
-            self._handles[dtype] = symm_mem.rendezvous(buffer, group.group_name)
+            self._handles[dtype] = symm_mem.rendezvous(buffer, self.group.group_name)
             self._numel[dtype] = numel
-        self.shard_slots = [
-            {dtype: buf[j * self._numel[dtype] : (j + 1) * self._numel[dtype]]
-             for dtype, buf in self._buffers.items()}
-            for j in range(SHARD_SLOTS)
-        ]
-        # Any handle's signal pads will do: one set of signals orders all dtypes of a load.
-        self._signals = next(iter(self._handles.values()))
-        self._uses = [0] * SHARD_SLOTS
+            buffers[dtype] = buffer
+        return [{dtype: buf[j * self._numel[dtype] : (j + 1) * self._numel[dtype]]
+                 for dtype, buf in buffers.items()}
+                for j in range(SHARD_SLOTS)]
 
     def _peer_shard(self, peer: int, dtype: Hashable, slot: int, n: int) -> torch.Tensor:
         offset = slot * self._numel[dtype]
@@ -88,25 +91,20 @@ class CopyEngineGather(GatherTransfer):
             peer, (n,), dtype, offset)
 
     def load(self, pairs: CopyPairs, slot: int) -> None:
-        j: int = self._next_shard  # type: ignore[has-type]
-        self._next_shard = (j + 1) % SHARD_SLOTS
-        triples = self._pairs(pairs, j)
-        for dst, src, _ in triples:
-            self.h2d_bytes += src.numel() * src.element_size()
-            self.gathered_bytes += dst.numel() * dst.element_size()
+        j, triples = self._next_load(pairs)
         signals = self._signals
         copy, comm = self._base.stream, self.comm_stream
         with torch.cuda.stream(copy):
-            if self._uses[j]:
+            if self._used[j]:
                 # Write-after-read across ranks: every peer copied our slot j's last contents.
                 for peer in self.peers:
                     signals.wait_signal(peer, _channel(READ, j))  # type: ignore[attr-defined]
+            self._used[j] = True
             for _, src, shard in triples:
                 shard.copy_(src, non_blocking=True)
             self.copied[j].record(copy)
             for peer in self.peers:
                 signals.put_signal(peer, _channel(READY, j))  # type: ignore[attr-defined]
-        self._uses[j] += 1
         with torch.cuda.stream(comm):
             comm.wait_event(self._base.free[slot])
             comm.wait_event(self.copied[j])
@@ -121,11 +119,9 @@ class CopyEngineGather(GatherTransfer):
             for peer in self.peers:
                 signals.put_signal(peer, _channel(READ, j))  # type: ignore[attr-defined]
             self._base.ready[slot].record(comm)
-        self.gathers += len(triples)
 
     def close(self) -> None:
-        # Every rank must drain its outstanding signals before symmetric memory goes away;
-        # synchronize is local, and peers run the same passes, so both sides are complete.
+        # Peers map these buffers themselves, so dropping ours cannot pull memory from under a
+        # peer's last copy; a peer's last "done reading" signal is simply never consumed.
         super().close()
         self._handles.clear()
-        self._buffers.clear()

@@ -47,15 +47,12 @@ class GatherTransfer:
     """H2D of the local shard + all_gather into the block slot (see module docstring)."""
 
     name = "h2d+allgather"
-    _next_shard: int  # the shard slot the next load uses
 
     def __init__(
         self,
         base,  # SyncTransfer | CudaStreamTransfer: host pinning, copy stream, ready/free events
         group: dist.ProcessGroup,
         shard_slot: Mapping[Hashable, tuple[int, int]],  # dtype -> (itemsize, numel)
-        *,
-        allocate_slots: bool = True,  # False: a subclass places the shard slots itself
     ) -> None:
         self._base = base
         self.device: torch.device = base.device
@@ -64,13 +61,7 @@ class GatherTransfer:
         self.rank = dist.get_rank(group)
         self._cuda = self.device.type == "cuda"
         # Device shard slots, used in turn: the H2D target and the gather's input.
-        self.shard_slots: list[dict[Hashable, torch.Tensor]] = [
-            {
-                dtype: torch.empty(numel, dtype=dtype, device=self.device)  # type: ignore[call-overload]
-                for dtype, (_, numel) in shard_slot.items()
-            }
-            for _ in range(SHARD_SLOTS if allocate_slots else 0)
-        ]
+        self.shard_slots = self._make_shard_slots(shard_slot)
         self._next_shard = 0
         if self._cuda:
             self.comm_stream = torch.cuda.Stream(device=self.device)
@@ -96,9 +87,28 @@ class GatherTransfer:
     def free_host(self, buffer: torch.Tensor) -> bool:
         return bool(self._base.free_host(buffer))
 
+    def _make_shard_slots(
+        self, shard_slot: Mapping[Hashable, tuple[int, int]]
+    ) -> list[dict[Hashable, torch.Tensor]]:
+        """SHARD_SLOTS buffers per dtype in device memory (a subclass may place them
+        elsewhere, e.g. in memory its peers can address)."""
+        return [
+            {
+                dtype: torch.empty(numel, dtype=dtype, device=self.device)  # type: ignore[call-overload]
+                for dtype, (_, numel) in shard_slot.items()
+            }
+            for _ in range(SHARD_SLOTS)
+        ]
+
     # -- loads ------------------------------------------------------------------------------------
-    def _pairs(self, pairs: CopyPairs, shard_slot: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        out = []
+    def _next_load(
+        self, pairs: CopyPairs
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """Take the next shard slot j for a load and pair each (slot region, host shard) with
+        its part of slot j; counts the bytes the load moves."""
+        j = self._next_shard
+        self._next_shard = (j + 1) % SHARD_SLOTS
+        triples = []
         for dst, src in pairs:
             n = src.numel()
             if dst.numel() != n * self.group_size:
@@ -107,17 +117,14 @@ class GatherTransfer:
                     f"{self.group_size} shards of {n}; the plan must be laid out with "
                     f"shard_multiple={self.group_size}"
                 )
-            out.append((dst, src, self.shard_slots[shard_slot][src.dtype][:n]))
-        return out
-
-    def load(self, pairs: CopyPairs, slot: int) -> None:
-        j = self._next_shard
-        self._next_shard = (j + 1) % SHARD_SLOTS
-        triples = self._pairs(pairs, j)
-        self.gathers += len(triples)
-        for dst, src, _ in triples:
+            triples.append((dst, src, self.shard_slots[j][src.dtype][:n]))
             self.h2d_bytes += src.numel() * src.element_size()
             self.gathered_bytes += dst.numel() * dst.element_size()
+        self.gathers += len(triples)
+        return j, triples
+
+    def load(self, pairs: CopyPairs, slot: int) -> None:
+        j, triples = self._next_load(pairs)
         if not self._cuda:
             for dst, src, shard in triples:
                 shard.copy_(src)
