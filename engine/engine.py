@@ -130,9 +130,17 @@ class DiffusionEngine:
             scheduler.add(f"warmup-{rank}", params)
             plans.append(scheduler.schedule())
             new.append([(f"warmup-{rank}", params, 0)])
-        for rank, out in enumerate(self.executor.execute(plans, new)):
-            if out.failed:
-                raise DitServeError(f"warm-up step failed on rank {rank}: {out.failed}")
+        outputs = self.executor.execute(plans, new)
+        # An empty wave waits for what the first one queued (decoded pixels come back late on
+        # a GPU), so the warm-up covers the whole request path, the hand-back included.
+        idle = [StepPlan(step_id=-1) for _ in plans]
+        flushed = self.executor.execute(idle, [[] for _ in plans])
+        for rank, (out, late) in enumerate(zip(outputs, flushed, strict=True)):
+            failed = {**out.failed, **late.failed}
+            if failed:
+                raise DitServeError(f"warm-up step failed on rank {rank}: {failed}")
+            if f"warmup-{rank}" not in {**out.finished, **late.finished}:
+                raise DitServeError(f"warm-up step on rank {rank} returned no image")
 
     def stop_accepting(self) -> None:
         """New requests are refused from now on; running and queued ones continue."""

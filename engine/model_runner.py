@@ -2,9 +2,12 @@
 
 Called only from the engine's step loop. One ``execute(plan)`` encodes the newly admitted
 requests, runs one batched denoise forward over the plan's batch, applies each request's own
-sampler step, and decodes the requests that just finished. Failures are isolated: a request
-that fails to encode or decode fails alone; if the batched forward fails, each request is
-retried alone so only the culprit fails.
+sampler step, and decodes the requests that just finished. On CUDA all of it is queued, and
+``execute`` returns once the *previous* step has finished (``InFlightSteps``), so the GPU
+always has the next step while the host prepares the one after; decoded pixels and forward
+times are therefore reported one call late there. Failures are isolated: a request that fails
+to encode or decode fails alone; if the batched forward fails, each request is retried alone
+so only the culprit fails.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.inflight import InFlightSteps
 from ditserve.engine.input_batch import InputBatchBuilder
 from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
@@ -97,6 +101,7 @@ class ModelRunner:
         )
         self._states: dict[str, DenoiseState] = {}
         self._batches = InputBatchBuilder()
+        self._inflight = InFlightSteps(self.device)
 
     @property
     def pixel_multiple(self) -> int:
@@ -119,6 +124,7 @@ class ModelRunner:
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self._inflight.forget(request_id)
 
     # -- one step -----------------------------------------------------------------------------
     def execute(
@@ -144,22 +150,26 @@ class ModelRunner:
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
         passes = self._collective_passes()
         if batch:
-            started = time.perf_counter()
+            self._inflight.forward_started()
             self._denoise(batch, out)
-            out.forward_requests = len(batch)
-            out.forward_rows = sum(s.rows for s in batch)
-            out.forward_seconds = time.perf_counter() - started
+            self._inflight.forward_ended(requests=len(batch), rows=sum(s.rows for s in batch))
         if collective_wave and passes is not None and self._collective_passes() == passes:
             # No forward reached the transformer here (no batch, or it failed before):
             # still join every block's collective, exactly once per wave like the others.
             self.offload.idle_pass()
+            self._inflight.work_queued()
         for rid in plan.decode:
             if rid in out.failed:
                 continue
             if self._guarded(out, rid, "decode", self.pipeline.post_decode):
                 state = self._states.pop(rid)
                 out.decoded.append(rid)
-                out.finished[rid] = state.pixels
+                self._inflight.add_decode(rid, state.pixels)
+        for step in self._inflight.close():
+            out.finished.update(step.decodes)
+            if step.rows:
+                out.forward_requests, out.forward_rows = step.requests, step.rows
+                out.forward_seconds = step.seconds
         return out
 
     def _collective_passes(self) -> int | None:

@@ -2,8 +2,10 @@
 
 One ``schedule()`` is one engine step: admit waiting requests into the running batch (they are
 encoded this step), run one denoise forward over every running request, and decode those whose
-last step this is. ``update(plan, output)`` applies what the model runner reports. Nothing else
-changes request status, so the lifecycle is visible in these two methods.
+last step this is. A decoded request leaves the batch at once (its slot is free for the next
+step) and finishes when the runner hands back its output, which on a GPU is a step later.
+``update(plan, output)`` applies what the model runner reports. Nothing else changes request
+status, so the lifecycle is visible in these two methods.
 
 Requests share a batch when their ``BatchKey`` (token grid) is equal; their step counts,
 current steps, seeds, guidance and CFG may all differ. Admission policy:
@@ -68,9 +70,10 @@ class StepPlan:
 class RunnerOutput:
     """What the model runner did with a plan (plain data: it crosses process boundaries).
 
-    failed: request id -> error message. finished: request id -> decoded output (the
-    runner's pixels, opaque here). forward_rows/forward_seconds describe the denoise forward
-    (0 rows: none ran).
+    stepped: denoised this step. decoded: decode queued; the request leaves the batch.
+    finished: request id -> decoded output (the runner's pixels, opaque here), for requests
+    decoded this step or an earlier one. failed: request id -> error message.
+    forward_*: the last denoise forward that completed (0 rows: none did), its batch and time.
     """
 
     stepped: list[str] = field(default_factory=list)
@@ -100,6 +103,7 @@ class StepScheduler:
         self.config = config
         self._waiting: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._running: OrderedDict[str, ScheduledRequest] = OrderedDict()
+        self._decoding: dict[str, ScheduledRequest] = {}  # out of the batch, output pending
         self._aborted_running: list[str] = []
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
@@ -114,10 +118,11 @@ class StepScheduler:
         return len(self._running)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted_running)
+        return bool(self._waiting or self._running or self._decoding or self._aborted_running)
 
     def get(self, request_id: str) -> ScheduledRequest | None:
-        return self._running.get(request_id) or self._waiting.get(request_id)
+        return (self._running.get(request_id) or self._waiting.get(request_id)
+                or self._decoding.get(request_id))
 
     def queue_position(self, request_id: str) -> int | None:
         """0-based position among waiting requests, or None if not waiting."""
@@ -137,7 +142,8 @@ class StepScheduler:
 
     # -- lifecycle inputs ------------------------------------------------------------------
     def add(self, request_id: str, params: SamplingParams) -> ScheduledRequest:
-        if request_id in self._waiting or request_id in self._running:
+        if request_id in self._waiting or request_id in self._running \
+                or request_id in self._decoding:
             raise ValueError(f"request id {request_id!r} is already scheduled")
         limit = self.config.max_queue
         if limit is not None and len(self._waiting) >= limit:
@@ -150,7 +156,8 @@ class StepScheduler:
         """Remove a request; a running one is freed at the next step boundary."""
         if self._waiting.pop(request_id, None) is not None:
             return True
-        if self._running.pop(request_id, None) is not None:
+        if self._running.pop(request_id, None) is not None \
+                or self._decoding.pop(request_id, None) is not None:
             self._aborted_running.append(request_id)
             return True
         return False
@@ -174,7 +181,8 @@ class StepScheduler:
         """Apply the runner's results; return the status changes, finished ones last."""
         changes: list[StatusChange] = []
         for rid, message in output.failed.items():
-            request = self._running.pop(rid, None) or self._waiting.pop(rid, None)
+            request = (self._running.pop(rid, None) or self._waiting.pop(rid, None)
+                       or self._decoding.pop(rid, None))
             if request is not None:
                 changes.append(self._set(request, RequestStatus.FINISHED_ERROR, message))
         for rid in output.stepped:
@@ -186,6 +194,11 @@ class StepScheduler:
         for rid in output.decoded:
             request = self._running.pop(rid, None)
             if request is not None:
+                request.status = RequestStatus.DECODING
+                self._decoding[rid] = request
+        for rid in output.finished:
+            request = self._decoding.pop(rid, None)
+            if request is not None:  # None: aborted meanwhile
                 changes.append(self._set(request, RequestStatus.FINISHED_OK))
         changes.sort(key=lambda c: c.status.is_finished)
         return changes

@@ -24,7 +24,8 @@ class StepPipeline(Protocol):
     step(state, output_rows): combine this request's rows (true CFG) and apply one sampler
         step to its latents; advances ``state.step_index``.
     post_decode(state): decode the final latents into ``state.pixels``, (n, 3, H, W) float
-        in [0, 1] on the CPU.
+        in [0, 1] on the CPU; on CUDA it may queue the copy without waiting for it (the
+        runner hands the pixels back once the step's work has finished).
     """
 
     transformer: torch.nn.Module

@@ -171,5 +171,7 @@ class FluxStepPipeline:
         latents = latents.permute(0, 3, 1, 4, 2, 5).reshape(n, channels // 4, lh, lw)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         decoded = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        pixels = (decoded.float() / 2 + 0.5).clamp(0, 1).cpu()  # (n, 3, H, W) in [0, 1]
-        state.pixels = pixels
+        pixels = (decoded.float() / 2 + 0.5).clamp(0, 1)  # (n, 3, H, W) in [0, 1]
+        # From CUDA, non_blocking lands in pinned memory without a host sync; the pixels are
+        # valid once the step's queued work has finished (the runner waits for that).
+        state.pixels = pixels.to("cpu", non_blocking=True)

@@ -38,8 +38,7 @@ def drive(
         assert not output.failed, output.failed
         if plan.denoise:
             batch_sizes.append(len(plan.denoise))
-        for rid in output.decoded:
-            results[rid] = output.finished[rid]
+        results.update(output.finished)
         step += 1
         assert step < 10_000, "scripted run did not terminate"
     return results, batch_sizes

@@ -21,6 +21,7 @@ def run_step(s: StepScheduler, fail: dict[str, str] | None = None) -> StepPlan:
     out = RunnerOutput(failed=dict(fail))
     out.stepped = [r for r in plan.denoise if r not in fail]
     out.decoded = [r for r in plan.decode if r not in fail]
+    out.finished = {r: f"pixels of {r}" for r in out.decoded}  # a CPU runner: at once
     s.update(plan, out)
     return plan
 
@@ -135,8 +136,40 @@ def test_update_reports_finished_last() -> None:
     s.add("one", params(steps=1))
     s.add("two", params(steps=2))
     plan = s.schedule()
-    changes = s.update(plan, RunnerOutput(stepped=["one", "two"], decoded=["one"]))
+    changes = s.update(plan, RunnerOutput(stepped=["one", "two"], decoded=["one"],
+                                          finished={"one": "pixels"}))
     assert [c.status.is_finished for c in changes] == [False, False, True]
+
+
+def test_output_handed_back_a_step_late_frees_the_slot_at_decode() -> None:
+    # A GPU runner returns a step's decoded pixels with the next step's output.
+    s = StepScheduler(SchedulerConfig(max_num_seqs=1))
+    s.add("a", params(steps=1))
+    s.add("b", params(steps=2))
+    plan = s.schedule()
+    assert plan.decode == ("a",)
+    changes = s.update(plan, RunnerOutput(stepped=["a"], decoded=["a"]))
+    assert [c.status for c in changes] == [RequestStatus.DENOISING]
+    a = s.get("a")
+    assert a is not None and a.status == RequestStatus.DECODING and s.has_work()
+    plan = s.schedule()
+    assert plan.encode == ("b",) and plan.denoise == ("b",)  # a's slot went to b at once
+    changes = s.update(plan, RunnerOutput(stepped=["b"], finished={"a": "pixels"}))
+    assert [(c.request_id, c.status) for c in changes] == [
+        ("b", RequestStatus.DENOISING), ("a", RequestStatus.FINISHED_OK)]
+    assert s.get("a") is None
+
+
+def test_abort_while_decoding_frees_runner_state_and_ignores_late_output() -> None:
+    s = StepScheduler(SchedulerConfig(max_num_seqs=2))
+    s.add("a", params(steps=1))
+    plan = s.schedule()
+    s.update(plan, RunnerOutput(stepped=["a"], decoded=["a"]))
+    assert s.abort("a")
+    plan = s.schedule()
+    assert plan.freed == ("a",) and not plan.denoise
+    assert s.update(plan, RunnerOutput(finished={"a": "pixels"})) == []
+    assert not s.has_work()
 
 
 def test_queue_limit() -> None:

@@ -1,0 +1,114 @@
+"""InFlightSteps: how far the step loop runs ahead of the GPU, and what finished steps yield.
+
+On CUDA a step's kernels are queued, not run, so without a bound the loop would race ahead of
+the GPU by any number of steps: progress events would announce steps that have not run, the
+step-time metric would time how fast Python queues kernels, and aborts would take effect late.
+Syncing after every step bounds it, but leaves the GPU idle while the host prepares the next
+step (with layerwise offload the copy engine idles too). So the runner keeps one step queued
+behind the one the GPU is running: after queueing step N it waits for step N-1's fence.
+
+A step's decodes are copied to pinned host memory without a sync and handed back once that
+step's fence has passed: one step later on CUDA, at once on the CPU (nothing is queued there).
+Each forward is timed with CUDA events, so the reported step time is GPU time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CompletedStep:
+    """A step whose GPU work has finished: its decoded outputs and its forward, if it ran one."""
+
+    decodes: dict[str, Any] = field(default_factory=dict)
+    requests: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _QueuedStep:
+    result: CompletedStep = field(default_factory=CompletedStep)
+    timers: tuple[Any, Any] | None = None  # CUDA (start, end) events of the forward
+    fence: Any = None  # CUDA event recorded after everything the step queued
+    queued_work: bool = False
+
+
+class InFlightSteps:
+    """The runner's open step and its queued ones; see the module docstring."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._open = _QueuedStep()
+        self._queued: deque[_QueuedStep] = deque()
+        self._forward_start: Any = None
+
+    @property
+    def num_queued(self) -> int:
+        """Closed steps whose GPU work may not have finished yet."""
+        return len(self._queued)
+
+    # -- building the open step -----------------------------------------------------------------
+    def forward_started(self) -> None:
+        self._open.queued_work = True
+        if self._cuda:
+            self._forward_start = torch.cuda.Event(enable_timing=True)
+            self._forward_start.record(torch.cuda.current_stream(self._device))
+        else:
+            self._forward_start = time.perf_counter()
+
+    def forward_ended(self, *, requests: int, rows: int) -> None:
+        step = self._open
+        step.result.requests, step.result.rows = requests, rows
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self._device))
+            step.timers = (self._forward_start, end)
+        else:
+            step.result.seconds = time.perf_counter() - self._forward_start
+        self._forward_start = None
+
+    def work_queued(self) -> None:
+        """The open step queued GPU work that is not a forward (a collective-only pass)."""
+        self._open.queued_work = True
+
+    def add_decode(self, request_id: str, output: Any) -> None:
+        """``output`` is valid on the host once the step it was queued in has completed."""
+        self._open.queued_work = True
+        self._open.result.decodes[request_id] = output
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's pending decode (it was aborted): it is never handed back."""
+        for step in (self._open, *self._queued):
+            step.result.decodes.pop(request_id, None)
+
+    # -- closing ----------------------------------------------------------------------------------
+    def close(self) -> list[CompletedStep]:
+        """Close the open step; return the steps that completed, oldest first.
+
+        Waits until at most one step is still queued, or none when this step queued nothing
+        (an idle loop iteration flushes, so the last request's pixels are not held back).
+        """
+        step, self._open = self._open, _QueuedStep()
+        if self._cuda:
+            step.fence = torch.cuda.Event(blocking=True)  # the waiting thread sleeps
+            step.fence.record(torch.cuda.current_stream(self._device))
+        self._queued.append(step)
+        keep = 1 if self._cuda and step.queued_work else 0
+        completed = []
+        while len(self._queued) > keep:
+            done = self._queued.popleft()
+            if done.fence is not None:
+                done.fence.synchronize()  # releases the GIL
+            if done.timers is not None:
+                start, end = done.timers
+                done.result.seconds = start.elapsed_time(end) / 1000.0
+            completed.append(done.result)
+        return completed
