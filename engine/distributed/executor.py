@@ -269,11 +269,16 @@ class MultiProcessExecutor:
                 self._broadcast(Stop())
         except Exception as e:
             log.warning("could not stop workers cleanly: %s", e)
+        self.runner.close()
+        # NCCL's destroy returns only once every rank has called it, so ours runs while the
+        # workers run theirs (joining them first would wait out the join timeout); in a
+        # thread, so a worker that never gets there cannot hold the shutdown.
+        teardown = threading.Thread(target=destroy, daemon=True, name="ditserve-pg-destroy")
+        teardown.start()
         for proc in self._procs.values():
             proc.join(timeout=30)
         self._kill_workers()
-        self.runner.close()
-        destroy()
+        teardown.join(timeout=10)
 
 
 def _describe_exit(code: int | None) -> str:

@@ -13,8 +13,10 @@ time, at whatever pace its own batch allows.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,6 +113,8 @@ def worker_main(
     """Entry point of a spawned worker process (also used by `ditserve worker`)."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <worker pid>` prints where every thread of a stuck worker is (to stderr).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                       WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank))
     import torch.distributed as dist
