@@ -11,7 +11,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.config import DTYPES, GATHER_ENGINES, SCHEDULING_POLICIES, EngineConfig
+from ditserve.engine.config import (
+    COMPILE_BACKENDS,
+    DTYPES,
+    GATHER_ENGINES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 from ditserve.engine.errors import ConfigError
 
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
@@ -19,6 +25,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"),
     "dtype": (None, "dtype"),
     "device": (None, "device"),
+    "compile": (None, "compile"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "scheduling_policy": ("scheduler", "policy"),
     "max_bypass": ("scheduler", "max_bypass"),
@@ -46,6 +53,11 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="local diffusers pipeline directory (default: the embedded tiny model)")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="runtime dtype (default float32)")
     g.add_argument("--device", default=None, help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument("--compile", nargs="?", const="inductor", default=None,
+                   choices=COMPILE_BACKENDS, metavar="BACKEND",
+                   help="torch.compile the DiT's repeated blocks (backend: inductor when "
+                        "omitted; aot_eager or eager only trace). The first request of each "
+                        "new batch size or resolution pays the compile")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests batched into one denoise forward (default 4)")
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,

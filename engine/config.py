@@ -20,6 +20,10 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "bypass")
 CHECKPOINT_MMAP_MODES: tuple[str, ...] = ("auto", "off")
 GATHER_ENGINES: tuple[str, ...] = ("nccl", "copy-engine")
+# torch.compile backends for the DiT's repeated blocks: inductor generates kernels; aot_eager
+# and eager only trace (for checking a model compiles, and in tests on machines without a
+# C++ compiler).
+COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine replica needs. ``model`` None means the embedded tiny model."""
+    """Everything one engine replica needs. ``model`` None means the embedded tiny model.
+
+    compile: a torch.compile backend for the DiT's repeated blocks (regional compilation,
+    ``ditserve.engine.compiled_blocks``); None runs them eagerly.
+    """
 
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
+    compile: str | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -175,6 +184,9 @@ def problems(config: EngineConfig) -> list[str]:
         config.device in ("auto", "cpu", "cuda") or config.device.startswith("cuda:")
     ):
         out.append(f"device must be auto, cpu, cuda or cuda:N, got {config.device!r}")
+    if config.compile is not None and config.compile not in COMPILE_BACKENDS:
+        out.append(f"compile must be one of {', '.join(COMPILE_BACKENDS)} (or unset), "
+                   f"got {config.compile!r}")
 
     par = config.parallel
     int_at_least(out, "parallel.data_parallel_size", par.data_parallel_size, 1)

@@ -87,6 +87,10 @@ class ModelRunner:
                     self.pipeline.transformer, config.offload, device=self.device,
                     host_plan=host_plan, **kwargs,
                 )
+            if config.compile is not None:
+                from ditserve.engine.compiled_blocks import compile_repeated_blocks
+
+                compile_repeated_blocks(self.pipeline.transformer, config.compile)
         except BaseException:
             if host_plan is not None:
                 host_plan.close()
