@@ -11,7 +11,7 @@ from ditserve.engine.cli_options import engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {
-    "--model", "--dtype", "--device", "--max-num-seqs", "--scheduling-policy", "--max-bypass",
+    "--model", "--dtype", "--device", "--compile", "--max-num-seqs", "--scheduling-policy", "--max-bypass",
     "--max-queue", "--offload", "--dlo-slots", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
     "--dlo-pin-limit-gib",
