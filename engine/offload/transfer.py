@@ -185,10 +185,10 @@ def _aligned_empty(nbytes: int) -> torch.Tensor:
     From 2 MiB up the buffer starts on a 2 MiB boundary and is advised for transparent huge
     pages before anything touches it. Pinning walks every page of a slab and the device maps
     each for DMA; with 2 MiB pages both have 512x fewer entries. Measured on 2x H200 with the
-    AllGather shards (torch's THP_MEM_ALLOC_ENABLE, the same advice for every large CPU
-    allocation): enable 3.2-5.8 s
-    instead of 5.2-9.0 s, and 213.9-217.2 instead of 216.3-224.9 ms/step after the first
-    enable (docs/benchmarks.md). Where THP is off the advice changes nothing.
+    AllGather shards (through torch's THP_MEM_ALLOC_ENABLE, the same advice for every large
+    CPU allocation): enable 3.2-5.8 s instead of 5.2-9.0 s, and 213.9-217.2 instead of
+    216.3-224.9 ms/step after the first enable (docs/benchmarks.md). Where THP is off the
+    advice changes nothing.
     """
     align = HUGE_PAGE if nbytes >= HUGE_PAGE else PAGE
     raw = torch.empty(nbytes + align, dtype=torch.uint8)
