@@ -56,11 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--tiny", action="store_true",
+                   help="small model on the CPU (use --backend aot_eager): smoke test")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    if a.tiny:
+        single.MODEL_KWARGS.update(single.TINY)
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        print("needs a CUDA device (or --tiny)", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
     single.MODEL_KWARGS.update(num_layers=a.layers, num_single_layers=a.single_layers)
     model: Any = single.build_flux(device)
     if a.dlo:
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| {b} | {e:.1f} | {c:.1f} | {c / e:.3f} | {e / blocks:.2f} | "
                     f"{c / blocks:.2f} | {compiled[b]['first_s']:.0f} |")
     table = "\n".join(rows)
-    print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__}, "
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"\n{gpu} torch {torch.__version__}, "
           f"{'DLO' if a.dlo else 'resident'}, {blocks} blocks, 1024x1024\n\n{table}")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
