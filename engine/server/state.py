@@ -17,6 +17,7 @@ from typing import Any
 
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.metrics import ServingMetrics
+from ditserve.engine.step_log import StepLog
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ServerState:
         steps = config.default_steps or (4 if tiny else 28)
         metrics = ServingMetrics(lambda: engine)
         engine.observers.append(metrics)
+        engine.observers.append(StepLog())
         return cls(engine, config, metrics, name, size, steps, **kwargs)
 
     @property
