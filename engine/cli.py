@@ -46,7 +46,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.request import SamplingParams
 
     config = engine_config_from_args(args)
-    engine = DiffusionEngine(config).start()
+    engine = DiffusionEngine(config)
+    engine.compile_warmup_size = (args.height, args.width)  # with --compile
+    engine.start()
     try:
         params = SamplingParams(
             prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,

@@ -56,8 +56,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     g.add_argument("--compile", nargs="?", const="inductor", default=None,
                    choices=COMPILE_BACKENDS, metavar="BACKEND",
                    help="torch.compile the DiT's repeated blocks (backend: inductor when "
-                        "omitted; aot_eager or eager only trace). The first request of each "
-                        "new batch size or resolution pays the compile")
+                        "omitted; aot_eager or eager only trace); the warm-up compiles at the "
+                        "default size before the engine is ready")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests batched into one denoise forward (default 4)")
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,

@@ -79,6 +79,9 @@ class DiffusionEngine:
         self._rows_run = 0
         self._finished = 0
         self.ready = False
+        # With config.compile: also warm up (compile) at this (height, width) before ready.
+        # The HTTP server sets its default size; None skips it (the first requests compile).
+        self.compile_warmup_size: tuple[int, int] | None = None
 
     @property
     def schedulers(self) -> list[StepScheduler]:
@@ -122,14 +125,33 @@ class DiffusionEngine:
         # One real step through every stage on every rank, so the first request does not pay
         # for lazy initialization (and every rank proves it can run).
         multiple = self.pixel_multiple
-        params = SamplingParams(prompt="warm up", height=multiple * 2, width=multiple * 2,
+        self._warm_step(multiple * 2, multiple * 2, requests=1)
+        size = self.compile_warmup_size
+        if self.config.compile is None or size is None:
+            return
+        # Compiled blocks recompile when a shape first changes: the token count (resolution),
+        # then the batch (a batch of 1 is always its own graph). Three warm-up steps leave a
+        # graph for batch 1 and one for any larger batch, both for any resolution, so no
+        # request after /ready waits for a compile.
+        height, width = size
+        log.info("--compile: compiling the DiT blocks for %dx%d before ready (can take minutes)",
+                 width, height)
+        self._warm_step(height, width, requests=1)
+        if self.config.scheduler.max_num_seqs > 1:
+            self._warm_step(height, width, requests=2)
+
+    def _warm_step(self, height: int, width: int, *, requests: int) -> None:
+        """One one-step wave with ``requests`` requests per rank, waited for and checked."""
+        params = SamplingParams(prompt="warm up", height=height, width=width,
                                 num_inference_steps=1, seed=0)
         plans, new = [], []
         for rank in range(self.executor.num_ranks):
             scheduler = StepScheduler(self.config.scheduler)
-            scheduler.add(f"warmup-{rank}", params)
+            ids = [f"warmup-{rank}-{i}" for i in range(requests)]
+            for rid in ids:
+                scheduler.add(rid, params)
             plans.append(scheduler.schedule())
-            new.append([(f"warmup-{rank}", params, 0)])
+            new.append([(rid, params, 0) for rid in ids])
         outputs = self.executor.execute(plans, new)
         # An empty wave waits for what the first one queued (decoded pixels come back late on
         # a GPU), so the warm-up covers the whole request path, the hand-back included.
@@ -139,8 +161,10 @@ class DiffusionEngine:
             failed = {**out.failed, **late.failed}
             if failed:
                 raise DitServeError(f"warm-up step failed on rank {rank}: {failed}")
-            if f"warmup-{rank}" not in {**out.finished, **late.finished}:
-                raise DitServeError(f"warm-up step on rank {rank} returned no image")
+            missing = {rid for rid, *_ in new[rank]} - {**out.finished, **late.finished}.keys()
+            if missing:
+                raise DitServeError(f"warm-up step on rank {rank} returned no image for "
+                                    f"{', '.join(sorted(missing))}")
 
     def stop_accepting(self) -> None:
         """New requests are refused from now on; running and queued ones continue."""

@@ -46,6 +46,9 @@ class ServerState:
         size = parse_size(config.default_size or ("64x64" if tiny else "1024x1024"))
         assert size is not None  # ServerConfig validated the pattern
         steps = config.default_steps or (4 if tiny else 28)
+        if engine.compile_warmup_size is None:
+            width, height = size  # with --compile: no compile after /ready
+            engine.compile_warmup_size = (height, width)
         metrics = ServingMetrics(lambda: engine)
         engine.observers.append(metrics)
         engine.observers.append(StepLog())

@@ -76,3 +76,29 @@ def test_a_model_without_repeated_blocks_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="does not declare its repeated blocks"):
         compile_repeated_blocks(torch.nn.Linear(2, 2), "eager")
+
+
+def test_engine_compiles_before_ready_so_no_request_compiles(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    from torch._dynamo.utils import counters
+
+    from ditserve.engine.config import SchedulerConfig
+    from ditserve.engine.engine import DiffusionEngine
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                          compile="aot_eager",
+                                          scheduler=SchedulerConfig(max_num_seqs=3)))
+    engine.compile_warmup_size = (96, 96)
+    engine.start()
+    try:
+        graphs_at_ready = counters["stats"]["unique_graphs"]
+        assert graphs_at_ready >= 2
+        # Batches of 1 to 3 at the warm-up size and at another size: nothing new compiles.
+        handles = [engine.add_request(params(f"r{i}", 2, size=96)) for i in range(3)]
+        handles.append(engine.add_request(params("other", 2, size=128)))
+        for handle in handles:
+            handle.result(timeout=120)
+        assert counters["stats"]["unique_graphs"] == graphs_at_ready
+    finally:
+        engine.shutdown()

@@ -30,6 +30,7 @@ class FakeEngine:
     aborted: list[tuple[str, str]] = field(default_factory=list)
     pixel_multiple: int = 4
     max_prompt_chars: int = 4000
+    compile_warmup_size: tuple[int, int] | None = None
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
