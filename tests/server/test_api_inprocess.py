@@ -156,3 +156,9 @@ def test_plain_request_aborted_when_the_client_disconnects(metric) -> None:
     assert sent[0]["status"] == 499
     text = app.state.server.metrics.render().decode()
     assert metric(text, 'ditserve:request_errors_total{reason="client_disconnect"}') == 1
+
+
+def test_compile_warm_up_size_is_the_default_size_height_first() -> None:
+    engine = FakeEngine()
+    create_app(engine, ServerConfig(default_size="128x64"), start_engine=False)
+    assert engine.compile_warmup_size == (64, 128)  # "WxH" in the API, (height, width) here
