@@ -41,6 +41,7 @@ from ditserve.engine.distributed.rendezvous import (
 )
 from ditserve.engine.distributed.worker import (
     RankStep,
+    Reports,
     Stop,
     Wave,
     WorkerFailure,
@@ -225,30 +226,37 @@ class MultiProcessExecutor:
         self._broadcast(Wave(plans=list(plans), new=[list(n) for n in new], forward=forward,
                              reports=refresh))
         own = self.runner.execute(plans[0], new[0], collective_wave=forward)
-        replies = self._gather(WorkerReply(own))
+        replies = self._gathered_replies(WorkerReply(own))
+        if refresh:
+            self._keep_reports(replies)
+        return [r.output for r in replies]
+
+    def _gathered_replies(self, own: WorkerReply) -> list[WorkerReply]:
+        replies = self._gather(own)
         failures = [r for r in replies if isinstance(r, WorkerFailure)]
         if failures:
             raise DistributedError("; ".join(f"rank {f.rank} failed: {f.message}"
                                              for f in failures))
-        if refresh:
-            self._worker_reports = [None, *[r.offload_report for r in replies[1:]]]
-            self._reports_at = time.monotonic()
-        return [r.output for r in replies]
+        return replies
+
+    def _keep_reports(self, replies: list[WorkerReply]) -> None:
+        self._worker_reports = [None, *[r.offload_report for r in replies[1:]]]
+        self._reports_at = time.monotonic()
 
     def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]:
         """Rank 0's live report and the workers' latest: at most ~REPORT_EVERY_S old while
         the replica is busy, from start-up while idle. Never blocks unless ``refresh``, which
-        runs an empty wave for fresh reports (waiting for a running wave to end first)."""
+        asks every worker for its report between two steps (no step runs)."""
         if refresh and self.independent:
             for rank in range(1, self.num_ranks):
                 with self._rank_locks[rank]:
-                    reply = self._exchange(rank, RankStep(StepPlan(step_id=-1), [], True))
+                    reply = self._exchange(rank, Reports())
                 self._worker_reports[rank] = reply.offload_report
                 self._rank_reports_at[rank] = time.monotonic()
         elif refresh:
-            empty = [StepPlan(step_id=-1)] * self.num_ranks
             with self._control_lock:
-                self._wave(empty, [[] for _ in range(self.num_ranks)], refresh=True)
+                self._broadcast(Reports())
+                self._keep_reports(self._gathered_replies(WorkerReply(None)))
         return [self.runner.offload_report(), *self._worker_reports[1:]]
 
     def shutdown(self) -> None:

@@ -49,8 +49,15 @@ def independent_ranks(config: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class Reports:
+    """Answer with this rank's offload report and run nothing. Not an empty step: a step
+    waits for the runner's queued work and hands back its late outputs (decoded pixels),
+    which a report request would drop."""
+
+
+@dataclass(frozen=True)
 class WorkerReply:
-    output: Any  # RunnerOutput
+    output: Any  # RunnerOutput; None for Reports
     offload_report: dict[str, Any] | None = None
 
 
@@ -81,6 +88,21 @@ def _gather(payload: Any, group: Any) -> None:
     dist.gather_object(payload, None, dst=0, group=group)
 
 
+def _answer(runner: Any, rank: int, message: Wave | RankStep | Reports) -> WorkerReply | WorkerFailure:
+    """Carry out one message from rank 0; an unexpected error becomes a WorkerFailure."""
+    try:
+        if isinstance(message, Reports):
+            return WorkerReply(None, runner.offload_report())
+        if isinstance(message, Wave):
+            output = runner.execute(message.plans[rank], message.new[rank],
+                                    collective_wave=message.forward)
+        else:
+            output = runner.execute(message.plan, message.new)
+        return WorkerReply(output, runner.offload_report() if message.reports else None)
+    except Exception:
+        return WorkerFailure(rank, os.getpid(), traceback.format_exc())
+
+
 def _serve_steps(runner: Any, rank: int, pair: Any) -> None:
     """Independent mode: answer rank 0's RankSteps over this worker's pair group."""
     import torch.distributed as dist
@@ -88,17 +110,12 @@ def _serve_steps(runner: Any, rank: int, pair: Any) -> None:
     while True:
         box: list[Any] = [None]
         dist.recv_object_list(box, src=0, group=pair)
-        message = box[0]
-        if isinstance(message, Stop):
+        if isinstance(box[0], Stop):
             return
-        try:
-            output = runner.execute(message.plan, message.new)
-        except Exception:
-            dist.send_object_list([WorkerFailure(rank, os.getpid(), traceback.format_exc())],
-                                  dst=0, group=pair)
+        reply = _answer(runner, rank, box[0])
+        dist.send_object_list([reply], dst=0, group=pair)
+        if isinstance(reply, WorkerFailure):
             return
-        report = runner.offload_report() if message.reports else None
-        dist.send_object_list([WorkerReply(output, report)], dst=0, group=pair)
 
 
 def worker_main(
@@ -148,17 +165,12 @@ def worker_main(
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=groups.control)
-            message = box[0]
-            if isinstance(message, Stop):
+            if isinstance(box[0], Stop):
                 break
-            try:
-                output = runner.execute(message.plans[rank], message.new[rank],
-                                        collective_wave=message.forward)
-            except Exception:
-                _gather(WorkerFailure(rank, os.getpid(), traceback.format_exc()), groups.control)
+            reply = _answer(runner, rank, box[0])
+            _gather(reply, groups.control)
+            if isinstance(reply, WorkerFailure):
                 return
-            report = runner.offload_report() if message.reports else None
-            _gather(WorkerReply(output, report), groups.control)
     finally:
         if runner is not None:
             runner.close()
