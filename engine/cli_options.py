@@ -71,8 +71,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     o.add_argument("--offload", choices=("none", "dlo"), default=None,
                    help="dlo: stream DiT blocks from host memory through device slots")
     o.add_argument("--dlo-slots", type=int, default=None,
-                   help="device slots blocks stream through (default 2; more let copies run "
-                        "ahead of compute, one largest block of HBM each)")
+                   help="device slots blocks stream through (default 2, or 8 with AllGather; "
+                        "more let copies run ahead of compute, one largest block of HBM each)")
     o.add_argument("--dlo-resident-layers", type=int, default=None,
                    help="leading DiT blocks kept on the device")
     o.add_argument("--dlo-hbm-budget-gib", type=float, default=None,

@@ -49,10 +49,11 @@ DEFAULT_ACTIVATION_RESERVE_BYTES = 2 * GIB
 # Device slots when offload.slots is unset. Rank-local streaming is copy-bound in every block,
 # so two slots reach the PCIe floor. AllGather's shard copies are shorter than the single
 # blocks' compute, so the copies need room to run ahead: on 2 x H200 (Flux, 1024^2, batch 1)
-# eight slots measured 214-244 ms/step (median 229) against 229-255 ms with two
+# eight slots measured 214-244 ms/step (median 220 over 21 runs) against 229-255 ms with two
 # (docs/benchmarks.md), for 3.8 GiB more HBM.
 DEFAULT_SLOTS = 2
 DEFAULT_ALLGATHER_SLOTS = 8
+
 
 def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
     # Sorted by name: the order safetensors writes a block's tensors in (within one dtype),
