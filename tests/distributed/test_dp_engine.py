@@ -71,6 +71,17 @@ def test_uneven_rank_loads_finish_without_deadlock(tiny_model_dir, alone) -> Non
         engine.shutdown()
 
 
+def stopped_errors(handles, *, timeout: float) -> list[str]:  # type: ignore[no-untyped-def]
+    """The EngineStoppedError messages of the handles that failed with one."""
+    errors = []
+    for handle in handles:
+        try:
+            handle.result(timeout=timeout)
+        except EngineStoppedError as e:
+            errors.append(str(e))
+    return errors
+
+
 def test_killed_worker_is_reported_within_bounded_time(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     engine = dp_engine(tiny_model_dir, 2)
     try:
@@ -79,12 +90,7 @@ def test_killed_worker_is_reported_within_bounded_time(tiny_model_dir) -> None: 
         # Two requests: the shared queue gives one to each rank; rank 1's fails, naming it.
         handles = [engine.add_request(SamplingParams(prompt="x", num_inference_steps=3, seed=s))
                    for s in (1, 2)]
-        errors = []
-        for handle in handles:
-            try:
-                handle.result(timeout=60)
-            except EngineStoppedError as e:
-                errors.append(str(e))
+        errors = stopped_errors(handles, timeout=60)
         assert any("rank 1" in message for message in errors), errors
         with pytest.raises(EngineStoppedError):
             engine.add_request(SamplingParams(prompt="after", seed=2))
@@ -114,12 +120,7 @@ def test_hung_worker_times_out(tiny_model_dir, monkeypatch) -> None:  # type: ig
         os.kill(pid, signal.SIGSTOP)  # alive but unresponsive
         handles = [engine.add_request(SamplingParams(prompt="x", num_inference_steps=2, seed=s))
                    for s in (1, 2)]  # one per rank
-        errors = []
-        for handle in handles:
-            try:
-                handle.result(timeout=120)
-            except EngineStoppedError as e:
-                errors.append(str(e))
+        errors = stopped_errors(handles, timeout=120)
         assert any(re.search("timeout|connection", m) for m in errors), errors
     finally:
         os.kill(pid, signal.SIGKILL)
