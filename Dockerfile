@@ -25,6 +25,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TRANSFORMERS_OFFLINE=1 \
     DITSERVE_CACHE_ROOT=/var/cache/ditserve
 
+# `--compile` (spec.compile) uses inductor, whose GPU kernels Triton builds with the host C
+# compiler; CUDA runtime base images ship none (the engine refuses --compile without one).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/ditserve
 COPY pyproject.toml setup.py README.md requirements.txt ./
 COPY ditserve/ ditserve/

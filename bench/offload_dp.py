@@ -53,6 +53,7 @@ import offload as single  # noqa: E402  (bench/offload.py: model builder, inputs
 from ditserve.engine.config import OffloadConfig  # noqa: E402
 from ditserve.engine.offload import enable_offload  # noqa: E402
 from ditserve.engine.offload.gather import _all_gather  # noqa: E402
+from ditserve.engine.offload.transfer import CudaStreamTransfer  # noqa: E402
 
 GIB = 1024**3
 RES = 1024
@@ -191,6 +192,7 @@ class Rank:
             self.out["methods"]["local"]["report_at_end"] = handle.report()
             handle.disable()  # blocks back on the host (pageable), ready to be sharded
         self.barrier()
+        self.prime(a.prime)
         if "allgather" in a.methods:
             # A variant named twice runs twice (fresh shards each time): "s8", "s8#2", ...
             names = [v if a.variants[:i].count(v) == 0 else f"{v}#{a.variants[:i].count(v) + 1}"
@@ -200,6 +202,43 @@ class Rank:
                 last = i == len(names) - 1
                 self.allgather(model, name, first=i == 0, last=last)
         return self.out
+
+    def prime(self, what: list[str]) -> None:
+        """Diagnosis of the slow first enable: before it, touch what the later enables find
+        already used. ``pages``: pin, copy and unpin as many host bytes as a shard set (fresh
+        pages for this process); ``nccl``: a high-priority NCCL group gathers shard-sized
+        buffers (2000 times, ~5 s on NVLink)."""
+        if not self.cuda:
+            return
+        if "pages" in what:
+            t0 = time.monotonic()
+            transfer = CudaStreamTransfer(self.device, 2)
+            chunk = 340 * 2**20
+            slot = torch.empty(chunk, dtype=torch.uint8, device=self.device)
+            held = []
+            for _ in range(34):  # 11.3 GiB, about one rank's shards, all held at once
+                buf = transfer.allocate_host(chunk)
+                buf.fill_(1)
+                slot.copy_(buf)
+                held.append(buf)
+            for buf in held:
+                transfer.free_host(buf)
+            del held, buf, slot
+            log(self.rank, f"primed pages: 11.3 GiB pinned, copied, unpinned in "
+                           f"{time.monotonic() - t0:.1f} s")
+        if "nccl" in what:
+            group = self.weight_group()
+            n = 170 * 2**20
+            shard = torch.ones(n, dtype=torch.bfloat16, device=self.device)
+            full = torch.empty(n * self.world, dtype=torch.bfloat16, device=self.device)
+            t0 = time.monotonic()
+            for _ in range(2000):  # the same count on every rank (a collective)
+                dist.all_gather_into_tensor(full, shard, group=group)
+            self.sync()
+            del shard, full
+            log(self.rank, f"primed NCCL: 2000 gathers of 680 MiB on a high-priority group in "
+                           f"{time.monotonic() - t0:.1f} s")
+        self.barrier()
 
     def allgather(self, model: torch.nn.Module, name: str, *, first: bool, last: bool) -> None:
         a = self.args
@@ -385,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
                         "high-priority NCCL group, as the engine's weight group uses")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the torch-profiler pass (sync calls per step)")
+    p.add_argument("--prime", nargs="*", default=[], choices=["pages", "nccl"],
+                   help="diagnosis: before the first AllGather enable, pin and copy fresh host "
+                        "pages (pages) and/or run gathers on a spare NCCL group (nccl)")
     p.add_argument("--tiny", action="store_true", help="small model on CPU (gloo): smoke test")
     args = p.parse_args(argv)
     for v in args.variants:

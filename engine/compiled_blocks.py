@@ -18,6 +18,8 @@ recompile limit a block runs eagerly (correct, just not compiled).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import torch
 from torch import nn
@@ -25,6 +27,30 @@ from torch import nn
 from ditserve.engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def require_toolchain(backend: str, device: torch.device) -> None:
+    """Refuse ``--compile inductor`` where inductor would fail on its first compile.
+
+    Inductor's GPU kernels are Triton's, and Triton builds each kernel's launcher with the host
+    C compiler; its CPU kernels are C++. CUDA *runtime* container images (the official PyTorch
+    ones among them) ship neither, and without this check the failure would surface only in the
+    warm-up, after the weights were loaded. Called before loading.
+    """
+    if backend != "inductor":
+        return
+    if device.type == "cuda":
+        names, env, what = ("cc", "gcc", "clang"), "CC", "a C compiler (Triton builds its kernel launchers with it)"
+    else:
+        names, env, what = ("c++", "g++", "clang++"), "CXX", "a C++ compiler (inductor's CPU kernels are C++)"
+    candidates = [os.environ.get(env) or "", *names]
+    if any(c and shutil.which(c) for c in candidates):
+        return
+    raise ConfigError(
+        f"--compile inductor on {device.type} needs {what}, and none of {env}, "
+        f"{', '.join(names)} is on PATH: install gcc/g++ (the ditserve image has it), set {env}, "
+        "or run without --compile"
+    )
 
 
 def compile_repeated_blocks(model: nn.Module, backend: str) -> int:

@@ -59,6 +59,10 @@ class ModelRunner:
         self.config = config
         self.device = device if device is not None else resolve_device(config.device)
         started = time.perf_counter()
+        if config.compile is not None:
+            from ditserve.engine.compiled_blocks import require_toolchain
+
+            require_toolchain(config.compile, self.device)  # before minutes of loading
         offload = config.offload.enabled
         dit, host_plan = None, None
         if offload:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import COMPILE_BACKENDS, EngineConfig
 from ditserve.engine.errors import ConfigError
 from ditserve.operator.errors import InvalidSpecError
 
@@ -59,6 +59,12 @@ class OffloadSpec:
     resident_layers: int = 0
     runtime_cache: bool = False
     pin_limit_gib: float = 0.0
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    enabled: bool = False
+    backend: str = "inductor"
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class DeploymentSpec:
     parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
     offload: OffloadSpec = field(default_factory=OffloadSpec)
     batching: BatchingSpec = field(default_factory=BatchingSpec)
+    compile: CompileSpec = field(default_factory=CompileSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
     startup_timeout_s: int | None = None
@@ -199,6 +206,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     o = root.child("offload")
     rc = o.child("runtimeCache")
     b = root.child("batching")
+    co = root.child("compile")
     e = root.child("engine")
     res = e.child("resources")
     key_secret = e.child("apiKeySecret")
@@ -219,6 +227,10 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         ),
         batching=BatchingSpec(
             max_num_seqs=b.integer("maxNumSeqs", 4, 1), max_queue=b.integer("maxQueue", 64)
+        ),
+        compile=CompileSpec(
+            enabled=co.flag("enabled", False),
+            backend=co.text("backend", "inductor", COMPILE_BACKENDS),
         ),
         engine=EngineSpec(
             image=e.text("image") or None,
@@ -310,6 +322,7 @@ def engine_config(spec: DeploymentSpec) -> EngineConfig:
             "max_num_seqs": spec.batching.max_num_seqs,
             "max_queue": spec.batching.max_queue,
         },
+        "compile": spec.compile.backend if spec.compile.enabled else None,
     }
     if spec.offload.slots is not None:  # unset: the engine picks per mode
         mapping["offload"]["slots"] = spec.offload.slots  # type: ignore[index]

@@ -71,6 +71,42 @@ def test_compile_flag_and_validation() -> None:
         EngineConfig.from_mapping({"compile": "tensorrt"})
 
 
+def test_inductor_without_a_compiler_is_refused_before_loading(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.compiled_blocks import require_toolchain
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError, match="needs a C compiler .*install gcc"):
+        require_toolchain("inductor", torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
+        require_toolchain("inductor", torch.device("cpu"))
+    require_toolchain("aot_eager", torch.device("cuda", 0))  # traces only: nothing to build
+    require_toolchain("eager", torch.device("cpu"))
+
+
+def test_a_compiler_named_by_the_environment_is_enough(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.compiled_blocks import require_toolchain
+
+    compiler = tmp_path / "my-cc"
+    compiler.write_text("#!/bin/sh\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("CC", str(compiler))
+    require_toolchain("inductor", torch.device("cuda", 0))  # no error
+
+
+def test_engine_refuses_inductor_without_a_compiler_before_loading(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    config = EngineConfig.from_mapping({"compile": "inductor", "device": "cpu"})
+    # The model directory does not exist: the check must fire before anything is read.
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
+        ModelRunner(config, model_dir=tmp_path / "missing")
+
+
 def test_a_model_without_repeated_blocks_is_refused() -> None:
     from ditserve.engine.compiled_blocks import compile_repeated_blocks
 

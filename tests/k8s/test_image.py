@@ -58,6 +58,15 @@ def test_cuda_base_and_non_root_user() -> None:
     assert users[-1] == "1000:1000"
 
 
+def test_a_runtime_base_gets_the_compiler_that_compile_needs() -> None:
+    # A CUDA runtime base has no C compiler, and inductor's Triton kernels need one
+    # (spec.compile / --compile); installing it must happen as root, before USER.
+    words = [word for word, _ in _instructions()]
+    installs = [i for i, (word, rest) in enumerate(_instructions())
+                if word == "RUN" and "apt-get install" in rest and " gcc" in rest]
+    assert installs and installs[0] < words.index("USER")
+
+
 def test_documented_build_tag_is_the_chart_and_operator_default() -> None:
     chart = yaml.safe_load((REPO / "charts/ditserve/Chart.yaml").read_text())
     values = yaml.safe_load((REPO / "charts/ditserve/values.yaml").read_text())

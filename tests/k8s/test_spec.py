@@ -28,6 +28,16 @@ def test_mapping_onto_the_engine_config() -> None:
     assert off.cache_root is None  # pods get it from $DITSERVE_CACHE_ROOT
 
 
+def test_compile_maps_onto_the_engine_backend_and_is_off_by_default() -> None:
+    base = {"model": {"hostPath": "/m"}}
+    assert validate(base)[1].compile is None
+    assert validate({**base, "compile": {"enabled": True}})[1].compile == "inductor"
+    assert validate({**base, "compile": {"enabled": True, "backend": "aot_eager"}})[1].compile == "aot_eager"
+    assert validate({**base, "compile": {"backend": "eager"}})[1].compile is None  # not enabled
+    with pytest.raises(InvalidSpecError, match="spec.compile.backend must be one of inductor"):
+        validate({**base, "compile": {"enabled": True, "backend": "tvm"}})
+
+
 def test_slots_pass_through_only_when_set() -> None:
     base = {"model": {"hostPath": "/m", "sizeGiB": 1}, "parallelism": {"data": 2}}
     _, config = validate({**base, "offload": {"enabled": True, "slots": 6}})
