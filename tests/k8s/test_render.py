@@ -58,7 +58,8 @@ def mebi(n_gib: float) -> str:
 VARIANTS = {
     "minimal": spec_of(),
     "dp4-offload-cache": spec_of(parallelism={"data": 4}, replicas=2,
-                                 offload={"enabled": True, "runtimeCache": {"enabled": True}}),
+                                 offload={"enabled": True, "runtimeCache": {"enabled": True}},
+                                 compile={"enabled": True}),
     "sp2-no-allgather-resident": spec_of(parallelism={"sequence": 2},
                                          offload={"enabled": True, "useAllGather": False,
                                                   "residentLayers": 8}),
@@ -107,6 +108,9 @@ def test_engine_config_map_matches_the_engine_contract() -> None:
     assert config.parallel.data_parallel_size == 4 and config.parallel.sequence_parallel_size == 1
     assert config.offload.enabled and config.offload.runtime_cache and config.offload.use_allgather
     assert config.model == "/models/model" and config.dtype == "bfloat16"
+    assert config.compile == "inductor"
+    minimal = yaml.safe_load(children(VARIANTS["minimal"])["ConfigMap"]["data"]["engine.yaml"])
+    assert minimal.get("compile") is None  # not enabled: the engine runs the blocks eagerly
     engine = kids["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert engine["command"] == ["ditserve", "serve", "--config", "/etc/ditserve/engine.yaml"]
 
