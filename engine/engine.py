@@ -82,6 +82,7 @@ class DiffusionEngine:
         # With config.compile: also warm up (compile) at this (height, width) before ready.
         # The HTTP server sets its default size; None skips it (the first requests compile).
         self.compile_warmup_size: tuple[int, int] | None = None
+        self.compiling = False  # True while the warm-up compiles the blocks (before ready)
 
     @property
     def schedulers(self) -> list[StepScheduler]:
@@ -136,9 +137,13 @@ class DiffusionEngine:
         height, width = size
         log.info("--compile: compiling the DiT blocks for %dx%d before ready (can take minutes)",
                  width, height)
-        self._warm_step(height, width, requests=1)
-        if self.config.scheduler.max_num_seqs > 1:
-            self._warm_step(height, width, requests=2)
+        self.compiling = True  # /ready says "compiling" rather than "loading" meanwhile
+        try:
+            self._warm_step(height, width, requests=1)
+            if self.config.scheduler.max_num_seqs > 1:
+                self._warm_step(height, width, requests=2)
+        finally:
+            self.compiling = False
 
     def _warm_step(self, height: int, width: int, *, requests: int) -> None:
         """One one-step wave with ``requests`` requests per rank, waited for and checked."""

@@ -85,9 +85,12 @@ def readiness(state: ServerState) -> dict[str, Any]:
         phase = "draining"
     elif state.ready:
         phase = "ready"
+    elif getattr(engine, "compiling", False):
+        phase = "compiling"  # weights loaded; the warm-up compiles the blocks (--compile)
     else:
         phase = "loading" if engine.executor is None or not engine.ready else "stopped"
-    body: dict[str, Any] = {"ready": state.ready, "phase": phase, "model": state.model_name}
+    body: dict[str, Any] = {"ready": state.ready, "phase": phase, "model": state.model_name,
+                            "compile": engine.config.compile}
     if state.startup_error:
         body["error"] = state.startup_error
     if engine.executor is not None:

@@ -49,7 +49,9 @@ def _admit(state: ServerState, params: Any, on_event: Any = None) -> Any:
     if state.draining:
         raise _unavailable(state, "the server is shutting down; retry on another replica")
     if not state.engine.ready:
-        detail = state.startup_error or "the model is still loading; poll GET /ready"
+        loading = ("the DiT blocks are still compiling (--compile)"
+                   if getattr(state.engine, "compiling", False) else "the model is still loading")
+        detail = state.startup_error or f"{loading}; poll GET /ready"
         raise _unavailable(state, detail)
     try:
         return state.engine.add_request(params, on_event=on_event)

@@ -31,6 +31,7 @@ class FakeEngine:
     pixel_multiple: int = 4
     max_prompt_chars: int = 4000
     compile_warmup_size: tuple[int, int] | None = None
+    compiling: bool = False
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 

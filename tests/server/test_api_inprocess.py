@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ditserve.engine.config import EngineConfig
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.auth import check_bearer
 from ditserve.engine.server.config import ServerConfig
@@ -102,6 +103,16 @@ def test_loading_engine_is_not_ready_and_refuses_work() -> None:
     assert gen.status_code == 503
     assert gen.json()["error"]["message"] == "the model is still loading; poll GET /ready"
     assert health.status_code == 200
+
+
+def test_ready_says_compiling_while_the_warm_up_compiles() -> None:
+    engine = FakeEngine(ready=False, compiling=True, config=EngineConfig(compile="inductor"))
+    (ready, gen), _ = call(engine, ("GET", "/ready", None), ("POST", GEN, {"prompt": "cat"}))
+    assert ready.status_code == 503
+    assert (ready.json()["phase"], ready.json()["compile"]) == ("compiling", "inductor")
+    assert gen.status_code == 503
+    assert gen.json()["error"]["message"] == (
+        "the DiT blocks are still compiling (--compile); poll GET /ready")
 
 
 def test_default_size_and_steps_follow_the_config() -> None:
