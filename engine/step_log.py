@@ -2,7 +2,8 @@
 
 While the engine works, about every ``interval_s`` it logs at INFO: steps run, their time (GPU time
 on CUDA; mean, min, max), mean batch in requests and rows, images finished and requests
-failed. Idle periods log nothing. It is an ``EngineObserver``: the engine calls it on its loop
+failed, and with layerwise offload each rank's recent host->device copy rate. Idle periods
+log nothing. It is an ``EngineObserver``: the engine calls it on its loop
 thread, after each step, so the summary costs no extra synchronization. Operators read step
 time drifting in pod logs without scraping /metrics; the benchmarks keep the server's log.
 """
@@ -28,10 +29,14 @@ class StepLog:
         *,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger = log,
+        copy_rates: Callable[[], list[float | None]] | None = None,
     ) -> None:
+        """copy_rates: each rank's recent H2D rate in GB/s (``copy_rates_of`` an offload
+        report), appended to the line when offload copies were timed."""
         self.interval_s = interval_s
         self._clock = clock
         self._log = logger
+        self._copy_rates = copy_rates
         self._since: float | None = None  # start of the current window
         self._last: float | None = None  # the latest event
         self._reset()
@@ -76,12 +81,31 @@ class StepLog:
             steps = len(self._times)
             self._log.info(
                 "%d steps in %.1f s: step %.0f ms mean (min %.0f, max %.0f), batch %.2f "
-                "requests / %.2f rows, %d images finished, %d requests failed",
+                "requests / %.2f rows, %d images finished, %d requests failed%s",
                 steps, elapsed, 1e3 * sum(self._times) / steps, 1e3 * min(self._times),
                 1e3 * max(self._times), self._requests / steps, self._rows / steps,
-                self._images, self._failed,
+                self._images, self._failed, self._copy_rate_text(),
             )
         elif self._images or self._failed:
             self._log.info("%d images finished, %d requests failed in %.1f s",
                            self._images, self._failed, elapsed)
         self._reset()
+
+    def _copy_rate_text(self) -> str:
+        try:
+            rates = self._copy_rates() if self._copy_rates is not None else []
+        except Exception:  # a log line must never take the engine loop down
+            log.debug("no copy rates for the step summary", exc_info=True)
+            return ""
+        if not rates or all(r is None for r in rates):
+            return ""
+        shown = "/".join("-" if r is None else f"{r:.1f}" for r in rates)
+        ranks = f" (ranks {'/'.join(str(i) for i in range(len(rates)))})" if len(rates) > 1 else ""
+        return f", H2D {shown} GB/s{ranks}"
+
+
+def copy_rates_of(report: dict[str, Any] | None) -> list[float | None]:
+    """Each rank's recent host->device rate from an engine offload report ([] without DLO)."""
+    if not report:
+        return []
+    return [(r or {}).get("h2d_gbps_recent") for r in report.get("ranks") or [report]]

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ditserve.engine.errors import OffloadError
+from ditserve.engine.offload.copy_clock import CopyClock
 from ditserve.engine.offload.transfer import CopyPairs
 
 SHARD_SLOTS = 3
@@ -72,7 +73,11 @@ class GatherTransfer:
         self.gathered_bytes = 0
         self.gathers = 0
 
-    # -- host memory: the base transfer's ---------------------------------------------------------
+    # -- host memory and the copy clock: the base transfer's ---------------------------------------
+    @property
+    def clock(self) -> CopyClock | None:  # None on a CPU
+        return self._base.clock  # type: ignore[no-any-return]
+
     @property
     def backing(self) -> str:
         return f"{self._base.backing}-shards"
@@ -130,12 +135,14 @@ class GatherTransfer:
                 shard.copy_(src)
                 _all_gather(dst, shard, group=self.group)
             return
-        copy, comm = self._base.stream, self.comm_stream
+        copy, comm, clock = self._base.stream, self.comm_stream, self._base.clock
         with torch.cuda.stream(copy):
             # Write-after-read on the shard slot: wait for the gather that last read it.
             copy.wait_event(self.gathered[j])
+            started = clock.start(copy)
             for _, src, shard in triples:
                 shard.copy_(src, non_blocking=True)
+            clock.stop(copy, started, sum(src.nbytes for _, src, _ in triples))
             self.copied[j].record(copy)
         with torch.cuda.stream(comm):
             # Read-after-write on the shard slot; write-after-read on the block slot, whose

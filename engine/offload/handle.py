@@ -94,7 +94,12 @@ class OffloadHandle:
             **self.host_info,
             **self._shard_report(),
             **self._mapped_report(),
+            **self._copy_rate_report(),
         }
+
+    def _copy_rate_report(self) -> dict[str, Any]:
+        clock = getattr(self._transfer, "clock", None)
+        return clock.report() if clock is not None else {}
 
     def _mapped_report(self) -> dict[str, Any]:
         if not isinstance(self._storage, MappedStorage) or not self.active:

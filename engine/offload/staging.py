@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ditserve.engine.offload.copy_clock import CopyClock
 from ditserve.engine.offload.host_plan import HostWeightPlan
 from ditserve.engine.offload.mapped_storage import MappedRegion, MappedStorage
 from ditserve.engine.offload.plan import ALIGN_BYTES, SlotLayout
@@ -79,6 +80,10 @@ class MappedTransfer:
             self._make_staging(slot_layout)
         self.backing = f"{plan.kind}-{path}"
         self._closed = False
+
+    @property
+    def clock(self) -> CopyClock | None:  # the base transfer's (None on a CPU)
+        return self.base.clock  # type: ignore[no-any-return]
 
     @property
     def pinned_bytes(self) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.errors import OffloadError
+from ditserve.engine.offload.copy_clock import CopyClock
 
 log = logging.getLogger(__name__)
 PAGE = 4096
@@ -42,6 +43,7 @@ class SyncTransfer:
 
     name = "sync-copy"
     backing = "pageable"
+    clock = None  # nothing to time: a copy is done when load returns
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -88,6 +90,7 @@ class CudaStreamTransfer:
         self.pinned_bytes = 0
         self.backing = "pinned-registered"
         self._registered: dict[int, int] = {}  # data_ptr -> bytes, to unregister on release
+        self.clock = CopyClock()  # achieved H2D rate, for the report
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         """Page-locked host memory of exactly ``nbytes``: malloc'd, then cudaHostRegister'ed.
@@ -145,8 +148,10 @@ class CudaStreamTransfer:
             # Write-after-read: the block that last used this slot may still be running on
             # the compute stream; the copy stream waits for it, the host does not.
             self.stream.wait_event(self.free[slot])
+            started = self.clock.start(self.stream)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+            self.clock.stop(self.stream, started, sum(src.nbytes for _, src in pairs))
             self.ready[slot].record(self.stream)
 
     def wait_ready(self, slot: int) -> None:

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ditserve.engine.step_log import copy_rates_of
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -70,6 +72,14 @@ class _EngineStateCollector(Collector):
                                     "Page-locked host bytes of DLO (slabs, registered "
                                     "mappings or staging slots).",
                                     value=float(report.get("pinned_host_bytes", 0)))
+            rates = GaugeMetricFamily(
+                "ditserve:offload_h2d_bytes_per_second",
+                "Host->device rate the DLO weight copies reached over the last few hundred "
+                "block loads, timed on the GPU; per rank.", labels=["rank"])
+            for rank, rate in enumerate(copy_rates_of(report)):
+                if rate is not None:
+                    rates.add_metric([str(rank)], rate * 1e9)
+            yield rates
 
 
 class ServingMetrics:

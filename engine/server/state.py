@@ -17,7 +17,7 @@ from typing import Any
 
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.metrics import ServingMetrics
-from ditserve.engine.step_log import StepLog
+from ditserve.engine.step_log import StepLog, copy_rates_of
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ServerState:
             engine.compile_warmup_size = (height, width)
         metrics = ServingMetrics(lambda: engine)
         engine.observers.append(metrics)
-        engine.observers.append(StepLog())
+        engine.observers.append(StepLog(copy_rates=lambda: copy_rates_of(engine.offload_report())))
         return cls(engine, config, metrics, name, size, steps, **kwargs)
 
     @property

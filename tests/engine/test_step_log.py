@@ -48,3 +48,43 @@ def test_nothing_is_logged_before_an_interval_has_passed(caplog: pytest.LogCaptu
         clock.now = float(i)
         steps.on_step(requests=1, rows=1, seconds=0.1)
     assert caplog.records == []
+
+
+def test_appends_each_ranks_copy_rate_when_offload_copies_are_timed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    rates: list[float | None] = [55.12, 51.9]
+    steps = StepLog(10.0, clock=clock, logger=logging.getLogger("test.steps3"),
+                    copy_rates=lambda: rates)
+    caplog.set_level(logging.INFO, logger="test.steps3")
+    steps.on_step(requests=1, rows=1, seconds=0.23)
+    clock.now = 11.0
+    steps.on_step(requests=1, rows=1, seconds=0.23)
+    assert caplog.records[-1].getMessage().endswith(
+        "0 requests failed, H2D 55.1/51.9 GB/s (ranks 0/1)")
+    rates[:] = [None]  # nothing timed yet (or no offload): no suffix
+    clock.now = 22.0
+    steps.on_step(requests=1, rows=1, seconds=0.23)
+    assert caplog.records[-1].getMessage().endswith("0 requests failed")
+
+
+def test_a_failing_rate_source_does_not_break_the_line(caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> list[float | None]:
+        raise RuntimeError("engine stopped")
+
+    clock = Clock()
+    steps = StepLog(10.0, clock=clock, logger=logging.getLogger("test.steps4"), copy_rates=broken)
+    caplog.set_level(logging.INFO, logger="test.steps4")
+    steps.on_step(requests=1, rows=1, seconds=0.2)
+    clock.now = 11.0
+    steps.on_step(requests=1, rows=1, seconds=0.2)
+    assert caplog.records[-1].getMessage().endswith("0 requests failed")
+
+
+def test_copy_rates_of_an_engine_report() -> None:
+    from ditserve.engine.step_log import copy_rates_of
+
+    assert copy_rates_of(None) == []
+    assert copy_rates_of({"h2d_gbps_recent": 54.0}) == [54.0]
+    assert copy_rates_of({"h2d_gbps_recent": 54.0,
+                          "ranks": [{"h2d_gbps_recent": 54.0}, None]}) == [54.0, None]

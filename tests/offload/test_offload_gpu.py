@@ -37,6 +37,10 @@ def test_stream_path_equals_resident_in_bf16() -> None:
         for _ in range(4):
             out = run(model, inputs)
             assert torch.equal(out, expected)
+        torch.cuda.synchronize()
+        rate = handle.report()  # the copy clock: every load timed, a plausible PCIe rate
+        assert rate["h2d_timed_bytes"] == pytest.approx(rate["bytes_transferred"], rel=0.05)
+        assert 0.1 < rate["h2d_gbps"] < 1000 and rate["h2d_gbps_recent"] is not None
         assert not any(holds_storage(p) for p in model.transformer_blocks.parameters())
         assert model.transformer_blocks[0].ff.net[2].weight.device.type == "cuda"
     finally:

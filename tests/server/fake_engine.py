@@ -32,6 +32,7 @@ class FakeEngine:
     max_prompt_chars: int = 4000
     compile_warmup_size: tuple[int, int] | None = None
     compiling: bool = False
+    offload: dict[str, Any] | None = None  # what offload_report() returns
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -93,8 +94,8 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 0, 0, 0)
 
-    def offload_report(self) -> None:
-        return None
+    def offload_report(self) -> dict[str, Any] | None:
+        return self.offload
 
     def shutdown(self, grace_seconds: float = 0.0) -> None:
         self.ready = False

@@ -115,6 +115,16 @@ def test_ready_says_compiling_while_the_warm_up_compiles() -> None:
         "the DiT blocks are still compiling (--compile); poll GET /ready")
 
 
+def test_metrics_export_each_ranks_copy_rate(metric) -> None:  # type: ignore[no-untyped-def]
+    rank0 = {"bytes_transferred": 10, "pinned_host_bytes": 5, "h2d_gbps_recent": 55.1}
+    offload = {**rank0, "ranks": [rank0, {"h2d_gbps_recent": 51.9}, {"h2d_gbps_recent": None}]}
+    (response,), _ = call(FakeEngine(offload=offload), ("GET", "/metrics", None))
+    text = response.text
+    assert metric(text, 'ditserve:offload_h2d_bytes_per_second{rank="0"}') == 55.1e9
+    assert metric(text, 'ditserve:offload_h2d_bytes_per_second{rank="1"}') == 51.9e9
+    assert 'rank="2"' not in text  # nothing timed on that rank yet
+
+
 def test_default_size_and_steps_follow_the_config() -> None:
     config = ServerConfig(default_size="32x48", default_steps=3)
     (response,), _ = call(FakeEngine(), ("POST", GEN, {"prompt": "cat", "seed": 5}),
