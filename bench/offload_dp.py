@@ -133,14 +133,19 @@ class Rank:
         return statistics.median(times)
 
     # -- step timing ----------------------------------------------------------------------------
-    def cells(self, method: str, model: torch.nn.Module, *, idle_handle: Any = None) -> None:
+    def cells(self, method: str, model: torch.nn.Module, *, idle_handle: Any = None,
+              handle: Any = None) -> None:
+        """Time each batch size; with an offload ``handle`` also the H2D rate this rank's
+        copies reached during the cell (its copy clock, bytes / copy time)."""
         a = self.args
+        handle = handle or idle_handle
         for batch in a.batches:
             inputs = single.flux_inputs(RES if not a.tiny else 64, batch, self.device)
             self.sync()
             self.barrier()
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
+            before = copy_clock(handle)
             if idle_handle is not None and self.rank != 0:
                 for _ in range(a.warmup + a.iters):  # as many passes as rank 0's forwards
                     idle_handle.idle_pass()
@@ -151,12 +156,14 @@ class Rank:
             cell = {"method": method, "batch": batch,
                     "ms": statistics.median(times) if times else None,
                     "ms_all": [round(t, 2) for t in times],
-                    "peak_hbm_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else 0}
+                    "peak_hbm_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else 0,
+                    "h2d_gbps": cell_rate(before, copy_clock(handle))}
             self.out["cells"].append(cell)
-            if cell["ms"] is not None:
+            rate = f", H2D {cell['h2d_gbps']:.1f} GB/s" if cell["h2d_gbps"] else ""
+            if cell["ms"] is not None or rate:
+                ms = f"{cell['ms']:8.1f} ms/step" if cell["ms"] is not None else "idle (gathers only)"
                 print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method:15s} b{batch}: "
-                      f"{cell['ms']:8.1f} ms/step, peak {cell['peak_hbm_bytes'] / GIB:6.2f} GiB",
-                      flush=True)
+                      f"{ms}, peak {cell['peak_hbm_bytes'] / GIB:6.2f} GiB{rate}", flush=True)
             del inputs
 
     def offloaded(self, method: str, model: torch.nn.Module, group: Any, slots: int = 2,
@@ -188,7 +195,7 @@ class Rank:
             self.cells("resident", model)
         if "local" in a.methods:
             handle = self.offloaded("local", model, None)
-            self.cells("local", model)
+            self.cells("local", model, handle=handle)
             self.out["methods"]["local"]["report_at_end"] = handle.report()
             handle.disable()  # blocks back on the host (pageable), ready to be sharded
         self.barrier()
@@ -257,7 +264,7 @@ class Rank:
             self.out["gather_ms_largest_block"] = self.gather_ms(slot)
             log(self.rank, f"all_gather of the largest block ({slot / 2**20:.0f} MiB): "
                            f"{self.out['gather_ms_largest_block']:.2f} ms")
-        self.cells(method, model)
+        self.cells(method, model, handle=handle)
         if first or a.idle_every_variant:
             self.cells(f"allgather-idle {name}", model, idle_handle=handle)
         if self.cuda and a.profile:
@@ -273,6 +280,23 @@ class Rank:
         # Rebuild the full blocks on the host for the next variant (a collective); the last
         # variant ends the run and skips it.
         handle.disable(gather=not last)
+
+
+def copy_clock(handle: Any) -> tuple[int, float] | None:
+    """(timed bytes, copy seconds) of an offload handle's copy clock; None without one."""
+    if handle is None:
+        return None
+    report = handle.report()
+    if report.get("h2d_timed_bytes") is None:
+        return None
+    return report["h2d_timed_bytes"], report["h2d_copy_seconds"]
+
+
+def cell_rate(before: tuple[int, float] | None, after: tuple[int, float] | None) -> float | None:
+    """GB/s of the copies timed between two ``copy_clock`` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]) / 1e9, 2)
 
 
 def parse_variant(text: str) -> tuple[int, int, str]:
@@ -315,10 +339,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
 
 
 # -- report ---------------------------------------------------------------------------------------
-def cell(r: dict[str, Any], method: str, batch: int) -> float | None:
+def cell(r: dict[str, Any], method: str, batch: int, key: str = "ms") -> float | None:
     for c in r["cells"]:
         if c["method"] == method and c["batch"] == batch:
-            return c["ms"]
+            return c.get(key)
     return None
 
 
@@ -362,8 +386,8 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
     methods = ["resident", "local"] + [f"{m} {v}" for v in variants
                                        for m in ("allgather", "allgather-idle")]
     lines.append("| method | batch | " + " | ".join(f"rank {r['rank']} ms/step" for r in ranks)
-                 + " | images/s (busy ranks, 28 steps) |")
-    lines.append("|---|---|" + "---|" * len(ranks) + "---|")
+                 + " | images/s (busy ranks, 28 steps) | H2D GB/s per rank (copy clock) |")
+    lines.append("|---|---|" + "---|" * len(ranks) + "---|---|")
     for m in methods:
         for b in args.batches:
             ms = [cell(r, m, b) for r in ranks]
@@ -371,8 +395,10 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
                 continue
             busy = [v for v in ms if v is not None]
             ips = (sum(b * 1e3 / (STEPS_PER_IMAGE * v) for v in busy))
+            rates = [cell(r, m, b, "h2d_gbps") for r in ranks]
+            rate = " / ".join("-" if v is None else f"{v:.1f}" for v in rates)
             lines.append(f"| {m} | {b} | " + " | ".join("idle" if v is None else f"{v:.0f}"
-                                                         for v in ms) + f" | {ips:.3f} |")
+                                                         for v in ms) + f" | {ips:.3f} | {rate} |")
     lines += ["", "| method | per-rank pinned host GiB | per-rank host GiB | streamed GiB/step/rank over PCIe | enable s |",
               "|---|---|---|---|---|"]
     for m in ["local"] + [f"allgather {v}" for v in variants]:
