@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single-layers", type=int, default=38, help="single-stream blocks (38)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--backend", default="inductor")
-    p.add_argument("--dlo", action="store_true", help="stream every block (DLO, 2 slots)")
+    p.add_argument("--dlo", action="store_true", help="stream every block (DLO)")
+    p.add_argument("--slots", type=int, default=2, help="with --dlo: device slots (default 2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
@@ -71,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     model: Any = single.build_flux(device)
     if a.dlo:
         model = model.cpu()
-        enable_offload(model, OffloadConfig(enabled=True), device=device)
+        enable_offload(model, OffloadConfig(enabled=True, slots=a.slots), device=device)
     blocks = a.layers + a.single_layers
+    mode = f"DLO, {a.slots} slots" if a.dlo else "resident"
     single.log(f"{blocks} blocks, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
-               f"params, {'DLO' if a.dlo else 'resident'}; eager")
+               f"params, {mode}; eager")
     eager = measure(model, a.batches, a.warmup, a.iters, device)
     compile_repeated_blocks(model, a.backend)
     single.log(f"compiled ({a.backend})")
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(rows)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\n{gpu} torch {torch.__version__}, "
-          f"{'DLO' if a.dlo else 'resident'}, {blocks} blocks, 1024x1024\n\n{table}")
+          f"{mode}, {blocks} blocks, 1024x1024\n\n{table}")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "compile.json").write_text(json.dumps(
