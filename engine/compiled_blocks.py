@@ -40,9 +40,11 @@ def require_toolchain(backend: str, device: torch.device) -> None:
     if backend != "inductor":
         return
     if device.type == "cuda":
-        names, env, what = ("cc", "gcc", "clang"), "CC", "a C compiler (Triton builds its kernel launchers with it)"
+        names, env = ("cc", "gcc", "clang"), "CC"
+        what = "a C compiler (Triton builds its kernel launchers with it)"
     else:
-        names, env, what = ("c++", "g++", "clang++"), "CXX", "a C++ compiler (inductor's CPU kernels are C++)"
+        names, env = ("c++", "g++", "clang++"), "CXX"
+        what = "a C++ compiler (inductor's CPU kernels are C++)"
     candidates = [os.environ.get(env) or "", *names]
     if any(c and shutil.which(c) for c in candidates):
         return
