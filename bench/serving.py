@@ -158,8 +158,17 @@ def bench_url(url: str, args: argparse.Namespace, headers: dict[str, str]) -> di
                                        headers=headers, timeout=args.timeout))
     after = scrape(url, headers)
     ready = httpx.get(f"{url}/ready", timeout=30).json()
-    return {"summary": summarize(records, before, after), "server": ready,
-            "records": [asdict(r) for r in records]}
+    summary = summarize(records, before, after)
+    summary["h2d_gbps_per_rank"] = copy_rates(ready)
+    return {"summary": summary, "server": ready, "records": [asdict(r) for r in records]}
+
+
+def copy_rates(ready: dict[str, Any]) -> list[float | None]:
+    """Each rank's recent DLO copy rate (GB/s, timed on the GPU) from a /ready body."""
+    offload = ready.get("offload") or {}
+    if not offload.get("enabled"):
+        return []
+    return [(r or {}).get("h2d_gbps_recent") for r in offload.get("ranks") or [offload]]
 
 
 def _free_port() -> int:
@@ -215,7 +224,7 @@ def fmt(value: Any, spec: str = ".2f") -> str:
 
 def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
     head = (f"{'config':<22} {'ok/n':>6} {'dur s':>7} {'req/s':>7} {'img/s':>7} {'p50 s':>7} "
-            f"{'p90 s':>7} {'p99 s':>7} {'queue s':>8} {'batch':>6} {'step s':>7}")
+            f"{'p90 s':>7} {'p99 s':>7} {'queue s':>8} {'batch':>6} {'step s':>7}  H2D GB/s")
     print(head)
     print("-" * len(head))
     for label, s in rows:
@@ -223,7 +232,8 @@ def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
               f"{fmt(s['throughput_rps'], '.3f'):>7} {fmt(s['throughput_images_per_s'], '.3f'):>7} "
               f"{fmt(s['latency_p50_s']):>7} {fmt(s['latency_p90_s']):>7} "
               f"{fmt(s['latency_p99_s']):>7} {fmt(s['queue_mean_s']):>8} "
-              f"{fmt(s['mean_batch_size']):>6} {fmt(s['mean_step_s'], '.3f'):>7}")
+              f"{fmt(s['mean_batch_size']):>6} {fmt(s['mean_step_s'], '.3f'):>7}  "
+              + ("/".join(fmt(r, ".1f") for r in s.get("h2d_gbps_per_rank") or []) or "-"))
 
 
 def main(argv: list[str] | None = None) -> int:
