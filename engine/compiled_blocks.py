@@ -7,7 +7,9 @@ block serves every other one. The same property keeps layerwise offload compatib
 repoint a streamed block's parameters into a device slot before each call, and to dynamo that
 is just another input with the same shape, dtype and strides (no recompile). The hooks
 themselves (stream ordering, slot bookkeeping) run in ``Module.__call__`` around the compiled
-``forward``, never inside it.
+``forward``, never inside it. That is why this is not diffusers' own
+``ModelMixin.compile_repeated_blocks``: it calls ``Module.compile``, which compiles
+``__call__`` with its hooks, and would trace DLO's stream waits and pointer swaps.
 
 Shapes: the batch (rows) and the token count change between steps and requests. Dynamo
 compiles the first shape statically and, at the first change, one graph with those sizes

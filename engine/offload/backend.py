@@ -2,8 +2,9 @@
 
 ``enable_offload`` turns a diffusers DiT into a streamed model, all or nothing: discover the
 block lists, plan layouts and residency, fill one host slab per streamed block, allocate the
-device slots (``offload.slots``; by default two, or eight with AllGather), move resident modules to the device, attach the hooks, and only then swap the
-streamed blocks' tensors for placeholders. Any failure undoes every step and raises
+device slots (``offload.slots``; by default two, or eight with AllGather), move resident
+modules to the device, attach the hooks, and only then swap the streamed blocks' tensors for
+placeholders. Any failure undoes every step and raises
 ``OffloadError``; the model is left as it was.
 
 The returned ``OffloadHandle`` (``handle``) reports what is streamed and undoes it.

@@ -93,18 +93,14 @@ class CopyEngineGather(GatherTransfer):
     def load(self, pairs: CopyPairs, slot: int) -> None:
         j, triples = self._next_load(pairs)
         signals = self._signals
-        copy, comm, clock = self._base.stream, self.comm_stream, self._base.clock
+        copy, comm = self._base.stream, self.comm_stream
         with torch.cuda.stream(copy):
             if self._used[j]:
                 # Write-after-read across ranks: every peer copied our slot j's last contents.
                 for peer in self.peers:
                     signals.wait_signal(peer, _channel(READ, j))  # type: ignore[attr-defined]
             self._used[j] = True
-            started = clock.start(copy)
-            for _, src, shard in triples:
-                shard.copy_(src, non_blocking=True)
-            clock.stop(copy, started, sum(src.nbytes for _, src, _ in triples))
-            self.copied[j].record(copy)
+            self._copy_shards(j, triples)
             for peer in self.peers:
                 signals.put_signal(peer, _channel(READY, j))  # type: ignore[attr-defined]
         with torch.cuda.stream(comm):

@@ -52,25 +52,25 @@ class CopyClock:
         """Record the end of the copies started at ``started`` (``nbytes`` in all)."""
         end = self._event()
         end.record(stream)
-        with self._lock:
+        with self._lock:  # one lock round per load: this runs in the block hooks
             self._pending.append((started, end, nbytes))
-        self.harvest()
+            self._harvest()
 
-    def harvest(self) -> None:
+    def _harvest(self) -> None:
         """Account every finished span, oldest first; stop at the first one still running
-        (a stream runs its work in order, so nothing after it has finished either)."""
-        with self._lock:
-            while self._pending and self._pending[0][1].query():
-                start, end, nbytes = self._pending.popleft()
-                ms = float(start.elapsed_time(end))
-                self.copy_ms += ms
-                self.timed_bytes += nbytes
-                self._recent.append((ms, nbytes))
-                self._spare.extend((start, end))
+        (a stream runs its work in order, so nothing after it has finished either). Holds
+        the lock."""
+        while self._pending and self._pending[0][1].query():
+            start, end, nbytes = self._pending.popleft()
+            ms = float(start.elapsed_time(end))
+            self.copy_ms += ms
+            self.timed_bytes += nbytes
+            self._recent.append((ms, nbytes))
+            self._spare.extend((start, end))
 
     def report(self) -> dict[str, Any]:
-        self.harvest()
         with self._lock:
+            self._harvest()
             recent_ms = sum(ms for ms, _ in self._recent)
             recent_bytes = sum(n for _, n in self._recent)
             return {

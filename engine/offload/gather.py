@@ -135,15 +135,11 @@ class GatherTransfer:
                 shard.copy_(src)
                 _all_gather(dst, shard, group=self.group)
             return
-        copy, comm, clock = self._base.stream, self.comm_stream, self._base.clock
+        copy, comm = self._base.stream, self.comm_stream
         with torch.cuda.stream(copy):
             # Write-after-read on the shard slot: wait for the gather that last read it.
             copy.wait_event(self.gathered[j])
-            started = clock.start(copy)
-            for _, src, shard in triples:
-                shard.copy_(src, non_blocking=True)
-            clock.stop(copy, started, sum(src.nbytes for _, src, _ in triples))
-            self.copied[j].record(copy)
+            self._copy_shards(j, triples)
         with torch.cuda.stream(comm):
             # Read-after-write on the shard slot; write-after-read on the block slot, whose
             # previous block may still be running on the compute stream.
@@ -155,6 +151,18 @@ class GatherTransfer:
                 _all_gather(dst, shard, group=self.group)
             self.gathered[j].record(comm)
             self._base.ready[slot].record(comm)
+
+    def _copy_shards(
+        self, j: int, triples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """On the copy stream, once shard slot j is free: H2D of this rank's shards into it,
+        timed by the copy clock; records ``copied[j]``."""
+        copy, clock = self._base.stream, self._base.clock
+        started = clock.start(copy)
+        for _, src, shard in triples:
+            shard.copy_(src, non_blocking=True)
+        clock.stop(copy, started, sum(src.nbytes for _, src, _ in triples))
+        self.copied[j].record(copy)
 
     def wait_ready(self, slot: int) -> None:
         self._base.wait_ready(slot)

@@ -111,12 +111,14 @@ def test_enable_disable_enable() -> None:
     handle.disable()  # idempotent
 
 
-@pytest.mark.parametrize(("layers", "single"), [(1, 0), (1, 1), (2, 1), (4, 3)])
-def test_block_counts_including_odd_and_one(layers: int, single: int) -> None:
+@pytest.mark.parametrize(("layers", "single", "slots"),
+                         [(1, 0, 2), (1, 1, 2), (2, 1, 2), (4, 3, 2), (3, 4, 4)])
+def test_block_counts_including_odd_and_one(layers: int, single: int, slots: int) -> None:
+    # (3, 4, 4): a real Flux structure streamed through more than two slots.
     model = build_flux(num_layers=layers, num_single_layers=single)
     inputs = flux_inputs(2)
     expected = run(model, inputs)
-    handle = enable_offload(model, DLO, device="cpu")
+    handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots), device="cpu")
     try:
         for _ in range(3):
             assert torch.equal(run(model, inputs), expected)
