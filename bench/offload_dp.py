@@ -27,6 +27,15 @@ per-rank pinned host bytes, images/s derived from the step times for 2 and 4 con
 requests (one or two per rank), and the issue's target. Prints a table; writes JSON and a
 markdown table to --out.
 
+The target's transfer floor depends on the H2D rate, which drifts on the shared machines
+(47-55 GB/s per GPU with both copying, between instances and within minutes), so each cell
+is bracketed by the rate as it stood: a 1 GiB probe, and under AllGather a pass over each
+rank's own pinned shards (every rank copying at once, nothing else running); the report
+gives the bound from each next to the one from the start of the run. Each cell also reports
+the rate its copies reached inside the loop (the offload copy clock). ``--bisect`` adds, after
+each AllGather cell, the shards copied alone on the engine's own copy stream and into its own
+shard slot, to find which one makes a slow enable's copies slow.
+
     NCCL_NVLS_ENABLE=0 python3 bench/offload_dp.py --out $OUT
     python3 bench/offload_dp.py --tiny            # CPU smoke run (gloo, 2 processes)
 """
@@ -75,6 +84,7 @@ class Rank:
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
         self.ctl = dist.new_group(backend="gloo")  # barriers and results, off the GPU
         self.out: dict[str, Any] = {"rank": rank, "cells": [], "methods": {}}
+        self._probe: tuple[torch.Tensor, torch.Tensor, Any] | None = None
 
     def barrier(self) -> None:
         dist.barrier(group=self.ctl)
@@ -107,6 +117,69 @@ class Rank:
             gbps = float(single.measure_h2d(self.device, nbytes=GIB, reps=10)["registered_gbps"])
         self.barrier()
         return gbps
+
+    def probe(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """One registered 1 GiB host source, a 1 GiB device buffer and a stream for the run."""
+        if self._probe is None:
+            self._probe = (single.make_transfer(self.device).allocate_host(GIB).fill_(1),
+                           torch.empty(GIB, dtype=torch.uint8, device=self.device),
+                           torch.cuda.Stream(device=self.device))
+        return self._probe
+
+    def adjacent_h2d(self) -> float | None:
+        """Pinned H2D GB/s with every rank copying at once, nothing else running: taken right
+        before and after each cell, because this machine's rate drifts (47-55 GB/s per GPU
+        between instances and within one) and the target's transfer floor depends on it."""
+        if not self.cuda:
+            return None
+        host, dev, stream = self.probe()
+        self.sync()
+        self.barrier()
+        gbps = single.copy_gbps(dev, host, stream, 5)
+        self.barrier()
+        return round(gbps, 2)
+
+    def shard_pass_h2d(self, handle: Any, *, engine_stream: bool = False,
+                       engine_slot: bool = False) -> float | None:
+        """GB/s of one pass over this rank's own pinned shards (the bytes a step streams),
+        every rank copying at once and nothing else running: the floor's H2D bandwidth for
+        exactly these pages, which a 1 GiB probe can overstate (on one instance 54.5 GB/s
+        from 1 GiB against 47.5 over an 11 GiB set, both GPUs copying)."""
+        storage = getattr(handle, "_storage", None)
+        if not self.cuda or storage is None or not hasattr(storage, "shards"):
+            return None
+        _, dev, stream = self.probe()
+        transfer = handle._transfer
+        if engine_stream:  # the copy stream the engine's loads run on
+            stream = transfer._base.stream
+        regions = [r for index in sorted(storage._slabs) for r in storage.regions(index).values()]
+        self.sync()
+        self.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for region in regions:
+                # The engine's shard slot 0 (free between steps) or the probe's buffer.
+                target = (transfer.shard_slots[0][region.dtype] if engine_slot
+                          else dev.view(region.dtype))
+                target[: region.numel()].copy_(region, non_blocking=True)
+            end.record(stream)
+        end.synchronize()
+        self.barrier()
+        nbytes = sum(r.numel() * r.element_size() for r in regions)
+        return round(nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 2)
+
+    def bisect(self, handle: Any) -> dict[str, float | None]:
+        """Diagnosis of a slow cell (``--bisect``): the rank's own shards copied alone, all
+        ranks at once, on the probe's or the engine's copy stream, into the probe's or the
+        engine's shard slot; which of the two makes the loop's copies slower than a plain
+        pass."""
+        out = {}
+        for stream in (False, True):
+            for slot in (False, True):
+                key = f"{'engine' if stream else 'probe'} stream, {'engine' if slot else 'probe'} slot"
+                out[key] = self.shard_pass_h2d(handle, engine_stream=stream, engine_slot=slot)
+        return out
 
     def gather_ms(self, nbytes: int) -> float:
         """all_gather_into_tensor of an ``nbytes`` block from halves (median ms)."""
@@ -145,6 +218,8 @@ class Rank:
             self.barrier()
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
+            h2d_before = self.adjacent_h2d()
+            shards_before = self.shard_pass_h2d(handle) if handle is not None else None
             before = copy_clock(handle)
             if idle_handle is not None and self.rank != 0:
                 for _ in range(a.warmup + a.iters):  # as many passes as rank 0's forwards
@@ -157,9 +232,18 @@ class Rank:
                     "ms": statistics.median(times) if times else None,
                     "ms_all": [round(t, 2) for t in times],
                     "peak_hbm_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else 0,
-                    "h2d_gbps": cell_rate(before, copy_clock(handle))}
+                    "h2d_gbps": cell_rate(before, copy_clock(handle)),
+                    "h2d_adjacent_gbps": (h2d_before, self.adjacent_h2d()),
+                    "h2d_shard_pass_gbps": (shards_before, self.shard_pass_h2d(handle)
+                                            if handle is not None else None)}
             self.out["cells"].append(cell)
             rate = f", H2D {cell['h2d_gbps']:.1f} GB/s" if cell["h2d_gbps"] else ""
+            if h2d_before is not None:
+                rate += (" (alone, all ranks copying: "
+                         + "/".join(f"{v:.1f}" for v in cell["h2d_adjacent_gbps"]) + " before/after)")
+            if shards_before is not None:
+                rate += (" (own shards alone, all ranks copying: "
+                         + "/".join(f"{v:.1f}" for v in cell["h2d_shard_pass_gbps"]) + ")")
             if cell["ms"] is not None or rate:
                 ms = f"{cell['ms']:8.1f} ms/step" if cell["ms"] is not None else "idle (gathers only)"
                 print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method:15s} b{batch}: "
@@ -175,10 +259,12 @@ class Rank:
         info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
                 "rss_gib": single.rss_gib()}
         self.out["methods"][method] = info
+        info["slot_offsets_2mib"] = slot_offsets(handle)
         r = info["report_at_start"]
         print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} enabled in "
               f"{info['enable_s']:.1f}s: pinned {r['pinned_host_bytes'] / GIB:.2f} GiB, host "
-              f"{r['host_bytes'] / GIB:.2f} GiB, transfer {r['transfer']}", flush=True)
+              f"{r['host_bytes'] / GIB:.2f} GiB, transfer {r['transfer']}; device slot start "
+              f"offsets in a 2 MiB page {info['slot_offsets_2mib']}", flush=True)
         return handle
 
     def run(self) -> dict[str, Any]:
@@ -265,6 +351,11 @@ class Rank:
             log(self.rank, f"all_gather of the largest block ({slot / 2**20:.0f} MiB): "
                            f"{self.out['gather_ms_largest_block']:.2f} ms")
         self.cells(method, model, handle=handle)
+        if a.bisect and self.cuda:
+            found = self.bisect(handle)
+            self.out["methods"][method]["bisect_gbps"] = found
+            print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} own shards alone: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in found.items() if v) + " GB/s", flush=True)
         if first or a.idle_every_variant:
             self.cells(f"allgather-idle {name}", model, idle_handle=handle)
         if self.cuda and a.profile:
@@ -280,6 +371,18 @@ class Rank:
         # Rebuild the full blocks on the host for the next variant (a collective); the last
         # variant ends the run and skips it.
         handle.disable(gather=not last)
+
+
+def slot_offsets(handle: Any) -> dict[str, list[int]]:
+    """Where each device slot (block slots; shard slots under AllGather) starts within a
+    2 MiB page: the H2D destinations' alignment, logged to correlate with the copy rate."""
+    def offsets(slots: Any) -> list[int]:
+        return [t.data_ptr() % (2 * 2**20) for slot in slots for t in slot.values()]
+    out = {"block": offsets(getattr(handle, "_slots", []) or [])}
+    shard_slots = getattr(handle._transfer, "shard_slots", None)
+    if shard_slots:
+        out["shard"] = offsets(shard_slots)
+    return out
 
 
 def copy_clock(handle: Any) -> tuple[int, float] | None:
@@ -367,6 +470,24 @@ def finish(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
         worst = max(cell(r, f"allgather {name}", 1) or 0.0 for r in ranks)
         summary["targets"][name] = {"transfer_floor_ms": floor, "bound_ms": bound,
                                     "allgather_b1_ms_worst_rank": worst, "ok": worst <= bound}
+        # The same bound from the H2D rate measured right around the cell (the slowest rank's
+        # mean of before and after): the floor as the machine stood while the cell ran.
+        adjacent = [cell(r, f"allgather {name}", 1, "h2d_adjacent_gbps") for r in ranks]
+        if all(a and None not in a for a in adjacent):
+            rate = min(sum(a) / 2 for a in adjacent)
+            floor = half / (rate * 1e9) * 1e3 + r0["gather_ms_largest_block"]
+            bound = 1.05 * max(resident_b1, floor)
+            summary["targets"][name].update(
+                {"adjacent_h2d_gbps": rate, "adjacent_floor_ms": floor,
+                 "adjacent_bound_ms": bound, "adjacent_ok": worst <= bound})
+        passes = [cell(r, f"allgather {name}", 1, "h2d_shard_pass_gbps") for r in ranks]
+        if all(a and None not in a for a in passes):
+            rate = min(sum(a) / 2 for a in passes)
+            floor = half / (rate * 1e9) * 1e3 + r0["gather_ms_largest_block"]
+            bound = 1.05 * max(resident_b1, floor)
+            summary["targets"][name].update(
+                {"shard_pass_h2d_gbps": rate, "shard_pass_floor_ms": floor,
+                 "shard_pass_bound_ms": bound, "shard_pass_ok": worst <= bound})
     (out / "offload_dp.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args)
     (out / "offload_dp.md").write_text(table)
@@ -386,8 +507,9 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
     methods = ["resident", "local"] + [f"{m} {v}" for v in variants
                                        for m in ("allgather", "allgather-idle")]
     lines.append("| method | batch | " + " | ".join(f"rank {r['rank']} ms/step" for r in ranks)
-                 + " | images/s (busy ranks, 28 steps) | H2D GB/s per rank (copy clock) |")
-    lines.append("|---|---|" + "---|" * len(ranks) + "---|---|")
+                 + " | images/s (busy ranks, 28 steps) | H2D GB/s per rank (copy clock) "
+                 "| H2D GB/s per rank, alone, before/after |")
+    lines.append("|---|---|" + "---|" * len(ranks) + "---|---|---|")
     for m in methods:
         for b in args.batches:
             ms = [cell(r, m, b) for r in ranks]
@@ -397,8 +519,11 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
             ips = (sum(b * 1e3 / (STEPS_PER_IMAGE * v) for v in busy))
             rates = [cell(r, m, b, "h2d_gbps") for r in ranks]
             rate = " / ".join("-" if v is None else f"{v:.1f}" for v in rates)
+            around = " / ".join("-" if not a or None in a else f"{a[0]:.1f}-{a[1]:.1f}"
+                                for a in (cell(r, m, b, "h2d_adjacent_gbps") for r in ranks))
             lines.append(f"| {m} | {b} | " + " | ".join("idle" if v is None else f"{v:.0f}"
-                                                         for v in ms) + f" | {ips:.3f} | {rate} |")
+                                                         for v in ms)
+                         + f" | {ips:.3f} | {rate} | {around} |")
     lines += ["", "| method | per-rank pinned host GiB | per-rank host GiB | streamed GiB/step/rank over PCIe | enable s |",
               "|---|---|---|---|---|"]
     for m in ["local"] + [f"allgather {v}" for v in variants]:
@@ -430,6 +555,17 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
                       f"1.05 x max({cell(r0, 'resident', 1):.1f}, {t['transfer_floor_ms']:.1f}) = "
                       f"{t['bound_ms']:.1f} ms; worst rank {t['allgather_b1_ms_worst_rank']:.1f} ms: "
                       f"{'met' if t['ok'] else 'NOT met'}"]
+        if "adjacent_bound_ms" in t:
+            lines += [f"  with the H2D rate measured around the cell ({t['adjacent_h2d_gbps']:.1f} "
+                      f"GB/s, slowest rank): 1.05 x max({cell(r0, 'resident', 1):.1f}, "
+                      f"{t['adjacent_floor_ms']:.1f}) = {t['adjacent_bound_ms']:.1f} ms: "
+                      f"{'met' if t['adjacent_ok'] else 'NOT met'}"]
+        if "shard_pass_bound_ms" in t:
+            lines += [f"  with the rate of a pass over the ranks' own shards around the cell "
+                      f"({t['shard_pass_h2d_gbps']:.1f} GB/s, slowest rank): 1.05 x max("
+                      f"{cell(r0, 'resident', 1):.1f}, {t['shard_pass_floor_ms']:.1f}) = "
+                      f"{t['shard_pass_bound_ms']:.1f} ms: "
+                      f"{'met' if t['shard_pass_ok'] else 'NOT met'}"]
     return "\n".join(lines) + "\n"
 
 
@@ -443,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=["s2", "s4", "s8"],
                    help="AllGather variants: sN = N device slots, -cM = NCCL kernels capped "
                         "at M CTAs, -ce = copy-engine gathers (e.g. s2 s4 s8 s8-c4 s8-ce)")
+    p.add_argument("--bisect", action="store_true",
+                   help="diagnosis: after each AllGather cell, copy each rank's shards alone on "
+                        "the probe's or the engine's copy stream into the probe's or the "
+                        "engine's shard slot (all ranks at once)")
     p.add_argument("--idle-every-variant", action="store_true",
                    help="run the idle-rank cells for every variant, not just the first")
     p.add_argument("--normal-priority", dest="high_priority", action="store_false",

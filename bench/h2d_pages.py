@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""Pinned H2D rate over a shard-sized working set: fresh host pages vs reused ones.
+
+Diagnosis for issue 4's slow first enable (docs/benchmarks.md): on the 2x H200 machine the
+first set of pinned shards a process makes copies at ~52 GB/s while the peer computes, later
+sets at ~55. This program takes NCCL, the model and the hooks out of the picture: one process
+per GPU pins ``--gib`` GiB in ``--slab-mib`` slabs through the engine's own allocator
+(``CudaStreamTransfer.allocate_host``, as the shard storage does), fills them, and times full
+passes over the set, every GPU copying at once. Each *round* makes a new set:
+
+- ``new``: allocated while the earlier sets are still held (pages this process never had);
+- ``reuse``: allocated after freeing (unregistering) every earlier set.
+
+In every round, GB/s per rank (median over ``--passes``) for:
+
+- ``1 stream``: each slab in one copy on one copy stream (what DLO does);
+- ``2 streams``: each slab split in two halves on two copy streams (two copy engines, twice
+  the reads in flight: hides translation or fetch latency if that is what limits the rate);
+- ``1 stream + GEMM``: as ``1 stream`` while the GPU runs back-to-back bf16 GEMMs (the peer
+  rank computing, as in a served step);
+- ``1 stream + gathers``: as ``1 stream`` while a high-priority NCCL group runs as many
+  ``all_gather_into_tensor`` of a two-slab block from one slab per rank as DLO runs per step
+  (``--gathers``; 57 for Flux), on its own stream, as the AllGather path does; ``... + GEMM``
+  adds the GEMMs (a served step: copies, gathers and compute at once);
+- ``... + HBM``: beside back-to-back elementwise kernels over 1 GiB tensors (memory-bound,
+  as a DiT's norms, activations and attention are; GEMMs are not);
+- ``rank 0 alone``: only rank 0 copies, the others wait (an idle peer);
+- ``dst +N``: as ``1 stream`` into a device slot that starts ``N`` bytes past a 2 MiB
+  boundary (``--dst-offsets``; the caching allocator hands DLO's slots out at any 512-byte
+  offset).
+
+    python3 bench/h2d_pages.py --gpus 2 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ditserve.engine.offload import transfer
+from ditserve.engine.offload.transfer import CudaStreamTransfer
+
+MIB, GIB = 2**20, 2**30
+BASE_MODES = ("1 stream", "2 streams", "1 stream + GEMM", "1 stream + gathers",
+              "1 stream + gathers + GEMM", "1 stream + HBM", "2 streams + HBM", "rank 0 alone")
+
+
+def anon_huge_gib() -> float:
+    """This process's anonymous memory in transparent huge pages (GiB)."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+class Rank:
+    def __init__(self, rank: int, args: argparse.Namespace) -> None:
+        self.rank, self.args = rank, args
+        self.device = torch.device("cuda", rank)
+        self.transfer = CudaStreamTransfer(self.device, 2)
+        self.streams = [torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
+        slab = args.slab_mib * MIB
+        # One 2 MiB-aligned arena per slot, with room to start the slot at any tested offset.
+        room = max(args.dst_offsets, default=0) + 2 * MIB
+        self.arenas = [torch.empty(slab + room, dtype=torch.uint8, device=self.device)
+                       for _ in range(2)]
+        n = 8192
+        self.a = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        # Eight 512 MiB buffers: a footprint like DLO's block slots, not one cached tensor.
+        self.hbm = [torch.ones(GIB // 4, dtype=torch.float16, device=self.device) for _ in range(8)]
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True  # as DLO's weight group
+        self.weights = dist.new_group(backend="nccl", pg_options=opts)
+        world = dist.get_world_size()
+        self.shard = torch.ones(slab // 2, dtype=torch.bfloat16, device=self.device)
+        self.block = torch.empty(slab // 2 * world, dtype=torch.bfloat16, device=self.device)
+        dist.all_gather_into_tensor(self.block, self.shard, group=self.weights)  # connect
+        self.sets: list[list[torch.Tensor]] = []
+
+    def make_set(self, kind: str) -> float:
+        if kind == "reuse":
+            for held in self.sets:
+                for slab in held:
+                    self.transfer.free_host(slab)
+            self.sets.clear()
+        t0 = time.monotonic()
+        count = max(1, self.args.gib * GIB // (self.args.slab_mib * MIB))
+        slabs = []
+        for i in range(count):
+            slab = self.transfer.allocate_host(self.args.slab_mib * MIB)
+            slab.fill_(i % 251)  # every page touched, as the shard storage's copies do
+            slabs.append(slab)
+        self.sets.append(slabs)
+        return time.monotonic() - t0
+
+    def one_pass(self, mode: str) -> float | None:
+        """GB/s of one pass over the newest set, timed by events on the copy stream(s)."""
+        if mode == "rank 0 alone" and self.rank != 0:
+            return None
+        slabs = self.sets[-1]
+        first, second = self.streams
+        if "gathers" in mode:
+            for _ in range(self.args.gathers):  # first: NCCL's stream waits on the current one
+                dist.all_gather_into_tensor(self.block, self.shard, group=self.weights,
+                                            async_op=True)
+        if mode.endswith("GEMM"):
+            for _ in range(self.args.gemms):  # queued ahead; runs beside the copies
+                torch.mm(self.a, self.a)
+        if mode.endswith("HBM"):
+            for i in range(self.args.hbm_kernels):
+                torch.add(self.hbm[i % 8], 1, out=self.hbm[(i + 1) % 8])
+        start, end, joined = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record(first)
+        second.wait_event(start)
+        for i, slab in enumerate(slabs):
+            slot = self.slot(i % 2, int(mode[5:]) if mode.startswith("dst +") else 0, slab.numel())
+            if mode.startswith("2 streams"):
+                half = slab.numel() // 2
+                with torch.cuda.stream(first):
+                    slot[:half].copy_(slab[:half], non_blocking=True)
+                with torch.cuda.stream(second):
+                    slot[half:].copy_(slab[half:], non_blocking=True)
+            else:
+                with torch.cuda.stream(first):
+                    slot.copy_(slab, non_blocking=True)
+        joined.record(second)
+        first.wait_event(joined)
+        end.record(first)
+        torch.cuda.synchronize(self.device)
+        return sum(s.numel() for s in slabs) / (start.elapsed_time(end) / 1e3) / 1e9
+
+    def slot(self, index: int, offset: int, nbytes: int) -> torch.Tensor:
+        arena = self.arenas[index]
+        base = -arena.data_ptr() % (2 * MIB)  # the arena's first 2 MiB boundary
+        return arena[base + offset : base + offset + nbytes]
+
+
+def guest_physical_gib(address: int) -> float | None:
+    """Guest-physical address (GiB) of the page at ``address`` from /proc/self/pagemap; None
+    without the privilege to read frame numbers (they read as 0)."""
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(address // 4096 * 8)
+            entry = int.from_bytes(f.read(8), "little")
+    except OSError:
+        return None
+    pfn = entry & ((1 << 55) - 1)
+    return pfn * 4096 / GIB if pfn else None
+
+
+def per_slab(r: Rank, world: int) -> list[dict[str, Any]]:
+    """Each rank alone in turn copies every slab of the newest set on its own (median of 3):
+    GB/s per slab next to where the slab sits in guest-physical memory."""
+    slabs = r.sets[-1]
+    rows = [{"slab": i, "guest_gib": [guest_physical_gib(slab.data_ptr() + k * slab.numel() // 4)
+                                      for k in range(4)], "gbps": {}} for i, slab in enumerate(slabs)]
+    for turn in range(world):
+        dist.barrier()
+        if r.rank != turn:
+            continue
+        for row, slab in zip(rows, slabs, strict=True):
+            times = []
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(r.streams[0]):
+                    start.record()
+                    r.arenas[0][: slab.numel()].copy_(slab, non_blocking=True)
+                    end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            row["gbps"][turn] = round(slab.numel() / (statistics.median(times) / 1e3) / 1e9, 2)
+    dist.barrier()
+    return rows
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, box: Any) -> None:
+    torch.cuda.set_device(rank)
+    if args.small_pages:  # the slabs' pages stay 4 KiB: advise against huge pages instead
+        transfer.advise_huge_pages = lambda address, nbytes: not transfer._libc().madvise(
+            ctypes.c_void_p(address), ctypes.c_size_t(nbytes), 15)  # MADV_NOHUGEPAGE
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    r = Rank(rank, args)
+    rows = []
+    for index, kind in enumerate(args.rounds):
+        dist.barrier()
+        alloc_s = r.make_set(kind)
+        if rank == 0:
+            print(f"round {index}: {anon_huge_gib():.1f} GiB of rank 0's memory in huge pages",
+                  flush=True)
+        for mode in modes(args):
+            rates = []
+            for _ in range(args.passes):
+                dist.barrier()  # every rank starts the pass together
+                rates.append(r.one_pass(mode))
+            gbps = statistics.median(rates) if rates[0] is not None else None
+            rows.append({"round": index, "kind": kind, "mode": mode, "rank": rank,
+                         "gbps": gbps, "passes": rates, "alloc_s": alloc_s})
+            if rank == 0:
+                print(f"[{time.strftime('%H:%M:%S')}] round {index} ({kind}) {mode}: rank0 "
+                      f"{gbps:.1f} GB/s (passes {', '.join(f'{x:.1f}' for x in rates)})", flush=True)
+    if args.per_slab:
+        slabs = per_slab(r, world)
+        for turn in range(world):  # one rank's lines at a time
+            dist.barrier()
+            if rank == turn:
+                for row in slabs:
+                    where = " ".join("?" if g is None else f"{g:.1f}" for g in row["guest_gib"])
+                    print(f"rank{rank} slab {row['slab']:3d} at {where} GiB: "
+                          f"{row['gbps'][rank]} GB/s alone", flush=True)
+    box[rank] = rows
+    if args.out and args.per_slab:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"h2d_pages_slabs_rank{rank}.json").write_text(json.dumps(slabs))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def modes(args: argparse.Namespace) -> list[str]:
+    return [*BASE_MODES, *(f"dst +{n}" for n in args.dst_offsets)]
+
+
+def table(rows: list[dict[str, Any]], world: int, args: argparse.Namespace) -> str:
+    lines = [f"Pinned H2D GB/s per rank (median of {args.passes} passes over {args.gib} GiB in "
+             f"{args.slab_mib} MiB slabs; {world} GPU processes)", "",
+             "| round | set | pin s (rank 0) | " + " | ".join(modes(args)) + " |",
+             "|---|---|---|" + "---|" * len(modes(args))]
+    for index, kind in enumerate(args.rounds):
+        cells = []
+        for mode in modes(args):
+            got = [x for x in rows if x["round"] == index and x["mode"] == mode]
+            got.sort(key=lambda x: x["rank"])
+            cells.append(" / ".join("-" if x["gbps"] is None else f"{x['gbps']:.1f}" for x in got))
+        alloc = next(x["alloc_s"] for x in rows if x["round"] == index and x["rank"] == 0)
+        lines.append(f"| {index} | {kind} | {alloc:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--gib", type=int, default=11, help="pinned bytes per rank per set (11: one "
+                   "rank's Flux shards)")
+    p.add_argument("--slab-mib", type=int, default=324, help="slab size (324: a double block's half)")
+    p.add_argument("--rounds", nargs="+", default=["new", "new", "reuse", "reuse"],
+                   choices=["new", "reuse"])
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--dst-offsets", type=int, nargs="*", default=[512, 4096, 65536 + 512],
+                   help="device slot start offsets past a 2 MiB boundary, bytes")
+    p.add_argument("--gemms", type=int, default=150, help="GEMMs queued beside a GEMM-mode pass")
+    p.add_argument("--gathers", type=int, default=57, help="gathers queued beside a pass")
+    p.add_argument("--hbm-kernels", type=int, default=400,
+                   help="elementwise kernels queued beside an HBM-mode pass")
+    p.add_argument("--small-pages", action="store_true", help="slabs in 4 KiB pages "
+                   "(MADV_NOHUGEPAGE) instead of the engine's huge-page advice")
+    p.add_argument("--per-slab", action="store_true", help="also time each slab of the last "
+                   "set alone, per rank in turn, with its guest-physical address")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
+        print(f"needs {args.gpus} CUDA GPUs", file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    box = mp.Manager().dict()
+    mp.spawn(rank_main, args=(args.gpus, port, args, box), nprocs=args.gpus)
+    rows = [row for rank in range(args.gpus) for row in box[rank]]
+    text = table(rows, args.gpus, args)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "h2d_pages.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / "h2d_pages.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())
