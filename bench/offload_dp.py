@@ -470,24 +470,19 @@ def finish(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
         worst = max(cell(r, f"allgather {name}", 1) or 0.0 for r in ranks)
         summary["targets"][name] = {"transfer_floor_ms": floor, "bound_ms": bound,
                                     "allgather_b1_ms_worst_rank": worst, "ok": worst <= bound}
-        # The same bound from the H2D rate measured right around the cell (the slowest rank's
-        # mean of before and after): the floor as the machine stood while the cell ran.
-        adjacent = [cell(r, f"allgather {name}", 1, "h2d_adjacent_gbps") for r in ranks]
-        if all(a and None not in a for a in adjacent):
-            rate = min(sum(a) / 2 for a in adjacent)
+        # The same bound from the H2D rate as the machine stood while the cell ran (the
+        # slowest rank's mean of before and after): the 1 GiB probe, and the pass over the
+        # ranks' own shards.
+        for prefix, key in (("adjacent", "h2d_adjacent_gbps"), ("shard_pass", "h2d_shard_pass_gbps")):
+            around = [cell(r, f"allgather {name}", 1, key) for r in ranks]
+            if not all(a and None not in a for a in around):
+                continue
+            rate = min(sum(a) / 2 for a in around)
             floor = half / (rate * 1e9) * 1e3 + r0["gather_ms_largest_block"]
             bound = 1.05 * max(resident_b1, floor)
             summary["targets"][name].update(
-                {"adjacent_h2d_gbps": rate, "adjacent_floor_ms": floor,
-                 "adjacent_bound_ms": bound, "adjacent_ok": worst <= bound})
-        passes = [cell(r, f"allgather {name}", 1, "h2d_shard_pass_gbps") for r in ranks]
-        if all(a and None not in a for a in passes):
-            rate = min(sum(a) / 2 for a in passes)
-            floor = half / (rate * 1e9) * 1e3 + r0["gather_ms_largest_block"]
-            bound = 1.05 * max(resident_b1, floor)
-            summary["targets"][name].update(
-                {"shard_pass_h2d_gbps": rate, "shard_pass_floor_ms": floor,
-                 "shard_pass_bound_ms": bound, "shard_pass_ok": worst <= bound})
+                {f"{prefix}_h2d_gbps": rate, f"{prefix}_floor_ms": floor,
+                 f"{prefix}_bound_ms": bound, f"{prefix}_ok": worst <= bound})
     (out / "offload_dp.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args)
     (out / "offload_dp.md").write_text(table)
