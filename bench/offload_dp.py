@@ -140,7 +140,7 @@ class Rank:
         return round(gbps, 2)
 
     def shard_pass_h2d(self, handle: Any, *, engine_stream: bool = False,
-                       engine_slot: bool = False) -> float | None:
+                       engine_slot: bool = False, waits: bool = False) -> float | None:
         """GB/s of one pass over this rank's own pinned shards (the bytes a step streams),
         every rank copying at once and nothing else running: the floor's H2D bandwidth for
         exactly these pages, which a 1 GiB probe can overstate (on one instance 54.5 GB/s
@@ -158,10 +158,14 @@ class Rank:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
-            for region in regions:
-                # The engine's shard slot 0 (free between steps) or the probe's buffer.
-                target = (transfer.shard_slots[0][region.dtype] if engine_slot
-                          else dev.view(region.dtype))
+            for i, region in enumerate(regions):
+                if waits:  # as a load waits for the gather that last read its shard slot
+                    gathered = torch.cuda.Event()
+                    gathered.record(transfer.comm_stream)
+                    stream.wait_event(gathered)
+                # The engine's shard slots in turn (free between steps) or the probe's buffer.
+                target = (transfer.shard_slots[i % len(transfer.shard_slots)][region.dtype]
+                          if engine_slot else dev.view(region.dtype))
                 target[: region.numel()].copy_(region, non_blocking=True)
             end.record(stream)
         end.synchronize()
@@ -171,14 +175,16 @@ class Rank:
 
     def bisect(self, handle: Any) -> dict[str, float | None]:
         """Diagnosis of a slow cell (``--bisect``): the rank's own shards copied alone, all
-        ranks at once, on the probe's or the engine's copy stream, into the probe's or the
-        engine's shard slot; which of the two makes the loop's copies slower than a plain
-        pass."""
+        ranks at once, on the probe's or the engine's copy stream, into the probe's buffer or
+        the engine's shard slots, and last with the loop's cross-stream wait before each copy;
+        which of them makes the loop's copies slower than a plain pass."""
         out = {}
         for stream in (False, True):
             for slot in (False, True):
                 key = f"{'engine' if stream else 'probe'} stream, {'engine' if slot else 'probe'} slot"
                 out[key] = self.shard_pass_h2d(handle, engine_stream=stream, engine_slot=slot)
+        out["engine stream and slots, waits on the comm stream"] = self.shard_pass_h2d(
+            handle, engine_stream=True, engine_slot=True, waits=True)
         return out
 
     def gather_ms(self, nbytes: int) -> float:
