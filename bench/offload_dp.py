@@ -509,8 +509,9 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
                                        for m in ("allgather", "allgather-idle")]
     lines.append("| method | batch | " + " | ".join(f"rank {r['rank']} ms/step" for r in ranks)
                  + " | images/s (busy ranks, 28 steps) | H2D GB/s per rank (copy clock) "
-                 "| H2D GB/s per rank, alone, before/after |")
-    lines.append("|---|---|" + "---|" * len(ranks) + "---|---|---|")
+                 "| H2D GB/s per rank, 1 GiB alone, before-after "
+                 "| H2D GB/s per rank, own shards alone, before-after |")
+    lines.append("|---|---|" + "---|" * len(ranks) + "---|---|---|---|")
     for m in methods:
         for b in args.batches:
             ms = [cell(r, m, b) for r in ranks]
@@ -520,11 +521,12 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
             ips = (sum(b * 1e3 / (STEPS_PER_IMAGE * v) for v in busy))
             rates = [cell(r, m, b, "h2d_gbps") for r in ranks]
             rate = " / ".join("-" if v is None else f"{v:.1f}" for v in rates)
-            around = " / ".join("-" if not a or None in a else f"{a[0]:.1f}-{a[1]:.1f}"
-                                for a in (cell(r, m, b, "h2d_adjacent_gbps") for r in ranks))
+            around = [" / ".join("-" if not a or None in a else f"{a[0]:.1f}-{a[1]:.1f}"
+                                 for a in (cell(r, m, b, key) for r in ranks))
+                      for key in ("h2d_adjacent_gbps", "h2d_shard_pass_gbps")]
             lines.append(f"| {m} | {b} | " + " | ".join("idle" if v is None else f"{v:.0f}"
                                                          for v in ms)
-                         + f" | {ips:.3f} | {rate} | {around} |")
+                         + f" | {ips:.3f} | {rate} | {around[0]} | {around[1]} |")
     lines += ["", "| method | per-rank pinned host GiB | per-rank host GiB | streamed GiB/step/rank over PCIe | enable s |",
               "|---|---|---|---|---|"]
     for m in ["local"] + [f"allgather {v}" for v in variants]:
