@@ -50,8 +50,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ditserve.engine.offload import transfer
-from ditserve.engine.offload.transfer import CudaStreamTransfer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offload as single  # noqa: E402  (bench/offload.py: the copy timer)
+
+from ditserve.engine.offload import transfer  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 BASE_MODES = ("1 stream", "2 streams", "1 stream + GEMM", "1 stream + gathers",
@@ -70,7 +72,7 @@ class Rank:
     def __init__(self, rank: int, args: argparse.Namespace) -> None:
         self.rank, self.args = rank, args
         self.device = torch.device("cuda", rank)
-        self.transfer = CudaStreamTransfer(self.device, 2)
+        self.transfer = transfer.CudaStreamTransfer(self.device, 2)
         self.streams = [torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
         slab = args.slab_mib * MIB
         # One 2 MiB-aligned arena per slot, with room to start the slot at any tested offset.
@@ -172,16 +174,8 @@ def per_slab(r: Rank, world: int) -> list[dict[str, Any]]:
         if r.rank != turn:
             continue
         for row, slab in zip(rows, slabs, strict=True):
-            times = []
-            for _ in range(3):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(r.streams[0]):
-                    start.record()
-                    r.arenas[0][: slab.numel()].copy_(slab, non_blocking=True)
-                    end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            row["gbps"][turn] = round(slab.numel() / (statistics.median(times) / 1e3) / 1e9, 2)
+            gbps = single.copy_gbps(r.arenas[0][: slab.numel()], slab, r.streams[0], 3)
+            row["gbps"][turn] = round(gbps, 2)
     dist.barrier()
     return rows
 

@@ -109,15 +109,6 @@ class Rank:
         return dist.new_group(backend="nccl", pg_options=opts)
 
     # -- link measurements ----------------------------------------------------------------------
-    def h2d(self, *, both: bool) -> float:
-        """Pinned H2D GB/s on this rank: rank 0 alone, or ``both`` ranks copying at once."""
-        self.barrier()
-        gbps = float("nan")
-        if self.cuda and (both or self.rank == 0):
-            gbps = float(single.measure_h2d(self.device, nbytes=GIB, reps=10)["registered_gbps"])
-        self.barrier()
-        return gbps
-
     def probe(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """One registered 1 GiB host source, a 1 GiB device buffer and a stream for the run."""
         if self._probe is None:
@@ -126,8 +117,9 @@ class Rank:
                            torch.cuda.Stream(device=self.device))
         return self._probe
 
-    def adjacent_h2d(self) -> float | None:
-        """Pinned H2D GB/s with every rank copying at once, nothing else running: taken right
+    def h2d(self, *, alone: bool = False) -> float | None:
+        """Pinned H2D GB/s on this rank over the probe, every rank copying at once (``alone``:
+        rank 0 only; None on the others), nothing else running. Taken at the start and right
         before and after each cell, because this machine's rate drifts (47-55 GB/s per GPU
         between instances and within one) and the target's transfer floor depends on it."""
         if not self.cuda:
@@ -135,9 +127,9 @@ class Rank:
         host, dev, stream = self.probe()
         self.sync()
         self.barrier()
-        gbps = single.copy_gbps(dev, host, stream, 5)
+        gbps = single.copy_gbps(dev, host, stream, 5) if not alone or self.rank == 0 else None
         self.barrier()
-        return round(gbps, 2)
+        return None if gbps is None else round(gbps, 2)
 
     def shard_pass_h2d(self, handle: Any, *, engine_stream: bool = False,
                        engine_slot: bool = False, waits: bool = False) -> float | None:
@@ -152,7 +144,7 @@ class Rank:
         transfer = handle._transfer
         if engine_stream:  # the copy stream the engine's loads run on
             stream = transfer._base.stream
-        regions = [r for index in sorted(storage._slabs) for r in storage.regions(index).values()]
+        regions = [r for index in handle.plan.streamed for r in storage.regions(index).values()]
         self.sync()
         self.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -224,7 +216,7 @@ class Rank:
             self.barrier()
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
-            h2d_before = self.adjacent_h2d()
+            h2d_before = self.h2d()
             shards_before = self.shard_pass_h2d(handle) if handle is not None else None
             before = copy_clock(handle)
             if idle_handle is not None and self.rank != 0:
@@ -239,7 +231,7 @@ class Rank:
                     "ms_all": [round(t, 2) for t in times],
                     "peak_hbm_bytes": torch.cuda.max_memory_allocated(self.device) if self.cuda else 0,
                     "h2d_gbps": cell_rate(before, copy_clock(handle)),
-                    "h2d_adjacent_gbps": (h2d_before, self.adjacent_h2d()),
+                    "h2d_adjacent_gbps": (h2d_before, self.h2d()),
                     "h2d_shard_pass_gbps": (shards_before, self.shard_pass_h2d(handle)
                                             if handle is not None else None)}
             self.out["cells"].append(cell)
@@ -265,18 +257,17 @@ class Rank:
         info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
                 "rss_gib": single.rss_gib()}
         self.out["methods"][method] = info
-        info["slot_offsets_2mib"] = slot_offsets(handle)
         r = info["report_at_start"]
         print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} enabled in "
               f"{info['enable_s']:.1f}s: pinned {r['pinned_host_bytes'] / GIB:.2f} GiB, host "
-              f"{r['host_bytes'] / GIB:.2f} GiB, transfer {r['transfer']}; device slot start "
-              f"offsets in a 2 MiB page {info['slot_offsets_2mib']}", flush=True)
+              f"{r['host_bytes'] / GIB:.2f} GiB, transfer {r['transfer']}", flush=True)
         return handle
 
     def run(self) -> dict[str, Any]:
         a = self.args
-        self.out["h2d_one_gbps"] = self.h2d(both=False)
-        self.out["h2d_both_gbps"] = self.h2d(both=True)
+        nan = float("nan")  # (on the CPU)
+        self.out["h2d_one_gbps"] = self.h2d(alone=True) or nan
+        self.out["h2d_both_gbps"] = self.h2d() or nan
         log(self.rank, f"H2D GB/s: one GPU {self.out['h2d_one_gbps']:.1f}, "
                        f"both at once {self.out['h2d_both_gbps']:.1f} (rank 0)")
         model = single.build_flux(self.device)
@@ -377,18 +368,6 @@ class Rank:
         # Rebuild the full blocks on the host for the next variant (a collective); the last
         # variant ends the run and skips it.
         handle.disable(gather=not last)
-
-
-def slot_offsets(handle: Any) -> dict[str, list[int]]:
-    """Where each device slot (block slots; shard slots under AllGather) starts within a
-    2 MiB page: the H2D destinations' alignment, logged to correlate with the copy rate."""
-    def offsets(slots: Any) -> list[int]:
-        return [t.data_ptr() % (2 * 2**20) for slot in slots for t in slot.values()]
-    out = {"block": offsets(getattr(handle, "_slots", []) or [])}
-    shard_slots = getattr(handle._transfer, "shard_slots", None)
-    if shard_slots:
-        out["shard"] = offsets(shard_slots)
-    return out
 
 
 def copy_clock(handle: Any) -> tuple[int, float] | None:

@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from ditserve.engine.step_log import copy_rates_of  # plain Python: no torch import
+
 GEN = "/v1/images/generations"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")
 
@@ -159,16 +161,8 @@ def bench_url(url: str, args: argparse.Namespace, headers: dict[str, str]) -> di
     after = scrape(url, headers)
     ready = httpx.get(f"{url}/ready", timeout=30).json()
     summary = summarize(records, before, after)
-    summary["h2d_gbps_per_rank"] = copy_rates(ready)
+    summary["h2d_gbps_per_rank"] = copy_rates_of(ready.get("offload"))
     return {"summary": summary, "server": ready, "records": [asdict(r) for r in records]}
-
-
-def copy_rates(ready: dict[str, Any]) -> list[float | None]:
-    """Each rank's recent DLO copy rate (GB/s, timed on the GPU) from a /ready body."""
-    offload = ready.get("offload") or {}
-    if not offload.get("enabled"):
-        return []
-    return [(r or {}).get("h2d_gbps_recent") for r in offload.get("ranks") or [offload]]
 
 
 def _free_port() -> int:

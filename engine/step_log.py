@@ -105,7 +105,8 @@ class StepLog:
 
 
 def copy_rates_of(report: dict[str, Any] | None) -> list[float | None]:
-    """Each rank's recent host->device rate from an engine offload report ([] without DLO)."""
-    if not report:
+    """Each rank's recent host->device rate from an engine offload report, or from the
+    ``offload`` object of a ``/ready`` body ([] without DLO)."""
+    if not report or report.get("enabled") is False:
         return []
     return [(r or {}).get("h2d_gbps_recent") for r in report.get("ranks") or [report]]
