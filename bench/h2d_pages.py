@@ -24,12 +24,23 @@ In every round, GB/s per rank (median over ``--passes``) for:
   adds the GEMMs (a served step: copies, gathers and compute at once);
 - ``... + HBM``: beside back-to-back elementwise kernels over 1 GiB tensors (memory-bound,
   as a DiT's norms, activations and attention are; GEMMs are not);
+- ``1 stream + Flux``: beside forwards of a shallow full-width Flux transformer, resident
+  (``--flux-layers`` double and twice as many single blocks, 1024^2, batch 1): the real mix
+  of a step's kernels (GEMMs, attention, norms, RoPE) that an idle rank does not run;
+  ``+ Flux + gathers`` adds the gathers (a busy rank of the AllGather loop, minus the hooks),
+  on one copy stream or split over two;
+- ``1 stream + attention``: beside scaled-dot-product attention at Flux's shape alone;
 - ``rank 0 alone``: only rank 0 copies, the others wait (an idle peer);
 - ``dst +N``: as ``1 stream`` into a device slot that starts ``N`` bytes past a 2 MiB
   boundary (``--dst-offsets``; the caching allocator hands DLO's slots out at any 512-byte
   offset).
 
+Rank 0 reads every GPU's SM clock, power and active clock-event reasons from nvidia-smi in
+the middle of each mode's first pass (a power cap that lowers clocks under compute would show
+there).
+
     python3 bench/h2d_pages.py --gpus 2 --out $OUT
+    python3 bench/h2d_pages.py --gpus 2 --rounds new --modes "1 stream" "1 stream + Flux"
 """
 
 from __future__ import annotations
@@ -38,10 +49,13 @@ import argparse
 import ctypes
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,7 +71,11 @@ from ditserve.engine.offload import transfer  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 BASE_MODES = ("1 stream", "2 streams", "1 stream + GEMM", "1 stream + gathers",
-              "1 stream + gathers + GEMM", "1 stream + HBM", "2 streams + HBM", "rank 0 alone")
+              "1 stream + gathers + GEMM", "1 stream + HBM", "2 streams + HBM",
+              "1 stream + Flux", "1 stream + Flux + gathers", "2 streams + Flux + gathers",
+              "1 stream + attention",
+              "rank 0 alone")
+COPY_GBPS_GUESS = 50e9  # to size the compute queued beside a pass: cover it with some margin
 
 
 def anon_huge_gib() -> float:
@@ -91,6 +109,53 @@ class Rank:
         self.block = torch.empty(slab // 2 * world, dtype=torch.bfloat16, device=self.device)
         dist.all_gather_into_tensor(self.block, self.shard, group=self.weights)  # connect
         self.sets: list[list[torch.Tensor]] = []
+        self.flux, self.flux_ms = self.shallow_flux() if "Flux" in " ".join(modes(args)) else (None, 0.0)
+        heads, tokens = 24, 4096 + single.TEXT_TOKENS  # Flux at 1024^2
+        self.qkv = [torch.randn(1, heads, tokens, 128, device=self.device, dtype=torch.bfloat16)
+                    for _ in range(3)]
+        self.attention_ms = statistics.median(single.time_steps(
+            lambda **_: torch.nn.functional.scaled_dot_product_attention(*self.qkv), {}, 3, 10))
+        self.telemetry: list[str] = []
+
+    def shallow_flux(self) -> tuple[Any, float]:
+        """A full-width Flux with few blocks, resident, and its forward's time alone (ms)."""
+        from diffusers import FluxTransformer2DModel
+
+        n = self.args.flux_layers
+        with torch.device("meta"):
+            model: Any = FluxTransformer2DModel(guidance_embeds=True, num_layers=n,
+                                                num_single_layers=2 * n)
+        model = model.to(torch.bfloat16).to_empty(device=self.device).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+        inputs = single.flux_inputs(1024, 1, self.device)
+        times = single.time_steps(model, inputs, 2, 5)
+        return (model, inputs), statistics.median(times)
+
+    def queue_compute(self, mode: str, pass_bytes: int) -> None:
+        """Queue the compute a mode puts beside the copies, enough to outlast the pass. The
+        copies are queued first: a deep compute queue blocks the host at the launch queue's
+        limit, which must not hold the copies back until the compute is nearly done."""
+        cover_ms = 1.5 * pass_bytes / COPY_GBPS_GUESS * 1e3
+        if "gathers" in mode:
+            for _ in range(self.args.gathers):  # first: NCCL's stream waits on the current one
+                dist.all_gather_into_tensor(self.block, self.shard, group=self.weights,
+                                            async_op=True)
+        if mode.endswith("GEMM"):
+            for _ in range(self.args.gemms):  # queued ahead; runs beside the copies
+                torch.mm(self.a, self.a)
+        if mode.endswith("HBM"):
+            for i in range(self.args.hbm_kernels):
+                torch.add(self.hbm[i % 8], 1, out=self.hbm[(i + 1) % 8])
+        if "Flux" in mode:
+            model, inputs = self.flux
+            with torch.no_grad():
+                for _ in range(math.ceil(cover_ms / self.flux_ms)):
+                    model(**inputs)
+        if mode.endswith("attention"):
+            for _ in range(math.ceil(cover_ms / self.attention_ms)):
+                torch.nn.functional.scaled_dot_product_attention(*self.qkv)
 
     def make_set(self, kind: str) -> float:
         if kind == "reuse":
@@ -108,22 +173,12 @@ class Rank:
         self.sets.append(slabs)
         return time.monotonic() - t0
 
-    def one_pass(self, mode: str) -> float | None:
+    def one_pass(self, mode: str, telemetry: bool = False) -> float | None:
         """GB/s of one pass over the newest set, timed by events on the copy stream(s)."""
         if mode == "rank 0 alone" and self.rank != 0:
             return None
         slabs = self.sets[-1]
         first, second = self.streams
-        if "gathers" in mode:
-            for _ in range(self.args.gathers):  # first: NCCL's stream waits on the current one
-                dist.all_gather_into_tensor(self.block, self.shard, group=self.weights,
-                                            async_op=True)
-        if mode.endswith("GEMM"):
-            for _ in range(self.args.gemms):  # queued ahead; runs beside the copies
-                torch.mm(self.a, self.a)
-        if mode.endswith("HBM"):
-            for i in range(self.args.hbm_kernels):
-                torch.add(self.hbm[i % 8], 1, out=self.hbm[(i + 1) % 8])
         start, end, joined = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record(first)
         second.wait_event(start)
@@ -141,13 +196,30 @@ class Rank:
         joined.record(second)
         first.wait_event(joined)
         end.record(first)
+        if telemetry:  # well inside the pass (>= 100 ms for a few GiB), whatever the host does
+            sampler = threading.Timer(0.08, lambda: setattr(self, "telemetry", gpu_telemetry()))
+            sampler.start()
+        self.queue_compute(mode, sum(s.numel() for s in slabs))
         torch.cuda.synchronize(self.device)
+        if telemetry:
+            sampler.join()
         return sum(s.numel() for s in slabs) / (start.elapsed_time(end) / 1e3) / 1e9
 
     def slot(self, index: int, offset: int, nbytes: int) -> torch.Tensor:
         arena = self.arenas[index]
         base = -arena.data_ptr() % (2 * MIB)  # the arena's first 2 MiB boundary
         return arena[base + offset : base + offset + nbytes]
+
+
+def gpu_telemetry() -> list[str]:
+    """Per GPU: SM clock, power draw and active clock-event reasons (as nvidia-smi words)."""
+    query = "index,clocks.sm,power.draw,clocks_event_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [f"nvidia-smi failed: {e}"]
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def guest_physical_gib(address: int) -> float | None:
@@ -197,15 +269,18 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, box: A
                   flush=True)
         for mode in modes(args):
             rates = []
-            for _ in range(args.passes):
+            r.telemetry = []
+            for i in range(args.passes):
                 dist.barrier()  # every rank starts the pass together
-                rates.append(r.one_pass(mode))
+                rates.append(r.one_pass(mode, telemetry=rank == 0 and i == 0))
             gbps = statistics.median(rates) if rates[0] is not None else None
             rows.append({"round": index, "kind": kind, "mode": mode, "rank": rank,
-                         "gbps": gbps, "passes": rates, "alloc_s": alloc_s})
+                         "gbps": gbps, "passes": rates, "alloc_s": alloc_s,
+                         "telemetry": r.telemetry})
             if rank == 0:
                 print(f"[{time.strftime('%H:%M:%S')}] round {index} ({kind}) {mode}: rank0 "
-                      f"{gbps:.1f} GB/s (passes {', '.join(f'{x:.1f}' for x in rates)})", flush=True)
+                      f"{gbps:.1f} GB/s (passes {', '.join(f'{x:.1f}' for x in rates)}); "
+                      f"GPUs: {' | '.join(r.telemetry)}", flush=True)
     if args.per_slab:
         slabs = per_slab(r, world)
         for turn in range(world):  # one rank's lines at a time
@@ -224,7 +299,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, box: A
 
 
 def modes(args: argparse.Namespace) -> list[str]:
-    return [*BASE_MODES, *(f"dst +{n}" for n in args.dst_offsets)]
+    return args.modes or [*BASE_MODES, *(f"dst +{n}" for n in args.dst_offsets)]
 
 
 def table(rows: list[dict[str, Any]], world: int, args: argparse.Namespace) -> str:
@@ -258,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gathers", type=int, default=57, help="gathers queued beside a pass")
     p.add_argument("--hbm-kernels", type=int, default=400,
                    help="elementwise kernels queued beside an HBM-mode pass")
+    p.add_argument("--flux-layers", type=int, default=2, help="double blocks of the Flux "
+                   "run beside the copies (and twice as many single blocks)")
+    p.add_argument("--modes", nargs="+", default=None,
+                   choices=[*BASE_MODES, *(f"dst +{n}" for n in (512, 4096, 65536 + 512))],
+                   help="run only these modes (default: all, with a mode per --dst-offsets)")
     p.add_argument("--small-pages", action="store_true", help="slabs in 4 KiB pages "
                    "(MADV_NOHUGEPAGE) instead of the engine's huge-page advice")
     p.add_argument("--per-slab", action="store_true", help="also time each slab of the last "

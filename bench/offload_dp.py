@@ -48,6 +48,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,8 @@ class Rank:
         return None if gbps is None else round(gbps, 2)
 
     def shard_pass_h2d(self, handle: Any, *, engine_stream: bool = False,
-                       engine_slot: bool = False, waits: bool = False) -> float | None:
+                       engine_slot: bool = False, waits: bool = False,
+                       beside: Any = None) -> float | None:
         """GB/s of one pass over this rank's own pinned shards (the bytes a step streams),
         every rank copying at once and nothing else running: the floor's H2D bandwidth for
         exactly these pages, which a 1 GiB probe can overstate (on one instance 54.5 GB/s
@@ -160,7 +162,10 @@ class Rank:
                           if engine_slot else dev.view(region.dtype))
                 target[: region.numel()].copy_(region, non_blocking=True)
             end.record(stream)
+        if beside is not None:  # compute on the current stream, queued after the copies
+            beside(sum(r.numel() * r.element_size() for r in regions))
         end.synchronize()
+        self.sync()
         self.barrier()
         nbytes = sum(r.numel() * r.element_size() for r in regions)
         return round(nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 2)
@@ -177,6 +182,27 @@ class Rank:
                 out[key] = self.shard_pass_h2d(handle, engine_stream=stream, engine_slot=slot)
         out["engine stream and slots, waits on the comm stream"] = self.shard_pass_h2d(
             handle, engine_stream=True, engine_slot=True, waits=True)
+        # Compute beside the copies: in a slow enable every kind of kernel slows the copies
+        # it overlaps (bench/trace_copies.py). GEMMs over fresh tensors, or with one operand
+        # in the engine's block slots: does the memory the compute touches decide it?
+        n = 8192
+        fresh = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        slots = [t for slot in handle._slots for t in slot.values()
+                 if t.dtype == torch.bfloat16 and t.numel() >= n * n]
+
+        def gemms(operands: list[torch.Tensor]) -> Any:
+            def queue(nbytes: int) -> None:
+                # 8192^3 bf16 GEMMs take ~1.4 ms: cover the pass at 45 GB/s with room.
+                for i in range(int(nbytes / 45e9 / 1.4e-3 * 1.3) + 1):
+                    torch.mm(operands[i % len(operands)], fresh)
+            return queue
+
+        out["engine stream and slots, GEMMs on fresh tensors"] = self.shard_pass_h2d(
+            handle, engine_stream=True, engine_slot=True, beside=gemms([fresh]))
+        if slots:
+            out["engine stream and slots, GEMMs reading the block slots"] = self.shard_pass_h2d(
+                handle, engine_stream=True, engine_slot=True,
+                beside=gemms([t[: n * n].view(n, n) for t in slots]))
         return out
 
     def gather_ms(self, nbytes: int) -> float:
@@ -255,12 +281,17 @@ class Rank:
                                 device=self.device, group=group)
         single.release_host_cache() if self.cuda else None
         info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
-                "rss_gib": single.rss_gib()}
+                "rss_gib": single.rss_gib(), "shards_huge": shards_in_huge_pages(handle),
+                "free_huge_blocks": free_huge_blocks()}
         self.out["methods"][method] = info
         r = info["report_at_start"]
         print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} enabled in "
               f"{info['enable_s']:.1f}s: pinned {r['pinned_host_bytes'] / GIB:.2f} GiB, host "
               f"{r['host_bytes'] / GIB:.2f} GiB, transfer {r['transfer']}", flush=True)
+        if info["shards_huge"] is not None:
+            print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} shards: "
+                  f"{info['shards_huge']:.3f} of their resident bytes in huge pages; free "
+                  f"2 MiB+ blocks in the kernel: {info['free_huge_blocks']}", flush=True)
         return handle
 
     def run(self) -> dict[str, Any]:
@@ -284,10 +315,8 @@ class Rank:
         self.barrier()
         self.prime(a.prime)
         if "allgather" in a.methods:
-            # A variant named twice runs twice (fresh shards each time): "s8", "s8#2", ...
-            names = [v if a.variants[:i].count(v) == 0 else f"{v}#{a.variants[:i].count(v) + 1}"
-                     for i, v in enumerate(a.variants)]
-            self.out["variants"] = names
+            names = a.variant_names or variant_names(a.variants)
+            self.out["variants"] = list(names)
             for i, name in enumerate(names):
                 last = i == len(names) - 1
                 self.allgather(model, name, first=i == 0, last=last)
@@ -358,10 +387,12 @@ class Rank:
         if self.cuda and a.profile:
             # Host-blocking CUDA calls inside steady-state steps (both ranks profile, in
             # lockstep: every forward is a pass of collectives); copy-engine busy fraction.
-            where = Path(a.out) if self.rank == 0 and first else Path("/tmp")
+            # Every rank's trace of every variant is kept (which rank is slow varies by
+            # enable); bench/trace_copies.py reads them.
+            where = Path(a.out)
             where.mkdir(parents=True, exist_ok=True)
             prof = single.profile_steps(model, single.flux_inputs(RES, 1, self.device), 3,
-                                        where / f"allgather_{name}_trace_rank{self.rank}.json.gz")
+                                        where / f"allgather_{name.replace('#', '_')}_trace_rank{self.rank}.json.gz")
             self.out["methods"][method]["profile"] = prof
             log(self.rank, f"{method} profile: {prof}")
         self.out["methods"][method]["report_at_end"] = handle.report()
@@ -380,11 +411,53 @@ def copy_clock(handle: Any) -> tuple[int, float] | None:
     return report["h2d_timed_bytes"], report["h2d_copy_seconds"]
 
 
+def shards_in_huge_pages(handle: Any) -> float | None:
+    """Share of the resident bytes of the mappings that hold this rank's pinned shards that
+    sit in transparent huge pages (/proc/self/smaps); None without shards or smaps."""
+    storage = getattr(handle, "_storage", None)
+    if storage is None or not hasattr(storage, "shards"):
+        return None
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for i in handle.plan.streamed for t in storage.regions(i).values())
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    rss = huge = 0
+    overlaps = False
+    for line in text.splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's header: start-end perms ...
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            overlaps = any(a < hi and lo < b for a, b in spans)
+        elif overlaps and head == "Rss:":
+            rss += int(line.split()[1])
+        elif overlaps and head == "AnonHugePages:":
+            huge += int(line.split()[1])
+    return huge / rss if rss else None
+
+
+def free_huge_blocks() -> int | None:
+    """Free blocks of order >= 9 (2 MiB and up) in every zone (/proc/buddyinfo): how much
+    unfragmented memory the kernel has left for huge pages."""
+    try:
+        lines = Path("/proc/buddyinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return sum(int(n) for line in lines for n in line.split()[4 + 9:])
+
+
 def cell_rate(before: tuple[int, float] | None, after: tuple[int, float] | None) -> float | None:
     """GB/s of the copies timed between two ``copy_clock`` readings."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     return round((after[0] - before[0]) / (after[1] - before[1]) / 1e9, 2)
+
+
+def variant_names(variants: list[str]) -> list[str]:
+    """A variant named twice runs twice (fresh shards each time): "s8", "s8#2", ..."""
+    return [v if variants[:i].count(v) == 0 else f"{v}#{variants[:i].count(v) + 1}"
+            for i, v in enumerate(variants)]
 
 
 def parse_variant(text: str) -> tuple[int, int, str]:
@@ -420,7 +493,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
         result = bench.run()
         box: list[Any] = [None] * world if rank == 0 else []
         dist.gather_object(result, box if rank == 0 else None, dst=0, group=bench.ctl)
-        if rank == 0:
+        if rank == 0 and args.part_file:
+            Path(args.part_file).write_text(json.dumps(box))
+        elif rank == 0:
             finish(box, args)
     finally:
         dist.destroy_process_group()
@@ -575,8 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prime", nargs="*", default=[], choices=["pages", "nccl"],
                    help="diagnosis: before the first AllGather enable, pin and copy fresh host "
                         "pages (pages) and/or run gathers on a spare NCCL group (nccl)")
+    p.add_argument("--process-per-method", action="store_true",
+                   help="run each method and each AllGather variant in a fresh pair of "
+                        "processes (one enable per process, as a server does)")
     p.add_argument("--tiny", action="store_true", help="small model on CPU (gloo): smoke test")
     args = p.parse_args(argv)
+    args.variant_names, args.part_file = None, None  # set per part by --process-per-method
     for v in args.variants:
         try:
             parse_variant(v)
@@ -590,8 +669,46 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ditserve.engine.distributed.rendezvous import free_port
 
-    mp.spawn(rank_main, args=(world, free_port(), args), nprocs=world, join=True)
+    if not args.process_per_method:
+        mp.spawn(rank_main, args=(world, free_port(), args), nprocs=world, join=True)
+        return 0
+    merged: list[dict[str, Any]] | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, part in enumerate(parts_of(args)):
+            part.part_file = str(Path(tmp) / f"part{i}.json")
+            mp.spawn(rank_main, args=(world, free_port(), part), nprocs=world, join=True)
+            ranks = json.loads(Path(part.part_file).read_text())
+            merged = ranks if merged is None else [merge_ranks(m, r) for m, r in zip(merged, ranks, strict=True)]
+    if merged:
+        finish(merged, args)
     return 0
+
+
+def parts_of(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """``--process-per-method``: one fresh pair of processes per method and AllGather variant,
+    as a server runs: each process enables offload once, on a model that has not run yet.
+    (Enabling again in one process, or after resident forwards, left the copies 3-7% slower
+    next to compute on 2x H200; docs/benchmarks.md.)"""
+    parts = []
+    for method in ("resident", "local"):
+        if method in args.methods:
+            parts.append(argparse.Namespace(**{**vars(args), "methods": [method], "variants": []}))
+    if "allgather" in args.methods:
+        for name, variant in zip(variant_names(args.variants), args.variants, strict=True):
+            parts.append(argparse.Namespace(**{**vars(args), "methods": ["allgather"],
+                                               "variants": [variant], "variant_names": [name]}))
+    return parts
+
+
+def merge_ranks(into: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """One rank's results from two runs: cells and methods add up; run-wide measurements
+    (H2D probes, model, largest-block gather) are kept from the first run that took them."""
+    into["cells"] += more["cells"]
+    into["methods"].update(more["methods"])
+    into["variants"] = into.get("variants", []) + more.get("variants", [])
+    for key, value in more.items():
+        into.setdefault(key, value)
+    return into
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""The benchmark programs' own bookkeeping: trace overlap accounting and merged runs.
+
+The benchmarks themselves need GPUs; what they compute from their measurements does not, and
+a wrong overlap share or a lost cell would silently change a recorded conclusion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel(name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {}}
+
+
+def h2d(ts: float, dur: float, nbytes: int) -> dict:
+    return {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
+            "ts": ts, "dur": dur, "args": {"bytes": nbytes}}
+
+
+def test_trace_copies_rates_and_overlap_shares(tmp_path: Path) -> None:
+    tc = load("trace_copies")
+    events = [
+        # Copy 1: 1000 us, 55 MB -> 55 GB/s; a GEMM covers all of it, two overlapping NCCL
+        # kernels cover its first half once (the union, not the sum), attention a tenth.
+        h2d(0, 1000, 55_000_000),
+        kernel("nvjet_sm90_tst_192x192_bias_TNN", -100, 1200),
+        kernel("ncclDevKernel_AllGather_RING_LL", 0, 400),
+        kernel("ncclDevKernel_AllGather_RING_LL", 300, 200),
+        kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 900, 300),
+        # Copy 2: 500 us, 25 MB -> 50 GB/s, with nothing beside it.
+        h2d(2000, 500, 25_000_000),
+        # A device-to-device copy is not an H2D copy and is not counted.
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)",
+         "ts": 2100, "dur": 10, "args": {"bytes": 1}},
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+    first, second = tc.copies_of(path)
+    assert first["gbps"] == pytest.approx(55.0)
+    assert first["gemm"] == pytest.approx(1.0)
+    assert first["nccl"] == pytest.approx(0.5)
+    assert first["attention"] == pytest.approx(0.1)
+    assert first["compute"] == pytest.approx(1.0)  # GEMM and attention overlap each other
+    assert second["gbps"] == pytest.approx(50.0)
+    assert all(second[k] == 0.0 for k in (*tc.KINDS, "compute"))
+
+    text = tc.summary(path)
+    assert "2 copies, 0.08 GB, 53.3 GB/s" in text  # 80 MB over 1500 us
+    assert "| most | most | 1 | 0.06 | 55.0 | 55.0 |" in text  # half counts as most
+    assert "| none | none | 1 | 0.03 | 50.0 | 50.0 |" in text
+
+
+def test_offload_dp_process_per_method_parts_and_merge() -> None:
+    dp = load("offload_dp")
+    assert dp.variant_names(["s8", "s8", "s4", "s8"]) == ["s8", "s8#2", "s4", "s8#3"]
+
+    args = argparse.Namespace(methods=["resident", "allgather"], variants=["s8", "s8"],
+                              variant_names=None, part_file=None, iters=8)
+    parts = dp.parts_of(args)
+    assert [(p.methods, p.variants, getattr(p, "variant_names", None)) for p in parts] == [
+        (["resident"], [], None), (["allgather"], ["s8"], ["s8"]),
+        (["allgather"], ["s8"], ["s8#2"])]
+    assert all(p.iters == 8 for p in parts) and args.variants == ["s8", "s8"]  # copies
+
+    first = {"rank": 0, "cells": [{"method": "resident"}], "methods": {},
+             "h2d_both_gbps": 54.4, "model": {"params": 1}}
+    second = {"rank": 0, "cells": [{"method": "allgather s8"}], "methods": {"allgather s8": {}},
+              "variants": ["s8"], "h2d_both_gbps": 50.0, "gather_ms_largest_block": 2.6}
+    merged = dp.merge_ranks(first, second)
+    assert [c["method"] for c in merged["cells"]] == ["resident", "allgather s8"]
+    assert merged["variants"] == ["s8"] and "allgather s8" in merged["methods"]
+    assert merged["h2d_both_gbps"] == 54.4  # run-wide figures: the first run's
+    assert merged["gather_ms_largest_block"] == 2.6  # ...or the first run that took them
