@@ -34,9 +34,18 @@ rank's own pinned shards (every rank copying at once, nothing else running); the
 gives the bound from each next to the one from the start of the run. Each cell also reports
 the rate its copies reached inside the loop (the offload copy clock). ``--bisect`` adds, after
 each AllGather cell, the shards copied alone on the engine's own copy stream and into its own
-shard slot, to find which one makes a slow enable's copies slow.
+shard slot, to find which one makes a slow enable's copies slow; ``--reslot`` and
+``--empty-cache`` try new device shard slots mid-run and a released allocator cache before each
+enable. Each enable records where its device buffers landed and how much of its pinned shards
+sit in huge pages. ``--process-per-method`` runs each method and each variant in a fresh pair of
+processes, as a server runs (one enable per process, on a model that has not run); within one
+process, later enables and enables after resident forwards have measured 3-7% slower copies
+(docs/benchmarks.md, sixth session). The profiler traces it keeps (both ranks, every variant)
+are read by ``bench/trace_copies.py``.
 
     NCCL_NVLS_ENABLE=0 python3 bench/offload_dp.py --out $OUT
+    NCCL_NVLS_ENABLE=0 python3 bench/offload_dp.py --methods resident allgather \
+        --variants s8 s8 --batches 1 --no-profile --process-per-method --out $OUT
     python3 bench/offload_dp.py --tiny            # CPU smoke run (gloo, 2 processes)
 """
 
@@ -276,13 +285,18 @@ class Rank:
 
     def offloaded(self, method: str, model: torch.nn.Module, group: Any, slots: int = 2,
                   gather: str = "nccl") -> Any:
+        if self.cuda and self.args.empty_cache:
+            # Diagnosis: every cached device segment back to the driver first, so the enable's
+            # slots and the next forwards' activations come from fresh allocations.
+            self.sync()
+            torch.cuda.empty_cache()
         t0 = time.monotonic()
         handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots, gather=gather),
                                 device=self.device, group=group)
         single.release_host_cache() if self.cuda else None
         info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
                 "rss_gib": single.rss_gib(), "shards_huge": shards_in_huge_pages(handle),
-                "free_huge_blocks": free_huge_blocks()}
+                "free_huge_blocks": free_huge_blocks(), "device_layout": device_layout(handle)}
         self.out["methods"][method] = info
         r = info["report_at_start"]
         print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} enabled in "
@@ -377,6 +391,16 @@ class Rank:
             log(self.rank, f"all_gather of the largest block ({slot / 2**20:.0f} MiB): "
                            f"{self.out['gather_ms_largest_block']:.2f} ms")
         self.cells(method, model, handle=handle)
+        if a.reslot and self.cuda and handle._transfer.name == "h2d+allgather":  # not symmetric memory
+            # Diagnosis: does a slow enable follow its device shard slots? New ones, same
+            # shapes, the old ones freed after (so the allocator cannot hand them back).
+            self.sync()
+            transfer = handle._transfer
+            old_slots = transfer.shard_slots
+            transfer.shard_slots = [{dtype: torch.empty_like(t) for dtype, t in slot.items()}
+                                    for slot in old_slots]
+            del old_slots
+            self.cells(f"allgather-reslotted {name}", model, handle=handle)
         if a.bisect and self.cuda:
             found = self.bisect(handle)
             self.out["methods"][method]["bisect_gbps"] = found
@@ -435,6 +459,21 @@ def shards_in_huge_pages(handle: Any) -> float | None:
         elif overlaps and head == "AnonHugePages:":
             huge += int(line.split()[1])
     return huge / rss if rss else None
+
+
+def device_layout(handle: Any) -> dict[str, Any]:
+    """Where an enable's device buffers landed (to compare a fast and a slow enable): the
+    block and shard slots' addresses, and the caching allocator's segment count and bytes."""
+    transfer = handle._transfer
+    out: dict[str, Any] = {
+        "block_slots": [hex(t.data_ptr()) for slot in handle._slots for t in slot.values()],
+        "shard_slots": [hex(t.data_ptr()) for slot in getattr(transfer, "shard_slots", [])
+                        for t in slot.values()]}
+    if torch.cuda.is_available() and handle.device.type == "cuda":
+        stats = torch.cuda.memory_stats(handle.device)
+        out["segments"] = stats.get("segment.all.current")
+        out["reserved_bytes"] = stats.get("reserved_bytes.all.current")
+    return out
 
 
 def free_huge_blocks() -> int | None:
@@ -560,7 +599,8 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
              f"{r0.get('gather_ms_largest_block', float('nan')):.2f} ms", ""]
     variants = r0.get("variants", [])
     methods = ["resident", "local"] + [f"{m} {v}" for v in variants
-                                       for m in ("allgather", "allgather-idle")]
+                                       for m in ("allgather", "allgather-reslotted",
+                                                 "allgather-idle")]
     lines.append("| method | batch | " + " | ".join(f"rank {r['rank']} ms/step" for r in ranks)
                  + " | images/s (busy ranks, 28 steps) | H2D GB/s per rank (copy clock) "
                  "| H2D GB/s per rank, 1 GiB alone, before-after "
@@ -650,6 +690,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prime", nargs="*", default=[], choices=["pages", "nccl"],
                    help="diagnosis: before the first AllGather enable, pin and copy fresh host "
                         "pages (pages) and/or run gathers on a spare NCCL group (nccl)")
+    p.add_argument("--reslot", action="store_true",
+                   help="diagnosis: after each AllGather cell, give the engine new device shard "
+                        "slots and time the cell again (allgather-reslotted)")
+    p.add_argument("--empty-cache", action="store_true",
+                   help="diagnosis: release the caching allocator's free device memory before "
+                        "each enable")
     p.add_argument("--process-per-method", action="store_true",
                    help="run each method and each AllGather variant in a fresh pair of "
                         "processes (one enable per process, as a server does)")
