@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("needs a CUDA device (or --tiny)", file=sys.stderr)
         return 2
-    single.MODEL_KWARGS.update(num_layers=a.layers, num_single_layers=a.single_layers)
-    model: Any = single.build_flux(device)
+    model: Any = single.build_flux(device, num_layers=a.layers, num_single_layers=a.single_layers)
     if a.dlo:
         model = model.cpu()
         enable_offload(model, OffloadConfig(enabled=True, slots=a.slots), device=device)

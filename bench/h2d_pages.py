@@ -109,29 +109,27 @@ class Rank:
         self.block = torch.empty(slab // 2 * world, dtype=torch.bfloat16, device=self.device)
         dist.all_gather_into_tensor(self.block, self.shard, group=self.weights)  # connect
         self.sets: list[list[torch.Tensor]] = []
-        self.flux, self.flux_ms = self.shallow_flux() if "Flux" in " ".join(modes(args)) else (None, 0.0)
-        heads, tokens = 24, 4096 + single.TEXT_TOKENS  # Flux at 1024^2
-        self.qkv = [torch.randn(1, heads, tokens, 128, device=self.device, dtype=torch.bfloat16)
-                    for _ in range(3)]
-        self.attention_ms = statistics.median(single.time_steps(
-            lambda **_: torch.nn.functional.scaled_dot_product_attention(*self.qkv), {}, 3, 10))
+        # The compute of the Flux and attention modes, set up only when one of them runs.
+        chosen = " ".join(modes(args))
+        self.flux, self.flux_ms = self.shallow_flux() if "Flux" in chosen else (None, 0.0)
+        self.qkv, self.attention_ms = self.attention() if "attention" in chosen else ([], 0.0)
         self.telemetry: list[str] = []
 
     def shallow_flux(self) -> tuple[Any, float]:
-        """A full-width Flux with few blocks, resident, and its forward's time alone (ms)."""
-        from diffusers import FluxTransformer2DModel
-
+        """A full-width Flux with few blocks, resident, its inputs and its forward's time alone
+        (ms)."""
         n = self.args.flux_layers
-        with torch.device("meta"):
-            model: Any = FluxTransformer2DModel(guidance_embeds=True, num_layers=n,
-                                                num_single_layers=2 * n)
-        model = model.to(torch.bfloat16).to_empty(device=self.device).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02)
+        model = single.build_flux(self.device, num_layers=n, num_single_layers=2 * n)
         inputs = single.flux_inputs(1024, 1, self.device)
-        times = single.time_steps(model, inputs, 2, 5)
-        return (model, inputs), statistics.median(times)
+        return (model, inputs), statistics.median(single.time_steps(model, inputs, 2, 5))
+
+    def attention(self) -> tuple[list[torch.Tensor], float]:
+        """Flux-shaped (1024^2) query, key and value, and one attention call's time (ms)."""
+        heads, tokens = 24, 4096 + single.TEXT_TOKENS
+        qkv = [torch.randn(1, heads, tokens, 128, device=self.device, dtype=torch.bfloat16)
+               for _ in range(3)]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return qkv, statistics.median(single.time_steps(lambda **_: sdpa(*qkv), {}, 3, 10))
 
     def queue_compute(self, mode: str, pass_bytes: int) -> None:
         """Queue the compute a mode puts beside the copies, enough to outlast the pass. The

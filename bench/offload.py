@@ -61,12 +61,13 @@ TINY = dict(num_layers=3, num_single_layers=2, attention_head_dim=16, num_attent
 MODEL_KWARGS: dict[str, Any] = {}
 
 
-def build_flux(device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """The default Flux transformer, random bf16 weights made on the GPU (no CPU init)."""
+def build_flux(device: torch.device, seed: int = 0, **config: Any) -> torch.nn.Module:
+    """The default Flux transformer, random bf16 weights made on the GPU (no CPU init);
+    ``config`` overrides MODEL_KWARGS (e.g. fewer blocks)."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
-        model: Any = FluxTransformer2DModel(guidance_embeds=True, **MODEL_KWARGS)
+        model: Any = FluxTransformer2DModel(guidance_embeds=True, **{**MODEL_KWARGS, **config})
     model = model.to(torch.bfloat16).to_empty(device=device).eval()
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

@@ -93,3 +93,46 @@ def test_offload_dp_process_per_method_parts_and_merge() -> None:
     assert merged["variants"] == ["s8"] and "allgather s8" in merged["methods"]
     assert merged["h2d_both_gbps"] == 54.4  # run-wide figures: the first run's
     assert merged["gather_ms_largest_block"] == 2.6  # ...or the first run that took them
+
+
+def test_offload_dp_bounds_from_each_h2d_rate(tmp_path: Path) -> None:
+    """The target is judged against the floor from each rate measurement, and without a
+    resident cell against the floor alone."""
+    dp = load("offload_dp")
+
+    def rank(r: int, *, resident: bool) -> dict:
+        report = {"streamed_bytes": 22e9, "pinned_host_bytes": 11e9, "host_bytes": 11e9,
+                  "group_size": 2}
+        cells = [{"method": "allgather s8", "batch": 1, "ms": 215.0 + r, "h2d_gbps": 54.0,
+                  "h2d_adjacent_gbps": (55.0, 55.0),
+                  "h2d_shard_pass_gbps": (50.0, 48.0) if r else (50.0, 50.0)}]
+        if resident:
+            cells.insert(0, {"method": "resident", "batch": 1, "ms": 230.0})
+        return {"rank": r, "cells": cells, "variants": ["s8"],
+                "methods": {"allgather s8": {"report_at_start": report, "enable_s": 4.0}},
+                "h2d_one_gbps": 55.0, "h2d_both_gbps": 55.0, "gather_ms_largest_block": 2.0,
+                "largest_block_bytes": 2**30, "model": {"params": 1, "bytes": 2}}
+
+    args = argparse.Namespace(out=str(tmp_path), batches=[1], tiny=True)
+    dp.finish([rank(0, resident=True), rank(1, resident=True)], args)
+    summary = json.loads((tmp_path / "offload_dp.json").read_text())
+    target = summary["targets"]["s8"]
+    assert target["allgather_b1_ms_worst_rank"] == 216.0
+    bounds = target["bounds"]
+    # 11 GB per rank at 55 GB/s = 200 ms + 2 ms gather; resident 230 ms is the larger.
+    assert bounds["start"]["floor_ms"] == pytest.approx(202.0)
+    assert bounds["start"]["bound_ms"] == pytest.approx(1.05 * 230.0)
+    assert bounds["adjacent"]["h2d_gbps"] == pytest.approx(55.0)
+    # The slowest rank's mean of before and after: rank 1's (50 + 48) / 2.
+    assert bounds["shard_pass"]["h2d_gbps"] == pytest.approx(49.0)
+    assert bounds["shard_pass"]["floor_ms"] == pytest.approx(11e9 / 49e9 * 1e3 + 2.0)
+    assert all(b["ok"] for b in bounds.values())
+
+    dp.finish([rank(0, resident=False), rank(1, resident=False)], args)
+    bounds = json.loads((tmp_path / "offload_dp.json").read_text())["targets"]["s8"]["bounds"]
+    assert bounds["start"]["bound_ms"] == pytest.approx(1.05 * 202.0)
+    assert bounds["start"]["ok"] is False  # 216 ms against 212.1
+    assert bounds["shard_pass"]["ok"] is True  # against 1.05 x 226.5
+    text = (tmp_path / "offload_dp.md").read_text()
+    assert "(resident not measured: 1.05 x the floor alone)" in text
+    assert "1.05 x max(0.0, 202.0) = 212.1 ms: NOT met" in text

@@ -157,12 +157,8 @@ class GatherTransfer:
     ) -> None:
         """On the copy stream, once shard slot j is free: H2D of this rank's shards into it,
         timed by the copy clock; records ``copied[j]``."""
-        copy, clock = self._base.stream, self._base.clock
-        started = clock.start(copy)
-        for _, src, shard in triples:
-            shard.copy_(src, non_blocking=True)
-        clock.stop(copy, started, sum(src.nbytes for _, src, _ in triples))
-        self.copied[j].record(copy)
+        self._base.copy_timed([(shard, src) for _, src, shard in triples])
+        self.copied[j].record(self._base.stream)
 
     def wait_ready(self, slot: int) -> None:
         self._base.wait_ready(slot)

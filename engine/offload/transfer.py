@@ -148,11 +148,17 @@ class CudaStreamTransfer:
             # Write-after-read: the block that last used this slot may still be running on
             # the compute stream; the copy stream waits for it, the host does not.
             self.stream.wait_event(self.free[slot])
-            started = self.clock.start(self.stream)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            self.clock.stop(self.stream, started, sum(src.nbytes for _, src in pairs))
+            self.copy_timed(pairs)
             self.ready[slot].record(self.stream)
+
+    def copy_timed(self, pairs: CopyPairs) -> None:
+        """Queue ``pairs`` on the copy stream, bracketed by the copy clock. Every copy path
+        (slot loads here, shard loads in ``gather``/``ce_gather``) goes through it, so the
+        achieved rate covers all H2D bytes the offload moves."""
+        started = self.clock.start(self.stream)
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+        self.clock.stop(self.stream, started, sum(src.nbytes for _, src in pairs))
 
     def wait_ready(self, slot: int) -> None:
         # Read-after-write: the block's kernels (on the current stream) start only after its

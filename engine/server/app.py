@@ -85,7 +85,7 @@ def readiness(state: ServerState) -> dict[str, Any]:
         phase = "draining"
     elif state.ready:
         phase = "ready"
-    elif getattr(engine, "compiling", False):
+    elif engine.compiling:
         phase = "compiling"  # weights loaded; the warm-up compiles the blocks (--compile)
     else:
         phase = "loading" if engine.executor is None or not engine.ready else "stopped"

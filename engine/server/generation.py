@@ -50,7 +50,7 @@ def _admit(state: ServerState, params: Any, on_event: Any = None) -> Any:
         raise _unavailable(state, "the server is shutting down; retry on another replica")
     if not state.engine.ready:
         loading = ("the DiT blocks are still compiling (--compile)"
-                   if getattr(state.engine, "compiling", False) else "the model is still loading")
+                   if state.engine.compiling else "the model is still loading")
         detail = state.startup_error or f"{loading}; poll GET /ready"
         raise _unavailable(state, detail)
     try:
