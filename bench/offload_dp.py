@@ -297,7 +297,8 @@ class Rank:
         single.release_host_cache() if self.cuda else None
         info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
                 "rss_gib": single.rss_gib(), "shards_huge": shards_in_huge_pages(handle),
-                "free_huge_blocks": free_huge_blocks(), "device_layout": device_layout(handle)}
+                "free_huge_blocks": free_huge_blocks(), "device_layout": device_layout(handle),
+                "shard_frames": shard_frames(handle)}
         self.out["methods"][method] = info
         r = info["report_at_start"]
         print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} enabled in "
@@ -460,6 +461,35 @@ def shards_in_huge_pages(handle: Any) -> float | None:
         elif overlaps and head == "AnonHugePages:":
             huge += int(line.split()[1])
     return huge / rss if rss else None
+
+
+def shard_frames(handle: Any) -> dict[str, Any] | None:
+    """Where this rank's pinned shards sit in (guest-)physical memory: one /proc/self/pagemap
+    entry per 2 MiB of every shard region, counted per physical GiB. The frame numbers need
+    CAP_SYS_ADMIN (they read as 0 without it); None without shards or pagemap."""
+    storage = getattr(handle, "_storage", None)
+    if storage is None or not hasattr(storage, "shards"):
+        return None
+    step = 2 * 2**20
+    buckets: dict[int, int] = {}
+    sampled = present = 0
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            for i in handle.plan.streamed:
+                for t in storage.regions(i).values():
+                    start = t.data_ptr()
+                    for address in range(start, start + t.numel() * t.element_size(), step):
+                        pagemap.seek(address // 4096 * 8)
+                        entry = int.from_bytes(pagemap.read(8), "little")
+                        sampled += 1
+                        if entry >> 63 and entry & ((1 << 55) - 1):
+                            present += 1
+                            gib = (entry & ((1 << 55) - 1)) * 4096 >> 30
+                            buckets[gib] = buckets.get(gib, 0) + 1
+    except OSError:
+        return None
+    return {"sampled": sampled, "with_frame": present,
+            "per_physical_gib": {str(k): buckets[k] for k in sorted(buckets)}}
 
 
 def device_layout(handle: Any) -> dict[str, Any]:

@@ -136,3 +136,26 @@ def test_offload_dp_bounds_from_each_h2d_rate(tmp_path: Path) -> None:
     text = (tmp_path / "offload_dp.md").read_text()
     assert "(resident not measured: 1.05 x the floor alone)" in text
     assert "1.05 x max(0.0, 202.0) = 212.1 ms: NOT met" in text
+
+
+def test_offload_dp_shard_frames_samples_every_2mib(tmp_path: Path) -> None:
+    """One pagemap entry per 2 MiB of each shard region, each with a frame counted in exactly
+    one physical-GiB bucket (frames read as 0, i.e. uncounted, without CAP_SYS_ADMIN)."""
+    torch = pytest.importorskip("torch")
+    dp = load("offload_dp")
+    slabs = {0: torch.ones(5 * 2**20, dtype=torch.uint8), 1: torch.ones(2**20, dtype=torch.uint8)}
+
+    class Storage:
+        def shards(self) -> list:
+            return list(slabs)
+
+        def regions(self, index: int) -> dict:
+            return {torch.bfloat16: slabs[index]}
+
+    handle = argparse.Namespace(_storage=Storage(), plan=argparse.Namespace(streamed=[0, 1]))
+    frames = dp.shard_frames(handle)
+    if frames is None:
+        pytest.skip("no /proc/self/pagemap here")
+    assert frames["sampled"] == 3 + 1  # 5 MiB: samples at 0, 2, 4 MiB; 1 MiB: one
+    assert frames["with_frame"] == sum(frames["per_physical_gib"].values())
+    assert dp.shard_frames(argparse.Namespace()) is None  # rank-local offload: no shards
