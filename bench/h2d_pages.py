@@ -51,7 +51,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,8 +64,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload as single  # noqa: E402  (bench/offload.py: the copy timer)
+import offload as single  # noqa: E402  (bench/offload.py: the copy timer, pagemap)
 
+from ditserve.engine.distributed.rendezvous import free_port  # noqa: E402
 from ditserve.engine.offload import transfer  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
@@ -220,24 +220,11 @@ def gpu_telemetry() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def guest_physical_gib(address: int) -> float | None:
-    """Guest-physical address (GiB) of the page at ``address`` from /proc/self/pagemap; None
-    without the privilege to read frame numbers (they read as 0)."""
-    try:
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(address // 4096 * 8)
-            entry = int.from_bytes(f.read(8), "little")
-    except OSError:
-        return None
-    pfn = entry & ((1 << 55) - 1)
-    return pfn * 4096 / GIB if pfn else None
-
-
 def per_slab(r: Rank, world: int) -> list[dict[str, Any]]:
     """Each rank alone in turn copies every slab of the newest set on its own (median of 3):
     GB/s per slab next to where the slab sits in guest-physical memory."""
     slabs = r.sets[-1]
-    rows = [{"slab": i, "guest_gib": [guest_physical_gib(slab.data_ptr() + k * slab.numel() // 4)
+    rows = [{"slab": i, "guest_gib": [single.guest_physical_gib(slab.data_ptr() + k * slab.numel() // 4)
                                       for k in range(4)], "gbps": {}} for i, slab in enumerate(slabs)]
     for turn in range(world):
         dist.barrier()
@@ -345,9 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
         print(f"needs {args.gpus} CUDA GPUs", file=sys.stderr)
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     box = mp.Manager().dict()
     mp.spawn(rank_main, args=(args.gpus, port, args, box), nprocs=args.gpus)
     rows = [row for rank in range(args.gpus) for row in box[rank]]

@@ -193,6 +193,20 @@ def rss_gib() -> float:
     return float("nan")
 
 
+def guest_physical_gib(address: int) -> float | None:
+    """(Guest-)physical address in GiB of the page holding ``address``, from
+    /proc/self/pagemap; None where the page is not present or the frame numbers are hidden
+    (they read as 0 without CAP_SYS_ADMIN)."""
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(address // 4096 * 8)
+            entry = int.from_bytes(f.read(8), "little")
+    except OSError:
+        return None
+    pfn = entry & ((1 << 55) - 1) if entry >> 63 else 0  # bit 63: present; bits 0-54: frame
+    return pfn * 4096 / GIB if pfn else None
+
+
 def profile_steps(model: torch.nn.Module, inputs: dict[str, Any], steps: int, path: Path) -> dict[str, Any]:
     """Profile steady-state steps; count host-synchronizing CUDA calls inside them.
 

@@ -149,15 +149,14 @@ class Rank:
         every rank copying at once and nothing else running: the floor's H2D bandwidth for
         exactly these pages, which a 1 GiB probe can overstate (on one instance 54.5 GB/s
         from 1 GiB against 47.5 over an 11 GiB set, both GPUs copying)."""
-        storage = getattr(handle, "_storage", None)
-        if not self.cuda or storage is None or not hasattr(storage, "shards"):
+        regions = shard_regions(handle)
+        if not self.cuda or regions is None:
             return None
         _, dev, stream = self.probe()
         transfer = handle._transfer
         if engine_stream:  # the copy stream the engine's loads run on
             stream = transfer._base.stream
-        regions = [r for index in handle.plan.streamed for r in storage.regions(index).values()]
-        nbytes = sum(r.numel() * r.element_size() for r in regions)
+        nbytes = sum(r.nbytes for r in regions)
         self.sync()
         self.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -437,14 +436,22 @@ def copy_clock(handle: Any) -> tuple[int, float] | None:
     return report["h2d_timed_bytes"], report["h2d_copy_seconds"]
 
 
-def shards_in_huge_pages(handle: Any) -> float | None:
-    """Share of the resident bytes of the mappings that hold this rank's pinned shards that
-    sit in transparent huge pages (/proc/self/smaps); None without shards or smaps."""
+def shard_regions(handle: Any) -> list[torch.Tensor] | None:
+    """This rank's pinned shard regions of every streamed block, in load order; None where
+    the handle keeps full blocks (rank-local offload, or no handle)."""
     storage = getattr(handle, "_storage", None)
     if storage is None or not hasattr(storage, "shards"):
         return None
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                   for i in handle.plan.streamed for t in storage.regions(i).values())
+    return [r for index in handle.plan.streamed for r in storage.regions(index).values()]
+
+
+def shards_in_huge_pages(handle: Any) -> float | None:
+    """Share of the resident bytes of the mappings that hold this rank's pinned shards that
+    sit in transparent huge pages (/proc/self/smaps); None without shards or smaps."""
+    regions = shard_regions(handle)
+    if regions is None:
+        return None
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in regions)
     try:
         text = Path("/proc/self/smaps").read_text()
     except OSError:
@@ -464,31 +471,19 @@ def shards_in_huge_pages(handle: Any) -> float | None:
 
 
 def shard_frames(handle: Any) -> dict[str, Any] | None:
-    """Where this rank's pinned shards sit in (guest-)physical memory: one /proc/self/pagemap
-    entry per 2 MiB of every shard region, counted per physical GiB. The frame numbers need
-    CAP_SYS_ADMIN (they read as 0 without it); None without shards or pagemap."""
-    storage = getattr(handle, "_storage", None)
-    if storage is None or not hasattr(storage, "shards"):
+    """Where this rank's pinned shards sit in (guest-)physical memory: one pagemap reading
+    per 2 MiB of every shard region, counted per physical GiB (frames are hidden without
+    CAP_SYS_ADMIN: then none is counted); None without shards."""
+    regions = shard_regions(handle)
+    if regions is None:
         return None
-    step = 2 * 2**20
+    where = [single.guest_physical_gib(address) for r in regions
+             for address in range(r.data_ptr(), r.data_ptr() + r.nbytes, 2 * 2**20)]
     buckets: dict[int, int] = {}
-    sampled = present = 0
-    try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            for i in handle.plan.streamed:
-                for t in storage.regions(i).values():
-                    start = t.data_ptr()
-                    for address in range(start, start + t.numel() * t.element_size(), step):
-                        pagemap.seek(address // 4096 * 8)
-                        entry = int.from_bytes(pagemap.read(8), "little")
-                        sampled += 1
-                        if entry >> 63 and entry & ((1 << 55) - 1):
-                            present += 1
-                            gib = (entry & ((1 << 55) - 1)) * 4096 >> 30
-                            buckets[gib] = buckets.get(gib, 0) + 1
-    except OSError:
-        return None
-    return {"sampled": sampled, "with_frame": present,
+    for gib in where:
+        if gib is not None:
+            buckets[int(gib)] = buckets.get(int(gib), 0) + 1
+    return {"sampled": len(where), "with_frame": sum(buckets.values()),
             "per_physical_gib": {str(k): buckets[k] for k in sorted(buckets)}}
 
 

@@ -20,10 +20,27 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    """A bench program as a module. The programs import their shared helpers by bare name
+    (``import offload``, bench/offload.py), which in a test session is also the name of the
+    tests/offload helper package: bind the bench's module while the program loads, then put
+    sys.modules and sys.path back so later ``from offload.support import ...`` still works."""
+    saved_path, saved = list(sys.path), sys.modules.get("offload")
+    try:
+        sys.modules["offload"] = _exec(BENCH / "offload.py", "bench_offload")
+        return _exec(BENCH / f"{name}.py", f"bench_{name}")
+    finally:
+        sys.path[:] = saved_path
+        if saved is not None:
+            sys.modules["offload"] = saved
+        else:
+            sys.modules.pop("offload", None)
+
+
+def _exec(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
