@@ -66,3 +66,61 @@ class Child:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         return self.proc.wait(timeout=60)
+
+
+# ---- a light model loader (numpy only) for CLI and daemon processes -----------------------
+# Selected in a child process with DITSERVE_CACHECTL_LOADER=cachectl_support:LIGHT_LOADER (and
+# this directory on PYTHONPATH). A model is a directory with transformer/weights.bin; its
+# tensors are derived from those bytes. If the model directory holds a file "hold", a build
+# announces itself (started.<pid>) and waits until a file "release" appears.
+
+def make_light_model(path: Path, seed: int = 0, size: int = 64 * 1024) -> Path:
+    (path / "transformer").mkdir(parents=True, exist_ok=True)
+    (path / "transformer" / "config.json").write_text(json.dumps({"seed": seed}))
+    rng = np.random.default_rng(seed)
+    (path / "transformer" / "weights.bin").write_bytes(rng.bytes(size))
+    return path
+
+
+def _light_source_files(model_dir: Path) -> list[Path]:
+    folder = Path(model_dir) / "transformer"
+    if not (folder / "weights.bin").is_file():
+        raise FileNotFoundError(f"{folder} has no weights.bin")
+    return sorted(p for p in folder.iterdir() if p.is_file())
+
+
+def _light_load(model_dir: Path, dtype: str) -> dict[str, Any]:
+    import time
+
+    model_dir = Path(model_dir)
+    if (model_dir / "hold").exists():
+        (model_dir / f"started.{os.getpid()}").write_text("")
+        deadline = time.monotonic() + 120
+        while not (model_dir / "release").exists():  # the test's signal, polled
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test never released the build")
+            time.sleep(0.01)
+    raw = np.frombuffer((model_dir / "transformer" / "weights.bin").read_bytes(), dtype=np.uint8)
+    as_float = raw.astype(np.float32 if dtype == "float32" else np.float16) / 255
+    return {"blocks.0.weight": as_float.reshape(-1, 64), "blocks.1.bias": as_float[:64].copy()}
+
+
+def _light_loader() -> Any:
+    from ditserve.cachectl.model_build import ModelLoader
+
+    return ModelLoader(name="tests.light_loader", version="1",
+                       source_files=_light_source_files, load=_light_load)
+
+
+LIGHT_LOADER = _light_loader()
+LIGHT_ENV = {"DITSERVE_CACHECTL_LOADER": "cachectl_support:LIGHT_LOADER",
+             "PYTHONPATH": str(Path(__file__).parent)}
+
+
+def cachectl_argv(*args: str) -> list[str]:
+    """A real ``cachectl`` process (run with LIGHT_ENV for the light loader)."""
+    return [sys.executable, "-m", "ditserve.cachectl.cli", *args]
+
+
+def light_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **LIGHT_ENV, **extra}
