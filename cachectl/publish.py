@@ -79,6 +79,15 @@ def preflight(layout: Layout, nbytes: int, files: int) -> None:
         raise InsufficientSpaceError(str(layout.root), files + 2, st.f_favail, unit="inodes")
 
 
+def _out_of_space(layout: Layout, nbytes: int, files: int) -> InsufficientSpaceError:
+    """What ran out while writing (the temp dir is already removed): inodes or bytes."""
+    st = os.statvfs(layout.tmp)
+    if st.f_files and st.f_favail < files + 2:
+        return InsufficientSpaceError(str(layout.root), files + 2, st.f_favail, unit="inodes")
+    return InsufficientSpaceError(str(layout.root), nbytes + SPACE_MARGIN,
+                                  st.f_bavail * st.f_frsize)
+
+
 def remove_stale_temps(layout: Layout, key: str) -> int:
     """Remove temp dirs a dead writer of ``key`` left. Only call with the build lock held."""
     removed = 0
@@ -131,9 +140,7 @@ def write_entry(
         # writer leaves a temp dir, which the next owner of the key's lock removes.
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in _FULL:
-            st = os.statvfs(layout.tmp)
-            raise InsufficientSpaceError(str(layout.root), total + SPACE_MARGIN,
-                                         st.f_bavail * st.f_frsize) from e
+            raise _out_of_space(layout, total, len(shards)) from e
         raise
     stage("before_rename")
     # rename(2) of a directory onto a missing name is atomic: readers see all of it or nothing.

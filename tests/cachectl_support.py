@@ -124,3 +124,45 @@ def cachectl_argv(*args: str) -> list[str]:
 
 def light_env(**extra: str) -> dict[str, str]:
     return {**os.environ, **LIGHT_ENV, **extra}
+
+
+# ---- mounts in a private mount namespace (read-only views, tiny filesystems) --------------
+# CI runs as root: there these tests must run, never skip. Elsewhere they need root too.
+
+def can_mount() -> bool:
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def require_mounts() -> None:
+    import pytest
+
+    if can_mount():
+        return
+    if os.environ.get("CI"):
+        pytest.fail("CI runs as root and must be able to mount (unshare -m) for this test")
+    pytest.skip("needs root and `unshare -m` (a private mount namespace) to mount")
+
+
+def in_mount_namespace(mounts: list[str], argv: list[str], *, env: dict[str, str] | None = None,
+                       timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a private mount namespace after ``mounts`` (shell commands, each a
+    mount whose last word is its mount point); unmount them again before leaving."""
+    points = list(dict.fromkeys(shlex.split(m)[-1] for m in mounts if m.split()[0] == "mount"))
+    teardown = "; ".join(f"umount -l {shlex.quote(p)} 2>/dev/null" for p in reversed(points))
+    script = (f"set -e; {'; '.join(mounts)}; set +e; {shlex.join(argv)}; rc=$?; "
+              f"{teardown or 'true'}; exit $rc")
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def read_only_bind(source: Path, target: Path) -> list[str]:
+    """The two mounts of a read-only view of ``source`` at ``target`` (refuses even root)."""
+    target.mkdir(parents=True, exist_ok=True)
+    return [f"mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))}",
+            f"mount -o remount,bind,ro {shlex.quote(str(target))}"]
