@@ -166,3 +166,19 @@ def read_only_bind(source: Path, target: Path) -> list[str]:
     target.mkdir(parents=True, exist_ok=True)
     return [f"mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))}",
             f"mount -o remount,bind,ro {shlex.quote(str(target))}"]
+
+
+def without_file_permissions_bypass(argv: list[str]) -> list[str]:
+    """``argv`` run so that file permissions apply: as root (CI), without the capabilities
+    that bypass them; as another user, as is. Skips (outside CI) if that cannot be done."""
+    import shutil
+
+    import pytest
+
+    if os.geteuid() != 0:
+        return argv
+    if shutil.which("setpriv") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root and needs setpriv (util-linux) for this test")
+        pytest.skip("needs setpriv to drop root's permission bypass")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", *argv]
