@@ -60,6 +60,14 @@ class Job:
             self.future.set_result(None)
 
 
+def _ready(recipe_key: str, request: ModelRequest, key: str, path: str | None,
+           nbytes: int) -> Job:
+    """The answer for a published entry (a hit: not built by this request)."""
+    job = Job(recipe_key, request, key=key, path=path, done_bytes=nbytes, total_bytes=nbytes)
+    job.finish(JobStatus.READY, "published")
+    return job
+
+
 class BuildCoordinator:
     """Maps recipe keys to jobs; ``submit`` answers a ready entry, joins the running build or
     starts one."""
@@ -86,7 +94,7 @@ class BuildCoordinator:
             if job is not None and job.status is JobStatus.READY and job.key is not None \
                     and self.store.layout.entry(job.key).is_dir():
                 self.metrics.ensure_requests.labels("hit").inc()
-                return job
+                return _ready(recipe_key, request, job.key, job.path, job.total_bytes)
         ready = self._ready_without_hashing(plan.recipe, recipe_key, request)
         with self._lock:
             if ready is not None:
@@ -111,10 +119,7 @@ class BuildCoordinator:
         if entry is None:
             return None  # unknown, or it needs a re-hash: a job does that
         with entry:
-            job = Job(recipe_key, request, key=entry.key, path=str(entry.path),
-                      done_bytes=entry.total_bytes, total_bytes=entry.total_bytes)
-        job.finish(JobStatus.READY, "published")
-        return job
+            return _ready(recipe_key, request, entry.key, str(entry.path), entry.total_bytes)
 
     def _run(self, job: Job) -> None:
         job.started = True
