@@ -84,6 +84,15 @@ def _close_all(files: list[MappedSafetensors]) -> None:
         f.close()
 
 
+def _ensure_from_loaded(store: Any, model_plan: Any, model: nn.Module) -> Any:
+    """Build the entry from the loaded DiT's tensors, or join an existing one whose content
+    digest matches them (ContentMismatchError otherwise). The tensor dict lives only in this
+    frame: after the repoint nothing but the DiT may hold the private copies."""
+    tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+    return store.ensure_recipe(model_plan.recipe, model_digest=model_plan.model_digest,
+                               build_fn=lambda: tensors, expected=tensors)
+
+
 def runtime_cache_dit(
     model_dir: str | Path,
     *,
@@ -131,15 +140,11 @@ def runtime_cache_dit(
             log.warning("runtime cache: entry %s refused: %s", key[:12], checked.reason)
 
     model = load_dit()
-    tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
     try:
-        entry = store.ensure_recipe(model_plan.recipe, model_digest=model_plan.model_digest,
-                                    build_fn=lambda: tensors, expected=tensors)
+        entry = _ensure_from_loaded(store, model_plan, model)
     except ContentMismatchError as e:
         log.warning("runtime cache: %s", e)
         return model, HostWeightPlan.ordinary(f"runtime cache entry not joined: {e}")
-    finally:
-        del tensors  # the DiT holds its tensors; these names must not outlive the repoint
     if entry.built:
         store.stamp(entry.key)  # later (read-only) joins skip the full re-hash
     files = _map_entry(entry)
