@@ -110,6 +110,8 @@ def _items(spans: Iterable[Span], piece_bytes: int) -> list[_Item]:
 
 def _hash_item(item: _Item, limiter: RateLimiter | None,
                on_bytes: Callable[[int], None] | None) -> list[bytes]:
+    if limiter is not None:
+        limiter.acquire(item.end - item.start)  # before the mapping reads the bytes in
     with open(item.path, "rb") as f:
         # A file shorter than the manifest says would fault (SIGBUS) when mapped past its end.
         if os.fstat(f.fileno()).st_size < item.end:
@@ -121,8 +123,6 @@ def _hash_item(item: _Item, limiter: RateLimiter | None,
     try:
         out = []
         for _tag, _index, start, n in item.pieces:
-            if limiter is not None:
-                limiter.acquire(n)
             out.append(hashlib.sha256(view[start - base:start - base + n]).digest())
             if on_bytes is not None:
                 on_bytes(n)

@@ -237,11 +237,14 @@ def test_verify_holds_a_lease_so_gc_cannot_remove_an_entry_mid_hash(
     keys = _three_entries(lru_store, clock)
     hashing, go_on = threading.Event(), threading.Event()
 
-    def paused_sleep(_s: float) -> None:  # the limiter's sleep: park the hash mid-entry
-        hashing.set()
-        assert go_on.wait(30)
+    class Parked(RateLimiter):
+        """Parks the hash of the entry's bytes until the test lets it go."""
 
-    limiter = RateLimiter(1.0, clock=lambda: 0.0, sleep=paused_sleep)
+        def acquire(self, nbytes: int) -> None:
+            hashing.set()
+            assert go_on.wait(30)
+
+    limiter = Parked(1.0)
     done: list[list] = []
     worker = threading.Thread(target=lambda: done.append(lru_store.verify([keys[0]],
                                                                           limiter=limiter)))
