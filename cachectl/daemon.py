@@ -7,9 +7,13 @@ Owns ``DaemonConfig``, the FastAPI app and socket setup. Endpoints:
                                202 building /
                                400 bad request / 409 corrupt entry / 500 failed
     GET  /v1/entries/{key}     status of one entry (structure checked, not re-hashed)
-    GET  /metrics              Prometheus text (also on --metrics-port)
+    GET  /metrics              Prometheus text (also on --metrics-port, bound to --metrics-host:
+                               $POD_IP or the loopback, never every address by default)
 
-The handlers are thin: they validate the body and call the build coordinator or the store.
+Every answer is JSON, errors included. The handlers are thin: they validate the body and call
+the build coordinator or the store. The daemon builds with the ModelLoader it is given (the
+CLI passes the engine's); on SIGTERM it stops answering, lets a running build finish within
+``grace_s`` and then exits 0, or says it abandoned the build and exits 3.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +35,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 from pydantic import BaseModel, Field
 
-from ditserve.cachectl.builds import BuildCoordinator, EnsureFn, JobStatus
+from ditserve.cachectl.builds import BuildCoordinator, JobStatus
 from ditserve.cachectl.errors import CacheError
 from ditserve.cachectl.identity import Placement, is_key
 from ditserve.cachectl.logs import event
 from ditserve.cachectl.metrics import DaemonMetrics
-from ditserve.cachectl.model_build import ModelRequest, ensure_model
+from ditserve.cachectl.model_build import ModelLoader, ModelRequest
 from ditserve.cachectl.scrub import Scrubber
 from ditserve.cachectl.store import CacheStore
 from ditserve.cachectl.verify import check_structure
@@ -49,9 +54,11 @@ class DaemonConfig:
     socket_path: Path
     tcp: tuple[str, int] | None = None
     metrics_port: int | None = None
+    metrics_host: str | None = None  # None: $POD_IP, else the loopback
     scrub_interval_s: float = 6 * 3600.0
     scrub_rate_mib_s: float = 256.0
     max_builds: int = 2
+    grace_s: float = 45.0
     socket_mode: int = 0o666
 
     def __post_init__(self) -> None:
@@ -59,6 +66,12 @@ class DaemonConfig:
             raise CacheError("--scrub-interval and --scrub-rate-mib must be >= 0 (0 disables)")
         if self.max_builds < 1:
             raise CacheError("max_builds must be >= 1")
+        if self.grace_s < 0:
+            raise CacheError("--grace-period must be >= 0 seconds")
+
+    @property
+    def metrics_address(self) -> str:
+        return self.metrics_host or os.environ.get("POD_IP") or "127.0.0.1"
 
 
 class EnsureBody(BaseModel):
@@ -73,16 +86,14 @@ class EnsureBody(BaseModel):
 class Daemon:
     """The daemon's parts, apart from the sockets (tests drive it in-process)."""
 
-    def __init__(self, config: DaemonConfig, logger: logging.Logger, *,
-                 store: CacheStore | None = None, ensure_fn: EnsureFn = ensure_model,
-                 job_key: Any = None) -> None:
+    def __init__(self, config: DaemonConfig, logger: logging.Logger, loader: ModelLoader, *,
+                 store: CacheStore | None = None) -> None:
         self.config = config
         self.logger = logger
         self.store = store or CacheStore(config.root)
         self.metrics = DaemonMetrics(self.store)
-        self.builds = BuildCoordinator(self.store, self.metrics, logger,
-                                       max_builds=config.max_builds, ensure_fn=ensure_fn,
-                                       job_key=job_key)
+        self.builds = BuildCoordinator(self.store, self.metrics, logger, loader,
+                                       max_builds=config.max_builds)
         rate = config.scrub_rate_mib_s * 2**20 if config.scrub_rate_mib_s else None
         self.scrubber = Scrubber(self.store, self.metrics, logger,
                                  interval_s=config.scrub_interval_s, rate_bytes_per_s=rate)
@@ -90,9 +101,11 @@ class Daemon:
     def start(self) -> None:
         self.scrubber.start()
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
+        """Stop scrubbing and drain builds; the recipe keys of builds abandoned after the
+        grace period (empty when every running build finished)."""
         self.scrubber.stop()
-        self.builds.shutdown()
+        return [job.recipe_key for job in self.builds.drain(self.config.grace_s)]
 
 
 _STATUS_CODE = {JobStatus.READY: 200, JobStatus.BUILDING: 202}
@@ -100,6 +113,12 @@ _STATUS_CODE = {JobStatus.READY: 200, JobStatus.BUILDING: 202}
 
 def create_app(daemon: Daemon) -> FastAPI:
     app = FastAPI(title="cachectl", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Any, exc: Exception) -> JSONResponse:
+        # Clients parse every answer as JSON; an unexpected error is a 500 in JSON too.
+        event(daemon.logger, "request_failed", logging.ERROR, error=repr(exc))
+        return JSONResponse({"status": "failed", "reason": "error", "error": str(exc)}, 500)
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
@@ -113,6 +132,9 @@ def create_app(daemon: Daemon) -> FastAPI:
             job = await asyncio.to_thread(daemon.builds.submit, request)
         except CacheError as e:
             return JSONResponse({"status": "failed", "reason": "bad_request", "error": str(e)}, 400)
+        except Exception as e:  # an unexpected failure while planning: still a JSON answer
+            event(daemon.logger, "ensure_failed", logging.ERROR, error=repr(e))
+            return JSONResponse({"status": "failed", "reason": "error", "error": str(e)}, 500)
         if body.wait_s > 0 and not job.future.done():
             # shield: a client that gives up must not cancel the shared build.
             await asyncio.wait({asyncio.shield(asyncio.wrap_future(job.future))},
@@ -169,42 +191,63 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(config: DaemonConfig, logger: logging.Logger) -> None:
-    """Run until SIGTERM/SIGINT; uvicorn handles the signals and the graceful stop."""
-    import uvicorn
+class _Server:
+    """uvicorn's server with the daemon's signal handling (built lazily: uvicorn is heavy)."""
 
-    daemon = Daemon(config, logger)
+    @staticmethod
+    def create(app: FastAPI) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                # uvicorn re-raises SIGTERM after its graceful stop, killing us before the
+                # builds are drained; the daemon stops on its own terms instead. A second
+                # SIGTERM (handlers restored) kills at once.
+                previous = {s: signal.signal(s, self.handle_exit)
+                            for s in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for s, handler in previous.items():
+                        signal.signal(s, handler)
+
+        # Long-polls end within their wait_s (the CLI asks for 5 s); do not wait longer.
+        return Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                     timeout_graceful_shutdown=5))
+
+
+def serve(config: DaemonConfig, logger: logging.Logger, loader: ModelLoader) -> int:
+    """Run until SIGTERM/SIGINT, then drain builds; returns the exit status (0 when every
+    running build finished, else it exits 3 at once: the build threads cannot be joined)."""
+    daemon = Daemon(config, logger, loader)
     sockets = [_bind_unix(config.socket_path, config.socket_mode)]
     tcp = None
     if config.tcp is not None:
         sockets.append(_bind_tcp(*config.tcp))
         bound_host, bound_port = sockets[-1].getsockname()[:2]
         tcp = f"{bound_host}:{bound_port}"  # the real port when asked for port 0
-    metrics_port = None
+    metrics = None
     if config.metrics_port is not None:
-        httpd, _thread = start_http_server(config.metrics_port, registry=daemon.metrics.registry)
-        metrics_port = httpd.server_port
+        httpd, _thread = start_http_server(config.metrics_port, addr=config.metrics_address,
+                                           registry=daemon.metrics.registry)
+        metrics = f"{config.metrics_address}:{httpd.server_port}"
     daemon.start()
     event(logger, "daemon_started", root=str(config.root), socket=str(config.socket_path),
-          tcp=tcp, metrics_port=metrics_port, pid=os.getpid(),
+          tcp=tcp, metrics=metrics, pid=os.getpid(), grace_s=config.grace_s,
           scrub_interval_s=config.scrub_interval_s, scrub_rate_mib_s=config.scrub_rate_mib_s)
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # uvicorn re-raises SIGTERM after its graceful stop, killing us before our own
-            # cleanup; a daemon should stop gracefully and exit 0 instead.
-            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
-
-    server = _Server(uvicorn.Config(create_app(daemon), log_config=None,
-                                    access_log=False, lifespan="off"))
     try:
-        server.run(sockets=sockets)
+        _Server.create(create_app(daemon)).run(sockets=sockets)
     finally:
-        daemon.stop()
+        # Gone from the socket first: clients fall back to building under the same lock,
+        # which waits for a build of ours that is still finishing, then joins it.
         config.socket_path.unlink(missing_ok=True)
-        event(logger, "daemon_stopped")
+        abandoned = daemon.stop()
+    if abandoned:
+        event(logger, "build_abandoned", logging.ERROR, recipes=abandoned, grace_s=config.grace_s,
+              note="its temp dir is removed by the next builder of the same entry")
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(3)  # the build threads are still running and cannot be interrupted
+    event(logger, "daemon_stopped")
+    return 0

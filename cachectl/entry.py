@@ -61,6 +61,8 @@ class Entry:
         self.validated_by = validated_by
         self.built = built
         self.via_recipe = via_recipe
+        # After a recipe miss: whether recipe -> key was recorded (not on a read-only mount).
+        self.recipe_recorded: bool | None = None
         self._handles: list[Any] = []
 
     @property

@@ -1,22 +1,39 @@
-"""File hashing for the cache: SHA-256 of whole files or byte ranges, in parallel, rate-limited.
+"""SHA-256 for the cache: fixed-size pieces of files and buffers, hashed in parallel, rate-limited.
 
-Used by the store (verify, join, model source digests) and the daemon's scrubber. Files are
-hashed in parallel across a thread pool: ``hashlib`` releases the GIL on large buffers, so
-threads scale across cores without processes.
+Every digest the cache records is built from *pieces*: consecutive ``piece_bytes`` slices of a
+byte range (a tensor, a model file), each hashed on its own. Pieces are independent, so one
+20 GiB file keeps every core busy; the digests that name a whole range are hashes over its
+piece digests (``digests.py``). Files are read through a read-only ``mmap`` (no copy into a
+buffer: that copy costs about a fifth of single-core SHA-256 throughput) by a thread pool;
+``hashlib`` releases the GIL on large buffers, so threads scale across cores.
+
+Used by the publisher and the engine (buffers), verify, join, scrub and model source digests
+(files).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-CHUNK = 8 * 2**20  # big enough that hashlib drops the GIL, small enough to rate-limit smoothly
+PIECE_BYTES = 16 * 2**20  # small enough to spread one file over 16+ cores, large for hashlib
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # prefault: one fault per item, not per page
+
+
+def default_threads() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class RateLimiter:
@@ -51,63 +68,127 @@ class RateLimiter:
             self._sleep(delay)
 
 
-def hash_file(
-    path: Path,
-    *,
-    start: int = 0,
-    length: int | None = None,
-    limiter: RateLimiter | None = None,
-    on_bytes: Callable[[int], None] | None = None,
-) -> str:
-    """SHA-256 hex of ``length`` bytes of ``path`` from ``start`` (to the end when None)."""
-    digest = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        remaining = length if length is not None else os.fstat(f.fileno()).st_size - start
-        while remaining > 0:
-            want = min(CHUNK, remaining)
-            if limiter is not None:
-                limiter.acquire(want)
-            got = f.readinto(view[:want])
-            if not got:
-                break  # file shorter than expected: the caller compares digests and sizes
-            digest.update(view[:got])
-            remaining -= got
-            if on_bytes is not None:
-                on_bytes(got)
-    return digest.hexdigest()
+def piece_ranges(length: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """(start, length) of each piece of a ``length``-byte range; none for an empty range."""
+    return [(s, min(piece_bytes, length - s)) for s in range(0, length, piece_bytes)]
 
 
 @dataclass(frozen=True)
-class HashJob:
-    """One file (or byte range) to hash; ``tag`` comes back with the result."""
+class Span:
+    """A byte range of a file to hash as pieces; ``tag`` names it in the result."""
 
     path: Path
+    start: int
+    length: int
     tag: str
-    start: int = 0
-    length: int | None = None
 
 
-def hash_many(
-    jobs: Iterable[HashJob],
+@dataclass
+class _Item:
+    """Adjacent pieces of one file hashed by one worker through one mapping."""
+
+    path: Path
+    start: int
+    end: int
+    pieces: list[tuple[str, int, int, int]]  # (tag, index, absolute start, length)
+
+
+def _items(spans: Iterable[Span], piece_bytes: int) -> list[_Item]:
+    items: list[_Item] = []
+    for span in sorted(spans, key=lambda s: (str(s.path), s.start)):
+        for index, (rel, n) in enumerate(piece_ranges(span.length, piece_bytes)):
+            begin = span.start + rel
+            last = items[-1] if items else None
+            if (last is not None and last.path == span.path and last.end == begin
+                    and last.end - last.start < piece_bytes):
+                last.pieces.append((span.tag, index, begin, n))
+                last.end = begin + n
+            else:
+                items.append(_Item(span.path, begin, begin + n, [(span.tag, index, begin, n)]))
+    return items
+
+
+def _hash_item(item: _Item, limiter: RateLimiter | None,
+               on_bytes: Callable[[int], None] | None) -> list[bytes]:
+    if limiter is not None:
+        limiter.acquire(item.end - item.start)  # before the mapping reads the bytes in
+    with open(item.path, "rb") as f:
+        # A file shorter than the manifest says would fault (SIGBUS) when mapped past its end.
+        if os.fstat(f.fileno()).st_size < item.end:
+            raise OSError(errno.ENODATA, f"{item.path.name} is shorter than expected")
+        base = item.start - item.start % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(f.fileno(), item.end - base, flags=mmap.MAP_SHARED | _POPULATE,
+                            prot=mmap.PROT_READ, offset=base)
+    view = memoryview(mapping)
+    try:
+        out = []
+        for _tag, _index, start, n in item.pieces:
+            out.append(hashlib.sha256(view[start - base:start - base + n]).digest())
+            if on_bytes is not None:
+                on_bytes(n)
+        return out
+    finally:
+        view.release()
+        mapping.close()
+
+
+def hash_spans(
+    spans: Iterable[Span],
     *,
+    piece_bytes: int = PIECE_BYTES,
     threads: int | None = None,
     limiter: RateLimiter | None = None,
     on_bytes: Callable[[int], None] | None = None,
-) -> dict[str, str | OSError]:
-    """Hash every job in parallel; maps tag -> hex digest, or the OSError that stopped it."""
-    jobs = list(jobs)
-    workers = max(1, min(threads or os.cpu_count() or 1, len(jobs) or 1))
+) -> dict[str, list[bytes] | OSError]:
+    """Piece digests of every span, in parallel: tag -> digests in order, or the OSError
+    that stopped one of its pieces."""
+    spans = list(spans)
+    results: dict[str, list[bytes] | OSError] = {s.tag: [] for s in spans}
+    slots: dict[str, list[bytes]] = {
+        s.tag: [b""] * len(piece_ranges(s.length, piece_bytes)) for s in spans}
+    items = _items(spans, piece_bytes)
 
-    def one(job: HashJob) -> str | OSError:
+    def run(item: _Item) -> tuple[_Item, list[bytes] | OSError]:
         try:
-            return hash_file(job.path, start=job.start, length=job.length,
-                             limiter=limiter, on_bytes=on_bytes)
+            return item, _hash_item(item, limiter, on_bytes)
         except OSError as e:
-            return e
+            return item, e
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cachectl-hash") as pool:
-        results = list(pool.map(one, jobs))
-    return {job.tag: result for job, result in zip(jobs, results, strict=True)}
+    workers = max(1, min(threads or default_threads(), len(items) or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="cachectl-hash") as pool:
+        for item, got in pool.map(run, items):
+            for k, (tag, index, _s, _n) in enumerate(item.pieces):
+                if isinstance(got, OSError):
+                    results[tag] = got
+                else:
+                    slots[tag][index] = got[k]
+    for tag, pieces in slots.items():
+        if not isinstance(results[tag], OSError):
+            results[tag] = pieces
+    return results
+
+
+def hash_buffers(
+    buffers: Mapping[str, memoryview],
+    *,
+    piece_bytes: int = PIECE_BYTES,
+    threads: int | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict[str, list[bytes]]:
+    """Piece digests of in-memory byte views (tensors), in parallel: name -> digests."""
+    jobs = [(name, start, n) for name, view in buffers.items()
+            for start, n in piece_ranges(view.nbytes, piece_bytes)]
+
+    def run(job: tuple[str, int, int]) -> bytes:
+        name, start, n = job
+        digest = hashlib.sha256(buffers[name][start:start + n]).digest()
+        if on_bytes is not None:
+            on_bytes(n)
+        return digest
+
+    out: dict[str, list[bytes]] = {name: [] for name in buffers}
+    workers = max(1, min(threads or default_threads(), len(jobs) or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="cachectl-hash") as pool:
+        for (name, _s, _n), digest in zip(jobs, pool.map(run, jobs), strict=True):
+            out[name].append(digest)
+    return out

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.cachectl.errors import InvalidIdentityError
-from ditserve.cachectl.hashing import HashJob, hash_many
+from ditserve.cachectl.hashing import PIECE_BYTES, Span, hash_spans
 
-SCHEMA_VERSION = 1
+# 2: piece digests (parallel verify), manifest digest, mount-path-free recipes. Entries of
+# schema 1 get other keys and are refused with a message saying how to rebuild them.
+SCHEMA_VERSION = 2
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -179,39 +181,63 @@ def recipe_for(
 
 
 def _relative(paths: Sequence[Path], base: Path) -> list[tuple[str, Path]]:
-    base = base.resolve()
+    """(name relative to ``base``, path) of each source file, sorted by name.
+
+    Names are lexical, not resolved: in a hub-cache snapshot every file is a symlink to a blob
+    outside the model directory, and its name is still ``transformer/<file>``. Reading follows
+    the links.
+    """
+    root = Path(os.path.abspath(base))
     out = []
     for p in paths:
-        full = p if p.is_absolute() else base / p
-        out.append((full.resolve().relative_to(base).as_posix(), full))
+        full = Path(os.path.abspath(p if p.is_absolute() else root / p))
+        try:
+            rel = full.relative_to(root).as_posix()
+        except ValueError as e:
+            raise InvalidIdentityError(f"model source file {p} is not inside {base}") from e
+        out.append((rel, full))
     return sorted(out)
 
 
 def source_fingerprint(paths: Sequence[Path], base: Path) -> str:
-    """A cheap stand-in for the sources' digest: resolved dir, names, sizes, inodes, mtimes.
+    """A cheap stand-in for the sources' digest: relative names, sizes, inodes, mtimes.
 
-    Any rewrite of a file changes its mtime (or inode), so a stale fingerprint misses the
-    recipe record and falls back to hashing; it never maps a different model's entry.
+    Not the directory's absolute path: an engine pod sees the model at its mount path, the
+    node daemon at the node path, and both must find the same recipe. Device and inode (of a
+    symlink's target) still tell two copies apart; any rewrite of a file changes its mtime or
+    inode, so a stale fingerprint misses the recipe record and falls back to hashing: it never
+    maps a different model's entry.
     """
     files = []
     for rel, full in _relative(paths, base):
-        st = os.stat(full)
+        try:
+            st = os.stat(full)
+        except OSError as e:
+            raise InvalidIdentityError(f"cannot stat model source file {full}: {e}") from e
         files.append({"path": rel, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                       "ino": st.st_ino, "dev": st.st_dev})
-    return sha256_json({"dir": str(base.resolve()), "files": files})
+    return sha256_json({"files": files})
 
 
 def source_digest(paths: Sequence[Path], base: Path, *, threads: int | None = None) -> str:
-    """The model identity: SHA-256 over the sorted relative names, sizes and contents."""
+    """The model identity: SHA-256 over the sorted relative names, sizes and piece digests."""
     rel = _relative(paths, base)
-    digests = hash_many([HashJob(full, name) for name, full in rel], threads=threads)
+    sizes = {}
+    for name, full in rel:
+        try:
+            sizes[name] = os.stat(full).st_size
+        except OSError as e:
+            raise InvalidIdentityError(f"cannot read model source file {full}: {e}") from e
+    pieces = hash_spans([Span(full, 0, sizes[name], name) for name, full in rel],
+                        piece_bytes=PIECE_BYTES, threads=threads)
     files = []
     for name, full in rel:
-        digest = digests[name]
-        if isinstance(digest, OSError):
-            raise InvalidIdentityError(f"cannot read model source file {full}: {digest}") from digest
-        files.append({"path": name, "size": full.stat().st_size, "sha256": digest})
-    return sha256_json({"files": files})
+        got = pieces[name]
+        if isinstance(got, OSError):
+            raise InvalidIdentityError(f"cannot read model source file {full}: {got}") from got
+        digest = hashlib.sha256(b"".join(got)).hexdigest()
+        files.append({"path": name, "size": sizes[name], "pieces_sha256": digest})
+    return sha256_json({"piece_bytes": PIECE_BYTES, "files": files})
 
 
 def identity_for(

@@ -54,10 +54,12 @@ def _try_lock(path: Path, mode: int, *, directory: bool = False) -> HeldLock | N
     A lock file is created when missing; a directory must exist (FileNotFoundError).
     """
     while True:
+        # O_NOFOLLOW: an entry (or a lock) that is a symlink out of the root is never locked
+        # through; the caller reports it (ENOTDIR / ELOOP).
         if directory:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except OSError as e:
@@ -85,6 +87,24 @@ def try_exclusive(path: Path) -> HeldLock | None:
 def try_exclusive_dir(path: Path) -> HeldLock | None:
     """GC's side of a lease; FileNotFoundError if the directory is gone."""
     return _try_lock(path, fcntl.LOCK_EX, directory=True)
+
+
+def is_free(path: Path) -> bool:
+    """True if nobody holds the build lock at ``path``; opens nothing for writing, so it works
+    on a read-only mount (a lock file that does not exist is held by nobody)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # flock ignores the open mode
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    finally:
+        os.close(fd)
 
 
 def read_holder(path: Path) -> str | None:

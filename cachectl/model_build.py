@@ -1,10 +1,12 @@
-"""Building entries from a local diffusers model with the engine's loader.
+"""Building entries from a local model directory with a loader the caller passes in.
 
 Owns the bridge from a model directory to the store: the recipe (stat fingerprint of the
 DiT's source files, dtype, loader name and implementation digest, placement), the model
-digest (content hash of those files) and the build function (the engine loader's final DiT
-tensors). The engine is imported lazily, here only, so ``cachectl.store`` never imports it.
-Called by the CLI (``build``, ``ensure`` without a daemon) and by the daemon.
+digest (content hash of those files) and the build function (the loader's final tensors).
+The loader is an argument (``ModelLoader``): this module, like the whole library, never
+imports the engine. Only the edges do: the CLI hands the engine's loader to ``build`` /
+``ensure`` and to the daemon, and the engine describes its own loader the same way
+(``describe_loader(ditserve.engine.loader)``), so both compute the same recipe.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ditserve.cachectl.entry import Entry
@@ -29,7 +32,55 @@ from ditserve.cachectl.identity import (
 )
 from ditserve.cachectl.store import CacheStore
 
-LOADER_NAME = "ditserve.engine.loader.load_dit_state_dict"
+SourceFilesFn = Callable[[Path], Sequence[Path]]
+LoadFn = Callable[[Path, str], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ModelLoader:
+    """What the cache needs from a loader: its identity and two functions.
+
+    name / version: recorded in the identity (version: declared version + source digest, so
+    any edit of the loader re-keys its entries); components: names in the identity;
+    source_files(model_dir): the files that determine the tensors; load(model_dir, dtype):
+    the final runtime tensors {name: tensor}.
+    """
+
+    name: str
+    version: str
+    source_files: SourceFilesFn = field(compare=False)
+    load: LoadFn = field(compare=False)
+    components: tuple[str, ...] = ("transformer",)
+    inputs: tuple[tuple[str, str], ...] = ()
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def describe_loader(module: ModuleType) -> ModelLoader:
+    """A ModelLoader over a loader module with the engine loader's shape: ``LOADER_VERSION``,
+    ``DIT_COMPONENT``, ``dit_source_files(dir)``, ``load_dit_state_dict(dir, dtype=)``."""
+    try:
+        source = inspect.getsource(module).encode()
+    except (OSError, TypeError):
+        source = b""
+    try:
+        declared, component = module.LOADER_VERSION, module.DIT_COMPONENT
+        files_fn, load_fn = module.dit_source_files, module.load_dit_state_dict
+    except AttributeError as e:
+        raise BuildError(f"{module.__name__} is not a model loader: {e}") from e
+    return ModelLoader(
+        name=f"{module.__name__}.load_dit_state_dict",
+        version=f"{declared}+{hashlib.sha256(source).hexdigest()[:16]}",
+        source_files=lambda d: files_fn(d),
+        load=lambda d, dtype: dict(load_fn(d, dtype=dtype)),
+        components=(component,),
+        inputs=(("diffusers", _version("diffusers")),),
+    )
 
 
 @dataclass(frozen=True)
@@ -52,35 +103,12 @@ class ModelRequest:
                              "supported by `cachectl build` yet")
 
 
-def _loader() -> Any:
-    try:
-        from ditserve.engine import loader
-    except ImportError as e:  # pragma: no cover - only in a broken install
-        raise BuildError(f"the engine loader is not importable: {e}") from e
-    return loader
-
-
-def _implementation_digest(loader: Any) -> str:
-    """The loader's declared version plus a digest of its source: any edit re-keys entries."""
-    try:
-        source = inspect.getsource(loader).encode()
-    except (OSError, TypeError):
-        source = b""
-    return f"{loader.LOADER_VERSION}+{hashlib.sha256(source).hexdigest()[:16]}"
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
-
-
 @dataclass(frozen=True)
 class ModelPlan:
     """Everything the store needs to ensure a model's entry."""
 
     request: ModelRequest
+    loader: ModelLoader
     recipe: Recipe
     source_files: tuple[Path, ...]
 
@@ -88,38 +116,36 @@ class ModelPlan:
         return source_digest(list(self.source_files), self.request.model_dir)
 
     def build(self) -> dict[str, Any]:
-        loader = _loader()
         try:
-            return dict(loader.load_dit_state_dict(self.request.model_dir, dtype=self.request.dtype))
+            return self.loader.load(self.request.model_dir, self.request.dtype)
+        except CacheError:
+            raise
         except Exception as e:  # the loader's own errors say what is wrong with the model
             raise BuildError(f"loading {str(self.request.model_dir)!r} failed: {e}") from e
 
 
-def plan_model(request: ModelRequest) -> ModelPlan:
+def plan_model(request: ModelRequest, loader: ModelLoader) -> ModelPlan:
     """The recipe of a model directory: stat calls only, nothing loaded or hashed."""
-    loader = _loader()
     try:
-        files = tuple(loader.dit_source_files(request.model_dir))
+        files = tuple(loader.source_files(request.model_dir))
     except Exception as e:
         raise BuildError(f"{str(request.model_dir)!r} is not a usable model directory: {e}") from e
     recipe = recipe_for(
         source_fingerprint=source_fingerprint(list(files), request.model_dir),
-        dtype=request.dtype, loader=LOADER_NAME,
-        loader_version=_implementation_digest(loader),
-        revision=request.revision,
-        loader_inputs={"diffusers": _version("diffusers")},
-        components=(loader.DIT_COMPONENT,), placement=request.placement,
+        dtype=request.dtype, loader=loader.name, loader_version=loader.version,
+        revision=request.revision, loader_inputs=dict(loader.inputs),
+        components=loader.components, placement=request.placement,
     )
-    return ModelPlan(request, recipe, files)
+    return ModelPlan(request, loader, recipe, files)
 
 
-def ensure_model(store: CacheStore, request: ModelRequest, *,
+def ensure_model(store: CacheStore, request: ModelRequest, loader: ModelLoader, *,
                  on_phase: Callable[[str], None] | None = None,
                  on_wait: Callable[[float], None] | None = None,
                  on_progress: Callable[[int, int], None] | None = None) -> Entry:
     """Build-or-join the model's entry; a known recipe maps it without hashing or loading."""
     phase = on_phase or (lambda _p: None)
-    plan = plan_model(request)
+    plan = plan_model(request, loader)
 
     def digest() -> str:
         phase("hashing model sources")

@@ -6,12 +6,15 @@ stage to an optional hook so crash tests can kill a real writer at exactly that 
     tmp_created -> written (shards on disk, not yet fsync'ed) -> synced (files, manifest and
     temp dir fsync'ed) -> before_rename -> renamed (visible; parent not yet fsync'ed) -> published
 
-Until ``renamed`` nothing is visible under ``v1/entries``; after it the entry is complete.
+Until ``renamed`` nothing is visible under ``v1/entries``; after it the entry is complete. A
+full disk (or no inodes left) at any point before that is one clean InsufficientSpaceError,
+and the temp dir is gone.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import secrets
@@ -23,20 +26,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ditserve.cachectl.digests import content_digest, file_digest, over_pieces
 from ditserve.cachectl.errors import CacheError, InsufficientSpaceError
+from ditserve.cachectl.hashing import PIECE_BYTES, default_threads, hash_buffers
 from ditserve.cachectl.identity import EntryIdentity
 from ditserve.cachectl.layout import Layout
-from ditserve.cachectl.manifest import (
-    MANIFEST_NAME,
-    FileRecord,
-    Manifest,
-    TensorRecord,
-    content_digest,
-)
+from ditserve.cachectl.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from ditserve.cachectl.st_format import (
     RawTensor,
-    WrittenFile,
     as_raw,
+    header_bytes,
     order_for_alignment,
     write_shard,
 )
@@ -44,6 +43,7 @@ from ditserve.cachectl.st_format import (
 StageHook = Callable[[str], None]
 ProgressFn = Callable[[int, int], None]
 SPACE_MARGIN = 64 * 2**20  # headers, manifest and some slack for the filesystem
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def fsync_path(path: Path) -> None:
@@ -66,6 +66,26 @@ def plan_shards(raws: Mapping[str, RawTensor], shard_bytes: int) -> list[list[st
         shards[-1].append(name)
         size += n
     return shards
+
+
+def preflight(layout: Layout, nbytes: int, files: int) -> None:
+    """Refuse before writing when the filesystem lacks the bytes or the inodes."""
+    st = os.statvfs(layout.tmp)
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes + SPACE_MARGIN:
+        raise InsufficientSpaceError(str(layout.root), nbytes + SPACE_MARGIN, free)
+    # Some filesystems (btrfs) report no inode counts at all: nothing to check there.
+    if st.f_files and st.f_favail < files + 2:  # + temp dir and manifest
+        raise InsufficientSpaceError(str(layout.root), files + 2, st.f_favail, unit="inodes")
+
+
+def _out_of_space(layout: Layout, nbytes: int, files: int) -> InsufficientSpaceError:
+    """What ran out while writing (the temp dir is already removed): inodes or bytes."""
+    st = os.statvfs(layout.tmp)
+    if st.f_files and st.f_favail < files + 2:
+        return InsufficientSpaceError(str(layout.root), files + 2, st.f_favail, unit="inodes")
+    return InsufficientSpaceError(str(layout.root), nbytes + SPACE_MARGIN,
+                                  st.f_bavail * st.f_frsize)
 
 
 def remove_stale_temps(layout: Layout, key: str) -> int:
@@ -96,65 +116,31 @@ def write_entry(
         raise CacheError("refusing to publish an entry without tensors")
     raws = {str(name): as_raw(t) for name, t in tensors.items()}
     total = sum(r.nbytes for r in raws.values())
-    free = shutil.disk_usage(layout.tmp).free
-    if free < total + SPACE_MARGIN:
-        raise InsufficientSpaceError(str(layout.root), total + SPACE_MARGIN, free)
-
+    shards = plan_shards(raws, shard_bytes)
+    preflight(layout, total, len(shards))
     tmp = layout.tmp / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         stage("tmp_created")
-        meta = {"format": "pt", **(metadata or {})}
-        done = 0
-        progress_lock = threading.Lock()
-
-        def progress(n: int) -> None:
-            nonlocal done
-            with progress_lock:
-                done += n
-                current = done
-            if on_progress is not None:
-                on_progress(current, total)
-
-        shards = plan_shards(raws, shard_bytes)
-        names = [f"part-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-
-        def write_one(i: int) -> WrittenFile:
-            return write_shard(tmp / names[i], [(n, raws[n]) for n in shards[i]],
-                               {**meta, "ditserve.entry": key}, on_bytes=progress)
-
-        # Shards are written in parallel: hashing (file and tensor digests) is the bottleneck and
-        # hashlib releases the GIL, so threads scale across cores.
-        workers = max(1, min(threads or os.cpu_count() or 1, len(shards)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="cachectl-write") as pool:
-            written_files = list(pool.map(write_one, range(len(shards))))
-        files: list[FileRecord] = []
-        records: list[TensorRecord] = []
-        for fname, written in zip(names, written_files, strict=True):
-            files.append(FileRecord(fname, written.size, written.sha256))
-            records += [TensorRecord(t.name, t.dtype, t.shape, fname, t.offset, t.nbytes, t.sha256)
-                        for t in written.tensors]
+        manifest = _write_files(tmp, key, identity, raws, shards, threads=threads,
+                                metadata={"format": "pt", **(metadata or {})},
+                                on_progress=on_progress)
         stage("written")
-        for f in files:
+        for f in manifest.files:
             fsync_path(tmp / f.name)
-        manifest = Manifest(
-            key=key, identity=identity.to_json(), files=tuple(files),
-            tensors=tuple(sorted(records, key=lambda t: t.name)), metadata=meta,
-            total_bytes=total, content_digest=content_digest(records, meta),
-            created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            writer={"host": socket.gethostname(), "pid": os.getpid()},
-        )
         fd = os.open(tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest.to_json(), f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "w") as out:
+            json.dump(manifest.to_json(), out, indent=1, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
         fsync_path(tmp)
         stage("synced")
-    except BaseException:
+    except BaseException as e:
         # A failed write (disk full, I/O error, Ctrl-C) leaves nothing behind; only a killed
         # writer leaves a temp dir, which the next owner of the key's lock removes.
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in _FULL:
+            raise _out_of_space(layout, total, len(shards)) from e
         raise
     stage("before_rename")
     # rename(2) of a directory onto a missing name is atomic: readers see all of it or nothing.
@@ -163,3 +149,59 @@ def write_entry(
     fsync_path(layout.entries)  # make the rename itself durable
     stage("published")
     return manifest
+
+
+def _write_files(tmp: Path, key: str, identity: EntryIdentity, raws: dict[str, RawTensor],
+                 shards: list[list[str]], *, threads: int | None, metadata: dict[str, str],
+                 on_progress: ProgressFn | None) -> Manifest:
+    """Write the shards while hashing the tensors' pieces from memory, both in parallel."""
+    total = sum(r.nbytes for r in raws.values())
+    names = [f"part-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    heads = [header_bytes([(n, raws[n]) for n in shard], {**metadata, "ditserve.entry": key})
+             for shard in shards]
+    done = 0
+    progress_lock = threading.Lock()
+
+    def progress(n: int) -> None:
+        nonlocal done
+        with progress_lock:
+            done += n
+            current = done
+        if on_progress is not None:
+            on_progress(current, total)
+
+    def write_one(i: int) -> int:
+        return write_shard(tmp / names[i], heads[i], [(n, raws[n]) for n in shards[i]],
+                           on_bytes=progress)
+
+    # Writing is I/O (one thread per shard, up to the cores); hashing is CPU on every core.
+    workers = max(1, min(threads or default_threads(), len(shards)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="cachectl-write") as pool:
+        sizes = pool.map(write_one, range(len(shards)))
+        buffers = {n: r.data for n, r in raws.items()}
+        buffers.update({f"\0header:{i}": memoryview(h) for i, h in enumerate(heads)})
+        pieces = hash_buffers(buffers, threads=threads)
+        file_sizes = list(sizes)
+    files, records = [], []
+    for i, (fname, shard) in enumerate(zip(names, shards, strict=True)):
+        offset = len(heads[i])
+        digests = []
+        for n in shard:
+            raw = raws[n]
+            hexes = tuple(p.hex() for p in pieces[n])
+            records.append(TensorRecord(n, raw.dtype, raw.shape, fname, offset, raw.nbytes,
+                                        over_pieces(pieces[n]), hexes))
+            digests.append(records[-1].sha256)
+            offset += raw.nbytes
+        header_sha = over_pieces(pieces[f"\0header:{i}"])
+        assert offset == file_sizes[i], "a shard's size is its header plus its tensors"
+        files.append(FileRecord(fname, file_sizes[i], file_digest(header_sha, digests),
+                                header_sha))
+    rows = [(t.name, t.dtype, t.shape, t.sha256) for t in records]
+    return Manifest(
+        key=key, identity=identity.to_json(), piece_bytes=PIECE_BYTES, files=tuple(files),
+        tensors=tuple(sorted(records, key=lambda t: t.name)), metadata=metadata,
+        total_bytes=total, content_digest=content_digest(rows, metadata, PIECE_BYTES),
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        writer={"host": socket.gethostname(), "pid": os.getpid()},
+    )

@@ -33,10 +33,12 @@ class Scrubber:
     def scrub_once(self) -> list[VerifyReport]:
         limiter = self._limiter or (RateLimiter(self.rate) if self.rate else None)
         start = time.monotonic()
+        # Each entry is hashed under a shared lease, so GC cannot remove it mid-hash; one GC
+        # removed before we leased it comes back skipped, not corrupt.
         reports = self.store.verify(limiter=limiter)
-        # An entry that GC removed mid-scrub is not corrupt.
-        reports = [r for r in reports if r.ok or self.store.exists(r.key)]
         for r in reports:
+            if r.skipped:
+                event(self.logger, "scrub_skipped", key=r.key, why=r.skipped)
             self.metrics.scrub_bytes.inc(r.bytes_hashed)
             if not r.ok:
                 self.metrics.verify_failures.inc()

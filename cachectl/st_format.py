@@ -1,15 +1,13 @@
 """The safetensors file format, as the cache writes and checks it.
 
-Owns streaming shard writing (header, then each tensor's bytes straight from its buffer,
-hashed on the way: no second in-memory copy of a multi-GB state dict) and header parsing
-for validation. Files are standard safetensors: ``safetensors.safe_open`` / ``load_file``
-read them and keep the mmap. Tensors come as torch tensors or numpy arrays; torch is only
+Owns the header layout, streaming shard writing (header, then each tensor's bytes straight
+from its buffer) and header parsing for validation. Files are standard safetensors:
+``safetensors.safe_open`` / ``load_file`` read them and keep the mmap. Tensors come as torch tensors or numpy arrays; torch is only
 touched when a torch tensor is given (tests and light tools can use numpy).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -75,24 +73,8 @@ def as_raw(value: Any) -> RawTensor:
                      a.reshape(-1).view(np.uint8).data)
 
 
-@dataclass(frozen=True)
-class WrittenTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset of the data in the file
-    nbytes: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    size: int
-    sha256: str
-    tensors: tuple[WrittenTensor, ...]
-
-
-def _header_bytes(entries: Sequence[tuple[str, RawTensor]], metadata: Mapping[str, str]) -> bytes:
+def header_bytes(entries: Sequence[tuple[str, RawTensor]], metadata: Mapping[str, str]) -> bytes:
+    """The safetensors header of a shard holding ``entries`` back to back, in this order."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, raw in entries:
@@ -112,37 +94,29 @@ def order_for_alignment(names: Sequence[str], raws: Mapping[str, RawTensor]) -> 
 
 def write_shard(
     path: Path,
+    head: bytes,
     entries: Sequence[tuple[str, RawTensor]],
-    metadata: Mapping[str, str],
     *,
     on_bytes: Callable[[int], None] | None = None,
-) -> WrittenFile:
-    """Write one safetensors file, hashing the whole file and each tensor as bytes go out."""
-    head = _header_bytes(entries, metadata)
-    file_hash = hashlib.sha256(head)
-    written = []
-    offset = len(head)
+) -> int:
+    """Write one safetensors file (``head``, then each tensor's bytes streamed from its buffer:
+    no second in-memory copy of a multi-GB state dict); returns the file size."""
+    size = len(head)
     # O_EXCL: a temp directory is private to this writer; a collision means a bug, not a retry.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
     with os.fdopen(fd, "wb", buffering=0) as f:
         f.write(head)
-        for name, raw in entries:
-            tensor_hash = hashlib.sha256()
+        for _name, raw in entries:
             data = raw.data.cast("B") if raw.data.format != "B" else raw.data
             for start in range(0, raw.nbytes, WRITE_CHUNK):
-                chunk = data[start:start + WRITE_CHUNK]
-                file_hash.update(chunk)
-                tensor_hash.update(chunk)
-                view = chunk
+                view = data[start:start + WRITE_CHUNK]
+                n = view.nbytes
                 while view.nbytes:  # a raw write may be partial
-                    n = f.write(view)
-                    view = view[n:]
+                    view = view[f.write(view):]
                 if on_bytes is not None:
-                    on_bytes(chunk.nbytes)
-            written.append(WrittenTensor(name, raw.dtype, raw.shape, offset, raw.nbytes,
-                                         tensor_hash.hexdigest()))
-            offset += raw.nbytes
-    return WrittenFile(offset, file_hash.hexdigest(), tuple(written))
+                    on_bytes(n)
+            size += raw.nbytes
+    return size
 
 
 @dataclass(frozen=True)

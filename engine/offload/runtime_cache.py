@@ -9,7 +9,13 @@
 - miss: load the DiT ordinarily, build (or join) the entry from its final tensors under the
   key's lock, then repoint every Parameter's / buffer's storage to the entry's views
   (``param.data = view``: the objects stay, no post-load step runs again) and release the
-  private copies (gc + ``malloc_trim``).
+  private copies (gc + ``malloc_trim``). An entry that already exists is joined only if its
+  content digest matches the loaded tensors; otherwise the DiT keeps its own tensors and the
+  plan's reason (``/ready``'s offload report) says why.
+
+The recipe does not depend on the model directory's absolute path (an engine pod sees the
+model at its mount path, the node daemon at the node path), so an entry that ``cachectl
+ensure`` or the daemon built is a hit here, also on a read-only mount of the cache.
 
 The entry's lease is held by the plan, so GC cannot remove the entry while it is mapped.
 Entries are built by this process under the same lock and layout as ``cachectl`` (the
@@ -78,6 +84,15 @@ def _close_all(files: list[MappedSafetensors]) -> None:
         f.close()
 
 
+def _ensure_from_loaded(store: Any, model_plan: Any, model: nn.Module) -> Any:
+    """Build the entry from the loaded DiT's tensors, or join an existing one whose content
+    digest matches them (ContentMismatchError otherwise). The tensor dict lives only in this
+    frame: after the repoint nothing but the DiT may hold the private copies."""
+    tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+    return store.ensure_recipe(model_plan.recipe, model_digest=model_plan.model_digest,
+                               build_fn=lambda: tensors, expected=tensors)
+
+
 def runtime_cache_dit(
     model_dir: str | Path,
     *,
@@ -89,15 +104,16 @@ def runtime_cache_dit(
 ) -> tuple[nn.Module, HostWeightPlan]:
     """The DiT backed by its node cache entry (see module doc). Raises ``CacheError`` /
     ``OSError`` when the cache cannot be used; the caller falls back to ordinary memory."""
-    from ditserve.cachectl.errors import EntryNotFoundError
+    from ditserve.cachectl.errors import ContentMismatchError, EntryNotFoundError
     from ditserve.cachectl.layout import default_root
-    from ditserve.cachectl.model_build import ModelRequest, plan_model
+    from ditserve.cachectl.model_build import ModelRequest, describe_loader, plan_model
     from ditserve.cachectl.store import CacheStore
+    from ditserve.engine import loader
     from ditserve.engine.loader import torch_dtype
 
     store = CacheStore(offload.cache_root or default_root(),
                        lock_timeout_s=offload.cache_lock_timeout_s)
-    model_plan = plan_model(ModelRequest(Path(model_dir), dtype=dtype))
+    model_plan = plan_model(ModelRequest(Path(model_dir), dtype=dtype), describe_loader(loader))
     key = store.resolve_recipe(model_plan.recipe)
     note = ""
     if key is not None:
@@ -124,10 +140,11 @@ def runtime_cache_dit(
             log.warning("runtime cache: entry %s refused: %s", key[:12], checked.reason)
 
     model = load_dit()
-    entry = store.ensure_recipe(
-        model_plan.recipe, model_digest=model_plan.model_digest,
-        build_fn=lambda: {n: t.detach().contiguous() for n, t in model.state_dict().items()},
-    )
+    try:
+        entry = _ensure_from_loaded(store, model_plan, model)
+    except ContentMismatchError as e:
+        log.warning("runtime cache: %s", e)
+        return model, HostWeightPlan.ordinary(f"runtime cache entry not joined: {e}")
     if entry.built:
         store.stamp(entry.key)  # later (read-only) joins skip the full re-hash
     files = _map_entry(entry)
@@ -141,7 +158,9 @@ def runtime_cache_dit(
     views = source_views(checked.bindings, files)
     repoint(model, views)
     release_private_memory()
-    how = "built" if entry.built else "joined"
+    how = "built" if entry.built else "joined (content digest matched)"
+    if entry.recipe_recorded is False:
+        note += "; recipe not recorded (read-only cache root), the next start loads again"
     return model, HostWeightPlan(
         BackingKind.RUNTIME_CACHE,
         reason=f"entry {entry.key[:12]} {how} after an ordinary load{note}; private copy released",

@@ -3,6 +3,8 @@
     cache_child.py publish-stop ROOT SEED STAGE   publish; at STAGE print it and block on stdin
     cache_child.py ensure ROOT SEED LOG            print ready, wait for a stdin line, ensure
     cache_child.py lease ROOT KEY                  join KEY, print leased, hold until stdin closes
+    cache_child.py record-stop ROOT KEY            record a recipe for KEY; park between the
+                                                   temp's write and its rename
 """
 
 from __future__ import annotations
@@ -54,6 +56,18 @@ def main(argv: list[str]) -> None:
         with store.join(argv[2]) as entry:
             say(leased=entry.key, validated_by=entry.validated_by)
             sys.stdin.read()
+    elif mode == "record-stop":
+        from ditserve.cachectl.identity import recipe_for
+
+        def park(name: str) -> None:
+            if name == "record_written":
+                say(stage=name, pid=os.getpid())
+                sys.stdin.readline()
+
+        store = CacheStore(root, on_stage=park)
+        recipe = recipe_for(source_fingerprint="b" * 64, dtype="float32",
+                            loader="tests.synthetic", loader_version="1")
+        say(recorded=store.record_recipe(recipe, argv[2]))
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -1,18 +1,26 @@
-"""The cachectl CLI: its frozen flag set, and build/list/verify/gc/rm on a real tiny model."""
+"""The cachectl CLI: its frozen flag set, its exit codes, and build/list/verify/gc/rm on a real
+tiny model."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cachectl_support import make_identity, synthetic_tensors
+from cachectl_support import (
+    LIGHT_LOADER,
+    cachectl_argv,
+    make_identity,
+    make_light_model,
+    synthetic_tensors,
+)
 
-from ditserve.cachectl.cli import build_parser, main, parse_size
+from ditserve.cachectl.cli import build_parser, engine_loader, main, parse_size
 from ditserve.cachectl.store import CacheStore
 
 
@@ -35,8 +43,8 @@ def test_the_cli_surface_is_the_documented_one() -> None:
         "list": {"--root", "--json"},
         "gc": {"--root", "--max-bytes", "--dry-run", "--json"},
         "rm": {"--root", "keys"},
-        "serve": {"--root", "--socket", "--tcp", "--metrics-port", "--scrub-interval",
-                  "--scrub-rate-mib", "--max-builds"},
+        "serve": {"--root", "--socket", "--tcp", "--metrics-port", "--metrics-host",
+                  "--scrub-interval", "--scrub-rate-mib", "--max-builds", "--grace-period"},
     }
 
 
@@ -100,7 +108,7 @@ def test_build_list_verify_gc_rm_on_a_tiny_model(
     assert main(["verify", "--root", root]) == 0
     assert capsys.readouterr().out.count("OK ") == 2
 
-    assert main(["gc", "--root", root, "--dry-run", "--json"]) == 0
+    assert main(["gc", "--root", root, "--max-bytes", "0", "--dry-run", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["removed"]) == 2
     assert main(["rm", "--root", root, bf16["key"]]) == 0
     assert main(["gc", "--root", root, "--max-bytes", "1G"]) == 0
@@ -164,5 +172,78 @@ def test_an_sp_engine_finds_what_ensure_built_for_its_topology(
         placement = Placement(dp_size=2, dp_rank=dp_rank, sp_size=2, sp_rank=sp_rank,
                               sp_impl="ulysses")
         request = ModelRequest(tiny_model, "float32", placement=placement)
-        with ensure_model(store, request) as entry:
+        with ensure_model(store, request, engine_loader()) as entry:
             assert entry.key == sp and entry.via_recipe and not entry.built
+
+
+def test_exit_codes_are_distinct_and_documented(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    store = CacheStore(tmp_path / "c")
+    ident = make_identity()
+    with store.publish(ident, synthetic_tensors()) as e:
+        shard = e.files()[0]
+    root = ["--root", str(store.root)]
+    missing = make_identity(seed=9).key
+    assert main([*root, "verify", ident.key]) == 0
+    # 3: missing or unavailable, for verify and rm alike.
+    assert main([*root, "verify", missing]) == 3
+    assert f"MISSING {missing}" in capsys.readouterr().out
+    assert main([*root, "rm", missing]) == 3
+    # 2: usage errors.
+    assert main([*root, "verify", "not-a-key"]) == 2
+    assert "64 lowercase hex" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main([*root, "gc"])
+    assert usage.value.code == 2 and "--max-bytes 0 removes" in capsys.readouterr().err
+    # 1: corruption.
+    shard.chmod(0o644)
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\x7f")
+    assert main([*root, "verify"]) == 1
+    assert main([*root, "verify", ident.key, missing]) == 1  # corruption wins over missing
+    assert "exit status: 0 ok, 1 corruption found, 2 usage error, 3 missing or unavailable" \
+        in build_parser().format_help()
+
+
+@pytest.mark.parametrize("command", [["list"], ["verify"], ["gc", "--max-bytes", "0"],
+                                     ["rm", "0" * 64]])
+def test_a_mistyped_root_is_an_error_not_an_empty_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str],
+) -> None:
+    CacheStore(tmp_path / "cache")  # the real one
+    typo = tmp_path / "cahce"
+    assert main(["--root", str(typo), *command]) == 3
+    assert f"no cache at {typo}" in capsys.readouterr().err
+    assert not typo.exists()  # nothing was created
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path: Path) -> None:
+    # As `cachectl list | head -1` once head has exited: every write meets a closed pipe.
+    store = CacheStore(tmp_path / "c")
+    for seed in range(3):
+        store.publish(make_identity(seed), synthetic_tensors(seed)).close()
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run(cachectl_argv("--root", str(store.root), "list"), stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and out.stderr == ""
+
+
+def test_build_and_ensure_take_the_loader_they_are_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # $DITSERVE_CACHECTL_LOADER replaces the engine's loader (out-of-tree loaders, tests).
+    monkeypatch.setenv("DITSERVE_CACHECTL_LOADER", "cachectl_support:LIGHT_LOADER")
+    assert engine_loader() is LIGHT_LOADER
+    model = make_light_model(tmp_path / "model")
+    assert main(["build", "--root", str(tmp_path / "c"), "--model", str(model),
+                 "--dtype", "float32", "--json"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    with CacheStore(tmp_path / "c").join(built["key"]) as entry:
+        assert entry.manifest.identity["loader"]["name"] == "tests.light_loader"
+    monkeypatch.setenv("DITSERVE_CACHECTL_LOADER", "cachectl_support:NO_SUCH_LOADER")
+    assert main(["build", "--root", str(tmp_path / "c"), "--model", str(model)]) == 3
+    assert "names no loader" in capsys.readouterr().err

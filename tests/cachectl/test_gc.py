@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from cachectl_support import Child, make_identity, synthetic_tensors
+from cachectl_support import (
+    Child,
+    cachectl_argv,
+    make_identity,
+    synthetic_tensors,
+    without_file_permissions_bypass,
+)
 
-from ditserve.cachectl.errors import EntryNotFoundError
+from ditserve.cachectl.errors import EntryNotFoundError, UsageError
 from ditserve.cachectl.identity import recipe_for
 from ditserve.cachectl.store import CacheStore
 
@@ -152,3 +159,145 @@ def test_a_reader_that_loses_the_race_to_gc_sees_the_entry_gone(
     with pytest.raises(EntryNotFoundError):
         lru_store.join(key)
     assert lru_store.keys() == []
+
+
+def test_gc_without_a_budget_is_refused(lru_store: CacheStore, clock: Clock) -> None:
+    _three_entries(lru_store, clock)
+    with pytest.raises(UsageError, match="--max-bytes"):
+        lru_store.gc(None)  # type: ignore[arg-type]
+    assert len(lru_store.keys()) == 3
+
+
+def test_gc_sweeps_the_record_temp_of_a_killed_writer_only(
+    lru_store: CacheStore, clock: Clock, children: list[Child],
+) -> None:
+    keys = _three_entries(lru_store, clock)
+    writer = Child("record-stop", str(lru_store.root), keys[0])
+    children.append(writer)
+    assert writer.read()["stage"] == "record_written"  # parked between write and rename
+
+    def temps() -> list[str]:
+        return sorted(p.name for d in (lru_store.layout.recipes, lru_store.layout.stamps)
+                      for p in d.iterdir() if p.name.startswith("."))
+
+    dead = lru_store.layout.stamps / f".{keys[1]}.json.4242.cafe"  # a writer long gone
+    dead.write_text("{")
+    assert len(temps()) == 2
+    lru_store.gc(max_bytes=10**12)
+    assert temps() == [n for n in temps() if n.startswith(".") and "cafe" not in n]
+    assert len(temps()) == 1  # the live writer's temp stays: it holds its flock
+    writer.kill9()
+    lru_store.gc(max_bytes=10**12)
+    assert temps() == []
+    assert lru_store.keys() == sorted(keys)  # the budget holds them all
+
+
+def test_an_unreadable_entry_is_reported_not_a_crash(
+    lru_store: CacheStore, clock: Clock,
+) -> None:
+    keys = _three_entries(lru_store, clock)
+    locked_dir, locked_file = lru_store.layout.entry(keys[0]), None
+    with lru_store.join(keys[1]) as e:
+        locked_file = e.files()[0]
+    locked_dir.chmod(0)
+    locked_file.chmod(0)
+    root = ["--root", str(lru_store.root)]
+    try:
+        listing = subprocess.run(without_file_permissions_bypass(cachectl_argv(*root, "list")),
+                                 capture_output=True, text=True, timeout=60)
+        assert listing.returncode == 0, listing.stderr
+        assert "unreadable: Permission denied" in listing.stdout
+        verify = subprocess.run(without_file_permissions_bypass(
+            cachectl_argv(*root, "verify", keys[0], keys[1])), capture_output=True, text=True,
+            timeout=60)
+        assert verify.returncode == 3, verify.stdout + verify.stderr  # unavailable, not corrupt
+        assert f"UNREADABLE {keys[0]}" in verify.stdout
+        assert f"UNREADABLE {keys[1]}" in verify.stdout
+        assert f"{locked_file.name}: unreadable: Permission denied" in verify.stdout
+        assert "bad safetensors header" not in verify.stdout
+        gc_run = subprocess.run(without_file_permissions_bypass(
+            cachectl_argv(*root, "gc", "--max-bytes", "0")), capture_output=True, text=True,
+            timeout=60)
+        assert gc_run.returncode == 0, gc_run.stderr
+        assert f"kept   {keys[0]} (unreadable" in gc_run.stdout
+    finally:
+        locked_dir.chmod(0o755)
+        if locked_file.exists():
+            locked_file.chmod(0o444)
+    assert lru_store.keys() == [keys[0]]  # the unreadable shard's entry could be judged: gone
+
+
+def test_verify_holds_a_lease_so_gc_cannot_remove_an_entry_mid_hash(
+    lru_store: CacheStore, clock: Clock,
+) -> None:
+    import threading
+
+    from ditserve.cachectl.hashing import RateLimiter
+
+    keys = _three_entries(lru_store, clock)
+    hashing, go_on = threading.Event(), threading.Event()
+
+    class Parked(RateLimiter):
+        """Parks the hash of the entry's bytes until the test lets it go."""
+
+        def acquire(self, nbytes: int) -> None:
+            hashing.set()
+            assert go_on.wait(30)
+
+    limiter = Parked(1.0)
+    done: list[list] = []
+    worker = threading.Thread(target=lambda: done.append(lru_store.verify([keys[0]],
+                                                                          limiter=limiter)))
+    worker.start()
+    assert hashing.wait(30)
+    gc_run = subprocess.run(cachectl_argv("--root", str(lru_store.root), "gc", "--max-bytes",
+                                          "0", "--json"), capture_output=True, text=True,
+                            timeout=60)
+    go_on.set()
+    worker.join(30)
+    report = json.loads(gc_run.stdout)
+    assert report["kept_in_use"] == [keys[0]] and sorted(report["removed"]) == sorted(keys[1:])
+    assert done[0][0].ok
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_verify_racing_gc_in_real_processes_reports_only_ok_or_skipped(
+    tmp_path: Path, trial: int,
+) -> None:
+    store = CacheStore(tmp_path / "cache")
+    keys = {store.publish(make_identity(seed), synthetic_tensors(seed, n=8, size=2**17)).key
+            for seed in range(8)}
+    root = ["--root", str(store.root)]
+    verify = subprocess.Popen(cachectl_argv(*root, "verify", "--json", "--threads", "1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    gc_run = subprocess.Popen(cachectl_argv(*root, "gc", "--max-bytes", "0", "--json"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (v_out, v_err), (g_out, g_err) = verify.communicate(timeout=120), gc_run.communicate(timeout=120)
+    assert verify.returncode == 0, v_out + v_err
+    assert gc_run.returncode == 0, g_err
+    reports = {r["key"]: r for r in json.loads(v_out)}
+    removed = set(json.loads(g_out)["removed"])
+    assert set(reports) <= keys and removed <= keys
+    assert {r["status"] for r in reports.values()} <= {"ok", "skipped"}
+    assert {k for k, r in reports.items() if r["status"] == "skipped"} <= removed
+    assert set(store.keys()) == keys - removed
+
+
+def test_scrub_racing_gc_in_a_real_process_counts_no_corruption(tmp_path: Path) -> None:
+    import logging
+
+    from ditserve.cachectl.metrics import DaemonMetrics
+    from ditserve.cachectl.scrub import Scrubber
+
+    store = CacheStore(tmp_path / "cache", threads=1)
+    for seed in range(8):
+        store.publish(make_identity(seed), synthetic_tensors(seed, n=8, size=2**17)).close()
+    metrics = DaemonMetrics(store)
+    scrubber = Scrubber(store, metrics, logging.getLogger("test.scrub"), interval_s=0,
+                        rate_bytes_per_s=None)
+    gc_run = subprocess.Popen(cachectl_argv("--root", str(store.root), "gc", "--max-bytes", "0"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reports = scrubber.scrub_once()
+    assert gc_run.wait(timeout=120) == 0
+    assert {r.status for r in reports} <= {"ok", "skipped"}
+    assert metrics.verify_failures._value.get() == 0

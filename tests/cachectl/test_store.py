@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from ditserve.cachectl import locks
 from ditserve.cachectl.errors import (
+    ContentMismatchError,
     EntryCorruptError,
     EntryNotFoundError,
     InsufficientSpaceError,
@@ -174,20 +175,6 @@ def test_ensure_times_out_with_the_holder_named(tmp_path: Path) -> None:
         store.ensure(ident, synthetic_tensors)
 
 
-def test_disk_space_preflight_refuses_before_writing(store: CacheStore,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    import shutil
-
-    from ditserve.cachectl import publish
-
-    usage = shutil.disk_usage(store.root)
-    monkeypatch.setattr(publish.shutil, "disk_usage",
-                        lambda _p: usage._replace(free=1024))
-    with pytest.raises(InsufficientSpaceError, match="cachectl gc"):
-        store.publish(make_identity(), synthetic_tensors())
-    assert store.keys() == [] and list(store.layout.tmp.iterdir()) == []
-
-
 def test_a_corrupt_entry_is_never_rebuilt_silently(store: CacheStore) -> None:
     ident = make_identity()
     with store.publish(ident, synthetic_tensors()) as e:
@@ -203,11 +190,70 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:
             raise OSError(28, "No space left on device")
 
     store = CacheStore(tmp_path / "c", on_stage=fail)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(InsufficientSpaceError, match="not enough space"):
         store.publish(make_identity(), synthetic_tensors())
     assert store.keys() == [] and list(store.layout.tmp.iterdir()) == []
     with CacheStore(tmp_path / "c").publish(make_identity(), synthetic_tensors()) as e:
         assert e.built  # the lock was released with the failure
+
+
+def test_publish_joins_an_existing_entry_only_with_the_same_content(store: CacheStore) -> None:
+    ident = make_identity()
+    store.publish(ident, synthetic_tensors()).close()
+    with store.publish(ident, synthetic_tensors()) as again:  # same bytes: joined
+        assert not again.built
+    other = synthetic_tensors()
+    other["blocks.2.weight"] = other["blocks.2.weight"] + 1
+    with pytest.raises(ContentMismatchError, match="blocks.2.weight") as err:
+        store.publish(ident, other)
+    assert err.value.differing == ["blocks.2.weight"]
+    with store.join(ident.key) as entry:  # untouched
+        assert np.array_equal(entry.tensors()["blocks.2.weight"].numpy(),
+                              synthetic_tensors()["blocks.2.weight"])
+
+
+def test_a_content_mismatch_after_a_load_records_no_recipe(store: CacheStore) -> None:
+    recipe = recipe_for(source_fingerprint="e" * 64, dtype="float32", loader="tests.synthetic",
+                        loader_version="1")
+    ident = recipe.identity("0" * 64)
+    store.publish(ident, synthetic_tensors()).close()  # built by a loader that behaved
+    loaded = {**synthetic_tensors(), "step": np.arange(4, dtype=np.int64)}  # one that did not
+    with pytest.raises(ContentMismatchError, match="step"):
+        store.ensure_recipe(recipe, model_digest=lambda: "0" * 64, build_fn=lambda: loaded,
+                            expected=loaded)
+    assert store.resolve_recipe(recipe) is None  # no later process maps it unchecked
+    with store.ensure_recipe(recipe, model_digest=lambda: "0" * 64,
+                             build_fn=synthetic_tensors, expected=synthetic_tensors()) as e:
+        assert not e.built and e.recipe_recorded
+    assert store.resolve_recipe(recipe) == ident.key
+
+
+def test_try_join_stamped_never_hashes(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "c", clock=lambda: time.time() + 10)
+    ident = make_identity()
+    store.publish(ident, synthetic_tensors()).close()
+    assert store.try_join_stamped(ident.key) is None  # no stamp yet: a re-hash is needed
+    assert store.verify([ident.key])[0].ok  # records the stamp
+    with store.try_join_stamped(ident.key) as e:  # type: ignore[union-attr]
+        assert e.validated_by == "stamp"
+    assert store.try_join_stamped(make_identity(seed=5).key) is None
+
+
+def test_an_entry_that_is_a_symlink_out_of_the_root_is_refused(
+    store: CacheStore, tmp_path: Path,
+) -> None:
+    ident = make_identity()
+    with store.publish(ident, synthetic_tensors()) as e:
+        path = e.path
+    outside = tmp_path / "outside"
+    path.rename(outside)
+    path.symlink_to(outside)
+    with pytest.raises(EntryCorruptError, match="symlink"):
+        store.join(ident.key)
+    (report,) = store.verify()
+    assert report.status == "corrupt" and "real directories" in report.problems[0].what
+    report = store.gc(max_bytes=10**12)  # nothing to evict, but the link is not an entry
+    assert store.keys() == [] and (outside / "manifest.json").is_file()  # never followed
 
 
 def test_the_store_and_cli_import_neither_torch_nor_the_engine() -> None:
