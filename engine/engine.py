@@ -258,9 +258,9 @@ class DiffusionEngine:
             if rid in self._handles:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             limit = self.config.scheduler.max_queue
-            waiting = self.queues.num_waiting
-            if limit is not None and waiting >= limit:
-                raise QueueFullError(f"{waiting} requests are waiting (max_queue={limit})")
+            if limit is not None and self.queues.is_full(limit):
+                raise QueueFullError(f"every batch slot is taken and {limit} requests are "
+                                     f"waiting (max_queue={limit})")
             self.queues.add(rid, params)
             self._handles[rid] = handle
             position = handle.queue_position = self.queues.queue_position(rid)
