@@ -7,8 +7,11 @@ GuardMiddleware -> the FastAPI app. So a CORS preflight and a 413 carry the requ
 and a 500 carries the CORS headers.
 
 Request ids: a client's ``X-Request-Id`` (1-128 printable ASCII characters, no spaces) is
-used as the engine's request id, in the logs and echoed in the answer; without one, a fresh
-id is made. An invalid one is refused with 400 (under a fresh id).
+echoed in the answer, in the events and in the log lines; without one, a fresh id is made.
+An invalid one is refused with 400 (under a fresh id). The engine's own id for the request
+is the request id, or ``<client's id>.<8 hex digits>`` for a client's one (``engine_id``):
+clients may reuse ids, the engine must not (an aborted request's id is busy until its batch
+slot frees at the next step).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import secrets
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -39,6 +43,13 @@ REQUEST_ID_PATTERN = re.compile(r"[!-~]{1,128}")  # printable ASCII: safe in hea
 def request_id(scope: Scope) -> str:
     """The id of the request being answered (set by RequestIdMiddleware)."""
     return str(scope.get("state", {}).get("request_id", "-"))
+
+
+def engine_id(scope: Scope) -> str:
+    """The engine's id for this request: unique even when a client reuses its X-Request-Id."""
+    state = scope.get("state", {})
+    rid = str(state.get("request_id") or uuid.uuid4().hex)
+    return f"{rid}.{secrets.token_hex(4)}" if state.get("request_id_supplied") else rid
 
 
 async def send_error(send: Send, error: APIError, request_id: str) -> None:
@@ -66,7 +77,8 @@ class RequestIdMiddleware:
         supplied = Headers(scope=scope).get(REQUEST_ID_HEADER)
         valid = supplied is not None and REQUEST_ID_PATTERN.fullmatch(supplied) is not None
         rid = supplied if valid and supplied is not None else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"], state["request_id_supplied"] = rid, valid
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
+from ditserve.engine.server import streaming
 from ditserve.engine.server.edge import REQUEST_ID_HEADER
 from ditserve.engine.server.schemas import FIELDS, IGNORED_FIELDS, RequestLimits
 
@@ -23,7 +24,6 @@ ERROR_DESCRIPTIONS = {
          "for this model, or an invalid X-Request-Id; `param` names the field",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`)",
     404: "`model` (or the model id in the path) is not the served model",
-    409: "The X-Request-Id is already in use by a running request",
     413: "The request body is larger than the server's limit",
     429: "Every batch slot is taken and the queue is full; retry after Retry-After seconds",
     500: "The engine failed this request, or an internal error (details in the server log)",
@@ -72,6 +72,11 @@ GENERATION_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": _ref("ImageGenerationRequest")}}}}
 
 
+# A character str.strip() keeps. Spelled out: JSON Schema's regex dialect (ECMA-262) and
+# Python's disagree on \s (\x1c-\x1f, \x85, \ufeff), and the engine strips with Python.
+NOT_ONLY_SPACES = "[^" + "".join(f"\\u{c:04x}" for c in range(0x3001) if chr(c).isspace()) + "]"
+
+
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
@@ -86,7 +91,7 @@ def size_pattern(limits: RequestLimits) -> str:
 def request_schema(limits: RequestLimits) -> dict[str, Any]:
     """The JSON Schema of the generation body under ``limits`` (what the parser accepts)."""
     text = {"type": "string"}
-    prompt: dict[str, Any] = {"type": "string", "minLength": 1, "pattern": r"\S",
+    prompt: dict[str, Any] = {"type": "string", "minLength": 1, "pattern": NOT_ONLY_SPACES,
                               "description": "what to draw (not only spaces)"}
     if limits.max_prompt_chars is not None:
         prompt["maxLength"] = limits.max_prompt_chars
@@ -151,6 +156,51 @@ def _usage_schema() -> dict[str, Any]:
                            "total_tokens": {"type": "integer"}}}
 
 
+def _stream_event_schemas() -> dict[str, Any]:
+    """The JSON of each event's ``data:`` line, by ``type`` (the SSE event name)."""
+    string, integer = {"type": "string"}, {"type": "integer"}
+
+    def event(kind: str, required: list[str], **properties: Any) -> dict[str, Any]:
+        return {"type": "object", "required": ["type", *required],
+                "properties": {"type": {"const": kind}, **properties}}
+
+    image = {"b64_json": string, "background": string, "created_at": integer,
+             "output_format": {"const": "png"}, "quality": string, "size": string,
+             "image_index": integer, "request_id": string}
+    image_required = ["b64_json", "created_at", "output_format", "size"]
+    return {
+        "QueuedEvent": event(streaming.QUEUED, ["request_id", "queue_position", "total_steps"],
+                             request_id=string, queue_position=integer, total_steps=integer),
+        "ProgressEvent": event(streaming.PROGRESS, ["request_id", "step", "total_steps"],
+                               request_id=string, step=integer, total_steps=integer),
+        "PartialImageEvent": event(streaming.PARTIAL_IMAGE,
+                                   [*image_required, "partial_image_index"], **image,
+                                   partial_image_index=integer, step=integer),
+        "CompletedEvent": event(streaming.COMPLETED, [*image_required, "usage"], **image,
+                                usage=_ref("Usage")),
+        "ErrorEvent": event(streaming.ERROR, ["error"],
+                            error=_static_error()["properties"]["error"]),
+    }
+
+
+def sse_answer() -> dict[str, Any]:
+    """text/event-stream: the schema of one event (Open API 3.1: ``schema`` is per event)."""
+    names = ("QueuedEvent", "ProgressEvent", "PartialImageEvent", "CompletedEvent", "ErrorEvent")
+    return {"text/event-stream": {
+        "type": "object", "required": ["event", "data"],
+        "properties": {"event": {"enum": list(streaming.EVENT_TYPES)},
+                       "data": {"type": "string", "contentMediaType": "application/json",
+                                "contentSchema": {"oneOf": [_ref(n) for n in names]}}}}}
+
+
+def _static_error() -> dict[str, Any]:
+    string, nullable_string = {"type": "string"}, {"type": ["string", "null"]}
+    return {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": string, "type": string, "param": nullable_string,
+                       "code": nullable_string}}}}
+
+
 def _static_schemas() -> dict[str, Any]:
     string, integer = {"type": "string"}, {"type": "integer"}
     nullable_string = {"type": ["string", "null"]}
@@ -158,10 +208,8 @@ def _static_schemas() -> dict[str, Any]:
              "properties": {"id": string, "object": {"const": "model"}, "created": integer,
                             "owned_by": string}}
     return {
-        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type", "param", "code"],
-            "properties": {"message": string, "type": string, "param": nullable_string,
-                           "code": nullable_string}}}},
+        "Error": _static_error(),
+        **_stream_event_schemas(),
         "Usage": _usage_schema(),
         "ImagesResponse": {
             "type": "object", "required": ["created", "data", "usage"],

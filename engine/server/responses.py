@@ -42,10 +42,10 @@ def usage(images: int, tokens_per_image: int) -> dict[str, Any]:
     }
 
 
-def ditserve_meta(result: Any) -> dict[str, Any]:
+def ditserve_meta(result: Any, request_id: str) -> dict[str, Any]:
     """ditserve's extension object (OpenAI clients ignore it): id, seed and timings."""
     return {
-        "request_id": result.request_id,
+        "request_id": request_id,
         "seed": result.seed,
         "num_inference_steps": result.num_inference_steps,
         "queue_seconds": round(result.queue_seconds, 6),
@@ -53,7 +53,7 @@ def ditserve_meta(result: Any) -> dict[str, Any]:
     }
 
 
-def generation_response(result: Any, *, size: str, tokens_per_image: int,
+def generation_response(result: Any, *, request_id: str, size: str, tokens_per_image: int,
                         created: int | None = None) -> dict[str, Any]:
     """The OpenAI images response, plus a ``ditserve`` object with seed and timings."""
     return {
@@ -64,7 +64,7 @@ def generation_response(result: Any, *, size: str, tokens_per_image: int,
         "quality": QUALITY,
         "size": size,
         "usage": usage(result.num_images, tokens_per_image),
-        "ditserve": ditserve_meta(result),
+        "ditserve": ditserve_meta(result, request_id),
     }
 
 
@@ -81,10 +81,10 @@ def partial_image_payloads(pixels: Any, *, index: int, step: int, size: str,
             for i, image in enumerate(to_pil_images(pixels))]
 
 
-def completed_payloads(result: Any, *, size: str, tokens_per_image: int
+def completed_payloads(result: Any, *, request_id: str, size: str, tokens_per_image: int
                        ) -> list[dict[str, Any]]:
     """One ``image_generation.completed`` payload per image, each with its own usage."""
-    meta = ditserve_meta(result)
+    meta = ditserve_meta(result, request_id)
     return [{**_image_event(png_base64(image), size=size), "usage": usage(1, tokens_per_image),
-             "image_index": i, "request_id": result.request_id, "ditserve": meta}
+             "image_index": i, "request_id": request_id, "ditserve": meta}
             for i, image in enumerate(result.images)]

@@ -15,7 +15,15 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+)
 from pydantic import ValidationError as PydanticValidationError
 
 from ditserve.engine.errors import InvalidRequestError
@@ -24,6 +32,14 @@ from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid, shown
 
 Number = Annotated[float, Strict()]  # strict: 3 and 3.5 are numbers, "3" and true are not
+
+
+def _integral(value: Any) -> Any:
+    # JSON (and JSON Schema's "integer") does not tell 4 from 4.0; 4.5 and "4" stay errors.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
 
 # OpenAI fields that mean nothing to a diffusion model: accepted (type-checked) and ignored.
 # The answer says what was done instead (output_format "png", background "opaque").
@@ -39,26 +55,26 @@ class ImageGenerationRequest(BaseModel):
 
     prompt: StrictStr
     model: StrictStr | None = None
-    n: StrictInt | None = None
+    n: Integer | None = None
     size: StrictStr | None = None
     response_format: Literal["b64_json"] | None = None
     user: StrictStr | None = None
     stream: StrictBool | None = None
-    partial_images: StrictInt | None = None
+    partial_images: Integer | None = None
     # ignored (IGNORED_FIELDS)
     background: StrictStr | None = None
     moderation: StrictStr | None = None
-    output_compression: StrictInt | None = None
+    output_compression: Integer | None = None
     output_format: StrictStr | None = None
     quality: StrictStr | None = None
     style: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     # ditserve's extensions
     negative_prompt: StrictStr | None = None
-    num_inference_steps: StrictInt | None = None
+    num_inference_steps: Integer | None = None
     guidance_scale: Number | None = None
     true_cfg_scale: Number | None = None
-    seed: StrictInt | None = None
+    seed: Integer | None = None
 
 
 FIELDS = tuple(ImageGenerationRequest.model_fields)
@@ -226,8 +242,4 @@ def request_error(e: InvalidRequestError) -> APIError:
     """An engine validation error as a 400 whose param is the API's field name."""
     if e.field in ("height", "width"):
         return invalid("size", f"size: {e.field} {e.message}")
-    if e.field == "request_id":
-        return APIError(409, f"X-Request-Id: {e.message}; send a new id per request",
-                        param="X-Request-Id", code="duplicate_request_id",
-                        reason="duplicate_request_id")
     return invalid(e.field, f"{e.field}: {e.message}")

@@ -28,6 +28,7 @@ from ditserve.engine.errors import (
 )
 from ditserve.engine.server import openapi, responses, streaming
 from ditserve.engine.server.auth import require_api_key
+from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, log_error, request_id_of
 from ditserve.engine.server.phase import engine_phase
 from ditserve.engine.server.schemas import ParsedRequest, parse_generation_request, request_error
@@ -46,7 +47,7 @@ def _unavailable(state: ServerState, message: str) -> APIError:
                     headers={"Retry-After": str(state.config.retry_after_s)})
 
 
-def _admit(state: ServerState, request_id: str, params: Any, on_event: Any = None) -> Any:
+def _admit(state: ServerState, engine_id: str, params: Any, on_event: Any = None) -> Any:
     phase = engine_phase(state)
     if phase == "draining":
         raise _unavailable(state, "the server is shutting down; retry on another replica")
@@ -57,7 +58,7 @@ def _admit(state: ServerState, request_id: str, params: Any, on_event: Any = Non
                    else "the model is still loading")
         raise _unavailable(state, f"{loading}; poll GET /ready")
     try:
-        return state.engine.add_request(params, request_id=request_id, on_event=on_event)
+        return state.engine.add_request(params, request_id=engine_id, on_event=on_event)
     except QueueFullError as e:
         raise APIError(429, "every batch slot is taken and the queue is full; retry later",
                        type="rate_limit_error", code="queue_full", reason="queue_full",
@@ -101,15 +102,15 @@ def _silence(future: asyncio.Future[Any]) -> None:
     "/v1/images/generations", response_model=None, openapi_extra=openapi.GENERATION_BODY,
     summary="Generate images (OpenAI images API; JSON, or Server-Sent Events with stream)",
     responses=openapi.answers(
-        {**openapi.json_answer("ImagesResponse"), "text/event-stream": {"type": "string"}},
-        404, 409, 413, 429, 503, 504,
+        {**openapi.json_answer("ImagesResponse"), **openapi.sse_answer()},
+        404, 413, 429, 503, 504,
         ok_description="The images (JSON), or with `stream` an event stream: "
                        "image_generation.queued / .progress (ditserve), .partial_image, "
                        ".completed (OpenAI), or error"),
 )
 async def create_image(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    rid = request_id_of(request)
+    rid = request_id_of(request)  # the client's (or a new) id; the engine's is unique
     limits = state.limits()
     parsed = parse_generation_request(await request.body(), engine=state.engine, limits=limits)
     p = parsed.params
@@ -117,13 +118,13 @@ async def create_image(request: Request) -> Response:
     tokens = responses.image_tokens(p.width, p.height, limits.pixel_multiple)
     if parsed.stream:
         bridge = streaming.EventBridge(asyncio.get_running_loop())
-        handle = _admit(state, rid, p, on_event=bridge.push)
+        handle = _admit(state, engine_id(request.scope), p, on_event=bridge.push)
         return StreamingResponse(
-            _event_stream(state, handle, bridge, size=size, tokens=tokens),
+            _event_stream(state, rid, handle, bridge, size=size, tokens=tokens),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    handle = _admit(state, rid, p)
+    handle = _admit(state, engine_id(request.scope), p)
     result_future = asyncio.wrap_future(handle.future)
     _silence(result_future)
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -135,7 +136,7 @@ async def create_image(request: Request) -> Response:
         disconnect.cancel()
     if result_future not in done:
         gone = disconnect in done
-        state.engine.abort(rid, "client disconnected" if gone else "timed out")
+        state.engine.abort(handle.request_id, "client disconnected" if gone else "timed out")
         if not gone:
             raise _timeout(state)
         state.metrics.count_error("client_disconnect")
@@ -145,8 +146,8 @@ async def create_image(request: Request) -> Response:
     if exc is not None:
         raise _failure(state, rid, exc) from exc
     result = result_future.result()
-    body = await asyncio.to_thread(responses.generation_response, result, size=size,
-                                   tokens_per_image=tokens)
+    body = await asyncio.to_thread(responses.generation_response, result, request_id=rid,
+                                   size=size, tokens_per_image=tokens)
     state.metrics.count_success()
     _log_done(rid, parsed, result)
     return JSONResponse(body)
@@ -158,11 +159,11 @@ def _log_done(rid: str, parsed: ParsedRequest, result: Any) -> None:
               p.height, p.num_inference_steps, result.latency_seconds)
 
 
-async def _event_stream(state: ServerState, handle: Any, bridge: streaming.EventBridge, *,
-                        size: str, tokens: int) -> AsyncIterator[bytes]:
+async def _event_stream(state: ServerState, rid: str, handle: Any,
+                        bridge: streaming.EventBridge, *, size: str, tokens: int
+                        ) -> AsyncIterator[bytes]:
     """queued* -> (progress | partial_image)* -> completed (one per image) | error.
     Leaving early (disconnect) aborts the request."""
-    rid = handle.request_id
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.config.request_timeout_s
     done = False
@@ -173,7 +174,7 @@ async def _event_stream(state: ServerState, handle: Any, bridge: streaming.Event
             try:
                 event = await asyncio.wait_for(bridge.queue.get(), deadline - loop.time())
             except TimeoutError:
-                state.engine.abort(rid, "timed out")
+                state.engine.abort(handle.request_id, "timed out")
                 done = True
                 yield _error_event(state, rid, _timeout(state))
                 return
@@ -197,7 +198,8 @@ async def _event_stream(state: ServerState, handle: Any, bridge: streaming.Event
                 # The engine emits "finished" just before it resolves the future.
                 result = await asyncio.wrap_future(handle.future)
                 payloads = await asyncio.to_thread(responses.completed_payloads, result,
-                                                   size=size, tokens_per_image=tokens)
+                                                   request_id=rid, size=size,
+                                                   tokens_per_image=tokens)
                 state.metrics.count_success()
                 done = True
                 for payload in payloads:
@@ -211,7 +213,7 @@ async def _event_stream(state: ServerState, handle: Any, bridge: streaming.Event
                 return
     finally:
         if not done:  # the client went away (the response task was cancelled)
-            if state.engine.abort(rid, "client disconnected"):
+            if state.engine.abort(handle.request_id, "client disconnected"):
                 state.metrics.count_error("client_disconnect")
             log.info("request %s: client disconnected after %.2fs", rid,
                      time.monotonic() - handle.submitted_at)
