@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ditserve.engine.server import openapi
 from ditserve.engine.server.phase import engine_phase
@@ -34,6 +34,7 @@ async def ready(request: Request) -> JSONResponse:
 
 
 @router.get("/metrics", response_model=None, summary="Prometheus metrics",
+            response_class=PlainTextResponse,
             responses=openapi.answers({"text/plain": {"type": "string"}},
                                       ok_description="Prometheus text exposition"))
 async def metrics(request: Request) -> Response:
