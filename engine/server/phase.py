@@ -1,9 +1,10 @@
-"""The one place the HTTP layer reads the engine's lifecycle.
+"""Where the routes read the engine's lifecycle.
 
-/ready, admission (503 while not ready) and the error messages all ask ``engine_phase``; it
+/ready and admission (503 while not ready, with a message per phase) ask ``engine_phase``; it
 reads the engine's current lifecycle attributes (``ready``, ``compiling``, ``executor``) and
 the server's own (draining, a failed start, stopped). When the engine exposes one phase enum,
-only this function changes.
+this function maps it; the only other readers are ``ServerState.ready`` and the
+``ditserve:engine_ready`` gauge (metrics.py).
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ class ServerState:
             log.info("engine ready: serving %s", self.model_name)
         except BaseException as e:
             log.exception("engine failed to start")
-            self.startup_error = f"{type(e).__name__}: {e}"
+            # What /ready shows: the kind of failure, not its internals (those are logged).
+            self.startup_error = f"the engine failed to start ({type(e).__name__}); see the log"
             if self.on_start_failed is not None:
                 self.on_start_failed(e)
 

@@ -31,7 +31,7 @@ from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, log_error, request_id_of
 from ditserve.engine.server.phase import engine_phase
-from ditserve.engine.server.schemas import ParsedRequest, parse_generation_request, request_error
+from ditserve.engine.server.schemas import parse_generation_request, request_error
 from ditserve.engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -47,18 +47,23 @@ def _unavailable(state: ServerState, message: str) -> APIError:
                     headers={"Retry-After": str(state.config.retry_after_s)})
 
 
-def _admit(state: ServerState, engine_id: str, params: Any, on_event: Any = None) -> Any:
+NOT_READY = {
+    "draining": "the server is shutting down; retry on another replica",
+    "stopped": "the engine has stopped; retry on another replica",
+    "failed": "the engine failed to start; see the server log",
+    "compiling": "the DiT blocks are still compiling (--compile); poll GET /ready",
+    "loading": "the model is still loading; poll GET /ready",
+}
+
+
+def _admit(state: ServerState, engine_request_id: str, params: Any, on_event: Any = None
+           ) -> Any:
     phase = engine_phase(state)
-    if phase == "draining":
-        raise _unavailable(state, "the server is shutting down; retry on another replica")
-    if phase == "failed":
-        raise _unavailable(state, "the engine failed to start; see the server log")
     if phase != "ready":
-        loading = ("the DiT blocks are still compiling (--compile)" if phase == "compiling"
-                   else "the model is still loading")
-        raise _unavailable(state, f"{loading}; poll GET /ready")
+        raise _unavailable(state, NOT_READY[phase])
     try:
-        return state.engine.add_request(params, request_id=engine_id, on_event=on_event)
+        return state.engine.add_request(params, request_id=engine_request_id,
+                                        on_event=on_event)
     except QueueFullError as e:
         raise APIError(429, "every batch slot is taken and the queue is full; retry later",
                        type="rate_limit_error", code="queue_full", reason="queue_full",
@@ -125,6 +130,12 @@ async def create_image(request: Request) -> Response:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     handle = _admit(state, engine_id(request.scope), p)
+    return await _answer(state, request, rid, handle, size=size, tokens=tokens)
+
+
+async def _answer(state: ServerState, request: Request, rid: str, handle: Any, *, size: str,
+                  tokens: int) -> Response:
+    """Wait for a plain request's images, its timeout or its client's disconnect."""
     result_future = asyncio.wrap_future(handle.future)
     _silence(result_future)
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -149,14 +160,9 @@ async def create_image(request: Request) -> Response:
     body = await asyncio.to_thread(responses.generation_response, result, request_id=rid,
                                    size=size, tokens_per_image=tokens)
     state.metrics.count_success()
-    _log_done(rid, parsed, result)
+    log.debug("request %s: %d image(s) %s, %d steps in %.2fs", rid, result.num_images, size,
+              result.num_inference_steps, result.latency_seconds)
     return JSONResponse(body)
-
-
-def _log_done(rid: str, parsed: ParsedRequest, result: Any) -> None:
-    p = parsed.params
-    log.debug("request %s: %d image(s) %dx%d, %d steps in %.2fs", rid, p.num_images, p.width,
-              p.height, p.num_inference_steps, result.latency_seconds)
 
 
 async def _event_stream(state: ServerState, rid: str, handle: Any,
