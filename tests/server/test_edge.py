@@ -204,3 +204,20 @@ def test_the_server_uses_the_models_defaults(tmp_path, tiny_model_dir) -> None:
     limits = app.state.server.limits()
     assert (limits.default_size, limits.default_steps) == ((1024, 1024), 28)
     assert engine.compile_warmup_size == (1024, 1024)
+
+
+def test_odd_headers_paths_and_methods_are_client_errors() -> None:
+    app = app_for(api_key="k")
+    responses = call(
+        app,
+        ("GET", "/v1/models", {"headers": {"Authorization": b"Bearer \xff\xfe"}}),
+        ("GET", "/health", {"headers": {"X-Request-Id": b"\xff"}}),
+        ("GET", "/v1/models/%ff%00..%2f", {"headers": {"Authorization": "Bearer k"}}),
+        ("GET", "/%00/../\\x", {}),
+        ("BREW", "/health", {}),
+        ("POST", GEN, {"content": b'{"prompt": "cat"}', "headers": {
+            "Authorization": "Bearer k", "Content-Type": "text/plain; charset=latin-9"}}),
+        ("POST", GEN, {"content": b"\x00" * 100, "headers": {"Authorization": "Bearer k"}}),
+    )
+    assert [r.status_code for r in responses] == [401, 400, 404, 404, 405, 200, 400]
+    assert all(r.headers["x-request-id"] for r in responses)
