@@ -30,28 +30,35 @@ def test_partial_images_is_validated(value) -> None:
     assert info.value.field == "partial_images"
 
 
-def test_previews_are_decoded_latents_and_leave_the_result_alone(tiny_runner) -> None:
-    plain = SamplingParams(prompt="a fox", num_inference_steps=4, seed=3, num_images=2)
-    with_previews = SamplingParams(prompt="a fox", num_inference_steps=4, seed=3, num_images=2,
-                                   partial_images=2)
-    alone, _ = drive(tiny_runner, {0: [("plain", plain)]}, max_num_seqs=1)
+WITH_PREVIEWS = SamplingParams(prompt="a fox", num_inference_steps=4, seed=3, num_images=2,
+                               partial_images=2)
 
+
+def run_with_previews(runner) -> tuple[dict[int, torch.Tensor], torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Drive WITH_PREVIEWS to the end; its previews by step and its final pixels."""
     scheduler = StepScheduler(SchedulerConfig(max_num_seqs=1))
-    scheduler.add("p", with_previews)
-    new = [("p", with_previews, 3)]
+    scheduler.add("p", WITH_PREVIEWS)
+    new = [("p", WITH_PREVIEWS, 3)]
     previews: dict[int, torch.Tensor] = {}
     finished = {}
-    while scheduler.has_work():
+    while scheduler.has_work() or not finished:
         plan = scheduler.schedule()
-        out = tiny_runner.execute(plan, new)
+        out = runner.execute(plan, new)
         new = []
         scheduler.update(plan, out)
         assert not out.failed
         for rid, (step, pixels) in out.previews.items():
             assert rid == "p"
-            previews[step] = pixels
+            previews[step] = pixels.clone()  # read now: a late copy would show here
         finished.update(out.finished)
+    return previews, finished["p"]
 
+
+def test_previews_are_decoded_latents_and_leave_the_result_alone(tiny_runner) -> None:
+    plain = SamplingParams(prompt="a fox", num_inference_steps=4, seed=3, num_images=2)
+    alone, _ = drive(tiny_runner, {0: [("plain", plain)]}, max_num_seqs=1)
+    previews, final = run_with_previews(tiny_runner)
+    finished = {"p": final}
     assert sorted(previews) == [1, 3]
     for pixels in previews.values():
         assert pixels.shape == (2, 3, 64, 64) and pixels.device.type == "cpu"
@@ -83,3 +90,19 @@ def test_engine_emits_previews_after_their_step(tiny_model_dir) -> None:
     preview = next(e for e in events if e.kind == "preview")
     assert preview.pixels.shape == (1, 3, 64, 64) and preview.total_steps == 6
     assert not any(e.kind == "preview" for e in quiet)  # only the request that asked
+
+
+@pytest.mark.gpu
+def test_previews_on_cuda_are_complete_when_handed_back(tiny_model_dir, tiny_runner) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ditserve.engine.model_runner import ModelRunner
+
+    cuda = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),
+                       model_dir=tiny_model_dir)
+    on_cuda, final_cuda = run_with_previews(cuda)
+    on_cpu, final_cpu = run_with_previews(tiny_runner)
+    assert sorted(on_cuda) == sorted(on_cpu) == [1, 3]
+    for step in on_cpu:  # the pinned copies had landed (the runner waited for them)
+        torch.testing.assert_close(on_cuda[step], on_cpu[step], atol=2e-3, rtol=0)
+    torch.testing.assert_close(final_cuda, final_cpu, atol=2e-3, rtol=0)
