@@ -258,9 +258,9 @@ class DiffusionEngine:
             if rid in self._handles:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             limit = self.config.scheduler.max_queue
-            waiting = self.queues.num_waiting
-            if limit is not None and waiting >= limit:
-                raise QueueFullError(f"{waiting} requests are waiting (max_queue={limit})")
+            if limit is not None and self.queues.is_full(limit):
+                raise QueueFullError(f"every batch slot is taken and {limit} requests are "
+                                     f"waiting (max_queue={limit})")
             self.queues.add(rid, params)
             self._handles[rid] = handle
             position = handle.queue_position = self.queues.queue_position(rid)
@@ -401,6 +401,7 @@ class DiffusionEngine:
                                      seconds=out.forward_seconds)
         finished = {rid: pixels for out in outputs for rid, pixels in out.finished.items()}
         self._dispatch(changes, finished)
+        self._emit_previews(outputs)
         for handle in moved:
             self._emit(handle, RequestEvent(handle.request_id, "queued", 0,
                                             handle.params.num_inference_steps,
@@ -429,6 +430,16 @@ class DiffusionEngine:
                 self._finish(rid, finished.get(rid))
             elif change.status == RequestStatus.FINISHED_ERROR:
                 self._fail(rid, change.error or "failed")
+
+    def _emit_previews(self, outputs: list[Any]) -> None:
+        """Partial images: each decoded preview, after the step event of its step."""
+        for out in outputs:
+            for rid, (step, pixels) in out.previews.items():
+                handle = self._handles.get(rid)
+                if handle is not None:
+                    self._emit(handle, RequestEvent(rid, "preview", step,
+                                                    handle.params.num_inference_steps,
+                                                    pixels=pixels))
 
     def _finish(self, rid: str, pixels: Any) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from ditserve.engine.inflight import InFlightSteps
 from ditserve.engine.input_batch import InputBatchBuilder
 from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
+from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 
@@ -161,6 +162,7 @@ class ModelRunner:
             self._inflight.forward_started()
             self._denoise(batch, out)
             self._inflight.forward_ended(requests=len(batch), rows=sum(s.rows for s in batch))
+            self._previews(batch, out)
         if collective_wave and passes is not None and self._collective_passes() == passes:
             # No forward reached the transformer here (no batch, or it failed before):
             # still join every block's collective, exactly once per wave like the others.
@@ -219,3 +221,19 @@ class ModelRunner:
         for state, rows in zip(batch, inputs.split(prediction), strict=True):
             if self._guarded(out, state.request_id, "step", lambda s, r=rows: self.pipeline.step(s, r)):
                 out.stepped.append(state.request_id)
+
+    # -- previews (partial images) --------------------------------------------------------------
+    def _previews(self, batch: list[DenoiseState], out: RunnerOutput) -> None:
+        """Decode a preview for each request that just reached one of its preview steps."""
+        for state in batch:
+            rid = state.request_id
+            if rid not in out.stepped or state.step_index not in state.params.preview_steps:
+                continue
+            try:
+                out.previews[rid] = (state.step_index, decode_preview(self.pipeline, state))
+            except Exception:  # a preview is a courtesy: losing one must not fail the request
+                log.exception("request %s: preview after step %d failed", rid, state.step_index)
+        if out.previews and self.device.type == "cuda":
+            # The previews' copies to the host are queued; they are read as soon as this step
+            # returns. Only steps with a preview wait here (at most 3 per request).
+            torch.cuda.current_stream(self.device).synchronize()

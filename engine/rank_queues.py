@@ -39,6 +39,14 @@ class RankQueues:
     def num_running(self) -> int:
         return sum(s.num_running for s in self.schedulers)
 
+    def is_full(self, max_queue: int) -> bool:
+        """Whether one more request would exceed the replica's room: every batch slot of every
+        rank taken and ``max_queue`` requests waiting beyond them. Requests admitted in a burst
+        count as waiting until the next step moves them into free slots, so free slots are
+        room too (a burst to an idle replica is never refused)."""
+        free_slots = max(0, self.capacity * len(self.schedulers) - self.num_running)
+        return self.num_waiting >= max_queue + free_slots
+
     def rank_of(self, request_id: str) -> int | None:
         """The rank a request was handed to (None while in the shared queue or unknown)."""
         return self._rank_of.get(request_id)

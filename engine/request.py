@@ -16,6 +16,7 @@ from ditserve.engine.errors import InvalidRequestError
 MAX_STEPS = 1000
 MAX_IMAGES = 8
 MAX_SIDE = 8192
+MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 
 
 class RequestStatus(enum.IntEnum):
@@ -59,6 +60,8 @@ class SamplingParams:
     true_cfg_scale: classifier-free guidance with ``negative_prompt``; active when > 1 and a
         negative prompt is given (as in diffusers' FluxPipeline).
     seed: None draws a random seed at admission; the seed used is reported back.
+    partial_images: previews of the running latents to decode, at evenly spaced steps (see
+        ``preview_steps``); they travel as "preview" events, never change the result.
     """
 
     prompt: str
@@ -71,6 +74,7 @@ class SamplingParams:
     seed: int | None = None
     num_images: int = 1
     num_frames: int = 1
+    partial_images: int = 0
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -83,6 +87,16 @@ class SamplingParams:
     def rows(self) -> int:
         """Rows this request adds to a denoise forward (images, doubled under true CFG)."""
         return self.num_images * (2 if self.uses_true_cfg else 1)
+
+    @property
+    def preview_steps(self) -> frozenset[int]:
+        """Steps after which a preview is decoded: ``partial_images`` evenly spaced points of
+        the trajectory, rounded to a step, never the last step (that one is the result). Few
+        steps give fewer previews (4 steps, 3 previews: steps 1, 2, 3; 2 steps: step 1)."""
+        total, k = self.num_inference_steps, self.partial_images
+        # round((i + 1) * total / (k + 1)) in integers, halves rounded up
+        points = (((i + 1) * total * 2 + k + 1) // (2 * (k + 1)) for i in range(k))
+        return frozenset(step for step in points if 1 <= step < total)
 
     def validate(
         self,
@@ -129,6 +143,11 @@ class SamplingParams:
         n = self.num_images
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_images:
             raise InvalidRequestError("n", f"must be an integer in [1, {max_images}], got {n!r}")
+        k = self.partial_images
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_PARTIAL_IMAGES:
+            raise InvalidRequestError(
+                "partial_images", f"must be an integer in [0, {MAX_PARTIAL_IMAGES}], got {k!r}"
+            )
         if self.num_frames != 1:
             raise InvalidRequestError("num_frames", "only image models (num_frames=1) are served")
         for name in ("guidance_scale", "true_cfg_scale"):

@@ -48,7 +48,11 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class RequestEvent:
-    """Progress of one request. kind: queued | step | finished | failed | aborted."""
+    """Progress of one request. kind: queued | step | preview | finished | failed | aborted.
+
+    A "preview" event carries ``pixels``, (n, 3, H, W) float in [0, 1] on the CPU: the
+    request's latents decoded after ``step`` (asked for with ``partial_images``).
+    """
 
     request_id: str
     kind: str
@@ -56,6 +60,7 @@ class RequestEvent:
     total_steps: int = 0
     queue_position: int | None = None
     error: str | None = None
+    pixels: Any = None
 
 
 class EngineObserver(Protocol):

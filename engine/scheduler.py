@@ -74,6 +74,8 @@ class RunnerOutput:
     finished: request id -> decoded output (the runner's pixels, opaque here), for requests
     decoded this step or an earlier one. failed: request id -> error message.
     forward_*: the last denoise forward that completed (0 rows: none did), its batch and time.
+    previews: request id -> (step, pixels) of a preview decoded after that step (the runner's
+    pixels, opaque here; only requests with ``partial_images``); scheduling ignores them.
     """
 
     stepped: list[str] = field(default_factory=list)
@@ -83,6 +85,7 @@ class RunnerOutput:
     forward_requests: int = 0
     forward_rows: int = 0
     forward_seconds: float = 0.0
+    previews: dict[str, tuple[int, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
-"""The StepPipeline protocol and the factory that picks an implementation."""
+"""The StepPipeline protocol, the factory that picks an implementation, and the preview
+decode every pipeline gets from its ``post_decode``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -48,3 +50,14 @@ def build_pipeline(
 
         return FluxStepPipeline(components, device=device, move_transformer=move_transformer)
     raise ModelLoadError(f"no step-wise pipeline for {components.pipeline_class!r}")
+
+
+def decode_preview(pipeline: StepPipeline, state: DenoiseState) -> torch.Tensor:
+    """A running request's current latents decoded to pixels, (n, 3, H, W) in [0, 1] on the
+    CPU (partial images), leaving ``state`` as it was: ``post_decode`` runs on a shallow copy,
+    so any pipeline's own decode serves. On CUDA the pixels may still be in flight: the caller
+    waits for the stream before reading them."""
+    preview = dataclasses.replace(state, pixels=None)
+    pipeline.post_decode(preview)
+    assert preview.pixels is not None, "post_decode must set state.pixels"
+    return preview.pixels

@@ -1,29 +1,29 @@
-"""The FastAPI application: routes, error rendering and the engine lifespan.
+"""The FastAPI application: middleware, routers, error rendering, the OpenAPI document and
+the engine lifespan.
 
 ``create_app(engine, config)`` is called by ``main`` (a real server) and by tests (with
 httpx's ASGITransport and ``start_engine=False`` around an engine they started). The lifespan
 starts the engine in a worker thread, so /health answers while the weights load and /ready
-turns 200 after the warm-up step; on exit it stops the engine.
+turns 200 after the warm-up step; on exit it stops the engine. Routes live in ``routes/``,
+one module per group; a new group is one more ``include_router``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
-from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.config import ServerConfig
+from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
-from ditserve.engine.server.generation import create_image
+from ditserve.engine.server.openapi import build_openapi
+from ditserve.engine.server.routes import images, models, probes
 from ditserve.engine.server.state import ServerState
-
-CREATED = int(time.time())
 
 
 def create_app(
@@ -47,63 +47,33 @@ def create_app(
                 await starting  # a loading thread cannot be interrupted; let it finish
             await asyncio.to_thread(state.stop, 0.0)
 
-    app = FastAPI(title="ditserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ditserve", lifespan=lifespan, redoc_url=None,
+                  docs_url="/docs" if config.docs else None)
     app.state.server = state
-    install_handlers(app, state.metrics.count_error)
+    count = state.metrics.count_error
+    install_handlers(app, count)
+    for group in (images, models, probes):
+        app.include_router(group.router)
 
-    app.add_api_route("/v1/images/generations", create_image, methods=["POST"],
-                      dependencies=[Depends(require_api_key)], response_model=None)
+    # Added innermost first: RequestId -> CORS -> Guard -> routes (see edge.py).
+    app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, count=count)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "HEAD", "POST"],
+            allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
+            expose_headers=[REQUEST_ID_HEADER, "Retry-After"], max_age=600,
+        )
+    app.add_middleware(RequestIdMiddleware, count=count)
 
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": state.model_name, "object": "model", "created": CREATED,
-             "owned_by": "ditserve"}]}
+    documents: dict[Any, dict[str, Any]] = {}
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    def openapi() -> dict[str, Any]:
+        # The body's rules depend on the loaded model (pixel multiple, prompt limit).
+        limits = state.limits()
+        if limits not in documents:
+            documents[limits] = build_openapi(app, limits, api_key=config.api_key is not None)
+        return documents[limits]
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        return JSONResponse(readiness(state), status_code=200 if state.ready else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body = await asyncio.to_thread(state.metrics.render)
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
-
-
-def readiness(state: ServerState) -> dict[str, Any]:
-    """The /ready body: state, batch occupancy and the offload path's details."""
-    engine = state.engine
-    if state.startup_error:
-        phase = "failed"
-    elif state.draining:
-        phase = "draining"
-    elif state.ready:
-        phase = "ready"
-    elif engine.compiling:
-        phase = "compiling"  # weights loaded; the warm-up compiles the blocks (--compile)
-    else:
-        phase = "loading" if engine.executor is None or not engine.ready else "stopped"
-    body: dict[str, Any] = {"ready": state.ready, "phase": phase, "model": state.model_name,
-                            "compile": engine.config.compile}
-    if state.startup_error:
-        body["error"] = state.startup_error
-    if engine.executor is not None:
-        stats = engine.stats()
-        offload = engine.offload_report()
-        body.update({
-            "device": str(getattr(engine.runner, "device", engine.config.device)),
-            "dtype": engine.config.dtype,
-            "max_num_seqs": engine.config.scheduler.max_num_seqs,
-            "max_queue": engine.config.scheduler.max_queue,
-            "running": stats.running,
-            "waiting": stats.waiting,
-            "pixel_multiple": engine.pixel_multiple,
-            "offload": {"enabled": True, **offload} if offload else {"enabled": False},
-        })
-    return body

@@ -20,7 +20,11 @@ from ditserve.engine.config import (
 from ditserve.engine.errors import ConfigError
 
 DEFAULT_API_KEY_ENV = "DITSERVE_API_KEY"
-SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+# Sides without leading zeros and at most 5 digits: a size of thousands of digits is a format
+# error, never an integer conversion (and "064" is refused as the OpenAPI pattern refuses it).
+SIZE_PATTERN = re.compile(r"^(0|[1-9][0-9]{0,4})x(0|[1-9][0-9]{0,4})$")
+ORIGIN_PATTERN = re.compile(r"^https?://[^/\s]+$")
 
 
 def parse_size(text: str) -> tuple[int, int] | None:
@@ -39,8 +43,13 @@ class ServerConfig:
     shutdown_grace_s: on SIGTERM, how long admitted requests may run before they are aborted.
     retry_after_s: the Retry-After hint sent with 429 (queue full) and 503 (draining).
     model_name: the id of the served model in /v1/models; None derives it from the model dir.
-    default_size / default_steps: used when a request omits size / num_inference_steps;
-        None picks 64x64 / 4 for the embedded tiny model and 1024x1024 / 28 otherwise.
+    default_size / default_steps: used when a request omits size / num_inference_steps (or
+        sends size "auto"); None derives them from the model (``model_defaults``).
+    max_side / max_steps: the largest width or height and step count a request may ask for
+        (a replica's cost bound per request); None leaves the engine's limits (8192, 1000).
+    max_body_bytes: larger request bodies are refused with 413 before they are read whole.
+    allowed_origins: browser origins allowed by CORS ("*" for any); empty turns CORS off.
+    docs: serve the interactive API page at /docs (/openapi.json is always served).
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +62,11 @@ class ServerConfig:
     model_name: str | None = None
     default_size: str | None = None
     default_steps: int | None = None
+    max_side: int | None = None
+    max_steps: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_origins: tuple[str, ...] = ()
+    docs: bool = True
     log_level: str = "info"
 
     @classmethod
@@ -64,7 +78,10 @@ class ServerConfig:
                 f"environment variable named by server.api_key_env (default {DEFAULT_API_KEY_ENV})"
             )
         reject_unknown_keys(data, {f.name for f in fields(cls)} - {"api_key"}, "server")
-        return validate_server(cls(**dict(data)))
+        values = dict(data)
+        if isinstance(values.get("allowed_origins"), list):
+            values["allowed_origins"] = tuple(values["allowed_origins"])
+        return validate_server(cls(**values))
 
 
 def problems(config: ServerConfig) -> list[str]:
@@ -83,8 +100,18 @@ def problems(config: ServerConfig) -> list[str]:
         not isinstance(config.default_size, str) or parse_size(config.default_size) is None
     ):
         out.append(f"server.default_size must look like '1024x1024', got {config.default_size!r}")
-    if config.default_steps is not None:
-        int_at_least(out, "server.default_steps", config.default_steps, 1)
+    for name in ("default_steps", "max_side", "max_steps"):
+        if getattr(config, name) is not None:
+            int_at_least(out, f"server.{name}", getattr(config, name), 1)
+    int_at_least(out, "server.max_body_bytes", config.max_body_bytes, 1024)
+    origins = config.allowed_origins
+    if not isinstance(origins, tuple) or not all(
+        isinstance(o, str) and (o == "*" or ORIGIN_PATTERN.match(o)) for o in origins
+    ):
+        out.append("server.allowed_origins must be a list of origins like "
+                   f"'https://app.example.com' (or '*'), got {origins!r}")
+    if not isinstance(config.docs, bool):
+        out.append(f"server.docs must be true or false, got {config.docs!r}")
     if config.api_key is not None and not config.api_key:
         out.append("server.api_key must not be empty (omit it to disable auth)")
     if config.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):

@@ -1,16 +1,21 @@
 """HTTP errors of the API, rendered as OpenAI-style JSON.
 
-Every error response has the body ``{"error": {"message", "type", "param", "code"}}``. Route
-code raises ``APIError``; ``install_handlers`` renders it, and also turns FastAPI's own
-validation errors and unexpected exceptions into the same shape (a bug is a 500 with a
-generic message, never a stack trace, and never for bad input).
+Every error response has the body ``{"error": {"message", "type", "param", "code"}}`` and
+counts once in ``ditserve:request_errors_total`` under its ``reason``. Route code raises
+``APIError``; ``install_handlers`` renders it, and turns the framework's own errors (unknown
+route, wrong method, its validation) into the same shape. Unexpected exceptions become a
+generic 500 in ``edge`` (a bug is never reported with its internals, and never for bad
+input). Client values quoted in a message go through ``shown``, which caps them, and every
+message is made encodable (a lone surrogate in a client's value cannot break the answer).
 """
 
 from __future__ import annotations
 
 import logging
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +23,28 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+
+MAX_SHOWN_CHARS = 80  # a client's value quoted in an error message is cut to about this
+MAX_MESSAGE_CHARS = 1000
+
+_repr = reprlib.Repr()
+_repr.maxstring = MAX_SHOWN_CHARS
+_repr.maxother = MAX_SHOWN_CHARS
+_repr.maxlong = 40
+_repr.maxlevel = 2
+_repr.maxlist = _repr.maxdict = _repr.maxtuple = 4
+
+
+def shown(value: Any) -> str:
+    """A client's value for an error message: ``repr`` cut to a few dozen characters (a 1 MB
+    field is not echoed back), depth-limited (so deep nesting cannot recurse)."""
+    return _repr.repr(value)
+
+
+def encodable(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` as valid UTF-8 (lone surrogates escaped) and at most ``limit`` characters."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(eq=False)  # eq would make the exception unhashable
@@ -36,42 +63,70 @@ class APIError(Exception):
         return self.message
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        param = encodable(self.param, MAX_SHOWN_CHARS) if self.param is not None else None
+        return {"error": {"message": encodable(self.message), "type": self.type,
+                          "param": param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
-def invalid(param: str | None, message: str, *, status: int = 422,
+def invalid(param: str | None, message: str, *, status: int = 400,
             code: str | None = "invalid_value") -> APIError:
+    """A 400 for a client's bad input; ``param`` names the field."""
     return APIError(status, message, param=param, code=code)
 
 
+def request_id_of(request: Request) -> str:
+    return str(getattr(request.state, "request_id", "-"))
+
+
+def log_error(request_id: str, error: APIError) -> None:
+    """One log line per error answer, with the request id the client got in X-Request-Id."""
+    level = logging.WARNING if error.status >= 500 else logging.INFO
+    log.log(level, "request %s: %d %s: %s", request_id, error.status, error.code,
+            encodable(error.message, 300))
+
+
+def method_not_allowed(exc: StarletteHTTPException) -> APIError:
+    allowed = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()]
+    if "GET" in allowed and "HEAD" not in allowed:
+        allowed.append("HEAD")  # edge answers HEAD on every GET route
+    return APIError(405, f"method not allowed; this route accepts {', '.join(allowed)}",
+                    code="method_not_allowed", reason="method_not_allowed",
+                    headers={"Allow": ", ".join(allowed)})
+
+
 def install_handlers(app: FastAPI, count: Callable[[str], None]) -> None:
-    """Render APIError, framework HTTP errors and unexpected exceptions as OpenAI JSON;
+    """Render APIError and the framework's HTTP and validation errors as OpenAI JSON;
     ``count(reason)`` is called once per error response (the errors metric)."""
+
+    def render(request: Request, error: APIError) -> JSONResponse:
+        count(error.reason)
+        log_error(request_id_of(request), error)
+        return error.response()
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        count(exc.reason)
-        return exc.response()
+        return render(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            return render(request, method_not_allowed(exc))
+        if exc.status_code == 404:
+            return render(request, APIError(
+                404, f"no route {request.method} {shown(request.url.path)}; see /docs or "
+                     "/openapi.json", code="not_found", reason="not_found"))
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), type=kind, code=code).response()
+        reason = "invalid_request" if exc.status_code < 500 else "internal"
+        return render(request, APIError(exc.status_code, str(exc.detail), type=kind,
+                                        reason=reason, headers=dict(exc.headers or {})))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # Only reached by routes that let FastAPI parse their input; the generation route
-        # validates its body itself to control the messages.
-        return APIError(422, str(exc), code="invalid_value").response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        count("internal")
-        return APIError(500, "internal server error; see the server log", type="server_error",
-                        code="internal_error", reason="internal").response()
+        # Only reached by routes that let FastAPI parse their input (path parameters); the
+        # generation route validates its body itself to control the messages.
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return render(request, invalid(param, f"{param}: {first.get('msg', 'is invalid')}"))

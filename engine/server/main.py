@@ -35,7 +35,13 @@ _SERVER_FLAGS = {
     "shutdown_grace": "shutdown_grace_s", "served_model_name": "model_name",
     "default_size": "default_size", "default_steps": "default_steps",
     "api_key_env": "api_key_env", "log_level": "log_level", "retry_after": "retry_after_s",
+    "max_side": "max_side", "max_steps": "max_steps", "max_body_bytes": "max_body_bytes",
+    "allowed_origins": "allowed_origins", "docs": "docs",
 }
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(origin.strip() for origin in text.split(",") if origin.strip())
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -55,9 +61,22 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="model id in /v1/models (default: the model directory's name)")
     g.add_argument("--default-size", default=None,
-                   help="size when a request omits it (default 64x64 tiny, else 1024x1024)")
+                   help="size when a request omits it or sends 'auto' (default: from the "
+                        "model, e.g. 64x64 for the tiny model, 1024x1024 for Flux.1)")
     g.add_argument("--default-steps", type=int, default=None,
-                   help="num_inference_steps when omitted (default 4 tiny, else 28)")
+                   help="num_inference_steps when omitted (default: from the model, e.g. 4 "
+                        "for the tiny model and Flux.1-schnell, 28 for Flux.1-dev)")
+    g.add_argument("--max-side", type=int, default=None,
+                   help="largest width or height a request may ask for (default 8192)")
+    g.add_argument("--max-steps", type=int, default=None,
+                   help="largest num_inference_steps a request may ask for (default 1000)")
+    g.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 (default 1048576)")
+    g.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+                   help="comma-separated browser origins allowed by CORS, or '*' "
+                        "(default: CORS off)")
+    g.add_argument("--disable-docs", dest="docs", action="store_const", const=False,
+                   default=None, help="do not serve the interactive API page at /docs")
     g.add_argument("--log-level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
 

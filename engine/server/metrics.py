@@ -23,8 +23,9 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Error reasons are a closed set so the label never explodes.
-ERROR_REASONS = ("invalid_request", "not_found", "unauthorized", "queue_full", "unavailable",
-                 "timeout", "client_disconnect", "engine_error", "internal")
+ERROR_REASONS = ("invalid_request", "model_not_found", "not_found", "method_not_allowed",
+                 "unauthorized", "payload_too_large", "queue_full",
+                 "unavailable", "timeout", "client_disconnect", "engine_error", "internal")
 
 
 class _EngineStateCollector(Collector):

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.request import MAX_SIDE, MAX_STEPS
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.metrics import ServingMetrics
+from ditserve.engine.server.model_defaults import model_defaults
+from ditserve.engine.server.schemas import RequestLimits
 from ditserve.engine.step_log import StepLog, copy_rates_of
 
 log = logging.getLogger(__name__)
@@ -42,10 +45,10 @@ class ServerState:
     def build(cls, engine: Any, config: ServerConfig, **kwargs: Any) -> ServerState:
         model = engine.config.model
         name = config.model_name or (Path(model).name if model else TINY_MODEL_NAME)
-        tiny = model is None
-        size = parse_size(config.default_size or ("64x64" if tiny else "1024x1024"))
-        assert size is not None  # ServerConfig validated the pattern
-        steps = config.default_steps or (4 if tiny else 28)
+        defaults = model_defaults(model)
+        size = parse_size(config.default_size) if config.default_size else None
+        size = size or (defaults.width, defaults.height)  # ServerConfig validated the pattern
+        steps = config.default_steps or defaults.steps
         if engine.compile_warmup_size is None:
             width, height = size  # with --compile: no compile after /ready
             engine.compile_warmup_size = (height, width)
@@ -58,6 +61,17 @@ class ServerState:
     def ready(self) -> bool:
         return bool(self.engine.ready) and not self.draining and not self._stopped
 
+    def limits(self) -> RequestLimits:
+        """What a request may ask for now (the model's rules are known once it loaded)."""
+        config = self.config
+        return RequestLimits(
+            model_name=self.model_name, default_size=self.default_size,
+            default_steps=self.default_steps, pixel_multiple=self.engine.pixel_multiple,
+            max_prompt_chars=self.engine.max_prompt_chars,
+            max_side=min(config.max_side or MAX_SIDE, MAX_SIDE),
+            max_steps=min(config.max_steps or MAX_STEPS, MAX_STEPS),
+        )
+
     def start_engine(self) -> None:
         """Blocking; run in a thread. A failure is recorded and reported, never raised."""
         try:
@@ -65,7 +79,8 @@ class ServerState:
             log.info("engine ready: serving %s", self.model_name)
         except BaseException as e:
             log.exception("engine failed to start")
-            self.startup_error = f"{type(e).__name__}: {e}"
+            # What /ready shows: the kind of failure, not its internals (those are logged).
+            self.startup_error = f"the engine failed to start ({type(e).__name__}); see the log"
             if self.on_start_failed is not None:
                 self.on_start_failed(e)
 

@@ -2,8 +2,10 @@
 
 The engine calls ``EventBridge.push`` from its loop thread; the bridge hands each event to
 the request's asyncio queue with ``call_soon_threadsafe`` (asyncio queues are not
-thread-safe). Event names follow OpenAI's image streaming (``image_generation.*``); every
-``data:`` line is one JSON object whose ``type`` repeats the event name.
+thread-safe). Every ``data:`` line is one JSON object whose ``type`` repeats the event name.
+``PARTIAL_IMAGE`` and ``COMPLETED`` are OpenAI's image stream events (the SDK's typed
+``ImageGenPartialImageEvent`` / ``ImageGenCompletedEvent``); ``QUEUED`` and ``PROGRESS`` are
+ditserve's own, under their own types, which OpenAI clients pass over.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 
 QUEUED = "image_generation.queued"
 PROGRESS = "image_generation.progress"
+PARTIAL_IMAGE = "image_generation.partial_image"
 COMPLETED = "image_generation.completed"
 ERROR = "error"
+EVENT_TYPES = (QUEUED, PROGRESS, PARTIAL_IMAGE, COMPLETED, ERROR)
 
 
 class EventBridge:

@@ -101,15 +101,17 @@ def launch_server():
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The default server: tiny model, max_num_seqs 4, auth off. Started the way the
-    operator starts it: `ditserve serve --config FILE`, the file holding a server section."""
+    """The default server: tiny model, max_num_seqs 4, auth off, requests bounded to 64x64
+    and 10 steps (so the schemathesis run stays cheap). Started the way the operator starts
+    it: `ditserve serve --config FILE`, the file holding a server section."""
     tmp = tmp_path_factory.mktemp("server")
     port = free_port()
     config = tmp / "engine.yaml"
     config.write_text(
         "device: cpu\n"
         "scheduler: {max_num_seqs: 4, max_queue: 64}\n"
-        f"server: {{host: 127.0.0.1, port: {port}, request_timeout_s: 120}}\n"
+        f"server: {{host: 127.0.0.1, port: {port}, request_timeout_s: 120, max_side: 64,\n"
+        "          max_steps: 10, max_body_bytes: 65536}\n"
     )
     proc = start_server(tmp, "--config", str(config), port=port)
     yield proc

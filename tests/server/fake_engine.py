@@ -1,8 +1,8 @@
 """A pure-Python stand-in for DiffusionEngine, for in-process API tests (no torch).
 
 It keeps the engine's public contract (add_request/abort/validate_params/stats/events) and
-lets a test choose the outcome of each request: finish, fail, hang (never finishes), or a
-full queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules.
+lets a test choose the outcome of each request: finish (with "preview" events for
+``partial_images``), fail, hang (never finishes), or a full queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules.
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ import torch
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.engine import EngineStats, GenerationResult, RequestEvent
-from ditserve.engine.errors import DitServeError, QueueFullError, RequestAborted
+from ditserve.engine.errors import (
+    DitServeError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestAborted,
+)
 
 
 @dataclass
@@ -58,6 +63,8 @@ class FakeEngine:
         if self.outcome == "queue_full":
             raise QueueFullError("1 requests are waiting (max_queue=1)")
         rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._handles:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
         handle = SimpleNamespace(request_id=rid, future=concurrent.futures.Future(),
                                  submitted_at=time.monotonic(), on_event=on_event)
         self._handles[rid] = handle
@@ -65,10 +72,12 @@ class FakeEngine:
         steps = params.num_inference_steps
         emit(RequestEvent(rid, "queued", 0, steps, 0))
         if self.outcome == "finish":
-            for step in range(1, steps + 1):
-                emit(RequestEvent(rid, "step", step, steps))
             color = torch.tensor([10, 20, 30], dtype=torch.float32).view(1, 3, 1, 1) / 255
             pixels = color.expand(params.num_images, 3, params.height, params.width).contiguous()
+            for step in range(1, steps + 1):
+                emit(RequestEvent(rid, "step", step, steps))
+                if step in params.preview_steps:
+                    emit(RequestEvent(rid, "preview", step, steps, pixels=pixels * step / steps))
             result = GenerationResult(rid, pixels, params.seed or 0, steps, 0.0, 0.01)
             emit(RequestEvent(rid, "finished", steps, steps))
             handle.future.set_result(result)
@@ -79,6 +88,8 @@ class FakeEngine:
             handle.future.set_exception(DitServeError(f"request {rid} failed: decode failed"))
             for observer in self.observers:
                 observer.on_failed(rid, "decode failed")
+        if handle.future.done():
+            del self._handles[rid]  # finished requests leave the engine (their id is free)
         return handle
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:

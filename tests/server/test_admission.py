@@ -1,5 +1,7 @@
-"""Admission control on a real server process: auth, queue full -> 429, a disconnect frees
-the batch slot, the offload path in /ready, and the SIGTERM drain (last: it ends the server).
+"""Admission control on a real server process: auth (401, the SDK's AuthenticationError), a
+burst filling the slot then the queue, queue full -> 429 (the SDK's RateLimitError), a
+disconnect frees the batch slot, the offload path in /ready, and the SIGTERM drain (last: it
+ends the server).
 
 The server has one batch slot and one queue slot, so "R1 running, R2 waiting, R3 refused"
 is a deterministic state, reached by reading SSE events rather than by sleeping.
@@ -13,6 +15,7 @@ import signal
 from collections.abc import AsyncIterator
 
 import httpx
+import openai
 import pytest
 
 GEN = "/v1/images/generations"
@@ -64,6 +67,28 @@ def test_auth_guards_v1_but_not_probes(guarded) -> None:
     assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
 
 
+def test_sdk_authentication_error(guarded) -> None:
+    client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        client.images.generate(prompt="cat")
+    assert info.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_a_burst_to_an_idle_server_fills_the_slot_then_the_queue(guarded) -> None:
+    # One batch slot and one queue slot: two requests at once are both admitted (the
+    # second used to be refused when both counted as waiting before the first step).
+    body = {"prompt": "burst", "num_inference_steps": 2}
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH, timeout=120) as client:
+            responses = await asyncio.gather(*(client.post(GEN, json=body) for _ in range(2)))
+        return [r.status_code for r in responses]
+
+    assert asyncio.run(burst()) == [200, 200]
+
+
 def test_ready_reports_the_offload_path(guarded) -> None:
     body = httpx.get(f"{guarded.url}/ready").json()
     offload = body["offload"]
@@ -93,6 +118,11 @@ def test_queue_full_then_disconnect_frees_the_slot(guarded, metric) -> None:
                 assert refused.status_code == 429
                 assert refused.headers["retry-after"] == "2"
                 assert refused.json()["error"]["code"] == "queue_full"
+                sdk = openai.AsyncOpenAI(base_url=f"{guarded.url}/v1", api_key=KEY,
+                                         max_retries=0)
+                with pytest.raises(openai.RateLimitError) as info:
+                    await sdk.images.generate(prompt="one too many")
+                assert info.value.response.headers["retry-after"] == "2"
                 await events1.aclose()
                 await r1.aclose()  # the client of R1 hangs up mid-generation
                 return [item async for item in events2]
@@ -103,8 +133,9 @@ def test_queue_full_then_disconnect_frees_the_slot(guarded, metric) -> None:
     assert [d["step"] for k, d in rest if k == "image_generation.progress"] == [1, 2, 3]
     metrics = httpx.get(f"{guarded.url}/metrics").text
     assert metric(metrics, 'ditserve:request_errors_total{reason="client_disconnect"}') == 1
-    assert metric(metrics, 'ditserve:request_errors_total{reason="queue_full"}') == 1
-    assert metric(metrics, "ditserve:request_success_total") == 1  # R1 never finished
+    assert metric(metrics, 'ditserve:request_errors_total{reason="queue_full"}') == 2
+    # R2 and the burst's two; R1 never finished
+    assert metric(metrics, "ditserve:request_success_total") == 3
     assert metric(metrics, "ditserve:offload_bytes_transferred_total") > 0
     assert metric(metrics, "ditserve:num_requests_running") == 0
 

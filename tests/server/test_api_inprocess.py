@@ -41,7 +41,7 @@ def call(engine, *requests, config: ServerConfig | None = None):
     return asyncio.run(run()), app
 
 
-def test_engine_failure_is_a_500_for_that_request_only(metric) -> None:
+def test_engine_failure_is_a_500_for_that_request_only(metric, caplog) -> None:
     engine = FakeEngine(outcome="fail")
     body = {"prompt": "cat"}
 
@@ -58,7 +58,11 @@ def test_engine_failure_is_a_500_for_that_request_only(metric) -> None:
     failed, ok, metrics = asyncio.run(run(app))
     assert failed.status_code == 500
     assert failed.json()["error"]["code"] == "engine_error"
-    assert "decode failed" in failed.json()["error"]["message"]
+    rid = failed.headers["x-request-id"]
+    # No internals in the answer; the cause is in the log, under the request id.
+    assert failed.json()["error"]["message"] == (
+        f"the engine failed to generate this request (request {rid}); see the server log")
+    assert f"request {rid} failed: request {rid} failed: decode failed" in caplog.text
     assert ok.status_code == 200 and len(ok.json()["data"]) == 1
     assert metric(metrics, 'ditserve:request_errors_total{reason="engine_error"}') == 1
     assert metric(metrics, "ditserve:engine_request_failures_total") == 1
@@ -170,10 +174,13 @@ def test_plain_request_aborted_when_the_client_disconnects(metric) -> None:
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
              "http_version": "1.1", "method": "POST", "scheme": "http", "path": GEN,
              "raw_path": GEN.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+             "headers": [(b"content-type", b"application/json"), (b"host", b"test"),
+                         (b"x-request-id", b"req-0")],
              "client": ("127.0.0.1", 1), "server": ("test", 80)}
     asyncio.run(app(scope, receive, send))
-    assert engine.aborted == [("req-0", "client disconnected")]
+    (engine_id, reason), = engine.aborted
+    # The engine's id carries the client's X-Request-Id (made unique: clients may reuse it).
+    assert engine_id.startswith("req-0.") and reason == "client disconnected"
     assert sent[0]["status"] == 499
     text = app.state.server.metrics.render().decode()
     assert metric(text, 'ditserve:request_errors_total{reason="client_disconnect"}') == 1

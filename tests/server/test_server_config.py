@@ -53,6 +53,10 @@ def test_api_key_flag_and_custom_env(tmp_path, monkeypatch) -> None:
     ("server: {port: 70000}\n", "server.port must be an integer in [0, 65535], got 70000"),
     ("server: {default_size: big}\n", "server.default_size must look like '1024x1024'"),
     ("server: [1]\n", "server: expected a mapping, got list"),
+    ("server: {allowed_origins: [ftp://x]}\n", "server.allowed_origins must be a list of"),
+    ("server: {max_side: 0}\n", "server.max_side must be an integer >= 1, got 0"),
+    ("server: {max_body_bytes: 10}\n", "server.max_body_bytes must be an integer >= 1024"),
+    ("server: {docs: maybe}\n", "server.docs must be true or false, got 'maybe'"),
 ])
 def test_bad_config_names_the_problem(tmp_path, text, message) -> None:
     with pytest.raises(ConfigError) as info:
@@ -63,6 +67,20 @@ def test_bad_config_names_the_problem(tmp_path, text, message) -> None:
 def test_defaults() -> None:
     config = ServerConfig()
     assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
+    assert (config.docs, config.allowed_origins, config.max_body_bytes) == (True, (), 1 << 20)
+
+
+def test_http_limits_cors_and_docs_from_flags_and_yaml(tmp_path) -> None:
+    path = write(tmp_path, "server: {allowed_origins: ['https://a.example'], max_side: 2048,\n"
+                           "         max_steps: 50, docs: false}\n")
+    _, server = configs_from_args(parse("--config", path, "--max-body-bytes", "4096"))
+    assert server.allowed_origins == ("https://a.example",)
+    assert (server.max_side, server.max_steps, server.docs) == (2048, 50, False)
+    assert server.max_body_bytes == 4096
+    _, flags = configs_from_args(parse("--allowed-origins", "https://a.example, *",
+                                       "--disable-docs", "--max-steps", "8"))
+    assert flags.allowed_origins == ("https://a.example", "*")
+    assert (flags.docs, flags.max_steps) == (False, 8)
 
 
 def test_serve_refuses_a_missing_model_dir_before_binding(tmp_path, capsys) -> None:

@@ -1,5 +1,6 @@
-"""The default server as a real process: batching equivalence, metrics, the bad-input
-table, SSE progress, models/health/ready."""
+"""The default server as a real process: batching equivalence, metrics, the bad-input table
+(the bodies that once answered 500 among them), SSE progress and partial images, ignored
+OpenAI fields, request ids, the body limit, HEAD/Allow, models/health/ready."""
 
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ def test_concurrent_requests_equal_alone_and_batch(server, metric) -> None:
 
 
 LIMIT_PROMPT = "x" * 4001
-FIELDS = ("prompt, model, n, size, response_format, user, stream, negative_prompt, "
-          "num_inference_steps, guidance_scale, true_cfg_scale, seed")
+FIELDS = ("prompt, model, n, size, response_format, user, stream, partial_images, background, "
+          "moderation, output_compression, output_format, quality, style, safety_identifier, "
+          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed")
+HUGE = "9" * 5000
 
 BAD_INPUTS = [
     # (id, raw body, status, param, message)
@@ -72,42 +75,63 @@ BAD_INPUTS = [
      "line 1 column 2 (char 1)"),
     ("empty-body", b"", 400, None, "the request body is empty; send a JSON object"),
     ("array-body", b"[1, 2]", 400, None, "the request body must be a JSON object, got list"),
-    ("missing-prompt", {"n": 1}, 422, "prompt", "prompt: is required"),
-    ("prompt-type", {"prompt": 5}, 422, "prompt", "prompt: must be a string, got 5"),
-    ("empty-prompt", {"prompt": "  "}, 422, "prompt", "prompt: must not be empty"),
-    ("long-prompt", {"prompt": LIMIT_PROMPT}, 422, "prompt",
+    ("not-utf8", b'{"prompt": "\xff"}', 400, None, "the request body is not valid UTF-8 text"),
+    # The four bodies that used to answer 500:
+    ("huge-number", f'{{"prompt": "cat", "n": {HUGE}}}'.encode(), 400, None,
+     "the request body holds a number with too many digits"),
+    ("huge-size", {"prompt": "cat", "size": f"{HUGE}x64"}, 400, "size",
+     "size: must be 'WIDTHxHEIGHT' in pixels or 'auto', e.g. '64x64', got "
+     f"'{HUGE[:37]}...{HUGE[:35]}x64'"),  # the 5 KB value cut to 80 characters
+    ("deep-nesting", b'{"prompt": "cat", "user": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400,
+     None, "the request body nests too deeply"),
+    ("lone-surrogate", b'{"prompt": "a \\ud800 fox"}', 400, "prompt",
+     "prompt: holds a lone UTF-16 surrogate at character 2; send valid Unicode text"),
+    ("missing-prompt", {"n": 1}, 400, "prompt", "prompt: is required"),
+    ("prompt-type", {"prompt": 5}, 400, "prompt", "prompt: must be a string, got 5"),
+    ("empty-prompt", {"prompt": "  "}, 400, "prompt", "prompt: must not be empty"),
+    ("long-prompt", {"prompt": LIMIT_PROMPT}, 400, "prompt",
      "prompt: is 4001 characters; the limit is 4000"),
-    ("unknown-field", {"prompt": "cat", "quality": "hd"}, 422, "quality",
-     f"quality: unknown field; supported fields: {FIELDS}"),
-    ("size-format", {"prompt": "cat", "size": "large"}, 422, "size",
-     "size: must be 'WIDTHxHEIGHT' in pixels, e.g. '64x64', got 'large'"),
-    ("size-multiple", {"prompt": "cat", "size": "30x64"}, 422, "size",
+    ("unknown-field", {"prompt": "cat", "colour": "red"}, 400, "colour",
+     f"colour: unknown field; supported fields: {FIELDS}"),
+    ("size-format", {"prompt": "cat", "size": "large"}, 400, "size",
+     "size: must be 'WIDTHxHEIGHT' in pixels or 'auto', e.g. '64x64', got 'large'"),
+    ("size-multiple", {"prompt": "cat", "size": "30x64"}, 400, "size",
      "size: width must be a multiple of 4 for this model, got 30 (try 28 or 32)"),
-    ("size-zero", {"prompt": "cat", "size": "64x0"}, 422, "size",
-     "size: height must be between 4 and 8192, got 0"),
-    ("size-huge", {"prompt": "cat", "size": "9000x64"}, 422, "size",
-     "size: width must be between 4 and 8192, got 9000"),
-    ("steps-zero", {"prompt": "cat", "num_inference_steps": 0}, 422, "num_inference_steps",
-     "num_inference_steps: must be an integer in [1, 1000], got 0"),
-    ("steps-string", {"prompt": "cat", "num_inference_steps": "4"}, 422, "num_inference_steps",
+    ("size-zero", {"prompt": "cat", "size": "64x0"}, 400, "size",
+     "size: height must be between 4 and 64, got 0"),
+    ("size-over-limit", {"prompt": "cat", "size": "9000x64"}, 400, "size",
+     "size: width must be between 4 and 64, got 9000"),
+    ("steps-zero", {"prompt": "cat", "num_inference_steps": 0}, 400, "num_inference_steps",
+     "num_inference_steps: must be an integer in [1, 10], got 0"),
+    ("steps-over-limit", {"prompt": "cat", "num_inference_steps": 11}, 400,
+     "num_inference_steps", "num_inference_steps: must be an integer in [1, 10], got 11"),
+    ("steps-string", {"prompt": "cat", "num_inference_steps": "4"}, 400, "num_inference_steps",
      "num_inference_steps: must be an integer, got '4'"),
-    ("steps-float", {"prompt": "cat", "num_inference_steps": 4.5}, 422, "num_inference_steps",
+    ("steps-float", {"prompt": "cat", "num_inference_steps": 4.5}, 400, "num_inference_steps",
      "num_inference_steps: must be an integer, got 4.5"),
-    ("n-zero", {"prompt": "cat", "n": 0}, 422, "n", "n: must be an integer in [1, 8], got 0"),
-    ("n-large", {"prompt": "cat", "n": 9}, 422, "n", "n: must be an integer in [1, 8], got 9"),
-    ("guidance-negative", {"prompt": "cat", "guidance_scale": -1}, 422, "guidance_scale",
+    ("n-zero", {"prompt": "cat", "n": 0}, 400, "n", "n: must be an integer in [1, 8], got 0"),
+    ("n-large", {"prompt": "cat", "n": 9}, 400, "n", "n: must be an integer in [1, 8], got 9"),
+    ("partial-images", {"prompt": "cat", "stream": True, "partial_images": 4}, 400,
+     "partial_images", "partial_images: must be an integer in [0, 3], got 4"),
+    ("guidance-negative", {"prompt": "cat", "guidance_scale": -1}, 400, "guidance_scale",
      "guidance_scale: must be in [0, 100], got -1.0"),
-    ("guidance-string", {"prompt": "cat", "guidance_scale": "high"}, 422, "guidance_scale",
+    ("guidance-string", {"prompt": "cat", "guidance_scale": "high"}, 400, "guidance_scale",
      "guidance_scale: must be a number, got 'high'"),
-    ("guidance-nan", b'{"prompt": "cat", "guidance_scale": NaN}', 422, "guidance_scale",
-     "guidance_scale: must be in [0, 100], got nan"),
-    ("cfg-without-negative", {"prompt": "cat", "true_cfg_scale": 4}, 422, "true_cfg_scale",
+    ("guidance-nan", b'{"prompt": "cat", "guidance_scale": NaN}', 400, None,
+     "the request body is not valid JSON: NaN is not a JSON number"),
+    ("guidance-huge", f'{{"prompt": "cat", "guidance_scale": 1{"0" * 400}}}'.encode(), 400,
+     "guidance_scale", f"guidance_scale: is out of range, got 1{'0' * 17}...{'0' * 19}"),
+    ("cfg-without-negative", {"prompt": "cat", "true_cfg_scale": 4}, 400, "true_cfg_scale",
      "true_cfg_scale: > 1 needs a negative_prompt (true CFG contrasts the two)"),
-    ("seed-negative", {"prompt": "cat", "seed": -1}, 422, "seed",
+    ("seed-negative", {"prompt": "cat", "seed": -1}, 400, "seed",
      "seed: must be an integer in [0, 2^63), got -1"),
-    ("stream-type", {"prompt": "cat", "stream": "yes"}, 422, "stream",
+    ("stream-type", {"prompt": "cat", "stream": "yes"}, 400, "stream",
      "stream: must be true or false, got 'yes'"),
-    ("response-format", {"prompt": "cat", "response_format": "url"}, 422, "response_format",
+    ("ignored-field-type", {"prompt": "cat", "quality": 5}, 400, "quality",
+     "quality: must be a string, got 5"),
+    ("output-compression", {"prompt": "cat", "output_compression": 101}, 400,
+     "output_compression", "output_compression: must be an integer in [0, 100], got 101"),
+    ("response-format", {"prompt": "cat", "response_format": "url"}, 400, "response_format",
      "response_format: only 'b64_json' is supported (this server does not host image URLs), "
      "got 'url'"),
     ("unknown-model", {"prompt": "cat", "model": "dall-e-3"}, 404, "model",
@@ -116,54 +140,139 @@ BAD_INPUTS = [
 ]
 
 
+def post(server, body, **kwargs) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(f"{server.url}{GEN}", content=body,
+                          headers={"Content-Type": "application/json", **kwargs.pop("headers", {})},
+                          **kwargs)
+    return httpx.post(f"{server.url}{GEN}", json=body, **kwargs)
+
+
 @pytest.mark.parametrize(("body", "status", "param", "message"),
                          [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_rejected_precisely(server, body, status, param, message) -> None:
-    if isinstance(body, bytes):
-        response = httpx.post(f"{server.url}{GEN}", content=body,
-                              headers={"Content-Type": "application/json"})
-    else:
-        response = httpx.post(f"{server.url}{GEN}", json=body)
+    response = post(server, body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["message"] == message
     assert response.json()["error"]["param"] == param
+    assert len(response.content) < 1000  # echoes are capped
 
 
 def test_server_keeps_serving_after_bad_inputs(server, metric) -> None:
     for _, body, *_ in BAD_INPUTS:  # all of them again, back to back
-        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-        assert httpx.post(f"{server.url}{GEN}", **kwargs).status_code in (400, 404, 422)
+        assert post(server, body).status_code in (400, 404)
     response = httpx.post(f"{server.url}{GEN}", json={"prompt": "still here", "seed": 1},
                           timeout=60)
     assert response.status_code == 200
     assert len(response.json()["data"]) == 1
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert metric(metrics, 'ditserve:request_errors_total{reason="invalid_request"}') >= 20
+    assert metric(metrics, 'ditserve:request_errors_total{reason="invalid_request"}') >= 60
+    assert metric(metrics, 'ditserve:request_errors_total{reason="model_not_found"}') >= 2
     assert metric(metrics, 'ditserve:request_errors_total{reason="internal"}') == 0
 
 
-def test_sse_stream_reports_every_step_then_the_image(server) -> None:
-    body = {"prompt": "a streamed fox", "seed": 7, "num_inference_steps": 5, "n": 2}
-    with httpx.stream("POST", f"{server.url}{GEN}", json={**body, "stream": True},
-                      timeout=60) as response:
+def test_sse_stream_reports_steps_partial_images_then_each_image(server) -> None:
+    body = {"prompt": "a streamed fox", "seed": 7, "num_inference_steps": 6, "n": 2}
+    with httpx.stream("POST", f"{server.url}{GEN}",
+                      json={**body, "stream": True, "partial_images": 2}, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
+        rid = response.headers["x-request-id"]
         events = parse_sse(response.read().decode())
     kinds = [kind for kind, _ in events]
     assert kinds[0] == "image_generation.queued"
-    assert events[0][1]["queue_position"] == 0 and events[0][1]["total_steps"] == 5
-    progress = [data for kind, data in events if kind == "image_generation.progress"]
-    assert [p["step"] for p in progress] == [1, 2, 3, 4, 5]
-    assert all(p["total_steps"] == 5 for p in progress)
-    assert kinds[-1] == "image_generation.completed"
-    assert all(data["type"] == kind for kind, data in events)
-    final = events[-1][1]
-    assert final["ditserve"]["seed"] == 7 and len(final["data"]) == 2
+    assert events[0][1]["queue_position"] == 0 and events[0][1]["total_steps"] == 6
+    # Previews after steps 2 and 4 (evenly spaced, never the last), one event per image.
+    assert [(k, d.get("step")) for k, d in events[1:-2]] == [
+        ("image_generation.progress", 1), ("image_generation.progress", 2),
+        ("image_generation.partial_image", 2), ("image_generation.partial_image", 2),
+        ("image_generation.progress", 3), ("image_generation.progress", 4),
+        ("image_generation.partial_image", 4), ("image_generation.partial_image", 4),
+        ("image_generation.progress", 5), ("image_generation.progress", 6)]
+    partial = [d for k, d in events if k == "image_generation.partial_image"]
+    assert [(d["partial_image_index"], d["image_index"]) for d in partial] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(d["size"] == "64x64" and d["output_format"] == "png" for d in partial)
+    assert decode_png(partial[0]["b64_json"]).shape == (64, 64, 3)
+    assert kinds[-2:] == ["image_generation.completed"] * 2
+    assert all(data["type"] == kind and data["request_id"] == rid for kind, data in events)
+    completed = [d for k, d in events[-2:]]
+    assert [d["image_index"] for d in completed] == [0, 1]
+    assert completed[0]["ditserve"]["seed"] == 7
+    assert completed[0]["usage"]["output_tokens"] == 256  # (64/4)^2 image tokens per image
 
     plain = httpx.post(f"{server.url}{GEN}", json=body, timeout=60).json()
-    for streamed, direct in zip(final["data"], plain["data"], strict=True):
+    assert plain["usage"]["output_tokens"] == 512 and plain["size"] == "64x64"
+    for streamed, direct in zip(completed, plain["data"], strict=True):
         diff = decode_png(streamed["b64_json"]).astype(int) - decode_png(direct["b64_json"])
-        assert np.abs(diff).max() <= 1
+        assert np.abs(diff).max() <= 1  # previews did not change the result
+    assert np.abs(decode_png(partial[2]["b64_json"]).astype(int)
+                  - decode_png(completed[0]["b64_json"])).max() > 1  # a preview is not final
+
+
+def test_openai_fields_that_do_not_apply_are_accepted_and_ignored(server) -> None:
+    body = {"prompt": "a fox", "seed": 3, "size": "auto", "quality": "hd", "style": "vivid",
+            "output_format": "jpeg", "background": "transparent", "moderation": "low",
+            "output_compression": 50, "safety_identifier": "u1", "user": "u1",
+            "response_format": None, "n": None}
+    response = post(server, body, timeout=60)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert (data["size"], data["output_format"], data["background"]) == ("64x64", "png", "opaque")
+    plain = post(server, {"prompt": "a fox", "seed": 3}, timeout=60).json()
+    assert data["data"] == plain["data"]  # the ignored fields changed nothing
+
+
+def test_request_ids_on_every_answer_and_in_the_log(server) -> None:
+    ok = post(server, {"prompt": "cat", "num_inference_steps": 1}, timeout=60)
+    made = ok.headers["x-request-id"]
+    assert len(made) == 32 and ok.json()["ditserve"]["request_id"] == made
+    mine = post(server, {"prompt": "cat", "num_inference_steps": 1},
+                headers={"X-Request-Id": "client-id-1"}, timeout=60)
+    assert mine.headers["x-request-id"] == "client-id-1"
+    assert mine.json()["ditserve"]["request_id"] == "client-id-1"
+    again = post(server, {"prompt": "cat", "num_inference_steps": 1},
+                 headers={"X-Request-Id": "client-id-1"}, timeout=60)  # reuse is fine
+    assert again.status_code == 200
+    for response in (post(server, {"prompt": ""}, headers={"X-Request-Id": "bad-input-7"}),
+                     httpx.get(f"{server.url}/nowhere", headers={"X-Request-Id": "lost-8"}),
+                     httpx.get(f"{server.url}/health")):
+        assert response.headers["x-request-id"]
+    bad = httpx.get(f"{server.url}/health", headers={"X-Request-Id": "has space"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+    assert len(bad.headers["x-request-id"]) == 32
+    log = server.log_text()
+    assert "request bad-input-7: 400 invalid_value: prompt: must not be empty" in log
+    assert "request lost-8: 404 not_found" in log
+
+
+def test_body_over_the_limit_is_413(server, metric) -> None:
+    before = metric(httpx.get(f"{server.url}/metrics").text,
+                    'ditserve:request_errors_total{reason="payload_too_large"}')
+    response = post(server, {"prompt": "x" * 70_000})  # the server takes 64 KiB
+    assert response.status_code == 413
+    assert response.json()["error"] == {
+        "message": "the request body is larger than 65536 bytes", "type": "invalid_request_error",
+        "param": None, "code": "body_too_large"}
+    chunked = httpx.post(f"{server.url}{GEN}", content=iter([b'{"prompt": "', b"x" * 70_000]),
+                         headers={"Content-Type": "application/json"})
+    assert chunked.status_code == 413  # no Content-Length: counted while read
+    after = metric(httpx.get(f"{server.url}/metrics").text,
+                   'ditserve:request_errors_total{reason="payload_too_large"}')
+    assert after - before == 2
+
+
+def test_head_allow_and_models(server) -> None:
+    head = httpx.head(f"{server.url}/health")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == str(len(b'{"status":"ok"}'))
+    wrong = httpx.put(f"{server.url}/health")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, HEAD"
+    assert httpx.get(f"{server.url}{GEN}").headers["allow"] == "POST"
+    model = httpx.get(f"{server.url}/v1/models/ditserve-tiny-flux").json()
+    assert (model["id"], model["object"]) == ("ditserve-tiny-flux", "model")
+    missing = httpx.get(f"{server.url}/v1/models/dall-e-3")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_models_health_ready(server) -> None:
@@ -176,5 +285,6 @@ def test_models_health_ready(server) -> None:
     assert body["ready"] is True and body["phase"] == "ready"
     assert body["max_num_seqs"] == 4 and body["offload"] == {"enabled": False}
     unknown = httpx.get(f"{server.url}/v1/nothing")
-    assert unknown.status_code == 404 and "error" in unknown.json()
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
     assert json.loads(httpx.get(f"{server.url}/openapi.json").text)["paths"]
+    assert httpx.get(f"{server.url}/docs").status_code == 200

@@ -1,0 +1,231 @@
+"""POST /v1/images/generations: admission, waiting (plain or SSE) and the per-request
+timeout, client-disconnect and failure handling.
+
+A request is parsed and validated (schemas), admitted to the engine under its request id
+(429 when every batch slot is taken and the queue is full, 503 while loading or draining),
+then awaited. Whatever ends the wait - the result, the timeout, the client hanging up, an
+engine failure - the request leaves the engine: an abandoned request is aborted so its batch
+slot frees at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ditserve.engine.errors import (
+    DitServeError,
+    EngineStoppedError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestAborted,
+)
+from ditserve.engine.server import openapi, responses, streaming
+from ditserve.engine.server.auth import require_api_key
+from ditserve.engine.server.edge import engine_id
+from ditserve.engine.server.errors import APIError, log_error, request_id_of
+from ditserve.engine.server.phase import engine_phase
+from ditserve.engine.server.schemas import parse_generation_request, request_error
+from ditserve.engine.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+# Status for a client that hung up (nginx's convention); nobody reads the response.
+CLIENT_CLOSED = 499
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def _unavailable(state: ServerState, message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="unavailable", reason="unavailable",
+                    headers={"Retry-After": str(state.config.retry_after_s)})
+
+
+NOT_READY = {
+    "draining": "the server is shutting down; retry on another replica",
+    "stopped": "the engine has stopped; retry on another replica",
+    "failed": "the engine failed to start; see the server log",
+    "compiling": "the DiT blocks are still compiling (--compile); poll GET /ready",
+    "loading": "the model is still loading; poll GET /ready",
+}
+
+
+def _admit(state: ServerState, engine_request_id: str, params: Any, on_event: Any = None
+           ) -> Any:
+    phase = engine_phase(state)
+    if phase != "ready":
+        raise _unavailable(state, NOT_READY[phase])
+    try:
+        return state.engine.add_request(params, request_id=engine_request_id,
+                                        on_event=on_event)
+    except QueueFullError as e:
+        raise APIError(429, "every batch slot is taken and the queue is full; retry later",
+                       type="rate_limit_error", code="queue_full", reason="queue_full",
+                       headers={"Retry-After": str(state.config.retry_after_s)}) from e
+    except EngineStoppedError as e:
+        raise _unavailable(state, "the engine is not accepting requests; retry later") from e
+    except InvalidRequestError as e:
+        raise request_error(e) from e
+
+
+def _failure(state: ServerState, request_id: str, exc: BaseException) -> APIError:
+    """The API error for a request whose engine future failed (the cause goes to the log)."""
+    log.warning("request %s failed: %s", request_id, exc)
+    if isinstance(exc, (RequestAborted, EngineStoppedError)):
+        return _unavailable(state, "the request was aborted: the engine is shutting down or "
+                                   "stopped; retry on another replica")
+    return APIError(500, f"the engine failed to generate this request (request {request_id}); "
+                         "see the server log", type="server_error", code="engine_error",
+                    reason="engine_error")
+
+
+def _timeout(state: ServerState) -> APIError:
+    return APIError(504, f"the request did not finish within {state.config.request_timeout_s:g}s "
+                         "and was aborted", type="server_error", code="timeout", reason="timeout")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (or never comes).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _silence(future: asyncio.Future[Any]) -> None:
+    # An abandoned future's exception is expected; retrieve it so asyncio does not log it.
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+@router.post(
+    "/v1/images/generations", response_model=None, openapi_extra=openapi.GENERATION_BODY,
+    summary="Generate images (OpenAI images API; JSON, or Server-Sent Events with stream)",
+    responses=openapi.answers(
+        {**openapi.json_answer("ImagesResponse"), **openapi.sse_answer()},
+        404, 413, 429, 503, 504,
+        ok_description="The images (JSON), or with `stream` an event stream: "
+                       "image_generation.queued / .progress (ditserve), .partial_image, "
+                       ".completed (OpenAI), or error"),
+)
+async def create_image(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    rid = request_id_of(request)  # the client's (or a new) id; the engine's is unique
+    limits = state.limits()
+    parsed = parse_generation_request(await request.body(), engine=state.engine, limits=limits)
+    p = parsed.params
+    size = f"{p.width}x{p.height}"
+    tokens = responses.image_tokens(p.width, p.height, limits.pixel_multiple)
+    if parsed.stream:
+        bridge = streaming.EventBridge(asyncio.get_running_loop())
+        handle = _admit(state, engine_id(request.scope), p, on_event=bridge.push)
+        return StreamingResponse(
+            _event_stream(state, rid, handle, bridge, size=size, tokens=tokens),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    handle = _admit(state, engine_id(request.scope), p)
+    return await _answer(state, request, rid, handle, size=size, tokens=tokens)
+
+
+async def _answer(state: ServerState, request: Request, rid: str, handle: Any, *, size: str,
+                  tokens: int) -> Response:
+    """Wait for a plain request's images, its timeout or its client's disconnect."""
+    result_future = asyncio.wrap_future(handle.future)
+    _silence(result_future)
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({result_future, disconnect},
+                                     timeout=state.config.request_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+    if result_future not in done:
+        gone = disconnect in done
+        state.engine.abort(handle.request_id, "client disconnected" if gone else "timed out")
+        if not gone:
+            raise _timeout(state)
+        state.metrics.count_error("client_disconnect")
+        log.info("request %s: client disconnected", rid)
+        return Response(status_code=CLIENT_CLOSED)
+    exc = result_future.exception()
+    if exc is not None:
+        raise _failure(state, rid, exc) from exc
+    result = result_future.result()
+    body = await asyncio.to_thread(responses.generation_response, result, request_id=rid,
+                                   size=size, tokens_per_image=tokens)
+    state.metrics.count_success()
+    log.debug("request %s: %d image(s) %s, %d steps in %.2fs", rid, result.num_images, size,
+              result.num_inference_steps, result.latency_seconds)
+    return JSONResponse(body)
+
+
+async def _event_stream(state: ServerState, rid: str, handle: Any,
+                        bridge: streaming.EventBridge, *, size: str, tokens: int
+                        ) -> AsyncIterator[bytes]:
+    """queued* -> (progress | partial_image)* -> completed (one per image) | error.
+    Leaving early (disconnect) aborts the request."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.request_timeout_s
+    done = False
+    last_position: int | None = -1
+    previews = 0
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(bridge.queue.get(), deadline - loop.time())
+            except TimeoutError:
+                state.engine.abort(handle.request_id, "timed out")
+                done = True
+                yield _error_event(state, rid, _timeout(state))
+                return
+            if event.kind == "queued":
+                if event.queue_position != last_position:  # the engine repeats it every step
+                    last_position = event.queue_position
+                    yield streaming.sse(streaming.QUEUED, {
+                        "request_id": rid, "queue_position": event.queue_position,
+                        "total_steps": event.total_steps})
+            elif event.kind == "step":
+                yield streaming.sse(streaming.PROGRESS, {
+                    "request_id": rid, "step": event.step, "total_steps": event.total_steps})
+            elif event.kind == "preview":
+                payloads = await asyncio.to_thread(
+                    responses.partial_image_payloads, event.pixels, index=previews,
+                    step=event.step, size=size, request_id=rid)
+                previews += 1
+                for payload in payloads:
+                    yield streaming.sse(streaming.PARTIAL_IMAGE, payload)
+            elif event.kind == "finished":
+                # The engine emits "finished" just before it resolves the future.
+                result = await asyncio.wrap_future(handle.future)
+                payloads = await asyncio.to_thread(responses.completed_payloads, result,
+                                                   request_id=rid, size=size,
+                                                   tokens_per_image=tokens)
+                state.metrics.count_success()
+                done = True
+                for payload in payloads:
+                    yield streaming.sse(streaming.COMPLETED, payload)
+                return
+            else:  # failed | aborted
+                done = True
+                exc = handle.future.exception() if handle.future.done() else None
+                yield _error_event(state, rid,
+                                   _failure(state, rid, exc or DitServeError(event.error or "")))
+                return
+    finally:
+        if not done:  # the client went away (the response task was cancelled)
+            if state.engine.abort(handle.request_id, "client disconnected"):
+                state.metrics.count_error("client_disconnect")
+            log.info("request %s: client disconnected after %.2fs", rid,
+                     time.monotonic() - handle.submitted_at)
+
+
+def _error_event(state: ServerState, rid: str, error: APIError) -> bytes:
+    state.metrics.count_error(error.reason)
+    log_error(rid, error)
+    return streaming.sse(streaming.ERROR, error.body())

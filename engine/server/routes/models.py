@@ -1,0 +1,37 @@
+"""GET /v1/models and GET /v1/models/{id}: the served model, in OpenAI's model format."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from ditserve.engine.server import openapi
+from ditserve.engine.server.auth import require_api_key
+from ditserve.engine.server.errors import APIError, shown
+
+CREATED = int(time.time())
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": CREATED, "owned_by": "ditserve"}
+
+
+@router.get("/v1/models", response_model=None, summary="The served model, as a list",
+            responses=openapi.answers(openapi.json_answer("ModelList")))
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(request.app.state.server.model_name)]}
+
+
+@router.get("/v1/models/{model_id:path}", response_model=None, summary="One model by id",
+            responses=openapi.answers(openapi.json_answer("Model"), 404))
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    name = request.app.state.server.model_name
+    if model_id != name:
+        raise APIError(404, f"model {shown(model_id)} does not exist; this server serves "
+                            f"{name!r}", param="model", code="model_not_found",
+                       reason="model_not_found")
+    return model_card(name)

@@ -1,0 +1,71 @@
+"""The official OpenAI Python SDK against the default server: images.generate (n 1 and 2),
+image streaming with partial images in the SDK's typed events, models, and the SDK's error
+classes for 400 and 404 (401 and 429: test_admission.py, whose server has auth and a
+one-slot queue)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import openai
+import pytest
+from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent, ImagesResponse
+from PIL import Image
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def png_size(b64: str) -> tuple[int, int]:
+    return Image.open(io.BytesIO(base64.b64decode(b64))).size
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_generate(client, n) -> None:
+    response = client.images.generate(prompt="a red fox in snow", n=n)
+    assert isinstance(response, ImagesResponse)
+    assert len(response.data) == n
+    assert all(png_size(image.b64_json) == (64, 64) for image in response.data)  # tiny default
+    assert (response.size, response.output_format) == ("64x64", "png")
+    assert response.usage.output_tokens == n * 256 == response.usage.total_tokens
+
+
+def test_stream_with_partial_images(client) -> None:
+    stream = client.images.generate(prompt="a fox", size="32x32", stream=True,
+                                    partial_images=2, extra_body={"num_inference_steps": 6})
+    events = list(stream)
+    partial = [e for e in events if e.type == "image_generation.partial_image"]
+    completed = [e for e in events if e.type == "image_generation.completed"]
+    assert [type(e) for e in partial] == [ImageGenPartialImageEvent] * 2
+    assert [e.partial_image_index for e in partial] == [0, 1]
+    assert all(png_size(e.b64_json) == (32, 32) and e.size == "32x32" for e in partial)
+    (final,) = completed
+    assert isinstance(final, ImageGenCompletedEvent) and events[-1] is final
+    assert png_size(final.b64_json) == (32, 32)
+    assert (final.output_format, final.usage.output_tokens) == ("png", 64)
+    # ditserve's own progress events pass through under their own type.
+    assert sum(e.type == "image_generation.progress" for e in events) == 6
+
+
+def test_models(client) -> None:
+    assert [m.id for m in client.models.list()] == ["ditserve-tiny-flux"]
+    assert client.models.retrieve("ditserve-tiny-flux").owned_by == "ditserve"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-image-1")
+
+
+def test_error_classes(client) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.images.generate(prompt="a fox", size="30x30")
+    assert bad.value.body["param"] == "size" and bad.value.body["code"] == "invalid_value"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.images.generate(prompt="a fox", extra_body={"colour": "red"})
+    assert unknown.value.body["code"] == "unknown_field"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.images.generate(prompt="a fox", model="dall-e-3")
+    assert missing.value.body["code"] == "model_not_found"
+    assert missing.value.response.headers["x-request-id"]
