@@ -58,7 +58,7 @@ async def test_kubectl_apply_get_scale(kmock: Emulator, tmp_path: Path,
                              what="status")
             raw = await kubectl(config, "get", "dd", "flux-dev", "-o", "json")
             status = json.loads(raw)["status"]
-            assert status["topology"] == {"gpusPerPod": 2, "totalGPUs": 4}
+            assert status["topology"] == {"gpusPerPod": 2, "podsPerReplica": 1, "totalGPUs": 4}
             ready = await kubectl(config, "get", "dd", "flux-dev", "-o",
                                   "jsonpath={.status.conditions[?(@.type==\"Ready\")].reason}")
             assert ready == "ReplicasNotReady"

@@ -104,7 +104,7 @@ async def test_create_update_and_status_follow_children(kmock: Emulator, kubecon
             dd = await eventually(lambda: _cond(_obj(kmock, DD, "tiny"), "Ready")
                                   and _obj(kmock, DD, "tiny"), what="status")
             assert _cond(dd, "Ready")["status"] == "False"
-            assert dd["status"]["topology"] == {"gpusPerPod": 2, "totalGPUs": 2}
+            assert dd["status"]["topology"] == {"gpusPerPod": 2, "podsPerReplica": 1, "totalGPUs": 2}
             assert dd["status"]["observedGeneration"] == 1
             assert dd["status"]["endpoint"]["url"] == "http://tiny.default.svc:8000"
 
@@ -129,7 +129,7 @@ async def test_create_update_and_status_follow_children(kmock: Emulator, kubecon
                 and (d.get("status") or {}).get("readyReplicas") == 1 and d, what="counters")
             assert _cond(dd, "Ready")["reason"] == "ReplicasNotReady"
             assert _cond(dd, "Progressing")["status"] == "True"
-            assert dd["status"]["topology"] == {"gpusPerPod": 4, "totalGPUs": 12}
+            assert dd["status"]["topology"] == {"gpusPerPod": 4, "podsPerReplica": 1, "totalGPUs": 12}
             assert dd["status"]["observedGeneration"] == 2
 
             await _patch(dep_url, {"status": {"readyReplicas": 3, "availableReplicas": 3}})

@@ -56,7 +56,7 @@ def test_all_ready() -> None:
     assert status["replicas"] == 2 and status["readyReplicas"] == 2
     assert status["updatedReplicas"] == 2
     assert status["observedGeneration"] == 3
-    assert status["topology"] == {"gpusPerPod": 2, "totalGPUs": 4}
+    assert status["topology"] == {"gpusPerPod": 2, "podsPerReplica": 1, "totalGPUs": 4}
     assert status["endpoint"] == {"url": "http://flux.ml.svc:8000"}
     assert status["selector"] == "app.kubernetes.io/name=ditserve-engine,app.kubernetes.io/instance=flux"
     assert all(c["lastTransitionTime"] == T0 and c["observedGeneration"] == 3
