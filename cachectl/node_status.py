@@ -20,6 +20,7 @@ Called by the daemon (``cachectl serve``): ``NodeStatusReporter.from_env(...)``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ API = "/apis/ditserve.io/v1alpha1/nodecaches"
 NODE_ENV = "NODE_NAME"  # set from the pod's spec.nodeName (Downward API)
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 MAX_ROWS = 256  # the CRD's maxItems
+USER_AGENT = "ditserve-cachectl"  # names the daemon's requests in audit logs
 
 
 class JobView(Protocol):
@@ -129,7 +131,7 @@ class KubeApi:
     def request(self, method: str, path: str, body: Any = None,
                 content_type: str = "application/json") -> dict[str, Any] | None:
         """The decoded answer; None for 404; NodeStatusError with the server's message else."""
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         if self._token_path:
             with open(self._token_path) as f:  # rotated on disk by the kubelet: read each time
                 headers["Authorization"] = f"Bearer {f.read().strip()}"
@@ -144,10 +146,8 @@ class KubeApi:
             if e.code == 404:
                 return None
             said = e.read().decode(errors="replace")
-            try:
+            with contextlib.suppress(ValueError):  # a Status object names the problem
                 said = json.loads(said).get("message", said)
-            except ValueError:
-                pass
             raise NodeStatusError(f"{method} {path}: {e.code} {e.reason}: {said}") from e
         except (urllib.error.URLError, OSError) as e:
             raise NodeStatusError(f"{method} {path}: cannot reach the API server: {e}") from e

@@ -71,8 +71,9 @@ async def _relabel(memo: Any, node_name: str, body: Mapping[str, Any] | None,
 
 
 @kopf.on.event(*NODECACHES)
-async def nodecache_changed(body: kopf.Body, name: str, type: str | None, memo: Any,
-                            dd_cache_models: kopf.Index, logger: Log, **_: Any) -> None:
+async def nodecache_changed(body: kopf.Body, name: str, type: str, memo: Any, logger: Log,
+                            **kwargs: Any) -> None:
+    dd_cache_models: kopf.Index = kwargs["dd_cache_models"]  # the index below, by its name
     deleted = type == "DELETED"
     snapshot = None if deleted else {"metadata": {"name": name},
                                      "status": dict(body.get("status") or {})}

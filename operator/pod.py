@@ -226,9 +226,12 @@ def _affinity(spec: DeploymentSpec) -> dict[str, Any] | None:
     """The user's affinity plus a preference for nodes that hold the model's Ready entry."""
     affinity = copy.deepcopy(dict(spec.scheduling.affinity or {}))
     if spec.scheduling.prefer_cached_nodes and spec.cache.enabled and spec.model.host_path:
+        # A malformed user affinity is passed through untouched: the API server refuses it
+        # with its own message, which the status reports.
         node = affinity.setdefault("nodeAffinity", {})
-        preferred = node.setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
-        if isinstance(preferred, list):  # anything else is refused by the API server anyway
+        preferred = node.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []) \
+            if isinstance(node, dict) else None
+        if isinstance(preferred, list):
             preferred.append(nodecache.preferred_cached_node_term(spec.model.host_path,
                                                                   spec.model.dtype))
     return affinity or None

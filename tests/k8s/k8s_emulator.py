@@ -27,7 +27,13 @@ from typing import Any
 import kmock
 import yaml
 from k8s.api_semantics import admission_problems, deep_merge, selected
-from k8s.crd_schema import NODECACHE_CRD_PATH, apply_defaults, load_crd, schema_errors, version_schema
+from k8s.crd_schema import (
+    NODECACHE_CRD_PATH,
+    apply_defaults,
+    load_crd,
+    schema_errors,
+    version_schema,
+)
 
 _resource_versions = itertools.count(1)
 

@@ -10,8 +10,8 @@ import pytest
 
 from ditserve.cachectl.cli import build_parser as cachectl_parser
 from ditserve.engine.cli import build_parser as engine_parser
-from ditserve.operator.render import Owner, render
 from ditserve.operator.judge import engine_config
+from ditserve.operator.render import Owner, render
 from ditserve.operator.spec import parse_spec
 
 OWNER = Owner(name="flux", namespace="ml", uid="u", generation=1)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from k8s.e2e_support import refused_operator_calls
 from k8s.k8s_emulator import (
     CONFIGMAPS,
     DD,
@@ -24,7 +26,6 @@ from k8s.k8s_emulator import (
     eventually,
     http,
     running_operator,
-    write_kubeconfig,
 )
 
 pytestmark = [pytest.mark.kmock(cls=Emulator), pytest.mark.usefixtures("no_operator_errors")]
@@ -37,12 +38,12 @@ SPEC: dict[str, Any] = {
 }
 
 
-@pytest.fixture()
-def kubeconfig(kmock: Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))
-    monkeypatch.setenv("KUBECONFIG", str(path))
-    monkeypatch.setenv("DITSERVE_ENGINE_IMAGE", "registry.test/ditserve:e2e")
-    return path
+@pytest.fixture(autouse=True)
+def operator_calls_within_rbac(kmock: Emulator,
+                               default_chart: list[dict[str, Any]]) -> Iterator[None]:
+    """Every API call the operator makes in these tests is allowed by the chart's RBAC."""
+    yield
+    assert refused_operator_calls(kmock, default_chart) == []
 
 
 def _obj(kmock: Emulator, resource: Any, name: str, namespace: str = "default") -> Any:
