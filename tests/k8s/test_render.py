@@ -352,9 +352,12 @@ def test_the_launcher_starts_one_rank_per_gpu(tmp_path: Any, node_rank: str,
                    check=True, timeout=30, capture_output=True)
     lines = record.read_text().splitlines()
     assert {line.split(" args=")[0] for line in lines} == expected
+    from ditserve.engine.cli import build_parser
+
     for line in lines:  # every rank reads the config file; only rank 0 gets engine.args
-        assert "--config /etc/ditserve/engine.yaml" in line
-        assert ("--log-level debug" in line) == line.startswith("serve")
+        args = build_parser().parse_args(line.split(" args=")[1].split())  # the real parser
+        assert args.command == line.split()[0] and str(args.config) == "/etc/ditserve/engine.yaml"
+        assert ("--log-level debug" in line) == (args.command == "serve")
 
 
 def test_pod_identity_labels_annotations_and_pull_secrets() -> None:
