@@ -57,10 +57,8 @@ RUN if getent passwd 1000 >/dev/null; then \
  && chown 1000:1000 /var/cache/ditserve
 
 USER 1000:1000
-# Every entry point must start (the chart runs them as the container command); multi-node
-# engine pods start their ranks with a bash launcher (it needs `wait -n`).
-RUN ditserve --help >/dev/null && cachectl --help >/dev/null && ditserve-operator --help >/dev/null \
- && bash -c 'sleep 0 & wait -n'
+# Every entry point must start (the chart runs them as the container command).
+RUN ditserve --help >/dev/null && cachectl --help >/dev/null && ditserve-operator --help >/dev/null
 
 EXPOSE 8000
 CMD ["ditserve", "serve", "--config", "/etc/ditserve/engine.yaml"]

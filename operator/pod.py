@@ -33,21 +33,33 @@ ENGINE_CONTAINER = "engine"
 ENSURE_CONTAINER = "cachectl-ensure"
 
 # One process per GPU of a multi-node pod; "$@" are engine.args (for rank 0's server only:
-# every rank reads the engine options from the config file). A rank that exits ends the pod,
-# and the LeaderWorkerSet restarts the whole group (its default RecreateGroupOnPodRestart).
+# every rank reads the engine options from the config file). The first rank to exit ends the
+# pod with its status, and the LeaderWorkerSet restarts the whole group (its
+# RecreateGroupOnPodRestart). Polled with kill -0 and `wait PID` (the shell keeps a reaped
+# child's status for `wait PID`; bash's `wait -n` answers 127 once it has reaped them all).
 LAUNCHER = f"""set -eu
 base=$((NODE_RANK * LOCAL_WORLD_SIZE))
 first=0
 if [ "$NODE_RANK" -eq 0 ]; then first=1; fi
 local_rank=$first
+pids=""
 while [ "$local_rank" -lt "$LOCAL_WORLD_SIZE" ]; do
   RANK=$((base + local_rank)) LOCAL_RANK=$local_rank ditserve worker --config {CONFIG_PATH} &
+  pids="$pids $!"
   local_rank=$((local_rank + 1))
 done
 if [ "$NODE_RANK" -eq 0 ]; then
   RANK=0 LOCAL_RANK=0 exec ditserve serve --config {CONFIG_PATH} "$@"
 fi
-wait -n
+while :; do
+  for pid in $pids; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      set +e; wait "$pid"; status=$?; set -e
+      exit "$status"
+    fi
+  done
+  sleep 1
+done
 """
 
 
@@ -142,8 +154,7 @@ def _command(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
     if role is Role.SINGLE:
         return {"command": ["ditserve", "serve", "--config", CONFIG_PATH],
                 "args": list(spec.engine.args)}
-    # bash, not sh: `wait -n` (end the pod when the first rank exits) is a bash builtin.
-    return {"command": ["bash", "-c", LAUNCHER, "ditserve-launcher"],
+    return {"command": ["sh", "-c", LAUNCHER, "ditserve-launcher"],
             "args": list(spec.engine.args)}
 
 

@@ -9,13 +9,13 @@ The engine's option rules are applied by ``judge``. Called by ``judge``, ``rende
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ditserve.engine.config import COMPILE_BACKENDS
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
 
 # Where the model volume is mounted in engine pods; the engine config's `model` points here.
@@ -29,14 +29,7 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "LOCAL_WORLD_SIZE", "NODE_RANK", "DITSERVE_CACHE_ROOT", "DITSERVE_API_KEY",
                 "HF_HUB_OFFLINE")
-# Pod labels the operator sets (selectors, ownership) or that belong to other controllers.
-RESERVED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
-                   "app.kubernetes.io/component", "app.kubernetes.io/part-of",
-                   "app.kubernetes.io/managed-by")
-RESERVED_PREFIXES = ("ditserve.io/", "leaderworkerset.sigs.k8s.io/")
 MAX_GPUS_PER_REPLICA = 256
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -261,7 +254,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
                                   max_unavailable=pdb.int_or_str("maxUnavailable", 1)),
     )
     problems.extend(_cross_field_problems(spec))
-    problems.extend(_pod_metadata_problems(spec.engine))
+    problems.extend(pod_metadata_problems(spec.engine.pod_labels, spec.engine.pod_annotations))
     if problems:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(problems))
     return spec
@@ -297,37 +290,4 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
                    "(use engine.apiKeySecret for the API key)")
     if str(spec.rollout.max_surge) in ("0", "0%") and str(spec.rollout.max_unavailable) in ("0", "0%"):
         out.append("rollout.maxSurge and rollout.maxUnavailable cannot both be 0")
-    return out
-
-
-def _key_problem(key: str) -> str | None:
-    prefix, _, name = key.rpartition("/")
-    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
-        return "its prefix must be a DNS subdomain"
-    if not _LABEL_NAME.match(name):
-        return "its name must be 1-63 letters, digits, '-', '_' or '.', starting and ending " \
-               "with a letter or digit"
-    return None
-
-
-def _reserved(key: str) -> bool:
-    return key in RESERVED_LABELS or key.startswith(RESERVED_PREFIXES)
-
-
-def _pod_metadata_problems(engine: EngineSpec) -> list[str]:
-    """What the API server would refuse in pod labels and annotations, said before applying,
-    plus the keys the operator and the LeaderWorkerSet controller own."""
-    out = []
-    for what, mapping in (("podLabels", engine.pod_labels),
-                          ("podAnnotations", engine.pod_annotations)):
-        for key, value in mapping.items():
-            if _reserved(key):
-                out.append(f"engine.{what} must not set {key!r}: the operator (or the "
-                           "LeaderWorkerSet controller) owns it")
-            elif (problem := _key_problem(key)) is not None:
-                out.append(f"engine.{what} key {key!r} is not a valid key: {problem}")
-            elif what == "podLabels" and value and not _LABEL_NAME.match(value):
-                out.append(f"engine.podLabels value {value!r} of {key!r} must be at most 63 "
-                           "letters, digits, '-', '_' or '.', starting and ending with a "
-                           "letter or digit")
     return out
