@@ -25,6 +25,8 @@ from ditserve.operator.status import ApplyFailure
 
 # A child that changes between our read and our write (409) is read again; a few rounds.
 SYNC_ATTEMPTS = 3
+
+
 def _describe(manifest: Mapping[str, Any]) -> str:
     meta = manifest["metadata"]
     return f"{manifest['kind']} {meta.get('namespace')}/{meta['name']}"

@@ -68,6 +68,7 @@ class Role(enum.Enum):
     LEADER = "leader"  # rank 0's pod of a LeaderWorkerSet group: serves HTTP
     WORKER = "worker"  # the other pods of the group: ranks only
 
+
 _RESTRICTED_CONTAINER = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},

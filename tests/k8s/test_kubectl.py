@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from k8s.conftest import require_tool
 from k8s.crd_schema import EXAMPLE_PATH
+from k8s.e2e_support import refused_operator_calls
 from k8s.k8s_emulator import (
     DD,
     DEPLOYMENTS,
@@ -38,6 +41,14 @@ async def kubectl(kubeconfig: Path, *args: str) -> str:
 def _obj(kmock: Emulator, resource: object, name: str) -> dict | None:
     key = (resource, "default", name)
     return kmock.objects[key].raw if key in kmock.objects and not kmock.objects[key].deleted else None
+
+
+@pytest.fixture(autouse=True)
+def operator_calls_within_rbac(kmock: Emulator,
+                               default_chart: list[dict[str, Any]]) -> Iterator[None]:
+    """Every API call the operator makes while kubectl drives it is allowed by the chart."""
+    yield
+    assert refused_operator_calls(kmock, default_chart) == []
 
 
 async def test_kubectl_apply_get_scale(kmock: Emulator, tmp_path: Path,
