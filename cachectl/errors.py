@@ -166,3 +166,7 @@ class BuildError(CacheError):
 
 class DaemonError(CacheError):
     """The node daemon answered with an error or could not be reached."""
+
+
+class NodeStatusError(CacheError):
+    """Reporting the node's cache status to the Kubernetes API failed."""

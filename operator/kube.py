@@ -2,11 +2,12 @@
 
 Owns URL building, authentication from kopf's ``ConnectionInfo`` (the login handler hands it
 over, so kopf and this client use the same credentials, TLS settings and headers) and the few
-verbs the operator needs: get, list, server-side apply, and a merge-patch of ``/status``.
+verbs the operator needs: get, list, create, server-side apply under a resourceVersion
+precondition, delete under a uid precondition, and merge-patches (``/status``, node labels).
 
 Why not the ``kubernetes`` package: it is synchronous (kopf would run every handler in a
 thread), reads $KUBECONFIG at import time, and validates bodies against its own models.
-Called by ``handlers`` only.
+Called by ``handlers`` and ``children``.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ import kopf
 from ditserve.operator.errors import KubeApiError, NotLoggedInError
 
 FIELD_MANAGER = "ditserve-operator"
+USER_AGENT = "ditserve-operator"  # names the operator's own requests in audit logs
 # In-cluster tokens are short-lived and rotated on disk: read the file per request.
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 SERVICE_ACCOUNT_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
 _PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
-            "Pod": "pods", "DiffusionDeployment": "diffusiondeployments"}
+            "Pod": "pods", "DiffusionDeployment": "diffusiondeployments",
+            "LeaderWorkerSet": "leaderworkersets", "PodDisruptionBudget": "poddisruptionbudgets",
+            "Node": "nodes", "NodeCache": "nodecaches", "Event": "events"}
 
 
 def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
@@ -69,7 +73,8 @@ class KubeClient:
 
     @staticmethod
     def _headers(info: kopf.ConnectionInfo) -> dict[str, str]:
-        headers = {"Accept": "application/json", **info.as_http_headers()}
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT,
+                   **info.as_http_headers()}
         if info.ca_path == SERVICE_ACCOUNT_CA and os.path.exists(SERVICE_ACCOUNT_TOKEN):
             # In-cluster: the kubelet rotates the projected token on disk; read it each time.
             with open(SERVICE_ACCOUNT_TOKEN) as f:
@@ -114,24 +119,48 @@ class KubeClient:
         """The object at ``path``, or None if it does not exist."""
         return await self._request("GET", path, missing_ok=True)
 
-    async def list(self, path: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else None
-        result = await self._request("GET", path, params=params) or {}
+    async def list(self, path: str, *, label_selector: str | None = None,
+                   field_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
+        result = await self._request("GET", path, params=params or None) or {}
         return list(result.get("items") or [])
 
-    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply with ``force``: the operator owns every field it renders, and a
-        field it stops rendering is removed. A server that does not create on apply (the
-        test emulator) gets a POST instead."""
-        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
-        applied = await self._request("PATCH", manifest_path(manifest), params=params,
-                                      body=manifest, content_type="application/apply-patch+yaml",
-                                      missing_ok=True)
-        if applied is not None:
-            return applied
+    async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """POST a new object: 409 AlreadyExists if someone created it first (never a takeover)."""
         created = await self._request("POST", manifest_path(manifest, named=False),
                                       params={"fieldManager": FIELD_MANAGER}, body=manifest)
         return created or {}
+
+    async def apply(self, manifest: Mapping[str, Any], *,
+                    resource_version: str) -> dict[str, Any] | None:
+        """Server-side apply with ``force`` to an object the caller checked it owns.
+
+        ``force``: the operator owns every field it renders, and a field it stops rendering is
+        removed. The resourceVersion the ownership was checked at is a precondition (409 if the
+        object changed since), so an object replaced in between is never overwritten.
+        None if the object is gone.
+        """
+        body = {**manifest, "metadata": {**manifest["metadata"],
+                                         "resourceVersion": resource_version}}
+        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        return await self._request("PATCH", manifest_path(manifest), params=params, body=body,
+                                   content_type="application/apply-patch+yaml", missing_ok=True)
+
+    async def delete(self, path: str, *, uid: str) -> None:
+        """Delete the object at ``path`` only if it is still the one with ``uid`` (409 if not);
+        its dependents go in the background."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid},
+                "propagationPolicy": "Background"}
+        await self._request("DELETE", path, body=body, missing_ok=True)
+
+    async def patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any] | None:
+        """A JSON merge patch; None if the object is gone."""
+        return await self._request("PATCH", path, body=patch,
+                                   content_type="application/merge-patch+json", missing_ok=True)
 
     async def patch_status(self, path: str, status: Mapping[str, Any], *,
                            resource_version: str | None = None) -> dict[str, Any] | None:

@@ -1,8 +1,10 @@
-"""Desired children of a DiffusionDeployment: ConfigMap, Service and Deployment manifests.
+"""Desired children of a DiffusionDeployment: ConfigMap, Service, the workload (Deployment or
+LeaderWorkerSet, see ``workloads``) and, with several replicas, a PodDisruptionBudget.
 
-Owns ``render(spec, owner) -> [manifest]`` (pure: no API calls, no clock) and ``adopt``, which
-sets the ownerReferences that let Kubernetes garbage-collect the children with their owner.
-Called by the kopf handlers and by tests; the handlers only apply what this returns.
+Owns ``render(spec, owner) -> [manifest]`` (pure: no API calls, no clock), ``adopt``, which
+sets the ownerReferences that let Kubernetes garbage-collect the children with their owner,
+and ``owned_by``, the test of whether an existing object is this owner's to change.
+Called by ``children`` and by tests; the operator only applies what this returns.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 
 import yaml
 
-from ditserve.operator import pod, sizing
-from ditserve.operator.spec import DeploymentSpec, engine_config
+from ditserve.operator import pod, workloads
+from ditserve.operator.judge import engine_config, server_section
+from ditserve.operator.spec import DeploymentSpec
 
 API_GROUP = "ditserve.io"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -27,6 +30,7 @@ MANAGER = "ditserve-operator"
 GENERATION_ANNOTATION = f"{API_GROUP}/generation"
 CONFIG_HASH_ANNOTATION = f"{API_GROUP}/config-hash"
 DEFAULT_IMAGE = "ghcr.io/ditserve/ditserve:0.1.0"
+PDB_KIND = "PodDisruptionBudget"
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,10 @@ def selector_string(owner_name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector_labels(owner_name).items())
 
 
-def child_names(owner_name: str) -> dict[str, str]:
-    return {"Deployment": owner_name, "Service": owner_name, "ConfigMap": f"{owner_name}-engine"}
+def child_names(owner_name: str, spec: DeploymentSpec) -> dict[str, str]:
+    return {workloads.workload_kind(spec): workloads.workload_name(owner_name, spec),
+            "Service": owner_name, "ConfigMap": f"{owner_name}-engine",
+            PDB_KIND: owner_name}
 
 
 def endpoint_url(owner: Owner, spec: DeploymentSpec) -> str:
@@ -73,19 +79,29 @@ def endpoint_url(owner: Owner, spec: DeploymentSpec) -> str:
 
 
 def engine_yaml(spec: DeploymentSpec) -> str:
-    """The file `ditserve serve --config` reads: EngineConfig.to_mapping() plus `server`."""
+    """The file every rank reads with `--config`: the engine config the spec judges to (its
+    CRD fields and the engine options in engine.args) plus the ``server`` section."""
     data = engine_config(spec).to_mapping()
-    data["server"] = {"host": "0.0.0.0", "port": spec.engine.port}
+    data["server"] = server_section(spec)
     return yaml.safe_dump(data, sort_keys=True)
+
+
+def disruption_budget(spec: DeploymentSpec, meta: dict[str, Any],
+                      selector: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": PDB_KIND, "metadata": meta,
+            "spec": {"maxUnavailable": spec.disruption.max_unavailable,
+                     "selector": {"matchLabels": selector}}}
 
 
 def render(spec: DeploymentSpec, owner: Owner, *, image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
     """The children this spec wants, in apply order (the ConfigMap before the pods that mount
     it). Raises InvalidSpecError when the engine would reject the configuration."""
-    names = child_names(owner.name)
+    names = child_names(owner.name, spec)
     config_text = engine_yaml(spec)
     config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
     common = labels(owner.name, spec)
+    selector = selector_labels(owner.name)
+    kind = workloads.workload_kind(spec)
 
     def meta(kind: str) -> dict[str, Any]:
         return {"name": names[kind], "namespace": owner.namespace, "labels": dict(common),
@@ -97,43 +113,50 @@ def render(spec: DeploymentSpec, owner: Owner, *, image: str = DEFAULT_IMAGE) ->
         "apiVersion": "v1", "kind": "Service", "metadata": meta("Service"),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner.name),
+            "selector": {**selector, **workloads.leader_selector(spec)},
             "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http",
                        "protocol": "TCP"}],
         },
     }
-    deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta("Deployment"),
-        "spec": {
-            "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(owner.name)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
-                "maxSurge": spec.rollout.max_surge,
-                "maxUnavailable": spec.rollout.max_unavailable}},
-            "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": sizing.progress_deadline_s(spec),
-            "template": {
-                "metadata": {
-                    "labels": dict(common),
-                    # A changed engine config must roll the pods: a ConfigMap edit alone doesn't.
-                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
-                },
-                "spec": pod.pod_spec(spec, image=spec.engine.image or image,
-                                     config_map=names["ConfigMap"]),
-            },
-        },
+    template_meta = {
+        # User labels first: parse_spec refused every key the operator sets.
+        "labels": {**spec.engine.pod_labels, **common},
+        # A changed engine config must roll the pods: a ConfigMap edit alone doesn't.
+        "annotations": {**spec.engine.pod_annotations, CONFIG_HASH_ANNOTATION: config_hash},
     }
-    return [config_map, service, deployment]
+    engine_image = spec.engine.image or image
+    if kind == workloads.LWS_KIND:
+        workload = workloads.leader_worker_set(spec, meta=meta(kind), template_meta=template_meta,
+                                               image=engine_image,
+                                               config_map=names["ConfigMap"])
+    else:
+        workload = workloads.deployment(spec, meta=meta(kind), template_meta=template_meta,
+                                        selector=selector, image=engine_image,
+                                        config_map=names["ConfigMap"])
+    out = [config_map, service, workload]
+    if spec.wants_disruption_budget:
+        out.append(disruption_budget(spec, meta(PDB_KIND), selector))
+    return out
 
 
 def adopt(manifests: list[dict[str, Any]], owner: Owner) -> list[dict[str, Any]]:
     """Copies of the manifests owned by ``owner`` (controller reference, blocks deletion)."""
-    ref = {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
-           "controller": True, "blockOwnerDeletion": True}
     out = []
     for manifest in manifests:
         adopted = copy.deepcopy(manifest)
         adopted["metadata"]["namespace"] = owner.namespace
-        adopted["metadata"]["ownerReferences"] = [ref]
+        adopted["metadata"]["ownerReferences"] = [owner_reference(owner)]
         out.append(adopted)
     return out
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
+    """Whether ``obj`` is controlled by this very DiffusionDeployment (same uid): a same-named
+    object of a deleted predecessor, or anybody else's, is not."""
+    return any(ref.get("controller") and ref.get("uid") == owner.uid and ref.get("kind") == KIND
+               for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])

@@ -1,9 +1,10 @@
-"""The DiffusionDeployment spec as typed, frozen values, and its mapping onto the engine config.
+"""The DiffusionDeployment spec as typed, frozen values.
 
 Owns reading a CR's ``spec`` (plain data, defaulted or not) into ``DeploymentSpec`` with the
-same defaults the CRD declares (a test keeps the two equal), the few cross-field rules the
-operator needs to render at all, and ``engine_config``: the CRD -> ``EngineConfig`` mapping,
-judged by the engine's own validation rules. Called by ``render`` and ``status``; pure.
+same defaults the CRD declares (a test keeps the two equal), and the cross-field rules the
+operator needs to render at all (the CRD's CEL rules again, for servers that skip them).
+The engine's option rules are applied by ``judge``. Called by ``judge``, ``render`` and
+``status``; pure.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.engine.config import COMPILE_BACKENDS, EngineConfig
-from ditserve.engine.errors import ConfigError
+from ditserve.engine.config import COMPILE_BACKENDS
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.pod_metadata import pod_metadata_problems
+from ditserve.operator.spec_reader import SpecReader
 
 # Where the model volume is mounted in engine pods; the engine config's `model` points here.
 MODEL_MOUNT_PATH = "/models/model"
@@ -24,8 +26,10 @@ CACHE_MODES = ("NodeLocal", "None")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # Set by the operator on every engine pod; a user value would silently break the rendezvous,
 # the cache or the auth, so engine.env may not name them.
-OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "DITSERVE_CACHE_ROOT",
-                "DITSERVE_API_KEY", "HF_HUB_OFFLINE")
+OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "NODE_RANK", "DITSERVE_CACHE_ROOT", "DITSERVE_API_KEY",
+                "HF_HUB_OFFLINE")
+MAX_GPUS_PER_REPLICA = 256
 
 
 @dataclass(frozen=True)
@@ -42,13 +46,31 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ParallelismSpec:
+    """One replica's process group: data x sequence ranks, one GPU each.
+
+    A replica that needs more GPUs than one node has runs as several pods of ``gpus_per_node``
+    GPUs (a LeaderWorkerSet group); otherwise it is one pod with all its GPUs.
+    """
+
     data: int = 1
     sequence: int = 1
+    gpus_per_node: int = 8
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.data * self.sequence
+
+    @property
+    def pods_per_replica(self) -> int:
+        return max(1, -(-self.gpus_per_replica // self.gpus_per_node))
 
     @property
     def gpus_per_pod(self) -> int:
-        """One engine process per GPU; the pod runs the whole dp x sp group."""
-        return self.data * self.sequence
+        return self.gpus_per_replica // self.pods_per_replica
+
+    @property
+    def multi_node(self) -> bool:
+        return self.pods_per_replica > 1
 
 
 @dataclass(frozen=True)
@@ -77,6 +99,10 @@ class BatchingSpec:
 class EngineSpec:
     image: str | None = None
     image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account_name: str | None = None
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
     cpu: str = "4"
     memory: str = "16Gi"
     shm_size: str = "8Gi"
@@ -104,12 +130,21 @@ class SchedulingSpec:
     affinity: Mapping[str, Any] | None = None
     priority_class_name: str | None = None
     runtime_class_name: str | None = None
+    prefer_cached_nodes: bool = True
 
 
 @dataclass(frozen=True)
 class RolloutSpec:
     max_unavailable: int | str = 1
     max_surge: int | str = 0  # GPUs are scarce: never schedule an extra pod during a rollout
+
+
+@dataclass(frozen=True)
+class DisruptionSpec:
+    """The PodDisruptionBudget of the engine pods; ``enabled`` None means "if replicas > 1"."""
+
+    enabled: bool | None = None
+    max_unavailable: int | str = 1
 
 
 @dataclass(frozen=True)
@@ -127,96 +162,42 @@ class DeploymentSpec:
     startup_timeout_s: int | None = None
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    disruption: DisruptionSpec = field(default_factory=DisruptionSpec)
 
-
-class _Reader:
-    """Typed access to one mapping of the spec; collects problems instead of raising early."""
-
-    def __init__(self, data: Any, path: str, problems: list[str]) -> None:
-        self.path, self.problems = path, problems
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            problems.append(f"{path} must be an object, got {type(data).__name__}")
-            data = {}
-        self.data: Mapping[str, Any] = data
-
-    def _get(self, key: str, types: tuple[type, ...], default: Any, what: str) -> Any:
-        value = self.data.get(key)
-        if value is None:
-            return default
-        # bool is an int subclass; never accept it where a number is expected.
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            self.problems.append(f"{self.path}.{key} must be {what}, got {value!r}")
-            return default
-        return value
-
-    def text(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> Any:
-        value = self._get(key, (str,), default, "a string")
-        if choices and value is not None and value not in choices:
-            self.problems.append(f"{self.path}.{key} must be one of {', '.join(choices)}, got {value!r}")
-            return default
-        return value
-
-    def integer(self, key: str, default: int | None, minimum: int = 0) -> Any:
-        value = self._get(key, (int,), default, f"an integer >= {minimum}")
-        if value is not None and value < minimum:
-            self.problems.append(f"{self.path}.{key} must be an integer >= {minimum}, got {value}")
-            return default
-        return value
-
-    def number(self, key: str, default: float | None) -> Any:
-        value = self._get(key, (int, float), default, "a number >= 0")
-        if value is not None and value < 0:
-            self.problems.append(f"{self.path}.{key} must be a number >= 0, got {value}")
-            return default
-        return None if value is None else float(value)
-
-    def flag(self, key: str, default: bool) -> bool:
-        return bool(self._get(key, (bool,), default, "true or false"))
-
-    def int_or_str(self, key: str, default: int | str) -> Any:
-        value = self._get(key, (int, str), default, "an integer or a string")
-        return str(value) if isinstance(value, int) and isinstance(default, str) else value
-
-    def items(self, key: str) -> tuple[Any, ...]:
-        return tuple(self._get(key, (list, tuple), (), "a list") or ())
-
-    def child(self, key: str) -> _Reader:
-        return _Reader(self.data.get(key), f"{self.path}.{key}", self.problems)
+    @property
+    def wants_disruption_budget(self) -> bool:
+        if self.disruption.enabled is None:
+            return self.replicas > 1
+        return self.disruption.enabled
 
 
 def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     """Read a CR spec; raise InvalidSpecError listing every problem found."""
     problems: list[str] = []
-    root = _Reader(data, "spec", problems)
+    root = SpecReader(data, "spec", problems)
     if root.data.get("model") is None:
         problems.append("spec.model is required: set model.hostPath or model.persistentVolumeClaim")
     m = root.child("model")
     pvc = m.child("persistentVolumeClaim")
-    model = ModelSpec(
-        host_path=m.text("hostPath"),
-        claim_name=pvc.text("claimName"),
-        sub_path=pvc.text("subPath", "") or "",
-        family=m.text("family", "Auto", FAMILIES),
-        dtype=m.text("dtype", "bfloat16", DTYPES),
-        size_gib=m.number("sizeGiB", None),
-    )
-    p = root.child("parallelism")
-    o = root.child("offload")
-    rc = o.child("runtimeCache")
-    b = root.child("batching")
-    co = root.child("compile")
-    e = root.child("engine")
-    res = e.child("resources")
-    key_secret = e.child("apiKeySecret")
-    c = root.child("cache")
-    s = root.child("scheduling")
-    r = root.child("rollout")
+    p, o, e, s = root.child("parallelism"), root.child("offload"), root.child("engine"), \
+        root.child("scheduling")
+    rc, b, co, res = o.child("runtimeCache"), root.child("batching"), root.child("compile"), \
+        e.child("resources")
+    key_secret, c, r, pdb = e.child("apiKeySecret"), root.child("cache"), root.child("rollout"), \
+        root.child("podDisruptionBudget")
     spec = DeploymentSpec(
-        model=model,
+        model=ModelSpec(
+            host_path=m.text("hostPath"),
+            claim_name=pvc.text("claimName"),
+            sub_path=pvc.text("subPath", "") or "",
+            family=m.text("family", "Auto", FAMILIES),
+            dtype=m.text("dtype", "bfloat16", DTYPES),
+            size_gib=m.number("sizeGiB", None),
+        ),
         replicas=root.integer("replicas", 1),
-        parallelism=ParallelismSpec(data=p.integer("data", 1, 1), sequence=p.integer("sequence", 1, 1)),
+        parallelism=ParallelismSpec(data=p.integer("data", 1, 1),
+                                    sequence=p.integer("sequence", 1, 1),
+                                    gpus_per_node=p.integer("gpusPerNode", 8, 1)),
         offload=OffloadSpec(
             enabled=o.flag("enabled", False),
             use_all_gather=o.flag("useAllGather", True),
@@ -235,6 +216,10 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         engine=EngineSpec(
             image=e.text("image") or None,
             image_pull_policy=e.text("imagePullPolicy", "IfNotPresent", PULL_POLICIES),
+            image_pull_secrets=e.names("imagePullSecrets"),
+            service_account_name=e.text("serviceAccountName") or None,
+            pod_labels=e.string_map("podLabels"),
+            pod_annotations=e.string_map("podAnnotations"),
             cpu=res.int_or_str("cpu", "4"),
             memory=res.int_or_str("memory", "16Gi"),
             shm_size=e.int_or_str("shmSize", "8Gi"),
@@ -254,18 +239,22 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         ),
         startup_timeout_s=root.child("probes").integer("startupTimeoutSeconds", None, 30),
         scheduling=SchedulingSpec(
-            node_selector=dict(s.data.get("nodeSelector") or {}),
+            node_selector=s.string_map("nodeSelector"),
             tolerations=tuple(dict(t) for t in s.items("tolerations") if isinstance(t, Mapping)),
             affinity=s.data.get("affinity") or None,
             priority_class_name=s.text("priorityClassName") or None,
             runtime_class_name=s.text("runtimeClassName") or None,
+            prefer_cached_nodes=s.flag("preferCachedNodes", True),
         ),
         rollout=RolloutSpec(
             max_unavailable=r.int_or_str("maxUnavailable", 1),
             max_surge=r.int_or_str("maxSurge", 0),
         ),
+        disruption=DisruptionSpec(enabled=pdb.optional_flag("enabled"),
+                                  max_unavailable=pdb.int_or_str("maxUnavailable", 1)),
     )
     problems.extend(_cross_field_problems(spec))
+    problems.extend(pod_metadata_problems(spec.engine.pod_labels, spec.engine.pod_annotations))
     if problems:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(problems))
     return spec
@@ -287,8 +276,14 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
         out.append("offload.runtimeCache.enabled needs cache.mode NodeLocal")
     if spec.cache.claim_name and not spec.cache.enabled:
         out.append("cache.persistentVolumeClaim only applies with cache.mode NodeLocal")
-    if spec.parallelism.gpus_per_pod > 16:
-        out.append("parallelism.data x parallelism.sequence (GPUs per pod) must be at most 16")
+    par = spec.parallelism
+    if par.gpus_per_replica > MAX_GPUS_PER_REPLICA:
+        out.append(f"parallelism.data x parallelism.sequence (GPUs per replica) must be at most "
+                   f"{MAX_GPUS_PER_REPLICA}")
+    if par.multi_node and par.gpus_per_replica % par.gpus_per_node:
+        out.append(f"parallelism.data x parallelism.sequence = {par.gpus_per_replica} GPUs do not "
+                   f"fill whole nodes of parallelism.gpusPerNode = {par.gpus_per_node}; a replica "
+                   "spanning nodes needs a multiple of it (or set gpusPerNode to your nodes' count)")
     clashing = sorted({str(e.get("name")) for e in spec.engine.env} & set(OPERATOR_ENV))
     if clashing:
         out.append(f"engine.env must not set {', '.join(clashing)}: the operator sets them "
@@ -296,43 +291,3 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
     if str(spec.rollout.max_surge) in ("0", "0%") and str(spec.rollout.max_unavailable) in ("0", "0%"):
         out.append("rollout.maxSurge and rollout.maxUnavailable cannot both be 0")
     return out
-
-
-def engine_config(spec: DeploymentSpec) -> EngineConfig:
-    """The engine config a pod of this deployment runs, judged by the engine's own rules.
-
-    The cache root is not part of it: pods get it from $DITSERVE_CACHE_ROOT.
-    """
-    mapping = {
-        "model": MODEL_MOUNT_PATH,
-        "dtype": spec.model.dtype,
-        "device": "auto",
-        "offload": {
-            "enabled": spec.offload.enabled,
-            "use_allgather": spec.offload.use_all_gather,
-            "resident_layers": spec.offload.resident_layers,
-            "runtime_cache": spec.offload.runtime_cache,
-            "pin_limit_gib": spec.offload.pin_limit_gib,
-        },
-        "parallel": {
-            "data_parallel_size": spec.parallelism.data,
-            "sequence_parallel_size": spec.parallelism.sequence,
-        },
-        "scheduler": {
-            "max_num_seqs": spec.batching.max_num_seqs,
-            "max_queue": spec.batching.max_queue,
-        },
-        "compile": spec.compile.backend if spec.compile.enabled else None,
-    }
-    if spec.offload.slots is not None:  # unset: the engine picks per mode
-        mapping["offload"]["slots"] = spec.offload.slots  # type: ignore[index]
-    try:
-        return EngineConfig.from_mapping(mapping)
-    except ConfigError as e:
-        raise InvalidSpecError(str(e)) from e
-
-
-def validate(data: Mapping[str, Any] | None) -> tuple[DeploymentSpec, EngineConfig]:
-    """Both checks at once: the spec's own shape, then the engine's option rules."""
-    spec = parse_spec(data)
-    return spec, engine_config(spec)

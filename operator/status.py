@@ -1,36 +1,48 @@
-"""A DiffusionDeployment's status, derived from its spec, its child Deployment and its pods.
+"""A DiffusionDeployment's status, derived from its spec, its workload and its pods.
 
 Owns ``compute_status``: one pure function of the observed world (plus an injected ``now``)
-that both the reconcile handler and the child-watch handler call, so every writer computes
-the same answer. Conditions follow metav1.Condition; ``lastTransitionTime`` only moves when
-a condition's status changes. Every field written here is declared in the CRD's schema
-(anything undeclared would be pruned by the API server).
+that both the reconcile handler and the watch handlers call, so every writer computes the
+same answer. The world is the owner, its workload (Deployment or LeaderWorkerSet), its pods,
+the Warning events about them, the last failure to apply its children (the handlers keep it)
+and the nodes' NodeCache objects. Conditions follow metav1.Condition; ``lastTransitionTime``
+only moves when a condition's status changes. Every field written here is declared in the
+CRD's schema (anything undeclared would be pruned by the API server).
 
-Reasons, by condition:
-  Ready        True: AllReplicasReady. False: InvalidSpec, ChildrenMissing, ScaledToZero,
-               ImagePullFailed, CacheEnsureFailed, CrashLoopBackOff, Unschedulable,
-               WaitingForCache, ReplicasNotReady.
+Reasons, by condition (pod failure reasons: see ``pod_health``):
+  Ready        True: AllReplicasReady. False: InvalidSpec, ChildConflict, ChildApplyFailed,
+               ChildrenMissing, ScaledToZero, a pod failure, WaitingForCache,
+               ReplicasNotReady.
   Progressing  True: Creating, RollingOut. False: RolloutComplete, ProgressDeadlineExceeded,
-               InvalidSpec.
+               InvalidSpec, ChildConflict, ChildApplyFailed.
   CacheReady   True: CacheEntryReady, CacheDisabled. False: CacheWarming, CacheEnsureFailed.
                Unknown: NoPods, PodsPending.
-  Degraded     True: InvalidSpec, ProgressDeadlineExceeded, ImagePullFailed,
-               CacheEnsureFailed, CrashLoopBackOff, Unschedulable. False: AsExpected.
+  Degraded     True: InvalidSpec, ChildConflict, ChildApplyFailed, a pod failure,
+               ProgressDeadlineExceeded. False: AsExpected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ditserve.operator import pod as podlib
-from ditserve.operator import render
+from ditserve.operator import nodecache, render
 from ditserve.operator.errors import InvalidSpecError
-from ditserve.operator.spec import DeploymentSpec, validate
+from ditserve.operator.judge import validate
+from ditserve.operator.pod_health import PodFindings, inspect_pods
+from ditserve.operator.spec import DeploymentSpec
 
 CONDITION_TYPES = ("Ready", "Progressing", "CacheReady", "Degraded")
-_PULL_FAILURES = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName"}
+
+
+@dataclass(frozen=True)
+class ApplyFailure:
+    """Why the children are not as rendered (ChildConflict or ChildApplyFailed), at which
+    generation of the owner; kept by the handlers between their status writes."""
+
+    reason: str
+    message: str
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -39,75 +51,6 @@ class Condition:
     status: str  # "True" | "False" | "Unknown"
     reason: str
     message: str
-
-
-@dataclass(frozen=True)
-class PodFindings:
-    """What the pods say, worst first; each field is a message or None."""
-
-    image_pull: str | None = None
-    ensure_failed: str | None = None
-    crash_loop: str | None = None
-    unschedulable: str | None = None
-    warming: int = 0
-    ensured: int = 0
-    pending: int = 0
-
-
-def _container_statuses(pod: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-    return list(pod.get("status", {}).get(key) or [])
-
-
-def inspect_pods(pods: Sequence[Mapping[str, Any]]) -> PodFindings:
-    """Classify the engine pods: image pulls, cache init, crash loops, scheduling."""
-    image_pull = ensure_failed = crash_loop = unschedulable = None
-    warming = ensured = pending = 0
-    for pod in pods:
-        name = pod.get("metadata", {}).get("name", "?")
-        for cond in pod.get("status", {}).get("conditions") or []:
-            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-                unschedulable = unschedulable or f"pod {name}: {cond.get('message') or cond.get('reason')}"
-        ensure_state = None
-        for st in _container_statuses(pod, "initContainerStatuses"):
-            if st.get("name") != podlib.ENSURE_CONTAINER:
-                continue
-            state, last = st.get("state") or {}, st.get("lastState") or {}
-            waiting = state.get("waiting") or {}
-            failed = (state.get("terminated") or {}).get("exitCode", 0) != 0 or (
-                waiting.get("reason") == "CrashLoopBackOff"
-                and (last.get("terminated") or {}).get("exitCode", 0) != 0)
-            if waiting.get("reason") in _PULL_FAILURES:
-                image_pull = image_pull or f"pod {name}: {waiting.get('message') or waiting['reason']}"
-            elif failed:
-                term = state.get("terminated") or last.get("terminated") or {}
-                ensure_failed = ensure_failed or (
-                    f"pod {name}: cachectl ensure exited {term.get('exitCode')}: "
-                    f"{term.get('message') or term.get('reason') or 'see its logs'}")
-                ensure_state = "failed"
-            elif "running" in state:
-                ensure_state = "warming"
-            elif "terminated" in state:
-                ensure_state = "done"
-        for st in _container_statuses(pod, "containerStatuses"):
-            if st.get("name") != podlib.ENGINE_CONTAINER:
-                continue
-            waiting = (st.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in _PULL_FAILURES:
-                image_pull = image_pull or f"pod {name}: {waiting.get('message') or waiting['reason']}"
-            elif waiting.get("reason") == "CrashLoopBackOff":
-                crash_loop = crash_loop or (
-                    f"pod {name}: engine restarted {st.get('restartCount', 0)} times: "
-                    f"{waiting.get('message') or 'see its logs'}")
-            if st.get("ready") or "running" in (st.get("state") or {}):
-                ensure_state = ensure_state or "done"  # engines only start after the init
-        if ensure_state == "warming":
-            warming += 1
-        elif ensure_state == "done":
-            ensured += 1
-        elif ensure_state is None:
-            pending += 1
-    return PodFindings(image_pull, ensure_failed, crash_loop, unschedulable, warming, ensured,
-                       pending)
 
 
 def _counts(deployment: Mapping[str, Any] | None) -> tuple[int, int, int]:
@@ -125,23 +68,19 @@ def _deadline_exceeded(deployment: Mapping[str, Any]) -> str | None:
 
 def _failure(findings: PodFindings, deployment: Mapping[str, Any]) -> tuple[str, str] | None:
     """The worst current failure, as (reason, message)."""
-    for reason, message in (
-        ("ImagePullFailed", findings.image_pull),
-        ("CacheEnsureFailed", findings.ensure_failed),
-        ("CrashLoopBackOff", findings.crash_loop),
-        ("Unschedulable", findings.unschedulable),
-        ("ProgressDeadlineExceeded", _deadline_exceeded(deployment)),
-    ):
-        if message:
-            return reason, message
-    return None
+    worst = findings.worst()
+    if worst is not None:
+        return worst
+    deadline = _deadline_exceeded(deployment)
+    return ("ProgressDeadlineExceeded", deadline) if deadline else None
 
 
 def _conditions_valid(spec: DeploymentSpec, generation: int, applied: int | None,
-                      deployment: Mapping[str, Any] | None,
-                      pods: Sequence[Mapping[str, Any]]) -> tuple[list[Condition], tuple[str, str] | None]:
+                      deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]],
+                      events: Iterable[Mapping[str, Any]],
+                      ) -> tuple[list[Condition], tuple[str, str] | None]:
     if deployment is None:
-        msg = "the engine Deployment does not exist yet"
+        msg = "the engine workload does not exist yet"
         return [Condition("Ready", "False", "ChildrenMissing", msg),
                 Condition("Progressing", "True", "Creating", msg),
                 Condition("CacheReady", "Unknown", "NoPods", "no engine pods yet")
@@ -150,7 +89,7 @@ def _conditions_valid(spec: DeploymentSpec, generation: int, applied: int | None
                 Condition("Degraded", "False", "AsExpected", "no failures observed")], None
     want = spec.replicas
     total, ready, updated = _counts(deployment)
-    findings = inspect_pods(pods)
+    findings = inspect_pods(pods, events)
     failure = _failure(findings, deployment)
     counts = f"{ready}/{want} replicas ready"
 
@@ -184,8 +123,9 @@ def _conditions_valid(spec: DeploymentSpec, generation: int, applied: int | None
 
     if not spec.cache.enabled:
         cache = Condition("CacheReady", "True", "CacheDisabled", "cache.mode is None")
-    elif findings.ensure_failed:
-        cache = Condition("CacheReady", "False", "CacheEnsureFailed", findings.ensure_failed)
+    elif "CacheEnsureFailed" in findings.failures:
+        cache = Condition("CacheReady", "False", "CacheEnsureFailed",
+                          findings.failures["CacheEnsureFailed"])
     elif findings.warming:
         cache = Condition("CacheReady", "False", "CacheWarming",
                           f"{findings.warming} pod(s) running cachectl ensure")
@@ -215,44 +155,70 @@ def _merge(conditions: list[Condition], previous: Sequence[Mapping[str, Any]], *
     return out
 
 
-def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None,
-                   pods: Sequence[Mapping[str, Any]], *, now: str) -> dict[str, Any]:
-    """The whole ``status`` of the DiffusionDeployment ``body`` (see the module doc)."""
+def compute_status(body: Mapping[str, Any], workload: Mapping[str, Any] | None,
+                   pods: Sequence[Mapping[str, Any]], *, now: str,
+                   events: Iterable[Mapping[str, Any]] = (),
+                   apply_failure: ApplyFailure | None = None,
+                   nodecaches: Iterable[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The whole ``status`` of the DiffusionDeployment ``body`` (see the module doc).
+
+    ``nodecaches``: every NodeCache object, or None when the operator does not read them.
+    """
     meta = body.get("metadata", {})
     previous: Mapping[str, Any] = body.get("status") or {}
     generation = int(meta.get("generation") or 1)
     name = meta.get("name", "")
     owner = render.Owner.from_body(body)
     try:
-        spec, _ = validate(body.get("spec"))
+        spec, _ = validate(body.get("spec"), name=name)
     except InvalidSpecError as e:
-        # Judged at this generation: observedGeneration says the current spec was seen.
-        conds = [Condition("Ready", "False", "InvalidSpec", str(e)),
-                 Condition("Progressing", "False", "InvalidSpec", "fix the spec to roll out"),
-                 Condition("Degraded", "True", "InvalidSpec", str(e))]
-        keep = [c for c in previous.get("conditions") or [] if c.get("type") == "CacheReady"]
-        merged = _merge(conds, previous.get("conditions") or [], now=now, generation=generation)
-        return {**_counters(deployment, name), "observedGeneration": generation,
-                "conditions": merged + keep,
-                "lastFailure": _last_failure(("InvalidSpec", str(e)), previous, now)}
+        return _judged_failure(("InvalidSpec", str(e)), workload, previous, name=name,
+                               generation=generation, now=now)
+    if apply_failure is not None and apply_failure.generation == generation:
+        return _judged_failure((apply_failure.reason, apply_failure.message), workload,
+                               previous, name=name, generation=generation, now=now)
 
-    applied_raw = ((deployment or {}).get("metadata") or {}).get("annotations", {}).get(
+    applied_raw = ((workload or {}).get("metadata") or {}).get("annotations", {}).get(
         render.GENERATION_ANNOTATION)
     applied = int(applied_raw) if applied_raw else None
     observed = applied if applied is not None else int(previous.get("observedGeneration") or 0)
-    conds, failure = _conditions_valid(spec, generation, applied, deployment, pods)
+    conds, failure = _conditions_valid(spec, generation, applied, workload, pods, events)
+    par = spec.parallelism
     status: dict[str, Any] = {
-        **_counters(deployment, name),
+        **_counters(workload, name),
         "observedGeneration": observed,
         "conditions": _merge(conds, previous.get("conditions") or [], now=now, generation=observed),
-        "topology": {"gpusPerPod": spec.parallelism.gpus_per_pod,
-                     "totalGPUs": spec.parallelism.gpus_per_pod * spec.replicas},
+        "topology": {"gpusPerPod": par.gpus_per_pod, "podsPerReplica": par.pods_per_replica,
+                     "totalGPUs": par.gpus_per_replica * spec.replicas},
         "endpoint": {"url": render.endpoint_url(owner, spec)},
     }
+    if nodecaches is not None and spec.cache.enabled and spec.model.host_path:
+        status["nodeCache"] = nodecache.summarize(nodecaches, model=spec.model.host_path,
+                                                  dtype=spec.model.dtype, now=now)
     last = _last_failure(failure, previous, now)
     if last:
         status["lastFailure"] = last
     return status
+
+
+def _judged_failure(failure: tuple[str, str], workload: Mapping[str, Any] | None,
+                    previous: Mapping[str, Any], *, name: str, generation: int,
+                    now: str) -> dict[str, Any]:
+    """The status of a generation the operator judged and could not roll out (an invalid spec,
+    a child it may not or could not write): the children are left as they were, and
+    observedGeneration says the current spec was seen."""
+    reason, message = failure
+    conds = [Condition("Ready", "False", reason, message),
+             Condition("Progressing", "False", reason, "fix the cause to roll out"),
+             Condition("Degraded", "True", reason, message)]
+    keep = [c for c in previous.get("conditions") or [] if c.get("type") == "CacheReady"]
+    merged = _merge(conds, previous.get("conditions") or [], now=now, generation=generation)
+    out = {**_counters(workload, name), "observedGeneration": generation,
+           "conditions": merged + keep, "lastFailure": _last_failure(failure, previous, now)}
+    for key in ("topology", "endpoint", "nodeCache"):  # still describe what runs
+        if key in previous:
+            out[key] = previous[key]
+    return out
 
 
 def _counters(deployment: Mapping[str, Any] | None, name: str) -> dict[str, Any]:

@@ -1,11 +1,15 @@
-"""Fixtures of the Kubernetes tests: tool lookup (helm, kubectl) and kopf log hygiene."""
+"""Fixtures of the Kubernetes tests: tool lookup (helm, kubectl), kopf log hygiene, the
+emulator's kubeconfig, and the default chart rendered once per session."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,10 +30,41 @@ def require_tool(name: str) -> str:
     pytest.skip(message)
 
 
+def _errors(caplog: pytest.LogCaptureFixture, expected: list[str]) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
+            and not any(re.search(p, r.getMessage()) for p in expected)]
+
+
 @pytest.fixture()
 def no_operator_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """Fail a test whose operator logged an error (a handler crashed or an API call failed)."""
     caplog.set_level(logging.INFO)
     yield
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert not errors, [r.getMessage() for r in errors]
+    assert not _errors(caplog, [])
+
+
+@pytest.fixture()
+def operator_errors_only(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[str], None]]:
+    """Like no_operator_errors, but the test names the errors it provokes (regexes)."""
+    caplog.set_level(logging.INFO)
+    expected: list[str] = []
+    yield expected.append
+    assert not _errors(caplog, expected)
+
+
+@pytest.fixture()
+def kubeconfig(kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from k8s.k8s_emulator import write_kubeconfig
+
+    path = write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.setenv("DITSERVE_ENGINE_IMAGE", "registry.test/ditserve:e2e")
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_chart(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The chart's objects with default values (release "rel" in ditserve-system)."""
+    from k8s.chart import template
+
+    return template(tmp_path_factory.mktemp("chart"))

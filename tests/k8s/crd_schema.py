@@ -17,6 +17,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "ditserve.io_diffusiondeployments.yaml"
 CHART_CRD_PATH = REPO / "charts" / "ditserve" / "crds" / "ditserve.io_diffusiondeployments.yaml"
+NODECACHE_CRD_PATH = REPO / "crds" / "ditserve.io_nodecaches.yaml"
 EXAMPLE_PATH = REPO / "examples" / "deployment.yaml"
 
 

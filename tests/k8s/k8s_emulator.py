@@ -2,15 +2,19 @@
 
 kmock 0.8 stores objects as plain JSON; a real API server also sets server-side metadata,
 bumps ``generation`` on spec changes, names list kinds, serves core discovery under ``v1``,
-filters lists by label selector, serves ``/scale``, and validates + defaults custom
-resources against their CRD. This subclass adds exactly those (the DiffusionDeployment CRD
-only), plus helpers to start kopf against it.
+filters lists and watches by label and field selectors, serves ``/scale``, checks
+resourceVersion and uid preconditions, validates + defaults custom resources against their
+CRD, and refuses objects whose names or schemas are invalid (``api_semantics``). This subclass
+adds exactly those, knows the project's CRDs (DiffusionDeployment, NodeCache) and the
+LeaderWorkerSet API (``Emulator.lws_installed``), records every request in ``calls`` (for
+the RBAC test), plus helpers to start kopf against it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import json
@@ -22,7 +26,14 @@ from typing import Any
 
 import kmock
 import yaml
-from k8s.crd_schema import apply_defaults, load_crd, schema_errors, version_schema
+from k8s.api_semantics import admission_problems, deep_merge, selected
+from k8s.crd_schema import (
+    NODECACHE_CRD_PATH,
+    apply_defaults,
+    load_crd,
+    schema_errors,
+    version_schema,
+)
 
 _resource_versions = itertools.count(1)
 
@@ -31,32 +42,57 @@ DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
 CONFIGMAPS = kmock.resource("", "v1", "configmaps")
 SERVICES = kmock.resource("", "v1", "services")
 PODS = kmock.resource("", "v1", "pods")
+EVENTS = kmock.resource("", "v1", "events")
+NODES = kmock.resource("", "v1", "nodes")
+PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
+NODECACHES = kmock.resource("ditserve.io", "v1alpha1", "nodecaches")
+LWS = kmock.resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
+_ALL_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _selected(labels: Mapping[str, str], selector: str) -> bool:
-    """Equality-based label selectors (``a=b,c==d,e!=f``), all the operator uses."""
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key) == value:
-                return False
-        else:
-            key, value = term.replace("==", "=").split("=", 1)
-            if labels.get(key) != value:
-                return False
-    return True
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One request as the API server's authorizer sees it."""
+
+    method: str
+    path: str
+    action: str | None
+    group: str | None
+    plural: str | None
+    namespace: str | None
+    name: str | None
+    subresource: str | None
+    params: tuple[tuple[str, str], ...]
+    user_agent: str
+
+    @property
+    def by_operator(self) -> bool:
+        """Sent by the operator (kopf's client or its own), not by the test."""
+        return self.user_agent.startswith(("kopf/", "ditserve-operator"))
 
 
 class Emulator(kmock.KubernetesEmulator):
-    """An in-memory Kubernetes API that knows the DiffusionDeployment CRD."""
+    """An in-memory Kubernetes API that knows the project's CRDs (and, unless a subclass says
+    otherwise, the LeaderWorkerSet API)."""
+
+    lws_installed = True
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.resources.load_bundled()
+        self.calls: list[Call] = []
+        nc = yaml.safe_load(NODECACHE_CRD_PATH.read_text())["spec"]["names"]
+        self.resources[NODECACHES] = kmock.ResourceInfo(
+            kind=nc["kind"], singular=nc["singular"], namespaced=False,
+            shortnames=set(nc["shortNames"]), subresources={"status"}, verbs=_ALL_VERBS)
+        if self.lws_installed:
+            self.resources[LWS] = kmock.ResourceInfo(
+                kind="LeaderWorkerSet", singular="leaderworkerset", namespaced=True,
+                shortnames={"lws"}, subresources={"status", "scale"}, verbs=_ALL_VERBS)
         crd = load_crd()
         names = crd["spec"]["names"]
         self.resources[DD] = kmock.ResourceInfo(
@@ -83,9 +119,45 @@ class Emulator(kmock.KubernetesEmulator):
                 message=f"DiffusionDeployment is invalid: {'; '.join(problems)}")
         return defaulted
 
+    def _record(self, request: kmock.Request) -> None:
+        r = request.resource
+        self.calls.append(Call(
+            method=str(request.method.value if hasattr(request.method, "value") else request.method),
+            path=request.url.path, action=None if request.action is None else str(request.action.value),
+            group=None if r is None else r.group, plural=None if r is None else r.plural,
+            namespace=request.namespace, name=request.name, subresource=request.subresource,
+            params=tuple(sorted(request.params.items())),
+            user_agent=request.headers.get("User-Agent", "")))
+
+    def _admit(self, request: kmock.Request, obj: Mapping[str, Any]) -> None:
+        problems = admission_problems(obj)
+        if problems:
+            name = (obj.get("metadata") or {}).get("name")
+            raise kmock.KubernetesError(
+                status=422, reason="Invalid",
+                message=f"{obj.get('kind')} {name!r} is invalid: {'; '.join(problems)}")
+
+    def _check_delete(self, request: kmock.Request) -> None:
+        wanted = ((request.data or {}).get("preconditions") or {}).get("uid") \
+            if isinstance(request.data, dict) else None
+        current = self._current(request)
+        if wanted and current is not None and current["metadata"].get("uid") != wanted:
+            raise kmock.KubernetesError(
+                status=409, reason="Conflict",
+                message=f"Precondition failed: UID in precondition: {wanted}, UID in object "
+                        f"meta: {current['metadata'].get('uid')}")
+
     async def _handle(self, request: kmock.Request) -> Any:
+        self._record(request)
+        if request.resource == LWS and not self.lws_installed:
+            raise kmock.KubernetesError(status=404, reason="NotFound",
+                                        message="the server could not find the requested resource")
         data = request.data
+        if request.action == kmock.action.DELETE:
+            self._check_delete(request)
         if request.resource is not None and isinstance(data, dict):
+            if request.action == kmock.action.CREATE:
+                self._admit(request, data)
             if request.action == kmock.action.CREATE and request.resource == DD:
                 data.update(self._check_dd(data))  # defaulted, as the server stores it
             meta = data.setdefault("metadata", {})
@@ -124,8 +196,10 @@ class Emulator(kmock.KubernetesEmulator):
             return
         if "status" in data and request.resource == DD:
             del data["status"]  # the main resource ignores status when /status exists
+        if request.subresource is None:
+            self._admit(request, deep_merge(current, data))
         if "spec" in data or request.subresource == "scale":
-            new_spec = _deep_merge(current.get("spec") or {}, data.get("spec") or {})
+            new_spec = deep_merge(current.get("spec") or {}, data.get("spec") or {})
             if request.resource == DD:
                 self._check_dd({**current, "spec": new_spec})
             if new_spec != current.get("spec"):
@@ -133,10 +207,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: kmock.Request) -> Any:
         data = await super()._serve_list(request)
-        selector = request.params.get("labelSelector")
-        if selector:
-            data["items"] = [item for item in data["items"]
-                             if _selected(item.get("metadata", {}).get("labels") or {}, selector)]
+        data["items"] = [item for item in data["items"] if selected(item, request.params)]
         resource = request.resource
         info = self.resources[resource] if resource in self.resources else None  # noqa: SIM401 (no .get)
         kind = (info.kind if info and info.kind else resource.plural.capitalize()) + "List"
@@ -163,6 +234,13 @@ class Emulator(kmock.KubernetesEmulator):
                                                     "metadata": item["metadata"]}})
         return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {},
                 "columnDefinitions": columns, "rows": rows}
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """The server filters watch events by the request's selectors too."""
+        async for item in super()._serve_watch(request):
+            if isinstance(item, dict) and not selected(item.get("object") or {}, request.params):
+                continue
+            yield item
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         data = await super()._serve_version(request)
@@ -209,18 +287,6 @@ def jsonpath(obj: Any, path: str) -> Any:
     return obj
 
 
-def _deep_merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def write_kubeconfig(path: Path, server: str) -> Path:
     path.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
@@ -250,15 +316,18 @@ async def eventually(predicate: Callable[[], Any], *, timeout: float = 10.0,
 
 @contextlib.asynccontextmanager
 async def running_operator(*, namespaces: tuple[str, ...] = ("default",),
+                           clusterwide: bool = False,
                            timeout: float = 15.0) -> AsyncIterator[asyncio.Task[None]]:
-    """Run the real kopf operator (ditserve.operator.handlers) until the block exits."""
+    """Run the real kopf operator (ditserve.operator.handlers) until the block exits:
+    watching ``namespaces``, or every namespace with ``clusterwide``."""
     import kopf
 
     import ditserve.operator.handlers  # noqa: F401  (registers the handlers)
 
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(kopf.operator(
-        standalone=True, namespaces=list(namespaces), ready_flag=ready, stop_flag=stop))
+        standalone=True, clusterwide=clusterwide, namespaces=[] if clusterwide else list(namespaces),
+        ready_flag=ready, stop_flag=stop))
     try:
         # kopf can hang forever on a startup error; never wait on it without a bound.
         await asyncio.wait_for(ready.wait(), timeout)

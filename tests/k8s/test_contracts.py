@@ -10,8 +10,9 @@ import pytest
 
 from ditserve.cachectl.cli import build_parser as cachectl_parser
 from ditserve.engine.cli import build_parser as engine_parser
+from ditserve.operator.judge import engine_config
 from ditserve.operator.render import Owner, render
-from ditserve.operator.spec import engine_config, parse_spec
+from ditserve.operator.spec import parse_spec
 
 OWNER = Owner(name="flux", namespace="ml", uid="u", generation=1)
 SPECS = {
@@ -19,6 +20,9 @@ SPECS = {
                      "parallelism": {"data": 2},
                      "offload": {"enabled": True, "runtimeCache": {"enabled": True}},
                      "engine": {"port": 9000, "args": ["--log-level", "debug"]}},
+    "engine-options-in-args": {"model": {"hostPath": "/mnt/models/flux", "sizeGiB": 24},
+                               "engine": {"args": ["--scheduling-policy", "fifo",
+                                                   "--default-steps", "20"]}},
     "pvc": {"model": {"persistentVolumeClaim": {"claimName": "m", "subPath": "x"},
                       "dtype": "float16"},
             "cache": {"persistentVolumeClaim": {"claimName": "cache"}}},
@@ -56,3 +60,19 @@ def test_cachectl_accepts_the_init_container(name: str) -> None:
     assert str(args.root) == "/var/cache/ditserve"
     assert args.dtype == parse_spec(SPECS[name]).model.dtype
     assert args.no_daemon == (name == "pvc")
+
+
+def test_judging_a_spec_imports_nothing_heavy() -> None:
+    """The operator judges engine.args with the engine's own parser, which must stay light:
+    no torch, no diffusers, no FastAPI in the operator process."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import ditserve.operator.handlers; "
+            "from ditserve.operator.judge import validate; "
+            "validate({'model': {'hostPath': '/m'}, 'engine': {'args': ['--log-level', 'info']}}); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} "
+            "& {'torch', 'diffusers', 'transformers', 'fastapi', 'starlette'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60)
+    assert out.stdout.strip() == "[]"

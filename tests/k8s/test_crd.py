@@ -21,7 +21,8 @@ from k8s.crd_schema import (
     version_schema,
 )
 
-from ditserve.operator.spec import DeploymentSpec, parse_spec, validate
+from ditserve.operator.judge import validate
+from ditserve.operator.spec import DeploymentSpec, parse_spec
 
 
 def cel_errors(obj: dict[str, Any]) -> list[str]:
@@ -110,6 +111,7 @@ def test_crd_shape_subresources_and_columns() -> None:
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert "nodeCache" in version_schema()["properties"]["status"]["properties"]
     assert columns == ["Ready", "Reason", "Replicas", "Ready Replicas", "GPUs", "Model", "Age"]
     status = version_schema()["properties"]["status"]["properties"]
     assert {"observedGeneration", "conditions", "replicas", "readyReplicas", "updatedReplicas",
@@ -146,7 +148,15 @@ INVALID = {
                         "must not contain '..'"),
     "unknown dtype": ({"model": {"hostPath": "/m", "dtype": "int8"}}, "'int8' is not one of"),
     "unknown family": ({"model": {"hostPath": "/m", "family": "Unet"}}, "'Unet' is not one of"),
-    "too many GPUs": ({"parallelism": {"data": 8, "sequence": 4}}, "must be at most 16"),
+    "too many GPUs": ({"parallelism": {"data": 128, "sequence": 4}}, "must be at most 256"),
+    "ragged multi-node": ({"parallelism": {"data": 12, "gpusPerNode": 8}},
+                          "needs data x sequence to be a multiple of parallelism.gpusPerNode"),
+    "managed flag in args": ({"engine": {"args": ["--log-level", "debug", "--port=9000"]}},
+                             "engine.args must not set flags the operator sets"),
+    "reserved pod label": ({"engine": {"podLabels": {"app.kubernetes.io/instance": "x"}}},
+                           "engine.podLabels must not set the operator's labels"),
+    "reserved annotation": ({"engine": {"podAnnotations": {"ditserve.io/config-hash": "x"}}},
+                            "engine.podAnnotations must not set ditserve.io/*"),
     "zero dp": ({"parallelism": {"data": 0}}, "0 is less than the minimum of 1"),
     "offload without size": ({"model": {"hostPath": "/m"}, "offload": {"enabled": True}},
                              "offload.enabled needs model.sizeGiB"),
@@ -178,9 +188,26 @@ def test_invalid_crs_are_rejected_for_the_right_reason(case: str) -> None:
     assert len(problems) == 1 and reason in problems[0], problems
 
 
-def test_long_names_are_rejected() -> None:
-    assert admit(cr(GOOD, name="x" * 53)) == [
-        "metadata.name must be at most 52 characters (child Services are named after it)"]
+MULTI_NODE = {**GOOD, "parallelism": {"data": 16}}
+BAD_NAMES = {
+    "too long": ("x" * 53, GOOD, "at most 52 characters"),
+    "a dot (valid for the CR, not for the Service)": ("flux.dev", GOOD, "DNS-1035 label"),
+    "a leading digit": ("1flux", GOOD, "DNS-1035 label"),
+    "too long for a LeaderWorkerSet": ("x" * 45, MULTI_NODE, "at most 44 characters"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_NAMES))
+def test_names_every_child_cannot_take_are_rejected(case: str) -> None:
+    from ditserve.operator.errors import InvalidSpecError
+
+    name, spec, reason = BAD_NAMES[case]
+    problems = admit(cr(spec, name=name))
+    assert len(problems) == 1 and reason in problems[0], problems
+    # The operator says the same (for a server that skipped the CRD's rules).
+    with pytest.raises(InvalidSpecError, match=reason):
+        validate(apply_defaults(version_schema(), cr(spec))["spec"], name=name)
+    assert admit(cr(spec, name="x" * 44)) == []
 
 
 def test_cel_rules_agree_with_the_operators_own_checks() -> None:
@@ -189,11 +216,12 @@ def test_cel_rules_agree_with_the_operators_own_checks() -> None:
 
     for case in ("two model sources", "no model source", "subPath escapes", "offload without size",
                  "runtime cache without cache", "cache pvc without cache", "frozen rollout",
-                 "operator env"):
+                 "operator env", "ragged multi-node", "managed flag in args",
+                 "reserved pod label", "reserved annotation"):
         change, _ = INVALID[case]
         spec = {**copy.deepcopy(GOOD), **change}
         with pytest.raises(InvalidSpecError):
-            parse_spec(apply_defaults(version_schema(), cr(spec))["spec"])
+            validate(apply_defaults(version_schema(), cr(spec))["spec"], name="flux")
 
 
 def test_example_files_hold_only_valid_objects() -> None:

@@ -27,17 +27,32 @@ async def test_requests_before_login_say_so() -> None:
 
 
 @pytest.mark.kmock(cls=Emulator)
-async def test_apply_creates_then_updates_and_errors_are_typed(kmock: Emulator) -> None:
+async def test_create_apply_delete_and_errors_are_typed(kmock: Emulator) -> None:
     client = KubeClient()
     client.login(kopf.ConnectionInfo(server=str(kmock.url)))
     try:
         cm = {"apiVersion": "v1", "kind": "ConfigMap",
               "metadata": {"name": "c", "namespace": "default"}, "data": {"a": "1"}}
-        created = await client.apply(cm)
+        created = await client.create(cm)
         assert created["data"] == {"a": "1"} and created["metadata"]["uid"]
-        updated = await client.apply({**cm, "data": {"a": "2"}})
-        assert updated["metadata"]["uid"] == created["metadata"]["uid"]
+        with pytest.raises(KubeApiError) as info:  # never a takeover of an existing object
+            await client.create(cm)
+        assert info.value.status == 409
+        rv = created["metadata"]["resourceVersion"]
+        updated = await client.apply({**cm, "data": {"a": "2"}}, resource_version=rv)
+        assert updated is not None and updated["metadata"]["uid"] == created["metadata"]["uid"]
         assert kmock.objects[CONFIGMAPS, "default", "c"].raw["data"] == {"a": "2"}
+        with pytest.raises(KubeApiError) as info:  # applied under a stale resourceVersion
+            await client.apply({**cm, "data": {"a": "3"}}, resource_version=rv)
+        assert info.value.status == 409
+        assert kmock.objects[CONFIGMAPS, "default", "c"].raw["data"] == {"a": "2"}
+        path = manifest_path(cm)
+        with pytest.raises(KubeApiError) as info:  # the uid precondition protects others' objects
+            await client.delete(path, uid="someone-else")
+        assert info.value.status == 409 and await client.get(path) is not None
+        await client.delete(path, uid=created["metadata"]["uid"])
+        assert await client.get(path) is None
+        await client.create(cm)
         assert await client.get(manifest_path({**cm, "metadata": {"name": "nope",
                                                                   "namespace": "default"}})) is None
         items = await client.list("/api/v1/namespaces/default/configmaps")
@@ -60,7 +75,7 @@ async def test_conditional_status_patch_conflicts_when_stale(kmock: Emulator) ->
             "metadata": {"name": "f", "namespace": "default"},
             "spec": {"model": {"hostPath": "/m"}}}
     try:
-        created = await client.apply(body)
+        created = await client.create(body)
         rv = created["metadata"]["resourceVersion"]
         await client.patch_status(f"{path}/f", {"replicas": 1}, resource_version=rv)
         with pytest.raises(KubeApiError) as info:  # rv moved on with the first write
@@ -69,9 +84,9 @@ async def test_conditional_status_patch_conflicts_when_stale(kmock: Emulator) ->
         assert kmock.objects[DD, "default", "f"].raw["status"] == {"replicas": 1}
         # The emulator admits CRs like an API server: defaults filled in, schema enforced.
         assert kmock.objects[DD, "default", "f"].raw["spec"]["parallelism"] == {
-            "data": 1, "sequence": 1}
+            "data": 1, "sequence": 1, "gpusPerNode": 8}
         with pytest.raises(KubeApiError) as info:
-            await client.apply({**body, "metadata": {"name": "g", "namespace": "default"},
+            await client.create({**body, "metadata": {"name": "g", "namespace": "default"},
                                 "spec": {"model": {"hostPath": "/m"}, "replicas": -1}})
         assert info.value.status == 422 and "spec.replicas" in info.value.message
     finally:
@@ -92,7 +107,8 @@ class _RacingClient:
                              "resourceVersion": str(self.rv), "uid": "u"},
                 "spec": {"model": {"hostPath": "/m"}}, "status": {}}
 
-    async def list(self, path: str, *, label_selector: str | None = None) -> list[dict]:
+    async def list(self, path: str, *, label_selector: str | None = None,
+                   field_selector: str | None = None) -> list[dict]:
         return []
 
     async def patch_status(self, path: str, status: dict, *,
@@ -108,7 +124,7 @@ async def test_status_writes_are_redone_from_a_fresh_read_on_conflict() -> None:
     from ditserve.operator.handlers import _sync_status
 
     client = _RacingClient()
-    await _sync_status(client, "default", "f")  # type: ignore[arg-type]
+    await _sync_status(client, {"apply_failures": {}}, "default", "f")  # type: ignore[arg-type]
     assert [rv for _, _, rv in client.patches] == ["1", "2"]
     path, status, _ = client.patches[-1]
     assert path.endswith("/diffusiondeployments/f")

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from k8s.conftest import require_tool
 from k8s.crd_schema import EXAMPLE_PATH
+from k8s.e2e_support import refused_operator_calls
 from k8s.k8s_emulator import (
     DD,
     DEPLOYMENTS,
@@ -40,6 +43,14 @@ def _obj(kmock: Emulator, resource: object, name: str) -> dict | None:
     return kmock.objects[key].raw if key in kmock.objects and not kmock.objects[key].deleted else None
 
 
+@pytest.fixture(autouse=True)
+def operator_calls_within_rbac(kmock: Emulator,
+                               default_chart: list[dict[str, Any]]) -> Iterator[None]:
+    """Every API call the operator makes while kubectl drives it is allowed by the chart."""
+    yield
+    assert refused_operator_calls(kmock, default_chart) == []
+
+
 async def test_kubectl_apply_get_scale(kmock: Emulator, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     config = write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))
@@ -58,7 +69,7 @@ async def test_kubectl_apply_get_scale(kmock: Emulator, tmp_path: Path,
                              what="status")
             raw = await kubectl(config, "get", "dd", "flux-dev", "-o", "json")
             status = json.loads(raw)["status"]
-            assert status["topology"] == {"gpusPerPod": 2, "totalGPUs": 4}
+            assert status["topology"] == {"gpusPerPod": 2, "podsPerReplica": 1, "totalGPUs": 4}
             ready = await kubectl(config, "get", "dd", "flux-dev", "-o",
                                   "jsonpath={.status.conditions[?(@.type==\"Ready\")].reason}")
             assert ready == "ReplicasNotReady"

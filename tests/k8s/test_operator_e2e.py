@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from k8s.e2e_support import refused_operator_calls
 from k8s.k8s_emulator import (
     CONFIGMAPS,
     DD,
@@ -24,7 +26,6 @@ from k8s.k8s_emulator import (
     eventually,
     http,
     running_operator,
-    write_kubeconfig,
 )
 
 pytestmark = [pytest.mark.kmock(cls=Emulator), pytest.mark.usefixtures("no_operator_errors")]
@@ -37,12 +38,12 @@ SPEC: dict[str, Any] = {
 }
 
 
-@pytest.fixture()
-def kubeconfig(kmock: Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))
-    monkeypatch.setenv("KUBECONFIG", str(path))
-    monkeypatch.setenv("DITSERVE_ENGINE_IMAGE", "registry.test/ditserve:e2e")
-    return path
+@pytest.fixture(autouse=True)
+def operator_calls_within_rbac(kmock: Emulator,
+                               default_chart: list[dict[str, Any]]) -> Iterator[None]:
+    """Every API call the operator makes in these tests is allowed by the chart's RBAC."""
+    yield
+    assert refused_operator_calls(kmock, default_chart) == []
 
 
 def _obj(kmock: Emulator, resource: Any, name: str, namespace: str = "default") -> Any:
@@ -104,7 +105,7 @@ async def test_create_update_and_status_follow_children(kmock: Emulator, kubecon
             dd = await eventually(lambda: _cond(_obj(kmock, DD, "tiny"), "Ready")
                                   and _obj(kmock, DD, "tiny"), what="status")
             assert _cond(dd, "Ready")["status"] == "False"
-            assert dd["status"]["topology"] == {"gpusPerPod": 2, "totalGPUs": 2}
+            assert dd["status"]["topology"] == {"gpusPerPod": 2, "podsPerReplica": 1, "totalGPUs": 2}
             assert dd["status"]["observedGeneration"] == 1
             assert dd["status"]["endpoint"]["url"] == "http://tiny.default.svc:8000"
 
@@ -129,7 +130,7 @@ async def test_create_update_and_status_follow_children(kmock: Emulator, kubecon
                 and (d.get("status") or {}).get("readyReplicas") == 1 and d, what="counters")
             assert _cond(dd, "Ready")["reason"] == "ReplicasNotReady"
             assert _cond(dd, "Progressing")["status"] == "True"
-            assert dd["status"]["topology"] == {"gpusPerPod": 4, "totalGPUs": 12}
+            assert dd["status"]["topology"] == {"gpusPerPod": 4, "podsPerReplica": 1, "totalGPUs": 12}
             assert dd["status"]["observedGeneration"] == 2
 
             await _patch(dep_url, {"status": {"readyReplicas": 3, "availableReplicas": 3}})

@@ -191,7 +191,7 @@ def test_default_rollout_never_surges() -> None:
 
 def _violates_restricted(pod: dict[str, Any]) -> list[str]:
     """The Pod Security 'restricted' checks that a pod spec alone decides."""
-    out = [f"hostPath volume {v['name']}" for v in pod["volumes"] if "hostPath" in v]
+    out = [f"hostPath volume {v['name']}" for v in pod.get("volumes", []) if "hostPath" in v]
     if not pod.get("securityContext", {}).get("runAsNonRoot"):
         out.append("pod runAsNonRoot")
     if pod.get("securityContext", {}).get("seccompProfile", {}).get("type") != "RuntimeDefault":

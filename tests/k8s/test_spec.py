@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ditserve.operator.errors import InvalidSpecError
-from ditserve.operator.spec import engine_config, parse_spec, validate
+from ditserve.operator.judge import engine_config, validate
+from ditserve.operator.spec import parse_spec
 
 
 def test_mapping_onto_the_engine_config() -> None:

@@ -56,7 +56,7 @@ def test_all_ready() -> None:
     assert status["replicas"] == 2 and status["readyReplicas"] == 2
     assert status["updatedReplicas"] == 2
     assert status["observedGeneration"] == 3
-    assert status["topology"] == {"gpusPerPod": 2, "totalGPUs": 4}
+    assert status["topology"] == {"gpusPerPod": 2, "podsPerReplica": 1, "totalGPUs": 4}
     assert status["endpoint"] == {"url": "http://flux.ml.svc:8000"}
     assert status["selector"] == "app.kubernetes.io/name=ditserve-engine,app.kubernetes.io/instance=flux"
     assert all(c["lastTransitionTime"] == T0 and c["observedGeneration"] == 3
@@ -153,3 +153,100 @@ def test_missing_deployment_and_invalid_spec() -> None:
     assert got["Ready"] == ("False", "InvalidSpec") and got["Degraded"] == ("True", "InvalidSpec")
     assert status["observedGeneration"] == 9
     assert "offload.resident_layers only apply with offload enabled" in status["lastFailure"]["message"]
+
+
+def _engine(state: dict[str, Any], *, last: dict[str, Any] | None = None, ready: bool = False,
+            name: str = "engine") -> dict[str, Any]:
+    return {"name": name, "state": state, "lastState": last or {}, "ready": ready,
+            "restartCount": 1}
+
+
+def _pod_with(containers: list[dict[str, Any]], *, phase: str = "Running", uid: str = "pu",
+              limit: str = "40960Mi") -> dict[str, Any]:
+    return {"metadata": {"name": "flux-0", "uid": uid},
+            "spec": {"containers": [{"name": "engine", "resources": {"limits": {"memory": limit}}}]},
+            "status": {"phase": phase, "containerStatuses": containers}}
+
+
+@pytest.mark.parametrize(("container", "reason", "said"), [
+    (_engine({"waiting": {"reason": "CreateContainerConfigError",
+                          "message": 'secret "flux-key" not found'}}),
+     "ContainerConfigError", 'secret "flux-key" not found'),
+    (_engine({"waiting": {"reason": "RunContainerError", "message": "exec: ditserve: not found"}}),
+     "ContainerStartFailed", "exec: ditserve: not found"),
+    # The first OOM kill, before any back-off: the engine is running again but not ready.
+    (_engine({"running": {}}, last={"terminated": {"reason": "OOMKilled", "exitCode": 137}}),
+     "OOMKilled", "exceeding its memory limit (40960Mi"),
+    (_engine({"terminated": {"reason": "OOMKilled", "exitCode": 137}}), "OOMKilled",
+     "raise engine.resources.memory"),
+])
+def test_container_failures_are_degraded_at_once(container: dict[str, Any], reason: str,
+                                                 said: str) -> None:
+    status = compute_status(dd(), deployment(), [_pod_with([container])], now=T0)
+    got = {c["type"]: c for c in status["conditions"]}
+    assert (got["Degraded"]["status"], got["Degraded"]["reason"]) == ("True", reason)
+    assert got["Ready"]["reason"] == reason and said in got["Degraded"]["message"]
+
+
+def test_an_old_oom_kill_of_a_ready_engine_is_history() -> None:
+    healthy = _engine({"running": {}}, last={"terminated": {"reason": "OOMKilled"}}, ready=True)
+    status = compute_status(dd(), deployment(ready=2), [_pod_with([healthy])] * 2, now=T0)
+    assert conds(status)["Degraded"] == ("False", "AsExpected")
+
+
+def test_mount_failures_of_pods_that_have_not_started() -> None:
+    pending = _pod_with([_engine({"waiting": {"reason": "ContainerCreating"}})], phase="Pending")
+    event = {"involvedObject": {"kind": "Pod", "name": "flux-0", "uid": "pu"},
+             "reason": "FailedMount", "type": "Warning",
+             "message": 'MountVolume.SetUp failed for volume "model" : hostPath type check '
+                        "failed: /mnt/models/flux is not a directory"}
+    status = compute_status(dd(), deployment(), [pending], now=T0, events=[event])
+    got = {c["type"]: c for c in status["conditions"]}
+    assert got["Degraded"]["reason"] == "VolumeMountFailed"
+    assert "/mnt/models/flux is not a directory" in got["Degraded"]["message"]
+    # The same event about a pod that has started since (or another pod) is old news.
+    running = _pod_with([_engine({"running": {}})])
+    assert conds(compute_status(dd(), deployment(), [running], now=T0, events=[event]))[
+        "Degraded"] == ("False", "AsExpected")
+    other = {**event, "involvedObject": {"kind": "Pod", "name": "x", "uid": "other"}}
+    assert conds(compute_status(dd(), deployment(), [pending], now=T0, events=[other]))[
+        "Degraded"] == ("False", "AsExpected")
+
+
+def test_apply_failures_of_this_generation_are_conditions() -> None:
+    from ditserve.operator.status import ApplyFailure
+
+    failure = ApplyFailure("ChildConflict", "Service ml/flux already exists and is not owned", 3)
+    status = compute_status(dd(), deployment(ready=2), [], now=T0, apply_failure=failure)
+    got = {c["type"]: c for c in status["conditions"]}
+    for ctype in ("Ready", "Degraded"):
+        assert got[ctype]["reason"] == "ChildConflict"
+        assert "Service ml/flux already exists" in got[ctype]["message"]
+    assert got["Progressing"]["status"] == "False"
+    assert status["observedGeneration"] == 3 and status["lastFailure"]["reason"] == "ChildConflict"
+    assert status["readyReplicas"] == 2  # what runs is still reported
+    stale = ApplyFailure("ChildApplyFailed", "refused", 2)  # an older generation's: moot
+    assert conds(compute_status(dd(), deployment(ready=2), [], now=T0, apply_failure=stale))[
+        "Ready"] == ("True", "AllReplicasReady")
+
+
+def test_leader_worker_set_counts_groups_and_topology_spans_nodes() -> None:
+    spec = {"replicas": 2, "model": {"hostPath": "/m"}, "parallelism": {"data": 16}}
+    lws = {"metadata": {"generation": 1, "annotations": {GENERATION_ANNOTATION: "3"}},
+           "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2,
+                      "updatedReplicas": 2}}
+    status = compute_status(dd(spec), lws, [pod(init=DONE, engine=RUNNING)] * 4, now=T0)
+    assert conds(status)["Ready"] == ("True", "AllReplicasReady")
+    assert status["topology"] == {"gpusPerPod": 8, "podsPerReplica": 2, "totalGPUs": 32}
+
+
+def test_node_cache_summary_for_host_path_models() -> None:
+    nodecaches = [{"metadata": {"name": "gpu-1"}, "status": {
+        "heartbeatTime": T0, "entries": [{"state": "Ready", "model": "/m", "dtype": "bfloat16"}]}}]
+    status = compute_status(dd(), deployment(), [], now=T0, nodecaches=nodecaches)
+    assert status["nodeCache"]["readyNodes"] == 1
+    assert status["nodeCache"]["nodes"] == [{"name": "gpu-1", "state": "Ready"}]
+    assert "nodeCache" not in compute_status(dd(), deployment(), [], now=T0)  # not read
+    pvc = {**SPEC, "model": {"persistentVolumeClaim": {"claimName": "m"}}}
+    assert "nodeCache" not in compute_status(dd(pvc), deployment(), [], now=T0,
+                                             nodecaches=nodecaches)

@@ -61,3 +61,16 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end -}}
+
+{{- define "ditserve.cachectlServiceAccountName" -}}
+{{- if .Values.cachectl.serviceAccount.create -}}
+{{- default (printf "%s-cachectl" (include "ditserve.fullname" .)) .Values.cachectl.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.cachectl.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the daemon reports NodeCache objects (it then needs a token and its RBAC). */}}
+{{- define "ditserve.nodeStatus" -}}
+{{- if and .Values.cachectl.enabled .Values.cachectl.nodeStatus.enabled -}}true{{- end -}}
+{{- end -}}

@@ -1,0 +1,131 @@
+"""Bringing a DiffusionDeployment's children to the rendered state, without taking anything over.
+
+Owns ``sync_children``: read every child the spec wants, refuse if any same-named object is
+not this owner's (``ChildConflict``: nothing is changed, the object is left untouched), then
+create the missing children, server-side apply the ones that differ (under the resourceVersion
+their ownership was checked at), and delete this owner's children the spec no longer wants (a
+PodDisruptionBudget after scaling to one replica, the Deployment after a switch to a
+LeaderWorkerSet or back). A child the API server refuses stops the sync and comes back as
+``ChildApplyFailed`` with the server's own message. A child that already matches is not
+written, so a restarted operator changes nothing.
+Called by ``handlers``; the only module that writes children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ditserve.operator import render, workloads
+from ditserve.operator.errors import KubeApiError
+from ditserve.operator.judge import validate
+from ditserve.operator.kube import KubeClient, manifest_path, resource_path
+from ditserve.operator.spec import DeploymentSpec
+from ditserve.operator.status import ApplyFailure
+
+# A child that changes between our read and our write (409) is read again; a few rounds.
+SYNC_ATTEMPTS = 3
+
+
+def _describe(manifest: Mapping[str, Any]) -> str:
+    meta = manifest["metadata"]
+    return f"{manifest['kind']} {meta.get('namespace')}/{meta['name']}"
+
+
+def matches(want: Any, have: Any) -> bool:
+    """Whether the live object ``have`` already holds everything ``want`` says (the server adds
+    defaults, status and metadata of its own; those do not count as a difference)."""
+    if isinstance(want, Mapping):
+        return isinstance(have, Mapping) and all(
+            key in have and matches(value, have[key]) for key, value in want.items())
+    if isinstance(want, list):
+        return (isinstance(have, list) and len(want) == len(have)
+                and all(matches(w, h) for w, h in zip(want, have, strict=True)))
+    return bool(want == have)
+
+
+def _conflict(manifest: Mapping[str, Any], live: Mapping[str, Any]) -> str:
+    refs = (live.get("metadata") or {}).get("ownerReferences") or []
+    controller = next((r for r in refs if r.get("controller")), None)
+    by = (f"it is controlled by {controller.get('kind')} {controller.get('name')}"
+          if controller else "it has no controller")
+    return (f"{_describe(manifest)} already exists and is not owned by this "
+            f"DiffusionDeployment ({by}); it was left untouched: delete or rename it, or give "
+            "the DiffusionDeployment another name")
+
+
+def _stale_candidates(owner: render.Owner, spec: DeploymentSpec) -> list[str]:
+    """Paths of children an earlier spec may have made that this one does not render."""
+    ns, out = owner.namespace, []
+    if not spec.wants_disruption_budget:
+        out.append(resource_path("policy/v1", "poddisruptionbudgets", ns, owner.name))
+    if spec.parallelism.multi_node:
+        out.append(resource_path("apps/v1", "deployments", ns, owner.name))
+    else:
+        out.append(resource_path(workloads.LWS_API_VERSION, "leaderworkersets", ns,
+                                 owner.name + workloads.LWS_SUFFIX))
+    return out
+
+
+async def _delete_stale(client: KubeClient, owner: render.Owner, spec: DeploymentSpec) -> None:
+    for path in _stale_candidates(owner, spec):
+        live = await client.get(path)  # None also when the API (LWS) is not installed
+        if live is not None and render.owned_by(live, owner):
+            await client.delete(path, uid=live["metadata"]["uid"])
+
+
+async def _sync_once(client: KubeClient, manifests: list[dict[str, Any]], owner: render.Owner,
+                     spec: DeploymentSpec) -> ApplyFailure | None:
+    live: list[dict[str, Any] | None] = []
+    for manifest in manifests:
+        try:
+            live.append(await client.get(manifest_path(manifest)))
+        except KubeApiError as e:
+            return ApplyFailure("ChildApplyFailed", f"reading {_describe(manifest)} failed: "
+                                f"{e.status} {e.reason}: {e.message}", owner.generation)
+    conflicts = [_conflict(m, obj) for m, obj in zip(manifests, live, strict=True)
+                 if obj is not None and not render.owned_by(obj, owner)]
+    if conflicts:
+        return ApplyFailure("ChildConflict", "; ".join(conflicts), owner.generation)
+    # Stale children first: a Deployment must free its GPUs before a LeaderWorkerSet asks.
+    await _delete_stale(client, owner, spec)
+    for manifest, obj in zip(manifests, live, strict=True):
+        try:
+            if obj is None:
+                await client.create(manifest)
+            elif not matches(manifest, obj):
+                applied = await client.apply(manifest,
+                                             resource_version=obj["metadata"]["resourceVersion"])
+                if applied is None:
+                    raise KubeApiError(409, "Conflict", "deleted while being updated")
+        except KubeApiError as e:
+            if e.status == 409:
+                raise  # changed or created in between: read again
+            hint = ""
+            if e.status == 404 and manifest["kind"] == workloads.LWS_KIND:
+                hint = (" (the LeaderWorkerSet API is not installed: install the LWS controller "
+                        "from kubernetes-sigs/lws, or fit a replica on one node)")
+            return ApplyFailure("ChildApplyFailed", f"{_describe(manifest)} was refused: "
+                                f"{e.status} {e.reason}: {e.message}{hint}", owner.generation)
+    return None
+
+
+async def sync_children(client: KubeClient, body: Mapping[str, Any],
+                        image: str) -> ApplyFailure | None:
+    """Make the children match the spec (see module doc); None when they do.
+
+    Raises InvalidSpecError (nothing is touched) when the spec cannot be rendered.
+    """
+    owner = render.Owner.from_body(body)
+    spec, _ = validate(body.get("spec"), name=owner.name)
+    manifests = render.adopt(render.render(spec, owner, image=image), owner)
+    last: KubeApiError | None = None
+    for _attempt in range(SYNC_ATTEMPTS):
+        try:
+            return await _sync_once(client, manifests, owner, spec)
+        except KubeApiError as e:
+            if e.status != 409:
+                return ApplyFailure("ChildApplyFailed", str(e), owner.generation)
+            last = e
+    return ApplyFailure("ChildApplyFailed", f"children kept changing while being applied: {last}",
+                        owner.generation)

@@ -1,0 +1,171 @@
+"""Judging a DiffusionDeployment with the engine's own rules, before anything is applied.
+
+Owns the CRD -> engine config mapping and the three judgements a spec passes before the
+operator renders it:
+- the object's name makes valid names for every child (Service, ConfigMap, Deployment,
+  LeaderWorkerSet, PodDisruptionBudget, and the pods those create);
+- ``engine.args`` parse with the real ``ditserve serve`` parser and set none of the flags the
+  operator manages (``--data-parallel-size`` comes from parallelism.data, ``--port`` from
+  engine.port, ...): a contradicting flag would override the operator's file in the pod;
+- the resulting engine and server configs pass ``EngineConfig`` / ``ServerConfig`` validation,
+  the same rules `ditserve serve` applies at start.
+Called by ``render`` and ``status``; pure (parsing never touches the filesystem or network).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.errors import ConfigError
+from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec, parse_spec
+from ditserve.operator.workloads import LWS_SUFFIX
+
+# Children are named after the object (the ConfigMap with "-engine", LeaderWorkerSet pods with
+# "-<group>-<index>", their StatefulSets' revision labels with a 10-character hash): a DNS-1035
+# label short enough for every suffix.
+MAX_NAME_LENGTH = 52
+# Multi-node: StatefulSet names <name>-lws-<group> (group < 1000) plus their pods'
+# "controller-revision-hash" label (<statefulset>-<10 characters>, at most 63).
+MAX_MULTI_NODE_NAME = 63 - 11 - len(LWS_SUFFIX) - 4
+_DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+# `ditserve serve` flags the operator sets itself (argparse dest -> (flag, what sets it)).
+MANAGED_FLAGS: dict[str, tuple[str, str]] = {
+    "config": ("--config", "the operator (ConfigMap <name>-engine)"),
+    "model": ("--model", "model.hostPath or model.persistentVolumeClaim"),
+    "dtype": ("--dtype", "model.dtype"),
+    "device": ("--device", "the operator (one GPU per rank)"),
+    "compile": ("--compile", "compile.enabled and compile.backend"),
+    "max_num_seqs": ("--max-num-seqs", "batching.maxNumSeqs"),
+    "max_queue": ("--max-queue", "batching.maxQueue"),
+    "offload": ("--offload", "offload.enabled"),
+    "dlo_slots": ("--dlo-slots", "offload.slots"),
+    "dlo_resident_layers": ("--dlo-resident-layers", "offload.residentLayers"),
+    "dlo_use_allgather": ("--dlo-no-use-allgather", "offload.useAllGather"),
+    "dlo_runtime_cache": ("--dlo-runtime-cache", "offload.runtimeCache.enabled"),
+    "dlo_pin_limit_gib": ("--dlo-pin-limit-gib", "offload.runtimeCache.pinLimitGiB"),
+    "cache_root": ("--cache-root", "cache.root"),
+    "data_parallel_size": ("--data-parallel-size", "parallelism.data"),
+    "sequence_parallel_size": ("--sequence-parallel-size", "parallelism.sequence"),
+    "host": ("--host", "the operator (the pod listens on every address)"),
+    "port": ("--port", "engine.port"),
+    "api_key": ("--api-key", "engine.apiKeySecret (a key in the pod spec is readable by anyone "
+                             "who can read pods)"),
+    "api_key_env": ("--api-key-env", "engine.apiKeySecret"),
+}
+
+
+def name_problems(name: str) -> list[str]:
+    """Why ``name`` cannot name this object's children (empty if it can)."""
+    out = []
+    if len(name) > MAX_NAME_LENGTH:
+        out.append(f"metadata.name must be at most {MAX_NAME_LENGTH} characters (children and "
+                   f"their pods are named after it), got {len(name)}")
+    if not _DNS_1035_LABEL.match(name):
+        out.append(f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits "
+                   "and '-', starting with a letter): the Service is named after it")
+    return out
+
+
+def engine_mapping(spec: DeploymentSpec) -> dict[str, Any]:
+    """The CRD fields as an ``EngineConfig`` mapping (cache root: pods get $DITSERVE_CACHE_ROOT)."""
+    mapping: dict[str, Any] = {
+        "model": MODEL_MOUNT_PATH,
+        "dtype": spec.model.dtype,
+        "device": "auto",
+        "offload": {
+            "enabled": spec.offload.enabled,
+            "use_allgather": spec.offload.use_all_gather,
+            "resident_layers": spec.offload.resident_layers,
+            "runtime_cache": spec.offload.runtime_cache,
+            "pin_limit_gib": spec.offload.pin_limit_gib,
+        },
+        "parallel": {
+            "data_parallel_size": spec.parallelism.data,
+            "sequence_parallel_size": spec.parallelism.sequence,
+        },
+        "scheduler": {
+            "max_num_seqs": spec.batching.max_num_seqs,
+            "max_queue": spec.batching.max_queue,
+        },
+        "compile": spec.compile.backend if spec.compile.enabled else None,
+    }
+    if spec.offload.slots is not None:  # unset: the engine picks per mode
+        mapping["offload"]["slots"] = spec.offload.slots
+    return mapping
+
+
+def server_section(spec: DeploymentSpec) -> dict[str, Any]:
+    """The ``server:`` section of the engine's config file."""
+    return {"host": "0.0.0.0", "port": spec.engine.port}
+
+
+def _parse_serve_args(args: tuple[str, ...]) -> Any:
+    """``engine.args`` through the real `ditserve serve` parser; argparse's complaint on error."""
+    from ditserve.engine.cli import build_parser
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            return build_parser().parse_args(["serve", *args])
+    except SystemExit:
+        said = err.getvalue().strip().splitlines()
+        reason = said[-1].split("error: ", 1)[-1] if said else "they ask for help, not a server"
+        raise InvalidSpecError(f"engine.args are not valid `ditserve serve` arguments: {reason}")\
+            from None
+
+
+def _managed_flag_problems(parsed: Any) -> list[str]:
+    return [f"engine.args must not set {flag}: the operator sets it from {owner}"
+            for dest, (flag, owner) in MANAGED_FLAGS.items()
+            if getattr(parsed, dest, None) is not None]
+
+
+def engine_config(spec: DeploymentSpec) -> EngineConfig:
+    """The engine config every rank of this deployment runs (the CRD fields, then the engine
+    options in ``engine.args``), judged by the engine's own rules; raises InvalidSpecError."""
+    config, _ = judge_engine(spec)
+    return config
+
+
+def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
+    """(EngineConfig, ServerConfig) of the pods, or InvalidSpecError listing every problem."""
+    from ditserve.engine.cli_options import engine_config_from_args
+    from ditserve.engine.server.main import server_config_from_args
+
+    parsed = _parse_serve_args(spec.engine.args)
+    managed = _managed_flag_problems(parsed)
+    if managed:
+        raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(managed))
+    try:
+        config = engine_config_from_args(parsed, base=engine_mapping(spec))
+        # environ={}: the operator never reads the pod's secrets; the key arrives at run time.
+        server = server_config_from_args(parsed, base=server_section(spec), environ={})
+    except ConfigError as e:
+        raise InvalidSpecError(str(e)) from e
+    return config, server
+
+
+def validate(data: Mapping[str, Any] | None, *,
+             name: str | None = None) -> tuple[DeploymentSpec, EngineConfig]:
+    """Every judgement at once: the name (when given), the spec's shape, the engine's rules."""
+    problems = name_problems(name) if name is not None else []
+    try:
+        spec = parse_spec(data)
+    except InvalidSpecError as e:
+        if not problems:
+            raise
+        raise InvalidSpecError(f"{e}\n  - " + "\n  - ".join(problems)) from None
+    if name is not None and spec.parallelism.multi_node and len(name) > MAX_MULTI_NODE_NAME:
+        problems.append(f"metadata.name must be at most {MAX_MULTI_NODE_NAME} characters when a "
+                        "replica spans nodes (the LeaderWorkerSet's StatefulSets are named "
+                        f"<name>{LWS_SUFFIX}-<group>), got {len(name)}")
+    if problems:
+        raise InvalidSpecError("invalid DiffusionDeployment:\n  - " + "\n  - ".join(problems))
+    return spec, engine_config(spec)
