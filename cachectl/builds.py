@@ -83,6 +83,11 @@ class BuildCoordinator:
         self._jobs: dict[str, Job] = {}
         self._stopping = False
 
+    def jobs(self) -> list[Job]:
+        """Every job this daemon knows (running, ready and failed), e.g. for the node status."""
+        with self._lock:
+            return list(self._jobs.values())
+
     def submit(self, request: ModelRequest) -> Job:
         plan = plan_model(request, self.loader)  # raises BuildError for an unusable model dir
         recipe_key = plan.recipe.key

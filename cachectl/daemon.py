@@ -41,6 +41,7 @@ from ditserve.cachectl.identity import Placement, is_key
 from ditserve.cachectl.logs import event
 from ditserve.cachectl.metrics import DaemonMetrics
 from ditserve.cachectl.model_build import ModelLoader, ModelRequest
+from ditserve.cachectl.node_status import NodeStatusReporter
 from ditserve.cachectl.scrub import Scrubber
 from ditserve.cachectl.store import CacheStore
 from ditserve.cachectl.verify import check_structure
@@ -97,14 +98,21 @@ class Daemon:
         rate = config.scrub_rate_mib_s * 2**20 if config.scrub_rate_mib_s else None
         self.scrubber = Scrubber(self.store, self.metrics, logger,
                                  interval_s=config.scrub_interval_s, rate_bytes_per_s=rate)
+        # In a pod with $NODE_NAME: the node's NodeCache object (None elsewhere).
+        self.node_status = NodeStatusReporter.from_env(
+            root=str(config.root), entries=self.store.list, jobs=self.builds.jobs, logger=logger)
 
     def start(self) -> None:
         self.scrubber.start()
+        if self.node_status is not None:
+            self.node_status.start()
 
     def stop(self) -> list[str]:
         """Stop scrubbing and drain builds; the recipe keys of builds abandoned after the
         grace period (empty when every running build finished)."""
         self.scrubber.stop()
+        if self.node_status is not None:
+            self.node_status.stop()
         return [job.recipe_key for job in self.builds.drain(self.config.grace_s)]
 
 
