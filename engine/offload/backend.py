@@ -33,7 +33,7 @@ from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.gather import GatherTransfer
 from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle
 from ditserve.engine.offload.hooks import BlockStreamer, make_streamed_block
-from ditserve.engine.offload.host import HostStorage
+from ditserve.engine.offload.host.slabs import HostStorage
 from ditserve.engine.offload.host_plan import HostWeightPlan
 from ditserve.engine.offload.mapped_storage import MappedStorage
 from ditserve.engine.offload.plan import GIB, TensorSpec, build_plan

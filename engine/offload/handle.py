@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ditserve.engine.offload.hooks import BlockStreamer
-from ditserve.engine.offload.host import HostStorage
+from ditserve.engine.offload.host.slabs import HostStorage
 from ditserve.engine.offload.mapped_storage import MappedStorage
 from ditserve.engine.offload.plan import OffloadPlan
 from ditserve.engine.offload.shard_storage import ShardStorage
