@@ -46,7 +46,7 @@ from ditserve.engine.config import OffloadConfig  # noqa: E402
 from ditserve.engine.offload import enable_offload  # noqa: E402
 from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan  # noqa: E402
 from ditserve.engine.offload.mmap_source import MappedSafetensors, map_dit  # noqa: E402
-from ditserve.engine.offload.runtime_cache import release_private_memory  # noqa: E402
+from ditserve.engine.offload.host.runtime_cache import release_private_memory  # noqa: E402
 
 GIB = 1024**3
 PAGE = 4096

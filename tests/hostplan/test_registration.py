@@ -8,7 +8,7 @@ import torch
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.loader import DIT_COMPONENT, dit_class
-from ditserve.engine.offload.host_weights import checkpoint_dit
+from ditserve.engine.offload.host.backing_choice import checkpoint_dit
 from ditserve.engine.offload.mapped_storage import MappedStorage
 from ditserve.engine.offload.registration import (
     HostRange,
