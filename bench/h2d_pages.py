@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload as single  # noqa: E402  (bench/offload.py: the copy timer, pagemap)
 
 from ditserve.engine.distributed.rendezvous import free_port  # noqa: E402
-from ditserve.engine.offload import transfer  # noqa: E402
+from ditserve.engine.offload.movement import copy_stream as transfer  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 BASE_MODES = ("1 stream", "2 streams", "1 stream + GEMM", "1 stream + gathers",

@@ -37,7 +37,7 @@ import torch
 
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.offload import enable_offload
-from ditserve.engine.offload.transfer import make_transfer
+from ditserve.engine.offload.movement.copy_stream import make_transfer
 
 GIB = 1024**3
 RESOLUTIONS = (1024, 512)

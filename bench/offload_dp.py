@@ -72,8 +72,8 @@ import offload as single  # noqa: E402  (bench/offload.py: model builder, inputs
 
 from ditserve.engine.config import OffloadConfig  # noqa: E402
 from ditserve.engine.offload import enable_offload  # noqa: E402
-from ditserve.engine.offload.gather import _all_gather  # noqa: E402
-from ditserve.engine.offload.transfer import CudaStreamTransfer  # noqa: E402
+from ditserve.engine.offload.movement.copy_stream import CudaStreamTransfer  # noqa: E402
+from ditserve.engine.offload.movement.gather import _all_gather  # noqa: E402
 
 GIB = 1024**3
 RES = 1024

@@ -44,9 +44,9 @@ import offload as dlo_bench  # noqa: E402  (bench/offload.py: model, inputs, tim
 
 from ditserve.engine.config import OffloadConfig  # noqa: E402
 from ditserve.engine.offload import enable_offload  # noqa: E402
-from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan  # noqa: E402
-from ditserve.engine.offload.mmap_source import MappedSafetensors, map_dit  # noqa: E402
 from ditserve.engine.offload.host.runtime_cache import release_private_memory  # noqa: E402
+from ditserve.engine.offload.host.safetensors_mmap import MappedSafetensors, map_dit  # noqa: E402
+from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan  # noqa: E402
 
 GIB = 1024**3
 PAGE = 4096

@@ -28,19 +28,19 @@ from torch import nn
 
 from ditserve.engine.config import OffloadConfig, offload_problems
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload.ce_gather import CopyEngineGather
 from ditserve.engine.offload.discovery import discover
-from ditserve.engine.offload.gather import GatherTransfer
 from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle
 from ditserve.engine.offload.hooks import BlockStreamer, make_streamed_block
+from ditserve.engine.offload.host.mapped import MappedStorage
+from ditserve.engine.offload.host.shard_slabs import ShardStorage
 from ditserve.engine.offload.host.slabs import HostStorage
-from ditserve.engine.offload.host_plan import HostWeightPlan
-from ditserve.engine.offload.mapped_storage import MappedStorage
+from ditserve.engine.offload.host.weight_plan import HostWeightPlan
+from ditserve.engine.offload.movement.ce_gather import CopyEngineGather
+from ditserve.engine.offload.movement.copy_stream import make_transfer
+from ditserve.engine.offload.movement.gather import GatherTransfer
+from ditserve.engine.offload.movement.mapped import MappedTransfer, make_mapped_transfer
 from ditserve.engine.offload.plan import GIB, TensorSpec, build_plan
-from ditserve.engine.offload.shard_storage import ShardStorage
 from ditserve.engine.offload.shards import shard_block, shard_slot_numel
-from ditserve.engine.offload.staging import MappedTransfer, make_mapped_transfer
-from ditserve.engine.offload.transfer import make_transfer
 
 log = logging.getLogger(__name__)
 

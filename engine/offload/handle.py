@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ditserve.engine.offload.hooks import BlockStreamer
+from ditserve.engine.offload.host.mapped import MappedStorage
+from ditserve.engine.offload.host.shard_slabs import ShardStorage
 from ditserve.engine.offload.host.slabs import HostStorage
-from ditserve.engine.offload.mapped_storage import MappedStorage
 from ditserve.engine.offload.plan import OffloadPlan
-from ditserve.engine.offload.shard_storage import ShardStorage
 
 # The live handle of each offloaded model (a model is offloaded at most once at a time).
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, OffloadHandle] = weakref.WeakKeyDictionary()

@@ -39,8 +39,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ditserve.engine.errors import OffloadError
+from ditserve.engine.offload.movement.copy_stream import CopyPairs
 from ditserve.engine.offload.plan import BlockLayout
-from ditserve.engine.offload.transfer import CopyPairs
 
 
 @dataclass

@@ -116,8 +116,8 @@ def test_unconsumed_plan_that_skipped_the_load_is_a_startup_error(tiny_model_dir
 def test_copy_runs_merge_only_when_contiguous_in_the_slot_and_the_file() -> None:
     from types import SimpleNamespace
 
-    from ditserve.engine.offload.host_plan import TensorBinding
-    from ditserve.engine.offload.mapped_storage import _Run
+    from ditserve.engine.offload.host.mapped import _Run
+    from ditserve.engine.offload.host.weight_plan import TensorBinding
 
     raw = torch.arange(64, dtype=torch.uint8)  # a fake mapped file
 

@@ -11,9 +11,10 @@ from offload.support import build_flux, flux_inputs, run  # type: ignore[import-
 
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.loader import DIT_COMPONENT, dit_class
-from ditserve.engine.offload import enable_offload, staging
+from ditserve.engine.offload import enable_offload
 from ditserve.engine.offload.host.backing_choice import checkpoint_dit
-from ditserve.engine.offload.registration import CudaRegistrar, RegistrationRefused
+from ditserve.engine.offload.host.registration import CudaRegistrar, RegistrationRefused
+from ditserve.engine.offload.movement import mapped as staging
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -9,16 +9,16 @@ from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.loader import DIT_COMPONENT, dit_class
 from ditserve.engine.offload.host.backing_choice import checkpoint_dit
-from ditserve.engine.offload.mapped_storage import MappedStorage
-from ditserve.engine.offload.registration import (
+from ditserve.engine.offload.host.mapped import MappedStorage
+from ditserve.engine.offload.host.registration import (
     HostRange,
     RegistrationRefused,
     SourceRange,
     plan_ranges,
     register_ranges,
 )
-from ditserve.engine.offload.staging import make_mapped_transfer
-from ditserve.engine.offload.transfer import SyncTransfer
+from ditserve.engine.offload.movement.copy_stream import SyncTransfer
+from ditserve.engine.offload.movement.mapped import make_mapped_transfer
 
 P = 4096
 

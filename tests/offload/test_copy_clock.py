@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.offload.copy_clock import CopyClock
-from ditserve.engine.offload.transfer import SyncTransfer
+from ditserve.engine.offload.movement.copy_clock import CopyClock
+from ditserve.engine.offload.movement.copy_stream import SyncTransfer
 
 
 class FakeStream:

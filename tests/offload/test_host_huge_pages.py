@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditserve.engine.offload.transfer import HUGE_PAGE, PAGE, SyncTransfer
+from ditserve.engine.offload.movement.copy_stream import HUGE_PAGE, PAGE, SyncTransfer
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HOST = SyncTransfer(torch.device("cpu"))  # the same allocation as CUDA's, minus the pinning

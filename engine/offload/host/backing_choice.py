@@ -22,8 +22,8 @@ from typing import Any
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan
-from ditserve.engine.offload.mmap_source import MappedSafetensors, map_dit
+from ditserve.engine.offload.host.safetensors_mmap import MappedSafetensors, map_dit
+from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan
 
 log = logging.getLogger(__name__)
 

@@ -36,14 +36,14 @@ import torch
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan
-from ditserve.engine.offload.mmap_source import (
+from ditserve.engine.offload.host.safetensors_mmap import (
     MappedSafetensors,
     expected_tensors,
     map_dit,
     preflight,
     source_views,
 )
+from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan
 
 log = logging.getLogger(__name__)
 

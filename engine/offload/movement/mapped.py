@@ -32,11 +32,8 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.offload.copy_clock import CopyClock
-from ditserve.engine.offload.host_plan import HostWeightPlan
-from ditserve.engine.offload.mapped_storage import MappedRegion, MappedStorage
-from ditserve.engine.offload.plan import ALIGN_BYTES, SlotLayout
-from ditserve.engine.offload.registration import (
+from ditserve.engine.offload.host.mapped import MappedRegion, MappedStorage
+from ditserve.engine.offload.host.registration import (
     CudaRegistrar,
     Registrar,
     Registration,
@@ -44,6 +41,9 @@ from ditserve.engine.offload.registration import (
     plan_ranges,
     register_ranges,
 )
+from ditserve.engine.offload.host.weight_plan import HostWeightPlan
+from ditserve.engine.offload.movement.copy_clock import CopyClock
+from ditserve.engine.offload.plan import ALIGN_BYTES, SlotLayout
 
 log = logging.getLogger(__name__)
 GIB = 1024**3

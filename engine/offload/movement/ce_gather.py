@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload.gather import SHARD_SLOTS, GatherTransfer
-from ditserve.engine.offload.transfer import CopyPairs
+from ditserve.engine.offload.movement.copy_stream import CopyPairs
+from ditserve.engine.offload.movement.gather import SHARD_SLOTS, GatherTransfer
 
 READY, READ = 0, 1  # signal kinds; channel = kind * SHARD_SLOTS + shard slot
 

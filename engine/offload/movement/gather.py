@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload.copy_clock import CopyClock
-from ditserve.engine.offload.transfer import CopyPairs
+from ditserve.engine.offload.movement.copy_clock import CopyClock
+from ditserve.engine.offload.movement.copy_stream import CopyPairs
 
 SHARD_SLOTS = 3
 

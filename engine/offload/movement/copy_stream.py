@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload.copy_clock import CopyClock
+from ditserve.engine.offload.movement.copy_clock import CopyClock
 
 log = logging.getLogger(__name__)
 PAGE = 4096

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ditserve.cachectl.st_format import ITEMSIZE, read_header
-from ditserve.engine.offload.host_plan import Coverage, TensorBinding
+from ditserve.engine.offload.host.weight_plan import Coverage, TensorBinding
 
 _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload.host_plan import HostWeightPlan, TensorBinding
+from ditserve.engine.offload.host.registration import SourceRange
+from ditserve.engine.offload.host.weight_plan import HostWeightPlan, TensorBinding
 from ditserve.engine.offload.plan import BlockLayout
-from ditserve.engine.offload.registration import SourceRange
 
 
 @dataclass(frozen=True)
