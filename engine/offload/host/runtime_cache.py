@@ -19,7 +19,7 @@ In AllGather mode the backend copies the rank's 1/group shards out of the mappin
 closes the plan (mapping and lease): the shards are private and pinned, nothing reads the
 mapping afterwards.
 
-Called by ``host_weights.prepare_dit``.
+Called by ``backing_choice.prepare_dit``.
 """
 
 from __future__ import annotations

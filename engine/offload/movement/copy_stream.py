@@ -1,6 +1,6 @@
-"""Transfer: moves block bytes from host slabs into device slots. The only CUDA-specific module.
+"""Copy-stream transfers: block bytes from host regions into device slots, ordered by events.
 
-Two implementations behind one small interface:
+Two implementations of the ``transfer.Transfer`` surface:
 
 - ``SyncTransfer`` (CPU, and any device without streams): copies run synchronously when a
   load is issued, so every ordering rule holds trivially. CI runs the offload logic on it.
@@ -9,20 +9,14 @@ Two implementations behind one small interface:
   asynchronously from pinned memory, and records ``ready``; the compute stream waits on
   ``ready`` before the block runs. Only stream waits - no host synchronization per block.
 
-Host allocation lives here too, because pinning is CUDA-specific: ``allocate_host`` returns
-page-locked memory registered in place with ``cudaHostRegister`` (exact size, unlike the
-caching host allocator, which rounds every pinned allocation up to a power of two).
+Host memory (pinned slabs) is ``host.memory``'s; the AllGather and mapped transfers wrap one
+of these and reuse its copy stream, events and clock.
 
-Called by ``host.HostStorage`` (allocation), ``hooks.BlockStreamer`` (loads and waits) and
-``backend`` (synchronize, close).
+Called by ``hooks.BlockStreamer`` (loads and waits) and the backend (synchronize, close).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,32 +24,26 @@ import torch
 
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.movement.copy_clock import CopyClock
-
-log = logging.getLogger(__name__)
-PAGE = 4096
-HUGE_PAGE = 2 * 1024 * 1024  # x86-64 and arm64 (4 KiB base pages) transparent huge page
-MADV_HUGEPAGE = 14  # linux/mman.h
-CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (device destination, host source)
+from ditserve.engine.offload.movement.transfer import CopyPairs, MovementProbe, TransferReport
 
 
 class SyncTransfer:
     """Synchronous copies on the calling thread; events are not needed."""
 
     name = "sync-copy"
-    backing = "pageable"
     clock = None  # nothing to time: a copy is done when load returns
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pinned_bytes = 0
 
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 host buffer of exactly ``nbytes`` bytes (page-aligned start)."""
-        return _aligned_empty(nbytes)
+    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]]) -> CopyPairs:
+        return list(pairs)
 
-    def free_host(self, buffer: torch.Tensor) -> bool:
-        """Nothing to undo for ordinary memory: it stays valid (True) until unreferenced."""
-        return True
+    def report(self) -> TransferReport:
+        return TransferReport(self.name, "private-slabs")
+
+    def probe(self) -> MovementProbe:
+        return MovementProbe()
 
     def load(self, pairs: CopyPairs, slot: int) -> None:
         for dst, src in pairs:
@@ -87,61 +75,16 @@ class CudaStreamTransfer:
         # ready[s]: the copy into slot s finished; free[s]: compute stopped reading slot s.
         self.ready = [torch.cuda.Event() for _ in range(slots)]
         self.free = [torch.cuda.Event() for _ in range(slots)]
-        self.pinned_bytes = 0
-        self.backing = "pinned-registered"
-        self._registered: dict[int, int] = {}  # data_ptr -> bytes, to unregister on release
         self.clock = CopyClock()  # achieved H2D rate, for the report
 
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        """Page-locked host memory of exactly ``nbytes``: malloc'd, then cudaHostRegister'ed.
+    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]]) -> CopyPairs:
+        return list(pairs)
 
-        Falls back to the caching host allocator (``pin_memory=True``, power-of-two rounding)
-        only where registration is refused, and says so in ``backing``.
-        """
-        if self.backing == "pinned-registered":
-            buffer = _aligned_empty(nbytes)
-            if nbytes == 0:
-                return buffer
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-            if err == cudart.cudaError.success:
-                self._registered[buffer.data_ptr()] = nbytes
-                self.pinned_bytes += nbytes
-                return buffer
-            log.warning(
-                "cudaHostRegister refused %d bytes (%s); falling back to the caching host "
-                "allocator, which rounds each slab up to a power of two",
-                nbytes,
-                cudart.cudaGetErrorString(err),
-            )
-            self.backing = "pinned-caching-allocator"
-        try:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as e:
-            raise OffloadError(
-                f"could not pin {nbytes} bytes of host memory for offload ({e}); free host RAM "
-                "or keep more blocks resident (--dlo-hbm-budget-gib)"
-            ) from e
-        self.pinned_bytes += 1 << max(nbytes - 1, 0).bit_length()  # what the allocator takes
-        return buffer
+    def report(self) -> TransferReport:
+        return TransferReport(self.name, "private-slabs", copy_rate=self.clock.rate())
 
-    def free_host(self, buffer: torch.Tensor) -> bool:
-        """Unregister a buffer from ``allocate_host``.
-
-        True: the memory stays valid as ordinary pageable memory. False: it came from the
-        caching pinned allocator and stays pinned while referenced.
-        """
-        nbytes = self._registered.pop(buffer.data_ptr(), None)
-        if nbytes is None:
-            if buffer.numel():
-                self.pinned_bytes -= 1 << max(buffer.numel() - 1, 0).bit_length()
-            return buffer.numel() == 0
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostUnregister(buffer.data_ptr())
-        if err != cudart.cudaError.success:
-            log.warning("cudaHostUnregister failed: %s", cudart.cudaGetErrorString(err))
-        self.pinned_bytes -= nbytes
-        return True
+    def probe(self) -> MovementProbe:
+        return MovementProbe(copy_stream=self.stream)
 
     def load(self, pairs: CopyPairs, slot: int) -> None:
         with torch.cuda.stream(self.stream):
@@ -188,39 +131,3 @@ def make_transfer(device: torch.device, slots: int = 2) -> SyncTransfer | CudaSt
             )
         return CudaStreamTransfer(device, slots)
     return SyncTransfer(device)
-
-
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of ordinary host memory starting on a page boundary (for registration).
-
-    From 2 MiB up the buffer starts on a 2 MiB boundary and is advised for transparent huge
-    pages before anything touches it. Pinning walks every page of a slab and the device maps
-    each for DMA; with 2 MiB pages both have 512x fewer entries. Measured on 2x H200 with the
-    AllGather shards (through torch's THP_MEM_ALLOC_ENABLE, the same advice for every large
-    CPU allocation): enable 3.2-5.8 s instead of 5.2-9.0 s, and 213.9-217.2 instead of
-    216.3-224.9 ms/step after the first enable (docs/benchmarks.md). Where THP is off the
-    advice changes nothing.
-    """
-    align = HUGE_PAGE if nbytes >= HUGE_PAGE else PAGE
-    raw = torch.empty(nbytes + align, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % align
-    buffer = raw[start : start + nbytes]
-    if align == HUGE_PAGE:
-        advise_huge_pages(buffer.data_ptr(), nbytes)
-    return buffer
-
-
-def advise_huge_pages(address: int, nbytes: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on a page-aligned range; False where the kernel declines."""
-    libc = _libc()
-    if libc is None:
-        return False
-    return int(libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
-                            MADV_HUGEPAGE)) == 0
-
-
-@functools.cache
-def _libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    return ctypes.CDLL(None, use_errno=True)
