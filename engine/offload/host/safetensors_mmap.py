@@ -14,7 +14,7 @@ Owns three things:
 - ``bind_dit``: a DiT created on the meta device (non-persistent buffers built as usual),
   whose parameters and persistent buffers become views of the mappings.
 
-Called by ``host_weights`` (checkpoint mmap, runtime-cache hits) and ``runtime_cache``.
+Called by ``backing_choice`` (checkpoint mmap, runtime-cache hits) and ``runtime_cache``.
 """
 
 from __future__ import annotations
