@@ -47,7 +47,7 @@ class MappedRegion:
     parts: tuple[tuple[int, torch.Tensor], ...]
 
 
-class _Run:
+class CopyRun:
     """Tensors contiguous in a slot region and in one mapped file: one copy covers them all."""
 
     def __init__(self, offset: int, numel: int, binding: TensorBinding, view: torch.Tensor):
@@ -150,7 +150,7 @@ class MappedBacking:
         """Per dtype, the parts to copy: tensors that lie back to back both in the slot region
         and in one file become a single part (one copy instead of one per tensor)."""
         layout = self._layouts[index]
-        runs: dict[Hashable, list[_Run]] = {r.dtype: [] for r in layout.regions}
+        runs: dict[Hashable, list[CopyRun]] = {r.dtype: [] for r in layout.regions}
         members = zip(layout.tensors, self._views[index], self._bindings[index], strict=True)
         for placement, view, binding in members:
             same_region = runs[placement.dtype]
@@ -158,7 +158,7 @@ class MappedBacking:
             if last is not None and last.continues(placement.offset, binding):
                 last.add(placement.numel, binding, view)
             else:
-                same_region.append(_Run(placement.offset, placement.numel, binding, view))
+                same_region.append(CopyRun(placement.offset, placement.numel, binding, view))
         files = {str(m.path): m for m in self.plan.mappings}
         return {
             r.dtype: MappedRegion(
