@@ -17,31 +17,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload as single  # noqa: E402  (bench/offload.py: model, inputs, step timing)
-
-from ditserve.engine.compiled_blocks import compile_repeated_blocks  # noqa: E402
-from ditserve.engine.config import OffloadConfig  # noqa: E402
-from ditserve.engine.offload import enable_offload  # noqa: E402
+from ditserve.engine.compiled_blocks import compile_repeated_blocks
+from ditserve.engine.config import OffloadConfig
+from ditserve.engine.offload import enable_offload
 
 
 def measure(model: torch.nn.Module, batches: list[int], warmup: int, iters: int,
             device: torch.device) -> dict[int, dict[str, float]]:
     out = {}
     for batch in batches:
-        inputs = single.flux_inputs(1024, batch, device)
+        inputs = harness.flux_inputs(model, 1024, batch, device)
         t0 = time.perf_counter()
-        times = single.time_steps(model, inputs, warmup, iters)
-        out[batch] = {"ms": statistics.median(times), "first_s": time.perf_counter() - t0}
-        single.log(f"batch {batch}: {out[batch]['ms']:.1f} ms/step "
+        times = harness.time_steps(model, inputs, warmup, iters)
+        out[batch] = {"ms": times.median, "first_s": time.perf_counter() - t0}
+        harness.log(f"batch {batch}: {out[batch]['ms']:.1f} ms/step "
                    f"({out[batch]['first_s']:.0f} s incl. warm-up)")
     return out
 
@@ -61,24 +58,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="small model on the CPU (use --backend aot_eager): smoke test")
     a = p.parse_args(argv)
     if a.tiny:
-        single.MODEL_KWARGS.update(single.TINY)
         device = torch.device("cpu")
     elif torch.cuda.is_available():
         device = torch.device("cuda")
     else:
         print("needs a CUDA device (or --tiny)", file=sys.stderr)
         return 2
-    model: Any = single.build_flux(device, num_layers=a.layers, num_single_layers=a.single_layers)
+    model: Any = harness.build_flux(device, tiny=a.tiny, num_layers=a.layers,
+                                    num_single_layers=a.single_layers)
     if a.dlo:
         model = model.cpu()
         enable_offload(model, OffloadConfig(enabled=True, slots=a.slots), device=device)
     blocks = a.layers + a.single_layers
     mode = f"DLO, {a.slots} slots" if a.dlo else "resident"
-    single.log(f"{blocks} blocks, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
+    harness.log(f"{blocks} blocks, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
                f"params, {mode}; eager")
     eager = measure(model, a.batches, a.warmup, a.iters, device)
     compile_repeated_blocks(model, a.backend)
-    single.log(f"compiled ({a.backend})")
+    harness.log(f"compiled ({a.backend})")
     compiled = measure(model, a.batches, a.warmup, a.iters, device)
     rows = ["| batch | eager ms/step | compiled ms/step | compiled / eager | eager ms/block | "
             "compiled ms/block | first compiled batch s |", "|---|---|---|---|---|---|---|"]

@@ -33,11 +33,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload as single  # noqa: E402  (bench/offload.py: the copy timer)
 
 GIB = 1024**3
 MADV_NOHUGEPAGE = 15
@@ -103,7 +101,7 @@ def file_mapping(directory: str, nbytes: int) -> tuple[Any, int]:
 
 def gbps(device: torch.device, host: torch.Tensor, reps: int) -> float:
     dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-    return float(single.copy_gbps(dev, host, torch.cuda.Stream(device=device), reps))
+    return float(harness.copy_gbps(dev, host, torch.cuda.Stream(device=device), reps))
 
 
 def measure(device: torch.device, make, flags: int, reps: int, offset: int = 0) -> float | str:

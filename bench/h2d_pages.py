@@ -5,7 +5,7 @@ Diagnosis for issue 4's slow first enable (docs/benchmarks.md): on the 2x H200 m
 first set of pinned shards a process makes copies at ~52 GB/s while the peer computes, later
 sets at ~55. This program takes NCCL, the model and the hooks out of the picture: one process
 per GPU pins ``--gib`` GiB in ``--slab-mib`` slabs through the engine's own allocator
-(``CudaStreamTransfer.allocate_host``, as the shard storage does), fills them, and times full
+(``host.memory.PinnedMemory``, as the shard backing does), fills them, and times full
 passes over the set, every GPU copying at once. Each *round* makes a new set:
 
 - ``new``: allocated while the earlier sets are still held (pages this process never had);
@@ -46,7 +46,6 @@ there).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import math
@@ -59,15 +58,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload as single  # noqa: E402  (bench/offload.py: the copy timer, pagemap)
-
-from ditserve.engine.distributed.rendezvous import free_port  # noqa: E402
-from ditserve.engine.offload import transfer  # noqa: E402
+from ditserve.engine.distributed.rendezvous import free_port
+from ditserve.engine.offload.host.memory import PinnedMemory
 
 MIB, GIB = 2**20, 2**30
 BASE_MODES = ("1 stream", "2 streams", "1 stream + GEMM", "1 stream + gathers",
@@ -90,7 +87,9 @@ class Rank:
     def __init__(self, rank: int, args: argparse.Namespace) -> None:
         self.rank, self.args = rank, args
         self.device = torch.device("cuda", rank)
-        self.transfer = transfer.CudaStreamTransfer(self.device, 2)
+        # --small-pages: the slabs' pages stay 4 KiB (MADV_NOHUGEPAGE instead of the engine's
+        # huge-page advice).
+        self.memory = PinnedMemory(huge_pages=not args.small_pages)
         self.streams = [torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
         slab = args.slab_mib * MIB
         # One 2 MiB-aligned arena per slot, with room to start the slot at any tested offset.
@@ -119,17 +118,17 @@ class Rank:
         """A full-width Flux with few blocks, resident, its inputs and its forward's time alone
         (ms)."""
         n = self.args.flux_layers
-        model = single.build_flux(self.device, num_layers=n, num_single_layers=2 * n)
-        inputs = single.flux_inputs(1024, 1, self.device)
-        return (model, inputs), statistics.median(single.time_steps(model, inputs, 2, 5))
+        model = harness.build_flux(self.device, num_layers=n, num_single_layers=2 * n)
+        inputs = harness.flux_inputs(model, 1024, 1, self.device)
+        return (model, inputs), harness.time_steps(model, inputs, 2, 5).median
 
     def attention(self) -> tuple[list[torch.Tensor], float]:
         """Flux-shaped (1024^2) query, key and value, and one attention call's time (ms)."""
-        heads, tokens = 24, 4096 + single.TEXT_TOKENS
+        heads, tokens = 24, 4096 + harness.TEXT_TOKENS
         qkv = [torch.randn(1, heads, tokens, 128, device=self.device, dtype=torch.bfloat16)
                for _ in range(3)]
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        return qkv, statistics.median(single.time_steps(lambda **_: sdpa(*qkv), {}, 3, 10))
+        return qkv, harness.time_steps(lambda **_: sdpa(*qkv), {}, 3, 10).median
 
     def queue_compute(self, mode: str, pass_bytes: int) -> None:
         """Queue the compute a mode puts beside the copies, enough to outlast the pass. The
@@ -159,13 +158,13 @@ class Rank:
         if kind == "reuse":
             for held in self.sets:
                 for slab in held:
-                    self.transfer.free_host(slab)
+                    self.memory.free(slab)
             self.sets.clear()
         t0 = time.monotonic()
         count = max(1, self.args.gib * GIB // (self.args.slab_mib * MIB))
         slabs = []
         for i in range(count):
-            slab = self.transfer.allocate_host(self.args.slab_mib * MIB)
+            slab = self.memory.allocate(self.args.slab_mib * MIB)
             slab.fill_(i % 251)  # every page touched, as the shard storage's copies do
             slabs.append(slab)
         self.sets.append(slabs)
@@ -224,14 +223,14 @@ def per_slab(r: Rank, world: int) -> list[dict[str, Any]]:
     """Each rank alone in turn copies every slab of the newest set on its own (median of 3):
     GB/s per slab next to where the slab sits in guest-physical memory."""
     slabs = r.sets[-1]
-    rows = [{"slab": i, "guest_gib": [single.guest_physical_gib(slab.data_ptr() + k * slab.numel() // 4)
+    rows = [{"slab": i, "guest_gib": [harness.guest_physical_gib(slab.data_ptr() + k * slab.numel() // 4)
                                       for k in range(4)], "gbps": {}} for i, slab in enumerate(slabs)]
     for turn in range(world):
         dist.barrier()
         if r.rank != turn:
             continue
         for row, slab in zip(rows, slabs, strict=True):
-            gbps = single.copy_gbps(r.arenas[0][: slab.numel()], slab, r.streams[0], 3)
+            gbps = harness.copy_gbps(r.arenas[0][: slab.numel()], slab, r.streams[0], 3)
             row["gbps"][turn] = round(gbps, 2)
     dist.barrier()
     return rows
@@ -239,9 +238,6 @@ def per_slab(r: Rank, world: int) -> list[dict[str, Any]]:
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, box: Any) -> None:
     torch.cuda.set_device(rank)
-    if args.small_pages:  # the slabs' pages stay 4 KiB: advise against huge pages instead
-        transfer.advise_huge_pages = lambda address, nbytes: not transfer._libc().madvise(
-            ctypes.c_void_p(address), ctypes.c_size_t(nbytes), 15)  # MADV_NOHUGEPAGE
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     r = Rank(rank, args)

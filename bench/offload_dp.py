@@ -34,9 +34,8 @@ rank's own pinned shards (every rank copying at once, nothing else running); the
 gives the bound from each next to the one from the start of the run. Each cell also reports
 the rate its copies reached inside the loop (the offload copy clock). ``--bisect`` adds, after
 each AllGather cell, the shards copied alone on the engine's own copy stream and into its own
-shard slot, to find which one makes a slow enable's copies slow; ``--reslot`` and
-``--empty-cache`` try new device shard slots mid-run and a released allocator cache before each
-enable. Each enable records where its device buffers landed and how much of its pinned shards
+shard slot, to find which one makes a slow enable's copies slow; ``--empty-cache`` releases
+the allocator cache before each enable. Each enable records where its device buffers landed and how much of its pinned shards
 sit in huge pages. ``--process-per-method`` runs each method and each variant in a fresh pair of
 processes, as a server runs (one enable per process, on a model that has not run); within one
 process, later enables and enables after resident forwards have measured 3-7% slower copies
@@ -63,17 +62,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload as single  # noqa: E402  (bench/offload.py: model builder, inputs, step timer)
-
-from ditserve.engine.config import OffloadConfig  # noqa: E402
-from ditserve.engine.offload import enable_offload  # noqa: E402
-from ditserve.engine.offload.gather import _all_gather  # noqa: E402
-from ditserve.engine.offload.transfer import CudaStreamTransfer  # noqa: E402
+from ditserve.engine.config import OffloadConfig
+from ditserve.engine.offload import OffloadHandle, OffloadProbe, enable_offload
+from ditserve.engine.offload.host.memory import PinnedMemory, host_memory
+from ditserve.engine.offload.movement.gather import all_gather_into
 
 GIB = 1024**3
 RES = 1024
@@ -123,7 +120,7 @@ class Rank:
     def probe(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """One registered 1 GiB host source, a 1 GiB device buffer and a stream for the run."""
         if self._probe is None:
-            self._probe = (single.make_transfer(self.device).allocate_host(GIB).fill_(1),
+            self._probe = (host_memory(self.device).allocate(GIB).fill_(1),
                            torch.empty(GIB, dtype=torch.uint8, device=self.device),
                            torch.cuda.Stream(device=self.device))
         return self._probe
@@ -138,24 +135,24 @@ class Rank:
         host, dev, stream = self.probe()
         self.sync()
         self.barrier()
-        gbps = single.copy_gbps(dev, host, stream, 5) if not alone or self.rank == 0 else None
+        gbps = harness.copy_gbps(dev, host, stream, 5) if not alone or self.rank == 0 else None
         self.barrier()
         return None if gbps is None else round(gbps, 2)
 
-    def shard_pass_h2d(self, handle: Any, *, engine_stream: bool = False,
+    def shard_pass_h2d(self, handle: OffloadHandle | None, *, engine_stream: bool = False,
                        engine_slot: bool = False, waits: bool = False,
                        beside: Any = None) -> float | None:
         """GB/s of one pass over this rank's own pinned shards (the bytes a step streams),
         every rank copying at once and nothing else running: the floor's H2D bandwidth for
         exactly these pages, which a 1 GiB probe can overstate (on one instance 54.5 GB/s
         from 1 GiB against 47.5 over an 11 GiB set, both GPUs copying)."""
-        regions = shard_regions(handle)
-        if not self.cuda or regions is None:
+        engine = handle.probe() if handle is not None else None
+        regions = engine.shard_regions if engine is not None else ()
+        if not self.cuda or engine is None or not regions:
             return None
         _, dev, stream = self.probe()
-        transfer = handle._transfer
         if engine_stream:  # the copy stream the engine's loads run on
-            stream = transfer._base.stream
+            stream = engine.copy_stream
         nbytes = sum(r.nbytes for r in regions)
         self.sync()
         self.barrier()
@@ -165,10 +162,10 @@ class Rank:
             for i, region in enumerate(regions):
                 if waits:  # as a load waits for the gather that last read its shard slot
                     gathered = torch.cuda.Event()
-                    gathered.record(transfer.comm_stream)
+                    gathered.record(engine.comm_stream)
                     stream.wait_event(gathered)
                 # The engine's shard slots in turn (free between steps) or the probe's buffer.
-                target = (transfer.shard_slots[i % len(transfer.shard_slots)][region.dtype]
+                target = (engine.shard_slots[i % len(engine.shard_slots)][region.dtype]
                           if engine_slot else dev.view(region.dtype))
                 target[: region.numel()].copy_(region, non_blocking=True)
             end.record(stream)
@@ -179,7 +176,7 @@ class Rank:
         self.barrier()
         return round(nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 2)
 
-    def bisect(self, handle: Any) -> dict[str, float | None]:
+    def bisect(self, handle: OffloadHandle) -> dict[str, float | None]:
         """Diagnosis of a slow cell (``--bisect``): the rank's own shards copied alone, all
         ranks at once, on the probe's or the engine's copy stream, into the probe's buffer or
         the engine's shard slots, and last with the loop's cross-stream wait before each copy;
@@ -196,7 +193,7 @@ class Rank:
         # in the engine's block slots: does the memory the compute touches decide it?
         n = 8192
         fresh = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
-        slots = [t for slot in handle._slots for t in slot.values()
+        slots = [t for slot in handle.probe().block_slots for t in slot.values()
                  if t.dtype == torch.bfloat16 and t.numel() >= n * n]
 
         def gemms(operands: list[torch.Tensor]) -> Any:
@@ -227,26 +224,27 @@ class Rank:
             if self.cuda:
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
-                _all_gather(full, shard)
+                all_gather_into(full, shard)
                 e.record()
                 e.synchronize()
                 ms = s.elapsed_time(e)
             else:
-                _all_gather(full, shard)
+                all_gather_into(full, shard)
                 ms = (time.perf_counter() - t0) * 1e3
             if i >= 2:
                 times.append(ms)
         return statistics.median(times)
 
     # -- step timing ----------------------------------------------------------------------------
-    def cells(self, method: str, model: torch.nn.Module, *, idle_handle: Any = None,
-              handle: Any = None) -> None:
+    def cells(self, method: str, model: torch.nn.Module, *,
+              idle_handle: OffloadHandle | None = None,
+              handle: OffloadHandle | None = None) -> None:
         """Time each batch size; with an offload ``handle`` also the H2D rate this rank's
         copies reached during the cell (its copy clock, bytes / copy time)."""
         a = self.args
         handle = handle or idle_handle
         for batch in a.batches:
-            inputs = single.flux_inputs(RES if not a.tiny else 64, batch, self.device)
+            inputs = harness.flux_inputs(model, RES if not a.tiny else 64, batch, self.device)
             self.sync()
             self.barrier()
             if self.cuda:
@@ -260,7 +258,7 @@ class Rank:
                 self.sync()
                 times = []
             else:
-                times = single.time_steps(model, inputs, a.warmup, a.iters)
+                times = harness.time_steps(model, inputs, a.warmup, a.iters).ms
             cell = {"method": method, "batch": batch,
                     "ms": statistics.median(times) if times else None,
                     "ms_all": [round(t, 2) for t in times],
@@ -284,7 +282,7 @@ class Rank:
             del inputs
 
     def offloaded(self, method: str, model: torch.nn.Module, group: Any, slots: int = 2,
-                  gather: str = "nccl") -> Any:
+                  gather: str = "nccl") -> OffloadHandle:
         if self.cuda and self.args.empty_cache:
             # Diagnosis: every cached device segment back to the driver first, so the enable's
             # slots and the next forwards' activations come from fresh allocations.
@@ -293,11 +291,12 @@ class Rank:
         t0 = time.monotonic()
         handle = enable_offload(model, OffloadConfig(enabled=True, slots=slots, gather=gather),
                                 device=self.device, group=group)
-        single.release_host_cache() if self.cuda else None
-        info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.report(),
-                "rss_gib": single.rss_gib(), "shards_huge": shards_in_huge_pages(handle),
-                "free_huge_blocks": free_huge_blocks(), "device_layout": device_layout(handle),
-                "shard_frames": shard_frames(handle)}
+        harness.release_host_cache() if self.cuda else None
+        probe = handle.probe()
+        info = {"enable_s": time.monotonic() - t0, "report_at_start": handle.snapshot().to_json(),
+                "rss_gib": harness.rss_gib(), "shards_huge": shards_in_huge_pages(probe),
+                "free_huge_blocks": free_huge_blocks(), "device_layout": device_layout(probe),
+                "shard_frames": shard_frames(probe)}
         self.out["methods"][method] = info
         r = info["report_at_start"]
         print(f"[{time.strftime('%H:%M:%S')}] rank{self.rank} {method} enabled in "
@@ -316,7 +315,7 @@ class Rank:
         self.out["h2d_both_gbps"] = self.h2d() or nan
         log(self.rank, f"H2D GB/s: one GPU {self.out['h2d_one_gbps']:.1f}, "
                        f"both at once {self.out['h2d_both_gbps']:.1f} (rank 0)")
-        model = single.build_flux(self.device)
+        model = harness.build_flux(self.device, tiny=a.tiny)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         self.out["model"] = {"params": sum(p.numel() for p in model.parameters()), "bytes": weights}
         log(self.rank, f"model {self.out['model']['params'] / 1e9:.2f}B params, {weights / GIB:.2f} GiB")
@@ -325,7 +324,7 @@ class Rank:
         if "local" in a.methods:
             handle = self.offloaded("local", model, None)
             self.cells("local", model, handle=handle)
-            self.out["methods"]["local"]["report_at_end"] = handle.report()
+            self.out["methods"]["local"]["report_at_end"] = handle.snapshot().to_json()
             handle.disable()  # blocks back on the host (pageable), ready to be sharded
         self.barrier()
         self.prime(a.prime)
@@ -346,17 +345,17 @@ class Rank:
             return
         if "pages" in what:
             t0 = time.monotonic()
-            transfer = CudaStreamTransfer(self.device, 2)
+            memory = PinnedMemory()  # as the engine pins its shards
             chunk = 340 * 2**20
             slot = torch.empty(chunk, dtype=torch.uint8, device=self.device)
             held = []
             for _ in range(34):  # 11.3 GiB, about one rank's shards, all held at once
-                buf = transfer.allocate_host(chunk)
+                buf = memory.allocate(chunk)
                 buf.fill_(1)
                 slot.copy_(buf)
                 held.append(buf)
             for buf in held:
-                transfer.free_host(buf)
+                memory.free(buf)
             del held, buf, slot
             log(self.rank, f"primed pages: 11.3 GiB pinned, copied, unpinned in "
                            f"{time.monotonic() - t0:.1f} s")
@@ -385,23 +384,13 @@ class Rank:
             self.out["variants"].remove(name)
             return
         handle = self.offloaded(method, model, group, slots, gather)
-        slot = handle.report()["slot_bytes"]
+        slot = handle.snapshot().slot_bytes
         if first:
             self.out["largest_block_bytes"] = slot
             self.out["gather_ms_largest_block"] = self.gather_ms(slot)
             log(self.rank, f"all_gather of the largest block ({slot / 2**20:.0f} MiB): "
                            f"{self.out['gather_ms_largest_block']:.2f} ms")
         self.cells(method, model, handle=handle)
-        if a.reslot and self.cuda and handle._transfer.name == "h2d+allgather":  # not symmetric memory
-            # Diagnosis: does a slow enable follow its device shard slots? New ones, same
-            # shapes, the old ones freed after (so the allocator cannot hand them back).
-            self.sync()
-            transfer = handle._transfer
-            old_slots = transfer.shard_slots
-            transfer.shard_slots = [{dtype: torch.empty_like(t) for dtype, t in slot.items()}
-                                    for slot in old_slots]
-            del old_slots
-            self.cells(f"allgather-reslotted {name}", model, handle=handle)
         if a.bisect and self.cuda:
             found = self.bisect(handle)
             self.out["methods"][method]["bisect_gbps"] = found
@@ -416,40 +405,29 @@ class Rank:
             # enable); bench/trace_copies.py reads them.
             where = Path(a.out)
             where.mkdir(parents=True, exist_ok=True)
-            prof = single.profile_steps(model, single.flux_inputs(RES, 1, self.device), 3,
+            prof = harness.profile_steps(model, harness.flux_inputs(model, RES, 1, self.device), 3,
                                         where / f"allgather_{name.replace('#', '_')}_trace_rank{self.rank}.json.gz")
             self.out["methods"][method]["profile"] = prof
             log(self.rank, f"{method} profile: {prof}")
-        self.out["methods"][method]["report_at_end"] = handle.report()
+        self.out["methods"][method]["report_at_end"] = handle.snapshot().to_json()
         # Rebuild the full blocks on the host for the next variant (a collective); the last
         # variant ends the run and skips it.
         handle.disable(gather=not last)
 
 
-def copy_clock(handle: Any) -> tuple[int, float] | None:
+def copy_clock(handle: OffloadHandle | None) -> tuple[int, float] | None:
     """(timed bytes, copy seconds) of an offload handle's copy clock; None without one."""
-    if handle is None:
+    rate = handle.snapshot().transfer.copy_rate if handle is not None else None
+    if rate is None:
         return None
-    report = handle.report()
-    if report.get("h2d_timed_bytes") is None:
-        return None
-    return report["h2d_timed_bytes"], report["h2d_copy_seconds"]
+    return rate.timed_bytes, rate.copy_seconds
 
 
-def shard_regions(handle: Any) -> list[torch.Tensor] | None:
-    """This rank's pinned shard regions of every streamed block, in load order; None where
-    the handle keeps full blocks (rank-local offload, or no handle)."""
-    storage = getattr(handle, "_storage", None)
-    if storage is None or not hasattr(storage, "shards"):
-        return None
-    return [r for index in handle.plan.streamed for r in storage.regions(index).values()]
-
-
-def shards_in_huge_pages(handle: Any) -> float | None:
+def shards_in_huge_pages(probe: OffloadProbe) -> float | None:
     """Share of the resident bytes of the mappings that hold this rank's pinned shards that
     sit in transparent huge pages (/proc/self/smaps); None without shards or smaps."""
-    regions = shard_regions(handle)
-    if regions is None:
+    regions = probe.shard_regions
+    if not regions:
         return None
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in regions)
     try:
@@ -470,14 +448,14 @@ def shards_in_huge_pages(handle: Any) -> float | None:
     return huge / rss if rss else None
 
 
-def shard_frames(handle: Any) -> dict[str, Any] | None:
+def shard_frames(probe: OffloadProbe) -> dict[str, Any] | None:
     """Where this rank's pinned shards sit in (guest-)physical memory: one pagemap reading
     per 2 MiB of every shard region, counted per physical GiB (frames are hidden without
     CAP_SYS_ADMIN: then none is counted); None without shards."""
-    regions = shard_regions(handle)
-    if regions is None:
+    regions = probe.shard_regions
+    if not regions:
         return None
-    where = [single.guest_physical_gib(address) for r in regions
+    where = [harness.guest_physical_gib(address) for r in regions
              for address in range(r.data_ptr(), r.data_ptr() + r.nbytes, 2 * 2**20)]
     buckets: dict[int, int] = {}
     for gib in where:
@@ -487,16 +465,14 @@ def shard_frames(handle: Any) -> dict[str, Any] | None:
             "per_physical_gib": {str(k): buckets[k] for k in sorted(buckets)}}
 
 
-def device_layout(handle: Any) -> dict[str, Any]:
+def device_layout(probe: OffloadProbe) -> dict[str, Any]:
     """Where an enable's device buffers landed (to compare a fast and a slow enable): the
     block and shard slots' addresses, and the caching allocator's segment count and bytes."""
-    transfer = handle._transfer
     out: dict[str, Any] = {
-        "block_slots": [hex(t.data_ptr()) for slot in handle._slots for t in slot.values()],
-        "shard_slots": [hex(t.data_ptr()) for slot in getattr(transfer, "shard_slots", [])
-                        for t in slot.values()]}
-    if torch.cuda.is_available() and handle.device.type == "cuda":
-        stats = torch.cuda.memory_stats(handle.device)
+        "block_slots": [hex(t.data_ptr()) for slot in probe.block_slots for t in slot.values()],
+        "shard_slots": [hex(t.data_ptr()) for slot in probe.shard_slots for t in slot.values()]}
+    if torch.cuda.is_available() and probe.device.type == "cuda":
+        stats = torch.cuda.memory_stats(probe.device)
         out["segments"] = stats.get("segment.all.current")
         out["reserved_bytes"] = stats.get("reserved_bytes.all.current")
     return out
@@ -548,8 +524,6 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     cuda = torch.cuda.is_available() and not args.tiny
     if cuda:
         torch.cuda.set_device(rank)
-    if args.tiny:
-        single.MODEL_KWARGS.update(single.TINY)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -625,8 +599,7 @@ def markdown(s: dict[str, Any], args: argparse.Namespace) -> str:
              f"{r0.get('gather_ms_largest_block', float('nan')):.2f} ms", ""]
     variants = r0.get("variants", [])
     methods = ["resident", "local"] + [f"{m} {v}" for v in variants
-                                       for m in ("allgather", "allgather-reslotted",
-                                                 "allgather-idle")]
+                                       for m in ("allgather", "allgather-idle")]
     lines.append("| method | batch | " + " | ".join(f"rank {r['rank']} ms/step" for r in ranks)
                  + " | images/s (busy ranks, 28 steps) | H2D GB/s per rank (copy clock) "
                  "| H2D GB/s per rank, 1 GiB alone, before-after "
@@ -712,9 +685,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prime", nargs="*", default=[], choices=["pages", "nccl"],
                    help="diagnosis: before the first AllGather enable, pin and copy fresh host "
                         "pages (pages) and/or run gathers on a spare NCCL group (nccl)")
-    p.add_argument("--reslot", action="store_true",
-                   help="diagnosis: after each AllGather cell, give the engine new device shard "
-                        "slots and time the cell again (allgather-reslotted)")
     p.add_argument("--empty-cache", action="store_true",
                    help="diagnosis: release the caching allocator's free device memory before "
                         "each enable")

@@ -37,23 +37,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload as dlo_bench  # noqa: E402  (bench/offload.py: model, inputs, timing)
-
-from ditserve.engine.config import OffloadConfig  # noqa: E402
-from ditserve.engine.offload import enable_offload  # noqa: E402
-from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan  # noqa: E402
-from ditserve.engine.offload.mmap_source import MappedSafetensors, map_dit  # noqa: E402
-from ditserve.engine.offload.runtime_cache import release_private_memory  # noqa: E402
+from ditserve.engine.config import OffloadConfig
+from ditserve.engine.offload import enable_offload
+from ditserve.engine.offload.host.runtime_cache import release_private_memory  # noqa: E402
+from ditserve.engine.offload.host.safetensors_mmap import MappedSafetensors, map_dit  # noqa: E402
+from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan  # noqa: E402
 
 GIB = 1024**3
 PAGE = 4096
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = harness.log
 
 
 def smaps() -> dict[str, float]:
@@ -161,10 +158,10 @@ class Bench:
         handle = enable_offload(model, config, self.device, host_plan=plan)
         enable_s = time.perf_counter() - started
         try:
-            times = dlo_bench.time_steps(model, inputs, self.args.warmup, self.args.iters)
+            times = harness.time_steps(model, inputs, self.args.warmup, self.args.iters).ms
             with torch.no_grad():
                 equal = bool(torch.equal(model(**inputs)[0], expected))
-            report = handle.report()
+            report = handle.snapshot().to_json()
             during = {**smaps(), **file_pss(self.paths)}
         finally:
             handle.disable()
@@ -210,18 +207,17 @@ class Bench:
         from ditserve.cachectl.store import CacheStore
 
         a = self.args
-        dlo_bench.MODEL_KWARGS.update({"num_layers": a.double, "num_single_layers": a.single})
-        if a.tiny:
-            dlo_bench.MODEL_KWARGS.update(dlo_bench.TINY)
         log(f"GPU {self.results['gpu']}, torch {torch.__version__}")
-        model = dlo_bench.build_flux(self.device)
+        # --tiny keeps the tiny config's own block counts (a CPU smoke run).
+        blocks = {} if a.tiny else {"num_layers": a.double, "num_single_layers": a.single}
+        model = harness.build_flux(self.device, tiny=a.tiny, **blocks)
         config: dict[str, Any] = dict(model.config)  # type: ignore[arg-type]
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         self.results["model"] = {"double": a.double, "single": a.single, "bytes": weights}
-        inputs = dlo_bench.flux_inputs(a.res, 1, self.device)
+        inputs = harness.flux_inputs(model, a.res, 1, self.device)
         with torch.no_grad():
             expected = model(**inputs)[0].clone()
-        resident = dlo_bench.time_steps(model, inputs, a.warmup, a.iters)
+        resident = harness.time_steps(model, inputs, a.warmup, a.iters).ms
         self.results["methods"]["resident"] = {"ms": round(statistics.median(resident), 2)}
         log(f"model {weights / GIB:.2f} GiB; resident {statistics.median(resident):.1f} ms/step")
 

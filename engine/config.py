@@ -212,8 +212,12 @@ def problems(config: EngineConfig) -> list[str]:
     return out
 
 
-def offload_problems(off: OffloadConfig, *, parallel: ParallelConfig | None = None) -> list[str]:
-    """The DLO rules, alone (the offload backend checks them again at its boundary)."""
+def offload_problems(
+    off: OffloadConfig, *, parallel: ParallelConfig | None = None, allgather: bool | None = None
+) -> list[str]:
+    """The DLO rules, alone. ``allgather``: whether blocks are sharded over a group; None
+    derives it from ``parallel`` (the offload backend, which holds the group, passes it when
+    it asserts these rules at its boundary)."""
     out: list[str] = []
     par = parallel or ParallelConfig()
     int_at_least(out, "offload.resident_layers", off.resident_layers, 0)
@@ -253,7 +257,8 @@ def offload_problems(off: OffloadConfig, *, parallel: ParallelConfig | None = No
             "offload.resident_layers and offload.hbm_budget_gib both choose the resident blocks; "
             "set only one"
         )
-    allgather_active = off.use_allgather and par.weight_group is not None
+    allgather_active = (off.use_allgather and par.weight_group is not None
+                        if allgather is None else allgather)
     if allgather_active and (off.resident_layers or off.hbm_budget_gib is not None):
         out.append(
             "resident layers are not supported with AllGather sharding (every rank would hold "

@@ -68,7 +68,7 @@ class ModelRunner:
         dit, host_plan = None, None
         if offload:
             # The DiT's host backing (checkpoint mmap, node cache, or ordinary) and its plan.
-            from ditserve.engine.offload.host_weights import prepare_dit
+            from ditserve.engine.offload.host.backing_choice import prepare_dit
 
             sharded = weight_group is not None and config.offload.use_allgather
             dit, host_plan = prepare_dit(

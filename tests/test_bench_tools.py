@@ -1,15 +1,21 @@
-"""The benchmark programs' own bookkeeping: trace overlap accounting and merged runs.
+"""The benchmark programs: their own bookkeeping, their CPU smoke modes, and how they use the engine.
 
 The benchmarks themselves need GPUs; what they compute from their measurements does not, and
-a wrong overlap share or a lost cell would silently change a recorded conclusion.
+a wrong overlap share or a lost cell would silently change a recorded conclusion. Their
+``--tiny`` modes run the same code paths on a CPU. And they read engine state only through the
+offload handle's public report and probe: no private attributes, no patched engine modules,
+no programs importing each other (``bench/harness.py`` is the one shared module).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -17,23 +23,21 @@ from types import ModuleType
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+PROGRAMS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "harness")
 
 
 def load(name: str) -> ModuleType:
-    """A bench program as a module. The programs import their shared helpers by bare name
-    (``import offload``, bench/offload.py), which in a test session is also the name of the
-    tests/offload helper package: bind the bench's module while the program loads, then put
-    sys.modules and sys.path back so later ``from offload.support import ...`` still works."""
-    saved_path, saved = list(sys.path), sys.modules.get("offload")
+    """A bench program as a module. Programs import ``harness`` by name (their folder is on
+    sys.path when they run): bind it while the program loads, then put sys.modules back."""
+    saved = sys.modules.get("harness")
     try:
-        sys.modules["offload"] = _exec(BENCH / "offload.py", "bench_offload")
+        sys.modules["harness"] = _exec(BENCH / "harness.py", "bench_harness")
         return _exec(BENCH / f"{name}.py", f"bench_{name}")
     finally:
-        sys.path[:] = saved_path
         if saved is not None:
-            sys.modules["offload"] = saved
+            sys.modules["harness"] = saved
         else:
-            sys.modules.pop("offload", None)
+            sys.modules.pop("harness", None)
 
 
 def _exec(path: Path, name: str) -> ModuleType:
@@ -159,20 +163,153 @@ def test_offload_dp_shard_frames_samples_every_2mib(tmp_path: Path) -> None:
     """One pagemap entry per 2 MiB of each shard region, each with a frame counted in exactly
     one physical-GiB bucket (frames read as 0, i.e. uncounted, without CAP_SYS_ADMIN)."""
     torch = pytest.importorskip("torch")
+    from dataclasses import replace
+
+    from ditserve.engine.offload import OffloadProbe
+
     dp = load("offload_dp")
-    slabs = {0: torch.ones(5 * 2**20, dtype=torch.uint8), 1: torch.ones(2**20, dtype=torch.uint8)}
-
-    class Storage:
-        def shards(self) -> list:
-            return list(slabs)
-
-        def regions(self, index: int) -> dict:
-            return {torch.bfloat16: slabs[index]}
-
-    handle = argparse.Namespace(_storage=Storage(), plan=argparse.Namespace(streamed=[0, 1]))
-    frames = dp.shard_frames(handle)
+    slabs = (torch.ones(5 * 2**20, dtype=torch.uint8), torch.ones(2**20, dtype=torch.uint8))
+    probe = OffloadProbe(device=torch.device("cpu"), transfer="h2d+allgather", copy_stream=None,
+                         comm_stream=None, block_slots=(), shard_slots=(), shard_regions=slabs)
+    frames = dp.shard_frames(probe)
     if frames is None:
         pytest.skip("no /proc/self/pagemap here")
     assert frames["sampled"] == 3 + 1  # 5 MiB: samples at 0, 2, 4 MiB; 1 MiB: one
     assert frames["with_frame"] == sum(frames["per_physical_gib"].values())
-    assert dp.shard_frames(argparse.Namespace()) is None  # rank-local offload: no shards
+    assert dp.shard_frames(replace(probe, shard_regions=())) is None  # rank-local: no shards
+
+
+# -- the CPU smoke modes ---------------------------------------------------------------------------
+def test_offload_bench_tiny_run_reports_dlo_against_resident(tmp_path: Path) -> None:
+    bench = load("offload")
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--resolutions", "64", "--batches",
+                       "1", "2", "--warmup", "1", "--iters", "2", "--profile-res", "64",
+                       "--methods", "resident", "dlo"]) == 0
+    results = json.loads((tmp_path / "offload_bench.json").read_text())
+    cells = {(c["method"], c["batch"]) for c in results["cells"]}
+    assert cells == {(m, b) for m in ("resident", "dlo") for b in (1, 2)}
+    dlo = results["methods"]["dlo"]
+    assert dlo["report_at_start"]["streamed_blocks"] == 5
+    assert dlo["report_at_start"]["transfer"] == "sync-copy"
+    # One profiled warm-up step and three timed ones, each streaming every block once.
+    assert dlo["bytes_per_profiled_step"] == dlo["report_at_start"]["streamed_bytes"]
+    targets = {t["target"]: t for t in results["targets"]}
+    assert targets["host pinned <= 1.02 x streamed bytes"]["ok"]
+    table = (tmp_path / "offload_bench.md").read_text()
+    assert "| 64 | 1 |" in table and "| 64 | 2 |" in table
+
+
+def test_offload_mmap_bench_tiny_run_equals_resident(tmp_path: Path) -> None:
+    bench = load("offload_mmap")
+    assert bench.main(["--tiny", "--out", str(tmp_path / "out"), "--res", "64", "--warmup",
+                       "1", "--iters", "1", "--procs", "--cache-root",
+                       str(tmp_path / "cache")]) == 0
+    results = json.loads((tmp_path / "out" / "offload_mmap_bench.json").read_text())
+    methods = results["methods"]
+    assert all(methods[m]["equal_to_resident"] for m in ("private", "mmap-staging",
+                                                          "mmap-registered"))
+    assert methods["private"]["report"]["backing"] == "pageable"
+    assert methods["mmap-staging"]["report"]["backing"] == "runtime_cache-staging"
+    assert "needs a CUDA device" in methods["mmap-registered"]["report"]["fallback_reason"]
+
+
+def test_compile_bench_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load("compile")
+    assert bench.main(["--tiny", "--backend", "eager", "--dlo", "--layers", "1",
+                       "--single-layers", "1", "--batches", "1", "--warmup", "0", "--iters", "1",
+                       "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "compile.json").read_text())
+    assert set(results["eager"]) == set(results["compiled"]) == {"1"}
+    assert "DLO, 2 slots, 2 blocks" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_offload_dp_bench_tiny_run_in_two_gloo_processes(tmp_path: Path) -> None:
+    # A real run of the program (mp.spawn needs it as __main__): local and AllGather DLO.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "offload_dp.py"), "--tiny", "--out", str(tmp_path),
+         "--methods", "local", "allgather", "--variants", "s2", "--batches", "1",
+         "--warmup", "0", "--iters", "1"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "offload_dp.json").read_text())
+    ranks = summary["ranks"]
+    for rank, r in enumerate(ranks):
+        report = r["methods"]["allgather s2"]["report_at_start"]
+        assert (report["group_size"], report["group_rank"]) == (2, rank)
+        assert report["transfer"] == "h2d+allgather"
+        layout = r["methods"]["allgather s2"]["device_layout"]
+        assert len(layout["block_slots"]) == 2 and len(layout["shard_slots"]) == 3
+    assert "s2" in summary["targets"]
+
+
+# -- how the programs use the engine ---------------------------------------------------------------
+MUTATORS = {"update", "append", "extend", "clear", "pop", "insert", "setdefault", "remove"}
+
+
+def _engine_aliases(tree: ast.Module) -> set[str]:
+    """Names bound to the engine's modules (or the harness) by the program's imports."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names
+                         if a.name.startswith(("ditserve", "harness")))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ditserve"):
+            # ``from package import module``: the bound names may be modules too.
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _changes_module_globals(tree: ast.Module) -> list[str]:
+    """Functions that rebind (``global``) or mutate the program's own module-level names."""
+    top = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+           for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+           if isinstance(t, ast.Name)}
+    found = []
+    for func in ast.walk(tree):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.Global):
+                found.append(f"line {node.lineno}: global {', '.join(node.names)}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in MUTATORS and isinstance(node.func.value, ast.Name) \
+                    and node.func.value.id in top:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_every_program_loads(name: str) -> None:
+    assert callable(load(name).main)
+
+
+@pytest.mark.parametrize("name", PROGRAMS + ["harness"])
+def test_programs_use_only_public_engine_state_and_share_only_the_harness(name: str) -> None:
+    tree = ast.parse((BENCH / f"{name}.py").read_text())
+    assert _changes_module_globals(tree) == [], f"{name}.py changes module-level state"
+    modules = _engine_aliases(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                        else [node.module or ""])
+            assert not set(m.split(".")[0] for m in imported) & set(PROGRAMS), (
+                f"{name}.py imports another benchmark program; share code through harness")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            # Own attributes, and torch's host-cache hook (no public name for it).
+            assert owner == "self" or ast.unparse(node) == "torch._C", (
+                f"{name}.py:{node.lineno} reads a private attribute: {ast.unparse(node)}")
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AugAssign) else [])
+        for target in targets:
+            assert not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                        and target.value.id in modules), (
+                f"{name}.py:{node.lineno} patches a module: {ast.unparse(target)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in MUTATORS and isinstance(node.func.value, ast.Attribute) \
+                and isinstance(node.func.value.value, ast.Name) \
+                and node.func.value.value.id in modules:
+            pytest.fail(f"{name}.py:{node.lineno} mutates module state: {ast.unparse(node)}")

@@ -1,7 +1,8 @@
 """OffloadHandle: a live offload of one model - what it reports, and how it is undone.
 
 ``disable`` synchronizes, removes the hooks, gives the streamed blocks back ordinary
-(pageable, unpinned) host tensors - views of the former slabs, no copy - and frees the slots.
+(pageable, unpinned) host tensors - views of the former slabs or mappings, no copy; rebuilt
+from every rank's shards with ``gather=True`` in AllGather mode - and frees the slots.
 Resident modules stay on the device: call ``model.to(device)`` afterwards to run it fully
 resident, or ``enable_offload`` again. Created only by ``backend.enable_offload``.
 """
@@ -9,17 +10,17 @@ resident, or ``enable_offload`` again. Created only by ``backend.enable_offload`
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from ditserve.engine.offload.hooks import BlockStreamer
-from ditserve.engine.offload.host import HostStorage
-from ditserve.engine.offload.mapped_storage import MappedStorage
+from ditserve.engine.offload.host.backing import HostBacking
+from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import OffloadPlan
-from ditserve.engine.offload.shard_storage import ShardStorage
+from ditserve.engine.offload.report import OffloadProbe, OffloadReport, Traffic
 
 # The live handle of each offloaded model (a model is offloaded at most once at a time).
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, OffloadHandle] = weakref.WeakKeyDictionary()
@@ -33,23 +34,27 @@ class OffloadHandle:
         model: nn.Module,
         plan: OffloadPlan,
         device: torch.device,
-        transfer: Any,
-        storage: HostStorage | ShardStorage | MappedStorage,
+        *,
+        transfer: Transfer,
+        backing: HostBacking,
         streamer: BlockStreamer,
         slots: list[dict[Hashable, torch.Tensor]],
+        collective: bool,
+        host_plan: Mapping[str, Any],
     ) -> None:
+        """collective: every load is a collective of a group (AllGather mode).
+        host_plan: the loader's HostWeightPlan facts (``describe()``), for the report."""
         self._model = weakref.ref(model)
         self.plan = plan
         self.device = device
         self._transfer = transfer
-        self._storage = storage
+        self._backing = backing
         self._streamer = streamer
         self._slots = slots
+        self._host_plan = dict(host_plan)
         self.active = True
-        # Where the host bytes live and how they move (HostWeightPlan kind, path, reasons).
-        self.host_info: dict[str, Any] = {}
-        # AllGather mode: every load is a collective of the group.
-        self.needs_collective_participation = isinstance(storage, ShardStorage)
+        # AllGather mode: every rank must run the same passes (forwards or idle passes).
+        self.needs_collective_participation = collective
 
     @property
     def passes(self) -> int:
@@ -65,63 +70,49 @@ class OffloadHandle:
         if self.needs_collective_participation and self.active:
             self._streamer.idle_pass()
 
-    def report(self) -> dict[str, Any]:
-        """JSON-able facts: the split, bytes per step, memory, backing and transfer so far."""
+    def snapshot(self) -> OffloadReport:
+        """The split, bytes per step, memory, backing and transfer so far (typed)."""
         plan, streamer = self.plan, self._streamer
         names = [b.name for b in plan.blocks]
-        return {
-            "active": self.active,
-            "device": str(self.device),
-            "blocks": len(plan.blocks),
-            "streamed_blocks": len(plan.streamed),
-            "resident_blocks": len(plan.residency.resident),
-            "resident_block_names": [names[i] for i in plan.residency.resident],
-            "residency": plan.residency.mode,
-            "hbm_budget_bytes": plan.residency.budget_bytes,
-            "activation_reserve_bytes": plan.residency.activation_reserve_bytes,
-            "streamed_bytes": plan.streamed_bytes,
-            "resident_block_bytes": plan.resident_block_bytes,
-            "resident_module_bytes": plan.resident_module_bytes,
-            "slot_bytes": plan.slot.nbytes,
-            "slots": len(self._slots) if plan.streamed else 0,
-            "host_bytes": self._storage.nbytes,
-            "pinned_host_bytes": self._transfer.pinned_bytes,
-            "backing": self._transfer.backing,
-            "transfer": self._transfer.name,
-            "bytes_transferred": streamer.bytes_transferred,
-            "block_loads": streamer.loads,
-            "load_misses": streamer.misses,
-            **self.host_info,
-            **self._shard_report(),
-            **self._mapped_report(),
-            **self._copy_rate_report(),
-        }
+        return OffloadReport(
+            active=self.active,
+            device=str(self.device),
+            blocks=len(plan.blocks),
+            streamed_blocks=len(plan.streamed),
+            resident_block_names=tuple(names[i] for i in plan.residency.resident),
+            residency=plan.residency.mode,
+            hbm_budget_bytes=plan.residency.budget_bytes,
+            activation_reserve_bytes=plan.residency.activation_reserve_bytes,
+            streamed_bytes=plan.streamed_bytes,
+            resident_block_bytes=plan.resident_block_bytes,
+            resident_module_bytes=plan.resident_module_bytes,
+            slot_bytes=plan.slot.nbytes,
+            slots=len(self._slots) if plan.streamed else 0,
+            host=self._backing.report(),
+            transfer=self._transfer.report(),
+            traffic=Traffic(streamer.bytes_transferred, streamer.loads, streamer.misses,
+                            streamer.passes if self.needs_collective_participation else None),
+            host_plan=self._host_plan,
+        )
 
-    def _copy_rate_report(self) -> dict[str, Any]:
-        clock = self._transfer.clock  # None where copies finish at once (the CPU path)
-        return clock.report() if clock is not None else {}
+    def report(self) -> dict[str, Any]:
+        """``snapshot()`` as JSON-able facts (what ``/ready`` and the metrics read)."""
+        return self.snapshot().to_json()
 
-    def _mapped_report(self) -> dict[str, Any]:
-        if not isinstance(self._storage, MappedStorage) or not self.active:
-            return {}
-        # Copies per pass: file-contiguous tensors are merged into one copy each.
-        parts = sum(len(region.parts) for index in self.plan.streamed
-                    for region in self._storage.regions(index).values())
-        tensors = sum(len(self.plan.blocks[index].tensors) for index in self.plan.streamed)
-        return {"mapped_copies_per_pass": parts, "mapped_tensors_per_pass": tensors}
-
-    def _shard_report(self) -> dict[str, Any]:
-        storage, transfer = self._storage, self._transfer
-        if not isinstance(storage, ShardStorage):
-            return {"group_size": 1}
-        return {
-            "group_size": storage.group_size,
-            "group_rank": storage.rank,
-            "shard_bytes": storage.nbytes,  # this rank's host bytes for the streamed blocks
-            "h2d_bytes": transfer.h2d_bytes,
-            "gathered_bytes": transfer.gathered_bytes,
-            "passes": self._streamer.passes,
-        }
+    def probe(self) -> OffloadProbe:
+        """The streams, slots and shard regions this offload runs on, to read (see
+        ``report.OffloadProbe``)."""
+        movement = self._transfer.probe()
+        shards: tuple[torch.Tensor, ...] = ()
+        if self.needs_collective_participation and self.active:
+            shards = tuple(region for index in self.plan.streamed
+                           for region in self._backing.regions(index).values())
+        return OffloadProbe(
+            device=self.device, transfer=self._transfer.report().name,
+            copy_stream=movement.copy_stream, comm_stream=movement.comm_stream,
+            block_slots=tuple(self._slots), shard_slots=movement.shard_slots,
+            shard_regions=shards,
+        )
 
     def disable(self, *, gather: bool = False) -> None:
         """Synchronize, remove hooks, restore ordinary host tensors, free slabs and slots.
@@ -140,29 +131,14 @@ class OffloadHandle:
         self._streamer.detach()
         for position, index in enumerate(self.plan.streamed):
             block = self._streamer.blocks[position]
-            if isinstance(self._storage, ShardStorage):
-                hosts = self._gathered_tensors(index, block.tensors, gather)
-                self._storage.release(index)
-            else:
-                hosts = self._storage.release(index)
+            hosts = self._backing.release(index, gather=gather)
             for tensor, host in zip(block.tensors, hosts, strict=True):
                 tensor.data = host
         self._slots.clear()
         self._streamer.blocks.clear()
         self._transfer.close()
+        self._backing.close()
         self.active = False
         model = self._model()
         if model is not None:
             _ACTIVE.pop(model, None)
-
-    def _gathered_tensors(
-        self, index: int, tensors: list[torch.Tensor], gather: bool
-    ) -> list[torch.Tensor]:
-        assert isinstance(self._storage, ShardStorage)
-        if not gather:
-            return [torch.empty(0, dtype=t.dtype) for t in tensors]
-        full = self._transfer.gather_full(self._storage.regions(index))
-        return [
-            full[p.dtype][p.offset : p.offset + p.numel].view(p.shape)
-            for p in self.plan.blocks[index].tensors
-        ]

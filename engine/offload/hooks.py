@@ -25,22 +25,27 @@ stay matched as long as each runs whole *passes* (blocks 0..n-1, once each, in o
 forward that raises mid-way is completed by ``finish_pass`` (a root forward hook that runs
 even on exceptions), and a block called out of order is refused before it loads anything.
 
-Called by ``backend`` (build, attach, detach); reads copy sources from ``host``, moves bytes
-through ``transfer``.
+Multi-shape steps (a later issue) will run a block once per shape group before the next block:
+a repeat call finds the block still in its slot and loads nothing; what changes is strict
+mode's pass counting, which today expects each block once per pass (``before_block``).
+
+Called by the backend's builders (build, attach) and ``handle`` (detach, idle passes); the
+copy sources come from a ``host`` backing, the bytes move through a ``movement`` transfer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ditserve.engine.errors import OffloadError
+from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import BlockLayout
-from ditserve.engine.offload.transfer import CopyPairs
 
 
 @dataclass
@@ -51,7 +56,7 @@ class StreamedBlock:
     module: nn.Module
     tensors: list[torch.Tensor]  # the block's Parameter/buffer objects, in layout order
     views: list[list[torch.Tensor]]  # per slot: a view per tensor
-    copies: list[CopyPairs]  # per slot: (slot region, host region) pairs
+    copies: list[Any]  # per slot: the transfer's prepared load of (slot region, host source)
     placeholders: list[torch.Tensor]
     nbytes: int
 
@@ -67,10 +72,12 @@ def make_streamed_block(
     tensors: list[torch.Tensor],
     *,
     slots: Sequence[Mapping[Hashable, torch.Tensor]],
-    host_regions: Mapping[Hashable, torch.Tensor],
+    host_regions: Mapping[Hashable, Any],
     placeholder_bases: Mapping[Hashable, torch.Tensor],
+    prepare: Callable[[Sequence[tuple[torch.Tensor, Any]]], Any],
 ) -> StreamedBlock:
-    """Precompute a block's views into every slot, its copy pairs and its placeholders.
+    """Precompute a block's views into every slot, its prepared loads (``prepare``: the
+    transfer's, given (slot region, host source) pairs) and its placeholders.
 
     Done once at enable time, outside any inference-mode context, so the hooks only swap
     ``.data`` pointers and never create tensors.
@@ -79,8 +86,8 @@ def make_streamed_block(
         [slot[p.dtype][p.offset : p.offset + p.numel].view(p.shape) for p in layout.tensors]
         for slot in slots
     ]
-    copies: list[CopyPairs] = [
-        [(slot[r.dtype][: r.numel], host_regions[r.dtype]) for r in layout.regions]
+    copies = [
+        prepare([(slot[r.dtype][: r.numel], host_regions[r.dtype]) for r in layout.regions])
         for slot in slots
     ]
     return StreamedBlock(
@@ -97,7 +104,9 @@ def make_streamed_block(
 class BlockStreamer:
     """The per-block hook state machine over a ring of slots."""
 
-    def __init__(self, blocks: Sequence[StreamedBlock], transfer, *, strict: bool = False) -> None:
+    def __init__(
+        self, blocks: Sequence[StreamedBlock], transfer: Transfer, *, strict: bool = False
+    ) -> None:
         self.blocks = list(blocks)
         self.transfer = transfer
         self.strict = strict  # whole passes only (AllGather: loads are collectives)

@@ -9,7 +9,7 @@ one flat region per dtype, tensors packed in registration order, each starting
 ``ALIGN_BYTES``-aligned. The slab holds the regions back to back; a slot holds one flat
 buffer per dtype, sized to the largest streamed block's region of that dtype.
 
-Called by ``backend.enable_offload``; read by ``host`` (slab layout), ``transfer`` (copy
+Called by the backend's builders; read by the ``host`` backings (slab layout), ``movement`` (copy
 sizes) and ``hooks`` (views into slots).
 """
 

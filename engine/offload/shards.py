@@ -11,7 +11,8 @@ A rank's shard of one block is stored as one small slab: the shard of each dtype
 to back, each ``ALIGN_BYTES``-aligned (a region's length is a multiple of ``align * group``,
 so a shard's length is a multiple of ``align``).
 
-Called by ``shard_storage`` (fills shard slabs) and ``backend`` (sizes the device shard slots).
+Called by ``host.shard_slabs`` (fills shard slabs) and the backend's builders (size the device
+shard slots).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _build(root: Path, model: Path, capsys: pytest.CaptureFixture[str]) -> str:
 
 def _prepare(model: Path, root: Path) -> tuple[torch.nn.Module, object]:
     from ditserve.engine.config import OffloadConfig
-    from ditserve.engine.offload.host_weights import prepare_dit
+    from ditserve.engine.offload.host.backing_choice import prepare_dit
 
     offload = OffloadConfig(enabled=True, runtime_cache=True, cache_root=str(root))
     return prepare_dit(model, dtype="float32", offload=offload)

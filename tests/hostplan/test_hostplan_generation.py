@@ -116,8 +116,8 @@ def test_unconsumed_plan_that_skipped_the_load_is_a_startup_error(tiny_model_dir
 def test_copy_runs_merge_only_when_contiguous_in_the_slot_and_the_file() -> None:
     from types import SimpleNamespace
 
-    from ditserve.engine.offload.host_plan import TensorBinding
-    from ditserve.engine.offload.mapped_storage import _Run
+    from ditserve.engine.offload.host.mapped import CopyRun
+    from ditserve.engine.offload.host.weight_plan import TensorBinding
 
     raw = torch.arange(64, dtype=torch.uint8)  # a fake mapped file
 
@@ -128,7 +128,7 @@ def test_copy_runs_merge_only_when_contiguous_in_the_slot_and_the_file() -> None
     def view(offset: int, nbytes: int) -> torch.Tensor:
         return raw[offset : offset + nbytes].view(torch.float32)
 
-    run = _Run(0, 2, binding(0, 8), view(0, 8))
+    run = CopyRun(0, 2, binding(0, 8), view(0, 8))
     assert run.continues(2, binding(8, 8))
     run.add(2, binding(8, 8), view(8, 8))
     assert not run.continues(6, binding(16, 8))  # a gap in the slot region
@@ -148,7 +148,7 @@ def test_flux_aligned_blocks_load_with_one_copy_each(tiny_model_dir, tmp_path) -
     from diffusers import FluxTransformer2DModel
 
     from ditserve.engine.offload import enable_offload
-    from ditserve.engine.offload.host_weights import prepare_dit
+    from ditserve.engine.offload.host.backing_choice import prepare_dit
 
     model = tmp_path / "aligned"
     shutil.copytree(tiny_model_dir, model)

@@ -11,9 +11,10 @@ from offload.support import build_flux, flux_inputs, run  # type: ignore[import-
 
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.loader import DIT_COMPONENT, dit_class
-from ditserve.engine.offload import enable_offload, staging
-from ditserve.engine.offload.host_weights import checkpoint_dit
-from ditserve.engine.offload.registration import CudaRegistrar, RegistrationRefused
+from ditserve.engine.offload import enable_offload
+from ditserve.engine.offload.host import mapped as mapped_backing
+from ditserve.engine.offload.host.backing_choice import checkpoint_dit
+from ditserve.engine.offload.host.registration import CudaRegistrar, RegistrationRefused
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -103,7 +104,7 @@ class FailsSecond(CudaRegistrar):
 
 
 def test_injected_failure_rolls_back_every_range_and_keeps_staging(model_dir, case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(staging, "CudaRegistrar", FailsSecond)
+    monkeypatch.setattr(mapped_backing, "CudaRegistrar", FailsSecond)
     model, plan, streamed = mapped(model_dir)
     handle = enable_offload(model, OffloadConfig(enabled=True, pin_limit_gib=1.0), "cuda",
                             host_plan=plan)

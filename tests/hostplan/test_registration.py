@@ -8,17 +8,18 @@ import torch
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.loader import DIT_COMPONENT, dit_class
-from ditserve.engine.offload.host_weights import checkpoint_dit
-from ditserve.engine.offload.mapped_storage import MappedStorage
-from ditserve.engine.offload.registration import (
+from ditserve.engine.offload.host.backing_choice import checkpoint_dit
+from ditserve.engine.offload.host.mapped import MappedBacking
+from ditserve.engine.offload.host.memory import PageableMemory
+from ditserve.engine.offload.host.registration import (
     HostRange,
     RegistrationRefused,
     SourceRange,
     plan_ranges,
     register_ranges,
 )
-from ditserve.engine.offload.staging import make_mapped_transfer
-from ditserve.engine.offload.transfer import SyncTransfer
+from ditserve.engine.offload.movement.copy_stream import SyncTransfer
+from ditserve.engine.offload.movement.mapped import make_mapped_transfer
 
 P = 4096
 
@@ -125,7 +126,7 @@ def mapped(tiny_model_dir):  # type: ignore[no-untyped-def]
              for n, m in blocks]
     layout = build_plan(specs, resident_layers=0, hbm_budget_bytes=None,
                         resident_module_bytes=0, activation_reserve_bytes=0)
-    storage = MappedStorage(plan)
+    storage = MappedBacking(plan)
     for index, (_, m) in enumerate(blocks):
         storage.add(layout.blocks[index], [t for _, t in list(m.named_parameters())])
     return storage, layout, plan
@@ -143,22 +144,26 @@ def test_registered_path_with_fake_registrar_then_teardown_order(mapped) -> None
 
     plan.close = close_and_record  # type: ignore[method-assign]
     transfer = make_mapped_transfer(SyncTransfer(torch.device("cpu")), storage, layout.slot,
-                                    pin_limit_gib=1.0, registrar=fake, verify=lambda: None)
-    assert transfer.path == "registered" and transfer.fallback_reason is None
+                                    pin_limit_gib=1.0, memory=PageableMemory(), registrar=fake,
+                                    verify=lambda: None)
+    held = storage.report().mapped
+    assert held is not None
+    assert transfer.report().path == "registered" and held.fallback_reason is None
     # Keys sort by name in the file: the resident time_text_embed.* tensors lie between the
     # two block lists, so the streamed tensors form two page-aligned runs.
-    report = transfer.report()
-    assert report["registered_ranges"] == 2
-    assert report["registered_bytes"] >= storage.nbytes
-    assert report["registered_bytes"] % 4096 == 0
+    assert held.registered_ranges == 2
+    assert held.registered_bytes >= storage.nbytes
+    assert held.registered_bytes % 4096 == 0
     # A direct load puts every tensor where the slot layout says.
     slot = {dt: torch.zeros(n, dtype=dt) for dt, _, n in layout.slot.regions}  # type: ignore[call-overload]
     block = layout.blocks[0]
     regions = storage.regions(0)
-    transfer.load([(slot[r.dtype][: r.numel], regions[r.dtype]) for r in block.regions], 0)
+    transfer.load(transfer.prepare([(slot[r.dtype][: r.numel], regions[r.dtype])
+                                    for r in block.regions]), 0)
     for p, view in zip(block.tensors, storage.tensor_views(0), strict=True):
         assert torch.equal(slot[p.dtype][p.offset : p.offset + p.numel].view(p.shape), view)
-    transfer.close()
+    transfer.close()  # the handle's teardown order: the transfer, then the backing
+    storage.close()
     assert [c for c, _ in journal] == ["register"] * 2 + ["unregister"] * 2 + ["close-mappings"]
 
 
@@ -166,21 +171,24 @@ def test_refused_registration_keeps_staging_with_the_reason(mapped) -> None:  # 
     storage, layout, plan = mapped
     fake = FakeRegistrar(fail_at=0)
     transfer = make_mapped_transfer(SyncTransfer(torch.device("cpu")), storage, layout.slot,
-                                    pin_limit_gib=1.0, registrar=fake)
-    assert transfer.path == "staging"
-    assert transfer.fallback_reason == "registration refused: injected failure"
-    assert transfer.pinned_bytes == 0
+                                    pin_limit_gib=1.0, memory=PageableMemory(), registrar=fake)
+    assert transfer.report().path == "staging"
+    assert storage.fallback_reason == "registration refused: injected failure"
+    assert transfer.report().pinned_bytes + storage.report().pinned_bytes == 0
     transfer.close()
+    storage.close()
 
 
 def test_budget_too_small_keeps_staging_without_touching_the_registrar(mapped) -> None:  # type: ignore[no-untyped-def]
     storage, layout, _ = mapped
     fake = FakeRegistrar()
     transfer = make_mapped_transfer(SyncTransfer(torch.device("cpu")), storage, layout.slot,
-                                    pin_limit_gib=1e-9, registrar=fake)
-    assert transfer.path == "staging" and "exceeds the pin limit" in str(transfer.fallback_reason)
+                                    pin_limit_gib=1e-9, memory=PageableMemory(), registrar=fake)
+    assert transfer.report().path == "staging"
+    assert "exceeds the pin limit" in str(storage.fallback_reason)
     assert fake.calls == []
     transfer.close()
+    storage.close()
 
 
 def test_offload_config_accepts_pin_limit_only_with_a_plan() -> None:

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.offload.copy_clock import CopyClock
-from ditserve.engine.offload.transfer import SyncTransfer
+from ditserve.engine.offload.movement.copy_clock import CopyClock
+from ditserve.engine.offload.movement.copy_stream import SyncTransfer
 
 
 class FakeStream:
@@ -98,14 +98,25 @@ def test_cpu_path_reports_no_rate() -> None:
 
 
 def test_offload_report_carries_the_rate_where_copies_are_timed() -> None:
-    from ditserve.engine.offload.handle import OffloadHandle
+    from ditserve.engine.offload.movement.transfer import TransferReport
 
-    class Timed:
-        clock = CopyClock(make_event=FakeEvent)
-
-    handle: Any = OffloadHandle.__new__(OffloadHandle)
-    handle._transfer = Timed()
-    assert set(handle._copy_rate_report()) == {
+    timed = CopyClock(make_event=FakeEvent).rate()
+    report = offload_report(TransferReport("cuda-copy-stream", "private-slabs", copy_rate=timed))
+    assert {k for k in report if k.startswith("h2d_")} == {
         "h2d_timed_bytes", "h2d_copy_seconds", "h2d_gbps", "h2d_gbps_recent"}
-    handle._transfer = SyncTransfer(torch.device("cpu"))
-    assert handle._copy_rate_report() == {}
+    cpu = offload_report(SyncTransfer(torch.device("cpu")).report())
+    assert {k for k in cpu if k.startswith("h2d_")} == set()
+
+
+def offload_report(transfer: Any) -> dict[str, Any]:
+    """The JSON offload report of a one-block plan moved by ``transfer``."""
+    from ditserve.engine.offload.host.backing import BackingReport
+    from ditserve.engine.offload.report import OffloadReport, Traffic
+
+    return OffloadReport(
+        active=True, device="cpu", blocks=1, streamed_blocks=1, resident_block_names=(),
+        residency="none", hbm_budget_bytes=None, activation_reserve_bytes=None,
+        streamed_bytes=256, resident_block_bytes=0, resident_module_bytes=0, slot_bytes=256,
+        slots=2, host=BackingReport("pageable", 256, 0), transfer=transfer,
+        traffic=Traffic(0, 0, 0),
+    ).to_json()

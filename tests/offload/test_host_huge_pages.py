@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from ditserve.engine.offload.transfer import HUGE_PAGE, PAGE, SyncTransfer
+from ditserve.engine.offload.host.memory import HUGE_PAGE, PAGE, PageableMemory
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-HOST = SyncTransfer(torch.device("cpu"))  # the same allocation as CUDA's, minus the pinning
+HOST = PageableMemory()  # the same allocation as CUDA's, minus the pinning
 
 
 def vma_field(address: int, field: str) -> str | None:
@@ -27,13 +26,13 @@ def vma_field(address: int, field: str) -> str | None:
 
 
 def test_small_slab_is_page_aligned_and_exact() -> None:
-    buffer = HOST.allocate_host(3 * PAGE + 5)
+    buffer = HOST.allocate(3 * PAGE + 5)
     assert buffer.numel() == 3 * PAGE + 5 and buffer.data_ptr() % PAGE == 0
 
 
 def test_large_slab_is_huge_page_aligned_exact_and_writable() -> None:
     nbytes = 3 * HUGE_PAGE + 123
-    buffer = HOST.allocate_host(nbytes)
+    buffer = HOST.allocate(nbytes)
     assert buffer.numel() == nbytes and buffer.data_ptr() % HUGE_PAGE == 0
     buffer.fill_(7)
     assert int(buffer[-1]) == 7
@@ -42,6 +41,16 @@ def test_large_slab_is_huge_page_aligned_exact_and_writable() -> None:
 @pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
                     reason="transparent huge pages are off on this kernel")
 def test_large_slab_is_advised_for_huge_pages() -> None:
-    buffer = HOST.allocate_host(4 * HUGE_PAGE)
+    buffer = HOST.allocate(4 * HUGE_PAGE)
     buffer.fill_(1)
     assert vma_field(buffer.data_ptr(), "THPeligible") == "1"
+
+
+@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+                    reason="transparent huge pages are off on this kernel")
+def test_small_pages_on_request_are_not_huge_page_eligible() -> None:
+    # bench/h2d_pages.py --small-pages measures slabs in 4 KiB pages this way.
+    buffer = PageableMemory(huge_pages=False).allocate(4 * HUGE_PAGE)
+    buffer.fill_(1)
+    assert buffer.data_ptr() % HUGE_PAGE == 0
+    assert vma_field(buffer.data_ptr(), "THPeligible") == "0"

@@ -185,3 +185,26 @@ def test_out_of_order_block_calls_stay_correct() -> None:
         assert handle.report()["load_misses"] >= 3
     finally:
         handle.disable()
+
+
+def test_snapshot_is_the_typed_report_and_probe_shows_the_slots() -> None:
+    model = ToyDiT().eval()
+    handle = enable_offload(model, OffloadConfig(enabled=True, slots=3), device="cpu")
+    try:
+        with torch.inference_mode():
+            model(torch.randn(2, 8))
+        snap = handle.snapshot()
+        assert snap.to_json() == handle.report()
+        assert (snap.streamed_blocks, snap.slots, snap.group_size) == (5, 3, 1)
+        assert snap.transfer.name == "sync-copy" and snap.transfer.copy_rate is None
+        assert snap.host.backing == "pageable" and snap.host.host_bytes == snap.streamed_bytes
+        assert snap.traffic.block_loads >= 5 and snap.traffic.passes is None
+        probe = handle.probe()
+        assert probe.copy_stream is None and probe.comm_stream is None  # synchronous copies
+        assert probe.shard_regions == () and probe.shard_slots == ()  # rank-local
+        assert len(probe.block_slots) == 3
+        assert all(sum(t.numel() * t.element_size() for t in slot.values()) == snap.slot_bytes
+                   for slot in probe.block_slots)
+    finally:
+        handle.disable()
+    assert handle.probe().block_slots == ()  # freed

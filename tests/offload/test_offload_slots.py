@@ -118,8 +118,8 @@ def test_unknown_gather_engine_is_refused() -> None:
 
 def test_copy_engine_gather_needs_cuda() -> None:
     from ditserve.engine.errors import OffloadError
-    from ditserve.engine.offload.ce_gather import CopyEngineGather
-    from ditserve.engine.offload.transfer import SyncTransfer
+    from ditserve.engine.offload.movement.ce_gather import CopyEngineGather
+    from ditserve.engine.offload.movement.copy_stream import SyncTransfer
 
     with pytest.raises(OffloadError, match="needs CUDA devices; use 'nccl'"):
         CopyEngineGather(SyncTransfer(torch.device("cpu")), None, {})  # type: ignore[arg-type]

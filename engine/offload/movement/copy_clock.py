@@ -7,10 +7,11 @@ timing events on the copy stream. The first is recorded after the stream's wait 
 so the span is copying, not waiting. Finished pairs are harvested with ``Event.query`` - never a
 host wait - whenever a load is queued or a report is asked for, and their events are reused.
 
-Reported by ``OffloadHandle.report`` (``h2d_gbps`` over the whole run, ``h2d_gbps_recent`` over
-the last ``window`` loads); the server exports the recent rate per rank and logs it with the
-step summary. Used by every CUDA transfer path (``transfer``, ``gather``, ``ce_gather``,
-``staging`` through its base transfer); the CPU path has no clock.
+Reported through each transfer's report (``CopyRate``; in the offload report ``h2d_gbps`` over
+the whole run, ``h2d_gbps_recent`` over the last ``window`` loads); the server exports the
+recent rate per rank and logs it with the step summary. Used by every CUDA transfer path
+(``copy_stream``, ``gather``, ``ce_gather``, ``mapped`` through its base transfer); the CPU
+path has no clock.
 """
 
 from __future__ import annotations
@@ -18,11 +19,31 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 DEFAULT_WINDOW = 256  # loads: four to five Flux steps
+
+
+@dataclass(frozen=True)
+class CopyRate:
+    """Timed H2D copies so far: bytes, copy time, and the decimal GB/s over the whole run and
+    over the recent window (None before anything was timed)."""
+
+    timed_bytes: int
+    copy_seconds: float
+    gbps: float | None
+    gbps_recent: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "h2d_timed_bytes": self.timed_bytes,
+            "h2d_copy_seconds": self.copy_seconds,
+            "h2d_gbps": self.gbps,
+            "h2d_gbps_recent": self.gbps_recent,
+        }
 
 
 class CopyClock:
@@ -68,17 +89,21 @@ class CopyClock:
             self._recent.append((ms, nbytes))
             self._spare.extend((start, end))
 
-    def report(self) -> dict[str, Any]:
+    def rate(self) -> CopyRate:
         with self._lock:
             self._harvest()
             recent_ms = sum(ms for ms, _ in self._recent)
             recent_bytes = sum(n for _, n in self._recent)
-            return {
-                "h2d_timed_bytes": self.timed_bytes,
-                "h2d_copy_seconds": round(self.copy_ms / 1e3, 6),
-                "h2d_gbps": _gbps(self.timed_bytes, self.copy_ms),
-                "h2d_gbps_recent": _gbps(recent_bytes, recent_ms),
-            }
+            return CopyRate(
+                self.timed_bytes,
+                round(self.copy_ms / 1e3, 6),
+                _gbps(self.timed_bytes, self.copy_ms),
+                _gbps(recent_bytes, recent_ms),
+            )
+
+    def report(self) -> dict[str, Any]:
+        """``rate()`` as the offload report's ``h2d_*`` keys."""
+        return self.rate().to_json()
 
     def _event(self) -> Any:
         # No lock: list.pop is atomic, and a harvest on another thread only adds to the list.

@@ -25,7 +25,7 @@ In AllGather mode the backend copies the rank's 1/group shards out of the mappin
 closes the plan (mapping and lease): the shards are private and pinned, nothing reads the
 mapping afterwards.
 
-Called by ``host_weights.prepare_dit``.
+Called by ``backing_choice.prepare_dit``.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ import torch
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan
-from ditserve.engine.offload.mmap_source import (
+from ditserve.engine.offload.host.safetensors_mmap import (
     MappedSafetensors,
     expected_tensors,
     map_dit,
     preflight,
     source_views,
 )
+from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ the backend exactly once (``consume``). A plan whose loader skipped ordinary mat
 completes: ``require_consumed`` turns a forgotten hand-over into a hard error instead of a
 model silently running on whatever the loader left behind.
 
-Built by ``host_weights`` (called by the model runner); consumed by ``backend.enable_offload``
-or, for AllGather shards, by ``runtime_cache.prepare_then_close``.
+Built by ``backing_choice`` (called by the model runner); consumed by ``backend.enable_offload``
+(a ``mapped.MappedBacking`` takes it; for AllGather shards the backend copies the shards out
+of its mapping and closes it).
 """
 
 from __future__ import annotations

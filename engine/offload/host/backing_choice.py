@@ -22,8 +22,8 @@ from typing import Any
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.offload.host_plan import BackingKind, HostWeightPlan
-from ditserve.engine.offload.mmap_source import MappedSafetensors, map_dit
+from ditserve.engine.offload.host.safetensors_mmap import MappedSafetensors, map_dit
+from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def prepare_dit(
 
 def _runtime_cache(model_dir: str | Path, dtype: str, offload: OffloadConfig, model_cls: Any,
                    load: Any, tp_size: int) -> tuple[nn.Module, HostWeightPlan]:
-    from ditserve.engine.offload.runtime_cache import runtime_cache_dit
+    from ditserve.engine.offload.host.runtime_cache import runtime_cache_dit
 
     return runtime_cache_dit(model_dir, dtype=dtype, offload=offload, model_cls=model_cls,
                              load_dit=load, tp_size=tp_size)

@@ -1,29 +1,41 @@
-"""Mapped storage: streamed blocks read straight from a HostWeightPlan's file mappings.
+"""Mapped backing: streamed blocks read straight from a HostWeightPlan's file mappings.
 
-The mmap counterpart of ``host.HostStorage``, with the same ``add`` / ``regions`` /
-``release`` surface, but no slab and no copy: a block's tensors stay views of the shared,
-read-only mapping (checkpoint or node-cache entry). Because those bytes lie where the file
-put them - not in the block's packed layout - ``regions`` returns, per dtype, a
-``MappedRegion``: the list of (offset in the slot region, source view) parts that make up
-the region. The mapped transfer (``staging``) turns it into copies: straight H2D per part
-from registered pages, or a pack into a pinned staging slot then one H2D per dtype.
+The mmap counterpart of ``slabs.SlabBacking``, with the same ``HostBacking`` surface, but no
+slab and no copy: a block's tensors stay views of the shared, read-only mapping (checkpoint or
+node-cache entry). Because those bytes lie where the file put them - not in the block's packed
+layout - ``regions`` returns, per dtype, a ``MappedRegion``: the list of (offset in the slot
+region, source view) parts that make up the region. The mapped transfers
+(``movement.mapped``) turn it into copies: straight H2D per part from registered pages, or a
+pack into a pinned staging slot then one H2D per dtype.
 
-Called by ``backend.enable_offload`` (when the plan is mapped); regions are read by the
-hooks (as opaque copy sources) and the transfer; ``release`` gives the views back on disable.
+``register`` page-locks the streamed ranges of the mappings in place (``registration``: all
+or none, within a budget); ``close`` unregisters them and closes the plan's mappings.
+
+Built by the backend's builders (when the plan is mapped); regions are read by the hooks (as
+opaque copy sources) and the transfer; ``release`` gives the views back on disable.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload.host_plan import HostWeightPlan, TensorBinding
+from ditserve.engine.offload.host.backing import BackingReport, MappedFacts
+from ditserve.engine.offload.host.registration import (
+    CudaRegistrar,
+    Registrar,
+    Registration,
+    RegistrationRefused,
+    SourceRange,
+    plan_ranges,
+    register_ranges,
+)
+from ditserve.engine.offload.host.weight_plan import HostWeightPlan, TensorBinding
 from ditserve.engine.offload.plan import BlockLayout
-from ditserve.engine.offload.registration import SourceRange
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ class MappedRegion:
     parts: tuple[tuple[int, torch.Tensor], ...]
 
 
-class _Run:
+class CopyRun:
     """Tensors contiguous in a slot region and in one mapped file: one copy covers them all."""
 
     def __init__(self, offset: int, numel: int, binding: TensorBinding, view: torch.Tensor):
@@ -71,22 +83,44 @@ class _Run:
         return [(self.offset, raw.view(self.views[0].dtype))]
 
 
-class MappedStorage:
+class MappedBacking:
     """The streamed blocks' source views, keyed by block index. Consumes the plan."""
 
     def __init__(self, host_plan: HostWeightPlan) -> None:
         if not host_plan.mapped:
-            raise OffloadError("MappedStorage needs a mapped HostWeightPlan")
+            raise OffloadError("MappedBacking needs a mapped HostWeightPlan")
         self.plan = host_plan
         self._sources = host_plan.consume()
         self._layouts: dict[int, BlockLayout] = {}
         self._views: dict[int, list[torch.Tensor]] = {}
         self._bindings: dict[int, list[TensorBinding]] = {}
+        self.registration: Registration | None = None
+        self.fallback_reason: str | None = None  # why ``register`` left the mapping unregistered
+        self._closed = False
 
     @property
     def nbytes(self) -> int:
         """Mapped (shared, not private) bytes behind the streamed blocks."""
         return sum(b.nbytes for bs in self._bindings.values() for b in bs)
+
+    @property
+    def registered(self) -> bool:
+        return self.registration is not None
+
+    def report(self) -> BackingReport:
+        reg = self.registration
+        copies = tensors = None
+        if not self._closed:
+            # Copies per pass: file-contiguous tensors are merged into one copy each.
+            copies = sum(len(region.parts) for index in self._layouts
+                         for region in self.regions(index).values())
+            tensors = sum(len(layout.tensors) for layout in self._layouts.values())
+        return BackingReport(
+            f"{self.plan.kind}-{'registered' if reg else 'staging'}", self.nbytes,
+            reg.nbytes if reg else 0,
+            mapped=MappedFacts(copies, tensors, reg.nbytes if reg else 0,
+                               len(reg.ranges) if reg else 0, self.fallback_reason),
+        )
 
     def add(self, layout: BlockLayout, tensors: Sequence[torch.Tensor]) -> None:
         """Record the block's sources; every tensor must be a view the plan bound."""
@@ -116,7 +150,7 @@ class MappedStorage:
         """Per dtype, the parts to copy: tensors that lie back to back both in the slot region
         and in one file become a single part (one copy instead of one per tensor)."""
         layout = self._layouts[index]
-        runs: dict[Hashable, list[_Run]] = {r.dtype: [] for r in layout.regions}
+        runs: dict[Hashable, list[CopyRun]] = {r.dtype: [] for r in layout.regions}
         members = zip(layout.tensors, self._views[index], self._bindings[index], strict=True)
         for placement, view, binding in members:
             same_region = runs[placement.dtype]
@@ -124,7 +158,7 @@ class MappedStorage:
             if last is not None and last.continues(placement.offset, binding):
                 last.add(placement.numel, binding, view)
             else:
-                same_region.append(_Run(placement.offset, placement.numel, binding, view))
+                same_region.append(CopyRun(placement.offset, placement.numel, binding, view))
         files = {str(m.path): m for m in self.plan.mappings}
         return {
             r.dtype: MappedRegion(
@@ -148,12 +182,60 @@ class MappedStorage:
     def streamed_views(self) -> list[torch.Tensor]:
         return [v for vs in self._views.values() for v in vs]
 
-    def release(self, index: int) -> list[torch.Tensor]:
+    def register(
+        self,
+        *,
+        budget_bytes: int,
+        device: torch.device,
+        registrar: Registrar | None = None,
+        verify: Callable[[], str | None] | None = None,
+    ) -> bool:
+        """Page-lock the streamed ranges in place (all or none). True when registered; else
+        ``fallback_reason`` says why. Call after the resident modules left these mappings:
+        a registered range is page-aligned, so a resident tensor may share its edge page,
+        and the driver refuses a copy that starts inside a registered range but runs past
+        its end (invalid argument)."""
+        if registrar is None and device.type == "cuda":
+            registrar = CudaRegistrar()
+        if registrar is None:
+            self.fallback_reason = (
+                f"host registration needs a CUDA device (offload device is {device})")
+            return False
+        addresses = {str(m.path): m.address for m in self.plan.mappings}
+        try:
+            self.registration = register_ranges(
+                plan_ranges(self.source_ranges()),
+                addresses=addresses,
+                budget_bytes=budget_bytes,
+                registrar=registrar,
+                verify=verify or (lambda: _unpinned(self.streamed_views())),
+            )
+        except RegistrationRefused as e:
+            self.fallback_reason = f"registration refused: {e}"
+            return False
+        return True
+
+    def release(self, index: int, *, gather: bool = False) -> list[torch.Tensor]:
         """Forget the block; its tensors go back as the mapping views (no copy)."""
         self._layouts.pop(index)
         self._bindings.pop(index)
         return self._views.pop(index)
 
-    def release_all(self) -> None:
-        for index in list(self._layouts):
-            self.release(index)
+    def close(self) -> None:
+        """Unregister every range (newest first), then close the plan's mappings. Callers
+        synchronize every copy out of the mappings first."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.registration is not None:
+                self.registration.unregister_all()
+        finally:
+            for index in list(self._layouts):
+                self.release(index)
+            self.plan.close()
+
+
+def _unpinned(views: Sequence[torch.Tensor]) -> str | None:
+    bad = sum(1 for v in views if v.numel() and not v.is_pinned())
+    return f"{bad} of {len(views)} source tensors do not report pinned" if bad else None

@@ -10,10 +10,10 @@ newest first, and the caller keeps the staging path; if that rollback itself fai
 process state is unknown and startup aborts (``OffloadError``).
 
 CUDA refuses ``cudaHostRegister`` on a writable file mapping; the mappings come from
-``mmap_source`` (``PROT_READ``) and are registered with ``cudaHostRegisterReadOnly``.
+``safetensors_mmap`` (``PROT_READ``) and are registered with ``cudaHostRegisterReadOnly``.
 The ``Registrar`` interface lets CPU tests run the whole sequence against a fake.
 
-Called by ``staging.make_mapped_transfer``; torn down by ``MappedTransfer.close`` (after a
+Called by ``mapped.MappedBacking.register``; torn down by ``MappedBacking.close`` (after a
 synchronize, before the mappings close).
 """
 

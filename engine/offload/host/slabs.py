@@ -1,14 +1,12 @@
-"""Host storage: one contiguous slab per streamed block, filled once from the model.
+"""Slab backing: one contiguous host slab per streamed block, filled once from the model.
 
 Each slab follows the block's ``BlockLayout`` (per-dtype flat regions), so one block load is
-one copy per dtype - a single large DMA for a one-dtype DiT. Slabs come from the transfer's
-``allocate_host`` (page-locked in place on CUDA), so pinned host memory is the streamed bytes
-plus alignment padding, not the power-of-two rounding of per-tensor pinned copies.
+one copy per dtype - a single large DMA for a one-dtype DiT. Slabs come from a
+``memory.HostMemory`` (page-locked in place on CUDA), so pinned host memory is the streamed
+bytes plus alignment padding, not the power-of-two rounding of per-tensor pinned copies.
 
-Later backings (checkpoint mmap, runtime-cache mmap) will provide the same ``regions`` /
-``tensor_views`` surface over mapped files instead of allocated slabs.
-
-Called by ``backend.enable_offload`` (build, release) and read by ``hooks`` (copy sources).
+Built by the backend's builders (rank-local offload of ordinary host tensors); read by
+``hooks`` (copy sources); released by ``handle``.
 """
 
 from __future__ import annotations
@@ -17,14 +15,16 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from ditserve.engine.offload.host.backing import BackingReport
+from ditserve.engine.offload.host.memory import HostMemory
 from ditserve.engine.offload.plan import BlockLayout
 
 
-class HostStorage:
-    """Slabs of the streamed blocks, keyed by block index."""
+class SlabBacking:
+    """Slabs of the streamed blocks, keyed by block index (a ``HostBacking``)."""
 
-    def __init__(self, allocator) -> None:  # allocator: a transfer (allocate_host/free_host)
-        self._allocator = allocator
+    def __init__(self, memory: HostMemory) -> None:
+        self._memory = memory
         self._slabs: dict[int, torch.Tensor] = {}
         self._layouts: dict[int, BlockLayout] = {}
 
@@ -32,9 +32,12 @@ class HostStorage:
     def nbytes(self) -> int:
         return sum(s.numel() for s in self._slabs.values())
 
+    def report(self) -> BackingReport:
+        return BackingReport(self._memory.kind, self.nbytes, self._memory.pinned_bytes)
+
     def add(self, layout: BlockLayout, tensors: Sequence[torch.Tensor]) -> None:
         """Allocate the block's slab and copy ``tensors`` (in layout order) into it."""
-        slab = self._allocator.allocate_host(layout.nbytes)
+        slab = self._memory.allocate(layout.nbytes)
         self._slabs[layout.index] = slab
         self._layouts[layout.index] = layout
         for view, tensor in zip(self.tensor_views(layout.index), tensors, strict=True):
@@ -44,7 +47,7 @@ class HostStorage:
         """The block's flat per-dtype regions (copy sources, padding included)."""
         slab = self._slabs[index]
         return {
-            r.dtype: slab[r.host_offset : r.host_offset + r.nbytes].view(r.dtype)
+            r.dtype: slab[r.host_offset : r.host_offset + r.nbytes].view(r.dtype)  # type: ignore[arg-type]
             for r in self._layouts[index].regions
         }
 
@@ -56,20 +59,21 @@ class HostStorage:
             for t in self._layouts[index].tensors
         ]
 
-    def release(self, index: int) -> list[torch.Tensor]:
+    def release(self, index: int, *, gather: bool = False) -> list[torch.Tensor]:
         """Unpin the block's slab, drop it, and return its tensors as ordinary host tensors.
 
         Registered (or never pinned) memory simply becomes pageable again, so the returned
         views keep it alive without a copy; memory from the caching pinned allocator cannot
-        be unpinned, so those tensors are cloned out of it.
+        be unpinned, so those tensors are cloned out of it. (``gather``: the slab holds the
+        whole block; nothing to rebuild.)
         """
         views = self.tensor_views(index)
         slab = self._slabs.pop(index)
         self._layouts.pop(index)
-        if not self._allocator.free_host(slab):
+        if not self._memory.free(slab):
             views = [v.clone() for v in views]
         return views
 
-    def release_all(self) -> None:
+    def close(self) -> None:
         for index in list(self._slabs):
             self.release(index)

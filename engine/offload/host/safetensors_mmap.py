@@ -14,7 +14,7 @@ Owns three things:
 - ``bind_dit``: a DiT created on the meta device (non-persistent buffers built as usual),
   whose parameters and persistent buffers become views of the mappings.
 
-Called by ``host_weights`` (checkpoint mmap, runtime-cache hits) and ``runtime_cache``.
+Called by ``backing_choice`` (checkpoint mmap, runtime-cache hits) and ``runtime_cache``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ditserve.cachectl.st_format import ITEMSIZE, read_header
-from ditserve.engine.offload.host_plan import Coverage, TensorBinding
+from ditserve.engine.offload.host.weight_plan import Coverage, TensorBinding
 
 _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,

@@ -1,6 +1,6 @@
 """Copy-engine gather: rebuild each block from the ranks' shards with peer-to-peer DMA, no SMs.
 
-The NCCL path (``gather.GatherTransfer``) runs every block's ``all_gather`` as a kernel that
+The NCCL path (``gather.StreamGather``) runs every block's ``all_gather`` as a kernel that
 takes SMs from the blocks' compute and slows the host copies running beside it (measured on
 2 x H200). Here each rank's device shard slots live in CUDA symmetric memory
 (``torch.distributed._symmetric_memory``): every rank can address every other rank's slots,
@@ -22,7 +22,7 @@ consumed by the next wait before the next put for the same slot - because every 
 the same loads in the same order (``hooks``: whole passes). ``gather_full`` (rebuilding blocks
 on the host at disable) stays on NCCL.
 
-Chosen by ``backend.enable_offload`` with ``offload.gather = "copy-engine"``; needs CUDA and a
+Chosen by the backend's builders with ``offload.gather = "copy-engine"``; needs CUDA and a
 group whose ranks share one host with peer access (symmetric memory refuses otherwise, and
 enable fails with the reason).
 """
@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload.gather import SHARD_SLOTS, GatherTransfer
-from ditserve.engine.offload.transfer import CopyPairs
+from ditserve.engine.offload.movement.copy_stream import CudaStreamTransfer
+from ditserve.engine.offload.movement.gather import SHARD_SLOTS, StreamGather
+from ditserve.engine.offload.movement.transfer import CopyPairs
 
 READY, READ = 0, 1  # signal kinds; channel = kind * SHARD_SLOTS + shard slot
 
@@ -45,14 +46,14 @@ def _channel(kind: int, slot: int) -> int:
     return kind * SHARD_SLOTS + slot
 
 
-class CopyEngineGather(GatherTransfer):
+class CopyEngineGather(StreamGather):
     """H2D of the local shard + peer-to-peer copies into the block slot (module docstring)."""
 
     name = "h2d+p2p-copy"
 
     def __init__(
         self,
-        base,  # CudaStreamTransfer
+        base: CudaStreamTransfer,
         group: dist.ProcessGroup,
         shard_slot: Mapping[Hashable, tuple[int, int]],
     ) -> None:
@@ -90,10 +91,10 @@ class CopyEngineGather(GatherTransfer):
         return self._handles[dtype].get_buffer(  # type: ignore[attr-defined]
             peer, (n,), dtype, offset)
 
-    def load(self, pairs: CopyPairs, slot: int) -> None:
-        j, triples = self._next_load(pairs)
+    def load(self, prepared: CopyPairs, slot: int) -> None:
+        j, triples = self._next_load(prepared)
         signals = self._signals
-        copy, comm = self._base.stream, self.comm_stream
+        copy, comm = self._stream_base.stream, self.comm_stream
         with torch.cuda.stream(copy):
             if self._used[j]:
                 # Write-after-read across ranks: every peer copied our slot j's last contents.
@@ -104,7 +105,7 @@ class CopyEngineGather(GatherTransfer):
             for peer in self.peers:
                 signals.put_signal(peer, _channel(READY, j))  # type: ignore[attr-defined]
         with torch.cuda.stream(comm):
-            comm.wait_event(self._base.free[slot])
+            comm.wait_event(self._stream_base.free[slot])
             comm.wait_event(self.copied[j])
             for peer in self.peers:
                 signals.wait_signal(peer, _channel(READY, j))  # type: ignore[attr-defined]
@@ -116,7 +117,7 @@ class CopyEngineGather(GatherTransfer):
                     parts[peer].copy_(self._peer_shard(peer, src.dtype, j, n), non_blocking=True)
             for peer in self.peers:
                 signals.put_signal(peer, _channel(READ, j))  # type: ignore[attr-defined]
-            self._base.ready[slot].record(comm)
+            self._stream_base.ready[slot].record(comm)
 
     def close(self) -> None:
         # Peers map these buffers themselves, so dropping ours cannot pull memory from under a
