@@ -1,0 +1,141 @@
+"""CPU encoder of lossless packed bf16 (layout: ``packed_layout``).
+
+Runs at load time over every streamed block's bf16 region (~24 GB for a Flux-sized DiT), so it
+is vectorized torch on uint8 byte planes, one stripe at a time (temporaries stay a few bytes
+per value of one stripe, never of the whole model). ``bench/codec.py`` measures its MB/s.
+
+Called by the offload host storage (later: to fill packed slabs through its allocator), the
+runtime-cache writer (packed entries), tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ditserve.engine.errors import FormatError
+from ditserve.engine.formats.packed_layout import (
+    DEFAULT_STRIPES,
+    DEFAULT_TILE,
+    DEFAULT_TILES_PER_GROUP,
+    ESCAPE,
+    TABLE_ENTRIES,
+    PackedBf16,
+    PackedLayout,
+    layout_for,
+    plan_stripes,
+)
+
+Allocator = Callable[[int], torch.Tensor]  # nbytes -> flat uint8 tensor (e.g. pinned)
+_TABLE_SIZE = ESCAPE  # 15 exponents per group table
+# Ranks exponents by count, ties to the smaller exponent: tables (and so the packed bytes, and
+# a cache entry's digest) are the same on every machine.
+_TIE_BREAK = 255 - torch.arange(256, dtype=torch.int64)
+
+
+@dataclass
+class _Stripe:
+    sign_mantissa: torch.Tensor  # uint8 (S,)
+    codes: torch.Tensor  # uint8 (S/2,)
+    tables: torch.Tensor  # uint8 (G, 16)
+    escape_starts: torch.Tensor  # int32 (T,)
+    escapes: torch.Tensor  # uint8 (E,)
+
+
+def _default_allocator(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _byte_planes(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sign+mantissa, exponent) bytes of bf16 values given as their raw little-endian bytes."""
+    lo, hi = chunk[0::2], chunk[1::2]  # bf16 bits 0-7 and 8-15
+    sign_mantissa = (hi & 0x80) | (lo & 0x7F)
+    exponent = ((hi & 0x7F) << 1) | (lo >> 7)
+    return sign_mantissa, exponent
+
+
+def _encode_stripe(raw: torch.Tensor, group_base: torch.Tensor, *, tile: int,
+                   groups: int) -> _Stripe:
+    """Pack one stripe: ``raw`` holds its values' bytes (2 per value, zero padded)."""
+    sign_mantissa, exponent = _byte_planes(raw)
+    # (value) -> group * 256 + exponent: one bincount gives every group's histogram.
+    bins = group_base + exponent.to(torch.int32)
+    counts = torch.bincount(bins, minlength=groups * 256).view(groups, 256)
+    ranked = (counts * 256 + _TIE_BREAK).topk(_TABLE_SIZE, dim=1).indices  # (G, 15)
+    tables = torch.zeros(groups, TABLE_ENTRIES, dtype=torch.uint8)
+    tables[:, :_TABLE_SIZE] = ranked.to(torch.uint8)
+    # exponent -> code per group; exponents outside the table map to the escape code.
+    lut = torch.full((groups, 256), ESCAPE, dtype=torch.uint8)
+    lut.scatter_(1, ranked, torch.arange(_TABLE_SIZE, dtype=torch.uint8).expand(groups, -1))
+    code = lut.view(-1)[bins]
+    del bins
+    codes = code[0::2] | (code[1::2] << 4)
+    escaped = code == ESCAPE
+    escapes = exponent[escaped]
+    per_tile = escaped.view(-1, tile).sum(dim=1)
+    escape_starts = (per_tile.cumsum(0) - per_tile).to(torch.int32)
+    return _Stripe(sign_mantissa, codes, tables, escape_starts, escapes)
+
+
+def encode(
+    values: torch.Tensor,
+    *,
+    stripes: int = DEFAULT_STRIPES,
+    tile: int = DEFAULT_TILE,
+    tiles_per_group: int = DEFAULT_TILES_PER_GROUP,
+    allocate: Allocator | None = None,
+) -> PackedBf16:
+    """Pack a contiguous bf16 tensor (any shape, read as flat) losslessly.
+
+    ``allocate(nbytes)`` provides the packed buffer (a pinned slab region, say); by default an
+    ordinary CPU tensor. Every bit pattern round-trips: zeros of both signs, subnormals,
+    infinities, NaNs with their payloads.
+    """
+    if values.dtype != torch.bfloat16:
+        raise FormatError(f"packed bf16 encodes bfloat16 tensors, got {values.dtype}; "
+                          "pack only the bf16 region of a block")
+    if values.device.type != "cpu" or not values.is_contiguous():
+        raise FormatError("encode takes a contiguous CPU tensor (the host copy of the weights)")
+    numel = values.numel()
+    stripe_numel = plan_stripes(numel, stripes=stripes, tile=tile)
+    raw = values.reshape(-1).view(torch.uint8)
+    group_size = tile * tiles_per_group
+    groups = -(-stripe_numel // group_size)
+    group_base = (torch.arange(stripe_numel, dtype=torch.int32) // group_size) * 256
+    parts: list[_Stripe] = []
+    for s in range(stripes):
+        lo, hi = s * stripe_numel, min((s + 1) * stripe_numel, numel)
+        chunk = raw[2 * lo : 2 * hi] if hi > lo else raw[:0]
+        if hi - lo < stripe_numel:  # the last stripe(s): zero padding to whole tiles
+            padded = torch.zeros(2 * stripe_numel, dtype=torch.uint8)
+            padded[: chunk.numel()] = chunk
+            chunk = padded
+        parts.append(_encode_stripe(chunk, group_base, tile=tile, groups=groups))
+    layout = layout_for(numel, tuple(p.escapes.numel() for p in parts), stripes=stripes,
+                        tile=tile, tiles_per_group=tiles_per_group)
+    data = (allocate or _default_allocator)(layout.nbytes)
+    if data.dtype != torch.uint8 or data.numel() != layout.nbytes:
+        raise FormatError(f"the allocator returned {data.numel()} {data.dtype} elements; "
+                          f"expected {layout.nbytes} uint8")
+    _assemble(layout, parts, data)
+    return PackedBf16(layout, data)
+
+
+def _assemble(layout: PackedLayout, parts: list[_Stripe], data: torch.Tensor) -> None:
+    """Write every stripe's sections into its record (padding bytes are zeroed: the packed
+    bytes of the same weights are the same bytes, so a cache digest over them is stable)."""
+    records = data.view(layout.stripes, layout.stripe_bytes)
+    records.zero_()
+    n = layout.stripe_numel
+    for record, part in zip(records, parts, strict=True):
+        record[:n] = part.sign_mantissa
+        record[layout.codes_offset : layout.codes_offset + n // 2] = part.codes
+        tables = part.tables.reshape(-1)
+        record[layout.tables_offset : layout.tables_offset + tables.numel()] = tables
+        starts = part.escape_starts.view(torch.uint8)  # little-endian int32 bytes
+        record[layout.escape_starts_offset : layout.escape_starts_offset + starts.numel()] = (
+            starts)
+        record[layout.escapes_offset : layout.escapes_offset + part.escapes.numel()] = (
+            part.escapes)
