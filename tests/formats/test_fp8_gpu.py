@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
 
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
