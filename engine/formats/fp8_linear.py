@@ -25,7 +25,12 @@ import torch
 from torch import nn
 
 from ditserve.engine.errors import FormatError
-from ditserve.engine.formats.fp8_quant import FP8_DTYPE, dequantize, quantize_activation, quantize_weight
+from ditserve.engine.formats.fp8_quant import (
+    FP8_DTYPE,
+    dequantize,
+    quantize_activation,
+    quantize_weight,
+)
 
 # torch._scaled_mm needs K and N (in_features, out_features) to be multiples of 16.
 SCALED_MM_MULTIPLE = 16
