@@ -12,8 +12,9 @@ region):
   near 1, small biases). It is NOT a trained checkpoint; it only probes the escape path
   under wider exponent spreads than random init has.
 
-For each: CPU encode MB/s (of bf16 input), packed/bf16 bytes, escapes per value, CPU decode
-MB/s, a bit-exact check, and with CUDA: the Triton decode's GB/s of bf16 output (CUDA events,
+For each: CPU encode MB/s (of bf16 input; all threads, and one), packed/bf16 bytes, escapes per value, CPU decode
+MB/s, a bit-exact check, and with CUDA: the encode's GB/s with the block on the device (packed
+bytes land in pinned host memory), the Triton decode's GB/s of bf16 output (CUDA events,
 median of ``--iters``) and, for scale, the pinned H2D copy time of the packed vs the raw
 bytes (what DLO moves per block).
 
@@ -100,6 +101,14 @@ def measure(name: str, values: torch.Tensor, *, stripes: int, warmup: int, iters
     t0 = time.perf_counter()
     packed = encode(values, stripes=stripes)
     encode_s = time.perf_counter() - t0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per core: what a loader thread per block would get
+    try:
+        t0 = time.perf_counter()
+        encode(values, stripes=stripes)
+        encode_1t_s = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     back = decode(packed)
     decode_s = time.perf_counter() - t0
@@ -108,7 +117,8 @@ def measure(name: str, values: torch.Tensor, *, stripes: int, warmup: int, iters
         "packed_mb": round(packed.layout.nbytes / 1e6, 2),
         "ratio": round(packed.layout.ratio, 5),
         "escapes_per_value": packed.layout.escapes / max(1, values.numel()),
-        "encode_mb_s": round(mb / encode_s, 1), "cpu_decode_mb_s": round(mb / decode_s, 1),
+        "encode_mb_s": round(mb / encode_s, 1), "encode_mb_s_1_thread": round(mb / encode_1t_s, 1),
+        "cpu_decode_mb_s": round(mb / decode_s, 1),
         "exact": bool(torch.equal(back.view(torch.int16), values.view(torch.int16))),
     }
     if gpu:
@@ -118,6 +128,12 @@ def measure(name: str, values: torch.Tensor, *, stripes: int, warmup: int, iters
 
 def gpu_measure(packed: Any, values: torch.Tensor, *, warmup: int, iters: int) -> dict[str, Any]:
     device = torch.device("cuda")
+    on_device = values.to(device)
+    encode(on_device)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    encode(on_device, allocate=lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+    encode_s = time.perf_counter() - t0  # includes the packed bytes' copy back to the host
     on_gpu = packed.with_data(packed.data.to(device))
     out = torch.empty(values.numel(), dtype=torch.bfloat16, device=device)
     ms = cuda_ms(lambda: decode_into(on_gpu, out), warmup, iters)
@@ -128,7 +144,8 @@ def gpu_measure(packed: Any, values: torch.Tensor, *, warmup: int, iters: int) -
     packed_dev = torch.empty_like(packed_host, device=device)
     raw_ms = cuda_ms(lambda: raw_dev.copy_(raw_host, non_blocking=True), warmup, iters)
     packed_ms = cuda_ms(lambda: packed_dev.copy_(packed_host, non_blocking=True), warmup, iters)
-    return {"gpu_decode_ms": round(ms, 3), "gpu_decode_gb_s": round(values.numel() * 2 / ms / 1e6, 1),
+    return {"gpu_encode_gb_s": round(values.numel() * 2 / encode_s / 1e9, 2),
+            "gpu_decode_ms": round(ms, 3), "gpu_decode_gb_s": round(values.numel() * 2 / ms / 1e6, 1),
             "gpu_exact": bool(exact), "h2d_raw_ms": round(raw_ms, 3),
             "h2d_packed_ms": round(packed_ms, 3)}
 
@@ -157,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                           warmup=args.warmup, iters=args.iters, gpu=gpu)
             rows.append(row)
     columns = ["block", "bf16_mb", "ratio", "escapes_per_value", "encode_mb_s",
+               "encode_mb_s_1_thread",
                "cpu_decode_mb_s", "exact"]
     if gpu:
-        columns += ["gpu_decode_gb_s", "gpu_exact", "h2d_raw_ms", "h2d_packed_ms"]
+        columns += ["gpu_encode_gb_s", "gpu_decode_gb_s", "gpu_exact", "h2d_raw_ms", "h2d_packed_ms"]
     log(" | ".join(columns))
     for row in rows:
         log(" | ".join(f"{row[c]:.2e}" if c == "escapes_per_value" else str(row[c])

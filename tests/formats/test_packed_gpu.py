@@ -67,3 +67,13 @@ def test_decode_on_a_side_stream_into_a_slot_without_allocation_or_host_sync() -
     done.synchronize()
     assert torch.equal(bits(target.cpu()), bits(values))
     assert not slot[:512].any() and not slot[512 + values.numel():].any()
+
+
+@pytest.mark.parametrize("name,values,kwargs", cases(), ids=[c[0] for c in cases()])
+def test_encode_on_cuda_gives_the_cpu_bytes(name: str, values: torch.Tensor,
+                                            kwargs: dict[str, int]) -> None:
+    on_cpu = encode(values, **kwargs)
+    on_cuda = encode(values.cuda(), **kwargs)
+    assert on_cuda.layout == on_cpu.layout
+    assert on_cuda.data.device.type == "cpu"  # the default allocator: host bytes
+    assert torch.equal(on_cuda.data, on_cpu.data)
