@@ -199,6 +199,7 @@ def measure(model_dir: Path, args: argparse.Namespace, *, device: str,
     from ditserve.engine.formats.fp8_select import FP8Rule, quantize_fp8
 
     family, kind = family_of(model_dir), weights_kind(model_dir)
+    reference_name = str(dtype).removeprefix("torch.")  # what FP8 is compared against
     log(f"quality: {family} from {model_dir.name}, {dtype} on {device}, {args.steps} steps, "
         f"{args.width}x{args.height}; FP8 rule: block linears"
         f"{' except modulation' if args.keep_modulation else ''}")
@@ -231,7 +232,7 @@ def measure(model_dir: Path, args: argparse.Namespace, *, device: str,
             f"({len(steps)} calls); image PSNR {rows[-1]['psnr_db']:.2f} dB "
             f"SSIM {rows[-1]['ssim']:.4f}")
     summary = {
-        "family": family, "weights": kind, "dtype": str(dtype), "device": device,
+        "family": family, "weights": kind, "reference_dtype": reference_name, "device": device,
         "steps": args.steps, "size": [args.width, args.height],
         "keep_modulation": args.keep_modulation, "quantized": report.to_dict(),
         "bf16_run_s": round(bf16_s, 2),
@@ -239,7 +240,7 @@ def measure(model_dir: Path, args: argparse.Namespace, *, device: str,
         "mean_psnr_db": statistics.mean(r["psnr_db"] for r in rows),
         "mean_ssim": statistics.mean(r["ssim"] for r in rows), "cases": rows,
     }
-    log(f"{family}: FP8 vs bf16 over {len(rows)} image(s): step rel L2 "
+    log(f"{family}: FP8 vs {reference_name} over {len(rows)} image(s): step rel L2 "
         f"{summary['mean_step_rel_l2'] * 100:.2f}%, PSNR {summary['mean_psnr_db']:.2f} dB, "
         f"SSIM {summary['mean_ssim']:.4f}; {report.layers} linears, weight bytes "
         f"{report.bf16_bytes / 1e6:.1f} -> {report.fp8_bytes / 1e6:.1f} MB ({kind} weights)")

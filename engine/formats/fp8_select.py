@@ -20,10 +20,11 @@ WanTransformer3DModel        blocks                               (none: a scale
   are not multiples of 16 (``torch._scaled_mm``'s constraint).
 
 Why modulation is FP8 by default: on the random Flux models, quantizing the modulation linears
-adds about as much output error as any other same-sized group of block linears (measured by
-``bench/quality.py``; numbers in docs/formats.md), and they are 20-33% of a Flux block's bytes,
-so keeping them bf16 would leave FP8 blocks at ~0.6x instead of 0.5x of the bf16 bytes.
-Trained weights can differ: ``include_modulation=False`` keeps them bf16.
+as well raises the output error from 0.33% to 0.39% (small model; 0.63% to 0.68% on the tiny
+one; docs/formats.md), while they hold 27% of the block linears' bytes - keeping them bf16
+would leave FP8 blocks at ~0.6x instead of 0.5x of the bf16 stream. Trained weights can
+differ (``bench/quality.py --keep-modulation`` measures it): ``include_modulation=False``
+keeps them bf16.
 
 Other classes: pass ``block_lists`` (the offload discovery's list names) and the generic name
 rule applies (``norm*.linear`` and ``*_mod.<i>`` are modulation).
