@@ -91,6 +91,9 @@ class PackedLayout:
                 f"v{FORMAT_VERSION}; rebuild the packed weights (or the cache entry) with "
                 "this version of ditserve"
             )
+        if self.stripes < 1 or self.tiles_per_group < 1:
+            raise FormatError(f"stripes and tiles_per_group must be >= 1, got {self.stripes} "
+                              f"and {self.tiles_per_group}")
         if self.tile < 2 or self.tile & (self.tile - 1):
             raise FormatError(f"tile must be a power of two >= 2, got {self.tile}")
         if self.stripe_numel % self.tile or self.stripe_numel * self.stripes < self.numel:

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from formats.support import flux_inputs, tiny_flux  # type: ignore[import-not-found]
 from torch import nn
 
 from ditserve.engine.errors import FormatError
@@ -20,7 +21,6 @@ from ditserve.engine.formats.fp8_quant import (
     quantize_weight,
 )
 from ditserve.engine.formats.fp8_select import FP8Rule, quantize_fp8, select_linears
-from ditserve.engine.tiny_model import TINY_TRANSFORMER
 
 
 def test_weight_quantization_is_rowwise_and_within_e4m3_rounding() -> None:
@@ -96,24 +96,6 @@ def test_cast_tensors_are_refused_and_bad_shapes_too() -> None:
         layer(torch.randn(2, 64, dtype=torch.bfloat16))
     with pytest.raises(FormatError, match="divisible by 16"):
         FP8Linear.from_linear(nn.Linear(20, 32))
-
-
-def tiny_flux() -> nn.Module:
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(**TINY_TRANSFORMER).eval()  # type: ignore[arg-type]
-
-
-def flux_inputs(model: nn.Module, img: int = 64, txt: int = 16) -> dict[str, object]:
-    g = torch.Generator().manual_seed(2)
-    c = model.config  # type: ignore[attr-defined]
-    return dict(
-        hidden_states=torch.randn(1, img, c.in_channels, generator=g),
-        encoder_hidden_states=torch.randn(1, txt, c.joint_attention_dim, generator=g),
-        pooled_projections=torch.randn(1, c.pooled_projection_dim, generator=g),
-        timestep=torch.tensor([0.6]), guidance=torch.tensor([3.5]),
-        img_ids=torch.zeros(img, 3), txt_ids=torch.zeros(txt, 3), return_dict=False)
 
 
 def test_flux_rule_quantizes_block_linears_only() -> None:

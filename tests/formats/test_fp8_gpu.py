@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from formats.support import flux_inputs, tiny_flux  # type: ignore[import-not-found]
 from torch import nn
 
 from ditserve.engine.formats.fp8_linear import FP8Linear, fp8_matmul
@@ -46,24 +47,14 @@ def test_compiled_fp8_linear_runs_and_matches_eager() -> None:
 
 
 def test_quantized_tiny_flux_on_cuda_matches_its_cpu_emulation() -> None:
-    from diffusers import FluxTransformer2DModel
-
-    from ditserve.engine.tiny_model import TINY_TRANSFORMER
-
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(**TINY_TRANSFORMER).eval()  # type: ignore[arg-type]
+    model = tiny_flux()
     quantize_fp8(model)
-    g = torch.Generator().manual_seed(2)
-    inputs = dict(
-        hidden_states=torch.randn(1, 64, 16, generator=g),
-        encoder_hidden_states=torch.randn(1, 16, 32, generator=g),
-        pooled_projections=torch.randn(1, 32, generator=g),
-        timestep=torch.tensor([0.6]), guidance=torch.tensor([3.5]),
-        img_ids=torch.zeros(64, 3), txt_ids=torch.zeros(16, 3))
+    inputs = flux_inputs(model)
     with torch.no_grad():
-        on_cpu = model(**inputs, return_dict=False)[0]
+        on_cpu = model(**inputs)[0]
         gpu_model = copy.deepcopy(model).cuda()
-        on_gpu = gpu_model(**{k: v.cuda() for k, v in inputs.items()}, return_dict=False)[0]
+        on_gpu = gpu_model(**{k: v.cuda() if isinstance(v, torch.Tensor) else v
+                              for k, v in inputs.items()})[0]
     # fp32 activations on CUDA: the kernel returns bf16 and the layer casts back, so the
     # difference is bf16 rounding of every linear's output.
     assert rel(on_gpu.cpu(), on_cpu) < 0.02
