@@ -40,3 +40,7 @@ class OffloadError(DitServeError):
 
 class DistributedError(DitServeError):
     """A worker process died, hung, or disagreed with the group."""
+
+
+class FormatError(DitServeError, ValueError):
+    """A packed or quantized weight format is malformed, or does not fit where it is used."""
