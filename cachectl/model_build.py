@@ -34,12 +34,14 @@ LOADER_NAME = "ditserve.engine.loader.load_dit_state_dict"
 
 @dataclass(frozen=True)
 class ModelRequest:
-    """What to build: a local model directory, the runtime dtype, an optional revision label."""
+    """What to build: a local model directory, the runtime dtype, an optional revision label,
+    and which DiT (``component``: Wan 2.2's second expert is ``transformer_2``)."""
 
     model_dir: Path
     dtype: str = "bfloat16"
     revision: str | None = None
     placement: Placement = Placement()
+    component: str = "transformer"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -60,13 +62,14 @@ def _loader() -> Any:
     return loader
 
 
-def _implementation_digest(loader: Any) -> str:
-    """The loader's declared version plus a digest of its source: any edit re-keys entries."""
+def _implementation_digest(loader: Any, model_dir: Path) -> str:
+    """The loader's declared version for the model's family plus a digest of its source: any
+    edit re-keys entries."""
     try:
         source = inspect.getsource(loader).encode()
     except (OSError, TypeError):
         source = b""
-    return f"{loader.LOADER_VERSION}+{hashlib.sha256(source).hexdigest()[:16]}"
+    return f"{loader.loader_version(model_dir)}+{hashlib.sha256(source).hexdigest()[:16]}"
 
 
 def _version(dist: str) -> str:
@@ -90,7 +93,8 @@ class ModelPlan:
     def build(self) -> dict[str, Any]:
         loader = _loader()
         try:
-            return dict(loader.load_dit_state_dict(self.request.model_dir, dtype=self.request.dtype))
+            return dict(loader.load_dit_state_dict(self.request.model_dir, dtype=self.request.dtype,
+                                                   component=self.request.component))
         except Exception as e:  # the loader's own errors say what is wrong with the model
             raise BuildError(f"loading {str(self.request.model_dir)!r} failed: {e}") from e
 
@@ -99,16 +103,16 @@ def plan_model(request: ModelRequest) -> ModelPlan:
     """The recipe of a model directory: stat calls only, nothing loaded or hashed."""
     loader = _loader()
     try:
-        files = tuple(loader.dit_source_files(request.model_dir))
+        files = tuple(loader.dit_source_files(request.model_dir, request.component))
     except Exception as e:
         raise BuildError(f"{str(request.model_dir)!r} is not a usable model directory: {e}") from e
     recipe = recipe_for(
         source_fingerprint=source_fingerprint(list(files), request.model_dir),
         dtype=request.dtype, loader=LOADER_NAME,
-        loader_version=_implementation_digest(loader),
+        loader_version=_implementation_digest(loader, request.model_dir),
         revision=request.revision,
         loader_inputs={"diffusers": _version("diffusers")},
-        components=(loader.DIT_COMPONENT,), placement=request.placement,
+        components=(request.component,), placement=request.placement,
     )
     return ModelPlan(request, recipe, files)
 

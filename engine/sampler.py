@@ -68,3 +68,30 @@ class FlowMatchEulerSampler:
         dt = sigmas[step_index + 1] - sigmas[step_index]
         prev = sample.to(torch.float32) + dt * model_output
         return prev.to(model_output.dtype)
+
+
+class SchedulerTrajectory:
+    """One request's own diffusers scheduler object, for samplers with history.
+
+    Multistep samplers (Wan's UniPC) keep earlier model outputs between steps, so their state
+    is per trajectory: each request owns one scheduler object, made from the model's
+    scheduler config and never shared, so requests at different steps still share a forward.
+    ``step`` asserts the object's own counter agrees with the request's step index.
+    """
+
+    def __init__(self, scheduler_cls: Any, config: Any, num_steps: int) -> None:
+        self._scheduler = scheduler_cls.from_config(config)
+        self._scheduler.set_timesteps(num_steps, device="cpu")
+        self._scheduler.set_begin_index(0)
+        self.timesteps: torch.Tensor = self._scheduler.timesteps.clone()
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+    def step(self, sample: torch.Tensor, model_output: torch.Tensor, step_index: int) -> torch.Tensor:
+        index = self._scheduler.step_index
+        assert index in (None, step_index), f"trajectory at step {index}, asked for {step_index}"
+        return self._scheduler.step(  # type: ignore[no-any-return]
+            model_output, self.timesteps[step_index], sample, return_dict=False
+        )[0]

@@ -21,6 +21,7 @@ Called by the engine's model runner (``--offload dlo``) and by ``bench/offload.p
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -117,11 +118,15 @@ def enable_offload(
     activation_reserve_bytes: int | None = None,
     group: Any = None,
     host_plan: HostWeightPlan | None = None,
+    block_lists: Sequence[str] | None = None,
 ) -> OffloadHandle:
     """Stream ``transformer``'s blocks from host memory through ``offload.slots`` device slots.
 
     ``group``: a torch.distributed process group; with more than one rank, each rank keeps
     1/group of every streamed block and rebuilds blocks with all_gather (AllGather mode).
+
+    ``block_lists``: the streamed block lists in call order (the pipeline's declaration; by
+    default the family's for the DiT class, see ``discovery``).
 
     ``host_plan``: the loader's HostWeightPlan (consumed here). A mapped plan streams straight
     from its read-only mappings: registered with ``pin_limit_gib`` > 0, else through two
@@ -147,7 +152,7 @@ def enable_offload(
             "offload is already enabled on this model; call handle.disable() before enabling "
             "it again"
         )
-    found = discover(transformer)
+    found = discover(transformer, block_lists)
     _check_tensors(transformer, list(found.blocks))
     # More slots than blocks would only hold copies of blocks already in a slot.
     n_slots = min(
