@@ -81,6 +81,15 @@ WAN = Family(
 )
 
 FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN)
+# What the model builders (`ditserve model init-tiny / init-random --family`) build: one
+# released model layout each, by the family it belongs to.
+MODEL_VARIANTS: dict[str, str] = {
+    "flux": "flux",  # FLUX.1-dev
+    "qwen-image": "qwen-image",  # Qwen-Image (20B)
+    "wan": "wan",  # Wan2.1-T2V-14B
+    "wan2.2": "wan",  # Wan2.2-T2V-A14B: two 14B experts
+    "wan2.2-ti2v": "wan",  # Wan2.2-TI2V-5B
+}
 # The value of ``model.family`` that means "read it from model_index.json".
 AUTO_FAMILY = "Auto"
 

@@ -22,11 +22,10 @@ import string
 from typing import Any
 
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.families import MODEL_VARIANTS
 
-# Variant (what --family names for the builders) -> the family it belongs to.
-VARIANTS: dict[str, str] = {
-    "qwen-image": "qwen-image", "wan": "wan", "wan2.2": "wan", "wan2.2-ti2v": "wan",
-}
+# The variants built here (Flux's builders live in tiny_model / random_model).
+VARIANTS: tuple[str, ...] = tuple(v for v in MODEL_VARIANTS if v != "flux")
 SIZES = ("tiny", "small", "full")
 
 _QWEN_FULL: dict[str, Any] = {}  # diffusers' defaults are Qwen-Image's released DiT

@@ -94,7 +94,6 @@ TINY_TRANSFORMER = dict(
 )
 
 
-TINY_FAMILIES = ("flux", "qwen-image", "wan", "wan2.2", "wan2.2-ti2v")
 
 
 def _build_tiny(family: str, seed: int):  # type: ignore[no-untyped-def]
@@ -115,10 +114,12 @@ def init_tiny(
     Safe when several processes ask at once (the demo, a server and its workers): one builds
     into a temporary sibling under a file lock and renames it into place.
     """
-    if family not in TINY_FAMILIES:
+    from ditserve.engine.families import MODEL_VARIANTS
+
+    if family not in MODEL_VARIANTS:
         from ditserve.engine.errors import ConfigError
 
-        raise ConfigError(f"family must be one of {', '.join(TINY_FAMILIES)}, got {family!r}")
+        raise ConfigError(f"family must be one of {', '.join(MODEL_VARIANTS)}, got {family!r}")
     import shutil
     import tempfile
 
