@@ -204,7 +204,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
                                  "text_encoder": _qwen_text_encoder(tokenizer, width),
                                  "vae": _qwen_vae()}
         # Qwen-Image's released scheduler: resolution-dependent exponential time shift.
-        scheduler = FlowMatchEulerDiscreteScheduler(
+        scheduler: Any = FlowMatchEulerDiscreteScheduler(
             base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
             num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
             time_shift_type="exponential", use_dynamic_shifting=True)

@@ -54,10 +54,16 @@ class FlowMatchEulerSampler:
         kwargs: dict[str, Any] = {"sigmas": sigmas}
         if self._config.get("use_dynamic_shifting", False):
             kwargs["mu"] = _calculate_shift(image_seq_len, self._config)
-        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
-        return Schedule(
-            timesteps=scheduler.timesteps.clone(), sigmas=scheduler.sigmas.clone()
-        )
+        with np.errstate(invalid="ignore", divide="ignore"):  # the one-step case below
+            scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        timesteps, sigmas = scheduler.timesteps.clone(), scheduler.sigmas.clone()
+        if bool(torch.isnan(sigmas).any()):
+            # One step stretched to a terminal sigma (Qwen-Image's shift_terminal) divides 0
+            # by 0, and diffusers' own schedule is NaN (a black image). Its limit is what the
+            # stretch does to every schedule's first sigma: it stays 1.
+            sigmas = torch.nan_to_num(sigmas, nan=1.0)
+            timesteps = sigmas[:-1] * float(self._config.get("num_train_timesteps", 1000))
+        return Schedule(timesteps=timesteps, sigmas=sigmas)
 
     @staticmethod
     def step(

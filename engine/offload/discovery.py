@@ -23,6 +23,7 @@ from torch import nn
 
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.families import declared_block_lists
+
 # A ModuleList holding less than this share of the weights is not worth streaming
 # (e.g. a list of small embedders): it stays resident.
 MIN_LIST_SHARE = 0.05

@@ -7,6 +7,7 @@ while the previous one runs, and a copy from pageable memory would wait for it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,11 +34,11 @@ def first_parameter_dtype(module: torch.nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
-def latent_statistics(vae: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def latent_statistics(vae: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE's per-channel latent mean and 1/std, (1, C, 1, 1, 1), on the device in the
     VAE's dtype, computed as diffusers computes them (the reciprocal in float32, then cast).
     Made once at load: a per-decode upload would be a host sync on CUDA."""
-    config = vae.config  # type: ignore[attr-defined]
+    config = vae.config
     shape = (1, int(config.z_dim), 1, 1, 1)
     dtype = next(vae.parameters()).dtype
     mean = torch.tensor(config.latents_mean).view(shape).to(device, dtype)

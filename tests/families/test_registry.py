@@ -86,3 +86,12 @@ def test_frame_counts_are_judged_by_the_model() -> None:
 def test_engine_validates_frames_for_a_video_model(family_runner) -> None:  # type: ignore[no-untyped-def]
     assert family_runner("wan").frame_step == 4
     assert family_runner("qwen-image").frame_step is None
+
+
+def test_one_step_qwen_schedule_is_finite(family_runner) -> None:  # type: ignore[no-untyped-def]
+    # diffusers' stretch to shift_terminal divides 0 by 0 for a single step (its own pipeline
+    # returns NaN); the engine's warm-up and one-step requests must not.
+    import torch
+
+    schedule = family_runner("qwen-image").pipeline.sampler.schedule(1, 4)
+    assert torch.isfinite(schedule.sigmas).all() and schedule.timesteps.tolist() == [1000.0]
