@@ -155,6 +155,15 @@ def dit_class(model_dir: str | Path | None = None, component: str = DIT_COMPONEN
     return getattr(diffusers, family.dit_class)
 
 
+def keeps_float32(model_cls: Any, tensor_name: str) -> bool:
+    """Whether diffusers loads this DiT tensor in float32 whatever the dtype asked for (the
+    class's ``_keep_in_fp32_modules``, e.g. Wan's norms and modulation tables), matched the
+    way diffusers matches it: a module name among the name's dotted parts."""
+    keep = getattr(model_cls, "_keep_in_fp32_modules", None) or ()
+    parts = tensor_name.split(".")
+    return any(module in parts for module in keep)
+
+
 def load_dit(model_dir: str | Path, *, dtype: str, component: str = DIT_COMPONENT) -> Any:
     """One DiT alone, ordinarily loaded onto the CPU (eval, no grad)."""
     cls = dit_class(model_dir, component)

@@ -79,20 +79,32 @@ def dit_config(variant: str, size: str) -> dict[str, Any]:
     return dict(DIT_CONFIGS[variant][size])
 
 
-def build_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    """One random DiT, allocated and initialized in ``dtype`` on ``device`` (so a full one
-    never needs a float32 copy), returned on the CPU in eval mode."""
+def make_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    """One random DiT on ``device``, allocated and initialized in ``dtype`` there (so a full
+    one never needs a float32 copy), in the dtypes an ordinary load gives: the class's
+    keep-in-float32 modules (Wan's norms and modulation tables) in float32."""
     import torch
+
+    from ditserve.engine.loader import keeps_float32
 
     previous = torch.get_default_dtype()
     torch.manual_seed(seed)
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = dit_class(variant)(**dit_config(variant, size))
+            cls = dit_class(variant)
+            model = cls(**dit_config(variant, size))
     finally:
         torch.set_default_dtype(previous)
-    return model.to(device="cpu", dtype=dtype).eval()
+    for name, p in model.named_parameters():
+        if keeps_float32(cls, name) and p.is_floating_point():
+            p.data = p.data.float()
+    return model.eval().requires_grad_(False)
+
+
+def build_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    """``make_dit``, returned on the CPU (what the builders save)."""
+    return make_dit(variant, size, dtype=dtype, device=device, seed=seed).to(device="cpu")
 
 
 def _text_width(variant: str, size: str) -> int:

@@ -50,8 +50,7 @@ class FlowMatchEulerSampler:
     def schedule(self, num_steps: int, image_seq_len: int) -> Schedule:
         # A throwaway scheduler object: it only computes the schedule, never steps.
         scheduler = self._scheduler_cls.from_config(self._config)
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        kwargs: dict[str, Any] = {"sigmas": sigmas}
+        kwargs: dict[str, Any] = {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)}
         if self._config.get("use_dynamic_shifting", False):
             kwargs["mu"] = _calculate_shift(image_seq_len, self._config)
         with np.errstate(invalid="ignore", divide="ignore"):  # the one-step case below

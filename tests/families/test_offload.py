@@ -169,3 +169,25 @@ def test_allgather_with_two_experts_is_refused_before_loading(family_dir) -> Non
     with pytest.raises(OffloadError, match="--dlo-no-use-allgather"):
         prepare_dits(family_dir("wan2.2"), dtype="float32",
                      offload=OffloadConfig(enabled=True), sharded=True)
+
+
+def test_bf16_wan_maps_its_checkpoint_with_the_ordinary_loads_dtypes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # diffusers loads Wan's norms and modulation tables in float32 whatever the dtype; the
+    # builders save them so, and the mapped DiT keeps them so: mapped == loaded, dtype by dtype.
+    from ditserve.engine.loader import load_dit
+    from ditserve.engine.offload.host_weights import prepare_dit
+    from ditserve.engine.random_model import init_random
+
+    model_dir = init_random(tmp_path / "wan-bf16", family="wan", size="tiny",
+                            dtype="bfloat16", device="cpu")
+    loaded = load_dit(model_dir, dtype="bfloat16")
+    mapped, plan = prepare_dit(model_dir, dtype="bfloat16", offload=OffloadConfig(enabled=True))
+    try:
+        assert str(plan.kind) == "checkpoint_mmap", plan.reason
+        want = {n: t.dtype for n, t in loaded.state_dict().items()}
+        assert {n: t.dtype for n, t in mapped.state_dict().items()} == want
+        assert torch.float32 in want.values() and torch.bfloat16 in want.values()
+        for name, tensor in mapped.state_dict().items():
+            assert torch.equal(tensor, loaded.state_dict()[name]), name
+    finally:
+        plan.close()
