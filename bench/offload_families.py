@@ -84,8 +84,9 @@ def build_dit(model: str, size: str, device: torch.device, seed: int) -> torch.n
     ``device`` (seconds on a GPU for 20B parameters, no host copy); for wan2.2 the stack of
     two experts."""
     def one(s: int) -> torch.nn.Module:
-        return make_dit(variant_of(model), size, dtype=torch.bfloat16, device=device,  # type: ignore[no-any-return]
-                        seed=s)
+        dit: torch.nn.Module = make_dit(variant_of(model), size, dtype=torch.bfloat16,
+                                        device=device, seed=s)
+        return dit
 
     if model == "wan2.2":
         return ExpertStack({"transformer": one(seed), "transformer_2": one(seed + 1)})
@@ -105,7 +106,8 @@ def workloads(model: str, size: str, batches: tuple[int, ...], dit: torch.nn.Mod
         return torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16)
 
     dims = [int(x) for x in size.split("x")]
-    config = dit.expert(0).config if isinstance(dit, ExpertStack) else dit.config  # type: ignore[union-attr]
+    first_dit: Any = dit.expert(0) if isinstance(dit, ExpertStack) else dit
+    config = first_dit.config
     out: list[tuple[str, Callable[[], Any]]] = []
     if model == "qwen-image":
         width, height = dims

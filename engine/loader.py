@@ -171,7 +171,8 @@ def load_dit(model_dir: str | Path, *, dtype: str, component: str = DIT_COMPONEN
         model = cls.from_pretrained(Path(model_dir), subfolder=component,
                                     dtype=torch_dtype(dtype))
     except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"could not load the DiT {component} from {str(model_dir)!r}: {e}") from e
+        raise ModelLoadError(
+            f"could not load the DiT {component} from {str(model_dir)!r}: {e}") from e
     return model.eval().requires_grad_(False)
 
 

@@ -94,7 +94,9 @@ class SchedulerTrajectory:
     def num_steps(self) -> int:
         return int(self.timesteps.shape[0])
 
-    def step(self, sample: torch.Tensor, model_output: torch.Tensor, step_index: int) -> torch.Tensor:
+    def step(
+        self, sample: torch.Tensor, model_output: torch.Tensor, step_index: int
+    ) -> torch.Tensor:
         index = self._scheduler.step_index
         assert index in (None, step_index), f"trajectory at step {index}, asked for {step_index}"
         return self._scheduler.step(  # type: ignore[no-any-return]

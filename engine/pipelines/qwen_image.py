@@ -71,7 +71,8 @@ class QwenImageStepPipeline:
     def _encode_prompt(self, prompt: str) -> torch.Tensor:
         """(1, L, D) text tokens: Qwen2.5-VL's last hidden states after the template prefix."""
         tokens = self.tokenizer(
-            [self.template.format(prompt)], max_length=self.tokenizer_max_length + self.template_drop,
+            [self.template.format(prompt)],
+            max_length=self.tokenizer_max_length + self.template_drop,
             padding=True, truncation=True, return_tensors="pt",
         )
         out = self.text_encoder(

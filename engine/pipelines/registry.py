@@ -43,4 +43,5 @@ def build_pipeline(
     """The StepPipeline for a loaded model; ``move_transformer`` False leaves the DiT(s) on
     the CPU (the offload backend places them)."""
     cls = pipeline_class(components.family.name)
-    return cls(components, device=device, move_transformer=move_transformer)  # type: ignore[no-any-return]
+    pipeline: StepPipeline = cls(components, device=device, move_transformer=move_transformer)
+    return pipeline
