@@ -52,7 +52,7 @@ TEXT_TOKENS = {"qwen-image": 256, "wan": 512}  # a typical Qwen prompt; Wan pads
 DEFAULT_SIZES = {"qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81"}
 DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,)}
 # Timed steps per cell (after one warm-up step): a full Wan step at 832x480x81 takes seconds.
-DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 1}
+DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2}
 METHODS = ("resident", "dlo", "diffusers-block", "diffusers-leaf")
 TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5"}
 

@@ -24,7 +24,8 @@ class Family:
 
     name: the CLI name (``--family``); label: the name the operator's ``model.family`` uses.
     dit_components: DiT components every model of the family has; expert_components: DiTs
-        some models add (Wan 2.2's low-noise expert ``transformer_2``), switched per step.
+        some models add (Wan 2.2's low-noise expert ``transformer_2``), switched per step,
+        used only when model_index.json sets ``expert_switch`` (Wan: ``boundary_ratio``).
     components: the other required components (text encoders, tokenizers, VAE, scheduler).
     block_lists: the DiT's repeated-block lists in the order its forward runs them (what DLO
         streams); resident_modules: the DiT's other top-level modules (on the device always).
@@ -44,6 +45,7 @@ class Family:
     output: str  # "image" | "video"
     loader_version: str
     expert_components: tuple[str, ...] = ()
+    expert_switch: str | None = None
 
     @property
     def video(self) -> bool:
@@ -72,7 +74,7 @@ QWEN_IMAGE = Family(
 WAN = Family(
     name="wan", label="Wan", pipeline_class="WanPipeline",
     dit_class="WanTransformer3DModel", dit_components=("transformer",),
-    expert_components=("transformer_2",),
+    expert_components=("transformer_2",), expert_switch="boundary_ratio",
     components=("vae", "text_encoder", "tokenizer", "scheduler"),
     block_lists=("blocks",),
     resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),

@@ -114,7 +114,10 @@ def _present(index: Mapping[str, Any], root: Path, name: str) -> bool:
 
 
 def dit_components_of(family: Family, index: Mapping[str, Any], root: Path) -> tuple[str, ...]:
-    """The family's DiTs this directory holds, in call order (experts after the first)."""
+    """The family's DiTs this directory holds and uses, in call order (experts after the
+    first; an expert without its switch is never run, as in diffusers, so not loaded)."""
+    if family.expert_switch is None or index.get(family.expert_switch) is None:
+        return family.dit_components
     experts = tuple(n for n in family.expert_components if _present(index, root, n))
     return (*family.dit_components, *experts)
 
@@ -197,6 +200,10 @@ def load_components(
     given = dict(dits or {})
     if transformer is not None:
         given[DIT_COMPONENT] = transformer
+    used = dit_components_of(family, index, root)
+    for name in family.expert_components:
+        if name not in used and _present(index, root, name):
+            given[name] = None  # an expert its pipeline never runs: not loaded
     _quiet_transformers()
     diffusers_logging.disable_progress_bar()  # the engine reports its own progress
     pipeline_cls = getattr(diffusers, family.pipeline_class)
@@ -214,7 +221,7 @@ def load_components(
               if not k.startswith("_") and k not in pipe.components}
     return LoadedComponents(
         pipeline_class=family.pipeline_class, model_dir=root, modules=modules, family=family,
-        config=config, dit_components=dit_components_of(family, index, root), pipeline=pipe,
+        config=config, dit_components=used, pipeline=pipe,
     )
 
 

@@ -48,10 +48,10 @@ class WanStepPipeline:
     ) -> None:
         m = components.modules
         self.device = device
+        # The loader lists transformer_2 only when boundary_ratio is set (diffusers never runs
+        # it otherwise).
         experts = {name: m[name] for name in components.dit_components}
         ratio = components.config.get("boundary_ratio")
-        if len(experts) > 1 and ratio is None:
-            experts = {"transformer": m["transformer"]}  # diffusers never runs transformer_2
         if len(experts) == 1 and ratio is not None:
             raise ModelLoadError("the model sets boundary_ratio but has no transformer_2 expert")
         self.experts = list(experts.values())

@@ -95,3 +95,25 @@ def test_one_step_qwen_schedule_is_finite(family_runner) -> None:  # type: ignor
 
     schedule = family_runner("qwen-image").pipeline.sampler.schedule(1, 4)
     assert torch.isfinite(schedule.sigmas).all() and schedule.timesteps.tolist() == [1000.0]
+
+
+def test_an_expert_without_its_switch_is_neither_loaded_nor_streamed(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # diffusers never runs transformer_2 without boundary_ratio; the loader does not load it.
+    from ditserve.engine.config import EngineConfig, OffloadConfig
+    from ditserve.engine.loader import dit_components
+    from ditserve.engine.model_runner import ModelRunner
+
+    model = tmp_path / "no-switch"
+    shutil.copytree(family_dir("wan2.2"), model)
+    index = json.loads((model / "model_index.json").read_text())
+    index["boundary_ratio"] = None
+    (model / "model_index.json").write_text(json.dumps(index))
+    assert dit_components(model) == ("transformer",)
+    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
+                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    try:
+        assert len(runner.pipeline.experts) == 1
+        assert runner.offload_report()["streamed_blocks"] == 2  # one expert's blocks
+        assert runner.pipeline.boundary is None
+    finally:
+        runner.close()
