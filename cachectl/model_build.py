@@ -32,8 +32,12 @@ from ditserve.cachectl.identity import (
 )
 from ditserve.cachectl.store import CacheStore
 
-SourceFilesFn = Callable[[Path], Sequence[Path]]
-LoadFn = Callable[[Path, str], dict[str, Any]]
+SourceFilesFn = Callable[[Path, str], Sequence[Path]]  # (model_dir, component)
+LoadFn = Callable[[Path, str, str], dict[str, Any]]  # (model_dir, dtype, component)
+
+
+def _no_family(model_dir: Path) -> str:
+    return ""
 
 
 @dataclass(frozen=True)
@@ -41,17 +45,23 @@ class ModelLoader:
     """What the cache needs from a loader: its identity and two functions.
 
     name / version: recorded in the identity (version: declared version + source digest, so
-    any edit of the loader re-keys its entries); components: names in the identity;
-    source_files(model_dir): the files that determine the tensors; load(model_dir, dtype):
-    the final runtime tensors {name: tensor}.
+    any edit of the loader re-keys its entries); family_version(model_dir): the version of
+    the model family's own loading rules, appended to ``version`` per model directory;
+    source_files(model_dir, component): the files that determine one DiT's tensors;
+    load(model_dir, dtype, component): that DiT's final runtime tensors {name: tensor}.
     """
 
     name: str
     version: str
     source_files: SourceFilesFn = field(compare=False)
     load: LoadFn = field(compare=False)
-    components: tuple[str, ...] = ("transformer",)
+    family_version: Callable[[Path], str] = field(default=_no_family, compare=False)
     inputs: tuple[tuple[str, str], ...] = ()
+
+    def version_for(self, model_dir: Path) -> str:
+        """The identity's loader version for ``model_dir`` (its family's rules included)."""
+        family = self.family_version(model_dir)
+        return f"{self.version}/{family}" if family else self.version
 
 
 def _version(dist: str) -> str:
@@ -63,34 +73,38 @@ def _version(dist: str) -> str:
 
 def describe_loader(module: ModuleType) -> ModelLoader:
     """A ModelLoader over a loader module with the engine loader's shape: ``LOADER_VERSION``,
-    ``DIT_COMPONENT``, ``dit_source_files(dir)``, ``load_dit_state_dict(dir, dtype=)``."""
+    ``dit_source_files(dir, component)``, ``load_dit_state_dict(dir, dtype=, component=)`` and
+    optionally ``family_loader_version(dir)``."""
     try:
         source = inspect.getsource(module).encode()
     except (OSError, TypeError):
         source = b""
     try:
-        declared, component = module.LOADER_VERSION, module.DIT_COMPONENT
+        declared = module.LOADER_VERSION
         files_fn, load_fn = module.dit_source_files, module.load_dit_state_dict
     except AttributeError as e:
         raise BuildError(f"{module.__name__} is not a model loader: {e}") from e
+    family_fn = getattr(module, "family_loader_version", None)
     return ModelLoader(
         name=f"{module.__name__}.load_dit_state_dict",
         version=f"{declared}+{hashlib.sha256(source).hexdigest()[:16]}",
-        source_files=lambda d: files_fn(d),
-        load=lambda d, dtype: dict(load_fn(d, dtype=dtype)),
-        components=(component,),
+        source_files=lambda d, component: files_fn(d, component),
+        load=lambda d, dtype, component: dict(load_fn(d, dtype=dtype, component=component)),
+        family_version=(lambda d: str(family_fn(d))) if family_fn is not None else _no_family,
         inputs=(("diffusers", _version("diffusers")),),
     )
 
 
 @dataclass(frozen=True)
 class ModelRequest:
-    """What to build: a local model directory, the runtime dtype, an optional revision label."""
+    """What to build: a local model directory, the runtime dtype, an optional revision label,
+    and which DiT (``component``: Wan 2.2's second expert is ``transformer_2``)."""
 
     model_dir: Path
     dtype: str = "bfloat16"
     revision: str | None = None
     placement: Placement = Placement()
+    component: str = "transformer"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -117,7 +131,8 @@ class ModelPlan:
 
     def build(self) -> dict[str, Any]:
         try:
-            return self.loader.load(self.request.model_dir, self.request.dtype)
+            return self.loader.load(self.request.model_dir, self.request.dtype,
+                                    self.request.component)
         except CacheError:
             raise
         except Exception as e:  # the loader's own errors say what is wrong with the model
@@ -127,14 +142,15 @@ class ModelPlan:
 def plan_model(request: ModelRequest, loader: ModelLoader) -> ModelPlan:
     """The recipe of a model directory: stat calls only, nothing loaded or hashed."""
     try:
-        files = tuple(loader.source_files(request.model_dir))
+        files = tuple(loader.source_files(request.model_dir, request.component))
     except Exception as e:
         raise BuildError(f"{str(request.model_dir)!r} is not a usable model directory: {e}") from e
     recipe = recipe_for(
         source_fingerprint=source_fingerprint(list(files), request.model_dir),
-        dtype=request.dtype, loader=loader.name, loader_version=loader.version,
+        dtype=request.dtype, loader=loader.name,
+        loader_version=loader.version_for(request.model_dir),
         revision=request.revision, loader_inputs=dict(loader.inputs),
-        components=loader.components, placement=request.placement,
+        components=(request.component,), placement=request.placement,
     )
     return ModelPlan(request, loader, recipe, files)
 

@@ -1,4 +1,4 @@
-"""`ditserve` command line: generate, demo, serve, model init-tiny.
+"""`ditserve` command line: generate, demo, serve, model init-tiny / init-random.
 
 A thin shell: parse flags, build an EngineConfig (engine.cli_options), call one library
 function, print results. Heavy imports (torch, diffusers) happen inside the commands so
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
+from ditserve.engine.families import MODEL_VARIANTS
 
 log = logging.getLogger("ditserve")
 
@@ -41,6 +42,16 @@ def _save_images(images: list, out: Path) -> list[Path]:
     return paths
 
 
+def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
+    from ditserve.engine.video import write_mp4
+
+    videos = list(pixels)  # type: ignore[call-overload]
+    if len(videos) == 1:
+        return [write_mp4(videos[0], out, fps=fps)]
+    return [write_mp4(v, out.with_name(f"{out.stem}-{i}{out.suffix or '.mp4'}"), fps=fps)
+            for i, v in enumerate(videos)]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.engine import DiffusionEngine
     from ditserve.engine.request import SamplingParams
@@ -54,6 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
             width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
             true_cfg_scale=args.true_cfg_scale, seed=args.seed, num_images=args.num_images,
+            num_frames=args.num_frames,
         )
         started = time.perf_counter()
         handle = engine.add_request(
@@ -62,7 +74,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         result = handle.result()
         print(file=sys.stderr)
-        paths = _save_images(result.images, args.out)
+        if result.is_video:
+            paths = _save_videos(result.pixels, args.out or Path("out.mp4"), args.fps)
+        else:
+            paths = _save_images(result.images, args.out or Path("out.png"))
         print(f"saved {', '.join(map(str, paths))} (seed {result.seed}, "
               f"{args.steps} steps, {time.perf_counter() - started:.2f}s)")
     finally:
@@ -116,8 +131,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_init_tiny(args: argparse.Namespace) -> int:
     from ditserve.engine.tiny_model import init_tiny
 
-    path = init_tiny(args.dir)
-    print(f"wrote a tiny random-weight Flux pipeline to {path}")
+    path = init_tiny(args.dir, family=args.family)
+    print(f"wrote a tiny random-weight {args.family} pipeline to {path}")
     return 0
 
 
@@ -161,10 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate one image with a local model")
+    gen = sub.add_parser("generate", help="generate one image (or video) with a local model")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("--out", type=Path, default=Path("out.png"), help="PNG path")
+    gen.add_argument("--out", type=Path, default=None,
+                     help="output path: a PNG for image models (default out.png), an H.264 "
+                          "MP4 for video models (default out.mp4)")
     gen.add_argument("--height", type=int, default=64)
     gen.add_argument("--width", type=int, default=64)
     gen.add_argument("--steps", type=int, default=4, help="num_inference_steps")
@@ -173,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--true-cfg-scale", type=float, default=1.0,
                      help="> 1 with --negative-prompt enables true CFG")
     gen.add_argument("--num-images", type=int, default=1)
+    gen.add_argument("--num-frames", type=int, default=1,
+                     help="video models: frames to generate (4k+1 for Wan, e.g. 81)")
+    gen.add_argument("--fps", type=int, default=16, help="video models: MP4 frame rate")
     add_engine_options(gen, with_config_file=False)
     gen.set_defaults(func=cmd_generate)
 
@@ -199,16 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
-    tiny = model_sub.add_parser("init-tiny", help="write the tiny random Flux pipeline to DIR")
+    tiny = model_sub.add_parser("init-tiny",
+                                help="write a tiny random-weight pipeline (default Flux) to DIR")
     tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--family", choices=tuple(MODEL_VARIANTS), default="flux",
+                      help="wan: Wan 2.1 T2V; wan2.2: Wan 2.2 T2V A14B (two experts); "
+                           "wan2.2-ti2v: Wan 2.2 TI2V 5B")
     tiny.set_defaults(func=cmd_init_tiny)
     rnd = model_sub.add_parser(
         "init-random", help="write a random-weight pipeline with a full-size DiT to DIR "
                             "(tiny text encoders and VAE; for benchmarks)")
     rnd.add_argument("dir", type=Path)
-    rnd.add_argument("--family", choices=("flux",), default="flux")
+    rnd.add_argument("--family", choices=tuple(MODEL_VARIANTS), default="flux")
     rnd.add_argument("--size", choices=("tiny", "small", "full"), default="full",
-                     help="full: the real Flux.1 DiT (~12B parameters, ~24 GB in bfloat16)")
+                     help="full: the released DiT: Flux.1 (11.9B parameters, ~24 GB in "
+                          "bfloat16), Qwen-Image (20B), Wan2.1-T2V-14B, Wan2.2-T2V-A14B (two "
+                          "14B experts), Wan2.2-TI2V-5B")
     rnd.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     rnd.add_argument("--device", default="auto",
                      help="where to allocate and initialize the DiT (auto: cuda if present)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -24,6 +25,9 @@ GATHER_ENGINES: tuple[str, ...] = ("nccl", "copy-engine")
 # and eager only trace (for checking a model compiles, and in tests on machines without a
 # C++ compiler).
 COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
+# The values a deployment's ``model.family`` may take: Auto (read model_index.json) or a
+# registered family (engine/families.py); the operator judges specs with the rule below.
+MODEL_FAMILIES: tuple[str, ...] = (AUTO_FAMILY, *family_labels())
 
 
 @dataclass(frozen=True)
@@ -271,6 +275,20 @@ def offload_problems(
             "not stream from (it pins its own 1/group shards); set it to 0 or disable AllGather"
         )
     return out
+
+
+def model_family_problems(family: Any) -> list[str]:
+    """The rule for a declared model family: Auto or a family the engine serves.
+
+    Accepts the operator's labels (``QwenImage``) and the CLI's names (``qwen-image``),
+    case-insensitively; anything else would start pods whose engine cannot load the model.
+    """
+    if isinstance(family, str) and (
+        family.strip().lower() == AUTO_FAMILY.lower() or family_named(family) is not None
+    ):
+        return []
+    return [f"model.family must be one of {', '.join(MODEL_FAMILIES)}, got {family!r} "
+            "(ditserve has no step-wise pipeline for it)"]
 
 
 def validate(config: EngineConfig) -> EngineConfig:

@@ -8,6 +8,7 @@ object), and the decoded output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,22 +24,29 @@ class DenoiseState:
         negative-prompt rows under true CFG), e.g. prompt embeddings; built once at encode.
     shared: tensors common to every row of a batch with this request's BatchKey (e.g. the
         position ids of the token grid); the batch takes them from its first request.
-    latents: (num_images, tokens, channels) packed latents; the uncond rows reuse them.
+    latents: (num_images, ...) the pipeline's latents (Flux/Qwen-Image: packed tokens,
+        (n, tokens, channels); Wan: (n, C, frames, h, w)); the uncond rows reuse them.
+    rows: model rows this request adds to a denoise forward; the pipeline sets it at encode
+        (its family decides when CFG adds negative-prompt rows).
+    schedule: the request's own timesteps (and sampler state, for multistep samplers).
+    pixels: the decoded output, (n, 3, H, W) for images or (n, F, 3, H, W) for videos.
     """
 
     request_id: str
     params: SamplingParams
     seed: int
-    schedule: Schedule | None = None
+    schedule: Schedule | Any = None
     step_index: int = 0
     latents: torch.Tensor | None = None
     static_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
     pixels: torch.Tensor | None = None
+    rows: int = 0
+    host: dict[str, Any] = field(default_factory=dict)  # pipeline-private host-side facts
 
-    @property
-    def rows(self) -> int:
-        return self.params.rows
+    def __post_init__(self) -> None:
+        if not self.rows:
+            self.rows = self.params.rows
 
     def current_timestep(self) -> float:
         """The timestep of the next denoise step, as a host float: written into a device

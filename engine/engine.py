@@ -235,7 +235,8 @@ class DiffusionEngine:
     # -- requests ---------------------------------------------------------------------------
     def validate_params(self, params: SamplingParams) -> SamplingParams:
         return params.validate(pixel_multiple=self.pixel_multiple,
-                               max_prompt_chars=self.max_prompt_chars)
+                               max_prompt_chars=self.max_prompt_chars,
+                               frame_step=self.runner.frame_step if self.runner else None)
 
     def add_request(
         self,

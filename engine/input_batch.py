@@ -41,7 +41,10 @@ class InputBatch:
     request_ids: batch order; row_slices[i] are request i's rows in every batched tensor.
     static: batched static rows (+ masks); shared: tensors common to all rows (equal BatchKey);
     hidden_states: (rows, tokens, channels);
-    timesteps: (rows,) each row's current timestep.
+    timesteps: (rows,) each row's current timestep;
+    states: the requests' states, in batch order, for pipelines that route or mask by
+        per-request host facts (Wan 2.2's expert by timestep, Qwen-Image's text lengths)
+        without reading device tensors back.
     """
 
     request_ids: tuple[str, ...]
@@ -50,6 +53,7 @@ class InputBatch:
     shared: dict[str, torch.Tensor]
     hidden_states: torch.Tensor
     timesteps: torch.Tensor
+    states: tuple[DenoiseState, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -99,6 +103,7 @@ class InputBatchBuilder:
             shared=states[0].shared,
             hidden_states=hidden,
             timesteps=timesteps,
+            states=tuple(states),
         )
 
     @staticmethod

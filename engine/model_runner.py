@@ -65,19 +65,20 @@ class ModelRunner:
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
         offload = config.offload.enabled
-        dit, host_plan = None, None
+        dits, host_plan = None, None
         if offload:
-            # The DiT's host backing (checkpoint mmap, node cache, or ordinary) and its plan.
-            from ditserve.engine.offload.host.backing_choice import prepare_dit
+            # Each DiT's host backing (checkpoint mmap, node cache, or ordinary) in one plan.
+            from ditserve.engine.dit_backing import prepare_dits
 
             sharded = weight_group is not None and config.offload.use_allgather
-            dit, host_plan = prepare_dit(
+            dits, host_plan = prepare_dits(
                 model_dir, dtype=config.dtype, offload=config.offload,
                 tp_size=config.parallel.tensor_parallel_size,
                 streams_from_mapping=self.device.type == "cuda" and not sharded,
+                sharded=sharded,
             )
         try:
-            components = load_components(model_dir, dtype=config.dtype, transformer=dit)
+            components = load_components(model_dir, dtype=config.dtype, dits=dits)
             self.pipeline: StepPipeline = build_pipeline(
                 components, device=self.device, move_transformer=not offload
             )
@@ -90,7 +91,7 @@ class ModelRunner:
                     kwargs["group"] = weight_group  # 1/group shards, rebuilt by all_gather
                 self.offload = enable_offload(
                     self.pipeline.transformer, config.offload, device=self.device,
-                    host_plan=host_plan, **kwargs,
+                    host_plan=host_plan, block_lists=self.pipeline.block_lists, **kwargs,
                 )
             if config.compile is not None:
                 from ditserve.engine.compiled_blocks import compile_repeated_blocks
@@ -119,6 +120,11 @@ class ModelRunner:
     @property
     def max_prompt_chars(self) -> int | None:
         return self.pipeline.max_prompt_chars
+
+    @property
+    def frame_step(self) -> int | None:
+        """None for an image model; for video, ``num_frames - 1`` must divide by it."""
+        return self.pipeline.frame_step
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None

@@ -1,5 +1,9 @@
 """Random-weight pipelines at chosen DiT sizes, for benchmarks (`ditserve model init-random`).
 
+Every family of ``engine.families.MODEL_VARIANTS``: Flux here, Qwen-Image and Wan 2.x through
+``model_builders`` (the same tiny-encoders-around-a-real-DiT recipe, with their released DiT
+shapes at ``full``). What follows describes Flux.
+
 ``init_random(dir, family="flux", size="full")`` writes a diffusers FluxPipeline directory
 whose transformer has the real Flux.1 architecture (diffusers' FluxTransformer2DModel default
 config: 19 double + 38 single blocks, 3072 wide, ~11.9B parameters, guidance embedding on)
@@ -26,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.families import MODEL_VARIANTS
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("flux",)
+FAMILIES = tuple(MODEL_VARIANTS)
 SIZES = ("tiny", "small", "full")
 _COMPLETE_MARKER = ".ditserve-random-complete"
 
@@ -133,13 +138,32 @@ def init_random(
             raise ConfigError(f"{str(target)!r} already holds a different random model "
                               f"({found}); choose another directory")
         return target
+    from ditserve.engine.loader import torch_dtype as to_torch_dtype
+
+    started = time.perf_counter()
+    pipe = _build(family, size, dtype=to_torch_dtype(dtype), device=_resolve_device(device),
+                  seed=seed)
+    params = sum(p.numel() for name in ("transformer", "transformer_2")
+                 if getattr(pipe, name, None) is not None
+                 for p in getattr(pipe, name).parameters())
+    log.info("built a random %s-size %s pipeline: %.2fB DiT parameters in %.1fs", size, family,
+             params / 1e9, time.perf_counter() - started)
+    target.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(target, max_shard_size="5GB")
+    marker.write_text(json.dumps({**wanted, "transformer_parameters": params}))
+    log.info("wrote %s in %.1fs", target, time.perf_counter() - started)
+    return target
+
+
+def _build(family: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    if family != "flux":
+        from ditserve.engine.model_builders import build_pipeline
+
+        return build_pipeline(family, size, dtype=dtype, device=device, seed=seed)
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from ditserve.engine.loader import torch_dtype as to_torch_dtype
-
-    torch_dtype = to_torch_dtype(dtype)
-    started = time.perf_counter()
+    torch_dtype = dtype
     config = FLUX_TRANSFORMER[size]
     torch.manual_seed(seed)
     encoders = _text_encoders(t5_width=config["joint_attention_dim"],
@@ -151,18 +175,9 @@ def init_random(
     for name in ("text_encoder", "text_encoder_2"):
         encoders[name] = encoders[name].to(torch_dtype)
     vae = vae.to(torch_dtype)
-    transformer = _transformer(size, dtype=torch_dtype, device=_resolve_device(device),
-                               seed=seed)
-    params = sum(p.numel() for p in transformer.parameters())
-    log.info("built a random %s-size Flux DiT: %.2fB parameters in %.1fs", size, params / 1e9,
-             time.perf_counter() - started)
+    transformer = _transformer(size, dtype=torch_dtype, device=device, seed=seed)
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
         base_shift=0.5, max_shift=1.15, shift=3.0,
     )
-    pipe = FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, **encoders)
-    target.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(target, max_shard_size="5GB")  # type: ignore[attr-defined]
-    marker.write_text(json.dumps({**wanted, "transformer_parameters": params}))
-    log.info("wrote %s in %.1fs", target, time.perf_counter() - started)
-    return target
+    return FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, **encoders)

@@ -17,6 +17,7 @@ MAX_STEPS = 1000
 MAX_IMAGES = 8
 MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
+MAX_FRAMES = 1025
 
 
 class RequestStatus(enum.IntEnum):
@@ -56,9 +57,12 @@ class SamplingParams:
     """One generation request, as the client specified it.
 
     guidance_scale: the distilled-guidance value fed to guidance-embedding models (Flux-dev);
-        ignored by models without a guidance embedding.
+        ignored by image models without a guidance embedding. Video families (Wan) use it as
+        diffusers' WanPipeline does: classifier-free guidance whenever it is > 1, against
+        ``negative_prompt`` (or the empty prompt).
     true_cfg_scale: classifier-free guidance with ``negative_prompt``; active when > 1 and a
-        negative prompt is given (as in diffusers' FluxPipeline).
+        negative prompt is given (as in diffusers' FluxPipeline and QwenImagePipeline).
+    num_frames: 1 for images; a video family's frame count (``frame_step * k + 1``).
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
         ``preview_steps``); they travel as "preview" events, never change the result.
@@ -79,6 +83,22 @@ class SamplingParams:
     @property
     def uses_true_cfg(self) -> bool:
         return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
+
+    def _validate_frames(self, frame_step: int | None) -> None:
+        frames = self.num_frames
+        if frame_step is None:
+            if frames != 1:
+                raise InvalidRequestError("num_frames", "this is an image model: num_frames must "
+                                          f"be 1, got {frames!r}")
+            return
+        if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= MAX_FRAMES:
+            raise InvalidRequestError(
+                "num_frames", f"must be an integer in [1, {MAX_FRAMES}], got {frames!r}")
+        if (frames - 1) % frame_step:
+            lower = frames - (frames - 1) % frame_step
+            raise InvalidRequestError(
+                "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
+                f"(try {lower} or {lower + frame_step})")
 
     def batch_key(self) -> BatchKey:
         return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames)
@@ -105,10 +125,12 @@ class SamplingParams:
         max_prompt_chars: int | None = None,
         requires_prompt: bool = True,
         max_images: int = MAX_IMAGES,
+        frame_step: int | None = None,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
+        frame_step: None for an image model; a video model's temporal VAE factor.
         """
         if not isinstance(self.prompt, str):
             raise InvalidRequestError("prompt", "must be a string")
@@ -148,8 +170,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 "partial_images", f"must be an integer in [0, {MAX_PARTIAL_IMAGES}], got {k!r}"
             )
-        if self.num_frames != 1:
-            raise InvalidRequestError("num_frames", "only image models (num_frames=1) are served")
+        self._validate_frames(frame_step)
         for name in ("guidance_scale", "true_cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """A finished request. ``pixels`` is (n, 3, H, W) float in [0, 1] on CPU.
+    """A finished request. ``pixels`` is (n, 3, H, W) float in [0, 1] on CPU for an image
+    model, (n, F, 3, H, W) for a video model (n videos of F frames; ``engine.video`` writes
+    them as MP4).
 
     ``images`` (PIL) are made from the pixels on first use, in the caller's thread: converting
     a 1024x1024 image takes tens of milliseconds, which the engine loop would otherwise spend
@@ -38,6 +40,10 @@ class GenerationResult:
     @property
     def num_images(self) -> int:
         return int(self.pixels.shape[0])
+
+    @property
+    def is_video(self) -> bool:
+        return int(self.pixels.dim()) == 5
 
     @cached_property
     def images(self) -> list[Any]:

@@ -50,14 +50,19 @@ class FlowMatchEulerSampler:
     def schedule(self, num_steps: int, image_seq_len: int) -> Schedule:
         # A throwaway scheduler object: it only computes the schedule, never steps.
         scheduler = self._scheduler_cls.from_config(self._config)
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        kwargs: dict[str, Any] = {"sigmas": sigmas}
+        kwargs: dict[str, Any] = {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)}
         if self._config.get("use_dynamic_shifting", False):
             kwargs["mu"] = _calculate_shift(image_seq_len, self._config)
-        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
-        return Schedule(
-            timesteps=scheduler.timesteps.clone(), sigmas=scheduler.sigmas.clone()
-        )
+        with np.errstate(invalid="ignore", divide="ignore"):  # the one-step case below
+            scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        timesteps, sigmas = scheduler.timesteps.clone(), scheduler.sigmas.clone()
+        if bool(torch.isnan(sigmas).any()):
+            # One step stretched to a terminal sigma (Qwen-Image's shift_terminal) divides 0
+            # by 0, and diffusers' own schedule is NaN (a black image). Its limit is what the
+            # stretch does to every schedule's first sigma: it stays 1.
+            sigmas = torch.nan_to_num(sigmas, nan=1.0)
+            timesteps = sigmas[:-1] * float(self._config.get("num_train_timesteps", 1000))
+        return Schedule(timesteps=timesteps, sigmas=sigmas)
 
     @staticmethod
     def step(
@@ -68,3 +73,32 @@ class FlowMatchEulerSampler:
         dt = sigmas[step_index + 1] - sigmas[step_index]
         prev = sample.to(torch.float32) + dt * model_output
         return prev.to(model_output.dtype)
+
+
+class SchedulerTrajectory:
+    """One request's own diffusers scheduler object, for samplers with history.
+
+    Multistep samplers (Wan's UniPC) keep earlier model outputs between steps, so their state
+    is per trajectory: each request owns one scheduler object, made from the model's
+    scheduler config and never shared, so requests at different steps still share a forward.
+    ``step`` asserts the object's own counter agrees with the request's step index.
+    """
+
+    def __init__(self, scheduler_cls: Any, config: Any, num_steps: int) -> None:
+        self._scheduler = scheduler_cls.from_config(config)
+        self._scheduler.set_timesteps(num_steps, device="cpu")
+        self._scheduler.set_begin_index(0)
+        self.timesteps: torch.Tensor = self._scheduler.timesteps.clone()
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+    def step(
+        self, sample: torch.Tensor, model_output: torch.Tensor, step_index: int
+    ) -> torch.Tensor:
+        index = self._scheduler.step_index
+        assert index in (None, step_index), f"trajectory at step {index}, asked for {step_index}"
+        return self._scheduler.step(  # type: ignore[no-any-return]
+            model_output, self.timesteps[step_index], sample, return_dict=False
+        )[0]

@@ -3,6 +3,8 @@
 Used by `ditserve demo`, `ditserve serve` without `--model`, the tests and CI. Everything is
 built locally from a fixed seed (tokenizers from an in-code vocabulary), so nothing is ever
 downloaded. ``init_random`` builds the same layout at real Flux size for benchmarks.
+``init_tiny(path, family=...)`` writes the other families' tiny models (Qwen-Image, Wan 2.1,
+Wan 2.2 with two experts, Wan 2.2 TI2V; built by ``model_builders``) the same way.
 """
 
 from __future__ import annotations
@@ -92,12 +94,32 @@ TINY_TRANSFORMER = dict(
 )
 
 
-def init_tiny(path: str | os.PathLike[str], *, seed: int = TINY_SEED) -> Path:
-    """Write the tiny Flux pipeline to ``path`` (about 1 MB). Idempotent once complete.
+
+
+def _build_tiny(family: str, seed: int):  # type: ignore[no-untyped-def]
+    if family == "flux":
+        return _build_pipeline(transformer_kwargs=TINY_TRANSFORMER, seed=seed)
+    import torch
+
+    from ditserve.engine.model_builders import build_pipeline
+
+    return build_pipeline(family, "tiny", dtype=torch.float32, device="cpu", seed=seed)
+
+
+def init_tiny(
+    path: str | os.PathLike[str], *, family: str = "flux", seed: int = TINY_SEED
+) -> Path:
+    """Write a tiny pipeline of ``family`` to ``path`` (about 1 MB). Idempotent once complete.
 
     Safe when several processes ask at once (the demo, a server and its workers): one builds
     into a temporary sibling under a file lock and renames it into place.
     """
+    from ditserve.engine.families import MODEL_VARIANTS
+
+    if family not in MODEL_VARIANTS:
+        from ditserve.engine.errors import ConfigError
+
+        raise ConfigError(f"family must be one of {', '.join(MODEL_VARIANTS)}, got {family!r}")
     import shutil
     import tempfile
 
@@ -110,12 +132,12 @@ def init_tiny(path: str | os.PathLike[str], *, seed: int = TINY_SEED) -> Path:
     with FileLock(str(target) + ".lock"):
         if (target / _COMPLETE_MARKER).exists():
             return target
-        pipe = _build_pipeline(transformer_kwargs=TINY_TRANSFORMER, seed=seed)
+        pipe = _build_tiny(family, seed)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             pipe.save_pretrained(staging)
             (staging / _COMPLETE_MARKER).write_text(
-                json.dumps({"seed": seed, "random_weights": True}))
+                json.dumps({"family": family, "seed": seed, "random_weights": True}))
             if target.exists():  # an incomplete leftover from an interrupted older version
                 shutil.rmtree(target)
             staging.rename(target)

@@ -82,14 +82,14 @@ def make_light_model(path: Path, seed: int = 0, size: int = 64 * 1024) -> Path:
     return path
 
 
-def _light_source_files(model_dir: Path) -> list[Path]:
+def _light_source_files(model_dir: Path, component: str = "transformer") -> list[Path]:
     folder = Path(model_dir) / "transformer"
     if not (folder / "weights.bin").is_file():
         raise FileNotFoundError(f"{folder} has no weights.bin")
     return sorted(p for p in folder.iterdir() if p.is_file())
 
 
-def _light_load(model_dir: Path, dtype: str) -> dict[str, Any]:
+def _light_load(model_dir: Path, dtype: str, component: str = "transformer") -> dict[str, Any]:
     import time
 
     model_dir = Path(model_dir)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,11 +56,15 @@ def enable_offload(
     activation_reserve_bytes: int | None = None,
     group: Any = None,
     host_plan: HostWeightPlan | None = None,
+    block_lists: Sequence[str] | None = None,
 ) -> OffloadHandle:
     """Stream ``transformer``'s blocks from host memory through ``offload.slots`` device slots.
 
     ``group``: a torch.distributed process group; with more than one rank, each rank keeps
     1/group of every streamed block and rebuilds blocks with all_gather (AllGather mode).
+
+    ``block_lists``: the streamed block lists in call order (the pipeline's declaration; by
+    default the family's for the DiT class, see ``discovery``).
 
     ``host_plan``: the loader's HostWeightPlan (consumed here). A mapped plan streams straight
     from its read-only mappings: registered with ``pin_limit_gib`` > 0, else through two
@@ -83,7 +88,7 @@ def enable_offload(
         with contextlib.ExitStack() as undo:
             handle = _enable(transformer, offload_config, torch.device(device), undo,
                              reserve=reserve, group=group, group_size=group_size,
-                             host_plan=host_plan)
+                             host_plan=host_plan, block_lists=block_lists)
             undo.pop_all()  # success: keep everything
     except OffloadError:
         raise
@@ -107,11 +112,12 @@ def _enable(
     group: Any,
     group_size: int,
     host_plan: HostWeightPlan | None,
+    block_lists: Sequence[str] | None,
 ) -> OffloadHandle:
     """The steps, in order (module docstring); each registers its undo on ``undo``."""
     plan_facts = (host_plan.describe() if host_plan is not None
                   else {"backing_kind": "ordinary", "backing_reason": "no HostWeightPlan given"})
-    found = discover(model)
+    found = discover(model, block_lists)
     builders.check_tensors(model, found.blocks)
     slots = builders.slot_count(config, len(found.blocks), group_size)
     base = builders.open_transfer(device, slots, undo)  # raises if the device is unusable

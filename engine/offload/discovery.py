@@ -1,9 +1,12 @@
 """Module discovery: which parts of a DiT are streamed blocks and which stay resident.
 
-Blocks come from the model's block lists, in list order (never from tracing a forward):
-Flux's ``transformer_blocks`` then ``single_transformer_blocks``; for other diffusers DiTs,
-the outermost ``nn.ModuleList``s whose entries are all of one class and which hold a real
-share of the weights (``blocks``, ``transformer_blocks``, ...). Everything else in the
+Blocks come from the model's block lists, in list order (never from tracing a forward): the
+lists the caller passes (the pipeline's, e.g. both experts' of a Wan 2.2 ``ExpertStack``),
+else the lists its family declares for the DiT class (``engine.families``: Flux's
+``transformer_blocks`` then ``single_transformer_blocks``, Qwen-Image's
+``transformer_blocks``, Wan's ``blocks``); for other diffusers DiTs, the outermost
+``nn.ModuleList``s whose entries are all of one class and which hold a real share of the
+weights. Everything else in the
 transformer (embeddings, norms, projections, the root's own parameters) is resident: it
 moves to the device once. Other pipeline components (text encoders, VAE) are not seen here;
 the engine places them.
@@ -13,16 +16,14 @@ Called by ``backend.enable_offload``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from ditserve.engine.errors import OffloadError
+from ditserve.engine.families import declared_block_lists
 
-# Model class name -> its block lists, in the order the forward runs them.
-KNOWN_BLOCK_LISTS: dict[str, tuple[str, ...]] = {
-    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
-}
 # A ModuleList holding less than this share of the weights is not worth streaming
 # (e.g. a list of small embedders): it stays resident.
 MIN_LIST_SHARE = 0.05
@@ -63,9 +64,10 @@ def _generic_block_lists(model: nn.Module) -> list[str]:
     return found
 
 
-def discover(model: nn.Module) -> Discovery:
+def discover(model: nn.Module, block_lists: Sequence[str] | None = None) -> Discovery:
     """Split ``model`` into block lists and resident modules; raise if it has no block list."""
-    list_names = KNOWN_BLOCK_LISTS.get(type(model).__name__) or tuple(_generic_block_lists(model))
+    list_names = tuple(block_lists or ()) or declared_block_lists(type(model).__name__) or tuple(
+        _generic_block_lists(model))
     if not list_names:
         raise OffloadError(
             f"{type(model).__name__} has no block list to stream (an nn.ModuleList of repeated "

@@ -1,5 +1,5 @@
-"""The StepPipeline protocol, the factory that picks an implementation, and the preview
-decode every pipeline gets from its ``post_decode``."""
+"""The StepPipeline protocol (what the model runner needs from every family's pipeline) and
+the preview decode every pipeline gets from its ``post_decode``."""
 
 from __future__ import annotations
 
@@ -8,48 +8,43 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ditserve.engine.errors import ModelLoadError
-
 if TYPE_CHECKING:
     from ditserve.engine.denoise_state import DenoiseState
     from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
 
 
 class StepPipeline(Protocol):
     """A diffusion pipeline cut at step boundaries.
 
     prepare_encode(state): encode the prompt(s), draw the initial latents from the request's
-        seed, compute the request's own schedule; fills ``state``.
-    denoise_step(batch): one batched transformer forward over every row; returns the model
-        output, (rows, tokens, channels).
-    step(state, output_rows): combine this request's rows (true CFG) and apply one sampler
+        seed, compute the request's own schedule, and set ``state.rows`` (the family decides
+        when classifier-free guidance adds negative-prompt rows); fills ``state``.
+    denoise_step(batch): the batch's model output, (rows, ...) in batch order; one
+        transformer forward over every row (a model whose experts take turns runs one forward
+        per expert over that expert's rows).
+    step(state, output_rows): combine this request's rows (CFG) and apply one sampler
         step to its latents; advances ``state.step_index``.
-    post_decode(state): decode the final latents into ``state.pixels``, (n, 3, H, W) float
-        in [0, 1] on the CPU; on CUDA it may queue the copy without waiting for it (the
-        runner hands the pixels back once the step's work has finished).
+    post_decode(state): decode the final latents into ``state.pixels``: (n, 3, H, W) for an
+        image family, (n, F, 3, H, W) for a video family, float in [0, 1] on the CPU; on CUDA
+        it may queue the copy without waiting for it (the runner hands the pixels back once
+        the step's work has finished).
+
+    transformer: the module offload streams and compilation compiles (the DiT, or an
+        ``ExpertStack`` of experts); block_lists: its streamed block lists in call order.
+    pixel_multiple: the spatial granularity of height and width.
+    frame_step: None for image families; for video, ``num_frames - 1`` must divide by it.
     """
 
     transformer: torch.nn.Module
+    block_lists: tuple[str, ...]
     pixel_multiple: int
+    frame_step: int | None
     max_prompt_chars: int | None
 
     def prepare_encode(self, state: DenoiseState) -> None: ...
     def denoise_step(self, batch: InputBatch) -> torch.Tensor: ...
     def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None: ...
     def post_decode(self, state: DenoiseState) -> None: ...
-
-
-def build_pipeline(
-    components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
-) -> StepPipeline:
-    """The StepPipeline for a loaded model; ``move_transformer`` False leaves the DiT on CPU
-    (the offload backend places it)."""
-    if components.pipeline_class == "FluxPipeline":
-        from ditserve.engine.pipelines.flux import FluxStepPipeline
-
-        return FluxStepPipeline(components, device=device, move_transformer=move_transformer)
-    raise ModelLoadError(f"no step-wise pipeline for {components.pipeline_class!r}")
 
 
 def decode_preview(pipeline: StepPipeline, state: DenoiseState) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.families import FLUX
 from ditserve.engine.sampler import FlowMatchEulerSampler
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ MAX_T5_TOKENS = 512  # diffusers' FluxPipeline refuses more
 
 class FluxStepPipeline:
     """StepPipeline for Flux.1-style models (see module docstring)."""
+
+    family = FLUX
 
     def __init__(
         self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
@@ -42,6 +45,8 @@ class FluxStepPipeline:
         if move_transformer:
             self.transformer.to(device)
         self.dtype: torch.dtype = next(self.transformer.parameters()).dtype
+        self.block_lists = FLUX.block_lists
+        self.frame_step: int | None = None  # an image family
         self.sampler = FlowMatchEulerSampler(m["scheduler"].config)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         # 2x2 latent packing: pixel sizes must divide by twice the VAE factor.

@@ -113,7 +113,7 @@ def test_a_ready_entry_is_answered_ready_without_waiting(daemon: Daemon, tmp_pat
 
 
 def test_bad_requests_are_answered_in_json_not_built(tmp_path: Path) -> None:
-    def broken_files(model_dir: Path) -> list[Any]:
+    def broken_files(model_dir: Path, component: str) -> list[Any]:
         return [42]  # not a path: a bug in a loader, not a user error
 
     broken = ModelLoader(name="tests.broken", version="1", source_files=broken_files,

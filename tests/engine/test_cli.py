@@ -30,7 +30,7 @@ def test_generate_flag_set_is_frozen() -> None:
     # Renaming or dropping a flag breaks users' scripts and the operator: change this on purpose.
     assert flags("generate") == ENGINE_FLAGS | {
         "--prompt", "--negative-prompt", "--out", "--height", "--width", "--steps", "--seed",
-        "--guidance-scale", "--true-cfg-scale", "--num-images",
+        "--guidance-scale", "--true-cfg-scale", "--num-images", "--num-frames", "--fps",
     }
 
 

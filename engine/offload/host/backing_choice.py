@@ -70,6 +70,7 @@ def prepare_dit(
     offload: OffloadConfig,
     tp_size: int = 1,
     streams_from_mapping: bool = False,
+    component: str = "transformer",
 ) -> tuple[nn.Module, HostWeightPlan]:
     """The DiT for offload and its HostWeightPlan (see module doc). Never fails over a
     backing: only the ordinary load's own errors propagate.
@@ -79,23 +80,26 @@ def prepare_dit(
     Then ``checkpoint_mmap="auto"`` maps the checkpoint only when ``pin_limit_gib`` lets the
     mapping be registered: unregistered, it streams through staging slots at about half the
     speed of private pinned slabs (docs/benchmarks.md), a bad default trade for sharing.
+
+    component: which of the model's DiTs (Wan 2.2 has two: ``transformer``, ``transformer_2``).
     """
     from ditserve.engine import loader
 
-    model_cls = loader.dit_class()
+    model_cls = loader.dit_class(model_dir, component)
 
     loaded: list[nn.Module] = []
 
     def load() -> nn.Module:  # at most once, also when a backing fails after loading
         if not loaded:
-            loaded.append(loader.load_dit(model_dir, dtype=dtype))
+            loaded.append(loader.load_dit(model_dir, dtype=dtype, component=component))
         return loaded[0]
 
     if offload.runtime_cache:
         from ditserve.cachectl.errors import CacheError
 
         try:
-            model, plan = _runtime_cache(model_dir, dtype, offload, model_cls, load, tp_size)
+            model, plan = _runtime_cache(model_dir, dtype, offload, model_cls, load, tp_size,
+                                         component)
         except (CacheError, OSError, ValueError) as e:
             plan = HostWeightPlan.ordinary(f"runtime cache unavailable: {e}")
             log.warning("DLO host backing: %s; using ordinary host memory", plan.reason)
@@ -111,7 +115,7 @@ def prepare_dit(
         log.info("DLO host backing: ordinary (%s)", plan.reason)
         return load(), plan
     mapped, plan = checkpoint_dit(model_dir, dtype=dtype, model_cls=model_cls,
-                                  component=loader.DIT_COMPONENT, tp_size=tp_size)
+                                  component=component, tp_size=tp_size)
     if mapped is None:
         log.info("DLO host backing: ordinary (%s)", plan.reason)
         return load(), plan
@@ -120,8 +124,8 @@ def prepare_dit(
 
 
 def _runtime_cache(model_dir: str | Path, dtype: str, offload: OffloadConfig, model_cls: Any,
-                   load: Any, tp_size: int) -> tuple[nn.Module, HostWeightPlan]:
+                   load: Any, tp_size: int, component: str) -> tuple[nn.Module, HostWeightPlan]:
     from ditserve.engine.offload.host.runtime_cache import runtime_cache_dit
 
     return runtime_cache_dit(model_dir, dtype=dtype, offload=offload, model_cls=model_cls,
-                             load_dit=load, tp_size=tp_size)
+                             load_dit=load, tp_size=tp_size, component=component)

@@ -101,6 +101,7 @@ def runtime_cache_dit(
     model_cls: Any,
     load_dit: Callable[[], nn.Module],
     tp_size: int = 1,
+    component: str = "transformer",
 ) -> tuple[nn.Module, HostWeightPlan]:
     """The DiT backed by its node cache entry (see module doc). Raises ``CacheError`` /
     ``OSError`` when the cache cannot be used; the caller falls back to ordinary memory."""
@@ -113,7 +114,8 @@ def runtime_cache_dit(
 
     store = CacheStore(offload.cache_root or default_root(),
                        lock_timeout_s=offload.cache_lock_timeout_s)
-    model_plan = plan_model(ModelRequest(Path(model_dir), dtype=dtype), describe_loader(loader))
+    model_plan = plan_model(ModelRequest(Path(model_dir), dtype=dtype, component=component),
+                            describe_loader(loader))
     key = store.resolve_recipe(model_plan.recipe)
     note = ""
     if key is not None:
@@ -123,7 +125,7 @@ def runtime_cache_dit(
             entry = None  # removed between resolve and join: build or join below
         if entry is not None:
             files = _map_entry(entry)
-            config = model_cls.load_config(str(model_dir), subfolder="transformer")
+            config = model_cls.load_config(str(model_dir), subfolder=component)
             mapped, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files,
                                              tp_size=tp_size)
             if mapped is not None:

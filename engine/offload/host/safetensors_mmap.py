@@ -217,16 +217,22 @@ def meta_dit(model_cls: Any, config: Mapping[str, Any], dtype: torch.dtype) -> n
     """
     from accelerate import init_empty_weights
 
+    from ditserve.engine.loader import keeps_float32
+
+    def runtime(name: str) -> torch.dtype:
+        # As an ordinary load: the class's keep-in-float32 modules stay float32.
+        return torch.float32 if keeps_float32(model_cls, name) else dtype
+
     with init_empty_weights(include_buffers=False):
         model = model_cls.from_config(dict(config))
-    for p in model.parameters():
-        p.data = p.data.to(dtype)  # meta: no bytes move
+    for name, p in model.named_parameters():
+        p.data = p.data.to(runtime(name))  # meta: no bytes move
     persistent = set(model.state_dict(keep_vars=True))
     for mname, module in model.named_modules():
         for bname, b in module._buffers.items():
             full = f"{mname}.{bname}" if mname else bname
             if b is not None and full in persistent and b.is_floating_point():
-                module._buffers[bname] = b.to(dtype)
+                module._buffers[bname] = b.to(runtime(full))
     return model
 
 

@@ -1,0 +1,167 @@
+"""Step-wise Qwen-Image (QwenImagePipeline layout) on top of diffusers components.
+
+Matches diffusers' QwenImagePipeline numerically for the same seed: the prompt goes through
+the same chat template into Qwen2.5-VL, whose last hidden states (template prefix dropped)
+are the text tokens; the noise is drawn the same way (CPU generator, (n, 1, C, h, w), 2x2
+packing); the schedule is the same resolution-shifted flow-matching one (the Euler sampler
+shared with Flux), and true CFG combines as diffusers does, including its rescale of the
+guided prediction to the norm of the conditional one.
+
+Differences, on purpose: the negative-prompt rows run in the same forward as the positive
+rows (streamed weights cross PCIe once per step), every row carries its own timestep so
+requests at different steps share a forward, and prompts of different lengths share a batch
+as right-padded rows with a text mask (diffusers' own masking of padded text tokens).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.errors import ModelLoadError
+from ditserve.engine.families import QWEN_IMAGE
+from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
+from ditserve.engine.sampler import FlowMatchEulerSampler
+
+if TYPE_CHECKING:
+    from ditserve.engine.input_batch import InputBatch
+    from ditserve.engine.loader import LoadedComponents
+
+MAX_TEXT_TOKENS = 512  # diffusers' QwenImagePipeline default max_sequence_length
+
+
+class QwenImageStepPipeline:
+    """StepPipeline for Qwen-Image (see module docstring)."""
+
+    family = QWEN_IMAGE
+
+    def __init__(
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
+    ) -> None:
+        m = components.modules
+        self.device = device
+        self.transformer = m["transformer"]
+        self.vae = m["vae"].to(device)
+        self.text_encoder = m["text_encoder"].to(device)
+        self.tokenizer = m["tokenizer"]
+        if move_transformer:
+            self.transformer.to(device)
+        if self.transformer.config.guidance_embeds:
+            raise ModelLoadError("guidance-distilled Qwen-Image DiTs (guidance_embeds) are not "
+                                 "served; ditserve serves Qwen-Image with true CFG")
+        self.block_lists = QWEN_IMAGE.block_lists
+        self.frame_step: int | None = None  # an image family
+        self.dtype: torch.dtype = next(self.transformer.parameters()).dtype
+        self.sampler = FlowMatchEulerSampler(m["scheduler"].config)
+        # Layout constants from diffusers' own pipeline object, not copied here.
+        pipe = components.pipeline
+        self.template: str = pipe.prompt_template_encode
+        self.template_drop: int = int(pipe.prompt_template_encode_start_idx)
+        self.tokenizer_max_length = int(pipe.tokenizer_max_length)
+        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
+        self.pixel_multiple = self.vae_scale_factor * 2  # 2x2 packing of the latent grid
+        self.max_prompt_chars: int | None = 4000
+        self.latent_channels = int(self.transformer.config.in_channels) // 4
+        self._latents_mean, self._latents_inv_std = latent_statistics(self.vae, device)
+
+    # -- encode ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _encode_prompt(self, prompt: str) -> torch.Tensor:
+        """(1, L, D) text tokens: Qwen2.5-VL's last hidden states after the template prefix."""
+        tokens = self.tokenizer(
+            [self.template.format(prompt)],
+            max_length=self.tokenizer_max_length + self.template_drop,
+            padding=True, truncation=True, return_tensors="pt",
+        )
+        out = self.text_encoder(
+            input_ids=upload(tokens.input_ids, self.device),
+            attention_mask=upload(tokens.attention_mask, self.device),
+            output_hidden_states=True,
+        )
+        # One prompt, so no padding: every token is real and the length is known on the host.
+        hidden = out.hidden_states[-1][:, self.template_drop:]
+        return hidden[:, :MAX_TEXT_TOKENS].to(self.text_encoder.dtype)
+
+    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        return (2 * (height // self.pixel_multiple), 2 * (width // self.pixel_multiple))
+
+    @torch.inference_mode()
+    def prepare_encode(self, state: DenoiseState) -> None:
+        p = state.params
+        n = p.num_images
+        texts = [self._encode_prompt(p.prompt)] * n
+        if p.uses_true_cfg:
+            texts += [self._encode_prompt(p.negative_prompt or "")] * n
+        longest = max(t.shape[1] for t in texts)
+        # (rows, L, D) right-padded to this request's longest prompt, with (rows, L) mask.
+        embeds = torch.zeros(len(texts), longest, texts[0].shape[2], dtype=texts[0].dtype,
+                             device=self.device)
+        mask = torch.zeros(len(texts), longest, dtype=torch.bool, device=self.device)
+        for row, text in enumerate(texts):
+            embeds[row, : text.shape[1]] = text[0]
+            mask[row, : text.shape[1]] = True
+        state.rows = len(texts)
+        state.static_rows = {"encoder_hidden_states": embeds, "text_mask": mask}
+        state.host["text_lengths"] = tuple(t.shape[1] for t in texts)
+        lh, lw = self._latent_grid(p.height, p.width)
+        # Same draw as diffusers: CPU generator, (n, 1, C, h, w), then packed.
+        noise = seeded_noise((n, 1, self.latent_channels, lh, lw), seed=state.seed,
+                             dtype=self.text_encoder.dtype, device=self.device)
+        # (n, 1, C, h, w) -> (n, h/2 * w/2, 4C): 2x2 patches become tokens.
+        packed = noise.view(n, self.latent_channels, lh // 2, 2, lw // 2, 2)
+        packed = packed.permute(0, 2, 4, 1, 3, 5)
+        state.latents = packed.reshape(n, (lh // 2) * (lw // 2), self.latent_channels * 4)
+        state.schedule = self.sampler.schedule(p.num_inference_steps, state.latents.shape[1])
+        state.step_index = 0
+
+    # -- denoise ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def denoise_step(self, batch: InputBatch) -> torch.Tensor:
+        lh, lw = self._latent_grid(batch.states[0].params.height, batch.states[0].params.width)
+        lengths = {n for s in batch.states for n in s.host["text_lengths"]}
+        # Equal text lengths need no mask (as diffusers, which drops an all-true one; and on
+        # CUDA a masked attention cannot take the flash kernel).
+        mask = batch.static["text_mask"] if len(lengths) > 1 else None
+        # diffusers casts the timestep to the latents' dtype before dividing by 1000.
+        timestep = batch.timesteps.to(self.device, batch.hidden_states.dtype) / 1000
+        return self.transformer(
+            hidden_states=batch.hidden_states,
+            timestep=timestep,
+            encoder_hidden_states=batch.static["encoder_hidden_states"],
+            encoder_hidden_states_mask=mask,
+            img_shapes=[[(1, lh // 2, lw // 2)]] * batch.num_rows,
+            return_dict=False,
+        )[0]
+
+    def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
+        assert state.schedule is not None and state.latents is not None
+        n = state.params.num_images
+        prediction = output_rows
+        if state.params.uses_true_cfg:
+            cond, uncond = output_rows[:n], output_rows[n:]
+            guided = uncond + state.params.true_cfg_scale * (cond - uncond)
+            # diffusers rescales the guided prediction to the conditional one's norm per token.
+            cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+            guided_norm = torch.norm(guided, dim=-1, keepdim=True)
+            prediction = guided * (cond_norm / guided_norm)
+        state.latents = self.sampler.step(
+            state.latents, prediction, state.schedule, state.step_index
+        )
+        state.step_index += 1
+
+    # -- decode -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def post_decode(self, state: DenoiseState) -> None:
+        assert state.latents is not None
+        p = state.params
+        lh, lw = self._latent_grid(p.height, p.width)
+        n, _, channels = state.latents.shape
+        # (n, h/2 * w/2, 4C) -> (n, C, 1, h, w): undo the 2x2 packing; one "frame".
+        latents = state.latents.view(n, lh // 2, lw // 2, channels // 4, 2, 2)
+        latents = latents.permute(0, 3, 1, 4, 2, 5).reshape(n, channels // 4, 1, lh, lw)
+        latents = latents.to(self.vae.dtype) / self._latents_inv_std + self._latents_mean
+        decoded = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+        pixels = (decoded.float() / 2 + 0.5).clamp(0, 1)  # (n, 3, H, W) in [0, 1]
+        state.pixels = pixels.to("cpu", non_blocking=True)

@@ -1,0 +1,45 @@
+"""Tiny models of every family, built once per session, and runners over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VIDEO_VARIANTS = ("wan", "wan2.2", "wan2.2-ti2v")
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """family_dir(variant) -> the directory of that tiny model (built on first use)."""
+    from ditserve.engine.tiny_model import init_tiny
+
+    root = tmp_path_factory.mktemp("family-models")
+    built: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in built:
+            built[variant] = init_tiny(root / variant, family=variant)
+        return built[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_runner(family_dir: Callable[[str], Path]) -> Callable[..., Any]:
+    """family_runner(variant) -> a resident CPU ModelRunner on that tiny model (shared)."""
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.model_runner import ModelRunner
+
+    runners: dict[str, Any] = {}
+
+    def get(variant: str) -> Any:
+        if variant not in runners:
+            model = family_dir(variant)
+            runners[variant] = ModelRunner(EngineConfig(model=str(model), device="cpu"),
+                                           model_dir=model)
+        return runners[variant]
+
+    return get

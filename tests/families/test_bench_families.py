@@ -1,0 +1,42 @@
+"""bench/offload_families.py's CPU smoke mode: every method and cell runs on tiny DiTs, and
+the report (cells, DLO facts, targets, table) is complete. Timings are not asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "offload_families.py"
+
+
+def load_bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("bench_offload_families", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("model", "cells"), [
+    ("qwen-image", {"b1", "b4"}),
+    ("wan2.2", {"expert1 b1", "straddle b1+1"}),
+])
+def test_tiny_run_reports_every_cell(model: str, cells: set[str], tmp_path: Path) -> None:
+    bench = load_bench()
+    assert bench.main(["--tiny", "--model", model, "--out", str(tmp_path),
+                       "--warmup", "0", "--iters", "1"]) == 0
+    result = json.loads((tmp_path / "offload_families.json").read_text())
+    methods = {"resident", "dlo"} | ({"diffusers-block", "diffusers-leaf"}
+                                     if model == "qwen-image" else set())
+    assert {(c["method"], c["cell"]) for c in result["cells"]} == {
+        (m, c) for m in methods for c in cells}
+    report = result["methods"]["dlo"]["report"]
+    blocks = 4 if model == "wan2.2" else 2  # both experts stream through one set of slots
+    assert report["streamed_blocks"] == blocks and report["slots"] == 2
+    assert any(t["target"].startswith("DLO pinned host") for t in result["targets"])
+    assert "| target | value | bound | ok |" in (tmp_path / "offload_families.md").read_text()

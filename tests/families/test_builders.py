@@ -1,0 +1,57 @@
+"""Model builders: the full-size DiTs have the released models' shapes; init-tiny and
+init-random write loadable directories of every family."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ditserve.engine.model_builders import dit_class, dit_config
+
+# Released DiT sizes (parameters) and block counts, from the public model configs.
+FULL = {
+    "qwen-image": (20.0e9, 21.0e9, 60, 3072),  # Qwen-Image: 60 blocks, 24 heads x 128
+    "wan": (13.5e9, 14.5e9, 40, 5120),  # Wan2.1-T2V-14B: 40 blocks, 40 heads x 128
+    "wan2.2-ti2v": (4.8e9, 5.2e9, 30, 3072),  # Wan2.2-TI2V-5B: 30 blocks, 24 heads x 128
+}
+
+
+@pytest.mark.parametrize("variant", sorted(FULL))
+def test_full_size_dits_have_the_released_shapes(variant: str) -> None:
+    low, high, blocks, width = FULL[variant]
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = dit_class(variant)(**dit_config(variant, "full"))
+    params = sum(p.numel() for p in model.parameters())
+    assert low <= params <= high, f"{variant}: {params / 1e9:.2f}B parameters"
+    lists = [m for m in model.children() if isinstance(m, torch.nn.ModuleList)]
+    assert [len(m) for m in lists] == [blocks]
+    assert model.config.num_attention_heads * model.config.attention_head_dim == width
+
+
+def test_wan22_full_is_two_wan21_experts() -> None:
+    assert dit_config("wan2.2", "full") == dit_config("wan", "full")
+
+
+def test_init_tiny_cli_writes_wan22_with_two_experts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.cli import main
+    from ditserve.engine.loader import dit_components, read_model_index
+
+    assert main(["model", "init-tiny", "--family", "wan2.2", str(tmp_path / "w")]) == 0
+    cls, index = read_model_index(tmp_path / "w")
+    assert cls == "WanPipeline" and index["boundary_ratio"] == 0.875
+    assert dit_components(tmp_path / "w") == ("transformer", "transformer_2")
+
+
+def test_init_random_writes_a_loadable_qwen_image_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.loader import load_components
+    from ditserve.engine.random_model import init_random
+
+    path = init_random(tmp_path / "q", family="qwen-image", size="tiny", dtype="float32",
+                       device="cpu")
+    marker = json.loads((path / ".ditserve-random-complete").read_text())
+    assert marker["family"] == "qwen-image" and marker["transformer_parameters"] > 0
+    components = load_components(path)
+    assert components.family.name == "qwen-image"
+    assert next(components.modules["transformer"].parameters()).dtype == torch.float32
