@@ -17,10 +17,12 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from ditserve.engine.lifecycle import EnginePhase
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.errors import install_handlers
 from ditserve.engine.server.generation import create_image
+from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.state import ServerState
 
 CREATED = int(time.time())
@@ -31,14 +33,17 @@ def create_app(
     config: ServerConfig,
     *,
     start_engine: bool = True,
+    serving_metrics: ServingMetrics | None = None,
     on_start_failed: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    state = ServerState.build(engine, config, on_start_failed=on_start_failed)
+    """serving_metrics: the ServingMetrics the engine observes (``state.engine_options``)."""
+    state = ServerState.build(engine, config, metrics=serving_metrics,
+                              on_start_failed=on_start_failed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starting = None
-        if start_engine and not engine.ready:
+        if start_engine and engine.phase is EnginePhase.LOADING:
             starting = asyncio.create_task(asyncio.to_thread(state.start_engine))
         try:
             yield
@@ -79,20 +84,10 @@ def create_app(
 def readiness(state: ServerState) -> dict[str, Any]:
     """The /ready body: state, batch occupancy and the offload path's details."""
     engine = state.engine
-    if state.startup_error:
-        phase = "failed"
-    elif state.draining:
-        phase = "draining"
-    elif state.ready:
-        phase = "ready"
-    elif engine.compiling:
-        phase = "compiling"  # weights loaded; the warm-up compiles the blocks (--compile)
-    else:
-        phase = "loading" if engine.executor is None or not engine.ready else "stopped"
-    body: dict[str, Any] = {"ready": state.ready, "phase": phase, "model": state.model_name,
-                            "compile": engine.config.compile}
-    if state.startup_error:
-        body["error"] = state.startup_error
+    body: dict[str, Any] = {"ready": state.ready, "phase": engine.phase.value,
+                            "model": state.model_name, "compile": engine.config.compile}
+    if engine.failure:
+        body["error"] = engine.failure
     if engine.executor is not None:
         stats = engine.stats()
         offload = engine.offload_report()

@@ -25,6 +25,7 @@ from ditserve.engine.errors import (
     QueueFullError,
     RequestAborted,
 )
+from ditserve.engine.lifecycle import EnginePhase
 from ditserve.engine.server import streaming
 from ditserve.engine.server.errors import APIError
 from ditserve.engine.server.schemas import (
@@ -46,12 +47,13 @@ def _unavailable(state: ServerState, message: str) -> APIError:
 
 
 def _admit(state: ServerState, params: Any, on_event: Any = None) -> Any:
-    if state.draining:
+    phase = state.engine.phase
+    if phase in (EnginePhase.DRAINING, EnginePhase.STOPPED):
         raise _unavailable(state, "the server is shutting down; retry on another replica")
-    if not state.engine.ready:
+    if phase is not EnginePhase.READY:
         loading = ("the DiT blocks are still compiling (--compile)"
-                   if state.engine.compiling else "the model is still loading")
-        detail = state.startup_error or f"{loading}; poll GET /ready"
+                   if phase is EnginePhase.COMPILING else "the model is still loading")
+        detail = state.engine.failure or f"{loading}; poll GET /ready"
         raise _unavailable(state, detail)
     try:
         return state.engine.add_request(params, on_event=on_event)

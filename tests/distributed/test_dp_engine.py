@@ -12,7 +12,7 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, ParallelConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine
+from ditserve.engine.engine import DiffusionEngine, WarmUp
 from ditserve.engine.errors import EngineStoppedError
 from ditserve.engine.request import SamplingParams
 
@@ -60,8 +60,7 @@ def test_every_rank_compiles_its_blocks_and_matches_eager(tiny_model_dir, alone)
     config = EngineConfig(model=str(tiny_model_dir), device="cpu", compile="aot_eager",
                           parallel=ParallelConfig(data_parallel_size=2),
                           scheduler=SchedulerConfig(max_num_seqs=2))
-    engine = DiffusionEngine(config)
-    engine.compile_warmup_size = (64, 64)
+    engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(64, 64)))
     engine.start()
     try:
         assert engine.ready

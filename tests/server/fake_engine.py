@@ -1,6 +1,7 @@
 """A pure-Python stand-in for DiffusionEngine, for in-process API tests (no torch).
 
-It keeps the engine's public contract (add_request/abort/validate_params/stats/events) and
+It keeps the engine's public contract (phase/add_request/abort/validate_params/stats/events,
+the observers as a constructor argument) and
 lets a test choose the outcome of each request: finish, fail, hang (never finishes), or a
 full queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules.
 """
@@ -17,24 +18,27 @@ from typing import Any
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.engine import EngineStats, GenerationResult, RequestEvent
+from ditserve.engine.engine import EnginePhase, EngineStats, GenerationResult, RequestEvent
 from ditserve.engine.errors import DitServeError, QueueFullError, RequestAborted
 
 
 @dataclass
 class FakeEngine:
     outcome: str = "finish"  # finish | fail | hang | queue_full
-    ready: bool = True
+    phase: EnginePhase = EnginePhase.READY
+    failure: str | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
     observers: list[Any] = field(default_factory=list)
     aborted: list[tuple[str, str]] = field(default_factory=list)
     pixel_multiple: int = 4
     max_prompt_chars: int = 4000
-    compile_warmup_size: tuple[int, int] | None = None
-    compiling: bool = False
     offload: dict[str, Any] | None = None  # what offload_report() returns
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is EnginePhase.READY
 
     @property
     def executor(self) -> Any:
@@ -45,8 +49,11 @@ class FakeEngine:
         return SimpleNamespace(device="cpu") if self.ready else None
 
     def start(self) -> FakeEngine:
-        self.ready = True
+        self.phase = EnginePhase.READY
         return self
+
+    def drain(self) -> None:
+        self.phase = EnginePhase.DRAINING
 
     def validate_params(self, params: Any) -> Any:
         return params.validate(pixel_multiple=self.pixel_multiple,
@@ -98,4 +105,4 @@ class FakeEngine:
         return self.offload
 
     def shutdown(self, grace_seconds: float = 0.0) -> None:
-        self.ready = False
+        self.phase = EnginePhase.STOPPED
