@@ -23,6 +23,7 @@ on use.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,16 @@ class WorkerFailure:
     message: str
 
 
+# Every message is one frame of FRAME_BYTES: an 8-byte length, then the pickled message; a
+# longer message (a reply with decoded pixels) sends its rest in a second, exact-size send.
+# One send per message, not torch's send_object_list (a size tensor, then the payload): a
+# gloo send waits for the peer's matching receive, so each send is a round trip, and on 2
+# CPU cores the frame took a small step's round trip from ~1-2 ms to ~0.3 ms (best case).
+FRAME_BYTES = 16 * 1024
+_LENGTH_BYTES = 8
+_INLINE_BYTES = FRAME_BYTES - _LENGTH_BYTES
+
+
 @dataclass(frozen=True)
 class Link:
     """One end of the control channel between rank 0 and one worker."""
@@ -82,13 +93,31 @@ class Link:
     peer: int  # the global rank at the other end
 
     def send(self, message: Any) -> None:
+        import torch
         import torch.distributed as dist
 
-        dist.send_object_list([message], dst=self.peer, group=self.group)
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        length = len(payload).to_bytes(_LENGTH_BYTES, "little")
+        frame[:_LENGTH_BYTES] = torch.frombuffer(bytearray(length), dtype=torch.uint8)
+        inline = min(len(payload), _INLINE_BYTES)
+        frame[_LENGTH_BYTES:_LENGTH_BYTES + inline] = data[:inline]
+        dist.send(frame, dst=self.peer, group=self.group)
+        if len(payload) > inline:
+            dist.send(data[inline:], dst=self.peer, group=self.group)
 
     def receive(self) -> Any:
+        import torch
         import torch.distributed as dist
 
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=self.peer, group=self.group)
-        return box[0]
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        dist.recv(frame, src=self.peer, group=self.group)
+        length = int.from_bytes(frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
+        inline = min(length, _INLINE_BYTES)
+        payload = frame[_LENGTH_BYTES:_LENGTH_BYTES + inline].numpy().tobytes()
+        if length > inline:
+            rest = torch.empty(length - inline, dtype=torch.uint8)
+            dist.recv(rest, src=self.peer, group=self.group)
+            payload += rest.numpy().tobytes()
+        return pickle.loads(payload)

@@ -12,7 +12,7 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, ParallelConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine, WarmUp
+from ditserve.engine.engine import DiffusionEngine, EnginePhase, WarmUp
 from ditserve.engine.errors import EngineStoppedError
 from ditserve.engine.request import SamplingParams
 
@@ -124,6 +124,7 @@ def test_idle_dead_worker_is_noticed_without_a_request(tiny_model_dir) -> None: 
         while engine.ready and time.monotonic() < deadline:
             time.sleep(0.2)  # the heartbeat runs on the engine's own schedule
         assert not engine.ready
+        assert engine.phase is EnginePhase.FAILED and "rank 1" in str(engine.failure)
         with pytest.raises(EngineStoppedError, match="rank 1"):
             engine.add_request(SamplingParams(prompt="after", seed=2))
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ditserve.engine.distributed.protocol import Reports, Step, WorkerFailure, WorkerReply
 from ditserve.engine.distributed.worker import answer
 from ditserve.engine.executor import RankWork
@@ -55,3 +57,14 @@ def test_the_idle_plan_runs_nothing() -> None:
     assert isinstance(reply, WorkerReply) and reply.output.finished == {"late": "pixels"}
     assert plan.step_id is None and new == ()
     assert not (plan.encode or plan.denoise or plan.decode or plan.freed)
+
+
+@pytest.mark.slow
+def test_a_link_carries_messages_of_any_size_between_two_processes() -> None:
+    # Small messages travel in one frame, longer ones (replies with pixels) in two sends.
+    import torch.multiprocessing as mp
+    from distributed.link_target import run_end  # type: ignore[import-not-found]
+
+    from ditserve.engine.distributed.rendezvous import free_port
+
+    mp.spawn(run_end, args=(free_port(),), nprocs=2, join=True)
