@@ -56,7 +56,7 @@ def test_dp_generation_equals_single_process(tiny_model_dir, alone, ranks: int) 
 
 def test_every_rank_compiles_its_blocks_and_matches_eager(tiny_model_dir, alone) -> None:  # type: ignore[no-untyped-def]
     # --compile with DP: each worker compiles its own copy of the blocks, and the warm-up
-    # waves (batch 1, then 2, on every rank) run before the engine reports ready.
+    # steps (batch 1, then 2, on every rank) run before the engine reports ready.
     config = EngineConfig(model=str(tiny_model_dir), device="cpu", compile="aot_eager",
                           parallel=ParallelConfig(data_parallel_size=2),
                           scheduler=SchedulerConfig(max_num_seqs=2))
@@ -171,9 +171,9 @@ def test_requests_go_to_the_rank_that_frees_up_first(tiny_model_dir) -> None:  #
         engine.shutdown()
 
 
-def test_report_refreshes_from_another_thread_do_not_disturb_waves(tiny_model_dir, alone) -> None:  # type: ignore[no-untyped-def]
-    # /ready handlers ask for offload reports while the loop runs waves on the same control
-    # group; the executor must serialize them.
+def test_report_refreshes_from_another_thread_do_not_disturb_steps(tiny_model_dir, alone) -> None:  # type: ignore[no-untyped-def]
+    # /ready handlers ask for offload reports while the loops run steps on the same links;
+    # the executor must serialize them.
     import threading
 
     engine = dp_engine(tiny_model_dir, 2)
