@@ -178,9 +178,8 @@ class MultiProcessExecutor:
 
     # -- Executor interface ---------------------------------------------------------------------
     def step(self, work: Mapping[int, RankWork]) -> dict[int, RunnerOutput]:
-        if self.topology.lockstep and len(work) != self.num_ranks:
-            # A lockstep step of some ranks only would leave the others' gathers unmatched.
-            raise DistributedError("with DLO AllGather every rank must take part in a step")
+        # A step of some ranks only would leave the others' weight gathers unmatched.
+        assert not self.topology.lockstep or len(work) == self.num_ranks, "a partial lockstep step"
         collective = self.topology.lockstep and any(w.plan.denoise for w in work.values())
         members = {rank: list(self.topology.processes(rank)) for rank in work}
         processes = [p for group in members.values() for p in group]
