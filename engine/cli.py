@@ -53,12 +53,12 @@ def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.engine import DiffusionEngine, WarmUp
     from ditserve.engine.request import SamplingParams
 
     config = engine_config_from_args(args)
-    engine = DiffusionEngine(config)
-    engine.compile_warmup_size = (args.height, args.width)  # with --compile
+    # With --compile: compile at the requested size before the request runs.
+    engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(args.height, args.width)))
     engine.start()
     try:
         params = SamplingParams(

@@ -15,7 +15,6 @@ from ditserve.engine.config import (
     COMPILE_BACKENDS,
     DTYPES,
     GATHER_ENGINES,
-    SCHEDULING_POLICIES,
     EngineConfig,
 )
 from ditserve.engine.errors import ConfigError
@@ -27,7 +26,6 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "device": (None, "device"),
     "compile": (None, "compile"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "scheduling_policy": ("scheduler", "policy"),
     "max_bypass": ("scheduler", "max_bypass"),
     "max_queue": ("scheduler", "max_queue"),
     "dlo_slots": ("offload", "slots"),
@@ -60,11 +58,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                         "default size before the engine is ready")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests batched into one denoise forward (default 4)")
-    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
-                   help="admission: fifo, or bypass (compatible requests may overtake an "
-                        "incompatible head a bounded number of times; default)")
     g.add_argument("--max-bypass", type=int, default=None,
-                   help="how often the head of the queue may be overtaken (default 8)")
+                   help="how often compatible requests may overtake an incompatible head of "
+                        "the queue (default 8; 0: strict arrival order)")
     g.add_argument("--max-queue", type=int, default=None,
                    help="waiting requests beyond which new ones are refused (default 64)")
     o = parser.add_argument_group("layerwise offload (DLO)")

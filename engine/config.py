@@ -18,7 +18,6 @@ from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "bypass")
 CHECKPOINT_MMAP_MODES: tuple[str, ...] = ("auto", "off")
 GATHER_ENGINES: tuple[str, ...] = ("nccl", "copy-engine")
 # torch.compile backends for the DiT's repeated blocks: inductor generates kernels; aot_eager
@@ -92,13 +91,14 @@ class SchedulerConfig:
     """Continuous batching and admission.
 
     max_num_seqs: requests that share one denoise forward.
-    policy: "fifo" admits strictly in arrival order; "bypass" lets compatible requests
-        overtake an incompatible head at most ``max_bypass`` times (no starvation).
-    max_queue: waiting requests beyond which new ones are refused (None: unbounded).
+    max_bypass: how often compatible requests may overtake an incompatible head of the queue
+        before nobody passes it (bounded wait, no starvation); 0 admits strictly in arrival
+        order (FIFO, with head-of-line blocking).
+    max_queue: waiting requests beyond which new ones are refused (None: unbounded), counted
+        over the whole replica.
     """
 
     max_num_seqs: int = 4
-    policy: str = "bypass"
     max_bypass: int = 8
     max_queue: int | None = 64
 
@@ -138,6 +138,12 @@ class EngineConfig:
 
 
 _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
+# Options that were removed, with what replaces them: a config file that still sets one is
+# told how to update it rather than only that the key is unknown.
+_REMOVED = {
+    "scheduler.policy": "fifo admission is max_bypass: 0; bypass (the old default) is any "
+                        "max_bypass > 0",
+}
 
 
 def reject_unknown_keys(data: Any, known: set[str], path: str = "") -> None:
@@ -159,6 +165,10 @@ def raise_problems(what: str, found: list[str]) -> None:
 
 
 def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    for key in data if isinstance(data, Mapping) else ():
+        hint = _REMOVED.get(f"{path}.{key}")
+        if hint is not None:
+            raise ConfigError(f"{path}.{key} was removed: {hint}")
     reject_unknown_keys(data, {f.name for f in fields(cls)}, path)
     values: dict[str, Any] = {}
     for key, value in data.items():
@@ -203,10 +213,6 @@ def problems(config: EngineConfig) -> list[str]:
 
     sch = config.scheduler
     int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
-    if sch.policy not in SCHEDULING_POLICIES:
-        out.append(
-            f"scheduler.policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {sch.policy!r}"
-        )
     int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
     if sch.max_queue is not None:
         int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)

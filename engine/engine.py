@@ -1,14 +1,18 @@
-"""DiffusionEngine: the background step loop and the thread-safe request API.
+"""DiffusionEngine: the thread-safe request API over the step loops that drive the executor.
 
-Owns one StepScheduler per data-parallel rank and an Executor (the model runners) and drives
-them in waves: every rank's ``schedule -> execute -> update``, one step per iteration, on a
-dedicated thread (torch releases the GIL in kernels, so HTTP handlers stay responsive). Each
-DP rank has its own continuous batch. With several ranks, new requests wait in one shared
+Owns the pending requests (``pending``: handles, and one StepScheduler per data-parallel
+rank behind a shared queue), the executor (the model runners, ``executor``) and the lifecycle
+phase (``lifecycle``; the engine is its only writer).
+``start()`` loads and warms up (``startup``), then runs one step loop thread per step group of
+the executor - every rank alone when ranks are independent, all ranks together under DLO
+AllGather. Each iteration is one ``_step``: schedule, execute, apply (torch releases the GIL in
+kernels, so HTTP handlers stay responsive). With several ranks, new requests wait in one shared
 queue and go, oldest first, to the least-loaded rank that has a free batch slot.
 
 Callers submit from any thread (``add_request`` returns a handle with a concurrent Future) or
-from asyncio (``await generate(...)``). Per-request progress events and engine-wide observers
-(metrics) are called from the loop thread. The types it hands back live in ``results``.
+from asyncio (``await generate(...)``). Progress events and the observers (metrics, the step
+log: constructor arguments) are called from the loop threads (``delivery``). The types it
+hands back live in ``results``.
 """
 
 from __future__ import annotations
@@ -20,19 +24,16 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ditserve.engine.config import EngineConfig, validate
-from ditserve.engine.errors import (
-    DitServeError,
-    EngineStoppedError,
-    InvalidRequestError,
-    QueueFullError,
-    RequestAborted,
-)
-from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.delivery import Delivery
+from ditserve.engine.errors import EngineStoppedError
+from ditserve.engine.executor import Executor, RankWork
+from ditserve.engine.lifecycle import EnginePhase, Lifecycle
+from ditserve.engine.pending import PendingRequests
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.results import (
     EngineObserver,
@@ -41,58 +42,49 @@ from ditserve.engine.results import (
     RequestEvent,
     RequestHandle,
 )
-from ditserve.engine.scheduler import StatusChange, StepPlan, StepScheduler
+from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
+from ditserve.engine.startup import WarmUp, open_executor
 
-# How long an independent rank's worker may sit idle before the engine pings it.
+# How long a worker's own step loop may sit idle before the engine pings the worker.
 HEARTBEAT_S = 2.0
 
 __all__ = [
-    "DiffusionEngine", "EngineObserver", "EngineStats", "GenerationResult", "RequestEvent",
-    "RequestHandle",
+    "DiffusionEngine", "EngineObserver", "EnginePhase", "EngineStats", "GenerationResult",
+    "RequestEvent", "RequestHandle", "WarmUp",
 ]
 
 log = logging.getLogger(__name__)
 
 
 class DiffusionEngine:
-    """The engine of one replica. ``start()`` loads the model; ``shutdown()`` drains and stops."""
+    """The engine of one replica. ``start()`` loads the model; ``shutdown()`` drains and stops.
+
+    observers: told about every forward and every finished or failed request (metrics).
+    warmup: what to run before ready beyond the small warm-up step (the compile size).
+    """
 
     def __init__(
         self,
         config: EngineConfig,
         *,
-        observers: list[EngineObserver] | None = None,
+        observers: Sequence[EngineObserver] = (),
+        warmup: WarmUp | None = None,
     ) -> None:
         self.config = validate(config)
-        self.observers = list(observers or [])
-        self.queues = RankQueues(config.scheduler, config.parallel.data_parallel_size)
-        self.executor: Any = None
+        self.warmup = warmup or WarmUp()
+        self.executor: Executor | None = None
         self.model_dir: Path | None = None
+        self._delivery = Delivery(observers)
+        self._lifecycle = Lifecycle()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._handles: dict[str, RequestHandle] = {}
+        self._pending = PendingRequests(config.scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
-        self._stopping = False
-        self._accepting = False
-        self._loop_error: BaseException | None = None
-        self._steps_run = 0
-        self._rows_run = 0
-        self._finished = 0
-        self.ready = False
-        # With config.compile: also warm up (compile) at this (height, width) before ready.
-        # The HTTP server sets its default size; None skips it (the first requests compile).
-        self.compile_warmup_size: tuple[int, int] | None = None
-        self.compiling = False  # True while the warm-up compiles the blocks (before ready)
 
     @property
     def schedulers(self) -> list[StepScheduler]:
         """One StepScheduler per data-parallel rank."""
-        return self.queues.schedulers
-
-    @property
-    def scheduler(self) -> StepScheduler:
-        """Rank 0's scheduler (the only one when data_parallel_size is 1)."""
-        return self.schedulers[0]
+        return self._pending.queues.schedulers
 
     @property
     def runner(self) -> Any:
@@ -100,101 +92,65 @@ class DiffusionEngine:
         return self.executor.runner if self.executor is not None else None
 
     # -- lifecycle --------------------------------------------------------------------------
-    def start(self) -> DiffusionEngine:
-        """Load the model (blocking), run one warm-up step, start the step loop."""
-        from ditserve.engine.executor import make_executor
-        from ditserve.engine.tiny_model import ensure_tiny
+    @property
+    def phase(self) -> EnginePhase:
+        return self._lifecycle.phase
 
-        if self.config.model is None:
-            self.model_dir = ensure_tiny()
-            log.warning("no --model given: serving the embedded tiny model (random weights) "
-                        "from %s", self.model_dir)
-        else:
-            self.model_dir = Path(self.config.model)
-        self.executor = make_executor(self.config, model_dir=self.model_dir)
+    @property
+    def failure(self) -> str | None:
+        """Why the engine is FAILED (it could not start, or its loop died), else None."""
+        return self._lifecycle.error
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is EnginePhase.READY
+
+    def start(self) -> DiffusionEngine:
+        """Load the model and warm up (blocking), then start the step loops: -> READY."""
         try:
-            self._warmup()
-        except BaseException:
-            self.executor.shutdown()
+            executor, self.model_dir = open_executor(
+                self.config, self.warmup,
+                on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING))
+        except BaseException as e:
+            self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise
-        self._accepting = True
-        self._start_loops()
-        self.ready = True
+        with self._lock:
+            stopped_meanwhile = self.phase.is_final
+            if not stopped_meanwhile:
+                self.executor = executor
+                self._threads = [
+                    threading.Thread(target=self._run_loop, args=(group,), daemon=True,
+                                     name=f"ditserve-engine-{'-'.join(map(str, group))}")
+                    for group in executor.step_groups
+                ]
+                for thread in self._threads:
+                    thread.start()
+                self._lifecycle.move(EnginePhase.READY)  # refused if a drain began meanwhile
+        if stopped_meanwhile:
+            executor.shutdown()
         return self
 
-    def _warmup(self) -> None:
-        # One real step through every stage on every rank, so the first request does not pay
-        # for lazy initialization (and every rank proves it can run).
-        multiple = self.pixel_multiple
-        self._warm_step(multiple * 2, multiple * 2, requests=1)
-        size = self.compile_warmup_size
-        if self.config.compile is None or size is None:
-            return
-        # Compiled blocks recompile when a shape first changes: the token count (resolution),
-        # then the batch (a batch of 1 is always its own graph). Three warm-up steps leave a
-        # graph for batch 1 and one for any larger batch, both for any resolution, so no
-        # request after /ready waits for a compile.
-        height, width = size
-        log.info("--compile: compiling the DiT blocks for %dx%d before ready (can take minutes)",
-                 width, height)
-        self.compiling = True  # /ready says "compiling" rather than "loading" meanwhile
-        try:
-            self._warm_step(height, width, requests=1)
-            if self.config.scheduler.max_num_seqs > 1:
-                self._warm_step(height, width, requests=2)
-        finally:
-            self.compiling = False
-
-    def _warm_step(self, height: int, width: int, *, requests: int) -> None:
-        """One one-step wave with ``requests`` requests per rank, waited for and checked."""
-        params = SamplingParams(prompt="warm up", height=height, width=width,
-                                num_inference_steps=1, seed=0)
-        plans, new = [], []
-        for rank in range(self.executor.num_ranks):
-            scheduler = StepScheduler(self.config.scheduler)
-            ids = [f"warmup-{rank}-{i}" for i in range(requests)]
-            for rid in ids:
-                scheduler.add(rid, params)
-            plans.append(scheduler.schedule())
-            new.append([(rid, params, 0) for rid in ids])
-        outputs = self.executor.execute(plans, new)
-        # An empty wave waits for what the first one queued (decoded pixels come back late on
-        # a GPU), so the warm-up covers the whole request path, the hand-back included.
-        idle = [StepPlan(step_id=-1) for _ in plans]
-        flushed = self.executor.execute(idle, [[] for _ in plans])
-        for rank, (out, late) in enumerate(zip(outputs, flushed, strict=True)):
-            failed = {**out.failed, **late.failed}
-            if failed:
-                raise DitServeError(f"warm-up step failed on rank {rank}: {failed}")
-            missing = {rid for rid, *_ in new[rank]} - {**out.finished, **late.finished}.keys()
-            if missing:
-                raise DitServeError(f"warm-up step on rank {rank} returned no image for "
-                                    f"{', '.join(sorted(missing))}")
-
-    def stop_accepting(self) -> None:
-        """New requests are refused from now on; running and queued ones continue."""
+    def drain(self) -> None:
+        """Refuse new requests from now on; running and queued ones continue."""
         with self._lock:
-            self._accepting = False
-            self.ready = False
+            self._lifecycle.move(EnginePhase.DRAINING)
 
     def shutdown(self, grace_seconds: float = 0.0) -> None:
-        """Stop admitting, let work finish for up to ``grace_seconds``, abort the rest, stop."""
-        self.stop_accepting()
+        """Drain, let work finish for up to ``grace_seconds``, abort the rest, stop."""
         deadline = time.monotonic() + grace_seconds
         with self._lock:
-            while self._handles and time.monotonic() < deadline and self._loop_alive():
+            self._lifecycle.move(EnginePhase.DRAINING)
+            while self._pending and time.monotonic() < deadline \
+                    and any(thread.is_alive() for thread in self._threads):
                 self._wakeup.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-            for rid in list(self._handles):
+            for rid in self._pending.ids():
                 self._abort_locked(rid, "engine shut down")
-            self._stopping = True
-            self._wakeup.notify_all()
+            self._lifecycle.move(EnginePhase.STOPPED)  # a FAILED engine stays FAILED
+            self._wakeup.notify_all()  # the loops see a final phase and leave
         for thread in self._threads:
             thread.join(timeout=60)
         if self.executor is not None:
             self.executor.shutdown()
-
-    def _loop_alive(self) -> bool:
-        return any(thread.is_alive() for thread in self._threads)
 
     # -- properties used by the API layer ---------------------------------------------------
     @property
@@ -207,14 +163,7 @@ class DiffusionEngine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return EngineStats(
-                self.queues.num_running, self.queues.num_waiting,
-                self._steps_run, self._rows_run, self._finished, len(self.schedulers),
-            )
-
-    def queue_position(self, request_id: str) -> int | None:
-        with self._lock:
-            return self.queues.queue_position(request_id)
+            return self._pending.stats()
 
     def offload_report(self, *, refresh: bool = False) -> dict[str, Any] | None:
         """Rank 0's offload report, with every rank's under ``ranks`` when there are several.
@@ -249,24 +198,17 @@ class DiffusionEngine:
         self.validate_params(params)
         rid = request_id or uuid.uuid4().hex
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        handle = RequestHandle(rid, params, seed, concurrent.futures.Future(), self, on_event)
+        handle = RequestHandle(rid, params, seed, concurrent.futures.Future(),
+                               abort_fn=self.abort, on_event=on_event)
         with self._lock:
-            if self._loop_error is not None:
-                raise EngineStoppedError(f"the engine loop died: {self._loop_error}")
-            if not self._accepting:
+            if self.phase is EnginePhase.FAILED:
+                raise EngineStoppedError(str(self.failure))
+            if self.phase is not EnginePhase.READY:
                 raise EngineStoppedError("the engine is not accepting requests (starting or "
                                          "shutting down)")
-            if rid in self._handles:
-                raise InvalidRequestError("request_id", f"{rid!r} is already in use")
-            limit = self.config.scheduler.max_queue
-            if limit is not None and self.queues.is_full(limit):
-                raise QueueFullError(f"every batch slot is taken and {limit} requests are "
-                                     f"waiting (max_queue={limit})")
-            self.queues.add(rid, params)
-            self._handles[rid] = handle
-            position = handle.queue_position = self.queues.queue_position(rid)
+            self._pending.add(handle)
             self._wakeup.notify_all()
-        self._emit(handle, RequestEvent(rid, "queued", 0, params.num_inference_steps, position))
+        self._delivery.queued(handle)
         return handle
 
     async def generate(
@@ -290,71 +232,42 @@ class DiffusionEngine:
             return self._abort_locked(request_id, reason)
 
     def _abort_locked(self, request_id: str, reason: str) -> bool:
-        handle = self._handles.pop(request_id, None)
+        handle, _ = self._pending.remove(request_id)
         if handle is None:
             return False
-        self.queues.remove(request_id)  # a running request is freed at its next step
         self._wakeup.notify_all()
-        if not handle.future.done():
-            handle.future.set_exception(RequestAborted(f"request {request_id}: {reason}"))
-        self._emit(handle, RequestEvent(request_id, "aborted", error=reason))
+        self._delivery.aborted(handle, reason)
         return True
 
-    # -- the loop ---------------------------------------------------------------------------
-    def _start_loops(self) -> None:
-        """One loop over all ranks (waves), or one loop per rank when ranks are independent."""
-        independent = self.executor.independent and self.executor.num_ranks > 1
-        groups = ([[r] for r in range(self.executor.num_ranks)] if independent
-                  else [list(range(self.executor.num_ranks))])
-        self._threads = [
-            threading.Thread(target=self._run_loop, args=(ranks,), daemon=True,
-                             name=f"ditserve-engine-{'-'.join(map(str, ranks))}")
-            for ranks in groups
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _run_loop(self, ranks: list[int]) -> None:
-        """Drive ``ranks``: all of them in waves, or a single rank at its own pace."""
-        wave = len(ranks) == self.executor.num_ranks
-        # An idle worker of an independent rank is pinged, so a dead or hung one fails the
+    # -- the step loops ---------------------------------------------------------------------
+    def _run_loop(self, group: tuple[int, ...]) -> None:
+        """Step the ranks of ``group`` together, at their own pace, until a final phase."""
+        # A loop of workers only pings them while idle, so a dead or hung worker fails the
         # replica within HEARTBEAT_S + the worker timeout, not at the next request.
-        pings = not wave and ranks[0] > 0
+        heartbeat_s = None if 0 in group else HEARTBEAT_S
+        executor = self.executor
+        assert executor is not None, "the step loops run only after start()"
         try:
-            while True:
-                work = self._wait_for_work(ranks, heartbeat_s=HEARTBEAT_S if pings else None)
-                if work is None:
-                    return
-                if not work:
-                    self.executor.execute_rank(ranks[0], StepPlan(step_id=-1), [])
-                    continue
-                plans, new = self._begin_step(ranks)
-                if wave:
-                    outputs = self.executor.execute(plans, new)
+            while (has_work := self._wait_for_work(group, heartbeat_s)) is not None:
+                if has_work:
+                    self._step(executor, group)
                 else:
-                    outputs = [self.executor.execute_rank(ranks[0], plans[0], new[0])]
-                self._end_step(ranks, plans, outputs)
+                    executor.step({rank: RankWork.idle() for rank in group})
         except BaseException as e:  # a loop must never die silently
             log.exception("engine loop died")
-            with self._lock:
-                if self._loop_error is None:
-                    self._loop_error = e
-                self._stopping = True  # the replica cannot continue: stop the other loops
-                self.ready = False
-                self._accepting = False
-                self.queues.clear()
-                for rid in list(self._handles):
-                    handle = self._handles.pop(rid)
-                    if not handle.future.done():
-                        handle.future.set_exception(
-                            EngineStoppedError(f"the engine loop died: {e}"))
-                self._wakeup.notify_all()
+            self._loop_died(e)
 
-    def _wait_for_work(self, ranks: list[int], *, heartbeat_s: float | None) -> bool | None:
-        """True: ``ranks`` have work; False: idle for ``heartbeat_s``; None: stopping."""
+    def _step(self, executor: Executor, group: tuple[int, ...]) -> None:
+        """One engine step of ``group``: schedule, execute, apply."""
+        work = self._schedule(group)
+        outputs = executor.step(work)
+        self._apply(work, outputs)
+
+    def _wait_for_work(self, group: tuple[int, ...], heartbeat_s: float | None) -> bool | None:
+        """True: ``group`` has work; False: idle for ``heartbeat_s``; None: stopping."""
         with self._lock:
             idle_since = time.monotonic()
-            while not self._stopping and not self.queues.has_work(ranks):
+            while not self.phase.is_final and not self._pending.queues.has_work(group):
                 if heartbeat_s is None:
                     self._wakeup.wait()
                     continue
@@ -363,126 +276,67 @@ class DiffusionEngine:
                 if remaining <= 0:
                     return False
                 self._wakeup.wait(timeout=remaining)
-            return None if self._stopping else True
+            return None if self.phase.is_final else True
 
-    def _begin_step(self, ranks: list[int]) -> tuple[list[StepPlan], list[list[Any]]]:
-        """Schedule one step of ``ranks``; returns their plans and admitted requests."""
+    def _schedule(self, group: tuple[int, ...]) -> dict[int, RankWork]:
+        """Plan one step of every rank in ``group``, with the requests each plan admits."""
         with self._lock:
-            self.queues.release()
+            self._pending.queues.release()
             self._wakeup.notify_all()  # released requests may be another loop's work
-            plans = [self.schedulers[r].schedule() for r in ranks]
             now = time.monotonic()
-            new = []
-            for plan in plans:
-                admitted = []
-                for rid in plan.encode:
-                    handle = self._handles.get(rid)
-                    if handle is not None:  # not aborted meanwhile
-                        handle.started_at = now
-                        admitted.append((rid, handle.params, handle.seed))
-                new.append(admitted)
-        return plans, new
+            plans = {rank: self.schedulers[rank].schedule() for rank in group}
+            return {rank: RankWork(plan, self._pending.admitted(plan, now))
+                    for rank, plan in plans.items()}
 
-    def _end_step(self, ranks: list[int], plans: list[StepPlan], outputs: list[Any]) -> None:
+    def _apply(self, work: dict[int, RankWork], outputs: dict[int, RunnerOutput]) -> None:
         """Apply a step's outputs: statuses, stats, observers, results and progress events."""
         with self._lock:
-            changes = [c for r, plan, out in zip(ranks, plans, outputs, strict=True)
-                       for c in self.schedulers[r].update(plan, out)]
-            rows = sum(out.forward_rows for out in outputs)
-            if rows:
-                self._steps_run += 1
-                self._rows_run += rows
-            self.queues.release()
+            changes = [c for rank, w in work.items()
+                       for c in self.schedulers[rank].update(w.plan, outputs[rank])]
+            self._pending.count(list(outputs.values()), finished=sum(
+                c.status == RequestStatus.FINISHED_OK for c in changes))
+            self._pending.queues.release()
             self._wakeup.notify_all()
-            moved = self._moved_in_queue_locked()
-        for out in outputs:
-            if out.forward_rows:
-                for observer in self.observers:
-                    observer.on_step(requests=out.forward_requests, rows=out.forward_rows,
-                                     seconds=out.forward_seconds)
-        finished = {rid: pixels for out in outputs for rid, pixels in out.finished.items()}
-        self._dispatch(changes, finished)
-        self._emit_previews(outputs)
-        for handle in moved:
-            self._emit(handle, RequestEvent(handle.request_id, "queued", 0,
-                                            handle.params.num_inference_steps,
-                                            handle.queue_position))
-
-    def _moved_in_queue_locked(self) -> list[RequestHandle]:
-        """Listening requests whose queue position changed since they were last told."""
-        moved = []
-        for rid, position in self.queues.waiting_positions().items():
-            handle = self._handles.get(rid)
-            if handle is not None and handle.on_event is not None \
-                    and handle.queue_position != position:
-                handle.queue_position = position
-                moved.append(handle)
-        return moved
-
-    def _dispatch(self, changes: list[StatusChange], finished: dict[str, Any]) -> None:
+            moved = self._pending.moved_in_queue()
+        self._delivery.forwards(list(outputs.values()))
+        finished = {rid: pixels for out in outputs.values() for rid, pixels in out.finished.items()}
         for change in changes:
-            rid = change.request_id
-            if change.status == RequestStatus.DENOISING:
-                handle = self._handles.get(rid)
-                if handle is not None:
-                    self._emit(handle, RequestEvent(rid, "step", change.steps_done,
-                                                    change.total_steps))
-            elif change.status == RequestStatus.FINISHED_OK:
-                self._finish(rid, finished.get(rid))
-            elif change.status == RequestStatus.FINISHED_ERROR:
-                self._fail(rid, change.error or "failed")
+            self._deliver(change, finished)
+        self._deliver_previews(list(outputs.values()))
+        for handle in moved:
+            self._delivery.queued(handle)
 
-    def _emit_previews(self, outputs: list[Any]) -> None:
+    def _deliver_previews(self, outputs: list[RunnerOutput]) -> None:
         """Partial images: each decoded preview, after the step event of its step."""
         for out in outputs:
             for rid, (step, pixels) in out.previews.items():
-                handle = self._handles.get(rid)
+                handle = self._pending.get(rid)
                 if handle is not None:
-                    self._emit(handle, RequestEvent(rid, "preview", step,
-                                                    handle.params.num_inference_steps,
-                                                    pixels=pixels))
+                    self._delivery.preview(handle, step, pixels)
 
-    def _finish(self, rid: str, pixels: Any) -> None:
+    def _deliver(self, change: StatusChange, finished: dict[str, Any]) -> None:
+        rid = change.request_id
+        if change.status == RequestStatus.DENOISING:
+            handle = self._pending.get(rid)
+            if handle is not None:
+                self._delivery.stepped(handle, change.steps_done, change.total_steps)
+            return
+        if not change.status.is_finished:
+            return
         with self._lock:
-            handle = self._handles.pop(rid, None)
-            rank = self.queues.remove(rid) or 0
-            self._finished += 1
+            handle, rank = self._pending.remove(rid)
             self._wakeup.notify_all()
-        if handle is None or pixels is None:
-            return
-        now = time.monotonic()
-        started = handle.started_at or now
-        result = GenerationResult(
-            request_id=rid, pixels=pixels,
-            seed=handle.seed, num_inference_steps=handle.params.num_inference_steps,
-            queue_seconds=started - handle.submitted_at,
-            latency_seconds=now - handle.submitted_at, rank=rank,
-        )
-        self._emit(handle, RequestEvent(rid, "finished", result.num_inference_steps,
-                                        result.num_inference_steps))
-        if not handle.future.done():
-            handle.future.set_result(result)
-        for observer in self.observers:
-            observer.on_finished(result)
+        if change.status == RequestStatus.FINISHED_ERROR:
+            self._delivery.failed(rid, handle, change.error or "failed")
+        elif handle is not None and finished.get(rid) is not None:
+            self._delivery.finished(handle, finished[rid], rank=rank or 0)
 
-    def _fail(self, rid: str, reason: str) -> None:
+    def _loop_died(self, error: BaseException) -> None:
+        """The replica cannot continue: FAILED, every pending request fails, loops leave."""
+        message = f"the engine loop died: {error}"
         with self._lock:
-            handle = self._handles.pop(rid, None)
-            self.queues.remove(rid)
+            self._lifecycle.move(EnginePhase.FAILED, message)
+            handles = self._pending.take_all()
             self._wakeup.notify_all()
-        for observer in self.observers:
-            observer.on_failed(rid, reason)
-        if handle is None:
-            return
-        self._emit(handle, RequestEvent(rid, "failed", error=reason))
-        if not handle.future.done():
-            handle.future.set_exception(DitServeError(f"request {rid} failed: {reason}"))
-
-    @staticmethod
-    def _emit(handle: RequestHandle, event: RequestEvent) -> None:
-        if handle.on_event is None:
-            return
-        try:
-            handle.on_event(event)
-        except Exception:  # a broken listener must not break the loop
-            log.exception("progress listener of %s failed", handle.request_id)
+        for handle in handles:
+            self._delivery.stopped(handle, EngineStoppedError(message))

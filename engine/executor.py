@@ -1,34 +1,52 @@
-"""Executors: run one wave of StepPlans, one plan per data-parallel rank.
+"""The executor interface: what the engine loop hands the model runners per step, and back.
 
-``LocalExecutor`` runs a single in-process ModelRunner (dp = 1). The multi-process executor
-(``ditserve.engine.distributed.executor``) runs rank 0 in-process and ranks 1..N-1 in worker
-processes, and keeps their weight collectives matched. The engine loop only sees this
-interface, so scheduling is identical in both cases.
+An executor owns the model runners of one replica, one per data-parallel rank, and runs steps
+of them: ``step({rank: RankWork})`` runs each given rank's plan and returns each rank's
+``RunnerOutput``. ``step_groups`` says which ranks step together: the engine runs one step
+loop per group, so ranks of different groups never wait for each other.
+
+``LocalExecutor`` (here) is one in-process ModelRunner (dp = 1). ``MultiProcessExecutor``
+(``ditserve.engine.distributed.executor``) runs rank 0 in this process and the other ranks in
+worker processes; ``ditserve.engine.startup.make_executor`` picks one. The engine loop sees
+only this interface, so scheduling is identical in both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import NewRequest
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 
-NewRequests = Sequence[tuple[str, SamplingParams, int]]  # (request id, params, seed)
+
+@dataclass(frozen=True)
+class RankWork:
+    """One rank's part of a step: its plan and the requests the plan admits (plain data: it
+    crosses process boundaries)."""
+
+    plan: StepPlan
+    new: tuple[NewRequest, ...] = ()
+
+    @classmethod
+    def idle(cls) -> RankWork:
+        return cls(StepPlan.idle())
 
 
 class Executor(Protocol):
     num_ranks: int
     runner: Any  # rank 0's ModelRunner (in this process)
-    # True: ranks may step at their own pace (``execute_rank``); False: only in waves.
-    independent: bool
+    # Ranks that step together, each rank in exactly one group: every rank alone when no
+    # collective ties them, all of them when every weight load is a collective (DLO AllGather).
+    step_groups: Sequence[tuple[int, ...]]
 
-    def execute(
-        self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
-    ) -> list[RunnerOutput]: ...
-    def execute_rank(self, rank: int, plan: StepPlan, new: NewRequests) -> RunnerOutput: ...
+    def step(self, work: Mapping[int, RankWork]) -> dict[int, RunnerOutput]:
+        """One step of the given ranks (whole step groups), each running its own plan."""
+        ...
+
     def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]: ...
     def shutdown(self) -> None: ...
 
@@ -37,31 +55,19 @@ class LocalExecutor:
     """One ModelRunner in this process."""
 
     num_ranks = 1
-    independent = True
+    step_groups = ((0,),)
 
     def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
         from ditserve.engine.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, model_dir=model_dir)
 
-    def execute(
-        self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
-    ) -> list[RunnerOutput]:
-        return [self.runner.execute(plans[0], new[0])]
-
-    def execute_rank(self, rank: int, plan: StepPlan, new: NewRequests) -> RunnerOutput:
-        return self.runner.execute(plan, new)
+    def step(self, work: Mapping[int, RankWork]) -> dict[int, RunnerOutput]:
+        own = work[0]
+        return {0: self.runner.execute(own.plan, own.new)}
 
     def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]:
         return [self.runner.offload_report()]
 
     def shutdown(self) -> None:
         self.runner.close()
-
-
-def make_executor(config: EngineConfig, *, model_dir: Path) -> Executor:
-    if config.parallel.world_size > 1:
-        from ditserve.engine.distributed.executor import MultiProcessExecutor
-
-        return MultiProcessExecutor(config, model_dir=model_dir)
-    return LocalExecutor(config, model_dir=model_dir)

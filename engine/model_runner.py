@@ -27,7 +27,7 @@ from ditserve.engine.input_batch import InputBatchBuilder
 from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import NewRequest
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 
 log = logging.getLogger(__name__)
@@ -134,8 +134,8 @@ class ModelRunner:
             self.offload.disable()
 
     # -- request registry ---------------------------------------------------------------------
-    def add_request(self, request_id: str, params: SamplingParams, seed: int) -> None:
-        self._states[request_id] = DenoiseState(request_id, params, seed)
+    def add_request(self, new: NewRequest) -> None:
+        self._states[new.request_id] = DenoiseState(new.request_id, new.params, new.seed)
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -145,19 +145,19 @@ class ModelRunner:
     def execute(
         self,
         plan: StepPlan,
-        new_requests: Sequence[tuple[str, SamplingParams, int]] = (),
+        new_requests: Sequence[NewRequest] = (),
         *,
         collective_wave: bool = False,
     ) -> RunnerOutput:
-        """Run one step. ``new_requests`` (id, params, seed) are the plan's admitted requests.
+        """Run one step. ``new_requests`` are the plan's admitted requests.
 
-        collective_wave: another rank runs a forward in this wave; if this rank has no batch
+        collective_wave: another rank runs a forward in this step; if this rank has no batch
         and its offload shares weights through a collective, it still joins every block's
         collective (without computing) so the ranks' collectives stay matched.
         """
         out = RunnerOutput()
-        for rid, params, seed in new_requests:
-            self.add_request(rid, params, seed)
+        for new in new_requests:
+            self.add_request(new)
         for rid in plan.freed:
             self.drop(rid)
         for rid in plan.encode:
@@ -171,7 +171,7 @@ class ModelRunner:
             self._previews(batch, out)
         if collective_wave and passes is not None and self._collective_passes() == passes:
             # No forward reached the transformer here (no batch, or it failed before):
-            # still join every block's collective, exactly once per wave like the others.
+            # still join every block's collective, exactly once per step like the others.
             self.offload.idle_pass()
             self._inflight.work_queued()
         for rid in plan.decode:

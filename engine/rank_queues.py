@@ -5,16 +5,17 @@ rank a request goes straight to that rank's StepScheduler (whose admission polic
 the whole queue). With several data-parallel ranks it first waits in a shared FIFO and is
 handed, oldest first, to the least-loaded rank that has a free batch slot (preferring a rank
 whose running batch is compatible), so a request never waits behind a busy rank while another
-rank has room.
+rank has room. The replica's queue bound (``max_queue``) is checked here, over every waiting
+request of every rank.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.errors import QueueFullError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import StepScheduler
 
@@ -24,9 +25,8 @@ class RankQueues:
 
     def __init__(self, config: SchedulerConfig, ranks: int) -> None:
         self.capacity = config.max_num_seqs
-        # The queue bound is replica-wide (checked by the engine), not per rank.
-        per_rank = dataclasses.replace(config, max_queue=None)
-        self.schedulers = [StepScheduler(per_rank) for _ in range(ranks)]
+        self.max_queue = config.max_queue
+        self.schedulers = [StepScheduler(config) for _ in range(ranks)]
         self._shared: OrderedDict[str, SamplingParams] = OrderedDict()
         self._rank_of: dict[str, int] = {}
 
@@ -84,8 +84,12 @@ class RankQueues:
 
     # -- changes ------------------------------------------------------------------------------
     def add(self, request_id: str, params: SamplingParams) -> None:
+        """Queue a request; QueueFullError when the replica has no room (``is_full``)."""
         if request_id in self._shared or request_id in self._rank_of:
             raise ValueError(f"request id {request_id!r} is already queued")
+        if self.max_queue is not None and self.is_full(self.max_queue):
+            raise QueueFullError(f"every batch slot is taken and {self.max_queue} requests are "
+                                 f"waiting (max_queue={self.max_queue})")
         if len(self.schedulers) == 1:
             self._hand(request_id, params, 0)
         else:

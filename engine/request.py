@@ -21,15 +21,18 @@ MAX_FRAMES = 1025
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Finished states sort last so ``status >= FINISHED_OK`` works."""
+    """Lifecycle of a request. Finished states sort last so ``status >= FINISHED_OK`` works.
+
+    An aborted request has no end state here: the scheduler forgets it at once (a running one
+    is freed at the next step boundary) and the engine reports the abort itself.
+    """
 
     WAITING = 0
     ENCODING = 1
     DENOISING = 2
     DECODING = 3
     FINISHED_OK = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_ERROR = 5
 
     @property
     def is_finished(self) -> bool:
@@ -40,16 +43,16 @@ class RequestStatus(enum.IntEnum):
 class BatchKey:
     """Fields that change the denoise tensor contract; equal keys may share a forward.
 
-    Only the token grid (height, width, frames) and the adapter weights do. Everything else is
-    per row: each row carries its own timestep and guidance value, true CFG just adds rows for
-    the negative prompt, and several images per request are several rows. Keeping the key this
-    small is what lets requests with different step counts, guidance and CFG share a batch.
+    Only the token grid (height, width, frames) does. Everything else is per row: each row
+    carries its own timestep and guidance value, true CFG just adds rows for the negative
+    prompt, and several images per request are several rows. Keeping the key this small is
+    what lets requests with different step counts, guidance and CFG share a batch. (A LoRA
+    adapter, when one is served, changes the weights and so belongs here.)
     """
 
     height: int
     width: int
     num_frames: int = 1
-    lora: str | None = None
 
 
 @dataclass(frozen=True)
@@ -187,3 +190,13 @@ class SamplingParams:
         ):
             raise InvalidRequestError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         return self
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request admitted this step, as the model runner receives it: its id, what the client
+    asked for, and the seed drawn at submission (``params.seed`` may be None)."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int

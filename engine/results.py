@@ -1,6 +1,7 @@
 """What the engine hands back: results, progress events, request handles, stats, observers.
 
-Plain types shared by the engine loop (engine.py), the HTTP layer and the benchmarks.
+Plain types shared by the engine loop (engine.py), the HTTP layer and the benchmarks. They
+know nothing of the engine: a handle cancels through the abort function it was given.
 """
 
 from __future__ import annotations
@@ -10,12 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ditserve.engine.request import SamplingParams
-
-if TYPE_CHECKING:
-    from ditserve.engine.engine import DiffusionEngine
 
 
 @dataclass(frozen=True)
@@ -79,13 +77,16 @@ class EngineObserver(Protocol):
 
 @dataclass
 class RequestHandle:
-    """A submitted request: wait on ``future`` or ``result()``; ``cancel()`` aborts it."""
+    """A submitted request: wait on ``future`` or ``result()``; ``cancel()`` aborts it.
+
+    abort_fn: the engine's ``abort(request_id)``; True if the request was still pending.
+    """
 
     request_id: str
     params: SamplingParams
     seed: int
     future: concurrent.futures.Future[GenerationResult]
-    engine: DiffusionEngine
+    abort_fn: Callable[[str], bool]
     on_event: Callable[[RequestEvent], None] | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
@@ -95,7 +96,7 @@ class RequestHandle:
         return self.future.result(timeout)
 
     def cancel(self) -> bool:
-        return self.engine.abort(self.request_id)
+        return self.abort_fn(self.request_id)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,14 @@ step) and finishes when the runner hands back its output, which on a GPU is a st
 status, so the lifecycle is visible in these two methods.
 
 Requests share a batch when their ``BatchKey`` (token grid) is equal; their step counts,
-current steps, seeds, guidance and CFG may all differ. Admission policy:
-  fifo   - strict arrival order; an incompatible head blocks everyone behind it until the
-           running batch drains (head-of-line blocking, the baseline).
-  bypass - compatible requests may overtake an incompatible head, but each overtaking counts
-           against the head; after ``max_bypass`` overtakes nobody passes it, so the running
-           batch drains and the head is admitted (bounded wait, no starvation).
+current steps, seeds, guidance and CFG may all differ. Admission is a bounded bypass:
+compatible requests may overtake an incompatible head, but each overtaking counts against the
+head; after ``max_bypass`` overtakes nobody passes it, so the running batch drains and the
+head is admitted (bounded wait, no starvation). ``max_bypass`` 0 is strict arrival order
+(FIFO: an incompatible head blocks everyone behind it until the batch drains).
+
+The queue bound (``max_queue``) is replica-wide and lives in ``RankQueues``, in front of the
+per-rank schedulers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ditserve.engine.config import SchedulerConfig
-from ditserve.engine.errors import QueueFullError
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
 
 
@@ -57,13 +58,21 @@ class StepPlan:
     denoise: every request in this step's forward, in batch order (includes ``encode``).
     decode: requests whose final denoise step is this one; decode after the forward.
     freed: aborted requests whose runner state must be dropped.
+    step_id: the scheduler's step counter; None for the idle plan, which no scheduler made.
     """
 
-    step_id: int
+    step_id: int | None
     encode: tuple[str, ...] = ()
     denoise: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     freed: tuple[str, ...] = ()
+
+    @classmethod
+    def idle(cls) -> StepPlan:
+        """A plan that runs nothing: the runner only completes the steps it has queued and
+        hands back their late outputs (decoded pixels). The engine sends it to flush after
+        the warm-up, and as the heartbeat of an idle worker."""
+        return cls(step_id=None)
 
 
 @dataclass
@@ -148,9 +157,6 @@ class StepScheduler:
         if request_id in self._waiting or request_id in self._running \
                 or request_id in self._decoding:
             raise ValueError(f"request id {request_id!r} is already scheduled")
-        limit = self.config.max_queue
-        if limit is not None and len(self._waiting) >= limit:
-            raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue={limit})")
         request = ScheduledRequest(request_id, params, arrival=next(self._arrivals))
         self._waiting[request_id] = request
         return request
@@ -235,8 +241,6 @@ class StepScheduler:
                 capacity -= 1
                 continue
             # Incompatible with the running batch.
-            if self.config.policy == "fifo":
-                break
             if blocked_head is None:
                 blocked_head = request
             if blocked_head.times_bypassed >= self.config.max_bypass:

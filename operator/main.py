@@ -1,7 +1,7 @@
 """The `ditserve-operator` command: runs the kopf operator with the project's settings.
 
 Owns the command line (namespaces or cluster-wide, liveness port, verbosity). Settings
-themselves live in ``handlers.configure`` so `kopf run -m ditserve.operator.handlers`
+themselves live in ``deployments.configure`` so `kopf run -m ditserve.operator.handlers`
 behaves the same way.
 """
 

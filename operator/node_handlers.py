@@ -6,8 +6,8 @@ Owns two reactions to a node's NodeCache changing (its entries, not just its hea
   (``nodecache.node_label_patch``); off with DITSERVE_LABEL_CACHED_NODES=false;
 - the DiffusionDeployments serving a model listed there, before or after the change, get their
   status (``status.nodeCache``) recomputed.
-It also keeps every NodeCache in the operator's memo for ``handlers._sync_status``.
-Registered by importing ``handlers`` (which imports this module).
+It also keeps every NodeCache in the operator's memo for ``deployments._sync_status``.
+Registered by importing ``handlers``.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import kopf
 
-from ditserve.operator import handlers, nodecache
+from ditserve.operator import deployments, nodecache
 from ditserve.operator.errors import KubeApiError
 from ditserve.operator.kube import resource_path
 
 LABEL_ENV = "DITSERVE_LABEL_CACHED_NODES"  # "false": never write node labels
 NODECACHES = ("ditserve.io", "v1alpha1", nodecache.PLURAL)
 if TYPE_CHECKING:
-    from ditserve.operator.handlers import Log
+    from ditserve.operator.deployments import Log
 
 
 def labels_enabled() -> bool:
@@ -38,7 +38,7 @@ def remember_nodecaches(memo: Any, **_: Any) -> None:
     memo["nodecache_entries"] = {}  # node name -> what its entries said last
 
 
-@kopf.index(*handlers.DD)
+@kopf.index(*deployments.DD)
 def dd_cache_models(spec: kopf.Spec, name: str, namespace: str | None,
                     **_: Any) -> dict[tuple[str, str], tuple[str, str]] | None:
     """(model hostPath, dtype) -> (namespace, name) of the deployments that serve it."""
@@ -57,7 +57,7 @@ def _signature(body: Mapping[str, Any] | None) -> frozenset[tuple[Any, ...]]:
 
 async def _relabel(memo: Any, node_name: str, body: Mapping[str, Any] | None,
                    logger: Log) -> None:
-    client = handlers._client(memo)
+    client = deployments._client(memo)
     path = resource_path("v1", "nodes", None, node_name)
     try:
         node = await client.get(path)
@@ -92,6 +92,6 @@ async def nodecache_changed(body: kopf.Body, name: str, type: str, memo: Any, lo
     owners = {owner for key in models if key in dd_cache_models for owner in dd_cache_models[key]}
     for namespace, dd_name in sorted(owners):
         try:
-            await handlers.refresh(memo, namespace, dd_name, child_deleted=False, logger=logger)
+            await deployments.refresh(memo, namespace, dd_name, child_deleted=False, logger=logger)
         except KubeApiError as e:
             logger.warning(f"could not refresh the status of {namespace}/{dd_name}: {e}")

@@ -2,35 +2,43 @@
 
 Rank 0 runs in the engine's process (its ModelRunner is ``runner``); ranks 1..N-1 are worker
 processes, spawned here when the environment names no rendezvous, or already started by a
-launcher (a Kubernetes pod's entry point) when it does. Every engine step is a *wave*: rank 0
-broadcasts all ranks' plans, every rank runs its own plan (its own continuous batch), and rank
-0 gathers the outputs. When any rank runs a forward, ranks without work still join each
-block's weight collective (``collective_wave``), so requests of any step count and arrival
-time share waves without the ranks' collectives going out of step.
+launcher (a Kubernetes pod's entry point) when it does. Rank 0 talks to each worker over that
+worker's link (``protocol``): a step sends every stepping worker its ``Step``, runs rank 0's
+own plan if rank 0 steps, and receives the replies.
 
-Without a weight collective (no DLO AllGather), ranks are *independent*: the engine runs one
-step loop per rank and ``execute_rank`` talks to that rank's worker alone, over a gloo group
-of just {0, r}, so a rank with a cheap batch never waits for a rank with an expensive one.
+Which ranks step together comes from the ``Topology``: without a weight collective every rank
+is its own step group (the engine runs one step loop per rank, and a rank with a cheap batch
+never waits for a rank with an expensive one); with DLO AllGather all ranks step together,
+and when any rank runs a forward the ranks without work still join each block's weight
+collective (``Step.collective``), so requests of any step count and arrival time share steps
+without the ranks' collectives going out of step.
 
-Failure detection: a worker that dies breaks the control group's connection and a worker
-that hangs exceeds its timeout (``DITSERVE_WORKER_TIMEOUT_S``); either way the wave raises
+Failure detection: a worker that dies breaks its link's connection and a worker that hangs
+exceeds the link's timeout (``DITSERVE_WORKER_TIMEOUT_S``); either way the step raises
 ``DistributedError`` naming the rank and, for spawned workers, its exit status.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.distributed.protocol import (
+    Link,
+    Reports,
+    Step,
+    Stop,
+    WorkerFailure,
+    WorkerHello,
+    WorkerReply,
+)
 from ditserve.engine.distributed.rendezvous import (
     Rendezvous,
     destroy,
@@ -39,20 +47,11 @@ from ditserve.engine.distributed.rendezvous import (
     rank_device,
     worker_timeout_s,
 )
-from ditserve.engine.distributed.worker import (
-    RankStep,
-    Reports,
-    Stop,
-    Wave,
-    WorkerFailure,
-    WorkerHello,
-    WorkerReply,
-    independent_ranks,
-    worker_main,
-)
+from ditserve.engine.distributed.topology import Topology
+from ditserve.engine.distributed.worker import worker_main
 from ditserve.engine.errors import ConfigError, DistributedError
-from ditserve.engine.executor import NewRequests
-from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.executor import RankWork
+from ditserve.engine.scheduler import RunnerOutput
 
 log = logging.getLogger(__name__)
 REPORT_EVERY_S = 5.0
@@ -64,27 +63,25 @@ class MultiProcessExecutor:
     def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
         from ditserve.engine.model_runner import ModelRunner
 
-        par = config.parallel
-        if par.sequence_parallel_size != 1:
+        if config.parallel.sequence_parallel_size != 1:
             raise ConfigError(
                 "sequence parallelism is not implemented in this build (its DLO weight group "
                 "is selected and validated); use data_parallel_size for several GPUs"
             )
-        self.num_ranks = par.data_parallel_size
+        self.topology = Topology.of(config)
+        self.num_ranks = self.topology.data_parallel_size
+        self.step_groups = self.topology.step_groups
         self.timeout_s = worker_timeout_s()
+        world = self.topology.world_size
         self._procs: dict[int, mp.process.BaseProcess] = {}
-        # Waves and report refreshes use the control group from different threads; one at a
-        # time, or their collectives would interleave.
-        self._control_lock = threading.Lock()
-        # Independent mode: each rank steps on its own (the engine runs one loop per rank);
-        # a worker's pair group is used by one thread at a time.
-        self.independent = independent_ranks(config)
-        self._rank_locks = [threading.Lock() for _ in range(self.num_ranks)]
+        # One lock per process: rank 0's runner and each worker's link are used by one thread
+        # at a time (a step loop, or a report refresh from a /ready handler).
+        self._locks = [threading.Lock() for _ in range(world)]
         rdv = Rendezvous.from_env()
         if rdv is None:
-            rdv = Rendezvous("127.0.0.1", free_port(), self.num_ranks, 0, 0)
+            rdv = Rendezvous("127.0.0.1", free_port(), world, 0, 0)
             self._spawn_workers(rdv, config, model_dir)
-        elif rdv.world_size != self.num_ranks or rdv.rank != 0:
+        elif rdv.world_size != world or rdv.rank != 0:
             raise ConfigError(
                 f"environment rendezvous (WORLD_SIZE={rdv.world_size}, RANK={rdv.rank}) does "
                 f"not match data_parallel_size={self.num_ranks} on rank 0; start ranks > 0 with "
@@ -92,29 +89,28 @@ class MultiProcessExecutor:
             )
         device = rank_device(config.device, rdv.local_rank)
         try:
-            self._groups = init_groups(rdv, device, self.timeout_s)
+            groups = init_groups(rdv, device, self.timeout_s)
+            self._links = {r: Link(groups.pair(r), peer=r) for r in range(1, world)}
             self.runner = ModelRunner(config, model_dir=model_dir, device=device,
-                                      weight_group=self._groups.weight)
-            hellos = self._gather(None)
+                                      weight_group=groups.weight)
+            hellos = [self._receive(r, "start-up") for r in self._links]
         except BaseException:
             self._kill_workers()
             destroy()
             raise
-        failures = [h for h in hellos[1:] if isinstance(h, WorkerFailure)]
+        self._closed = False
+        failures = [h for h in hellos if isinstance(h, WorkerFailure)]
         if failures:
             self.shutdown()
             raise DistributedError("; ".join(f"rank {f.rank}: {f.message}" for f in failures))
-        for hello in hellos[1:]:
+        for hello in hellos:
             assert isinstance(hello, WorkerHello)
             log.info("rank %d ready (pid %d, %s)", hello.rank, hello.pid, hello.device)
-        # Workers' offload reports, refreshed by riding on a wave every REPORT_EVERY_S: the
-        # control group must only ever be used by the engine loop's thread, never by a
-        # /ready handler running concurrently with a wave.
-        self._worker_reports: list[dict[str, Any] | None] = [
-            None, *[h.offload for h in hellos[1:]]]
-        self._reports_at = time.monotonic()
-        self._rank_reports_at = [time.monotonic()] * self.num_ranks
-        self._closed = False
+        # Workers' offload reports, refreshed by riding on a step every REPORT_EVERY_S: a link
+        # is only ever used by the thread holding its lock, never by a /ready handler while
+        # a step runs on it.
+        self._reports: list[dict[str, Any] | None] = [None, *[h.offload for h in hellos]]
+        self._reports_at = [time.monotonic()] * world
 
     # -- process management ---------------------------------------------------------------------
     def _spawn_workers(self, rdv: Rendezvous, config: EngineConfig, model_dir: Path) -> None:
@@ -149,26 +145,20 @@ class MultiProcessExecutor:
         return "; ".join(dead)
 
     def _kill_workers(self) -> None:
-        for proc in self._procs.values():
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs.values():
-            proc.join(timeout=10)
+        _kill(self._procs)
 
     # -- control messages -----------------------------------------------------------------------
-    def _broadcast(self, message: Any) -> None:
+    def _send(self, rank: int, message: Any) -> None:
         try:
-            dist.broadcast_object_list([message], src=0, group=self._groups.control)
+            self._links[rank].send(message)
         except Exception as e:
-            raise self._failure("broadcast", e) from e
+            raise self._failure(f"a message to rank {rank}", e) from e
 
-    def _gather(self, payload: Any) -> list[Any]:
-        box: list[Any] = [None] * self.num_ranks
+    def _receive(self, rank: int, what: str) -> Any:
         try:
-            dist.gather_object(payload, box, dst=0, group=self._groups.control)
+            return self._links[rank].receive()
         except Exception as e:
-            raise self._failure("gather", e) from e
-        return box
+            raise self._failure(f"{what} of rank {rank}", e) from e
 
     def _failure(self, what: str, error: Exception) -> DistributedError:
         dead = self._dead_workers()
@@ -178,115 +168,100 @@ class MultiProcessExecutor:
             f"(timeout {self.timeout_s:.0f}s, set {'DITSERVE_WORKER_TIMEOUT_S'})"
         )
 
+    @contextlib.contextmanager
+    def _holding(self, processes: list[int]) -> Iterator[None]:
+        # Always in ascending order, so two threads never wait on each other's locks.
+        with contextlib.ExitStack() as stack:
+            for process in sorted(processes):
+                stack.enter_context(self._locks[process])
+            yield
+
     # -- Executor interface ---------------------------------------------------------------------
-    def execute(
-        self, plans: Sequence[StepPlan], new: Sequence[NewRequests]
-    ) -> list[RunnerOutput]:
-        if self.independent:
-            # No collective ties the ranks together: step them concurrently, one thread each.
-            with ThreadPoolExecutor(max_workers=self.num_ranks) as pool:
-                futures = [pool.submit(self.execute_rank, r, plans[r], new[r])
-                           for r in range(self.num_ranks)]
-                return [f.result() for f in futures]
-        with self._control_lock:
-            return self._wave(plans, new, refresh=time.monotonic() - self._reports_at
-                              > REPORT_EVERY_S)
-
-    def execute_rank(self, rank: int, plan: StepPlan, new: NewRequests) -> RunnerOutput:
-        """Independent mode: one step of one rank, at that rank's own pace."""
-        if rank == 0:
-            with self._rank_locks[0]:
-                return self.runner.execute(plan, new)
-        refresh = time.monotonic() - self._rank_reports_at[rank] > REPORT_EVERY_S
-        with self._rank_locks[rank]:
-            reply = self._exchange(rank, RankStep(plan, list(new), reports=refresh))
-        if refresh:
-            self._worker_reports[rank] = reply.offload_report
-            self._rank_reports_at[rank] = time.monotonic()
-        return reply.output
-
-    def _exchange(self, rank: int, message: Any) -> WorkerReply:
-        pair = self._groups.pair(rank)
-        try:
-            dist.send_object_list([message], dst=rank, group=pair)
-            box: list[Any] = [None]
-            dist.recv_object_list(box, src=rank, group=pair)
-        except Exception as e:
-            raise self._failure(f"a step of rank {rank}", e) from e
-        reply = box[0]
-        if isinstance(reply, WorkerFailure):
-            raise DistributedError(f"rank {reply.rank} failed: {reply.message}")
-        assert isinstance(reply, WorkerReply)
-        return reply
-
-    def _wave(
-        self, plans: Sequence[StepPlan], new: Sequence[NewRequests], *, refresh: bool
-    ) -> list[RunnerOutput]:
-        forward = any(plan.denoise for plan in plans)
-        self._broadcast(Wave(plans=list(plans), new=[list(n) for n in new], forward=forward,
-                             reports=refresh))
-        own = self.runner.execute(plans[0], new[0], collective_wave=forward)
-        replies = self._gathered_replies(WorkerReply(own))
-        if refresh:
-            self._keep_reports(replies)
-        return [r.output for r in replies]
-
-    def _gathered_replies(self, own: WorkerReply) -> list[WorkerReply]:
-        replies = self._gather(own)
-        failures = [r for r in replies if isinstance(r, WorkerFailure)]
+    def step(self, work: Mapping[int, RankWork]) -> dict[int, RunnerOutput]:
+        # A step of some ranks only would leave the others' weight gathers unmatched.
+        assert not self.topology.lockstep or len(work) == self.num_ranks, "a partial lockstep step"
+        collective = self.topology.lockstep and any(w.plan.denoise for w in work.values())
+        members = {rank: list(self.topology.processes(rank)) for rank in work}
+        processes = [p for group in members.values() for p in group]
+        workers = [p for p in processes if p != 0]
+        now = time.monotonic()
+        refresh = {p for p in workers if now - self._reports_at[p] > REPORT_EVERY_S}
+        with self._holding(processes):
+            for rank, group in members.items():
+                for p in group:
+                    if p != 0:
+                        self._send(p, Step(work[rank], collective, reports=p in refresh))
+            own = None
+            if 0 in processes:
+                mine = work[0]
+                own = self.runner.execute(mine.plan, mine.new, collective_wave=collective)
+            replies = {p: self._receive(p, "a step") for p in workers}
+        failures = [r for r in replies.values() if isinstance(r, WorkerFailure)]
         if failures:
             raise DistributedError("; ".join(f"rank {f.rank} failed: {f.message}"
                                              for f in failures))
-        return replies
+        for p in refresh:
+            self._keep_report(p, replies[p])
+        # Each DP rank's output is its leader's (the group's first process).
+        return {rank: own if group[0] == 0 else replies[group[0]].output
+                for rank, group in members.items()}
 
-    def _keep_reports(self, replies: list[WorkerReply]) -> None:
-        self._worker_reports = [None, *[r.offload_report for r in replies[1:]]]
-        self._reports_at = time.monotonic()
+    def _keep_report(self, process: int, reply: WorkerReply) -> None:
+        self._reports[process] = reply.offload_report
+        self._reports_at[process] = time.monotonic()
 
     def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]:
         """Rank 0's live report and the workers' latest: at most ~REPORT_EVERY_S old while
         the replica is busy, from start-up while idle. Never blocks unless ``refresh``, which
-        asks every worker for its report between two steps (no step runs)."""
-        if refresh and self.independent:
-            for rank in range(1, self.num_ranks):
-                with self._rank_locks[rank]:
-                    reply = self._exchange(rank, Reports())
-                self._worker_reports[rank] = reply.offload_report
-                self._rank_reports_at[rank] = time.monotonic()
-        elif refresh:
-            with self._control_lock:
-                self._broadcast(Reports())
-                self._keep_reports(self._gathered_replies(WorkerReply(None)))
-        return [self.runner.offload_report(), *self._worker_reports[1:]]
+        asks every worker for its report between two of its steps (no step runs)."""
+        if refresh:
+            for process in self._links:
+                with self._locks[process]:
+                    self._send(process, Reports())
+                    reply = self._receive(process, "a report")
+                if isinstance(reply, WorkerFailure):
+                    raise DistributedError(f"rank {reply.rank} failed: {reply.message}")
+                self._keep_report(process, reply)
+        return [self.runner.offload_report(), *self._reports[1:]]
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        try:
-            if self.independent:
-                for rank in range(1, self.num_ranks):
-                    # A step stuck on a hung worker holds its lock: skip it (killed below).
-                    if not self._rank_locks[rank].acquire(timeout=5):
-                        continue
-                    try:
-                        dist.send_object_list([Stop()], dst=rank, group=self._groups.pair(rank))
-                    finally:
-                        self._rank_locks[rank].release()
-            else:
-                self._broadcast(Stop())
-        except Exception as e:
-            log.warning("could not stop workers cleanly: %s", e)
-        self.runner.close()
-        # NCCL's destroy returns only once every rank has called it, so ours runs while the
-        # workers run theirs (joining them first would wait out the join timeout); in a
-        # thread, so a worker that never gets there cannot hold the shutdown.
-        teardown = threading.Thread(target=destroy, daemon=True, name="ditserve-pg-destroy")
-        teardown.start()
-        for proc in self._procs.values():
-            proc.join(timeout=30)
-        self._kill_workers()
-        teardown.join(timeout=10)
+        for process, link in self._links.items():
+            # A step stuck on a hung worker holds its lock: skip it (killed below).
+            if not self._locks[process].acquire(timeout=5):
+                continue
+            try:
+                link.send(Stop())
+            except Exception as e:
+                log.warning("could not stop rank %d cleanly: %s", process, e)
+            finally:
+                self._locks[process].release()
+        tear_down_rank0(self.runner, self._procs)
+
+
+def tear_down_rank0(runner: Any, workers: Mapping[int, Any]) -> None:
+    """Close rank 0's runner and process groups while the told-to-stop ``workers`` (spawned
+    processes by rank) close theirs; then join them, killing what is left."""
+    runner.close()
+    # NCCL's destroy returns only once every rank has called it, so ours runs while the
+    # workers run theirs (joining them first would wait out the join timeout); in a thread,
+    # so a worker that never gets there cannot hold the shutdown.
+    teardown = threading.Thread(target=destroy, daemon=True, name="ditserve-pg-destroy")
+    teardown.start()
+    for proc in workers.values():
+        proc.join(timeout=30)
+    _kill(workers)
+    teardown.join(timeout=10)
+
+
+def _kill(processes: Mapping[int, Any]) -> None:
+    for proc in processes.values():
+        if proc.is_alive():
+            proc.kill()
+    for proc in processes.values():
+        proc.join(timeout=10)
 
 
 def _describe_exit(code: int | None) -> str:

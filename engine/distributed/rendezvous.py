@@ -2,10 +2,11 @@
 
 A replica's processes find each other through the usual torch.distributed environment
 (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK). Locally the engine spawns its own
-workers and sets these itself; in a Kubernetes pod the operator sets them. Two groups are
-created: the *weight group* (NCCL on GPUs, gloo on CPU) for DLO's all_gather of weight shards,
-and a gloo *control group* for the small per-step messages between rank 0 and the workers.
-Its timeout bounds how long a dead or hung worker can stall the engine.
+workers and sets these itself; in a Kubernetes pod the operator sets them. Groups: the
+*weight group* (NCCL on GPUs, gloo on CPU) for DLO's all_gather of weight shards, and per
+worker a gloo *pair group* {0, r} that carries the control messages between rank 0 and that
+worker (``protocol.Link``), so control traffic never queues behind weight traffic. The groups'
+timeout bounds how long a dead or hung worker can stall the engine.
 """
 
 from __future__ import annotations
@@ -64,9 +65,6 @@ class Rendezvous:
             raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
         return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, world, rank, local)
 
-    def for_rank(self, rank: int) -> Rendezvous:
-        return Rendezvous(self.master_addr, self.master_port, self.world_size, rank, rank)
-
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -93,19 +91,20 @@ def rank_device(device: str, local_rank: int) -> torch.device:
 @dataclass
 class Groups:
     weight: dist.ProcessGroup
-    control: dist.ProcessGroup
     rank: int
     world_size: int
     # pairs[r - 1]: a gloo group of ranks {0, r}, so rank 0 can talk to each worker on its own
-    # (independent step loops) without two threads ever sharing a group.
+    # (ranks stepping at their own pace) without two threads ever sharing a group.
     pairs: list[dist.ProcessGroup]
+    # Sequence parallelism (#21) adds here the SP group of this rank's DP rank (the processes
+    # of ``Topology.processes``), created below in the same order on every rank.
 
     def pair(self, rank: int) -> dist.ProcessGroup:
         return self.pairs[rank - 1]
 
 
 def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float) -> Groups:
-    """Join the rendezvous; returns the weight, control and per-worker pair groups."""
+    """Join the rendezvous; returns the weight group and the per-worker pair groups."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -121,14 +120,12 @@ def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float) -> Grou
         backend, init_method=f"tcp://{rdv.master_addr}:{rdv.master_port}",
         rank=rdv.rank, world_size=rdv.world_size, timeout=timeout, pg_options=options,
     )
-    control = dist.new_group(backend="gloo", timeout=timeout)
     # Every rank creates every group, in the same order (a collective requirement).
     pairs = [dist.new_group([0, r], backend="gloo", timeout=timeout)
              for r in range(1, rdv.world_size)]
     weight = dist.group.WORLD
     assert weight is not None
-    return Groups(weight=weight, control=control, rank=rdv.rank, world_size=rdv.world_size,
-                  pairs=pairs)
+    return Groups(weight=weight, rank=rdv.rank, world_size=rdv.world_size, pairs=pairs)
 
 
 def destroy() -> None:

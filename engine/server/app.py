@@ -18,9 +18,11 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from ditserve.engine.lifecycle import EnginePhase
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
+from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.openapi import build_openapi
 from ditserve.engine.server.routes import images, models, probes
 from ditserve.engine.server.state import ServerState
@@ -31,14 +33,17 @@ def create_app(
     config: ServerConfig,
     *,
     start_engine: bool = True,
+    serving_metrics: ServingMetrics | None = None,
     on_start_failed: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    state = ServerState.build(engine, config, on_start_failed=on_start_failed)
+    """serving_metrics: the ServingMetrics the engine observes (``state.engine_options``)."""
+    state = ServerState.build(engine, config, metrics=serving_metrics,
+                              on_start_failed=on_start_failed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starting = None
-        if start_engine and not engine.ready:
+        if start_engine and engine.phase is EnginePhase.LOADING:
             starting = asyncio.create_task(asyncio.to_thread(state.start_engine))
         try:
             yield

@@ -106,6 +106,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     from ditserve.engine.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
+    from ditserve.engine.server.metrics import ServingMetrics
+    from ditserve.engine.server.state import engine_options
 
     if engine_config.model is not None:
         from ditserve.engine.loader import read_model_index
@@ -120,8 +122,12 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
         if server is not None:
             server.should_exit = True
 
-    engine = DiffusionEngine(engine_config)
-    app = create_app(engine, server_config, on_start_failed=on_start_failed)
+    engine: DiffusionEngine  # the observers below read it once it exists
+    metrics = ServingMetrics(lambda: engine)
+    options = engine_options(engine_config, server_config, metrics, lambda: engine)
+    engine = DiffusionEngine(engine_config, **options)
+    app = create_app(engine, server_config, serving_metrics=metrics,
+                     on_start_failed=on_start_failed)
     uv_config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
         lifespan="on", timeout_graceful_shutdown=5,
@@ -165,11 +171,13 @@ class DrainingServer(uvicorn.Server):
             self._hurry = True
             return
         self._drain_started = True
-        self._state.draining = True  # /ready is 503 from this moment
         self._loop.call_soon_threadsafe(self._start_drain, sig)
 
     def _start_drain(self, sig: int) -> None:
+        # On the event loop, not in the signal handler: draining takes the engine's lock,
+        # which the interrupted code may hold. /ready is 503 from this moment.
         log.info("received %s", signal.Signals(sig).name)
+        self._state.begin_drain()
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
@@ -177,7 +185,6 @@ class DrainingServer(uvicorn.Server):
         grace = state.config.shutdown_grace_s
         log.info("draining: admitted requests may finish for up to %.1fs", grace)
         try:
-            state.begin_drain()
             deadline = loop.time() + grace
             # Polled: the engine has no "idle" event, and 0.1 s is nothing next to a grace
             # period. A second signal ends the wait at once.

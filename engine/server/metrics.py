@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ditserve.engine.lifecycle import EnginePhase
 from ditserve.engine.step_log import copy_rates_of
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
@@ -39,10 +40,10 @@ class _EngineStateCollector(Collector):
         running = waiting = 0
         ready = 0.0
         report = None
-        if engine is not None and engine.executor is not None:
+        if engine is not None:
             stats = engine.stats()
             running, waiting = stats.running, stats.waiting
-            ready = 1.0 if engine.ready else 0.0
+            ready = 1.0 if engine.phase is EnginePhase.READY else 0.0
             report = engine.offload_report()
         yield GaugeMetricFamily("ditserve:num_requests_running",
                                 "Requests in the running denoise batch.", value=running)

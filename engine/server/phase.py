@@ -1,10 +1,9 @@
 """Where the routes read the engine's lifecycle.
 
-/ready and admission (503 while not ready, with a message per phase) ask ``engine_phase``; it
-reads the engine's current lifecycle attributes (``ready``, ``compiling``, ``executor``) and
-the server's own (draining, a failed start, stopped). When the engine exposes one phase enum,
-this function maps it; the only other readers are ``ServerState.ready`` and the
-``ditserve:engine_ready`` gauge (metrics.py).
+/ready and admission (503 while not ready, with a message per phase) ask ``engine_phase``;
+it is the engine's own phase (``engine.lifecycle.EnginePhase``), the one place that changes
+it being the engine. ``failure_summary`` is what a client may see of a failure: its kind,
+never its internals (those are in the server log).
 """
 
 from __future__ import annotations
@@ -16,13 +15,15 @@ Phase = Literal["loading", "compiling", "ready", "draining", "failed", "stopped"
 
 def engine_phase(state: Any) -> Phase:
     """The phase of the replica served by ``state`` (a ServerState)."""
+    phase: Phase = state.engine.phase.value
+    return phase
+
+
+def failure_summary(state: Any) -> str | None:
+    """A failed replica's error for /ready: which stage failed, no exception text."""
     engine = state.engine
-    if state.startup_error:
-        return "failed"
-    if state.draining:
-        return "draining"
-    if state.ready:
-        return "ready"
-    if engine.compiling:
-        return "compiling"  # weights loaded; the warm-up compiles the blocks (--compile)
-    return "loading" if engine.executor is None or not engine.ready else "stopped"
+    if engine.phase.value != "failed":
+        return None
+    started = engine.executor is not None
+    stage = "the engine loop stopped" if started else "the engine failed to start"
+    return f"{stage}; see the server log"

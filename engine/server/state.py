@@ -1,9 +1,11 @@
-"""ServerState: what the routes share (engine, config, metrics) and the engine's lifecycle
-as seen by the server (loading, ready, draining, stopped).
+"""ServerState: what the routes share (engine, config, metrics), and what the server gives
+the engine at construction (``engine_options``: its observers and warm-up).
 
-The lifespan starts the engine in a worker thread (``start_engine``) so /health answers while
-weights load; the SIGTERM handler calls ``begin_drain``, waits while ``has_work``, then
-``stop``; the lifespan's exit calls ``stop`` too. ``engine.shutdown`` runs exactly once.
+The server never keeps a lifecycle of its own: it reads ``engine.phase`` (loading, compiling,
+ready, draining, stopped, failed) and ``engine.failure``. The lifespan starts the engine in a
+worker thread (``start_engine``) so /health answers while weights load; the SIGTERM handler
+calls ``begin_drain``, waits while ``has_work``, then ``stop``; the lifespan's exit calls
+``stop`` too. ``engine.shutdown`` runs exactly once.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.lifecycle import EnginePhase
 from ditserve.engine.request import MAX_SIDE, MAX_STEPS
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.model_defaults import model_defaults
 from ditserve.engine.server.schemas import RequestLimits
+from ditserve.engine.startup import WarmUp
 from ditserve.engine.step_log import StepLog, copy_rates_of
 
 log = logging.getLogger(__name__)
@@ -36,30 +41,22 @@ class ServerState:
     default_size: tuple[int, int]
     default_steps: int
     on_start_failed: Callable[[BaseException], None] | None = None
-    startup_error: str | None = None
-    draining: bool = False
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _stopped: bool = False
 
     @classmethod
-    def build(cls, engine: Any, config: ServerConfig, **kwargs: Any) -> ServerState:
-        model = engine.config.model
-        name = config.model_name or (Path(model).name if model else TINY_MODEL_NAME)
-        defaults = model_defaults(model)
-        size = parse_size(config.default_size) if config.default_size else None
-        size = size or (defaults.width, defaults.height)  # ServerConfig validated the pattern
-        steps = config.default_steps or defaults.steps
-        if engine.compile_warmup_size is None:
-            width, height = size  # with --compile: no compile after /ready
-            engine.compile_warmup_size = (height, width)
-        metrics = ServingMetrics(lambda: engine)
-        engine.observers.append(metrics)
-        engine.observers.append(StepLog(copy_rates=lambda: copy_rates_of(engine.offload_report())))
+    def build(cls, engine: Any, config: ServerConfig, *, metrics: ServingMetrics | None = None,
+              **kwargs: Any) -> ServerState:
+        """metrics: the ServingMetrics the engine was given as an observer (``engine_options``);
+        without one, only HTTP-level and scrape-time metrics are exported."""
+        name = config.model_name or _model_name(engine.config)
+        size, steps = _defaults(engine.config, config)
+        metrics = metrics or ServingMetrics(lambda: engine)
         return cls(engine, config, metrics, name, size, steps, **kwargs)
 
     @property
     def ready(self) -> bool:
-        return bool(self.engine.ready) and not self.draining and not self._stopped
+        return bool(self.engine.phase is EnginePhase.READY)
 
     def limits(self) -> RequestLimits:
         """What a request may ask for now (the model's rules are known once it loaded)."""
@@ -75,24 +72,18 @@ class ServerState:
     def start_engine(self) -> None:
         """Blocking; run in a thread. A failure is recorded and reported, never raised."""
         try:
-            self.engine.start()
+            self.engine.start()  # a failure leaves the engine FAILED, with the reason
             log.info("engine ready: serving %s", self.model_name)
         except BaseException as e:
             log.exception("engine failed to start")
-            # What /ready shows: the kind of failure, not its internals (those are logged).
-            self.startup_error = f"the engine failed to start ({type(e).__name__}); see the log"
             if self.on_start_failed is not None:
                 self.on_start_failed(e)
 
     def begin_drain(self) -> None:
         """Refuse new work from now on (/ready 503, new requests 503); admitted work goes on."""
-        self.draining = True
-        if self.engine.executor is not None:
-            self.engine.stop_accepting()
+        self.engine.drain()
 
     def has_work(self) -> bool:
-        if self.engine.executor is None:
-            return False
         stats = self.engine.stats()
         return stats.running + stats.waiting > 0
 
@@ -101,7 +92,28 @@ class ServerState:
             if self._stopped:
                 return
             self._stopped = True
-        if self.engine.executor is None:  # never finished loading: nothing to drain
-            return
         self.engine.shutdown(grace_seconds)
         log.info("engine stopped")
+
+
+def engine_options(engine_config: EngineConfig, config: ServerConfig, metrics: ServingMetrics,
+                   engine_fn: Callable[[], Any]) -> dict[str, Any]:
+    """The DiffusionEngine keyword arguments of a server: the observers (``metrics`` and the
+    step log, which reads copy rates from ``engine_fn()``) and the warm-up, which with
+    --compile compiles at the default size so no request after /ready waits for a compile."""
+    width, height = _defaults(engine_config, config)[0]
+    step_log = StepLog(copy_rates=lambda: copy_rates_of(engine_fn().offload_report()))
+    return {"observers": [metrics, step_log], "warmup": WarmUp(compile_size=(height, width))}
+
+
+def _model_name(engine_config: EngineConfig) -> str:
+    return Path(engine_config.model).name if engine_config.model else TINY_MODEL_NAME
+
+
+def _defaults(engine_config: EngineConfig, config: ServerConfig) -> tuple[tuple[int, int], int]:
+    """The (width, height) and step count a request gets when it names none: the server's
+    flags, else the model's own (``model_defaults``)."""
+    defaults = model_defaults(engine_config.model)
+    size = parse_size(config.default_size) if config.default_size else None
+    size = size or (defaults.width, defaults.height)  # ServerConfig validated the pattern
+    return size, config.default_steps or defaults.steps

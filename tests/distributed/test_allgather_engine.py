@@ -97,7 +97,7 @@ class TestDp2AllGather:
     def test_dp2_uneven_loads_and_staggered_arrivals(self, engine2, alone) -> None:  # type: ignore[no-untyped-def]
         # One long request keeps one rank busy while the other idles (joining gathers only);
         # then requests with other step counts arrive one by one, each after the long request
-        # has made progress, so ranks run different step counts in shared waves.
+        # has made progress, so ranks run different step counts in shared steps.
         progress = [threading.Event() for _ in range(LONG.num_inference_steps + 1)]
 
         def on_event(event: RequestEvent) -> None:
@@ -152,7 +152,7 @@ def test_dp2_allgather_killed_worker_is_reported(tiny_model_dir) -> None:  # typ
         engine = start_engine(tiny_model_dir, 2)
         try:
             os.kill(engine.executor.worker_pids()[1], signal.SIGKILL)
-            # Rank 0 may be inside a weight gather when its peer dies: the wave still ends
+            # Rank 0 may be inside a weight gather when its peer dies: the step still ends
             # with an error naming the rank, not a hang.
             handles = [engine.add_request(p) for p in REQUESTS[:2]]
             for handle in handles:

@@ -12,7 +12,7 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, ParallelConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine
+from ditserve.engine.engine import DiffusionEngine, EnginePhase, WarmUp
 from ditserve.engine.errors import EngineStoppedError
 from ditserve.engine.request import SamplingParams
 
@@ -56,12 +56,11 @@ def test_dp_generation_equals_single_process(tiny_model_dir, alone, ranks: int) 
 
 def test_every_rank_compiles_its_blocks_and_matches_eager(tiny_model_dir, alone) -> None:  # type: ignore[no-untyped-def]
     # --compile with DP: each worker compiles its own copy of the blocks, and the warm-up
-    # waves (batch 1, then 2, on every rank) run before the engine reports ready.
+    # steps (batch 1, then 2, on every rank) run before the engine reports ready.
     config = EngineConfig(model=str(tiny_model_dir), device="cpu", compile="aot_eager",
                           parallel=ParallelConfig(data_parallel_size=2),
                           scheduler=SchedulerConfig(max_num_seqs=2))
-    engine = DiffusionEngine(config)
-    engine.compile_warmup_size = (64, 64)
+    engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(64, 64)))
     engine.start()
     try:
         assert engine.ready
@@ -125,6 +124,7 @@ def test_idle_dead_worker_is_noticed_without_a_request(tiny_model_dir) -> None: 
         while engine.ready and time.monotonic() < deadline:
             time.sleep(0.2)  # the heartbeat runs on the engine's own schedule
         assert not engine.ready
+        assert engine.phase is EnginePhase.FAILED and "rank 1" in str(engine.failure)
         with pytest.raises(EngineStoppedError, match="rank 1"):
             engine.add_request(SamplingParams(prompt="after", seed=2))
     finally:
@@ -171,9 +171,9 @@ def test_requests_go_to_the_rank_that_frees_up_first(tiny_model_dir) -> None:  #
         engine.shutdown()
 
 
-def test_report_refreshes_from_another_thread_do_not_disturb_waves(tiny_model_dir, alone) -> None:  # type: ignore[no-untyped-def]
-    # /ready handlers ask for offload reports while the loop runs waves on the same control
-    # group; the executor must serialize them.
+def test_report_refreshes_from_another_thread_do_not_disturb_steps(tiny_model_dir, alone) -> None:  # type: ignore[no-untyped-def]
+    # /ready handlers ask for offload reports while the loops run steps on the same links;
+    # the executor must serialize them.
     import threading
 
     engine = dp_engine(tiny_model_dir, 2)

@@ -1,4 +1,4 @@
-"""MultiProcessExecutor.shutdown tears rank 0 down while the workers tear down.
+"""Rank 0 tears its process groups down while the workers tear down theirs.
 
 NCCL's destroy_process_group returns only once every rank has called it. A worker that got
 Stop sits in its destroy until rank 0 calls its own, so rank 0 must not wait for the workers
@@ -41,13 +41,9 @@ class Runner:
 def test_rank0_destroys_its_group_while_workers_destroy_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
     destroyed = threading.Event()
     monkeypatch.setattr(executor_module, "destroy", destroyed.set)
-    ex = object.__new__(executor_module.MultiProcessExecutor)
     worker = WorkerInDestroy(destroyed)
-    ex._closed = False
-    ex.independent = True
-    ex.num_ranks = 1  # no Stop messages to send in this test: the worker already has one
-    ex._procs = {1: worker}  # type: ignore[dict-item]
-    ex.runner = Runner()
-    ex.shutdown()
+    runner = Runner()
+    # The worker already has its Stop: what is left is the teardown of both sides.
+    executor_module.tear_down_rank0(runner, {1: worker})
     assert worker.exited_cleanly, "the worker was left waiting for rank 0's destroy"
-    assert ex.runner.closed
+    assert runner.closed

@@ -8,21 +8,22 @@ import torch
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.model_runner import ModelRunner
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.scheduler import StepScheduler
 
 Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]
 
 
 def drive(
-    runner: ModelRunner, arrivals: Arrivals, *, max_num_seqs: int, policy: str = "fifo"
+    runner: ModelRunner, arrivals: Arrivals, *, max_num_seqs: int, max_bypass: int = 0
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Run a scripted arrival pattern to completion without threads.
 
     arrivals[k] are added just before engine step k. Returns each request's decoded pixels
-    and the batch size (requests) of every denoise forward.
+    and the batch size (requests) of every denoise forward. ``max_bypass`` 0 admits in
+    strict arrival order.
     """
-    scheduler = StepScheduler(SchedulerConfig(max_num_seqs=max_num_seqs, policy=policy))
+    scheduler = StepScheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_bypass=max_bypass))
     pending = dict(arrivals)
     results: dict[str, torch.Tensor] = {}
     batch_sizes: list[int] = []
@@ -31,7 +32,7 @@ def drive(
         new = []
         for rid, params in pending.pop(step, ()):
             scheduler.add(rid, params)
-            new.append((rid, params, params.seed if params.seed is not None else 0))
+            new.append(NewRequest(rid, params, params.seed if params.seed is not None else 0))
         plan = scheduler.schedule()
         output = runner.execute(plan, new)
         scheduler.update(plan, output)

@@ -11,7 +11,7 @@ from ditserve.engine.cli_options import engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {
-    "--model", "--dtype", "--device", "--compile", "--max-num-seqs", "--scheduling-policy", "--max-bypass",
+    "--model", "--dtype", "--device", "--compile", "--max-num-seqs", "--max-bypass",
     "--max-queue", "--offload", "--dlo-slots", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
     "--dlo-pin-limit-gib",
@@ -44,13 +44,13 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_flags_override_the_config_file_and_map_onto_sections() -> None:
-    base = {"dtype": "bfloat16", "scheduler": {"max_num_seqs": 2, "policy": "fifo"},
+    base = {"dtype": "bfloat16", "scheduler": {"max_num_seqs": 2, "max_bypass": 0},
             "offload": {"enabled": True, "resident_layers": 1}}
     config = engine_config_from_args(
         parse("--max-num-seqs", "8", "--dlo-resident-layers", "3", "--data-parallel-size", "2",
               "--dlo-no-use-allgather"), base)
     assert config.dtype == "bfloat16"
-    assert config.scheduler.max_num_seqs == 8 and config.scheduler.policy == "fifo"
+    assert config.scheduler.max_num_seqs == 8 and config.scheduler.max_bypass == 0
     assert config.offload.enabled and config.offload.resident_layers == 3
     assert config.offload.use_allgather is False
     assert config.parallel.data_parallel_size == 2
@@ -63,6 +63,10 @@ def test_invalid_combinations_are_reported_with_the_fix() -> None:
         engine_config_from_args(parse("--dlo-resident-layers", "2"))
     with pytest.raises(ConfigError, match="unknown option"):
         engine_config_from_args(parse(), {"scheduler": {"max_seqs": 1}})
+    # A removed option says what replaces it.
+    with pytest.raises(ConfigError, match="scheduler.policy was removed: fifo admission is "
+                                          "max_bypass: 0"):
+        engine_config_from_args(parse(), {"scheduler": {"policy": "fifo"}})
 
 
 def test_missing_model_directory_is_a_clean_error(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

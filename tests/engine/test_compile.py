@@ -118,14 +118,14 @@ def test_engine_compiles_before_ready_so_no_request_compiles(tiny_model_dir) -> 
     from torch._dynamo.utils import counters
 
     from ditserve.engine.config import SchedulerConfig
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.engine import DiffusionEngine, WarmUp
 
     torch._dynamo.reset()
     counters.clear()
     engine = DiffusionEngine(EngineConfig(model=str(tiny_model_dir), device="cpu",
                                           compile="aot_eager",
-                                          scheduler=SchedulerConfig(max_num_seqs=3)))
-    engine.compile_warmup_size = (96, 96)
+                                          scheduler=SchedulerConfig(max_num_seqs=3)),
+                             warmup=WarmUp(compile_size=(96, 96)))
     engine.start()
     try:
         graphs_at_ready = counters["stats"]["unique_graphs"]

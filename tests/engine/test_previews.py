@@ -10,7 +10,7 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.scheduler import StepScheduler
 
 
@@ -38,7 +38,7 @@ def run_with_previews(runner) -> tuple[dict[int, torch.Tensor], torch.Tensor]:  
     """Drive WITH_PREVIEWS to the end; its previews by step and its final pixels."""
     scheduler = StepScheduler(SchedulerConfig(max_num_seqs=1))
     scheduler.add("p", WITH_PREVIEWS)
-    new = [("p", WITH_PREVIEWS, 3)]
+    new = [NewRequest("p", WITH_PREVIEWS, 3)]
     previews: dict[int, torch.Tensor] = {}
     finished = {}
     while scheduler.has_work() or not finished:

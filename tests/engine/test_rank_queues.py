@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.errors import QueueFullError
 from ditserve.engine.rank_queues import RankQueues
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import RunnerOutput
@@ -82,3 +83,20 @@ def test_remove_frees_shared_and_handed_requests() -> None:
     assert queues.rank_of("a") is None
     with pytest.raises(ValueError):
         queues.add("b", params())
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_queue_limit_counts_every_waiting_request_of_the_replica(ranks: int) -> None:
+    # max_num_seqs 1: one step fills every rank's slot; then with one rank "a" waits, with two
+    # "a" and "b" wait (shared or at their ranks); either way the bound counts all of them.
+    queues = RankQueues(SchedulerConfig(max_num_seqs=1, max_queue=ranks), ranks=ranks)
+    for rank in range(ranks):
+        queues.add(f"running-{rank}", params())
+    for scheduler in queues.schedulers:
+        scheduler.schedule()
+    for rid in "ab"[:ranks]:
+        queues.add(rid, params())
+    with pytest.raises(QueueFullError):
+        queues.add("c", params())
+    with pytest.raises(ValueError):
+        queues.add("a", params())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from ditserve.engine.config import SchedulerConfig
-from ditserve.engine.errors import QueueFullError
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
 
@@ -27,7 +26,7 @@ def run_step(s: StepScheduler, fail: dict[str, str] | None = None) -> StepPlan:
 
 
 def test_fifo_admission_order_and_capacity() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=2, policy="fifo"))
+    s = StepScheduler(SchedulerConfig(max_num_seqs=2, max_bypass=0))
     for rid in "abc":
         s.add(rid, params())
     plan = s.schedule()
@@ -62,7 +61,7 @@ def test_late_arrival_joins_running_batch_at_a_different_step() -> None:
 
 
 def test_fifo_head_of_line_blocking_by_incompatible_head() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=4, policy="fifo"))
+    s = StepScheduler(SchedulerConfig(max_num_seqs=4, max_bypass=0))
     s.add("a", params(size=64, steps=3))
     run_step(s)
     s.add("big", params(size=128))
@@ -74,7 +73,7 @@ def test_fifo_head_of_line_blocking_by_incompatible_head() -> None:
 
 
 def test_bypass_admits_compatible_requests_behind_incompatible_head() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=4, policy="bypass", max_bypass=8))
+    s = StepScheduler(SchedulerConfig(max_num_seqs=4, max_bypass=8))
     s.add("a", params(size=64, steps=3))
     run_step(s)
     s.add("big", params(size=128))
@@ -87,7 +86,7 @@ def test_bypass_admits_compatible_requests_behind_incompatible_head() -> None:
 
 def test_bypass_bound_guarantees_the_head_is_admitted() -> None:
     bound = 3
-    s = StepScheduler(SchedulerConfig(max_num_seqs=2, policy="bypass", max_bypass=bound))
+    s = StepScheduler(SchedulerConfig(max_num_seqs=2, max_bypass=bound))
     s.add("r0", params(size=64, steps=2))
     run_step(s)
     s.add("big", params(size=128, steps=1))
@@ -172,11 +171,9 @@ def test_abort_while_decoding_frees_runner_state_and_ignores_late_output() -> No
     assert not s.has_work()
 
 
-def test_queue_limit() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=1, max_queue=1))
+def test_a_request_id_is_scheduled_once() -> None:
+    s = StepScheduler(SchedulerConfig(max_num_seqs=1))
     s.add("a", params())
-    with pytest.raises(QueueFullError):
-        s.add("b", params())
     with pytest.raises(ValueError):
         s.add("a", params())
 

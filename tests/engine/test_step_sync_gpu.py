@@ -13,7 +13,7 @@ import torch
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.model_runner import ModelRunner
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.scheduler import StepScheduler
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ def test_no_step_syncs_and_pixels_come_back_a_step_late(cuda_runner) -> None:  #
         for rid, params in new:
             scheduler.add(rid, params)
         plan = scheduler.schedule()
-        output = cuda_runner.execute(plan, [(rid, p, p.seed or 0) for rid, p in new])
+        output = cuda_runner.execute(plan, [NewRequest(rid, p, p.seed or 0) for rid, p in new])
         assert not output.failed, output.failed
         scheduler.update(plan, output)
         finished.update(output.finished)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from ditserve.engine.lifecycle import EnginePhase
 from ditserve.engine.server.metrics import ServingMetrics
 
 
 def engine_with(report: dict[str, Any]) -> Any:
-    return SimpleNamespace(executor=object(), ready=True, offload_report=lambda: report,
+    return SimpleNamespace(executor=object(), phase=EnginePhase.READY,
+                           offload_report=lambda: report,
                            stats=lambda: SimpleNamespace(running=0, waiting=0))
 
 

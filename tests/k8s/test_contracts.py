@@ -21,7 +21,7 @@ SPECS = {
                      "offload": {"enabled": True, "runtimeCache": {"enabled": True}},
                      "engine": {"port": 9000, "args": ["--log-level", "debug"]}},
     "engine-options-in-args": {"model": {"hostPath": "/mnt/models/flux", "sizeGiB": 24},
-                               "engine": {"args": ["--scheduling-policy", "fifo",
+                               "engine": {"args": ["--max-bypass", "0",
                                                    "--default-steps", "20"]}},
     "pvc": {"model": {"persistentVolumeClaim": {"claimName": "m", "subPath": "x"},
                       "dtype": "float16"},

@@ -53,8 +53,8 @@ def test_flags_the_operator_sets_are_refused(args: list[str], owner: str) -> Non
 def test_arguments_the_engine_does_not_know_are_refused_with_its_own_words() -> None:
     with pytest.raises(InvalidSpecError, match="unrecognized arguments: --no-such-flag"):
         validate(spec_with(["--no-such-flag"]))
-    with pytest.raises(InvalidSpecError, match="invalid choice: 'lifo'"):
-        validate(spec_with(["--scheduling-policy", "lifo"]))
+    with pytest.raises(InvalidSpecError, match="invalid choice: 'int8'"):
+        validate(spec_with(["--dtype", "int8"]))
     with pytest.raises(InvalidSpecError, match="not valid `ditserve serve` arguments"):
         validate(spec_with(["--help"]))
 
@@ -70,17 +70,17 @@ def test_engine_options_in_args_are_judged_with_the_spec() -> None:
 
 
 def test_allowed_options_reach_every_rank_through_the_config_file() -> None:
-    spec = parse_spec(spec_with(["--scheduling-policy", "fifo", "--max-bypass", "2",
+    spec = parse_spec(spec_with(["--max-bypass", "2",
                                  "--dlo-gather", "copy-engine", "--log-level", "debug"],
                                 parallelism={"data": 2}, offload={"enabled": True}))
     config = engine_config(spec)
-    assert (config.scheduler.policy, config.scheduler.max_bypass) == ("fifo", 2)
+    assert config.scheduler.max_bypass == 2
     assert config.offload.gather == "copy-engine"
     _, server = judge_engine(spec)
     assert (server.log_level, server.host, server.port) == ("debug", "0.0.0.0", 8000)
     kids = {m["kind"]: m for m in render(spec, Owner("flux", "ml", "u"))}
     written = yaml.safe_load(kids["ConfigMap"]["data"]["engine.yaml"])
-    assert written["scheduler"]["policy"] == "fifo" and written["offload"]["gather"] == "copy-engine"
+    assert written["scheduler"]["max_bypass"] == 2 and written["offload"]["gather"] == "copy-engine"
 
 
 def test_the_api_key_is_never_read_while_judging(monkeypatch: pytest.MonkeyPatch) -> None:

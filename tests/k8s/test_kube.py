@@ -121,7 +121,7 @@ class _RacingClient:
 
 
 async def test_status_writes_are_redone_from_a_fresh_read_on_conflict() -> None:
-    from ditserve.operator.handlers import _sync_status
+    from ditserve.operator.deployments import _sync_status
 
     client = _RacingClient()
     await _sync_status(client, {"apply_failures": {}}, "default", "f")  # type: ignore[arg-type]

@@ -74,7 +74,7 @@ async def test_console_script_serves_liveness_reconciles_and_stops(kmock: Emulat
 def test_kopf_settings_bound_watches_and_keep_state_in_annotations() -> None:
     import kopf
 
-    from ditserve.operator.handlers import configure
+    from ditserve.operator.deployments import configure
 
     settings, memo = kopf.OperatorSettings(), kopf.Memo()
     configure(settings=settings, memo=memo)

@@ -35,7 +35,7 @@ from k8s.k8s_emulator import (
     running_operator,
 )
 
-import ditserve.operator.handlers as handlers
+import ditserve.operator.deployments as handlers
 from ditserve.operator.nodecache import cache_label_key
 
 pytestmark = [pytest.mark.kmock(cls=Emulator)]

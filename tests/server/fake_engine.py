@@ -1,8 +1,9 @@
 """A pure-Python stand-in for DiffusionEngine, for in-process API tests (no torch).
 
-It keeps the engine's public contract (add_request/abort/validate_params/stats/events) and
-lets a test choose the outcome of each request: finish (with "preview" events for
-``partial_images``), fail, hang (never finishes), or a full queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules.
+It keeps the engine's public contract (phase/add_request/abort/validate_params/stats/events,
+the observers as a constructor argument) and lets a test choose the outcome of each request:
+finish (with "preview" events for ``partial_images``), fail, hang (never finishes), or a full
+queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.engine import EngineStats, GenerationResult, RequestEvent
+from ditserve.engine.engine import EnginePhase, EngineStats, GenerationResult, RequestEvent
 from ditserve.engine.errors import (
     DitServeError,
     InvalidRequestError,
@@ -29,17 +30,20 @@ from ditserve.engine.errors import (
 @dataclass
 class FakeEngine:
     outcome: str = "finish"  # finish | fail | hang | queue_full
-    ready: bool = True
+    phase: EnginePhase = EnginePhase.READY
+    failure: str | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
     observers: list[Any] = field(default_factory=list)
     aborted: list[tuple[str, str]] = field(default_factory=list)
     pixel_multiple: int = 4
     max_prompt_chars: int = 4000
-    compile_warmup_size: tuple[int, int] | None = None
-    compiling: bool = False
     offload: dict[str, Any] | None = None  # what offload_report() returns
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is EnginePhase.READY
 
     @property
     def executor(self) -> Any:
@@ -50,8 +54,11 @@ class FakeEngine:
         return SimpleNamespace(device="cpu") if self.ready else None
 
     def start(self) -> FakeEngine:
-        self.ready = True
+        self.phase = EnginePhase.READY
         return self
+
+    def drain(self) -> None:
+        self.phase = EnginePhase.DRAINING
 
     def validate_params(self, params: Any) -> Any:
         return params.validate(pixel_multiple=self.pixel_multiple,
@@ -109,4 +116,4 @@ class FakeEngine:
         return self.offload
 
     def shutdown(self, grace_seconds: float = 0.0) -> None:
-        self.ready = False
+        self.phase = EnginePhase.STOPPED

@@ -12,10 +12,13 @@ import httpx
 import pytest
 
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.lifecycle import EnginePhase
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.auth import check_bearer
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.errors import APIError
+from ditserve.engine.server.metrics import ServingMetrics
+from ditserve.engine.server.state import engine_options
 from ditserve.engine.server.streaming import parse_sse
 
 _spec = importlib.util.spec_from_file_location("server_fake_engine",
@@ -42,7 +45,8 @@ def call(engine, *requests, config: ServerConfig | None = None):
 
 
 def test_engine_failure_is_a_500_for_that_request_only(metric, caplog) -> None:
-    engine = FakeEngine(outcome="fail")
+    serving = ServingMetrics(lambda: engine)  # the engine's observer, as in a real server
+    engine = FakeEngine(outcome="fail", observers=[serving])
     body = {"prompt": "cat"}
 
     async def run(app):
@@ -54,7 +58,7 @@ def test_engine_failure_is_a_500_for_that_request_only(metric, caplog) -> None:
             metrics = (await client.get("/metrics")).text
             return failed, ok, metrics
 
-    app = create_app(engine, ServerConfig(), start_engine=False)
+    app = create_app(engine, ServerConfig(), start_engine=False, serving_metrics=serving)
     failed, ok, metrics = asyncio.run(run(app))
     assert failed.status_code == 500
     assert failed.json()["error"]["code"] == "engine_error"
@@ -101,7 +105,7 @@ def test_queue_full_is_429_with_retry_after() -> None:
 
 
 def test_loading_engine_is_not_ready_and_refuses_work() -> None:
-    (ready, gen, health), _ = call(FakeEngine(ready=False), ("GET", "/ready", None),
+    (ready, gen, health), _ = call(FakeEngine(phase=EnginePhase.LOADING), ("GET", "/ready", None),
                                    ("POST", GEN, {"prompt": "cat"}), ("GET", "/health", None))
     assert ready.status_code == 503 and ready.json()["phase"] == "loading"
     assert gen.status_code == 503
@@ -110,7 +114,7 @@ def test_loading_engine_is_not_ready_and_refuses_work() -> None:
 
 
 def test_ready_says_compiling_while_the_warm_up_compiles() -> None:
-    engine = FakeEngine(ready=False, compiling=True, config=EngineConfig(compile="inductor"))
+    engine = FakeEngine(phase=EnginePhase.COMPILING, config=EngineConfig(compile="inductor"))
     (ready, gen), _ = call(engine, ("GET", "/ready", None), ("POST", GEN, {"prompt": "cat"}))
     assert ready.status_code == 503
     assert (ready.json()["phase"], ready.json()["compile"]) == ("compiling", "inductor")
@@ -188,5 +192,7 @@ def test_plain_request_aborted_when_the_client_disconnects(metric) -> None:
 
 def test_compile_warm_up_size_is_the_default_size_height_first() -> None:
     engine = FakeEngine()
-    create_app(engine, ServerConfig(default_size="128x64"), start_engine=False)
-    assert engine.compile_warmup_size == (64, 128)  # "WxH" in the API, (height, width) here
+    options = engine_options(engine.config, ServerConfig(default_size="128x64"),
+                             ServingMetrics(lambda: engine), lambda: engine)
+    # "WxH" in the API, (height, width) here
+    assert options["warmup"].compile_size == (64, 128)

@@ -16,9 +16,11 @@ import pytest
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.config import ServerConfig
+from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.model_defaults import model_defaults
 from ditserve.engine.server.openapi import size_pattern
 from ditserve.engine.server.schemas import RequestLimits
+from ditserve.engine.server.state import engine_options
 
 _spec = importlib.util.spec_from_file_location("server_fake_engine_edge",
                                                Path(__file__).with_name("fake_engine.py"))
@@ -203,7 +205,10 @@ def test_the_server_uses_the_models_defaults(tmp_path, tiny_model_dir) -> None:
     app = create_app(engine, ServerConfig(), start_engine=False)
     limits = app.state.server.limits()
     assert (limits.default_size, limits.default_steps) == ((1024, 1024), 28)
-    assert engine.compile_warmup_size == (1024, 1024)
+    # With --compile the warm-up compiles at the model's default size (no compile after ready).
+    options = engine_options(engine.config, ServerConfig(), ServingMetrics(lambda: engine),
+                             lambda: engine)
+    assert options["warmup"].compile_size == (1024, 1024)
 
 
 def test_odd_headers_paths_and_methods_are_client_errors() -> None:

@@ -50,7 +50,7 @@ def _unavailable(state: ServerState, message: str) -> APIError:
 NOT_READY = {
     "draining": "the server is shutting down; retry on another replica",
     "stopped": "the engine has stopped; retry on another replica",
-    "failed": "the engine failed to start; see the server log",
+    "failed": "the engine failed; see the server log",
     "compiling": "the DiT blocks are still compiling (--compile); poll GET /ready",
     "loading": "the model is still loading; poll GET /ready",
 }

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ditserve.engine.server import openapi
-from ditserve.engine.server.phase import engine_phase
+from ditserve.engine.server.phase import engine_phase, failure_summary
 from ditserve.engine.server.state import ServerState
 
 router = APIRouter()
@@ -49,8 +49,9 @@ def readiness(state: ServerState) -> dict[str, Any]:
     phase = engine_phase(state)
     body: dict[str, Any] = {"ready": phase == "ready", "phase": phase,
                             "model": state.model_name, "compile": engine.config.compile}
-    if state.startup_error:
-        body["error"] = state.startup_error
+    error = failure_summary(state)
+    if error:
+        body["error"] = error
     if engine.executor is not None:
         stats = engine.stats()
         offload = engine.offload_report()

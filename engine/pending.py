@@ -1,0 +1,91 @@
+"""PendingRequests: what an engine holds for each request between ``add_request`` and its
+outcome - the caller's handle, the queue or rank batch it is in - and the step counters.
+
+Pure Python (no torch). Owned by ``DiffusionEngine`` and always used under the engine's lock:
+the request API adds and removes, the step loops take admitted requests out as
+``NewRequest`` for the runners and learn whose queue position moved.
+"""
+
+from __future__ import annotations
+
+from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.request import NewRequest
+from ditserve.engine.results import EngineStats, RequestHandle
+from ditserve.engine.scheduler import RunnerOutput, StepPlan
+
+
+class PendingRequests:
+    """Handles by request id, the replica's queues, and counters (see module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, ranks: int) -> None:
+        self.queues = RankQueues(config, ranks)
+        self._handles: dict[str, RequestHandle] = {}
+        self._steps_run = 0
+        self._rows_run = 0
+        self._finished = 0
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def ids(self) -> list[str]:
+        return list(self._handles)
+
+    def get(self, request_id: str) -> RequestHandle | None:
+        return self._handles.get(request_id)
+
+    def stats(self) -> EngineStats:
+        q = self.queues
+        return EngineStats(q.num_running, q.num_waiting, self._steps_run, self._rows_run,
+                           self._finished, len(q.schedulers))
+
+    def add(self, handle: RequestHandle) -> None:
+        """Queue a request; InvalidRequestError for an id in use, QueueFullError at max_queue."""
+        rid = handle.request_id
+        if rid in self._handles:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+        self.queues.add(rid, handle.params)
+        self._handles[rid] = handle
+        handle.queue_position = self.queues.queue_position(rid)
+
+    def remove(self, request_id: str) -> tuple[RequestHandle | None, int | None]:
+        """Forget a request (finished, failed or aborted): its handle and the rank it was on.
+        A running request's batch slot is freed at its rank's next step."""
+        return self._handles.pop(request_id, None), self.queues.remove(request_id)
+
+    def take_all(self) -> list[RequestHandle]:
+        """Forget everything (the engine cannot go on); returns the handles still waiting."""
+        self.queues.clear()
+        handles, self._handles = list(self._handles.values()), {}
+        return handles
+
+    def admitted(self, plan: StepPlan, now: float) -> tuple[NewRequest, ...]:
+        """The requests ``plan`` admits, as the runner receives them; they start now."""
+        admitted = []
+        for rid in plan.encode:
+            handle = self._handles.get(rid)
+            if handle is not None:  # not aborted meanwhile
+                handle.started_at = now
+                admitted.append(NewRequest(rid, handle.params, handle.seed))
+        return tuple(admitted)
+
+    def count(self, outputs: list[RunnerOutput], finished: int) -> None:
+        """Count a step: its forwards' rows (a step with any forward counts once) and the
+        requests it finished."""
+        rows = sum(out.forward_rows for out in outputs)
+        if rows:
+            self._steps_run += 1
+            self._rows_run += rows
+        self._finished += finished
+
+    def moved_in_queue(self) -> list[RequestHandle]:
+        """Listening requests whose queue position changed since they were last told."""
+        moved = []
+        for rid, position in self.queues.waiting_positions().items():
+            handle = self._handles.get(rid)
+            if handle is not None and handle.on_event is not None \
+                    and handle.queue_position != position:
+                handle.queue_position = position
+                moved.append(handle)
+        return moved

@@ -1,0 +1,123 @@
+"""Start-up of an engine replica: everything between LOADING and READY.
+
+Called once by ``DiffusionEngine.start``: ``open_executor`` resolves the model directory,
+builds the executor (loading the weights on every rank) and warms it up. The warm-up runs one
+real one-step request through every stage on every rank, so the first request does not pay
+for lazy initialization and every rank proves it can run; with ``--compile`` it then compiles
+the DiT blocks at the size the engine is told to expect (``WarmUp.compile_size``), calling
+``on_compiling`` first so the engine can say so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.errors import DitServeError
+from ditserve.engine.executor import Executor, LocalExecutor, RankWork
+from ditserve.engine.request import NewRequest, SamplingParams
+from ditserve.engine.scheduler import StepScheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What the engine runs before it is ready, beyond the one small warm-up step.
+
+    compile_size: with ``config.compile``, (height, width) to compile the DiT blocks at
+        before ready, so no request after ready waits for a compile (the HTTP server passes
+        its default size, ``generate`` the requested one); None leaves the compiles to the
+        first requests.
+    """
+
+    compile_size: tuple[int, int] | None = None
+
+
+def resolve_model(config: EngineConfig) -> Path:
+    """The model directory: ``config.model``, or the embedded tiny model (built on first use)."""
+    if config.model is not None:
+        return Path(config.model)
+    from ditserve.engine.tiny_model import ensure_tiny
+
+    model_dir = ensure_tiny()
+    log.warning("no --model given: serving the embedded tiny model (random weights) from %s",
+                model_dir)
+    return model_dir
+
+
+def make_executor(config: EngineConfig, *, model_dir: Path) -> Executor:
+    """One in-process runner, or rank 0 of a multi-process replica (``world_size`` > 1)."""
+    if config.parallel.world_size > 1:
+        from ditserve.engine.distributed.executor import MultiProcessExecutor
+
+        return MultiProcessExecutor(config, model_dir=model_dir)
+    return LocalExecutor(config, model_dir=model_dir)
+
+
+def open_executor(
+    config: EngineConfig, warmup: WarmUp, *, on_compiling: Callable[[], object]
+) -> tuple[Executor, Path]:
+    """Load the model on every rank and warm it up; returns the executor and model directory."""
+    model_dir = resolve_model(config)
+    executor = make_executor(config, model_dir=model_dir)
+    try:
+        warm_up(executor, config, warmup, on_compiling=on_compiling)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return executor, model_dir
+
+
+def warm_up(
+    executor: Executor, config: EngineConfig, warmup: WarmUp, *,
+    on_compiling: Callable[[], object],
+) -> None:
+    multiple = int(executor.runner.pixel_multiple)
+    _warm_step(executor, config, multiple * 2, multiple * 2, requests=1)
+    size = warmup.compile_size
+    if config.compile is None or size is None:
+        return
+    # Compiled blocks recompile when a shape first changes: the token count (resolution),
+    # then the batch (a batch of 1 is always its own graph). Two more warm-up steps leave a
+    # graph for batch 1 and one for any larger batch, both for any resolution, so no request
+    # after ready waits for a compile.
+    height, width = size
+    log.info("--compile: compiling the DiT blocks for %dx%d before ready (can take minutes)",
+             width, height)
+    on_compiling()
+    _warm_step(executor, config, height, width, requests=1)
+    if config.scheduler.max_num_seqs > 1:
+        _warm_step(executor, config, height, width, requests=2)
+
+
+def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int, *,
+               requests: int) -> None:
+    """One one-step step with ``requests`` requests on every rank, waited for and checked."""
+    params = SamplingParams(prompt="warm up", height=height, width=width,
+                            num_inference_steps=1, seed=0)
+    work = {}
+    for rank in range(executor.num_ranks):
+        scheduler = StepScheduler(config.scheduler)
+        ids = [f"warmup-{rank}-{i}" for i in range(requests)]
+        for rid in ids:
+            scheduler.add(rid, params)
+        work[rank] = RankWork(scheduler.schedule(), tuple(NewRequest(rid, params, 0)
+                                                          for rid in ids))
+    outputs = executor.step(work)
+    # An idle step waits for what the first one queued (decoded pixels come back late on a
+    # GPU), so the warm-up covers the whole request path, the hand-back included.
+    flushed = executor.step({rank: RankWork.idle() for rank in work})
+    for rank, rank_work in work.items():
+        out, late = outputs[rank], flushed[rank]
+        failed = {**out.failed, **late.failed}
+        if failed:
+            raise DitServeError(f"warm-up step failed on rank {rank}: {failed}")
+        asked = {new.request_id for new in rank_work.new}
+        missing = asked - {**out.finished, **late.finished}.keys()
+        if missing:
+            raise DitServeError(f"warm-up step on rank {rank} returned no image for "
+                                f"{', '.join(sorted(missing))}")
