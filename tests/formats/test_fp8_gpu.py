@@ -38,7 +38,10 @@ def test_scaled_mm_matches_emulation(bias_dtype: torch.dtype | None) -> None:
 
 def test_compiled_fp8_linear_runs_and_matches_eager() -> None:
     torch.manual_seed(1)
-    layer = FP8Linear.from_linear(nn.Linear(1024, 4096).cuda().to(torch.bfloat16))
+    # Frozen, as every engine model is (requires_grad_(False)): _scaled_mm has no backward, so
+    # a trainable bias would make dynamo trace an autograd graph it cannot build.
+    linear = nn.Linear(1024, 4096).cuda().to(torch.bfloat16).requires_grad_(False)
+    layer = FP8Linear.from_linear(linear)
     x = torch.randn(2, 257, 1024, device="cuda", dtype=torch.bfloat16)
     eager = layer(x)
     compiled = torch.compile(layer, fullgraph=True)(x)
