@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", required=True, type=Path, help="local diffusers model directory")
         sp.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="runtime dtype")
         sp.add_argument("--revision", default=None, help="revision label recorded in the identity")
+        sp.add_argument("--component", default="transformer", metavar="NAME",
+                        help="which DiT of the model (Wan 2.2's second expert: transformer_2)")
         sp.add_argument("--sp-size", type=_positive_int, default=1,
                         help="sequence-parallel world size of the engines (part of the identity)")
         sp.add_argument("--sp-impl", default=None,

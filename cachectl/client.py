@@ -62,9 +62,10 @@ class DaemonClient:
         return status == 200
 
     def ensure(self, model: str, dtype: str, revision: str | None, *, wait_s: float,
-               sp_size: int = 1, sp_impl: str | None = None) -> tuple[int, dict[str, Any]]:
+               sp_size: int = 1, sp_impl: str | None = None,
+               component: str = "transformer") -> tuple[int, dict[str, Any]]:
         body = {"model": model, "dtype": dtype, "revision": revision, "wait_s": wait_s,
-                "sp_size": sp_size, "sp_impl": sp_impl}
+                "sp_size": sp_size, "sp_impl": sp_impl, "component": component}
         return self.request("POST", "/v1/ensure", body, timeout_s=wait_s + self.timeout_s)
 
     def entry(self, key: str) -> tuple[int, dict[str, Any]]:

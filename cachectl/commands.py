@@ -75,7 +75,8 @@ def _request(args: argparse.Namespace) -> Any:
     from ditserve.cachectl.model_build import ModelRequest
 
     return ModelRequest(args.model.resolve(), args.dtype, args.revision,
-                        Placement(sp_size=args.sp_size, sp_impl=args.sp_impl))
+                        Placement(sp_size=args.sp_size, sp_impl=args.sp_impl),
+                        component=args.component)
 
 
 def _local_ensure(root: Path, args: argparse.Namespace, progress: Progress,
@@ -112,7 +113,7 @@ def _daemon_ensure(client: Any, args: argparse.Namespace, progress: Progress) ->
         # Long-poll: the daemon answers as soon as the build ends, or after wait_s.
         status, body = client.ensure(str(args.model.resolve()), args.dtype, args.revision,
                                      wait_s=min(5.0, left), sp_size=args.sp_size,
-                                     sp_impl=args.sp_impl)
+                                     sp_impl=args.sp_impl, component=args.component)
         if body.get("phase") != last_phase:
             last_phase = body.get("phase")
             progress.phase(f"daemon: {last_phase}")

@@ -81,6 +81,9 @@ class EnsureBody(BaseModel):
     revision: str | None = None
     sp_size: int = Field(1, ge=1, description="sequence-parallel world size (identity)")
     sp_impl: str | None = None
+    component: str = Field("transformer", min_length=1, max_length=64,
+                           pattern=r"^[A-Za-z0-9_]+$",
+                           description="which DiT of the model (Wan 2.2: transformer_2)")
     wait_s: float = Field(0.0, ge=0, le=3600, description="long-poll up to this many seconds")
 
 
@@ -136,7 +139,8 @@ def create_app(daemon: Daemon) -> FastAPI:
     async def ensure(body: EnsureBody) -> JSONResponse:
         try:
             placement = Placement(sp_size=body.sp_size, sp_impl=body.sp_impl)
-            request = ModelRequest(Path(body.model), body.dtype, body.revision, placement)
+            request = ModelRequest(Path(body.model), body.dtype, body.revision, placement,
+                                   component=body.component)
             job = await asyncio.to_thread(daemon.builds.submit, request)
         except CacheError as e:
             return JSONResponse({"status": "failed", "reason": "bad_request", "error": str(e)}, 400)
