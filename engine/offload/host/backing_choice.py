@@ -70,6 +70,7 @@ def prepare_dit(
     offload: OffloadConfig,
     tp_size: int = 1,
     streams_from_mapping: bool = False,
+    keep_private: str | None = None,
 ) -> tuple[nn.Module, HostWeightPlan]:
     """The DiT for offload and its HostWeightPlan (see module doc). Never fails over a
     backing: only the ordinary load's own errors propagate.
@@ -79,6 +80,9 @@ def prepare_dit(
     Then ``checkpoint_mmap="auto"`` maps the checkpoint only when ``pin_limit_gib`` lets the
     mapping be registered: unregistered, it streams through staging slots at about half the
     speed of private pinned slabs (docs/benchmarks.md), a bad default trade for sharing.
+
+    keep_private: why the DiT's tensors will be replaced after loading (``--quantization``);
+    then it is loaded ordinarily (the runtime cache is refused by the option rules).
     """
     from ditserve.engine import loader
 
@@ -102,6 +106,10 @@ def prepare_dit(
             return load(), plan
         log.info("DLO host backing: %s (%s)", plan.kind, plan.reason)
         return model, plan
+    if keep_private is not None:
+        plan = HostWeightPlan.ordinary(f"checkpoint mmap skipped: {keep_private}")
+        log.info("DLO host backing: ordinary (%s)", plan.reason)
+        return load(), plan
     if offload.checkpoint_mmap == "off":
         return load(), HostWeightPlan.ordinary("checkpoint mmap off (--dlo-checkpoint-mmap off)")
     if streams_from_mapping and offload.pin_limit_gib <= 0:
