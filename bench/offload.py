@@ -36,8 +36,8 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import harness

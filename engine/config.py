@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ditserve.engine.errors import ConfigError
-from ditserve.engine.formats.packed_layout import DEFAULT_STRIPES
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -30,8 +29,9 @@ COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 COMPRESS_MODES: tuple[str, ...] = ("none", "lossless")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 # An AllGather group splits each packed bf16 run by whole stripes, so its size must divide
-# the stripe count the offload packs with (packed_layout is pure: no torch).
-PACKED_STRIPES = DEFAULT_STRIPES
+# the stripe count the offload packs with: engine.formats.packed_layout.DEFAULT_STRIPES (a
+# test keeps the two equal; that module refers to torch, which this one must not import).
+PACKED_STRIPES = 8
 
 
 @dataclass(frozen=True)

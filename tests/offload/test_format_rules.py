@@ -96,3 +96,10 @@ def test_flags_map_onto_the_config() -> None:
              "--quantization", "fp8"]))
     with pytest.raises(SystemExit):  # argparse refuses values outside the choices
         parser.parse_args(["--quantization", "int8"])
+
+
+def test_the_rules_know_the_stripe_count_the_offload_packs_with() -> None:
+    from ditserve.engine.config import PACKED_STRIPES
+    from ditserve.engine.formats.packed_layout import DEFAULT_STRIPES
+
+    assert PACKED_STRIPES == DEFAULT_STRIPES

@@ -3,7 +3,6 @@ lossless DLO == plain DLO bit for bit, FP8 DLO == FP8 resident, and what the rep
 
 from __future__ import annotations
 
-import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
