@@ -152,6 +152,20 @@ def time_steps(model: Callable[..., Any], inputs: dict[str, Any], warmup: int,
     return StepTimes([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], host)
 
 
+def blocks_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``compile_repeated_blocks`` compiled ``model``'s blocks (it sets each block's
+    ``forward`` as an instance attribute)."""
+    return any("forward" in vars(m) for m in model.modules())
+
+
+def uncompile_blocks(model: torch.nn.Module) -> None:
+    """Undo ``compile_repeated_blocks``: the blocks' class ``forward`` again, and dynamo's
+    caches dropped (the next compile starts from scratch, for the model as it is then)."""
+    for module in model.modules():
+        vars(module).pop("forward", None)
+    torch.compiler.reset()
+
+
 # -- host -> device links -------------------------------------------------------------------------
 def copy_gbps(dev: torch.Tensor, host: torch.Tensor, stream: Any, reps: int) -> float:
     """GB/s of ``dev.copy_(host)`` on ``stream`` (median of ``reps`` CUDA-event timings)."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Layerwise offload on one GPU: resident vs ditserve DLO vs diffusers group offloading.
+"""Layerwise offload on one GPU: resident vs ditserve DLO (plain, packed, FP8) vs diffusers.
 
 One process, one random Flux-sized transformer (diffusers ``FluxTransformer2DModel`` default
 config with guidance embeds: 11.9B parameters, bf16), 1024x1024 and 512x512 latents, batch
@@ -9,16 +9,24 @@ config with guidance embeds: 11.9B parameters, bf16), 1024x1024 and 512x512 late
 - ``dlo``: ``enable_offload`` with every block streamed;
 - ``dlo-budget``: ``enable_offload`` with ``hbm_budget_gib`` at half the model;
 - ``diffusers-block`` / ``diffusers-leaf``: ``enable_group_offload`` with
-  block_level (num_blocks_per_group=1) and leaf_level, both use_stream=True, record_stream=True.
+  block_level (num_blocks_per_group=1) and leaf_level, both use_stream=True, record_stream=True;
+- host weight formats (issue 24): ``dlo-packed`` (``compress="lossless"``: packed bf16 host
+  bytes, decoded on the device; its batch-1 output is compared bit for bit with ``dlo``'s),
+  ``fp8-resident`` / ``fp8-dlo`` (``quantize_dit(..., "fp8")``: the block linears in FP8), and
+  the compiled variants ``resident-compiled``, ``fp8-resident-compiled``, ``fp8-dlo-compiled``
+  (regional ``torch.compile``, ``--compile-backend``; only ``--compiled-batches``, so each
+  variant compiles once). All of them run on the one model, built once on the GPU: bf16
+  methods first, then it is quantized in place.
 
 Reports ms/step (median of CUDA-event timings), peak HBM, pinned host bytes, the measured
 pinned H2D bandwidth, host-synchronizing CUDA calls per step (torch profiler), and checks the
-issue's targets. Prints a table; writes JSON, a markdown table and profiler traces to --out.
+issues' targets. Prints a table; writes JSON, a markdown table and profiler traces to --out.
 Model, inputs, timer and profiler are ``bench/harness.py``'s; the offload is read through its
 typed report (``handle.snapshot()``).
 
     python3 bench/offload.py --out out/offload
     python3 bench/offload.py --methods resident dlo --resolutions 1024 --batches 1 4 --out $OUT
+    python3 bench/offload.py --formats --out $OUT        # issue 24's table, ~6 min on one H200
     python3 bench/offload.py --tiny --methods resident dlo --resolutions 64 --profile-res 64  # CPU
 """
 
@@ -28,18 +36,24 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import harness
 import torch
 
+from ditserve.engine.compiled_blocks import compile_repeated_blocks
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.offload import enable_offload
+from ditserve.engine.offload import OffloadHandle, enable_offload
+from ditserve.engine.quantize_dit import quantize_dit
 
 GIB = harness.GIB
 RESOLUTIONS = (1024, 512)
 BATCHES = (1, 2, 4)
+FORMAT_METHODS = ("resident", "resident-compiled", "dlo", "dlo-packed", "fp8-resident",
+                  "fp8-dlo", "fp8-dlo-compiled", "fp8-resident-compiled")
+FP8_METHODS = ("fp8-resident", "fp8-dlo", "fp8-dlo-compiled", "fp8-resident-compiled")
 log = harness.log
 
 
@@ -54,6 +68,9 @@ class Bench:
         self.results: dict[str, Any] = {
             **harness.environment(self.device), "cells": [], "methods": {}, "skipped": [],
         }
+        self.outputs: dict[str, torch.Tensor] = {}  # batch-1 outputs, for bit-identity checks
+        self.results["target_res"] = args.resolutions[0]
+        self.results["compiled_batch"] = max(args.compiled_batches)
 
     def over_deadline(self) -> bool:
         return time.monotonic() - self.started > self.args.deadline_s
@@ -64,9 +81,10 @@ class Bench:
     def model(self) -> torch.nn.Module:
         return harness.build_flux(self.device, tiny=self.args.tiny)
 
-    def cells(self, method: str, model: torch.nn.Module, batches_for: dict[int, tuple[int, ...]] | None = None) -> None:
+    def cells(self, method: str, model: torch.nn.Module,
+              batches: Sequence[int] | None = None) -> None:
         for res in self.args.resolutions:
-            for batch in (batches_for or {}).get(res, self.args.batches):
+            for batch in self.args.batches if batches is None else batches:
                 if self.over_deadline():
                     self.results["skipped"].append(f"{method} {res} b{batch}")
                     continue
@@ -103,84 +121,153 @@ class Bench:
         if "resident" in a.methods:
             self.results["methods"]["resident"] = {"weights_bytes": weights}
             self.cells("resident", model)
-
+        if "resident-compiled" in a.methods:
+            self.compiled("resident-compiled", model)
+            harness.uncompile_blocks(model)  # the bf16 offloads below run eagerly
         if "dlo" in a.methods:
-            t0 = time.monotonic()
-            handle = enable_offload(model, OffloadConfig(enabled=True), device=self.device)
-            harness.release_host_cache()
-            info = {"enable_s": time.monotonic() - t0,
-                    "report_at_start": handle.snapshot().to_json(), "rss_gib": harness.rss_gib()}
-            log(f"dlo enabled in {info['enable_s']:.1f}s: {info['report_at_start']}")
-            self.results["methods"]["dlo"] = info
-            self.cells("dlo", model)
-            if not self.over_deadline():
-                before = handle.snapshot().traffic.bytes_transferred
-                info["profile"] = harness.profile_steps(
-                    model, harness.flux_inputs(model, self.args.profile_res, 1, self.device), 3,
-                    self.out / "dlo_trace.json.gz")
-                moved = handle.snapshot().traffic.bytes_transferred - before
-                info["bytes_per_profiled_step"] = moved / 4
-                log(f"dlo profile: {info['profile']}")
-            info["report_at_end"] = handle.snapshot().to_json()
-            handle.disable()
-            self.save()
-
+            self.offloaded("dlo", model, OffloadConfig(enabled=True), profile=not a.no_profile)
+        if "dlo-packed" in a.methods:
+            self.offloaded("dlo-packed", model, OffloadConfig(enabled=True, compress="lossless"))
         if "dlo-budget" in a.methods:
             budget = a.budget_gib or round(weights / 2 / GIB, 2)
             if a.tiny:
                 budget = a.budget_gib or weights / 2 / GIB
-            t0 = time.monotonic()
             reserve = None if a.activation_reserve_gib is None else int(a.activation_reserve_gib * GIB)
-            handle = enable_offload(
-                model, OffloadConfig(enabled=True, hbm_budget_gib=budget), device=self.device,
-                activation_reserve_bytes=reserve)
-            harness.release_host_cache()
-            info = {"budget_gib": budget, "enable_s": time.monotonic() - t0,
-                    "report_at_start": handle.snapshot().to_json()}
-            log(f"dlo-budget ({budget} GiB) enabled: {info['report_at_start']}")
-            self.results["methods"]["dlo-budget"] = info
-            self.cells("dlo-budget", model)
-            info["report_at_end"] = handle.snapshot().to_json()
-            handle.disable()
-            self.save()
+            info = self.offloaded("dlo-budget", model,
+                                  OffloadConfig(enabled=True, hbm_budget_gib=budget),
+                                  activation_reserve_bytes=reserve)
+            info["budget_gib"] = budget
+        if set(FP8_METHODS) & set(a.methods):
+            self.fp8(model)
         del model
         harness.release_host_cache()
-
         for method, offload_type in (("diffusers-block", "block_level"), ("diffusers-leaf", "leaf_level")):
-            if method not in a.methods or self.over_deadline():
-                continue
-            model = self.model()
-            before = harness.host_pinned_stats()
-            t0 = time.monotonic()
-            kwargs: dict[str, Any] = dict(
-                onload_device=self.device, offload_device=torch.device("cpu"),
-                offload_type=offload_type, use_stream=self.device.type == "cuda",
-                record_stream=self.device.type == "cuda")
-            if offload_type == "block_level":
-                kwargs["num_blocks_per_group"] = 1
-            model.enable_group_offload(**kwargs)  # type: ignore[operator]
-            harness.release_device_cache()
-            info = {"enable_s": time.monotonic() - t0, "host_pinned_before": before,
-                    "host_pinned_after": harness.host_pinned_stats(), "rss_gib": harness.rss_gib(),
-                    "pinned_bytes_pow2_estimate": sum(
-                        1 << max(p.numel() * p.element_size() - 1, 0).bit_length()
-                        for p in model.parameters())}
-            log(f"{method} enabled in {info['enable_s']:.1f}s, pinned {info['host_pinned_after']}")
-            self.results["methods"][method] = info
-            self.cells(method, model)
-            if method == "diffusers-block" and not self.over_deadline():
-                info["profile"] = harness.profile_steps(
-                    model, harness.flux_inputs(model, self.args.profile_res, 1, self.device), 2,
-                    self.out / "diffusers_block_trace.json.gz")
-                log(f"{method} profile: {info['profile']}")
-            del model
-            harness.release_host_cache()
-            self.save()
+            if method in a.methods and not self.over_deadline():
+                self.diffusers(method, offload_type)
         self.results["targets"] = targets(self.results)
         self.save()
         table = markdown_table(self.results)
         (self.out / "offload_bench.md").write_text(table)
         print(table, flush=True)
+
+    def offloaded(self, method: str, model: torch.nn.Module, config: OffloadConfig, *,
+                  profile: bool = False,
+                  activation_reserve_bytes: int | None = None) -> dict[str, Any]:
+        """Enable ``config`` on ``model``, time its cells, record its report, disable."""
+        handle, info = self.enable(method, model, config, activation_reserve_bytes)
+        self.cells(method, model)
+        self.record_output(method, model)
+        if profile and not self.over_deadline():
+            self.profile(method, model, handle, info)
+        self.disable(handle, info)
+        return info
+
+    def enable(self, method: str, model: torch.nn.Module, config: OffloadConfig,
+               activation_reserve_bytes: int | None = None) -> tuple[OffloadHandle, dict[str, Any]]:
+        t0 = time.monotonic()
+        handle = enable_offload(model, config, device=self.device,
+                                activation_reserve_bytes=activation_reserve_bytes)
+        harness.release_host_cache()
+        info = {"enable_s": time.monotonic() - t0,
+                "report_at_start": handle.snapshot().to_json(), "rss_gib": harness.rss_gib()}
+        log(f"{method} enabled in {info['enable_s']:.1f}s: {info['report_at_start']}")
+        self.results["methods"][method] = info
+        return handle, info
+
+    def disable(self, handle: OffloadHandle, info: dict[str, Any]) -> None:
+        info["report_at_end"] = handle.snapshot().to_json()
+        handle.disable()
+        self.save()
+
+    def profile(self, method: str, model: torch.nn.Module, handle: OffloadHandle,
+                info: dict[str, Any]) -> None:
+        before = handle.snapshot().traffic.bytes_transferred
+        info["profile"] = harness.profile_steps(
+            model, harness.flux_inputs(model, self.args.profile_res, 1, self.device), 3,
+            self.out / f"{method.replace('-', '_')}_trace.json.gz")
+        moved = handle.snapshot().traffic.bytes_transferred - before
+        info["bytes_per_profiled_step"] = moved / 4
+        log(f"{method} profile: {info['profile']}")
+
+    def record_output(self, method: str, model: torch.nn.Module) -> None:
+        """Keep batch 1's output at the first resolution; a method whose output must equal
+        another's bit for bit (``dlo-packed`` against ``dlo``) is judged here."""
+        inputs = harness.flux_inputs(model, self.args.resolutions[0], 1, self.device)
+        with torch.no_grad():
+            self.outputs[method] = model(**inputs)[0].clone()
+        reference = {"dlo-packed": "dlo"}.get(method)
+        if reference in self.outputs:
+            same = torch.equal(self.outputs[method], self.outputs[reference])
+            self.results["methods"][method]["identical_to"] = {reference: same}
+            log(f"{method} output bit-identical to {reference}: {same}")
+
+    def compiled(self, method: str, model: torch.nn.Module) -> None:
+        """Time ``method`` with the blocks compiled (regional compilation, compiled once per
+        variant: the compiled forwards stay until ``harness.uncompile_blocks``), at
+        ``--compiled-batches`` only, so one shape compiles."""
+        t0 = time.monotonic()
+        if not harness.blocks_compiled(model):
+            compile_repeated_blocks(model, self.args.compile_backend)
+        self.cells(method, model, batches=self.args.compiled_batches)
+        self.results["methods"].setdefault(method, {})["compile_and_cells_s"] = (
+            time.monotonic() - t0)
+        log(f"{method} ({self.args.compile_backend}): {time.monotonic() - t0:.0f}s with "
+            "compilation")
+
+    def fp8(self, model: torch.nn.Module) -> None:
+        """The FP8 methods on the same model, quantized in place (on the GPU). One offload
+        serves fp8-dlo and, compiled, fp8-dlo-compiled; fp8-resident-compiled reuses the
+        compiled blocks (the same graphs: to dynamo a slot view is just another input)."""
+        a = self.args
+        harness.uncompile_blocks(model)
+        model.to(self.device)  # the blocks come back from the last offload on the host
+        t0 = time.monotonic()
+        report = quantize_dit(model, "fp8", device=self.device)
+        harness.release_host_cache()
+        self.results["fp8"] = {**report.to_dict(), "quantize_s": time.monotonic() - t0}
+        log(f"fp8: {self.results['fp8']}")
+        if "fp8-resident" in a.methods:
+            self.cells("fp8-resident", model)
+        if {"fp8-dlo", "fp8-dlo-compiled"} & set(a.methods):
+            handle, info = self.enable("fp8-dlo", model, OffloadConfig(enabled=True))
+            if "fp8-dlo" in a.methods:
+                self.cells("fp8-dlo", model)
+            if "fp8-dlo-compiled" in a.methods and not self.over_deadline():
+                self.compiled("fp8-dlo-compiled", model)
+            self.disable(handle, info)
+        if "fp8-resident-compiled" in a.methods and not self.over_deadline():
+            model.to(self.device)
+            self.compiled("fp8-resident-compiled", model)
+        harness.uncompile_blocks(model)
+
+    def diffusers(self, method: str, offload_type: str) -> None:
+        model = self.model()
+        before = harness.host_pinned_stats()
+        t0 = time.monotonic()
+        kwargs: dict[str, Any] = dict(
+            onload_device=self.device, offload_device=torch.device("cpu"),
+            offload_type=offload_type, use_stream=self.device.type == "cuda",
+            record_stream=self.device.type == "cuda")
+        if offload_type == "block_level":
+            kwargs["num_blocks_per_group"] = 1
+        model.enable_group_offload(**kwargs)  # type: ignore[operator]
+        harness.release_device_cache()
+        info = {"enable_s": time.monotonic() - t0, "host_pinned_before": before,
+                "host_pinned_after": harness.host_pinned_stats(), "rss_gib": harness.rss_gib(),
+                "pinned_bytes_pow2_estimate": sum(
+                    1 << max(p.numel() * p.element_size() - 1, 0).bit_length()
+                    for p in model.parameters())}
+        log(f"{method} enabled in {info['enable_s']:.1f}s, pinned {info['host_pinned_after']}")
+        self.results["methods"][method] = info
+        self.cells(method, model)
+        if method == "diffusers-block" and not self.over_deadline():
+            info["profile"] = harness.profile_steps(
+                model, harness.flux_inputs(model, self.args.profile_res, 1, self.device), 2,
+                self.out / "diffusers_block_trace.json.gz")
+            log(f"{method} profile: {info['profile']}")
+        del model
+        harness.release_host_cache()
+        self.save()
 
 
 def cell(results: dict[str, Any], method: str, res: int, batch: int) -> dict[str, Any] | None:
@@ -231,11 +318,52 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         prof = r["methods"]["dlo"].get("profile")
         if prof:
             add("host-blocking CUDA syncs per steady-state step", sum(prof["sync_calls_per_step"].values()), 0, "calls")
+    return out + format_targets(r)
+
+
+def format_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 24's targets (host weight formats) at the run's first resolution (1024^2 with
+    ``--formats``): each with value, bound, verdict."""
+    out: list[dict[str, Any]] = []
+    res = r.get("target_res", 1024)
+
+    def ms(method: str, batch: int) -> float | None:
+        c = cell(r, method, res, batch)
+        return None if c is None else float(c["ms"])
+
+    def add(name: str, value: float | None, bound: float | None, unit: str,
+            also: bool = True) -> None:
+        ok = None if value is None or bound is None else value <= bound and also
+        out.append({"target": name, "value": value, "bound": bound, "unit": unit, "ok": ok})
+
+    def scaled(x: float | None, k: float) -> float | None:
+        return None if x is None else k * x
+
+    dlo, packed = ms("dlo", 1), ms("dlo-packed", 1)
+    same = r["methods"].get("dlo-packed", {}).get("identical_to", {}).get("dlo")
+    if packed is not None:
+        add(f"packed DLO b1 <= 0.78 x bf16 DLO b1, outputs bit-identical ({same})", packed,
+            scaled(dlo, 0.78), "ms", also=bool(same))
+    if ms("fp8-dlo", 1) is not None:
+        add("FP8 DLO b1 <= 0.55 x bf16 DLO b1", ms("fp8-dlo", 1), scaled(dlo, 0.55), "ms")
+    b = r.get("compiled_batch", 4)  # the batch the compiled variants ran (issue: 4)
+    if ms("fp8-resident-compiled", b) is not None:
+        add(f"compiled FP8 resident b{b} >= 1.3x faster than compiled bf16 resident b{b}",
+            scaled(ms("fp8-resident-compiled", b), 1.3), ms("resident-compiled", b), "ms")
+    if ms("fp8-dlo-compiled", b) is not None:
+        add(f"compiled FP8 DLO b{b} <= 0.6 x eager bf16 resident b{b}", ms("fp8-dlo-compiled", b),
+            scaled(ms("resident", b), 0.6), "ms")
+    for method, streamed in (("dlo-packed", "host_bytes"), ("fp8-dlo", "streamed_bytes")):
+        rep = r["methods"].get(method, {}).get("report_at_start")
+        if rep:  # packed: the packed (+ raw) bytes that cross the link; FP8: its slabs
+            add(f"{method}: host pinned <= 1.02 x bytes streamed", rep["pinned_host_bytes"] / GIB,
+                1.02 * rep[streamed] / GIB, "GiB")
     return out
 
 
 def markdown_table(r: dict[str, Any]) -> str:
-    methods = [m for m in ("resident", "dlo", "dlo-budget", "diffusers-block", "diffusers-leaf")
+    methods = [m for m in ("resident", "resident-compiled", "dlo", "dlo-budget", "dlo-packed",
+                           *FP8_METHODS, "diffusers-block", "diffusers-leaf")
                if any(c["method"] == m for c in r["cells"])]
     lines = [f"GPU: {r['gpu']}, torch {r['torch']}, {r['date']}; model "
              f"{r['model']['params'] / 1e9:.2f}B params ({r['model']['bytes'] / GIB:.2f} GiB bf16); "
@@ -253,12 +381,13 @@ def markdown_table(r: dict[str, Any]) -> str:
     lines.append("")
     lines.append("| method | streamed GiB/step | pinned host GiB | notes |")
     lines.append("|---|---|---|---|")
-    for m in ("dlo", "dlo-budget"):
+    for m in ("dlo", "dlo-budget", "dlo-packed", "fp8-dlo"):
         rep = r["methods"].get(m, {}).get("report_at_start")
         if rep:
             lines.append(f"| {m} | {rep['streamed_bytes'] / GIB:.2f} | {rep['pinned_host_bytes'] / GIB:.2f} | "
                          f"{rep['streamed_blocks']} streamed / {rep['resident_blocks']} resident blocks, "
-                         f"slot {rep['slot_bytes'] / GIB:.2f} GiB, {rep['backing']} |")
+                         f"slot {rep['slot_bytes'] / GIB:.2f} GiB, host {rep['host_bytes'] / GIB:.2f} GiB, "
+                         f"{rep['backing']}, {rep['transfer']} |")
     for m in ("diffusers-block", "diffusers-leaf"):
         info = r["methods"].get(m)
         if info:
@@ -279,6 +408,13 @@ def markdown_table(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ``--formats``: issue 24's table in one process on one H200 (about 6 minutes: the model is
+# built once, each compiled variant compiles once, at batch 4 only; no profiler pass).
+FORMAT_DEFAULTS: dict[str, Any] = dict(
+    methods=list(FORMAT_METHODS), resolutions=[1024], batches=[1, 4], warmup=1, iters=3,
+    no_profile=True, deadline_s=480.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "out/offload"))
@@ -292,9 +428,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--profile-res", type=int, default=1024,
                    help="resolution of the profiled batch-1 steps")
+    p.add_argument("--no-profile", action="store_true", help="skip the DLO profiler pass")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the *-compiled methods (aot_eager on a CPU)")
+    p.add_argument("--compiled-batches", type=int, nargs="+", default=[4],
+                   help="batches the *-compiled methods time (one compile per shape)")
+    p.add_argument("--formats", action="store_true",
+                   help="issue 24's host-format methods and targets: " + " ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in FORMAT_DEFAULTS.items()))
     p.add_argument("--tiny", action="store_true", help="small model: smoke-test on a CPU")
     p.add_argument("--methods", nargs="+",
                    default=["resident", "dlo", "dlo-budget", "diffusers-block", "diffusers-leaf"])
+    if p.parse_known_args(argv)[0].formats:
+        p.set_defaults(**FORMAT_DEFAULTS)  # flags given explicitly still win
     args = p.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         print("bench/offload.py needs a CUDA device (or --tiny for a CPU smoke run)", file=sys.stderr)

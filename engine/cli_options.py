@@ -13,8 +13,10 @@ from typing import Any
 
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
+    COMPRESS_MODES,
     DTYPES,
     GATHER_ENGINES,
+    QUANTIZATIONS,
     EngineConfig,
 )
 from ditserve.engine.errors import ConfigError
@@ -25,6 +27,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "dtype": (None, "dtype"),
     "device": (None, "device"),
     "compile": (None, "compile"),
+    "quantization": (None, "quantization"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_bypass": ("scheduler", "max_bypass"),
     "max_queue": ("scheduler", "max_queue"),
@@ -37,6 +40,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "cache_root": ("offload", "cache_root"),
     "dlo_pin_limit_gib": ("offload", "pin_limit_gib"),
     "dlo_checkpoint_mmap": ("offload", "checkpoint_mmap"),
+    "dlo_compress": ("offload", "compress"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
     "sequence_parallel_size": ("parallel", "sequence_parallel_size"),
 }
@@ -56,6 +60,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="torch.compile the DiT's repeated blocks (backend: inductor when "
                         "omitted; aot_eager or eager only trace); the warm-up compiles at the "
                         "default size before the engine is ready")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="fp8: the DiT blocks' linear layers in FP8 e4m3 with rowwise scales "
+                        "(torch._scaled_mm on CUDA sm89+, an emulation elsewhere); norms, "
+                        "embedders and the final projection stay in --dtype")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests batched into one denoise forward (default 4)")
     g.add_argument("--max-bypass", type=int, default=None,
@@ -87,6 +95,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="host-registration budget for mmap backings (0: staging copies)")
     o.add_argument("--dlo-checkpoint-mmap", choices=("auto", "off"), default=None,
                    help="stream straight from the checkpoint's safetensors when possible")
+    o.add_argument("--dlo-compress", choices=COMPRESS_MODES, default=None,
+                   help="lossless: keep streamed blocks' bf16 bytes packed (0.75x, bit-exact) "
+                        "in host memory and decode them on the device after each copy")
     p = parser.add_argument_group("parallelism")
     p.add_argument("--data-parallel-size", type=int, default=None,
                    help="engine worker processes, one per device, each with its own batch")

@@ -27,6 +27,14 @@ COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 # The values a deployment's ``model.family`` may take: Auto (read model_index.json) or a
 # registered family (engine/families.py); the operator judges specs with the rule below.
 MODEL_FAMILIES: tuple[str, ...] = (AUTO_FAMILY, *family_labels())
+# Host weight formats (docs/formats.md): how streamed blocks' bf16 bytes sit in host memory,
+# and which linear layers run in FP8. ``format_problems`` says what each combines with.
+COMPRESS_MODES: tuple[str, ...] = ("none", "lossless")
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# An AllGather group splits each packed bf16 run by whole stripes, so its size must divide
+# the stripe count the offload packs with: engine.formats.packed_layout.DEFAULT_STRIPES (a
+# test keeps the two equal; that module refers to torch, which this one must not import).
+PACKED_STRIPES = 8
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,8 @@ class OffloadConfig:
     cache_lock_timeout_s: how long to wait for another process building the same entry.
     pin_limit_gib: host-registration budget for mmap backings; 0 uses bounded staging slots.
     checkpoint_mmap: "auto" streams straight from the checkpoint's safetensors when it can.
+    compress: "lossless" keeps the streamed blocks' bf16 regions packed (12-bit, bit-exact) in
+        host memory and decodes them on the device after each copy; "none" streams raw bytes.
     """
 
     enabled: bool = False
@@ -62,6 +72,7 @@ class OffloadConfig:
     cache_lock_timeout_s: float = 600.0
     pin_limit_gib: float = 0.0
     checkpoint_mmap: str = "auto"
+    compress: str = "none"
 
 
 @dataclass(frozen=True)
@@ -109,12 +120,15 @@ class EngineConfig:
 
     compile: a torch.compile backend for the DiT's repeated blocks (regional compilation,
     ``ditserve.engine.compiled_blocks``); None runs them eagerly.
+    quantization: "fp8" runs the DiT blocks' linear layers in FP8 e4m3 (rowwise weight scales,
+    per-token activation scales; ``ditserve.engine.quantize_dit``); None keeps ``dtype``.
     """
 
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
     compile: str | None = None
+    quantization: str | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -219,6 +233,77 @@ def problems(config: EngineConfig) -> list[str]:
 
     off = config.offload
     out.extend(offload_problems(off, parallel=par))
+    allgather = off.enabled and off.use_allgather and par.weight_group is not None
+    group = (par.data_parallel_size if par.data_parallel_size > 1
+             else par.sequence_parallel_size) if allgather else 1
+    out.extend(format_problems(off, quantization=config.quantization, dtype=config.dtype,
+                               group_size=group))
+    return out
+
+
+def format_problems(
+    off: OffloadConfig,
+    *,
+    quantization: str | None = None,
+    dtype: str | None = None,
+    group_size: int = 1,
+) -> list[str]:
+    """What the host weight formats combine with, in one place (docs/formats.md).
+
+    ==================  ========  =====  =============  =============  ===============  =======
+    format              resident  DLO    DLO AllGather  runtime cache  checkpoint mmap  compile
+    ==================  ========  =====  =============  =============  ===============  =======
+    lossless (bf16)     no        yes    group | 8      no             read at enable   yes
+    fp8                 yes       yes    yes            no             no (private)     yes
+    lossless + fp8      no
+    ==================  ========  =====  =============  =============  ===============  =======
+
+    - lossless packs bf16 only (``dtype`` bfloat16); other dtype regions of a block stream raw.
+      An AllGather group splits every packed run by whole stripes (``PACKED_STRIPES``).
+    - "read at enable": the packed slabs are private, so a mapped checkpoint is only read
+      once to fill them (``checkpoint_mmap`` auto); ``pin_limit_gib`` (registering the mapping)
+      and the runtime cache (sharing raw pages; its v1 manifest carries no packed layout and
+      no quantization rule) do not apply.
+    - fp8 replaces the linears' weights by new fp8/fp32 tensors after loading, so the DiT is
+      loaded privately (no checkpoint mapping) and the runtime cache v1 is refused.
+    - fp8 + lossless: after FP8 there is little bf16 left to pack, and FP8 bytes pack poorly.
+
+    ``quantization`` / ``dtype`` None: not known here (the offload backend checks at enable
+    what it can: the group's size); those rules are skipped.
+    """
+    out: list[str] = []
+    if off.compress not in COMPRESS_MODES:
+        out.append(f"offload.compress must be one of {', '.join(COMPRESS_MODES)}, "
+                   f"got {off.compress!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        out.append(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), "
+                   f"got {quantization!r}")
+    lossless = off.compress == "lossless"
+    if lossless and not off.enabled:
+        out.append("offload.compress=lossless packs the streamed blocks' host bytes; it needs "
+                   "offload.enabled (--offload dlo), or drop --dlo-compress")
+    if lossless and dtype is not None and dtype != "bfloat16":
+        out.append(f"offload.compress=lossless packs bfloat16 weights, but dtype is {dtype}; "
+                   "set dtype bfloat16 (--dtype bfloat16) or drop --dlo-compress")
+    if lossless and group_size > 1 and PACKED_STRIPES % group_size:
+        out.append(f"offload.compress=lossless splits each packed run into {PACKED_STRIPES} "
+                   f"stripes, which an AllGather group of {group_size} cannot share evenly; use "
+                   f"a group size dividing {PACKED_STRIPES}, --dlo-no-use-allgather, or drop "
+                   "--dlo-compress")
+    if lossless and off.runtime_cache:
+        out.append("offload.compress=lossless keeps private packed slabs; the runtime cache "
+                   "(v1) shares raw bf16 pages and has no packed entries: drop one of "
+                   "--dlo-compress and --dlo-runtime-cache")
+    if lossless and off.pin_limit_gib:
+        out.append("offload.pin_limit_gib registers mapped weights in place, but lossless "
+                   "packing copies them into private pinned slabs; set it to 0 or drop "
+                   "--dlo-compress")
+    if quantization == "fp8" and lossless:
+        out.append("quantization=fp8 and offload.compress=lossless do not combine (FP8 leaves "
+                   "little bf16 to pack, and FP8 bytes pack poorly): choose one")
+    if quantization == "fp8" and off.enabled and off.runtime_cache:
+        out.append("quantization=fp8 changes the DiT's tensors, which the runtime cache v1 "
+                   "neither stores nor keys on: drop --dlo-runtime-cache or --quantization")
     return out
 
 

@@ -34,8 +34,12 @@ def prepare_dits(
     tp_size: int = 1,
     streams_from_mapping: bool = False,
     sharded: bool = False,
+    keep_private: str | None = None,
 ) -> tuple[dict[str, nn.Module], HostWeightPlan]:
     """Every DiT of the model (by component) with its backing, and the one plan for them.
+
+    keep_private: why the DiTs' tensors will be replaced after loading (``--quantization``):
+    each is then loaded ordinarily (see ``backing_choice.prepare_dit``).
 
     sharded: offload will keep 1/group shards and rebuild blocks with a collective; refused
     for several experts (a step may run one expert on one rank and the other elsewhere, so
@@ -56,7 +60,7 @@ def prepare_dits(
         for name in components:
             prepared[name] = prepare_dit(model_dir, dtype=dtype, offload=offload,
                                          tp_size=tp_size, streams_from_mapping=streams_from_mapping,
-                                         component=name)
+                                         component=name, keep_private=keep_private)
     except BaseException:
         for _, plan in prepared.values():
             plan.close()

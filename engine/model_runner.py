@@ -74,7 +74,10 @@ class ModelRunner:
             dits, host_plan = prepare_dits(
                 model_dir, dtype=config.dtype, offload=config.offload,
                 tp_size=config.parallel.tensor_parallel_size,
-                streams_from_mapping=self.device.type == "cuda" and not sharded,
+                streams_from_mapping=(self.device.type == "cuda" and not sharded
+                                      and config.offload.compress == "none"),
+                keep_private=(f"--quantization {config.quantization} replaces the linears' "
+                              "weights" if config.quantization else None),
                 sharded=sharded,
             )
         try:
@@ -83,6 +86,10 @@ class ModelRunner:
                 components, device=self.device, move_transformer=not offload
             )
             self.offload: Any = None
+            if config.quantization is not None:  # before offload plans the blocks' tensors
+                from ditserve.engine.quantize_dit import quantize_dit
+
+                quantize_dit(self.pipeline.transformer, config.quantization, device=self.device)
             if offload:
                 from ditserve.engine.offload import enable_offload
 

@@ -4,7 +4,7 @@ Leaf modules, no engine state: the offload storage, the runtime cache and the be
 them. One concept per module:
 
 - ``packed_layout``: where every byte of a packed bf16 run lies (pure; shards, manifests);
-- ``packed_encode``: the CPU encoder (load time);
+- ``packed_encode``: the encoder (torch on a CPU or a CUDA device; at offload enable);
 - ``packed_decode``: decoding into a caller-owned bf16 tensor (CPU; dispatches CUDA);
 - ``packed_triton``: the Triton GPU decoder (imported only on CUDA);
 - ``fp8_quant``: rowwise e4m3 quantization of weights and activations;

@@ -90,11 +90,14 @@ class FP8Linear(nn.Module):
         self.bias = bias
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> FP8Linear:
-        """Quantize ``linear``'s weight (its bias Parameter is kept as is)."""
+    def from_linear(cls, linear: nn.Linear, *, work_device: torch.device | None = None) -> FP8Linear:
+        """Quantize ``linear``'s weight (its bias Parameter is kept as is). The new tensors
+        live where the weight does; ``work_device`` (e.g. the GPU for a DiT on the host)
+        computes them there instead - the same values, rounding is elementwise."""
+        weight = linear.weight
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias,
-                    device=linear.weight.device)
-        q, scale = quantize_weight(linear.weight)
+                    device=weight.device)
+        q, scale = quantize_weight(weight if work_device is None else weight.to(work_device))
         layer.weight_fp8.copy_(q)
         layer.weight_scale.copy_(scale)
         return layer

@@ -6,7 +6,8 @@ region, say). On CUDA it launches ``packed_triton``'s kernel on the current stre
 at once (no allocation, no host sync); on CPU it decodes stripe by stripe with torch (tests,
 CPU DLO). Both write exactly the bits that were encoded.
 
-Called by the offload slot loader (later: after the packed bytes are in the slot), tests and
+Called by the offload's decoding transfer (``offload.movement.decode``: after the packed bytes
+landed in a slot's staging), the packed backing (blocks given back at disable), tests and
 benchmarks.
 """
 

@@ -7,8 +7,8 @@ values are on: on a CPU it packs ~0.12 GB/s per core (docs/formats.md); given th
 (the loader uploads it anyway) it packs at device speed and only the packed bytes come back to
 the host buffer. Both produce the same bytes. ``bench/codec.py`` measures both.
 
-Called by the offload host storage (later: to fill packed slabs through its allocator), the
-runtime-cache writer (packed entries), tests and benchmarks.
+Called by the offload's packed backing (``offload.host.packed_slabs``: each streamed block at
+enable, on the offload device), tests and benchmarks.
 """
 
 from __future__ import annotations

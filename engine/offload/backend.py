@@ -1,11 +1,13 @@
 """Enable layerwise offload (DLO) on one device: the package's entry point.
 
 ``enable_offload`` turns a diffusers DiT into a streamed model, all or nothing, as a
-composition of the steps in ``builders``: discover the block lists, plan layouts and
-residency, open the device transfer (and the AllGather over a group), open the host backing
-and fill it, allocate the device slots (``offload.slots``; by default two, or eight with
-AllGather), move resident modules to the device, open the mapped transfer, attach the hooks,
-and only then swap the streamed blocks' tensors for placeholders. Every step registers its
+composition of the steps in ``builders`` (the model side) and ``pairing`` (backing and
+transfers): discover the block lists, plan layouts and
+residency, open the device transfer, open the host backing and fill it (packing bf16 regions
+with ``compress`` lossless), open the AllGather over a group (shard slots sized to the filled
+backing), allocate the device slots (``offload.slots``; by default two, or eight with
+AllGather), move resident modules to the device, open the mapped transfer or the decoding
+transfer, attach the hooks, and only then swap the streamed blocks' tensors for placeholders. Every step registers its
 undo on one ``contextlib.ExitStack``: any failure unwinds what was done and raises
 ``OffloadError``; the model is left as it was.
 
@@ -32,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditserve.engine.config import OffloadConfig, offload_problems
+from ditserve.engine.config import OffloadConfig, format_problems, offload_problems
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload import builders
+from ditserve.engine.offload import builders, pairing
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle
 from ditserve.engine.offload.host.weight_plan import HostWeightPlan
@@ -120,21 +122,24 @@ def _enable(
     found = discover(model, block_lists)
     builders.check_tensors(model, found.blocks)
     slots = builders.slot_count(config, len(found.blocks), group_size)
-    base = builders.open_transfer(device, slots, undo)  # raises if the device is unusable
+    base = pairing.open_transfer(device, slots, undo)  # raises if the device is unusable
     split = builders.split_model(model, found, config, group_size=group_size, slots=slots,
                                  activation_reserve_bytes=reserve)
-    gather = (builders.open_gather(base, group, split.plan, config.gather, undo)
-              if group_size > 1 else None)
-    backing, mapped = builders.open_backing(host_plan, device=base.device, gather=gather,
-                                            undo=undo)
+    backing, mapped = pairing.open_backing(host_plan, config, device=base.device, group=group,
+                                           group_size=group_size, undo=undo)
     builders.fill(backing, split)
     if host_plan is not None and mapped is None:
-        host_plan.close()  # ordinary, or AllGather shards already copied out of the mapping
+        host_plan.close()  # ordinary, or copied out of the mapping (shards, packed slabs)
+    transfer: Transfer = base
+    if group_size > 1:  # shard slots sized to what this rank's loads copy
+        sizes = pairing.shard_slot_sizes(backing, split.plan)
+        transfer = pairing.open_gather(base, group, sizes, config.gather, undo)
     slot_buffers = builders.allocate_slots(split.plan.slot, slots, base.device)
     builders.move_to_device(split.resident_tensors, base.device, undo)
-    transfer: Transfer = gather if gather is not None else base
     if mapped is not None:
-        transfer = builders.open_mapped_transfer(base, mapped, split, config, undo)
+        transfer = pairing.open_mapped_transfer(base, mapped, split.plan, config, undo)
+    if config.compress == "lossless":
+        transfer = pairing.open_decoding(transfer, backing, split.plan, slots, undo)
     streamer = builders.attach(model, split, backing=backing, transfer=transfer,
                                slots=slot_buffers, strict=group_size > 1, undo=undo)
     builders.swap_in_placeholders(streamer.blocks, undo)
@@ -149,6 +154,7 @@ def _check_request(
     """The config's own rules (``offload_problems``, with AllGather as the group makes it),
     and what the call needs: offload enabled, a plan for the options that act on one."""
     found = offload_problems(config, allgather=group_size > 1)
+    found += format_problems(config, group_size=group_size)
     if not config.enabled:
         found.insert(0, "offload.enabled is false; set it (--offload dlo) to enable offload")
     if host_plan is None and (config.runtime_cache or config.pin_limit_gib):

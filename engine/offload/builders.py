@@ -1,5 +1,5 @@
-"""The steps ``enable_offload`` is composed of: split the model, open movement and storage,
-fill, place on the device, attach.
+"""The model-side steps ``enable_offload`` is composed of: split the model, fill the host
+backing, place on the device, attach the hooks (``pairing`` opens the backing and transfers).
 
 Each step that changes something registers its undo on the caller's
 ``contextlib.ExitStack`` before (or as) it makes the change, so a failure anywhere unwinds
@@ -14,10 +14,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
@@ -25,22 +23,8 @@ from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.discovery import Discovery
 from ditserve.engine.offload.hooks import BlockStreamer, StreamedBlock, make_streamed_block
 from ditserve.engine.offload.host.backing import HostBacking
-from ditserve.engine.offload.host.mapped import MappedBacking
-from ditserve.engine.offload.host.memory import host_memory
-from ditserve.engine.offload.host.shard_slabs import ShardBacking
-from ditserve.engine.offload.host.slabs import SlabBacking
-from ditserve.engine.offload.host.weight_plan import HostWeightPlan
-from ditserve.engine.offload.movement.ce_gather import CopyEngineGather
-from ditserve.engine.offload.movement.copy_stream import (
-    CudaStreamTransfer,
-    SyncTransfer,
-    make_transfer,
-)
-from ditserve.engine.offload.movement.gather import GatherTransfer, StreamGather, SyncGather
-from ditserve.engine.offload.movement.mapped import make_mapped_transfer
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import GIB, OffloadPlan, SlotLayout, TensorSpec, build_plan
-from ditserve.engine.offload.shards import shard_block, shard_slot_numel
 
 # Device slots when offload.slots is unset. Rank-local streaming is copy-bound in every block,
 # so two slots reach the PCIe floor. AllGather's shard copies are shorter than the single
@@ -49,7 +33,6 @@ from ditserve.engine.offload.shards import shard_block, shard_slot_numel
 # (docs/benchmarks.md), for 3.8 GiB more HBM.
 DEFAULT_SLOTS = 2
 DEFAULT_ALLGATHER_SLOTS = 8
-BaseTransfer: TypeAlias = SyncTransfer | CudaStreamTransfer
 
 
 @dataclass(frozen=True)
@@ -140,65 +123,6 @@ def split_model(
     return ModelSplit(found.blocks, tensors, resident, plan, slots)
 
 
-def open_transfer(device: torch.device, slots: int, undo: contextlib.ExitStack) -> BaseTransfer:
-    """The device's copy path (raises if the device is unusable)."""
-    transfer = make_transfer(device, slots)
-    undo.callback(transfer.close)
-    return transfer
-
-
-def open_gather(
-    base: BaseTransfer, group: Any, plan: OffloadPlan, engine: str, undo: contextlib.ExitStack
-) -> GatherTransfer:
-    """AllGather over ``group``: device shard slots sized to this rank's largest shard."""
-    group_size = int(dist.get_world_size(group))
-    try:
-        rank = int(dist.get_rank(group))
-        shards = [shard_block(plan.blocks[i], rank=rank, group_size=group_size)
-                  for i in plan.streamed]
-        sizes = shard_slot_numel(shards)
-        gather: GatherTransfer
-        if engine == "copy-engine":
-            gather = CopyEngineGather(base, group, sizes)  # type: ignore[arg-type]  # checks CUDA
-        elif isinstance(base, CudaStreamTransfer):
-            gather = StreamGather(base, group, sizes)
-        else:
-            gather = SyncGather(base, group, sizes)
-    except Exception as e:
-        raise OffloadError(
-            f"could not set up AllGather offload over a group of {group_size}: "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    undo.callback(gather.close)
-    return gather
-
-
-def open_backing(
-    host_plan: HostWeightPlan | None,
-    *,
-    device: torch.device,
-    gather: GatherTransfer | None,
-    undo: contextlib.ExitStack,
-) -> tuple[HostBacking, MappedBacking | None]:
-    """The backing for the streamed blocks, and the same object when it is a mapped one
-    (which then owns the plan; other plans are closed once the backing is filled)."""
-    mapped: MappedBacking | None = None
-    backing: HostBacking
-    if gather is not None:
-        backing = ShardBacking(host_memory(device), rank=gather.rank,
-                               group_size=gather.group_size, rebuild=gather.gather_full)
-    elif host_plan is not None and host_plan.mapped:
-        mapped = backing = MappedBacking(host_plan)  # consumes the plan
-    else:
-        backing = SlabBacking(host_memory(device))
-    undo.callback(backing.close)
-    if host_plan is not None and mapped is None:
-        if host_plan.mapped:
-            host_plan.consume()  # AllGather: the shards are copied out of its mapping
-        undo.callback(host_plan.close)
-    return backing, mapped
-
-
 def fill(backing: HostBacking, split: ModelSplit) -> None:
     for index in split.plan.streamed:
         backing.add(split.plan.blocks[index], split.block_tensors[index])
@@ -222,23 +146,6 @@ def move_to_device(
     for t in tensors:
         undo.callback(_restore, t, t.data)
         t.data = t.data.to(device)
-
-
-def open_mapped_transfer(
-    base: BaseTransfer,
-    backing: MappedBacking,
-    split: ModelSplit,
-    config: OffloadConfig,
-    undo: contextlib.ExitStack,
-) -> Transfer:
-    """Registered or staged loads from the mapping. After the resident copies: a registered
-    range is page-aligned, so a resident tensor may share its edge page, and a copy that starts
-    inside a registered range but runs past its end is refused by the driver (invalid argument)."""
-    transfer = make_mapped_transfer(base, backing, split.plan.slot,
-                                    pin_limit_gib=config.pin_limit_gib,
-                                    memory=host_memory(base.device))
-    undo.callback(transfer.close)
-    return transfer
 
 
 def attach(

@@ -74,10 +74,11 @@ def make_streamed_block(
     slots: Sequence[Mapping[Hashable, torch.Tensor]],
     host_regions: Mapping[Hashable, Any],
     placeholder_bases: Mapping[Hashable, torch.Tensor],
-    prepare: Callable[[Sequence[tuple[torch.Tensor, Any]]], Any],
+    prepare: Callable[[Sequence[tuple[torch.Tensor, Any]], int], Any],
 ) -> StreamedBlock:
     """Precompute a block's views into every slot, its prepared loads (``prepare``: the
-    transfer's, given (slot region, host source) pairs) and its placeholders.
+    transfer's, given (slot region, host source) pairs and the slot's index) and its
+    placeholders.
 
     Done once at enable time, outside any inference-mode context, so the hooks only swap
     ``.data`` pointers and never create tensors.
@@ -87,8 +88,8 @@ def make_streamed_block(
         for slot in slots
     ]
     copies = [
-        prepare([(slot[r.dtype][: r.numel], host_regions[r.dtype]) for r in layout.regions])
-        for slot in slots
+        prepare([(slot[r.dtype][: r.numel], host_regions[r.dtype]) for r in layout.regions], s)
+        for s, slot in enumerate(slots)
     ]
     return StreamedBlock(
         name=layout.name,

@@ -99,6 +99,7 @@ class OffloadReport:
             **self.host_plan,
         }
         return out | self._path_json() | self._shard_json() | self._mapped_json() | (
+            self._packed_json()) | (
             self.transfer.copy_rate.to_json() if self.transfer.copy_rate is not None else {})
 
     def _path_json(self) -> dict[str, Any]:
@@ -124,6 +125,18 @@ class OffloadReport:
             "gathered_bytes": gather.gathered_bytes if gather is not None else 0,
             "passes": self.traffic.passes,
         }
+
+    def _packed_json(self) -> dict[str, Any]:
+        packed = self.host.packed
+        out: dict[str, Any] = {"compress": "none" if packed is None else "lossless",
+                               "device_staging_bytes": self.transfer.device_staging_bytes}
+        if packed is not None:
+            out |= {"packed_format": packed.format, "packed_stripes": packed.stripes,
+                    "packed_host_bytes": packed.packed_bytes,
+                    "packed_raw_bytes": packed.raw_bytes,
+                    "packed_ratio": packed.packed_bytes / max(1, packed.raw_bytes),
+                    "packed_escapes": packed.escapes}
+        return out
 
     def _mapped_json(self) -> dict[str, Any]:
         mapped = self.host.mapped

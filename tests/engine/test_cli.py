@@ -16,6 +16,7 @@ ENGINE_FLAGS = {
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
     "--dlo-pin-limit-gib",
     "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
+    "--quantization", "--dlo-compress",
 }
 
 

@@ -159,7 +159,7 @@ def test_registered_path_with_fake_registrar_then_teardown_order(mapped) -> None
     block = layout.blocks[0]
     regions = storage.regions(0)
     transfer.load(transfer.prepare([(slot[r.dtype][: r.numel], regions[r.dtype])
-                                    for r in block.regions]), 0)
+                                    for r in block.regions], 0), 0)
     for p, view in zip(block.tensors, storage.tensor_views(0), strict=True):
         assert torch.equal(slot[p.dtype][p.offset : p.offset + p.numel].view(p.shape), view)
     transfer.close()  # the handle's teardown order: the transfer, then the backing

@@ -5,10 +5,11 @@ copy source per dtype region of a block (``regions``; opaque to the hooks, under
 transfer chosen for that backing), reports itself (``report``) and gives the blocks back as
 ordinary host tensors at disable (``release``). Three backings implement it today:
 ``slabs.SlabBacking`` (one pinned slab per block), ``shard_slabs.ShardBacking`` (this rank's
-1/group shard of each block) and ``mapped.MappedBacking`` (views of read-only file mappings,
-optionally registered). A new host format (packed or FP8 weights with scales) is one more
-backing whose regions hold the encoded bytes, paired with a transfer that decodes them
-between slot and compute; plan, hooks and handle do not change.
+1/group shard of each block), ``mapped.MappedBacking`` (views of read-only file mappings,
+optionally registered) and ``packed_slabs.PackedBacking`` (bf16 regions packed losslessly,
+whole or as this rank's stripes), whose packed regions ``movement.decode`` decodes between
+slot and compute; plan, hooks and handle do not change with the format. (FP8 blocks need no
+backing of their own: their fp8 weights and fp32 scales are plain block tensors.)
 
 Read by ``hooks`` (copy sources), ``handle`` (report, release) and the backend's builders.
 """
@@ -46,6 +47,19 @@ class MappedFacts:
 
 
 @dataclass(frozen=True)
+class PackedFacts:
+    """A packed backing (``--dlo-compress lossless``): this rank's packed bytes of the bf16
+    regions, the bf16 bytes they stand for, and the escaped values (exponents outside a group's
+    table, stored verbatim)."""
+
+    format: str
+    stripes: int
+    packed_bytes: int
+    raw_bytes: int
+    escapes: int
+
+
+@dataclass(frozen=True)
 class BackingReport:
     """What a backing holds: ``backing`` names the kind of host memory ("pageable",
     "pinned-registered", "pinned-registered-shards", "checkpoint_mmap-staging", ...)."""
@@ -55,6 +69,7 @@ class BackingReport:
     pinned_bytes: int  # page-locked bytes this backing holds (registered ranges included)
     shard: ShardFacts | None = None
     mapped: MappedFacts | None = None
+    packed: PackedFacts | None = None
 
 
 class HostBacking(Protocol):

@@ -71,6 +71,7 @@ def prepare_dit(
     tp_size: int = 1,
     streams_from_mapping: bool = False,
     component: str = "transformer",
+    keep_private: str | None = None,
 ) -> tuple[nn.Module, HostWeightPlan]:
     """The DiT for offload and its HostWeightPlan (see module doc). Never fails over a
     backing: only the ordinary load's own errors propagate.
@@ -82,6 +83,8 @@ def prepare_dit(
     speed of private pinned slabs (docs/benchmarks.md), a bad default trade for sharing.
 
     component: which of the model's DiTs (Wan 2.2 has two: ``transformer``, ``transformer_2``).
+    keep_private: why the DiT's tensors will be replaced after loading (``--quantization``);
+    then it is loaded ordinarily (the runtime cache is refused by the option rules).
     """
     from ditserve.engine import loader
 
@@ -106,6 +109,10 @@ def prepare_dit(
             return load(), plan
         log.info("DLO host backing: %s (%s)", plan.kind, plan.reason)
         return model, plan
+    if keep_private is not None:
+        plan = HostWeightPlan.ordinary(f"checkpoint mmap skipped: {keep_private}")
+        log.info("DLO host backing: ordinary (%s)", plan.reason)
+        return load(), plan
     if offload.checkpoint_mmap == "off":
         return load(), HostWeightPlan.ordinary("checkpoint mmap off (--dlo-checkpoint-mmap off)")
     if streams_from_mapping and offload.pin_limit_gib <= 0:

@@ -36,7 +36,7 @@ class SyncTransfer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]]) -> CopyPairs:
+    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]], slot: int) -> CopyPairs:
         return list(pairs)
 
     def report(self) -> TransferReport:
@@ -77,7 +77,7 @@ class CudaStreamTransfer:
         self.free = [torch.cuda.Event() for _ in range(slots)]
         self.clock = CopyClock()  # achieved H2D rate, for the report
 
-    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]]) -> CopyPairs:
+    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]], slot: int) -> CopyPairs:
         return list(pairs)
 
     def report(self) -> TransferReport:

@@ -24,8 +24,8 @@ machine is deterministic, so ranks that run the same sequence of forwards and id
 (block, slot) in ``prepare``, not per load.
 
 Built by the backend's builders around a copy-stream transfer (whose copy stream and events it
-reuses); ``gather_full`` rebuilds whole blocks on the host at disable (the shard backing's
-``rebuild``).
+reuses). ``gather_full`` rebuilds whole blocks on the host at disable (the shard backing's
+``rebuild``; a function of the group, so a backing can be built before the transfer).
 """
 
 from __future__ import annotations
@@ -50,7 +50,37 @@ Triples = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (slot region,
 
 # torch >= 2.13 renames all_gather_into_tensor (and deprecates the old name); older torch
 # (the device image's 2.11) only has the old one. Same signature.
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# gloo has no float8 types ("Invalid scalar type"); a gather moves bytes, so FP8 regions
+# (weights of --quantization fp8 blocks) go through it as uint8 views.
+_AS_BYTES = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def all_gather_into(
+    out: torch.Tensor, shard: torch.Tensor, *, group: dist.ProcessGroup | None = None
+) -> None:
+    """``all_gather_into_tensor(out, shard)`` (default group: the world) for any dtype of
+    1-D tensors."""
+    if shard.dtype in _AS_BYTES:
+        out, shard = out.view(torch.uint8), shard.view(torch.uint8)
+    _all_gather(out, shard, group=group)
+
+
+def gather_full(
+    shards: Mapping[Hashable, torch.Tensor], *, group: dist.ProcessGroup, device: torch.device
+) -> dict[Hashable, torch.Tensor]:
+    """A collective: every rank's shards of one block (per region key) -> the full regions,
+    on the host. Synchronous; every rank of ``group`` must call it for the same block in the
+    same order, with nothing of the block's loads in flight (the shard backing's ``rebuild``
+    at disable, after the handle synchronized its transfer)."""
+    size = dist.get_world_size(group)
+    out: dict[Hashable, torch.Tensor] = {}
+    for key, shard in shards.items():
+        local = shard.to(device)
+        full = torch.empty(shard.numel() * size, dtype=shard.dtype, device=device)
+        all_gather_into(full, local, group=group)
+        out[key] = full.cpu()  # (a no-op for a CPU tensor)
+    return out
 
 
 class GatherTransfer:
@@ -99,7 +129,7 @@ class GatherTransfer:
                              shard_slots=tuple(self.shard_slots))
 
     # -- loads ------------------------------------------------------------------------------------
-    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]]) -> CopyPairs:
+    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]], slot: int) -> CopyPairs:
         """Check once that each slot region is ``group_size`` shards long."""
         for dst, src in pairs:
             if dst.numel() != src.numel() * self.group_size:
@@ -142,19 +172,9 @@ class GatherTransfer:
 
     # -- whole blocks, synchronously --------------------------------------------------------------
     def gather_full(self, shards: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
-        """A collective: every rank's shards of one block -> the full regions, on the host.
-
-        Synchronous; every rank of the group must call it for the same block in the same order.
-        """
+        """``gather_full`` over this transfer's group, after draining its loads."""
         self.synchronize()
-        out: dict[Hashable, torch.Tensor] = {}
-        for dtype, shard in shards.items():
-            local = shard.to(self.device)
-            full = torch.empty(shard.numel() * self.group_size, dtype=shard.dtype,
-                               device=self.device)
-            all_gather_into(full, local, group=self.group)
-            out[dtype] = full.cpu()  # (a no-op for a CPU tensor)
-        return out
+        return gather_full(shards, group=self.group, device=self.device)
 
 
 class SyncGather(GatherTransfer):

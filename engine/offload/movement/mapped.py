@@ -52,7 +52,7 @@ class DirectMappedTransfer:
         self.base = base
         self.device = base.device
 
-    def prepare(self, pairs: MappedPairs) -> CopyPairs:
+    def prepare(self, pairs: MappedPairs, slot: int) -> CopyPairs:
         # Each part's slot range, sliced once here rather than on every load.
         return [(dst[off : off + src.numel()], src) for dst, region in pairs
                 for off, src in region.parts]
@@ -108,7 +108,7 @@ class StagedTransfer:
                 for (dtype, itemsize, numel), off in zip(layout.regions, offsets, strict=True)
             })
 
-    def prepare(self, pairs: MappedPairs) -> MappedPairs:
+    def prepare(self, pairs: MappedPairs, slot: int) -> MappedPairs:
         return list(pairs)
 
     def load(self, prepared: MappedPairs, slot: int) -> None:

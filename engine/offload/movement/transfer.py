@@ -7,9 +7,9 @@ it (``load``), makes the compute stream wait for it (``wait_ready``) and marks t
 which the slot may be overwritten (``release``). ``synchronize`` drains it, ``close`` frees it.
 Implementations: ``copy_stream`` (CPU copies; a CUDA copy stream with events), ``mapped``
 (from file mappings: straight or staged), ``gather`` and ``ce_gather`` (AllGather shards).
-A decode step for a packed host format is one more transfer: its ``prepare`` pairs each
-encoded source with the slot region it decodes into, and its ``load`` copies then decodes on
-the copy stream before the slot's ready event.
+``decode`` wraps any of them for a packed host format: its ``prepare`` pairs each packed
+source with the slot's staging and the slot region it decodes into, and its ``load`` copies
+(or gathers) the packed bytes, then decodes them before the slot's ready event.
 
 Driven by ``hooks.BlockStreamer``; built by the backend's builders; read by ``handle``
 (``report``, ``probe``).
@@ -40,12 +40,13 @@ class GatherFacts:
 @dataclass(frozen=True)
 class TransferReport:
     """``name`` says how bytes move ("sync-copy", "cuda-copy-stream", "h2d+allgather",
-    "h2d+p2p-copy"); ``path`` where from ("private-slabs", "allgather-shards", "registered",
-    "staging")."""
+    "h2d+p2p-copy"; "+decode" after it for packed regions); ``path`` where from
+    ("private-slabs", "allgather-shards", "registered", "staging")."""
 
     name: str
     path: str
     pinned_bytes: int = 0  # page-locked host bytes the transfer holds itself (staging slots)
+    device_staging_bytes: int = 0  # device buffers beside the slots (packed staging)
     copy_rate: CopyRate | None = None  # None where copies finish at once (the CPU path)
     gather: GatherFacts | None = None
 
@@ -65,8 +66,10 @@ class Transfer(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]]) -> Any:
-        """Once per (block, slot), at enable: a load of ``pairs`` that ``load`` can queue."""
+    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]], slot: int) -> Any:
+        """Once per (block, slot), at enable: a load of ``pairs`` into device slot ``slot``
+        that ``load`` can queue (``slot`` lets a transfer pair the load with per-slot
+        buffers of its own, e.g. a packed format's device staging)."""
         ...
 
     def load(self, prepared: Any, slot: int) -> None:
