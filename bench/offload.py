@@ -346,6 +346,9 @@ def format_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             scaled(dlo, 0.78), "ms", also=bool(same))
     if ms("fp8-dlo", 1) is not None:
         add("FP8 DLO b1 <= 0.55 x bf16 DLO b1", ms("fp8-dlo", 1), scaled(dlo, 0.55), "ms")
+    if ms("fp8-dlo-compiled", 1) is not None:  # with --compiled-batches 1 ...: the fused form
+        add("compiled FP8 DLO b1 <= 0.55 x bf16 DLO b1", ms("fp8-dlo-compiled", 1),
+            scaled(dlo, 0.55), "ms")
     b = r.get("compiled_batch", 4)  # the batch the compiled variants ran (issue: 4)
     if ms("fp8-resident-compiled", b) is not None:
         add(f"compiled FP8 resident b{b} >= 1.3x faster than compiled bf16 resident b{b}",
