@@ -85,7 +85,7 @@ def request_schema(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
     seconds_given: dict[str, Any] = {"required": ["seconds"]}
     if not form:
         seconds_given["properties"] = {"seconds": {"not": {"type": "null"}}}
-    absent = {"not": {}} if form else {"type": "null"}
+    absent: dict[str, Any] = {"not": {}} if form else {"type": "null"}
     return {
         "type": "object", "title": "VideoCreateForm" if form else "VideoCreateRequest",
         "required": ["prompt"], "properties": properties, "additionalProperties": False,

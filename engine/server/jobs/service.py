@@ -45,8 +45,10 @@ class VideoJobs:
 
     def create(self, spec: VideoSpec, *, request_id: str) -> dict[str, Any]:
         """Admit a job; raises StoreFull, then whatever ``engine.add_request`` raises
-        (QueueFullError, EngineStoppedError, InvalidRequestError). Returns its object."""
-        job_id = self.store.add(spec, request_id)["id"]
+        (QueueFullError, EngineStoppedError, InvalidRequestError). Returns its object as
+        admitted (queued, as OpenAI answers; the engine may have begun it already)."""
+        admitted = self.store.add(spec, request_id)
+        job_id = admitted["id"]
         try:
             handle = self.engine.add_request(spec.params, request_id=job_id,
                                              on_event=partial(self._on_event, job_id))
@@ -56,9 +58,8 @@ class VideoJobs:
         if not self.store.started(job_id, engine_id=handle.request_id, seed=handle.seed):
             self.engine.abort(handle.request_id, "cancelled")  # a DELETE came first
         handle.future.add_done_callback(partial(self._on_done, job_id, spec))
-        current = self.store.get(job_id)
-        assert current is not None, "a job stays in the store until it finishes and expires"
-        return current
+        admitted["ditserve"]["seed"] = handle.seed
+        return admitted
 
     def delete(self, job_id: str) -> bool:
         """Cancel an unfinished job (its batch slot frees at the next step) or remove a
