@@ -54,9 +54,9 @@ def video_app(engine: Any, config: ServerConfig | None = None) -> tuple[Any, Ser
     return app, metrics
 
 
-def run(app: Any, script: Any) -> Any:
-    """Run ``await script(client)`` against ``app`` (httpx's ASGI transport), then stop the
-    app's job layer as the server's shutdown does."""
+def run(app: Any, script: Any, *, close: bool = True) -> Any:
+    """Run ``await script(client)`` against ``app`` (httpx's ASGI transport), then (with
+    ``close``) stop the app's job layer as the server's shutdown does."""
     async def go() -> Any:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -66,7 +66,7 @@ def run(app: Any, script: Any) -> Any:
         return asyncio.run(go())
     finally:
         videos = app.state.server.videos
-        if videos is not None:
+        if close and videos is not None:
             videos.close()
 
 
