@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +94,12 @@ def method_not_allowed(exc: StarletteHTTPException, request: Request | None = No
     allowed = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()]
     if request is not None:
         # Starlette names the methods of the first route on the path; several routes may
-        # share it (GET and DELETE /v1/videos/{id}), so list every one's.
-        for route in request.app.routes:
-            regex, methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
-            if regex is not None and methods and regex.match(request.url.path):
-                allowed += [m for m in sorted(methods) if m not in allowed]
+        # share it (GET and DELETE /v1/videos/{id}), so ask the router about each method.
+        for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+            scope = {**request.scope, "method": method}
+            if method not in allowed and any(route.matches(scope)[0] is Match.FULL
+                                             for route in request.app.router.routes):
+                allowed.append(method)
     if "GET" in allowed and "HEAD" not in allowed:
         allowed.append("HEAD")  # edge answers HEAD on every GET route
     return APIError(405, f"method not allowed; this route accepts {', '.join(allowed)}",

@@ -136,6 +136,11 @@ LEFTOVER_ID = "video_" + "0" * 16 + "ab" * 8  # a job of a "previous server" on 
 
 
 @pytest.fixture(scope="session")
+def leftover_id() -> str:
+    return LEFTOVER_ID
+
+
+@pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Wan 2.1 model (text-to-video), built once per session."""
     from ditserve.engine.tiny_model import init_tiny
@@ -164,6 +169,6 @@ def video_server(tmp_path_factory: pytest.TempPathFactory, tiny_wan: Path, video
     proc = start_server(tmp, "--model", str(tiny_wan), "--max-num-seqs", "2",
                         "--max-queue", "16", "--max-side", "64", "--max-steps", "8",
                         "--max-frames", "17", "--video-dir", str(video_dir),
-                        "--request-timeout", "120")
+                        "--video-max-jobs", "4096", "--request-timeout", "120")
     yield proc
     proc.stop()
