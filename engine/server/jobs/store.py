@@ -217,6 +217,9 @@ class JobStore:
     def cancel(self, job_id: str) -> str | None:
         """Cancel an unfinished job: the engine id to abort (None if it never reached the
         engine). The job stays, cancelled, until it expires."""
+        return self._cancel(job_id)[1]
+
+    def _cancel(self, job_id: str) -> tuple[bool, str | None]:
         engine_ids: list[str | None] = [None]
 
         def finish(job: VideoJob) -> bool:
@@ -227,25 +230,28 @@ class JobStore:
             self._finish_locked(job, JobStatus.CANCELLED)
             return True
 
-        self._change(job_id, finish)
-        return engine_ids[0]
+        return self._change(job_id, finish), engine_ids[0]
 
     def delete(self, job_id: str) -> tuple[bool, str | None]:
         """DELETE: (whether the job existed, the engine id to abort). An unfinished job is
         cancelled (and stays, cancelled, until it expires or is deleted again); a finished
         one is removed with its file."""
-        with self._lock:
-            self._expire_locked()
-            job = self._jobs.get(job_id)
-            if job is None:
-                return False, None
-            unfinished = not job.status.is_finished
-        if unfinished:
-            return True, self.cancel(job_id)
-        with self._lock:
-            job = self._jobs.pop(job_id, None)
-        if job is not None:
-            self.files.remove(job.path)
+        for _ in range(2):  # a job that finishes between the two steps is found finished next
+            with self._lock:
+                self._expire_locked()
+                job = self._jobs.get(job_id)
+                if job is None:
+                    return False, None
+                if job.status.is_finished:
+                    del self._jobs[job_id]
+                    path = job.path
+                    break
+            cancelled, engine_id = self._cancel(job_id)
+            if cancelled:
+                return True, engine_id
+        else:
+            raise AssertionError("a job's status moves to a final state once")
+        self.files.remove(path)
         return True, None
 
     def subscribe(self, job_id: str, listener: Listener) -> dict[str, Any] | None:
