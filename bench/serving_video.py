@@ -2,7 +2,7 @@
 """Video serving benchmark: Poisson arrivals of /v1/videos jobs, resident vs DLO and
 --max-num-seqs 1 vs 4, measured like a client. Run it as `bench/serving.py video ...`.
 
-For each configuration (``--configs resident:1,resident:4,dlo:1,dlo:4``) it launches one
+For each configuration (``--configs resident:4,dlo:4,resident:1,dlo:1``) it launches one
 `ditserve serve` on ``--model``, runs an unmeasured one-step warm-up job, then sends
 ``--jobs`` jobs whose arrivals are a Poisson process at ``--rate`` jobs/s, follows each
 job's SSE stream until it ends, downloads its MP4, and stops the server. Reported per
@@ -308,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build", action="store_true", help="build the random Wan2.1-T2V-14B")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke run on the tiny Wan model (small jobs; resident:2,dlo:2)")
-    p.add_argument("--configs", default="resident:1,resident:4,dlo:1,dlo:4",
-                   help="comma list of MODE:MAX_NUM_SEQS, MODE resident or dlo")
+    p.add_argument("--configs", default="resident:4,dlo:4,resident:1,dlo:1",
+                   help="comma list of MODE:MAX_NUM_SEQS, MODE resident or dlo (the pair the targets compare runs first)")
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--rate", type=float, default=0.5, help="mean job arrivals per second")
     p.add_argument("--size", default="832x480")
