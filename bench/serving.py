@@ -10,6 +10,8 @@ step time. Two ways to run it:
     python bench/serving.py --url http://127.0.0.1:8000 --requests 32 --rate 4
   launching one server per --max-num-seqs value (same workload, one after the other):
     python bench/serving.py --launch --max-num-seqs 1,4 --serve-args "--offload dlo" ...
+  video jobs (/v1/videos; resident vs DLO, its own options: bench/serving_video.py):
+    python bench/serving.py video --smoke
 
 It prints a table and writes everything (settings, per-request records, summaries, the
 throughput ratio of the last to the first configuration) to ``--out`` as JSON.
@@ -231,6 +233,9 @@ def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["video"]:  # the /v1/videos mode lives in its own file
+        return _video_mode().main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running server (omit with --launch)")
     p.add_argument("--launch", action="store_true", help="start one server per --max-num-seqs")
@@ -294,6 +299,19 @@ def main(argv: list[str] | None = None) -> int:
     if interrupted:
         return 130
     return 0 if all(r["summary"]["errors"] == 0 for r in results) else 1
+
+
+def _video_mode() -> Any:
+    """bench/serving_video.py, loaded by path (`python3 -P` puts no script dir on sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "serving_video", Path(__file__).with_name("serving_video.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:

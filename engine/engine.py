@@ -161,6 +161,12 @@ class DiffusionEngine:
     def max_prompt_chars(self) -> int | None:
         return self.runner.max_prompt_chars if self.runner else None
 
+    @property
+    def frame_step(self) -> int | None:
+        """None for an image model (or before loading); a video model's ``num_frames - 1``
+        must divide by it."""
+        return self.runner.frame_step if self.runner else None
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self._pending.stats()
@@ -185,7 +191,7 @@ class DiffusionEngine:
     def validate_params(self, params: SamplingParams) -> SamplingParams:
         return params.validate(pixel_multiple=self.pixel_multiple,
                                max_prompt_chars=self.max_prompt_chars,
-                               frame_step=self.runner.frame_step if self.runner else None)
+                               frame_step=self.frame_step)
 
     def add_request(
         self,

@@ -13,14 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.engine.config import COMPILE_BACKENDS
+from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
 
 # Where the model volume is mounted in engine pods; the engine config's `model` points here.
 MODEL_MOUNT_PATH = "/models/model"
-FAMILIES = ("Auto", "Flux", "SD3", "QwenImage", "Wan")
+# The engine's own list (one rule for the CRD enum, the operator and `ditserve serve`).
+FAMILIES = MODEL_FAMILIES
 DTYPES = ("bfloat16", "float16", "float32")
 CACHE_MODES = ("NodeLocal", "None")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")

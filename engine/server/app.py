@@ -19,12 +19,13 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from ditserve.engine.lifecycle import EnginePhase
+from ditserve.engine.server import video_openapi
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.openapi import build_openapi
-from ditserve.engine.server.routes import images, models, probes
+from ditserve.engine.server.routes import images, models, probes, videos
 from ditserve.engine.server.state import ServerState
 
 
@@ -57,7 +58,7 @@ def create_app(
     app.state.server = state
     count = state.metrics.count_error
     install_handlers(app, count)
-    for group in (images, models, probes):
+    for group in (images, models, probes, videos):
         app.include_router(group.router)
 
     # Added innermost first: RequestId -> CORS -> Guard -> routes (see edge.py).
@@ -65,7 +66,7 @@ def create_app(
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(config.allowed_origins),
-            allow_methods=["GET", "HEAD", "POST"],
+            allow_methods=["GET", "HEAD", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
             expose_headers=[REQUEST_ID_HEADER, "Retry-After"], max_age=600,
         )
@@ -74,11 +75,13 @@ def create_app(
     documents: dict[Any, dict[str, Any]] = {}
 
     def openapi() -> dict[str, Any]:
-        # The body's rules depend on the loaded model (pixel multiple, prompt limit).
-        limits = state.limits()
-        if limits not in documents:
-            documents[limits] = build_openapi(app, limits, api_key=config.api_key is not None)
-        return documents[limits]
+        # The body's rules depend on the loaded model (pixel multiple, prompt limit, frames).
+        key = (state.limits(), state.video_limits() if state.videos is not None else None)
+        if key not in documents:
+            video = video_openapi.schemas(key[1]) if key[1] is not None else None
+            documents[key] = build_openapi(app, key[0], api_key=config.api_key is not None,
+                                           video_schemas=video)
+        return documents[key]
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -21,6 +21,9 @@ from ditserve.engine.errors import ConfigError
 
 DEFAULT_API_KEY_ENV = "DITSERVE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_VIDEO_MAX_JOBS = 256
+DEFAULT_VIDEO_MAX_BYTES = 4 << 30
+DEFAULT_VIDEO_TTL_S = 3600.0
 # Sides without leading zeros and at most 5 digits: a size of thousands of digits is a format
 # error, never an integer conversion (and "064" is refused as the OpenAPI pattern refuses it).
 SIZE_PATTERN = re.compile(r"^(0|[1-9][0-9]{0,4})x(0|[1-9][0-9]{0,4})$")
@@ -50,6 +53,17 @@ class ServerConfig:
     max_body_bytes: larger request bodies are refused with 413 before they are read whole.
     allowed_origins: browser origins allowed by CORS ("*" for any); empty turns CORS off.
     docs: serve the interactive API page at /docs (/openapi.json is always served).
+
+    Video replicas (a video model, /v1/videos):
+    default_frames / default_fps: a job that names neither num_frames nor seconds / no fps;
+        None derives them from the model (Wan: 81 frames, 16 fps).
+    max_frames: the most frames a job may ask for (None: the engine's 1025).
+    video_dir: where finished MP4s are kept; None: a private temporary directory, removed
+        at shutdown. A configured one is owned by one server at a time (flock) and emptied
+        of a previous server's files at start.
+    video_max_jobs / video_max_bytes: the job store's bounds (jobs held in any state; MP4
+        bytes plus unfinished jobs' reservations); over them, POST /v1/videos gets 429.
+    video_ttl_s: how long a finished job and its file are kept.
     """
 
     host: str = "127.0.0.1"
@@ -68,6 +82,13 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     docs: bool = True
     log_level: str = "info"
+    default_frames: int | None = None
+    default_fps: int | None = None
+    max_frames: int | None = None
+    video_dir: str | None = None
+    video_max_jobs: int = DEFAULT_VIDEO_MAX_JOBS
+    video_max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
+    video_ttl_s: float = DEFAULT_VIDEO_TTL_S
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
@@ -114,8 +135,26 @@ def problems(config: ServerConfig) -> list[str]:
         out.append(f"server.docs must be true or false, got {config.docs!r}")
     if config.api_key is not None and not config.api_key:
         out.append("server.api_key must not be empty (omit it to disable auth)")
+    out += _video_problems(config)
     if config.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         out.append(f"server.log_level must be a uvicorn level name, got {config.log_level!r}")
+    return out
+
+
+def _video_problems(config: ServerConfig) -> list[str]:
+    out: list[str] = []
+    for name in ("default_frames", "default_fps", "max_frames"):
+        if getattr(config, name) is not None:
+            int_at_least(out, f"server.{name}", getattr(config, name), 1)
+    if config.default_fps is not None and isinstance(config.default_fps, int) \
+            and config.default_fps > 120:
+        out.append(f"server.default_fps must be at most 120, got {config.default_fps}")
+    if config.video_dir is not None and (not isinstance(config.video_dir, str)
+                                         or not config.video_dir):
+        out.append(f"server.video_dir must be a directory path, got {config.video_dir!r}")
+    int_at_least(out, "server.video_max_jobs", config.video_max_jobs, 1)
+    int_at_least(out, "server.video_max_bytes", config.video_max_bytes, 1 << 20)
+    number_at_least(out, "server.video_ttl_s", config.video_ttl_s, 1)
     return out
 
 

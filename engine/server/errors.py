@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,17 @@ def log_error(request_id: str, error: APIError) -> None:
             encodable(error.message, 300))
 
 
-def method_not_allowed(exc: StarletteHTTPException) -> APIError:
+def method_not_allowed(exc: StarletteHTTPException, request: Request | None = None
+                       ) -> APIError:
     allowed = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()]
+    if request is not None:
+        # Starlette names the methods of the first route on the path; several routes may
+        # share it (GET and DELETE /v1/videos/{id}), so ask the router about each method.
+        for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+            scope = {**request.scope, "method": method}
+            if method not in allowed and any(route.matches(scope)[0] is Match.FULL
+                                             for route in request.app.router.routes):
+                allowed.append(method)
     if "GET" in allowed and "HEAD" not in allowed:
         allowed.append("HEAD")  # edge answers HEAD on every GET route
     return APIError(405, f"method not allowed; this route accepts {', '.join(allowed)}",
@@ -113,7 +123,7 @@ def install_handlers(app: FastAPI, count: Callable[[str], None]) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 405:
-            return render(request, method_not_allowed(exc))
+            return render(request, method_not_allowed(exc, request))
         if exc.status_code == 404:
             return render(request, APIError(
                 404, f"no route {request.method} {shown(request.url.path)}; see /docs or "

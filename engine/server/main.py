@@ -37,6 +37,9 @@ _SERVER_FLAGS = {
     "api_key_env": "api_key_env", "log_level": "log_level", "retry_after": "retry_after_s",
     "max_side": "max_side", "max_steps": "max_steps", "max_body_bytes": "max_body_bytes",
     "allowed_origins": "allowed_origins", "docs": "docs",
+    "default_frames": "default_frames", "default_fps": "default_fps",
+    "max_frames": "max_frames", "video_dir": "video_dir", "video_max_jobs": "video_max_jobs",
+    "video_max_bytes": "video_max_bytes", "video_ttl": "video_ttl_s",
 }
 
 
@@ -79,6 +82,25 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
                    default=None, help="do not serve the interactive API page at /docs")
     g.add_argument("--log-level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
+    v = parser.add_argument_group("video jobs (a video model: POST /v1/videos)")
+    v.add_argument("--default-frames", type=int, default=None,
+                   help="frames of a job that names neither num_frames nor seconds "
+                        "(default: from the model, 81 for Wan)")
+    v.add_argument("--default-fps", type=int, default=None,
+                   help="the model's native frame rate: MP4 fps and the rate `seconds` "
+                        "counts frames at (default 16, Wan's)")
+    v.add_argument("--max-frames", type=int, default=None,
+                   help="most frames a job may ask for (default 1025)")
+    v.add_argument("--video-dir", default=None,
+                   help="directory for finished MP4s, owned by this server (default: a "
+                        "private temporary directory removed at exit)")
+    v.add_argument("--video-max-jobs", type=int, default=None,
+                   help="jobs held at once, any state (default 256); more get 429")
+    v.add_argument("--video-max-bytes", type=int, default=None,
+                   help="bytes of stored MP4s plus running jobs' reservations (default "
+                        "4294967296); more get 429")
+    v.add_argument("--video-ttl", type=float, default=None,
+                   help="seconds a finished job and its MP4 are kept (default 3600)")
 
 
 def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None,

@@ -5,6 +5,10 @@
 the counter of HTTP-level errors. Gauges that mirror engine state (running, waiting, offload
 bytes) are read at scrape time by a collector, so they can never drift. Each app owns its own
 registry, so several apps (tests) never share series.
+
+On a video replica it is also the job store's observer (``on_job_finished``: jobs by final
+status, seconds of video stored) and reads the store's jobs by status and bytes at scrape
+time (``track_videos``).
 """
 
 from __future__ import annotations
@@ -25,8 +29,27 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Error reasons are a closed set so the label never explodes.
 ERROR_REASONS = ("invalid_request", "model_not_found", "not_found", "method_not_allowed",
-                 "unauthorized", "payload_too_large", "queue_full",
+                 "unauthorized", "payload_too_large", "queue_full", "store_full",
                  "unavailable", "timeout", "client_disconnect", "engine_error", "internal")
+JOB_END_STATES = ("completed", "failed", "cancelled")
+
+
+class _VideoStoreCollector(Collector):
+    """Reads the video job store at scrape time: jobs held by status, bytes held."""
+
+    def __init__(self, usage: Callable[[], tuple[dict[str, int], int]]) -> None:
+        self._usage = usage
+
+    def collect(self) -> Iterator[Metric]:
+        counts, used = self._usage()
+        jobs = GaugeMetricFamily("ditserve:video_jobs",
+                                 "Video jobs held by the store, by status.", labels=["status"])
+        for status, count in counts.items():
+            jobs.add_metric([status], count)
+        yield jobs
+        yield GaugeMetricFamily("ditserve:video_store_bytes",
+                                "Bytes of stored MP4s plus the reservations of unfinished "
+                                "jobs (bounded by --video-max-bytes).", value=used)
 
 
 class _EngineStateCollector(Collector):
@@ -108,6 +131,17 @@ class ServingMetrics:
             "Rows (images, doubled under true CFG) in one denoise step.",
             buckets=BATCH_BUCKETS, registry=r)
         self.images = Counter("ditserve:images_generated", "Images generated.", registry=r)
+        self.videos = Counter("ditserve:videos_generated",
+                              "Videos the engine generated (decoded, before encoding).",
+                              registry=r)
+        self.video_jobs_finished = Counter(
+            "ditserve:video_jobs_finished", "Video jobs that ended, by final status.",
+            ["status"], registry=r)
+        for status in JOB_END_STATES:
+            self.video_jobs_finished.labels(status=status)
+        self.video_seconds = Counter(
+            "ditserve:video_seconds_generated",
+            "Seconds of video stored by completed jobs (frames / fps).", registry=r)
         self.success = Counter("ditserve:request_success", "Requests that returned images.",
                                registry=r)
         self.errors = Counter("ditserve:request_errors", "Requests that ended in an error.",
@@ -128,10 +162,18 @@ class ServingMetrics:
     def on_finished(self, result: Any) -> None:
         self.queue_time.observe(result.queue_seconds)
         self.e2e_latency.observe(result.latency_seconds)
-        self.images.inc(result.num_images)
+        (self.videos if result.is_video else self.images).inc(result.num_images)
 
     def on_failed(self, request_id: str, reason: str) -> None:
         self.engine_failures.inc()
+
+    # -- video jobs (JobStore's observer) -------------------------------------------------------
+    def on_job_finished(self, status: str, video_seconds: float) -> None:
+        self.video_jobs_finished.labels(status=status).inc()
+        self.video_seconds.inc(video_seconds)
+
+    def track_videos(self, usage: Callable[[], tuple[dict[str, int], int]]) -> None:
+        self.registry.register(_VideoStoreCollector(usage))
 
     # -- HTTP layer -------------------------------------------------------------------------
     def count_error(self, reason: str) -> None:

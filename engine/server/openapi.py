@@ -9,7 +9,7 @@ the ``X-Request-Id`` header on every operation, and Bearer security when an API 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -24,7 +24,10 @@ ERROR_DESCRIPTIONS = {
          "for this model, or an invalid X-Request-Id; `param` names the field",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`)",
     404: "`model` (or the model id in the path) is not the served model",
+    409: "The video has no content (yet): it is queued or in progress, or it failed or was "
+         "cancelled",
     413: "The request body is larger than the server's limit",
+    416: "The Range asks for bytes past the end of the file (Content-Range says its size)",
     429: "Every batch slot is taken and the queue is full; retry after Retry-After seconds",
     500: "The engine failed this request, or an internal error (details in the server log)",
     503: "Loading, draining or stopped; retry after Retry-After seconds",
@@ -42,17 +45,28 @@ def _headers(extra: dict[str, Any] | None = None) -> dict[str, Any]:
             **(extra or {})}
 
 
-def answers(ok: dict[str, Any], *errors: int, ok_description: str = "OK"
-            ) -> dict[int | str, Any]:
+def answers(ok: dict[str, Any], *errors: int, ok_description: str = "OK",
+            descriptions: dict[int, str] | None = None) -> dict[int | str, Any]:
     """A route's ``responses``: 200 with ``ok`` (media type -> schema), then each error
-    status with the error body; 400 and 500 are added to every route."""
+    status with the error body; 400 and 500 are added to every route. ``descriptions``
+    replaces the generic text of some statuses."""
     out: dict[int | str, Any] = {200: {"description": ok_description, "headers": _headers(),
                                        "content": {t: {"schema": s} for t, s in ok.items()}}}
     for status in sorted({400, 500, *errors}):
         headers = RETRY_HEADERS if status in (429, 503) else None
-        out[status] = {"description": ERROR_DESCRIPTIONS[status], "headers": _headers(headers),
+        text = (descriptions or {}).get(status, ERROR_DESCRIPTIONS[status])
+        out[status] = {"description": text, "headers": _headers(headers),
                        "content": {"application/json": {"schema": _ref("Error")}}}
     return out
+
+
+def headers(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The headers every answer carries (X-Request-Id), and ``extra``."""
+    return _headers(extra)
+
+
+def ref(name: str) -> dict[str, Any]:
+    return _ref(name)
 
 
 def json_answer(name: str) -> dict[str, Any]:
@@ -77,15 +91,22 @@ GENERATION_BODY = {"requestBody": {"required": True, "content": {
 NOT_ONLY_SPACES = "[^" + "".join(f"\\u{c:04x}" for c in range(0x3001) if chr(c).isspace()) + "]"
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-def size_pattern(limits: RequestLimits) -> str:
+class Sides(Protocol):
+    @property
+    def max_side(self) -> int: ...
+    @property
+    def pixel_multiple(self) -> int: ...
+
+
+def size_pattern(limits: Sides, *, auto: bool = True) -> str:
     """Exactly the sizes this model accepts: multiples of the pixel multiple up to max_side."""
     sides = "|".join(str(s) for s in range(limits.max_side, 0, -1)
                      if s % limits.pixel_multiple == 0)
-    return f"^(?:auto|(?:{sides})x(?:{sides}))$"
+    return f"^(?:{'auto|' if auto else ''}(?:{sides})x(?:{sides}))$"
 
 
 def request_schema(limits: RequestLimits) -> dict[str, Any]:
@@ -98,29 +119,29 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
     width, height = limits.default_size
 
     def integer(low: int, high: int, description: str) -> dict[str, Any]:
-        return _nullable({"type": "integer", "minimum": low, "maximum": high,
+        return nullable({"type": "integer", "minimum": low, "maximum": high,
                           "description": description})
 
     def number(description: str) -> dict[str, Any]:
-        return _nullable({"type": "number", "minimum": 0, "maximum": 100,
+        return nullable({"type": "number", "minimum": 0, "maximum": 100,
                           "description": description})
 
     properties: dict[str, Any] = {
         "prompt": prompt,
-        "model": _nullable({"const": limits.model_name}),
+        "model": nullable({"const": limits.model_name}),
         "n": integer(1, MAX_IMAGES, "images to generate (default 1)"),
-        "size": _nullable({"type": "string", "pattern": size_pattern(limits),
+        "size": nullable({"type": "string", "pattern": size_pattern(limits),
                            "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple}"
                                           f"; 'auto' or omitted: {width}x{height}"}),
-        "response_format": _nullable({"const": "b64_json"}),
-        "user": _nullable(text),
-        "stream": _nullable({"type": "boolean", "description": "answer with Server-Sent "
+        "response_format": nullable({"const": "b64_json"}),
+        "user": nullable(text),
+        "stream": nullable({"type": "boolean", "description": "answer with Server-Sent "
                              "Events (progress, partial images, then the images)"}),
         "partial_images": integer(0, MAX_PARTIAL_IMAGES, "previews to stream at evenly spaced "
                                   "steps (with stream)"),
-        **{name: _nullable(text) for name in IGNORED_FIELDS if name != "output_compression"},
+        **{name: nullable(text) for name in IGNORED_FIELDS if name != "output_compression"},
         "output_compression": integer(0, 100, "accepted and ignored (PNG is lossless)"),
-        "negative_prompt": _nullable(text),
+        "negative_prompt": nullable(text),
         "num_inference_steps": integer(1, limits.max_steps,
                                        f"denoise steps (default {limits.default_steps})"),
         "guidance_scale": number("distilled guidance of Flux-dev (default 3.5)"),
@@ -242,17 +263,43 @@ def _static_schemas() -> dict[str, Any]:
     }
 
 
-def build_openapi(app: FastAPI, limits: RequestLimits, *, api_key: bool) -> dict[str, Any]:
-    """The whole document for this replica (``app.openapi`` caches it per limits)."""
+def build_openapi(app: FastAPI, limits: RequestLimits, *, api_key: bool,
+                  video_schemas: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole document for this replica (``app.openapi`` caches it per limits).
+
+    One model per replica: with ``video_schemas`` (``video_openapi.schemas``, a video
+    replica) the document holds the video routes (tag ``videos``) and not the image route
+    (tag ``images``), else the reverse; the other kind's routes answer 400 and are left out.
+    """
+    video = video_schemas
     doc = get_openapi(title="ditserve", version="0.1.0", routes=app.routes,
-                      description="OpenAI-style image generation on a diffusion transformer. "
-                                  "Errors are OpenAI's error object; see docs/serving.md.")
+                      description="OpenAI-style image and video generation on a diffusion "
+                                  "transformer (one model per replica). Errors are OpenAI's "
+                                  "error object; see docs/serving.md.")
+    served = "videos" if video is not None else "images"
+    other = "images" if video is not None else "videos"
+    for path in list(doc.get("paths", {})):
+        operations = doc["paths"][path]
+        for method in [m for m, op in operations.items() if other in op.get("tags", ())]:
+            del operations[method]
+        for operation in operations.values():
+            if served in operation.get("tags", ()):
+                operation.pop("tags")
+        if not operations:
+            del doc["paths"][path]
     components = doc.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422; never answered
         schemas.pop(name, None)
     schemas.update(_static_schemas())
-    schemas["ImageGenerationRequest"] = request_schema(limits)
+    if video is not None:
+        schemas.update(video)
+        for name in ("ImageGenerationRequest", "ImagesResponse", "QueuedEvent",
+                     "ProgressEvent", "PartialImageEvent", "CompletedEvent", "ErrorEvent",
+                     "Usage"):
+            schemas.pop(name, None)
+    else:
+        schemas["ImageGenerationRequest"] = request_schema(limits)
     components["headers"] = {
         REQUEST_ID_HEADER: {"required": True, "schema": {"type": "string"},
                             "description": "the client's X-Request-Id, or the one the server "

@@ -112,14 +112,16 @@ _TYPE_MESSAGES = {
 }
 
 
-def pydantic_error(error: PydanticValidationError) -> APIError:
-    """The first problem of a pydantic validation, as a field-precise 400."""
+def pydantic_error(error: PydanticValidationError, *,
+                   fields: tuple[str, ...] = FIELDS) -> APIError:
+    """The first problem of a pydantic validation, as a field-precise 400 (``fields``: the
+    body's field names, listed for an unknown one)."""
     first = error.errors(include_url=False)[0]
     loc = [str(part) for part in first.get("loc", ())]
-    param = ".".join(loc) or None
+    param = loc[0] if loc else None  # a union's member names follow the field: drop them
     kind, value = first.get("type", ""), first.get("input")
     if kind == "extra_forbidden":
-        return invalid(param, f"{param}: unknown field; supported fields: {', '.join(FIELDS)}",
+        return invalid(param, f"{param}: unknown field; supported fields: {', '.join(fields)}",
                        code="unknown_field")
     if kind == "missing":
         return invalid(param, f"{param}: is required", code="missing_field")

@@ -6,6 +6,10 @@ ready, draining, stopped, failed) and ``engine.failure``. The lifespan starts th
 worker thread (``start_engine``) so /health answers while weights load; the SIGTERM handler
 calls ``begin_drain``, waits while ``has_work``, then ``stop``; the lifespan's exit calls
 ``stop`` too. ``engine.shutdown`` runs exactly once.
+
+One model per replica: ``output`` (from the model's family, read before it loads) says
+whether this replica makes images (/v1/images/generations) or videos (/v1/videos, whose
+jobs ``videos`` owns: the store, its directory and the encoding threads).
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from typing import Any
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.lifecycle import EnginePhase
-from ditserve.engine.request import MAX_SIDE, MAX_STEPS
+from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS
 from ditserve.engine.server.config import ServerConfig, parse_size
+from ditserve.engine.server.jobs.files import VideoFiles
+from ditserve.engine.server.jobs.service import VideoJobs
+from ditserve.engine.server.jobs.store import JobStore, StoreLimits
 from ditserve.engine.server.metrics import ServingMetrics
-from ditserve.engine.server.model_defaults import model_defaults
+from ditserve.engine.server.model_defaults import ModelDefaults, model_defaults
 from ditserve.engine.server.schemas import RequestLimits
+from ditserve.engine.server.video_request import VideoLimits
 from ditserve.engine.startup import WarmUp
 from ditserve.engine.step_log import StepLog, copy_rates_of
 
@@ -40,6 +48,8 @@ class ServerState:
     model_name: str
     default_size: tuple[int, int]
     default_steps: int
+    model: ModelDefaults = field(default_factory=lambda: model_defaults(None))
+    videos: VideoJobs | None = None
     on_start_failed: Callable[[BaseException], None] | None = None
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _stopped: bool = False
@@ -52,7 +62,20 @@ class ServerState:
         name = config.model_name or _model_name(engine.config)
         size, steps = _defaults(engine.config, config)
         metrics = metrics or ServingMetrics(lambda: engine)
-        return cls(engine, config, metrics, name, size, steps, **kwargs)
+        model = model_defaults(engine.config.model)
+        videos = None
+        if model.output == "video":
+            limits = StoreLimits(max_jobs=config.video_max_jobs,
+                                 max_bytes=config.video_max_bytes, ttl_s=config.video_ttl_s)
+            store = JobStore(limits, VideoFiles(config.video_dir), observer=metrics)
+            metrics.track_videos(store.usage)
+            videos = VideoJobs(engine, store)
+        return cls(engine, config, metrics, name, size, steps, model, videos, **kwargs)
+
+    @property
+    def output(self) -> str:
+        """What this replica makes: "image" or "video"."""
+        return self.model.output
 
     @property
     def ready(self) -> bool:
@@ -67,6 +90,25 @@ class ServerState:
             max_prompt_chars=self.engine.max_prompt_chars,
             max_side=min(config.max_side or MAX_SIDE, MAX_SIDE),
             max_steps=min(config.max_steps or MAX_STEPS, MAX_STEPS),
+        )
+
+    def video_limits(self) -> VideoLimits:
+        """What a video job may ask for now (frame step and pixel multiple once loaded; Wan's
+        4 before). The default frame count is rounded down to one the bounds allow."""
+        config, model = self.config, self.model
+        frame_step = self.engine.frame_step or 4
+        max_frames = min(config.max_frames or MAX_FRAMES, MAX_FRAMES)
+        max_frames -= (max_frames - 1) % frame_step
+        default = min(config.default_frames or model.frames, max_frames)
+        images = self.limits()
+        return VideoLimits(
+            model_name=self.model_name, default_size=self.default_size,
+            default_steps=min(self.default_steps, images.max_steps),
+            default_frames=default - (default - 1) % frame_step,
+            default_fps=config.default_fps or model.fps, default_guidance=model.guidance,
+            pixel_multiple=images.pixel_multiple, frame_step=frame_step,
+            max_prompt_chars=images.max_prompt_chars, max_side=images.max_side,
+            max_steps=images.max_steps, max_frames=max_frames,
         )
 
     def start_engine(self) -> None:
@@ -85,7 +127,8 @@ class ServerState:
 
     def has_work(self) -> bool:
         stats = self.engine.stats()
-        return stats.running + stats.waiting > 0
+        return stats.running + stats.waiting > 0 or (
+            self.videos is not None and self.videos.busy())
 
     def stop(self, grace_seconds: float = 0.0) -> None:
         with self._stop_lock:
@@ -93,6 +136,8 @@ class ServerState:
                 return
             self._stopped = True
         self.engine.shutdown(grace_seconds)
+        if self.videos is not None:
+            self.videos.close()  # after the engine: its aborts fail the unfinished jobs
         log.info("engine stopped")
 
 

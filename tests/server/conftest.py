@@ -130,3 +130,45 @@ def metric_value(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     raise KeyError(f"{name} not in metrics:\n{text}")
+
+
+LEFTOVER_ID = "video_" + "0" * 16 + "ab" * 8  # a job of a "previous server" on the same dir
+
+
+@pytest.fixture(scope="session")
+def leftover_id() -> str:
+    return LEFTOVER_ID
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Wan 2.1 model (text-to-video), built once per session."""
+    from ditserve.engine.tiny_model import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("tiny-wan") / "model", family="wan")
+
+
+@pytest.fixture(scope="session")
+def video_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The video server's --video-dir, holding a previous server's leftovers when it starts:
+    a finished MP4 (``LEFTOVER_ID``), a half-written temp file and a file of someone else."""
+    videos = tmp_path_factory.mktemp("video-dir")
+    (videos / ".tmp").mkdir()
+    (videos / f"{LEFTOVER_ID}.mp4").write_bytes(b"an old server's video")
+    (videos / ".tmp" / f"{LEFTOVER_ID}.1234.mp4").write_bytes(b"half written")
+    (videos / "notes.txt").write_text("not a video: the server leaves it alone")
+    return videos
+
+
+@pytest.fixture(scope="session")
+def video_server(tmp_path_factory: pytest.TempPathFactory, tiny_wan: Path, video_dir: Path
+                 ) -> Iterator[ServerProcess]:
+    """A video replica: the tiny Wan model, max_num_seqs 2, jobs bounded to 64x64, 17 frames
+    (1 s at 16 fps) and 8 steps (so the schemathesis run stays cheap), MP4s in ``video_dir``."""
+    tmp = tmp_path_factory.mktemp("video-server")
+    proc = start_server(tmp, "--model", str(tiny_wan), "--max-num-seqs", "2",
+                        "--max-queue", "16", "--max-side", "64", "--max-steps", "8",
+                        "--max-frames", "17", "--video-dir", str(video_dir),
+                        "--video-max-jobs", "4096", "--request-timeout", "120")
+    yield proc
+    proc.stop()

@@ -3,7 +3,9 @@
 It keeps the engine's public contract (phase/add_request/abort/validate_params/stats/events,
 the observers as a constructor argument) and lets a test choose the outcome of each request:
 finish (with "preview" events for ``partial_images``), fail, hang (never finishes), or a full
-queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules.
+queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules. With a
+``frame_step`` it is a video model: its results are (n, F, 3, H, W) seeded noise (so their
+MP4s are not tiny).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class FakeEngine:
     pixel_multiple: int = 4
     max_prompt_chars: int = 4000
     offload: dict[str, Any] | None = None  # what offload_report() returns
+    frame_step: int | None = None  # a video model's (Wan: 4); None: an image model
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -62,7 +65,8 @@ class FakeEngine:
 
     def validate_params(self, params: Any) -> Any:
         return params.validate(pixel_multiple=self.pixel_multiple,
-                               max_prompt_chars=self.max_prompt_chars)
+                               max_prompt_chars=self.max_prompt_chars,
+                               frame_step=self.frame_step)
 
     def add_request(self, params: Any, *, request_id: str | None = None,
                     on_event: Any = None) -> Any:
@@ -73,7 +77,8 @@ class FakeEngine:
         if rid in self._handles:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
         handle = SimpleNamespace(request_id=rid, future=concurrent.futures.Future(),
-                                 submitted_at=time.monotonic(), on_event=on_event)
+                                 seed=params.seed or 0, submitted_at=time.monotonic(),
+                                 on_event=on_event)
         self._handles[rid] = handle
         emit = on_event or (lambda event: None)
         steps = params.num_inference_steps
@@ -81,6 +86,10 @@ class FakeEngine:
         if self.outcome == "finish":
             color = torch.tensor([10, 20, 30], dtype=torch.float32).view(1, 3, 1, 1) / 255
             pixels = color.expand(params.num_images, 3, params.height, params.width).contiguous()
+            if self.frame_step is not None:
+                noise = torch.Generator().manual_seed(params.seed or 0)
+                pixels = torch.rand(params.num_images, params.num_frames, 3, params.height,
+                                    params.width, generator=noise)
             for step in range(1, steps + 1):
                 emit(RequestEvent(rid, "step", step, steps))
                 if step in params.preview_steps:

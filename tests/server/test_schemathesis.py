@@ -1,8 +1,10 @@
-"""Schemathesis against the default server's own /openapi.json: every check it has (no server
-error, status codes, content types, headers and bodies as documented, valid data accepted,
-invalid data rejected, 405 with Allow for undeclared methods, ...), with a fixed seed and a
-bounded number of examples per operation (the server bounds each request to 64x64 and 10
-steps). The run is the `st` command line, as a developer would run it."""
+"""Schemathesis against a server's own /openapi.json: every check it has (no server error,
+status codes, content types, headers and bodies as documented, valid data accepted, invalid
+data rejected, 405 with Allow for undeclared methods, ...), with a fixed seed and a bounded
+number of examples per operation. Two replicas, one per kind of model: the default image
+server (requests bounded to 64x64 and 10 steps) and the video server (/v1/videos in JSON and
+multipart, bounded to 64x64, 17 frames and 8 steps). The run is the `st` command line, as a
+developer would run it."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 SEED = 20261201
 MAX_EXAMPLES = 30
 
 
-def test_schemathesis_finds_no_failure(server, tmp_path, metric) -> None:
+@pytest.mark.parametrize("replica", ["server", "video_server"])
+def test_schemathesis_finds_no_failure(replica, request, tmp_path, metric) -> None:
+    server = request.getfixturevalue(replica)
     command = [
         sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
         "--checks", "all", "--phases", "examples,coverage,fuzzing",

@@ -30,7 +30,7 @@ from ditserve.engine.server import openapi, responses, streaming
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, log_error, request_id_of
-from ditserve.engine.server.phase import engine_phase
+from ditserve.engine.server.phase import check_admitting, unavailable
 from ditserve.engine.server.schemas import parse_generation_request, request_error
 from ditserve.engine.server.state import ServerState
 
@@ -43,24 +43,13 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 def _unavailable(state: ServerState, message: str) -> APIError:
-    return APIError(503, message, type="server_error", code="unavailable", reason="unavailable",
-                    headers={"Retry-After": str(state.config.retry_after_s)})
-
-
-NOT_READY = {
-    "draining": "the server is shutting down; retry on another replica",
-    "stopped": "the engine has stopped; retry on another replica",
-    "failed": "the engine failed; see the server log",
-    "compiling": "the DiT blocks are still compiling (--compile); poll GET /ready",
-    "loading": "the model is still loading; poll GET /ready",
-}
+    error: APIError = unavailable(state, message)
+    return error
 
 
 def _admit(state: ServerState, engine_request_id: str, params: Any, on_event: Any = None
            ) -> Any:
-    phase = engine_phase(state)
-    if phase != "ready":
-        raise _unavailable(state, NOT_READY[phase])
+    check_admitting(state)
     try:
         return state.engine.add_request(params, request_id=engine_request_id,
                                         on_event=on_event)
@@ -104,7 +93,7 @@ def _silence(future: asyncio.Future[Any]) -> None:
 
 
 @router.post(
-    "/v1/images/generations", response_model=None, openapi_extra=openapi.GENERATION_BODY,
+    "/v1/images/generations", response_model=None, tags=["images"], openapi_extra=openapi.GENERATION_BODY,
     summary="Generate images (OpenAI images API; JSON, or Server-Sent Events with stream)",
     responses=openapi.answers(
         {**openapi.json_answer("ImagesResponse"), **openapi.sse_answer()},
@@ -115,6 +104,10 @@ def _silence(future: asyncio.Future[Any]) -> None:
 )
 async def create_image(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    if state.output != "image":
+        raise APIError(400, f"this server serves the video model {state.model_name!r}: "
+                            "create videos with POST /v1/videos (one model per replica)",
+                       param="model", code="unsupported_model")
     rid = request_id_of(request)  # the client's (or a new) id; the engine's is unique
     limits = state.limits()
     parsed = parse_generation_request(await request.body(), engine=state.engine, limits=limits)

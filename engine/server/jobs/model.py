@@ -1,0 +1,162 @@
+"""A video job: its status machine, its id, and its OpenAI ``video`` object.
+
+``VideoJob`` is plain data; only ``JobStore`` changes it (under its lock), so a job's status
+moves in one place. ``JobStatus`` sorts its final states last, as ``RequestStatus`` does.
+``video_object`` renders a job as OpenAI's Videos API object (id, ``object: "video"``, status,
+progress, created_at, completed_at, expires_at, error, model, prompt, seconds, size), plus
+ditserve's own ``ditserve`` object (frames, fps, steps, seed, timings, bytes).
+
+Ids are ``video_`` + 32 hex digits whose first 16 are a strictly increasing number (the
+creation time in nanoseconds, bumped on ties): sorting ids sorts jobs by creation, so the
+list's ``after`` cursor stays meaningful after the job it names was deleted or expired.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ditserve.engine.request import SamplingParams
+
+JOB_ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
+OBJECT = "video"
+DELETED_OBJECT = "video.deleted"
+
+
+class JobStatus(enum.IntEnum):
+    """queued -> in_progress -> completed | failed | cancelled (finished states sort last)."""
+
+    QUEUED = 0
+    IN_PROGRESS = 1
+    COMPLETED = 2
+    FAILED = 3
+    CANCELLED = 4
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= JobStatus.COMPLETED
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+_id_lock = threading.Lock()
+_last_stamp = 0
+
+
+def new_job_id() -> str:
+    """A fresh id, greater than every id made before it in this process."""
+    global _last_stamp
+    with _id_lock:
+        _last_stamp = max(_last_stamp + 1, time.time_ns())
+        stamp = _last_stamp
+    return f"video_{stamp:016x}{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True)
+class VideoSpec:
+    """What a client asked for, validated: the engine's params and the MP4's frame rate.
+
+    seconds: the clip's duration as OpenAI reports it (frames / fps, e.g. "5.0625" for 81
+        frames at 16 fps).
+    """
+
+    params: SamplingParams
+    fps: int
+    model: str
+
+    @property
+    def size(self) -> str:
+        return f"{self.params.width}x{self.params.height}"
+
+    @property
+    def duration_s(self) -> float:
+        return self.params.num_frames / self.fps
+
+    @property
+    def seconds(self) -> str:
+        return f"{self.duration_s:g}"
+
+    @property
+    def raw_bytes(self) -> int:
+        """RGB bytes of the frames: the store reserves this much until the MP4 exists (H.264
+        at the writer's quality is far smaller, so the reservation bounds the file)."""
+        p = self.params
+        return p.num_frames * p.height * p.width * 3 + 64 * 1024  # + container headroom
+
+
+@dataclass
+class VideoJob:
+    """One job. Changed only by ``JobStore``; read a snapshot with ``video_object``."""
+
+    id: str
+    spec: VideoSpec
+    request_id: str
+    created_at: float
+    status: JobStatus = JobStatus.QUEUED
+    steps_done: int = 0
+    seed: int | None = None
+    started_at: float | None = None
+    completed_at: float | None = None
+    expires_at: float | None = None
+    error: dict[str, str] | None = None
+    path: Path | None = None  # the published MP4, once completed
+    size_bytes: int = 0  # the MP4's size, once completed
+    reserved_bytes: int = 0  # counted against the store's byte bound
+    engine_id: str | None = None  # the engine's request id while it generates
+    listeners: list[Any] = field(default_factory=list)
+
+    @property
+    def progress(self) -> int:
+        """0-100: the share of denoise steps done, 100 only once the MP4 is stored."""
+        if self.status is JobStatus.COMPLETED:
+            return 100
+        total = self.spec.params.num_inference_steps
+        return min(99, 100 * self.steps_done // total) if total else 0
+
+
+def video_object(job: VideoJob) -> dict[str, Any]:
+    """The OpenAI ``video`` object of ``job`` (call under the store's lock, or on a copy)."""
+    spec, p = job.spec, job.spec.params
+    latency = (job.completed_at - job.created_at) if job.completed_at is not None else None
+    queued = (job.started_at - job.created_at) if job.started_at is not None else None
+    return {
+        "id": job.id,
+        "object": OBJECT,
+        "model": spec.model,
+        "status": job.status.label,
+        "progress": job.progress,
+        "created_at": int(job.created_at),
+        "completed_at": int(job.completed_at) if job.completed_at is not None else None,
+        "expires_at": int(job.expires_at) if job.expires_at is not None else None,
+        "error": dict(job.error) if job.error else None,
+        "prompt": p.prompt,
+        "remixed_from_video_id": None,
+        "seconds": spec.seconds,
+        "size": spec.size,
+        "ditserve": {
+            "request_id": job.request_id,
+            "num_frames": p.num_frames,
+            "fps": spec.fps,
+            "num_inference_steps": p.num_inference_steps,
+            "steps_done": job.steps_done,
+            "guidance_scale": p.guidance_scale,
+            "negative_prompt": p.negative_prompt,
+            "seed": job.seed,
+            "queue_seconds": round(queued, 6) if queued is not None else None,
+            "latency_seconds": round(latency, 6) if latency is not None else None,
+            "bytes": job.size_bytes if job.status is JobStatus.COMPLETED else None,
+        },
+    }
+
+
+def deleted_object(job_id: str) -> dict[str, Any]:
+    """OpenAI's answer to a delete."""
+    return {"id": job_id, "object": DELETED_OBJECT, "deleted": True}

@@ -1,0 +1,273 @@
+"""/v1/videos: OpenAI's Videos API over the video jobs (``state.videos``).
+
+POST /v1/videos answers at once with the queued job; GET /v1/videos/{id} polls it;
+GET /v1/videos/{id}/events streams its changes (SSE); GET /v1/videos/{id}/content serves the
+MP4 once completed (Range requests: 206 / 416; HEAD); DELETE /v1/videos/{id} cancels an
+unfinished job (its batch slot frees at the next step) or removes a finished one and its
+file; GET /v1/videos lists jobs (``limit``, ``after``, ``order``). Jobs do not depend on
+connections: a client that hangs up leaves its job running.
+
+An image replica answers these routes with 400 (one model per replica), and its OpenAPI
+document leaves them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+from collections.abc import AsyncIterator
+from email.utils import formatdate
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ditserve.engine.errors import EngineStoppedError, InvalidRequestError, QueueFullError
+from ditserve.engine.server import video_openapi
+from ditserve.engine.server.auth import require_api_key
+from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
+from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
+from ditserve.engine.server.jobs.model import JOB_ID_PATTERN, deleted_object
+from ditserve.engine.server.jobs.service import VideoJobs
+from ditserve.engine.server.jobs.store import StoreFull
+from ditserve.engine.server.phase import check_admitting, unavailable
+from ditserve.engine.server.schemas import request_error
+from ditserve.engine.server.state import ServerState
+from ditserve.engine.server.video_request import parse_video_request, read_body
+
+router = APIRouter(dependencies=[Depends(require_api_key)], tags=["videos"])
+
+DEFAULT_PAGE, MAX_PAGE = 20, 100
+CHUNK_BYTES = 1 << 20
+KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
+MP4 = "video/mp4"
+
+
+class MP4Response(Response):
+    """Declares the content route's media type (FastAPI documents a route's class's)."""
+
+    media_type = MP4
+
+
+class EventStreamResponse(Response):
+    media_type = "text/event-stream"
+
+
+def _videos(request: Request) -> tuple[ServerState, VideoJobs]:
+    state: ServerState = request.app.state.server
+    if state.videos is None:
+        raise APIError(400, f"this server serves the image model {state.model_name!r}: "
+                            "generate images with POST /v1/images/generations (one model per "
+                            "replica)", param="model", code="unsupported_model")
+    return state, state.videos
+
+
+def _not_found(video_id: str) -> APIError:
+    return APIError(404, f"no video {shown(video_id)}: it never existed, was deleted, expired, "
+                         "or was made before this server restarted", param="video_id",
+                    code="video_not_found", reason="not_found")
+
+
+def _too_many(state: ServerState, message: str, retry_after: float | None, *, code: str,
+              reason: str) -> APIError:
+    seconds = state.config.retry_after_s if retry_after is None else int(retry_after)
+    return APIError(429, message, type="rate_limit_error", code=code, reason=reason,
+                    headers={"Retry-After": str(seconds)})
+
+
+@router.post("/v1/videos", response_model=None, summary="Create a video job (OpenAI videos API)",
+             openapi_extra=video_openapi.CREATE_BODY, responses=video_openapi.create_answers())
+async def create_video(request: Request) -> JSONResponse:
+    state, videos = _videos(request)
+    spec = parse_video_request(await read_body(request), engine=state.engine,
+                               limits=state.video_limits())
+    check_admitting(state)
+    try:
+        job = videos.create(spec, request_id=request_id_of(request))
+    except StoreFull as e:
+        raise _too_many(state, str(e), e.retry_after_s, code="store_full",
+                        reason="store_full") from e
+    except QueueFullError as e:
+        raise _too_many(state, "every batch slot is taken and the queue is full; retry later",
+                        None, code="queue_full", reason="queue_full") from e
+    except EngineStoppedError as e:
+        raise unavailable(state, "the engine is not accepting requests; retry later") from e
+    except InvalidRequestError as e:
+        raise request_error(e) from e
+    return JSONResponse(job)
+
+
+_LIMIT = re.compile(r"^[0-9]{1,6}$")
+LIST_PARAMETERS = {"parameters": [
+    {"name": "limit", "in": "query", "required": False, "description": "jobs per page",
+     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": DEFAULT_PAGE}},
+    {"name": "after", "in": "query", "required": False,
+     "description": "the last id of the previous page",
+     "schema": {"type": "string", "pattern": f"^{JOB_ID_PATTERN.pattern}$"}},
+    {"name": "order", "in": "query", "required": False,
+     "description": "by creation time: desc (newest first, default) or asc",
+     "schema": {"enum": ["asc", "desc"], "default": "desc"}},
+]}
+
+
+def _query(request: Request) -> tuple[int, str | None, str]:
+    q = request.query_params
+    raw = q.get("limit")
+    if raw is not None and not (_LIMIT.match(raw) and 1 <= int(raw) <= MAX_PAGE):
+        raise invalid("limit", f"limit: must be an integer in [1, {MAX_PAGE}], got {shown(raw)}")
+    after = q.get("after")
+    if after is not None and not JOB_ID_PATTERN.fullmatch(after):
+        raise invalid("after", f"after: must be a video id (video_ and 32 hex digits), got "
+                               f"{shown(after)}")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", f"order: must be 'asc' or 'desc', got {shown(order)}")
+    return int(raw) if raw is not None else DEFAULT_PAGE, after, order
+
+
+@router.get("/v1/videos", response_model=None, summary="List video jobs (newest first)",
+            openapi_extra=LIST_PARAMETERS, responses=video_openapi.list_answers())
+async def list_videos(request: Request) -> dict[str, Any]:
+    _, videos = _videos(request)
+    limit, after, order = _query(request)
+    data, more = videos.store.page(limit=limit, after=after, order=order)
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+@router.get("/v1/videos/{video_id}", response_model=None, summary="A video job",
+            responses=video_openapi.video_answers())
+async def retrieve_video(video_id: str, request: Request) -> dict[str, Any]:
+    _, videos = _videos(request)
+    job = videos.store.get(video_id)
+    if job is None:
+        raise _not_found(video_id)
+    return job
+
+
+@router.delete("/v1/videos/{video_id}", response_model=None,
+               summary="Cancel an unfinished job, or delete a finished one and its MP4",
+               responses=video_openapi.video_answers("VideoDeleted"))
+async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
+    _, videos = _videos(request)
+    if not videos.delete(video_id):
+        raise _not_found(video_id)
+    return deleted_object(video_id)
+
+
+CONTENT_PARAMETERS = {"parameters": [
+    {"name": "variant", "in": "query", "required": False,
+     "description": "which asset: only the MP4 ('video') is made",
+     "schema": {"enum": ["video"], "default": "video"}},
+    {"name": "Range", "in": "header", "required": False,
+     "description": "one byte range, e.g. bytes=0-1023 (several ranges: the whole file)",
+     "schema": {"type": "string"}},
+]}
+
+
+@router.get("/v1/videos/{video_id}/content", response_model=None,
+            summary="The MP4 of a completed job (Range requests supported)",
+            response_class=MP4Response,
+            openapi_extra=CONTENT_PARAMETERS, responses=video_openapi.content_answers())
+async def video_content(video_id: str, request: Request) -> Response:
+    _, videos = _videos(request)
+    variant = request.query_params.get("variant", "video")
+    if variant != "video":
+        raise invalid("variant", f"variant: only 'video' (the MP4) is available, got "
+                                 f"{shown(variant)}")
+    found = videos.store.content(video_id)
+    if found is None:
+        raise _not_found(video_id)
+    job, where = found
+    if where is None:
+        status = job["status"]
+        ready = status in ("queued", "in_progress")
+        raise APIError(409, f"video {video_id} is {status}" + (
+            f" ({job['progress']}%): download it once its status is completed" if ready
+            else ": it has no content"), param="video_id",
+            code="video_not_ready" if ready else "video_unavailable")
+    try:
+        # Opened here: a DELETE or an expiry from now on unlinks a file this answer still reads.
+        fd = os.open(where.path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise _not_found(video_id) from None
+    etag = f'"{video_id}"'  # an id names one immutable file
+    headers = {"Accept-Ranges": "bytes", "ETag": etag,
+               "Last-Modified": formatdate(where.completed_at, usegmt=True),
+               "Content-Disposition": f'attachment; filename="{video_id}.mp4"'}
+    chosen = choose_range(request.headers.get("range"), where.size,
+                          if_range=request.headers.get("if-range"), etag=etag)
+    if isinstance(chosen, Unsatisfiable):
+        os.close(fd)
+        raise APIError(416, f"the range {shown(request.headers.get('range'))} starts past the "
+                            f"end of the {where.size}-byte video", param="Range",
+                       code="range_not_satisfiable",
+                       headers={"Content-Range": f"bytes */{chosen.size}"})
+    start, end = chosen if chosen is not None else (0, where.size)
+    headers["Content-Length"] = str(end - start)
+    if chosen is not None:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{where.size}"
+    return StreamingResponse(_read(fd, start, end), status_code=206 if chosen else 200,
+                             media_type=MP4, headers=headers)
+
+
+async def _read(fd: int, start: int, end: int) -> AsyncIterator[bytes]:
+    try:
+        while start < end:
+            chunk = await asyncio.to_thread(os.pread, fd, min(CHUNK_BYTES, end - start), start)
+            if not chunk:
+                return
+            start += len(chunk)
+            yield chunk
+    finally:
+        os.close(fd)
+
+
+@router.get("/v1/videos/{video_id}/events", response_model=None,
+            summary="The job's changes as Server-Sent Events, until it finishes",
+            response_class=EventStreamResponse,
+            responses=video_openapi.events_answers())
+async def video_events(video_id: str, request: Request) -> StreamingResponse:
+    _, videos = _videos(request)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    def push(job: dict[str, Any]) -> None:  # from whichever thread changed the job
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
+            loop.call_soon_threadsafe(queue.put_nowait, job)
+
+    current = videos.store.subscribe(video_id, push)
+    if current is None:
+        raise _not_found(video_id)
+    return StreamingResponse(_events(videos, video_id, push, current, queue),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(videos: VideoJobs, video_id: str, push: Any, current: dict[str, Any],
+                  queue: asyncio.Queue[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        job = current
+        while True:
+            yield video_event(job)
+            if job["status"] in ("completed", "failed", "cancelled"):
+                return
+            while True:
+                try:
+                    job = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                    break
+                except TimeoutError:
+                    yield b": keep-alive\n\n"
+    finally:
+        videos.store.unsubscribe(video_id, push)
+
+
+def video_event(job: dict[str, Any]) -> bytes:
+    """One SSE message: ``event: video.<status>``, data ``{"type": ..., "video": job}``."""
+    import json
+
+    kind = f"video.{job['status']}"
+    body = json.dumps({"type": kind, "video": job}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {body}\n\n".encode()

@@ -1,0 +1,180 @@
+"""The OpenAPI parts of the video routes: the create body (JSON and multipart, from the same
+``VideoLimits`` the parser enforces), the ``video`` object, the list page, the delete
+answer, the MP4 content (200 / 206 with Content-Range / 416) and the job's event stream.
+
+``schemas(limits)`` goes into ``components.schemas`` (``openapi.build_openapi``, on a video
+replica); the ``*_answers`` functions are the routes' ``responses``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ditserve.engine.server.jobs.model import JobStatus
+from ditserve.engine.server.openapi import (
+    NOT_ONLY_SPACES,
+    answers,
+    headers,
+    json_answer,
+    nullable,
+    ref,
+    size_pattern,
+)
+from ditserve.engine.server.video_request import FIELDS, MAX_FPS, VideoLimits
+
+STATUSES = [status.label for status in JobStatus]
+EVENT_TYPES = [f"video.{status}" for status in STATUSES]
+NOT_FOUND = {404: "No video with this id (never made, deleted, expired, or made before the "
+                  "server restarted)"}
+
+CREATE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": ref("VideoCreateRequest")},
+    "multipart/form-data": {"schema": ref("VideoCreateForm")}}}}
+
+
+def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
+    """Each field's schema, null not included (the JSON body adds it, a form has none)."""
+    text = {"type": "string"}
+    prompt: dict[str, Any] = {"type": "string", "minLength": 1, "pattern": NOT_ONLY_SPACES,
+                              "description": "what to film (not only spaces)"}
+    if limits.max_prompt_chars is not None:
+        prompt["maxLength"] = limits.max_prompt_chars
+    width, height = limits.default_size
+
+    def integer(low: int, high: int, description: str) -> dict[str, Any]:
+        return {"type": "integer", "minimum": low, "maximum": high, "description": description}
+
+    # OpenAI's string form: whole seconds (none when even 1 s exceeds max_frames).
+    whole = limits.second_strings
+    seconds_text: dict[str, Any] = {"type": "string", "enum": whole} if whole else {"not": {}}
+    seconds: dict[str, Any] = seconds_text if form else {"anyOf": [
+        {"type": "number", "exclusiveMinimum": 0, "maximum": limits.max_seconds},
+        seconds_text]}
+    seconds["description"] = (f"duration: frames at the model's native {limits.default_fps} "
+                              "fps (the smallest valid count that lasts this long); not with "
+                              "num_frames or fps" + ("; in a form, whole seconds" if form
+                                                     else ""))
+    return {
+        "prompt": prompt,
+        "model": {"const": limits.model_name},
+        "size": {"type": "string", "pattern": size_pattern(limits, auto=False),
+                 "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple} "
+                                f"(default {width}x{height})"},
+        "seconds": seconds,
+        "num_frames": {"type": "integer", "enum": limits.allowed_frames,
+                       "description": f"{limits.frame_step}k+1 frames (default "
+                                      f"{limits.default_frames})"},
+        "fps": integer(1, MAX_FPS, f"MP4 frame rate (default {limits.default_fps})"),
+        "num_inference_steps": integer(1, limits.max_steps,
+                                       f"denoise steps (default {limits.default_steps})"),
+        "guidance_scale": {"type": "number", "minimum": 0, "maximum": 100,
+                           "description": "classifier-free guidance when > 1, against "
+                                          f"negative_prompt (default {limits.default_guidance})"},
+        "negative_prompt": text,
+        "seed": integer(0, 2**63 - 1, "omitted: random, reported in the job"),
+    }
+
+
+def request_schema(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
+    """The create body under ``limits``: JSON (optional fields may be null) or a form."""
+    properties = _properties(limits, form=form)
+    assert set(properties) == set(FIELDS), "the schema and the parser disagree on the fields"
+    if not form:
+        properties = {name: schema if name == "prompt" else nullable(schema)
+                      for name, schema in properties.items()}
+    seconds_given: dict[str, Any] = {"required": ["seconds"]}
+    if not form:
+        seconds_given["properties"] = {"seconds": {"not": {"type": "null"}}}
+    absent: dict[str, Any] = {"not": {}} if form else {"type": "null"}
+    return {
+        "type": "object", "title": "VideoCreateForm" if form else "VideoCreateRequest",
+        "required": ["prompt"], "properties": properties, "additionalProperties": False,
+        # seconds picks the frame count at the native rate: num_frames and fps go together.
+        "if": seconds_given,
+        "then": {"properties": {"num_frames": absent, "fps": absent}},
+    }
+
+
+def schemas(limits: VideoLimits) -> dict[str, Any]:
+    string, integer = {"type": "string"}, {"type": "integer"}
+    nullable_int = {"type": ["integer", "null"]}
+    video = {
+        "type": "object",
+        "required": ["id", "object", "model", "status", "progress", "created_at",
+                     "completed_at", "expires_at", "error", "seconds", "size"],
+        "properties": {
+            "id": {"type": "string", "pattern": "^video_[0-9a-f]{32}$"},
+            "object": {"const": "video"}, "model": string,
+            "status": {"enum": STATUSES},
+            "progress": {"type": "integer", "minimum": 0, "maximum": 100},
+            "created_at": integer, "completed_at": nullable_int, "expires_at": nullable_int,
+            "error": {"anyOf": [{"type": "null"}, {
+                "type": "object", "required": ["code", "message"],
+                "properties": {"code": string, "message": string}}]},
+            "prompt": {"type": ["string", "null"]},
+            "remixed_from_video_id": {"type": "null"},
+            "seconds": string, "size": string,
+            "ditserve": {"type": "object", "description": "frames, fps, steps, seed, timings "
+                                                          "and the MP4's bytes"},
+        },
+    }
+    event = {"type": "object", "required": ["type", "video"],
+             "properties": {"type": {"enum": EVENT_TYPES}, "video": ref("Video")}}
+    return {
+        "VideoCreateRequest": request_schema(limits, form=False),
+        "VideoCreateForm": request_schema(limits, form=True),
+        "Video": video,
+        "VideoList": {"type": "object",
+                      "required": ["object", "data", "first_id", "last_id", "has_more"],
+                      "properties": {"object": {"const": "list"},
+                                     "data": {"type": "array", "items": ref("Video")},
+                                     "first_id": {"type": ["string", "null"]},
+                                     "last_id": {"type": ["string", "null"]},
+                                     "has_more": {"type": "boolean"}}},
+        "VideoDeleted": {"type": "object", "required": ["id", "object", "deleted"],
+                         "properties": {"id": string, "object": {"const": "video.deleted"},
+                                        "deleted": {"const": True}}},
+        "VideoEvent": event,
+    }
+
+
+def create_answers() -> dict[int | str, Any]:
+    return answers(json_answer("Video"), 404, 413, 429, 503,
+                   ok_description="The job, queued (poll it, or follow its events)",
+                   descriptions={404: "`model` is not the served model"})
+
+
+def video_answers(name: str = "Video", *errors: int) -> dict[int | str, Any]:
+    return answers(json_answer(name), 404, *errors, descriptions=NOT_FOUND)
+
+
+def list_answers() -> dict[int | str, Any]:
+    return answers(json_answer("VideoList"), ok_description="A page of jobs")
+
+
+def content_answers() -> dict[int | str, Any]:
+    mp4 = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}
+    out = answers({}, 404, 409, 416, descriptions=NOT_FOUND,
+                  ok_description="The whole MP4 (H.264). Accept-Ranges: bytes")
+    out[200]["content"] = mp4
+    out[200]["headers"] = headers({"Accept-Ranges": {"schema": {"const": "bytes"}},
+                                   "Content-Length": {"schema": {"type": "string"}}})
+    out[206] = {"description": "The bytes one Range asked for",
+                "headers": headers({"Content-Range": {"required": True, "schema": {
+                    "type": "string", "pattern": "^bytes [0-9]+-[0-9]+/[0-9]+$"}}}),
+                "content": mp4}
+    out[416]["headers"] = headers({"Content-Range": {"required": True, "schema": {
+        "type": "string", "pattern": "^bytes \\*/[0-9]+$"}}})
+    return out
+
+
+def events_answers() -> dict[int | str, Any]:
+    out = answers({}, 404, descriptions=NOT_FOUND,
+                  ok_description="Server-Sent Events: the job's object after every change "
+                                 "(event video.<status>), ending with its final status")
+    out[200]["content"] = {"text/event-stream": {"schema": {
+        "type": "object", "required": ["event", "data"],
+        "properties": {"event": {"enum": EVENT_TYPES},
+                       "data": {"type": "string", "contentMediaType": "application/json",
+                                "contentSchema": ref("VideoEvent")}}}}}
+    return out

@@ -1,0 +1,254 @@
+"""The ``POST /v1/videos`` body and its mapping to a ``VideoSpec`` (SamplingParams + fps).
+
+OpenAI's Videos API sends ``multipart/form-data`` (its SDK does); JSON is accepted too (as
+SGLang and vLLM-Omni do). Both go through one model: form values are text, so the form's
+numbers are read first (``"8"`` -> 8), then the same strict pydantic types as JSON apply.
+
+Fields: OpenAI's ``prompt``, ``model``, ``size`` ("WIDTHxHEIGHT"), ``seconds`` (a number, or
+OpenAI's whole-second string such as ``"4"``); ditserve's ``num_frames``, ``fps``,
+``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``seed``. The frame count
+comes from ``num_frames`` (``frame_step * k + 1``, Wan: 4k+1) or from ``seconds`` at the
+model's native frame rate (Wan: 16 fps; 5 s -> 81 frames, the smallest valid count that
+lasts that long): give ``fps`` with ``num_frames``, never with ``seconds``. ``input_reference``
+(image-to-video) is refused: the served pipelines are text-to-video.
+
+``VideoLimits`` holds the replica's bounds; ``video_openapi.request_schema`` describes the
+same rules from the same limits, so a body valid by the document is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictStr
+from pydantic import ValidationError as PydanticValidationError
+
+from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.errors import APIError, invalid, shown
+from ditserve.engine.server.jobs.model import VideoSpec
+from ditserve.engine.server.schemas import (
+    Integer,
+    Number,
+    decode_json,
+    pydantic_error,
+    request_error,
+)
+
+MAX_FPS = 120
+# JSON numbers above this many digits are not read from form text (as JSON's own limit).
+_FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
+                          r"(?:[eE][+-]?[0-9]{1,4})?$")
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+class VideoCreateRequest(BaseModel):
+    """POST /v1/videos; ``null`` means the default for every optional field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: StrictStr
+    model: StrictStr | None = None
+    size: StrictStr | None = None
+    seconds: StrictStr | Number | None = None
+    num_frames: Integer | None = None
+    fps: Integer | None = None
+    num_inference_steps: Integer | None = None
+    guidance_scale: Number | None = None
+    negative_prompt: StrictStr | None = None
+    seed: Integer | None = None
+
+
+FIELDS = tuple(VideoCreateRequest.model_fields)
+_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
+_NUMBER_FIELDS = ("guidance_scale",)
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What a video request may ask of this replica (server config + the loaded model)."""
+
+    model_name: str
+    default_size: tuple[int, int]  # (width, height)
+    default_steps: int
+    default_frames: int
+    default_fps: int
+    default_guidance: float
+    pixel_multiple: int
+    frame_step: int
+    max_prompt_chars: int | None
+    max_side: int
+    max_steps: int
+    max_frames: int
+
+    @property
+    def allowed_frames(self) -> list[int]:
+        return list(range(1, self.max_frames + 1, self.frame_step))
+
+    @property
+    def max_seconds(self) -> float:
+        """The longest ``seconds`` whose frame count stays within ``max_frames``."""
+        return self.max_frames / self.default_fps
+
+    @property
+    def second_strings(self) -> list[str]:
+        """OpenAI's string form: whole seconds, "1" up to the longest allowed."""
+        return [str(s) for s in range(1, math.floor(self.max_seconds) + 1)]
+
+    def frames_for(self, seconds: float) -> int:
+        """The smallest valid frame count lasting at least ``seconds`` at the native rate."""
+        k = self.frame_step
+        wanted = seconds * self.default_fps
+        # 1e-9: 0.5625 s x 16 fps must be 9 frames, not the float product 9.000000000000002.
+        frames = k * max(0, math.ceil((wanted - 1) / k - 1e-9)) + 1
+        return min(frames, self.max_frames)
+
+
+def _form_value(name: str, value: Any) -> Any:
+    """A form field's text as the type the JSON body would carry."""
+    if not isinstance(value, str):  # an uploaded file where text belongs
+        raise invalid(name, f"{name}: must be a text field, got a file upload")
+    if name not in _INTEGER_FIELDS + _NUMBER_FIELDS:
+        return value
+    text = value.strip()
+    if not _FORM_NUMBER.match(text):
+        kind = "an integer" if name in _INTEGER_FIELDS else "a number"
+        raise invalid(name, f"{name}: must be {kind}, got {shown(value)}")
+    if name in _INTEGER_FIELDS and re.fullmatch(r"[+-]?[0-9]+", text):
+        return int(text)
+    number = float(text)
+    if not math.isfinite(number):
+        raise invalid(name, f"{name}: is out of range, got {shown(value)}")
+    return number
+
+
+async def read_body(request: Any) -> dict[str, Any]:
+    """The body as a dict: a form (multipart or urlencoded) or JSON; 400 when it is neither."""
+    content_type = request.headers.get("content-type", "").lower()
+    if not content_type.startswith(FORM_TYPES):
+        data = decode_json(await request.body())
+        if not isinstance(data, dict):
+            raise invalid(None, "the request body must be a JSON object or a form, got "
+                                f"{type(data).__name__}", code="invalid_body")
+        return data
+    form = await request.form(max_files=1, max_fields=64)
+    out: dict[str, Any] = {}
+    try:
+        for name in form:
+            values = form.getlist(name)
+            if len(values) > 1:
+                raise invalid(name, f"{name}: is given {len(values)} times; give it once")
+            if name == "input_reference":
+                out[name] = values[0]
+                continue
+            out[name] = _form_value(name, values[0])
+    finally:
+        await form.close()
+    return out
+
+
+def _check_text(body: VideoCreateRequest) -> None:
+    for name in FIELDS:
+        value = getattr(body, name)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise invalid(name, f"{name}: holds a lone UTF-16 surrogate at character "
+                                    f"{e.start}; send valid Unicode text") from e
+
+
+def _size(body: VideoCreateRequest, limits: VideoLimits) -> tuple[int, int]:
+    from ditserve.engine.server.config import parse_size
+
+    if body.size is None:
+        return limits.default_size
+    parsed = parse_size(body.size)
+    width, height = limits.default_size
+    if parsed is None:
+        raise invalid("size", f"size: must be 'WIDTHxHEIGHT' in pixels, e.g. "
+                              f"'{width}x{height}', got {shown(body.size)}")
+    m = limits.pixel_multiple
+    for name, value in zip(("width", "height"), parsed, strict=True):
+        if not m <= value <= limits.max_side or value % m:
+            raise invalid("size", f"size: {name} must be a multiple of {m} between {m} and "
+                                  f"{limits.max_side}, got {value}")
+    return parsed
+
+
+def _frames_and_fps(body: VideoCreateRequest, limits: VideoLimits) -> tuple[int, int]:
+    if body.seconds is not None:
+        if body.num_frames is not None or body.fps is not None:
+            name = "num_frames" if body.num_frames is not None else "fps"
+            raise invalid(name, f"{name}: give seconds alone, or num_frames (with fps); "
+                                "seconds counts frames at the model's native "
+                                f"{limits.default_fps} fps")
+        return limits.frames_for(_seconds(body.seconds, limits)), limits.default_fps
+    fps = limits.default_fps if body.fps is None else body.fps
+    if not 1 <= fps <= MAX_FPS:
+        raise invalid("fps", f"fps: must be an integer in [1, {MAX_FPS}], got {shown(fps)}")
+    frames = limits.default_frames if body.num_frames is None else body.num_frames
+    if frames not in range(1, limits.max_frames + 1) or (frames - 1) % limits.frame_step:
+        raise invalid("num_frames", f"num_frames: must be {limits.frame_step}k+1 between 1 "
+                                    f"and {limits.max_frames} for this model, got "
+                                    f"{shown(frames)}")
+    return frames, fps
+
+
+def _seconds(value: str | float, limits: VideoLimits) -> float:
+    top = limits.max_seconds
+    if isinstance(value, str):
+        if value not in limits.second_strings:
+            raise invalid("seconds", f"seconds: as a string, must be whole seconds from 1 to "
+                                     f"{math.floor(top)} for this replica (or send a number), "
+                                     f"got {shown(value)}")
+        return float(value)
+    if not 0 < value <= top:
+        raise invalid("seconds", f"seconds: must be > 0 and at most {top:g} (max_frames "
+                                 f"{limits.max_frames} at {limits.default_fps} fps), got "
+                                 f"{shown(value)}")
+    return float(value)
+
+
+def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimits,
+                        ) -> VideoSpec:
+    """A validated VideoSpec, or an APIError (400, or 404 for another model)."""
+    if "input_reference" in data:
+        raise invalid("input_reference", "input_reference: image-to-video is not supported; "
+                                         "this server generates video from text only",
+                      code="unsupported_value")
+    seconds = data.get("seconds")
+    if seconds is not None and (isinstance(seconds, bool)
+                                or not isinstance(seconds, (str, int, float))):
+        raise invalid("seconds", "seconds: must be a number or a whole-second string such as "
+                                 f"'4', got {shown(seconds)}")
+    try:
+        body = VideoCreateRequest.model_validate(data)
+    except PydanticValidationError as e:
+        raise pydantic_error(e, fields=FIELDS) from e
+    _check_text(body)
+    if body.model is not None and body.model != limits.model_name:
+        raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves "
+                            f"{limits.model_name!r} (see GET /v1/models)", param="model",
+                       code="model_not_found", reason="model_not_found")
+    width, height = _size(body, limits)
+    frames, fps = _frames_and_fps(body, limits)
+    steps = limits.default_steps if body.num_inference_steps is None \
+        else body.num_inference_steps
+    if not 1 <= steps <= limits.max_steps:
+        raise invalid("num_inference_steps", "num_inference_steps: must be an integer in "
+                                             f"[1, {limits.max_steps}], got {shown(steps)}")
+    params = SamplingParams(
+        prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
+        num_inference_steps=steps, num_frames=frames, seed=body.seed,
+        guidance_scale=limits.default_guidance if body.guidance_scale is None
+        else body.guidance_scale,
+    )
+    try:
+        engine.validate_params(params)
+    except InvalidRequestError as e:
+        raise request_error(e) from e
+    return VideoSpec(params=params, fps=fps, model=limits.model_name)

@@ -1,0 +1,327 @@
+"""/v1/videos in-process (httpx ASGI transport) around a fake video engine: validation (400
+with OpenAI's error object), unknown ids (404), one model per replica, the OpenAPI document,
+admission (429 from the store's bounds and the engine's queue), multipart bodies, the MP4
+content (Range, If-Range, HEAD, 416), failures of the engine, and the job metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from server.video_support import FakeEngine, fake_video_engine, finish, mp4_facts, run, video_app
+
+from ditserve.engine.server.config import ServerConfig
+
+VIDEOS = "/v1/videos"
+JOB = {"prompt": "waves at night", "size": "32x16", "num_frames": 5, "fps": 8,
+       "num_inference_steps": 3, "seed": 7}
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({}, "prompt", "is required"),
+    ({"prompt": "  "}, "prompt", "must not be empty"),
+    ({"prompt": "x", "num_frames": 6}, "num_frames", "4k+1"),
+    ({"prompt": "x", "num_frames": "5"}, "num_frames", "must be an integer"),
+    ({"prompt": "x", "size": "30x16"}, "size", "multiple of 4"),
+    ({"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
+    ({"prompt": "x", "seconds": 0}, "seconds", "must be > 0"),
+    ({"prompt": "x", "seconds": "1.5"}, "seconds", "whole seconds"),
+    ({"prompt": "x", "seconds": True}, "seconds", "a number or a whole-second string"),
+    ({"prompt": "x", "seconds": 1, "num_frames": 5}, "num_frames", "give seconds alone"),
+    ({"prompt": "x", "seconds": 1, "fps": 24}, "fps", "give seconds alone"),
+    ({"prompt": "x", "fps": 0}, "fps", "[1, 120]"),
+    ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps", "[1, 1000]"),
+    ({"prompt": "x", "guidance_scale": 101}, "guidance_scale", "[0, 100]"),
+    ({"prompt": "x", "seed": -1}, "seed", "[0, 2^63)"),
+    ({"prompt": "x", "colour": "red"}, "colour", "unknown field"),
+    ({"prompt": "x", "input_reference": "frame.png"}, "input_reference", "text only"),
+])
+def test_bad_inputs_are_400_with_the_error_object(tmp_path: Path, body, param, words) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path))
+
+    async def script(client):
+        return await client.post(VIDEOS, json=body)
+
+    response = run(app, script)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert words in error["message"]
+
+
+def test_unknown_ids_are_404_in_openai_shape(tmp_path: Path) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path))
+    unknown = "video_" + "f" * 32
+
+    async def script(client):
+        return [await client.request(method, VIDEOS + path)
+                for method, path in (("GET", f"/{unknown}"), ("GET", f"/{unknown}/content"),
+                                     ("GET", f"/{unknown}/events"), ("DELETE", f"/{unknown}"),
+                                     ("GET", "/not-an-id"))]
+
+    for response in run(app, script):
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "video_not_found"
+        assert response.json()["error"]["param"] == "video_id"
+
+
+def test_one_model_per_replica(tmp_path: Path) -> None:
+    image_app, _ = video_app(FakeEngine())
+    video_app_, _ = video_app(fake_video_engine(tmp_path))
+
+    async def on_image(client):
+        return (await client.post(VIDEOS, json=JOB), await client.get(VIDEOS),
+                (await client.get("/openapi.json")).json())
+
+    async def on_video(client):
+        return (await client.post("/v1/images/generations", json={"prompt": "cat"}),
+                (await client.get("/openapi.json")).json())
+
+    refused, listed, image_doc = run(image_app, on_image)
+    assert refused.status_code == listed.status_code == 400
+    assert refused.json()["error"]["code"] == "unsupported_model"
+    assert "POST /v1/images/generations" in refused.json()["error"]["message"]
+    refused_image, video_doc = run(video_app_, on_video)
+    assert refused_image.status_code == 400
+    assert "POST /v1/videos" in refused_image.json()["error"]["message"]
+    # Each document describes what its replica serves, and only that.
+    assert "/v1/images/generations" in image_doc["paths"]
+    assert not [p for p in image_doc["paths"] if p.startswith(VIDEOS)]
+    assert "/v1/images/generations" not in video_doc["paths"]
+    assert {VIDEOS, VIDEOS + "/{video_id}", VIDEOS + "/{video_id}/content",
+            VIDEOS + "/{video_id}/events"} <= set(video_doc["paths"])
+
+
+def test_openapi_describes_bodies_media_types_and_errors(tmp_path: Path) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path), ServerConfig(max_frames=17, max_side=64))
+
+    async def script(client):
+        return (await client.get("/openapi.json")).json()
+
+    doc = run(app, script)
+    create = doc["paths"][VIDEOS]["post"]
+    assert set(create["requestBody"]["content"]) == {"application/json", "multipart/form-data"}
+    assert {"200", "400", "404", "413", "429", "500", "503"} <= set(create["responses"])
+    schemas = doc["components"]["schemas"]
+    body = schemas["VideoCreateRequest"]["properties"]
+    assert body["num_frames"]["anyOf"][0]["enum"] == [1, 5, 9, 13, 17]
+    assert schemas["VideoCreateForm"]["properties"]["seconds"]["enum"] == ["1"]
+    content = doc["paths"][VIDEOS + "/{video_id}/content"]["get"]["responses"]
+    assert set(content["200"]["content"]) == set(content["206"]["content"]) == {"video/mp4"}
+    assert "Content-Range" in content["206"]["headers"]
+    assert "Content-Range" in content["416"]["headers"]
+    for status in ("404", "409", "416"):
+        assert content[status]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/Error"}
+    events = doc["paths"][VIDEOS + "/{video_id}/events"]["get"]["responses"]["200"]
+    assert set(events["content"]) == {"text/event-stream"}
+    assert "video.completed" in events["content"]["text/event-stream"]["schema"][
+        "properties"]["event"]["enum"]
+    assert set(doc["paths"][VIDEOS + "/{video_id}"]) == {"get", "delete"}
+
+
+def test_a_job_from_json_and_the_same_from_a_form(tmp_path: Path) -> None:
+    app, metrics = video_app(fake_video_engine(tmp_path))
+    form = {k: (None, str(v)) for k, v in JOB.items()}  # multipart text fields
+
+    async def script(client):
+        made = [await client.post(VIDEOS, json=JOB),
+                await client.post(VIDEOS, files=form)]
+        finished = [await finish(client, r.json()["id"]) for r in made]
+        contents = [(await client.get(f"{VIDEOS}/{r.json()['id']}/content")).content
+                    for r in made]
+        return made, finished, contents, (await client.get("/metrics")).text
+
+    made, finished, contents, text = run(app, script)
+    for response in made:
+        job = response.json()
+        assert response.status_code == 200
+        assert (job["object"], job["status"], job["progress"]) == ("video", "queued", 0)
+        assert (job["size"], job["seconds"], job["ditserve"]["num_frames"]) == ("32x16",
+                                                                                "0.625", 5)
+    for events in finished:
+        assert events[-1][1]["video"]["status"] == "completed"
+        assert events[-1][1]["video"]["progress"] == 100
+    assert contents[0] == contents[1]  # same seed, same fake frames, same MP4
+    facts = mp4_facts(contents[0])
+    assert (facts["frames"], facts["width"], facts["height"], facts["fps"]) == (5, 32, 16, 8.0)
+    assert 'ditserve:video_jobs_finished_total{status="completed"} 2.0' in text
+    assert "ditserve:video_seconds_generated_total 1.25" in text
+    assert 'ditserve:video_jobs{status="completed"} 2.0' in text
+    assert "ditserve:videos_generated_total 2.0" in text
+
+
+def test_the_form_the_openai_sdk_sends(tmp_path: Path) -> None:
+    """seconds as OpenAI's string: frames at the native 16 fps (1 s -> 17 frames)."""
+    app, _ = video_app(fake_video_engine(tmp_path))
+
+    async def script(client):
+        made = await client.post(VIDEOS, files={"prompt": (None, "a fox"),
+                                                "seconds": (None, "1"),
+                                                "size": (None, "16x16")})
+        bad = await client.post(VIDEOS, data={"prompt": "a fox", "fps": "fast"})  # urlencoded
+        upload = await client.post(VIDEOS, files={"prompt": (None, "a fox"),
+                                                  "input_reference": ("f.png", b"png")})
+        return made, bad, upload
+
+    made, bad, upload = run(app, script)
+    assert made.status_code == 200, made.text
+    assert (made.json()["seconds"], made.json()["ditserve"]["num_frames"]) == ("1.0625", 17)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "fps"
+    assert upload.status_code == 400
+    assert upload.json()["error"]["code"] == "unsupported_value"
+
+
+def test_range_requests_head_and_416(tmp_path: Path) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path))
+
+    async def script(client):
+        job = (await client.post(VIDEOS, json=JOB)).json()
+        await finish(client, job["id"])
+        url = f"{VIDEOS}/{job['id']}/content"
+        full = await client.get(url)
+        etag = full.headers["etag"]
+        return full, [await client.get(url, headers=h) for h in (
+            {"Range": "bytes=0-99"}, {"Range": "bytes=100-"}, {"Range": "bytes=-50"},
+            {"Range": "bytes=0-1, 5-9"}, {"Range": "bytes=0-9", "If-Range": '"other"'},
+            {"Range": "bytes=0-9", "If-Range": etag}, {"Range": "bytes=99999999-"},
+        )], await client.head(url, headers={"Range": "bytes=10-19"})
+
+    full, (first, rest, tail, several, stale, fresh, past), head = run(app, script)
+    data, size = full.content, len(full.content)
+    assert full.status_code == 200 and full.headers["content-type"] == "video/mp4"
+    assert full.headers["accept-ranges"] == "bytes" and int(full.headers["content-length"]) == size
+    assert (first.status_code, first.content) == (206, data[:100])
+    assert first.headers["content-range"] == f"bytes 0-99/{size}"
+    assert (rest.status_code, rest.content) == (206, data[100:])
+    assert (tail.status_code, tail.content) == (206, data[-50:])
+    assert tail.headers["content-range"] == f"bytes {size - 50}-{size - 1}/{size}"
+    assert (several.status_code, several.content) == (200, data)  # RFC 9110: may ignore
+    assert (stale.status_code, stale.content) == (200, data)
+    assert (fresh.status_code, fresh.content) == (206, data[:10])
+    assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{size}"
+    assert past.json()["error"]["code"] == "range_not_satisfiable"
+    assert head.status_code == 206 and head.content == b""
+    assert head.headers["content-length"] == "10"
+
+
+def test_content_of_an_unfinished_or_failed_job_is_409(tmp_path: Path) -> None:
+    hanging = fake_video_engine(tmp_path, outcome="hang")
+    failing = fake_video_engine(tmp_path, outcome="fail")
+
+    async def script(client):
+        job = (await client.post(VIDEOS, json=JOB)).json()
+        return job, await client.get(f"{VIDEOS}/{job['id']}/content")
+
+    _, running = run(video_app(hanging)[0], script)
+    assert running.status_code == 409
+    assert running.json()["error"]["code"] == "video_not_ready"
+
+    app, _ = video_app(failing)
+
+    async def failed_script(client):
+        job = (await client.post(VIDEOS, json=JOB)).json()
+        events = await finish(client, job["id"])
+        return events, await client.get(f"{VIDEOS}/{job['id']}/content")
+
+    events, content = run(app, failed_script)
+    final = events[-1][1]["video"]
+    assert final["status"] == "failed"
+    assert final["error"]["code"] == "generation_failed"
+    assert "see the server log" in final["error"]["message"]
+    assert content.status_code == 409 and content.json()["error"]["code"] == "video_unavailable"
+
+
+def test_admission_counts_jobs_like_requests(tmp_path: Path) -> None:
+    """429 with Retry-After from the engine's queue bound and from the store's bounds."""
+    config = ServerConfig(retry_after_s=7, video_max_jobs=1)
+
+    async def script(client):
+        return [await client.post(VIDEOS, json=JOB) for _ in range(2)]
+
+    full_queue, _ = run(video_app(fake_video_engine(tmp_path, outcome="queue_full"),
+                                  config)[0], script)
+    assert full_queue.status_code == 429 and full_queue.headers["retry-after"] == "7"
+    assert full_queue.json()["error"]["code"] == "queue_full"
+
+    first, second = run(video_app(fake_video_engine(tmp_path, outcome="hang"), config)[0],
+                        script)
+    assert first.status_code == 200
+    assert second.status_code == 429 and second.headers["retry-after"] == "7"
+    assert second.json()["error"]["code"] == "store_full"
+    assert "max_jobs=1" in second.json()["error"]["message"]
+
+
+def test_a_refused_job_leaves_no_trace(tmp_path: Path) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path, outcome="queue_full"))
+
+    async def script(client):
+        await client.post(VIDEOS, json=JOB)
+        return (await client.get(VIDEOS)).json(), (await client.get("/metrics")).text
+
+    page, text = run(app, script)
+    assert page["data"] == [] and page["has_more"] is False
+    assert "ditserve:video_store_bytes 0.0" in text
+
+
+def test_list_pages_by_creation_time(tmp_path: Path) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path, outcome="hang"))
+
+    async def script(client):
+        ids = [(await client.post(VIDEOS, json=JOB)).json()["id"] for _ in range(5)]
+        pages, after = [], None
+        while True:
+            query = {"limit": 2, "order": "asc", **({"after": after} if after else {})}
+            page = (await client.get(VIDEOS, params=query)).json()
+            pages.append(page)
+            if not page["has_more"]:
+                break
+            after = page["last_id"]
+        await client.delete(f"{VIDEOS}/{ids[1]}")  # cancelled: still listed
+        newest = (await client.get(VIDEOS, params={"limit": 1})).json()
+        after_gone = (await client.get(VIDEOS, params={"after": ids[2], "order": "asc"})).json()
+        bad = await client.get(VIDEOS, params={"limit": 0})
+        return ids, pages, newest, after_gone, bad
+
+    ids, pages, newest, after_gone, bad = run(app, script)
+    assert [[j["id"] for j in p["data"]] for p in pages] == [ids[:2], ids[2:4], ids[4:]]
+    assert [p["has_more"] for p in pages] == [True, True, False]
+    assert (pages[0]["first_id"], pages[0]["last_id"]) == (ids[0], ids[1])
+    assert [j["id"] for j in newest["data"]] == [ids[4]] and newest["object"] == "list"
+    assert [j["id"] for j in after_gone["data"]] == ids[3:]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
+def test_delete_cancels_then_removes(tmp_path: Path) -> None:
+    engine = fake_video_engine(tmp_path, outcome="hang")
+    app, _ = video_app(engine)
+
+    async def script(client):
+        job = (await client.post(VIDEOS, json=JOB)).json()
+        first = await client.delete(f"{VIDEOS}/{job['id']}")
+        cancelled = (await client.get(f"{VIDEOS}/{job['id']}")).json()
+        events = await finish(client, job["id"])
+        second = await client.delete(f"{VIDEOS}/{job['id']}")
+        gone = await client.get(f"{VIDEOS}/{job['id']}")
+        return job, first, cancelled, events, second, gone
+
+    job, first, cancelled, events, second, gone = run(app, script)
+    assert first.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert engine.aborted == [(job["id"], "cancelled")]  # the engine frees the slot
+    assert cancelled["status"] == "cancelled" and cancelled["error"]["code"] == "cancelled"
+    assert [kind for kind, _ in events] == ["video.cancelled"]
+    assert second.status_code == 200 and gone.status_code == 404
+
+
+def test_a_stopped_engine_fails_its_unfinished_jobs(tmp_path: Path) -> None:
+    engine = fake_video_engine(tmp_path, outcome="hang")
+    app, _ = video_app(engine)
+
+    async def script(client):
+        job = (await client.post(VIDEOS, json=JOB)).json()
+        engine.abort(job["id"], "engine shut down")  # what a shutdown does to what is left
+        return await finish(client, job["id"])
+
+    final = run(app, script)[-1][1]["video"]
+    assert (final["status"], final["error"]["code"]) == ("failed", "engine_stopped")

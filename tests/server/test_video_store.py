@@ -1,0 +1,183 @@
+"""The video job store and its directory, without an engine: bounds by count and bytes (429
+material, never eviction), expiry after the TTL on an injected clock, atomic publication,
+one server per directory and a previous server's leftovers, and the Range choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
+from ditserve.engine.server.jobs.files import VideoFiles
+from ditserve.engine.server.jobs.model import VideoSpec
+from ditserve.engine.server.jobs.store import JobStore, StoreFull, StoreLimits
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def spec(frames: int = 5, side: int = 16) -> VideoSpec:
+    params = SamplingParams(prompt="p", height=side, width=side, num_frames=frames)
+    return VideoSpec(params=params, fps=8, model="m")
+
+
+def make_store(tmp_path: Path, **limits: float) -> tuple[JobStore, Clock]:
+    clock = Clock()
+    store = JobStore(StoreLimits(**limits), VideoFiles(tmp_path / "videos"),  # type: ignore[arg-type]
+                     clock=clock)
+    return store, clock
+
+
+def finish_one(store: JobStore, data: bytes = b"mp4 bytes") -> str:
+    job_id = store.add(spec(), "rid")["id"]
+    store.started(job_id, engine_id=job_id, seed=1)
+    store.stepped(job_id, 1)
+    path = store.files.publish(job_id, data)
+    assert store.complete(job_id, path, len(data))
+    return job_id
+
+
+def test_count_bound_refuses_and_never_evicts(tmp_path: Path) -> None:
+    store, clock = make_store(tmp_path, max_jobs=2, ttl_s=60)
+    running = store.add(spec(), "a")["id"]
+    done = finish_one(store)
+    with pytest.raises(StoreFull) as refused:
+        store.add(spec(), "c")
+    assert refused.value.retry_after_s == 60  # the finished job expires in a minute
+    assert store.get(done)["status"] == "completed"  # kept: it was promised until expiry
+    assert store.get(running)["status"] == "queued"
+    clock.now += 59
+    with pytest.raises(StoreFull) as again:
+        store.add(spec(), "c")
+    assert again.value.retry_after_s == 1
+    clock.now += 1
+    assert store.add(spec(), "c")["status"] == "queued"  # the expired job made room
+    assert store.get(done) is None
+
+
+def test_retry_after_is_the_servers_when_only_running_jobs_fill_it(tmp_path: Path) -> None:
+    store, _ = make_store(tmp_path, max_jobs=1)
+    store.add(spec(), "a")
+    with pytest.raises(StoreFull) as refused:
+        store.add(spec(), "b")
+    assert refused.value.retry_after_s is None
+
+
+def test_byte_bound_counts_reservations_then_real_sizes(tmp_path: Path) -> None:
+    one = spec().raw_bytes
+    store, _ = make_store(tmp_path, max_bytes=2 * one)
+    first = store.add(spec(), "a")["id"]
+    second = store.add(spec(), "b")["id"]
+    assert store.usage()[1] == 2 * one
+    with pytest.raises(StoreFull, match="bytes free"):
+        store.add(spec(), "c")
+    path = store.files.publish(first, b"x" * 100)
+    store.complete(first, path, 100)  # the MP4's size replaces the reservation
+    assert store.usage()[1] == one + 100
+    with pytest.raises(StoreFull):
+        store.add(spec(), "c")
+    store.fail(second, "storage_full", "no space")  # a failed job holds no bytes
+    assert store.usage()[1] == 100
+    store.add(spec(), "c")
+    counts, used = store.usage()
+    assert (counts["completed"], counts["failed"], counts["queued"], used) == (1, 1, 1,
+                                                                             100 + one)
+
+
+def test_expiry_deletes_the_file_and_hides_the_job(tmp_path: Path) -> None:
+    store, clock = make_store(tmp_path, ttl_s=10)
+    job_id = finish_one(store)
+    path = store.files.path_of(job_id)
+    assert path.read_bytes() == b"mp4 bytes"
+    job = store.get(job_id)
+    assert job["expires_at"] == job["completed_at"] + 10
+    clock.now += 10
+    assert store.get(job_id) is None and store.content(job_id) is None
+    assert not path.exists()
+    assert store.page(limit=10, after=None, order="desc") == ([], False)
+
+
+def test_delete_finished_removes_file_and_unfinished_is_cancelled(tmp_path: Path) -> None:
+    store, _ = make_store(tmp_path)
+    done = finish_one(store)
+    running = store.add(spec(), "r")["id"]
+    store.started(running, engine_id="engine-1", seed=3)
+    assert store.delete(done) == (True, None)
+    assert not store.files.path_of(done).exists() and store.get(done) is None
+    assert store.delete(running) == (True, "engine-1")  # the caller aborts engine-1
+    assert store.get(running)["status"] == "cancelled"
+    assert store.delete(running) == (True, None)  # a cancelled job is then removed
+    assert store.delete(running) == (False, None)
+
+
+def test_a_job_cancelled_while_encoding_keeps_no_file(tmp_path: Path) -> None:
+    store, _ = make_store(tmp_path)
+    job_id = store.add(spec(), "a")["id"]
+    store.cancel(job_id)
+    path = store.files.publish(job_id, b"late")
+    assert store.complete(job_id, path, 4) is False  # the caller removes the file
+    assert store.get(job_id)["status"] == "cancelled"
+
+
+def test_listeners_see_every_change_then_nothing(tmp_path: Path) -> None:
+    store, _ = make_store(tmp_path)
+    seen: list[tuple[str, int]] = []
+    job_id = store.add(spec(), "a")["id"]
+    assert store.subscribe(job_id, lambda job: seen.append((job["status"], job["progress"])))
+    store.started(job_id, engine_id=job_id, seed=0)
+    for step in (1, 1, 2):  # a repeated step is no change
+        store.stepped(job_id, step)
+    store.fail(job_id, "generation_failed", "boom")
+    store.stepped(job_id, 3)
+    assert seen == [("queued", 0), ("in_progress", 25), ("in_progress", 50), ("failed", 50)]
+
+
+def test_publication_is_atomic_and_a_directory_has_one_owner(tmp_path: Path) -> None:
+    root = tmp_path / "videos"
+    files = VideoFiles(root)
+    path = files.publish("video_" + "1" * 32, b"complete")
+    assert path.read_bytes() == b"complete" and path.parent == root
+    assert list((root / ".tmp").iterdir()) == []  # the temp file was renamed, not copied
+    with pytest.raises(ConfigError, match="in use by another ditserve server"):
+        VideoFiles(root)
+    files.close()
+    (root / "notes.txt").write_text("keep")
+    (root / ".tmp" / "video_x.1.mp4").write_bytes(b"half")
+    again = VideoFiles(root)  # the next server: the previous one's videos are gone
+    assert sorted(p.name for p in root.iterdir()) == [".lock", ".tmp", "notes.txt"]
+    assert list((root / ".tmp").iterdir()) == []
+    again.close()
+
+
+def test_a_private_directory_goes_away_at_close(tmp_path: Path) -> None:
+    files = VideoFiles(None)
+    files.publish("video_" + "2" * 32, b"x")
+    files.close()
+    assert not files.root.exists()
+
+
+@pytest.mark.parametrize(("header", "if_range", "chosen"), [
+    (None, None, None),
+    ("bytes=0-9", None, (0, 10)),
+    ("bytes=10-", None, (10, 100)),
+    ("bytes=-30", None, (70, 100)),
+    ("bytes=-300", None, (0, 100)),
+    ("bytes=90-200", None, (90, 100)),
+    ("bytes=100-", None, Unsatisfiable(100)),
+    ("bytes=-0", None, Unsatisfiable(100)),
+    ("bytes=9-3", None, None),  # invalid: ignored
+    ("bytes=0-1,4-5", None, None),  # several ranges: the whole file
+    ("items=0-1", None, None),
+    ("bytes=0-9", '"etag"', (0, 10)),
+    ("bytes=0-9", '"changed"', None),
+])
+def test_choose_range(header, if_range, chosen) -> None:
+    assert choose_range(header, 100, if_range=if_range, etag='"etag"') == chosen
