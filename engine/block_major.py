@@ -62,7 +62,11 @@ class BlockMajor:
         self._handles: list[RemovableHandle] = []
         self.blocks = 0
         for name in block_lists:
-            for block in model.get_submodule(name):
+            blocks = model.get_submodule(name)
+            if not isinstance(blocks, nn.ModuleList):
+                raise TypeError(f"{name!r} of {type(model).__name__} is not a block list "
+                                f"(a ModuleList), it is a {type(blocks).__name__}")
+            for block in blocks:
                 # prepend: the barrier runs before any other pre-hook (offload's load and
                 # repoint), so a suspended lane has not touched the block yet.
                 self._handles.append(
