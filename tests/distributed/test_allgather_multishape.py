@@ -14,7 +14,9 @@ from ditserve.engine.request import SamplingParams
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-4
-SIZES = [(64, 64), (32, 64), (48, 48), (64, 64), (32, 64)]  # (height, width)
+# (height, width): five different shape groups, so the ranks (which share the five requests
+# unevenly: an odd count) always hold different numbers of groups.
+SIZES = [(64, 64), (32, 64), (48, 48), (64, 32), (32, 32)]
 REQUESTS = [SamplingParams(prompt=f"shape {i}", height=h, width=w, seed=90 + i,
                            num_inference_steps=2 + i % 3,
                            negative_prompt="neg" if i == 1 else None,
@@ -43,8 +45,9 @@ def test_dp2_allgather_ranks_with_different_group_counts_stay_matched(tiny_model
         engine.shutdown()
     for i, result in enumerate(results):
         assert (result.pixels - alone[i]).abs().max().item() <= TOLERANCE, f"request {i}"
-    # Requests alternate between the ranks (least loaded first): rank 0 holds three sizes,
-    # rank 1 two, yet both ran the same passes and moved the same shard bytes.
-    assert [r.rank for r in results] == [0, 1, 0, 1, 0]
+    # Each rank ran its own number of shape groups, yet both ran the same passes and moved
+    # the same shard bytes.
+    per_rank = [sum(r.rank == rank for r in results) for rank in (0, 1)]
+    assert per_rank[0] != per_rank[1] and max(per_rank) >= 2
     assert after[0]["passes"] == after[1]["passes"] > before[0]["passes"]
     assert after[0]["h2d_bytes"] == after[1]["h2d_bytes"]
