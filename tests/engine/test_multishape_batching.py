@@ -155,3 +155,21 @@ def test_a_failing_group_is_retried_request_by_request(dlo_runner, tiny_runner, 
     steps = sum(1 for o in outputs if o.forward_rows)
     retries = 2 * 2  # both 48x48 requests, alone, in each of the 2 steps "other" shares
     assert after["passes"] - before["passes"] == steps + retries
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_dlo_run_block_major_too(tiny_model_dir, alone) -> None:  # type: ignore[no-untyped-def]
+    # The barrier and the offload hooks stay eager around the compiled forward of each block
+    # (regional compilation), so lanes suspend outside compiled code.
+    torch._dynamo.reset()
+    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                      compile="aot_eager", offload=OffloadConfig(enabled=True)),
+                         model_dir=tiny_model_dir)
+    try:
+        outputs: list[RunnerOutput] = []
+        batched, _ = drive(runner, ARRIVALS, max_num_seqs=4, outputs=outputs)
+    finally:
+        runner.close()
+        torch._dynamo.reset()
+    assert max(o.forward_groups for o in outputs) == 3
+    check_equal(batched, alone)
