@@ -70,7 +70,8 @@ class StepPlan:
     """What one engine step does.
 
     encode: admitted this step; encode them, then they join this step's denoise batch.
-    denoise: every request in this step's forward, in batch order (includes ``encode``).
+    denoise: every request denoised this step, in batch order (includes ``encode``); the
+        runner gives each shape group among them one forward.
     decode: requests whose final denoise step is this one; decode after the forward.
     freed: aborted requests whose runner state must be dropped.
     step_id: the scheduler's step counter; None for the idle plan, which no scheduler made.
