@@ -15,6 +15,13 @@ step time. Two ways to run it:
 
 It prints a table and writes everything (settings, per-request records, summaries, the
 throughput ratio of the last to the first configuration) to ``--out`` as JSON.
+
+``--mixed`` (issue 23) sends a mixed workload instead - several sizes (one non-square), step
+counts drawn from a range, a share of true-CFG requests and of n=2 requests, seeded Poisson
+arrivals - to one launched server per ``--mixed-configs`` entry (default: DLO at max_num_seqs 1
+and 4, and resident at 4), and reports the mean shape groups, rows and tokens per step, req/s,
+p50/p90 latency and the issue's targets as ok/NO rows. ``--tiny`` makes that a CPU smoke run
+on the embedded tiny model (small sizes, few steps, ``--device cpu``).
 """
 
 from __future__ import annotations
@@ -255,12 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--out", default="serving-bench.json")
+    add_mixed_options(p)
     args = p.parse_args(argv)
     headers = {}
     if os.environ.get("DITSERVE_API_KEY"):
         headers["Authorization"] = f"Bearer {os.environ['DITSERVE_API_KEY']}"
 
     signal.signal(signal.SIGTERM, _interrupt)
+    if args.mixed:
+        return mixed_main(args, headers)
     results: list[dict[str, Any]] = []
     interrupted = False
     try:
@@ -324,6 +334,211 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dic
         report["throughput_ratio_last_vs_first"] = last["throughput_rps"] / first["throughput_rps"]
     Path(args.out).write_text(json.dumps(report, indent=2))
     return report
+
+
+
+# -- mixed workload (issue 23): sizes, steps, true CFG and n=2 against DLO@1, DLO@4, resident --
+# Kept apart from the one-size code above (and from the video mode) so each mode reads alone.
+
+MIXED_SIZES = "1024x1024,768x768,512x512,1344x768"  # WxH; 1344x768 is the non-square one
+TINY_SIZES = "64x64,32x64,48x48"
+MIXED_TARGETS = (  # (what, numerator config, denominator config, bound)
+    ("DLO@4 req/s >= 2.3x DLO@1", "dlo:4", "dlo:1", 2.3),
+    ("DLO@4 req/s >= 0.95x resident@4", "dlo:4", "resident:4", 0.95),
+)
+
+
+@dataclass(frozen=True)
+class MixedRequest:
+    index: int
+    arrival_s: float
+    width: int
+    height: int
+    steps: int
+    cfg: bool  # true CFG: a negative prompt and true_cfg_scale 4, twice the rows
+    n: int
+
+
+def add_mixed_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed workload (--mixed)")
+    g.add_argument("--mixed", action="store_true",
+                   help="a mixed workload against one launched server per --mixed-configs")
+    g.add_argument("--mixed-configs", default="dlo:1,dlo:4,resident:4",
+                   help="comma list of dlo:N | resident:N (N: --max-num-seqs)")
+    g.add_argument("--sizes", default=None, help=f"WxH list (default {MIXED_SIZES})")
+    g.add_argument("--steps-range", default=None, help="MIN,MAX steps, uniform (default 8,20)")
+    g.add_argument("--cfg-share", type=float, default=0.2, help="share of true-CFG requests")
+    g.add_argument("--n2-share", type=float, default=0.1, help="share of n=2 requests")
+    g.add_argument("--tiny", action="store_true",
+                   help=f"CPU smoke run: the tiny model, sizes {TINY_SIZES}, steps 2,4, "
+                        "--device cpu")
+
+
+def mixed_workload(count: int, rate: float, sizes: list[tuple[int, int]], steps: tuple[int, int],
+                   *, cfg_share: float, n2_share: float, seed: int) -> list[MixedRequest]:
+    """Seeded: the same list for every configuration. rate <= 0 or inf: all at once."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(count):
+        width, height = rng.choice(sizes)
+        out.append(MixedRequest(i, t, width, height, rng.randint(*steps),
+                                rng.random() < cfg_share, 2 if rng.random() < n2_share else 1))
+        if 0 < rate < math.inf:
+            t += rng.expovariate(rate)
+    return out
+
+
+def mixed_body(request: MixedRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": f"benchmark prompt {request.index}: a lighthouse at dusk",
+        "seed": request.index, "num_inference_steps": request.steps,
+        "size": f"{request.width}x{request.height}", "n": request.n}
+    if request.cfg:
+        body |= {"negative_prompt": "blurry, low quality", "true_cfg_scale": 4.0}
+    return body
+
+
+async def send_mixed(url: str, plan: list[MixedRequest], *, headers: dict[str, str],
+                     timeout: float) -> list[Record]:
+    limits = httpx.Limits(max_connections=len(plan) + 4)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
+                                 limits=limits) as client:
+        start = time.monotonic()
+
+        async def one(request: MixedRequest) -> Record:
+            await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
+            sent = time.monotonic()
+            record = Record(request.index, request.steps, sent - start, 0, 0.0, None, 0, 0.0)
+            try:
+                response = await client.post(GEN, json=mixed_body(request))
+            except httpx.HTTPError as e:
+                response, record.error = None, repr(e)
+            now = time.monotonic()
+            record.latency_s, record.finished_s = now - sent, now - start
+            if response is not None:
+                record.status = response.status_code
+                data = response.json() if response.headers.get("content-type", "").startswith(
+                    "application/json") else {}
+                if response.status_code == 200:
+                    record.queue_s = data.get("ditserve", {}).get("queue_seconds")
+                    record.images = len(data.get("data", []))
+                else:
+                    record.error = json.dumps(data.get("error"))
+            return record
+
+        return list(await asyncio.gather(*(one(r) for r in plan)))
+
+
+def step_shapes(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean shape groups, rows and tokens (rows x latent tokens) per step, from /metrics."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("ditserve:step_shape_groups_count")
+    return {name: (delta(f"ditserve:{metric}_sum") / steps if steps else None)
+            for name, metric in (("mean_groups", "step_shape_groups"),
+                                 ("mean_rows", "step_batch_rows"),
+                                 ("mean_tokens", "step_batch_tokens"))}
+
+
+def mixed_configs(spec: str) -> list[tuple[str, str, int]]:
+    """``dlo:4`` -> (label, extra serve flags, max_num_seqs)."""
+    out = []
+    for item in spec.split(","):
+        mode, _, value = item.strip().partition(":")
+        if mode not in ("dlo", "resident") or not value.isdigit():
+            raise SystemExit(f"--mixed-configs: {item!r} is not dlo:N or resident:N")
+        out.append((f"{mode}:{value}", "--offload dlo" if mode == "dlo" else "", int(value)))
+    return out
+
+
+def mixed_targets(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, float | None, bool | None]]:
+    """(target, measured ratio, met) for each target whose two configurations ran."""
+    rows = []
+    for what, top, bottom, bound in MIXED_TARGETS:
+        a = (summaries.get(top) or {}).get("throughput_rps")
+        b = (summaries.get(bottom) or {}).get("throughput_rps")
+        ratio = a / b if a and b else None
+        rows.append((what, ratio, None if ratio is None else ratio >= bound))
+    return rows
+
+
+def print_mixed(results: list[dict[str, Any]]) -> None:
+    head = (f"{'config':<12} {'ok/n':>6} {'dur s':>7} {'req/s':>7} {'img/s':>7} {'p50 s':>7} "
+            f"{'p90 s':>7} {'groups':>6} {'rows':>6} {'tokens':>7} {'step s':>7}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        s = r["summary"]
+        print(f"{r['label']:<12} {s['ok']:>3}/{s['requests']:<2} {fmt(s['duration_s']):>7} "
+              f"{fmt(s['throughput_rps'], '.3f'):>7} {fmt(s['throughput_images_per_s'], '.3f'):>7} "
+              f"{fmt(s['latency_p50_s']):>7} {fmt(s['latency_p90_s']):>7} "
+              f"{fmt(s['mean_groups']):>6} {fmt(s['mean_rows']):>6} "
+              f"{fmt(s['mean_tokens'], '.0f'):>7} {fmt(s['mean_step_s'], '.3f'):>7}")
+    print()
+    for what, ratio, met in mixed_targets({r["label"]: r["summary"] for r in results}):
+        shown = "-" if ratio is None else f"{ratio:.2f}x"
+        print(f"{what:<34} {shown:>7}  {'-' if met is None else ('ok' if met else 'NO')}")
+
+
+def mixed_main(args: argparse.Namespace, headers: dict[str, str]) -> int:
+    if args.tiny:
+        args.serve_args = f"--device cpu {args.serve_args}".strip()
+    sizes = []
+    for text in (args.sizes or (TINY_SIZES if args.tiny else MIXED_SIZES)).split(","):
+        width, _, height = text.partition("x")
+        sizes.append((int(width), int(height)))
+    low, high = (int(v) for v in (args.steps_range or ("2,4" if args.tiny else "8,20")).split(","))
+    plan = mixed_workload(args.requests, args.rate, sizes, (low, high), cfg_share=args.cfg_share,
+                          n2_share=args.n2_share, seed=args.seed)
+    warmup = [MixedRequest(i, 0.0, w, h, min(2, low), False, 1) for i, (w, h) in enumerate(sizes)]
+    results: list[dict[str, Any]] = []
+    out = Path(args.out)
+    interrupted = False
+    try:
+        for label, flags, max_num_seqs in mixed_configs(args.mixed_configs):
+            tag = label.replace(":", "-")
+            run = argparse.Namespace(**{**vars(args), "serve_args": f"{args.serve_args} {flags}",
+                                        "out": str(out.with_name(f"{out.stem}-{tag}.json"))})
+            process, url = launch(run, max_num_seqs)
+            try:
+                for _ in range(args.warmup):  # not measured: first use of every size
+                    asyncio.run(send_mixed(url, warmup, headers=headers, timeout=args.timeout))
+                before = scrape(url, headers)
+                records = asyncio.run(send_mixed(url, plan, headers=headers,
+                                                 timeout=args.timeout))
+                after = scrape(url, headers)
+            except BaseException:
+                stop(process, force=True)
+                raise
+            stop(process)
+            summary = summarize(records, before, after) | step_shapes(before, after)
+            results.append({"label": label, "max_num_seqs": max_num_seqs, "summary": summary,
+                            "records": [asdict(r) for r in records]})
+            print_mixed(results[-1:])
+            write_mixed(out, args, plan, results)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted; reporting the finished configurations", file=sys.stderr)
+    if not results:
+        return 130 if interrupted else 1
+    print()
+    print_mixed(results)
+    write_mixed(out, args, plan, results)
+    print(f"wrote {out}")
+    if interrupted:
+        return 130
+    return 0 if all(r["summary"]["errors"] == 0 for r in results) else 1
+
+
+def write_mixed(out: Path, args: argparse.Namespace, plan: list[MixedRequest],
+                results: list[dict[str, Any]]) -> None:
+    targets = mixed_targets({r["label"]: r["summary"] for r in results})
+    out.write_text(json.dumps({
+        "settings": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "workload": [asdict(r) for r in plan], "results": results,
+        "targets": [{"target": t, "ratio": r, "met": m} for t, r, m in targets],
+    }, indent=2))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ class ForwardTimes:
         self.seconds: list[float] = []
         self._lock = threading.Lock()
 
-    def on_step(self, *, requests: int, rows: int, seconds: float) -> None:
+    def on_step(self, *, requests: int, rows: int, seconds: float, groups: int = 1,
+                tokens: int = 0) -> None:
         with self._lock:
             self.seconds.append(seconds)
 

@@ -29,6 +29,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "compile": (None, "compile"),
     "quantization": (None, "quantization"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_batch_tokens": ("scheduler", "max_batch_tokens"),
     "max_bypass": ("scheduler", "max_bypass"),
     "max_queue": ("scheduler", "max_queue"),
     "dlo_slots": ("offload", "slots"),
@@ -65,10 +66,14 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                         "(torch._scaled_mm on CUDA sm89+, an emulation elsewhere); norms, "
                         "embedders and the final projection stay in --dtype")
     g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="requests batched into one denoise forward (default 4)")
+                   help="the most requests in one denoise step, of any shapes (default 4)")
+    g.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="work budget of one step: rows x latent tokens over its requests "
+                        "(default 16384: four 1024x1024 Flux images; a larger request runs "
+                        "alone)")
     g.add_argument("--max-bypass", type=int, default=None,
-                   help="how often compatible requests may overtake an incompatible head of "
-                        "the queue (default 8; 0: strict arrival order)")
+                   help="how often requests that fit a step may overtake an older one that "
+                        "does not (default 8; 0: strict arrival order)")
     g.add_argument("--max-queue", type=int, default=None,
                    help="waiting requests beyond which new ones are refused (default 64)")
     o = parser.add_argument_group("layerwise offload (DLO)")

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
+from ditserve.engine.work import DEFAULT_MAX_BATCH_TOKENS
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -101,15 +102,20 @@ class ParallelConfig:
 class SchedulerConfig:
     """Continuous batching and admission.
 
-    max_num_seqs: requests that share one denoise forward.
-    max_bypass: how often compatible requests may overtake an incompatible head of the queue
-        before nobody passes it (bounded wait, no starvation); 0 admits strictly in arrival
-        order (FIFO, with head-of-line blocking).
+    max_batch_tokens: the work budget of one step, in rows x latent tokens summed over its
+        requests of every shape (``engine.work``; a 1024x1024 Flux or Qwen-Image image is
+        4096 tokens per row, a true-CFG request has twice its images' rows). The default,
+        16384, is four such images. A request larger than the budget runs alone.
+    max_num_seqs: the most requests in one step (of any shapes), whatever their work.
+    max_bypass: how often requests that fit the step may overtake an older request that does
+        not, before nobody passes it (bounded wait, no starvation); 0 admits strictly in
+        arrival order (FIFO, with head-of-line blocking).
     max_queue: waiting requests beyond which new ones are refused (None: unbounded), counted
         over the whole replica.
     """
 
     max_num_seqs: int = 4
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_bypass: int = 8
     max_queue: int | None = 64
 
@@ -227,6 +233,7 @@ def problems(config: EngineConfig) -> list[str]:
 
     sch = config.scheduler
     int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
+    int_at_least(out, "scheduler.max_batch_tokens", sch.max_batch_tokens, 1)
     int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
     if sch.max_queue is not None:
         int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)

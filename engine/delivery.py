@@ -38,7 +38,8 @@ class Delivery:
             if out.forward_rows:
                 for observer in self.observers:
                     observer.on_step(requests=out.forward_requests, rows=out.forward_rows,
-                                     seconds=out.forward_seconds)
+                                     seconds=out.forward_seconds, groups=out.forward_groups,
+                                     tokens=out.forward_tokens)
 
     def queued(self, handle: RequestHandle) -> None:
         self.emit(handle, RequestEvent(handle.request_id, "queued", 0,

@@ -206,13 +206,15 @@ class DiffusionEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         handle = RequestHandle(rid, params, seed, concurrent.futures.Future(),
                                abort_fn=self.abort, on_event=on_event)
+        # Its share of a step's work budget, by the served model's token grid and CFG rule.
+        work = self.runner.work_rule.of(params) if self.runner is not None else None
         with self._lock:
             if self.phase is EnginePhase.FAILED:
                 raise EngineStoppedError(str(self.failure))
             if self.phase is not EnginePhase.READY:
                 raise EngineStoppedError("the engine is not accepting requests (starting or "
                                          "shutting down)")
-            self._pending.add(handle)
+            self._pending.add(handle, work)
             self._wakeup.notify_all()
         self._delivery.queued(handle)
         return handle

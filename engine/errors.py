@@ -34,6 +34,11 @@ class QueueFullError(DitServeError):
     """The waiting queue is at ``max_queue``; retry later."""
 
 
+class BatchMismatchError(DitServeError, ValueError):
+    """Requests given one denoise forward disagree on its tensor contract (shape group or
+    static tensors): a pipeline bug, not a user error."""
+
+
 class OffloadError(DitServeError):
     """Layerwise offload could not be enabled or failed while running."""
 

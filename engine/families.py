@@ -30,6 +30,9 @@ class Family:
     block_lists: the DiT's repeated-block lists in the order its forward runs them (what DLO
         streams); resident_modules: the DiT's other top-level modules (on the device always).
     batch_key_fields: ``SamplingParams`` fields that change the denoise tensor contract.
+    cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.work``):
+        "true_cfg" (``true_cfg_scale`` > 1 with a negative prompt) or "guidance"
+        (``guidance_scale`` > 1); the pipeline's ``state.rows`` follows the same rule.
     loader_version: bump when the loader's tensors for the same files change (cache key).
     """
 
@@ -46,6 +49,7 @@ class Family:
     loader_version: str
     expert_components: tuple[str, ...] = ()
     expert_switch: str | None = None
+    cfg_rows: str = "true_cfg"
 
     @property
     def video(self) -> bool:
@@ -79,7 +83,7 @@ WAN = Family(
     block_lists=("blocks",),
     resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),
     batch_key_fields=("height", "width", "num_frames"), output="video",
-    loader_version="wan-loader-1",
+    loader_version="wan-loader-1", cfg_rows="guidance",
 )
 
 FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN)

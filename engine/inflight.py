@@ -29,6 +29,8 @@ class CompletedStep:
     decodes: dict[str, Any] = field(default_factory=dict)
     requests: int = 0
     rows: int = 0
+    groups: int = 0  # shape groups: one forward each
+    tokens: int = 0  # work: rows x tokens
     seconds: float = 0.0
 
 
@@ -64,9 +66,13 @@ class InFlightSteps:
         else:
             self._forward_start = time.perf_counter()
 
-    def forward_ended(self, *, requests: int, rows: int) -> None:
+    def forward_ended(self, *, requests: int, rows: int, groups: int = 1,
+                      tokens: int = 0) -> None:
+        """The step's forwards are queued: ``groups`` of them over ``requests`` requests,
+        ``rows`` rows and ``tokens`` rows x tokens."""
         step = self._open
         step.result.requests, step.result.rows = requests, rows
+        step.result.groups, step.result.tokens = groups, tokens
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self._device))

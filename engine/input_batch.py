@@ -5,6 +5,11 @@ guidance) do not change across a request's steps, so while the batch composition
 they are reused instead of concatenated again; only latents and timesteps are gathered each
 step (into reused buffers). Sequence tensors of different lengths are right-padded to the
 batch maximum and described by a boolean mask named ``<name>_mask``.
+
+One InputBatch is one forward, so it takes one shape group: requests of one ``BatchKey``
+whose static tensors have the same names, dtypes and per-row shapes beyond the sequence
+length. Anything else is refused with ``BatchMismatchError`` naming the requests and the
+difference (a mix would otherwise drop a tensor silently or fail deep inside ``torch.cat``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.errors import BatchMismatchError
 
 
 def _pad_cat(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -89,6 +95,7 @@ class InputBatchBuilder:
             for state, (old, rows, n) in zip(states, self._members, strict=True)
         )
         if not reused:
+            self._check(states)
             self._static = self._gather_static(states)
             self._members = [(s, s.static_rows, s.rows) for s in states]
             self._hidden = None
@@ -105,6 +112,31 @@ class InputBatchBuilder:
             timesteps=timesteps,
             states=tuple(states),
         )
+
+    @staticmethod
+    def _check(states: Sequence[DenoiseState]) -> None:
+        """One shape group, one static-tensor contract (see module docstring)."""
+        first = states[0]
+        key, names = first.params.batch_key(), set(first.static_rows)
+        for state in states[1:]:
+            where = f"requests {first.request_id!r} and {state.request_id!r}"
+            if state.params.batch_key() != key:
+                raise BatchMismatchError(
+                    f"{where} are of different shape groups ({key} vs "
+                    f"{state.params.batch_key()}): give each group its own InputBatch")
+            if set(state.static_rows) != names or set(state.shared) != set(first.shared):
+                raise BatchMismatchError(
+                    f"{where} have different static tensors: "
+                    f"{sorted(names)} / {sorted(first.shared)} vs {sorted(state.static_rows)} "
+                    f"/ {sorted(state.shared)}; the pipeline must fill the same ones for every "
+                    "request of a shape group")
+            for name in names:
+                a, b = first.static_rows[name], state.static_rows[name]
+                if a.dtype != b.dtype or a.dim() != b.dim() or a.shape[2:] != b.shape[2:]:
+                    raise BatchMismatchError(
+                        f"{where} disagree on static tensor {name!r}: {a.dtype} "
+                        f"{tuple(a.shape)} vs {b.dtype} {tuple(b.shape)} (only the row count "
+                        "and the sequence length, dim 1, may differ)")
 
     @staticmethod
     def _gather_static(states: Sequence[DenoiseState]) -> dict[str, torch.Tensor]:

@@ -1,13 +1,14 @@
 """ModelRunner: executes StepPlans on one device; owns the pipeline and per-request tensors.
 
 Called only from the engine's step loop. One ``execute(plan)`` encodes the newly admitted
-requests, runs one batched denoise forward over the plan's batch, applies each request's own
-sampler step, and decodes the requests that just finished. On CUDA all of it is queued, and
+requests, runs the plan's batch through the denoise forwards - one per shape group, block-major
+under layerwise offload (``group_forwards``) - applies each request's own sampler step, and
+decodes the requests that just finished. On CUDA all of it is queued, and
 ``execute`` returns once the *previous* step has finished (``InFlightSteps``), so the GPU
 always has the next step while the host prepares the one after; decoded pixels and forward
 times are therefore reported one call late there. Failures are isolated: a request that fails
-to encode or decode fails alone; if the batched forward fails, each request is retried alone
-so only the culprit fails.
+to encode or decode fails alone; if a group's forward fails, each of its requests is retried
+alone so only the culprit fails (the other groups' results stand).
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from typing import Any
 
 import torch
 
+from ditserve.engine.block_major import BlockMajor
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.inflight import InFlightSteps
-from ditserve.engine.input_batch import InputBatchBuilder
 from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import NewRequest
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.work import WorkRule
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,16 @@ class ModelRunner:
             time.perf_counter() - started, "dlo" if offload else "off",
         )
         self._states: dict[str, DenoiseState] = {}
-        self._batches = InputBatchBuilder()
+        # Under offload the shape groups of a step run block-major, as one pass; resident,
+        # one after the other (the weights do not move, so there is nothing to share).
+        self._block_major = (BlockMajor(self.pipeline.transformer, self.pipeline.block_lists)
+                             if offload else None)
+        self._forwards = GroupForwards(
+            self.pipeline, block_major=self._block_major,
+            one_pass=self.offload.one_pass if offload else None)
+        self.work_rule = WorkRule(pixels_per_token=self.pixel_multiple,
+                                  frame_step=self.frame_step,
+                                  cfg_rows=self.pipeline.family.cfg_rows)
         self._inflight = InFlightSteps(self.device)
 
     @property
@@ -137,6 +149,8 @@ class ModelRunner:
         return self.offload.report() if self.offload is not None else None
 
     def close(self) -> None:
+        if self._block_major is not None:
+            self._block_major.close()
         if self.offload is not None and getattr(self.offload, "active", True):
             self.offload.disable()
 
@@ -172,9 +186,12 @@ class ModelRunner:
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
         passes = self._collective_passes()
         if batch:
+            groups = shape_groups(batch)
             self._inflight.forward_started()
-            self._denoise(batch, out)
-            self._inflight.forward_ended(requests=len(batch), rows=sum(s.rows for s in batch))
+            self._denoise(groups, out)
+            self._inflight.forward_ended(
+                requests=len(batch), rows=sum(s.rows for s in batch), groups=len(groups),
+                tokens=sum(s.rows * self.work_rule.tokens_per_row(s.params) for s in batch))
             self._previews(batch, out)
         if collective_wave and passes is not None and self._collective_passes() == passes:
             # No forward reached the transformer here (no batch, or it failed before):
@@ -192,6 +209,7 @@ class ModelRunner:
             out.finished.update(step.decodes)
             if step.rows:
                 out.forward_requests, out.forward_rows = step.requests, step.rows
+                out.forward_groups, out.forward_tokens = step.groups, step.tokens
                 out.forward_seconds = step.seconds
         return out
 
@@ -214,26 +232,33 @@ class ModelRunner:
             return False
         return True
 
-    def _denoise(self, batch: list[DenoiseState], out: RunnerOutput) -> None:
-        try:
-            inputs = self._batches.build(batch)
-            prediction = self.pipeline.denoise_step(inputs)
-        except Exception as e:
-            if len(batch) == 1 or self._collective_passes() is not None:
-                # Alone, or with AllGather offload, where a retry would run extra passes the
-                # other ranks do not join: the batch fails together.
-                log.exception("request %s failed in denoise", ", ".join(s.request_id for s in batch))
-                for state in batch:
-                    out.failed[state.request_id] = f"denoise failed: {type(e).__name__}: {e}"
-                return
-            # Find the culprit: no state was advanced, so rerun each request alone.
-            log.warning("batched forward failed; retrying %d requests one by one", len(batch))
-            for state in batch:
-                self._denoise([state], out)
+    def _denoise(self, groups: list[list[DenoiseState]], out: RunnerOutput) -> None:
+        for group in self._forwards.run(groups):
+            if group.error is not None:
+                self._group_failed(group, out)
+                continue
+            assert group.inputs is not None and group.prediction is not None
+            for state, rows in zip(group.states, group.inputs.split(group.prediction),
+                                   strict=True):
+                if self._guarded(out, state.request_id, "step",
+                                 lambda s, r=rows: self.pipeline.step(s, r)):
+                    out.stepped.append(state.request_id)
+
+    def _group_failed(self, group: GroupForward, out: RunnerOutput) -> None:
+        e = group.error
+        if len(group.states) == 1 or self._collective_passes() is not None:
+            # Alone, or with AllGather offload, where a retry would run extra passes the
+            # other ranks do not join: the group fails together.
+            log.error("request %s failed in denoise",
+                      ", ".join(s.request_id for s in group.states), exc_info=e)
+            for state in group.states:
+                out.failed[state.request_id] = f"denoise failed: {type(e).__name__}: {e}"
             return
-        for state, rows in zip(batch, inputs.split(prediction), strict=True):
-            if self._guarded(out, state.request_id, "step", lambda s, r=rows: self.pipeline.step(s, r)):
-                out.stepped.append(state.request_id)
+        # Find the culprit: no state was advanced, so rerun each request alone.
+        log.warning("a batched forward failed (%s: %s); retrying %d requests one by one",
+                    type(e).__name__, e, len(group.states))
+        for state in group.states:
+            self._denoise([[state]], out)
 
     # -- previews (partial images) --------------------------------------------------------------
     def _previews(self, batch: list[DenoiseState], out: RunnerOutput) -> None:

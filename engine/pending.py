@@ -14,6 +14,7 @@ from ditserve.engine.rank_queues import RankQueues
 from ditserve.engine.request import NewRequest
 from ditserve.engine.results import EngineStats, RequestHandle
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.work import RequestWork
 
 
 class PendingRequests:
@@ -40,12 +41,13 @@ class PendingRequests:
         return EngineStats(q.num_running, q.num_waiting, self._steps_run, self._rows_run,
                            self._finished, len(q.schedulers))
 
-    def add(self, handle: RequestHandle) -> None:
-        """Queue a request; InvalidRequestError for an id in use, QueueFullError at max_queue."""
+    def add(self, handle: RequestHandle, work: RequestWork | None = None) -> None:
+        """Queue a request (``work``: its rows x tokens by the model's WorkRule);
+        InvalidRequestError for an id in use, QueueFullError at max_queue."""
         rid = handle.request_id
         if rid in self._handles:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
-        self.queues.add(rid, handle.params)
+        self.queues.add(rid, handle.params, work)
         self._handles[rid] = handle
         handle.queue_position = self.queues.queue_position(rid)
 

@@ -3,10 +3,11 @@
 Pure Python (no torch), owned by the engine and always used under the engine's lock. With one
 rank a request goes straight to that rank's StepScheduler (whose admission policy then sees
 the whole queue). With several data-parallel ranks it first waits in a shared FIFO and is
-handed, oldest first, to the least-loaded rank that has a free batch slot (preferring a rank
-whose running batch is compatible), so a request never waits behind a busy rank while another
-rank has room. The replica's queue bound (``max_queue``) is checked here, over every waiting
-request of every rank.
+handed, oldest first, to the least-loaded rank that has room for it - a free batch slot and,
+within the step's work budget, room for its rows x tokens (or nothing else to do) - preferring
+a rank already running its shape group, whose forward it then joins. So a request never waits
+behind a busy rank while another rank has room. The replica's queue bound (``max_queue``) is
+checked here, over every waiting request of every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import QueueFullError
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.scheduler import StepScheduler
+from ditserve.engine.scheduler import DEFAULT_WORK_RULE, StepScheduler
+from ditserve.engine.work import RequestWork
 
 
 class RankQueues:
@@ -25,9 +27,10 @@ class RankQueues:
 
     def __init__(self, config: SchedulerConfig, ranks: int) -> None:
         self.capacity = config.max_num_seqs
+        self.budget = config.max_batch_tokens
         self.max_queue = config.max_queue
         self.schedulers = [StepScheduler(config) for _ in range(ranks)]
-        self._shared: OrderedDict[str, SamplingParams] = OrderedDict()
+        self._shared: OrderedDict[str, tuple[SamplingParams, RequestWork]] = OrderedDict()
         self._rank_of: dict[str, int] = {}
 
     # -- queries ------------------------------------------------------------------------------
@@ -76,34 +79,44 @@ class RankQueues:
         """Whether ``ranks`` have anything to do (shared requests count only where they fit)."""
         if any(self.schedulers[r].has_work() for r in ranks):
             return True
-        return bool(self._shared) and any(self._has_room(r) for r in ranks)
+        if not self._shared:
+            return False
+        _, work = next(iter(self._shared.values()))
+        return any(self._has_room(r, work) for r in ranks)
 
-    def _has_room(self, rank: int) -> bool:
+    def _has_room(self, rank: int, work: RequestWork) -> bool:
         s = self.schedulers[rank]
-        return s.num_running + s.num_waiting < self.capacity
+        queued = s.num_running + s.num_waiting
+        if queued >= self.capacity:
+            return False
+        return queued == 0 or s.committed_tokens() + work.tokens <= self.budget
 
     # -- changes ------------------------------------------------------------------------------
-    def add(self, request_id: str, params: SamplingParams) -> None:
-        """Queue a request; QueueFullError when the replica has no room (``is_full``)."""
+    def add(self, request_id: str, params: SamplingParams,
+            work: RequestWork | None = None) -> None:
+        """Queue a request (``work``: its rows x tokens, see ``StepScheduler.add``);
+        QueueFullError when the replica has no room (``is_full``)."""
         if request_id in self._shared or request_id in self._rank_of:
             raise ValueError(f"request id {request_id!r} is already queued")
         if self.max_queue is not None and self.is_full(self.max_queue):
             raise QueueFullError(f"every batch slot is taken and {self.max_queue} requests are "
                                  f"waiting (max_queue={self.max_queue})")
+        work = work or DEFAULT_WORK_RULE.of(params)
         if len(self.schedulers) == 1:
-            self._hand(request_id, params, 0)
+            self._hand(request_id, params, work, 0)
         else:
-            self._shared[request_id] = params
+            self._shared[request_id] = (params, work)
             self.release()
 
     def release(self) -> None:
-        """Hand shared requests, oldest first, to ranks with a free batch slot."""
+        """Hand shared requests, oldest first, to ranks with room for them."""
         while self._shared:
-            free = [r for r in range(len(self.schedulers)) if self._has_room(r)]
+            request_id, (params, work) = next(iter(self._shared.items()))
+            free = [r for r in range(len(self.schedulers)) if self._has_room(r, work)]
             if not free:
                 return
-            request_id, params = self._shared.popitem(last=False)
-            self._hand(request_id, params, self._pick(params, free))
+            del self._shared[request_id]
+            self._hand(request_id, params, work, self._pick(params, free))
 
     def remove(self, request_id: str) -> int | None:
         """Forget a request (aborted, finished or failed); returns the rank it was on."""
@@ -117,18 +130,20 @@ class RankQueues:
         self._shared.clear()
         self._rank_of.clear()
 
-    def _hand(self, request_id: str, params: SamplingParams, rank: int) -> None:
-        self.schedulers[rank].add(request_id, params)
+    def _hand(self, request_id: str, params: SamplingParams, work: RequestWork,
+              rank: int) -> None:
+        self.schedulers[rank].add(request_id, params, work)
         self._rank_of[request_id] = rank
 
     def _pick(self, params: SamplingParams, ranks: list[int]) -> int:
-        # Least loaded first; among equals a rank already running compatible requests.
+        # Least loaded first; among equals a rank whose batch already has this shape group
+        # (one more row in an existing forward), then an idle one.
         key = params.batch_key()
 
         def load(rank: int) -> tuple[int, int, int]:
             s = self.schedulers[rank]
-            running = s.running_key()
-            compatible = running is None or running == key
-            return (s.num_waiting + s.num_running, 0 if compatible else 1, rank)
+            running = s.running_keys()
+            joins = not running or key in running
+            return (s.num_waiting + s.num_running, 0 if joins else 1, rank)
 
         return min(ranks, key=load)

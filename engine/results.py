@@ -70,7 +70,11 @@ class RequestEvent:
 class EngineObserver(Protocol):
     """Receives engine-wide measurements (the HTTP server turns them into metrics)."""
 
-    def on_step(self, *, requests: int, rows: int, seconds: float) -> None: ...
+    def on_step(self, *, requests: int, rows: int, seconds: float, groups: int = 1,
+                tokens: int = 0) -> None:
+        """A step's denoise forwards completed: ``groups`` shape groups (one forward each)
+        over ``requests`` requests, ``rows`` rows and ``tokens`` rows x latent tokens, in
+        ``seconds`` (GPU time on CUDA)."""
     def on_finished(self, result: GenerationResult) -> None: ...
     def on_failed(self, request_id: str, reason: str) -> None: ...
 

@@ -1,18 +1,28 @@
 """StepScheduler: decides what every engine step does; pure Python, no torch.
 
 One ``schedule()`` is one engine step: admit waiting requests into the running batch (they are
-encoded this step), run one denoise forward over every running request, and decode those whose
-last step this is. A decoded request leaves the batch at once (its slot is free for the next
+encoded this step), run the denoise forwards over every running request, and decode those whose
+last step this is. A decoded request leaves the batch at once (its room is free for the next
 step) and finishes when the runner hands back its output, which on a GPU is a step later.
 ``update(plan, output)`` applies what the model runner reports. Nothing else changes request
 status, so the lifecycle is visible in these two methods.
 
-Requests share a batch when their ``BatchKey`` (token grid) is equal; their step counts,
-current steps, seeds, guidance and CFG may all differ. Admission is a bounded bypass:
-compatible requests may overtake an incompatible head, but each overtaking counts against the
-head; after ``max_bypass`` overtakes nobody passes it, so the running batch drains and the
-head is admitted (bounded wait, no starvation). ``max_bypass`` 0 is strict arrival order
-(FIFO: an incompatible head blocks everyone behind it until the batch drains).
+A step may hold requests of any shapes: the runner gives each shape group (equal ``BatchKey``)
+one forward and, under layerwise offload, runs the groups block-major so the weights cross
+PCIe once per step whatever the mix. Step counts, current steps, seeds, guidance and CFG may
+all differ within a group. Capacity is work, not requests: the requests of a step may take at
+most ``max_batch_tokens`` rows x tokens (``RequestWork``, computed by the engine with the
+model's ``WorkRule``), and at most ``max_num_seqs`` of them; a request larger than the budget
+runs alone.
+
+Admission is in arrival order with a bounded bypass: a request that fits the room left may
+overtake older requests that do not (a large one waiting for running work to finish), and
+each overtaking counts against every request it overtakes. Once a request has been overtaken
+``max_bypass`` times nobody passes it: the step drains until it fits, and it is admitted (a
+bounded wait, no starvation). The bound is checked before every overtaking, so it holds
+within one admission pass too (a burst of small requests cannot all pass at once).
+``max_bypass`` 0 is strict arrival order (FIFO: a request that does not fit blocks everyone
+behind it).
 
 The queue bound (``max_queue``) is replica-wide and lives in ``RankQueues``, in front of the
 per-rank schedulers.
@@ -27,6 +37,10 @@ from typing import Any
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
+from ditserve.engine.work import RequestWork, WorkRule
+
+# The work of requests added without one (tests, warm-up): a 16-pixel-token image model.
+DEFAULT_WORK_RULE = WorkRule()
 
 
 @dataclass
@@ -36,6 +50,7 @@ class ScheduledRequest:
     request_id: str
     params: SamplingParams
     arrival: int
+    work: RequestWork
     status: RequestStatus = RequestStatus.WAITING
     steps_done: int = 0
     times_bypassed: int = 0
@@ -55,7 +70,8 @@ class StepPlan:
     """What one engine step does.
 
     encode: admitted this step; encode them, then they join this step's denoise batch.
-    denoise: every request in this step's forward, in batch order (includes ``encode``).
+    denoise: every request denoised this step, in batch order (includes ``encode``); the
+        runner gives each shape group among them one forward.
     decode: requests whose final denoise step is this one; decode after the forward.
     freed: aborted requests whose runner state must be dropped.
     step_id: the scheduler's step counter; None for the idle plan, which no scheduler made.
@@ -82,7 +98,8 @@ class RunnerOutput:
     stepped: denoised this step. decoded: decode queued; the request leaves the batch.
     finished: request id -> decoded output (the runner's pixels, opaque here), for requests
     decoded this step or an earlier one. failed: request id -> error message.
-    forward_*: the last denoise forward that completed (0 rows: none did), its batch and time.
+    forward_*: the last step whose denoise forwards completed (0 rows: none did): its
+    requests, rows, shape groups (one forward each), work (rows x tokens) and time.
     previews: request id -> (step, pixels) of a preview decoded after that step (the runner's
     pixels, opaque here; only requests with ``partial_images``); scheduling ignores them.
     """
@@ -93,6 +110,8 @@ class RunnerOutput:
     finished: dict[str, Any] = field(default_factory=dict)
     forward_requests: int = 0
     forward_rows: int = 0
+    forward_groups: int = 0
+    forward_tokens: int = 0
     forward_seconds: float = 0.0
     previews: dict[str, tuple[int, Any]] = field(default_factory=dict)
 
@@ -147,17 +166,24 @@ class StepScheduler:
         """Waiting request ids, in queue order."""
         return list(self._waiting)
 
-    def running_key(self) -> BatchKey | None:
-        for request in self._running.values():
-            return request.key
-        return None
+    def running_keys(self) -> set[BatchKey]:
+        """The shape groups of the running batch."""
+        return {request.key for request in self._running.values()}
+
+    def committed_tokens(self) -> int:
+        """Work of the running and waiting requests (rows x tokens)."""
+        return sum(r.work.tokens for r in (*self._running.values(), *self._waiting.values()))
 
     # -- lifecycle inputs ------------------------------------------------------------------
-    def add(self, request_id: str, params: SamplingParams) -> ScheduledRequest:
+    def add(self, request_id: str, params: SamplingParams,
+            work: RequestWork | None = None) -> ScheduledRequest:
+        """Queue a request; ``work`` from the served model's WorkRule (default: a
+        16-pixel-token image model's)."""
         if request_id in self._waiting or request_id in self._running \
                 or request_id in self._decoding:
             raise ValueError(f"request id {request_id!r} is already scheduled")
-        request = ScheduledRequest(request_id, params, arrival=next(self._arrivals))
+        request = ScheduledRequest(request_id, params, arrival=next(self._arrivals),
+                                   work=work or DEFAULT_WORK_RULE.of(params))
         self._waiting[request_id] = request
         return request
 
@@ -223,28 +249,27 @@ class StepScheduler:
         )
 
     def _admit(self) -> list[str]:
-        capacity = self.config.max_num_seqs - len(self._running)
-        if capacity <= 0 or not self._waiting:
-            return []
-        key = self.running_key()
+        slots = self.config.max_num_seqs - len(self._running)
+        room = self.config.max_batch_tokens - sum(r.work.tokens for r in self._running.values())
         admitted: list[str] = []
-        blocked_head: ScheduledRequest | None = None
+        passed: list[ScheduledRequest] = []  # older requests that did not fit, in order
         for request in list(self._waiting.values()):
-            if capacity == 0:
-                break
-            if key is None or request.key == key:
-                if blocked_head is not None:
-                    blocked_head.times_bypassed += 1
-                key = request.key
-                self._admit_one(request)
-                admitted.append(request.request_id)
-                capacity -= 1
+            if slots <= 0:
+                break  # no room for any request: nobody overtakes anybody
+            alone = not self._running and not admitted  # a step must admit its first request
+            if request.work.tokens > room and not alone:
+                if request.times_bypassed >= self.config.max_bypass:
+                    break  # waited long enough: the step drains for it
+                passed.append(request)
                 continue
-            # Incompatible with the running batch.
-            if blocked_head is None:
-                blocked_head = request
-            if blocked_head.times_bypassed >= self.config.max_bypass:
-                break  # the head has waited long enough: let the batch drain for it
+            if any(p.times_bypassed >= self.config.max_bypass for p in passed):
+                break  # checked before every overtaking: the bound holds within this pass
+            for p in passed:
+                p.times_bypassed += 1
+            self._admit_one(request)
+            admitted.append(request.request_id)
+            slots -= 1
+            room -= request.work.tokens
         return admitted
 
     def _admit_one(self, request: ScheduledRequest) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ditserve.engine.config import EngineConfig
@@ -101,7 +101,9 @@ def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int
                             num_inference_steps=1, seed=0)
     work = {}
     for rank in range(executor.num_ranks):
-        scheduler = StepScheduler(config.scheduler)
+        # Every warm-up request in one step, whatever the work budget: the compile must see
+        # the batch of ``requests``.
+        scheduler = StepScheduler(replace(config.scheduler, max_batch_tokens=2**62))
         ids = [f"warmup-{rank}-{i}" for i in range(requests)]
         for rid in ids:
             scheduler.add(rid, params)

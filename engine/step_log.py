@@ -1,8 +1,9 @@
 """StepLog: one log line every few seconds summarizing the engine's recent steps.
 
 While the engine works, about every ``interval_s`` it logs at INFO: steps run, their time (GPU time
-on CUDA; mean, min, max), mean batch in requests and rows, images finished and requests
-failed, and with layerwise offload each rank's recent host->device copy rate. Idle periods
+on CUDA; mean, min, max), the mean step in requests, rows, shape groups (one forward each)
+and tokens (rows x latent tokens: the step's work), images finished and requests failed, and
+with layerwise offload each rank's recent host->device copy rate. Idle periods
 log nothing. It is an ``EngineObserver``: the engine calls it on its loop
 thread, after each step, so the summary costs no extra synchronization. Operators read step
 time drifting in pod logs without scraping /metrics; the benchmarks keep the server's log.
@@ -45,14 +46,19 @@ class StepLog:
         self._times: list[float] = []
         self._requests = 0
         self._rows = 0
+        self._groups = 0
+        self._tokens = 0
         self._images = 0
         self._failed = 0
 
-    def on_step(self, *, requests: int, rows: int, seconds: float) -> None:
+    def on_step(self, *, requests: int, rows: int, seconds: float, groups: int = 1,
+                tokens: int = 0) -> None:
         self._roll()
         self._times.append(seconds)
         self._requests += requests
         self._rows += rows
+        self._groups += groups
+        self._tokens += tokens
 
     def on_finished(self, result: Any) -> None:
         self._roll()
@@ -81,10 +87,12 @@ class StepLog:
             steps = len(self._times)
             self._log.info(
                 "%d steps in %.1f s: step %.0f ms mean (min %.0f, max %.0f), batch %.2f "
-                "requests / %.2f rows, %d images finished, %d requests failed%s",
+                "requests / %.2f rows / %.2f shape groups / %.0f tokens, %d images finished, "
+                "%d requests failed%s",
                 steps, elapsed, 1e3 * sum(self._times) / steps, 1e3 * min(self._times),
                 1e3 * max(self._times), self._requests / steps, self._rows / steps,
-                self._images, self._failed, self._copy_rate_text(),
+                self._groups / steps, self._tokens / steps, self._images, self._failed,
+                self._copy_rate_text(),
             )
         elif self._images or self._failed:
             self._log.info("%d images finished, %d requests failed in %.1f s",

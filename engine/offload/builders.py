@@ -174,10 +174,7 @@ def attach(
     ]
     streamer = BlockStreamer(streamed, transfer, strict=strict)
     undo.callback(streamer.detach)  # first: an attach that fails mid-way leaves hooks too
-    if strict:
-        streamer.attach(root=model)  # completes passes even when a forward raises
-    else:
-        streamer.attach()
+    streamer.attach(root=model)  # counts passes; completes them even when a forward raises
     return streamer
 
 

@@ -9,6 +9,7 @@ resident, or ``enable_offload`` again. Created only by ``backend.enable_offload`
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Hashable, Mapping
 from typing import Any
@@ -58,8 +59,14 @@ class OffloadHandle:
 
     @property
     def passes(self) -> int:
-        """AllGather mode: whole passes run so far (forwards and idle passes)."""
+        """Passes over the streamed blocks so far: engine steps (``one_pass``), other
+        forwards of the model, and (AllGather) idle passes."""
         return self._streamer.passes
+
+    def one_pass(self) -> contextlib.AbstractContextManager[None]:
+        """Run a step's forwards (one per shape group, block-major) as ONE pass: blocks that
+        run again load nothing, and AllGather ranks stay matched whatever their group counts."""
+        return self._streamer.one_pass()
 
     def idle_pass(self) -> None:
         """Join every block's gather, in a forward's order, without running any block.
@@ -91,7 +98,7 @@ class OffloadHandle:
             host=self._backing.report(),
             transfer=self._transfer.report(),
             traffic=Traffic(streamer.bytes_transferred, streamer.loads, streamer.misses,
-                            streamer.passes if self.needs_collective_participation else None),
+                            streamer.passes),
             host_plan=self._host_plan,
         )
 

@@ -25,9 +25,13 @@ stay matched as long as each runs whole *passes* (blocks 0..n-1, once each, in o
 forward that raises mid-way is completed by ``finish_pass`` (a root forward hook that runs
 even on exceptions), and a block called out of order is refused before it loads anything.
 
-Multi-shape steps (a later issue) will run a block once per shape group before the next block:
-a repeat call finds the block still in its slot and loads nothing; what changes is strict
-mode's pass counting, which today expects each block once per pass (``before_block``).
+Repeats (multi-shape steps, ``engine.block_major``): a step may run a block once per shape
+group before the next block. A repeat finds the block still in its slot and its window already
+loaded, so it loads nothing and moves nothing; the slot is reused only once the block has left
+the window, i.e. after every group ran it (the driver starts no group on block k+1 before all
+ran block k). Strict mode accepts a repeat of the block it ran last. A step's forwards form ONE
+pass: inside ``one_pass()`` the end of each forward does not end the pass, leaving the scope
+does. ``passes`` counts passes in both modes (a forward of the model outside a scope is one).
 
 Called by the backend's builders (build, attach) and ``handle`` (detach, idle passes); the
 copy sources come from a ``host`` backing, the bytes move through a ``movement`` transfer.
@@ -35,7 +39,8 @@ copy sources come from a ``host`` backing, the bytes move through a ``movement``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +117,10 @@ class BlockStreamer:
         self.transfer = transfer
         self.strict = strict  # whole passes only (AllGather: loads are collectives)
         self.position = 0  # strict: the block the current pass runs next
-        self.passes = 0  # strict: completed passes (forwards and idle passes)
+        self.passes = 0  # completed passes (forwards, one_pass scopes, idle passes)
+        self._started = False  # a block ran in the current pass
+        self._held = False  # inside one_pass(): forwards' ends do not end the pass
+        self._ended_in_scope = False  # a forward ended (or raised) inside one_pass()
         self.slots = len(self.blocks[0].views) if self.blocks else 2
         self.loaded: list[int | None] = [None] * self.slots  # block position held by each slot
         self.pointed: dict[int, int] = {}  # block position -> slot its tensors point into
@@ -124,12 +132,15 @@ class BlockStreamer:
     def attach(self, root: nn.Module | None = None) -> None:
         for k, block in enumerate(self.blocks):
             self._handles.append(block.module.register_forward_pre_hook(self._pre_hook(k)))
-            self._handles.append(block.module.register_forward_hook(self._post_hook(k)))
-        if self.strict and root is not None:
+            # always_call: a block that raises still releases its slot (the free event is
+            # recorded behind whatever it queued) before another group runs it.
+            self._handles.append(block.module.register_forward_hook(self._post_hook(k),
+                                                                    always_call=True))
+        if root is not None:
             # always_call: a forward that raises still completes its pass, so this rank's
             # collectives stay matched with the other ranks'.
             self._handles.append(root.register_forward_hook(
-                lambda module, args, output: self.finish_pass(), always_call=True))
+                lambda module, args, output: self._forward_ended(), always_call=True))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -166,14 +177,18 @@ class BlockStreamer:
             self.pointed[k] = slot
 
     def before_block(self, k: int) -> None:
+        self._started = True
         if self.strict:
-            if k != self.position:
+            if k == self.position - 1:
+                pass  # a repeat (another shape group): k and its window sit in slots
+            elif k != self.position:
                 raise OffloadError(
                     f"block {self.blocks[k].name} ran out of order (expected "
                     f"{self.blocks[self.position % len(self.blocks)].name}); AllGather mode needs "
                     "every forward to run each streamed block once, in order"
                 )
-            self.position += 1
+            else:
+                self.position += 1
         window = self._window(k)  # k and the blocks to prefetch after it
         slot = self.loaded.index(k) if k in self.loaded else None
         if slot is None:
@@ -231,14 +246,39 @@ class BlockStreamer:
 
     def finish_pass(self) -> None:
         """Complete the current pass: release a block left pointed (its forward raised), then
-        take the hook steps of every block it did not reach."""
-        if not self.strict:
-            return
+        (strict) take the hook steps of every block it did not reach."""
         for k in list(self.pointed):
             self.after_block(k)
-        while self.position < len(self.blocks):
-            k = self.position
-            self.before_block(k)
-            self.after_block(k)
-        self.position = 0
+        if self.strict:
+            while self.position < len(self.blocks):
+                k = self.position
+                self.before_block(k)
+                self.after_block(k)
+            self.position = 0
         self.passes += 1
+        self._started = False
+
+    def _forward_ended(self) -> None:
+        """The model's forward returned or raised: the end of a pass, unless a step's
+        forwards share one (``one_pass``)."""
+        if self._held:
+            self._ended_in_scope = True
+        elif self.strict or self._started:
+            self.finish_pass()
+
+    @contextlib.contextmanager
+    def one_pass(self) -> Iterator[None]:
+        """Everything run inside is one pass: a step's forwards, one per shape group, however
+        many run each block. Strict mode completes the pass on leaving (also after an error),
+        if any forward started; a scope in which nothing ran is no pass (an AllGather rank
+        then joins the others with ``idle_pass``). Nested scopes are the outer one."""
+        if self._held:
+            yield
+            return
+        self._held, self._ended_in_scope = True, False
+        try:
+            yield
+        finally:
+            self._held = False
+            if self._started or (self.strict and self._ended_in_scope):
+                self.finish_pass()

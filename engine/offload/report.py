@@ -27,7 +27,8 @@ from ditserve.engine.offload.movement.transfer import SlotBuffers, TransferRepor
 
 @dataclass(frozen=True)
 class Traffic:
-    """What the hooks moved so far. ``passes``: AllGather only (whole passes run)."""
+    """What the hooks moved so far. ``passes``: passes over the streamed blocks (one per
+    engine step, whatever its shape groups; AllGather idle passes included)."""
 
     bytes_transferred: int
     block_loads: int
@@ -96,6 +97,7 @@ class OffloadReport:
             "bytes_transferred": self.traffic.bytes_transferred,
             "block_loads": self.traffic.block_loads,
             "load_misses": self.traffic.load_misses,
+            "passes": self.traffic.passes,
             **self.host_plan,
         }
         return out | self._path_json() | self._shard_json() | self._mapped_json() | (

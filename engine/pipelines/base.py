@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ditserve.engine.families import Family
+
 if TYPE_CHECKING:
     from ditserve.engine.denoise_state import DenoiseState
     from ditserve.engine.input_batch import InputBatch
@@ -29,12 +31,14 @@ class StepPipeline(Protocol):
         it may queue the copy without waiting for it (the runner hands the pixels back once
         the step's work has finished).
 
+    family: the family's pure record (``engine.families``: CFG-row rule, batch-key fields).
     transformer: the module offload streams and compilation compiles (the DiT, or an
         ``ExpertStack`` of experts); block_lists: its streamed block lists in call order.
     pixel_multiple: the spatial granularity of height and width.
     frame_step: None for image families; for video, ``num_frames - 1`` must divide by it.
     """
 
+    family: Family
     transformer: torch.nn.Module
     block_lists: tuple[str, ...]
     pixel_multiple: int

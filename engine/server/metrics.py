@@ -27,6 +27,10 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                    120.0, 300.0, 600.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+GROUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
+# Rows x latent tokens of a step: a 1024x1024 Flux image is 4096, an 81-frame 832x480 Wan
+# video 32760.
+TOKEN_BUCKETS = (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288)
 # Error reasons are a closed set so the label never explodes.
 ERROR_REASONS = ("invalid_request", "model_not_found", "not_found", "method_not_allowed",
                  "unauthorized", "payload_too_large", "queue_full", "store_full",
@@ -130,6 +134,14 @@ class ServingMetrics:
             "ditserve:step_batch_rows",
             "Rows (images, doubled under true CFG) in one denoise step.",
             buckets=BATCH_BUCKETS, registry=r)
+        self.step_shape_groups = Histogram(
+            "ditserve:step_shape_groups",
+            "Shape groups (token grids; one forward each, block-major under DLO) in one "
+            "denoise step.", buckets=GROUP_BUCKETS, registry=r)
+        self.step_batch_tokens = Histogram(
+            "ditserve:step_batch_tokens",
+            "Work of one denoise step: rows x latent tokens over its requests (what "
+            "--max-batch-tokens bounds).", buckets=TOKEN_BUCKETS, registry=r)
         self.images = Counter("ditserve:images_generated", "Images generated.", registry=r)
         self.videos = Counter("ditserve:videos_generated",
                               "Videos the engine generated (decoded, before encoding).",
@@ -154,10 +166,13 @@ class ServingMetrics:
         r.register(_EngineStateCollector(engine_fn))
 
     # -- EngineObserver (called from the engine thread) ---------------------------------------
-    def on_step(self, *, requests: int, rows: int, seconds: float) -> None:
+    def on_step(self, *, requests: int, rows: int, seconds: float, groups: int = 1,
+                tokens: int = 0) -> None:
         self.step_time.observe(seconds)
         self.step_batch_size.observe(requests)
         self.step_batch_rows.observe(rows)
+        self.step_shape_groups.observe(groups)
+        self.step_batch_tokens.observe(tokens)
 
     def on_finished(self, result: Any) -> None:
         self.queue_time.observe(result.queue_seconds)

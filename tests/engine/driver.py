@@ -9,19 +9,21 @@ import torch
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import NewRequest, SamplingParams
-from ditserve.engine.scheduler import StepScheduler
+from ditserve.engine.scheduler import RunnerOutput, StepScheduler
 
 Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]
 
 
 def drive(
-    runner: ModelRunner, arrivals: Arrivals, *, max_num_seqs: int, max_bypass: int = 0
+    runner: ModelRunner, arrivals: Arrivals, *, max_num_seqs: int, max_bypass: int = 0,
+    outputs: list[RunnerOutput] | None = None, allow_failures: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Run a scripted arrival pattern to completion without threads.
 
     arrivals[k] are added just before engine step k. Returns each request's decoded pixels
-    and the batch size (requests) of every denoise forward. ``max_bypass`` 0 admits in
-    strict arrival order.
+    and the batch size (requests) of every denoise step. ``max_bypass`` 0 admits in
+    strict arrival order. ``outputs`` collects every step's RunnerOutput; failed requests
+    fail the run unless ``allow_failures``.
     """
     scheduler = StepScheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_bypass=max_bypass))
     pending = dict(arrivals)
@@ -31,12 +33,14 @@ def drive(
     while pending or scheduler.has_work():
         new = []
         for rid, params in pending.pop(step, ()):
-            scheduler.add(rid, params)
+            scheduler.add(rid, params, runner.work_rule.of(params))
             new.append(NewRequest(rid, params, params.seed if params.seed is not None else 0))
         plan = scheduler.schedule()
         output = runner.execute(plan, new)
         scheduler.update(plan, output)
-        assert not output.failed, output.failed
+        assert allow_failures or not output.failed, output.failed
+        if outputs is not None:
+            outputs.append(output)
         if plan.denoise:
             batch_sizes.append(len(plan.denoise))
         results.update(output.finished)

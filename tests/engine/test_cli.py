@@ -11,7 +11,8 @@ from ditserve.engine.cli_options import engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {
-    "--model", "--dtype", "--device", "--compile", "--max-num-seqs", "--max-bypass",
+    "--model", "--dtype", "--device", "--compile", "--max-num-seqs", "--max-batch-tokens",
+    "--max-bypass",
     "--max-queue", "--offload", "--dlo-slots", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
     "--dlo-pin-limit-gib",
@@ -49,9 +50,10 @@ def test_flags_override_the_config_file_and_map_onto_sections() -> None:
             "offload": {"enabled": True, "resident_layers": 1}}
     config = engine_config_from_args(
         parse("--max-num-seqs", "8", "--dlo-resident-layers", "3", "--data-parallel-size", "2",
-              "--dlo-no-use-allgather"), base)
+              "--dlo-no-use-allgather", "--max-batch-tokens", "32768"), base)
     assert config.dtype == "bfloat16"
     assert config.scheduler.max_num_seqs == 8 and config.scheduler.max_bypass == 0
+    assert config.scheduler.max_batch_tokens == 32768
     assert config.offload.enabled and config.offload.resident_layers == 3
     assert config.offload.use_allgather is False
     assert config.parallel.data_parallel_size == 2

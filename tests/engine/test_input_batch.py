@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.errors import BatchMismatchError
 from ditserve.engine.input_batch import InputBatchBuilder
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.sampler import Schedule
@@ -93,3 +95,36 @@ def test_a_new_request_reusing_a_finished_request_id_gets_its_own_rows() -> None
     assert builder.static_rebuilds == 2
     assert batch.num_rows == new_rows
     assert torch.equal(batch.static["pooled_projections"], new.static_rows["pooled_projections"])
+
+
+def test_static_tensors_that_differ_are_refused_either_way_round() -> None:
+    # Once a tensor the first request lacked was dropped silently, and the reverse order
+    # raised KeyError; both orders now name the requests and the tensors.
+    rng = random.Random(5)
+    plain, extra = make_state("plain", rng), make_state("extra", rng)
+    extra.static_rows["guidance"] = torch.ones(extra.rows)
+    for states in ([plain, extra], [extra, plain]):
+        with pytest.raises(BatchMismatchError, match="different static tensors") as info:
+            InputBatchBuilder().build(states)
+        assert "'plain'" in str(info.value) and "'extra'" in str(info.value)
+        assert "guidance" in str(info.value)
+
+
+def test_static_tensors_of_other_dtypes_or_widths_are_refused() -> None:
+    rng = random.Random(6)
+    a, b = make_state("a", rng), make_state("b", rng)
+    b.static_rows["pooled_projections"] = b.static_rows["pooled_projections"].double()
+    with pytest.raises(BatchMismatchError, match="'pooled_projections'.*float32.*float64"):
+        InputBatchBuilder().build([a, b])
+    c = make_state("c", rng)
+    c.static_rows["encoder_hidden_states"] = torch.randn(c.rows, 8, 5)  # width 5, not 4
+    with pytest.raises(BatchMismatchError, match="only the row count"):
+        InputBatchBuilder().build([a, c])
+
+
+def test_one_input_batch_takes_one_shape_group() -> None:
+    rng = random.Random(7)
+    a, b = make_state("a", rng), make_state("b", rng)
+    b.params = SamplingParams(prompt="b", height=128, width=64)
+    with pytest.raises(BatchMismatchError, match="different shape groups"):
+        InputBatchBuilder().build([a, b])

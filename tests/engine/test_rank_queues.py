@@ -54,7 +54,26 @@ def test_a_freed_rank_takes_the_oldest_shared_request() -> None:
     assert queues.rank_of("next") == 1  # not queued behind "long" on rank 0
 
 
-def test_compatible_rank_preferred_among_equally_loaded() -> None:
+def test_a_shared_request_goes_to_a_rank_with_room_for_its_work() -> None:
+    # Budget 100 tokens (16-pixel tokens: 128x128 is 64). Rank 0 runs a 128x128 request, rank
+    # 1 a 64x64 one (16): another 128x128 request fits only rank 1's room, though both ranks
+    # have a free batch slot and rank 0 would win the tie on load.
+    queues = RankQueues(SchedulerConfig(max_num_seqs=4, max_batch_tokens=100), ranks=2)
+    queues.add("big", params(size=128))
+    queues.add("small", params(size=64))
+    assert (queues.rank_of("big"), queues.rank_of("small")) == (0, 1)
+    queues.add("big2", params(size=128))
+    assert queues.rank_of("big2") == 1
+    queues.add("big3", params(size=128))  # fits nowhere now: waits in the shared queue
+    assert queues.is_shared("big3")
+    finish_step(queues, 0)  # "big" (2 steps) is still running: still no room
+    assert queues.is_shared("big3")
+    finish_step(queues, 0)
+    queues.release()
+    assert queues.rank_of("big3") == 0
+
+
+def test_same_shape_group_preferred_among_equally_loaded() -> None:
     queues = RankQueues(SchedulerConfig(max_num_seqs=2), ranks=2)
     queues.add("small", params(size=64))
     queues.add("big", params(size=128))

@@ -1,0 +1,73 @@
+"""Work: how much of a denoise step a request takes - rows x tokens - by a pure rule.
+
+Pure Python (no torch): the scheduler plans steps by it, the engine computes it when a request
+arrives, the runner reports it per step. A request adds ``rows`` rows to its shape group's
+forward (its images, doubled when classifier-free guidance runs negative-prompt rows) of
+``tokens_per_row`` latent tokens each; the work of a step, rows x tokens summed over its
+requests, is what its forwards cost in activation memory and (roughly) compute, whatever the
+mix of shapes. So a 512x512 image counts a quarter of a 1024x1024 one, and a true-CFG request
+twice its size.
+
+``WorkRule`` turns ``SamplingParams`` into ``RequestWork`` from three facts of the served model:
+the pixels per token side (VAE factor x patch size: the ``pixel_multiple`` requests already
+validate against), the frames per latent frame of a video model (``frame_step``), and the
+family's CFG rule (``Family.cfg_rows``). Nothing in it is family-specific code; a test keeps it
+equal to the rows and tokens every pipeline actually builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ditserve.engine.request import SamplingParams
+
+# Tokens of one 1024x1024 image of a DiT with 16-pixel tokens (Flux.1, Qwen-Image): 64 x 64.
+FULL_IMAGE_TOKENS = 4096
+# The default per-step budget: four such images (the default max_num_seqs of them).
+DEFAULT_MAX_BATCH_TOKENS = 4 * FULL_IMAGE_TOKENS
+
+CFG_RULES = ("true_cfg", "guidance")
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    """Rows a request adds to its group's forward, and latent tokens per row."""
+
+    rows: int
+    tokens_per_row: int
+
+    @property
+    def tokens(self) -> int:
+        """The request's work in a step: rows x tokens."""
+        return self.rows * self.tokens_per_row
+
+
+@dataclass(frozen=True)
+class WorkRule:
+    """How a served model turns a request into rows and tokens (see module docstring).
+
+    pixels_per_token: the pixel side of one latent token (VAE factor x patch size).
+    frame_step: pixel frames per latent frame of a video model; None for an image model.
+    cfg_rows: "true_cfg" - negative-prompt rows when ``true_cfg_scale`` > 1 with a negative
+        prompt (Flux, Qwen-Image); "guidance" - when ``guidance_scale`` > 1 (Wan).
+    """
+
+    pixels_per_token: int = 16
+    frame_step: int | None = None
+    cfg_rows: str = "true_cfg"
+
+    def __post_init__(self) -> None:
+        if self.cfg_rows not in CFG_RULES:
+            raise ValueError(f"cfg_rows must be one of {CFG_RULES}, got {self.cfg_rows!r}")
+
+    def rows(self, params: SamplingParams) -> int:
+        cfg = params.guidance_scale > 1.0 if self.cfg_rows == "guidance" else params.uses_true_cfg
+        return params.num_images * (2 if cfg else 1)
+
+    def tokens_per_row(self, params: SamplingParams) -> int:
+        side = self.pixels_per_token
+        frames = 1 if self.frame_step is None else (params.num_frames - 1) // self.frame_step + 1
+        return frames * (params.height // side) * (params.width // side)
+
+    def of(self, params: SamplingParams) -> RequestWork:
+        return RequestWork(self.rows(params), self.tokens_per_row(params))

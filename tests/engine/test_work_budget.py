@@ -1,0 +1,65 @@
+"""The work budget: the pure rows x tokens rule, its option (config, CLI, operator), and the
+per-step shape groups, rows and tokens in /metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from ditserve.engine.config import EngineConfig, SchedulerConfig
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.work import DEFAULT_MAX_BATCH_TOKENS, FULL_IMAGE_TOKENS, WorkRule
+
+
+def test_tokens_follow_the_token_grid_and_rows_the_family_cfg_rule() -> None:
+    flux = WorkRule(pixels_per_token=16)
+    plain = SamplingParams(prompt="p", height=1024, width=1024)
+    assert flux.of(plain).tokens == FULL_IMAGE_TOKENS == 4096
+    assert flux.of(SamplingParams(prompt="p", height=512, width=512)).tokens == 1024
+    assert flux.tokens_per_row(SamplingParams(prompt="p", height=768, width=1344)) == 48 * 84
+    cfg = SamplingParams(prompt="p", negative_prompt="n", true_cfg_scale=4.0, num_images=2,
+                         height=1024, width=1024)
+    assert flux.of(cfg).rows == 4 and flux.of(cfg).tokens == 4 * 4096
+    # Wan: guidance > 1 means CFG rows (with or without a negative prompt); frames in 4s.
+    wan = WorkRule(pixels_per_token=16, frame_step=4, cfg_rows="guidance")
+    video = SamplingParams(prompt="p", height=480, width=832, num_frames=81, guidance_scale=5.0)
+    assert wan.of(video).rows == 2 and wan.tokens_per_row(video) == 21 * 30 * 52
+    assert wan.rows(SamplingParams(prompt="p", guidance_scale=1.0, num_frames=81)) == 1
+    with pytest.raises(ValueError, match="cfg_rows"):
+        WorkRule(cfg_rows="sometimes")
+
+
+def test_budget_default_and_validation() -> None:
+    assert SchedulerConfig().max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS == 4 * 4096
+    config = EngineConfig.from_mapping({"scheduler": {"max_batch_tokens": 65536}})
+    assert config.scheduler.max_batch_tokens == 65536
+    with pytest.raises(ConfigError, match="scheduler.max_batch_tokens must be an integer >= 1"):
+        EngineConfig.from_mapping({"scheduler": {"max_batch_tokens": 0}})
+
+
+def test_the_operator_passes_the_budget_through_engine_args() -> None:
+    import yaml
+
+    from ditserve.operator.judge import engine_config
+    from ditserve.operator.render import Owner, render
+    from ditserve.operator.spec import parse_spec
+
+    spec = parse_spec({"model": {"hostPath": "/mnt/models/flux", "sizeGiB": 4},
+                       "engine": {"args": ["--max-batch-tokens", "32768"]}})
+    assert engine_config(spec).scheduler.max_batch_tokens == 32768
+    kids = {m["kind"]: m for m in render(spec, Owner("flux", "ml", "u"))}
+    written = yaml.safe_load(kids["ConfigMap"]["data"]["engine.yaml"])
+    assert written["scheduler"]["max_batch_tokens"] == 32768
+
+
+def test_metrics_expose_shape_groups_rows_and_tokens_per_step() -> None:
+    from ditserve.engine.server.metrics import ServingMetrics
+
+    metrics = ServingMetrics(lambda: None)
+    metrics.on_step(requests=3, rows=4, seconds=0.5, groups=3, tokens=4096 + 2 * 2304 + 1024)
+    metrics.on_step(requests=1, rows=1, seconds=0.4, groups=1, tokens=4096)
+    text = metrics.render().decode()
+    assert "ditserve:step_shape_groups_sum 4.0" in text
+    assert "ditserve:step_shape_groups_count 2.0" in text
+    assert "ditserve:step_batch_tokens_sum 13824.0" in text
+    assert "ditserve:step_batch_rows_sum 5.0" in text

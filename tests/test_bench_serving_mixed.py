@@ -1,0 +1,66 @@
+"""bench/serving.py --mixed: the workload it sends, the targets it judges, and a CPU smoke run
+(one real `ditserve serve` on the tiny model, mixed sizes, true CFG and n=2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from test_bench_tools import BENCH, load  # type: ignore[import-not-found]
+
+
+def test_the_mixed_workload_is_seeded_and_has_the_asked_shape() -> None:
+    serving = load("serving")
+    sizes = [(1024, 1024), (768, 768), (512, 512), (1344, 768)]
+    plan = serving.mixed_workload(400, 4.0, sizes, (8, 20), cfg_share=0.2, n2_share=0.1, seed=3)
+    assert plan == serving.mixed_workload(400, 4.0, sizes, (8, 20), cfg_share=0.2,
+                                          n2_share=0.1, seed=3)
+    assert {(r.width, r.height) for r in plan} == set(sizes)
+    assert {r.steps for r in plan} == set(range(8, 21))
+    assert 0.14 < sum(r.cfg for r in plan) / 400 < 0.26
+    assert 0.05 < sum(r.n == 2 for r in plan) / 400 < 0.15
+    arrivals = [r.arrival_s for r in plan]
+    assert arrivals == sorted(arrivals) and 70 < arrivals[-1] < 130  # ~400 / 4 per s
+    body = serving.mixed_body(next(r for r in plan if r.cfg))
+    assert body["true_cfg_scale"] > 1 and body["negative_prompt"]
+
+
+def test_targets_are_judged_from_the_configurations_that_ran() -> None:
+    serving = load("serving")
+    rows = serving.mixed_targets({"dlo:1": {"throughput_rps": 0.1},
+                                  "dlo:4": {"throughput_rps": 0.25},
+                                  "resident:4": {"throughput_rps": 0.27}})
+    assert [(round(r, 3), met) for _, r, met in rows] == [(2.5, True), (0.926, False)]
+    assert [met for _, _, met in serving.mixed_targets({"dlo:4": {"throughput_rps": 1}})] == [
+        None, None]
+    shapes = serving.step_shapes(
+        {"ditserve:step_shape_groups_count": 2.0, "ditserve:step_shape_groups_sum": 3.0},
+        {"ditserve:step_shape_groups_count": 6.0, "ditserve:step_shape_groups_sum": 13.0,
+         "ditserve:step_batch_rows_sum": 20.0, "ditserve:step_batch_tokens_sum": 40000.0})
+    assert shapes == {"mean_groups": 2.5, "mean_rows": 5.0, "mean_tokens": 10000.0}
+
+
+def test_cpu_smoke_run_of_the_mixed_mode(tmp_path: Path) -> None:
+    out = tmp_path / "mixed.json"
+    cmd = [sys.executable, str(BENCH / "serving.py"), "--mixed", "--tiny",
+           "--mixed-configs", "dlo:3", "--requests", "6", "--rate", "0", "--cfg-share", "0.5",
+           "--n2-share", "0.3", "--seed", "1", "--startup-timeout", "300",
+           "--server-cmd", f"{sys.executable} -m ditserve.engine.cli", "--out", str(out)]
+    env_home = {"DITSERVE_HOME": str(tmp_path / "home")}
+    import os
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env_home})
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    [result] = report["results"]
+    summary = result["summary"]
+    assert result["label"] == "dlo:3" and summary["ok"] == summary["requests"] == 6
+    # Requests of three sizes arrived at once: steps held several shape groups.
+    assert summary["mean_groups"] > 1 and summary["mean_rows"] >= summary["mean_batch_size"]
+    assert summary["mean_tokens"] > 0
+    assert "DLO@4 req/s >= 2.3x DLO@1" in done.stdout
+    sizes = {(r["width"], r["height"]) for r in report["workload"]}
+    assert len(sizes) > 1
