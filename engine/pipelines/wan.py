@@ -73,7 +73,10 @@ class WanStepPipeline:
         self.tokenizer = m["tokenizer"]
         if move_transformer:
             self.transformer.to(device)
-        self.dtype: torch.dtype = next(self.transformer.parameters()).dtype
+        # The DiT's compute dtype: diffusers' ModelMixin.dtype skips the modules Wan keeps in
+        # float32 (rope, time embedder, norms, scale-shift tables), whose parameters may come
+        # first - in bf16 serving the patch embedding would otherwise get float32 latents.
+        self.dtype: torch.dtype = self.experts[0].dtype
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
         self._prompt_clean = prompt_clean  # diffusers' own cleaning (html, whitespace, ftfy)
