@@ -1,0 +1,62 @@
+"""Ulysses sequence parallelism on the families' tiny DiTs: sharded forward == plain forward.
+
+Two gloo ranks (one spawn for every case, ~15 s: each process imports torch and diffusers)
+run each family's DiT plain and sharded (``sp_target``); token counts that divide by the
+group and ones that need padding, several rows, masked prompts, cross attention and per-token
+timesteps. The pure token layout is checked here without processes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from distributed.sp_target import CASES, run_rank  # type: ignore[import-not-found]
+
+from ditserve.engine.distributed.rendezvous import free_port
+from ditserve.engine.parallel.tokens import TokenShard, key_mask
+
+
+@pytest.mark.parametrize(("total", "parts"), [(16, 2), (15, 2), (7, 4), (3, 4), (45, 3)])
+def test_shards_tile_the_padded_sequence_and_only_padding_is_masked(total: int, parts: int) -> None:
+    x = torch.arange(total, dtype=torch.float32)[None, :, None] + 1  # (1, total, 1), no zeros
+    shards = [TokenShard(total, parts, r) for r in range(parts)]
+    pieces = torch.cat([s.take(x, 1) for s in shards], dim=1)
+    assert pieces.shape[1] == shards[0].padded and shards[0].padded % parts == 0
+    assert torch.equal(pieces[:, :total], x)  # every token once, in order
+    assert torch.count_nonzero(pieces[:, total:]) == 0  # then zeros
+    mask = key_mask([(shards[0], None)], rows=2, device=torch.device("cpu"))
+    if total % parts == 0:
+        assert mask is None  # nothing to mask: attention keeps its unmasked path
+    else:
+        assert mask is not None and mask.shape == (2, shards[0].padded)
+        assert mask[0].tolist() == [True] * total + [False] * (shards[0].padded - total)
+
+
+def test_joint_key_mask_follows_the_all_to_all_order() -> None:
+    # Text of 3 tokens (row 1: 2 real) and image of 5, over 2 ranks: rank r's keys are
+    # [text_r, image_r], ranks in order.
+    text, image = TokenShard(3, 2, 0), TokenShard(5, 2, 0)
+    real_text = torch.tensor([[True, True, True], [True, True, False]])
+    mask = key_mask([(text, real_text), (image, None)], rows=2, device=torch.device("cpu"))
+    assert mask is not None
+    t, i = True, False  # readability: real / masked
+    assert mask[0].tolist() == [t, t, t, t, t] + [t, i, t, t, i]
+    assert mask[1].tolist() == [t, t, t, t, t] + [i, i, t, t, i]
+
+
+@pytest.mark.slow
+def test_sequence_parallel_dits_equal_the_plain_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    world = 2
+    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for name, (_, inputs) in CASES.items():
+        for rank in ranks:
+            assert len(rank[name]) == len(inputs)
+            for case, result in enumerate(rank[name]):
+                # fp32: only the order of the attention's key sum differs (joint streams).
+                assert result["diff"] <= 1e-5, f"{name} case {case}: {result}"
+                # The first block saw this rank's slice of the (padded) image tokens.
+                assert result["sharded"] == -(-result["plain"] // world), f"{name} case {case}"
