@@ -30,6 +30,9 @@ class Family:
     block_lists: the DiT's repeated-block lists in the order its forward runs them (what DLO
         streams); resident_modules: the DiT's other top-level modules (on the device always).
     batch_key_fields: ``SamplingParams`` fields that change the denoise tensor contract.
+    attention_heads: the attention head counts of the family's released DiTs (sequence
+        parallelism splits heads over its ranks; the operator judges a declared family's
+        SP size with them before any model is read).
     loader_version: bump when the loader's tensors for the same files change (cache key).
     """
 
@@ -46,6 +49,7 @@ class Family:
     loader_version: str
     expert_components: tuple[str, ...] = ()
     expert_switch: str | None = None
+    attention_heads: tuple[int, ...] = ()
 
     @property
     def video(self) -> bool:
@@ -61,6 +65,7 @@ FLUX = Family(
     resident_modules=("pos_embed", "time_text_embed", "context_embedder", "x_embedder",
                       "norm_out", "proj_out"),
     batch_key_fields=("height", "width"), output="image", loader_version="flux-loader-1",
+    attention_heads=(24,),  # FLUX.1-dev / schnell
 )
 QWEN_IMAGE = Family(
     name="qwen-image", label="QwenImage", pipeline_class="QwenImagePipeline",
@@ -70,6 +75,7 @@ QWEN_IMAGE = Family(
     resident_modules=("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in",
                       "norm_out", "proj_out"),
     batch_key_fields=("height", "width"), output="image", loader_version="qwen-image-loader-1",
+    attention_heads=(24,),  # Qwen-Image 20B
 )
 WAN = Family(
     name="wan", label="Wan", pipeline_class="WanPipeline",
@@ -80,6 +86,7 @@ WAN = Family(
     resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),
     batch_key_fields=("height", "width", "num_frames"), output="video",
     loader_version="wan-loader-1",
+    attention_heads=(12, 24, 40),  # Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, the 14B DiTs
 )
 
 FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN)
