@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ditserve.engine.parallel.sharding import shard_dit
-from ditserve.engine.parallel.ulysses import SequenceGroup
+from ditserve.engine.parallel.ulysses import SequenceGroup, ulysses_attention
 
 Inputs = Callable[[], dict[str, Any]]
 
@@ -138,12 +138,34 @@ def _check(build: Callable[[], Any], inputs: list[Inputs], sp: SequenceGroup
     return results
 
 
+HANG_TIMEOUT_S = 3
+
+
+def _hung_peer(rank: int, world: int) -> str | None:
+    """Rank 0 runs an attention whose peers never join (a hung rank): the all-to-all must
+    fail at the SP group's timeout, not wait forever. Returns rank 0's error message."""
+    group = dist.new_group(list(range(world)), backend="gloo",
+                           timeout=datetime.timedelta(seconds=HANG_TIMEOUT_S))
+    outcome = None
+    if rank == 0:
+        x = torch.randn(1, 4, 2, 8)
+        try:
+            ulysses_attention(x, x, x, SequenceGroup.of(group))
+            outcome = "completed without its peers"
+        except RuntimeError as e:
+            outcome = str(e)
+    dist.barrier()  # the "hung" ranks wait here until rank 0 gave up
+    return outcome
+
+
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         sp = SequenceGroup.of(dist.new_group(list(range(world)), backend="gloo"))
-        results = {name: _check(build, inputs, sp) for name, (build, inputs) in CASES.items()}
+        results: dict[str, Any] = {name: _check(build, inputs, sp)
+                                   for name, (build, inputs) in CASES.items()}
+        results["hung_peer"] = _hung_peer(rank, world)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
