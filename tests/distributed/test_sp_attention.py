@@ -15,7 +15,10 @@ import torch
 import torch.multiprocessing as mp
 from distributed.sp_target import CASES, run_rank  # type: ignore[import-not-found]
 
+from ditserve.engine.config import EngineConfig, ParallelConfig, sequence_parallel_problems
 from ditserve.engine.distributed.rendezvous import free_port
+from ditserve.engine.engine import DiffusionEngine, EnginePhase
+from ditserve.engine.errors import ConfigError
 from ditserve.engine.parallel.tokens import TokenShard, key_mask
 
 
@@ -62,3 +65,21 @@ def test_sequence_parallel_dits_equal_the_plain_forward(tmp_path) -> None:  # ty
                 assert result["sharded"] == -(-result["plain"] // world), f"{name} case {case}"
     # A peer that never joins: rank 0's all-to-all gave up with gloo's timeout error.
     assert "time" in ranks[0]["hung_peer"].lower(), ranks[0]["hung_peer"]
+
+
+def test_the_heads_rule_names_each_dit_and_the_sizes_that_fit() -> None:
+    assert sequence_parallel_problems(1, {"transformer": 3}) == []
+    assert sequence_parallel_problems(4, {"transformer": 24, "transformer_2": 40}) == []
+    (problem,) = sequence_parallel_problems(3, {"transformer": 24, "transformer_2": 40})
+    assert "40 attention heads of the model's transformer_2" in problem
+    assert "use one of 1, 2, 4, 5, 8, 10" in problem
+
+
+def test_an_engine_refuses_sp_sizes_its_model_cannot_split_before_spawning(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    # The tiny Flux has 2 heads; nothing is spawned or loaded before the refusal.
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu",
+                          parallel=ParallelConfig(sequence_parallel_size=3))
+    engine = DiffusionEngine(config)
+    with pytest.raises(ConfigError, match="does not divide the 2 attention heads"):
+        engine.start()
+    assert engine.phase is EnginePhase.FAILED
