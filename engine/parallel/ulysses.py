@@ -57,6 +57,15 @@ def check_heads(heads: int, size: int, *, what: str) -> None:
         )
 
 
+def _waited(result: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for: eagerly funcol hands back a lazy
+    AsyncCollectiveTensor whose views (our reshapes) would not wait themselves; under
+    tracing it returns a tensor with the wait already in the graph."""
+    if isinstance(result, funcol.AsyncCollectiveTensor):
+        return result.wait()
+    return result
+
+
 def _sequence_to_heads(tensors: tuple[torch.Tensor, ...], sp: SequenceGroup) -> torch.Tensor:
     """n tensors (B, S_l, H, D) -> one (n, B, P*S_l, H/P, D): every token, this rank's heads."""
     stacked = torch.stack(tensors)
@@ -64,7 +73,7 @@ def _sequence_to_heads(tensors: tuple[torch.Tensor, ...], sp: SequenceGroup) -> 
     p = sp.size
     # (n, B, S_l, H, D) -> (P, S_l, n, B, H/P, D): block j of dim 0 is head group j, for rank j.
     send = stacked.reshape(n, b, s, p, h // p, d).permute(3, 2, 0, 1, 4, 5).contiguous()
-    received = funcol.all_to_all_single(send, None, None, sp.group)
+    received = _waited(funcol.all_to_all_single(send, None, None, sp.group))
     # block j now holds rank j's S_l tokens: (P, S_l, n, B, H/P, D) -> (n, B, P*S_l, H/P, D)
     return received.reshape(p * s, n, b, h // p, d).permute(1, 2, 0, 3, 4)
 
@@ -76,7 +85,7 @@ def _heads_to_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     s = total // p
     # (B, P*S_l, H/P, D) -> (P, S_l, B, H/P, D): block j is rank j's tokens.
     send = x.reshape(b, p, s, hl, d).permute(1, 2, 0, 3, 4).contiguous()
-    received = funcol.all_to_all_single(send, None, None, sp.group)
+    received = _waited(funcol.all_to_all_single(send, None, None, sp.group))
     # block j now holds head group j of this rank's tokens: -> (B, S_l, P * H/P, D)
     return received.permute(2, 1, 0, 3, 4).reshape(b, s, p * hl, d)
 
@@ -110,5 +119,5 @@ def gather_tokens(x: torch.Tensor, shard: TokenShard, sp: SequenceGroup, *, dim:
     """Every rank's tokens of ``x`` (this rank's ``shard.local`` along ``dim``), in order,
     without the padding: the full sequence, identical on every rank."""
     # Gathered along dim 0 (the one funcol gathers on): (..., S_l, ...) -> (P*S_l, ...).
-    full = funcol.all_gather_single(x.movedim(dim, 0).contiguous(), 0, sp.group)
+    full = _waited(funcol.all_gather_single(x.movedim(dim, 0).contiguous(), 0, sp.group))
     return full.narrow(0, 0, shard.total).movedim(0, dim)

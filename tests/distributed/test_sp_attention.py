@@ -17,6 +17,7 @@ from distributed.sp_target import CASES, run_rank  # type: ignore[import-not-fou
 
 from ditserve.engine.config import EngineConfig, ParallelConfig, sequence_parallel_problems
 from ditserve.engine.distributed.rendezvous import free_port
+from ditserve.engine.distributed.topology import Topology
 from ditserve.engine.engine import DiffusionEngine, EnginePhase
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.parallel.tokens import TokenShard, key_mask
@@ -83,3 +84,21 @@ def test_an_engine_refuses_sp_sizes_its_model_cannot_split_before_spawning(tiny_
     with pytest.raises(ConfigError, match="does not divide the 2 attention heads"):
         engine.start()
     assert engine.phase is EnginePhase.FAILED
+
+
+@pytest.mark.parametrize(("dp", "sp", "sequence", "weight"), [
+    (1, 1, (), ()),
+    (2, 1, (), ((0, 1),)),  # DP only: the weight group is every process
+    (1, 2, ((0, 1),), ((0, 1),)),  # SP only: DLO shards over the SP group
+    (2, 2, ((0, 1), (2, 3)), ((0, 2), (1, 3))),  # DP first: same SP index across DP ranks
+    (3, 2, ((0, 1), (2, 3), (4, 5)), ((0, 2, 4), (1, 3, 5))),
+])
+def test_topology_names_the_sp_and_weight_groups(dp: int, sp: int, sequence: tuple,  # type: ignore[type-arg]
+                                                 weight: tuple) -> None:  # type: ignore[type-arg]
+    topology = Topology(dp, sp)
+    assert topology.sequence_groups == sequence
+    assert topology.weight_groups == weight
+    assert [tuple(topology.processes(d)) for d in range(dp)] == list(sequence or
+                                                                     ((d,) for d in range(dp)))
+    every = sorted(p for group in weight or ((p,) for p in range(dp * sp)) for p in group)
+    assert every == list(range(dp * sp))  # each process in exactly one weight group
