@@ -125,8 +125,10 @@ class QwenImageUlyssesProcessor(_UlyssesProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+        from diffusers.models.transformers import transformer_qwenimage
 
+        # diffusers annotates it as returning a tuple; with use_real=False it returns a tensor.
+        rope: Any = transformer_qwenimage.apply_rotary_emb_qwen
         _refuse_mask(attention_mask)
         if encoder_hidden_states is None:
             raise ConfigError("Qwen-Image's attention needs the text stream")
@@ -147,8 +149,10 @@ class QwenImageUlyssesProcessor(_UlyssesProcessor):
                                       attn.add_v_proj, attn.norm_added_q, attn.norm_added_k)
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
-            img_q, img_k = (apply_rotary_emb_qwen(t, img_freqs, use_real=False) for t in (img_q, img_k))
-            txt_q, txt_k = (apply_rotary_emb_qwen(t, txt_freqs, use_real=False) for t in (txt_q, txt_k))
+            img_q = rope(img_q, img_freqs, use_real=False)
+            img_k = rope(img_k, img_freqs, use_real=False)
+            txt_q = rope(txt_q, txt_freqs, use_real=False)
+            txt_k = rope(txt_k, txt_freqs, use_real=False)
         # This rank's joint sequence: [text_r, image_r], as diffusers' processor orders it.
         out = self._attend(torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1),
                            torch.cat([txt_v, img_v], dim=1))

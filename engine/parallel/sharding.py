@@ -41,7 +41,7 @@ from ditserve.engine.parallel.processors import (
 from ditserve.engine.parallel.tokens import key_mask
 from ditserve.engine.parallel.ulysses import SequenceGroup, check_heads, gather_tokens
 
-Hooks = Callable[[nn.Module, SequenceForward], None]
+Hooks = Callable[[Any, SequenceForward], None]  # (a diffusers DiT, its forward's state)
 
 
 def _token_input(kwargs: dict[str, Any], name: str) -> torch.Tensor:
@@ -52,7 +52,7 @@ def _token_input(kwargs: dict[str, Any], name: str) -> torch.Tensor:
     return value
 
 
-def _flux(model: nn.Module, forward: SequenceForward) -> None:
+def _flux(model: Any, forward: SequenceForward) -> None:
     sp = forward.group
 
     def split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -73,7 +73,7 @@ def _flux(model: nn.Module, forward: SequenceForward) -> None:
     model.set_attn_processor(FluxUlyssesProcessor(forward))
 
 
-def _qwen_image(model: nn.Module, forward: SequenceForward) -> None:
+def _qwen_image(model: Any, forward: SequenceForward) -> None:
     sp = forward.group
     if getattr(model, "zero_cond_t", False):
         raise ConfigError("sequence parallelism does not support Qwen-Image DiTs with zero_cond_t "
@@ -109,7 +109,7 @@ def _qwen_image(model: nn.Module, forward: SequenceForward) -> None:
     model.set_attn_processor(QwenImageUlyssesProcessor(forward))
 
 
-def _wan(model: nn.Module, forward: SequenceForward) -> None:
+def _wan(model: Any, forward: SequenceForward) -> None:
     sp = forward.group
     patch = tuple(int(p) for p in model.config.patch_size)  # (t, h, w)
 
@@ -153,8 +153,9 @@ HOOKS: dict[str, Hooks] = {
 }
 
 
-def shard_dit(model: nn.Module, sp: SequenceGroup) -> SequenceForward:
-    """Make ``model``'s forward run on this rank's tokens of the SP group ``sp``."""
+def shard_dit(dit: nn.Module, sp: SequenceGroup) -> SequenceForward:
+    """Make ``dit``'s forward run on this rank's tokens of the SP group ``sp``."""
+    model: Any = dit  # a diffusers DiT: its submodules and config are attributes
     name = type(model).__name__
     hooks = HOOKS.get(name)
     if hooks is None:
