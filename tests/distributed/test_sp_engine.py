@@ -55,31 +55,33 @@ def generate_all(engine: DiffusionEngine) -> list:  # type: ignore[type-arg]
     return [h.result(timeout=240) for h in handles]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def sp_engine(tiny_model_dir):  # type: ignore[no-untyped-def]
+    # Class scope: one replica at a time in this process (one default process group).
     engine = engine_for(tiny_model_dir, enabled=True)  # DLO, AllGather over the SP group
     yield engine
     engine.shutdown()
 
 
-def test_sp2_batched_requests_equal_single_process_resident(sp_engine, alone) -> None:  # type: ignore[no-untyped-def]
-    results = generate_all(sp_engine)
-    for i, result in enumerate(results):
-        assert (result.pixels - alone[i]).abs().max().item() <= TOLERANCE, f"request {i}"
-    stats = sp_engine.stats()
-    assert stats.ranks == 1  # one DP rank, on two processes
-    assert stats.mean_batch_rows > 1  # requests shared forwards
+class TestSp2AllGatherOverTheSpGroup:
+    def test_batched_requests_equal_single_process_resident(self, sp_engine, alone) -> None:  # type: ignore[no-untyped-def]
+        results = generate_all(sp_engine)
+        for i, result in enumerate(results):
+            assert (result.pixels - alone[i]).abs().max().item() <= TOLERANCE, f"request {i}"
+        stats = sp_engine.stats()
+        assert stats.ranks == 1  # one DP rank, on two processes
+        assert stats.mean_batch_rows > 1  # requests shared forwards
 
-
-def test_sp2_allgather_ranks_each_hold_half_of_every_block(sp_engine) -> None:  # type: ignore[no-untyped-def]
-    ranks = sp_engine.offload_report(refresh=True)["ranks"]
-    assert len(ranks) == 2
-    assert {r["transfer"] for r in ranks} == {"h2d+allgather"}
-    assert [r["group_rank"] for r in ranks] == [0, 1]
-    assert {r["group_size"] for r in ranks} == {2}
-    streamed = ranks[0]["streamed_bytes"]
-    assert {r["shard_bytes"] for r in ranks} == {r["host_bytes"] for r in ranks} == {streamed // 2}
-    assert ranks[0]["passes"] == ranks[1]["passes"] > 0  # every gather was matched
+    def test_each_rank_holds_half_of_every_block(self, sp_engine) -> None:  # type: ignore[no-untyped-def]
+        ranks = sp_engine.offload_report(refresh=True)["ranks"]
+        assert len(ranks) == 2
+        assert {r["transfer"] for r in ranks} == {"h2d+allgather"}
+        assert [r["group_rank"] for r in ranks] == [0, 1]
+        assert {r["group_size"] for r in ranks} == {2}
+        streamed = ranks[0]["streamed_bytes"]
+        assert {r["shard_bytes"] for r in ranks} == {r["host_bytes"] for r in ranks} \
+            == {streamed // 2}
+        assert ranks[0]["passes"] == ranks[1]["passes"] > 0  # every gather was matched
 
 
 def test_dp2_sp2_replica_equals_single_process(tiny_model_dir, alone, monkeypatch) -> None:  # type: ignore[no-untyped-def]
