@@ -102,3 +102,19 @@ def test_topology_names_the_sp_and_weight_groups(dp: int, sp: int, sequence: tup
                                                                      ((d,) for d in range(dp)))
     every = sorted(p for group in weight or ((p,) for p in range(dp * sp)) for p in group)
     assert every == list(range(dp * sp))  # each process in exactly one weight group
+
+
+def test_sp_engines_key_their_node_cache_entry_by_placement(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.cachectl.store import CacheStore
+    from ditserve.engine.config import OffloadConfig
+    from ditserve.engine.dit_backing import prepare_dits
+
+    offload = OffloadConfig(enabled=True, runtime_cache=True, cache_root=str(tmp_path))
+    for sp_size in (1, 2):
+        _, plan = prepare_dits(tiny_model_dir, dtype="float32", offload=offload, sp_size=sp_size)
+        plan.close()
+    parallel = sorted((e.identity or {})["parallel"]["sp_size"] for e in CacheStore(tmp_path).list())
+    assert parallel == [1, 2]  # an SP 2 replica has its own entry (its ranks share it)
+    (sp2,) = [e.identity for e in CacheStore(tmp_path).list()
+              if e.identity and e.identity["parallel"]["sp_size"] == 2]
+    assert sp2["parallel"]["sp_impl"] == "ulysses"
