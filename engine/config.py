@@ -66,7 +66,11 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Process topology of one engine replica (one process per accelerator)."""
+    """Process topology of one engine replica (one process per accelerator).
+
+    data_parallel_size: ranks with their own continuous batch. sequence_parallel_size:
+    processes per DP rank that split each forward's tokens (Ulysses; the DiTs' head counts
+    must divide by it: ``sequence_parallel_problems``)."""
 
     data_parallel_size: int = 1
     sequence_parallel_size: int = 1
