@@ -1,8 +1,8 @@
 """MultiProcessExecutor: rank 0 of a multi-process replica (data and sequence parallel).
 
-Rank 0 runs in the engine's process (its ModelRunner is ``runner``); ranks 1..N-1 are worker
-processes (N = dp x sp), spawned here when the environment names no rendezvous, or already started by a
-launcher (a Kubernetes pod's entry point) when it does. Rank 0 talks to each worker over that
+Rank 0 runs in the engine's process (its ModelRunner is ``runner``); ranks 1..N-1 (N = dp x
+sp) are worker processes, spawned here when the environment names no rendezvous, or already
+started by a launcher (a Kubernetes pod's entry point) when it does. Rank 0 talks to each worker over that
 worker's link (``protocol``): a step sends every stepping worker its ``Step``, runs rank 0's
 own plan if rank 0 steps, and receives the replies.
 
