@@ -63,16 +63,16 @@ def environment(device: torch.device) -> dict[str, str]:
 
 # -- the model and its inputs -----------------------------------------------------------------
 def build_flux(device: torch.device, *, seed: int = 0, tiny: bool = False,
-               **config: Any) -> torch.nn.Module:
-    """The default Flux transformer (11.9B parameters), random bf16 weights made on
-    ``device`` (no CPU init); ``tiny`` starts from ``TINY``; ``config`` overrides either
-    (e.g. fewer blocks)."""
+               dtype: torch.dtype = torch.bfloat16, **config: Any) -> torch.nn.Module:
+    """The default Flux transformer (11.9B parameters), random weights (bf16 unless
+    ``dtype``) made on ``device`` (no CPU init); ``tiny`` starts from ``TINY``; ``config``
+    overrides either (e.g. fewer blocks)."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
         model: Any = FluxTransformer2DModel(
             guidance_embeds=True, **{**(TINY if tiny else {}), **config})
-    model = model.to(torch.bfloat16).to_empty(device=device).eval()
+    model = model.to(dtype).to_empty(device=device).eval()
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -83,15 +83,15 @@ def build_flux(device: torch.device, *, seed: int = 0, tiny: bool = False,
 
 
 def flux_inputs(model: torch.nn.Module, res: int, batch: int,
-                device: torch.device) -> dict[str, Any]:
+                device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """One denoise step's inputs for ``model`` at ``res`` x ``res`` (``TEXT_TOKENS`` text)."""
     side = res // 16  # VAE /8, then 2x2 patch packing
     g = torch.Generator(device=device).manual_seed(1)
-    bf16 = torch.bfloat16
+    dt = dtype
     cfg: Any = model.config
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, device=device, dtype=bf16)
+        return torch.randn(*shape, generator=g, device=device, dtype=dt)
 
     img_ids = torch.zeros(side, side, 3, device=device)
     img_ids[..., 1] = torch.arange(side, device=device)[:, None]
@@ -100,8 +100,8 @@ def flux_inputs(model: torch.nn.Module, res: int, batch: int,
         hidden_states=randn(batch, side * side, cfg.in_channels),
         encoder_hidden_states=randn(batch, TEXT_TOKENS, cfg.joint_attention_dim),
         pooled_projections=randn(batch, cfg.pooled_projection_dim),
-        timestep=torch.full((batch,), 0.5, device=device, dtype=bf16),
-        guidance=torch.full((batch,), 3.5, device=device, dtype=bf16),
+        timestep=torch.full((batch,), 0.5, device=device, dtype=dt),
+        guidance=torch.full((batch,), 3.5, device=device, dtype=dt),
         img_ids=img_ids.reshape(-1, 3),
         txt_ids=torch.zeros(TEXT_TOKENS, 3, device=device),
         return_dict=False,

@@ -161,7 +161,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         )
     model_dir = config.model or str(ensure_tiny())
     worker_main(rdv.rank, rdv.world_size, rdv.master_addr, rdv.master_port,
-                config.to_mapping(), model_dir, worker_timeout_s())
+                config.to_mapping(), model_dir, worker_timeout_s(), rdv.local_rank)
     return 0
 
 

@@ -105,9 +105,12 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                         "in host memory and decode them on the device after each copy")
     p = parser.add_argument_group("parallelism")
     p.add_argument("--data-parallel-size", type=int, default=None,
-                   help="engine worker processes, one per device, each with its own batch")
+                   help="data-parallel ranks, each with its own batch (processes: dp x sp, "
+                        "one per device)")
     p.add_argument("--sequence-parallel-size", type=int, default=None,
-                   help="sequence-parallel degree (selects the DLO weight group)")
+                   help="processes per data-parallel rank that split every forward's tokens "
+                        "(Ulysses attention; must divide the DiT's head count); with dp 1 "
+                        "DLO AllGather shards over them")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:

@@ -78,7 +78,11 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Process topology of one engine replica (one process per accelerator)."""
+    """Process topology of one engine replica (one process per accelerator).
+
+    data_parallel_size: ranks with their own continuous batch. sequence_parallel_size:
+    processes per DP rank that split each forward's tokens (Ulysses; the DiTs' head counts
+    must divide by it: ``sequence_parallel_problems``)."""
 
     data_parallel_size: int = 1
     sequence_parallel_size: int = 1
@@ -387,6 +391,45 @@ def model_family_problems(family: Any) -> list[str]:
         return []
     return [f"model.family must be one of {', '.join(MODEL_FAMILIES)}, got {family!r} "
             "(ditserve has no step-wise pipeline for it)"]
+
+
+# The sequence-parallel implementation (part of a node-cache entry's identity).
+SEQUENCE_PARALLEL_IMPL = "ulysses"
+
+
+def _sizes_dividing(*heads: int) -> str:
+    """The SP sizes up to 16 that divide at least one of ``heads``."""
+    return ", ".join(str(d) for d in range(1, 17) if any(n % d == 0 for n in heads))
+
+
+def sequence_parallel_problems(size: int, heads: Mapping[str, int]) -> list[str]:
+    """The rule a model's DiTs set for ``sequence_parallel_size``: Ulysses gives every SP rank
+    heads / size of each attention's heads, so every DiT's head count must divide by it.
+
+    heads: attention heads per DiT component (``loader.dit_attention_heads``). The engine
+    applies it at start, before spawning workers."""
+    if size <= 1:
+        return []
+    return [f"sequence_parallel_size={size} does not divide the {n} attention heads of the "
+            f"model's {name}: Ulysses gives every SP rank heads/size of them; use one of "
+            f"{_sizes_dividing(n)}" for name, n in heads.items() if n % size]
+
+
+def family_sequence_parallel_problems(size: int, family: Any) -> list[str]:
+    """The same rule judged from a declared family (the operator's ``model.family``) before
+    any model is read: a size that divides none of the family's released head counts
+    (``Family.attention_heads``) can serve none of its models. A size that divides some of
+    them is left to the engine, which reads the model's own count at start."""
+    declared = family_named(family) if isinstance(family, str) else None
+    if size <= 1 or declared is None or not declared.attention_heads:
+        return []
+    if any(n % size == 0 for n in declared.attention_heads):
+        return []
+    counts = ", ".join(str(n) for n in declared.attention_heads)
+    return [f"parallelism.sequence={size} divides no attention head count of {declared.label}'s "
+            f"released models ({counts}): Ulysses gives every SP rank heads/size heads; use one "
+            f"of {_sizes_dividing(*declared.attention_heads)}, or set model.family: Auto to "
+            "let the engine judge a model with another head count when it starts"]
 
 
 def validate(config: EngineConfig) -> EngineConfig:

@@ -32,6 +32,7 @@ def prepare_dits(
     dtype: str,
     offload: OffloadConfig,
     tp_size: int = 1,
+    sp_size: int = 1,
     streams_from_mapping: bool = False,
     sharded: bool = False,
     keep_private: str | None = None,
@@ -40,6 +41,7 @@ def prepare_dits(
 
     keep_private: why the DiTs' tensors will be replaced after loading (``--quantization``):
     each is then loaded ordinarily (see ``backing_choice.prepare_dit``).
+    sp_size: the replica's sequence-parallel size (the node cache entry's identity has it).
 
     sharded: offload will keep 1/group shards and rebuild blocks with a collective; refused
     for several experts (a step may run one expert on one rank and the other elsewhere, so
@@ -59,7 +61,8 @@ def prepare_dits(
     try:
         for name in components:
             prepared[name] = prepare_dit(model_dir, dtype=dtype, offload=offload,
-                                         tp_size=tp_size, streams_from_mapping=streams_from_mapping,
+                                         tp_size=tp_size, sp_size=sp_size,
+                                         streams_from_mapping=streams_from_mapping,
                                          component=name, keep_private=keep_private)
     except BaseException:
         for _, plan in prepared.values():

@@ -33,6 +33,9 @@ class Family:
     cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.work``):
         "true_cfg" (``true_cfg_scale`` > 1 with a negative prompt) or "guidance"
         (``guidance_scale`` > 1); the pipeline's ``state.rows`` follows the same rule.
+    attention_heads: the attention head counts of the family's released DiTs (sequence
+        parallelism splits heads over its ranks; the operator judges a declared family's
+        SP size with them before any model is read).
     loader_version: bump when the loader's tensors for the same files change (cache key).
     """
 
@@ -50,6 +53,7 @@ class Family:
     expert_components: tuple[str, ...] = ()
     expert_switch: str | None = None
     cfg_rows: str = "true_cfg"
+    attention_heads: tuple[int, ...] = ()
 
     @property
     def video(self) -> bool:
@@ -65,6 +69,7 @@ FLUX = Family(
     resident_modules=("pos_embed", "time_text_embed", "context_embedder", "x_embedder",
                       "norm_out", "proj_out"),
     batch_key_fields=("height", "width"), output="image", loader_version="flux-loader-1",
+    attention_heads=(24,),  # FLUX.1-dev / schnell
 )
 QWEN_IMAGE = Family(
     name="qwen-image", label="QwenImage", pipeline_class="QwenImagePipeline",
@@ -74,6 +79,7 @@ QWEN_IMAGE = Family(
     resident_modules=("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in",
                       "norm_out", "proj_out"),
     batch_key_fields=("height", "width"), output="image", loader_version="qwen-image-loader-1",
+    attention_heads=(24,),  # Qwen-Image 20B
 )
 WAN = Family(
     name="wan", label="Wan", pipeline_class="WanPipeline",
@@ -84,6 +90,7 @@ WAN = Family(
     resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),
     batch_key_fields=("height", "width", "num_frames"), output="video",
     loader_version="wan-loader-1", cfg_rows="guidance",
+    attention_heads=(12, 24, 40),  # Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, the 14B DiTs
 )
 
 FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN)

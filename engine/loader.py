@@ -128,6 +128,21 @@ def dit_components(model_dir: str | Path) -> tuple[str, ...]:
     return dit_components_of(family, index, Path(model_dir))
 
 
+def dit_attention_heads(model_dir: str | Path) -> dict[str, int]:
+    """Each DiT's attention head count, from its ``config.json`` (nothing is loaded): what
+    sequence parallelism splits over its ranks (``config.sequence_parallel_problems``)."""
+    heads = {}
+    for component in dit_components(model_dir):
+        path = Path(model_dir) / component / "config.json"
+        try:
+            config = json.loads(path.read_text())
+            heads[component] = int(config["num_attention_heads"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"cannot read the attention head count of {str(path)!r}: "
+                                 f"{e!r}") from e
+    return heads
+
+
 def family_loader_version(model_dir: str | Path) -> str:
     """The version of this directory's family's loading rules (``Family.loader_version``)."""
     return model_family(model_dir).loader_version

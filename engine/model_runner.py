@@ -9,6 +9,12 @@ always has the next step while the host prepares the one after; decoded pixels a
 times are therefore reported one call late there. Failures are isolated: a request that fails
 to encode or decode fails alone; if a group's forward fails, each of its requests is retried
 alone so only the culprit fails (the other groups' results stand).
+
+With sequence parallelism (``sequence_group``) the DiT's forward runs on this process's share
+of the tokens (``engine.parallel``): every process of the SP group executes the same plans,
+so each holds the same request states; only the group's leader decodes (and previews), and
+a batched forward that fails fails its whole batch (a retry alone would run all-to-alls the
+other ranks do not join).
 """
 
 from __future__ import annotations
@@ -57,11 +63,22 @@ class ModelRunner:
         model_dir: str | Path,
         device: torch.device | None = None,
         weight_group: Any = None,
+        sequence_group: Any = None,
     ) -> None:
         """device: overrides ``config.device`` (each DP rank passes its own).
-        weight_group: the process group DLO shards weights over (None: rank-local)."""
+        weight_group: the process group DLO shards weights over (None: rank-local).
+        sequence_group: the SP group this process runs its DP rank's forwards with (None:
+        the whole sequence here)."""
         self.config = config
         self.device = device if device is not None else resolve_device(config.device)
+        self._sequence: Any = None
+        if sequence_group is not None:
+            from ditserve.engine.parallel import SequenceGroup
+
+            self._sequence = SequenceGroup.of(sequence_group)
+        # Only an SP group's leader decodes: its output is the DP rank's (the executor drops
+        # the followers'), so the followers skip the VAE and send no pixels back.
+        self._decodes = self._sequence is None or self._sequence.rank == 0
         started = time.perf_counter()
         if config.compile is not None:
             from ditserve.engine.compiled_blocks import require_toolchain
@@ -77,6 +94,7 @@ class ModelRunner:
             dits, host_plan = prepare_dits(
                 model_dir, dtype=config.dtype, offload=config.offload,
                 tp_size=config.parallel.tensor_parallel_size,
+                sp_size=config.parallel.sequence_parallel_size,
                 streams_from_mapping=(self.device.type == "cuda" and not sharded
                                       and config.offload.compress == "none"),
                 keep_private=(f"--quantization {config.quantization} replaces the linears' "
@@ -88,6 +106,11 @@ class ModelRunner:
             self.pipeline: StepPipeline = build_pipeline(
                 components, device=self.device, move_transformer=not offload
             )
+            if self._sequence is not None:
+                from ditserve.engine.parallel import shard_pipeline
+
+                # Before offload and compilation: they wrap the blocks the hooks sit around.
+                shard_pipeline(self.pipeline, self._sequence)
             self.offload: Any = None
             if config.quantization is not None:  # before offload plans the blocks' tensors
                 from ditserve.engine.quantize_dit import quantize_dit
@@ -201,6 +224,10 @@ class ModelRunner:
         for rid in plan.decode:
             if rid in out.failed:
                 continue
+            if not self._decodes:
+                self._states.pop(rid, None)  # the SP leader decodes this request
+                out.decoded.append(rid)
+                continue
             if self._guarded(out, rid, "decode", self.pipeline.post_decode):
                 state = self._states.pop(rid)
                 out.decoded.append(rid)
@@ -246,9 +273,11 @@ class ModelRunner:
 
     def _group_failed(self, group: GroupForward, out: RunnerOutput) -> None:
         e = group.error
-        if len(group.states) == 1 or self._collective_passes() is not None:
-            # Alone, or with AllGather offload, where a retry would run extra passes the
-            # other ranks do not join: the group fails together.
+        if (len(group.states) == 1 or self._collective_passes() is not None
+                or self._sequence is not None):
+            # Alone, or with AllGather offload or sequence parallelism, where a retry would
+            # run extra passes or all-to-alls the other ranks do not join: the group fails
+            # together.
             log.error("request %s failed in denoise",
                       ", ".join(s.request_id for s in group.states), exc_info=e)
             for state in group.states:
@@ -263,6 +292,8 @@ class ModelRunner:
     # -- previews (partial images) --------------------------------------------------------------
     def _previews(self, batch: list[DenoiseState], out: RunnerOutput) -> None:
         """Decode a preview for each request that just reached one of its preview steps."""
+        if not self._decodes:
+            return
         for state in batch:
             rid = state.request_id
             if rid not in out.stepped or state.step_index not in state.params.preview_steps:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import EngineConfig, family_sequence_parallel_problems
 from ditserve.engine.errors import ConfigError
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec, parse_spec
@@ -140,7 +140,10 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     from ditserve.engine.server.main import server_config_from_args
 
     parsed = _parse_serve_args(spec.engine.args)
-    managed = _managed_flag_problems(parsed)
+    # The model's own head count is read by the engine at start; a declared family's released
+    # head counts already tell a sequence-parallel size that serves none of them.
+    managed = _managed_flag_problems(parsed) + family_sequence_parallel_problems(
+        spec.parallelism.sequence, spec.model.family)
     if managed:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(managed))
     try:

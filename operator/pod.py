@@ -20,6 +20,7 @@ import copy
 import enum
 from typing import Any
 
+from ditserve.engine.config import SEQUENCE_PARALLEL_IMPL
 from ditserve.operator import nodecache, sizing
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec
 
@@ -211,6 +212,10 @@ def ensure_container(spec: DeploymentSpec, image: str) -> dict[str, Any]:
     model_mount = _model_mount_for(spec)
     command = ["cachectl", "ensure", "--model", MODEL_MOUNT_PATH, "--dtype", spec.model.dtype,
                "--root", spec.cache.root, "--timeout", str(sizing.ensure_timeout_s(spec))]
+    if spec.parallelism.sequence > 1:
+        # The engines' placement is part of the entry's identity: ensure the one they join.
+        command += ["--sp-size", str(spec.parallelism.sequence), "--sp-impl",
+                    SEQUENCE_PARALLEL_IMPL]
     if spec.model.host_path is not None:
         model_mount["mountPath"] = spec.model.host_path
         command[3] = spec.model.host_path

@@ -285,6 +285,11 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
         out.append(f"parallelism.data x parallelism.sequence = {par.gpus_per_replica} GPUs do not "
                    f"fill whole nodes of parallelism.gpusPerNode = {par.gpus_per_node}; a replica "
                    "spanning nodes needs a multiple of it (or set gpusPerNode to your nodes' count)")
+    if par.multi_node and par.gpus_per_node % par.sequence:
+        # DP rank d is processes d*sp .. d*sp+sp-1; pod k holds k*gpusPerNode onwards.
+        out.append(f"parallelism.sequence = {par.sequence} must divide parallelism.gpusPerNode = "
+                   f"{par.gpus_per_node} when a replica spans nodes: each SP group's all-to-alls "
+                   "(two per attention) must stay inside one node")
     clashing = sorted({str(e.get("name")) for e in spec.engine.env} & set(OPERATOR_ENV))
     if clashing:
         out.append(f"engine.env must not set {', '.join(clashing)}: the operator sets them "

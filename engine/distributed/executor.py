@@ -1,8 +1,8 @@
-"""MultiProcessExecutor: rank 0 of a data-parallel replica.
+"""MultiProcessExecutor: rank 0 of a multi-process replica (data and sequence parallel).
 
-Rank 0 runs in the engine's process (its ModelRunner is ``runner``); ranks 1..N-1 are worker
-processes, spawned here when the environment names no rendezvous, or already started by a
-launcher (a Kubernetes pod's entry point) when it does. Rank 0 talks to each worker over that
+Rank 0 runs in the engine's process (its ModelRunner is ``runner``); ranks 1..N-1 (N = dp x
+sp) are worker processes, spawned here when the environment names no rendezvous, or already
+started by a launcher (a Kubernetes pod's entry point) when it does. Rank 0 talks to each worker over that
 worker's link (``protocol``): a step sends every stepping worker its ``Step``, runs rank 0's
 own plan if rank 0 steps, and receives the replies.
 
@@ -13,9 +13,19 @@ and when any rank runs a forward the ranks without work still join each block's 
 collective (``Step.collective``), so requests of any step count and arrival time share steps
 without the ranks' collectives going out of step.
 
+With sequence parallelism every DP rank is an SP group of processes (``Topology.processes``):
+a step sends the DP rank's ``Step`` to each process of its group - the same plan and the same
+new requests, so the group's processes run the same batch in lockstep, each on its share of
+the tokens - and the DP rank's output is its leader's; the followers decode nothing and
+send back no pixels. Scheduling, continuous batching, bypass admission and DP waves work on
+DP ranks exactly as without SP.
+
 Failure detection: a worker that dies breaks its link's connection and a worker that hangs
 exceeds the link's timeout (``DITSERVE_WORKER_TIMEOUT_S``); either way the step raises
-``DistributedError`` naming the rank and, for spawned workers, its exit status.
+``DistributedError`` naming the rank and, for spawned workers, its exit status. A peer that
+dies or hangs inside a collective (an SP all-to-all, a DLO gather) fails that collective on
+the other ranks - at once when its connection breaks, at the groups' timeout (the same
+setting) when it hangs - so the step fails within that bound too.
 """
 
 from __future__ import annotations
@@ -63,11 +73,13 @@ class MultiProcessExecutor:
     def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
         from ditserve.engine.model_runner import ModelRunner
 
-        if config.parallel.sequence_parallel_size != 1:
-            raise ConfigError(
-                "sequence parallelism is not implemented in this build (its DLO weight group "
-                "is selected and validated); use data_parallel_size for several GPUs"
-            )
+        if config.parallel.sequence_parallel_size > 1:
+            # Before spawning anything: the model's DiTs must split their heads over the group.
+            from ditserve.engine.config import raise_problems, sequence_parallel_problems
+            from ditserve.engine.loader import dit_attention_heads
+
+            raise_problems("sequence-parallel", sequence_parallel_problems(
+                config.parallel.sequence_parallel_size, dit_attention_heads(model_dir)))
         self.topology = Topology.of(config)
         self.num_ranks = self.topology.data_parallel_size
         self.step_groups = self.topology.step_groups
@@ -84,15 +96,16 @@ class MultiProcessExecutor:
         elif rdv.world_size != world or rdv.rank != 0:
             raise ConfigError(
                 f"environment rendezvous (WORLD_SIZE={rdv.world_size}, RANK={rdv.rank}) does "
-                f"not match data_parallel_size={self.num_ranks} on rank 0; start ranks > 0 with "
-                "`ditserve worker`"
+                f"not match data_parallel_size x sequence_parallel_size = {world} on rank 0; "
+                "start ranks > 0 with `ditserve worker`"
             )
         device = rank_device(config.device, rdv.local_rank)
         try:
-            groups = init_groups(rdv, device, self.timeout_s)
+            groups = init_groups(rdv, device, self.timeout_s, self.topology)
             self._links = {r: Link(groups.pair(r), peer=r) for r in range(1, world)}
             self.runner = ModelRunner(config, model_dir=model_dir, device=device,
-                                      weight_group=groups.weight)
+                                      weight_group=groups.weight,
+                                      sequence_group=groups.sequence)
             hellos = [self._receive(r, "start-up") for r in self._links]
         except BaseException:
             self._kill_workers()
@@ -119,7 +132,7 @@ class MultiProcessExecutor:
             proc = ctx.Process(
                 target=worker_main, name=f"ditserve-rank{rank}", daemon=True,
                 args=(rank, rdv.world_size, rdv.master_addr, rdv.master_port,
-                      config.to_mapping(), str(model_dir), self.timeout_s),
+                      config.to_mapping(), str(model_dir), self.timeout_s, rank),
             )
             proc.start()
             self._procs[rank] = proc

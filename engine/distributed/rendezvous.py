@@ -2,11 +2,15 @@
 
 A replica's processes find each other through the usual torch.distributed environment
 (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK). Locally the engine spawns its own
-workers and sets these itself; in a Kubernetes pod the operator sets them. Groups: the
-*weight group* (NCCL on GPUs, gloo on CPU) for DLO's all_gather of weight shards, and per
-worker a gloo *pair group* {0, r} that carries the control messages between rank 0 and that
-worker (``protocol.Link``), so control traffic never queues behind weight traffic. The groups'
-timeout bounds how long a dead or hung worker can stall the engine.
+workers and sets these itself; in a Kubernetes pod the operator sets them. Groups (the
+``Topology`` names their members): the *weight group* (NCCL on GPUs, gloo on CPU) for DLO's
+all_gather of weight shards, the *sequence group* of this process's DP rank for Ulysses'
+all-to-alls (its own communicator even when it has the weight group's members: one
+communicator's collectives run in issue order on one stream, so a block's all-to-all would
+queue behind the next block's prefetch gather), and per worker a gloo *pair group* {0, r}
+that carries the control messages between rank 0 and that worker (``protocol.Link``), so
+control traffic never queues behind weight traffic. The groups' timeout bounds how long a
+dead or hung peer can stall a collective (an all-to-all or a gather) or the engine.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ditserve.engine.distributed.topology import Ranks, Topology
 from ditserve.engine.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -90,21 +95,28 @@ def rank_device(device: str, local_rank: int) -> torch.device:
 
 @dataclass
 class Groups:
-    weight: dist.ProcessGroup
     rank: int
     world_size: int
     # pairs[r - 1]: a gloo group of ranks {0, r}, so rank 0 can talk to each worker on its own
     # (ranks stepping at their own pace) without two threads ever sharing a group.
     pairs: list[dist.ProcessGroup]
-    # Sequence parallelism (#21) adds here the SP group of this rank's DP rank (the processes
-    # of ``Topology.processes``), created below in the same order on every rank.
+    # This process's DLO weight group (None: no AllGather group in this topology).
+    weight: dist.ProcessGroup | None = None
+    # This process's SP group (its DP rank's processes; None without sequence parallelism).
+    sequence: dist.ProcessGroup | None = None
 
     def pair(self, rank: int) -> dist.ProcessGroup:
         return self.pairs[rank - 1]
 
 
-def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float) -> Groups:
-    """Join the rendezvous; returns the weight group and the per-worker pair groups."""
+def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float,
+                topology: Topology | None = None) -> Groups:
+    """Join the rendezvous; returns this process's weight and sequence groups (as the
+    ``topology`` names them; None: data parallelism over every process) and the pair groups."""
+    topology = topology or Topology(rdv.world_size)
+    if topology.world_size != rdv.world_size:
+        raise ConfigError(f"the topology has {topology.world_size} processes but the rendezvous "
+                          f"WORLD_SIZE is {rdv.world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -123,9 +135,20 @@ def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float) -> Grou
     # Every rank creates every group, in the same order (a collective requirement).
     pairs = [dist.new_group([0, r], backend="gloo", timeout=timeout)
              for r in range(1, rdv.world_size)]
-    weight = dist.group.WORLD
-    assert weight is not None
-    return Groups(weight=weight, rank=rdv.rank, world_size=rdv.world_size, pairs=pairs)
+
+    def member_of(groups: Ranks, *, reuse_world: bool) -> dist.ProcessGroup | None:
+        if not groups:
+            return None
+        if reuse_world and groups == (tuple(range(rdv.world_size)),):
+            return dist.group.WORLD  # one group of everyone: the default group's communicator
+        mine, _ = dist.new_subgroups_by_enumeration(
+            [list(g) for g in groups], timeout=timeout, backend=backend, pg_options=options)
+        return mine
+
+    weight = member_of(topology.weight_groups, reuse_world=True)
+    sequence = member_of(topology.sequence_groups, reuse_world=False)
+    return Groups(rank=rdv.rank, world_size=rdv.world_size, pairs=pairs, weight=weight,
+                  sequence=sequence)
 
 
 def destroy() -> None:

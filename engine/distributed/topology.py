@@ -1,17 +1,24 @@
-"""Topology: which processes run which data-parallel rank, and which ranks step together.
+"""Topology: which processes run which data-parallel rank, which ranks step together, and
+which processes form the SP and DLO weight groups.
 
-Pure (no torch). Read by rank 0's executor, which fans each step out along it.
+Pure (no torch). Read by rank 0's executor, which fans each step out along it, and by
+``rendezvous``, which creates the process groups it names.
 
-- A *DP rank* has its own scheduler and continuous batch. Today it is one process: DP rank r
-  is process r.
+- A *DP rank* has its own scheduler and continuous batch. It runs on ``sequence_parallel_size``
+  processes: DP rank d is processes ``d*sp .. d*sp + sp - 1`` (``processes``), its leader
+  first. With sp = 1 DP rank d is process d.
+- The processes of a DP rank are its *SP group*: they run that rank's batch in lockstep, each
+  on its slice of the tokens (Ulysses, ``engine.parallel``), so the executor sends the same
+  work to every process of ``processes(dp_rank)`` and takes the leader's output.
 - A *step group* is the DP ranks that run their steps together. Without a weight collective
-  every rank is its own group, so a rank with a cheap batch never waits for a rank with an
-  expensive one. With DLO AllGather every block load is a collective over the DP group, so
-  all ranks form one group and run matched passes (a rank without a batch joins the gathers).
-- Sequence parallelism (#21) goes in ``processes``: the SP ranks of one DP rank run that
-  rank's batch in lockstep, each on its slice of the sequence, so the executor sends the same
-  work to every process of ``processes(dp_rank)`` and takes the leader's (first's) output.
-  The SP process group joins ``rendezvous.Groups`` with the same numbering.
+  across DP ranks every rank is its own group, so a rank with a cheap batch never waits for a
+  rank with an expensive one. With DLO AllGather over the DP group every block load is a
+  collective across DP ranks, so all ranks form one group and run matched passes (a rank
+  without a batch joins the gathers).
+- The *weight groups* DLO's AllGather shards over (``ParallelConfig.weight_group``): with
+  dp > 1 the processes at the same SP index of every DP rank (each process holds 1/dp of the
+  blocks; its SP peers hold the same shard of their own groups); else with sp > 1 the SP
+  group (1/sp each; its lockstep already matches the gathers); never TP.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ditserve.engine.config import EngineConfig
+
+Ranks = tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -31,7 +40,7 @@ class Topology:
     @classmethod
     def of(cls, config: EngineConfig) -> Topology:
         par, off = config.parallel, config.offload
-        gathers = off.enabled and off.use_allgather and par.data_parallel_size > 1
+        gathers = off.enabled and off.use_allgather and par.weight_group == "dp"
         return cls(par.data_parallel_size, par.sequence_parallel_size, lockstep=gathers)
 
     @property
@@ -39,7 +48,7 @@ class Topology:
         return self.data_parallel_size * self.sequence_parallel_size
 
     @property
-    def step_groups(self) -> tuple[tuple[int, ...], ...]:
+    def step_groups(self) -> Ranks:
         ranks = tuple(range(self.data_parallel_size))
         return (ranks,) if self.lockstep else tuple((rank,) for rank in ranks)
 
@@ -47,3 +56,24 @@ class Topology:
         """The processes that run ``dp_rank``'s batch, its leader first."""
         sp = self.sequence_parallel_size
         return range(dp_rank * sp, (dp_rank + 1) * sp)
+
+    def sequence_rank(self, process: int) -> int:
+        """The process's index in its SP group (0: the leader, whose output is kept)."""
+        return process % self.sequence_parallel_size
+
+    @property
+    def sequence_groups(self) -> Ranks:
+        """The SP groups (one per DP rank), or none without sequence parallelism."""
+        if self.sequence_parallel_size == 1:
+            return ()
+        return tuple(tuple(self.processes(d)) for d in range(self.data_parallel_size))
+
+    @property
+    def weight_groups(self) -> Ranks:
+        """DLO's AllGather groups (see module doc), or none when there is no group."""
+        dp, sp = self.data_parallel_size, self.sequence_parallel_size
+        if dp > 1:
+            return tuple(tuple(d * sp + s for d in range(dp)) for s in range(sp))
+        if sp > 1:
+            return self.sequence_groups
+        return ()

@@ -59,14 +59,18 @@ def worker_main(
     config_mapping: dict[str, Any],
     model_dir: str,
     timeout_s: float,
+    local_rank: int,
 ) -> None:
-    """Entry point of a spawned worker process (also used by `ditserve worker`)."""
+    """Entry point of a spawned worker process (also used by `ditserve worker`).
+
+    local_rank: this process's index on its node (its device is cuda:local_rank): the rank
+    itself when rank 0 spawned the workers, the launcher's LOCAL_RANK in a multi-node pod."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     # `kill -USR1 <worker pid>` prints where every thread of a stuck worker is (to stderr).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                      WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(local_rank))
     from ditserve.engine.config import EngineConfig
     from ditserve.engine.distributed.rendezvous import (
         Rendezvous,
@@ -74,18 +78,19 @@ def worker_main(
         init_groups,
         rank_device,
     )
+    from ditserve.engine.distributed.topology import Topology
     from ditserve.engine.model_runner import ModelRunner
 
     config = EngineConfig.from_mapping(config_mapping)
-    rdv = Rendezvous(master_addr, master_port, world_size, rank, rank)
+    rdv = Rendezvous(master_addr, master_port, world_size, rank, local_rank)
     device = rank_device(config.device, rdv.local_rank)
-    groups = init_groups(rdv, device, timeout_s)
+    groups = init_groups(rdv, device, timeout_s, Topology.of(config))
     link = Link(groups.pair(rank), peer=0)
     runner = None
     try:
         try:
             runner = ModelRunner(config, model_dir=model_dir, device=device,
-                                 weight_group=groups.weight)
+                                 weight_group=groups.weight, sequence_group=groups.sequence)
         except Exception as e:
             link.send(WorkerFailure(rank, os.getpid(), f"startup failed: {e!r}"))
             return

@@ -151,6 +151,8 @@ INVALID = {
     "too many GPUs": ({"parallelism": {"data": 128, "sequence": 4}}, "must be at most 256"),
     "ragged multi-node": ({"parallelism": {"data": 12, "gpusPerNode": 8}},
                           "needs data x sequence to be a multiple of parallelism.gpusPerNode"),
+    "SP group across nodes": ({"parallelism": {"data": 2, "sequence": 12, "gpusPerNode": 8}},
+                              "needs parallelism.sequence to divide parallelism.gpusPerNode"),
     "managed flag in args": ({"engine": {"args": ["--log-level", "debug", "--port=9000"]}},
                              "engine.args must not set flags the operator sets"),
     "reserved pod label": ({"engine": {"podLabels": {"app.kubernetes.io/instance": "x"}}},
@@ -216,7 +218,8 @@ def test_cel_rules_agree_with_the_operators_own_checks() -> None:
 
     for case in ("two model sources", "no model source", "subPath escapes", "offload without size",
                  "runtime cache without cache", "cache pvc without cache", "frozen rollout",
-                 "operator env", "ragged multi-node", "managed flag in args",
+                 "operator env", "ragged multi-node", "SP group across nodes",
+                 "managed flag in args",
                  "reserved pod label", "reserved annotation"):
         change, _ = INVALID[case]
         spec = {**copy.deepcopy(GOOD), **change}

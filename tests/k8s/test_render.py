@@ -150,6 +150,14 @@ def test_hostpath_volumes_probes_and_cache_mounts() -> None:
     assert not init_mounts["cache"].get("readOnly")  # it may have to build the entry itself
 
 
+def test_sp_pods_ensure_the_cache_entry_their_engines_join() -> None:
+    (init,) = pod_of(spec_of(parallelism={"sequence": 2}))["initContainers"]
+    # The engine passes (sp_size 2, ulysses) to the cache identity; so does the init container.
+    assert init["command"][-4:] == ["--sp-size", "2", "--sp-impl", "ulysses"]
+    (plain,) = pod_of(spec_of())["initContainers"]
+    assert "--sp-size" not in plain["command"]
+
+
 def test_explicit_startup_timeout_wins() -> None:
     engine = engine_of(spec_of(probes={"startupTimeoutSeconds": 95}))
     probe = engine["startupProbe"]

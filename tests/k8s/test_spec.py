@@ -76,3 +76,31 @@ def test_engine_rules_judge_option_combinations(offload: dict, parallelism: dict
                        "parallelism": parallelism})
     with pytest.raises(InvalidSpecError, match=engine_says):
         engine_config(spec)
+
+
+@pytest.mark.parametrize(("family", "sequence", "ok"), [
+    ("Flux", 2, True), ("Flux", 3, True), ("Flux", 8, True),  # 24 heads
+    ("Flux", 5, False), ("QwenImage", 7, False),
+    ("Wan", 5, True),  # 12, 24 and 40 heads: 5 divides the 14B DiTs' 40
+    ("Wan", 7, False),
+    ("Auto", 7, True),  # unknown heads: the engine reads the model's own at start
+])
+def test_sequence_parallel_sizes_are_judged_by_the_familys_head_counts(
+        family: str, sequence: int, ok: bool) -> None:
+    spec = parse_spec({"model": {"hostPath": "/m", "family": family},
+                       "parallelism": {"sequence": sequence, "gpusPerNode": 8}})
+    if ok:
+        assert engine_config(spec).parallel.sequence_parallel_size == sequence
+        return
+    with pytest.raises(InvalidSpecError, match="divides no attention head count") as e:
+        engine_config(spec)
+    assert "model.family: Auto" in str(e.value)  # how to serve a model with other heads
+
+
+def test_an_sp_group_spanning_nodes_is_refused() -> None:
+    spec = {"model": {"hostPath": "/m"}, "parallelism": {"data": 2, "sequence": 8,
+                                                          "gpusPerNode": 4}}
+    with pytest.raises(InvalidSpecError, match="stay inside one node"):
+        parse_spec(spec)
+    spec["parallelism"]["gpusPerNode"] = 8  # two pods of one 8-GPU SP group each
+    assert parse_spec(spec).parallelism.pods_per_replica == 2

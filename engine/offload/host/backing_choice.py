@@ -69,6 +69,7 @@ def prepare_dit(
     dtype: str,
     offload: OffloadConfig,
     tp_size: int = 1,
+    sp_size: int = 1,
     streams_from_mapping: bool = False,
     component: str = "transformer",
     keep_private: str | None = None,
@@ -85,6 +86,7 @@ def prepare_dit(
     component: which of the model's DiTs (Wan 2.2 has two: ``transformer``, ``transformer_2``).
     keep_private: why the DiT's tensors will be replaced after loading (``--quantization``);
     then it is loaded ordinarily (the runtime cache is refused by the option rules).
+    sp_size: the replica's sequence-parallel size, part of the node cache entry's identity.
     """
     from ditserve.engine import loader
 
@@ -102,7 +104,7 @@ def prepare_dit(
 
         try:
             model, plan = _runtime_cache(model_dir, dtype, offload, model_cls, load, tp_size,
-                                         component)
+                                         component, sp_size)
         except (CacheError, OSError, ValueError) as e:
             plan = HostWeightPlan.ordinary(f"runtime cache unavailable: {e}")
             log.warning("DLO host backing: %s; using ordinary host memory", plan.reason)
@@ -131,8 +133,10 @@ def prepare_dit(
 
 
 def _runtime_cache(model_dir: str | Path, dtype: str, offload: OffloadConfig, model_cls: Any,
-                   load: Any, tp_size: int, component: str) -> tuple[nn.Module, HostWeightPlan]:
+                   load: Any, tp_size: int, component: str, sp_size: int
+                   ) -> tuple[nn.Module, HostWeightPlan]:
     from ditserve.engine.offload.host.runtime_cache import runtime_cache_dit
 
     return runtime_cache_dit(model_dir, dtype=dtype, offload=offload, model_cls=model_cls,
-                             load_dit=load, tp_size=tp_size, component=component)
+                             load_dit=load, tp_size=tp_size, component=component,
+                             sp_size=sp_size)

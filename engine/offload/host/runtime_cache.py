@@ -102,19 +102,29 @@ def runtime_cache_dit(
     load_dit: Callable[[], nn.Module],
     tp_size: int = 1,
     component: str = "transformer",
+    sp_size: int = 1,
 ) -> tuple[nn.Module, HostWeightPlan]:
     """The DiT backed by its node cache entry (see module doc). Raises ``CacheError`` /
-    ``OSError`` when the cache cannot be used; the caller falls back to ordinary memory."""
+    ``OSError`` when the cache cannot be used; the caller falls back to ordinary memory.
+
+    sp_size: the replica's sequence-parallel size; with the implementation (Ulysses) it is
+    part of the entry's identity, so `cachectl build --sp-size N --sp-impl ulysses` builds
+    the entry such an engine joins (SP ranks share it: the SP rank is not in the identity)."""
     from ditserve.cachectl.errors import ContentMismatchError, EntryNotFoundError
+    from ditserve.cachectl.identity import Placement
     from ditserve.cachectl.layout import default_root
     from ditserve.cachectl.model_build import ModelRequest, describe_loader, plan_model
     from ditserve.cachectl.store import CacheStore
     from ditserve.engine import loader
+    from ditserve.engine.config import SEQUENCE_PARALLEL_IMPL
     from ditserve.engine.loader import torch_dtype
 
     store = CacheStore(offload.cache_root or default_root(),
                        lock_timeout_s=offload.cache_lock_timeout_s)
-    model_plan = plan_model(ModelRequest(Path(model_dir), dtype=dtype, component=component),
+    placement = Placement(sp_size=sp_size,
+                          sp_impl=SEQUENCE_PARALLEL_IMPL if sp_size > 1 else None)
+    model_plan = plan_model(ModelRequest(Path(model_dir), dtype=dtype, component=component,
+                                         placement=placement),
                             describe_loader(loader))
     key = store.resolve_recipe(model_plan.recipe)
     note = ""
