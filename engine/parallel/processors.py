@@ -21,7 +21,8 @@ A user-given ``attention_mask`` is refused: the sharded forward owns the mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextvars
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,23 +32,48 @@ from ditserve.engine.parallel.tokens import TokenShard
 from ditserve.engine.parallel.ulysses import SequenceGroup, ulysses_attention
 
 
-@dataclass
+@dataclass(frozen=True)
+class _ForwardState:
+    key_mask: torch.Tensor | None
+    output: TokenShard | None
+    extras: dict[str, Any]
+
+
+_NO_FORWARD = _ForwardState(None, None, {})
+
+
 class SequenceForward:
     """The shard layout of the DiT forward running now on this rank.
 
     Set by the DiT's root pre-hook (``sharding``) before any block runs and cleared after the
-    forward; read by the processors (``key_mask``) and the output gather (``output``)."""
+    forward; read by the processors (``key_mask``) and the output gather (``output``). The
+    layout lives in a context variable, not on the object: a multi-shape step runs each shape
+    group's forward in its own greenlet, interleaved at block boundaries (engine/block_major),
+    and every greenlet has its own context, so each forward reads its own layout.
+    """
 
-    group: SequenceGroup
-    key_mask: torch.Tensor | None = None
-    output: TokenShard | None = None  # the stream the DiT's proj_out emits (image tokens)
-    extras: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, group: SequenceGroup) -> None:
+        self.group = group
+        self._state: contextvars.ContextVar[_ForwardState] = contextvars.ContextVar(
+            f"ditserve-sequence-forward-{id(self)}", default=_NO_FORWARD)
+
+    @property
+    def key_mask(self) -> torch.Tensor | None:
+        return self._state.get().key_mask
+
+    @property
+    def output(self) -> TokenShard | None:  # the stream the DiT's proj_out emits (image tokens)
+        return self._state.get().output
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        return self._state.get().extras
 
     def begin(self, *, output: TokenShard, key_mask: torch.Tensor | None, **extras: Any) -> None:
-        self.output, self.key_mask, self.extras = output, key_mask, extras
+        self._state.set(_ForwardState(key_mask, output, extras))
 
     def end(self) -> None:
-        self.output, self.key_mask, self.extras = None, None, {}
+        self._state.set(_NO_FORWARD)
 
 
 def _refuse_mask(attention_mask: torch.Tensor | None) -> None:
