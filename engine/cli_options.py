@@ -69,8 +69,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="the most requests in one denoise step, of any shapes (default 4)")
     g.add_argument("--max-batch-tokens", type=int, default=None,
                    help="work budget of one step: rows x latent tokens over its requests "
-                        "(default 16384: four 1024x1024 Flux images; a larger request runs "
-                        "alone)")
+                        "(default: --max-num-seqs requests of the family's usual size - 16384 "
+                        "for Flux/Qwen-Image, 262080 for Wan; a larger request runs alone)")
     g.add_argument("--max-bypass", type=int, default=None,
                    help="how often requests that fit a step may overtake an older one that "
                         "does not (default 8; 0: strict arrival order)")

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
-from ditserve.engine.work import DEFAULT_MAX_BATCH_TOKENS
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -108,8 +107,11 @@ class SchedulerConfig:
 
     max_batch_tokens: the work budget of one step, in rows x latent tokens summed over its
         requests of every shape (``engine.work``; a 1024x1024 Flux or Qwen-Image image is
-        4096 tokens per row, a true-CFG request has twice its images' rows). The default,
-        16384, is four such images. A request larger than the budget runs alone.
+        4096 tokens per row, a true-CFG request has twice its images' rows). None (the
+        default): ``max_num_seqs`` requests of the served family's usual size
+        (``Family.reference_work``: 16384 for four 1024x1024 Flux or Qwen-Image images,
+        262080 for four 81-frame Wan videos with CFG), resolved when the engine is built. A
+        request larger than the budget runs alone.
     max_num_seqs: the most requests in one step (of any shapes), whatever their work.
     max_bypass: how often requests that fit the step may overtake an older request that does
         not, before nobody passes it (bounded wait, no starvation); 0 admits strictly in
@@ -119,7 +121,7 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 4
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_batch_tokens: int | None = None
     max_bypass: int = 8
     max_queue: int | None = 64
 
@@ -237,7 +239,8 @@ def problems(config: EngineConfig) -> list[str]:
 
     sch = config.scheduler
     int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
-    int_at_least(out, "scheduler.max_batch_tokens", sch.max_batch_tokens, 1)
+    if sch.max_batch_tokens is not None:
+        int_at_least(out, "scheduler.max_batch_tokens", sch.max_batch_tokens, 1)
     int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
     if sch.max_queue is not None:
         int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)

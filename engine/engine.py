@@ -32,6 +32,7 @@ from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.delivery import Delivery
 from ditserve.engine.errors import EngineStoppedError
 from ditserve.engine.executor import Executor, RankWork
+from ditserve.engine.families import family_of_model
 from ditserve.engine.lifecycle import EnginePhase, Lifecycle
 from ditserve.engine.pending import PendingRequests
 from ditserve.engine.request import RequestStatus, SamplingParams
@@ -44,6 +45,7 @@ from ditserve.engine.results import (
 )
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
 from ditserve.engine.startup import WarmUp, open_executor
+from ditserve.engine.work import with_budget
 
 # How long a worker's own step loop may sit idle before the engine pings the worker.
 HEARTBEAT_S = 2.0
@@ -78,7 +80,9 @@ class DiffusionEngine:
         self._lifecycle = Lifecycle()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._pending = PendingRequests(config.scheduler, config.parallel.data_parallel_size)
+        # The step budget, when unset, is max_num_seqs requests of the family's usual size.
+        scheduler = with_budget(config.scheduler, family_of_model(config.model))
+        self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
 
     @property

@@ -15,7 +15,9 @@ lists), the model builders and the torch-side pipeline registry
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class Family:
     attention_heads: the attention head counts of the family's released DiTs (sequence
         parallelism splits heads over its ranks; the operator judges a declared family's
         SP size with them before any model is read).
+    reference_work: rows x latent tokens of one request at the family's usual size (Flux and
+        Qwen-Image: a 1024x1024 image, 4096; Wan: 832x480 x 81 frames with CFG, 2 x 32760);
+        the default per-step work budget is ``max_num_seqs`` such requests (``engine.work``).
     loader_version: bump when the loader's tensors for the same files change (cache key).
     """
 
@@ -54,6 +59,7 @@ class Family:
     expert_switch: str | None = None
     cfg_rows: str = "true_cfg"
     attention_heads: tuple[int, ...] = ()
+    reference_work: int = 4096
 
     @property
     def video(self) -> bool:
@@ -91,6 +97,7 @@ WAN = Family(
     batch_key_fields=("height", "width", "num_frames"), output="video",
     loader_version="wan-loader-1", cfg_rows="guidance",
     attention_heads=(12, 24, 40),  # Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, the 14B DiTs
+    reference_work=2 * 21 * 30 * 52,  # 81 frames -> 21 latent frames of 30 x 52 tokens, CFG
 )
 
 FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN)
@@ -122,6 +129,19 @@ def family_named(name: str) -> Family | None:
         if wanted in (family.name, family.label.lower()):
             return family
     return None
+
+
+def family_of_model(model_dir: str | None) -> Family | None:
+    """The family of a model directory by its model_index.json (None: the embedded tiny
+    model, a Flux), or None when the directory cannot be read as one (the loader then says
+    what is wrong, with more detail)."""
+    if model_dir is None:
+        return FLUX
+    try:
+        index = json.loads((Path(model_dir) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return family_of_pipeline(index.get("_class_name") if isinstance(index, dict) else None)
 
 
 def family_of_pipeline(class_name: object) -> Family | None:

@@ -19,13 +19,14 @@ from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import QueueFullError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import DEFAULT_WORK_RULE, StepScheduler
-from ditserve.engine.work import RequestWork
+from ditserve.engine.work import RequestWork, with_budget
 
 
 class RankQueues:
     """The shared queue and the per-rank schedulers of one replica (see module docstring)."""
 
     def __init__(self, config: SchedulerConfig, ranks: int) -> None:
+        config = with_budget(config, None)  # unresolved: an image model's budget
         self.capacity = config.max_num_seqs
         self.budget = config.max_batch_tokens
         self.max_queue = config.max_queue

@@ -37,7 +37,7 @@ from typing import Any
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
-from ditserve.engine.work import RequestWork, WorkRule
+from ditserve.engine.work import RequestWork, WorkRule, with_budget
 
 # The work of requests added without one (tests, warm-up): a 16-pixel-token image model.
 DEFAULT_WORK_RULE = WorkRule()
@@ -131,7 +131,9 @@ class StepScheduler:
     """Continuous-batching scheduler over request ids; see the module docstring."""
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
+        # An unresolved budget (None) budgets like an image model; the engine resolves it for
+        # the served family before building its schedulers (``work.with_budget``).
+        self.config = with_budget(config, None)
         self._waiting: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._running: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._decoding: dict[str, ScheduledRequest] = {}  # out of the batch, output pending

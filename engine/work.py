@@ -17,14 +17,32 @@ equal to the rows and tokens every pipeline actually builds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.families import Family
 from ditserve.engine.request import SamplingParams
 
 # Tokens of one 1024x1024 image of a DiT with 16-pixel tokens (Flux.1, Qwen-Image): 64 x 64.
 FULL_IMAGE_TOKENS = 4096
-# The default per-step budget: four such images (the default max_num_seqs of them).
+# The default per-step budget of an image model: four such images (the default max_num_seqs).
 DEFAULT_MAX_BATCH_TOKENS = 4 * FULL_IMAGE_TOKENS
+
+
+def default_budget(max_num_seqs: int, reference_work: int = FULL_IMAGE_TOKENS) -> int:
+    """The step budget when none is configured: ``max_num_seqs`` requests of the served
+    family's usual size (``Family.reference_work``), so an image model budgets four 1024x1024
+    images and a video model four 81-frame CFG videos, not a video's fraction."""
+    return max_num_seqs * reference_work
+
+
+def with_budget(config: SchedulerConfig, family: Family | None) -> SchedulerConfig:
+    """``config`` with its work budget resolved: the configured one, else ``default_budget``
+    for ``family`` (an unknown family budgets like an image model)."""
+    if config.max_batch_tokens is not None:
+        return config
+    reference = family.reference_work if family is not None else FULL_IMAGE_TOKENS
+    return replace(config, max_batch_tokens=default_budget(config.max_num_seqs, reference))
 
 CFG_RULES = ("true_cfg", "guidance")
 

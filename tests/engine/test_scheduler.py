@@ -165,10 +165,11 @@ def test_bypass_bound_guarantees_the_head_is_admitted() -> None:
 
 
 def test_work_budget_fills_with_a_mix_of_small_and_large_requests() -> None:
-    # The documented default: 16384 tokens per step = four 1024x1024 images of 4096 tokens;
-    # a 512x512 image is 1024 tokens, so small requests fill around large ones.
-    s = StepScheduler(SchedulerConfig(max_num_seqs=16))
-    assert s.config.max_batch_tokens == 16384
+    # 16384 tokens per step (the default at max_num_seqs 4: four 1024x1024 images of 4096
+    # tokens); a 512x512 image is 1024 tokens, so small requests fill around large ones.
+    s = StepScheduler(SchedulerConfig(max_num_seqs=16, max_batch_tokens=16384))
+    # Unset, the budget scales with max_num_seqs: that many of the family's usual requests.
+    assert StepScheduler(SchedulerConfig(max_num_seqs=16)).config.max_batch_tokens == 16 * 4096
     sizes = {"l0": 1024, "s0": 512, "l1": 1024, "s1": 512, "l2": 1024, "s2": 512,
              "s3": 512, "l3": 1024, "s4": 512}
     for rid, size in sizes.items():

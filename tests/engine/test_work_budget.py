@@ -7,8 +7,9 @@ import pytest
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.families import FLUX, WAN
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.work import DEFAULT_MAX_BATCH_TOKENS, FULL_IMAGE_TOKENS, WorkRule
+from ditserve.engine.work import DEFAULT_MAX_BATCH_TOKENS, FULL_IMAGE_TOKENS, WorkRule, with_budget
 
 
 def test_tokens_follow_the_token_grid_and_rows_the_family_cfg_rule() -> None:
@@ -30,7 +31,15 @@ def test_tokens_follow_the_token_grid_and_rows_the_family_cfg_rule() -> None:
 
 
 def test_budget_default_and_validation() -> None:
-    assert SchedulerConfig().max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS == 4 * 4096
+    # Unset, the budget is max_num_seqs requests of the served family's usual size.
+    assert SchedulerConfig().max_batch_tokens is None
+    assert with_budget(SchedulerConfig(), FLUX).max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS
+    assert DEFAULT_MAX_BATCH_TOKENS == 4 * 4096
+    assert with_budget(SchedulerConfig(), None).max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS
+    wan_video = WorkRule(pixels_per_token=16, frame_step=4, cfg_rows="guidance").of(
+        SamplingParams(prompt="p", height=480, width=832, num_frames=81, guidance_scale=5.0))
+    assert with_budget(SchedulerConfig(max_num_seqs=4), WAN).max_batch_tokens == 4 * wan_video.tokens
+    assert with_budget(SchedulerConfig(max_batch_tokens=7), WAN).max_batch_tokens == 7
     config = EngineConfig.from_mapping({"scheduler": {"max_batch_tokens": 65536}})
     assert config.scheduler.max_batch_tokens == 65536
     with pytest.raises(ConfigError, match="scheduler.max_batch_tokens must be an integer >= 1"):
@@ -63,3 +72,16 @@ def test_metrics_expose_shape_groups_rows_and_tokens_per_step() -> None:
     assert "ditserve:step_shape_groups_count 2.0" in text
     assert "ditserve:step_batch_tokens_sum 13824.0" in text
     assert "ditserve:step_batch_rows_sum 5.0" in text
+
+
+def test_an_engine_budgets_for_the_family_it_serves(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.engine import DiffusionEngine
+
+    wan = tmp_path / "wan"
+    wan.mkdir()
+    (wan / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    budgets = {
+        name: DiffusionEngine(EngineConfig(model=model)).schedulers[0].config.max_batch_tokens
+        for name, model in (("tiny flux", None), ("wan", str(wan)))
+    }
+    assert budgets == {"tiny flux": 4 * 4096, "wan": 4 * 2 * 32760}
