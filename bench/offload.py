@@ -407,7 +407,8 @@ def markdown_table(r: dict[str, Any]) -> str:
     for t in r.get("targets", []):
         v = "-" if t["value"] is None else f"{t['value']:.2f} {t['unit']}"
         b = "-" if t["bound"] is None else f"{t['bound']:.2f} {t['unit']}"
-        lines.append(f"| {t['target']} | {v} | {b} | {'yes' if t['ok'] else 'NO'} |")
+        verdict = "not judged (no bound in this run)" if t["ok"] is None else "yes" if t["ok"] else "NO"
+        lines.append(f"| {t['target']} | {v} | {b} | {verdict} |")
     return "\n".join(lines) + "\n"
 
 

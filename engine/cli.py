@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
+from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.families import MODEL_VARIANTS
@@ -246,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
+    if prefer_expandable_segments():
+        log.debug("CUDA allocator: %s (PYTORCH_CUDA_ALLOC_CONF was unset)",
+                  os.environ["PYTORCH_CUDA_ALLOC_CONF"])
     try:
         return int(args.func(args))
     except DitServeError as e:
