@@ -9,7 +9,10 @@ is mostly what one block's forward holds at once. This program builds a one-bloc
 job is two rows) reports the allocator's peak above the weights: the whole forward, and
 within its self-attention, cross-attention and feed-forward (each measured from its own
 entry, so the three show which sub-layer sets the peak); then one video's VAE decode. Every
-number is ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
+number is ``torch.cuda.max_memory_allocated`` minus the allocation before the call. Each
+forward runs twice: with diffusers' block forward (the sub-layer columns) and with the
+engine's (``chunk_token_math``: the same math with its float32 token-wise parts in slices),
+whose output must be bit-identical.
 
     python3 bench/activation_peak.py --size 832x480 --frames 33 --rows 2 8
 """
@@ -73,6 +76,8 @@ def main() -> int:
         return 2
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
+    from ditserve.engine.pipelines.wan_block import chunk_token_math
+
     width, height = (int(v) for v in a.size.split("x"))
     latent_frames = (a.frames - 1) // 4 + 1
     lh, lw = height // 8, width // 8
@@ -87,11 +92,17 @@ def main() -> int:
         text = torch.randn(rows, 512, 4096, device=dev, dtype=torch.bfloat16)
         t = torch.full((rows,), 500, device=dev, dtype=torch.long)
         with torch.inference_mode():
-            total, _ = peak_during(dit, latents, t, text, return_dict=False)
+            dit.blocks[0].__dict__.pop("forward", None)  # diffusers' own block forward
+            total, stock = peak_during(dit, latents, t, text, return_dict=False)
+            stock_peaks = dict(peaks)
+            chunk_token_math(dit)  # the engine's: token-wise float32 math in slices
+            sliced_total, sliced = peak_during(dit, latents, t, text, return_dict=False)
         hidden = rows * tokens * 5120 * 2 / GIB  # one bf16 hidden-state tensor
         rows_out.append({"rows": rows, "tokens": rows * tokens, "forward_gib": total,
-                         "hidden_gib": hidden, **{f"{k}_gib": v for k, v in peaks.items()}})
-        del latents, text
+                         "sliced_forward_gib": sliced_total,
+                         "sliced_identical": bool(torch.equal(stock[0], sliced[0])),
+                         "hidden_gib": hidden, **{f"{k}_gib": v for k, v in stock_peaks.items()}})
+        del latents, text, stock, sliced
     del dit
     torch.cuda.empty_cache()
     vae = AutoencoderKLWan().to(dev, torch.bfloat16).eval()
@@ -102,11 +113,12 @@ def main() -> int:
     print(f"Wan2.1-14B widths, {a.size} x {a.frames} frames: {tokens} tokens per row; "
           f"GiB above the weights")
     print(f"{'rows':>5} {'tokens':>8} {'hidden':>7} {'forward':>8} {'attn1':>7} {'attn2':>7} "
-          f"{'ffn':>7} {'fwd/hidden':>10}")
+          f"{'ffn':>7} {'fwd/hidden':>10} {'sliced':>7} {'sl/hidden':>9} {'identical':>9}")
     for r in rows_out:
         print(f"{r['rows']:>5} {r['tokens']:>8} {r['hidden_gib']:>7.2f} {r['forward_gib']:>8.2f} "
               f"{r['attn1_gib']:>7.2f} {r['attn2_gib']:>7.2f} {r['ffn_gib']:>7.2f} "
-              f"{r['forward_gib'] / r['hidden_gib']:>10.1f}")
+              f"{r['forward_gib'] / r['hidden_gib']:>10.1f} {r['sliced_forward_gib']:>7.2f} "
+              f"{r['sliced_forward_gib'] / r['hidden_gib']:>9.1f} {str(r['sliced_identical']):>9}")
     print(f"VAE decode of one video: {decode:.2f} GiB")
     if a.out:
         Path(a.out).write_text(json.dumps({"size": a.size, "frames": a.frames, "tokens_per_row": tokens,

@@ -46,6 +46,7 @@ from ditserve.engine.families import WAN
 from ditserve.engine.model_builders import make_dit
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.pipelines.experts import ExpertStack
+from ditserve.engine.pipelines.wan_block import chunk_token_math
 
 GIB = 1024**3
 TEXT_TOKENS = {"qwen-image": 256, "wan": 512}  # a typical Qwen prompt; Wan pads to 512
@@ -79,13 +80,17 @@ def variant_of(model: str) -> str:
     return "wan" if model.startswith("wan") else model
 
 
-def build_dit(model: str, size: str, device: torch.device, seed: int) -> torch.nn.Module:
+def build_dit(model: str, size: str, device: torch.device, seed: int,
+              stock_blocks: bool = False) -> torch.nn.Module:
     """A random DiT in bf16 (keep-in-float32 modules in float32, as a load gives) made on
     ``device`` (seconds on a GPU for 20B parameters, no host copy); for wan2.2 the stack of
-    two experts."""
+    two experts. Wan blocks get the sliced float32 math the engine serves them with
+    (``chunk_token_math``, bit-identical) for every method, unless ``stock_blocks``."""
     def one(s: int) -> torch.nn.Module:
         dit: torch.nn.Module = make_dit(variant_of(model), size, dtype=torch.bfloat16,
                                         device=device, seed=s)
+        if variant_of(model) == "wan" and not stock_blocks:
+            chunk_token_math(dit)
         return dit
 
     if model == "wan2.2":
@@ -211,6 +216,7 @@ class Bench:
             "torch": torch.__version__, "python": platform.python_version(),
             "model": args.model, "size": args.size, "command": " ".join(sys.argv),
             "cells": [], "methods": {},
+            "wan_blocks": "stock" if args.stock_blocks else "sliced float32 math (engine)",
         }
 
     def save(self) -> None:
@@ -249,7 +255,8 @@ class Bench:
         for method in a.methods:
             if a.model == "wan2.2" and method.startswith("diffusers"):
                 continue  # diffusers offloads one model at a time; not compared for the stack
-            dit = build_dit(a.model, self.dit_size, self.device, seed=0)
+            dit = build_dit(a.model, self.dit_size, self.device, seed=0,
+                            stock_blocks=a.stock_blocks)
             self.results.setdefault("weights_bytes", weight_bytes(dit))
             info = self.enable(method, dit)
             handle = info.pop("handle", None)
@@ -376,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed steps per cell")
     p.add_argument("--out", default="out/offload-families")
     p.add_argument("--tiny", action="store_true", help="tiny DiTs: a smoke run on a CPU")
+    p.add_argument("--stock-blocks", action="store_true",
+                   help="Wan: diffusers' own block forward (whole-sequence float32 math) "
+                        "instead of the engine's sliced one")
     args = p.parse_args(argv)
     args.size = args.size or (TINY_SIZES if args.tiny else DEFAULT_SIZES)[args.model]
     args.batches = args.batches or list(DEFAULT_BATCHES[args.model])
