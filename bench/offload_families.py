@@ -262,8 +262,7 @@ class Bench:
             handle = info.pop("handle", None)
             self.results["methods"][method] = info
             log(f"{method}: enabled in {info['enable_s']:.1f}s")
-            for label, step in workloads(a.model, a.size, tuple(a.batches), dit, self.device):
-                self.time_cell(method, label, step)
+            self.time_cells(method, dit)
             if handle is not None:
                 info["report_at_end"] = {k: v for k, v in handle.report().items()
                                          if isinstance(v, (int, float, str, bool, type(None)))}
@@ -276,6 +275,14 @@ class Bench:
         table = markdown(self.results)
         (self.out / "offload_families.md").write_text(table)
         print(table, flush=True)
+
+    def time_cells(self, method: str, dit: torch.nn.Module) -> None:
+        """Every workload's cell; its step closures (which hold ``dit``) die with this frame,
+        so ``release_memory`` can free the model before the next method is built (an
+        instance-level block forward makes a block a reference cycle, freed only by gc)."""
+        a = self.args
+        for label, step in workloads(a.model, a.size, tuple(a.batches), dit, self.device):
+            self.time_cell(method, label, step)
 
     def time_cell(self, method: str, label: str, step: Callable[[], Any]) -> None:
         cuda = self.device.type == "cuda"
