@@ -163,8 +163,11 @@ def decode_json(raw: bytes) -> Any:
                       code="invalid_json") from e
 
 
-def _check_unicode(body: ImageGenerationRequest) -> None:
-    for name in FIELDS:
+def check_text_fields(body: BaseModel) -> None:
+    """A 400 naming the first text field that holds a lone UTF-16 surrogate: JSON's \\ud800
+    escapes parse into strings that cannot be encoded, and would fail later, as a 500, in the
+    tokenizer or a log line."""
+    for name in type(body).model_fields:
         value = getattr(body, name)
         if isinstance(value, str):
             try:
@@ -217,7 +220,7 @@ def parse_generation_request(raw: bytes, *, engine: Any, limits: RequestLimits) 
         body = ImageGenerationRequest.model_validate(data)
     except PydanticValidationError as e:
         raise pydantic_error(e) from e
-    _check_unicode(body)
+    check_text_fields(body)
     if body.model is not None and body.model != limits.model_name:
         raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves "
                             f"{limits.model_name!r} (see GET /v1/models)", param="model",

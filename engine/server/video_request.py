@@ -33,6 +33,7 @@ from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.schemas import (
     Integer,
     Number,
+    check_text_fields,
     decode_json,
     pydantic_error,
     request_error,
@@ -150,17 +151,6 @@ async def read_body(request: Any) -> dict[str, Any]:
     return out
 
 
-def _check_text(body: VideoCreateRequest) -> None:
-    for name in FIELDS:
-        value = getattr(body, name)
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise invalid(name, f"{name}: holds a lone UTF-16 surrogate at character "
-                                    f"{e.start}; send valid Unicode text") from e
-
-
 def _size(body: VideoCreateRequest, limits: VideoLimits) -> tuple[int, int]:
     from ditserve.engine.server.config import parse_size
 
@@ -229,7 +219,7 @@ def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimit
         body = VideoCreateRequest.model_validate(data)
     except PydanticValidationError as e:
         raise pydantic_error(e, fields=FIELDS) from e
-    _check_text(body)
+    check_text_fields(body)
     if body.model is not None and body.model != limits.model_name:
         raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves "
                             f"{limits.model_name!r} (see GET /v1/models)", param="model",
