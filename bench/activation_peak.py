@@ -10,9 +10,10 @@ job is two rows) reports the allocator's peak above the weights: the whole forwa
 within its self-attention, cross-attention and feed-forward (each measured from its own
 entry, so the three show which sub-layer sets the peak); then one video's VAE decode. Every
 number is ``torch.cuda.max_memory_allocated`` minus the allocation before the call. Each
-forward runs twice: with diffusers' block forward (the sub-layer columns) and with the
-engine's (``chunk_token_math``: the same math with its float32 token-wise parts in slices),
-whose output must be bit-identical.
+forward runs three times: with diffusers' block forward (the sub-layer columns), with the
+float32 token-wise math in slices (``chunk_token_math(..., ffn_chunk_rows=None)``, whose
+output must be bit-identical) and with the engine's default, the feed-forward in slices too
+(its largest difference from diffusers' output is printed).
 
     python3 bench/activation_peak.py --size 832x480 --frames 33 --rows 2 8
 """
@@ -95,14 +96,18 @@ def main() -> int:
             dit.blocks[0].__dict__.pop("forward", None)  # diffusers' own block forward
             total, stock = peak_during(dit, latents, t, text, return_dict=False)
             stock_peaks = dict(peaks)
-            chunk_token_math(dit)  # the engine's: token-wise float32 math in slices
+            chunk_token_math(dit, ffn_chunk_rows=None)  # token-wise float32 math in slices
             sliced_total, sliced = peak_during(dit, latents, t, text, return_dict=False)
+            chunk_token_math(dit)  # the engine's default: the feed-forward in slices too
+            ffn_total, ffn = peak_during(dit, latents, t, text, return_dict=False)
         hidden = rows * tokens * 5120 * 2 / GIB  # one bf16 hidden-state tensor
         rows_out.append({"rows": rows, "tokens": rows * tokens, "forward_gib": total,
                          "sliced_forward_gib": sliced_total,
                          "sliced_identical": bool(torch.equal(stock[0], sliced[0])),
+                         "sliced_ffn_forward_gib": ffn_total,
+                         "sliced_ffn_max_abs_diff": float((ffn[0].float() - stock[0].float()).abs().max()),
                          "hidden_gib": hidden, **{f"{k}_gib": v for k, v in stock_peaks.items()}})
-        del latents, text, stock, sliced
+        del latents, text, stock, sliced, ffn
     del dit
     torch.cuda.empty_cache()
     vae = AutoencoderKLWan().to(dev, torch.bfloat16).eval()
@@ -113,12 +118,16 @@ def main() -> int:
     print(f"Wan2.1-14B widths, {a.size} x {a.frames} frames: {tokens} tokens per row; "
           f"GiB above the weights")
     print(f"{'rows':>5} {'tokens':>8} {'hidden':>7} {'forward':>8} {'attn1':>7} {'attn2':>7} "
-          f"{'ffn':>7} {'fwd/hidden':>10} {'sliced':>7} {'sl/hidden':>9} {'identical':>9}")
+          f"{'ffn':>7} {'fwd/hidden':>10} {'sliced':>7} {'sl/hidden':>9} {'identical':>9} "
+          f"{'+ffn':>7} {'+ffn/hid':>8} {'max diff':>9}")
     for r in rows_out:
         print(f"{r['rows']:>5} {r['tokens']:>8} {r['hidden_gib']:>7.2f} {r['forward_gib']:>8.2f} "
               f"{r['attn1_gib']:>7.2f} {r['attn2_gib']:>7.2f} {r['ffn_gib']:>7.2f} "
               f"{r['forward_gib'] / r['hidden_gib']:>10.1f} {r['sliced_forward_gib']:>7.2f} "
-              f"{r['sliced_forward_gib'] / r['hidden_gib']:>9.1f} {str(r['sliced_identical']):>9}")
+              f"{r['sliced_forward_gib'] / r['hidden_gib']:>9.1f} {str(r['sliced_identical']):>9} "
+              f"{r['sliced_ffn_forward_gib']:>7.2f} "
+              f"{r['sliced_ffn_forward_gib'] / r['hidden_gib']:>8.1f} "
+              f"{r['sliced_ffn_max_abs_diff']:>9.2e}")
     print(f"VAE decode of one video: {decode:.2f} GiB")
     if a.out:
         Path(a.out).write_text(json.dumps({"size": a.size, "frames": a.frames, "tokens_per_row": tokens,

@@ -6,11 +6,13 @@ of the hidden states (each twice a bf16 one) beside the bf16 input, the sub-laye
 and the norm's output. At video token counts that, not the weights, sets a streamed model's
 peak HBM (bench/activation_peak.py: about 11 bf16 hidden states at once). None of that math
 mixes tokens - each token's norm and modulation are its own - so this forward computes it
-over slices of ``chunk_rows`` row-tokens into preallocated bf16 outputs, leaving the three
-sub-layers (self-attention, cross-attention, feed-forward: the matmuls) on the whole
-sequence exactly as diffusers calls them. Every element gets the same float32 operations in
-the same order, so the outputs are bit-identical to diffusers' forward (a test checks it
-against the stock block), and the peak becomes the attention's own working set.
+over slices of ``chunk_rows`` row-tokens into preallocated bf16 outputs; every element gets
+the same float32 operations in the same order, so that part is bit-identical to diffusers'
+forward. The feed-forward is token-wise as well and its 13824-wide intermediate is the
+block's largest tensor, so it runs over slices too (``ffn_chunk_rows``; equal within
+rounding, since its matmuls see fewer rows per call). Self- and cross-attention run on the
+whole sequence exactly as diffusers calls them, and the peak becomes self-attention's own
+working set (q/k/v).
 
 ``chunk_token_math(dit)`` installs it on every block of a ``WanTransformer3DModel`` whose
 block forward still has diffusers' signature; it leaves hooks (offload, sequence parallel,
@@ -78,6 +80,16 @@ def _gated_residual(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor,
         x[:, s].float() + update[:, s].float() * _per_token(gate, s)).type_as(x))
 
 
+def _feed_forward(ffn: nn.Module, x: torch.Tensor, chunk_rows: int | None) -> torch.Tensor:
+    """``ffn(x)``, over slices of ``chunk_rows`` row-tokens unless None: the feed-forward is
+    token-wise too, and its 13824-wide intermediate is the block's largest tensor."""
+    if chunk_rows is None:
+        return ffn(x)
+    rows, tokens = x.shape[:2]
+    return _sliced(torch.empty_like(x), list(token_slices(rows, tokens, chunk_rows)),
+                   lambda s: ffn(x[:, s]))
+
+
 def chunked_block_forward(
     self: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor, rotary_emb: torch.Tensor,
@@ -104,13 +116,19 @@ def chunked_block_forward(
 
     # 3. Feed-forward, gated residual.
     normed = _modulated_norm(self.norm3, x, c_scale_msa, c_shift_msa, slices)
-    update = self.ffn(normed)
+    update = _feed_forward(self.ffn, normed, self.ffn_chunk_rows)
     del normed
     return _gated_residual(x, update, c_gate_msa, slices)
 
 
-def chunk_token_math(dit: nn.Module, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> int:
+def chunk_token_math(dit: nn.Module, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                     ffn_chunk_rows: int | None = DEFAULT_CHUNK_ROWS) -> int:
     """Install ``chunked_block_forward`` on ``dit.blocks``; returns how many blocks took it.
+
+    ``ffn_chunk_rows`` also runs the feed-forward over slices of that many row-tokens (None:
+    on the whole sequence, as diffusers). Its matmuls then see fewer rows per call, which a
+    BLAS may reduce in another order, so outputs are equal to diffusers' within rounding,
+    not bit for bit; every engine configuration (resident, DLO, SP) runs the same forward.
 
     A block class whose forward no longer has diffusers' parameters (a diffusers release
     changed it) keeps its own forward, with a warning: the sliced copy would be stale.
@@ -126,6 +144,7 @@ def chunk_token_math(dit: nn.Module, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> in
                         "stays whole-sequence", type(block).__name__, params)
             return installed
         block.chunk_rows = chunk_rows
+        block.ffn_chunk_rows = ffn_chunk_rows
         block.forward = types.MethodType(chunked_block_forward, block)
         installed += 1
     return installed
