@@ -24,6 +24,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_VIDEO_MAX_JOBS = 256
 DEFAULT_VIDEO_MAX_BYTES = 4 << 30
 DEFAULT_VIDEO_TTL_S = 3600.0
+MAX_FPS = 120  # an MP4 frame rate a job (or --default-fps) may ask for
 # Sides without leading zeros and at most 5 digits: a size of thousands of digits is a format
 # error, never an integer conversion (and "064" is refused as the OpenAPI pattern refuses it).
 SIZE_PATTERN = re.compile(r"^(0|[1-9][0-9]{0,4})x(0|[1-9][0-9]{0,4})$")
@@ -147,8 +148,8 @@ def _video_problems(config: ServerConfig) -> list[str]:
         if getattr(config, name) is not None:
             int_at_least(out, f"server.{name}", getattr(config, name), 1)
     if config.default_fps is not None and isinstance(config.default_fps, int) \
-            and config.default_fps > 120:
-        out.append(f"server.default_fps must be at most 120, got {config.default_fps}")
+            and config.default_fps > MAX_FPS:
+        out.append(f"server.default_fps must be at most {MAX_FPS}, got {config.default_fps}")
     if config.video_dir is not None and (not isinstance(config.video_dir, str)
                                          or not config.video_dir):
         out.append(f"server.video_dir must be a directory path, got {config.video_dir!r}")

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ditserve.engine.lifecycle import EnginePhase
+from ditserve.engine.server.jobs.model import FINISHED_LABELS
 from ditserve.engine.step_log import copy_rates_of
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
@@ -35,7 +36,6 @@ TOKEN_BUCKETS = (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 26214
 ERROR_REASONS = ("invalid_request", "model_not_found", "not_found", "method_not_allowed",
                  "unauthorized", "payload_too_large", "queue_full", "store_full",
                  "unavailable", "timeout", "client_disconnect", "engine_error", "internal")
-JOB_END_STATES = ("completed", "failed", "cancelled")
 
 
 class _VideoStoreCollector(Collector):
@@ -149,7 +149,7 @@ class ServingMetrics:
         self.video_jobs_finished = Counter(
             "ditserve:video_jobs_finished", "Video jobs that ended, by final status.",
             ["status"], registry=r)
-        for status in JOB_END_STATES:
+        for status in FINISHED_LABELS:
             self.video_jobs_finished.labels(status=status)
         self.video_seconds = Counter(
             "ditserve:video_seconds_generated",

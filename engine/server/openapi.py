@@ -36,11 +36,12 @@ ERROR_DESCRIPTIONS = {
 RETRY_HEADERS = {"Retry-After": {"$ref": "#/components/headers/Retry-After"}}
 
 
-def _ref(name: str) -> dict[str, Any]:
+def ref(name: str) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _headers(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def headers(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The headers every answer carries (X-Request-Id), and ``extra``."""
     return {REQUEST_ID_HEADER: {"$ref": f"#/components/headers/{REQUEST_ID_HEADER}"},
             **(extra or {})}
 
@@ -50,40 +51,32 @@ def answers(ok: dict[str, Any], *errors: int, ok_description: str = "OK",
     """A route's ``responses``: 200 with ``ok`` (media type -> schema), then each error
     status with the error body; 400 and 500 are added to every route. ``descriptions``
     replaces the generic text of some statuses."""
-    out: dict[int | str, Any] = {200: {"description": ok_description, "headers": _headers(),
+    out: dict[int | str, Any] = {200: {"description": ok_description, "headers": headers(),
                                        "content": {t: {"schema": s} for t, s in ok.items()}}}
     for status in sorted({400, 500, *errors}):
-        headers = RETRY_HEADERS if status in (429, 503) else None
+        extra = RETRY_HEADERS if status in (429, 503) else None
         text = (descriptions or {}).get(status, ERROR_DESCRIPTIONS[status])
-        out[status] = {"description": text, "headers": _headers(headers),
-                       "content": {"application/json": {"schema": _ref("Error")}}}
+        out[status] = {"description": text, "headers": headers(extra),
+                       "content": {"application/json": {"schema": ref("Error")}}}
     return out
 
 
-def headers(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The headers every answer carries (X-Request-Id), and ``extra``."""
-    return _headers(extra)
-
-
-def ref(name: str) -> dict[str, Any]:
-    return _ref(name)
-
 
 def json_answer(name: str) -> dict[str, Any]:
-    return {"application/json": _ref(name)}
+    return {"application/json": ref(name)}
 
 
 def readiness_answers() -> dict[int | str, Any]:
     """/ready: the readiness body with 200 when ready, and with 503 otherwise."""
     out = answers(json_answer("Readiness"))
     out[503] = {"description": "Not ready: loading, compiling, draining, failed or stopped",
-                "headers": _headers(), "content": {"application/json": {
-                    "schema": _ref("Readiness")}}}
+                "headers": headers(), "content": {"application/json": {
+                    "schema": ref("Readiness")}}}
     return out
 
 
 GENERATION_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": _ref("ImageGenerationRequest")}}}}
+    "application/json": {"schema": ref("ImageGenerationRequest")}}}}
 
 
 # A character str.strip() keeps. Spelled out: JSON Schema's regex dialect (ECMA-262) and
@@ -198,7 +191,7 @@ def _stream_event_schemas() -> dict[str, Any]:
                                    [*image_required, "partial_image_index"], **image,
                                    partial_image_index=integer, step=integer),
         "CompletedEvent": event(streaming.COMPLETED, [*image_required, "usage"], **image,
-                                usage=_ref("Usage")),
+                                usage=ref("Usage")),
         "ErrorEvent": event(streaming.ERROR, ["error"],
                             error=_static_error()["properties"]["error"]),
     }
@@ -211,7 +204,7 @@ def sse_answer() -> dict[str, Any]:
         "type": "object", "required": ["event", "data"],
         "properties": {"event": {"enum": list(streaming.EVENT_TYPES)},
                        "data": {"type": "string", "contentMediaType": "application/json",
-                                "contentSchema": {"oneOf": [_ref(n) for n in names]}}}}}
+                                "contentSchema": {"oneOf": [ref(n) for n in names]}}}}}
 
 
 def _static_error() -> dict[str, Any]:
@@ -240,7 +233,7 @@ def _static_schemas() -> dict[str, Any]:
                     "type": "object", "required": ["b64_json"],
                     "properties": {"b64_json": {"type": "string", "description": "PNG"}}}},
                 "background": string, "output_format": {"const": "png"}, "quality": string,
-                "size": string, "usage": _ref("Usage"),
+                "size": string, "usage": ref("Usage"),
                 "ditserve": {"type": "object", "description": "seed and timings",
                              "required": ["request_id", "seed", "num_inference_steps"],
                              "properties": {"request_id": string, "seed": integer,
@@ -250,7 +243,7 @@ def _static_schemas() -> dict[str, Any]:
         "Model": model,
         "ModelList": {"type": "object", "required": ["object", "data"],
                       "properties": {"object": {"const": "list"},
-                                     "data": {"type": "array", "items": _ref("Model")}}},
+                                     "data": {"type": "array", "items": ref("Model")}}},
         "Health": {"type": "object", "required": ["status"],
                    "properties": {"status": {"const": "ok"}}},
         "Readiness": {"type": "object", "required": ["ready", "phase", "model"],
@@ -322,6 +315,6 @@ def build_openapi(app: FastAPI, limits: RequestLimits, *, api_key: bool,
                 operation["security"] = [{"bearer": []}]
                 operation["responses"]["401"] = {
                     "description": ERROR_DESCRIPTIONS[401],
-                    "headers": _headers({"WWW-Authenticate": {"schema": {"const": "Bearer"}}}),
-                    "content": {"application/json": {"schema": _ref("Error")}}}
+                    "headers": headers({"WWW-Authenticate": {"schema": {"const": "Bearer"}}}),
+                    "content": {"application/json": {"schema": ref("Error")}}}
     return doc

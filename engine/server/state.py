@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.lifecycle import EnginePhase
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.jobs.files import VideoFiles
@@ -77,19 +76,18 @@ class ServerState:
         """What this replica makes: "image" or "video"."""
         return self.model.output
 
-    @property
-    def ready(self) -> bool:
-        return bool(self.engine.phase is EnginePhase.READY)
-
     def limits(self) -> RequestLimits:
         """What a request may ask for now (the model's rules are known once it loaded)."""
         config = self.config
+        max_steps = min(config.max_steps or MAX_STEPS, MAX_STEPS)
         return RequestLimits(
             model_name=self.model_name, default_size=self.default_size,
-            default_steps=self.default_steps, pixel_multiple=self.engine.pixel_multiple,
+            # A model's default (Flux-dev's 28) never exceeds what --max-steps allows.
+            default_steps=min(self.default_steps, max_steps),
+            pixel_multiple=self.engine.pixel_multiple,
             max_prompt_chars=self.engine.max_prompt_chars,
             max_side=min(config.max_side or MAX_SIDE, MAX_SIDE),
-            max_steps=min(config.max_steps or MAX_STEPS, MAX_STEPS),
+            max_steps=max_steps,
         )
 
     def video_limits(self) -> VideoLimits:
@@ -103,7 +101,7 @@ class ServerState:
         images = self.limits()
         return VideoLimits(
             model_name=self.model_name, default_size=self.default_size,
-            default_steps=min(self.default_steps, images.max_steps),
+            default_steps=images.default_steps,
             default_frames=default - (default - 1) % frame_step,
             default_fps=config.default_fps or model.fps, default_guidance=model.guidance,
             pixel_multiple=images.pixel_multiple, frame_step=frame_step,

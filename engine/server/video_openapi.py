@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.jobs.model import JobStatus
 from ditserve.engine.server.openapi import (
     NOT_ONLY_SPACES,
@@ -20,7 +21,7 @@ from ditserve.engine.server.openapi import (
     ref,
     size_pattern,
 )
-from ditserve.engine.server.video_request import FIELDS, MAX_FPS, VideoLimits
+from ditserve.engine.server.video_request import FIELDS, VideoLimits
 
 STATUSES = [status.label for status in JobStatus]
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]

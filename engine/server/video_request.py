@@ -28,6 +28,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.schemas import (
@@ -39,7 +40,6 @@ from ditserve.engine.server.schemas import (
     request_error,
 )
 
-MAX_FPS = 120
 # JSON numbers above this many digits are not read from form text (as JSON's own limit).
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
                           r"(?:[eE][+-]?[0-9]{1,4})?$")

@@ -47,6 +47,10 @@ class JobStatus(enum.IntEnum):
         return self.name.lower()
 
 
+# The labels of the states a job ends in (the API's and the metrics' spelling).
+FINISHED_LABELS = tuple(s.label for s in JobStatus if s.is_finished)
+
+
 _id_lock = threading.Lock()
 _last_stamp = 0
 

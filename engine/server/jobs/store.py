@@ -31,6 +31,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ditserve.engine.errors import DitServeError
+from ditserve.engine.server.config import (
+    DEFAULT_VIDEO_MAX_BYTES,
+    DEFAULT_VIDEO_MAX_JOBS,
+    DEFAULT_VIDEO_TTL_S,
+)
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.model import (
     JobStatus,
@@ -40,7 +45,6 @@ from ditserve.engine.server.jobs.model import (
     video_object,
 )
 
-GIB = 1 << 30
 Listener = Callable[[dict[str, Any]], None]
 
 
@@ -49,9 +53,9 @@ class StoreLimits:
     """max_jobs: jobs held at once, any state. max_bytes: stored MP4 bytes plus unfinished
     jobs' reservations. ttl_s: how long a finished job (and its file) is kept."""
 
-    max_jobs: int = 256
-    max_bytes: int = 4 * GIB
-    ttl_s: float = 3600.0
+    max_jobs: int = DEFAULT_VIDEO_MAX_JOBS
+    max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
+    ttl_s: float = DEFAULT_VIDEO_TTL_S
 
 
 class StoreFull(DitServeError):
@@ -278,7 +282,10 @@ class JobStore:
             was_finished = job is not None and job.status.is_finished
             if job is None or apply(job) is False:
                 return False
-            snapshot, listeners = video_object(job), list(job.listeners)
+            # The engine thread changes every running job each step: build the API object
+            # only when someone follows the job.
+            listeners = list(job.listeners)
+            snapshot = video_object(job) if listeners else None
             finished = job.status.is_finished and not was_finished
             if finished:
                 job.listeners.clear()  # a finished job changes no more

@@ -14,7 +14,6 @@ document leaves them out.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 from collections.abc import AsyncIterator
@@ -29,12 +28,13 @@ from ditserve.engine.server import video_openapi
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
-from ditserve.engine.server.jobs.model import JOB_ID_PATTERN, deleted_object
+from ditserve.engine.server.jobs.model import FINISHED_LABELS, JOB_ID_PATTERN, deleted_object
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.jobs.store import StoreFull
 from ditserve.engine.server.phase import check_admitting, unavailable
 from ditserve.engine.server.schemas import request_error
 from ditserve.engine.server.state import ServerState
+from ditserve.engine.server.streaming import EventBridge, sse
 from ditserve.engine.server.video_request import parse_video_request, read_body
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["videos"])
@@ -183,7 +183,7 @@ async def video_content(video_id: str, request: Request) -> Response:
     job, where = found
     if where is None:
         status = job["status"]
-        ready = status in ("queued", "in_progress")
+        ready = status not in FINISHED_LABELS
         raise APIError(409, f"video {video_id} is {status}" + (
             f" ({job['progress']}%): download it once its status is completed" if ready
             else ": it has no content"), param="video_id",
@@ -231,43 +231,31 @@ async def _read(fd: int, start: int, end: int) -> AsyncIterator[bytes]:
             responses=video_openapi.events_answers())
 async def video_events(video_id: str, request: Request) -> StreamingResponse:
     _, videos = _videos(request)
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-    def push(job: dict[str, Any]) -> None:  # from whichever thread changed the job
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
-            loop.call_soon_threadsafe(queue.put_nowait, job)
-
-    current = videos.store.subscribe(video_id, push)
+    # Job changes arrive from whichever thread made them (the engine's, a DELETE's).
+    bridge = EventBridge(asyncio.get_running_loop())
+    current = videos.store.subscribe(video_id, bridge.push)
     if current is None:
         raise _not_found(video_id)
-    return StreamingResponse(_events(videos, video_id, push, current, queue),
+    return StreamingResponse(_events(videos, video_id, bridge, current),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _events(videos: VideoJobs, video_id: str, push: Any, current: dict[str, Any],
-                  queue: asyncio.Queue[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _events(videos: VideoJobs, video_id: str, bridge: EventBridge,
+                  current: dict[str, Any]) -> AsyncIterator[bytes]:
+    """``event: video.<status>`` messages, data ``{"type": ..., "video": job}``, until the
+    job finishes; a keep-alive comment when nothing changed for KEEPALIVE_S."""
     try:
         job = current
         while True:
-            yield video_event(job)
-            if job["status"] in ("completed", "failed", "cancelled"):
+            yield sse(f"video.{job['status']}", {"video": job})
+            if job["status"] in FINISHED_LABELS:
                 return
             while True:
                 try:
-                    job = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                    job = await asyncio.wait_for(bridge.queue.get(), KEEPALIVE_S)
                     break
                 except TimeoutError:
                     yield b": keep-alive\n\n"
     finally:
-        videos.store.unsubscribe(video_id, push)
-
-
-def video_event(job: dict[str, Any]) -> bytes:
-    """One SSE message: ``event: video.<status>``, data ``{"type": ..., "video": job}``."""
-    import json
-
-    kind = f"video.{job['status']}"
-    body = json.dumps({"type": kind, "video": job}, separators=(",", ":"))
-    return f"event: {kind}\ndata: {body}\n\n".encode()
+        videos.store.unsubscribe(video_id, bridge.push)
