@@ -96,10 +96,8 @@ class BuildCoordinator:
             if job is not None and job.status is JobStatus.BUILDING:
                 self.metrics.ensure_requests.labels("joined_build").inc()
                 return job
-            if job is not None and job.status is JobStatus.READY and job.key is not None \
-                    and self.store.layout.entry(job.key).is_dir():
-                self.metrics.ensure_requests.labels("hit").inc()
-                return _ready(recipe_key, request, job.key, job.path, job.total_bytes)
+        # A remembered READY job is not proof: scrub or verify may have found its entry
+        # corrupt since (and dropped its stamp); the stamped join below is a few stat calls.
         ready = self._ready_without_hashing(plan.recipe, recipe_key, request)
         with self._lock:
             if ready is not None:

@@ -108,8 +108,7 @@ def _items(spans: Iterable[Span], piece_bytes: int) -> list[_Item]:
     return items
 
 
-def _hash_item(item: _Item, limiter: RateLimiter | None,
-               on_bytes: Callable[[int], None] | None) -> list[bytes]:
+def _hash_item(item: _Item, limiter: RateLimiter | None) -> list[bytes]:
     if limiter is not None:
         limiter.acquire(item.end - item.start)  # before the mapping reads the bytes in
     with open(item.path, "rb") as f:
@@ -121,12 +120,8 @@ def _hash_item(item: _Item, limiter: RateLimiter | None,
                             prot=mmap.PROT_READ, offset=base)
     view = memoryview(mapping)
     try:
-        out = []
-        for _tag, _index, start, n in item.pieces:
-            out.append(hashlib.sha256(view[start - base:start - base + n]).digest())
-            if on_bytes is not None:
-                on_bytes(n)
-        return out
+        return [hashlib.sha256(view[start - base:start - base + n]).digest()
+                for _tag, _index, start, n in item.pieces]
     finally:
         view.release()
         mapping.close()
@@ -138,19 +133,18 @@ def hash_spans(
     piece_bytes: int = PIECE_BYTES,
     threads: int | None = None,
     limiter: RateLimiter | None = None,
-    on_bytes: Callable[[int], None] | None = None,
 ) -> dict[str, list[bytes] | OSError]:
     """Piece digests of every span, in parallel: tag -> digests in order, or the OSError
     that stopped one of its pieces."""
     spans = list(spans)
-    results: dict[str, list[bytes] | OSError] = {s.tag: [] for s in spans}
+    failed: dict[str, OSError] = {}
     slots: dict[str, list[bytes]] = {
         s.tag: [b""] * len(piece_ranges(s.length, piece_bytes)) for s in spans}
     items = _items(spans, piece_bytes)
 
     def run(item: _Item) -> tuple[_Item, list[bytes] | OSError]:
         try:
-            return item, _hash_item(item, limiter, on_bytes)
+            return item, _hash_item(item, limiter)
         except OSError as e:
             return item, e
 
@@ -159,13 +153,10 @@ def hash_spans(
         for item, got in pool.map(run, items):
             for k, (tag, index, _s, _n) in enumerate(item.pieces):
                 if isinstance(got, OSError):
-                    results[tag] = got
+                    failed[tag] = got
                 else:
                     slots[tag][index] = got[k]
-    for tag, pieces in slots.items():
-        if not isinstance(results[tag], OSError):
-            results[tag] = pieces
-    return results
+    return {tag: failed.get(tag, pieces) for tag, pieces in slots.items()}
 
 
 def hash_buffers(
@@ -173,7 +164,6 @@ def hash_buffers(
     *,
     piece_bytes: int = PIECE_BYTES,
     threads: int | None = None,
-    on_bytes: Callable[[int], None] | None = None,
 ) -> dict[str, list[bytes]]:
     """Piece digests of in-memory byte views (tensors), in parallel: name -> digests."""
     jobs = [(name, start, n) for name, view in buffers.items()
@@ -181,10 +171,7 @@ def hash_buffers(
 
     def run(job: tuple[str, int, int]) -> bytes:
         name, start, n = job
-        digest = hashlib.sha256(buffers[name][start:start + n]).digest()
-        if on_bytes is not None:
-            on_bytes(n)
-        return digest
+        return hashlib.sha256(buffers[name][start:start + n]).digest()
 
     out: dict[str, list[bytes]] = {name: [] for name in buffers}
     workers = max(1, min(threads or default_threads(), len(jobs) or 1))

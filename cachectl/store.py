@@ -240,7 +240,7 @@ class CacheStore:
         key = self.resolve_recipe(recipe)
         if key is not None:
             try:
-                entry = self.join(key)
+                entry = self._matching(self.join(key), expected)  # as ensure() checks it
                 entry.via_recipe = True
                 return entry
             except EntryNotFoundError:

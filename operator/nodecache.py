@@ -24,8 +24,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-API_VERSION = "ditserve.io/v1alpha1"
-KIND = "NodeCache"
 PLURAL = "nodecaches"
 LABEL_PREFIX = "cache.ditserve.io/"
 READY, BUILDING, FAILED, UNKNOWN = "Ready", "Building", "Failed", "Unknown"
