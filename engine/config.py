@@ -100,6 +100,13 @@ class ParallelConfig:
             return "sp"
         return None
 
+    @property
+    def weight_group_size(self) -> int:
+        """How many ranks share the AllGather shards (1: no weight group)."""
+        if self.weight_group == "dp":
+            return self.data_parallel_size
+        return self.sequence_parallel_size if self.weight_group == "sp" else 1
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -247,9 +254,7 @@ def problems(config: EngineConfig) -> list[str]:
 
     off = config.offload
     out.extend(offload_problems(off, parallel=par))
-    allgather = off.enabled and off.use_allgather and par.weight_group is not None
-    group = (par.data_parallel_size if par.data_parallel_size > 1
-             else par.sequence_parallel_size) if allgather else 1
+    group = par.weight_group_size if off.enabled and off.use_allgather else 1
     out.extend(format_problems(off, quantization=config.quantization, dtype=config.dtype,
                                group_size=group))
     return out

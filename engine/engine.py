@@ -30,10 +30,11 @@ from typing import Any
 
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.delivery import Delivery
-from ditserve.engine.errors import EngineStoppedError
+from ditserve.engine.errors import EngineStoppedError, ModelLoadError
 from ditserve.engine.executor import Executor, RankWork
-from ditserve.engine.families import family_of_model
+from ditserve.engine.families import FLUX, Family
 from ditserve.engine.lifecycle import EnginePhase, Lifecycle
+from ditserve.engine.loader import model_family
 from ditserve.engine.pending import PendingRequests
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.results import (
@@ -81,7 +82,7 @@ class DiffusionEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         # The step budget, when unset, is max_num_seqs requests of the family's usual size.
-        scheduler = with_budget(config.scheduler, family_of_model(config.model))
+        scheduler = with_budget(config.scheduler, _served_family(config.model))
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
 
@@ -352,3 +353,14 @@ class DiffusionEngine:
             self._wakeup.notify_all()
         for handle in handles:
             self._delivery.stopped(handle, EngineStoppedError(message))
+
+
+def _served_family(model_dir: str | None) -> Family | None:
+    """The family the engine will load (None without a model: the embedded tiny Flux), or
+    None when the directory is not a valid model - loading it says why, in more detail."""
+    if model_dir is None:
+        return FLUX
+    try:
+        return model_family(model_dir)
+    except ModelLoadError:
+        return None

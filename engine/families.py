@@ -15,9 +15,7 @@ lists), the model builders and the torch-side pipeline registry
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -129,19 +127,6 @@ def family_named(name: str) -> Family | None:
         if wanted in (family.name, family.label.lower()):
             return family
     return None
-
-
-def family_of_model(model_dir: str | None) -> Family | None:
-    """The family of a model directory by its model_index.json (None: the embedded tiny
-    model, a Flux), or None when the directory cannot be read as one (the loader then says
-    what is wrong, with more detail)."""
-    if model_dir is None:
-        return FLUX
-    try:
-        index = json.loads((Path(model_dir) / "model_index.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return family_of_pipeline(index.get("_class_name") if isinstance(index, dict) else None)
 
 
 def family_of_pipeline(class_name: object) -> Family | None:

@@ -28,20 +28,16 @@ import torch
 from torch import nn
 
 from ditserve.engine.errors import ConfigError
-from ditserve.engine.formats.fp8_select import (
-    FAMILY_BLOCK_LISTS,
-    FP8Rule,
-    QuantizeReport,
-    quantize_fp8,
-)
+from ditserve.engine.families import declared_block_lists
+from ditserve.engine.formats.fp8_select import FP8Rule, QuantizeReport, quantize_fp8
 
 log = logging.getLogger(__name__)
 FP8_MIN_CAPABILITY = (8, 9)
 
 
 def fp8_rule(transformer: nn.Module) -> FP8Rule:
-    """The family table's rule, or one over the block lists offload discovery finds."""
-    if type(transformer).__name__ in FAMILY_BLOCK_LISTS:
+    """The family registry's rule, or one over the block lists offload discovery finds."""
+    if declared_block_lists(type(transformer).__name__) is not None:
         return FP8Rule()
     from ditserve.engine.offload.discovery import discover
 

@@ -19,16 +19,13 @@ from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import QueueFullError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import DEFAULT_WORK_RULE, StepScheduler
-from ditserve.engine.work import RequestWork, with_budget
+from ditserve.engine.work import RequestWork
 
 
 class RankQueues:
     """The shared queue and the per-rank schedulers of one replica (see module docstring)."""
 
     def __init__(self, config: SchedulerConfig, ranks: int) -> None:
-        config = with_budget(config, None)  # unresolved: an image model's budget
-        self.capacity = config.max_num_seqs
-        self.budget = config.max_batch_tokens
         self.max_queue = config.max_queue
         self.schedulers = [StepScheduler(config) for _ in range(ranks)]
         self._shared: OrderedDict[str, tuple[SamplingParams, RequestWork]] = OrderedDict()
@@ -48,7 +45,8 @@ class RankQueues:
         rank taken and ``max_queue`` requests waiting beyond them. Requests admitted in a burst
         count as waiting until the next step moves them into free slots, so free slots are
         room too (a burst to an idle replica is never refused)."""
-        free_slots = max(0, self.capacity * len(self.schedulers) - self.num_running)
+        slots = sum(s.config.max_num_seqs for s in self.schedulers)
+        free_slots = max(0, slots - self.num_running)
         return self.num_waiting >= max_queue + free_slots
 
     def rank_of(self, request_id: str) -> int | None:
@@ -83,14 +81,7 @@ class RankQueues:
         if not self._shared:
             return False
         _, work = next(iter(self._shared.values()))
-        return any(self._has_room(r, work) for r in ranks)
-
-    def _has_room(self, rank: int, work: RequestWork) -> bool:
-        s = self.schedulers[rank]
-        queued = s.num_running + s.num_waiting
-        if queued >= self.capacity:
-            return False
-        return queued == 0 or s.committed_tokens() + work.tokens <= self.budget
+        return any(self.schedulers[r].has_room(work) for r in ranks)
 
     # -- changes ------------------------------------------------------------------------------
     def add(self, request_id: str, params: SamplingParams,
@@ -113,7 +104,7 @@ class RankQueues:
         """Hand shared requests, oldest first, to ranks with room for them."""
         while self._shared:
             request_id, (params, work) = next(iter(self._shared.items()))
-            free = [r for r in range(len(self.schedulers)) if self._has_room(r, work)]
+            free = [r for r, s in enumerate(self.schedulers) if s.has_room(work)]
             if not free:
                 return
             del self._shared[request_id]

@@ -176,6 +176,16 @@ class StepScheduler:
         """Work of the running and waiting requests (rows x tokens)."""
         return sum(r.work.tokens for r in (*self._running.values(), *self._waiting.values()))
 
+    def has_room(self, work: RequestWork) -> bool:
+        """Whether a request of ``work`` fits what this rank already holds: a free slot and
+        the budget left, or nothing held at all (a request larger than the budget runs
+        alone, as admission lets it)."""
+        queued = self.num_running + self.num_waiting
+        if queued >= self.config.max_num_seqs:
+            return False
+        assert self.config.max_batch_tokens is not None  # resolved in __init__
+        return queued == 0 or self.committed_tokens() + work.tokens <= self.config.max_batch_tokens
+
     # -- lifecycle inputs ------------------------------------------------------------------
     def add(self, request_id: str, params: SamplingParams,
             work: RequestWork | None = None) -> ScheduledRequest:

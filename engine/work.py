@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ditserve.engine.config import SchedulerConfig
-from ditserve.engine.families import Family
+from ditserve.engine.families import FLUX, Family
 from ditserve.engine.request import SamplingParams
 
 # Tokens of one 1024x1024 image of a DiT with 16-pixel tokens (Flux.1, Qwen-Image): 64 x 64.
@@ -29,20 +29,15 @@ FULL_IMAGE_TOKENS = 4096
 DEFAULT_MAX_BATCH_TOKENS = 4 * FULL_IMAGE_TOKENS
 
 
-def default_budget(max_num_seqs: int, reference_work: int = FULL_IMAGE_TOKENS) -> int:
-    """The step budget when none is configured: ``max_num_seqs`` requests of the served
-    family's usual size (``Family.reference_work``), so an image model budgets four 1024x1024
-    images and a video model four 81-frame CFG videos, not a video's fraction."""
-    return max_num_seqs * reference_work
-
-
 def with_budget(config: SchedulerConfig, family: Family | None) -> SchedulerConfig:
-    """``config`` with its work budget resolved: the configured one, else ``default_budget``
-    for ``family`` (an unknown family budgets like an image model)."""
+    """``config`` with its work budget resolved: the configured one, else ``max_num_seqs``
+    requests of the served family's usual size (``Family.reference_work``), so an image model
+    budgets four 1024x1024 images and a video model four 81-frame CFG videos, not a video's
+    fraction. An unknown family budgets like Flux."""
     if config.max_batch_tokens is not None:
         return config
-    reference = family.reference_work if family is not None else FULL_IMAGE_TOKENS
-    return replace(config, max_batch_tokens=default_budget(config.max_num_seqs, reference))
+    reference = (family or FLUX).reference_work
+    return replace(config, max_batch_tokens=config.max_num_seqs * reference)
 
 CFG_RULES = ("true_cfg", "guidance")
 

@@ -110,10 +110,9 @@ class Groups:
 
 
 def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float,
-                topology: Topology | None = None) -> Groups:
+                topology: Topology) -> Groups:
     """Join the rendezvous; returns this process's weight and sequence groups (as the
-    ``topology`` names them; None: data parallelism over every process) and the pair groups."""
-    topology = topology or Topology(rdv.world_size)
+    ``topology`` names them) and the pair groups."""
     if topology.world_size != rdv.world_size:
         raise ConfigError(f"the topology has {topology.world_size} processes but the rendezvous "
                           f"WORLD_SIZE is {rdv.world_size}")

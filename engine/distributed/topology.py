@@ -57,10 +57,6 @@ class Topology:
         sp = self.sequence_parallel_size
         return range(dp_rank * sp, (dp_rank + 1) * sp)
 
-    def sequence_rank(self, process: int) -> int:
-        """The process's index in its SP group (0: the leader, whose output is kept)."""
-        return process % self.sequence_parallel_size
-
     @property
     def sequence_groups(self) -> Ranks:
         """The SP groups (one per DP rank), or none without sequence parallelism."""

@@ -41,13 +41,9 @@ import torch
 from torch import nn
 
 from ditserve.engine.errors import FormatError
+from ditserve.engine.families import FAMILIES, declared_block_lists
 from ditserve.engine.formats.fp8_linear import FP8Linear, fits_scaled_mm
 
-FAMILY_BLOCK_LISTS: dict[str, tuple[str, ...]] = {
-    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
-    "QwenImageTransformer2DModel": ("transformer_blocks",),
-    "WanTransformer3DModel": ("blocks",),
-}
 # A linear's path inside its block: adaLN modulation (Flux ``norm1.linear``, Qwen-Image
 # ``img_mod.1``). They map the timestep embedding to shift/scale/gate vectors.
 MODULATION = re.compile(r"(^|\.)(norm\w*\.linear|\w+_mod\.\d+)$")
@@ -84,11 +80,12 @@ def block_lists_of(model: nn.Module, rule: FP8Rule) -> tuple[str, ...]:
     if rule.block_lists is not None:
         return rule.block_lists
     name = type(model).__name__
-    if name not in FAMILY_BLOCK_LISTS:
+    lists = declared_block_lists(name)  # the family registry's, as offload discovers them
+    if lists is None:
         raise FormatError(
-            f"no FP8 layer rule for {name}; known: {', '.join(FAMILY_BLOCK_LISTS)} (pass "
-            "FP8Rule(block_lists=...) with the model's streamed block lists)")
-    return FAMILY_BLOCK_LISTS[name]
+            f"no FP8 layer rule for {name}; known: {', '.join(f.dit_class for f in FAMILIES)} "
+            "(pass FP8Rule(block_lists=...) with the model's streamed block lists)")
+    return lists
 
 
 def select_linears(model: nn.Module, rule: FP8Rule | None = None) -> Selection:

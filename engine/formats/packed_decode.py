@@ -36,6 +36,13 @@ def check_target(packed: PackedBf16, out: torch.Tensor) -> None:
 def decode_into(packed: PackedBf16, out: torch.Tensor) -> torch.Tensor:
     """Write the values of ``packed`` into ``out`` (see module docstring); returns ``out``."""
     check_target(packed, out)
+    return decode_checked(packed, out)
+
+
+def decode_checked(packed: PackedBf16, out: torch.Tensor) -> torch.Tensor:
+    """``decode_into`` for a pair ``check_target`` already accepted: the offload's decoding
+    transfer checks each (staging, slot) pair once when it prepares a block's loads, not on
+    every load of every step."""
     if packed.layout.numel == 0:
         return out
     if out.device.type == "cuda":

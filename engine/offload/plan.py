@@ -94,7 +94,8 @@ class SlotLayout:
         return sum(itemsize * numel for _, itemsize, numel in self.regions)
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
 
 
@@ -117,10 +118,10 @@ def layout_block(
         align = max(1, ALIGN_BYTES // itemsize)
         cursor = 0
         for spec in specs:
-            cursor = _round_up(cursor, align)
+            cursor = round_up(cursor, align)
             placed[id(spec)] = TensorPlacement(spec.name, dtype, spec.shape, cursor, spec.numel)
             cursor += spec.numel
-        numel = _round_up(_round_up(cursor, align), align * shard_multiple)
+        numel = round_up(round_up(cursor, align), align * shard_multiple)
         regions.append(DtypeRegion(dtype, itemsize, numel, host_offset))
         host_offset += numel * itemsize  # stays ALIGN_BYTES-aligned: numel is a multiple of align
     payload = sum(s.numel * s.itemsize for s in tensors)

@@ -3,6 +3,8 @@ per-step shape groups, rows and tokens in /metrics."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
@@ -77,9 +79,14 @@ def test_metrics_expose_shape_groups_rows_and_tokens_per_step() -> None:
 def test_an_engine_budgets_for_the_family_it_serves(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from ditserve.engine.engine import DiffusionEngine
 
+    # A directory the loader accepts as a Wan pipeline (its layout; no weights are read).
     wan = tmp_path / "wan"
-    wan.mkdir()
-    (wan / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    index: dict[str, object] = {"_class_name": "WanPipeline",
+                                "transformer": ["diffusers", WAN.dit_class]}
+    for name in ("transformer", *WAN.components):
+        index.setdefault(name, ["diffusers", "Component"])
+        (wan / name).mkdir(parents=True)
+    (wan / "model_index.json").write_text(json.dumps(index))
     budgets = {
         name: DiffusionEngine(EngineConfig(model=model)).schedulers[0].config.max_batch_tokens
         for name, model in (("tiny flux", None), ("wan", str(wan)))

@@ -103,10 +103,6 @@ class MappedBacking:
         """Mapped (shared, not private) bytes behind the streamed blocks."""
         return sum(b.nbytes for bs in self._bindings.values() for b in bs)
 
-    @property
-    def registered(self) -> bool:
-        return self.registration is not None
-
     def report(self) -> BackingReport:
         reg = self.registration
         copies = tensors = None

@@ -160,11 +160,6 @@ def aligned_empty(nbytes: int, *, huge_pages: bool = True) -> torch.Tensor:
     return buffer
 
 
-def advise_huge_pages(address: int, nbytes: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on a page-aligned range; False where the kernel declines."""
-    return advise_pages(address, nbytes, MADV_HUGEPAGE)
-
-
 def advise_pages(address: int, nbytes: int, advice: int) -> bool:
     """madvise(``advice``) on a page-aligned range; False where the kernel declines."""
     libc = _libc()

@@ -36,7 +36,7 @@ from ditserve.engine.formats.packed_encode import encode
 from ditserve.engine.formats.packed_layout import DEFAULT_STRIPES, FORMAT, PackedBf16, PackedLayout
 from ditserve.engine.offload.host.backing import BackingReport, PackedFacts, ShardFacts
 from ditserve.engine.offload.host.memory import HostMemory
-from ditserve.engine.offload.plan import ALIGN_BYTES, BlockLayout
+from ditserve.engine.offload.plan import ALIGN_BYTES, BlockLayout, round_up
 from ditserve.engine.offload.shards import BlockShard, RegionShard, shard_block
 
 PACKED_DTYPE = torch.bfloat16  # the only dtype the packing encodes
@@ -62,10 +62,6 @@ class _Record:
     raw: list[tuple[RegionShard, int]]  # raw region slices and their byte offsets in the slab
     packed: PackedLayout | None  # None: the block has no bf16 region
     packed_offset: int
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 class PackedBacking:
@@ -119,7 +115,7 @@ class PackedBacking:
         for region in shard.regions:
             if packed is None or region.dtype != PACKED_DTYPE:
                 raw.append((region, cursor))
-                cursor += _aligned(region.nbytes)
+                cursor += round_up(region.nbytes, ALIGN_BYTES)
         share = packed.layout.nbytes // self.group_size if packed is not None else 0
         slab = self._memory.allocate(cursor + share)
         slab[:cursor].zero_()  # padding between and after tensors: deterministic bytes

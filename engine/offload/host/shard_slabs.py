@@ -8,7 +8,7 @@ block's tensors that fall in the slice - the full block is never assembled on th
 zeroes the padding, so the gathered regions are deterministic.
 
 The full blocks exist on no single rank: ``release(gather=True)`` rebuilds them with the
-``rebuild`` collective it was given (the gather transfer's ``gather_full``); without it the
+``rebuild`` collective it was given (``movement.gather.gather_full``); without it the
 tensors come back empty.
 
 Built by the backend's builders (AllGather mode); ``hooks`` read the shard regions as the
@@ -53,9 +53,6 @@ class ShardBacking:
             f"{self._memory.kind}-shards", self.nbytes, self._memory.pinned_bytes,
             shard=ShardFacts(self.group_size, self.rank, self.nbytes),
         )
-
-    def shard(self, index: int) -> BlockShard:
-        return self._shards[index]
 
     def add(self, layout: BlockLayout, tensors: Sequence[torch.Tensor]) -> None:
         """Allocate the block's shard slab and copy this rank's slice of ``tensors`` into it."""

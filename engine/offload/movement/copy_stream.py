@@ -31,7 +31,7 @@ class SyncTransfer:
     """Synchronous copies on the calling thread; events are not needed."""
 
     name = "sync-copy"
-    clock = None  # nothing to time: a copy is done when load returns
+    clock = None  # nothing to time: a copy is done when load returns (reports no rate)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

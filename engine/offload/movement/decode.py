@@ -8,7 +8,7 @@ adds one step per load. A load of block k into device slot s:
    and records its ready event. With AllGather the staging buffer is the gather's target: each
    rank copies its stripes, ``all_gather_into_tensor`` rebuilds the packed run;
 2. the decode stream waits for those bytes (``inner.wait_ready`` issued on it), decodes the
-   staging bytes into the slot's bf16 region (``formats.packed_decode.decode_into``: one
+   staging bytes into the slot's bf16 region (``formats.packed_decode.decode_checked``: one
    Triton kernel per run, no allocation, no host sync) and records this transfer's
    ``ready[s]``;
 3. the compute stream waits on ``ready[s]`` before block k runs (``wait_ready``).
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.formats.packed_decode import check_target, decode_into
+from ditserve.engine.formats.packed_decode import check_target, decode_checked
 from ditserve.engine.formats.packed_layout import PackedBf16
 from ditserve.engine.offload.host.packed_slabs import PackedSource
 from ditserve.engine.offload.movement.transfer import MovementProbe, Transfer, TransferReport
@@ -95,14 +95,14 @@ class DecodingTransfer:
         self.decoded_runs += len(prepared.runs)
         if self.stream is None:  # CPU: the bytes are already there
             for packed, dst in prepared.runs:
-                decode_into(packed, dst)
+                decode_checked(packed, dst)
             return
         with torch.cuda.stream(self.stream):
             # Read-after-write on the staging buffer: the inner transfer's ready event (its
             # copy, or its gather) becomes a wait of the decode stream, not of the host.
             self.inner.wait_ready(slot)
             for packed, dst in prepared.runs:
-                decode_into(packed, dst)
+                decode_checked(packed, dst)
             self.ready[slot].record(self.stream)
 
     def wait_ready(self, slot: int) -> None:

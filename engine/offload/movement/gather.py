@@ -84,7 +84,7 @@ def gather_full(
 
 
 class GatherTransfer:
-    """What both gathers share: shard slots in turn, byte counters, reports, ``gather_full``."""
+    """What both gathers share: shard slots in turn, byte counters, reports."""
 
     name = "h2d+allgather"
 
@@ -104,7 +104,6 @@ class GatherTransfer:
         self._next_shard = 0
         self.h2d_bytes = 0
         self.gathered_bytes = 0
-        self.gathers = 0
 
     def _make_shard_slots(
         self, shard_slot: Mapping[Hashable, tuple[int, int]]
@@ -150,7 +149,6 @@ class GatherTransfer:
             triples.append((dst, src, self.shard_slots[j][src.dtype][: src.numel()]))
             self.h2d_bytes += src.numel() * src.element_size()
             self.gathered_bytes += dst.numel() * dst.element_size()
-        self.gathers += len(triples)
         return j, triples
 
     def load(self, prepared: CopyPairs, slot: int) -> None:
@@ -169,12 +167,6 @@ class GatherTransfer:
         self.synchronize()
         self.shard_slots.clear()
         self._base.close()
-
-    # -- whole blocks, synchronously --------------------------------------------------------------
-    def gather_full(self, shards: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
-        """``gather_full`` over this transfer's group, after draining its loads."""
-        self.synchronize()
-        return gather_full(shards, group=self.group, device=self.device)
 
 
 class SyncGather(GatherTransfer):

@@ -38,7 +38,7 @@ from ditserve.engine.offload.host.memory import HostMemory
 from ditserve.engine.offload.host.registration import Registrar
 from ditserve.engine.offload.movement.copy_stream import CudaStreamTransfer, SyncTransfer
 from ditserve.engine.offload.movement.transfer import CopyPairs, MovementProbe, TransferReport
-from ditserve.engine.offload.plan import ALIGN_BYTES, SlotLayout
+from ditserve.engine.offload.plan import ALIGN_BYTES, SlotLayout, round_up
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
@@ -99,7 +99,7 @@ class StagedTransfer:
         offsets, total = [], 0
         for _dtype, itemsize, numel in layout.regions:
             offsets.append(total)
-            total += -(-itemsize * numel // ALIGN_BYTES) * ALIGN_BYTES
+            total += round_up(itemsize * numel, ALIGN_BYTES)
         for _ in range(2):
             buffer = self._memory.allocate(total)  # page-locked on CUDA
             self._buffers.append(buffer)
