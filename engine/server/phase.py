@@ -10,6 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from ditserve.engine.errors import EngineStoppedError, InvalidRequestError, QueueFullError
+from ditserve.engine.server.errors import APIError
+from ditserve.engine.server.schemas import request_error
+
+# What the engine refuses to admit: each maps to one API error (``admission_error``).
+ADMISSION_ERRORS = (QueueFullError, EngineStoppedError, InvalidRequestError)
+QUEUE_FULL = "every batch slot is taken and the queue is full; retry later"
+
 Phase = Literal["loading", "compiling", "ready", "draining", "failed", "stopped"]
 
 
@@ -38,12 +46,28 @@ NOT_READY = {
 }
 
 
-def unavailable(state: Any, message: str) -> Any:
-    """A 503 with Retry-After (an APIError)."""
-    from ditserve.engine.server.errors import APIError
-
+def unavailable(state: Any, message: str) -> APIError:
+    """A 503 with Retry-After."""
     return APIError(503, message, type="server_error", code="unavailable", reason="unavailable",
                     headers={"Retry-After": str(state.config.retry_after_s)})
+
+
+def too_many(state: Any, message: str = QUEUE_FULL, retry_after: float | None = None, *,
+             code: str = "queue_full", reason: str = "queue_full") -> APIError:
+    """A 429 with Retry-After (``retry_after`` s, default the server's)."""
+    seconds = state.config.retry_after_s if retry_after is None else int(retry_after)
+    return APIError(429, message, type="rate_limit_error", code=code, reason=reason,
+                    headers={"Retry-After": str(seconds)})
+
+
+def admission_error(state: Any, exc: QueueFullError | EngineStoppedError | InvalidRequestError
+                    ) -> APIError:
+    """The API error for an engine's refusal to admit a request (images and video jobs)."""
+    if isinstance(exc, QueueFullError):
+        return too_many(state)
+    if isinstance(exc, EngineStoppedError):
+        return unavailable(state, "the engine is not accepting requests; retry later")
+    return request_error(exc)
 
 
 def check_admitting(state: Any) -> None:

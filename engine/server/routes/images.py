@@ -22,16 +22,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ditserve.engine.errors import (
     DitServeError,
     EngineStoppedError,
-    InvalidRequestError,
-    QueueFullError,
     RequestAborted,
 )
 from ditserve.engine.server import openapi, responses, streaming
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, log_error, request_id_of
-from ditserve.engine.server.phase import check_admitting, unavailable
-from ditserve.engine.server.schemas import parse_generation_request, request_error
+from ditserve.engine.server.phase import (
+    ADMISSION_ERRORS,
+    admission_error,
+    check_admitting,
+    unavailable,
+)
+from ditserve.engine.server.schemas import parse_generation_request
 from ditserve.engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -42,32 +45,21 @@ CLIENT_CLOSED = 499
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-def _unavailable(state: ServerState, message: str) -> APIError:
-    error: APIError = unavailable(state, message)
-    return error
-
-
 def _admit(state: ServerState, engine_request_id: str, params: Any, on_event: Any = None
            ) -> Any:
     check_admitting(state)
     try:
         return state.engine.add_request(params, request_id=engine_request_id,
                                         on_event=on_event)
-    except QueueFullError as e:
-        raise APIError(429, "every batch slot is taken and the queue is full; retry later",
-                       type="rate_limit_error", code="queue_full", reason="queue_full",
-                       headers={"Retry-After": str(state.config.retry_after_s)}) from e
-    except EngineStoppedError as e:
-        raise _unavailable(state, "the engine is not accepting requests; retry later") from e
-    except InvalidRequestError as e:
-        raise request_error(e) from e
+    except ADMISSION_ERRORS as e:
+        raise admission_error(state, e) from e
 
 
 def _failure(state: ServerState, request_id: str, exc: BaseException) -> APIError:
     """The API error for a request whose engine future failed (the cause goes to the log)."""
     log.warning("request %s failed: %s", request_id, exc)
     if isinstance(exc, (RequestAborted, EngineStoppedError)):
-        return _unavailable(state, "the request was aborted: the engine is shutting down or "
+        return unavailable(state, "the request was aborted: the engine is shutting down or "
                                    "stopped; retry on another replica")
     return APIError(500, f"the engine failed to generate this request (request {request_id}); "
                          "see the server log", type="server_error", code="engine_error",

@@ -23,7 +23,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ditserve.engine.errors import EngineStoppedError, InvalidRequestError, QueueFullError
 from ditserve.engine.server import video_openapi
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
@@ -31,8 +30,12 @@ from ditserve.engine.server.errors import APIError, invalid, request_id_of, show
 from ditserve.engine.server.jobs.model import FINISHED_LABELS, JOB_ID_PATTERN, deleted_object
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.jobs.store import StoreFull
-from ditserve.engine.server.phase import check_admitting, unavailable
-from ditserve.engine.server.schemas import request_error
+from ditserve.engine.server.phase import (
+    ADMISSION_ERRORS,
+    admission_error,
+    check_admitting,
+    too_many,
+)
 from ditserve.engine.server.state import ServerState
 from ditserve.engine.server.streaming import EventBridge, sse
 from ditserve.engine.server.video_request import parse_video_request, read_body
@@ -70,13 +73,6 @@ def _not_found(video_id: str) -> APIError:
                     code="video_not_found", reason="not_found")
 
 
-def _too_many(state: ServerState, message: str, retry_after: float | None, *, code: str,
-              reason: str) -> APIError:
-    seconds = state.config.retry_after_s if retry_after is None else int(retry_after)
-    return APIError(429, message, type="rate_limit_error", code=code, reason=reason,
-                    headers={"Retry-After": str(seconds)})
-
-
 @router.post("/v1/videos", response_model=None, summary="Create a video job (OpenAI videos API)",
              openapi_extra=video_openapi.CREATE_BODY, responses=video_openapi.create_answers())
 async def create_video(request: Request) -> JSONResponse:
@@ -87,15 +83,10 @@ async def create_video(request: Request) -> JSONResponse:
     try:
         job = videos.create(spec, request_id=request_id_of(request))
     except StoreFull as e:
-        raise _too_many(state, str(e), e.retry_after_s, code="store_full",
-                        reason="store_full") from e
-    except QueueFullError as e:
-        raise _too_many(state, "every batch slot is taken and the queue is full; retry later",
-                        None, code="queue_full", reason="queue_full") from e
-    except EngineStoppedError as e:
-        raise unavailable(state, "the engine is not accepting requests; retry later") from e
-    except InvalidRequestError as e:
-        raise request_error(e) from e
+        raise too_many(state, str(e), e.retry_after_s, code="store_full",
+                       reason="store_full") from e
+    except ADMISSION_ERRORS as e:
+        raise admission_error(state, e) from e
     return JSONResponse(job)
 
 
