@@ -137,7 +137,8 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
         "negative_prompt": nullable(text),
         "num_inference_steps": integer(1, limits.max_steps,
                                        f"denoise steps (default {limits.default_steps})"),
-        "guidance_scale": number("distilled guidance of Flux-dev (default 3.5)"),
+        "guidance_scale": number(f"distilled guidance of Flux-dev (default "
+                                 f"{limits.default_guidance:g})"),
         "true_cfg_scale": number("classifier-free guidance with negative_prompt; > 1 needs "
                                  "a non-empty negative_prompt (default 1: off)"),
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),

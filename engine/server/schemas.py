@@ -30,6 +30,7 @@ from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, SamplingParams
 from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid, shown
+from ditserve.engine.server.model_defaults import ModelDefaults
 
 Number = Annotated[float, Strict()]  # strict: 3 and 3.5 are numbers, "3" and true are not
 
@@ -78,7 +79,6 @@ class ImageGenerationRequest(BaseModel):
 
 
 FIELDS = tuple(ImageGenerationRequest.model_fields)
-DEFAULT_GUIDANCE = 3.5
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class RequestLimits:
     max_prompt_chars: int | None
     max_side: int = MAX_SIDE
     max_steps: int = MAX_STEPS
+    default_guidance: float = ModelDefaults.guidance  # the model's (server.model_defaults)
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,8 @@ def parse_generation_request(raw: bytes, *, engine: Any, limits: RequestLimits) 
     params = SamplingParams(
         prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
         num_inference_steps=_steps(body, limits),
-        guidance_scale=DEFAULT_GUIDANCE if body.guidance_scale is None else body.guidance_scale,
+        guidance_scale=(limits.default_guidance if body.guidance_scale is None
+                        else body.guidance_scale),
         true_cfg_scale=1.0 if body.true_cfg_scale is None else body.true_cfg_scale,
         seed=body.seed, num_images=1 if body.n is None else body.n,
         # Previews are decoded only for a stream that can carry them.

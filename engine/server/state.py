@@ -87,7 +87,7 @@ class ServerState:
             pixel_multiple=self.engine.pixel_multiple,
             max_prompt_chars=self.engine.max_prompt_chars,
             max_side=min(config.max_side or MAX_SIDE, MAX_SIDE),
-            max_steps=max_steps,
+            max_steps=max_steps, default_guidance=self.model.guidance,
         )
 
     def video_limits(self) -> VideoLimits:
