@@ -9,9 +9,10 @@ request lifecycle; this module only decides. Two policies (``SchedulerConfig.sch
   (effective priority, absolute deadline, arrival), lower first, still with the bounded bypass
   for a request that does not fit the room left. Aging: every ``aging_s`` seconds a request
   has waited since it arrived (paused time included) lowers its effective priority by one
-  level, so a request of priority p waiting behind a steady stream of priority q < p reaches
-  the head of the order after at most (p - q) x ``aging_s`` seconds, and from there the bounded
-  bypass bounds its wait. When the head of the order cannot be admitted for lack of room, the
+  level. So a request of priority p is ordered as a request of priority q < p that arrived
+  (p - q) x ``aging_s`` seconds later: no request arriving that much after it ever goes first,
+  and a steady stream of higher-priority work cannot starve it (its wait is bounded by the
+  work that arrived in that window, and from the head of the order by the bounded bypass). When the head of the order cannot be admitted for lack of room, the
   lowest-priority running requests (latest arrival first among equals) are paused at this step
   boundary to make room, if and only if that makes it fit: only requests of strictly worse
   base priority, never one in its last step, never one admitted or resumed in the same pass,
