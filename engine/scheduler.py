@@ -24,14 +24,11 @@ within one admission pass too (a burst of small requests cannot all pass at once
 ``max_bypass`` 0 is strict arrival order (FIFO: a request that does not fit blocks everyone
 behind it).
 
-Priorities and deadlines (``scheduling_policy``): under the "priority" policy the waiting and
-paused requests are admitted by (priority, deadline, arrival) with aging, and when the head of
-that order does not fit, lower-priority running requests are paused at this step boundary: a
-paused request is left out of the plans (its denoise state waits in the runner, untouched) and
-resumed - back into ``denoise``, without a second encode - when its turn in the order comes.
-Under both policies a request whose deadline can no longer be met by the measured step time
-is finished as FINISHED_DEADLINE at a step boundary. Pauses, resumes and deadline stops made
-by ``schedule()`` are reported by the ``update()`` that follows it.
+Under the "priority" policy (``scheduling_policy``) lower-priority running requests may be
+paused at a step boundary: left out of the plans (the runner keeps their state, untouched)
+until resumed into ``denoise`` without a second encode. Under both policies a request that
+can no longer meet its deadline (``deadlines``) ends as FINISHED_DEADLINE at a step boundary.
+``update()`` reports the pauses and deadline stops of the ``schedule()`` before it.
 
 The queue bound (``max_queue``) is replica-wide and lives in ``RankQueues``, in front of the
 per-rank schedulers.
@@ -45,8 +42,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
-from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder, StepClock, finish_steps
+from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder
 from ditserve.engine.step_plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
 from ditserve.engine.work import RequestWork, WorkRule, with_budget
 
@@ -109,12 +107,8 @@ class StepScheduler:
                 or self._paused.get(request_id) or self._decoding.get(request_id))
 
     def queue_position(self, request_id: str) -> int | None:
-        """0-based position among waiting requests (in admission order), or None if not
-        waiting."""
-        for position, rid in enumerate(self.waiting_ids()):
-            if rid == request_id:
-                return position
-        return None
+        """0-based position among waiting requests (admission order); None: not waiting."""
+        return self.waiting_ids().index(request_id) if request_id in self._waiting else None
 
     def waiting_ids(self) -> list[str]:
         """Waiting request ids, in admission order."""
@@ -141,14 +135,12 @@ class StepScheduler:
         queued = self.num_running + self.num_waiting + self.num_paused
         if queued >= self.config.max_num_seqs:
             return False
-        assert self.config.max_batch_tokens is not None  # resolved in __init__
-        return queued == 0 or self.committed_tokens() + work.tokens <= self.config.max_batch_tokens
+        return queued == 0 or self.committed_tokens() + work.tokens <= self._budget
 
     def estimate_s(self, params: SamplingParams, work: RequestWork | None = None
                    ) -> float | None:
-        """Seconds a new request would take to finish here, by the measured step time and
-        the work ahead of it (``scheduling_policy.finish_steps``); None before a step time
-        was measured."""
+        """Seconds a new request would take to finish here (``deadlines.finish_steps`` at the
+        measured step time); None before a step time was measured."""
         step_s = self.step_seconds
         if step_s is None:
             return None
@@ -156,12 +148,6 @@ class StepScheduler:
         new = ScheduledRequest("", params, arrival=NEWEST,
                                work=work or DEFAULT_WORK_RULE.of(params), arrived_at=now)
         return finish_steps(new, self._ahead_of(new, now), self._budget) * step_s
-
-    def eta_s(self, request_id: str) -> float | None:
-        """Seconds until a running request finishes by the measured step time (None: not
-        running, or no step time measured yet)."""
-        request, step_s = self._running.get(request_id), self.step_seconds
-        return None if request is None or step_s is None else request.remaining_steps * step_s
 
     # -- lifecycle inputs ------------------------------------------------------------------
     def add(self, request_id: str, params: SamplingParams,
@@ -195,18 +181,11 @@ class StepScheduler:
         now = self.clock()
         self._stop_late(now)
         admitted = self._admit() if self._order is None else self._admit_by_priority(now)
-        decode = tuple(
-            rid for rid, r in self._running.items() if r.steps_done + 1 >= r.total_steps
-        )
+        decode = tuple(rid for rid, r in self._running.items() if r.remaining_steps <= 1)
         freed, self._aborted_running = tuple(self._aborted_running), []
         self._step_clock.tick(now, busy=bool(self._running))
-        return StepPlan(
-            step_id=next(self._step_ids),
-            encode=tuple(admitted),
-            denoise=tuple(self._running),
-            decode=decode,
-            freed=freed,
-        )
+        return StepPlan(step_id=next(self._step_ids), encode=tuple(admitted),
+                        denoise=tuple(self._running), decode=decode, freed=freed)
 
     def update(self, plan: StepPlan, output: RunnerOutput) -> list[StatusChange]:
         """Apply the runner's results; return the status changes (with the pauses, resumes
@@ -247,23 +226,17 @@ class StepScheduler:
         return (*self._running.values(), *self._paused.values(), *self._waiting.values())
 
     def _ahead_of(self, new: ScheduledRequest, now: float) -> list[ScheduledRequest]:
-        """The requests that go before ``new``: everything held under fcfs; under priority,
-        running ones it may not pause and queued ones earlier in the order."""
+        """The requests that go before ``new``: everything held under fcfs, else by policy."""
         if self._order is None:
             return list(self._held())
-        key = self._order.key(new, now)
-        queued = [r for r in (*self._paused.values(), *self._waiting.values())
-                  if self._order.key(r, now) < key]
-        return [*(r for r in self._running.values() if r.priority <= new.priority), *queued]
+        return self._order.ahead_of(new, self._running.values(),
+                                    (*self._paused.values(), *self._waiting.values()), now)
 
-    def _set(
-        self, request: ScheduledRequest, status: RequestStatus, error: str | None = None
-    ) -> StatusChange:
-        request.status = status
-        request.error = error
-        return StatusChange(
-            request.request_id, status, request.steps_done, request.total_steps, error
-        )
+    def _set(self, request: ScheduledRequest, status: RequestStatus,
+             error: str | None = None) -> StatusChange:
+        request.status, request.error = status, error
+        return StatusChange(request.request_id, status, request.steps_done,
+                            request.total_steps, error)
 
     def _stepped(self, request: ScheduledRequest) -> StatusChange:
         resumed_after = None
@@ -277,25 +250,17 @@ class StepScheduler:
             eta_s=None if step_s is None else request.remaining_steps * step_s)
 
     def _stop_late(self, now: float) -> None:
-        """Finish every request that can no longer meet its deadline: now + its remaining
-        steps at the measured step time is past it (or the deadline itself has passed)."""
-        step_s = self.step_seconds or 0.0
+        """Finish every held request that can no longer meet its deadline (``late_by``)."""
         for queue in (self._waiting, self._paused, self._running):
             for rid, request in list(queue.items()):
-                deadline = request.deadline_at
-                if deadline is None:
-                    continue
-                finish = now + request.remaining_steps * step_s
-                if finish <= deadline:
+                reason = late_by(request, now, self.step_seconds)
+                if reason is None:
                     continue
                 del queue[rid]
                 if queue is not self._waiting:
                     self._aborted_running.append(rid)  # the runner drops its state
-                self._reported.append(self._set(
-                    request, RequestStatus.FINISHED_DEADLINE,
-                    f"deadline_exceeded: deadline_s={request.params.deadline_s:g} cannot be "
-                    f"met: {request.remaining_steps} steps left at {step_s:.3f} s/step would "
-                    f"finish {finish - request.arrived_at:.1f} s after arrival"))
+                self._reported.append(self._set(request, RequestStatus.FINISHED_DEADLINE,
+                                                reason))
 
     def _admit(self) -> list[str]:
         """fcfs: arrival order with the bounded bypass (see the module docstring)."""
@@ -365,15 +330,11 @@ class StepScheduler:
         self._running[request.request_id] = request
 
     def _pause(self, request: ScheduledRequest, now: float) -> None:
-        del self._running[request.request_id]
-        request.times_paused += 1
-        request.paused_at = now
-        self._paused[request.request_id] = request
+        self._paused[request.request_id] = self._running.pop(request.request_id)
+        request.times_paused, request.paused_at = request.times_paused + 1, now
         self._reported.append(self._set(request, RequestStatus.PAUSED))
 
     def _resume(self, request: ScheduledRequest, now: float) -> None:
-        del self._paused[request.request_id]
+        self._running[request.request_id] = self._paused.pop(request.request_id)
         assert request.paused_at is not None
-        request.paused_seconds = now - request.paused_at
-        request.status = RequestStatus.DENOISING
-        self._running[request.request_id] = request
+        request.paused_seconds, request.status = now - request.paused_at, RequestStatus.DENOISING

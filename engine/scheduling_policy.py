@@ -1,4 +1,4 @@
-"""Scheduling policy: the order of admission, whom to pause, and how long the work will take.
+"""Scheduling policy: the order of admission, and whom to pause.
 
 Pure Python (no torch), called only by ``StepScheduler`` (engine/scheduler.py), which owns the
 request lifecycle; this module only decides. Two policies (``SchedulerConfig.scheduling_policy``):
@@ -18,11 +18,7 @@ request lifecycle; this module only decides. Two policies (``SchedulerConfig.sch
   base priority, never one in its last step, never one admitted or resumed in the same pass,
   and never one already paused ``max_preemptions`` times.
 
-The estimate (``StepClock``, ``finish_steps``): the scheduler measures the wall time between
-consecutive busy steps with its clock (an exponential average: encode, decode and host work
-included, which is what a client waits for); a request's finish is a fluid model of the
-replica - it drains ``max_batch_tokens`` rows x tokens per step - over the work ahead of it,
-but never sooner than its own remaining steps.
+How long the work will take is ``engine.deadlines``' (it asks ``ahead_of`` here who goes first).
 """
 
 from __future__ import annotations
@@ -34,8 +30,6 @@ from typing import Protocol, TypeVar
 
 FCFS = "fcfs"
 PRIORITY = "priority"
-# Weight of the newest step in the step-time average: about the last ten steps count.
-STEP_EMA = 0.2
 
 
 class Queued(Protocol):
@@ -96,28 +90,10 @@ class PriorityOrder:
             slots_short -= 1
         return chosen if tokens_short <= 0 and slots_short <= 0 else None
 
-
-class StepClock:
-    """The measured period of a busy step (seconds), from the scheduler's own clock."""
-
-    def __init__(self) -> None:
-        self.step_s: float | None = None
-        self._busy_since: float | None = None
-
-    def tick(self, now: float, busy: bool) -> None:
-        """A step is planned at ``now``; ``busy``: it denoises something. The time since the
-        previous busy step's plan is one step period."""
-        if self._busy_since is not None:
-            sample = now - self._busy_since
-            self.step_s = sample if self.step_s is None \
-                else (1 - STEP_EMA) * self.step_s + STEP_EMA * sample
-        self._busy_since = now if busy else None
-
-
-def finish_steps(own: Queued, ahead: Iterable[Queued], budget: int) -> int:
-    """Steps until ``own`` finishes when ``ahead`` go before it (see module docstring).
-
-    A request larger than the budget runs alone: it counts as one budget per step."""
-    work = sum(min(r.tokens, budget) * r.remaining_steps for r in ahead)
-    work += min(own.tokens, budget) * own.remaining_steps
-    return max(own.remaining_steps, math.ceil(work / budget))
+    def ahead_of(self, new: Queued, running: Iterable[Q], queued: Iterable[Q],
+                 now: float) -> list[Q]:
+        """The requests that go before ``new``: running ones it may not pause (priority not
+        worse than its own) and queued ones earlier in the order."""
+        key = self.key(new, now)
+        return [*(r for r in running if r.priority <= new.priority),
+                *(r for r in queued if self.key(r, now) < key)]
