@@ -150,7 +150,7 @@ class EngineConfig:
     compile: a torch.compile backend for the DiT's repeated blocks (regional compilation,
     ``ditserve.engine.compiled_blocks``); None runs them eagerly.
     quantization: "fp8" runs the DiT blocks' linear layers in FP8 e4m3 (rowwise weight scales,
-    per-token activation scales; ``ditserve.engine.quantize_dit``); None keeps ``dtype``.
+    per-token activation scales; ``ditserve.engine.weights.quantize``); None keeps ``dtype``.
     """
 
     model: str | None = None

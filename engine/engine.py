@@ -34,7 +34,6 @@ from ditserve.engine.errors import EngineStoppedError, ModelLoadError
 from ditserve.engine.executor import Executor, RankWork
 from ditserve.engine.families import FLUX, Family
 from ditserve.engine.lifecycle import EnginePhase, Lifecycle
-from ditserve.engine.loader import model_family
 from ditserve.engine.pending import PendingRequests
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.results import (
@@ -46,6 +45,7 @@ from ditserve.engine.results import (
 )
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
 from ditserve.engine.startup import WarmUp, open_executor
+from ditserve.engine.weights.loader import model_family
 from ditserve.engine.work import with_budget
 
 # How long a worker's own step loop may sit idle before the engine pings the worker.

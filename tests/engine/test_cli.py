@@ -105,7 +105,7 @@ def test_init_tiny_is_safe_for_concurrent_processes(tmp_path) -> None:  # type: 
     code = f"from ditserve.engine.tiny_model import init_tiny; init_tiny({str(target)!r})"
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    from ditserve.engine.loader import read_model_index
+    from ditserve.engine.weights.loader import read_model_index
 
     assert read_model_index(target)[0] == "FluxPipeline"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tiny.")]  # no leftovers
