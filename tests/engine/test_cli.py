@@ -18,6 +18,7 @@ ENGINE_FLAGS = {
     "--dlo-pin-limit-gib",
     "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
     "--quantization", "--dlo-compress",
+    "--scheduling-policy", "--priority-aging-s", "--max-preemptions",
 }
 
 
@@ -70,6 +71,17 @@ def test_invalid_combinations_are_reported_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="scheduler.policy was removed: fifo admission is "
                                           "max_bypass: 0"):
         engine_config_from_args(parse(), {"scheduler": {"policy": "fifo"}})
+
+
+def test_scheduling_flags_map_onto_the_scheduler_config() -> None:
+    config = engine_config_from_args(parse("--scheduling-policy", "priority",
+                                           "--priority-aging-s", "5", "--max-preemptions", "1"))
+    assert (config.scheduler.scheduling_policy, config.scheduler.aging_s,
+            config.scheduler.max_preemptions) == ("priority", 5.0, 1)
+    assert engine_config_from_args(parse()).scheduler.scheduling_policy == "fcfs"
+    with pytest.raises(ConfigError, match="scheduler.scheduling_policy must be one of fcfs, "
+                                          "priority"):
+        engine_config_from_args(parse(), {"scheduler": {"scheduling_policy": "lifo"}})
 
 
 def test_missing_model_directory_is_a_clean_error(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
