@@ -22,7 +22,7 @@ def cuda_runner(tiny_model_dir, request):  # type: ignore[no-untyped-def]
         pytest.skip("needs CUDA")
     offload = OffloadConfig(enabled=request.param == "dlo")
     runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda",
-                                      dtype="bfloat16", offload=offload),
+                                      offload=offload),
                          model_dir=tiny_model_dir)
     yield runner
     runner.close()
