@@ -70,7 +70,7 @@ def test_judging_a_spec_imports_nothing_heavy() -> None:
 
     code = ("import sys; import ditserve.operator.handlers; "
             "from ditserve.operator.judge import validate; "
-            "validate({'model': {'hostPath': '/m'}, 'engine': {'args': ['--log-level', 'info']}}); "
+            "validate({'model': {'hostPath': '/mnt/models/m'}, 'engine': {'args': ['--log-level', 'info']}}); "
             "print(sorted({m.split('.')[0] for m in sys.modules} "
             "& {'torch', 'diffusers', 'transformers', 'fastapi', 'starlette'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
