@@ -29,8 +29,6 @@ from ditserve.operator.status import ApplyFailure
 
 # A child that changes between our read and our write (409) is read again; a few rounds.
 SYNC_ATTEMPTS = 3
-# Maps compared whole, not as "holds at least": an added selector key or ConfigMap key is drift.
-EXACT_KEYS = frozenset({"selector", "data"})
 
 
 @dataclass
@@ -48,15 +46,16 @@ def _describe(manifest: Mapping[str, Any]) -> str:
     return f"{manifest['kind']} {meta.get('namespace')}/{meta['name']}"
 
 
-def matches(want: Any, have: Any, *, exact: bool = False) -> bool:
+def matches(want: Any, have: Any) -> bool:
     """Whether the live object ``have`` already holds everything ``want`` says (the server adds
-    defaults, status and metadata of its own; those do not count as a difference), except
-    directly under ``EXACT_KEYS``, where a key someone added is a difference too."""
+    defaults, status and metadata of its own; those do not count as a difference).
+
+    A key someone added next to the operator's (a selector label, a ConfigMap key) is not
+    drift the operator repairs: server-side apply cannot remove a field another manager owns,
+    so treating it as drift would re-apply forever."""
     if isinstance(want, Mapping):
-        if not isinstance(have, Mapping) or (exact and set(have) != set(want)):
-            return False
-        return all(key in have and matches(value, have[key], exact=key in EXACT_KEYS)
-                   for key, value in want.items())
+        return isinstance(have, Mapping) and all(
+            key in have and matches(value, have[key]) for key, value in want.items())
     if isinstance(want, list):
         return (isinstance(have, list) and len(want) == len(have)
                 and all(matches(w, h) for w, h in zip(want, have, strict=True)))

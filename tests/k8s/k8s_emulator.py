@@ -171,6 +171,8 @@ class Emulator(kmock.KubernetesEmulator):
                 data.update(self._check_dd(data))  # defaulted, as the server stores it
             meta = data.setdefault("metadata", {})
             if request.action == kmock.action.CREATE:
+                if meta.get("generateName") and not meta.get("name"):  # kopf's Events use it
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.setdefault("generation", 1)
                 meta.setdefault("creationTimestamp", _now())
