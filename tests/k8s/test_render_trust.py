@@ -258,3 +258,23 @@ VARIANTS = {
 def test_every_rendered_object_validates(name: str, version: str) -> None:
     for manifest in kids(VARIANTS[name]).values():
         kubernetes_validate.validate(manifest, version, strict=True)
+
+
+def test_every_example_deployment_is_judged_valid_and_renders_valid_objects() -> None:
+    import yaml
+    from k8s.crd_schema import EXAMPLE_PATH, apply_defaults, version_schema
+
+    found = 0
+    for path in sorted(EXAMPLE_PATH.parent.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc["kind"] != "DiffusionDeployment":
+                continue
+            found += 1
+            spec = apply_defaults(version_schema(), doc)["spec"]
+            judged, _ = validate(spec, name=doc["metadata"]["name"], policy=AdminPolicy())
+            owner = Owner(name=doc["metadata"]["name"], namespace="default", uid="u")
+            for manifest in render(judged, owner):
+                if manifest["kind"] != "LeaderWorkerSet":  # its own schema: test_render_platform
+                    for version in K8S_VERSIONS:
+                        kubernetes_validate.validate(manifest, version, strict=True)
+    assert found >= 5
