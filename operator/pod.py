@@ -1,7 +1,11 @@
-"""The engine pod template: containers, volumes, probes, env, security and scheduling.
+"""The engine pod template: containers, volumes, probes, env, security and shutdown.
 
-Owns what one engine pod looks like for a ``DeploymentSpec`` and a ``Role``. Called by
-``render`` and ``workloads``; pure. Two layouts:
+Owns what one engine pod looks like for a ``DeploymentSpec``, a ``PodContext`` (images, config,
+drain) and a ``Role``; the cache's volume and init container are ``cache_pod``'s, the affinity
+``placement``'s. Hardened: read-only root filesystem (``/tmp`` and ``/dev/shm`` are emptyDirs),
+no token, non-root, no capabilities; the engine's fatal start error is its termination message;
+a preStop wait, then the drain, fit in ``terminationGracePeriodSeconds``. Called by ``render``
+and ``workloads``; pure. Two layouts:
 
 - ``Role.SINGLE``: the replica's whole dp x sp group fits one node, so one pod runs it and the
   engine starts one worker per GPU itself: MASTER_ADDR=127.0.0.1, WORLD_SIZE = GPUs of the pod.

@@ -31,7 +31,7 @@ SPREADS = ("Preferred", "Required", "None")
 # the cache or the auth, so engine.env may not name them.
 OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "LOCAL_WORLD_SIZE", "NODE_RANK", "DITSERVE_CACHE_ROOT", "DITSERVE_API_KEY",
-                "HF_HUB_OFFLINE", "DITSERVE_TERMINATION_LOG")
+                "HF_HUB_OFFLINE", "HOME", "DITSERVE_TERMINATION_LOG")
 MAX_GPUS_PER_REPLICA = 256
 RENDEZVOUS_PORT = 29500  # MASTER_PORT of every engine pod's process group
 

@@ -85,12 +85,12 @@ def _pod_templates(schema: Any, value: Any, path: str) -> list[tuple[str, Any]]:
     return out
 
 
-def problems(obj: dict[str, Any]) -> list[str]:
-    """Why an API server would refuse ``obj`` for its schema (empty if it would not)."""
+def problems(obj: dict[str, Any], version: str = K8S_VERSION) -> list[str]:
+    """Why an API server of ``version`` would refuse ``obj`` for its schema (empty if not)."""
     key = (obj.get("apiVersion"), obj.get("kind"))
     if key not in VENDORED and key not in project_crd_schemas():
         try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             return [f"{'.'.join(str(p) for p in e.path) or '<root>'}: {e.message}"]
         return []
@@ -101,14 +101,14 @@ def problems(obj: dict[str, Any]) -> list[str]:
         wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
                    "metadata": {"name": "template"}, "template": template}
         try:
-            kubernetes_validate.validate(wrapped, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(wrapped, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             inner = ".".join(str(p) for p in list(e.path)[1:])
             out.append(f"{path.lstrip('.')}.{inner}: {e.message}")
     return out
 
 
-def validate(obj: dict[str, Any]) -> None:
+def validate(obj: dict[str, Any], version: str = K8S_VERSION) -> None:
     """Raise AssertionError listing the schema problems of ``obj``."""
-    found = problems(obj)
+    found = problems(obj, version)
     assert not found, f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}: {found}"

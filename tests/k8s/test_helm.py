@@ -68,7 +68,8 @@ def test_lint_strict(tmp_path: Path, which: str) -> None:
 def test_rendered_objects_validate(rendered: dict[str, list[dict[str, Any]]], which: str) -> None:
     docs = rendered[which]
     for doc in docs:
-        k8s_schemas.validate(doc)
+        for version in ("1.29.0", k8s_schemas.K8S_VERSION, "1.37.0"):  # oldest to newest
+            k8s_schemas.validate(doc, version)
     crds = {d["metadata"]["name"]: d for d in by_kind(docs, "CustomResourceDefinition")}
     assert crds["diffusiondeployments.ditserve.io"] == yaml.safe_load(CRD_PATH.read_text())
     assert crds["nodecaches.ditserve.io"] == yaml.safe_load(NODECACHE_CRD_PATH.read_text())
