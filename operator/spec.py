@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES
+from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES, SCHEDULING_POLICIES
 from ditserve.operator.autoscaling import AutoscalingSpec, read_autoscaling
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.pod_metadata import pod_metadata_problems
@@ -139,6 +139,11 @@ class SchedulingSpec:
     prefer_cached_nodes: bool = True
     require_cached_nodes: bool = False
     replica_spread: str = "Preferred"  # engine pods of one deployment on distinct nodes
+    # The engine's request scheduling (--scheduling-policy, --priority-aging-s,
+    # --max-preemptions): which requests run first, not where pods run.
+    policy: str = "fcfs"
+    aging_seconds: float = 30.0
+    max_preemptions: int = 2
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,9 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
             prefer_cached_nodes=s.flag("preferCachedNodes", True),
             require_cached_nodes=s.flag("requireCachedNodes", False),
             replica_spread=s.text("replicaSpread", "Preferred", SPREADS),
+            policy=s.text("policy", "fcfs", SCHEDULING_POLICIES),
+            aging_seconds=s.number("agingSeconds", 30.0),
+            max_preemptions=s.integer("maxPreemptions", 2),
         ),
         rollout=RolloutSpec(
             max_unavailable=r.int_or_str("maxUnavailable", 1),
