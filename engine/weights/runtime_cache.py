@@ -115,8 +115,8 @@ def runtime_cache_dit(
     from ditserve.cachectl.layout import default_root
     from ditserve.cachectl.model_build import ModelRequest, describe_loader, plan_model
     from ditserve.cachectl.store import CacheStore
-    from ditserve.engine.weights import loader
     from ditserve.engine.config import SEQUENCE_PARALLEL_IMPL
+    from ditserve.engine.weights import loader
     from ditserve.engine.weights.loader import torch_dtype
 
     store = CacheStore(offload.cache_root or default_root(),

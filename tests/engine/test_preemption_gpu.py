@@ -11,7 +11,7 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from engine.test_preemption import BATCH, URGENT, paused_and_resumed  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
-from ditserve.engine.model_runner import ModelRunner
+from ditserve.engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 

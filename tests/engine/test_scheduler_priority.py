@@ -9,7 +9,7 @@ import pytest
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import DeadlineError
-from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepPlan, StepScheduler
 

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ditserve.engine.errors import DeadlineError, DitServeError, RequestAborted
-from ditserve.engine.request import RequestStatus
-from ditserve.engine.results import (
+from ditserve.engine.loop.results import (
     EngineObserver,
     GenerationResult,
     RequestEvent,
     RequestHandle,
 )
+from ditserve.engine.request import RequestStatus
 from ditserve.engine.scheduler import RunnerOutput, StatusChange
 
 log = logging.getLogger(__name__)
