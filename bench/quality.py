@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """FP8 against bf16, per model family: transformer error per step, and PSNR/SSIM of images.
 
-Takes a local diffusers directory; the family comes from its ``model_index.json``
-(``FluxPipeline`` -> flux, ``QwenImagePipeline`` -> qwen-image, ``WanPipeline`` -> wan).
+Takes a local diffusers directory; the family comes from its ``model_index.json``'s
+``_class_name``, looked up in the family registry (``engine.families``).
 For each fixed prompt and seed:
 
 1. the bf16 pipeline runs end to end; every transformer call's inputs and output are kept;
@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-FAMILIES = {"FluxPipeline": "flux", "QwenImagePipeline": "qwen-image", "WanPipeline": "wan"}
+from ditserve.engine.families import family_of_pipeline, supported_pipelines
+
 PROMPTS = ("a red fox in fresh snow, morning light", "a lighthouse on a cliff at dusk, oil painting")
 RANDOM_MARKERS = (".ditserve-tiny-complete", ".ditserve-random-complete")
 
@@ -89,9 +90,11 @@ def weights_kind(model_dir: Path) -> str:
 def family_of(model_dir: Path) -> str:
     index = json.loads((model_dir / "model_index.json").read_text())
     cls = index.get("_class_name")
-    if cls not in FAMILIES:
-        raise SystemExit(f"{model_dir}: pipeline {cls!r} is not one of {', '.join(FAMILIES)}")
-    return FAMILIES[cls]
+    family = family_of_pipeline(cls)
+    if family is None:
+        raise SystemExit(f"{model_dir}: pipeline {cls!r} is not one of "
+                         f"{', '.join(supported_pipelines())}")
+    return family.name
 
 
 def call_kwargs(family: str, pipe: Any, args: argparse.Namespace) -> dict[str, Any]:

@@ -1,23 +1,21 @@
 """Random-weight pipelines at chosen DiT sizes, for benchmarks (`ditserve model init-random`).
 
-Every family of ``engine.families.MODEL_VARIANTS``: Flux here, Qwen-Image and Wan 2.x through
-``model_builders`` (the same tiny-encoders-around-a-real-DiT recipe, with their released DiT
-shapes at ``full``). What follows describes Flux.
+Every variant of ``engine.families.MODEL_VARIANTS``, built by its family's builder module
+(``engine.model_builders``): the DiT has the family's shapes at the size asked for, next to
+deliberately tiny text encoders (their output widths match what the DiT expects) and a tiny
+VAE with the family's latent layout. The DiT - the part DLO streams and batching amortizes -
+is full size; everything around it costs next to nothing. For Flux, ``init_random(dir,
+family="flux", size="full")`` writes a diffusers directory whose DiT is FLUX.1-dev's
+architecture (19 double + 38 single blocks, 3072 wide, ~11.9B parameters, guidance
+embedding on) next to tiny CLIP and T5 encoders and a VAE with Flux's latent layout (16
+channels, 8x downsampling: 1024x1024 pixels -> 4096 image tokens).
 
-``init_random(dir, family="flux", size="full")`` writes a diffusers FluxPipeline directory
-whose transformer has the real Flux.1 architecture (diffusers' FluxTransformer2DModel default
-config: 19 double + 38 single blocks, 3072 wide, ~11.9B parameters, guidance embedding on)
-with random weights, next to deliberately tiny text encoders (their output widths match what
-the DiT expects: T5 d_model 4096, CLIP hidden 768) and a tiny VAE with Flux's latent layout
-(16 channels, 8x downsampling: 1024x1024 pixels -> 4096 image tokens). The DiT - the part DLO
-streams and batching amortizes - is full size; everything around it costs next to nothing.
-
-Sizes: ``full`` (the real DiT, ~24 GB in bfloat16), ``small`` (the same widths with 2 + 4
-blocks and 4 heads, ~40M parameters: for CPU checks) and ``tiny`` (a few MB).
+Sizes: ``full`` (the real DiT, ~24 GB in bfloat16 for Flux), ``small`` (the same widths with
+two or a few blocks and 4 heads: for CPU checks) and ``tiny`` (a few MB).
 
 Building ``full`` allocates every parameter once, on ``device``: on a GPU it takes seconds;
-on a CPU it needs ~24 GB of free RAM for bfloat16 (more for float32) and minutes of random
-initialization. Writing the directory needs as much disk. Weights are never downloaded.
+on a CPU it needs the DiT's size in free RAM and minutes of random initialization. Writing
+the directory needs as much disk. Weights are never downloaded.
 """
 
 from __future__ import annotations
@@ -38,22 +36,6 @@ FAMILIES = tuple(MODEL_VARIANTS)
 SIZES = ("tiny", "small", "full")
 _COMPLETE_MARKER = ".ditserve-random-complete"
 
-# FluxTransformer2DModel keyword arguments per size. "full" is diffusers' default config
-# (that of FLUX.1-dev) with the guidance embedding on.
-FLUX_TRANSFORMER: dict[str, dict[str, Any]] = {
-    "full": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
-                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
-                 pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
-    "small": dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=4,
-                  attention_head_dim=128, num_attention_heads=4, joint_attention_dim=4096,
-                  pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
-    "tiny": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2,
-                 attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                 pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
-}
-# T5 context length per size: real Flux-dev pads prompts to 512 tokens.
-T5_TOKENS = {"full": 512, "small": 512, "tiny": 64}
-
 
 def _resolve_device(name: str) -> Any:
     import torch
@@ -61,57 +43,6 @@ def _resolve_device(name: str) -> Any:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def _text_encoders(*, t5_width: int, clip_width: int, t5_tokens: int) -> dict[str, Any]:
-    """Tiny CLIP and T5 encoders (1-2 layers, 4 heads) whose output widths the DiT expects."""
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    from ditserve.engine.tiny_model import _tokenizers
-
-    clip_tok, t5_tok = _tokenizers()
-    t5_tok.model_max_length = t5_tokens
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(clip_tok), hidden_size=clip_width, intermediate_size=37,
-        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
-        projection_dim=32, bos_token_id=clip_tok.bos_token_id,
-        eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id,
-    ))
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(t5_tok), d_model=t5_width, d_kv=8, d_ff=37, num_layers=1, num_heads=4,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,  # type: ignore[call-arg]
-    ))
-    return {"text_encoder": clip, "tokenizer": clip_tok, "text_encoder_2": t5,
-            "tokenizer_2": t5_tok}
-
-
-def _vae() -> Any:
-    from diffusers import AutoencoderKL
-
-    # Flux's latent layout with tiny widths: 16 latent channels, 4 levels = 8x downsampling.
-    return AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16,
-        norm_num_groups=8, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )
-
-
-def _transformer(size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    import torch
-    from diffusers import FluxTransformer2DModel
-
-    previous = torch.get_default_dtype()
-    torch.manual_seed(seed)
-    # Allocate (and randomly initialize) straight in the target dtype on the target device,
-    # so "full" never needs a float32 copy (48 GB) anywhere.
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = FluxTransformer2DModel(**FLUX_TRANSFORMER[size])
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to(device="cpu", dtype=dtype).eval()  # type: ignore[attr-defined]
 
 
 def init_random(
@@ -156,28 +87,6 @@ def init_random(
 
 
 def _build(family: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    if family != "flux":
-        from ditserve.engine.model_builders import build_pipeline
+    from ditserve.engine.model_builders import build_pipeline
 
-        return build_pipeline(family, size, dtype=dtype, device=device, seed=seed)
-    import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
-    torch_dtype = dtype
-    config = FLUX_TRANSFORMER[size]
-    torch.manual_seed(seed)
-    encoders = _text_encoders(t5_width=config["joint_attention_dim"],
-                              clip_width=config["pooled_projection_dim"],
-                              t5_tokens=T5_TOKENS[size])
-    vae = _vae()
-    # The small parts are stored in the same dtype so the loader never casts (casting would
-    # break mmap sharing).
-    for name in ("text_encoder", "text_encoder_2"):
-        encoders[name] = encoders[name].to(torch_dtype)
-    vae = vae.to(torch_dtype)
-    transformer = _transformer(size, dtype=torch_dtype, device=device, seed=seed)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
-        base_shift=0.5, max_shift=1.15, shift=3.0,
-    )
-    return FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, **encoders)
+    return build_pipeline(family, size, dtype=dtype, device=device, seed=seed)

@@ -69,10 +69,10 @@ class SamplingParams:
 
     guidance_scale: the distilled-guidance value fed to guidance-embedding models (Flux-dev);
         ignored by image models without a guidance embedding. Video families (Wan) use it as
-        diffusers' WanPipeline does: classifier-free guidance whenever it is > 1, against
+        diffusers' own Wan pipeline does: classifier-free guidance whenever it is > 1, against
         ``negative_prompt`` (or the empty prompt).
     true_cfg_scale: classifier-free guidance with ``negative_prompt``; active when > 1 and a
-        negative prompt is given (as in diffusers' FluxPipeline and QwenImagePipeline).
+        negative prompt is given (as in diffusers' own Flux and Qwen-Image pipelines).
     num_frames: 1 for images; a video family's frame count (``frame_step * k + 1``).
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see

@@ -1,16 +1,18 @@
 """Which linear layers of a DiT run in FP8, and the swap of those layers for ``FP8Linear``.
 
-The rule is by name, per family, in one table:
+The rule is by name: the block lists come from the DiT's family record
+(``engine.families``, ``Family.block_lists``), and within them the modulation linears match
+one pattern (``MODULATION``). For the registered families:
 
-===========================  ===================================  =============================
-transformer class            streamed block lists                 modulation linears (in blocks)
-===========================  ===================================  =============================
-FluxTransformer2DModel       transformer_blocks,                  norm1.linear,
-                             single_transformer_blocks            norm1_context.linear,
-                                                                  norm.linear
-QwenImageTransformer2DModel  transformer_blocks                   img_mod.1, txt_mod.1
-WanTransformer3DModel        blocks                               (none: a scale_shift_table)
-===========================  ===================================  =============================
+==========  ===================================  ===============================================
+family's    streamed block lists                 modulation linears (in blocks)
+DiT
+==========  ===================================  ===============================================
+Flux        transformer_blocks,                  norm1.linear, norm1_context.linear,
+            single_transformer_blocks            norm.linear
+Qwen-Image  transformer_blocks                   img_mod.1, txt_mod.1
+Wan         blocks                               (none: a scale_shift_table)
+==========  ===================================  ===============================================
 
 - FP8: every ``nn.Linear`` inside the block lists - attention projections, MLPs and (by
   default, see ``FP8Rule.include_modulation``) the adaLN modulation linears. These hold

@@ -72,7 +72,8 @@ def discover(model: nn.Module, block_lists: Sequence[str] | None = None) -> Disc
         raise OffloadError(
             f"{type(model).__name__} has no block list to stream (an nn.ModuleList of repeated "
             "blocks holding most of the weights); layerwise offload supports diffusers DiTs "
-            "such as FluxTransformer2DModel - run this model without --offload"
+            "such as the registered families' (engine.families) - run this model without "
+            "--offload"
         )
     blocks: list[tuple[str, nn.Module]] = []
     for list_name in list_names:

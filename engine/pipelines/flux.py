@@ -1,6 +1,6 @@
-"""Step-wise Flux (FluxPipeline layout) on top of diffusers components.
+"""Step-wise Flux (the family's diffusers pipeline layout) on top of diffusers components.
 
-Matches diffusers' FluxPipeline numerically for the same seed: the same prompt encoding
+Matches the family's diffusers pipeline numerically for the same seed: the same prompt encoding
 (CLIP pooled + T5 sequence), the same initial noise draw (a CPU generator seeded with the
 request's seed, shape (n, C, h, w), then 2x2 packing), the same schedule and Euler update, the
 same decode. Differences are on purpose: true CFG runs the negative-prompt rows in the same
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
-MAX_T5_TOKENS = 512  # diffusers' FluxPipeline refuses more
+MAX_T5_TOKENS = 512  # the diffusers pipeline refuses more
 
 
 class FluxStepPipeline:

@@ -1,6 +1,6 @@
-"""Step-wise Qwen-Image (QwenImagePipeline layout) on top of diffusers components.
+"""Step-wise Qwen-Image (the family's diffusers pipeline layout) on top of diffusers components.
 
-Matches diffusers' QwenImagePipeline numerically for the same seed: the prompt goes through
+Matches the family's diffusers pipeline numerically for the same seed: the prompt goes through
 the same chat template into Qwen2.5-VL, whose last hidden states (template prefix dropped)
 are the text tokens; the noise is drawn the same way (CPU generator, (n, 1, C, h, w), 2x2
 packing); the schedule is the same resolution-shifted flow-matching one (the Euler sampler
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
-MAX_TEXT_TOKENS = 512  # diffusers' QwenImagePipeline default max_sequence_length
+MAX_TEXT_TOKENS = 512  # the diffusers pipeline's default max_sequence_length
 
 
 class QwenImageStepPipeline:

@@ -1,29 +1,25 @@
-"""The torch-side family registry: which StepPipeline implements each family.
+"""The torch side of the family registry: a loaded model's StepPipeline.
 
-Keyed by the family names of the pure table (``engine.families``); a test keeps both in
-step (every registered family has a pipeline declaring that family, and nothing else is
-registered). Pipeline modules are imported on first use.
+Each family's record (``engine.families``) names its StepPipeline lazily
+(``Family.step_pipeline``); this module imports it on first use and builds it. A test keeps
+both in step (every family's pipeline declares that family).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ditserve.engine.errors import ModelLoadError
+from ditserve.engine.families import FAMILIES, resolve
 
 if TYPE_CHECKING:
     from ditserve.engine.pipelines.base import StepPipeline
     from ditserve.engine.weights.loader import LoadedComponents
 
 # family name -> "module:class" of its StepPipeline
-PIPELINES: dict[str, str] = {
-    "flux": "ditserve.engine.pipelines.flux:FluxStepPipeline",
-    "qwen-image": "ditserve.engine.pipelines.qwen_image:QwenImageStepPipeline",
-    "wan": "ditserve.engine.pipelines.wan:WanStepPipeline",
-}
+PIPELINES: dict[str, str] = {f.name: f.step_pipeline for f in FAMILIES}
 
 
 def pipeline_class(family_name: str) -> Any:
@@ -33,8 +29,7 @@ def pipeline_class(family_name: str) -> Any:
         raise ModelLoadError(
             f"no step-wise pipeline for the {family_name!r} family; registered: "
             f"{', '.join(PIPELINES)}")
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return resolve(target)
 
 
 def build_pipeline(

@@ -1,9 +1,9 @@
-"""Step-wise Wan 2.x text-to-video (WanPipeline layout) on top of diffusers components.
+"""Step-wise Wan 2.x text-to-video (the family's diffusers pipeline layout) on top of diffusers components.
 
-One module serves the WanPipeline layouts: Wan 2.1 T2V (one DiT), Wan 2.2 T2V A14B (two
+One module serves the family's layouts: Wan 2.1 T2V (one DiT), Wan 2.2 T2V A14B (two
 experts: ``transformer`` for timesteps at or above ``boundary_ratio * num_train_timesteps``,
 ``transformer_2`` below) and Wan 2.2 TI2V-5B (one DiT, ``expand_timesteps``: a timestep per
-latent token). It matches diffusers' WanPipeline numerically for the same seed: the same
+latent token). It matches the family's diffusers pipeline numerically for the same seed: the same
 prompt cleaning and UMT5 encoding (zeros past the prompt's tokens), the same float32 noise
 (CPU generator, (n, C, frames, h, w)), the model's own scheduler (UniPC in the released
 checkpoints) and the same CFG combine.
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
-MAX_TEXT_TOKENS = 512  # diffusers' WanPipeline default max_sequence_length
+MAX_TEXT_TOKENS = 512  # the diffusers pipeline's default max_sequence_length
 
 
 class WanStepPipeline:
@@ -121,7 +121,7 @@ class WanStepPipeline:
     def prepare_encode(self, state: DenoiseState) -> None:
         p = state.params
         n = p.num_images
-        cfg = p.guidance_scale > 1.0  # diffusers' WanPipeline: CFG whenever guidance > 1
+        cfg = p.guidance_scale > 1.0  # as diffusers' pipeline: CFG whenever guidance > 1
         texts = [self._encode_prompt(p.prompt)] * n
         if cfg:
             texts += [self._encode_prompt(p.negative_prompt or "")] * n

@@ -14,7 +14,7 @@ rounding, since its matmuls see fewer rows per call). Self- and cross-attention 
 whole sequence exactly as diffusers calls them, and the peak becomes self-attention's own
 working set (q/k/v).
 
-``chunk_token_math(dit)`` installs it on every block of a ``WanTransformer3DModel`` whose
+``chunk_token_math(dit)`` installs it on every block of the family's DiT whose
 block forward still has diffusers' signature; it leaves hooks (offload, sequence parallel,
 shape groups) untouched, since they run around ``forward``.
 """

@@ -30,7 +30,7 @@ Inputs = Callable[[], dict[str, Any]]
 def _flux_model() -> Any:
     from diffusers import FluxTransformer2DModel
 
-    from ditserve.engine.tiny_model import TINY_TRANSFORMER
+    from ditserve.engine.families.flux import TINY_DIT as TINY_TRANSFORMER
 
     torch.manual_seed(0)
     return FluxTransformer2DModel(**TINY_TRANSFORMER).eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ditserve.engine.tiny_model import TINY_TRANSFORMER
+from ditserve.engine.families.flux import TINY_DIT as TINY_TRANSFORMER
 
 
 def tiny_flux() -> nn.Module:

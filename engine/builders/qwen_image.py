@@ -1,0 +1,88 @@
+"""Qwen-Image's random-weight pipelines: a DiT of the asked size amid tiny parts.
+
+Around the DiT (shapes: ``engine.families.qwen_image``): a Qwen2.5-VL text encoder of one or
+two layers whose output width the DiT expects (``joint_attention_dim``), a byte-level
+tokenizer with the chat template's markers, and a VAE with Qwen-Image's latent layout (16
+channels, 8x spatial, one frame) and a few channels. Called through ``engine.model_builders``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ditserve.engine.families.qwen_image import QWEN_IMAGE
+
+
+def _tokenizer() -> Any:
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    # Byte-level BPE without merges: one token per byte, any UTF-8 prompt encodes.
+    vocab = {ch: i for i, ch in enumerate(sorted(set(bytes_to_unicode().values())))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    # The chat template's markers as single tokens, as in Qwen2.5-VL's tokenizer.
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tokenizer
+
+
+def _text_encoder(tokenizer: Any, width: int) -> Any:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    heads = 2 if width <= 64 else max(1, width // 128)
+    half = width // heads // 2  # multimodal RoPE: the sections cover half a head
+    sections = [half - 2 * (half // 3), half // 3, half // 3]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=37,
+            num_hidden_layers=1 if width > 64 else 2, num_attention_heads=heads,
+            num_key_value_heads=1, max_position_embeddings=2048,
+            rope_parameters={"rope_type": "default", "mrope_section": sections,
+                             "rope_theta": 1000000.0},
+            bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                           out_hidden_size=width, fullatt_block_indexes=[0]),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _vae() -> Any:
+    from diffusers import AutoencoderKLQwenImage
+
+    # Qwen-Image's latent layout: 16 channels, 8x spatial (three downsamplings), one frame.
+    return AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                  temperal_downsample=[False, True, True])
+
+
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    """The whole diffusers pipeline object (not saved); small parts in ``dtype`` too."""
+    import diffusers
+    import torch
+
+    from ditserve.engine.model_builders import build_dit, dit_setting
+
+    torch.manual_seed(seed)
+    tokenizer = _tokenizer()
+    parts: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "text_encoder": _text_encoder(tokenizer, dit_setting(variant, size,
+                                                             "joint_attention_dim")),
+        "vae": _vae()}
+    # Qwen-Image's released scheduler: resolution-dependent exponential time shift.
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
+        num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
+        time_shift_type="exponential", use_dynamic_shifting=True)
+    for name in ("text_encoder", "vae"):
+        parts[name] = parts[name].to(dtype)  # stored as served: the loader never casts
+    dit = build_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    pipeline_cls = getattr(diffusers, QWEN_IMAGE.pipeline_class)
+    return pipeline_cls(scheduler=scheduler, transformer=dit, **parts)
+
+
+def build_tiny(variant: str, seed: int) -> Any:
+    import torch
+
+    return build_pipeline(variant, "tiny", dtype=torch.float32, device="cpu", seed=seed)

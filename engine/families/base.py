@@ -1,0 +1,98 @@
+"""The ``Family`` record: everything the rest of the system knows about a model family.
+
+A family is one diffusers pipeline layout, named by ``model_index.json``'s ``_class_name``.
+Its record is pure data (no torch): the components a model directory must hold, its DiTs,
+their streamed block lists and resident modules, the request fields that enter the batch
+key, the server's defaults, the DiT shapes the model builders make - and *lazy references*
+(``"module:attr"`` strings, resolved by ``resolve`` on first use) to its torch-side parts:
+the step pipeline, the sequence-parallel hooks and the builders.
+
+One record lives in each family module (``engine.families.flux``, ``qwen_image``, ``wan``);
+the registry (``engine.families``) lists them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ditserve.engine.families.defaults import ModelDefaults, square_image
+
+# variant -> size ("tiny" | "small" | "full") -> the DiT's keyword arguments
+DitSizes = Mapping[str, Mapping[str, Mapping[str, Any]]]
+# (the DiT's config.json, the VAE's config.json) -> defaults of a full-size model
+DefaultsRule = Callable[[Mapping[str, Any], Mapping[str, Any]], ModelDefaults]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """One pipeline layout.
+
+    name: the CLI name (``--family``); label: the name the operator's ``model.family`` uses.
+    pipeline_class / dit_class: the diffusers class names of the pipeline and its DiT (only
+        the family's module spells them; everything else reads them from here).
+    dit_components: DiT components every model of the family has; expert_components: DiTs
+        some models add (Wan 2.2's low-noise expert ``transformer_2``), switched per step,
+        used only when model_index.json sets ``expert_switch`` (Wan: ``boundary_ratio``).
+    components: the other required components (text encoders, tokenizers, VAE, scheduler).
+    block_lists: the DiT's repeated-block lists in the order its forward runs them (what DLO
+        streams); resident_modules: the DiT's other top-level modules (on the device always).
+    batch_key_fields: ``SamplingParams`` fields that change the denoise tensor contract.
+    cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.work``):
+        "true_cfg" (``true_cfg_scale`` > 1 with a negative prompt) or "guidance"
+        (``guidance_scale`` > 1); the pipeline's ``state.rows`` follows the same rule.
+    attention_heads: the attention head counts of the family's released DiTs (sequence
+        parallelism splits heads over its ranks; the operator judges a declared family's
+        SP size with them before any model is read).
+    reference_work: rows x latent tokens of one request at the family's usual size (Flux and
+        Qwen-Image: a 1024x1024 image, 4096; Wan: 832x480 x 81 frames with CFG, 2 x 32760);
+        the default per-step work budget is ``max_num_seqs`` such requests (``engine.work``).
+    loader_version: bump when the loader's tensors for the same files change (cache key).
+    step_pipeline: ``"module:Class"`` of its ``StepPipeline`` (``engine.pipelines.registry``).
+    sp_hooks: ``"module:function"`` that attaches sequence parallelism to one loaded DiT
+        (``engine.parallel.sharding``); None: the family runs with SP size 1 only.
+    builders: the module that builds its random-weight pipelines (``engine.model_builders``
+        calls its ``build_pipeline`` and ``build_tiny``).
+    dit_sizes: per model variant the family builds (``ditserve model init-tiny --family``),
+        the DiT's keyword arguments per size; the first variant is the family's own name.
+    defaults: the server's defaults for a full-size model (``engine.server.model_defaults``).
+    """
+
+    name: str
+    label: str
+    pipeline_class: str
+    dit_class: str
+    dit_components: tuple[str, ...]
+    components: tuple[str, ...]
+    block_lists: tuple[str, ...]
+    resident_modules: tuple[str, ...]
+    batch_key_fields: tuple[str, ...]
+    output: str  # "image" | "video"
+    loader_version: str
+    step_pipeline: str
+    builders: str
+    sp_hooks: str | None = None
+    expert_components: tuple[str, ...] = ()
+    expert_switch: str | None = None
+    cfg_rows: str = "true_cfg"
+    attention_heads: tuple[int, ...] = ()
+    reference_work: int = 4096
+    dit_sizes: DitSizes = field(default_factory=dict, compare=False)
+    defaults: DefaultsRule = field(default=square_image, compare=False)
+
+    @property
+    def video(self) -> bool:
+        return self.output == "video"
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(self.dit_sizes)
+
+
+def resolve(reference: str) -> Any:
+    """The object a ``"module:attr"`` reference names (imports its module on first use)."""
+    module, _, attr = reference.partition(":")
+    target = importlib.import_module(module)
+    return getattr(target, attr) if attr else target

@@ -1,0 +1,63 @@
+"""The Flux family (FLUX.1-dev / schnell): its record and the shapes its builders make.
+
+The only module outside the tests that spells Flux's diffusers class names; the torch-side
+parts are named lazily: the step pipeline (``engine.pipelines.flux``), the sequence-parallel
+hooks (``engine.pipelines.flux_sp``) and the random-weight builders (``engine.builders.flux``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ditserve.engine.families.base import Family
+from ditserve.engine.families.defaults import ModelDefaults, image_side
+
+_ROPE = (16, 56, 56)
+# The DiT's keyword arguments per size. "full" is diffusers' default config (that of
+# FLUX.1-dev, 19 double + 38 single blocks, 3072 wide, ~11.9B parameters) with the guidance
+# embedding on; "small" keeps the widths with 2 + 4 blocks and 4 heads; "tiny" is a few MB.
+DIT_SIZES: dict[str, dict[str, Any]] = {
+    "full": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                 pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=_ROPE),
+    "small": dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=4,
+                  attention_head_dim=128, num_attention_heads=4, joint_attention_dim=4096,
+                  pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=_ROPE),
+    "tiny": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2,
+                 attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                 pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
+}
+# The embedded default model's DiT (``ditserve model init-tiny``; 4 latent channels).
+TINY_DIT: dict[str, Any] = dict(
+    patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
+    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+    axes_dims_rope=(4, 6, 6), guidance_embeds=True,
+)
+DISTILLED_STEPS = 4  # schnell: timestep-distilled, no guidance embedding
+FULL_STEPS = 28  # FLUX.1-dev; diffusers' own default for the family
+
+
+def defaults(dit: Mapping[str, Any], vae: Mapping[str, Any]) -> ModelDefaults:
+    """A square of the VAE's size; 4 steps for a distilled model, else 28."""
+    side = image_side(vae)
+    distilled = dit.get("guidance_embeds") is False
+    return ModelDefaults(side, side, DISTILLED_STEPS if distilled else FULL_STEPS)
+
+
+FLUX = Family(
+    name="flux", label="Flux", pipeline_class="FluxPipeline",
+    dit_class="FluxTransformer2DModel", dit_components=("transformer",),
+    components=("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+                "scheduler"),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    resident_modules=("pos_embed", "time_text_embed", "context_embedder", "x_embedder",
+                      "norm_out", "proj_out"),
+    batch_key_fields=("height", "width"), output="image", loader_version="flux-loader-1",
+    attention_heads=(24,),  # FLUX.1-dev / schnell
+    step_pipeline="ditserve.engine.pipelines.flux:FluxStepPipeline",
+    sp_hooks="ditserve.engine.pipelines.flux_sp:attach",
+    builders="ditserve.engine.builders.flux",
+    dit_sizes={"flux": DIT_SIZES},  # FLUX.1-dev
+    defaults=defaults,
+)

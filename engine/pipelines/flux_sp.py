@@ -1,0 +1,83 @@
+"""Flux under sequence parallelism: the hooks that shard its DiT and its Ulysses processor.
+
+The root pre-hook splits the image and text tokens and their position ids (Flux computes
+RoPE from the ids, so slicing them slices RoPE: rank r's ``[text_r, image_r]``); the
+processor runs the double-stream (text + image) and single-stream attention on them.
+Named by the family record (``engine.families.flux``); attached by
+``engine.parallel.sharding.shard_dit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditserve.engine.parallel.processors import SequenceForward, UlyssesProcessor, refuse_mask
+from ditserve.engine.parallel.sharding import token_input
+from ditserve.engine.parallel.tokens import key_mask
+
+
+class FluxUlyssesProcessor(UlyssesProcessor):
+    """Flux's double-stream (text + image) and single-stream attention."""
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: Any = None,
+    ) -> Any:
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        refuse_mask(attention_mask)
+        # (B, S_l, H*D) -> (B, S_l, H, D)
+        heads = (-1, attn.head_dim)
+        query = attn.norm_q(attn.to_q(hidden_states).unflatten(-1, heads))
+        key = attn.norm_k(attn.to_k(hidden_states).unflatten(-1, heads))
+        value = attn.to_v(hidden_states).unflatten(-1, heads)
+        joint = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
+        if joint:
+            assert encoder_hidden_states is not None
+            text_query = attn.norm_added_q(attn.add_q_proj(encoder_hidden_states).unflatten(-1, heads))
+            text_key = attn.norm_added_k(attn.add_k_proj(encoder_hidden_states).unflatten(-1, heads))
+            text_value = attn.add_v_proj(encoder_hidden_states).unflatten(-1, heads)
+            # This rank's joint sequence: [text_r, image_r], as diffusers' processor orders it.
+            query = torch.cat([text_query, query], dim=1)
+            key = torch.cat([text_key, key], dim=1)
+            value = torch.cat([text_value, value], dim=1)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        out = self.attend(query, key, value)
+        if not joint:
+            return out  # single-stream blocks project the output themselves
+        assert encoder_hidden_states is not None
+        text_len = encoder_hidden_states.shape[1]
+        text_out, image_out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)
+        image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
+        return image_out, attn.to_add_out(text_out.contiguous())
+
+
+def attach(model: Any, forward: SequenceForward) -> None:
+    """Hook the DiT ``model`` so its forward runs on this rank's tokens (``forward``)."""
+    sp = forward.group
+
+    def split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hidden = token_input(kwargs, "hidden_states")  # (B, N, C) image tokens
+        text = token_input(kwargs, "encoder_hidden_states")  # (B, T, D) text tokens
+        image_ids, text_ids = token_input(kwargs, "img_ids"), token_input(kwargs, "txt_ids")
+        # diffusers accepts deprecated (1, L, 3) ids and uses their first row.
+        image_ids, text_ids = (ids[0] if ids.ndim == 3 else ids for ids in (image_ids, text_ids))
+        image, txt = sp.shard(hidden.shape[1]), sp.shard(text.shape[1])
+        # RoPE comes from the ids, so slicing them slices RoPE: rank r's [text_r, image_r].
+        kwargs.update(hidden_states=image.take(hidden, 1), encoder_hidden_states=txt.take(text, 1),
+                      img_ids=image.take(image_ids, 0), txt_ids=txt.take(text_ids, 0))
+        forward.begin(output=image, key_mask=key_mask([(txt, None), (image, None)],
+                                                      rows=hidden.shape[0], device=hidden.device))
+        return args, kwargs
+
+    model.register_forward_pre_hook(split_inputs, with_kwargs=True)
+    model.set_attn_processor(FluxUlyssesProcessor(forward))

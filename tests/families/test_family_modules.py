@@ -1,0 +1,85 @@
+"""One module per family: each family's record lives in its own module under
+engine/families/, which is the only file of engine/, cachectl/ and operator/ that spells the
+family's diffusers class names; the records' lazy references reach the torch-side parts; the
+registry imports no torch."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ditserve.engine import families
+
+REPO = Path(__file__).resolve().parents[2]
+SEARCHED = ("engine", "cachectl", "operator")
+
+
+def family_module(family: families.Family) -> str:
+    """The record's module, by the naming rule of docs/architecture.md ("Adding a family")."""
+    return f"engine/families/{family.name.replace('-', '_')}.py"
+
+
+def files_naming(name: str) -> set[str]:
+    word = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])")
+    found = set()
+    for top in SEARCHED:
+        for path in (REPO / top).rglob("*"):
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue  # not a text file
+            if word.search(text):
+                found.add(path.relative_to(REPO).as_posix())
+    return found
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+def test_only_the_family_module_names_its_classes(family: families.Family) -> None:
+    for name in (family.dit_class, family.pipeline_class):
+        assert files_naming(name) == {family_module(family)}, (
+            f"{name} is spelled outside {family_module(family)}: write \"the family's DiT\" "
+            "(or pipeline) instead, or read the name off the family record")
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+def test_each_record_lives_in_its_own_module(family: families.Family) -> None:
+    module = importlib.import_module(
+        "ditserve." + family_module(family).removesuffix(".py").replace("/", "."))
+    records = [v for v in vars(module).values() if isinstance(v, families.Family)]
+    assert records == [family]
+    assert family.variants[0] == family.name  # the family's own variant builds first
+    assert {families.MODEL_VARIANTS[v] for v in family.variants} == {family.name}
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+def test_lazy_references_reach_the_torch_side_parts(family: families.Family) -> None:
+    assert families.resolve(family.step_pipeline).family is family
+    if family.sp_hooks is not None:
+        assert callable(families.resolve(family.sp_hooks))
+    builders = families.resolve(family.builders)
+    assert callable(builders.build_pipeline) and callable(builders.build_tiny)
+    assert families.family_of_dit(family.dit_class) is family
+
+
+def test_the_registry_imports_no_torch() -> None:
+    names = ", ".join(f"ditserve.{family_module(f).removesuffix('.py').replace('/', '.')}"
+                      for f in families.FAMILIES)
+    code = (f"import sys, ditserve.engine.families, {names}; "
+            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO / "tests")
+    assert out.stdout.strip() == "[]"
+
+
+def test_unknown_dits_and_variants_are_not_any_familys() -> None:
+    assert families.family_of_dit("SD3Transformer2DModel") is None
+    assert families.declared_block_lists("SD3Transformer2DModel") is None
+    assert families.family_of_variant("sd3") is None
+    assert families.family_of_variant("wan2.2") is families.WAN
