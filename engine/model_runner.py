@@ -35,7 +35,7 @@ from ditserve.engine.inflight import InFlightSteps
 from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
-from ditserve.engine.request import NewRequest
+from ditserve.engine.request import ModelLimits, NewRequest
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.work import WorkRule
 
@@ -154,6 +154,11 @@ class ModelRunner:
                                   frame_step=self.frame_step,
                                   cfg_rows=self.pipeline.family.cfg_rows)
         self._inflight = InFlightSteps(self.device)
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the loaded model can run (its pipeline's ``limits``)."""
+        return self.pipeline.limits()
 
     @property
     def pixel_multiple(self) -> int:

@@ -125,7 +125,9 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
         "n": integer(1, MAX_IMAGES, "images to generate (default 1)"),
         "size": nullable({"type": "string", "pattern": size_pattern(limits),
                            "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple}"
-                                          f"; 'auto' or omitted: {width}x{height}"}),
+                                          f" up to {limits.max_side} (the model's and the "
+                                          f"server's bound); 'auto' or omitted: "
+                                          f"{width}x{height}"}),
         "response_format": nullable({"const": "b64_json"}),
         "user": nullable(text),
         "stream": nullable({"type": "boolean", "description": "answer with Server-Sent "
@@ -219,9 +221,24 @@ def _static_error() -> dict[str, Any]:
 def _static_schemas() -> dict[str, Any]:
     string, integer = {"type": "string"}, {"type": "integer"}
     nullable_string = {"type": ["string", "null"]}
+    nullable_int = {"type": ["integer", "null"]}
+    served = {"type": "object", "required": ["output", "loaded", "limits", "defaults",
+                                             "adapters"],
+              "description": "what the replica makes, the loaded model's limits within the "
+                             "server's flags, and the defaults (docs/serving.md)",
+              "properties": {"output": {"enum": ["image", "video"]},
+                             "loaded": {"type": "boolean"},
+                             "limits": {"type": "object", "properties": {
+                                 "pixel_multiple": integer, "max_width": integer,
+                                 "max_height": integer, "max_steps": integer,
+                                 "max_prompt_chars": nullable_int, "positions": nullable_int,
+                                 "frame_step": integer, "max_frames": integer,
+                                 "max_seconds": {"type": "number"}}},
+                             "defaults": {"type": "object"},
+                             "adapters": {"type": "array", "items": string}}}
     model = {"type": "object", "required": ["id", "object", "created", "owned_by"],
              "properties": {"id": string, "object": {"const": "model"}, "created": integer,
-                            "owned_by": string}}
+                            "owned_by": string, "ditserve": served}}
     return {
         "Error": _static_error(),
         **_stream_event_schemas(),

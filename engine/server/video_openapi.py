@@ -59,12 +59,13 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
         "prompt": prompt,
         "model": {"const": limits.model_name},
         "size": {"type": "string", "pattern": size_pattern(limits, auto=False),
-                 "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple} "
-                                f"(default {width}x{height})"},
+                 "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple} up to "
+                                f"{limits.max_side} (the model's and the server's bound; "
+                                f"default {width}x{height})"},
         "seconds": seconds,
         "num_frames": {"type": "integer", "enum": limits.allowed_frames,
-                       "description": f"{limits.frame_step}k+1 frames (default "
-                                      f"{limits.default_frames})"},
+                       "description": f"{limits.frame_step}k+1 frames up to "
+                                      f"{limits.max_frames} (default {limits.default_frames})"},
         "fps": integer(1, MAX_FPS, f"MP4 frame rate (default {limits.default_fps})"),
         "num_inference_steps": integer(1, limits.max_steps,
                                        f"denoise steps (default {limits.default_steps})"),

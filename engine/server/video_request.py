@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
+from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.config import MAX_FPS
@@ -203,7 +204,7 @@ def _seconds(value: str | float, limits: VideoLimits) -> float:
     return float(value)
 
 
-def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimits,
+def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: VideoLimits,
                         ) -> VideoSpec:
     """A validated VideoSpec, or an APIError (400, or 404 for another model)."""
     if "input_reference" in data:
