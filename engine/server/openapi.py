@@ -177,6 +177,12 @@ def _stream_event_schemas() -> dict[str, Any]:
     """The JSON of each event's ``data:`` line, by ``type`` (the SSE event name)."""
     string, integer = {"type": "string"}, {"type": "integer"}
 
+    def progress(kind: str, second: str) -> dict[str, Any]:
+        """ditserve's progress data: [kind, int, total_steps] (an array: streaming.py)."""
+        return {"type": "array", "minItems": 3, "maxItems": 3,
+                "description": f"[{kind!r}, {second}, total_steps]",
+                "prefixItems": [{"const": kind}, {"type": ["integer", "null"]}, integer]}
+
     def event(kind: str, required: list[str], **properties: Any) -> dict[str, Any]:
         return {"type": "object", "required": ["type", *required],
                 "properties": {"type": {"const": kind}, **properties}}
@@ -186,10 +192,8 @@ def _stream_event_schemas() -> dict[str, Any]:
              "image_index": integer, "request_id": string}
     image_required = ["b64_json", "created_at", "output_format", "size"]
     return {
-        "QueuedEvent": event(streaming.QUEUED, ["request_id", "queue_position", "total_steps"],
-                             request_id=string, queue_position=integer, total_steps=integer),
-        "ProgressEvent": event(streaming.PROGRESS, ["request_id", "step", "total_steps"],
-                               request_id=string, step=integer, total_steps=integer),
+        "QueuedEvent": progress("queued", "queue_position (0: next; null: already running)"),
+        "ProgressEvent": progress("step", "denoise steps done"),
         "PartialImageEvent": event(streaming.PARTIAL_IMAGE,
                                    [*image_required, "partial_image_index"], **image,
                                    partial_image_index=integer, step=integer),
@@ -250,7 +254,7 @@ def _static_schemas() -> dict[str, Any]:
                 "data": {"type": "array", "minItems": 1, "items": {
                     "type": "object", "required": ["b64_json"],
                     "properties": {"b64_json": {"type": "string", "description": "PNG"}}}},
-                "background": string, "output_format": {"const": "png"}, "quality": string,
+                "background": {"const": "opaque"}, "output_format": {"const": "png"},
                 "size": string, "usage": ref("Usage"),
                 "ditserve": {"type": "object", "description": "seed and timings",
                              "required": ["request_id", "seed", "num_inference_steps"],

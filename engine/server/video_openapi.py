@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ditserve.engine.server.config import MAX_FPS
-from ditserve.engine.server.jobs.model import JobStatus
+from ditserve.engine.server.jobs.model import API_STATUSES
 from ditserve.engine.server.openapi import (
     NOT_ONLY_SPACES,
     answers,
@@ -23,7 +23,7 @@ from ditserve.engine.server.openapi import (
 )
 from ditserve.engine.server.video_request import FIELDS, VideoLimits
 
-STATUSES = [status.label for status in JobStatus]
+STATUSES = list(API_STATUSES)
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]
 NOT_FOUND = {404: "No video with this id (never made, deleted, expired, or made before the "
                   "server restarted)"}

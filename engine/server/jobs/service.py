@@ -9,8 +9,8 @@ encoding thread writes the MP4 (``engine.video.mp4_bytes``) and publishes it ato
 with a clear error - the engine failed it (``generation_failed``), the server stopped first
 (``engine_stopped``), the encoder failed (``encoding_failed``), the disk is full
 (``storage_full``) or another write error (``storage_error``) - and frees its reservation.
-``cancel``/``delete`` abort the engine's request, which frees its batch slot at the next
-step boundary.
+``delete`` cancels an unfinished job (aborting the engine's request frees its batch slot at
+the next step boundary) and forgets it.
 
 Built by ServerState; called by routes/videos.py. Encoding runs in this class's own threads,
 never in the engine's step loop (it would leave the GPU idle) nor on the event loop.
@@ -63,8 +63,8 @@ class VideoJobs:
         return admitted
 
     def delete(self, job_id: str) -> bool:
-        """Cancel an unfinished job (its batch slot frees at the next step) or remove a
-        finished one with its file. False: no such job."""
+        """Delete a job: an unfinished one is cancelled first (its batch slot frees at the
+        next step), a finished one goes with its file. False: no such job."""
         existed, engine_id = self.store.delete(job_id)
         if engine_id is not None:
             self.engine.abort(engine_id, "cancelled")

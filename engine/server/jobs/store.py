@@ -220,7 +220,8 @@ class JobStore:
 
     def cancel(self, job_id: str) -> str | None:
         """Cancel an unfinished job: the engine id to abort (None if it never reached the
-        engine). The job stays, cancelled, until it expires."""
+        engine). The job stays, cancelled (``failed`` with code ``cancelled`` in the API),
+        until it expires."""
         return self._cancel(job_id)[1]
 
     def _cancel(self, job_id: str) -> tuple[bool, str | None]:
@@ -237,26 +238,18 @@ class JobStore:
         return self._change(job_id, finish), engine_ids[0]
 
     def delete(self, job_id: str) -> tuple[bool, str | None]:
-        """DELETE: (whether the job existed, the engine id to abort). An unfinished job is
-        cancelled (and stays, cancelled, until it expires or is deleted again); a finished
-        one is removed with its file."""
-        for _ in range(2):  # a job that finishes between the two steps is found finished next
-            with self._lock:
-                self._expire_locked()
-                job = self._jobs.get(job_id)
-                if job is None:
-                    return False, None
-                if job.status.is_finished:
-                    del self._jobs[job_id]
-                    path = job.path
-                    break
-            cancelled, engine_id = self._cancel(job_id)
-            if cancelled:
-                return True, engine_id
-        else:
-            raise AssertionError("a job's status moves to a final state once")
-        self.files.remove(path)
-        return True, None
+        """DELETE: (whether the job existed, the engine id to abort). The job is gone at once:
+        an unfinished one is cancelled first (its followers get its final, cancelled object;
+        an MP4 still being encoded is dropped when it arrives), a finished one is removed
+        with its file."""
+        cancelled, engine_id = self._cancel(job_id)
+        with self._lock:
+            self._expire_locked()
+            job = self._jobs.pop(job_id, None)
+        if job is None:
+            return False, None
+        self.files.remove(job.path)
+        return True, engine_id if cancelled else None
 
     def subscribe(self, job_id: str, listener: Listener) -> dict[str, Any] | None:
         """Call ``listener`` with the job's object after every change; returns the current

@@ -27,7 +27,7 @@ from ditserve.engine.server import video_openapi
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
-from ditserve.engine.server.jobs.model import FINISHED_LABELS, JOB_ID_PATTERN, deleted_object
+from ditserve.engine.server.jobs.model import API_FINISHED, JOB_ID_PATTERN, deleted_object
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.jobs.store import StoreFull
 from ditserve.engine.server.phase import (
@@ -174,7 +174,7 @@ async def video_content(video_id: str, request: Request) -> Response:
     job, where = found
     if where is None:
         status = job["status"]
-        ready = status not in FINISHED_LABELS
+        ready = status not in API_FINISHED
         raise APIError(409, f"video {video_id} is {status}" + (
             f" ({job['progress']}%): download it once its status is completed" if ready
             else ": it has no content"), param="video_id",
@@ -240,7 +240,7 @@ async def _events(videos: VideoJobs, video_id: str, bridge: EventBridge,
         job = current
         while True:
             yield sse(f"video.{job['status']}", {"video": job})
-            if job["status"] in FINISHED_LABELS:
+            if job["status"] in API_FINISHED:
                 return
             while True:
                 try:
