@@ -53,7 +53,9 @@ def create_app(
                 await starting  # a loading thread cannot be interrupted; let it finish
             await asyncio.to_thread(state.stop, 0.0)
 
-    app = FastAPI(title="ditserve", lifespan=lifespan, redoc_url=None,
+    # No trailing-slash redirects: their Location is built from the client's Host header;
+    # a path with a stray "/" is a 404 that names the route meant (errors.py).
+    app = FastAPI(title="ditserve", lifespan=lifespan, redoc_url=None, redirect_slashes=False,
                   docs_url="/docs" if config.docs else None)
     app.state.server = state
     count = state.metrics.count_error

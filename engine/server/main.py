@@ -98,7 +98,8 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
                    help="jobs held at once, any state (default 256); more get 429")
     v.add_argument("--video-max-bytes", type=int, default=None,
                    help="bytes of stored MP4s plus running jobs' reservations (default "
-                        "4294967296); more get 429")
+                        "4294967296); more get 429, and a job that alone reserves more "
+                        "(frames x height x width x 3) gets 400")
     v.add_argument("--video-ttl", type=float, default=None,
                    help="seconds a finished job and its MP4 are kept (default 3600)")
 
@@ -129,6 +130,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     from ditserve.engine.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics
+    from ditserve.engine.server.protocol import APIErrorH11Protocol
     from ditserve.engine.server.state import engine_options
 
     if engine_config.model is not None:
@@ -152,7 +154,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
                      on_start_failed=on_start_failed)
     uv_config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
-        lifespan="on", timeout_graceful_shutdown=5,
+        lifespan="on", timeout_graceful_shutdown=5, http=APIErrorH11Protocol,
         # One line per request is noise at serving rates; debug/trace turn it on.
         access_log=server_config.log_level in ("debug", "trace"),
     )

@@ -1,4 +1,5 @@
-"""Requests the loaded model cannot run are refused up front, through real HTTP.
+"""Requests the loaded model (or the server's store) cannot run are refused up front, through
+real HTTP.
 
 The tiny Wan's rope table holds 32 positions per axis (``rope_max_seq_len``), in patches: at
 16 pixels per patch (8x VAE, 2x2 patches) that is 512 pixels a side, and at 4 frames per
@@ -15,18 +16,23 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from ditserve.engine.request import MAX_SIDE
 
 TINY_WAN_SIDE, TINY_WAN_FRAMES = 32 * 16, 31 * 4 + 1
+STORE_BYTES = 4 << 20  # the video store of the server below: 4 MiB
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's videos
 
 
 @pytest.fixture(scope="module")
 def wan_server(tmp_path_factory, tiny_wan, launch_server) -> Iterator[object]:
     proc = launch_server(tmp_path_factory.mktemp("limits"), "--model", str(tiny_wan),
-                         "--max-steps", "2", "--video-dir",
-                         str(tmp_path_factory.mktemp("limits-videos")))
+                         "--max-steps", "2", "--video-max-bytes", str(STORE_BYTES),
+                         "--video-dir", str(tmp_path_factory.mktemp("limits-videos")))
     yield proc
     proc.stop()
 
@@ -108,3 +114,16 @@ def test_an_image_replica_shows_its_limits_too(server) -> None:
     assert served["limits"]["positions"] is None
     assert served["limits"]["max_width"] == 64 < MAX_SIDE
     assert "frame_step" not in served["limits"]
+
+
+def test_a_job_that_can_never_fit_the_store_is_a_400_not_a_429(wan_server) -> None:
+    # 512 x 512 x 125 frames reserves 98 MB: more than the whole 4 MiB store. A 429 would
+    # send the SDK into retries (with a Retry-After of half an hour) for nothing.
+    client = openai.OpenAI(base_url=f"{wan_server.url}/v1", api_key="unused", max_retries=3)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.videos.create(prompt="too big", size=f"{TINY_WAN_SIDE}x{TINY_WAN_SIDE}",
+                             extra_body={"num_frames": TINY_WAN_FRAMES})
+    error = refused.value.body
+    assert (error["param"], error["code"]) == ("size", "exceeds_store")
+    assert "can never fit" in error["message"] and str(STORE_BYTES) in error["message"]
+    assert "retry-after" not in refused.value.response.headers

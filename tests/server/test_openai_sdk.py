@@ -9,9 +9,9 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import openai
 import pytest
-import httpx
 from openai.types import (
     ImageGenCompletedEvent,
     ImageGenPartialImageEvent,

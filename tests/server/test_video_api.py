@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from openai.types import Video
 from server.video_support import FakeEngine, fake_video_engine, finish, mp4_facts, run, video_app
 
 from ditserve.engine.server.config import ServerConfig
@@ -326,3 +327,21 @@ def test_a_stopped_engine_fails_its_unfinished_jobs(tmp_path: Path) -> None:
 
     final = run(app, script)[-1][1]["video"]
     assert (final["status"], final["error"]["code"]) == ("failed", "engine_stopped")
+
+
+def test_a_job_of_an_openai_size_is_exactly_the_sdks_video(tmp_path: Path) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path))
+
+    async def script(client):
+        created = (await client.post(VIDEOS, json={
+            "prompt": "a tall shot", "size": "720x1280", "num_frames": 1,
+            "num_inference_steps": 1, "seed": 1})).json()
+        events = await finish(client, created["id"])
+        return [created, *(data["video"] for _, data in events),
+                (await client.get(f"{VIDEOS}/{created['id']}")).json(),
+                *(await client.get(VIDEOS)).json()["data"]]
+
+    objects = run(app, script)
+    videos = [Video.model_validate(obj, strict=True) for obj in objects]
+    assert [v.status for v in videos][-1] == "completed"
+    assert {v.size for v in videos} == {"720x1280"}
