@@ -163,6 +163,6 @@ def test_sigterm_drains_running_requests_then_exits(guarded) -> None:
 
     rest = asyncio.run(scenario())
     assert rest[-1][0] == "image_generation.completed"
-    assert rest[-2][1]["step"] == 300
+    assert rest[-2] == ("ditserve.progress", ["step", 300, 300])
     assert guarded.process.wait(timeout=60) == 0
     assert "engine stopped" in guarded.log_text()

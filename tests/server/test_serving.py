@@ -65,7 +65,8 @@ def test_concurrent_requests_equal_alone_and_batch(server, metric) -> None:
 LIMIT_PROMPT = "x" * 4001
 FIELDS = ("prompt, model, n, size, response_format, user, stream, partial_images, background, "
           "moderation, output_compression, output_format, quality, style, safety_identifier, "
-          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed")
+          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, priority, "
+          "deadline_s")
 HUGE = "9" * 5000
 
 BAD_INPUTS = [
@@ -196,7 +197,8 @@ def test_sse_stream_reports_steps_partial_images_then_each_image(server) -> None
     assert all(d["size"] == "64x64" and d["output_format"] == "png" for d in partial)
     assert decode_png(partial[0]["b64_json"]).shape == (64, 64, 3)
     assert kinds[-2:] == ["image_generation.completed"] * 2
-    assert all(data["type"] == kind and data["request_id"] == rid for kind, data in events)
+    assert all(data["type"] == kind and data["request_id"] == rid
+               for kind, data in events if not kind.startswith("ditserve."))
     completed = [d for k, d in events[-2:]]
     assert [d["image_index"] for d in completed] == [0, 1]
     assert completed[0]["ditserve"]["seed"] == 7
