@@ -129,7 +129,8 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_report(idle_p90: float | None, runs: dict[str, dict[str, Any]]) -> None:
+def print_report(idle_p90: float | None, runs: dict[str, dict[str, Any]], *,
+                 with_targets: bool = True) -> None:
     head = (f"{'policy':<10} {'ok/n':>7} {'req/s':>7} {'high p50':>9} {'high p90':>9} "
             f"{'low p50':>8} {'low p90':>8} {'preempt':>8} {'paused s':>9}")
     print(head)
@@ -139,6 +140,8 @@ def print_report(idle_p90: float | None, runs: dict[str, dict[str, Any]]) -> Non
               f"{_fmt(s['high_p50_s']):>9} {_fmt(s['high_p90_s']):>9} {_fmt(s['low_p50_s']):>8} "
               f"{_fmt(s['low_p90_s']):>8} {_fmt(s.get('preemptions'), '.0f'):>8} "
               f"{_fmt(s.get('paused_seconds')):>9}")
+    if not with_targets:
+        return
     print(f"idle high-priority p90: {_fmt(idle_p90)} s")
     for target, ratio, met in targets(idle_p90, runs):
         verdict = "-" if met is None else ("ok" if met else "NO")
@@ -165,13 +168,44 @@ def main(args: argparse.Namespace, serving: Any, headers: dict[str, str]) -> int
     if args.tiny:
         args.serve_args = f"--device cpu {args.serve_args}".strip()
         size, steps = "64x64", 4
-    max_num_seqs = int(args.max_num_seqs.split(",")[-1])
     arrivals = trace(args.requests, args.rate, args.high_share, args.seed)
     idle = [Arrival(i, 0.0, HIGH) for i in range(args.idle_requests)]
     out = Path(args.out)
     runs: dict[str, dict[str, Any]] = {}
     idle_p90: float | None = None
-    records: dict[str, list[dict[str, Any]]] = {}
+    records: dict[str, Any] = {}
+    interrupted = False
+    try:
+        idle_p90 = _run_servers(args, serving, headers, arrivals, idle, size, steps, runs,
+                                records)
+    except KeyboardInterrupt:  # `timeout -s TERM`: report the servers that finished
+        interrupted = True
+        print("interrupted; reporting the finished servers", file=sys.stderr)
+        idle_p90 = records.pop("idle_p90", None)
+    if not runs:
+        return 130 if interrupted else 1
+    print()
+    print_report(idle_p90, runs)
+    out.write_text(json.dumps({
+        "settings": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "size": size, "steps": steps, "trace": [asdict(a) for a in arrivals],
+        "idle_high_p90_s": idle_p90, "runs": runs, "records": records,
+        "targets": [{"target": t, "ratio": r, "met": m} for t, r, m in targets(idle_p90, runs)],
+    }, indent=2))
+    print(f"wrote {out}")
+    if interrupted:
+        return 130
+    return 0 if all(s["errors"] == 0 for s in runs.values()) else 1
+
+
+def _run_servers(args: argparse.Namespace, serving: Any, headers: dict[str, str],
+                 arrivals: list[Arrival], idle: list[Arrival], size: str, steps: int,
+                 runs: dict[str, dict[str, Any]], records: dict[str, Any]) -> float | None:
+    """Launch the priority server, then the fcfs one; fill ``runs`` and ``records`` as each
+    finishes; return the idle high-priority p90."""
+    out = Path(args.out)
+    max_num_seqs = int(args.max_num_seqs.split(",")[-1])
+    idle_p90: float | None = None
     for policy in ("priority", "fcfs"):
         flags = f"--scheduling-policy {policy}"
         if policy == "priority" and args.aging_s is not None:
@@ -185,11 +219,13 @@ def main(args: argparse.Namespace, serving: Any, headers: dict[str, str]) -> int
                                     headers=headers))
 
         try:
-            go(idle[:1])  # warm-up, not measured
+            # Warm-up, not measured, the same on both servers: alone, then a full batch.
+            go(idle[:1])
+            go([Arrival(i, 0.0, LOW) for i in range(max_num_seqs)])
             if policy == "priority":
                 alone = [go([a])[0] for a in idle]  # one after the other: an idle server
                 idle_p90 = p([o.latency_s for o in alone if o.status == 200], 0.9)
-                records["idle"] = [asdict(o) for o in alone]
+                records["idle"], records["idle_p90"] = [asdict(o) for o in alone], idle_p90
             before = serving.scrape(url, headers)
             outcomes = go(arrivals)
             after = serving.scrape(url, headers)
@@ -203,16 +239,9 @@ def main(args: argparse.Namespace, serving: Any, headers: dict[str, str]) -> int
             "paused_seconds": after.get("ditserve:request_paused_seconds_sum", 0.0)
             - before.get("ditserve:request_paused_seconds_sum", 0.0)}
         records[policy] = [asdict(o) for o in outcomes]
-    print()
-    print_report(idle_p90, runs)
-    out.write_text(json.dumps({
-        "settings": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "size": size, "steps": steps, "trace": [asdict(a) for a in arrivals],
-        "idle_high_p90_s": idle_p90, "runs": runs, "records": records,
-        "targets": [{"target": t, "ratio": r, "met": m} for t, r, m in targets(idle_p90, runs)],
-    }, indent=2))
-    print(f"wrote {out}")
-    return 0 if all(s["errors"] == 0 for s in runs.values()) else 1
+        print_report(idle_p90, {policy: runs[policy]}, with_targets=False)
+    records.pop("idle_p90", None)
+    return idle_p90
 
 
 if __name__ == "__main__":

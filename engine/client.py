@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ditserve.engine.lifecycle import EnginePhase
+from ditserve.engine.loop.lifecycle import EnginePhase
 from ditserve.engine.request import ModelLimits, SamplingParams
 
 if TYPE_CHECKING:
     from ditserve.engine.config import EngineConfig
-    from ditserve.engine.results import EngineStats, RequestEvent, RequestHandle
+    from ditserve.engine.loop.results import EngineStats, RequestEvent, RequestHandle
 
 __all__ = ["EngineClient", "EngineFacts", "EnginePhase", "ModelLimits"]
 

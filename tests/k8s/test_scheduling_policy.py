@@ -11,7 +11,7 @@ from ditserve.operator.judge import validate
 from ditserve.operator.render import Owner, render
 from ditserve.operator.spec import parse_spec
 
-BASE = {"model": {"hostPath": "/m"}}
+BASE = {"model": {"hostPath": "/mnt/models/m"}}
 OWNER = Owner(name="demo", namespace="ns", uid="0b9e7b5c-1111-2222-3333-444455556666",
               generation=1)
 

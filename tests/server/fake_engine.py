@@ -21,13 +21,13 @@ import torch
 
 from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.engine import EnginePhase, EngineStats, GenerationResult, RequestEvent
 from ditserve.engine.errors import (
     DitServeError,
     InvalidRequestError,
     QueueFullError,
     RequestAborted,
 )
+from ditserve.engine.loop.engine import EnginePhase, EngineStats, GenerationResult, RequestEvent
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, ModelLimits
 
 
