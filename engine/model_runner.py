@@ -30,6 +30,7 @@ import torch
 from ditserve.engine.block_major import BlockMajor
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.errors import AdapterError
 from ditserve.engine.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.inflight import InFlightSteps
 from ditserve.engine.loader import load_components
@@ -98,7 +99,9 @@ class ModelRunner:
                 streams_from_mapping=(self.device.type == "cuda" and not sharded
                                       and config.offload.compress == "none"),
                 keep_private=(f"--quantization {config.quantization} replaces the linears' "
-                              "weights" if config.quantization else None),
+                              "weights" if config.quantization else
+                              "--lora-fuse changes the linears' weights"
+                              if config.adapters.fuse else None),
                 sharded=sharded,
             )
         try:
@@ -112,6 +115,12 @@ class ModelRunner:
                 # Before offload and compilation: they wrap the blocks the hooks sit around.
                 shard_pipeline(self.pipeline, self._sequence)
             self.offload: Any = None
+            from ditserve.engine.adapters.bank import open_bank
+
+            # Before quantization (a fused adapter changes the weights it quantizes) and
+            # offload; the hooks sit on the linears, which neither replaces afterwards.
+            self.adapters = open_bank(self.pipeline, components, config.adapters,
+                                      device=self.device)
             if config.quantization is not None:  # before offload plans the blocks' tensors
                 from ditserve.engine.quantize_dit import quantize_dit
 
@@ -179,10 +188,17 @@ class ModelRunner:
 
     # -- request registry ---------------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
+        self.adapters.acquire(new.params.loras)  # resident while the request runs
         self._states[new.request_id] = DenoiseState(new.request_id, new.params, new.seed)
 
+    def _pop(self, request_id: str) -> DenoiseState | None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.adapters.release(state.params.loras)
+        return state
+
     def drop(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        self._pop(request_id)
         self._inflight.forget(request_id)
 
     # -- one step -----------------------------------------------------------------------------
@@ -201,11 +217,16 @@ class ModelRunner:
         """
         out = RunnerOutput()
         for new in new_requests:
-            self.add_request(new)
+            try:
+                self.add_request(new)
+            except AdapterError as e:  # an adapter file that cannot serve fails its request
+                log.error("request %s: %s", new.request_id, e)
+                out.failed[new.request_id] = f"adapter: {e}"
         for rid in plan.freed:
             self.drop(rid)
         for rid in plan.encode:
-            self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
+            if rid not in out.failed:
+                self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
         passes = self._collective_passes()
         if batch:
@@ -225,11 +246,12 @@ class ModelRunner:
             if rid in out.failed:
                 continue
             if not self._decodes:
-                self._states.pop(rid, None)  # the SP leader decodes this request
+                self._pop(rid)  # the SP leader decodes this request
                 out.decoded.append(rid)
                 continue
             if self._guarded(out, rid, "decode", self.pipeline.post_decode):
-                state = self._states.pop(rid)
+                state = self._pop(rid)
+                assert state is not None
                 out.decoded.append(rid)
                 self._inflight.add_decode(rid, state.pixels)
         for step in self._inflight.close():
