@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.adapters.catalog import AdapterCatalog
+from ditserve.engine.adapters.files import rank_inspector
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.delivery import Delivery
 from ditserve.engine.errors import EngineStoppedError, ModelLoadError
@@ -85,6 +87,7 @@ class DiffusionEngine:
         scheduler = with_budget(config.scheduler, _served_family(config.model))
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
+        self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
 
     @property
     def schedulers(self) -> list[StepScheduler]:
@@ -116,6 +119,9 @@ class DiffusionEngine:
             executor, self.model_dir = open_executor(
                 self.config, self.warmup,
                 on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING))
+            adapters = self.config.adapters
+            self.adapters = AdapterCatalog(adapters, inspect=rank_inspector(
+                self.model_dir, max_rank=adapters.max_lora_rank))
         except BaseException as e:
             self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise
@@ -213,14 +219,23 @@ class DiffusionEngine:
                                abort_fn=self.abort, on_event=on_event)
         # Its share of a step's work budget, by the served model's token grid and CFG rule.
         work = self.runner.work_rule.of(params) if self.runner is not None else None
-        with self._lock:
-            if self.phase is EnginePhase.FAILED:
-                raise EngineStoppedError(str(self.failure))
-            if self.phase is not EnginePhase.READY:
-                raise EngineStoppedError("the engine is not accepting requests (starting or "
-                                         "shutting down)")
-            self._pending.add(handle, work)
-            self._wakeup.notify_all()
+        if params.loras and self.adapters is not None:  # in use until the request ends
+            catalog, loras = self.adapters, params.loras
+            catalog.hold(loras)
+            handle.future.add_done_callback(lambda _: catalog.release(loras))
+        try:
+            with self._lock:
+                if self.phase is EnginePhase.FAILED:
+                    raise EngineStoppedError(str(self.failure))
+                if self.phase is not EnginePhase.READY:
+                    raise EngineStoppedError("the engine is not accepting requests (starting "
+                                             "or shutting down)")
+                self._pending.add(handle, work)
+                self._wakeup.notify_all()
+        except BaseException:
+            if not handle.future.done():
+                handle.future.cancel()  # releases the adapters it held
+            raise
         self._delivery.queued(handle)
         return handle
 

@@ -206,3 +206,18 @@ def read_adapter(path: str | Path, pipeline_class: Any, *, max_rank: int) -> Ada
         raise AdapterError(f"adapter file {str(file)!r} holds no LoRA factors for the DiT "
                            f"(keys such as {sorted(tensors)[:3]})")
     return AdapterWeights(path=str(file), layers=layers)
+
+
+def rank_inspector(model_dir: str | Path, *, max_rank: int) -> Any:
+    """path -> the adapter's rank, checking the file as a runner will read it for the model
+    in ``model_dir`` (the engine's catalog calls it on every load)."""
+    import diffusers
+
+    from ditserve.engine.loader import read_model_index
+
+    pipeline_class = getattr(diffusers, read_model_index(model_dir)[0])
+
+    def inspect_file(path: str) -> int:
+        return read_adapter(path, pipeline_class, max_rank=max_rank).rank
+
+    return inspect_file
