@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.adapters.config import parse_lora_arg
+from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.families import MODEL_VARIANTS

@@ -39,8 +39,9 @@ class AdaptedLinear:
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
         self.module = module
-        self.in_features = int(getattr(module, "in_features"))
-        self.out_features = int(getattr(module, "out_features"))
+        layer: Any = module  # nn.Linear or FP8Linear: both carry their feature counts
+        self.in_features = int(layer.in_features)
+        self.out_features = int(layer.out_features)
         self.factors: dict[AdapterKey, LoraFactors] = {}
         self._handle: RemovableHandle | None = None
 

@@ -80,6 +80,18 @@ class _EngineStateCollector(Collector):
         yield GaugeMetricFamily("ditserve:engine_ready",
                                 "1 when the model is loaded, warmed up and admitting.",
                                 value=ready)
+        bank = getattr(getattr(engine, "runner", None), "adapters", None)
+        catalog = getattr(engine, "adapters", None)
+        yield GaugeMetricFamily("ditserve:lora_adapters_loaded",
+                                "LoRA adapters loaded (selectable by name).",
+                                value=len(catalog.entries()) if catalog is not None else 0)
+        yield GaugeMetricFamily("ditserve:lora_adapters_resident",
+                                "LoRA adapters resident on the device (rank 0; at most "
+                                "--max-loras beyond those of running requests).",
+                                value=len(bank.resident) if bank is not None else 0)
+        yield GaugeMetricFamily("ditserve:lora_resident_bytes",
+                                "Device bytes of the resident LoRA adapters' factors (rank 0).",
+                                value=float(bank.nbytes) if bank is not None else 0.0)
         transferred = float((report or {}).get("bytes_transferred", 0))
         yield CounterMetricFamily("ditserve:offload_bytes_transferred",
                                   "Weight bytes streamed host->device by layerwise offload.",
