@@ -115,12 +115,12 @@ class ModelRunner:
                 # Before offload and compilation: they wrap the blocks the hooks sit around.
                 shard_pipeline(self.pipeline, self._sequence)
             self.offload: Any = None
-            from ditserve.engine.adapters.bank import open_bank
+            from ditserve.engine.adapters import bank
 
-            # Before quantization (a fused adapter changes the weights it quantizes) and
-            # offload; the hooks sit on the linears, which neither replaces afterwards.
-            self.adapters = open_bank(self.pipeline, components, config.adapters,
-                                      device=self.device)
+            # Fused before quantization and offload read the weights; hooks (preload)
+            # after quantization replaced the linears.
+            self.adapters = bank.open_bank(self.pipeline, components, config.adapters,
+                                           device=self.device)
             if config.quantization is not None:  # before offload plans the blocks' tensors
                 from ditserve.engine.quantize_dit import quantize_dit
 
@@ -135,6 +135,7 @@ class ModelRunner:
                     self.pipeline.transformer, config.offload, device=self.device,
                     host_plan=host_plan, block_lists=self.pipeline.block_lists, **kwargs,
                 )
+            bank.preload(self.adapters, config.adapters)
             if config.compile is not None:
                 from ditserve.engine.compiled_blocks import compile_repeated_blocks
 

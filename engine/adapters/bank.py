@@ -177,23 +177,31 @@ class AdapterBank:
 
 def open_bank(pipeline: Any, components: Any, config: Any, *, device: torch.device
               ) -> AdapterBank:
-    """The runner's bank over ``pipeline``'s DiT(s) for ``config`` (an AdapterConfig): with
-    ``fuse``, its one adapter merged into the weights; otherwise the ``lora_modules`` made
-    resident up to ``max_loras`` (the start log shows their bytes)."""
+    """The runner's bank over ``pipeline``'s DiT(s) for ``config`` (an AdapterConfig); with
+    ``fuse``, its one adapter merged into the weights now. Called before quantization and
+    offload (a fused adapter changes the weights they read); ``preload`` after them (the
+    hooks must sit on the linears that run: quantization replaces them)."""
     from ditserve.engine.adapters.config import startup_refs
 
     stacked = tuple(components.dit_components) if len(components.dit_components) > 1 else ()
     bank = AdapterBank(pipeline.transformer, pipeline_class=type(components.pipeline),
                        device=device, dtype=pipeline.dtype, max_loras=config.max_loras,
                        max_rank=config.max_lora_rank, components=stacked)
-    refs = startup_refs(config)
     if config.fuse:
-        bank.fuse(refs[0])
-        return bank
+        bank.fuse(startup_refs(config)[0])
+    return bank
+
+
+def preload(bank: AdapterBank, config: Any) -> None:
+    """The ``lora_modules`` made resident up to ``max_loras`` (the start log shows their
+    bytes); nothing under ``fuse``."""
+    from ditserve.engine.adapters.config import startup_refs
+
+    refs = startup_refs(config)
+    if config.fuse or not refs:
+        return
     for ref in refs[: config.max_loras]:
         bank.acquire([ref])
         bank.release([ref])
-    if refs:
-        log.info("%d LoRA adapters resident at start (%.1f MiB; --max-loras %d)",
-                 len(bank.resident), bank.nbytes / 2**20, config.max_loras)
-    return bank
+    log.info("%d LoRA adapters resident at start (%.1f MiB; --max-loras %d)",
+             len(bank.resident), bank.nbytes / 2**20, config.max_loras)
