@@ -23,6 +23,7 @@ from typing import Any
 from ditserve.engine.config import EngineConfig, family_sequence_parallel_problems
 from ditserve.engine.errors import ConfigError
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.loras import lora_args
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec, parse_spec
 from ditserve.operator.workloads import LWS_SUFFIX
 
@@ -139,7 +140,7 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     from ditserve.engine.cli_options import engine_config_from_args
     from ditserve.engine.server.main import server_config_from_args
 
-    parsed = _parse_serve_args(spec.engine.args)
+    parsed = _parse_serve_args((*spec.engine.args, *lora_args(spec.loras)))
     # The model's own head count is read by the engine at start; a declared family's released
     # head counts already tell a sequence-parallel size that serves none of them.
     managed = _managed_flag_problems(parsed) + family_sequence_parallel_problems(

@@ -22,6 +22,7 @@ from typing import Any
 
 from ditserve.engine.config import SEQUENCE_PARALLEL_IMPL
 from ditserve.operator import nodecache, sizing
+from ditserve.operator.loras import lora_args, lora_host_paths, lora_mounts, lora_volumes
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec
 
 CONFIG_DIR = "/etc/ditserve"
@@ -80,7 +81,8 @@ _RESTRICTED_CONTAINER = {
 
 def uses_host_path(spec: DeploymentSpec) -> bool:
     """hostPath volumes keep a pod out of the baseline and restricted Pod Security levels."""
-    return spec.model.host_path is not None or (spec.cache.enabled and not spec.cache.claim_name)
+    return (spec.model.host_path is not None or (spec.cache.enabled and not spec.cache.claim_name)
+            or lora_host_paths(spec.loras))
 
 
 def _volumes(spec: DeploymentSpec, config_map: str) -> list[dict[str, Any]]:
@@ -109,7 +111,7 @@ def _volumes(spec: DeploymentSpec, config_map: str) -> list[dict[str, Any]]:
             # right owner; until it has, the pod waits rather than getting a root-owned dir.
             volumes.append({"name": "cache",
                             "hostPath": {"path": spec.cache.root, "type": "Directory"}})
-    return volumes
+    return volumes + lora_volumes(spec.loras)
 
 
 def _model_mount_for(spec: DeploymentSpec) -> dict[str, Any]:
@@ -155,9 +157,9 @@ def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
 def _command(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
     if role is Role.SINGLE:
         return {"command": ["ditserve", "serve", "--config", CONFIG_PATH],
-                "args": list(spec.engine.args)}
+                "args": [*spec.engine.args, *lora_args(spec.loras)]}
     return {"command": ["sh", "-c", LAUNCHER, "ditserve-launcher"],
-            "args": list(spec.engine.args)}
+            "args": [*spec.engine.args, *lora_args(spec.loras)]}
 
 
 def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE) -> dict[str, Any]:
@@ -173,6 +175,7 @@ def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE)
         # Read-only: engines only map published entries; the daemon's Unix socket
         # ($ROOT/cachectl.sock) lives in the root and connecting to it needs no write access.
         mounts.append({"name": "cache", "mountPath": spec.cache.root, "readOnly": True})
+    mounts.extend(lora_mounts(spec.loras))  # every rank: requests name the adapters' paths
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": image,
