@@ -174,8 +174,8 @@ def run_method(method: str, args: argparse.Namespace, device: torch.device,
 
 
 def table(results: dict[str, Any], n: int) -> str:
-    lines = ["| method | base b{n} ms | lora b{n} ms | per-adapter {n}x b1 ms | lora / base | "
-             "per-adapter / lora | target lora/base <= 1.10 |".format(n=n),
+    lines = [f"| method | base b{n} ms | lora b{n} ms | per-adapter {n}x b1 ms | lora / base | "
+             "per-adapter / lora | target lora/base <= 1.10 |",
              "|---|---|---|---|---|---|---|"]
     for method, r in results["methods"].items():
         ms = r["ms"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 

@@ -14,7 +14,12 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
+from ditserve.engine.request import (
+    MAX_IMAGES,
+    MAX_LORA_SCALE,
+    MAX_LORAS_PER_REQUEST,
+    MAX_PARTIAL_IMAGES,
+)
 from ditserve.engine.server import streaming
 from ditserve.engine.server.edge import REQUEST_ID_HEADER
 from ditserve.engine.server.schemas import FIELDS, IGNORED_FIELDS, RequestLimits
@@ -102,6 +107,17 @@ def size_pattern(limits: Sides, *, auto: bool = True) -> str:
     return f"^(?:{'auto|' if auto else ''}(?:{sides})x(?:{sides}))$"
 
 
+LORAS_SCHEMA: dict[str, Any] = {
+    "type": "array", "maxItems": MAX_LORAS_PER_REQUEST,
+    "description": "LoRA adapters to apply, stacked (their deltas add up): names from GET "
+                   "/v1/models; an unknown name is a 404 (adapter_not_found)",
+    "items": {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string"},
+                             "scale": {"type": ["number", "null"], "minimum": -MAX_LORA_SCALE,
+                                       "maximum": MAX_LORA_SCALE,
+                                       "description": "default 1"}}}}
+
+
 def request_schema(limits: RequestLimits) -> dict[str, Any]:
     """The JSON Schema of the generation body under ``limits`` (what the parser accepts)."""
     text = {"type": "string"}
@@ -121,7 +137,9 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
 
     properties: dict[str, Any] = {
         "prompt": prompt,
-        "model": nullable({"const": limits.model_name}),
+        "model": nullable({"const": limits.model_name, "description": "the served model; "
+                           "a LoRA adapter's name from GET /v1/models also selects it (at "
+                           "scale 1) on top of the base model"}),
         "n": integer(1, MAX_IMAGES, "images to generate (default 1)"),
         "size": nullable({"type": "string", "pattern": size_pattern(limits),
                            "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple}"
@@ -142,6 +160,7 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
         "true_cfg_scale": number("classifier-free guidance with negative_prompt; > 1 needs "
                                  "a non-empty negative_prompt (default 1: off)"),
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),
+        "loras": nullable(LORAS_SCHEMA),
     }
     for name in IGNORED_FIELDS:
         properties[name]["description"] = "OpenAI field, accepted and ignored"
