@@ -219,23 +219,16 @@ class DiffusionEngine:
                                abort_fn=self.abort, on_event=on_event)
         # Its share of a step's work budget, by the served model's token grid and CFG rule.
         work = self.runner.work_rule.of(params) if self.runner is not None else None
-        if params.loras and self.adapters is not None:  # in use until the request ends
-            catalog, loras = self.adapters, params.loras
-            catalog.hold(loras)
-            handle.future.add_done_callback(lambda _: catalog.release(loras))
-        try:
-            with self._lock:
-                if self.phase is EnginePhase.FAILED:
-                    raise EngineStoppedError(str(self.failure))
-                if self.phase is not EnginePhase.READY:
-                    raise EngineStoppedError("the engine is not accepting requests (starting "
-                                             "or shutting down)")
-                self._pending.add(handle, work)
-                self._wakeup.notify_all()
-        except BaseException:
-            if not handle.future.done():
-                handle.future.cancel()  # releases the adapters it held
-            raise
+        with self._lock:
+            if self.phase is EnginePhase.FAILED:
+                raise EngineStoppedError(str(self.failure))
+            if self.phase is not EnginePhase.READY:
+                raise EngineStoppedError("the engine is not accepting requests (starting or "
+                                         "shutting down)")
+            self._pending.add(handle, work)
+            if self.adapters is not None:  # in use (not unloadable) until the request ends
+                self.adapters.hold_until_done(params.loras, handle.future)
+            self._wakeup.notify_all()
         self._delivery.queued(handle)
         return handle
 

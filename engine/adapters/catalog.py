@@ -18,6 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ditserve.engine.adapters.config import AdapterConfig, check_name
 from ditserve.engine.errors import AdapterError, AdapterNotFoundError, ConfigError
@@ -95,6 +96,12 @@ class AdapterCatalog:
         with self._lock:
             for ref in refs:
                 self._in_use[ref.name] += 1
+
+    def hold_until_done(self, refs: Sequence[LoraRef], future: Any) -> None:
+        """``hold`` until ``future`` (a request's) is done, however it ends."""
+        if refs:
+            self.hold(refs)
+            future.add_done_callback(lambda _: self.release(refs))
 
     def release(self, refs: Iterable[LoraRef]) -> None:
         with self._lock:
