@@ -156,3 +156,32 @@ def test_request_validation_of_loras() -> None:
     twice = SamplingParams(prompt="x", loras=(LoraRef("a", "/a"), LoraRef("a", "/a")))
     with pytest.raises(Exception, match="named twice"):
         twice.validate()
+
+
+def test_grouped_and_segment_paths_agree() -> None:
+    from torch import nn
+
+    from ditserve.engine.adapters.files import LoraFactors
+    from ditserve.engine.adapters.linear import AdaptedLinear
+    from ditserve.engine.adapters.rows import applying
+
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40)
+    x = torch.randn(6, 5, 24)
+    factors = [LoraFactors(down=torch.randn(4, 24), up=torch.randn(40, 4), scaling=0.5 + i)
+               for i in range(3)]
+    outs = []
+    for grouped in (True, False):
+        layer = AdaptedLinear("l", base, grouped=grouped)
+        for i in range(3):
+            layer.add((f"a{i}", 0), factors[i])
+        # Three adjacent 2-row segments, one adapter each: the grouped path's case.
+        rows = RowAdapters(6, tuple(RowSegment(2 * i, 2 * i + 2, (((f"a{i}", 0), 0.3 * i - 0.2),))
+                                    for i in range(3)))
+        with applying(rows), torch.no_grad():
+            outs.append(base(x))
+        layer.remove(("a0", 0)), layer.remove(("a1", 0)), layer.remove(("a2", 0))
+    with torch.no_grad():
+        plain = base(x)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    assert (outs[0] - plain).abs().max() > 1e-2
