@@ -61,3 +61,12 @@ class AdapterNotFoundError(AdapterError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument
         return str(self.args[0]) if self.args else ""
+
+
+class DeadlineError(DitServeError):
+    """A request cannot meet its ``deadline_s`` by the scheduler's estimate: refused at
+    admission, or stopped at a step boundary (``deadline_exceeded``), never silently late."""
+
+    def __init__(self, message: str, *, estimate_s: float | None = None) -> None:
+        super().__init__(message)
+        self.estimate_s = estimate_s

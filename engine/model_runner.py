@@ -33,11 +33,11 @@ from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import AdapterError
 from ditserve.engine.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.inflight import InFlightSteps
-from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import NewRequest
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.weights.loader import load_components
 from ditserve.engine.work import WorkRule
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class ModelRunner:
         dits, host_plan = None, None
         if offload:
             # Each DiT's host backing (checkpoint mmap, node cache, or ordinary) in one plan.
-            from ditserve.engine.dit_backing import prepare_dits
+            from ditserve.engine.weights.dit_backing import prepare_dits
 
             sharded = weight_group is not None and config.offload.use_allgather
             dits, host_plan = prepare_dits(
@@ -122,7 +122,7 @@ class ModelRunner:
             self.adapters = bank.open_bank(self.pipeline, components, config.adapters,
                                            device=self.device)
             if config.quantization is not None:  # before offload plans the blocks' tensors
-                from ditserve.engine.quantize_dit import quantize_dit
+                from ditserve.engine.weights.quantize import quantize_dit
 
                 quantize_dit(self.pipeline.transformer, config.quantization, device=self.device)
             if offload:

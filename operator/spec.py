@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES
+from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES, SCHEDULING_POLICIES
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.loras import LoraSource, parse_loras
 from ditserve.operator.pod_metadata import pod_metadata_problems
@@ -133,6 +133,11 @@ class SchedulingSpec:
     priority_class_name: str | None = None
     runtime_class_name: str | None = None
     prefer_cached_nodes: bool = True
+    # The engine's request scheduling (--scheduling-policy, --priority-aging-s,
+    # --max-preemptions): which requests run first, not where pods run.
+    policy: str = "fcfs"
+    aging_seconds: float = 30.0
+    max_preemptions: int = 2
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,9 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
             priority_class_name=s.text("priorityClassName") or None,
             runtime_class_name=s.text("runtimeClassName") or None,
             prefer_cached_nodes=s.flag("preferCachedNodes", True),
+            policy=s.text("policy", "fcfs", SCHEDULING_POLICIES),
+            aging_seconds=s.number("agingSeconds", 30.0),
+            max_preemptions=s.integer("maxPreemptions", 2),
         ),
         rollout=RolloutSpec(
             max_unavailable=r.int_or_str("maxUnavailable", 1),

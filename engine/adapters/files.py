@@ -213,7 +213,7 @@ def rank_inspector(model_dir: str | Path, *, max_rank: int) -> Any:
     in ``model_dir`` (the engine's catalog calls it on every load)."""
     import diffusers
 
-    from ditserve.engine.loader import read_model_index
+    from ditserve.engine.weights.loader import read_model_index
 
     pipeline_class = getattr(diffusers, read_model_index(model_dir)[0])
 

@@ -76,7 +76,7 @@ class MultiProcessExecutor:
         if config.parallel.sequence_parallel_size > 1:
             # Before spawning anything: the model's DiTs must split their heads over the group.
             from ditserve.engine.config import raise_problems, sequence_parallel_problems
-            from ditserve.engine.loader import dit_attention_heads
+            from ditserve.engine.weights.loader import dit_attention_heads
 
             raise_problems("sequence-parallel", sequence_parallel_problems(
                 config.parallel.sequence_parallel_size, dit_attention_heads(model_dir)))

@@ -21,7 +21,7 @@ from ditserve.engine.sampler import FlowMatchEulerSampler
 
 if TYPE_CHECKING:
     from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
+    from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_T5_TOKENS = 512  # diffusers' FluxPipeline refuses more
 

@@ -27,7 +27,7 @@ from ditserve.engine.sampler import FlowMatchEulerSampler
 
 if TYPE_CHECKING:
     from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
+    from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_TEXT_TOKENS = 512  # diffusers' QwenImagePipeline default max_sequence_length
 

@@ -35,7 +35,7 @@ from ditserve.engine.sampler import SchedulerTrajectory
 
 if TYPE_CHECKING:
     from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
+    from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_TEXT_TOKENS = 512  # diffusers' WanPipeline default max_sequence_length
 

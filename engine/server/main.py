@@ -132,7 +132,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     from ditserve.engine.server.state import engine_options
 
     if engine_config.model is not None:
-        from ditserve.engine.loader import read_model_index
+        from ditserve.engine.weights.loader import read_model_index
 
         read_model_index(engine_config.model)  # a wrong path fails now, not after binding
 

@@ -15,10 +15,12 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from ditserve.engine.request import (
+    MAX_DEADLINE_S,
     MAX_IMAGES,
     MAX_LORA_SCALE,
     MAX_LORAS_PER_REQUEST,
     MAX_PARTIAL_IMAGES,
+    MAX_PRIORITY,
 )
 from ditserve.engine.server import streaming
 from ditserve.engine.server.edge import REQUEST_ID_HEADER
@@ -116,6 +118,20 @@ LORAS_SCHEMA: dict[str, Any] = {
                              "scale": {"type": ["number", "null"], "minimum": -MAX_LORA_SCALE,
                                        "maximum": MAX_LORA_SCALE,
                                        "description": "default 1"}}}}
+def scheduling_fields(wrap: Any) -> dict[str, Any]:
+    """``priority`` and ``deadline_s``, shared by the image and the video body (``wrap``: how
+    an optional field is written there)."""
+    return {
+        "priority": wrap({"type": "integer", "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY,
+                          "description": "scheduling class, lower is sooner (default 0); "
+                                         "honoured under --scheduling-policy priority"}),
+        "deadline_s": wrap({"type": "number", "exclusiveMinimum": 0,
+                            "maximum": MAX_DEADLINE_S,
+                            "description": "seconds from arrival by which the result is "
+                                           "wanted: refused at once (429 deadline_unmeetable) "
+                                           "or stopped (deadline_exceeded) when the "
+                                           "scheduler's estimate cannot make it"}),
+    }
 
 
 def request_schema(limits: RequestLimits) -> dict[str, Any]:
@@ -161,6 +177,7 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
                                  "a non-empty negative_prompt (default 1: off)"),
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),
         "loras": nullable(LORAS_SCHEMA),
+        **scheduling_fields(nullable),
     }
     for name in IGNORED_FIELDS:
         properties[name]["description"] = "OpenAI field, accepted and ignored"

@@ -20,6 +20,7 @@ from ditserve.engine.server.openapi import (
     json_answer,
     nullable,
     ref,
+    scheduling_fields,
     size_pattern,
 )
 from ditserve.engine.server.video_request import FIELDS, VideoLimits
@@ -78,6 +79,7 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
         # In a form the list travels as JSON text.
         "loras": {"type": "string", "description": "LoRA adapters as JSON text: "
                   '[{"name": ..., "scale": ...}]'} if form else LORAS_SCHEMA,
+        **scheduling_fields(lambda schema: schema),
     }
 
 

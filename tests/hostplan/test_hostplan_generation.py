@@ -148,7 +148,7 @@ def test_flux_aligned_blocks_load_with_one_copy_each(tiny_model_dir, tmp_path) -
     from diffusers import FluxTransformer2DModel
 
     from ditserve.engine.offload import enable_offload
-    from ditserve.engine.offload.host.backing_choice import prepare_dit
+    from ditserve.engine.weights.backing_choice import prepare_dit
 
     model = tmp_path / "aligned"
     shutil.copytree(tiny_model_dir, model)

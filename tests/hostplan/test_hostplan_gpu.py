@@ -10,11 +10,11 @@ import torch
 from offload.support import build_flux, flux_inputs, run  # type: ignore[import-not-found]
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.loader import DIT_COMPONENT, dit_class
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.offload.host import mapped as mapped_backing
-from ditserve.engine.offload.host.backing_choice import checkpoint_dit
 from ditserve.engine.offload.host.registration import CudaRegistrar, RegistrationRefused
+from ditserve.engine.weights.backing_choice import checkpoint_dit
+from ditserve.engine.weights.loader import DIT_COMPONENT, dit_class
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
