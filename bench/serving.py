@@ -50,7 +50,7 @@ from typing import Any
 
 import httpx
 
-from ditserve.engine.step_log import copy_rates_of  # plain Python: no torch import
+from ditserve.engine.loop.step_log import copy_rates_of  # plain Python: no torch import
 
 GEN = "/v1/images/generations"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")

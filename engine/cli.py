@@ -56,7 +56,7 @@ def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ditserve.engine.engine import DiffusionEngine, WarmUp
+    from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.request import SamplingParams
 
     loras = [parse_lora_arg(text) for text in args.lora or ()]
@@ -101,7 +101,7 @@ DEMO_STEPS = [4, 8, 2, 6, 4, 3]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.request import SamplingParams
 
     config = engine_config_from_args(args)

@@ -149,7 +149,7 @@ class EngineConfig:
     """Everything one engine replica needs. ``model`` None means the embedded tiny model.
 
     compile: a torch.compile backend for the DiT's repeated blocks (regional compilation,
-    ``ditserve.engine.compiled_blocks``); None runs them eagerly.
+    ``ditserve.engine.runner.compiled_blocks``); None runs them eagerly.
     quantization: "fp8" runs the DiT blocks' linear layers in FP8 e4m3 (rowwise weight scales,
     per-token activation scales; ``ditserve.engine.weights.quantize``); None keeps ``dtype``.
     """

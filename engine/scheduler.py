@@ -57,10 +57,8 @@ NEWEST = 2**62  # the arrival counter of a request not yet added (an estimate's)
 
 
 class StepScheduler:
-    """Continuous-batching scheduler over request ids; see the module docstring.
-
-    clock: seconds, monotonic (deadlines, aging, the measured step time); tests inject one.
-    """
+    """Continuous-batching scheduler over request ids; see the module docstring. ``clock``:
+    monotonic seconds (deadlines, aging, the measured step time); tests inject one."""
 
     def __init__(self, config: SchedulerConfig, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -90,7 +88,7 @@ class StepScheduler:
         return len(self._running)
 
     @property
-    def num_paused(self) -> int:
+    def num_paused(self) -> int:  # preempted, state kept by the runner
         return len(self._paused)
 
     @property
@@ -117,8 +115,7 @@ class StepScheduler:
         return [r.request_id for r in self._order.order(self._waiting.values(), self.clock())]
 
     def waiting_priorities(self) -> list[int]:
-        """The priority of every waiting request (for queue-depth metrics by class)."""
-        return [r.priority for r in self._waiting.values()]
+        return [r.priority for r in self._waiting.values()]  # queue depth by class (metrics)
 
     def running_keys(self) -> set[BatchKey]:
         """The shape groups of the running batch."""
@@ -136,6 +133,17 @@ class StepScheduler:
         if queued >= self.config.max_num_seqs:
             return False
         return queued == 0 or self.committed_tokens() + work.tokens <= self._budget
+
+    @property
+    def order(self) -> PriorityOrder | None:  # None under fcfs (arrival order)
+        return self._order
+
+    def pausable_priority(self, params: SamplingParams) -> int | None:
+        """The priority of the first request paused here for one of ``params``, or None."""
+        probe = ScheduledRequest("", params, NEWEST, DEFAULT_WORK_RULE.of(params))
+        victims = self._order and self._order.victims(
+            list(self._running.values()), probe, tokens_short=0, slots_short=1)
+        return victims[0].priority if victims else None
 
     def estimate_s(self, params: SamplingParams, work: RequestWork | None = None
                    ) -> float | None:

@@ -69,6 +69,14 @@ class PriorityOrder:
         deadline = request.deadline_at if request.deadline_at is not None else math.inf
         return (self.effective_priority(request, now), deadline, request.arrival)
 
+    def key_of_new(self, priority: int, deadline_s: float | None, arrived_at: float,
+                   now: float) -> tuple[int, float, float]:
+        """The key of a request not scheduled yet (the replica's shared queue), with its
+        arrival time as the last tie-break."""
+        waited = max(0.0, now - arrived_at)
+        deadline = math.inf if deadline_s is None else arrived_at + deadline_s
+        return (priority - int(waited // self.aging_s), deadline, arrived_at)
+
     def order(self, requests: Iterable[Q], now: float) -> list[Q]:
         return sorted(requests, key=lambda r: self.key(r, now))
 

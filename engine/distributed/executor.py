@@ -71,7 +71,7 @@ class MultiProcessExecutor:
     """Rank 0's side of a multi-process replica (see module docstring)."""
 
     def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
-        from ditserve.engine.model_runner import ModelRunner
+        from ditserve.engine.runner.model_runner import ModelRunner
 
         if config.parallel.sequence_parallel_size > 1:
             # Before spawning anything: the model's DiTs must split their heads over the group.

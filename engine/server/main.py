@@ -126,7 +126,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics
     from ditserve.engine.server.state import engine_options

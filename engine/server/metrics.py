@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ditserve.engine.lifecycle import EnginePhase
+from ditserve.engine.loop.lifecycle import EnginePhase
+from ditserve.engine.loop.step_log import copy_rates_of
 from ditserve.engine.server.jobs.model import FINISHED_LABELS
-from ditserve.engine.step_log import copy_rates_of
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)

@@ -61,7 +61,7 @@ def adapter_runner(adapter_models, lora_files) -> Callable[..., Any]:  # type: i
     """adapter_runner(family) -> a resident CPU ModelRunner that knows every file above."""
     from ditserve.engine.adapters.config import AdapterConfig
     from ditserve.engine.config import EngineConfig
-    from ditserve.engine.model_runner import ModelRunner
+    from ditserve.engine.runner.model_runner import ModelRunner
 
     runners: dict[str, Any] = {}
 

@@ -13,8 +13,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.adapters.config import AdapterConfig, startup_refs
 from ditserve.engine.config import EngineConfig, OffloadConfig
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import LoraRef, SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 TOLERANCE = 1e-4
 

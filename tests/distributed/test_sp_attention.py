@@ -18,8 +18,8 @@ from distributed.sp_target import CASES, run_rank  # type: ignore[import-not-fou
 from ditserve.engine.config import EngineConfig, ParallelConfig, sequence_parallel_problems
 from ditserve.engine.distributed.rendezvous import free_port
 from ditserve.engine.distributed.topology import Topology
-from ditserve.engine.engine import DiffusionEngine, EnginePhase
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase
 from ditserve.engine.parallel.tokens import TokenShard, key_mask
 
 

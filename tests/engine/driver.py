@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ditserve.engine.config import SchedulerConfig
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import NewRequest, SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
 
 Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]

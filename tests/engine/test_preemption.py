@@ -8,8 +8,8 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.errors import DeadlineError
+from ditserve.engine.loop.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import StepPlan
 

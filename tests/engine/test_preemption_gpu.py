@@ -11,7 +11,7 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from engine.test_preemption import BATCH, URGENT, paused_and_resumed  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
-from ditserve.engine.model_runner import ModelRunner
+from ditserve.engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,7 @@ def cuda_runner(tiny_model_dir, request):  # type: ignore[no-untyped-def]
         pytest.skip("needs CUDA")
     offload = OffloadConfig(enabled=request.param == "dlo")
     runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda",
-                                      dtype="bfloat16", offload=offload),
+                                      offload=offload),
                          model_dir=tiny_model_dir)
     yield runner
     runner.close()

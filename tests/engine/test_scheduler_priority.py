@@ -9,7 +9,7 @@ import pytest
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import DeadlineError
-from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepPlan, StepScheduler
 
@@ -238,3 +238,30 @@ def test_fcfs_with_deadlines_behaves_like_fcfs_until_a_deadline_is_missed() -> N
         order.extend(run_step(s, clock, changes).decode)
     assert order == ["a", "b"]
     assert ("c", RequestStatus.FINISHED_DEADLINE) in [(c.request_id, c.status) for c in changes]
+
+
+def test_data_parallel_shared_queue_hands_by_priority_and_to_a_rank_that_can_pause() -> None:
+    clock = FakeClock()
+    config = SchedulerConfig(scheduling_policy="priority", max_num_seqs=1)
+    queues = RankQueues(config, 2, clock=clock)
+    queues.add("batch-0", params(priority=1, steps=10))
+    queues.add("batch-1", params(priority=2, steps=10))
+    for s in queues.schedulers:  # both ranks busy
+        s.schedule()
+    queues.add("batch-2", params(priority=2))  # pauses nobody: it waits in the shared queue
+    queues.add("urgent", params(priority=0))
+    # The shared queue hands the urgent request first, to the rank running the worst
+    # priority, which pauses it at the next step; the batch request keeps waiting.
+    assert queues.is_shared("batch-2") and not queues.is_shared("urgent")
+    rank = queues.rank_of("urgent")
+    assert rank == queues.rank_of("batch-1")
+    assert rank is not None
+    plan = queues.schedulers[rank].schedule()
+    assert plan.denoise == ("urgent",) and queues.schedulers[rank].num_paused == 1
+    fcfs = RankQueues(SchedulerConfig(max_num_seqs=1), 2, clock=clock)
+    for rid in ("a", "b"):
+        fcfs.add(rid, params(priority=5))
+    for s in fcfs.schedulers:
+        s.schedule()
+    fcfs.add("urgent", params(priority=-5))
+    assert fcfs.is_shared("urgent")  # fcfs: it waits for a free slot

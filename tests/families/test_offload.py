@@ -12,8 +12,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.families import WAN
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 VARIANTS = ["qwen-image", "wan", "wan2.2"]
 

@@ -100,7 +100,7 @@ def test_one_step_qwen_schedule_is_finite(family_runner) -> None:  # type: ignor
 def test_an_expert_without_its_switch_is_neither_loaded_nor_streamed(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # diffusers never runs transformer_2 without boundary_ratio; the loader does not load it.
     from ditserve.engine.config import EngineConfig, OffloadConfig
-    from ditserve.engine.model_runner import ModelRunner
+    from ditserve.engine.runner.model_runner import ModelRunner
     from ditserve.engine.weights.loader import dit_components
 
     model = tmp_path / "no-switch"

@@ -122,8 +122,8 @@ def test_engine_runtime_cache_registered_generation_equals_resident(tiny_model_d
     from engine.driver import drive  # type: ignore[import-not-found]
 
     from ditserve.engine.config import EngineConfig
-    from ditserve.engine.model_runner import ModelRunner
     from ditserve.engine.request import SamplingParams
+    from ditserve.engine.runner.model_runner import ModelRunner
 
     params = SamplingParams(prompt="a red fox", num_inference_steps=3, seed=11)
     resident = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),

@@ -9,7 +9,9 @@ a rank already running its shape group, whose forward it then joins. So a reques
 behind a busy rank while another rank has room. The replica's queue bound (``max_queue``) is
 checked here, over every waiting request of every rank, and so is a deadline at admission:
 a request whose ``deadline_s`` no rank's estimate can meet is refused (``DeadlineError``). A
-request's deadline counts from its arrival here, not from its hand-over to a rank.
+request's deadline counts from its arrival here, not from its hand-over to a rank. Under the
+priority policy the shared queue hands out in the policy's order (with aging), and when no
+rank has room, to the rank that would pause the lowest-priority request for it.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ class RankQueues:
             return True
         if not self._shared:
             return False
-        _, work, _ = next(iter(self._shared.values()))
-        return any(self.schedulers[r].has_room(work) for r in ranks)
+        _, (params, work, _) = self._head()
+        return any(r in self._ranks_for(params, work) for r in ranks)
 
     # -- changes ------------------------------------------------------------------------------
     def add(self, request_id: str, params: SamplingParams,
@@ -136,14 +138,34 @@ class RankQueues:
                 estimate_s=estimate)
 
     def release(self) -> None:
-        """Hand shared requests, oldest first, to ranks with room for them."""
+        """Hand shared requests, oldest first (under the priority policy: the first in its
+        order), to ranks with room for them (or, under it, a rank that would pause a
+        lower-priority request for it)."""
         while self._shared:
-            request_id, (params, work, arrived_at) = next(iter(self._shared.items()))
-            free = [r for r, s in enumerate(self.schedulers) if s.has_room(work)]
+            request_id, (params, work, arrived_at) = self._head()
+            free = self._ranks_for(params, work)
             if not free:
                 return
             del self._shared[request_id]
             self._hand(request_id, params, work, arrived_at, self._pick(params, free))
+
+    def _head(self) -> tuple[str, tuple[SamplingParams, RequestWork, float]]:
+        order = self.schedulers[0].order
+        if order is None:
+            return next(iter(self._shared.items()))
+        now = self.clock()
+        return min(self._shared.items(),
+                   key=lambda item: order.key_of_new(item[1][0].priority,
+                                                     item[1][0].deadline_s, item[1][2], now))
+
+    def _ranks_for(self, params: SamplingParams, work: RequestWork) -> list[int]:
+        """Ranks with room, else the ranks that would pause the lowest priority for it."""
+        free = [r for r, s in enumerate(self.schedulers) if s.has_room(work)]
+        if free:
+            return free
+        pausable = {r: p for r, s in enumerate(self.schedulers)
+                    if (p := s.pausable_priority(params)) is not None}
+        return [r for r, p in pausable.items() if p == max(pausable.values())]
 
     def remove(self, request_id: str) -> int | None:
         """Forget a request (aborted, finished or failed); returns the rank it was on."""

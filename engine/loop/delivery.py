@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ditserve.engine.errors import DeadlineError, DitServeError, RequestAborted
-from ditserve.engine.results import (
+from ditserve.engine.loop.results import (
     EngineObserver,
     GenerationResult,
     RequestEvent,

@@ -31,22 +31,22 @@ from typing import Any
 from ditserve.engine.adapters.catalog import AdapterCatalog
 from ditserve.engine.adapters.files import rank_inspector
 from ditserve.engine.config import EngineConfig, validate
-from ditserve.engine.delivery import Delivery
 from ditserve.engine.errors import EngineStoppedError, ModelLoadError
 from ditserve.engine.executor import Executor, RankWork
 from ditserve.engine.families import FLUX, Family
-from ditserve.engine.lifecycle import EnginePhase, Lifecycle
-from ditserve.engine.pending import PendingRequests
-from ditserve.engine.request import RequestStatus, SamplingParams
-from ditserve.engine.results import (
+from ditserve.engine.loop.delivery import Delivery
+from ditserve.engine.loop.lifecycle import EnginePhase, Lifecycle
+from ditserve.engine.loop.pending import PendingRequests
+from ditserve.engine.loop.results import (
     EngineObserver,
     EngineStats,
     GenerationResult,
     RequestEvent,
     RequestHandle,
 )
+from ditserve.engine.loop.startup import WarmUp, open_executor
+from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
-from ditserve.engine.startup import WarmUp, open_executor
 from ditserve.engine.weights.loader import model_family
 from ditserve.engine.work import with_budget
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.loop.rank_queues import RankQueues
+from ditserve.engine.loop.results import EngineStats, RequestHandle
 from ditserve.engine.request import NewRequest
-from ditserve.engine.results import EngineStats, RequestHandle
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.work import RequestWork
 

@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.block_major import BlockMajor
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import AdapterError
-from ditserve.engine.group_forwards import GroupForward, GroupForwards, shape_groups
-from ditserve.engine.inflight import InFlightSteps
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import NewRequest
+from ditserve.engine.runner.block_major import BlockMajor
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
+from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.weights.loader import load_components
 from ditserve.engine.work import WorkRule
@@ -82,7 +82,7 @@ class ModelRunner:
         self._decodes = self._sequence is None or self._sequence.rank == 0
         started = time.perf_counter()
         if config.compile is not None:
-            from ditserve.engine.compiled_blocks import require_toolchain
+            from ditserve.engine.runner.compiled_blocks import require_toolchain
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
         offload = config.offload.enabled
@@ -137,7 +137,7 @@ class ModelRunner:
                 )
             bank.preload(self.adapters, config.adapters)
             if config.compile is not None:
-                from ditserve.engine.compiled_blocks import compile_repeated_blocks
+                from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
                 compile_repeated_blocks(self.pipeline.transformer, config.compile)
         except BaseException:
