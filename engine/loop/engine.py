@@ -338,18 +338,8 @@ class DiffusionEngine:
 
     def _deliver(self, change: StatusChange, finished: dict[str, Any]) -> None:
         rid = change.request_id
-        if change.status in (RequestStatus.DENOISING, RequestStatus.PAUSED):
-            handle = self._pending.get(rid)
-            if change.status == RequestStatus.PAUSED:
-                self._delivery.paused(rid, handle, change.steps_done)
-                return
-            if change.resumed_after_s is not None:
-                self._delivery.resumed(rid, change.resumed_after_s)
-            if handle is not None:
-                self._delivery.stepped(handle, change.steps_done, change.total_steps,
-                                       change.eta_s)
-            return
-        if not change.status.is_finished:
+        if not change.status.is_finished:  # a step, a pause or a resume
+            self._delivery.progress(change, self._pending.get(rid))
             return
         with self._lock:
             handle, rank = self._pending.remove(rid)

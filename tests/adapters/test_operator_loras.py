@@ -17,7 +17,7 @@ from ditserve.operator.spec import parse_spec
 
 OWNER = Owner(name="flux", namespace="models", uid="0b9e7b5c-1111-2222-3333-444455556666",
               generation=1)
-LORAS = [{"name": "style", "hostPath": "/mnt/loras/style.safetensors"},
+LORAS = [{"name": "style", "hostPath": "/mnt/models/loras/style.safetensors"},
          {"name": "detail", "persistentVolumeClaim": {"claimName": "loras",
                                                       "subPath": "detail"}}]
 
@@ -34,7 +34,7 @@ def test_loras_are_mounted_read_only_and_served() -> None:
     manifests = kinds(spec_of())
     pod = manifests["Deployment"]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["lora-style"]["hostPath"] == {"path": "/mnt/loras/style.safetensors",
+    assert volumes["lora-style"]["hostPath"] == {"path": "/mnt/models/loras/style.safetensors",
                                                  "type": "File"}
     assert volumes["lora-detail"]["persistentVolumeClaim"] == {"claimName": "loras",
                                                                "readOnly": True}
@@ -81,3 +81,13 @@ def test_the_crd_admits_loras_and_rejects_bad_ones() -> None:
 def test_bad_loras_are_spec_problems(loras: list[dict[str, Any]], message: str) -> None:
     with pytest.raises(InvalidSpecError, match=message):
         parse_spec({"model": {"hostPath": "/m"}, "loras": loras})
+
+
+def test_lora_host_paths_must_lie_under_the_admin_roots() -> None:
+    from ditserve.operator.policy import AdminPolicy
+
+    policy = AdminPolicy.from_env({"DITSERVE_MODEL_HOST_PATHS": "/mnt/models"})
+    assert policy.problems(parse_spec(spec_of())) == []
+    outside = parse_spec(spec_of(loras=[{"name": "x", "hostPath": "/var/lib/kubelet/x"}]))
+    (problem,) = policy.problems(outside)
+    assert "loras[x].hostPath '/var/lib/kubelet/x' is outside" in problem
