@@ -31,7 +31,7 @@ from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import AdapterError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
-from ditserve.engine.request import NewRequest
+from ditserve.engine.request import ModelLimits, NewRequest
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
@@ -164,6 +164,11 @@ class ModelRunner:
                                   frame_step=self.frame_step,
                                   cfg_rows=self.pipeline.family.cfg_rows)
         self._inflight = InFlightSteps(self.device)
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the loaded model can run (its pipeline's ``limits``)."""
+        return self.pipeline.limits()
 
     @property
     def pixel_multiple(self) -> int:

@@ -31,7 +31,7 @@ class LoraSelection(BaseModel):
 def resolve_adapters(model: str | None, loras: list[LoraSelection] | None, *, engine: Any,
                      model_name: str) -> tuple[LoraRef, ...]:
     """The adapters a request selects (empty: the base model), or the API error."""
-    catalog = getattr(engine, "adapters", None)
+    catalog = engine.adapters
     selection: list[tuple[str, float]] = []
     if model is not None and model != model_name:
         if catalog is None or model not in catalog:

@@ -44,7 +44,7 @@ class UnloadLoraAdapterRequest(BaseModel):
 
 
 def _catalog(request: Request):  # type: ignore[no-untyped-def]
-    catalog = getattr(request.app.state.server.engine, "adapters", None)
+    catalog = request.app.state.server.engine.adapters
     if catalog is None:
         raise APIError(503, "the engine is not started yet; retry when /ready answers 200",
                        type="server_error", code="not_ready", reason="unavailable")
