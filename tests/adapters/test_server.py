@@ -111,7 +111,7 @@ def test_load_use_and_unload_an_adapter(lora_server, metric=metric_value) -> Non
         seen = []
         for line in lines:
             seen.append(line)
-            if "image_generation.progress" in line:
+            if "ditserve.progress" in line:
                 break  # the request is running now, with its adapters
         busy = httpx.post(f"{server.url}/v1/unload_lora_adapter", headers=AUTH,
                           json={"lora_name": "extra"})
