@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from ditserve.engine.adapters.config import AdapterConfig, adapter_problems
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
 
@@ -85,11 +86,10 @@ class ParallelConfig:
 
     data_parallel_size: int = 1
     sequence_parallel_size: int = 1
-    tensor_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.sequence_parallel_size * self.tensor_parallel_size
+        return self.data_parallel_size * self.sequence_parallel_size
 
     @property
     def weight_group(self) -> str | None:
@@ -161,6 +161,7 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> EngineConfig:
@@ -180,12 +181,16 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-_NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
+_NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,
+           "adapters": AdapterConfig}
 # Options that were removed, with what replaces them: a config file that still sets one is
 # told how to update it rather than only that the key is unknown.
 _REMOVED = {
     "scheduler.policy": "fifo admission is max_bypass: 0; bypass (the old default) is any "
                         "max_bypass > 0 (priorities: scheduling_policy)",
+    "parallel.tensor_parallel_size": "tensor parallelism is not supported; use "
+                                     "data_parallel_size (throughput) or "
+                                     "sequence_parallel_size (latency)",
 }
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -249,11 +254,6 @@ def problems(config: EngineConfig) -> list[str]:
     par = config.parallel
     int_at_least(out, "parallel.data_parallel_size", par.data_parallel_size, 1)
     int_at_least(out, "parallel.sequence_parallel_size", par.sequence_parallel_size, 1)
-    if par.tensor_parallel_size != 1:
-        out.append(
-            "parallel.tensor_parallel_size must be 1: tensor parallelism is not supported; "
-            "use data_parallel_size (throughput) or sequence_parallel_size (latency)"
-        )
 
     sch = config.scheduler
     int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
@@ -268,6 +268,11 @@ def problems(config: EngineConfig) -> list[str]:
     number_at_least(out, "scheduler.aging_s", sch.aging_s, 0.001)
     int_at_least(out, "scheduler.max_preemptions", sch.max_preemptions, 0)
 
+    out.extend(adapter_problems(config.adapters))
+    if config.adapters.lora_modules and config.compile is not None and not config.adapters.fuse:
+        out.append("adapters are applied by hooks around the DiT's linear layers, which "
+                   "--compile does not trace; drop --compile, or serve one adapter fused "
+                   "(--lora-fuse)")
     off = config.offload
     out.extend(offload_problems(off, parallel=par))
     group = par.weight_group_size if off.enabled and off.use_allgather else 1

@@ -18,8 +18,53 @@ MAX_IMAGES = 8
 MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_FRAMES = 1025
+MAX_LORAS_PER_REQUEST = 8
+MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded model can run, read off its own config (each pipeline's ``limits``).
+
+    pixel_multiple: height and width divide by it (VAE factor x patch size).
+    max_side: the largest height or width: the model's positional table (a rope of
+        ``positions`` entries per axis reaches ``positions * pixel_multiple`` pixels), capped
+        at MAX_SIDE; MAX_SIDE for a model whose positions are computed on the fly (Flux).
+    frame_step: None for an image model; a video model's ``num_frames - 1`` divides by it.
+    max_frames: 1 for an image model; a video model's longest clip its positional table
+        covers (Wan: ``rope_max_seq_len`` latent frames), capped at MAX_FRAMES.
+    positions: entries per axis of the model's positional table; None when it has none.
+    """
+
+    pixel_multiple: int = 16
+    max_side: int = MAX_SIDE
+    frame_step: int | None = None
+    max_frames: int = 1
+    max_prompt_chars: int | None = None
+    positions: int | None = None
+
+    @classmethod
+    def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,
+                 frame_step: int | None = None, frames_per_position: int = 1,
+                 max_prompt_chars: int | None = None) -> ModelLimits:
+        """Limits of a model whose positional table holds ``positions`` entries per axis:
+        ``tokens_per_position`` latent patches per entry on the spatial axes, and (video)
+        ``frames_per_position`` latent frames per entry on the time axis."""
+        if positions is None:
+            side, frames = MAX_SIDE, MAX_FRAMES
+        else:
+            side = positions * tokens_per_position * pixel_multiple
+            frames = (positions * frames_per_position - 1) * (frame_step or 1) + 1
+        side = min(side, MAX_SIDE) // pixel_multiple * pixel_multiple
+        if frame_step is None:
+            frames = 1
+        else:
+            frames = min(frames, MAX_FRAMES)
+            frames -= (frames - 1) % frame_step
+        return cls(pixel_multiple=pixel_multiple, max_side=side, frame_step=frame_step,
+                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions)
 
 
 class RequestStatus(enum.IntEnum):
@@ -54,13 +99,33 @@ class BatchKey:
     Only the token grid (height, width, frames) does. Everything else is per row: each row
     carries its own timestep and guidance value, true CFG just adds rows for the negative
     prompt, and several images per request are several rows. Keeping the key this small is
-    what lets requests with different step counts, guidance and CFG share a batch. (A LoRA
-    adapter, when one is served, changes the weights and so belongs here.)
+    what lets requests with different step counts, guidance and CFG share a batch. LoRA
+    adapters are per row too (each row's low-rank delta is added to the shared base linear,
+    ``engine.adapters``), so requests with different adapters share a forward.
     """
 
     height: int
     width: int
     num_frames: int = 1
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """One LoRA adapter a request applies, resolved by the engine's catalog
+    (``engine.adapters.catalog``) from the name the client gave: the file it was loaded from,
+    the catalog's load generation (a re-load under the same name is another adapter), its
+    largest rank (for the work rule) and the request's scale."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+    rank: int = 0
+    version: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Identity of the loaded weights (name and load generation), not of the scale."""
+        return (self.name, self.version)
 
 
 @dataclass(frozen=True)
@@ -77,6 +142,8 @@ class SamplingParams:
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
         ``preview_steps``); they travel as "preview" events, never change the result.
+    loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
+        their deltas add up, as diffusers' ``set_adapters`` with several names).
     priority: the scheduling class, lower is sooner (as vLLM's ``priority``); only the
         scheduler reads it, and only under ``--scheduling-policy priority``.
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
@@ -94,6 +161,7 @@ class SamplingParams:
     num_images: int = 1
     num_frames: int = 1
     partial_images: int = 0
+    loras: tuple[LoraRef, ...] = ()
     priority: int = 0
     deadline_s: float | None = None
 
@@ -101,21 +169,37 @@ class SamplingParams:
     def uses_true_cfg(self) -> bool:
         return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
 
-    def _validate_frames(self, frame_step: int | None) -> None:
+    def _validate_frames(self, frame_step: int | None, max_frames: int) -> None:
         frames = self.num_frames
         if frame_step is None:
             if frames != 1:
                 raise InvalidRequestError("num_frames", "this is an image model: num_frames must "
                                           f"be 1, got {frames!r}")
             return
-        if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= MAX_FRAMES:
+        if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= max_frames:
             raise InvalidRequestError(
-                "num_frames", f"must be an integer in [1, {MAX_FRAMES}], got {frames!r}")
+                "num_frames", f"must be an integer in [1, {max_frames}] for this model, got "
+                f"{frames!r}")
         if (frames - 1) % frame_step:
             lower = frames - (frames - 1) % frame_step
             raise InvalidRequestError(
                 "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
                 f"(try {lower} or {lower + frame_step})")
+
+    def _validate_loras(self) -> None:
+        if len(self.loras) > MAX_LORAS_PER_REQUEST:
+            raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
+                                      f"request, got {len(self.loras)}")
+        names = [ref.name for ref in self.loras]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("loras", f"an adapter is named twice: {names}")
+        for ref in self.loras:
+            scale = ref.scale
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
+                    or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+                raise InvalidRequestError("loras", f"adapter {ref.name!r}: scale must be a "
+                                          f"number in [-{MAX_LORA_SCALE:g}, "
+                                          f"{MAX_LORA_SCALE:g}], got {scale!r}")
 
     def _validate_scheduling(self) -> None:
         p = self.priority
@@ -150,6 +234,13 @@ class SamplingParams:
         points = (((i + 1) * total * 2 + k + 1) // (2 * (k + 1)) for i in range(k))
         return frozenset(step for step in points if 1 <= step < total)
 
+    def validate_for(self, limits: ModelLimits) -> SamplingParams:
+        """``validate`` under the loaded model's limits."""
+        return self.validate(pixel_multiple=limits.pixel_multiple,
+                             max_prompt_chars=limits.max_prompt_chars,
+                             frame_step=limits.frame_step, max_side=limits.max_side,
+                             max_frames=limits.max_frames)
+
     def validate(
         self,
         *,
@@ -158,11 +249,14 @@ class SamplingParams:
         requires_prompt: bool = True,
         max_images: int = MAX_IMAGES,
         frame_step: int | None = None,
+        max_side: int = MAX_SIDE,
+        max_frames: int = MAX_FRAMES,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
         frame_step: None for an image model; a video model's temporal VAE factor.
+        max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
         """
         if not isinstance(self.prompt, str):
             raise InvalidRequestError("prompt", "must be a string")
@@ -178,10 +272,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidRequestError(name, f"must be an integer, got {value!r}")
-            if value < pixel_multiple or value > MAX_SIDE:
+            if value < pixel_multiple or value > max_side:
                 raise InvalidRequestError(
-                    name, f"must be between {pixel_multiple} and {MAX_SIDE}, got {value}"
-                )
+                    name, f"must be between {pixel_multiple} and {max_side} for this model, "
+                    f"got {value}")
             if value % pixel_multiple:
                 lower = value - value % pixel_multiple
                 raise InvalidRequestError(
@@ -202,8 +296,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 "partial_images", f"must be an integer in [0, {MAX_PARTIAL_IMAGES}], got {k!r}"
             )
-        self._validate_frames(frame_step)
+        self._validate_frames(frame_step, max_frames)
         self._validate_scheduling()
+        self._validate_loras()
         for name in ("guidance_scale", "true_cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -28,6 +28,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.adapters.catalog import AdapterCatalog
+from ditserve.engine.adapters.files import rank_inspector
+from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.errors import EngineStoppedError, ModelLoadError
 from ditserve.engine.executor import Executor, RankWork
@@ -43,7 +46,7 @@ from ditserve.engine.loop.results import (
     RequestHandle,
 )
 from ditserve.engine.loop.startup import WarmUp, open_executor
-from ditserve.engine.request import RequestStatus, SamplingParams
+from ditserve.engine.request import ModelLimits, RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
 from ditserve.engine.weights.loader import model_family
 from ditserve.engine.work import with_budget
@@ -61,6 +64,7 @@ log = logging.getLogger(__name__)
 
 class DiffusionEngine:
     """The engine of one replica. ``start()`` loads the model; ``shutdown()`` drains and stops.
+    It is the server's ``engine.client.EngineClient``.
 
     observers: told about every forward and every finished or failed request (metrics).
     warmup: what to run before ready beyond the small warm-up step (the compile size).
@@ -85,6 +89,7 @@ class DiffusionEngine:
         scheduler = with_budget(config.scheduler, _served_family(config.model))
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
+        self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
 
     @property
     def schedulers(self) -> list[StepScheduler]:
@@ -116,6 +121,9 @@ class DiffusionEngine:
             executor, self.model_dir = open_executor(
                 self.config, self.warmup,
                 on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING))
+            adapters = self.config.adapters
+            self.adapters = AdapterCatalog(adapters, inspect=rank_inspector(
+                self.model_dir, max_rank=adapters.max_lora_rank))
         except BaseException as e:
             self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise
@@ -157,20 +165,26 @@ class DiffusionEngine:
         if self.executor is not None:
             self.executor.shutdown()
 
-    # -- properties used by the API layer ---------------------------------------------------
+    # -- what the server reads (engine.client.EngineClient) -------------------------------------
     @property
-    def pixel_multiple(self) -> int:
-        return int(self.runner.pixel_multiple) if self.runner else 16
+    def limits(self) -> ModelLimits:
+        """What the loaded model can run; the defaults before it loaded."""
+        return self.runner.limits if self.runner is not None else ModelLimits()
 
-    @property
-    def max_prompt_chars(self) -> int | None:
-        return self.runner.max_prompt_chars if self.runner else None
+    def facts(self) -> EngineFacts | None:
+        """The loaded model's limits, rank 0's device and the DiT's dtype; None before."""
+        runner = self.runner
+        if runner is None:
+            return None
+        names = tuple(e.name for e in self.adapters.entries()) if self.adapters else ()
+        return EngineFacts(limits=runner.limits, device=str(runner.device),
+                           dtype=self.config.dtype, adapters=names)
 
-    @property
-    def frame_step(self) -> int | None:
-        """None for an image model (or before loading); a video model's ``num_frames - 1``
-        must divide by it."""
-        return self.runner.frame_step if self.runner else None
+    def adapter_stats(self) -> dict[str, int]:
+        bank = getattr(self.runner, "adapters", None)
+        return {"loaded": len(self.adapters.entries()) if self.adapters else 0,
+                "resident": len(bank.resident) if bank is not None else 0,
+                "bytes": int(bank.nbytes) if bank is not None else 0}
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -194,9 +208,18 @@ class DiffusionEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def validate_params(self, params: SamplingParams) -> SamplingParams:
-        return params.validate(pixel_multiple=self.pixel_multiple,
-                               max_prompt_chars=self.max_prompt_chars,
-                               frame_step=self.frame_step)
+        """Raise InvalidRequestError naming the first field the loaded model cannot run."""
+        return params.validate_for(self.limits)
+
+    def submit(
+        self,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        on_event: Callable[[RequestEvent], None] | None = None,
+    ) -> RequestHandle:
+        """The server's name for ``add_request`` (``engine.client.EngineClient.submit``)."""
+        return self.add_request(params, request_id=request_id, on_event=on_event)
 
     def add_request(
         self,
@@ -221,6 +244,8 @@ class DiffusionEngine:
                 raise EngineStoppedError("the engine is not accepting requests (starting or "
                                          "shutting down)")
             self._pending.add(handle, work)
+            if self.adapters is not None:  # in use (not unloadable) until the request ends
+                self.adapters.hold_until_done(params.loras, handle.future)
             self._wakeup.notify_all()
         self._delivery.queued(handle)
         return handle

@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ditserve.engine.adapters import rows as adapter_rows
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import WAN
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.wan_block import chunk_token_math
+from ditserve.engine.request import ModelLimits
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import SchedulerTrajectory
 
@@ -112,6 +114,15 @@ class WanStepPipeline:
         embeds[:, :length] = states[:, :length]
         return embeds.to(self.dtype)
 
+    def limits(self) -> ModelLimits:
+        """diffusers' WanRotaryPosEmbed holds ``rope_max_seq_len`` positions per axis, in
+        patches: a latent grid of more patches per axis (frames / patch_t, height and width /
+        patch) gets a shorter table than the tokens and fails in the forward."""
+        return ModelLimits.of_table(
+            int(self.experts[0].config.rope_max_seq_len), pixel_multiple=self.pixel_multiple,
+            frame_step=self.frame_step, frames_per_position=int(self.patch[0]),
+            max_prompt_chars=self.max_prompt_chars)
+
     def latent_shape(self, n: int, num_frames: int, height: int, width: int) -> tuple[int, ...]:
         frames = (num_frames - 1) // int(self.frame_step or 1) + 1
         return (n, self.latent_channels, frames, height // self.spatial_factor,
@@ -167,12 +178,13 @@ class WanStepPipeline:
         out: torch.Tensor | None = None
         for expert in sorted(set(experts)):
             slices = [sl for sl, e in zip(batch.row_slices, experts, strict=True) if e == expert]
-            rows = self._forward(
-                expert,
-                torch.cat([batch.hidden_states[sl] for sl in slices]),
-                torch.cat([batch.timesteps[sl] for sl in slices]),
-                torch.cat([text[sl] for sl in slices]),
-            )
+            with adapter_rows.narrowed(slices):  # the LoRA rows of this expert's forward
+                rows = self._forward(
+                    expert,
+                    torch.cat([batch.hidden_states[sl] for sl in slices]),
+                    torch.cat([batch.timesteps[sl] for sl in slices]),
+                    torch.cat([text[sl] for sl in slices]),
+                )
             if out is None:
                 out = rows.new_empty((batch.num_rows, *rows.shape[1:]))
             start = 0

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ditserve.engine.loop.lifecycle import EnginePhase
+from ditserve.engine.client import EngineClient, EnginePhase
 from ditserve.engine.loop.step_log import copy_rates_of
 from ditserve.engine.server.jobs.model import FINISHED_LABELS
 
@@ -60,7 +60,7 @@ class _VideoStoreCollector(Collector):
 class _EngineStateCollector(Collector):
     """Reads running/waiting counts and offload totals from the engine at scrape time."""
 
-    def __init__(self, engine_fn: Callable[[], Any]) -> None:
+    def __init__(self, engine_fn: Callable[[], EngineClient | None]) -> None:
         self._engine_fn = engine_fn
 
     def collect(self) -> Iterator[Metric]:
@@ -96,6 +96,17 @@ class _EngineStateCollector(Collector):
         yield GaugeMetricFamily("ditserve:engine_ready",
                                 "1 when the model is loaded, warmed up and admitting.",
                                 value=ready)
+        lora = engine.adapter_stats() if engine is not None else {}
+        yield GaugeMetricFamily("ditserve:lora_adapters_loaded",
+                                "LoRA adapters loaded (selectable by name).",
+                                value=lora.get("loaded", 0))
+        yield GaugeMetricFamily("ditserve:lora_adapters_resident",
+                                "LoRA adapters resident on the device (rank 0; at most "
+                                "--max-loras beyond those of running requests).",
+                                value=lora.get("resident", 0))
+        yield GaugeMetricFamily("ditserve:lora_resident_bytes",
+                                "Device bytes of the resident LoRA adapters' factors (rank 0).",
+                                value=float(lora.get("bytes", 0)))
         transferred = float((report or {}).get("bytes_transferred", 0))
         yield CounterMetricFamily("ditserve:offload_bytes_transferred",
                                   "Weight bytes streamed host->device by layerwise offload.",
@@ -130,7 +141,7 @@ class _EngineStateCollector(Collector):
 class ServingMetrics:
     """Every metric of the server; see the module docstring."""
 
-    def __init__(self, engine_fn: Callable[[], Any]) -> None:
+    def __init__(self, engine_fn: Callable[[], EngineClient | None]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_time = Histogram(

@@ -18,6 +18,7 @@ same rules from the same limits, so a body valid by the document is accepted.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -25,11 +26,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictStr
 from pydantic import ValidationError as PydanticValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
+from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
 from ditserve.engine.server.config import MAX_FPS
-from ditserve.engine.server.errors import APIError, invalid, shown
+from ditserve.engine.server.errors import invalid, shown
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.schemas import (
     Integer,
@@ -44,6 +49,7 @@ from ditserve.engine.server.schemas import (
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
                           r"(?:[eE][+-]?[0-9]{1,4})?$")
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+_BOUNDARY = re.compile(r'boundary=("[^"]{1,70}"|[^;,\s]{1,70})', re.IGNORECASE)
 
 
 class VideoCreateRequest(BaseModel):
@@ -61,6 +67,7 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: Number | None = None
     negative_prompt: StrictStr | None = None
     seed: Integer | None = None
+    loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
 
@@ -114,6 +121,12 @@ def _form_value(name: str, value: Any) -> Any:
     """A form field's text as the type the JSON body would carry."""
     if not isinstance(value, str):  # an uploaded file where text belongs
         raise invalid(name, f"{name}: must be a text field, got a file upload")
+    if name == "loras":  # a form carries the list as JSON text
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise invalid(name, "loras: a form field must hold a JSON list such as "
+                                '[{"name": "style", "scale": 0.8}]') from e
     if name not in _INTEGER_FIELDS + _NUMBER_FIELDS:
         return value
     text = value.strip()
@@ -137,7 +150,14 @@ async def read_body(request: Any) -> dict[str, Any]:
             raise invalid(None, "the request body must be a JSON object or a form, got "
                                 f"{type(data).__name__}", code="invalid_body")
         return data
-    form = await request.form(max_files=1, max_fields=64)
+    if content_type.startswith("multipart/form-data"):
+        check_multipart(await request.body(), request.headers.get("content-type", ""))
+    try:
+        form = await request.form(max_files=1, max_fields=64)
+    except (MultiPartException, StarletteHTTPException) as e:
+        message = getattr(e, "message", None) or getattr(e, "detail", None) or str(e)
+        raise invalid(None, f"the form cannot be read: {message}",
+                      code="invalid_multipart") from e
     out: dict[str, Any] = {}
     try:
         for name in form:
@@ -151,6 +171,21 @@ async def read_body(request: Any) -> dict[str, Any]:
     finally:
         await form.close()
     return out
+
+
+def check_multipart(raw: bytes, content_type: str) -> None:
+    """A 400 for a multipart body without its closing delimiter (``--BOUNDARY--``): a body
+    cut short would otherwise lose its last field without a word (the parser keeps the
+    parts it finished)."""
+    match = _BOUNDARY.search(content_type)
+    if match is None:
+        raise invalid(None, "Content-Type: multipart/form-data needs a boundary parameter",
+                      code="invalid_multipart")
+    closing = b"--" + match.group(1).strip('"').encode("latin-1") + b"--"
+    if not (raw.startswith(closing) or b"\r\n" + closing in raw):
+        raise invalid(None, "the multipart body is truncated: it does not end with its "
+                            "closing boundary (--BOUNDARY--); send the whole form",
+                      code="invalid_multipart")
 
 
 def _size(body: VideoCreateRequest, limits: VideoLimits) -> tuple[int, int]:
@@ -205,7 +240,7 @@ def _seconds(value: str | float, limits: VideoLimits) -> float:
     return float(value)
 
 
-def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimits,
+def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: VideoLimits,
                         ) -> VideoSpec:
     """A validated VideoSpec, or an APIError (400, or 404 for another model)."""
     if "input_reference" in data:
@@ -222,10 +257,8 @@ def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimit
     except PydanticValidationError as e:
         raise pydantic_error(e, fields=FIELDS) from e
     check_text_fields(body)
-    if body.model is not None and body.model != limits.model_name:
-        raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves "
-                            f"{limits.model_name!r} (see GET /v1/models)", param="model",
-                       code="model_not_found", reason="model_not_found")
+    loras = resolve_adapters(body.model, body.loras, engine=engine,
+                             model_name=limits.model_name)
     width, height = _size(body, limits)
     frames, fps = _frames_and_fps(body, limits)
     steps = limits.default_steps if body.num_inference_steps is None \
@@ -238,6 +271,7 @@ def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimit
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
         else body.guidance_scale,
+        loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
     )
     try:

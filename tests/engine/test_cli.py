@@ -18,6 +18,7 @@ ENGINE_FLAGS = {
     "--dlo-pin-limit-gib",
     "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
     "--quantization", "--dlo-compress",
+    "--lora-modules", "--max-loras", "--max-lora-rank", "--lora-fuse",
     "--scheduling-policy", "--priority-aging-s", "--max-preemptions",
 }
 
@@ -34,6 +35,7 @@ def test_generate_flag_set_is_frozen() -> None:
     assert flags("generate") == ENGINE_FLAGS | {
         "--prompt", "--negative-prompt", "--out", "--height", "--width", "--steps", "--seed",
         "--guidance-scale", "--true-cfg-scale", "--num-images", "--num-frames", "--fps",
+        "--lora",
     }
 
 
@@ -68,6 +70,9 @@ def test_invalid_combinations_are_reported_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="unknown option"):
         engine_config_from_args(parse(), {"scheduler": {"max_seqs": 1}})
     # A removed option says what replaces it.
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size was removed: tensor "
+                                          "parallelism is not supported"):
+        engine_config_from_args(parse(), {"parallel": {"tensor_parallel_size": 1}})
     with pytest.raises(ConfigError, match="scheduler.policy was removed: fifo admission is "
                                           "max_bypass: 0"):
         engine_config_from_args(parse(), {"scheduler": {"policy": "fifo"}})
