@@ -26,7 +26,7 @@ GATHER_ENGINES: tuple[str, ...] = ("nccl", "copy-engine")
 # C++ compiler).
 COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 # The values a deployment's ``model.family`` may take: Auto (read model_index.json) or a
-# registered family (engine/families.py); the operator judges specs with the rule below.
+# registered family (engine/families/); the operator judges specs with the rule below.
 MODEL_FAMILIES: tuple[str, ...] = (AUTO_FAMILY, *family_labels())
 # Host weight formats (docs/formats.md): how streamed blocks' bf16 bytes sit in host memory,
 # and which linear layers run in FP8. ``format_problems`` says what each combines with.
