@@ -158,3 +158,27 @@ def read_header(path: Path) -> tuple[dict[str, HeaderTensor], dict[str, str], in
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad header record for tensor {name!r}") from e
     return tensors, metadata, base + end
+
+
+# The floating types a checkpoint is served in, by safetensors name.
+SERVING_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_dtype(paths: Sequence[Path]) -> str | None:
+    """The serving dtype a checkpoint is stored in: of the ``.safetensors`` among ``paths``,
+    the floating type (float32, bfloat16, float16) holding the most bytes; None if none.
+
+    The one rule behind the default ``--dtype`` of both ``cachectl build`` and ``ditserve
+    serve``, so an entry built without the flag is the one an engine started without it finds.
+    Raises ValueError for an unreadable header.
+    """
+    totals: dict[str, int] = {}
+    for path in paths:
+        if path.suffix != ".safetensors":
+            continue
+        tensors, _, _ = read_header(path)
+        for tensor in tensors.values():
+            kind = SERVING_DTYPES.get(tensor.dtype)
+            if kind is not None:
+                totals[kind] = totals.get(kind, 0) + tensor.nbytes
+    return max(totals, key=lambda kind: totals[kind]) if totals else None

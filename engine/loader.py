@@ -14,10 +14,12 @@ was found.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ditserve.engine.errors import ModelLoadError
@@ -153,6 +155,21 @@ def loader_version(model_dir: str | Path) -> str:
     return f"{LOADER_VERSION}/{family_loader_version(model_dir)}"
 
 
+@functools.cache
+def call_defaults(pipeline_class: str) -> Mapping[str, Any]:
+    """The defaults of a diffusers pipeline's ``__call__`` by argument name (``guidance_scale``,
+    ``true_cfg_scale``, ``max_sequence_length``, ``num_inference_steps``, ...): what a default
+    diffusers call uses, so ditserve's defaults are the pipeline's own, not copies of them."""
+    import inspect
+
+    import diffusers
+
+    signature = inspect.signature(getattr(diffusers, pipeline_class).__call__)
+    return MappingProxyType({name: parameter.default
+                             for name, parameter in signature.parameters.items()
+                             if parameter.default is not inspect.Parameter.empty})
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a config dtype name (``float32``, ``bfloat16``, ``float16``)."""
     import torch
@@ -163,6 +180,35 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return getattr(torch, name)
+
+
+AUTO_DTYPE = "auto"  # the option value that means "the checkpoint's own dtype"
+EMBEDDED_MODEL_DTYPE = "float32"  # `ditserve model init-tiny` writes float32 weights
+
+
+def checkpoint_dtype(model_dir: str | Path | None, component: str = DIT_COMPONENT) -> str:
+    """The dtype the model's DiT is stored in (``cachectl.st_format.stored_dtype``: the
+    floating type holding most of its safetensors bytes, read from the headers).
+
+    The default runtime dtype of both ``ditserve generate/serve`` and ``cachectl build``, so an
+    entry built without ``--dtype`` is the one an engine started without it looks up: a bf16
+    release serves in bfloat16 (as ``torch_dtype=torch.bfloat16`` in its model card), the
+    float32 tiny models in float32. None is the embedded tiny model.
+    """
+    from ditserve.cachectl.st_format import stored_dtype
+
+    if model_dir is None:
+        return EMBEDDED_MODEL_DTYPE
+    files = dit_source_files(model_dir, component)
+    try:
+        found = stored_dtype(files)
+    except ValueError as e:
+        raise ModelLoadError(f"cannot read the weights of {str(model_dir)!r}: {e}") from e
+    if found is None:
+        raise ModelLoadError(
+            f"{str(model_dir)!r}: the DiT has no float32/bfloat16/float16 weights to take the "
+            "runtime dtype from; pass --dtype")
+    return found
 
 
 def dit_class(model_dir: str | Path | None = None, component: str = DIT_COMPONENT) -> Any:
