@@ -115,7 +115,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def add_generate_parser(subcommands: Any) -> None:
-    gen = subcommands.add_parser("generate", help="generate one image (or video) with a local model")
+    gen = subcommands.add_parser("generate",
+                                 help="generate one image (or video) with a local model")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument("--out", type=Path, default=None,

@@ -172,6 +172,11 @@ class DiffusionEngine:
         must divide by it."""
         return self.runner.frame_step if self.runner else None
 
+    @property
+    def max_text_tokens(self) -> int | None:
+        """The largest ``max_sequence_length`` a request may ask for (None before loading)."""
+        return self.runner.max_text_tokens if self.runner else None
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self._pending.stats()
@@ -196,7 +201,8 @@ class DiffusionEngine:
     def validate_params(self, params: SamplingParams) -> SamplingParams:
         return params.validate(pixel_multiple=self.pixel_multiple,
                                max_prompt_chars=self.max_prompt_chars,
-                               frame_step=self.frame_step)
+                               frame_step=self.frame_step,
+                               max_text_tokens=self.max_text_tokens)
 
     def add_request(
         self,

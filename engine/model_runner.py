@@ -168,6 +168,11 @@ class ModelRunner:
         """None for an image model; for video, ``num_frames - 1`` must divide by it."""
         return self.pipeline.frame_step
 
+    @property
+    def max_text_tokens(self) -> int:
+        """The largest ``max_sequence_length`` a request may ask for."""
+        return int(self.pipeline.max_text_tokens)
+
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None
 

@@ -53,6 +53,9 @@ class BatchKey:
     height: int
     width: int
     num_frames: int = 1
+    # The text length of a request that names one: prompts of another length would be padded
+    # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
+    max_sequence_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,10 @@ class SamplingParams:
         diffusers' WanPipeline does: classifier-free guidance whenever it is > 1, against
         ``negative_prompt`` (or the empty prompt).
     true_cfg_scale: classifier-free guidance with ``negative_prompt``; active when > 1 and a
-        negative prompt is given (as in diffusers' FluxPipeline and QwenImagePipeline).
+        negative prompt is given, the empty string included (as in diffusers' FluxPipeline and
+        QwenImagePipeline; without one it is off, as there).
+    max_sequence_length: text tokens per prompt; None is the pipeline's own default (512 for
+        Flux, Wan and Qwen-Image, as diffusers).
     num_frames: 1 for images; a video family's frame count (``frame_step * k + 1``).
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
@@ -82,10 +88,11 @@ class SamplingParams:
     num_images: int = 1
     num_frames: int = 1
     partial_images: int = 0
+    max_sequence_length: int | None = None
 
     @property
     def uses_true_cfg(self) -> bool:
-        return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
+        return self.true_cfg_scale > 1.0 and self.negative_prompt is not None
 
     def _validate_frames(self, frame_step: int | None) -> None:
         frames = self.num_frames
@@ -104,7 +111,8 @@ class SamplingParams:
                 f"(try {lower} or {lower + frame_step})")
 
     def batch_key(self) -> BatchKey:
-        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames)
+        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames,
+                        max_sequence_length=self.max_sequence_length)
 
     @property
     def rows(self) -> int:
@@ -129,11 +137,13 @@ class SamplingParams:
         requires_prompt: bool = True,
         max_images: int = MAX_IMAGES,
         frame_step: int | None = None,
+        max_text_tokens: int | None = None,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
         frame_step: None for an image model; a video model's temporal VAE factor.
+        max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         """
         if not isinstance(self.prompt, str):
             raise InvalidRequestError("prompt", "must be a string")
@@ -180,10 +190,14 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"must be a number, got {value!r}")
             if not 0.0 <= value <= 100.0 or value != value:
                 raise InvalidRequestError(name, f"must be in [0, 100], got {value}")
-        if self.true_cfg_scale > 1.0 and not self.negative_prompt:
+        length = self.max_sequence_length
+        if length is not None and (
+            not isinstance(length, int) or isinstance(length, bool) or length < 1
+            or (max_text_tokens is not None and length > max_text_tokens)
+        ):
             raise InvalidRequestError(
-                "true_cfg_scale", "> 1 needs a negative_prompt (true CFG contrasts the two)"
-            )
+                "max_sequence_length", f"must be an integer in [1, {max_text_tokens or 'inf'}] "
+                f"for this model, got {length!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
             or not 0 <= self.seed < 2**63

@@ -90,9 +90,10 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     tiny = isinstance(heads, int) and isinstance(head_dim, int) \
         and heads * head_dim < TEST_MODEL_WIDTH
     if family.video:
-        full = ModelDefaults(int(call["width"]), int(call["height"]), int(call["num_inference_steps"]),
-                             output="video", frames=int(call["num_frames"]), fps=16,
-                             guidance=guidance, true_cfg=true_cfg)
+        full = ModelDefaults(int(call["width"]), int(call["height"]),
+                             int(call["num_inference_steps"]), output="video",
+                             frames=int(call["num_frames"]), fps=16, guidance=guidance,
+                             true_cfg=true_cfg)
         return replace(full, width=64, height=64, steps=TINY_STEPS,
                        frames=TINY_VIDEO_FRAMES) if tiny else full
     if tiny:

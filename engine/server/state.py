@@ -88,6 +88,8 @@ class ServerState:
             max_prompt_chars=self.engine.max_prompt_chars,
             max_side=min(config.max_side or MAX_SIDE, MAX_SIDE),
             max_steps=max_steps, default_guidance=self.model.guidance,
+            default_true_cfg=self.model.true_cfg,
+            max_text_tokens=self.engine.max_text_tokens or RequestLimits.max_text_tokens,
         )
 
     def video_limits(self) -> VideoLimits:
@@ -107,6 +109,7 @@ class ServerState:
             pixel_multiple=images.pixel_multiple, frame_step=frame_step,
             max_prompt_chars=images.max_prompt_chars, max_side=images.max_side,
             max_steps=images.max_steps, max_frames=max_frames,
+            max_text_tokens=images.max_text_tokens,
         )
 
     def start_engine(self) -> None:

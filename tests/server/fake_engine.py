@@ -41,6 +41,7 @@ class FakeEngine:
     max_prompt_chars: int = 4000
     offload: dict[str, Any] | None = None  # what offload_report() returns
     frame_step: int | None = None  # a video model's (Wan: 4); None: an image model
+    max_text_tokens: int = 512  # the most max_sequence_length may be
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -66,7 +67,8 @@ class FakeEngine:
     def validate_params(self, params: Any) -> Any:
         return params.validate(pixel_multiple=self.pixel_multiple,
                                max_prompt_chars=self.max_prompt_chars,
-                               frame_step=self.frame_step)
+                               frame_step=self.frame_step,
+                               max_text_tokens=self.max_text_tokens)
 
     def add_request(self, params: Any, *, request_id: str | None = None,
                     on_event: Any = None) -> Any:
