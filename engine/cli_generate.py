@@ -118,7 +118,9 @@ def add_generate_parser(subcommands: Any) -> None:
     gen = subcommands.add_parser("generate",
                                  help="generate one image (or video) with a local model")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("--negative-prompt", default=None,
+                     help="what CFG steers away from (\"\" counts: CFG against the empty "
+                          "prompt, as diffusers)")
     gen.add_argument("--out", type=Path, default=None,
                      help="output path: an image (.png, .jpg, .webp; default out.png) for image "
                           "models, an H.264 .mp4 for video models (default out.mp4)")
