@@ -83,7 +83,7 @@ def generation_params(args: argparse.Namespace, defaults: ModelDefaults) -> Samp
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ditserve.engine.engine import DiffusionEngine, WarmUp
+    from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.server.model_defaults import model_defaults
 
     config = engine_config_from_args(args)

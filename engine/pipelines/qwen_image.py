@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
-from ditserve.engine.loader import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
-from ditserve.engine.sampler import FlowMatchEulerSampler
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.sampler import FlowMatchEulerSampler
+from ditserve.engine.weights.loader import call_defaults
 
 if TYPE_CHECKING:
-    from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
+    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_TEXT_TOKENS = 1024  # diffusers' QwenImagePipeline refuses a longer max_sequence_length
 

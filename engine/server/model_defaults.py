@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.families import FLUX, family_of_pipeline
-from ditserve.engine.loader import call_defaults
+from ditserve.engine.weights.loader import call_defaults
 
 log = logging.getLogger(__name__)
 

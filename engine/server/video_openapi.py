@@ -19,6 +19,7 @@ from ditserve.engine.server.openapi import (
     json_answer,
     nullable,
     ref,
+    scheduling_fields,
     size_pattern,
 )
 from ditserve.engine.server.video_request import FIELDS, VideoLimits
@@ -75,6 +76,7 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the job"),
         "max_sequence_length": integer(1, limits.max_text_tokens, "text tokens per prompt "
                                        "(default: the pipeline's own, 512 as in diffusers)"),
+        **scheduling_fields(lambda schema: schema),
     }
 
 

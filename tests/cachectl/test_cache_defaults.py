@@ -54,7 +54,7 @@ def test_a_relative_model_path_hits_the_entry_built_from_it(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from ditserve.engine.offload.host.backing_choice import prepare_dit
+    from ditserve.engine.weights.backing_choice import prepare_dit
 
     work = tmp_path / "work"
     _bf16_copy(tiny_model, work / "models" / "tiny")

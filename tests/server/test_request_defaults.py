@@ -21,7 +21,7 @@ from PIL import Image
 from ditserve.engine.cli import build_parser
 from ditserve.engine.cli_generate import generation_params
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.engine import DiffusionEngine
+from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.model_defaults import model_defaults

@@ -182,35 +182,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-AUTO_DTYPE = "auto"  # the option value that means "the checkpoint's own dtype"
-EMBEDDED_MODEL_DTYPE = "float32"  # `ditserve model init-tiny` writes float32 weights
-
-
-def checkpoint_dtype(model_dir: str | Path | None, component: str = DIT_COMPONENT) -> str:
-    """The dtype the model's DiT is stored in (``cachectl.st_format.stored_dtype``: the
-    floating type holding most of its safetensors bytes, read from the headers).
-
-    The default runtime dtype of both ``ditserve generate/serve`` and ``cachectl build``, so an
-    entry built without ``--dtype`` is the one an engine started without it looks up: a bf16
-    release serves in bfloat16 (as ``torch_dtype=torch.bfloat16`` in its model card), the
-    float32 tiny models in float32. None is the embedded tiny model.
-    """
-    from ditserve.cachectl.st_format import stored_dtype
-
-    if model_dir is None:
-        return EMBEDDED_MODEL_DTYPE
-    files = dit_source_files(model_dir, component)
-    try:
-        found = stored_dtype(files)
-    except ValueError as e:
-        raise ModelLoadError(f"cannot read the weights of {str(model_dir)!r}: {e}") from e
-    if found is None:
-        raise ModelLoadError(
-            f"{str(model_dir)!r}: the DiT has no float32/bfloat16/float16 weights to take the "
-            "runtime dtype from; pass --dtype")
-    return found
-
-
 def dit_class(model_dir: str | Path | None = None, component: str = DIT_COMPONENT) -> Any:
     """The DiT's model class (the offload loader builds it on the meta device).
 
