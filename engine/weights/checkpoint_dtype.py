@@ -25,6 +25,10 @@ def checkpoint_dtype(model_dir: str | Path | None, component: str = DIT_COMPONEN
     if model_dir is None:
         return EMBEDDED_MODEL_DTYPE
     root = Path(model_dir)
+    if not root.is_dir():
+        raise ModelLoadError(
+            f"model directory {str(root)!r} does not exist; pass --model a local diffusers "
+            "directory (ditserve never downloads weights) or omit it to use the tiny model")
     if not (root / "model_index.json").is_file():
         raise ModelLoadError(
             f"{str(root)!r} is not a diffusers pipeline directory (no model_index.json); pass "
