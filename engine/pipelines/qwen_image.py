@@ -21,16 +21,19 @@ import torch
 
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
+from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
+from ditserve.engine.request import ModelLimits
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import FlowMatchEulerSampler
-from ditserve.engine.weights.loader import call_defaults
 
 if TYPE_CHECKING:
     from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
-MAX_TEXT_TOKENS = 1024  # diffusers' QwenImagePipeline refuses a longer max_sequence_length
+# Text tokens a prompt may keep: the pipeline's default 512 (diffusers accepts up to 1024,
+# but the rope table puts the text after the image, so the size bound below assumes 512).
+MAX_TEXT_TOKENS = 512
 
 
 class QwenImageStepPipeline:
@@ -62,7 +65,7 @@ class QwenImageStepPipeline:
         self.template_drop: int = int(pipe.prompt_template_encode_start_idx)
         self.tokenizer_max_length = int(pipe.tokenizer_max_length)
         # Text tokens kept per prompt: the pipeline's own default max_sequence_length (512);
-        # a request may ask for another, up to 1024 (diffusers' bound).
+        # a request may ask for fewer.
         self.max_sequence_length = int(
             call_defaults(components.pipeline_class)["max_sequence_length"])
         self.max_text_tokens = MAX_TEXT_TOKENS
@@ -89,6 +92,17 @@ class QwenImageStepPipeline:
         # One prompt, so no padding: every token is real and the length is known on the host.
         hidden = out.hidden_states[-1][:, self.template_drop:]
         return hidden[:, :length].to(self.text_encoder.dtype)
+
+    def limits(self) -> ModelLimits:
+        """QwenEmbedRope's table holds ``len(pos_freqs)`` positions; it centres the image on
+        it (half a side each way) and puts the text right after the image's half side, so a
+        side of 2 * (positions - text tokens) latent patches is the most it reaches."""
+        positions = int(self.transformer.pos_embed.pos_freqs.shape[0]) - MAX_TEXT_TOKENS
+        # A token is one pixel multiple (2x2 packed latents); a position covers 2 tokens.
+        return ModelLimits.of_table(positions, pixel_multiple=self.pixel_multiple,
+                                    tokens_per_position=2,
+                                    max_prompt_chars=self.max_prompt_chars,
+                                    max_text_tokens=self.max_text_tokens)
 
     def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return (2 * (height // self.pixel_multiple), 2 * (width // self.pixel_multiple))

@@ -30,7 +30,7 @@ import torch
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
-from ditserve.engine.request import NewRequest
+from ditserve.engine.request import ModelLimits, NewRequest
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
@@ -156,6 +156,11 @@ class ModelRunner:
         self._inflight = InFlightSteps(self.device)
 
     @property
+    def limits(self) -> ModelLimits:
+        """What the loaded model can run (its pipeline's ``limits``)."""
+        return self.pipeline.limits()
+
+    @property
     def pixel_multiple(self) -> int:
         return int(self.pipeline.pixel_multiple)
 
@@ -167,11 +172,6 @@ class ModelRunner:
     def frame_step(self) -> int | None:
         """None for an image model; for video, ``num_frames - 1`` must divide by it."""
         return self.pipeline.frame_step
-
-    @property
-    def max_text_tokens(self) -> int:
-        """The largest ``max_sequence_length`` a request may ask for."""
-        return int(self.pipeline.max_text_tokens)
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None

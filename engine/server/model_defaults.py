@@ -3,7 +3,7 @@ diffusers pipeline: the same defaults as a default diffusers call.
 
 Called once by ServerState.build and by ``ditserve generate``, before the model loads (the
 default size is also the ``--compile`` warm-up size). Reads two small JSON files and the
-pipeline class's ``__call__`` signature (``loader.call_defaults``), nothing else:
+pipeline class's ``__call__`` signature (``pipeline_defaults.call_defaults``), nothing else:
 
 - guidance and true CFG are the pipeline's own defaults: Flux ``guidance_scale`` 3.5 and
   ``true_cfg_scale`` 1.0; Qwen-Image ``true_cfg_scale`` 4.0 (true CFG runs once a
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.families import FLUX, family_of_pipeline
-from ditserve.engine.weights.loader import call_defaults
+from ditserve.engine.pipeline_defaults import call_defaults
 
 log = logging.getLogger(__name__)
 

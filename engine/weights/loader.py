@@ -14,12 +14,10 @@ was found.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ditserve.engine.errors import ModelLoadError
@@ -153,21 +151,6 @@ def family_loader_version(model_dir: str | Path) -> str:
 def loader_version(model_dir: str | Path) -> str:
     """The loader version of this directory's family (part of a cache entry's identity)."""
     return f"{LOADER_VERSION}/{family_loader_version(model_dir)}"
-
-
-@functools.cache
-def call_defaults(pipeline_class: str) -> Mapping[str, Any]:
-    """The defaults of a diffusers pipeline's ``__call__`` by argument name (``guidance_scale``,
-    ``true_cfg_scale``, ``max_sequence_length``, ``num_inference_steps``, ...): what a default
-    diffusers call uses, so ditserve's defaults are the pipeline's own, not copies of them."""
-    import inspect
-
-    import diffusers
-
-    signature = inspect.signature(getattr(diffusers, pipeline_class).__call__)
-    return MappingProxyType({name: parameter.default
-                             for name, parameter in signature.parameters.items()
-                             if parameter.default is not inspect.Parameter.empty})
 
 
 def torch_dtype(name: str) -> torch.dtype:

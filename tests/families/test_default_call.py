@@ -117,7 +117,8 @@ def test_max_sequence_length_is_an_option_as_in_diffusers(  # type: ignore[no-un
 def test_a_text_length_beyond_the_model_is_refused(family_runner) -> None:  # type: ignore[no-untyped-def]
     from ditserve.engine.errors import InvalidRequestError
 
-    runner = family_runner("flux")
-    too_long = SamplingParams(prompt="x", max_sequence_length=runner.max_text_tokens + 1)
+    limits = family_runner("flux").limits
+    assert limits.max_text_tokens == 512  # FluxPipeline refuses more
+    too_long = SamplingParams(prompt="x", max_sequence_length=limits.max_text_tokens + 1)
     with pytest.raises(InvalidRequestError, match="max_sequence_length"):
-        too_long.validate(max_text_tokens=runner.max_text_tokens)
+        too_long.validate_for(limits)

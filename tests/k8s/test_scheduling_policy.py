@@ -43,3 +43,14 @@ def test_a_bad_policy_is_an_invalid_spec_and_the_flag_is_managed() -> None:
         validate({**BASE, "scheduling": {"agingSeconds": 0}})
     with pytest.raises(InvalidSpecError, match="--scheduling-policy.*scheduling.policy"):
         validate({**BASE, "engine": {"args": ["--scheduling-policy", "priority"]}})
+
+
+def test_the_autoscaler_can_target_the_high_priority_queue() -> None:
+    spec = {**BASE, "scheduling": {"policy": "priority"},
+            "autoscaling": {"enabled": True, "maxReplicas": 4,
+                            "metric": "ditserve_num_requests_waiting_high_priority"}}
+    [hpa] = [m for m in render(parse_spec(spec), OWNER)
+             if m["kind"] == "HorizontalPodAutoscaler"]
+    [metric] = hpa["spec"]["metrics"]
+    assert metric["object"]["metric"]["name"] == "ditserve_num_requests_waiting_high_priority"
+    assert engine_file(spec)["scheduler"]["scheduling_policy"] == "priority"
