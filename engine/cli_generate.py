@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ditserve.engine.adapters.config import parse_lora_arg
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
@@ -86,6 +88,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.server.model_defaults import model_defaults
 
+    loras = [parse_lora_arg(text) for text in args.lora or ()]
+    if loras:  # the request's adapters are served as --lora-modules
+        args.lora_modules = [*(args.lora_modules or ()), *(f"{n}={p}" for n, p, _ in loras)]
     config = engine_config_from_args(args)
     defaults = model_defaults(config.model)
     video = defaults.output == "video"
@@ -96,6 +101,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(params.height, params.width)))
     engine.start()
     try:
+        if loras and engine.adapters is not None:
+            params = replace(params, loras=engine.adapters.resolve(
+                [(name, scale) for name, _, scale in loras]))
         started = time.perf_counter()
         handle = engine.add_request(
             params, on_event=lambda e: e.kind == "step" and print(
@@ -142,6 +150,8 @@ def add_generate_parser(subcommands: Any) -> None:
     gen.add_argument("--num-frames", type=int, default=None,
                      help="video models: frames (default: the model's usual count, 81 for "
                           "Wan; 4k+1)")
+    gen.add_argument("--lora", action="append", default=None, metavar="NAME=PATH[:SCALE]",
+                     help="apply a LoRA adapter file at SCALE (default 1); repeat to stack")
     gen.add_argument("--fps", type=int, default=None,
                      help="video models: MP4 frame rate (default: the model's, 16 for Wan)")
     add_engine_options(gen, with_config_file=False)
