@@ -23,8 +23,9 @@ from ditserve.engine.families import MODEL_VARIANTS, Family, family_of_variant, 
 
 VARIANTS: tuple[str, ...] = tuple(MODEL_VARIANTS)
 SIZES = ("tiny", "small", "full")
-# Text tokens per prompt: the released models' 512 at full size, few for the tiny tokenizers.
-TINY_TEXT_TOKENS = 64
+# The tokenizers' model_max_length: the released models' 512 at every size, so a tiny model
+# encodes prompts exactly as the released pipeline's defaults do (max_sequence_length 512).
+TEXT_TOKENS = 512
 
 
 def _family(variant: str) -> Family:

@@ -53,11 +53,10 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import TINY_TEXT_TOKENS, build_dit, dit_setting
+    from ditserve.engine.model_builders import TEXT_TOKENS, build_dit, dit_setting
 
     torch.manual_seed(seed)
-    tokens = 512 if size != "tiny" else TINY_TEXT_TOKENS
-    tokenizer = _tokenizer(tokens)
+    tokenizer = _tokenizer(TEXT_TOKENS)
     parts: dict[str, Any] = {
         "tokenizer": tokenizer,
         "text_encoder": _umt5(tokenizer, dit_setting(variant, size, "text_dim")),

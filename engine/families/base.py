@@ -22,8 +22,10 @@ from ditserve.engine.families.defaults import ModelDefaults, square_image
 
 # variant -> size ("tiny" | "small" | "full") -> the DiT's keyword arguments
 DitSizes = Mapping[str, Mapping[str, Mapping[str, Any]]]
-# (the DiT's config.json, the VAE's config.json) -> defaults of a full-size model
-DefaultsRule = Callable[[Mapping[str, Any], Mapping[str, Any]], ModelDefaults]
+# (the DiT's config.json, the VAE's config.json, the diffusers pipeline's call defaults)
+#   -> size, steps and frames of a full-size model
+DefaultsRule = Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]],
+                        ModelDefaults]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +59,8 @@ class Family:
         calls its ``build_pipeline`` and ``build_tiny``).
     dit_sizes: per model variant the family builds (``ditserve model init-tiny --family``),
         the DiT's keyword arguments per size; the first variant is the family's own name.
-    defaults: the server's defaults for a full-size model (``engine.server.model_defaults``).
+    defaults: the size, steps and frames of a full-size model's requests
+        (``engine.server.model_defaults``; guidance comes from the pipeline's call defaults).
     """
 
     name: str

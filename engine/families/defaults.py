@@ -1,9 +1,10 @@
-"""What a request gets when it names no size, step count or guidance: the server's defaults.
+"""What a request gets for the fields it leaves out: the server's defaults, as values and rules.
 
 Pure values and the rules the families share; each family module (``engine.families.flux``
 and the others) says which rule its full-size models follow (``Family.defaults``), and
-``engine.server.model_defaults`` reads the model directory and applies it. Test-sized models
-(a DiT narrower than 1024) get ``TINY`` / ``TINY_VIDEO`` whatever their family.
+``engine.server.model_defaults`` reads the model directory and the diffusers pipeline's own
+call defaults (``engine.pipeline_defaults``) and applies it. Test-sized models (a DiT
+narrower than 1024) get ``TINY`` (video: ``TINY_VIDEO_FRAMES`` frames) whatever their family.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ class ModelDefaults:
     output: str = "image"  # "image" | "video"
     frames: int = 1
     fps: int = 16
-    guidance: float = 3.5  # Flux-dev's distilled guidance; Wan's CFG scale for video
+    guidance: float = 3.5  # Flux-dev's distilled guidance; Wan's CFG scale
+    true_cfg: float = 1.0  # Flux and Qwen-Image: CFG scale with a negative prompt
 
 
 TINY = ModelDefaults(64, 64, 4)
-TINY_VIDEO = ModelDefaults(64, 64, 4, output="video", frames=9, fps=16, guidance=5.0)
+TINY_STEPS = 4
+TINY_VIDEO_FRAMES = 9
 FULL_SIDE = 1024
-FULL_STEPS = 28
 MIN_SAMPLE_SIDE = 256  # a VAE sample_size below this is a test value, not an image size
+VIDEO_FPS = 16  # the Wan models' native frame rate
 
 
 def image_side(vae: Mapping[str, Any]) -> int:
@@ -37,7 +40,16 @@ def image_side(vae: Mapping[str, Any]) -> int:
     return sample if isinstance(sample, int) and sample >= MIN_SAMPLE_SIDE else FULL_SIDE
 
 
-def square_image(dit: Mapping[str, Any], vae: Mapping[str, Any]) -> ModelDefaults:
-    """An image family's usual rule: a square of the VAE's size, 28 steps."""
+def square_image(dit: Mapping[str, Any], vae: Mapping[str, Any],
+                 call: Mapping[str, Any]) -> ModelDefaults:
+    """An image family's usual rule: a square of the VAE's size, the pipeline's step count."""
     side = image_side(vae)
-    return ModelDefaults(side, side, FULL_STEPS)
+    return ModelDefaults(side, side, int(call["num_inference_steps"]))
+
+
+def pipeline_video(dit: Mapping[str, Any], vae: Mapping[str, Any],
+                   call: Mapping[str, Any]) -> ModelDefaults:
+    """A video family's usual rule: the pipeline's own size, frame count and step count."""
+    return ModelDefaults(int(call["width"]), int(call["height"]),
+                         int(call["num_inference_steps"]), output="video",
+                         frames=int(call["num_frames"]), fps=VIDEO_FPS)

@@ -35,14 +35,16 @@ TINY_DIT: dict[str, Any] = dict(
     axes_dims_rope=(4, 6, 6), guidance_embeds=True,
 )
 DISTILLED_STEPS = 4  # schnell: timestep-distilled, no guidance embedding
-FULL_STEPS = 28  # FLUX.1-dev; diffusers' own default for the family
 
 
-def defaults(dit: Mapping[str, Any], vae: Mapping[str, Any]) -> ModelDefaults:
-    """A square of the VAE's size; 4 steps for a distilled model, else 28."""
+def defaults(dit: Mapping[str, Any], vae: Mapping[str, Any],
+             call: Mapping[str, Any]) -> ModelDefaults:
+    """A square of the VAE's size; 4 steps for a distilled model (schnell), else the
+    pipeline's own (28, FLUX.1-dev)."""
     side = image_side(vae)
     distilled = dit.get("guidance_embeds") is False
-    return ModelDefaults(side, side, DISTILLED_STEPS if distilled else FULL_STEPS)
+    return ModelDefaults(side, side,
+                         DISTILLED_STEPS if distilled else int(call["num_inference_steps"]))
 
 
 FLUX = Family(
@@ -53,7 +55,8 @@ FLUX = Family(
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     resident_modules=("pos_embed", "time_text_embed", "context_embedder", "x_embedder",
                       "norm_out", "proj_out"),
-    batch_key_fields=("height", "width"), output="image", loader_version="flux-loader-1",
+    batch_key_fields=("height", "width", "max_sequence_length"), output="image",
+    loader_version="flux-loader-1",
     attention_heads=(24,),  # FLUX.1-dev / schnell
     step_pipeline="ditserve.engine.pipelines.flux:FluxStepPipeline",
     sp_hooks="ditserve.engine.pipelines.flux_sp:attach",

@@ -11,11 +11,10 @@ Wan2.2-TI2V-5B (30 blocks 3072 wide on 48 latent channels, a timestep per token)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ditserve.engine.families.base import Family
-from ditserve.engine.families.defaults import ModelDefaults
+from ditserve.engine.families.defaults import pipeline_video
 
 _WAN21: dict[str, dict[str, Any]] = {
     "full": {},  # diffusers' defaults are Wan2.1-T2V-14B's (and each A14B expert)
@@ -35,13 +34,6 @@ _TI2V: dict[str, dict[str, Any]] = {
 WAN22_BOUNDARY_RATIO = 0.875  # Wan2.2-T2V-A14B: the high-noise expert runs t >= 875
 EXPERTS = "wan2.2"  # the variant with two experts
 TI2V = "wan2.2-ti2v"  # the variant with Wan 2.2's VAE and per-token timesteps
-# diffusers' WanPipeline defaults: 832x480, 81 frames (5 s at its native 16 fps), 50 steps.
-VIDEO = ModelDefaults(832, 480, 50, output="video", frames=81, fps=16, guidance=5.0)
-
-
-def defaults(dit: Mapping[str, Any], vae: Mapping[str, Any]) -> ModelDefaults:
-    return VIDEO
-
 
 WAN = Family(
     name="wan", label="Wan", pipeline_class="WanPipeline",
@@ -50,7 +42,7 @@ WAN = Family(
     components=("vae", "text_encoder", "tokenizer", "scheduler"),
     block_lists=("blocks",),
     resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),
-    batch_key_fields=("height", "width", "num_frames"), output="video",
+    batch_key_fields=("height", "width", "num_frames", "max_sequence_length"), output="video",
     loader_version="wan-loader-1", cfg_rows="guidance",
     attention_heads=(12, 24, 40),  # Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, the 14B DiTs
     reference_work=2 * 21 * 30 * 52,  # 81 frames -> 21 latent frames of 30 x 52 tokens, CFG
@@ -59,5 +51,5 @@ WAN = Family(
     builders="ditserve.engine.builders.wan",
     # Wan2.1-T2V-14B, Wan2.2-T2V-A14B (two 14B experts), Wan2.2-TI2V-5B
     dit_sizes={"wan": _WAN21, EXPERTS: _WAN21, TI2V: _TI2V},
-    defaults=defaults,
+    defaults=pipeline_video,  # WanPipeline's: 832x480, 81 frames (5 s at 16 fps), 50 steps
 )

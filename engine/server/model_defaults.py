@@ -1,38 +1,48 @@
-"""The size and step count a request gets when it names neither, read off the model directory.
+"""What a request gets for the fields it leaves out, read off the model directory and its
+diffusers pipeline: the same defaults as a default diffusers call.
 
-Called once by ServerState.build, before the model loads (the default size is also the
-``--compile`` warm-up size). Reads three small JSON files, nothing else:
+Called once by ServerState.build and by ``ditserve generate``, before the model loads (the
+default size is also the ``--compile`` warm-up size). Reads three small JSON files and the
+pipeline class's ``__call__`` signature (``pipeline_defaults.call_defaults``), nothing else:
 
+- guidance and true CFG are the pipeline's own defaults: Flux ``guidance_scale`` 3.5 and
+  ``true_cfg_scale`` 1.0; Qwen-Image ``true_cfg_scale`` 4.0 (true CFG runs once a
+  ``negative_prompt`` is given, the empty one included); Wan ``guidance_scale`` 5.0 (CFG
+  against ``negative_prompt``, or the empty prompt);
 - a DiT narrower than 1024 (``attention_head_dim * num_attention_heads`` of
   ``transformer/config.json``) is a test-sized model, like ``ditserve model init-tiny``: 64x64
-  and 4 steps (a video family: 9 frames), so a request without a size costs milliseconds;
+  and 4 steps (video: 9 frames), so a request without a size costs milliseconds, not minutes;
 - otherwise the family's own rule (``Family.defaults``, in its module under
-  ``engine.families``) reads the DiT's and the VAE's configs: Flux a square of the VAE's
-  ``sample_size`` (1024) and 28 steps, 4 for a timestep-distilled model (no guidance
-  embedding: schnell); Wan its pipeline's defaults, 832x480, 81 frames (5 s at 16 fps), 50
-  steps, guidance 5.0. A model of no known family gets the image rule (1024, 28 steps).
+  ``engine.families``) gives size, steps and frames: an image family a square of the VAE's
+  ``sample_size`` when it is a real image size (>= 256; Flux.1: 1024), else 1024, and the
+  pipeline's ``num_inference_steps`` (Flux.1-dev 28, Qwen-Image 50; 4 for a
+  timestep-distilled Flux: schnell, no guidance embedding); a video family (Wan) the
+  pipeline's own 832x480, 81 frames (5 s at its native 16 fps), 50 steps.
 
 ``output`` says what the replica makes (``"image"`` or ``"video"``, from the family registry):
 a video replica serves /v1/videos, an image replica /v1/images/generations.
 
-``--default-size`` / ``--default-steps`` override both.
+``--default-size`` / ``--default-steps`` override size and steps.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.families import family_of_pipeline
-from ditserve.engine.families.defaults import TINY, TINY_VIDEO, ModelDefaults, square_image
+from ditserve.engine.families import FLUX, family_of_pipeline
+from ditserve.engine.families.defaults import TINY, TINY_VIDEO_FRAMES, ModelDefaults
+from ditserve.engine.pipeline_defaults import call_defaults
 
 __all__ = ["ModelDefaults", "model_defaults"]
 
 log = logging.getLogger(__name__)
 
 TEST_MODEL_WIDTH = 1024  # narrower DiTs are test models (the tiny one is 32 wide)
+IGNORED_GUIDANCE = 1.0  # a pipeline without guidance_scale (Qwen-Image's is None: unused)
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -43,20 +53,31 @@ def _json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _number(value: object, fallback: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else fallback
+
+
 def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
-    """Defaults for the model in ``model_dir``; None is the embedded tiny model."""
-    if model_dir is None:
+    """Defaults for the model in ``model_dir``; None is the embedded tiny model (Flux)."""
+    root = None if model_dir is None else Path(model_dir)
+    index = {} if root is None else _json(root / "model_index.json")
+    family = FLUX if root is None else family_of_pipeline(index.get("_class_name"))
+    if family is None:  # not a supported model: the loader refuses it with the reason
         return TINY
-    root = Path(model_dir)
+    call = call_defaults(family.pipeline_class)
+    guidance = _number(call.get("guidance_scale"), IGNORED_GUIDANCE)
+    true_cfg = _number(call.get("true_cfg_scale"), 1.0)
+    if root is None:
+        return replace(TINY, guidance=guidance, true_cfg=true_cfg)
     dit = _json(root / "transformer" / "config.json")
-    pipeline = _json(root / "model_index.json").get("_class_name")
-    family = family_of_pipeline(pipeline)
-    video = family is not None and family.video
     heads, head_dim = dit.get("num_attention_heads"), dit.get("attention_head_dim")
-    if isinstance(heads, int) and isinstance(head_dim, int) and heads * head_dim < TEST_MODEL_WIDTH:
-        return TINY_VIDEO if video else TINY
-    vae = _json(root / "vae" / "config.json")
-    defaults = (family.defaults if family is not None else square_image)(dit, vae)
-    log.debug("defaults of %s: %dx%d, %d steps", root, defaults.width, defaults.height,
-              defaults.steps)
+    tiny = isinstance(heads, int) and isinstance(head_dim, int) \
+        and heads * head_dim < TEST_MODEL_WIDTH
+    if tiny:
+        size = replace(TINY, output="video", frames=TINY_VIDEO_FRAMES) if family.video else TINY
+    else:
+        size = family.defaults(dit, _json(root / "vae" / "config.json"), call)
+    defaults = replace(size, guidance=guidance, true_cfg=true_cfg)
+    log.debug("defaults of %s: %s", root, defaults)
     return defaults
