@@ -15,7 +15,7 @@ from typing import Any
 from ditserve.engine.families.wan import EXPERTS, TI2V, WAN, WAN22_BOUNDARY_RATIO
 
 
-def _tokenizer(tokens: int) -> Any:
+def make_tokenizer(tokens: int) -> Any:
     from transformers import T5Tokenizer
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
@@ -24,7 +24,7 @@ def _tokenizer(tokens: int) -> Any:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=tokens)
 
 
-def _umt5(tokenizer: Any, width: int) -> Any:
+def make_umt5(tokenizer: Any, width: int) -> Any:
     from transformers import UMT5Config, UMT5EncoderModel
 
     return UMT5EncoderModel(UMT5Config(
@@ -34,7 +34,7 @@ def _umt5(tokenizer: Any, width: int) -> Any:
     ))
 
 
-def _vae(ti2v: bool) -> Any:
+def make_vae(ti2v: bool) -> Any:
     from diffusers import AutoencoderKLWan
 
     if ti2v:  # Wan 2.2's VAE: 48 channels, 16x spatial (2x2 patchified pixels), 4x temporal
@@ -56,11 +56,11 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     from ditserve.engine.model_builders import TEXT_TOKENS, build_dit, dit_setting
 
     torch.manual_seed(seed)
-    tokenizer = _tokenizer(TEXT_TOKENS)
+    tokenizer = make_tokenizer(TEXT_TOKENS)
     parts: dict[str, Any] = {
         "tokenizer": tokenizer,
-        "text_encoder": _umt5(tokenizer, dit_setting(variant, size, "text_dim")),
-        "vae": _vae(variant == TI2V)}
+        "text_encoder": make_umt5(tokenizer, dit_setting(variant, size, "text_dim")),
+        "vae": make_vae(variant == TI2V)}
     scheduler = diffusers.UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
         flow_shift=5.0 if variant == TI2V else 3.0)

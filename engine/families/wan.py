@@ -16,13 +16,13 @@ from typing import Any
 from ditserve.engine.families.base import Family
 from ditserve.engine.families.defaults import pipeline_video
 
-_WAN21: dict[str, dict[str, Any]] = {
+WAN21_SIZES: dict[str, dict[str, Any]] = {
     "full": {},  # diffusers' defaults are Wan2.1-T2V-14B's (and each A14B expert)
     "small": dict(num_layers=2, num_attention_heads=4),
     "tiny": dict(num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=32,
                  ffn_dim=32, num_layers=2, rope_max_seq_len=32),
 }
-_TI2V: dict[str, dict[str, Any]] = {
+TI2V_SIZES: dict[str, dict[str, Any]] = {
     "full": dict(num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336,
                  num_layers=30),
     "small": dict(num_attention_heads=4, in_channels=48, out_channels=48, ffn_dim=14336,
@@ -50,6 +50,6 @@ WAN = Family(
     sp_hooks="ditserve.engine.pipelines.wan_sp:attach",
     builders="ditserve.engine.builders.wan",
     # Wan2.1-T2V-14B, Wan2.2-T2V-A14B (two 14B experts), Wan2.2-TI2V-5B
-    dit_sizes={"wan": _WAN21, EXPERTS: _WAN21, TI2V: _TI2V},
+    dit_sizes={"wan": WAN21_SIZES, EXPERTS: WAN21_SIZES, TI2V: TI2V_SIZES},
     defaults=pipeline_video,  # WanPipeline's: 832x480, 81 frames (5 s at 16 fps), 50 steps
 )
