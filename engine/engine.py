@@ -172,6 +172,11 @@ class DiffusionEngine:
         must divide by it."""
         return self.runner.frame_step if self.runner else None
 
+    @property
+    def condition_images(self) -> tuple[int, int]:
+        """(fewest, most) conditioning images a request may bring; (0, 0): text only."""
+        return self.runner.condition_images if self.runner else (0, 0)
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self._pending.stats()
@@ -196,7 +201,8 @@ class DiffusionEngine:
     def validate_params(self, params: SamplingParams) -> SamplingParams:
         return params.validate(pixel_multiple=self.pixel_multiple,
                                max_prompt_chars=self.max_prompt_chars,
-                               frame_step=self.frame_step)
+                               frame_step=self.frame_step,
+                               condition_images=self.condition_images)
 
     def add_request(
         self,

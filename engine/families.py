@@ -98,7 +98,18 @@ WAN = Family(
     reference_work=2 * 21 * 30 * 52,  # 81 frames -> 21 latent frames of 30 x 52 tokens, CFG
 )
 
-FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN)
+# Image-conditioned families (edits, image-to-video): the same DiTs, whose rows also carry
+# the conditioning image's latents (or tokens); ``engine.pipelines.flux_kontext`` & co.
+FLUX_KONTEXT = Family(
+    name="flux-kontext", label="FluxKontext", pipeline_class="FluxKontextPipeline",
+    dit_class=FLUX.dit_class, dit_components=FLUX.dit_components, components=FLUX.components,
+    block_lists=FLUX.block_lists, resident_modules=FLUX.resident_modules,
+    batch_key_fields=("height", "width", "images"), output="image",
+    loader_version="flux-kontext-loader-1", attention_heads=FLUX.attention_heads,
+    reference_work=2 * 4096,  # a 1024x1024 edit: 4096 target + 4096 source tokens
+)
+
+FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN, FLUX_KONTEXT)
 # What the model builders (`ditserve model init-tiny / init-random --family`) build: one
 # released model layout each, by the family it belongs to.
 MODEL_VARIANTS: dict[str, str] = {
@@ -107,6 +118,7 @@ MODEL_VARIANTS: dict[str, str] = {
     "wan": "wan",  # Wan2.1-T2V-14B
     "wan2.2": "wan",  # Wan2.2-T2V-A14B: two 14B experts
     "wan2.2-ti2v": "wan",  # Wan2.2-TI2V-5B
+    "flux-kontext": "flux-kontext",  # FLUX.1-Kontext-dev
 }
 # The value of ``model.family`` that means "read it from model_index.json".
 AUTO_FAMILY = "Auto"

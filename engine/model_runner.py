@@ -168,6 +168,12 @@ class ModelRunner:
         """None for an image model; for video, ``num_frames - 1`` must divide by it."""
         return self.pipeline.frame_step
 
+    @property
+    def condition_images(self) -> tuple[int, int]:
+        """(fewest, most) conditioning images; families without any declare nothing."""
+        accepted: tuple[int, int] = getattr(self.pipeline, "condition_images", (0, 0))
+        return accepted
+
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None
 
@@ -204,6 +210,7 @@ class ModelRunner:
             self.add_request(new)
         for rid in plan.freed:
             self.drop(rid)
+        self._encode_conditions(plan.encode)
         for rid in plan.encode:
             self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
@@ -239,6 +246,19 @@ class ModelRunner:
                 out.forward_groups, out.forward_tokens = step.groups, step.tokens
                 out.forward_seconds = step.seconds
         return out
+
+    def _encode_conditions(self, rids: Sequence[str]) -> None:
+        """Image-conditioned families encode the admitted requests' images in one batch
+        (``encode_conditions``); on failure each request's own ``prepare_encode`` encodes
+        (and fails) alone, so one bad image never fails its neighbours."""
+        encode = getattr(self.pipeline, "encode_conditions", None)
+        states = [self._states[rid] for rid in rids if rid in self._states]
+        if encode is None or len(states) < 2:
+            return
+        try:
+            encode(states)
+        except Exception:
+            log.warning("batched conditioning encode failed; encoding per request", exc_info=True)
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""

@@ -18,6 +18,27 @@ MAX_IMAGES = 8
 MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_FRAMES = 1025
+MAX_CONDITION_IMAGES = 4  # images one request may condition on (Qwen-Image-Edit Plus: 3)
+
+
+@dataclass(frozen=True, repr=False)
+class ConditionImage:
+    """A conditioning image (an edit's source, a video's first frame): decoded 8-bit RGB,
+    row-major, ``width * height * 3`` bytes, EXIF orientation already applied. Checked and
+    decoded at the edge (``engine.server.uploads``, the CLI); pipelines resize it as their
+    diffusers pipeline does."""
+
+    width: int
+    height: int
+    rgb: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.rgb) != self.width * self.height * 3:
+            raise InvalidRequestError("image", f"{len(self.rgb)} bytes is not a {self.width}x"
+                                      f"{self.height} RGB image")
+
+    def __repr__(self) -> str:  # never print the pixels into a log
+        return f"ConditionImage({self.width}x{self.height})"
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,6 +74,9 @@ class BatchKey:
     height: int
     width: int
     num_frames: int = 1
+    # The conditioning images' sizes: their latents join every row's tokens, so requests
+    # with other images (or none) run other token counts.
+    condition: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,8 @@ class SamplingParams:
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
         ``preview_steps``); they travel as "preview" events, never change the result.
+    images: conditioning images (an edit's sources, an image-to-video first frame); empty for
+        text-only generation. How many a model takes is its pipeline's ``condition_images``.
     """
 
     prompt: str
@@ -82,6 +108,7 @@ class SamplingParams:
     num_images: int = 1
     num_frames: int = 1
     partial_images: int = 0
+    images: tuple[ConditionImage, ...] = ()
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -103,8 +130,24 @@ class SamplingParams:
                 "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
                 f"(try {lower} or {lower + frame_step})")
 
+    def _validate_images(self, accepted: tuple[int, int]) -> None:
+        fewest, most = accepted
+        count = len(self.images)
+        if not all(isinstance(i, ConditionImage) for i in self.images):
+            raise InvalidRequestError("image", "conditioning images must be decoded RGB images")
+        if most == 0 and count:
+            raise InvalidRequestError("image", "this model generates from text only; it takes no "
+                                      "input image (serve an edit or image-to-video model)")
+        if count < fewest:
+            raise InvalidRequestError("image", f"this model needs {fewest} input image"
+                                      f"{'s' if fewest > 1 else ''}, got {count}")
+        if count > most:
+            raise InvalidRequestError("image", f"this model takes at most {most} input image"
+                                      f"{'s' if most > 1 else ''}, got {count}")
+
     def batch_key(self) -> BatchKey:
-        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames)
+        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames,
+                        condition=tuple((i.width, i.height) for i in self.images))
 
     @property
     def rows(self) -> int:
@@ -129,12 +172,15 @@ class SamplingParams:
         requires_prompt: bool = True,
         max_images: int = MAX_IMAGES,
         frame_step: int | None = None,
+        condition_images: tuple[int, int] = (0, 0),
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
         frame_step: None for an image model; a video model's temporal VAE factor.
+        condition_images: (fewest, most) conditioning images the model takes.
         """
+        self._validate_images(condition_images)
         if not isinstance(self.prompt, str):
             raise InvalidRequestError("prompt", "must be a string")
         if requires_prompt and not self.prompt.strip():

@@ -23,6 +23,7 @@ PIPELINES: dict[str, str] = {
     "flux": "ditserve.engine.pipelines.flux:FluxStepPipeline",
     "qwen-image": "ditserve.engine.pipelines.qwen_image:QwenImageStepPipeline",
     "wan": "ditserve.engine.pipelines.wan:WanStepPipeline",
+    "flux-kontext": "ditserve.engine.pipelines.flux_kontext:FluxKontextStepPipeline",
 }
 
 

@@ -1,0 +1,80 @@
+"""Random-weight diffusers pipelines of the image-conditioned families, at a chosen DiT size.
+
+The same recipe as ``model_builders`` (a DiT of the asked size inside deliberately tiny text
+encoders, tokenizers and VAE with the family's latent layout), for the layouts that take an
+input image:
+
+- ``flux-kontext``: a FluxKontextPipeline; ``full`` is FLUX.1-Kontext-dev's DiT (Flux.1's
+  architecture: 19 + 38 blocks, 3072 wide). The tiny VAE downsamples 16x (five levels), so
+  a source at Kontext's preferred ~1 MP resolution is 1024 tokens and CPU tests stay fast.
+
+Called through ``model_builders.build_pipeline`` by ``ditserve model init-tiny`` /
+``init-random``; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ditserve.engine.errors import ConfigError
+
+VARIANTS: tuple[str, ...] = ("flux-kontext",)
+
+_KONTEXT_TINY_DIT = dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+    axes_dims_rope=(4, 6, 6), guidance_embeds=True,
+)
+
+
+def _kontext_tiny_vae() -> Any:
+    from diffusers import AutoencoderKL
+
+    # Four latent channels (the tiny DiT's 16 input channels after 2x2 packing), five levels:
+    # 16x downsampling.
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 5, up_block_types=("UpDecoderBlock2D",) * 5,
+        block_out_channels=(8,) * 5, layers_per_block=1, latent_channels=4, norm_num_groups=8,
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def _flux_kontext(size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    import torch
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        FluxKontextPipeline,
+        FluxTransformer2DModel,
+    )
+
+    from ditserve.engine import random_model
+
+    torch.manual_seed(seed)
+    config = _KONTEXT_TINY_DIT if size == "tiny" else random_model.FLUX_TRANSFORMER[size]
+    encoders = random_model._text_encoders(
+        t5_width=int(config["joint_attention_dim"]),  # type: ignore[call-overload]
+        clip_width=int(config["pooled_projection_dim"]),  # type: ignore[call-overload]
+        t5_tokens=random_model.T5_TOKENS[size])
+    vae = _kontext_tiny_vae() if size == "tiny" else random_model._vae()
+    for name in ("text_encoder", "text_encoder_2"):
+        encoders[name] = encoders[name].to(dtype)  # stored as served: the loader never casts
+    if size == "tiny":
+        transformer = FluxTransformer2DModel(**_KONTEXT_TINY_DIT)  # type: ignore[arg-type]
+        transformer = transformer.to(dtype)
+    else:
+        transformer = random_model._transformer(size, dtype=dtype, device=device, seed=seed)
+    # FLUX.1-Kontext-dev's scheduler: Flux's resolution-dependent shift.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
+        base_shift=0.5, max_shift=1.15, shift=3.0)
+    return FluxKontextPipeline(scheduler=scheduler, vae=vae.to(dtype), transformer=transformer,
+                               **encoders)
+
+
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    """The whole diffusers pipeline object of an image-conditioned variant (not saved)."""
+    if variant == "flux-kontext":
+        return _flux_kontext(size, dtype=dtype, device=device, seed=seed)
+    raise ConfigError(f"no image-conditioned builder for {variant!r}; known: "
+                      f"{', '.join(VARIANTS)}")
