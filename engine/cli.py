@@ -13,10 +13,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
-from ditserve.engine.errors import DitServeError
+from ditserve.engine.errors import ConfigError, DitServeError
 from ditserve.engine.families import MODEL_VARIANTS
 
 log = logging.getLogger("ditserve")
@@ -54,6 +55,20 @@ def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
             for i, v in enumerate(videos)]
 
 
+def _input_images(paths: list[Path] | None) -> tuple[Any, ...]:
+    """--image files, checked and decoded as the server's uploads are."""
+    from ditserve.engine.image_input import decode_image
+
+    images = []
+    for path in paths or ():
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"--image {str(path)!r}: {e.strerror or e}") from e
+        images.append(decode_image(data, field=f"--image {path}"))
+    return tuple(images)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.engine import DiffusionEngine, WarmUp
     from ditserve.engine.request import SamplingParams
@@ -67,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
             width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
             true_cfg_scale=args.true_cfg_scale, seed=args.seed, num_images=args.num_images,
-            num_frames=args.num_frames,
+            num_frames=args.num_frames, images=_input_images(args.image),
         )
         started = time.perf_counter()
         handle = engine.add_request(
@@ -195,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-frames", type=int, default=1,
                      help="video models: frames to generate (4k+1 for Wan, e.g. 81)")
     gen.add_argument("--fps", type=int, default=16, help="video models: MP4 frame rate")
+    gen.add_argument("--image", type=Path, action="append", default=None, metavar="PATH",
+                     help="an input image (PNG, JPEG, WebP): the source of an edit model "
+                          "(FLUX.1 Kontext, Qwen-Image-Edit; repeat it for several where the "
+                          "model takes them) or an image-to-video model's first frame")
     add_engine_options(gen, with_config_file=False)
     gen.set_defaults(func=cmd_generate)
 

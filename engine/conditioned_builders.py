@@ -20,7 +20,7 @@ from ditserve.engine.errors import ConfigError
 
 VARIANTS: tuple[str, ...] = ("flux-kontext",)
 
-_KONTEXT_TINY_DIT = dict(
+_KONTEXT_TINY_DIT: dict[str, Any] = dict(
     patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
     num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
     axes_dims_rope=(4, 6, 6), guidance_embeds=True,
@@ -53,15 +53,13 @@ def _flux_kontext(size: str, *, dtype: Any, device: Any, seed: int) -> Any:
     torch.manual_seed(seed)
     config = _KONTEXT_TINY_DIT if size == "tiny" else random_model.FLUX_TRANSFORMER[size]
     encoders = random_model._text_encoders(
-        t5_width=int(config["joint_attention_dim"]),  # type: ignore[call-overload]
-        clip_width=int(config["pooled_projection_dim"]),  # type: ignore[call-overload]
-        t5_tokens=random_model.T5_TOKENS[size])
+        t5_width=int(config["joint_attention_dim"]),
+        clip_width=int(config["pooled_projection_dim"]), t5_tokens=random_model.T5_TOKENS[size])
     vae = _kontext_tiny_vae() if size == "tiny" else random_model._vae()
     for name in ("text_encoder", "text_encoder_2"):
         encoders[name] = encoders[name].to(dtype)  # stored as served: the loader never casts
     if size == "tiny":
-        transformer = FluxTransformer2DModel(**_KONTEXT_TINY_DIT)  # type: ignore[arg-type]
-        transformer = transformer.to(dtype)
+        transformer = FluxTransformer2DModel(**_KONTEXT_TINY_DIT).to(dtype)  # type: ignore[attr-defined]
     else:
         transformer = random_model._transformer(size, dtype=dtype, device=device, seed=seed)
     # FLUX.1-Kontext-dev's scheduler: Flux's resolution-dependent shift.

@@ -30,6 +30,7 @@ from ditserve.engine.server.jobs.store import JobStore, StoreLimits
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.model_defaults import ModelDefaults, model_defaults
 from ditserve.engine.server.schemas import RequestLimits
+from ditserve.engine.server.uploads import UploadLimits
 from ditserve.engine.server.video_request import VideoLimits
 from ditserve.engine.startup import WarmUp
 from ditserve.engine.step_log import StepLog, copy_rates_of
@@ -89,6 +90,11 @@ class ServerState:
             max_side=min(config.max_side or MAX_SIDE, MAX_SIDE),
             max_steps=max_steps, default_guidance=self.model.guidance,
         )
+
+    def upload_limits(self) -> UploadLimits:
+        """How large an uploaded image (and the body carrying it) may be."""
+        return UploadLimits(max_bytes=self.config.max_upload_bytes,
+                            max_pixels=self.config.max_image_pixels)
 
     def video_limits(self) -> VideoLimits:
         """What a video job may ask for now (frame step and pixel multiple once loaded; Wan's

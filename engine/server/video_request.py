@@ -10,7 +10,8 @@ OpenAI's whole-second string such as ``"4"``); ditserve's ``num_frames``, ``fps`
 comes from ``num_frames`` (``frame_step * k + 1``, Wan: 4k+1) or from ``seconds`` at the
 model's native frame rate (Wan: 16 fps; 5 s -> 81 frames, the smallest valid count that
 lasts that long): give ``fps`` with ``num_frames``, never with ``seconds``. ``input_reference``
-(image-to-video) is refused: the served pipelines are text-to-video.
+(image-to-video: the first frame) is decoded by the route (``server.uploads``) and taken by
+an image-to-video model (Wan 2.1 I2V, Wan 2.2 TI2V); a text-to-video model refuses it.
 
 ``VideoLimits`` holds the replica's bounds; ``video_openapi.request_schema`` describes the
 same rules from the same limits, so a body valid by the document is accepted.
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.jobs.model import VideoSpec
@@ -203,13 +204,23 @@ def _seconds(value: str | float, limits: VideoLimits) -> float:
     return float(value)
 
 
+def takes_reference(engine: Any) -> bool:
+    """Whether the served model animates an ``input_reference`` (image-to-video)."""
+    return bool(getattr(engine, "condition_images", (0, 0))[1])
+
+
+def reference_refused() -> APIError:
+    return invalid("input_reference", "input_reference: image-to-video is not supported; "
+                                      "this server generates video from text only",
+                   code="unsupported_value")
+
+
 def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimits,
-                        ) -> VideoSpec:
-    """A validated VideoSpec, or an APIError (400, or 404 for another model)."""
-    if "input_reference" in data:
-        raise invalid("input_reference", "input_reference: image-to-video is not supported; "
-                                         "this server generates video from text only",
-                      code="unsupported_value")
+                        images: tuple[ConditionImage, ...] = ()) -> VideoSpec:
+    """A validated VideoSpec, or an APIError (400, or 404 for another model). ``images``:
+    the decoded ``input_reference`` (``server.uploads``), taken out of ``data``."""
+    if "input_reference" in data or (images and not takes_reference(engine)):
+        raise reference_refused()
     seconds = data.get("seconds")
     if seconds is not None and (isinstance(seconds, bool)
                                 or not isinstance(seconds, (str, int, float))):
@@ -235,10 +246,12 @@ def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimit
         prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
-        else body.guidance_scale,
+        else body.guidance_scale, images=images,
     )
     try:
         engine.validate_params(params)
     except InvalidRequestError as e:
+        if e.field == "image":
+            raise invalid("input_reference", f"input_reference: {e.message}") from e
         raise request_error(e) from e
     return VideoSpec(params=params, fps=fps, model=limits.model_name)

@@ -151,7 +151,8 @@ async def _answer(state: ServerState, request: Request, rid: str, handle: Any, *
 
 
 async def _event_stream(state: ServerState, rid: str, handle: Any,
-                        bridge: streaming.EventBridge, *, size: str, tokens: int
+                        bridge: streaming.EventBridge, *, size: str, tokens: int,
+                        names: streaming.ImageEvents = streaming.GENERATION_EVENTS,
                         ) -> AsyncIterator[bytes]:
     """queued* -> (progress | partial_image)* -> completed (one per image) | error.
     Leaving early (disconnect) aborts the request."""
@@ -172,11 +173,11 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
             if event.kind == "queued":
                 if event.queue_position != last_position:  # the engine repeats it every step
                     last_position = event.queue_position
-                    yield streaming.sse(streaming.QUEUED, {
+                    yield streaming.sse(names.queued, {
                         "request_id": rid, "queue_position": event.queue_position,
                         "total_steps": event.total_steps})
             elif event.kind == "step":
-                yield streaming.sse(streaming.PROGRESS, {
+                yield streaming.sse(names.progress, {
                     "request_id": rid, "step": event.step, "total_steps": event.total_steps})
             elif event.kind == "preview":
                 payloads = await asyncio.to_thread(
@@ -184,7 +185,7 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
                     step=event.step, size=size, request_id=rid)
                 previews += 1
                 for payload in payloads:
-                    yield streaming.sse(streaming.PARTIAL_IMAGE, payload)
+                    yield streaming.sse(names.partial_image, payload)
             elif event.kind == "finished":
                 # The engine emits "finished" just before it resolves the future.
                 result = await asyncio.wrap_future(handle.future)
@@ -194,7 +195,7 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
                 state.metrics.count_success()
                 done = True
                 for payload in payloads:
-                    yield streaming.sse(streaming.COMPLETED, payload)
+                    yield streaming.sse(names.completed, payload)
                 return
             else:  # failed | aborted
                 done = True
