@@ -117,7 +117,7 @@ class GuardMiddleware:
         self.count = count
         # POSTs to the routes that take image files may send up to max_upload_bytes.
         self.upload_paths = upload_paths
-        self.max_upload_bytes = max(max_upload_bytes, max_body_bytes)
+        self.max_upload_bytes = max_upload_bytes or max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
