@@ -8,6 +8,11 @@ input image:
   architecture: 19 + 38 blocks, 3072 wide). The tiny VAE downsamples 16x (five levels), so
   a source at Kontext's preferred ~1 MP resolution is 1024 tokens and CPU tests stay fast.
 
+- ``wan-i2v``: a WanImageToVideoPipeline; ``full`` is Wan2.1-I2V-14B-480P's DiT (40 blocks
+  5120 wide, 36 input channels, image context 1280 wide) with a two-layer CLIP vision
+  encoder of that width; ``wan2.2-ti2v-i2v``: Wan2.2-TI2V-5B's DiT in the same layout
+  (``expand_timesteps``, no image encoder).
+
 Called through ``model_builders.build_pipeline`` by ``ditserve model init-tiny`` /
 ``init-random``; nothing is downloaded.
 """
@@ -18,7 +23,7 @@ from typing import Any
 
 from ditserve.engine.errors import ConfigError
 
-VARIANTS: tuple[str, ...] = ("flux-kontext",)
+VARIANTS: tuple[str, ...] = ("flux-kontext", "wan-i2v", "wan2.2-ti2v-i2v")
 
 _KONTEXT_TINY_DIT: dict[str, Any] = dict(
     patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
@@ -70,9 +75,52 @@ def _flux_kontext(size: str, *, dtype: Any, device: Any, seed: int) -> Any:
                                **encoders)
 
 
+def _clip_vision(width: int, image_size: int) -> tuple[Any, Any]:
+    """A CLIP vision encoder of ``width`` (Wan's image context) and its image processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    patch = 8 if image_size < 64 else 14
+    encoder = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=width, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        image_size=image_size, patch_size=patch))
+    processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                   crop_size={"height": image_size, "width": image_size})
+    return encoder, processor
+
+
+def _wan_i2v(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    import torch
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
+
+    from ditserve.engine import model_builders as mb
+
+    torch.manual_seed(seed)
+    ti2v = variant == "wan2.2-ti2v-i2v"
+    tokenizer = mb._t5_tokenizer(512 if size != "tiny" else mb.TINY_TEXT_TOKENS)
+    dit_config = {**mb._defaults(variant), **mb.dit_config(variant, size)}
+    parts: dict[str, Any] = {"tokenizer": tokenizer,
+                             "text_encoder": mb._umt5(tokenizer, int(dit_config["text_dim"])),
+                             "vae": mb._wan_vae(ti2v)}
+    if not ti2v:  # Wan 2.1 I2V: a CLIP image context as wide as the DiT's image_dim
+        encoder, processor = _clip_vision(int(dit_config["image_dim"]),
+                                          32 if size == "tiny" else 224)
+        parts |= {"image_encoder": encoder, "image_processor": processor}
+    for name in ("text_encoder", "vae", "image_encoder"):
+        if name in parts:
+            parts[name] = parts[name].to(dtype)  # stored as served: the loader never casts
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
+        flow_shift=5.0 if ti2v else 3.0)  # the released 480P I2V and TI2V shifts
+    dit = mb.build_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    return WanImageToVideoPipeline(scheduler=scheduler, transformer=dit,
+                                   expand_timesteps=ti2v, **parts)
+
+
 def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
     """The whole diffusers pipeline object of an image-conditioned variant (not saved)."""
     if variant == "flux-kontext":
         return _flux_kontext(size, dtype=dtype, device=device, seed=seed)
+    if variant in ("wan-i2v", "wan2.2-ti2v-i2v"):
+        return _wan_i2v(variant, size, dtype=dtype, device=device, seed=seed)
     raise ConfigError(f"no image-conditioned builder for {variant!r}; known: "
                       f"{', '.join(VARIANTS)}")

@@ -58,13 +58,23 @@ DIT_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 DIT_CONFIGS["wan2.2"] = DIT_CONFIGS["wan"]
+# Image-to-video DiTs (built by conditioned_builders): Wan2.1-I2V-14B takes 16 noise + 4 mask
+# + 16 condition channels and a CLIP ViT-H image context (1280 wide); TI2V-5B is unchanged.
+_I2V = dict(in_channels=36, out_channels=16)
+DIT_CONFIGS["wan-i2v"] = {
+    "full": dict(_I2V, image_dim=1280, added_kv_proj_dim=5120),
+    "small": dict(_I2V, num_layers=2, num_attention_heads=4, image_dim=1280,
+                  added_kv_proj_dim=512),
+    "tiny": dict(DIT_CONFIGS["wan"]["tiny"], **_I2V, image_dim=32, added_kv_proj_dim=24),
+}
+DIT_CONFIGS["wan2.2-ti2v-i2v"] = DIT_CONFIGS["wan2.2-ti2v"]
 # Text tokens per prompt: the released models' 512 at full size, few for the tiny tokenizers.
 TINY_TEXT_TOKENS = 64
 WAN22_BOUNDARY_RATIO = 0.875  # Wan2.2-T2V-A14B: the high-noise expert runs t >= 875
 
 
 def check(variant: str, size: str) -> None:
-    if variant not in VARIANTS:
+    if variant not in VARIANTS and variant not in DIT_CONFIGS:
         raise ConfigError(f"family must be one of flux, {', '.join(VARIANTS)}, got {variant!r}")
     if size not in SIZES:
         raise ConfigError(f"size must be one of {', '.join(SIZES)}, got {size!r}")

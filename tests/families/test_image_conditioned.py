@@ -53,6 +53,27 @@ def kontext_reference(model_dir: Path, p: SamplingParams) -> torch.Tensor:
                 **kwargs).images.float()
 
 
+def wan_i2v_reference(model_dir: Path, p: SamplingParams) -> torch.Tensor:
+    import diffusers
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    # diffusers' I2V prompt cleaning calls ftfy unconditionally (its T2V one only when
+    # installed, as ditserve does); without ftfy the two clean prompts identically.
+    clean = pipeline_wan_i2v.prompt_clean
+    pipeline_wan_i2v.prompt_clean = pipeline_wan.prompt_clean
+    try:
+        return pipe(image=as_pil(p.images[0]), prompt=p.prompt,
+                    negative_prompt=p.negative_prompt, height=p.height, width=p.width,
+                    num_frames=p.num_frames, num_inference_steps=p.num_inference_steps,
+                    guidance_scale=p.guidance_scale, num_videos_per_prompt=p.num_images,
+                    generator=torch.Generator("cpu").manual_seed(p.seed or 0),
+                    output_type="pt", max_sequence_length=64).frames.float()
+    finally:
+        pipeline_wan_i2v.prompt_clean = clean
+
+
 CASES: dict[str, tuple[str, SamplingParams]] = {
     "kontext-edit": ("flux-kontext", SamplingParams(
         prompt="make it red", height=64, width=96, num_inference_steps=3, seed=5,
@@ -63,9 +84,23 @@ CASES: dict[str, tuple[str, SamplingParams]] = {
         images=(picture(90, 160, 2),))),
     "kontext-text-only": ("flux-kontext", SamplingParams(
         prompt="a lighthouse", height=64, width=64, num_inference_steps=2, seed=7)),
+    "wan-i2v-cfg": ("wan-i2v", SamplingParams(
+        prompt="a cat walks", negative_prompt="fog", height=32, width=64, num_frames=5,
+        num_inference_steps=3, seed=5, guidance_scale=3.0, images=(picture(70, 50, 3),))),
+    # One video: diffusers' I2V repeats the CLIP context per prompt, not per video, and
+    # fails for num_videos_per_prompt > 1 with an image encoder (ditserve does not).
+    "wan-i2v-no-cfg": ("wan-i2v", SamplingParams(
+        prompt="waves", height=32, width=32, num_frames=9, num_inference_steps=2, seed=6,
+        guidance_scale=1.0, images=(picture(40, 60, 4),))),
+    "wan2.2-ti2v-i2v-two": ("wan2.2-ti2v-i2v", SamplingParams(
+        prompt="a red cat", negative_prompt="fog", height=64, width=64, num_frames=5,
+        num_inference_steps=3, seed=5, guidance_scale=3.0, num_images=2,
+        images=(picture(64, 48, 5),))),
 }
 REFERENCES: dict[str, Callable[[Path, SamplingParams], torch.Tensor]] = {
     "flux-kontext": kontext_reference,
+    "wan-i2v": wan_i2v_reference,
+    "wan2.2-ti2v-i2v": wan_i2v_reference,
 }
 
 
@@ -96,7 +131,7 @@ def test_matches_diffusers(family_runner, expected, case: str) -> None:  # type:
     assert_close(ours[case], expected(case))
 
 
-@pytest.mark.parametrize("variant", ["flux-kontext"])
+@pytest.mark.parametrize("variant", ["flux-kontext", "wan-i2v", "wan2.2-ti2v-i2v"])
 def test_dlo_matches_diffusers(family_dir, expected, variant: str) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(variant)
     runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
@@ -111,14 +146,19 @@ def test_dlo_matches_diffusers(family_dir, expected, variant: str) -> None:  # t
         assert_close(ours[case], expected(case))
 
 
-@pytest.mark.parametrize("variant", ["flux-kontext"])
+SHAPES = {"flux-kontext": {}, "wan-i2v": {"num_frames": 5, "guidance_scale": 2.0},
+          "wan2.2-ti2v-i2v": {"num_frames": 5, "guidance_scale": 1.0}}
+
+
+@pytest.mark.parametrize("variant", sorted(SHAPES))
 def test_requests_with_different_images_equal_their_solo_runs(family_runner, variant) -> None:  # type: ignore[no-untyped-def]
     runner = family_runner(variant)
     # Same source size (one shape group, one batched encode), different pictures and prompts.
+    shape: dict[str, Any] = SHAPES[variant]
     a = SamplingParams(prompt="make it red", height=64, width=64, num_inference_steps=3,
-                       seed=3, images=(picture(120, 120, 10),))
+                       seed=3, images=(picture(120, 120, 10),), **shape)
     b = SamplingParams(prompt="make it blue", height=64, width=64, num_inference_steps=2,
-                       seed=4, images=(picture(120, 120, 11),))
+                       seed=4, images=(picture(120, 120, 11),), **shape)
     together, sizes = drive(runner, {0: [("a", a), ("b", b)]}, max_num_seqs=2)
     assert max(sizes) == 2  # they shared forwards
     for rid, params in (("a", a), ("b", b)):
@@ -136,3 +176,8 @@ def test_text_only_families_refuse_images_and_edit_families_bound_them(family_ru
             pixel_multiple=32, condition_images=flux.condition_images)
     with pytest.raises(InvalidRequestError, match="from text only"):
         SamplingParams(prompt="x", images=(image,)).validate()
+    wan = family_runner("wan-i2v").pipeline
+    assert wan.condition_images == (1, 1)
+    with pytest.raises(InvalidRequestError, match="needs 1 input image"):
+        SamplingParams(prompt="x", num_frames=5).validate(
+            pixel_multiple=16, frame_step=4, condition_images=wan.condition_images)
