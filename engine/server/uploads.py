@@ -69,13 +69,7 @@ async def read_image(upload: Any, *, field: str, limits: UploadLimits) -> Condit
     if not is_file(upload):
         raise invalid(field, f"{field}: must be an image file (a multipart file part), not a "
                              "text field", code="invalid_image")
-    data = await upload.read()
-    try:
-        # Decoding a large image takes tens of milliseconds: off the event loop.
-        return await asyncio.to_thread(decode_image, data, field=field,
-                                       max_pixels=limits.max_pixels)
-    except InvalidRequestError as e:
-        raise invalid(field, f"{field}: {e.message}", code="invalid_image") from e
+    return await _decode(await upload.read(), field=field, limits=limits)
 
 
 async def reference_image(value: Any, *, limits: UploadLimits) -> ConditionImage:
@@ -84,6 +78,8 @@ async def reference_image(value: Any, *, limits: UploadLimits) -> ConditionImage
     field = "input_reference"
     if is_file(value):
         return await read_image(value, field=field, limits=limits)
+    if isinstance(value, bytes):  # a file part's content, read by the body reader
+        return await _decode(value, field=field, limits=limits)
     url = value.get("image_url") if isinstance(value, dict) else None
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
         raise invalid(field, f"{field}: must be an image file (multipart) or "
@@ -95,7 +91,12 @@ async def reference_image(value: Any, *, limits: UploadLimits) -> ConditionImage
     except ValueError as e:
         raise invalid(field, f"{field}: the data URL is not valid base64",
                       code="invalid_image") from e
+    return await _decode(data, field=field, limits=limits)
+
+
+async def _decode(data: bytes, *, field: str, limits: UploadLimits) -> ConditionImage:
     try:
+        # Decoding a large image takes tens of milliseconds: off the event loop.
         return await asyncio.to_thread(decode_image, data, field=field,
                                        max_pixels=limits.max_pixels)
     except InvalidRequestError as e:

@@ -144,7 +144,9 @@ async def read_body(request: Any) -> dict[str, Any]:
             if len(values) > 1:
                 raise invalid(name, f"{name}: is given {len(values)} times; give it once")
             if name == "input_reference":
-                out[name] = values[0]
+                value = values[0]
+                # The file's bytes, read before the form (and its file) is closed below.
+                out[name] = await value.read() if hasattr(value, "read") else value
                 continue
             out[name] = _form_value(name, values[0])
     finally:
