@@ -13,8 +13,8 @@ input image:
   encoder of that width; ``wan2.2-ti2v-i2v``: Wan2.2-TI2V-5B's DiT in the same layout
   (``expand_timesteps``, no image encoder).
 
-Called through ``model_builders.build_pipeline`` by ``ditserve model init-tiny`` /
-``init-random``; nothing is downloaded.
+Called by ``tiny_model.init_tiny`` and ``random_model.init_random`` (``ditserve model
+init-tiny`` / ``init-random``); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -23,16 +23,10 @@ from typing import Any
 
 from ditserve.engine.errors import ConfigError
 
-VARIANTS: tuple[str, ...] = ("flux-kontext", "wan-i2v", "wan2.2-ti2v-i2v")
+# Built by build_pipeline; flux-kontext by tiny_model / random_model with kontext_from_flux.
+VARIANTS: tuple[str, ...] = ("wan-i2v", "wan2.2-ti2v-i2v")
 
-_KONTEXT_TINY_DIT: dict[str, Any] = dict(
-    patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-    axes_dims_rope=(4, 6, 6), guidance_embeds=True,
-)
-
-
-def _kontext_tiny_vae() -> Any:
+def kontext_tiny_vae() -> Any:
     from diffusers import AutoencoderKL
 
     # Four latent channels (the tiny DiT's 16 input channels after 2x2 packing), five levels:
@@ -45,34 +39,16 @@ def _kontext_tiny_vae() -> Any:
     )
 
 
-def _flux_kontext(size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    import torch
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        FluxKontextPipeline,
-        FluxTransformer2DModel,
-    )
+def kontext_from_flux(flux: Any, *, tiny: bool) -> Any:
+    """A FluxKontextPipeline of a Flux pipeline's parts (Kontext's DiT is Flux.1's; its
+    scheduler is FLUX.1-dev's); a tiny one gets the 16x tiny VAE."""
+    from diffusers import FluxKontextPipeline
 
-    from ditserve.engine import random_model
-
-    torch.manual_seed(seed)
-    config = _KONTEXT_TINY_DIT if size == "tiny" else random_model.FLUX_TRANSFORMER[size]
-    encoders = random_model._text_encoders(
-        t5_width=int(config["joint_attention_dim"]),
-        clip_width=int(config["pooled_projection_dim"]), t5_tokens=random_model.T5_TOKENS[size])
-    vae = _kontext_tiny_vae() if size == "tiny" else random_model._vae()
-    for name in ("text_encoder", "text_encoder_2"):
-        encoders[name] = encoders[name].to(dtype)  # stored as served: the loader never casts
-    if size == "tiny":
-        transformer = FluxTransformer2DModel(**_KONTEXT_TINY_DIT).to(dtype)  # type: ignore[attr-defined]
-    else:
-        transformer = random_model._transformer(size, dtype=dtype, device=device, seed=seed)
-    # FLUX.1-Kontext-dev's scheduler: Flux's resolution-dependent shift.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
-        base_shift=0.5, max_shift=1.15, shift=3.0)
-    return FluxKontextPipeline(scheduler=scheduler, vae=vae.to(dtype), transformer=transformer,
-                               **encoders)
+    parts = {name: module for name, module in flux.components.items()
+             if name not in ("image_encoder", "feature_extractor")}
+    if tiny:
+        parts["vae"] = kontext_tiny_vae().to(parts["vae"].dtype)
+    return FluxKontextPipeline(**parts)
 
 
 def _clip_vision(width: int, image_size: int) -> tuple[Any, Any]:
@@ -118,8 +94,6 @@ def _wan_i2v(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> 
 
 def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
     """The whole diffusers pipeline object of an image-conditioned variant (not saved)."""
-    if variant == "flux-kontext":
-        return _flux_kontext(size, dtype=dtype, device=device, seed=seed)
     if variant in ("wan-i2v", "wan2.2-ti2v-i2v"):
         return _wan_i2v(variant, size, dtype=dtype, device=device, seed=seed)
     raise ConfigError(f"no image-conditioned builder for {variant!r}; known: "

@@ -25,11 +25,9 @@ from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import MODEL_VARIANTS
 
 # The variants built here (Flux's builders live in tiny_model / random_model, the
-# image-conditioned ones in conditioned_builders).
-_CONDITIONED = ("flux-kontext", "qwen-image-edit", "qwen-image-edit-plus", "wan-i2v",
-                "wan2.2-ti2v-i2v")
-VARIANTS: tuple[str, ...] = tuple(v for v in MODEL_VARIANTS
-                                  if v != "flux" and v not in _CONDITIONED)
+# image-conditioned ones in conditioned_builders, which takes its DiTs from here).
+VARIANTS: tuple[str, ...] = tuple(v for v, family in MODEL_VARIANTS.items()
+                                  if family in ("qwen-image", "wan"))
 SIZES = ("tiny", "small", "full")
 
 _QWEN_FULL: dict[str, Any] = {}  # diffusers' defaults are Qwen-Image's released DiT
@@ -212,11 +210,6 @@ def _wan_vae(ti2v: bool) -> Any:
 
 def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
     """The whole diffusers pipeline object (not saved); small parts in ``dtype`` too."""
-    if variant in _CONDITIONED:
-        from ditserve.engine import conditioned_builders
-
-        return conditioned_builders.build_pipeline(variant, size, dtype=dtype, device=device,
-                                                   seed=seed)
     import torch
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
