@@ -74,6 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.request import SamplingParams
 
     config = engine_config_from_args(args)
+    images = _input_images(args.image)  # a bad file fails before the model loads
     # With --compile: compile at the requested size before the request runs.
     engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(args.height, args.width)))
     engine.start()
@@ -82,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
             width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
             true_cfg_scale=args.true_cfg_scale, seed=args.seed, num_images=args.num_images,
-            num_frames=args.num_frames, images=_input_images(args.image),
+            num_frames=args.num_frames, images=images,
         )
         started = time.perf_counter()
         handle = engine.add_request(
