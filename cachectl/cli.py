@@ -81,7 +81,7 @@ def engine_loader() -> ModelLoader:
     from ditserve.cachectl.model_build import describe_loader
 
     try:
-        from ditserve.engine import loader
+        from ditserve.engine.weights import loader
     except ImportError as e:  # pragma: no cover - only in a broken install
         raise BuildError(f"the engine loader is not importable: {e}") from e
     return describe_loader(loader)

@@ -6,7 +6,7 @@ digest (content hash of those files) and the build function (the loader's final 
 The loader is an argument (``ModelLoader``): this module, like the whole library, never
 imports the engine. Only the edges do: the CLI hands the engine's loader to ``build`` /
 ``ensure`` and to the daemon, and the engine describes its own loader the same way
-(``describe_loader(ditserve.engine.loader)``), so both compute the same recipe.
+(``describe_loader(ditserve.engine.weights.loader)``), so both compute the same recipe.
 """
 
 from __future__ import annotations

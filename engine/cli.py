@@ -70,7 +70,7 @@ def _input_images(paths: list[Path] | None) -> tuple[Any, ...]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ditserve.engine.engine import DiffusionEngine, WarmUp
+    from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.request import SamplingParams
 
     config = engine_config_from_args(args)
@@ -111,7 +111,7 @@ DEMO_STEPS = [4, 8, 2, 6, 4, 3]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.request import SamplingParams
 
     config = engine_config_from_args(args)

@@ -44,6 +44,9 @@ MANAGED_FLAGS: dict[str, tuple[str, str]] = {
     "compile": ("--compile", "compile.enabled and compile.backend"),
     "max_num_seqs": ("--max-num-seqs", "batching.maxNumSeqs"),
     "max_queue": ("--max-queue", "batching.maxQueue"),
+    "scheduling_policy": ("--scheduling-policy", "scheduling.policy"),
+    "priority_aging_s": ("--priority-aging-s", "scheduling.agingSeconds"),
+    "max_preemptions": ("--max-preemptions", "scheduling.maxPreemptions"),
     "offload": ("--offload", "offload.enabled"),
     "dlo_slots": ("--dlo-slots", "offload.slots"),
     "dlo_resident_layers": ("--dlo-resident-layers", "offload.residentLayers"),
@@ -93,6 +96,9 @@ def engine_mapping(spec: DeploymentSpec) -> dict[str, Any]:
         "scheduler": {
             "max_num_seqs": spec.batching.max_num_seqs,
             "max_queue": spec.batching.max_queue,
+            "scheduling_policy": spec.scheduling.policy,
+            "aging_s": spec.scheduling.aging_seconds,
+            "max_preemptions": spec.scheduling.max_preemptions,
         },
         "compile": spec.compile.backend if spec.compile.enabled else None,
     }

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES
+from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES, SCHEDULING_POLICIES
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
@@ -132,6 +132,11 @@ class SchedulingSpec:
     priority_class_name: str | None = None
     runtime_class_name: str | None = None
     prefer_cached_nodes: bool = True
+    # The engine's request scheduling (--scheduling-policy, --priority-aging-s,
+    # --max-preemptions): which requests run first, not where pods run.
+    policy: str = "fcfs"
+    aging_seconds: float = 30.0
+    max_preemptions: int = 2
 
 
 @dataclass(frozen=True)
@@ -246,6 +251,9 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
             priority_class_name=s.text("priorityClassName") or None,
             runtime_class_name=s.text("runtimeClassName") or None,
             prefer_cached_nodes=s.flag("preferCachedNodes", True),
+            policy=s.text("policy", "fcfs", SCHEDULING_POLICIES),
+            aging_seconds=s.number("agingSeconds", 30.0),
+            max_preemptions=s.integer("maxPreemptions", 2),
         ),
         rollout=RolloutSpec(
             max_unavailable=r.int_or_str("maxUnavailable", 1),

@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.families import FLUX_KONTEXT
 from ditserve.engine.pipelines.common import upload
 from ditserve.engine.pipelines.conditioning import encode_once, take_encoded, to_pil
 from ditserve.engine.pipelines.flux import FluxStepPipeline
+from ditserve.engine.runner.denoise_state import DenoiseState
 
 if TYPE_CHECKING:
-    from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
     from ditserve.engine.request import ConditionImage
+    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.weights.loader import LoadedComponents
 
 IMAGE_TOKENS = "image_latents"  # static row: the packed source-image tokens
 

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.families import WAN_I2V
 from ditserve.engine.pipelines.common import upload
 from ditserve.engine.pipelines.conditioning import encode_once, take_encoded, to_pil
 from ditserve.engine.pipelines.wan import WanStepPipeline
+from ditserve.engine.runner.denoise_state import DenoiseState
 
 if TYPE_CHECKING:
-    from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
+    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.weights.loader import LoadedComponents
 
 CONDITION = "condition"  # static row: mask + first-frame latents (2.1) / first-frame latents (TI2V)
 IMAGE_CONTEXT = "image_embeds"  # static row: CLIP hidden states (Wan 2.1 I2V)

@@ -126,13 +126,13 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics
     from ditserve.engine.server.state import engine_options
 
     if engine_config.model is not None:
-        from ditserve.engine.loader import read_model_index
+        from ditserve.engine.weights.loader import read_model_index
 
         read_model_index(engine_config.model)  # a wrong path fails now, not after binding
 

@@ -62,11 +62,13 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: Number | None = None
     negative_prompt: StrictStr | None = None
     seed: Integer | None = None
+    priority: Integer | None = None
+    deadline_s: Number | None = None
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
-_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
-_NUMBER_FIELDS = ("guidance_scale",)
+_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "priority")
+_NUMBER_FIELDS = ("guidance_scale", "deadline_s")
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,7 @@ def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimit
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
         else body.guidance_scale, images=images,
+        priority=body.priority or 0, deadline_s=body.deadline_s,
     )
     try:
         engine.validate_params(params)

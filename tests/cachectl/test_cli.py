@@ -80,7 +80,7 @@ def test_build_list_verify_gc_rm_on_a_tiny_model(
     assert built["built"] and built["status"] == "ready"
 
     # The entry holds the loader's final DiT tensors, bit for bit.
-    from ditserve.engine.loader import load_dit_state_dict
+    from ditserve.engine.weights.loader import load_dit_state_dict
 
     expected = load_dit_state_dict(tiny_model, dtype="float32")
     with CacheStore(root).join(built["key"]) as entry:

@@ -18,8 +18,8 @@ from PIL import Image
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import ConditionImage, SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 TOLERANCE = 1e-3  # fp32, pixels in [0, 1]
 

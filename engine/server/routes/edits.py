@@ -41,8 +41,9 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 IMAGE_FIELDS = ("image", "image[]")
 # OpenAI's edit-only fields that mean nothing to a DiT: accepted and ignored.
 IGNORED_EDIT_FIELDS = ("input_fidelity",)
-_INTEGERS = ("n", "partial_images", "output_compression", "num_inference_steps", "seed")
-_NUMBERS = ("guidance_scale", "true_cfg_scale")
+_INTEGERS = ("n", "partial_images", "output_compression", "num_inference_steps", "seed",
+             "priority")
+_NUMBERS = ("guidance_scale", "true_cfg_scale", "deadline_s")
 _BOOLEANS = ("stream",)
 
 

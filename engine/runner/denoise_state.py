@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.sampler import Schedule
+from ditserve.engine.runner.sampler import Schedule
 
 
 @dataclass
