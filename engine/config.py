@@ -452,8 +452,8 @@ def family_sequence_parallel_problems(size: int, family: Any) -> list[str]:
     counts = ", ".join(str(n) for n in declared.attention_heads)
     return [f"parallelism.sequence={size} divides no attention head count of {declared.label}'s "
             f"released models ({counts}): Ulysses gives every SP rank heads/size heads; use one "
-            f"of {_sizes_dividing(*declared.attention_heads)}, or set model.family: Auto to "
-            "let the engine judge a model with another head count when it starts"]
+            f"of {_sizes_dividing(*declared.attention_heads)}, or declare model.attentionHeads "
+            "(the DiT's num_attention_heads) for a model with another head count"]
 
 
 def validate(config: EngineConfig) -> EngineConfig:

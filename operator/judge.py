@@ -4,7 +4,8 @@ Owns the CRD -> engine config mapping and the three judgements a spec passes bef
 operator renders it:
 - the object's name makes valid names for every child (Service, ConfigMap, Deployment,
   LeaderWorkerSet, PodDisruptionBudget, and the pods those create);
-- ``engine.args`` parse with the real ``ditserve serve`` parser and set none of the flags the
+- ``engine.args`` parse with the real ``ditserve serve`` parser (``engine.server.options``,
+  pure: judging never imports the server runtime) and set none of the flags the
   operator manages (``--data-parallel-size`` comes from parallelism.data, ``--port`` from
   engine.port, ...): a contradicting flag would override the operator's file in the pod;
 - the resulting engine and server configs pass ``EngineConfig`` / ``ServerConfig`` validation,
@@ -14,15 +15,17 @@ Called by ``render`` and ``status``; pure (parsing never touches the filesystem 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from ditserve.engine.cli_options import engine_config_from_args
 from ditserve.engine.config import EngineConfig, family_sequence_parallel_problems
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.families import AUTO_FAMILY, FAMILIES
+from ditserve.engine.server.options import ServeArgsError, parse_serve_args, server_config_from_args
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.policy import AdminPolicy
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec, parse_spec
 from ditserve.operator.workloads import LWS_SUFFIX
 
@@ -114,16 +117,10 @@ def server_section(spec: DeploymentSpec) -> dict[str, Any]:
 
 def _parse_serve_args(args: tuple[str, ...]) -> Any:
     """``engine.args`` through the real `ditserve serve` parser; argparse's complaint on error."""
-    from ditserve.engine.cli import build_parser
-
-    out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            return build_parser().parse_args(["serve", *args])
-    except SystemExit:
-        said = err.getvalue().strip().splitlines()
-        reason = said[-1].split("error: ", 1)[-1] if said else "they ask for help, not a server"
-        raise InvalidSpecError(f"engine.args are not valid `ditserve serve` arguments: {reason}")\
+        return parse_serve_args(args)
+    except ServeArgsError as e:
+        raise InvalidSpecError(f"engine.args are not valid `ditserve serve` arguments: {e}")\
             from None
 
 
@@ -131,6 +128,29 @@ def _managed_flag_problems(parsed: Any) -> list[str]:
     return [f"engine.args must not set {flag}: the operator sets it from {owner}"
             for dest, (flag, owner) in MANAGED_FLAGS.items()
             if getattr(parsed, dest, None) is not None]
+
+
+def _declared_heads_problems(spec: DeploymentSpec) -> list[str]:
+    """model.attentionHeads, when declared, judges the SP size exactly (a family only says
+    which sizes fit some of its models: Wan's 8 fits the 14B's 40 heads, not the 1.3B's 12)."""
+    heads, size = spec.model.attention_heads, spec.parallelism.sequence
+    if size <= 1:
+        return []
+    if heads is None:
+        if spec.model.family != AUTO_FAMILY:
+            return []  # the declared family's own rule (family_sequence_parallel_problems)
+        # Auto: a size that divides no released model of any family serves none of them.
+        known = sorted({n for family in FAMILIES for n in family.attention_heads})
+        if not known or any(n % size == 0 for n in known):
+            return []
+        return [f"parallelism.sequence={size} divides the attention head count of no "
+                f"supported family's released models ({', '.join(map(str, known))}): declare "
+                "model.attentionHeads (the DiT's num_attention_heads) to serve another model"]
+    if heads % size == 0:
+        return []
+    fits = [n for n in range(1, heads + 1) if heads % n == 0]
+    return [f"parallelism.sequence={size} does not divide model.attentionHeads={heads}: "
+            f"Ulysses gives every SP rank heads/size heads; use one of {fits}"]
 
 
 def engine_config(spec: DeploymentSpec) -> EngineConfig:
@@ -142,14 +162,13 @@ def engine_config(spec: DeploymentSpec) -> EngineConfig:
 
 def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     """(EngineConfig, ServerConfig) of the pods, or InvalidSpecError listing every problem."""
-    from ditserve.engine.cli_options import engine_config_from_args
-    from ditserve.engine.server.main import server_config_from_args
-
     parsed = _parse_serve_args(spec.engine.args)
     # The model's own head count is read by the engine at start; a declared family's released
     # head counts already tell a sequence-parallel size that serves none of them.
-    managed = _managed_flag_problems(parsed) + family_sequence_parallel_problems(
+    # A declared head count is exact; a family's released counts only bound what can fit.
+    family = [] if spec.model.attention_heads is not None else family_sequence_parallel_problems(
         spec.parallelism.sequence, spec.model.family)
+    managed = _managed_flag_problems(parsed) + family + _declared_heads_problems(spec)
     if managed:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(managed))
     try:
@@ -161,9 +180,12 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     return config, server
 
 
-def validate(data: Mapping[str, Any] | None, *,
-             name: str | None = None) -> tuple[DeploymentSpec, EngineConfig]:
-    """Every judgement at once: the name (when given), the spec's shape, the engine's rules."""
+def validate(data: Mapping[str, Any] | None, *, name: str | None = None,
+             policy: AdminPolicy | None = None) -> tuple[DeploymentSpec, EngineConfig]:
+    """Every judgement at once: the name (when given), the spec's shape, the admin's policy
+    (``policy``; default: the chart's default roots), the engine's rules. The spec returned
+    has the admin's values filled in (``AdminPolicy.resolve``)."""
+    policy = policy or AdminPolicy()
     problems = name_problems(name) if name is not None else []
     try:
         spec = parse_spec(data)
@@ -175,6 +197,8 @@ def validate(data: Mapping[str, Any] | None, *,
         problems.append(f"metadata.name must be at most {MAX_MULTI_NODE_NAME} characters when a "
                         "replica spans nodes (the LeaderWorkerSet's StatefulSets are named "
                         f"<name>{LWS_SUFFIX}-<group>), got {len(name)}")
+    problems += policy.problems(spec)
     if problems:
         raise InvalidSpecError("invalid DiffusionDeployment:\n  - " + "\n  - ".join(problems))
+    spec = policy.resolve(spec)
     return spec, engine_config(spec)

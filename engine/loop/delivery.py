@@ -21,7 +21,8 @@ from ditserve.engine.loop.results import (
     RequestEvent,
     RequestHandle,
 )
-from ditserve.engine.scheduler import RunnerOutput
+from ditserve.engine.request import RequestStatus
+from ditserve.engine.scheduler import RunnerOutput, StatusChange
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +52,22 @@ class Delivery:
         self.emit(handle, RequestEvent(handle.request_id, "step", steps_done, total_steps,
                                        eta_s=eta_s))
 
-    def paused(self, request_id: str, handle: RequestHandle | None, steps_done: int) -> None:
-        """A request paused at a step boundary for a higher-priority one."""
-        self._notify("on_preempted", request_id)
+    def progress(self, change: StatusChange, handle: RequestHandle | None) -> None:
+        """A request stepped (the first step after a pause tells the observers how long it
+        was paused), or was paused at a step boundary for a higher-priority one."""
+        rid = change.request_id
+        if change.status == RequestStatus.PAUSED:
+            self._notify("on_preempted", rid)
+            if handle is not None:
+                self.emit(handle, RequestEvent(rid, "paused", change.steps_done,
+                                               change.total_steps))
+            return
+        if change.status != RequestStatus.DENOISING:
+            return
+        if change.resumed_after_s is not None:
+            self._notify("on_resumed", rid, change.resumed_after_s)
         if handle is not None:
-            self.emit(handle, RequestEvent(request_id, "paused", steps_done,
-                                           handle.params.num_inference_steps))
-
-    def resumed(self, request_id: str, seconds: float) -> None:
-        """A paused request ran its first step again, after ``seconds`` paused."""
-        self._notify("on_resumed", request_id, seconds)
+            self.stepped(handle, change.steps_done, change.total_steps, change.eta_s)
 
     def deadline_exceeded(self, request_id: str, handle: RequestHandle | None,
                           reason: str) -> None:

@@ -19,6 +19,7 @@ other ranks do not join).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ import torch
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
-from ditserve.engine.request import NewRequest
+from ditserve.engine.request import ModelLimits, NewRequest
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
@@ -154,6 +155,12 @@ class ModelRunner:
                                   frame_step=self.frame_step,
                                   cfg_rows=self.pipeline.family.cfg_rows)
         self._inflight = InFlightSteps(self.device)
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the loaded model can run (its pipeline's ``limits``, with the input images
+        an image-conditioned pipeline takes)."""
+        return dataclasses.replace(self.pipeline.limits(), condition_images=self.condition_images)
 
     @property
     def pixel_multiple(self) -> int:

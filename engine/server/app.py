@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from ditserve.engine.loop.lifecycle import EnginePhase
+from ditserve.engine.client import EngineClient, EnginePhase
 from ditserve.engine.server import video_openapi
 from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
@@ -30,7 +30,7 @@ from ditserve.engine.server.state import ServerState
 
 
 def create_app(
-    engine: Any,
+    engine: EngineClient,
     config: ServerConfig,
     *,
     start_engine: bool = True,
@@ -53,7 +53,9 @@ def create_app(
                 await starting  # a loading thread cannot be interrupted; let it finish
             await asyncio.to_thread(state.stop, 0.0)
 
-    app = FastAPI(title="ditserve", lifespan=lifespan, redoc_url=None,
+    # No trailing-slash redirects: their Location is built from the client's Host header;
+    # a path with a stray "/" is a 404 that names the route meant (errors.py).
+    app = FastAPI(title="ditserve", lifespan=lifespan, redoc_url=None, redirect_slashes=False,
                   docs_url="/docs" if config.docs else None)
     app.state.server = state
     count = state.metrics.count_error

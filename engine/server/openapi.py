@@ -141,7 +141,9 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
         "n": integer(1, MAX_IMAGES, "images to generate (default 1)"),
         "size": nullable({"type": "string", "pattern": size_pattern(limits),
                            "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple}"
-                                          f"; 'auto' or omitted: {width}x{height}"}),
+                                          f" up to {limits.max_side} (the model's and the "
+                                          f"server's bound); 'auto' or omitted: "
+                                          f"{width}x{height}"}),
         "response_format": nullable({"const": "b64_json"}),
         "user": nullable(text),
         "stream": nullable({"type": "boolean", "description": "answer with Server-Sent "
@@ -192,6 +194,12 @@ def _stream_event_schemas() -> dict[str, Any]:
     """The JSON of each event's ``data:`` line, by ``type`` (the SSE event name)."""
     string, integer = {"type": "string"}, {"type": "integer"}
 
+    def progress(kind: str, second: str) -> dict[str, Any]:
+        """ditserve's progress data: [kind, int, total_steps] (an array: streaming.py)."""
+        return {"type": "array", "minItems": 3, "maxItems": 3,
+                "description": f"[{kind!r}, {second}, total_steps]",
+                "prefixItems": [{"const": kind}, {"type": ["integer", "null"]}, integer]}
+
     def event(kind: str, required: list[str], **properties: Any) -> dict[str, Any]:
         return {"type": "object", "required": ["type", *required],
                 "properties": {"type": {"const": kind}, **properties}}
@@ -201,10 +209,8 @@ def _stream_event_schemas() -> dict[str, Any]:
              "image_index": integer, "request_id": string}
     image_required = ["b64_json", "created_at", "output_format", "size"]
     return {
-        "QueuedEvent": event(streaming.QUEUED, ["request_id", "queue_position", "total_steps"],
-                             request_id=string, queue_position=integer, total_steps=integer),
-        "ProgressEvent": event(streaming.PROGRESS, ["request_id", "step", "total_steps"],
-                               request_id=string, step=integer, total_steps=integer),
+        "QueuedEvent": progress("queued", "queue_position (0: next; null: already running)"),
+        "ProgressEvent": progress("step", "denoise steps done"),
         "PartialImageEvent": event(streaming.PARTIAL_IMAGE,
                                    [*image_required, "partial_image_index"], **image,
                                    partial_image_index=integer, step=integer),
@@ -236,9 +242,24 @@ def _static_error() -> dict[str, Any]:
 def _static_schemas() -> dict[str, Any]:
     string, integer = {"type": "string"}, {"type": "integer"}
     nullable_string = {"type": ["string", "null"]}
+    nullable_int = {"type": ["integer", "null"]}
+    served = {"type": "object", "required": ["output", "loaded", "limits", "defaults",
+                                             "adapters"],
+              "description": "what the replica makes, the loaded model's limits within the "
+                             "server's flags, and the defaults (docs/serving.md)",
+              "properties": {"output": {"enum": ["image", "video"]},
+                             "loaded": {"type": "boolean"},
+                             "limits": {"type": "object", "properties": {
+                                 "pixel_multiple": integer, "max_width": integer,
+                                 "max_height": integer, "max_steps": integer,
+                                 "max_prompt_chars": nullable_int, "positions": nullable_int,
+                                 "frame_step": integer, "max_frames": integer,
+                                 "max_seconds": {"type": "number"}}},
+                             "defaults": {"type": "object"},
+                             "adapters": {"type": "array", "items": string}}}
     model = {"type": "object", "required": ["id", "object", "created", "owned_by"],
              "properties": {"id": string, "object": {"const": "model"}, "created": integer,
-                            "owned_by": string}}
+                            "owned_by": string, "ditserve": served}}
     return {
         "Error": _static_error(),
         **_stream_event_schemas(),
@@ -250,7 +271,7 @@ def _static_schemas() -> dict[str, Any]:
                 "data": {"type": "array", "minItems": 1, "items": {
                     "type": "object", "required": ["b64_json"],
                     "properties": {"b64_json": {"type": "string", "description": "PNG"}}}},
-                "background": string, "output_format": {"const": "png"}, "quality": string,
+                "background": {"const": "opaque"}, "output_format": {"const": "png"},
                 "size": string, "usage": ref("Usage"),
                 "ditserve": {"type": "object", "description": "seed and timings",
                              "required": ["request_id", "seed", "num_inference_steps"],

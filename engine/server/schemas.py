@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic import ValidationError as PydanticValidationError
 
+from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, SamplingParams
 from ditserve.engine.server.config import parse_size
@@ -214,7 +215,8 @@ def _check_ranges(body: ImageGenerationRequest) -> None:
             raise invalid(name, f"{name}: must be an integer in [0, {top}], got {shown(value)}")
 
 
-def parse_generation_request(raw: bytes, *, engine: Any, limits: RequestLimits) -> ParsedRequest:
+def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: RequestLimits
+                             ) -> ParsedRequest:
     data = decode_json(raw)
     if not isinstance(data, dict):
         raise invalid(None, "the request body must be a JSON object, got "

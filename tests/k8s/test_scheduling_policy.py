@@ -11,7 +11,7 @@ from ditserve.operator.judge import validate
 from ditserve.operator.render import Owner, render
 from ditserve.operator.spec import parse_spec
 
-BASE = {"model": {"hostPath": "/m"}}
+BASE = {"model": {"hostPath": "/mnt/models/m"}}
 OWNER = Owner(name="demo", namespace="ns", uid="0b9e7b5c-1111-2222-3333-444455556666",
               generation=1)
 
@@ -43,3 +43,14 @@ def test_a_bad_policy_is_an_invalid_spec_and_the_flag_is_managed() -> None:
         validate({**BASE, "scheduling": {"agingSeconds": 0}})
     with pytest.raises(InvalidSpecError, match="--scheduling-policy.*scheduling.policy"):
         validate({**BASE, "engine": {"args": ["--scheduling-policy", "priority"]}})
+
+
+def test_the_autoscaler_can_target_the_high_priority_queue() -> None:
+    spec = {**BASE, "scheduling": {"policy": "priority"},
+            "autoscaling": {"enabled": True, "maxReplicas": 4,
+                            "metric": "ditserve_num_requests_waiting_high_priority"}}
+    [hpa] = [m for m in render(parse_spec(spec), OWNER)
+             if m["kind"] == "HorizontalPodAutoscaler"]
+    [metric] = hpa["spec"]["metrics"]
+    assert metric["object"]["metric"]["name"] == "ditserve_num_requests_waiting_high_priority"
+    assert engine_file(spec)["scheduler"]["scheduling_policy"] == "priority"

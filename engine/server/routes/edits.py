@@ -125,7 +125,7 @@ async def edit_image(request: Request) -> Response:
         raise APIError(400, f"this server serves the video model {state.model_name!r}: "
                             "animate an image with POST /v1/videos and input_reference",
                        param="model", code="unsupported_model")
-    if state.engine.condition_images[1] == 0:
+    if state.model_limits().condition_images[1] == 0:
         raise APIError(400, f"{state.model_name!r} generates images from text only and edits "
                             "none: serve an edit model (FLUX.1 Kontext, Qwen-Image-Edit), or "
                             "use POST /v1/images/generations", param="image",
