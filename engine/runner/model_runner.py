@@ -94,7 +94,6 @@ class ModelRunner:
             sharded = weight_group is not None and config.offload.use_allgather
             dits, host_plan = prepare_dits(
                 model_dir, dtype=config.dtype, offload=config.offload,
-                tp_size=config.parallel.tensor_parallel_size,
                 sp_size=config.parallel.sequence_parallel_size,
                 streams_from_mapping=(self.device.type == "cuda" and not sharded
                                       and config.offload.compress == "none"),

@@ -100,7 +100,6 @@ def runtime_cache_dit(
     offload: OffloadConfig,
     model_cls: Any,
     load_dit: Callable[[], nn.Module],
-    tp_size: int = 1,
     component: str = "transformer",
     sp_size: int = 1,
 ) -> tuple[nn.Module, HostWeightPlan]:
@@ -127,15 +126,14 @@ def runtime_cache_dit(
     key = store.resolve_recipe(model_plan.recipe)
     note = ""
     if key is not None:
-        hit, note = _join_recipe_hit(store, key, model_dir, model_cls, dtype, component, tp_size)
+        hit, note = _join_recipe_hit(store, key, model_dir, model_cls, dtype, component)
         if hit is not None:
             return hit
-    return _load_then_join(store, model_plan, load_dit(), tp_size=tp_size, note=note)
+    return _load_then_join(store, model_plan, load_dit(), note=note)
 
 
 def _join_recipe_hit(
     store: Any, key: str, model_dir: str | Path, model_cls: Any, dtype: str, component: str,
-    tp_size: int,
 ) -> tuple[tuple[nn.Module, HostWeightPlan] | None, str]:
     """The DiT as views of the entry the recipe names, with no load at all; else None and a
     note on why the entry was not used (empty when it vanished before the join)."""
@@ -148,8 +146,7 @@ def _join_recipe_hit(
         return None, ""  # removed between resolve and join: build or join after a load
     files = _map_entry(entry)
     config = model_cls.load_config(str(model_dir), subfolder=component)
-    mapped, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files,
-                                     tp_size=tp_size)
+    mapped, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files)
     if mapped is not None:
         return (mapped, HostWeightPlan(
             BackingKind.RUNTIME_CACHE,
@@ -165,7 +162,7 @@ def _join_recipe_hit(
 
 
 def _load_then_join(
-    store: Any, model_plan: Any, model: nn.Module, *, tp_size: int, note: str
+    store: Any, model_plan: Any, model: nn.Module, *, note: str
 ) -> tuple[nn.Module, HostWeightPlan]:
     """Build or join the entry from a loaded DiT, repoint the DiT at the entry's mapping and
     release the private copy; the ordinary plan (and the private copy) when that fails."""
@@ -179,7 +176,7 @@ def _load_then_join(
     if entry.built:
         store.stamp(entry.key)  # later (read-only) joins skip the full re-hash
     files = _map_entry(entry)
-    checked = preflight(expected_tensors(model), files, tp_size=tp_size)
+    checked = preflight(expected_tensors(model), files)
     if not checked.ok:
         _close_all(files)
         entry.close()
