@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from ditserve.engine.client import EngineClient, EnginePhase
-from ditserve.engine.server import video_openapi
+from ditserve.engine.server import image_openapi, video_openapi
 from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
@@ -81,9 +81,11 @@ def create_app(
         # The body's rules depend on the loaded model (pixel multiple, prompt limit, frames).
         key = (state.limits(), state.video_limits() if state.videos is not None else None)
         if key not in documents:
-            video = video_openapi.schemas(key[1]) if key[1] is not None else None
-            documents[key] = build_openapi(app, key[0], api_key=config.api_key is not None,
-                                           video_schemas=video)
+            video = key[1] is not None
+            kind = (video_openapi.schemas(key[1]) if key[1] is not None
+                    else image_openapi.schemas(key[0]))
+            documents[key] = build_openapi(app, api_key=config.api_key is not None,
+                                           kind_schemas=kind, video=video)
         return documents[key]
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -5,7 +5,7 @@ syntax (400; numbers of thousands of digits, NaN, deep nesting and bad UTF-8 inc
 types and unknown fields (pydantic), valid Unicode, the served model (404), the OpenAI
 ``size`` string, the replica's limits (``RequestLimits``), then the engine's model-specific
 rules (``engine.validate_params``: pixel multiple, prompt length). Every 400 names the
-offending field in ``param`` and in the message. ``openapi.request_schema`` describes the same
+offending field in ``param`` and in the message. ``image_openapi.request_schema`` describes the same
 rules, from the same limits, for the OpenAPI document.
 """
 
