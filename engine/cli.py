@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.adapters.config import parse_lora_arg
 from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import ConfigError, DitServeError
@@ -75,6 +76,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.request import SamplingParams
 
+    loras = [parse_lora_arg(text) for text in args.lora or ()]
+    if loras:  # the request's adapters are served as --lora-modules
+        args.lora_modules = [*(args.lora_modules or ()), *(f"{n}={p}" for n, p, _ in loras)]
     config = engine_config_from_args(args)
     images = _input_images(args.image)  # a bad file fails before the model loads
     # With --compile: compile at the requested size before the request runs.
@@ -86,6 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
             true_cfg_scale=args.true_cfg_scale, seed=args.seed, num_images=args.num_images,
             num_frames=args.num_frames, images=images,
+            loras=engine.adapters.resolve([(n, scale) for n, _, scale in loras])
+            if engine.adapters is not None else (),
         )
         started = time.perf_counter()
         handle = engine.add_request(
@@ -217,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an input image (PNG, JPEG, WebP): the source of an edit model "
                           "(FLUX.1 Kontext, Qwen-Image-Edit; repeat it for several where the "
                           "model takes them) or an image-to-video model's first frame")
+    gen.add_argument("--lora", action="append", default=None, metavar="NAME=PATH[:SCALE]",
+                     help="apply a LoRA adapter file at SCALE (default 1); repeat to stack")
     add_engine_options(gen, with_config_file=False)
     gen.set_defaults(func=cmd_generate)
 

@@ -39,6 +39,8 @@ class ConditionImage:
 
     def __repr__(self) -> str:  # never print the pixels into a log
         return f"ConditionImage({self.width}x{self.height})"
+MAX_LORAS_PER_REQUEST = 8
+MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 
@@ -121,8 +123,9 @@ class BatchKey:
     Only the token grid (height, width, frames) does. Everything else is per row: each row
     carries its own timestep and guidance value, true CFG just adds rows for the negative
     prompt, and several images per request are several rows. Keeping the key this small is
-    what lets requests with different step counts, guidance and CFG share a batch. (A LoRA
-    adapter, when one is served, changes the weights and so belongs here.)
+    what lets requests with different step counts, guidance and CFG share a batch. LoRA
+    adapters are per row too (each row's low-rank delta is added to the shared base linear,
+    ``engine.adapters``), so requests with different adapters share a forward.
     """
 
     height: int
@@ -131,6 +134,25 @@ class BatchKey:
     # The conditioning images' sizes: their latents join every row's tokens, so requests
     # with other images (or none) run other token counts.
     condition: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """One LoRA adapter a request applies, resolved by the engine's catalog
+    (``engine.adapters.catalog``) from the name the client gave: the file it was loaded from,
+    the catalog's load generation (a re-load under the same name is another adapter), its
+    largest rank (for the work rule) and the request's scale."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+    rank: int = 0
+    version: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Identity of the loaded weights (name and load generation), not of the scale."""
+        return (self.name, self.version)
 
 
 @dataclass(frozen=True)
@@ -149,6 +171,8 @@ class SamplingParams:
         ``preview_steps``); they travel as "preview" events, never change the result.
     images: conditioning images (an edit's sources, an image-to-video first frame); empty for
         text-only generation. How many a model takes is its pipeline's ``condition_images``.
+    loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
+        their deltas add up, as diffusers' ``set_adapters`` with several names).
     priority: the scheduling class, lower is sooner (as vLLM's ``priority``); only the
         scheduler reads it, and only under ``--scheduling-policy priority``.
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
@@ -167,6 +191,7 @@ class SamplingParams:
     num_frames: int = 1
     partial_images: int = 0
     images: tuple[ConditionImage, ...] = ()
+    loras: tuple[LoraRef, ...] = ()
     priority: int = 0
     deadline_s: float | None = None
 
@@ -205,6 +230,21 @@ class SamplingParams:
         if count > most:
             raise InvalidRequestError("image", f"this model takes at most {most} input image"
                                       f"{'s' if most > 1 else ''}, got {count}")
+    def _validate_loras(self) -> None:
+        if len(self.loras) > MAX_LORAS_PER_REQUEST:
+            raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
+                                      f"request, got {len(self.loras)}")
+        names = [ref.name for ref in self.loras]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("loras", f"an adapter is named twice: {names}")
+        for ref in self.loras:
+            scale = ref.scale
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
+                    or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+                raise InvalidRequestError("loras", f"adapter {ref.name!r}: scale must be a "
+                                          f"number in [-{MAX_LORA_SCALE:g}, "
+                                          f"{MAX_LORA_SCALE:g}], got {scale!r}")
+
     def _validate_scheduling(self) -> None:
         p = self.priority
         if not isinstance(p, int) or isinstance(p, bool) or not abs(p) <= MAX_PRIORITY:
@@ -307,6 +347,7 @@ class SamplingParams:
             )
         self._validate_frames(frame_step, max_frames)
         self._validate_scheduling()
+        self._validate_loras()
         for name in ("guidance_scale", "true_cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):

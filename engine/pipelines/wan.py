@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ditserve.engine.adapters import rows as adapter_rows
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import WAN
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
@@ -177,12 +178,13 @@ class WanStepPipeline:
         out: torch.Tensor | None = None
         for expert in sorted(set(experts)):
             slices = [sl for sl, e in zip(batch.row_slices, experts, strict=True) if e == expert]
-            rows = self._forward(
-                expert,
-                torch.cat([batch.hidden_states[sl] for sl in slices]),
-                torch.cat([batch.timesteps[sl] for sl in slices]),
-                torch.cat([text[sl] for sl in slices]),
-            )
+            with adapter_rows.narrowed(slices):  # the LoRA rows of this expert's forward
+                rows = self._forward(
+                    expert,
+                    torch.cat([batch.hidden_states[sl] for sl in slices]),
+                    torch.cat([batch.timesteps[sl] for sl in slices]),
+                    torch.cat([text[sl] for sl in slices]),
+                )
             if out is None:
                 out = rows.new_empty((batch.num_rows, *rows.shape[1:]))
             start = 0
