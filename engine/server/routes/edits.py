@@ -48,7 +48,14 @@ _BOOLEANS = ("stream",)
 
 
 class _Unjudged:
-    """Parses the text fields without the engine's verdict (the images are not there yet)."""
+    """The engine, minus its verdict on the request (the images are not there yet): the
+    text fields are parsed against everything else it knows (adapters, limits)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
     @staticmethod
     def validate_params(params: Any) -> Any:
@@ -56,7 +63,14 @@ class _Unjudged:
 
 
 def _typed(name: str, text: str) -> Any:
-    """A form field's text as the JSON value the generation parser expects."""
+    """A form field's text as the JSON value the generation parser expects (``loras``: its
+    JSON array, as a form cannot nest)."""
+    if name == "loras":
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise invalid(name, f"{name}: must be a JSON array of {{\"name\": ..., "
+                                f"\"scale\": ...}} objects, got {text!r}") from e
     if name in _BOOLEANS:
         if text.lower() not in ("true", "false"):
             raise invalid(name, f"{name}: must be true or false, got {text!r}")
@@ -135,7 +149,7 @@ async def edit_image(request: Request) -> Response:
     fields, images = await _read_edit(request, state)
     if fields.get("size") in (None, "auto"):
         fields["size"] = _auto_size(images[0], limits)
-    parsed = parse_generation_request(json.dumps(fields).encode(), engine=_Unjudged(),
+    parsed = parse_generation_request(json.dumps(fields).encode(), engine=_Unjudged(state.engine),
                                       limits=limits)
     p = dataclasses.replace(parsed.params, images=tuple(images))
     try:
