@@ -72,7 +72,7 @@ def _wan_i2v(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> 
 
     torch.manual_seed(seed)
     ti2v = variant == "wan2.2-ti2v-i2v"
-    tokenizer = mb._t5_tokenizer(512 if size != "tiny" else mb.TINY_TEXT_TOKENS)
+    tokenizer = mb._t5_tokenizer()
     dit_config = {**mb._defaults(variant), **mb.dit_config(variant, size)}
     parts: dict[str, Any] = {"tokenizer": tokenizer,
                              "text_encoder": mb._umt5(tokenizer, int(dit_config["text_dim"])),

@@ -59,6 +59,7 @@ class ModelLimits:
     positions: entries per axis of the model's positional table; None when it has none.
     condition_images: (fewest, most) input images a request brings (edits, image-to-video);
         (0, 0) for a text-only model.
+    max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
     """
 
     pixel_multiple: int = 16
@@ -68,11 +69,13 @@ class ModelLimits:
     max_prompt_chars: int | None = None
     positions: int | None = None
     condition_images: tuple[int, int] = (0, 0)
+    max_text_tokens: int | None = None
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,
                  frame_step: int | None = None, frames_per_position: int = 1,
-                 max_prompt_chars: int | None = None) -> ModelLimits:
+                 max_prompt_chars: int | None = None,
+                 max_text_tokens: int | None = None) -> ModelLimits:
         """Limits of a model whose positional table holds ``positions`` entries per axis:
         ``tokens_per_position`` latent patches per entry on the spatial axes, and (video)
         ``frames_per_position`` latent frames per entry on the time axis."""
@@ -88,7 +91,8 @@ class ModelLimits:
             frames = min(frames, MAX_FRAMES)
             frames -= (frames - 1) % frame_step
         return cls(pixel_multiple=pixel_multiple, max_side=side, frame_step=frame_step,
-                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions)
+                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions,
+                   max_text_tokens=max_text_tokens)
 
 
 class RequestStatus(enum.IntEnum):
@@ -134,6 +138,9 @@ class BatchKey:
     # The conditioning images' sizes: their latents join every row's tokens, so requests
     # with other images (or none) run other token counts.
     condition: tuple[tuple[int, int], ...] = ()
+    # The text length of a request that names one: prompts of another length would be padded
+    # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
+    max_sequence_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,10 @@ class SamplingParams:
         diffusers' WanPipeline does: classifier-free guidance whenever it is > 1, against
         ``negative_prompt`` (or the empty prompt).
     true_cfg_scale: classifier-free guidance with ``negative_prompt``; active when > 1 and a
-        negative prompt is given (as in diffusers' FluxPipeline and QwenImagePipeline).
+        negative prompt is given, the empty string included (as in diffusers' FluxPipeline and
+        QwenImagePipeline; without one it is off, as there).
+    max_sequence_length: text tokens per prompt; None is the pipeline's own default (512 for
+        Flux, Wan and Qwen-Image, as diffusers).
     num_frames: 1 for images; a video family's frame count (``frame_step * k + 1``).
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
@@ -191,13 +201,14 @@ class SamplingParams:
     num_frames: int = 1
     partial_images: int = 0
     images: tuple[ConditionImage, ...] = ()
+    max_sequence_length: int | None = None
     loras: tuple[LoraRef, ...] = ()
     priority: int = 0
     deadline_s: float | None = None
 
     @property
     def uses_true_cfg(self) -> bool:
-        return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
+        return self.true_cfg_scale > 1.0 and self.negative_prompt is not None
 
     def _validate_frames(self, frame_step: int | None, max_frames: int) -> None:
         frames = self.num_frames
@@ -262,7 +273,8 @@ class SamplingParams:
 
     def batch_key(self) -> BatchKey:
         return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames,
-                        condition=tuple((i.width, i.height) for i in self.images))
+                        condition=tuple((i.width, i.height) for i in self.images),
+                        max_sequence_length=self.max_sequence_length)
 
     @property
     def rows(self) -> int:
@@ -285,7 +297,8 @@ class SamplingParams:
                              max_prompt_chars=limits.max_prompt_chars,
                              frame_step=limits.frame_step, max_side=limits.max_side,
                              max_frames=limits.max_frames,
-                             condition_images=limits.condition_images)
+                             condition_images=limits.condition_images,
+                             max_text_tokens=limits.max_text_tokens)
 
     def validate(
         self,
@@ -296,6 +309,7 @@ class SamplingParams:
         max_images: int = MAX_IMAGES,
         frame_step: int | None = None,
         condition_images: tuple[int, int] = (0, 0),
+        max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
     ) -> SamplingParams:
@@ -304,6 +318,7 @@ class SamplingParams:
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
         frame_step: None for an image model; a video model's temporal VAE factor.
         condition_images: (fewest, most) conditioning images the model takes.
+        max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
         """
         self._validate_images(condition_images)
@@ -354,10 +369,14 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"must be a number, got {value!r}")
             if not 0.0 <= value <= 100.0 or value != value:
                 raise InvalidRequestError(name, f"must be in [0, 100], got {value}")
-        if self.true_cfg_scale > 1.0 and not self.negative_prompt:
+        length = self.max_sequence_length
+        if length is not None and (
+            not isinstance(length, int) or isinstance(length, bool) or length < 1
+            or (max_text_tokens is not None and length > max_text_tokens)
+        ):
             raise InvalidRequestError(
-                "true_cfg_scale", "> 1 needs a negative_prompt (true CFG contrasts the two)"
-            )
+                "max_sequence_length", f"must be an integer in [1, {max_text_tokens or 'inf'}] "
+                f"for this model, got {length!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
             or not 0 <= self.seed < 2**63

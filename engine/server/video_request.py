@@ -68,13 +68,15 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: Number | None = None
     negative_prompt: StrictStr | None = None
     seed: Integer | None = None
+    max_sequence_length: Integer | None = None
     loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
-_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "priority")
+_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "priority",
+                   "max_sequence_length")
 _NUMBER_FIELDS = ("guidance_scale", "deadline_s")
 
 
@@ -94,6 +96,7 @@ class VideoLimits:
     max_side: int
     max_steps: int
     max_frames: int
+    max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
 
     @property
     def allowed_frames(self) -> list[int]:
@@ -285,6 +288,7 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
         else body.guidance_scale, images=images,
+        max_sequence_length=body.max_sequence_length,
         loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
     )

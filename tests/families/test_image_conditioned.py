@@ -48,7 +48,7 @@ def kontext_reference(model_dir: Path, p: SamplingParams) -> torch.Tensor:
     return pipe(image=as_pil(p.images[0]) if p.images else None, prompt=p.prompt,
                 height=p.height, width=p.width, max_area=p.height * p.width,
                 num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
-                num_images_per_prompt=p.num_images, max_sequence_length=64,
+                num_images_per_prompt=p.num_images,
                 generator=torch.Generator("cpu").manual_seed(p.seed or 0), output_type="pt",
                 **kwargs).images.float()
 
@@ -69,7 +69,7 @@ def wan_i2v_reference(model_dir: Path, p: SamplingParams) -> torch.Tensor:
                     num_frames=p.num_frames, num_inference_steps=p.num_inference_steps,
                     guidance_scale=p.guidance_scale, num_videos_per_prompt=p.num_images,
                     generator=torch.Generator("cpu").manual_seed(p.seed or 0),
-                    output_type="pt", max_sequence_length=64).frames.float()
+                    output_type="pt").frames.float()
     finally:
         pipeline_wan_i2v.prompt_clean = clean
 
