@@ -186,6 +186,11 @@ class DiffusionEngine:
                 "resident": len(bank.resident) if bank is not None else 0,
                 "bytes": int(bank.nbytes) if bank is not None else 0}
 
+    @property
+    def condition_images(self) -> tuple[int, int]:
+        """(fewest, most) conditioning images a request may bring; (0, 0): text only."""
+        return self.limits.condition_images
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self._pending.stats()

@@ -38,6 +38,7 @@ from ditserve.engine.server.jobs.store import JobStore, StoreLimits
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.model_defaults import ModelDefaults, model_defaults
 from ditserve.engine.server.schemas import RequestLimits
+from ditserve.engine.server.uploads import UploadLimits
 from ditserve.engine.server.video_request import VideoLimits
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,11 @@ class ServerState:
             default_true_cfg=self.model.true_cfg,
             max_text_tokens=model.max_text_tokens or RequestLimits.max_text_tokens,
         )
+
+    def upload_limits(self) -> UploadLimits:
+        """How large an uploaded image (and the body carrying it) may be."""
+        return UploadLimits(max_bytes=self.config.max_upload_bytes,
+                            max_pixels=self.config.max_image_pixels)
 
     def video_limits(self) -> VideoLimits:
         """What a video job may ask for now (frame step and pixel multiple once loaded; Wan's
