@@ -82,6 +82,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             paths = _save_images(result.images, args.out or Path("out.png"))
         print(f"saved {', '.join(map(str, paths))} (seed {result.seed}, "
               f"{args.steps} steps, {time.perf_counter() - started:.2f}s)")
+        stats = engine.stats()
+        if stats.step_cache_block_runs:
+            print(f"step cache: skipped {stats.step_cache_skipped_blocks} of "
+                  f"{stats.step_cache_block_runs} block computations "
+                  f"({stats.step_cache_skipped_fraction:.0%}), "
+                  f"{stats.step_cache_skipped_bytes / 2**30:.2f} GiB of streamed weights "
+                  f"not copied ({stats.step_cache_skipped_bytes} bytes)")
     finally:
         engine.shutdown()
     return 0
@@ -127,6 +134,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nrequests {len(results)} | denoise steps run {stats.steps_run} "
           f"(vs {sum(DEMO_STEPS)} unbatched) | mean batch size {stats.mean_batch_rows:.2f} | "
           f"{images / elapsed:.2f} images/s | wall {elapsed:.2f}s")
+    if stats.step_cache_block_runs:
+        print(f"step cache: skipped {stats.step_cache_skipped_blocks} of "
+              f"{stats.step_cache_block_runs} block computations, "
+              f"{stats.step_cache_skipped_bytes} streamed bytes not copied")
     return 0
 
 

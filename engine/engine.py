@@ -194,9 +194,11 @@ class DiffusionEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def validate_params(self, params: SamplingParams) -> SamplingParams:
-        return params.validate(pixel_multiple=self.pixel_multiple,
-                               max_prompt_chars=self.max_prompt_chars,
-                               frame_step=self.frame_step)
+        params.validate(pixel_multiple=self.pixel_multiple,
+                        max_prompt_chars=self.max_prompt_chars, frame_step=self.frame_step)
+        if self.runner is not None:  # what the served model's step cache can do
+            self.runner.step_cache.check(params.step_cache)
+        return params
 
     def add_request(
         self,

@@ -57,12 +57,16 @@ class GroupForwards:
         *,
         block_major: BlockMajor | None = None,
         one_pass: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        around: Callable[[InputBatch], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
         """block_major: run the forwards in lockstep over these block barriers (offload);
-        None runs them in turn. one_pass: the offload's scope that makes them one pass."""
+        None runs them in turn. one_pass: the offload's scope that makes them one pass.
+        around: a scope entered inside each group's forward (in its own lane), given the
+        group's inputs (the step cache's per-forward rows)."""
         self.pipeline = pipeline
         self.block_major = block_major
         self._one_pass = one_pass or contextlib.nullcontext
+        self._around = around
         self._builders: dict[BatchKey, InputBatchBuilder] = {}
 
     def run(self, groups: Sequence[list[DenoiseState]]) -> list[GroupForward]:
@@ -87,4 +91,12 @@ class GroupForwards:
         return results
 
     def _forward(self, inputs: InputBatch) -> Callable[[], torch.Tensor]:
-        return lambda: self.pipeline.denoise_step(inputs)
+        if self._around is None:
+            return lambda: self.pipeline.denoise_step(inputs)
+
+        def forward() -> torch.Tensor:
+            assert self._around is not None
+            with self._around(inputs):
+                return self.pipeline.denoise_step(inputs)
+
+        return forward

@@ -31,12 +31,14 @@ from ditserve.engine.block_major import BlockMajor
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.group_forwards import GroupForward, GroupForwards, shape_groups
+from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.inflight import InFlightSteps
 from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import NewRequest
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.step_cache.runtime import StepCache
 from ditserve.engine.work import WorkRule
 
 log = logging.getLogger(__name__)
@@ -143,13 +145,17 @@ class ModelRunner:
             time.perf_counter() - started, "dlo" if offload else "off",
         )
         self._states: dict[str, DenoiseState] = {}
+        # Wraps the blocks beneath every hook (offload, compile, SP): built after all of them.
+        self.step_cache = StepCache(self.pipeline, default=config.step_cache.spec(),
+                                    offload=self.offload,
+                                    sequence_parallel=self._sequence is not None)
         # Under offload the shape groups of a step run block-major, as one pass; resident,
         # one after the other (the weights do not move, so there is nothing to share).
         self._block_major = (BlockMajor(self.pipeline.transformer, self.pipeline.block_lists)
                              if offload else None)
         self._forwards = GroupForwards(
             self.pipeline, block_major=self._block_major,
-            one_pass=self.offload.one_pass if offload else None)
+            one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
         self.work_rule = WorkRule(pixels_per_token=self.pixel_multiple,
                                   frame_step=self.frame_step,
                                   cfg_rows=self.pipeline.family.cfg_rows)
@@ -172,6 +178,7 @@ class ModelRunner:
         return self.offload.report() if self.offload is not None else None
 
     def close(self) -> None:
+        self.step_cache.close()
         if self._block_major is not None:
             self._block_major.close()
         if self.offload is not None and getattr(self.offload, "active", True):
@@ -179,7 +186,9 @@ class ModelRunner:
 
     # -- request registry ---------------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
-        self._states[new.request_id] = DenoiseState(new.request_id, new.params, new.seed)
+        state = DenoiseState(new.request_id, new.params, new.seed)
+        self.step_cache.attach(state)
+        self._states[new.request_id] = state
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -201,17 +210,22 @@ class ModelRunner:
         """
         out = RunnerOutput()
         for new in new_requests:
-            self.add_request(new)
+            try:
+                self.add_request(new)
+            except InvalidRequestError as e:  # the engine's validation refuses these first
+                out.failed[new.request_id] = str(e)
         for rid in plan.freed:
             self.drop(rid)
         for rid in plan.encode:
-            self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
+            if rid not in out.failed:
+                self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
         passes = self._collective_passes()
         if batch:
             groups = shape_groups(batch)
             self._inflight.forward_started()
-            self._denoise(groups, out)
+            with self.step_cache.step(out):
+                self._denoise(groups, out)
             self._inflight.forward_ended(
                 requests=len(batch), rows=sum(s.rows for s in batch), groups=len(groups),
                 tokens=sum(s.rows * self.work_rule.tokens_per_row(s.params) for s in batch))
@@ -270,6 +284,7 @@ class ModelRunner:
                 if self._guarded(out, state.request_id, "step",
                                  lambda s, r=rows: self.pipeline.step(s, r)):
                     out.stepped.append(state.request_id)
+                    self.step_cache.stepped(state)
 
     def _group_failed(self, group: GroupForward, out: RunnerOutput) -> None:
         e = group.error

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.step_cache.spec import StepCacheSpec
 
 MAX_STEPS = 1000
 MAX_IMAGES = 8
@@ -69,6 +70,8 @@ class SamplingParams:
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
         ``preview_steps``); they travel as "preview" events, never change the result.
+    step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
+        server's default. Per row, so it is not part of the batch key.
     """
 
     prompt: str
@@ -82,6 +85,7 @@ class SamplingParams:
     num_images: int = 1
     num_frames: int = 1
     partial_images: int = 0
+    step_cache: StepCacheSpec | None = None
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -174,6 +178,10 @@ class SamplingParams:
                 "partial_images", f"must be an integer in [0, {MAX_PARTIAL_IMAGES}], got {k!r}"
             )
         self._validate_frames(frame_step)
+        if self.step_cache is not None:
+            if not isinstance(self.step_cache, StepCacheSpec):
+                raise InvalidRequestError("step_cache", "must be a StepCacheSpec")
+            self.step_cache.validate()
         for name in ("guidance_scale", "true_cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):

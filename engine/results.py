@@ -111,6 +111,14 @@ class EngineStats:
     rows_run: int
     requests_finished: int
     ranks: int = 1
+    step_cache_block_runs: int = 0  # block computations (one request through one block)
+    step_cache_skipped_blocks: int = 0  # of those, skipped by the step cache
+    step_cache_skipped_bytes: int = 0  # streamed block bytes not copied (DLO)
+
+    @property
+    def step_cache_skipped_fraction(self) -> float:
+        runs = self.step_cache_block_runs
+        return self.step_cache_skipped_blocks / runs if runs else 0.0
 
     @property
     def mean_batch_rows(self) -> float:

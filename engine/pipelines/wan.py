@@ -31,6 +31,7 @@ from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, up
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.wan_block import chunk_token_math
 from ditserve.engine.sampler import SchedulerTrajectory
+from ditserve.engine.step_cache.rows import forward_rows
 
 if TYPE_CHECKING:
     from ditserve.engine.input_batch import InputBatch
@@ -167,12 +168,13 @@ class WanStepPipeline:
         out: torch.Tensor | None = None
         for expert in sorted(set(experts)):
             slices = [sl for sl, e in zip(batch.row_slices, experts, strict=True) if e == expert]
-            rows = self._forward(
-                expert,
-                torch.cat([batch.hidden_states[sl] for sl in slices]),
-                torch.cat([batch.timesteps[sl] for sl in slices]),
-                torch.cat([text[sl] for sl in slices]),
-            )
+            with forward_rows(slices):  # the step cache maps this forward's rows by them
+                rows = self._forward(
+                    expert,
+                    torch.cat([batch.hidden_states[sl] for sl in slices]),
+                    torch.cat([batch.timesteps[sl] for sl in slices]),
+                    torch.cat([text[sl] for sl in slices]),
+                )
             if out is None:
                 out = rows.new_empty((batch.num_rows, *rows.shape[1:]))
             start = 0
