@@ -30,8 +30,8 @@ import torch
 from ditserve.engine.block_major import BlockMajor
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.denoise_state import DenoiseState
-from ditserve.engine.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.inflight import InFlightSteps
 from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
@@ -173,6 +173,10 @@ class ModelRunner:
     def frame_step(self) -> int | None:
         """None for an image model; for video, ``num_frames - 1`` must divide by it."""
         return self.pipeline.frame_step
+
+    def step_cache_bytes(self) -> int:
+        """Device bytes the running requests' step caches hold (0 once they ended)."""
+        return self.step_cache.resident_bytes(list(self._states.values()))
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
-from ditserve.engine.server import streaming
+from ditserve.engine.server import step_cache_field, streaming
 from ditserve.engine.server.edge import REQUEST_ID_HEADER
 from ditserve.engine.server.schemas import FIELDS, IGNORED_FIELDS, RequestLimits
 
@@ -142,6 +142,7 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
         "true_cfg_scale": number("classifier-free guidance with negative_prompt; > 1 needs "
                                  "a non-empty negative_prompt (default 1: off)"),
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),
+        "step_cache": nullable(step_cache_field.openapi_schema()),
     }
     for name in IGNORED_FIELDS:
         properties[name]["description"] = "OpenAI field, accepted and ignored"

@@ -31,6 +31,7 @@ from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, Sam
 from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.model_defaults import ModelDefaults
+from ditserve.engine.server.step_cache_field import parse_field
 
 Number = Annotated[float, Strict()]  # strict: 3 and 3.5 are numbers, "3" and true are not
 
@@ -76,6 +77,7 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: Number | None = None
     true_cfg_scale: Number | None = None
     seed: Integer | None = None
+    step_cache: dict[str, Any] | StrictStr | None = None  # server.step_cache_field
 
 
 FIELDS = tuple(ImageGenerationRequest.model_fields)
@@ -237,6 +239,7 @@ def parse_generation_request(raw: bytes, *, engine: Any, limits: RequestLimits) 
         seed=body.seed, num_images=1 if body.n is None else body.n,
         # Previews are decoded only for a stream that can carry them.
         partial_images=(body.partial_images or 0) if body.stream else 0,
+        step_cache=parse_field(body.step_cache),
     )
     try:
         engine.validate_params(params)

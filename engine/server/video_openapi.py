@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ditserve.engine.server import step_cache_field
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.jobs.model import JobStatus
 from ditserve.engine.server.openapi import (
@@ -73,6 +74,9 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                                           f"negative_prompt (default {limits.default_guidance})"},
         "negative_prompt": text,
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the job"),
+        "step_cache": ({"type": "string", "description": step_cache_field.DESCRIPTION +
+                        " (a form carries the JSON object as text, or a policy name)"}
+                       if form else step_cache_field.openapi_schema()),
     }
 
 

@@ -39,6 +39,7 @@ from ditserve.engine.server.schemas import (
     pydantic_error,
     request_error,
 )
+from ditserve.engine.server.step_cache_field import parse_field
 
 # JSON numbers above this many digits are not read from form text (as JSON's own limit).
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
@@ -61,6 +62,7 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: Number | None = None
     negative_prompt: StrictStr | None = None
     seed: Integer | None = None
+    step_cache: dict[str, Any] | StrictStr | None = None  # server.step_cache_field
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
@@ -235,7 +237,7 @@ def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimit
         prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
-        else body.guidance_scale,
+        else body.guidance_scale, step_cache=parse_field(body.step_cache),
     )
     try:
         engine.validate_params(params)

@@ -100,7 +100,9 @@ class StepCacheBlocks:
         self._run: StepRun | None = None
         by_dit: dict[str, list[nn.Module]] = {}
         for name in block_lists:
-            by_dit.setdefault(name.rpartition(".")[0], []).extend(model.get_submodule(name))
+            listed = model.get_submodule(name)
+            assert isinstance(listed, nn.ModuleList), f"{name} is not a block list"
+            by_dit.setdefault(name.rpartition(".")[0], []).extend(listed)
         for dit, blocks in by_dit.items():
             for index, block in enumerate(blocks):
                 params = tuple(inspect.signature(type(block).forward).parameters)[1:]
@@ -274,5 +276,6 @@ def _indicator(kind: str, role: _Role, block: nn.Module, args: tuple, kwargs: di
     (``norm1``: Flux's AdaLayerNormZero, block 0's own weights) or its timestep input."""
     temb = arg(role.params, args, kwargs, "temb")
     if kind == "norm1":
-        return block.norm1(arg(role.params, args, kwargs, HIDDEN), emb=temb)[0]
+        norm: Any = block.norm1  # Flux: AdaLayerNormZero -> (normed, gates...)
+        return norm(arg(role.params, args, kwargs, HIDDEN), emb=temb)[0]
     return temb
