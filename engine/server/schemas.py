@@ -77,7 +77,7 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: Number | None = None
     true_cfg_scale: Number | None = None
     seed: Integer | None = None
-    step_cache: dict[str, Any] | StrictStr | None = None  # server.step_cache_field
+    step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
 
 
 FIELDS = tuple(ImageGenerationRequest.model_fields)

@@ -62,7 +62,7 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: Number | None = None
     negative_prompt: StrictStr | None = None
     seed: Integer | None = None
-    step_cache: dict[str, Any] | StrictStr | None = None  # server.step_cache_field
+    step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)

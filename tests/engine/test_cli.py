@@ -17,7 +17,8 @@ ENGINE_FLAGS = {
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
     "--dlo-pin-limit-gib",
     "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
-    "--quantization", "--dlo-compress",
+    "--quantization", "--dlo-compress", "--step-cache", "--step-cache-threshold",
+    "--step-cache-every",
 }
 
 

@@ -63,11 +63,11 @@ def test_threshold_zero_and_every_one_are_bit_identical(family_dir, variant: str
                                                         dlo: bool) -> None:  # type: ignore[no-untyped-def]
     runner = make_runner(family_dir(variant), dlo=dlo)
     try:
-        plain, _ = run(runner, ("plain", params(variant, None)))
+        plain, _ = run(runner, ("plain", params(variant, None, num_inference_steps=4)))
         specs = OFF_EQUIVALENT + ([StepCacheSpec("teacache", threshold=0.0)]
                                   if variant == "flux" else [])
         for i, spec in enumerate(specs):
-            got, outputs = run(runner, (f"r{i}", params(variant, spec)))
+            got, outputs = run(runner, (f"r{i}", params(variant, spec, num_inference_steps=4)))
             assert torch.equal(got[f"r{i}"], plain["plain"]), spec
             assert skipped(outputs)[0] == 0
     finally:
@@ -76,7 +76,7 @@ def test_threshold_zero_and_every_one_are_bit_identical(family_dir, variant: str
     runner = make_runner(family_dir(variant), dlo=dlo,
                          default=StepCacheConfig(policy="first-block", threshold=0.0))
     try:
-        got, _ = run(runner, ("default", params(variant, None)))
+        got, _ = run(runner, ("default", params(variant, None, num_inference_steps=4)))
         assert torch.equal(got["default"], plain["plain"])
     finally:
         runner.close()
