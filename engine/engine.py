@@ -46,6 +46,7 @@ from ditserve.engine.results import (
 )
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
 from ditserve.engine.startup import WarmUp, open_executor
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.work import with_budget
 
 # How long a worker's own step loop may sit idle before the engine pings the worker.
@@ -171,6 +172,11 @@ class DiffusionEngine:
         """None for an image model (or before loading); a video model's ``num_frames - 1``
         must divide by it."""
         return self.runner.frame_step if self.runner else None
+
+    @property
+    def step_cache_policies(self) -> tuple[str, ...]:
+        """The step-cache policies the served model takes (all of them before loading)."""
+        return self.runner.step_cache.policies if self.runner else STEP_CACHE_POLICIES
 
     def stats(self) -> EngineStats:
         with self._lock:

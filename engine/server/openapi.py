@@ -142,7 +142,7 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
         "true_cfg_scale": number("classifier-free guidance with negative_prompt; > 1 needs "
                                  "a non-empty negative_prompt (default 1: off)"),
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),
-        "step_cache": nullable(step_cache_field.openapi_schema()),
+        "step_cache": nullable(step_cache_field.openapi_schema(limits.step_cache_policies)),
     }
     for name in IGNORED_FIELDS:
         properties[name]["description"] = "OpenAI field, accepted and ignored"

@@ -32,6 +32,7 @@ from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.model_defaults import ModelDefaults
 from ditserve.engine.server.step_cache_field import parse_field
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 
 Number = Annotated[float, Strict()]  # strict: 3 and 3.5 are numbers, "3" and true are not
 
@@ -95,6 +96,7 @@ class RequestLimits:
     max_side: int = MAX_SIDE
     max_steps: int = MAX_STEPS
     default_guidance: float = ModelDefaults.guidance  # the model's (server.model_defaults)
+    step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
 
 
 @dataclass(frozen=True)

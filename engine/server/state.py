@@ -30,6 +30,7 @@ from ditserve.engine.server.jobs.store import JobStore, StoreLimits
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.model_defaults import ModelDefaults, model_defaults
 from ditserve.engine.server.schemas import RequestLimits
+from ditserve.engine.server.step_cache_field import step_cache_policies
 from ditserve.engine.server.video_request import VideoLimits
 from ditserve.engine.startup import WarmUp
 from ditserve.engine.step_log import StepLog, copy_rates_of
@@ -88,6 +89,7 @@ class ServerState:
             max_prompt_chars=self.engine.max_prompt_chars,
             max_side=min(config.max_side or MAX_SIDE, MAX_SIDE),
             max_steps=max_steps, default_guidance=self.model.guidance,
+            step_cache_policies=step_cache_policies(self.engine),
         )
 
     def video_limits(self) -> VideoLimits:
@@ -107,6 +109,7 @@ class ServerState:
             pixel_multiple=images.pixel_multiple, frame_step=frame_step,
             max_prompt_chars=images.max_prompt_chars, max_side=images.max_side,
             max_steps=images.max_steps, max_frames=max_frames,
+            step_cache_policies=images.step_cache_policies,
         )
 
     def start_engine(self) -> None:

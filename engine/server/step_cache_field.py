@@ -43,19 +43,40 @@ def parse_field(value: Any) -> StepCacheSpec | None:
         raise invalid("step_cache", f"step_cache: {e.message}") from e
 
 
-def openapi_schema() -> dict[str, Any]:
+def step_cache_policies(engine: Any) -> tuple[str, ...]:
+    """The policies the engine's model takes (an engine without the notion: all)."""
+    return tuple(getattr(engine, "step_cache_policies", POLICIES))
+
+
+def form_schema(policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
+    """The text form: a policy name or ``every=K`` (a form may also carry the JSON object)."""
+    names = [*policies, OFF] + (["every=([1-9][0-9]?|100)"] if "every" in policies else [])
+    return {"type": "string", "description": "a policy name, or 'every=K'",
+            "pattern": f"^({'|'.join(names)})$"}
+
+
+def openapi_schema(policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
+    """Exactly what ``parse_field`` accepts (a schema-valid value is never refused)."""
+    threshold = {"type": "number", "minimum": 0, "maximum": MAX_THRESHOLD,
+                 "description": "first-block (default 0.08) and teacache (default 0.4 Flux, "
+                                "0.2 Wan); 0 never reuses"}
+    every = {"type": "integer", "minimum": 1, "maximum": MAX_EVERY,
+             "description": "compute one step in K between the first and last 2 (default 2); "
+                            "1 never reuses"}
+
+    thresholded = [p for p in policies if p != "every"]
+
+    def shape(names: list[str], **extra: Any) -> dict[str, Any]:
+        knobs = {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in extra.items()}
+        return {"type": "object", "additionalProperties": False, "required": ["policy"],
+                "properties": {"policy": {"enum": names}, **knobs}}
+
     return {
         "description": DESCRIPTION,
         "oneOf": [
-            {"type": "string", "description": "a policy name, or 'every=K'"},
-            {"type": "object", "additionalProperties": False, "required": ["policy"],
-             "properties": {
-                 "policy": {"enum": [*POLICIES, OFF]},
-                 "threshold": {"type": "number", "minimum": 0, "maximum": MAX_THRESHOLD,
-                               "description": "first-block (default 0.08) and teacache "
-                                              "(default 0.4 Flux, 0.2 Wan); 0 never reuses"},
-                 "every": {"type": "integer", "minimum": 1, "maximum": MAX_EVERY,
-                           "description": "the every policy's K (default 2); 1 never reuses"},
-             }},
+            form_schema(policies),
+            *([shape(thresholded, threshold=threshold)] if thresholded else []),
+            *([shape(["every"], every=every)] if "every" in policies else []),
+            shape([OFF]),
         ],
     }

@@ -74,9 +74,9 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                                           f"negative_prompt (default {limits.default_guidance})"},
         "negative_prompt": text,
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the job"),
-        "step_cache": ({"type": "string", "description": step_cache_field.DESCRIPTION +
-                        " (a form carries the JSON object as text, or a policy name)"}
-                       if form else step_cache_field.openapi_schema()),
+        "step_cache": ({**step_cache_field.form_schema(limits.step_cache_policies),
+                        "description": step_cache_field.DESCRIPTION}
+                       if form else step_cache_field.openapi_schema(limits.step_cache_policies)),
     }
 
 

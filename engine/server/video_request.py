@@ -40,6 +40,7 @@ from ditserve.engine.server.schemas import (
     request_error,
 )
 from ditserve.engine.server.step_cache_field import parse_field
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 
 # JSON numbers above this many digits are not read from form text (as JSON's own limit).
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
@@ -86,6 +87,7 @@ class VideoLimits:
     max_side: int
     max_steps: int
     max_frames: int
+    step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
 
     @property
     def allowed_frames(self) -> list[int]:

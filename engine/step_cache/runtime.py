@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.step_cache.blocks import StepCacheBlocks
-from ditserve.engine.step_cache.policies import request_cache, teacache_rule
-from ditserve.engine.step_cache.spec import StepCacheSpec
+from ditserve.engine.step_cache.policies import TeaCacheRule, request_cache, teacache_rule
+from ditserve.engine.step_cache.spec import OFF, POLICIES, StepCacheSpec
 
 if TYPE_CHECKING:
     from ditserve.engine.input_batch import InputBatch
@@ -62,11 +62,18 @@ class StepCache:
     def check(self, spec: StepCacheSpec | None) -> None:
         """InvalidRequestError if this model cannot serve ``spec`` (None: the default)."""
         spec = self.resolve(spec)
-        if spec is None or spec.never_reuses:
+        if spec is None or spec.policy == OFF:
             return
+        if spec.policy not in self.policies:  # even at threshold 0: the policy is not here
+            reason = self._refusal or str(self._rule)
+            raise InvalidRequestError("step_cache", reason)
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        """The policies this model serves (the API schema lists only these)."""
         if self._refusal is not None:
-            raise InvalidRequestError("step_cache", self._refusal)
-        request_cache(spec, self._rule)
+            return ()
+        return tuple(p for p in POLICIES if p != "teacache" or isinstance(self._rule, TeaCacheRule))
 
     def attach(self, state: DenoiseState) -> None:
         """Give an admitted request its own cache (None when it can never reuse)."""

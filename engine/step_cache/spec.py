@@ -99,4 +99,7 @@ def parse_step_cache(value: Any, field: str = "step_cache") -> StepCacheSpec | N
     if not isinstance(value.get("policy"), str):
         raise InvalidRequestError(field, "policy is required: one of "
                                          f"{', '.join(POLICIES)} or {OFF!r}")
-    return StepCacheSpec(value["policy"], value.get("threshold"), value.get("every")).validate(field)
+    every = value.get("every")
+    if isinstance(every, float) and every.is_integer():  # JSON's 3.0 is the integer 3
+        every = int(every)
+    return StepCacheSpec(value["policy"], value.get("threshold"), every).validate(field)

@@ -179,8 +179,10 @@ def test_teacache_is_refused_without_published_coefficients(family_dir) -> None:
         try:
             with pytest.raises(InvalidRequestError, match=words):
                 runner.step_cache.check(StepCacheSpec("teacache"))
+            with pytest.raises(InvalidRequestError, match=words):  # not even at threshold 0
+                runner.step_cache.check(StepCacheSpec("teacache", threshold=0.0))
             runner.step_cache.check(StepCacheSpec("first-block"))  # the others work
-            runner.step_cache.check(StepCacheSpec("teacache", threshold=0.0))  # never reuses
+            assert runner.step_cache.policies == ("first-block", "every")
         finally:
             runner.close()
     with pytest.raises(ConfigError, match="--step-cache teacache: teacache has no published"):
