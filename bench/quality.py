@@ -6,10 +6,8 @@ the step cache against no cache (``--step-cache``), per model family.
 and seed without a cache, then with each policy and setting (``--policies``, default: the
 published knobs around their defaults); per setting it reports the fraction of block
 computations skipped and the difference to the uncached output on the same seeds (mean
-absolute pixel difference in 8-bit levels, PSNR). A family without TeaCache coefficients
-skips teacache. Random weights are not trained weights: a random DiT's residuals change
-differently from step to step than a trained one's, so neither the skip fraction at a
-threshold nor the error predicts a real checkpoint's; use real weights to pick a threshold.
+absolute pixel difference in 8-bit levels, PSNR). Random weights are not trained weights:
+neither the skip fraction at a threshold nor the error predicts a real checkpoint's.
 
 **FP8**:
 
@@ -291,9 +289,8 @@ def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str
     from ditserve.engine.step_cache.spec import StepCacheSpec
 
     family, kind = family_of(model_dir), weights_kind(model_dir)
-    config = EngineConfig(model=str(model_dir), device=device,
-                          dtype=str(dtype).removeprefix("torch."))
-    runner = ModelRunner(config, model_dir=model_dir)
+    runner = ModelRunner(EngineConfig(model=str(model_dir), device=device,
+                                      dtype=str(dtype).removeprefix("torch.")), model_dir=model_dir)
     log(f"step cache quality: {family} ({kind} weights), {args.steps} steps, "
         f"{args.width}x{args.height}, {dtype} on {device}. Random weights do not predict a "
         "trained checkpoint's skip fraction or error at a given threshold.")
@@ -336,10 +333,11 @@ def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str
                "mean_abs_pixel_diff": statistics.mean(diff),
                "psnr_db": statistics.mean(psnr(a, b) for a, b in zip(images, reference,
                                                                      strict=True))}
+        row["psnr_db"] = None if math.isinf(row["psnr_db"]) else row["psnr_db"]  # JSON: identical
         rows.append(row)
         log(f"{policy:>11} {value:>5g}: skipped {row['skipped_fraction']:6.1%} of block "
             f"computations | mean abs diff {row['mean_abs_pixel_diff']:6.2f} / 255 | "
-            f"PSNR {row['psnr_db']:6.2f} dB")
+            f"PSNR {'inf' if row['psnr_db'] is None else format(row['psnr_db'], '6.2f')} dB")
     runner.close()
     return {"family": family, "weights": kind, "device": device, "steps": args.steps,
             "size": [args.width, args.height], "cases": len(reference), "settings": rows}
