@@ -63,6 +63,7 @@ class StepRun:
     (block computations: one request through one block)."""
 
     body_needed: dict[str, bool] = field(default_factory=dict)
+    plain: bool = False  # a forward of the step runs without the cache: it needs every block
     skipped_blocks: int = 0
     block_runs: int = 0
 
@@ -134,6 +135,8 @@ class StepCacheBlocks:
         lane = None
         if any(s.step_cache is not None for s in states):
             lane = _Lane(list(states), list(row_slices))
+        elif self._run is not None:
+            self._run.plain = True
         token = _LANE.set(lane)
         try:
             yield
@@ -144,7 +147,7 @@ class StepCacheBlocks:
         """Whether a row of the running step computes ``block`` (offload copies only those).
         Heads always load: every policy's decision starts there."""
         role, run = self._roles.get(id(block)), self._run
-        if role is None or run is None or role.index == 0:
+        if role is None or run is None or run.plain or role.index == 0:
             return True
         return run.body_needed.get(role.dit, True)
 
@@ -195,6 +198,8 @@ class StepCacheBlocks:
         if found is None:
             log.warning("step cache: a forward of %d rows matches no request layout; it runs "
                         "without the cache", rows)
+            if self._run is not None:
+                self._run.body_needed[role.dit] = True  # sticky: the step needs every block
             return inner(*args, **kwargs)
         decide.before_head(role.dit, found,
                            lambda kind: _indicator(kind, role, block, args, kwargs))

@@ -125,8 +125,9 @@ def test_first_block_and_teacache_reuse_on_flux(family_dir) -> None:  # type: ig
 
 @pytest.mark.parametrize("variant", ["flux", "wan"])
 def test_batched_with_mixed_policies_equals_each_alone(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
-    """Requests at different steps with different policies (and one without) share forwards;
-    rows that reuse and rows that compute sit in the same step; each equals its solo run."""
+    """Requests at different steps with different policies (and some without) share forwards
+    under DLO; rows that reuse and rows that compute sit in the same step, and a second shape
+    group without a cache runs block-major beside them; each equals its solo run."""
     runner = make_runner(family_dir(variant), dlo=True)
     cfg = {"guidance_scale": 4.0, "negative_prompt": "blurry"} if variant == "wan" else {
         "true_cfg_scale": 3.0, "negative_prompt": "blurry"}
@@ -134,7 +135,10 @@ def test_batched_with_mixed_policies_equals_each_alone(family_dir, variant: str)
         0: [("every", params(variant, StepCacheSpec("every", every=3)))],
         1: [("fb", params(variant, StepCacheSpec("first-block", threshold=0.5), seed=9, **cfg)),
             ("plain", params(variant, None, seed=5, num_inference_steps=5))],
-        2: [("every2", params(variant, StepCacheSpec("every", every=2), seed=3, num_images=2))],
+        2: [("every2", params(variant, StepCacheSpec("every", every=2), seed=3, num_images=2)),
+            # Another token grid: its own shape group, block-major beside the cached ones,
+            # without a cache - every block it needs must still be copied.
+            ("wide", params(variant, None, seed=2, width=48))],
     }
     try:
         batched, outputs = run(runner, arrivals=arrivals)
