@@ -15,7 +15,7 @@ import statistics
 import time
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine
+from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.request import SamplingParams
 
 

@@ -25,9 +25,9 @@ from typing import Any
 import harness
 import torch
 
-from ditserve.engine.compiled_blocks import compile_repeated_blocks
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.offload import enable_offload
+from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
 
 def measure(model: torch.nn.Module, batches: list[int], warmup: int, iters: int,

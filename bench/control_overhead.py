@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig
 from ditserve.engine.executor import RankWork
-from ditserve.engine.startup import make_executor, resolve_model
+from ditserve.engine.loop.startup import make_executor, resolve_model
 
 WARM_STEPS = 20  # first steps pay for connection set-up and lazy allocation
 

@@ -43,10 +43,10 @@ from typing import Any
 import harness
 import torch
 
-from ditserve.engine.compiled_blocks import compile_repeated_blocks
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.offload import OffloadHandle, enable_offload
-from ditserve.engine.quantize_dit import quantize_dit
+from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
+from ditserve.engine.weights.quantize import quantize_dit
 
 GIB = harness.GIB
 RESOLUTIONS = (1024, 512)

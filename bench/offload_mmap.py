@@ -42,9 +42,9 @@ import torch
 
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.offload import enable_offload
-from ditserve.engine.offload.host.runtime_cache import release_private_memory  # noqa: E402
-from ditserve.engine.offload.host.safetensors_mmap import MappedSafetensors, map_dit  # noqa: E402
 from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan  # noqa: E402
+from ditserve.engine.weights.checkpoint_mmap import MappedSafetensors, map_dit  # noqa: E402
+from ditserve.engine.weights.runtime_cache import release_private_memory  # noqa: E402
 
 GIB = 1024**3
 PAGE = 4096

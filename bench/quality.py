@@ -283,8 +283,8 @@ def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str
                        dtype: torch.dtype) -> dict[str, Any]:
     from ditserve.engine.config import EngineConfig, SchedulerConfig
     from ditserve.engine.errors import InvalidRequestError
-    from ditserve.engine.model_runner import ModelRunner
     from ditserve.engine.request import NewRequest, SamplingParams
+    from ditserve.engine.runner.model_runner import ModelRunner
     from ditserve.engine.scheduler import StepScheduler
     from ditserve.engine.step_cache.spec import StepCacheSpec
 

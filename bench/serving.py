@@ -22,6 +22,11 @@ arrivals - to one launched server per ``--mixed-configs`` entry (default: DLO at
 and 4, and resident at 4), and reports the mean shape groups, rows and tokens per step, req/s,
 p50/p90 latency and the issue's targets as ok/NO rows. ``--tiny`` makes that a CPU smoke run
 on the embedded tiny model (small sizes, few steps, ``--device cpu``).
+
+``--priority`` (issue 38; bench/serving_priority.py) sends a saturating low-priority stream
+with a share of high-priority requests to a ``--scheduling-policy priority`` server and to an
+fcfs one, and judges high-priority p90 against its idle p90 and throughput against fcfs's
+(``--tiny``: a CPU smoke run).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from typing import Any
 
 import httpx
 
-from ditserve.engine.step_log import copy_rates_of  # plain Python: no torch import
+from ditserve.engine.loop.step_log import copy_rates_of  # plain Python: no torch import
 
 GEN = "/v1/images/generations"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")
@@ -242,7 +247,7 @@ def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["video"]:  # the /v1/videos mode lives in its own file
-        return _video_mode().main(argv[1:])
+        return _bench_module("serving_video").main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running server (omit with --launch)")
     p.add_argument("--launch", action="store_true", help="start one server per --max-num-seqs")
@@ -263,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--out", default="serving-bench.json")
     add_mixed_options(p)
+    priority = _bench_module("serving_priority")
+    priority.add_options(p)
     args = p.parse_args(argv)
     headers = {}
     if os.environ.get("DITSERVE_API_KEY"):
@@ -271,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     if args.mixed:
         return mixed_main(args, headers)
+    if args.priority:
+        return int(priority.main(args, sys.modules[__name__], headers))
     results: list[dict[str, Any]] = []
     interrupted = False
     try:
@@ -311,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["summary"]["errors"] == 0 for r in results) else 1
 
 
-def _video_mode() -> Any:
-    """bench/serving_video.py, loaded by path (`python3 -P` puts no script dir on sys.path)."""
+def _bench_module(name: str) -> Any:
+    """bench/<name>.py (the video and priority modes), loaded by path (`python3 -P` puts no
+    script dir on sys.path)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "serving_video", Path(__file__).with_name("serving_video.py"))
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

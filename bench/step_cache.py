@@ -38,8 +38,8 @@ import harness
 import torch
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, SchedulerConfig
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import NewRequest, SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import StepScheduler
 from ditserve.engine.step_cache.spec import StepCacheSpec, parse_step_cache
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine
+from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.request import SamplingParams
 
 

@@ -81,7 +81,7 @@ def engine_loader() -> ModelLoader:
     from ditserve.cachectl.model_build import describe_loader
 
     try:
-        from ditserve.engine import loader
+        from ditserve.engine.weights import loader
     except ImportError as e:  # pragma: no cover - only in a broken install
         raise BuildError(f"the engine loader is not importable: {e}") from e
     return describe_loader(loader)
@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="runtime dtype")
         sp.add_argument("--revision", default=None, help="revision label recorded in the identity")
         sp.add_argument("--component", default="transformer", metavar="NAME",
-                        help="which DiT of the model (Wan 2.2's second expert: transformer_2)")
+                        help="which DiT of the model (Wan 2.2's second expert: transformer_2; "
+                             "'all': every DiT the model has, one entry each)")
         sp.add_argument("--sp-size", type=_positive_int, default=1,
                         help="sequence-parallel world size of the engines (part of the identity)")
         sp.add_argument("--sp-impl", default=None,
@@ -120,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--socket", type=Path, default=None,
                    help="daemon socket (default: $DITSERVE_CACHECTL_SOCKET or ROOT/cachectl.sock)")
     e.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait in total")
-    e.add_argument("--no-daemon", action="store_true", help="never ask the daemon")
+    how = e.add_mutually_exclusive_group()
+    how.add_argument("--no-daemon", action="store_true", help="never ask the daemon")
+    how.add_argument("--daemon-only", action="store_true",
+                     help="only ask the daemon (wait for it up to --timeout), never write the "
+                          "cache here: for pods that mount the cache read-only")
 
     v = sub.add_parser("verify", parents=[common], help="re-hash entries; exit 1 on corruption")
     v.add_argument("keys", nargs="*", metavar="KEY", help="entries to check (default: all)")

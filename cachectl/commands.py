@@ -132,39 +132,96 @@ def _daemon_ensure(client: Any, args: argparse.Namespace, progress: Progress) ->
             raise CacheError(f"daemon: {err}")
 
 
+ALL_COMPONENTS = "all"
+DAEMON_POLL_S = 2.0
+
+
+def _components(args: argparse.Namespace, loader: LoaderFn) -> list[str]:
+    """The DiTs to ensure: the one named, or with ``--component all`` every one the model has
+    (an engine maps each from the cache; one left out is held in private memory instead)."""
+    if args.component != ALL_COMPONENTS:
+        return [args.component]
+    return list(loader().components(args.model.resolve()))
+
+
+def _daemon_only_ensure(client: Any, args: argparse.Namespace,
+                        progress: Progress) -> dict[str, Any]:
+    """Ensure through the daemon alone: this process may not write the cache (read-only mount),
+    so a missing or restarting daemon is waited for, never replaced by a local build."""
+    deadline = time.monotonic() + args.timeout
+    said_waiting = False
+    while True:
+        left = deadline - time.monotonic()
+        if client.available():
+            try:
+                return _daemon_ensure(client, argparse.Namespace(**{**vars(args), "timeout": left}),
+                                      progress)
+            except _DaemonCannotSeeModel as e:
+                raise CacheError(f"{e}: the cachectl DaemonSet mounts only the node directories "
+                                 "the admin listed (chart value cachectl.modelHostPaths)") from e
+            except DaemonError as e:
+                progress.phase(f"{e}; asking the daemon again")
+        elif not said_waiting:
+            progress.phase("waiting for the node's cachectl daemon (this pod never writes the "
+                           "cache itself)")
+            said_waiting = True
+        if time.monotonic() + DAEMON_POLL_S > deadline:
+            raise CacheError(f"no cachectl daemon answered on {client.socket_path} within "
+                             f"--timeout {args.timeout:.0f}s: check the cachectl DaemonSet's pod "
+                             "on this node")
+        time.sleep(DAEMON_POLL_S)
+
+
+def _ensure_one(root: Path, args: argparse.Namespace, progress: Progress, loader: LoaderFn,
+                client: Any) -> dict[str, Any]:
+    if args.daemon_only:
+        return _daemon_only_ensure(client, args, progress)
+    result = None
+    if not args.no_daemon and client.available():
+        try:
+            result = _daemon_ensure(client, args, progress)
+        except _DaemonCannotSeeModel as e:
+            progress.phase(f"{e}; building or joining here under the lock instead")
+        except DaemonError as e:
+            # The daemon died or restarted mid-request: its build lock died with it (or
+            # its build still runs and we wait on the same lock, then join).
+            progress.phase(f"{e}; building or joining here under the lock instead")
+    else:
+        progress.phase("no daemon on the socket; building or joining under the lock")
+    return result if result is not None else _local_ensure(root, args, progress, loader)
+
+
 def cmd_ensure(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
     from ditserve.cachectl.client import DaemonClient
 
     progress = Progress(enabled=not args.json)
     client = DaemonClient(args.socket or default_socket(root))
+    deadline = time.monotonic() + args.timeout
+    results = []
     try:
-        result = None
-        if not args.no_daemon and client.available():
-            try:
-                result = _daemon_ensure(client, args, progress)
-            except _DaemonCannotSeeModel as e:
-                progress.phase(f"{e}; building or joining here under the lock instead")
-            except DaemonError as e:
-                # The daemon died or restarted mid-request: its build lock died with it (or
-                # its build still runs and we wait on the same lock, then join).
-                progress.phase(f"{e}; building or joining here under the lock instead")
-        else:
-            progress.phase("no daemon on the socket; building or joining under the lock")
-        if result is None:
-            result = _local_ensure(root, args, progress, loader)
+        components = _components(args, loader)
+        for component in components:
+            if len(components) > 1:
+                progress.phase(f"component {component}")
+            left = max(1.0, deadline - time.monotonic())
+            one = argparse.Namespace(**{**vars(args), "component": component, "timeout": left})
+            results.append(_ensure_one(root, one, progress, loader, client))
     finally:
         progress.done()
-    _emit(result, args.json)
+    for result in results:
+        _emit(result, args.json)
     return EXIT_OK
 
 
 def cmd_build(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
     progress = Progress(enabled=not args.json)
     try:
-        result = _local_ensure(root, args, progress, loader)
+        results = [_local_ensure(root, argparse.Namespace(**{**vars(args), "component": c}),
+                                 progress, loader) for c in _components(args, loader)]
     finally:
         progress.done()
-    _emit(result, args.json)
+    for result in results:
+        _emit(result, args.json)
     return EXIT_OK
 
 

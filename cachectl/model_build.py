@@ -6,7 +6,7 @@ digest (content hash of those files) and the build function (the loader's final 
 The loader is an argument (``ModelLoader``): this module, like the whole library, never
 imports the engine. Only the edges do: the CLI hands the engine's loader to ``build`` /
 ``ensure`` and to the daemon, and the engine describes its own loader the same way
-(``describe_loader(ditserve.engine.loader)``), so both compute the same recipe.
+(``describe_loader(ditserve.engine.weights.loader)``), so both compute the same recipe.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ def _no_family(model_dir: Path) -> str:
     return ""
 
 
+def _only_transformer(model_dir: Path) -> tuple[str, ...]:
+    return ("transformer",)
+
+
 @dataclass(frozen=True)
 class ModelLoader:
     """What the cache needs from a loader: its identity and two functions.
@@ -57,6 +61,9 @@ class ModelLoader:
     load: LoadFn = field(compare=False)
     family_version: Callable[[Path], str] = field(default=_no_family, compare=False)
     inputs: tuple[tuple[str, str], ...] = ()
+    # The DiT components of a model directory (Wan 2.2: transformer and transformer_2).
+    components: Callable[[Path], tuple[str, ...]] = field(default=_only_transformer,
+                                                          compare=False)
 
     def version_for(self, model_dir: Path) -> str:
         """The identity's loader version for ``model_dir`` (its family's rules included)."""
@@ -85,6 +92,7 @@ def describe_loader(module: ModuleType) -> ModelLoader:
     except AttributeError as e:
         raise BuildError(f"{module.__name__} is not a model loader: {e}") from e
     family_fn = getattr(module, "family_loader_version", None)
+    components_fn = getattr(module, "dit_components", None)
     return ModelLoader(
         name=f"{module.__name__}.load_dit_state_dict",
         version=f"{declared}+{hashlib.sha256(source).hexdigest()[:16]}",
@@ -92,6 +100,8 @@ def describe_loader(module: ModuleType) -> ModelLoader:
         load=lambda d, dtype, component: dict(load_fn(d, dtype=dtype, component=component)),
         family_version=(lambda d: str(family_fn(d))) if family_fn is not None else _no_family,
         inputs=(("diffusers", _version("diffusers")),),
+        components=((lambda d: tuple(components_fn(d))) if components_fn is not None
+                    else _only_transformer),
     )
 
 

@@ -18,6 +18,8 @@ from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.families import MODEL_VARIANTS
+from ditserve.engine.server.options import add_server_options
+from ditserve.engine.termination import record_fatal
 
 log = logging.getLogger("ditserve")
 
@@ -55,7 +57,7 @@ def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ditserve.engine.engine import DiffusionEngine, WarmUp
+    from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.request import SamplingParams
 
     config = engine_config_from_args(args)
@@ -102,7 +104,7 @@ DEMO_STEPS = [4, 8, 2, 6, 4, 3]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.request import SamplingParams
 
     config = engine_config_from_args(args)
@@ -217,12 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-style HTTP API")
     add_engine_options(serve)
-    try:
-        from ditserve.engine.server.main import add_server_options
-    except ImportError:  # the server package is optional at import time of the CLI
-        add_server_options = None
-    if add_server_options is not None:
-        add_server_options(serve)
+    add_server_options(serve)  # pure flags (server.options); uvicorn loads only to serve
     serve.set_defaults(func=cmd_serve)
 
     worker = sub.add_parser(
@@ -266,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except DitServeError as e:
         print(f"error: {e}", file=sys.stderr)
+        record_fatal(f"error: {e}")  # a pod's status shows it (engine.termination)
         return 2
     except KeyboardInterrupt:
         return 130

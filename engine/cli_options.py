@@ -17,6 +17,7 @@ from ditserve.engine.config import (
     DTYPES,
     GATHER_ENGINES,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     EngineConfig,
 )
 from ditserve.engine.errors import ConfigError
@@ -33,6 +34,9 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "max_batch_tokens": ("scheduler", "max_batch_tokens"),
     "max_bypass": ("scheduler", "max_bypass"),
     "max_queue": ("scheduler", "max_queue"),
+    "scheduling_policy": ("scheduler", "scheduling_policy"),
+    "priority_aging_s": ("scheduler", "aging_s"),
+    "max_preemptions": ("scheduler", "max_preemptions"),
     "dlo_slots": ("offload", "slots"),
     "dlo_resident_layers": ("offload", "resident_layers"),
     "dlo_hbm_budget_gib": ("offload", "hbm_budget_gib"),
@@ -80,6 +84,17 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                         "does not (default 8; 0: strict arrival order)")
     g.add_argument("--max-queue", type=int, default=None,
                    help="waiting requests beyond which new ones are refused (default 64)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
+                   help="fcfs (default): arrival order, requests' priority ignored; priority: "
+                        "admit by (priority, deadline, arrival) and pause lower-priority "
+                        "running requests at a step boundary to make room")
+    g.add_argument("--priority-aging-s", type=float, default=None,
+                   help="under --scheduling-policy priority, each this many seconds waited "
+                        "count one priority level sooner, so low priority never starves "
+                        "(default 30)")
+    g.add_argument("--max-preemptions", type=int, default=None,
+                   help="the most times one request may be paused for higher-priority ones "
+                        "(default 2)")
     o = parser.add_argument_group("layerwise offload (DLO)")
     o.add_argument("--offload", choices=("none", "dlo"), default=None,
                    help="dlo: stream DiT blocks from host memory through device slots")

@@ -127,12 +127,22 @@ class SchedulerConfig:
         arrival order (FIFO, with head-of-line blocking).
     max_queue: waiting requests beyond which new ones are refused (None: unbounded), counted
         over the whole replica.
+    scheduling_policy: "fcfs" admits in arrival order (with the bounded bypass) and ignores
+        requests' ``priority``; "priority" admits by (priority, deadline, arrival) with aging, and
+        pauses lower-priority running requests at a step boundary to make room
+        (``engine.scheduling_policy``). Deadlines are kept under both.
+    aging_s: under "priority", every ``aging_s`` seconds a request waits (or is paused) it
+        counts one priority level sooner, so low priority is never starved.
+    max_preemptions: the most times one request may be paused.
     """
 
     max_num_seqs: int = 4
     max_batch_tokens: int | None = None
     max_bypass: int = 8
     max_queue: int | None = 64
+    scheduling_policy: str = "fcfs"
+    aging_s: float = 30.0
+    max_preemptions: int = 2
 
 
 @dataclass(frozen=True)
@@ -158,9 +168,9 @@ class EngineConfig:
     """Everything one engine replica needs. ``model`` None means the embedded tiny model.
 
     compile: a torch.compile backend for the DiT's repeated blocks (regional compilation,
-    ``ditserve.engine.compiled_blocks``); None runs them eagerly.
+    ``ditserve.engine.runner.compiled_blocks``); None runs them eagerly.
     quantization: "fp8" runs the DiT blocks' linear layers in FP8 e4m3 (rowwise weight scales,
-    per-token activation scales; ``ditserve.engine.quantize_dit``); None keeps ``dtype``.
+    per-token activation scales; ``ditserve.engine.weights.quantize``); None keeps ``dtype``.
     """
 
     model: str | None = None
@@ -197,8 +207,9 @@ _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": Sc
 # told how to update it rather than only that the key is unknown.
 _REMOVED = {
     "scheduler.policy": "fifo admission is max_bypass: 0; bypass (the old default) is any "
-                        "max_bypass > 0",
+                        "max_bypass > 0 (priorities: scheduling_policy)",
 }
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def reject_unknown_keys(data: Any, known: set[str], path: str = "") -> None:
@@ -273,6 +284,11 @@ def problems(config: EngineConfig) -> list[str]:
     int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
     if sch.max_queue is not None:
         int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)
+    if sch.scheduling_policy not in SCHEDULING_POLICIES:
+        out.append(f"scheduler.scheduling_policy must be one of "
+                   f"{', '.join(SCHEDULING_POLICIES)}, got {sch.scheduling_policy!r}")
+    number_at_least(out, "scheduler.aging_s", sch.aging_s, 0.001)
+    int_at_least(out, "scheduler.max_preemptions", sch.max_preemptions, 0)
 
     out.extend(step_cache_problems(config.step_cache, parallel=par))
     off = config.offload

@@ -49,3 +49,12 @@ class DistributedError(DitServeError):
 
 class FormatError(DitServeError, ValueError):
     """A packed or quantized weight format is malformed, or does not fit where it is used."""
+
+
+class DeadlineError(DitServeError):
+    """A request cannot meet its ``deadline_s`` by the scheduler's estimate: refused at
+    admission, or stopped at a step boundary (``deadline_exceeded``), never silently late."""
+
+    def __init__(self, message: str, *, estimate_s: float | None = None) -> None:
+        super().__init__(message)
+        self.estimate_s = estimate_s

@@ -7,7 +7,7 @@ loop per group, so ranks of different groups never wait for each other.
 
 ``LocalExecutor`` (here) is one in-process ModelRunner (dp = 1). ``MultiProcessExecutor``
 (``ditserve.engine.distributed.executor``) runs rank 0 in this process and the other ranks in
-worker processes; ``ditserve.engine.startup.make_executor`` picks one. The engine loop sees
+worker processes; ``ditserve.engine.loop.startup.make_executor`` picks one. The engine loop sees
 only this interface, so scheduling is identical in both.
 """
 
@@ -58,7 +58,7 @@ class LocalExecutor:
     step_groups = ((0,),)
 
     def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
-        from ditserve.engine.model_runner import ModelRunner
+        from ditserve.engine.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, model_dir=model_dir)
 

@@ -85,7 +85,7 @@ def make_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> 
     keep-in-float32 modules (Wan's norms and modulation tables) in float32."""
     import torch
 
-    from ditserve.engine.loader import keeps_float32
+    from ditserve.engine.weights.loader import keeps_float32
 
     previous = torch.get_default_dtype()
     torch.manual_seed(seed)

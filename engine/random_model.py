@@ -138,7 +138,7 @@ def init_random(
             raise ConfigError(f"{str(target)!r} already holds a different random model "
                               f"({found}); choose another directory")
         return target
-    from ditserve.engine.loader import torch_dtype as to_torch_dtype
+    from ditserve.engine.weights.loader import torch_dtype as to_torch_dtype
 
     started = time.perf_counter()
     pipe = _build(family, size, dtype=to_torch_dtype(dtype), device=_resolve_device(device),

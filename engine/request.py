@@ -19,11 +19,17 @@ MAX_IMAGES = 8
 MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_FRAMES = 1025
+MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
+MAX_DEADLINE_S = 7 * 24 * 3600.0
 
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Finished states sort last so ``status >= FINISHED_OK`` works.
 
+    PAUSED: preempted at a step boundary by a request of higher priority; its denoise state
+    stays with the runner, untouched, until it resumes (back to DENOISING).
+    FINISHED_DEADLINE: the scheduler's estimate says it can no longer meet its ``deadline_s``
+    (or the deadline passed); it was stopped at a step boundary, never silently late.
     An aborted request has no end state here: the scheduler forgets it at once (a running one
     is freed at the next step boundary) and the engine reports the abort itself.
     """
@@ -31,9 +37,11 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     ENCODING = 1
     DENOISING = 2
-    DECODING = 3
-    FINISHED_OK = 4
-    FINISHED_ERROR = 5
+    PAUSED = 3
+    DECODING = 4
+    FINISHED_OK = 5
+    FINISHED_ERROR = 6
+    FINISHED_DEADLINE = 7
 
     @property
     def is_finished(self) -> bool:
@@ -72,6 +80,10 @@ class SamplingParams:
         ``preview_steps``); they travel as "preview" events, never change the result.
     step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
         server's default. Per row, so it is not part of the batch key.
+    priority: the scheduling class, lower is sooner (as vLLM's ``priority``); only the
+        scheduler reads it, and only under ``--scheduling-policy priority``.
+    deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
+        stops a request that cannot make it (``DeadlineError``). None: no deadline.
     """
 
     prompt: str
@@ -86,6 +98,8 @@ class SamplingParams:
     num_frames: int = 1
     partial_images: int = 0
     step_cache: StepCacheSpec | None = None
+    priority: int = 0
+    deadline_s: float | None = None
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -106,6 +120,21 @@ class SamplingParams:
             raise InvalidRequestError(
                 "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
                 f"(try {lower} or {lower + frame_step})")
+
+    def _validate_scheduling(self) -> None:
+        p = self.priority
+        if not isinstance(p, int) or isinstance(p, bool) or not abs(p) <= MAX_PRIORITY:
+            raise InvalidRequestError(
+                "priority", f"must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (lower "
+                f"is sooner), got {p!r}")
+        d = self.deadline_s
+        if d is None:
+            return
+        if not isinstance(d, (int, float)) or isinstance(d, bool) or d != d \
+                or not 0 < d <= MAX_DEADLINE_S:
+            raise InvalidRequestError(
+                "deadline_s", f"must be a number of seconds in (0, {MAX_DEADLINE_S:g}], got "
+                f"{d!r}")
 
     def batch_key(self) -> BatchKey:
         return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames)
@@ -182,6 +211,7 @@ class SamplingParams:
             if not isinstance(self.step_cache, StepCacheSpec):
                 raise InvalidRequestError("step_cache", "must be a StepCacheSpec")
             self.step_cache.validate()
+        self._validate_scheduling()
         for name in ("guidance_scale", "true_cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):

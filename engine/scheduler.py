@@ -24,6 +24,12 @@ within one admission pass too (a burst of small requests cannot all pass at once
 ``max_bypass`` 0 is strict arrival order (FIFO: a request that does not fit blocks everyone
 behind it).
 
+Under the "priority" policy (``scheduling_policy``) lower-priority running requests may be
+paused at a step boundary: left out of the plans (the runner keeps their state, untouched)
+until resumed into ``denoise`` without a second encode. Under both policies a request that
+can no longer meet its deadline (``deadlines``) ends as FINISHED_DEADLINE at a step boundary.
+``update()`` reports the pauses and deadline stops of the ``schedule()`` before it.
+
 The queue bound (``max_queue``) is replica-wide and lives in ``RankQueues``, in front of the
 per-rank schedulers.
 """
@@ -31,118 +37,44 @@ per-rank schedulers.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
+from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder
+from ditserve.engine.step_plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
 from ditserve.engine.work import RequestWork, WorkRule, with_budget
+
+__all__ = ["DEFAULT_WORK_RULE", "RunnerOutput", "ScheduledRequest", "StatusChange", "StepPlan",
+           "StepScheduler"]
 
 # The work of requests added without one (tests, warm-up): a 16-pixel-token image model.
 DEFAULT_WORK_RULE = WorkRule()
-
-
-@dataclass
-class ScheduledRequest:
-    """The scheduler's view of one request: identity, status and step bookkeeping."""
-
-    request_id: str
-    params: SamplingParams
-    arrival: int
-    work: RequestWork
-    status: RequestStatus = RequestStatus.WAITING
-    steps_done: int = 0
-    times_bypassed: int = 0
-    error: str | None = None
-
-    @property
-    def key(self) -> BatchKey:
-        return self.params.batch_key()
-
-    @property
-    def total_steps(self) -> int:
-        return self.params.num_inference_steps
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What one engine step does.
-
-    encode: admitted this step; encode them, then they join this step's denoise batch.
-    denoise: every request denoised this step, in batch order (includes ``encode``); the
-        runner gives each shape group among them one forward.
-    decode: requests whose final denoise step is this one; decode after the forward.
-    freed: aborted requests whose runner state must be dropped.
-    step_id: the scheduler's step counter; None for the idle plan, which no scheduler made.
-    """
-
-    step_id: int | None
-    encode: tuple[str, ...] = ()
-    denoise: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
-    freed: tuple[str, ...] = ()
-
-    @classmethod
-    def idle(cls) -> StepPlan:
-        """A plan that runs nothing: the runner only completes the steps it has queued and
-        hands back their late outputs (decoded pixels). The engine sends it to flush after
-        the warm-up, and as the heartbeat of an idle worker."""
-        return cls(step_id=None)
-
-
-@dataclass
-class RunnerOutput:
-    """What the model runner did with a plan (plain data: it crosses process boundaries).
-
-    stepped: denoised this step. decoded: decode queued; the request leaves the batch.
-    finished: request id -> decoded output (the runner's pixels, opaque here), for requests
-    decoded this step or an earlier one. failed: request id -> error message.
-    forward_*: the last step whose denoise forwards completed (0 rows: none did): its
-    requests, rows, shape groups (one forward each), work (rows x tokens) and time.
-    previews: request id -> (step, pixels) of a preview decoded after that step (the runner's
-    pixels, opaque here; only requests with ``partial_images``); scheduling ignores them.
-    step_cache_*: this step's block computations (one request through one block), those the
-    step cache skipped, and the streamed bytes it did not copy (engine.step_cache).
-    """
-
-    stepped: list[str] = field(default_factory=list)
-    decoded: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    finished: dict[str, Any] = field(default_factory=dict)
-    forward_requests: int = 0
-    forward_rows: int = 0
-    forward_groups: int = 0
-    forward_tokens: int = 0
-    forward_seconds: float = 0.0
-    previews: dict[str, tuple[int, Any]] = field(default_factory=dict)
-    step_cache_block_runs: int = 0
-    step_cache_skipped_blocks: int = 0
-    step_cache_skipped_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class StatusChange:
-    """A status transition reported by ``update`` (for progress events and metrics)."""
-
-    request_id: str
-    status: RequestStatus
-    steps_done: int
-    total_steps: int
-    error: str | None = None
+NEWEST = 2**62  # the arrival counter of a request not yet added (an estimate's)
 
 
 class StepScheduler:
-    """Continuous-batching scheduler over request ids; see the module docstring."""
+    """Continuous-batching scheduler over request ids; see the module docstring. ``clock``:
+    monotonic seconds (deadlines, aging, the measured step time); tests inject one."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         # An unresolved budget (None) budgets like an image model; the engine resolves it for
         # the served family before building its schedulers (``work.with_budget``).
         self.config = with_budget(config, None)
+        self.clock = clock
+        self._order = (PriorityOrder(config.aging_s, config.max_preemptions)
+                       if config.scheduling_policy == PRIORITY else None)
         self._waiting: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._running: OrderedDict[str, ScheduledRequest] = OrderedDict()
+        self._paused: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._decoding: dict[str, ScheduledRequest] = {}  # out of the batch, output pending
         self._aborted_running: list[str] = []
+        self._reported: list[StatusChange] = []  # made by schedule(), reported by update()
+        self._step_clock = StepClock()
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
 
@@ -155,60 +87,98 @@ class StepScheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_paused(self) -> int:  # preempted, state kept by the runner
+        return len(self._paused)
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The measured period of a busy step (None until two busy steps were planned)."""
+        return self._step_clock.step_s
+
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._decoding or self._aborted_running)
+        return bool(self._waiting or self._running or self._paused or self._decoding
+                    or self._aborted_running)
 
     def get(self, request_id: str) -> ScheduledRequest | None:
         return (self._running.get(request_id) or self._waiting.get(request_id)
-                or self._decoding.get(request_id))
+                or self._paused.get(request_id) or self._decoding.get(request_id))
 
     def queue_position(self, request_id: str) -> int | None:
-        """0-based position among waiting requests, or None if not waiting."""
-        for position, rid in enumerate(self._waiting):
-            if rid == request_id:
-                return position
-        return None
+        """0-based position among waiting requests (admission order); None: not waiting."""
+        return self.waiting_ids().index(request_id) if request_id in self._waiting else None
 
     def waiting_ids(self) -> list[str]:
-        """Waiting request ids, in queue order."""
-        return list(self._waiting)
+        """Waiting request ids, in admission order."""
+        if self._order is None:
+            return list(self._waiting)
+        return [r.request_id for r in self._order.order(self._waiting.values(), self.clock())]
+
+    def waiting_priorities(self) -> list[int]:
+        return [r.priority for r in self._waiting.values()]  # queue depth by class (metrics)
 
     def running_keys(self) -> set[BatchKey]:
         """The shape groups of the running batch."""
         return {request.key for request in self._running.values()}
 
     def committed_tokens(self) -> int:
-        """Work of the running and waiting requests (rows x tokens)."""
-        return sum(r.work.tokens for r in (*self._running.values(), *self._waiting.values()))
+        """Work of the running, paused and waiting requests (rows x tokens)."""
+        return sum(r.work.tokens for r in self._held())
 
     def has_room(self, work: RequestWork) -> bool:
         """Whether a request of ``work`` fits what this rank already holds: a free slot and
         the budget left, or nothing held at all (a request larger than the budget runs
         alone, as admission lets it)."""
-        queued = self.num_running + self.num_waiting
+        queued = self.num_running + self.num_waiting + self.num_paused
         if queued >= self.config.max_num_seqs:
             return False
-        assert self.config.max_batch_tokens is not None  # resolved in __init__
-        return queued == 0 or self.committed_tokens() + work.tokens <= self.config.max_batch_tokens
+        return queued == 0 or self.committed_tokens() + work.tokens <= self._budget
+
+    @property
+    def order(self) -> PriorityOrder | None:  # None under fcfs (arrival order)
+        return self._order
+
+    def pausable_priority(self, params: SamplingParams) -> int | None:
+        """The priority of the first request paused here for one of ``params``, or None."""
+        probe = ScheduledRequest("", params, NEWEST, DEFAULT_WORK_RULE.of(params))
+        victims = self._order and self._order.victims(
+            list(self._running.values()), probe, tokens_short=0, slots_short=1)
+        return victims[0].priority if victims else None
+
+    def estimate_s(self, params: SamplingParams, work: RequestWork | None = None
+                   ) -> float | None:
+        """Seconds a new request would take to finish here (``deadlines.finish_steps`` at the
+        measured step time); None before a step time was measured."""
+        step_s = self.step_seconds
+        if step_s is None:
+            return None
+        now = self.clock()
+        new = ScheduledRequest("", params, arrival=NEWEST,
+                               work=work or DEFAULT_WORK_RULE.of(params), arrived_at=now)
+        return finish_steps(new, self._ahead_of(new, now), self._budget) * step_s
 
     # -- lifecycle inputs ------------------------------------------------------------------
     def add(self, request_id: str, params: SamplingParams,
-            work: RequestWork | None = None) -> ScheduledRequest:
+            work: RequestWork | None = None, *, arrived_at: float | None = None
+            ) -> ScheduledRequest:
         """Queue a request; ``work`` from the served model's WorkRule (default: a
-        16-pixel-token image model's)."""
-        if request_id in self._waiting or request_id in self._running \
-                or request_id in self._decoding:
+        16-pixel-token image model's); ``arrived_at``: when it reached the replica, on this
+        scheduler's clock (default now; its deadline counts from it)."""
+        if self.get(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already scheduled")
-        request = ScheduledRequest(request_id, params, arrival=next(self._arrivals),
-                                   work=work or DEFAULT_WORK_RULE.of(params))
+        request = ScheduledRequest(
+            request_id, params, arrival=next(self._arrivals),
+            work=work or DEFAULT_WORK_RULE.of(params),
+            arrived_at=self.clock() if arrived_at is None else arrived_at)
         self._waiting[request_id] = request
         return request
 
     def abort(self, request_id: str) -> bool:
-        """Remove a request; a running one is freed at the next step boundary."""
+        """Remove a request; a running or paused one is freed at the next step boundary."""
         if self._waiting.pop(request_id, None) is not None:
             return True
         if self._running.pop(request_id, None) is not None \
+                or self._paused.pop(request_id, None) is not None \
                 or self._decoding.pop(request_id, None) is not None:
             self._aborted_running.append(request_id)
             return True
@@ -216,22 +186,19 @@ class StepScheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        admitted = self._admit()
-        decode = tuple(
-            rid for rid, r in self._running.items() if r.steps_done + 1 >= r.total_steps
-        )
+        now = self.clock()
+        self._stop_late(now)
+        admitted = self._admit() if self._order is None else self._admit_by_priority(now)
+        decode = tuple(rid for rid, r in self._running.items() if r.remaining_steps <= 1)
         freed, self._aborted_running = tuple(self._aborted_running), []
-        return StepPlan(
-            step_id=next(self._step_ids),
-            encode=tuple(admitted),
-            denoise=tuple(self._running),
-            decode=decode,
-            freed=freed,
-        )
+        self._step_clock.tick(now, busy=bool(self._running))
+        return StepPlan(step_id=next(self._step_ids), encode=tuple(admitted),
+                        denoise=tuple(self._running), decode=decode, freed=freed)
 
     def update(self, plan: StepPlan, output: RunnerOutput) -> list[StatusChange]:
-        """Apply the runner's results; return the status changes, finished ones last."""
-        changes: list[StatusChange] = []
+        """Apply the runner's results; return the status changes (with the pauses, resumes
+        and deadline stops of ``plan``), finished ones last."""
+        changes, self._reported = self._reported, []
         for rid, message in output.failed.items():
             request = (self._running.pop(rid, None) or self._waiting.pop(rid, None)
                        or self._decoding.pop(rid, None))
@@ -242,7 +209,7 @@ class StepScheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.steps_done += 1
-            changes.append(self._set(request, RequestStatus.DENOISING))
+            changes.append(self._stepped(request))
         for rid in output.decoded:
             request = self._running.pop(rid, None)
             if request is not None:
@@ -252,22 +219,61 @@ class StepScheduler:
             request = self._decoding.pop(rid, None)
             if request is not None:  # None: aborted meanwhile
                 changes.append(self._set(request, RequestStatus.FINISHED_OK))
+        if not self.has_work():
+            self._step_clock.tick(self.clock(), busy=False)  # idle time is no step period
         changes.sort(key=lambda c: c.status.is_finished)
         return changes
 
     # -- internals -------------------------------------------------------------------------
-    def _set(
-        self, request: ScheduledRequest, status: RequestStatus, error: str | None = None
-    ) -> StatusChange:
-        request.status = status
-        request.error = error
+    @property
+    def _budget(self) -> int:
+        assert self.config.max_batch_tokens is not None  # resolved in __init__
+        return self.config.max_batch_tokens
+
+    def _held(self) -> Iterable[ScheduledRequest]:
+        return (*self._running.values(), *self._paused.values(), *self._waiting.values())
+
+    def _ahead_of(self, new: ScheduledRequest, now: float) -> list[ScheduledRequest]:
+        """The requests that go before ``new``: everything held under fcfs, else by policy."""
+        if self._order is None:
+            return list(self._held())
+        return self._order.ahead_of(new, self._running.values(),
+                                    (*self._paused.values(), *self._waiting.values()), now)
+
+    def _set(self, request: ScheduledRequest, status: RequestStatus,
+             error: str | None = None) -> StatusChange:
+        request.status, request.error = status, error
+        return StatusChange(request.request_id, status, request.steps_done,
+                            request.total_steps, error)
+
+    def _stepped(self, request: ScheduledRequest) -> StatusChange:
+        resumed_after = None
+        if request.paused_at is not None:  # its first step since it resumed
+            resumed_after, request.paused_at = request.paused_seconds, None
+        request.status = RequestStatus.DENOISING
+        step_s = self.step_seconds
         return StatusChange(
-            request.request_id, status, request.steps_done, request.total_steps, error
-        )
+            request.request_id, RequestStatus.DENOISING, request.steps_done,
+            request.total_steps, resumed_after_s=resumed_after,
+            eta_s=None if step_s is None else request.remaining_steps * step_s)
+
+    def _stop_late(self, now: float) -> None:
+        """Finish every held request that can no longer meet its deadline (``late_by``)."""
+        for queue in (self._waiting, self._paused, self._running):
+            for rid, request in list(queue.items()):
+                reason = late_by(request, now, self.step_seconds)
+                if reason is None:
+                    continue
+                del queue[rid]
+                if queue is not self._waiting:
+                    self._aborted_running.append(rid)  # the runner drops its state
+                self._reported.append(self._set(request, RequestStatus.FINISHED_DEADLINE,
+                                                reason))
 
     def _admit(self) -> list[str]:
+        """fcfs: arrival order with the bounded bypass (see the module docstring)."""
         slots = self.config.max_num_seqs - len(self._running)
-        room = self.config.max_batch_tokens - sum(r.work.tokens for r in self._running.values())
+        room = self._budget - sum(r.work.tokens for r in self._running.values())
         admitted: list[str] = []
         passed: list[ScheduledRequest] = []  # older requests that did not fit, in order
         for request in list(self._waiting.values()):
@@ -289,7 +295,54 @@ class StepScheduler:
             room -= request.work.tokens
         return admitted
 
+    def _admit_by_priority(self, now: float) -> list[str]:
+        """priority: waiting and paused requests in the policy's order, with the bounded
+        bypass, pausing lower-priority running requests for one that does not fit."""
+        assert self._order is not None
+        slots = self.config.max_num_seqs - len(self._running)
+        room = self._budget - sum(r.work.tokens for r in self._running.values())
+        admitted: list[str] = []
+        joined: set[str] = set()  # admitted or resumed in this pass: never paused by it
+        passed: list[ScheduledRequest] = []
+        bound = self.config.max_bypass
+        for request in self._order.order((*self._paused.values(), *self._waiting.values()), now):
+            fits = slots > 0 and (request.work.tokens <= room or not self._running)
+            if not fits and not any(p.times_bypassed >= bound for p in passed):
+                pausable = [r for r in self._running.values() if r.request_id not in joined]
+                victims = self._order.victims(pausable, request, tokens_short=request.tokens
+                                              - room, slots_short=1 - slots)
+                for victim in victims or ():
+                    self._pause(victim, now)
+                    slots, room, fits = slots + 1, room + victim.tokens, True
+            if not fits:
+                if slots <= 0 or request.times_bypassed >= bound:
+                    break  # no room for anybody, or it waited long enough: drain for it
+                passed.append(request)
+                continue
+            if any(p.times_bypassed >= bound for p in passed):
+                break
+            for p in passed:
+                p.times_bypassed += 1
+            if request.request_id in self._paused:
+                self._resume(request, now)
+            else:
+                self._admit_one(request)
+                admitted.append(request.request_id)
+            joined.add(request.request_id)
+            slots, room = slots - 1, room - request.work.tokens
+        return admitted
+
     def _admit_one(self, request: ScheduledRequest) -> None:
         del self._waiting[request.request_id]
         request.status = RequestStatus.ENCODING
         self._running[request.request_id] = request
+
+    def _pause(self, request: ScheduledRequest, now: float) -> None:
+        self._paused[request.request_id] = self._running.pop(request.request_id)
+        request.times_paused, request.paused_at = request.times_paused + 1, now
+        self._reported.append(self._set(request, RequestStatus.PAUSED))
+
+    def _resume(self, request: ScheduledRequest, now: float) -> None:
+        self._running[request.request_id] = self._paused.pop(request.request_id)
+        assert request.paused_at is not None
+        request.paused_seconds, request.status = now - request.paused_at, RequestStatus.DENOISING

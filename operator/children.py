@@ -7,24 +7,38 @@ their ownership was checked at), and delete this owner's children the spec no lo
 PodDisruptionBudget after scaling to one replica, the Deployment after a switch to a
 LeaderWorkerSet or back). A child the API server refuses stops the sync and comes back as
 ``ChildApplyFailed`` with the server's own message. A child that already matches is not
-written, so a restarted operator changes nothing.
+written, so a restarted operator changes nothing. ``SyncResult`` says what was written, and
+which of those writes repaired drift: a child this generation had already been applied to that
+someone edited (replicas, image, selector, data) or deleted.
 Called by ``handlers``; the only module that writes children.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.operator import render, workloads
+from ditserve.operator import autoscaling, render, workloads
 from ditserve.operator.errors import KubeApiError
 from ditserve.operator.judge import validate
 from ditserve.operator.kube import KubeClient, manifest_path, resource_path
+from ditserve.operator.policy import AdminPolicy
 from ditserve.operator.spec import DeploymentSpec
 from ditserve.operator.status import ApplyFailure
 
 # A child that changes between our read and our write (409) is read again; a few rounds.
 SYNC_ATTEMPTS = 3
+
+
+@dataclass
+class SyncResult:
+    """What one sync did: the failure that stopped it, the children it wrote, and which of
+    those writes repaired drift (descriptions like "Deployment ml/flux (spec changed)")."""
+
+    failure: ApplyFailure | None = None
+    written: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
 
 
 def _describe(manifest: Mapping[str, Any]) -> str:
@@ -34,7 +48,11 @@ def _describe(manifest: Mapping[str, Any]) -> str:
 
 def matches(want: Any, have: Any) -> bool:
     """Whether the live object ``have`` already holds everything ``want`` says (the server adds
-    defaults, status and metadata of its own; those do not count as a difference)."""
+    defaults, status and metadata of its own; those do not count as a difference).
+
+    A key someone added next to the operator's (a selector label, a ConfigMap key) is not
+    drift the operator repairs: server-side apply cannot remove a field another manager owns,
+    so treating it as drift would re-apply forever."""
     if isinstance(want, Mapping):
         return isinstance(have, Mapping) and all(
             key in have and matches(value, have[key]) for key, value in want.items())
@@ -42,6 +60,11 @@ def matches(want: Any, have: Any) -> bool:
         return (isinstance(have, list) and len(want) == len(have)
                 and all(matches(w, h) for w, h in zip(want, have, strict=True)))
     return bool(want == have)
+
+
+def _applied_generation(obj: Mapping[str, Any] | None) -> str | None:
+    return ((obj or {}).get("metadata") or {}).get("annotations", {}).get(
+        render.GENERATION_ANNOTATION)
 
 
 def _conflict(manifest: Mapping[str, Any], live: Mapping[str, Any]) -> str:
@@ -59,6 +82,8 @@ def _stale_candidates(owner: render.Owner, spec: DeploymentSpec) -> list[str]:
     ns, out = owner.namespace, []
     if not spec.wants_disruption_budget:
         out.append(resource_path("policy/v1", "poddisruptionbudgets", ns, owner.name))
+    if not spec.autoscaling.enabled:
+        out.append(resource_path("autoscaling/v2", "horizontalpodautoscalers", ns, owner.name))
     if spec.parallelism.multi_node:
         out.append(resource_path("apps/v1", "deployments", ns, owner.name))
     else:
@@ -74,8 +99,8 @@ async def _delete_stale(client: KubeClient, owner: render.Owner, spec: Deploymen
             await client.delete(path, uid=live["metadata"]["uid"])
 
 
-async def _sync_once(client: KubeClient, manifests: list[dict[str, Any]], owner: render.Owner,
-                     spec: DeploymentSpec) -> ApplyFailure | None:
+async def _read(client: KubeClient, manifests: list[dict[str, Any]],
+                owner: render.Owner) -> list[dict[str, Any] | None] | ApplyFailure:
     live: list[dict[str, Any] | None] = []
     for manifest in manifests:
         try:
@@ -83,49 +108,80 @@ async def _sync_once(client: KubeClient, manifests: list[dict[str, Any]], owner:
         except KubeApiError as e:
             return ApplyFailure("ChildApplyFailed", f"reading {_describe(manifest)} failed: "
                                 f"{e.status} {e.reason}: {e.message}", owner.generation)
+    return live
+
+
+async def _write(client: KubeClient, manifest: dict[str, Any], obj: dict[str, Any] | None,
+                 result: SyncResult, *, applied_before: bool, generation: str) -> None:
+    """Create or apply one child if it differs; note what was written and what was drift."""
+    what = _describe(manifest)
+    if obj is None:
+        await client.create(manifest)
+        result.written.append(f"{what} (created)")
+        if applied_before:  # this generation was rolled out and the child is gone
+            result.repaired.append(f"{what} (deleted)")
+    elif not matches(manifest, obj):
+        applied = await client.apply(manifest, resource_version=obj["metadata"]["resourceVersion"])
+        if applied is None:
+            raise KubeApiError(409, "Conflict", "deleted while being updated")
+        result.written.append(f"{what} (updated)")
+        if _applied_generation(obj) == generation:  # ours at this generation, edited since
+            result.repaired.append(f"{what} (changed)")
+
+
+async def _sync_once(client: KubeClient, manifests: list[dict[str, Any]], owner: render.Owner,
+                     spec: DeploymentSpec) -> SyncResult:
+    live = await _read(client, manifests, owner)
+    if isinstance(live, ApplyFailure):
+        return SyncResult(failure=live)
     conflicts = [_conflict(m, obj) for m, obj in zip(manifests, live, strict=True)
                  if obj is not None and not render.owned_by(obj, owner)]
     if conflicts:
-        return ApplyFailure("ChildConflict", "; ".join(conflicts), owner.generation)
+        return SyncResult(failure=ApplyFailure("ChildConflict", "; ".join(conflicts),
+                                               owner.generation))
     # Stale children first: a Deployment must free its GPUs before a LeaderWorkerSet asks.
     await _delete_stale(client, owner, spec)
+    generation = str(owner.generation)
+    applied_before = any(_applied_generation(obj) == generation for obj in live)
+    result = SyncResult()
     for manifest, obj in zip(manifests, live, strict=True):
         try:
-            if obj is None:
-                await client.create(manifest)
-            elif not matches(manifest, obj):
-                applied = await client.apply(manifest,
-                                             resource_version=obj["metadata"]["resourceVersion"])
-                if applied is None:
-                    raise KubeApiError(409, "Conflict", "deleted while being updated")
+            await _write(client, manifest, obj, result, applied_before=applied_before,
+                         generation=generation)
         except KubeApiError as e:
             if e.status == 409:
                 raise  # changed or created in between: read again
             hint = ""
             if e.status == 404 and manifest["kind"] == workloads.LWS_KIND:
                 hint = (" (the LeaderWorkerSet API is not installed: install the LWS controller "
-                        "from kubernetes-sigs/lws, or fit a replica on one node)")
-            return ApplyFailure("ChildApplyFailed", f"{_describe(manifest)} was refused: "
-                                f"{e.status} {e.reason}: {e.message}{hint}", owner.generation)
-    return None
+                        "(kubernetes-sigs/lws >= 0.6) or fit a replica on one node)")
+            elif e.status == 404 and manifest["kind"] == autoscaling.HPA_KIND:
+                hint = " (the autoscaling/v2 API is not served: Kubernetes >= 1.23 is needed)"
+            result.failure = ApplyFailure("ChildApplyFailed", f"{_describe(manifest)} was "
+                                          f"refused: {e.status} {e.reason}: {e.message}{hint}",
+                                          owner.generation)
+            return result
+    return result
 
 
 async def sync_children(client: KubeClient, body: Mapping[str, Any],
-                        image: str) -> ApplyFailure | None:
-    """Make the children match the spec (see module doc); None when they do.
+                        policy: AdminPolicy) -> SyncResult:
+    """Make the children match the spec (see module doc).
 
     Raises InvalidSpecError (nothing is touched) when the spec cannot be rendered.
     """
     owner = render.Owner.from_body(body)
-    spec, _ = validate(body.get("spec"), name=owner.name)
-    manifests = render.adopt(render.render(spec, owner, image=image), owner)
+    spec, _ = validate(body.get("spec"), name=owner.name, policy=policy)
+    manifests = render.adopt(render.render(spec, owner, policy=policy), owner)
     last: KubeApiError | None = None
     for _attempt in range(SYNC_ATTEMPTS):
         try:
             return await _sync_once(client, manifests, owner, spec)
         except KubeApiError as e:
             if e.status != 409:
-                return ApplyFailure("ChildApplyFailed", str(e), owner.generation)
+                return SyncResult(failure=ApplyFailure("ChildApplyFailed", str(e),
+                                                       owner.generation))
             last = e
-    return ApplyFailure("ChildApplyFailed", f"children kept changing while being applied: {last}",
-                        owner.generation)
+    return SyncResult(failure=ApplyFailure(
+        "ChildApplyFailed", f"children kept changing while being applied: {last}",
+        owner.generation))

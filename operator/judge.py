@@ -4,7 +4,8 @@ Owns the CRD -> engine config mapping and the three judgements a spec passes bef
 operator renders it:
 - the object's name makes valid names for every child (Service, ConfigMap, Deployment,
   LeaderWorkerSet, PodDisruptionBudget, and the pods those create);
-- ``engine.args`` parse with the real ``ditserve serve`` parser and set none of the flags the
+- ``engine.args`` parse with the real ``ditserve serve`` parser (``engine.server.options``,
+  pure: judging never imports the server runtime) and set none of the flags the
   operator manages (``--data-parallel-size`` comes from parallelism.data, ``--port`` from
   engine.port, ...): a contradicting flag would override the operator's file in the pod;
 - the resulting engine and server configs pass ``EngineConfig`` / ``ServerConfig`` validation,
@@ -14,15 +15,16 @@ Called by ``render`` and ``status``; pure (parsing never touches the filesystem 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from ditserve.engine.cli_options import engine_config_from_args
 from ditserve.engine.config import EngineConfig, family_sequence_parallel_problems
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.server.options import ServeArgsError, parse_serve_args, server_config_from_args
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.policy import AdminPolicy
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec, parse_spec
 from ditserve.operator.workloads import LWS_SUFFIX
 
@@ -44,6 +46,9 @@ MANAGED_FLAGS: dict[str, tuple[str, str]] = {
     "compile": ("--compile", "compile.enabled and compile.backend"),
     "max_num_seqs": ("--max-num-seqs", "batching.maxNumSeqs"),
     "max_queue": ("--max-queue", "batching.maxQueue"),
+    "scheduling_policy": ("--scheduling-policy", "scheduling.policy"),
+    "priority_aging_s": ("--priority-aging-s", "scheduling.agingSeconds"),
+    "max_preemptions": ("--max-preemptions", "scheduling.maxPreemptions"),
     "offload": ("--offload", "offload.enabled"),
     "dlo_slots": ("--dlo-slots", "offload.slots"),
     "dlo_resident_layers": ("--dlo-resident-layers", "offload.residentLayers"),
@@ -93,6 +98,9 @@ def engine_mapping(spec: DeploymentSpec) -> dict[str, Any]:
         "scheduler": {
             "max_num_seqs": spec.batching.max_num_seqs,
             "max_queue": spec.batching.max_queue,
+            "scheduling_policy": spec.scheduling.policy,
+            "aging_s": spec.scheduling.aging_seconds,
+            "max_preemptions": spec.scheduling.max_preemptions,
         },
         "compile": spec.compile.backend if spec.compile.enabled else None,
     }
@@ -108,16 +116,10 @@ def server_section(spec: DeploymentSpec) -> dict[str, Any]:
 
 def _parse_serve_args(args: tuple[str, ...]) -> Any:
     """``engine.args`` through the real `ditserve serve` parser; argparse's complaint on error."""
-    from ditserve.engine.cli import build_parser
-
-    out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            return build_parser().parse_args(["serve", *args])
-    except SystemExit:
-        said = err.getvalue().strip().splitlines()
-        reason = said[-1].split("error: ", 1)[-1] if said else "they ask for help, not a server"
-        raise InvalidSpecError(f"engine.args are not valid `ditserve serve` arguments: {reason}")\
+        return parse_serve_args(args)
+    except ServeArgsError as e:
+        raise InvalidSpecError(f"engine.args are not valid `ditserve serve` arguments: {e}")\
             from None
 
 
@@ -125,6 +127,17 @@ def _managed_flag_problems(parsed: Any) -> list[str]:
     return [f"engine.args must not set {flag}: the operator sets it from {owner}"
             for dest, (flag, owner) in MANAGED_FLAGS.items()
             if getattr(parsed, dest, None) is not None]
+
+
+def _declared_heads_problems(spec: DeploymentSpec) -> list[str]:
+    """model.attentionHeads, when declared, judges the SP size exactly (a family only says
+    which sizes fit some of its models: Wan's 8 fits the 14B's 40 heads, not the 1.3B's 12)."""
+    heads, size = spec.model.attention_heads, spec.parallelism.sequence
+    if heads is None or size <= 1 or heads % size == 0:
+        return []
+    fits = [n for n in range(1, heads + 1) if heads % n == 0]
+    return [f"parallelism.sequence={size} does not divide model.attentionHeads={heads}: "
+            f"Ulysses gives every SP rank heads/size heads; use one of {fits}"]
 
 
 def engine_config(spec: DeploymentSpec) -> EngineConfig:
@@ -136,14 +149,11 @@ def engine_config(spec: DeploymentSpec) -> EngineConfig:
 
 def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     """(EngineConfig, ServerConfig) of the pods, or InvalidSpecError listing every problem."""
-    from ditserve.engine.cli_options import engine_config_from_args
-    from ditserve.engine.server.main import server_config_from_args
-
     parsed = _parse_serve_args(spec.engine.args)
     # The model's own head count is read by the engine at start; a declared family's released
     # head counts already tell a sequence-parallel size that serves none of them.
     managed = _managed_flag_problems(parsed) + family_sequence_parallel_problems(
-        spec.parallelism.sequence, spec.model.family)
+        spec.parallelism.sequence, spec.model.family) + _declared_heads_problems(spec)
     if managed:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(managed))
     try:
@@ -155,9 +165,12 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     return config, server
 
 
-def validate(data: Mapping[str, Any] | None, *,
-             name: str | None = None) -> tuple[DeploymentSpec, EngineConfig]:
-    """Every judgement at once: the name (when given), the spec's shape, the engine's rules."""
+def validate(data: Mapping[str, Any] | None, *, name: str | None = None,
+             policy: AdminPolicy | None = None) -> tuple[DeploymentSpec, EngineConfig]:
+    """Every judgement at once: the name (when given), the spec's shape, the admin's policy
+    (``policy``; default: the chart's default roots), the engine's rules. The spec returned
+    has the admin's values filled in (``AdminPolicy.resolve``)."""
+    policy = policy or AdminPolicy()
     problems = name_problems(name) if name is not None else []
     try:
         spec = parse_spec(data)
@@ -169,6 +182,8 @@ def validate(data: Mapping[str, Any] | None, *,
         problems.append(f"metadata.name must be at most {MAX_MULTI_NODE_NAME} characters when a "
                         "replica spans nodes (the LeaderWorkerSet's StatefulSets are named "
                         f"<name>{LWS_SUFFIX}-<group>), got {len(name)}")
+    problems += policy.problems(spec)
     if problems:
         raise InvalidSpecError("invalid DiffusionDeployment:\n  - " + "\n  - ".join(problems))
+    spec = policy.resolve(spec)
     return spec, engine_config(spec)

@@ -31,7 +31,8 @@ SERVICE_ACCOUNT_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 _PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
             "Pod": "pods", "DiffusionDeployment": "diffusiondeployments",
             "LeaderWorkerSet": "leaderworkersets", "PodDisruptionBudget": "poddisruptionbudgets",
-            "Node": "nodes", "NodeCache": "nodecaches", "Event": "events"}
+            "Node": "nodes", "NodeCache": "nodecaches", "Event": "events",
+            "HorizontalPodAutoscaler": "horizontalpodautoscalers"}
 
 
 def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,

@@ -57,7 +57,7 @@ def _signature(body: Mapping[str, Any] | None) -> frozenset[tuple[Any, ...]]:
 
 async def _relabel(memo: Any, node_name: str, body: Mapping[str, Any] | None,
                    logger: Log) -> None:
-    client = deployments._client(memo)
+    client = deployments.kube_client(memo)
     path = resource_path("v1", "nodes", None, node_name)
     try:
         node = await client.get(path)
@@ -92,6 +92,6 @@ async def nodecache_changed(body: kopf.Body, name: str, type: str, memo: Any, lo
     owners = {owner for key in models if key in dd_cache_models for owner in dd_cache_models[key]}
     for namespace, dd_name in sorted(owners):
         try:
-            await deployments.refresh(memo, namespace, dd_name, child_deleted=False, logger=logger)
+            await deployments.refresh(memo, namespace, dd_name, resync=False, logger=logger)
         except KubeApiError as e:
             logger.warning(f"could not refresh the status of {namespace}/{dd_name}: {e}")

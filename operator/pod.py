@@ -1,7 +1,11 @@
-"""The engine pod template: containers, volumes, probes, env, security and scheduling.
+"""The engine pod template: containers, volumes, probes, env, security and shutdown.
 
-Owns what one engine pod looks like for a ``DeploymentSpec`` and a ``Role``. Called by
-``render`` and ``workloads``; pure. Two layouts:
+Owns what one engine pod looks like for a ``DeploymentSpec``, a ``PodContext`` (images, config,
+drain) and a ``Role``; the cache's volume and init container are ``cache_pod``'s, the affinity
+``placement``'s. Hardened: read-only root filesystem (``/tmp`` and ``/dev/shm`` are emptyDirs),
+no token, non-root, no capabilities; the engine's fatal start error is its termination message;
+a preStop wait, then the drain, fit in ``terminationGracePeriodSeconds``. Called by ``render``
+and ``workloads``; pure. Two layouts:
 
 - ``Role.SINGLE``: the replica's whole dp x sp group fits one node, so one pod runs it and the
   engine starts one worker per GPU itself: MASTER_ADDR=127.0.0.1, WORLD_SIZE = GPUs of the pod.
@@ -18,20 +22,26 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from ditserve.engine.config import SEQUENCE_PARALLEL_IMPL
-from ditserve.operator import nodecache, sizing
-from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec
+from ditserve.operator import cache_pod, placement, sizing
+from ditserve.operator.cache_pod import ENSURE_CONTAINER
+from ditserve.operator.spec import RENDEZVOUS_PORT, DeploymentSpec
 
 CONFIG_DIR = "/etc/ditserve"
 CONFIG_FILE = "engine.yaml"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
-MASTER_PORT = 29500
+MASTER_PORT = RENDEZVOUS_PORT
+TERMINATION_LOG = "/dev/termination-log"
+PRESTOP_S = 5
+EXIT_MARGIN_S = 15
 RUN_AS_UID = 1000  # the image's non-root user
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_CONTAINER = "engine"
-ENSURE_CONTAINER = "cachectl-ensure"
+__all__ = ["ENGINE_CONTAINER", "ENSURE_CONTAINER", "PodContext", "Role", "pod_spec"]
 
 # One process per GPU of a multi-node pod; "$@" are engine.args (for rank 0's server only:
 # every rank reads the engine options from the config file). The first rank to exit ends the
@@ -70,14 +80,6 @@ class Role(enum.Enum):
     WORKER = "worker"  # the other pods of the group: ranks only
 
 
-_RESTRICTED_CONTAINER = {
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-    "runAsNonRoot": True,
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-
-
 def uses_host_path(spec: DeploymentSpec) -> bool:
     """hostPath volumes keep a pod out of the baseline and restricted Pod Security levels."""
     return spec.model.host_path is not None or (spec.cache.enabled and not spec.cache.claim_name)
@@ -99,24 +101,8 @@ def _volumes(spec: DeploymentSpec, config_map: str) -> list[dict[str, Any]]:
         {"name": "tmp", "emptyDir": {}},
     ]
     if spec.cache.enabled:
-        if spec.cache.claim_name:
-            # A PVC bound to a local PV on the node's cache directory: allowed in namespaces
-            # that enforce the restricted Pod Security level, where hostPath is not.
-            volumes.append({"name": "cache",
-                            "persistentVolumeClaim": {"claimName": spec.cache.claim_name}})
-        else:
-            # Directory, not DirectoryOrCreate: the cachectl DaemonSet creates the root with the
-            # right owner; until it has, the pod waits rather than getting a root-owned dir.
-            volumes.append({"name": "cache",
-                            "hostPath": {"path": spec.cache.root, "type": "Directory"}})
+        volumes.append(cache_pod.cache_volume(spec))
     return volumes
-
-
-def _model_mount_for(spec: DeploymentSpec) -> dict[str, Any]:
-    mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}
-    if spec.model.claim_name and spec.model.sub_path:
-        mount["subPath"] = spec.model.sub_path
-    return mount
 
 
 def _rendezvous_env(spec: DeploymentSpec, role: Role) -> list[dict[str, Any]]:
@@ -136,8 +122,12 @@ def _env(spec: DeploymentSpec, role: Role) -> list[dict[str, Any]]:
     env = _rendezvous_env(spec, role)
     # Weights come from the mounted volume only; never let a library reach for a hub.
     env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    # The root filesystem is read-only: caches under $HOME (torch, triton) go to /tmp, and a
+    # fatal start error goes to the termination log, which the operator puts into status.
+    env.append({"name": "HOME", "value": "/tmp"})
+    env.append({"name": "DITSERVE_TERMINATION_LOG", "value": TERMINATION_LOG})
     if spec.cache.enabled:
-        env.append({"name": "DITSERVE_CACHE_ROOT", "value": spec.cache.root})
+        env.append({"name": "DITSERVE_CACHE_ROOT", "value": cache_pod.cache_root(spec)})
     if spec.engine.api_key_secret is not None and role is not Role.WORKER:
         name, key = spec.engine.api_key_secret
         env.append({"name": "DITSERVE_API_KEY",
@@ -164,7 +154,7 @@ def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE)
     gpus = str(sizing.gpus_per_pod(spec))
     memory = sizing.mebibytes(sizing.memory_bytes(spec))
     mounts = [
-        _model_mount_for(spec),
+        cache_pod.model_mount(spec),
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "shm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -172,7 +162,13 @@ def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE)
     if spec.cache.enabled:
         # Read-only: engines only map published entries; the daemon's Unix socket
         # ($ROOT/cachectl.sock) lives in the root and connecting to it needs no write access.
-        mounts.append({"name": "cache", "mountPath": spec.cache.root, "readOnly": True})
+        mounts.append({"name": "cache", "mountPath": cache_pod.cache_root(spec),
+                       "readOnly": True})
+    limits = {"memory": memory, GPU_RESOURCE: gpus}
+    if spec.engine.guaranteed:
+        # Guaranteed QoS asks for it; otherwise no CPU limit: throttling a data loader or the
+        # HTTP loop only adds latency.
+        limits["cpu"] = str(spec.engine.cpu)
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": image,
@@ -180,12 +176,18 @@ def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE)
         **_command(spec, role),
         "env": _env(spec, role),
         "resources": {
-            # No CPU limit: throttling a data loader or the HTTP loop only adds latency.
             "requests": {"cpu": str(spec.engine.cpu), "memory": memory, GPU_RESOURCE: gpus},
-            "limits": {"memory": memory, GPU_RESOURCE: gpus},
+            "limits": limits,
         },
         "volumeMounts": mounts,
-        "securityContext": copy.deepcopy(_RESTRICTED_CONTAINER),
+        "securityContext": copy.deepcopy(cache_pod.RESTRICTED_CONTAINER),
+        # The engine writes its fatal start error to the termination log; a crash that never
+        # got that far leaves its last log lines there instead.
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Endpoints and load balancers learn of a terminating pod a little late; keep serving
+        # for that long before the drain (SIGTERM) starts.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}},
     }
     if role is not Role.WORKER:  # workers serve no HTTP; rank 0's probes watch the group
         container["ports"] = [{"name": "http", "containerPort": spec.engine.port,
@@ -197,70 +199,29 @@ def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE)
     return container
 
 
-def ensure_container(spec: DeploymentSpec, image: str) -> dict[str, Any]:
-    """`cachectl ensure`: asks the node daemon for the model's cache entry (or builds it under
-    the same lock itself) so the engine starts from a published, verified entry.
+@dataclass(frozen=True)
+class PodContext:
+    """What an engine pod needs beyond the spec: images, the config, the drain and selector."""
 
-    The daemon opens the model by the path it is given, so a hostPath model is mounted here at
-    its node path, which the DaemonSet also mounts (values `cachectl.modelHostPaths`). A PVC
-    model is invisible to the daemon: that init container builds or joins under the lock itself.
-    """
-    memory = sizing.mebibytes(
-        sizing.quantity_bytes(spec.engine.memory, what="engine.resources.memory")
-        + sizing.dlo_host_bytes(spec)
-    )
-    model_mount = _model_mount_for(spec)
-    command = ["cachectl", "ensure", "--model", MODEL_MOUNT_PATH, "--dtype", spec.model.dtype,
-               "--root", spec.cache.root, "--timeout", str(sizing.ensure_timeout_s(spec))]
-    if spec.parallelism.sequence > 1:
-        # The engines' placement is part of the entry's identity: ensure the one they join.
-        command += ["--sp-size", str(spec.parallelism.sequence), "--sp-impl",
-                    SEQUENCE_PARALLEL_IMPL]
-    if spec.model.host_path is not None:
-        model_mount["mountPath"] = spec.model.host_path
-        command[3] = spec.model.host_path
-    else:
-        command.append("--no-daemon")
-    return {
-        "name": ENSURE_CONTAINER,
-        "image": image,
-        "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": command,
-        "env": [{"name": "DITSERVE_CACHE_ROOT", "value": spec.cache.root},
-                {"name": "HF_HUB_OFFLINE", "value": "1"}],
-        # An init container's request never adds to the pod's: the pod reserves the max of the
-        # init and the regular containers, so matching the engine costs nothing.
-        "resources": {"requests": {"cpu": str(spec.engine.cpu), "memory": memory},
-                      "limits": {"memory": memory}},
-        "volumeMounts": [model_mount,
-                         {"name": "cache", "mountPath": spec.cache.root},
-                         {"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": copy.deepcopy(_RESTRICTED_CONTAINER),
-    }
+    image: str  # the engine's (spec.engine.image, else the admin's engine image)
+    helper_image: str  # the admin's image: runs the cache init container
+    config_map: str
+    selector: Mapping[str, str]  # the deployment's pods (replica spread)
+    drain_s: float = 30.0  # the engine's --shutdown-grace
+    pull_secrets: tuple[str, ...] = ()
 
 
-def _affinity(spec: DeploymentSpec) -> dict[str, Any] | None:
-    """The user's affinity plus a preference for nodes that hold the model's Ready entry."""
-    affinity = copy.deepcopy(dict(spec.scheduling.affinity or {}))
-    if spec.scheduling.prefer_cached_nodes and spec.cache.enabled and spec.model.host_path:
-        # A malformed user affinity is passed through untouched: the API server refuses it
-        # with its own message, which the status reports.
-        node = affinity.setdefault("nodeAffinity", {})
-        preferred = node.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []) \
-            if isinstance(node, dict) else None
-        if isinstance(preferred, list):
-            preferred.append(nodecache.preferred_cached_node_term(spec.model.host_path,
-                                                                  spec.model.dtype))
-    return affinity or None
+def termination_grace_s(drain_s: float) -> int:
+    """The pod's grace period: the preStop wait, the engine's drain, and time to exit."""
+    return PRESTOP_S + math.ceil(drain_s) + EXIT_MARGIN_S
 
 
-def pod_spec(spec: DeploymentSpec, *, image: str, config_map: str,
-             role: Role = Role.SINGLE) -> dict[str, Any]:
+def pod_spec(spec: DeploymentSpec, ctx: PodContext, role: Role = Role.SINGLE) -> dict[str, Any]:
     sched = spec.scheduling
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,  # engines never talk to the API server
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,  # lets in-flight generations finish
+        "terminationGracePeriodSeconds": termination_grace_s(ctx.drain_s),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_UID,
@@ -269,20 +230,20 @@ def pod_spec(spec: DeploymentSpec, *, image: str, config_map: str,
             "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [engine_container(spec, image, role)],
-        "volumes": _volumes(spec, config_map),
+        "containers": [engine_container(spec, ctx.image, role)],
+        "volumes": _volumes(spec, ctx.config_map),
     }
     if spec.cache.enabled:
-        pod["initContainers"] = [ensure_container(spec, image)]
+        pod["initContainers"] = [cache_pod.ensure_container(spec, ctx.helper_image)]
     if spec.engine.service_account_name:
         pod["serviceAccountName"] = spec.engine.service_account_name
-    if spec.engine.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": n} for n in spec.engine.image_pull_secrets]
+    if ctx.pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in ctx.pull_secrets]
     if sched.node_selector:
         pod["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         pod["tolerations"] = [dict(t) for t in sched.tolerations]
-    affinity = _affinity(spec)
+    affinity = placement.affinity(spec, dict(ctx.selector))
     if affinity:
         pod["affinity"] = affinity
     if sched.priority_class_name:

@@ -12,7 +12,10 @@ when the rollout's progress deadline expires (40 minutes for a large model):
   OOMKilled             a container killed for exceeding its memory limit (from the first
                         kill, before the kubelet backs off into CrashLoopBackOff)
   CacheEnsureFailed     the cachectl-ensure init container failed
-  CrashLoopBackOff      the engine keeps exiting
+  LeaderWorkerSetTooOld a LeaderWorkerSet pod without LWS_WORKER_INDEX (LWS < 0.6 injects
+                        none: every pod of the group would think it is node 0)
+  CrashLoopBackOff      the engine keeps exiting; the message is the engine's own last words
+                        (its termination log: the fatal start error, or its last log lines)
   Unschedulable         PodScheduled=False
 Called by ``status``.
 """
@@ -31,8 +34,11 @@ START_FAILURES = {"CreateContainerError", "RunContainerError"}
 MOUNT_EVENT_REASONS = {"FailedMount"}
 # Worst first: the reason the Ready and Degraded conditions report.
 FAILURE_ORDER = ("ImagePullFailed", "ContainerConfigError", "ContainerStartFailed",
-                 "VolumeMountFailed", "OOMKilled", "CacheEnsureFailed", "CrashLoopBackOff",
-                 "Unschedulable")
+                 "VolumeMountFailed", "LeaderWorkerSetTooOld", "OOMKilled", "CacheEnsureFailed",
+                 "CrashLoopBackOff", "Unschedulable")
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_MIN_VERSION = "0.6"
+MAX_EXIT_MESSAGE = 600  # a log tail can be long; the condition keeps its end
 
 
 @dataclass
@@ -130,6 +136,30 @@ def _ensure_state(findings: PodFindings, pod: Mapping[str, Any], name: str) -> s
     return None
 
 
+def _last_words(st: Mapping[str, Any]) -> str:
+    """The engine's last exit as '; exited N: <termination message>' ('' if it left none)."""
+    term = (st.get("lastState") or {}).get("terminated") or {}
+    message = str(term.get("message") or "").strip()
+    if not message:
+        return ""
+    if len(message) > MAX_EXIT_MESSAGE:
+        message = "..." + message[-MAX_EXIT_MESSAGE:]
+    return f"; last exit {term.get('exitCode')}: {message}"
+
+
+def _lws_too_old(findings: PodFindings, pod: Mapping[str, Any], name: str) -> None:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if LWS_WORKER_INDEX_LABEL not in labels:
+        return
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") != podlib.ENGINE_CONTAINER:
+            continue
+        if not any(e.get("name") == "LWS_WORKER_INDEX" for e in container.get("env") or []):
+            findings.note("LeaderWorkerSetTooOld", (
+                f"pod {name}: the LeaderWorkerSet controller injected no LWS_WORKER_INDEX; "
+                f"multi-node replicas need LeaderWorkerSet >= {LWS_MIN_VERSION}: upgrade it"))
+
+
 def inspect_pods(pods: Sequence[Mapping[str, Any]],
                  events: Iterable[Mapping[str, Any]] = ()) -> PodFindings:
     """Classify the engine pods (see the module doc)."""
@@ -143,14 +173,15 @@ def inspect_pods(pods: Sequence[Mapping[str, Any]],
         for st in _statuses(pod, "initContainerStatuses") + _statuses(pod, "containerStatuses"):
             _container_failures(findings, pod, name, st)
         ensure = _ensure_state(findings, pod, name)
+        _lws_too_old(findings, pod, name)
         for st in _statuses(pod, "containerStatuses"):
             if st.get("name") != podlib.ENGINE_CONTAINER:
                 continue
             waiting = (st.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") == "CrashLoopBackOff":
                 findings.note("CrashLoopBackOff", (
-                    f"pod {name}: engine restarted {st.get('restartCount', 0)} times: "
-                    f"{waiting.get('message') or 'see its logs'}"))
+                    f"pod {name}: engine restarted {st.get('restartCount', 0)} times"
+                    f"{_last_words(st) or ': ' + (waiting.get('message') or 'see its logs')}"))
             if st.get("ready") or "running" in (st.get("state") or {}):
                 ensure = ensure or "done"  # engines only start after the init container
         if ensure == "warming":

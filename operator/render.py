@@ -17,8 +17,10 @@ from typing import Any
 
 import yaml
 
-from ditserve.operator import pod, workloads
-from ditserve.operator.judge import engine_config, server_section
+from ditserve.operator import autoscaling, pod, workloads
+from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.judge import judge_engine, server_section
+from ditserve.operator.policy import DEFAULT_IMAGE, AdminPolicy
 from ditserve.operator.spec import DeploymentSpec
 
 API_GROUP = "ditserve.io"
@@ -29,8 +31,8 @@ ENGINE_APP = "ditserve-engine"
 MANAGER = "ditserve-operator"
 GENERATION_ANNOTATION = f"{API_GROUP}/generation"
 CONFIG_HASH_ANNOTATION = f"{API_GROUP}/config-hash"
-DEFAULT_IMAGE = "ghcr.io/ditserve/ditserve:0.1.0"
 PDB_KIND = "PodDisruptionBudget"
+__all__ = ["DEFAULT_IMAGE", "Owner", "adopt", "owned_by", "render"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def selector_string(owner_name: str) -> str:
 def child_names(owner_name: str, spec: DeploymentSpec) -> dict[str, str]:
     return {workloads.workload_kind(spec): workloads.workload_name(owner_name, spec),
             "Service": owner_name, "ConfigMap": f"{owner_name}-engine",
-            PDB_KIND: owner_name}
+            PDB_KIND: owner_name, autoscaling.HPA_KIND: owner_name}
 
 
 def endpoint_url(owner: Owner, spec: DeploymentSpec) -> str:
@@ -81,7 +83,8 @@ def endpoint_url(owner: Owner, spec: DeploymentSpec) -> str:
 def engine_yaml(spec: DeploymentSpec) -> str:
     """The file every rank reads with `--config`: the engine config the spec judges to (its
     CRD fields and the engine options in engine.args) plus the ``server`` section."""
-    data = engine_config(spec).to_mapping()
+    config, _ = judge_engine(spec)
+    data = config.to_mapping()
     data["server"] = server_section(spec)
     return yaml.safe_dump(data, sort_keys=True)
 
@@ -93,12 +96,19 @@ def disruption_budget(spec: DeploymentSpec, meta: dict[str, Any],
                      "selector": {"matchLabels": selector}}}
 
 
-def render(spec: DeploymentSpec, owner: Owner, *, image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
+def render(spec: DeploymentSpec, owner: Owner, *,
+           policy: AdminPolicy | None = None) -> list[dict[str, Any]]:
     """The children this spec wants, in apply order (the ConfigMap before the pods that mount
-    it). Raises InvalidSpecError when the engine would reject the configuration."""
+    it). Raises InvalidSpecError when the admin's policy or the engine refuses the spec: then
+    nothing at all is rendered."""
+    policy = policy or AdminPolicy()
+    problems = policy.problems(spec)
+    if problems:
+        raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(problems))
+    spec = policy.resolve(spec)
     names = child_names(owner.name, spec)
     config_text = engine_yaml(spec)
-    config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    _, server = judge_engine(spec)
     common = labels(owner.name, spec)
     selector = selector_labels(owner.name)
     kind = workloads.workload_kind(spec)
@@ -122,20 +132,27 @@ def render(spec: DeploymentSpec, owner: Owner, *, image: str = DEFAULT_IMAGE) ->
         # User labels first: parse_spec refused every key the operator sets.
         "labels": {**spec.engine.pod_labels, **common},
         # A changed engine config must roll the pods: a ConfigMap edit alone doesn't.
-        "annotations": {**spec.engine.pod_annotations, CONFIG_HASH_ANNOTATION: config_hash},
+        "annotations": {**spec.engine.pod_annotations,
+                        CONFIG_HASH_ANNOTATION: hashlib.sha256(config_text.encode()).hexdigest()[:16]},
     }
-    engine_image = spec.engine.image or image
+    ctx = pod.PodContext(image=spec.engine.image or policy.engine_image,
+                         helper_image=policy.helper_image, config_map=names["ConfigMap"],
+                         selector=selector, drain_s=server.shutdown_grace_s,
+                         pull_secrets=policy.engine_pull_secrets(spec))
     if kind == workloads.LWS_KIND:
         workload = workloads.leader_worker_set(spec, meta=meta(kind), template_meta=template_meta,
-                                               image=engine_image,
-                                               config_map=names["ConfigMap"])
+                                               ctx=ctx)
     else:
         workload = workloads.deployment(spec, meta=meta(kind), template_meta=template_meta,
-                                        selector=selector, image=engine_image,
-                                        config_map=names["ConfigMap"])
+                                        selector=selector, ctx=ctx)
     out = [config_map, service, workload]
     if spec.wants_disruption_budget:
         out.append(disruption_budget(spec, meta(PDB_KIND), selector))
+    if spec.autoscaling.enabled:
+        target = {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name}
+        out.append(autoscaling.horizontal_pod_autoscaler(
+            spec.autoscaling, meta=meta(autoscaling.HPA_KIND), target=target,
+            service=names["Service"]))
     return out
 
 

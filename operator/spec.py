@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES
+from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES, SCHEDULING_POLICIES
+from ditserve.operator.autoscaling import AutoscalingSpec, read_autoscaling
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
@@ -25,12 +26,14 @@ FAMILIES = MODEL_FAMILIES
 DTYPES = ("bfloat16", "float16", "float32")
 CACHE_MODES = ("NodeLocal", "None")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+SPREADS = ("Preferred", "Required", "None")
 # Set by the operator on every engine pod; a user value would silently break the rendezvous,
 # the cache or the auth, so engine.env may not name them.
 OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "LOCAL_WORLD_SIZE", "NODE_RANK", "DITSERVE_CACHE_ROOT", "DITSERVE_API_KEY",
-                "HF_HUB_OFFLINE")
+                "HF_HUB_OFFLINE", "HOME", "DITSERVE_TERMINATION_LOG")
 MAX_GPUS_PER_REPLICA = 256
+RENDEZVOUS_PORT = 29500  # MASTER_PORT of every engine pod's process group
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class ModelSpec:
     family: str = "Auto"
     dtype: str = "bfloat16"
     size_gib: float | None = None
+    attention_heads: int | None = None  # the DiT's head count, if the user declares it
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class EngineSpec:
     pod_annotations: Mapping[str, str] = field(default_factory=dict)
     cpu: str = "4"
     memory: str = "16Gi"
+    guaranteed: bool = False  # CPU limit = request too: the pod gets the Guaranteed QoS class
     shm_size: str = "8Gi"
     port: int = 8000
     args: tuple[str, ...] = ()
@@ -116,7 +121,7 @@ class EngineSpec:
 @dataclass(frozen=True)
 class CacheSpec:
     mode: str = "NodeLocal"
-    root: str = "/var/cache/ditserve"
+    root: str | None = None  # None: the admin's node cache root (``policy``)
     claim_name: str | None = None
 
     @property
@@ -132,6 +137,13 @@ class SchedulingSpec:
     priority_class_name: str | None = None
     runtime_class_name: str | None = None
     prefer_cached_nodes: bool = True
+    require_cached_nodes: bool = False
+    replica_spread: str = "Preferred"  # engine pods of one deployment on distinct nodes
+    # The engine's request scheduling (--scheduling-policy, --priority-aging-s,
+    # --max-preemptions): which requests run first, not where pods run.
+    policy: str = "fcfs"
+    aging_seconds: float = 30.0
+    max_preemptions: int = 2
 
 
 @dataclass(frozen=True)
@@ -164,6 +176,7 @@ class DeploymentSpec:
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     disruption: DisruptionSpec = field(default_factory=DisruptionSpec)
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
 
     @property
     def wants_disruption_budget(self) -> bool:
@@ -194,6 +207,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
             family=m.text("family", "Auto", FAMILIES),
             dtype=m.text("dtype", "bfloat16", DTYPES),
             size_gib=m.number("sizeGiB", None),
+            attention_heads=m.integer("attentionHeads", None, 1),
         ),
         replicas=root.integer("replicas", 1),
         parallelism=ParallelismSpec(data=p.integer("data", 1, 1),
@@ -223,6 +237,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
             pod_annotations=e.string_map("podAnnotations"),
             cpu=res.int_or_str("cpu", "4"),
             memory=res.int_or_str("memory", "16Gi"),
+            guaranteed=res.flag("guaranteedQoS", False),
             shm_size=e.int_or_str("shmSize", "8Gi"),
             port=e.integer("port", 8000, 1024),
             args=tuple(str(a) for a in e.items("args")),
@@ -235,7 +250,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         ),
         cache=CacheSpec(
             mode=c.text("mode", "NodeLocal", CACHE_MODES),
-            root=c.text("root", "/var/cache/ditserve"),
+            root=c.text("root") or None,
             claim_name=c.child("persistentVolumeClaim").text("claimName"),
         ),
         startup_timeout_s=root.child("probes").integer("startupTimeoutSeconds", None, 30),
@@ -246,6 +261,11 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
             priority_class_name=s.text("priorityClassName") or None,
             runtime_class_name=s.text("runtimeClassName") or None,
             prefer_cached_nodes=s.flag("preferCachedNodes", True),
+            require_cached_nodes=s.flag("requireCachedNodes", False),
+            replica_spread=s.text("replicaSpread", "Preferred", SPREADS),
+            policy=s.text("policy", "fcfs", SCHEDULING_POLICIES),
+            aging_seconds=s.number("agingSeconds", 30.0),
+            max_preemptions=s.integer("maxPreemptions", 2),
         ),
         rollout=RolloutSpec(
             max_unavailable=r.int_or_str("maxUnavailable", 1),
@@ -253,6 +273,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         ),
         disruption=DisruptionSpec(enabled=pdb.optional_flag("enabled"),
                                   max_unavailable=pdb.int_or_str("maxUnavailable", 1)),
+        autoscaling=read_autoscaling(root.child("autoscaling")),
     )
     problems.extend(_cross_field_problems(spec))
     problems.extend(pod_metadata_problems(spec.engine.pod_labels, spec.engine.pod_annotations))
@@ -290,6 +311,12 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
         out.append(f"parallelism.sequence = {par.sequence} must divide parallelism.gpusPerNode = "
                    f"{par.gpus_per_node} when a replica spans nodes: each SP group's all-to-alls "
                    "(two per attention) must stay inside one node")
+    if spec.engine.port == RENDEZVOUS_PORT:
+        out.append(f"engine.port {RENDEZVOUS_PORT} is the ranks' rendezvous port (MASTER_PORT): "
+                   "pick another port for the HTTP server")
+    if spec.scheduling.require_cached_nodes and not (spec.cache.enabled and spec.model.host_path):
+        out.append("scheduling.requireCachedNodes needs cache.mode NodeLocal and model.hostPath "
+                   "(nodes are labelled by the hostPath model's cache entries)")
     clashing = sorted({str(e.get("name")) for e in spec.engine.env} & set(OPERATOR_ENV))
     if clashing:
         out.append(f"engine.env must not set {', '.join(clashing)}: the operator sets them "

@@ -17,7 +17,11 @@ Reasons, by condition (pod failure reasons: see ``pod_health``):
   CacheReady   True: CacheEntryReady, CacheDisabled. False: CacheWarming, CacheEnsureFailed.
                Unknown: NoPods, PodsPending.
   Degraded     True: InvalidSpec, ChildConflict, ChildApplyFailed, a pod failure,
-               ProgressDeadlineExceeded. False: AsExpected.
+               PodCreateFailed (the workload's controller cannot create pods: PodSecurity,
+               ResourceQuota, LimitRange; its own message), ProgressDeadlineExceeded.
+               False: AsExpected.
+``lastRepair`` names the children the operator last put back after someone edited or
+deleted them (drift).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ditserve.operator import nodecache, render
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.judge import validate
 from ditserve.operator.pod_health import PodFindings, inspect_pods
+from ditserve.operator.policy import AdminPolicy
 from ditserve.operator.spec import DeploymentSpec
 
 CONDITION_TYPES = ("Ready", "Progressing", "CacheReady", "Degraded")
@@ -43,6 +48,19 @@ class ApplyFailure:
     reason: str
     message: str
     generation: int
+
+
+@dataclass(frozen=True)
+class Repair:
+    """Children put back after drift (descriptions), and when."""
+
+    children: tuple[str, ...]
+    time: str
+
+    def as_status(self) -> dict[str, Any]:
+        return {"time": self.time, "children": list(self.children),
+                "message": "re-applied after a change outside the operator: "
+                           + ", ".join(self.children)}
 
 
 @dataclass(frozen=True)
@@ -66,11 +84,23 @@ def _deadline_exceeded(deployment: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _create_failure(workload: Mapping[str, Any]) -> str | None:
+    """The controller's message when it cannot create pods (ReplicaFailure=True): admission
+    refused them (PodSecurity, ResourceQuota, LimitRange), so none will ever start."""
+    for cond in (workload.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return str(cond.get("message") or cond.get("reason") or "pods cannot be created")
+    return None
+
+
 def _failure(findings: PodFindings, deployment: Mapping[str, Any]) -> tuple[str, str] | None:
     """The worst current failure, as (reason, message)."""
     worst = findings.worst()
     if worst is not None:
         return worst
+    refused = _create_failure(deployment)
+    if refused:
+        return "PodCreateFailed", f"the workload's controller cannot create pods: {refused}"
     deadline = _deadline_exceeded(deployment)
     return ("ProgressDeadlineExceeded", deadline) if deadline else None
 
@@ -159,10 +189,13 @@ def compute_status(body: Mapping[str, Any], workload: Mapping[str, Any] | None,
                    pods: Sequence[Mapping[str, Any]], *, now: str,
                    events: Iterable[Mapping[str, Any]] = (),
                    apply_failure: ApplyFailure | None = None,
-                   nodecaches: Iterable[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                   nodecaches: Iterable[Mapping[str, Any]] | None = None,
+                   policy: AdminPolicy | None = None,
+                   repair: Repair | None = None) -> dict[str, Any]:
     """The whole ``status`` of the DiffusionDeployment ``body`` (see the module doc).
 
-    ``nodecaches``: every NodeCache object, or None when the operator does not read them.
+    ``nodecaches``: every NodeCache object, or None when the operator does not read them;
+    ``policy``: the admin's (default: the chart's defaults); ``repair``: the last drift repair.
     """
     meta = body.get("metadata", {})
     previous: Mapping[str, Any] = body.get("status") or {}
@@ -170,7 +203,7 @@ def compute_status(body: Mapping[str, Any], workload: Mapping[str, Any] | None,
     name = meta.get("name", "")
     owner = render.Owner.from_body(body)
     try:
-        spec, _ = validate(body.get("spec"), name=name)
+        spec, _ = validate(body.get("spec"), name=name, policy=policy)
     except InvalidSpecError as e:
         return _judged_failure(("InvalidSpec", str(e)), workload, previous, name=name,
                                generation=generation, now=now)
@@ -198,6 +231,10 @@ def compute_status(body: Mapping[str, Any], workload: Mapping[str, Any] | None,
     last = _last_failure(failure, previous, now)
     if last:
         status["lastFailure"] = last
+    if repair is not None:
+        status["lastRepair"] = repair.as_status()
+    elif previous.get("lastRepair"):
+        status["lastRepair"] = dict(previous["lastRepair"])
     return status
 
 
@@ -215,7 +252,7 @@ def _judged_failure(failure: tuple[str, str], workload: Mapping[str, Any] | None
     merged = _merge(conds, previous.get("conditions") or [], now=now, generation=generation)
     out = {**_counters(workload, name), "observedGeneration": generation,
            "conditions": merged + keep, "lastFailure": _last_failure(failure, previous, now)}
-    for key in ("topology", "endpoint", "nodeCache"):  # still describe what runs
+    for key in ("topology", "endpoint", "nodeCache", "lastRepair"):  # still describe what runs
         if key in previous:
             out[key] = previous[key]
     return out

@@ -38,7 +38,7 @@ def leader_selector(spec: DeploymentSpec) -> dict[str, str]:
 
 
 def deployment(spec: DeploymentSpec, *, meta: dict[str, Any], template_meta: dict[str, Any],
-               selector: dict[str, str], image: str, config_map: str) -> dict[str, Any]:
+               selector: dict[str, str], ctx: pod.PodContext) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
         "spec": {
@@ -50,17 +50,15 @@ def deployment(spec: DeploymentSpec, *, meta: dict[str, Any], template_meta: dic
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": sizing.progress_deadline_s(spec),
             "template": {"metadata": template_meta,
-                         "spec": pod.pod_spec(spec, image=image, config_map=config_map)},
+                         "spec": pod.pod_spec(spec, ctx)},
         },
     }
 
 
 def leader_worker_set(spec: DeploymentSpec, *, meta: dict[str, Any],
-                      template_meta: dict[str, Any], image: str,
-                      config_map: str) -> dict[str, Any]:
+                      template_meta: dict[str, Any], ctx: pod.PodContext) -> dict[str, Any]:
     def template(role: pod.Role) -> dict[str, Any]:
-        return {"metadata": template_meta,
-                "spec": pod.pod_spec(spec, image=image, config_map=config_map, role=role)}
+        return {"metadata": template_meta, "spec": pod.pod_spec(spec, ctx, role)}
 
     return {
         "apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "metadata": meta,

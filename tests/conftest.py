@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
 def tiny_runner(tiny_model_dir):  # type: ignore[no-untyped-def]
     """A CPU ModelRunner on the tiny model (drive it with tests/engine/driver.py)."""
     from ditserve.engine.config import EngineConfig
-    from ditserve.engine.model_runner import ModelRunner
+    from ditserve.engine.runner.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu"),
                        model_dir=tiny_model_dir)

@@ -71,12 +71,12 @@ class MultiProcessExecutor:
     """Rank 0's side of a multi-process replica (see module docstring)."""
 
     def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
-        from ditserve.engine.model_runner import ModelRunner
+        from ditserve.engine.runner.model_runner import ModelRunner
 
         if config.parallel.sequence_parallel_size > 1:
             # Before spawning anything: the model's DiTs must split their heads over the group.
             from ditserve.engine.config import raise_problems, sequence_parallel_problems
-            from ditserve.engine.loader import dit_attention_heads
+            from ditserve.engine.weights.loader import dit_attention_heads
 
             raise_problems("sequence-parallel", sequence_parallel_problems(
                 config.parallel.sequence_parallel_size, dit_attention_heads(model_dir)))

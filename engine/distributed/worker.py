@@ -79,7 +79,7 @@ def worker_main(
         rank_device,
     )
     from ditserve.engine.distributed.topology import Topology
-    from ditserve.engine.model_runner import ModelRunner
+    from ditserve.engine.runner.model_runner import ModelRunner
 
     config = EngineConfig.from_mapping(config_mapping)
     rdv = Rendezvous(master_addr, master_port, world_size, rank, local_rank)

@@ -29,7 +29,7 @@ keeps them bf16.
 Other classes: pass ``block_lists`` (the offload discovery's list names) and the generic name
 rule applies (``norm*.linear`` and ``*_mod.<i>`` are modulation).
 
-Called by ``engine.quantize_dit`` (``--quantization fp8``, after loading), tests and benchmarks.
+Called by ``engine.weights.quantize`` (``--quantization fp8``, after loading), tests and benchmarks.
 """
 
 from __future__ import annotations

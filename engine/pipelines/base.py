@@ -11,8 +11,8 @@ import torch
 from ditserve.engine.families import Family
 
 if TYPE_CHECKING:
-    from ditserve.engine.denoise_state import DenoiseState
-    from ditserve.engine.input_batch import InputBatch
+    from ditserve.engine.runner.denoise_state import DenoiseState
+    from ditserve.engine.runner.input_batch import InputBatch
 
 
 class StepPipeline(Protocol):

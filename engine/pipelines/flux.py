@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.families import FLUX
-from ditserve.engine.sampler import FlowMatchEulerSampler
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.sampler import FlowMatchEulerSampler
 
 if TYPE_CHECKING:
-    from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
+    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_T5_TOKENS = 512  # diffusers' FluxPipeline refuses more
 

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
-from ditserve.engine.sampler import FlowMatchEulerSampler
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.sampler import FlowMatchEulerSampler
 
 if TYPE_CHECKING:
-    from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
+    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_TEXT_TOKENS = 512  # diffusers' QwenImagePipeline default max_sequence_length
 

@@ -15,8 +15,8 @@ import torch
 from ditserve.engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from ditserve.engine.loader import LoadedComponents
     from ditserve.engine.pipelines.base import StepPipeline
+    from ditserve.engine.weights.loader import LoadedComponents
 
 # family name -> "module:class" of its StepPipeline
 PIPELINES: dict[str, str] = {

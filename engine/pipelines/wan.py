@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import WAN
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.wan_block import chunk_token_math
-from ditserve.engine.sampler import SchedulerTrajectory
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.sampler import SchedulerTrajectory
 from ditserve.engine.step_cache.rows import forward_rows
 
 if TYPE_CHECKING:
-    from ditserve.engine.input_batch import InputBatch
-    from ditserve.engine.loader import LoadedComponents
+    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_TEXT_TOKENS = 512  # diffusers' WanPipeline default max_sequence_length
 

@@ -16,102 +16,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
-from dataclasses import replace
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from ditserve.engine.cli_options import engine_config_and_server_section
-from ditserve.engine.server.config import ServerConfig, validate_server
+from ditserve.engine.server.config import ServerConfig
+
+# The flags and their reading live in the pure ``options`` module (the operator judges
+# engine.args with them without importing uvicorn); re-exported for the CLI.
+from ditserve.engine.server.options import add_server_options, server_config_from_args
+from ditserve.engine.termination import record_fatal
 
 log = logging.getLogger(__name__)
-
-# (flag dest) -> ServerConfig field
-_SERVER_FLAGS = {
-    "host": "host", "port": "port", "request_timeout": "request_timeout_s",
-    "shutdown_grace": "shutdown_grace_s", "served_model_name": "model_name",
-    "default_size": "default_size", "default_steps": "default_steps",
-    "api_key_env": "api_key_env", "log_level": "log_level", "retry_after": "retry_after_s",
-    "max_side": "max_side", "max_steps": "max_steps", "max_body_bytes": "max_body_bytes",
-    "allowed_origins": "allowed_origins", "docs": "docs",
-    "default_frames": "default_frames", "default_fps": "default_fps",
-    "max_frames": "max_frames", "video_dir": "video_dir", "video_max_jobs": "video_max_jobs",
-    "video_max_bytes": "video_max_bytes", "video_ttl": "video_ttl_s",
-}
-
-
-def _origins(text: str) -> tuple[str, ...]:
-    return tuple(origin.strip() for origin in text.split(",") if origin.strip())
-
-
-def add_server_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks one)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*; prefer the env var")
-    g.add_argument("--api-key-env", default=None,
-                   help="environment variable holding the API key (default DITSERVE_API_KEY)")
-    g.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds before an unfinished request is aborted (default 600)")
-    g.add_argument("--shutdown-grace", type=float, default=None,
-                   help="seconds admitted requests may finish after SIGTERM (default 30)")
-    g.add_argument("--retry-after", type=int, default=None,
-                   help="Retry-After seconds sent with 429 and 503 (default 1)")
-    g.add_argument("--served-model-name", default=None,
-                   help="model id in /v1/models (default: the model directory's name)")
-    g.add_argument("--default-size", default=None,
-                   help="size when a request omits it or sends 'auto' (default: from the "
-                        "model, e.g. 64x64 for the tiny model, 1024x1024 for Flux.1)")
-    g.add_argument("--default-steps", type=int, default=None,
-                   help="num_inference_steps when omitted (default: from the model, e.g. 4 "
-                        "for the tiny model and Flux.1-schnell, 28 for Flux.1-dev)")
-    g.add_argument("--max-side", type=int, default=None,
-                   help="largest width or height a request may ask for (default 8192)")
-    g.add_argument("--max-steps", type=int, default=None,
-                   help="largest num_inference_steps a request may ask for (default 1000)")
-    g.add_argument("--max-body-bytes", type=int, default=None,
-                   help="larger request bodies get 413 (default 1048576)")
-    g.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
-                   help="comma-separated browser origins allowed by CORS, or '*' "
-                        "(default: CORS off)")
-    g.add_argument("--disable-docs", dest="docs", action="store_const", const=False,
-                   default=None, help="do not serve the interactive API page at /docs")
-    g.add_argument("--log-level", default=None,
-                   choices=("critical", "error", "warning", "info", "debug", "trace"))
-    v = parser.add_argument_group("video jobs (a video model: POST /v1/videos)")
-    v.add_argument("--default-frames", type=int, default=None,
-                   help="frames of a job that names neither num_frames nor seconds "
-                        "(default: from the model, 81 for Wan)")
-    v.add_argument("--default-fps", type=int, default=None,
-                   help="the model's native frame rate: MP4 fps and the rate `seconds` "
-                        "counts frames at (default 16, Wan's)")
-    v.add_argument("--max-frames", type=int, default=None,
-                   help="most frames a job may ask for (default 1025)")
-    v.add_argument("--video-dir", default=None,
-                   help="directory for finished MP4s, owned by this server (default: a "
-                        "private temporary directory removed at exit)")
-    v.add_argument("--video-max-jobs", type=int, default=None,
-                   help="jobs held at once, any state (default 256); more get 429")
-    v.add_argument("--video-max-bytes", type=int, default=None,
-                   help="bytes of stored MP4s plus running jobs' reservations (default "
-                        "4294967296); more get 429")
-    v.add_argument("--video-ttl", type=float, default=None,
-                   help="seconds a finished job and its MP4 are kept (default 3600)")
-
-
-def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None,
-                            environ: dict[str, str] | None = None) -> ServerConfig:
-    config = ServerConfig.from_mapping(base or {})
-    changes = {field: getattr(args, dest) for dest, field in _SERVER_FLAGS.items()
-               if getattr(args, dest, None) is not None}
-    config = replace(config, **changes)
-    env = os.environ if environ is None else environ
-    api_key = getattr(args, "api_key", None) or env.get(config.api_key_env) or None
-    return validate_server(replace(config, api_key=api_key))
+__all__ = ["add_server_options", "configs_from_args", "run_server", "serve_from_args",
+           "server_config_from_args"]
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, ServerConfig]:
@@ -126,13 +47,13 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics
     from ditserve.engine.server.state import engine_options
 
     if engine_config.model is not None:
-        from ditserve.engine.loader import read_model_index
+        from ditserve.engine.weights.loader import read_model_index
 
         read_model_index(engine_config.model)  # a wrong path fails now, not after binding
 
@@ -163,6 +84,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     server.run()
     if failed:
         log.error("the engine failed to start: %s", failed[0])
+        record_fatal(f"the engine failed to start: {failed[0]}")
         return 1
     return 0
 

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ditserve.engine.lifecycle import EnginePhase
+from ditserve.engine.loop.lifecycle import EnginePhase
+from ditserve.engine.loop.step_log import copy_rates_of
 from ditserve.engine.server.jobs.model import FINISHED_LABELS
-from ditserve.engine.step_log import copy_rates_of
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)
@@ -35,7 +35,8 @@ TOKEN_BUCKETS = (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 26214
 # Error reasons are a closed set so the label never explodes.
 ERROR_REASONS = ("invalid_request", "model_not_found", "not_found", "method_not_allowed",
                  "unauthorized", "payload_too_large", "queue_full", "store_full",
-                 "unavailable", "timeout", "client_disconnect", "engine_error", "internal")
+                 "unavailable", "timeout", "client_disconnect", "engine_error", "internal",
+                 "deadline")
 
 
 class _VideoStoreCollector(Collector):
@@ -64,12 +65,15 @@ class _EngineStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine_fn()
-        running = waiting = 0
+        running = waiting = paused = waiting_high = 0
         ready = 0.0
         report = None
+        step_s: float | None = None
         if engine is not None:
             stats = engine.stats()
             running, waiting = stats.running, stats.waiting
+            paused, waiting_high = stats.paused, stats.waiting_high_priority
+            step_s = stats.step_seconds
             ready = 1.0 if engine.phase is EnginePhase.READY else 0.0
             report = engine.offload_report()
         yield GaugeMetricFamily("ditserve:num_requests_running",
@@ -77,6 +81,18 @@ class _EngineStateCollector(Collector):
         yield GaugeMetricFamily("ditserve:num_requests_waiting",
                                 "Requests admitted to the queue, waiting for a batch slot.",
                                 value=waiting)
+        yield GaugeMetricFamily("ditserve:num_requests_paused",
+                                "Requests paused at a step boundary for higher-priority ones "
+                                "(--scheduling-policy priority).",
+                                value=paused)
+        yield GaugeMetricFamily("ditserve:num_requests_waiting_high_priority",
+                                "Waiting requests of a priority below the default 0 (sooner); "
+                                "an autoscaling signal for interactive traffic.",
+                                value=waiting_high)
+        if step_s is not None:
+            yield GaugeMetricFamily("ditserve:scheduler_step_seconds_estimate",
+                                    "The scheduler's measured period of a busy step, from "
+                                    "which deadline estimates are made (s).", value=step_s)
         yield GaugeMetricFamily("ditserve:engine_ready",
                                 "1 when the model is loaded, warmed up and admitting.",
                                 value=ready)
@@ -175,6 +191,17 @@ class ServingMetrics:
         self.engine_failures = Counter(
             "ditserve:engine_request_failures",
             "Requests the engine failed (encode, denoise or decode error).", registry=r)
+        self.preemptions = Counter(
+            "ditserve:num_preemptions",
+            "Requests paused at a step boundary for a higher-priority request.", registry=r)
+        self.paused_time = Histogram(
+            "ditserve:request_paused_seconds",
+            "How long a paused request waited before it resumed.", buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.deadline_exceeded = Counter(
+            "ditserve:deadline_exceeded",
+            "Requests stopped at a step boundary because they could no longer meet their "
+            "deadline_s.", registry=r)
         r.register(_EngineStateCollector(engine_fn))
 
     # -- EngineObserver (called from the engine thread) ---------------------------------------
@@ -193,6 +220,15 @@ class ServingMetrics:
 
     def on_failed(self, request_id: str, reason: str) -> None:
         self.engine_failures.inc()
+
+    def on_preempted(self, request_id: str) -> None:
+        self.preemptions.inc()
+
+    def on_resumed(self, request_id: str, seconds: float) -> None:
+        self.paused_time.observe(seconds)
+
+    def on_deadline_exceeded(self, request_id: str) -> None:
+        self.deadline_exceeded.inc()
 
     # -- video jobs (JobStore's observer) -------------------------------------------------------
     def on_job_finished(self, status: str, video_seconds: float) -> None:

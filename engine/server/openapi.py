@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
+from ditserve.engine.request import MAX_DEADLINE_S, MAX_IMAGES, MAX_PARTIAL_IMAGES, MAX_PRIORITY
 from ditserve.engine.server import step_cache_field, streaming
 from ditserve.engine.server.edge import REQUEST_ID_HEADER
 from ditserve.engine.server.schemas import FIELDS, IGNORED_FIELDS, RequestLimits
@@ -102,6 +102,22 @@ def size_pattern(limits: Sides, *, auto: bool = True) -> str:
     return f"^(?:{'auto|' if auto else ''}(?:{sides})x(?:{sides}))$"
 
 
+def scheduling_fields(wrap: Any) -> dict[str, Any]:
+    """``priority`` and ``deadline_s``, shared by the image and the video body (``wrap``: how
+    an optional field is written there)."""
+    return {
+        "priority": wrap({"type": "integer", "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY,
+                          "description": "scheduling class, lower is sooner (default 0); "
+                                         "honoured under --scheduling-policy priority"}),
+        "deadline_s": wrap({"type": "number", "exclusiveMinimum": 0,
+                            "maximum": MAX_DEADLINE_S,
+                            "description": "seconds from arrival by which the result is "
+                                           "wanted: refused at once (429 deadline_unmeetable) "
+                                           "or stopped (deadline_exceeded) when the "
+                                           "scheduler's estimate cannot make it"}),
+    }
+
+
 def request_schema(limits: RequestLimits) -> dict[str, Any]:
     """The JSON Schema of the generation body under ``limits`` (what the parser accepts)."""
     text = {"type": "string"}
@@ -142,6 +158,7 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
         "true_cfg_scale": number("classifier-free guidance with negative_prompt; > 1 needs "
                                  "a non-empty negative_prompt (default 1: off)"),
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),
+        **scheduling_fields(nullable),
         "step_cache": nullable(step_cache_field.openapi_schema(limits.step_cache_policies)),
     }
     for name in IGNORED_FIELDS:

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from ditserve.engine.errors import EngineStoppedError, InvalidRequestError, QueueFullError
+from ditserve.engine.errors import (
+    DeadlineError,
+    EngineStoppedError,
+    InvalidRequestError,
+    QueueFullError,
+)
 from ditserve.engine.server.errors import APIError
 from ditserve.engine.server.schemas import request_error
 
 # What the engine refuses to admit: each maps to one API error (``admission_error``).
-ADMISSION_ERRORS = (QueueFullError, EngineStoppedError, InvalidRequestError)
+ADMISSION_ERRORS = (QueueFullError, EngineStoppedError, InvalidRequestError, DeadlineError)
 QUEUE_FULL = "every batch slot is taken and the queue is full; retry later"
 
 Phase = Literal["loading", "compiling", "ready", "draining", "failed", "stopped"]
@@ -61,10 +66,12 @@ def too_many(state: Any, message: str = QUEUE_FULL, retry_after: float | None = 
 
 
 def admission_error(state: Any, exc: QueueFullError | EngineStoppedError | InvalidRequestError
-                    ) -> APIError:
+                    | DeadlineError) -> APIError:
     """The API error for an engine's refusal to admit a request (images and video jobs)."""
     if isinstance(exc, QueueFullError):
         return too_many(state)
+    if isinstance(exc, DeadlineError):  # another replica, or a later try, may make it
+        return too_many(state, str(exc), code="deadline_unmeetable", reason="deadline")
     if isinstance(exc, EngineStoppedError):
         return unavailable(state, "the engine is not accepting requests; retry later")
     return request_error(exc)

@@ -78,6 +78,8 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: Number | None = None
     true_cfg_scale: Number | None = None
     seed: Integer | None = None
+    priority: Integer | None = None
+    deadline_s: Number | None = None
     step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
 
 
@@ -241,6 +243,7 @@ def parse_generation_request(raw: bytes, *, engine: Any, limits: RequestLimits) 
         seed=body.seed, num_images=1 if body.n is None else body.n,
         # Previews are decoded only for a stream that can carry them.
         partial_images=(body.partial_images or 0) if body.stream else 0,
+        priority=body.priority or 0, deadline_s=body.deadline_s,
         step_cache=parse_field(body.step_cache),
     )
     try:

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.loop.startup import WarmUp
+from ditserve.engine.loop.step_log import StepLog, copy_rates_of
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.jobs.files import VideoFiles
@@ -32,8 +34,6 @@ from ditserve.engine.server.model_defaults import ModelDefaults, model_defaults
 from ditserve.engine.server.schemas import RequestLimits
 from ditserve.engine.server.step_cache_field import step_cache_policies
 from ditserve.engine.server.video_request import VideoLimits
-from ditserve.engine.startup import WarmUp
-from ditserve.engine.step_log import StepLog, copy_rates_of
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from ditserve.engine.server.openapi import (
     json_answer,
     nullable,
     ref,
+    scheduling_fields,
     size_pattern,
 )
 from ditserve.engine.server.video_request import FIELDS, VideoLimits
@@ -74,6 +75,7 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                                           f"negative_prompt (default {limits.default_guidance})"},
         "negative_prompt": text,
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the job"),
+        **scheduling_fields(lambda schema: schema),
         "step_cache": ({**step_cache_field.form_schema(limits.step_cache_policies),
                         "description": step_cache_field.DESCRIPTION}
                        if form else step_cache_field.openapi_schema(limits.step_cache_policies)),

@@ -63,12 +63,14 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: Number | None = None
     negative_prompt: StrictStr | None = None
     seed: Integer | None = None
+    priority: Integer | None = None
+    deadline_s: Number | None = None
     step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
-_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
-_NUMBER_FIELDS = ("guidance_scale",)
+_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "priority")
+_NUMBER_FIELDS = ("guidance_scale", "deadline_s")
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,9 @@ def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimit
         prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
-        else body.guidance_scale, step_cache=parse_field(body.step_cache),
+        else body.guidance_scale,
+        priority=body.priority or 0, deadline_s=body.deadline_s,
+        step_cache=parse_field(body.step_cache),
     )
     try:
         engine.validate_params(params)

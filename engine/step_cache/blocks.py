@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditserve.engine.denoise_state import DenoiseState
+from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.step_cache import decide
 from ditserve.engine.step_cache.rows import Member, arg, members, narrow, row_index
 

@@ -14,14 +14,14 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import ConfigError, InvalidRequestError
+from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.step_cache.blocks import StepCacheBlocks
 from ditserve.engine.step_cache.policies import TeaCacheRule, request_cache, teacache_rule
 from ditserve.engine.step_cache.spec import OFF, POLICIES, StepCacheSpec
 
 if TYPE_CHECKING:
-    from ditserve.engine.input_batch import InputBatch
+    from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.scheduler import RunnerOutput
 
 SEQUENCE_PARALLEL_REFUSAL = ("the step cache is not available with sequence parallelism (each "

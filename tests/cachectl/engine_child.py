@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.offload.host.backing_choice import prepare_dit
+from ditserve.engine.weights.backing_choice import prepare_dit
 
 
 def mapped_ranges(under: Path) -> list[tuple[int, int, str]]:

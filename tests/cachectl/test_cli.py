@@ -38,7 +38,7 @@ def test_the_cli_surface_is_the_documented_one() -> None:
         "build": {"--root", "--model", "--dtype", "--revision", "--component", "--sp-size", "--sp-impl",
                   "--json", "--timeout"},
         "ensure": {"--root", "--model", "--dtype", "--revision", "--component", "--sp-size", "--sp-impl",
-                   "--json", "--timeout", "--socket", "--no-daemon"},
+                   "--json", "--timeout", "--socket", "--no-daemon", "--daemon-only"},
         "verify": {"--root", "keys", "--json", "--threads"},
         "list": {"--root", "--json"},
         "gc": {"--root", "--max-bytes", "--dry-run", "--json"},
@@ -80,7 +80,7 @@ def test_build_list_verify_gc_rm_on_a_tiny_model(
     assert built["built"] and built["status"] == "ready"
 
     # The entry holds the loader's final DiT tensors, bit for bit.
-    from ditserve.engine.loader import load_dit_state_dict
+    from ditserve.engine.weights.loader import load_dit_state_dict
 
     expected = load_dit_state_dict(tiny_model, dtype="float32")
     with CacheStore(root).join(built["key"]) as entry:
@@ -247,3 +247,37 @@ def test_build_and_ensure_take_the_loader_they_are_given(
     monkeypatch.setenv("DITSERVE_CACHECTL_LOADER", "cachectl_support:NO_SUCH_LOADER")
     assert main(["build", "--root", str(tmp_path / "c"), "--model", str(model)]) == 3
     assert "names no loader" in capsys.readouterr().err
+
+
+def test_ensure_all_components_caches_every_dit_of_a_two_expert_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Wan 2.2 A14B has two DiTs (transformer, transformer_2): an engine pod with a read-only
+    cache maps both only if both entries exist, so the init container asks for all."""
+    from ditserve.engine.tiny_model import init_tiny
+
+    model = init_tiny(tmp_path / "wan22", family="wan2.2")
+    root = tmp_path / "c"
+    assert main(["ensure", "--no-daemon", "--root", str(root), "--model", str(model),
+                 "--dtype", "float32", "--component", "all", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["status"] for r in lines] == ["ready", "ready"]
+    assert len({r["key"] for r in lines}) == 2  # one entry per DiT
+    manifests = [json.loads((Path(r["path"]) / "manifest.json").read_text()) for r in lines]
+    assert sum("transformer_2" in json.dumps(m) for m in manifests) == 1
+
+
+def test_daemon_only_ensure_never_writes_the_cache_and_says_why(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ditserve.cachectl.commands as commands
+
+    monkeypatch.setattr(commands, "DAEMON_POLL_S", 0.01)
+    root = tmp_path / "c"
+    rc = main(["ensure", "--daemon-only", "--root", str(root), "--model", str(tiny_model),
+               "--dtype", "float32", "--timeout", "0.05"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "no cachectl daemon answered" in err
+    assert "never writes the cache itself" in err
+    assert not (root / "v1").exists()  # nothing was built here

@@ -31,7 +31,7 @@ def _build(root: Path, model: Path, capsys: pytest.CaptureFixture[str]) -> str:
 
 def _prepare(model: Path, root: Path) -> tuple[torch.nn.Module, object]:
     from ditserve.engine.config import OffloadConfig
-    from ditserve.engine.offload.host.backing_choice import prepare_dit
+    from ditserve.engine.weights.backing_choice import prepare_dit
 
     offload = OffloadConfig(enabled=True, runtime_cache=True, cache_root=str(root))
     return prepare_dit(model, dtype="float32", offload=offload)
@@ -65,7 +65,7 @@ def _identity(model: Path):  # type: ignore[no-untyped-def]
 def test_a_content_mismatch_after_a_load_keeps_the_engines_tensors(
     tiny_model: Path, tmp_path: Path,
 ) -> None:
-    from ditserve.engine.loader import load_dit_state_dict
+    from ditserve.engine.weights.loader import load_dit_state_dict
 
     store = CacheStore(tmp_path / "cache")
     recipe, identity = _identity(tiny_model)
@@ -84,7 +84,7 @@ def test_a_content_mismatch_after_a_load_keeps_the_engines_tensors(
 def test_an_entry_with_matching_content_is_joined_after_a_load(
     tiny_model: Path, tmp_path: Path,
 ) -> None:
-    from ditserve.engine.loader import load_dit_state_dict
+    from ditserve.engine.weights.loader import load_dit_state_dict
 
     store = CacheStore(tmp_path / "cache")
     recipe, identity = _identity(tiny_model)

@@ -14,8 +14,8 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.errors import EngineStoppedError
+from ditserve.engine.loop.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import ALIGN_BYTES
 from ditserve.engine.request import SamplingParams

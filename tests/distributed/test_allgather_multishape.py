@@ -8,7 +8,7 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine
+from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.request import SamplingParams
 
 pytestmark = pytest.mark.slow

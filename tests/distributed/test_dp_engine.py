@@ -12,8 +12,8 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, ParallelConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine, EnginePhase, WarmUp
 from ditserve.engine.errors import EngineStoppedError
+from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase, WarmUp
 from ditserve.engine.request import SamplingParams
 
 pytestmark = pytest.mark.slow

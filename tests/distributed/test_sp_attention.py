@@ -18,8 +18,8 @@ from distributed.sp_target import CASES, run_rank  # type: ignore[import-not-fou
 from ditserve.engine.config import EngineConfig, ParallelConfig, sequence_parallel_problems
 from ditserve.engine.distributed.rendezvous import free_port
 from ditserve.engine.distributed.topology import Topology
-from ditserve.engine.engine import DiffusionEngine, EnginePhase
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase
 from ditserve.engine.parallel.tokens import TokenShard, key_mask
 
 
@@ -107,7 +107,7 @@ def test_topology_names_the_sp_and_weight_groups(dp: int, sp: int, sequence: tup
 def test_sp_engines_key_their_node_cache_entry_by_placement(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from ditserve.cachectl.store import CacheStore
     from ditserve.engine.config import OffloadConfig
-    from ditserve.engine.dit_backing import prepare_dits
+    from ditserve.engine.weights.dit_backing import prepare_dits
 
     offload = OffloadConfig(enabled=True, runtime_cache=True, cache_root=str(tmp_path))
     for sp_size in (1, 2):

@@ -17,8 +17,8 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine, EnginePhase
 from ditserve.engine.errors import EngineStoppedError
+from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase
 from ditserve.engine.request import SamplingParams
 
 pytestmark = pytest.mark.slow

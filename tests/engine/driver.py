@@ -7,9 +7,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ditserve.engine.config import SchedulerConfig
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import NewRequest, SamplingParams
-from ditserve.engine.scheduler import RunnerOutput, StepScheduler
+from ditserve.engine.runner.model_runner import ModelRunner
+from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
 
 Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]
 
@@ -17,15 +17,18 @@ Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]
 def drive(
     runner: ModelRunner, arrivals: Arrivals, *, max_num_seqs: int, max_bypass: int = 0,
     outputs: list[RunnerOutput] | None = None, allow_failures: bool = False,
+    config: SchedulerConfig | None = None, plans: list[StepPlan] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Run a scripted arrival pattern to completion without threads.
 
     arrivals[k] are added just before engine step k. Returns each request's decoded pixels
     and the batch size (requests) of every denoise step. ``max_bypass`` 0 admits in
     strict arrival order. ``outputs`` collects every step's RunnerOutput; failed requests
-    fail the run unless ``allow_failures``.
+    fail the run unless ``allow_failures``. ``config`` replaces the scheduler config made of
+    ``max_num_seqs`` and ``max_bypass``; ``plans`` collects every step's plan.
     """
-    scheduler = StepScheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_bypass=max_bypass))
+    scheduler = StepScheduler(config or SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                        max_bypass=max_bypass))
     pending = dict(arrivals)
     results: dict[str, torch.Tensor] = {}
     batch_sizes: list[int] = []
@@ -38,6 +41,8 @@ def drive(
         plan = scheduler.schedule()
         output = runner.execute(plan, new)
         scheduler.update(plan, output)
+        if plans is not None:
+            plans.append(plan)
         assert allow_failures or not output.failed, output.failed
         if outputs is not None:
             outputs.append(output)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from ditserve.engine.block_major import BlockMajor
 from ditserve.engine.offload.hooks import BlockStreamer, StreamedBlock
+from ditserve.engine.runner.block_major import BlockMajor
 
 
 class Toy(nn.Module):

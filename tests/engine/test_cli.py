@@ -17,8 +17,9 @@ ENGINE_FLAGS = {
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
     "--dlo-pin-limit-gib",
     "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
-    "--quantization", "--dlo-compress", "--step-cache", "--step-cache-threshold",
-    "--step-cache-every",
+    "--quantization", "--dlo-compress",
+    "--scheduling-policy", "--priority-aging-s", "--max-preemptions",
+    "--step-cache", "--step-cache-threshold", "--step-cache-every",
 }
 
 
@@ -73,6 +74,17 @@ def test_invalid_combinations_are_reported_with_the_fix() -> None:
         engine_config_from_args(parse(), {"scheduler": {"policy": "fifo"}})
 
 
+def test_scheduling_flags_map_onto_the_scheduler_config() -> None:
+    config = engine_config_from_args(parse("--scheduling-policy", "priority",
+                                           "--priority-aging-s", "5", "--max-preemptions", "1"))
+    assert (config.scheduler.scheduling_policy, config.scheduler.aging_s,
+            config.scheduler.max_preemptions) == ("priority", 5.0, 1)
+    assert engine_config_from_args(parse()).scheduler.scheduling_policy == "fcfs"
+    with pytest.raises(ConfigError, match="scheduler.scheduling_policy must be one of fcfs, "
+                                          "priority"):
+        engine_config_from_args(parse(), {"scheduler": {"scheduling_policy": "lifo"}})
+
+
 def test_missing_model_directory_is_a_clean_error(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     code = main(["generate", "--prompt", "x", "--model", str(tmp_path / "nope"), "--device", "cpu"])
     assert code == 2
@@ -94,7 +106,7 @@ def test_init_tiny_is_safe_for_concurrent_processes(tmp_path) -> None:  # type: 
     code = f"from ditserve.engine.tiny_model import init_tiny; init_tiny({str(target)!r})"
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    from ditserve.engine.loader import read_model_index
+    from ditserve.engine.weights.loader import read_model_index
 
     assert read_model_index(target)[0] == "FluxPipeline"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tiny.")]  # no leftovers

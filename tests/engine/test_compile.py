@@ -17,8 +17,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.errors import ConfigError
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 
 def params(rid: str, steps: int, size: int = 64) -> SamplingParams:
@@ -72,7 +72,7 @@ def test_compile_flag_and_validation() -> None:
 
 
 def test_inductor_without_a_compiler_is_refused_before_loading(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.compiled_blocks import require_toolchain
+    from ditserve.engine.runner.compiled_blocks import require_toolchain
 
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CC", raising=False)
@@ -86,7 +86,7 @@ def test_inductor_without_a_compiler_is_refused_before_loading(monkeypatch) -> N
 
 
 def test_a_compiler_named_by_the_environment_is_enough(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.compiled_blocks import require_toolchain
+    from ditserve.engine.runner.compiled_blocks import require_toolchain
 
     compiler = tmp_path / "my-cc"
     compiler.write_text("#!/bin/sh\n")
@@ -97,7 +97,7 @@ def test_a_compiler_named_by_the_environment_is_enough(monkeypatch, tmp_path) ->
 
 
 def test_engine_refuses_inductor_without_a_compiler_before_loading(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.model_runner import ModelRunner
+    from ditserve.engine.runner.model_runner import ModelRunner
 
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
@@ -108,7 +108,7 @@ def test_engine_refuses_inductor_without_a_compiler_before_loading(monkeypatch, 
 
 
 def test_a_model_without_repeated_blocks_is_refused() -> None:
-    from ditserve.engine.compiled_blocks import compile_repeated_blocks
+    from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
     with pytest.raises(ConfigError, match="does not declare its repeated blocks"):
         compile_repeated_blocks(torch.nn.Linear(2, 2), "eager")
@@ -118,7 +118,7 @@ def test_engine_compiles_before_ready_so_no_request_compiles(tiny_model_dir) -> 
     from torch._dynamo.utils import counters
 
     from ditserve.engine.config import SchedulerConfig
-    from ditserve.engine.engine import DiffusionEngine, WarmUp
+    from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
 
     torch._dynamo.reset()
     counters.clear()

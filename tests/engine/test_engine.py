@@ -9,8 +9,8 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.errors import DitServeError, InvalidRequestError, RequestAborted
+from ditserve.engine.loop.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.request import SamplingParams
 
 

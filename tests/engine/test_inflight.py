@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditserve.engine.inflight import InFlightSteps
+from ditserve.engine.runner.inflight import InFlightSteps
 
 
 def test_cpu_steps_complete_at_close_with_their_forward_and_decodes() -> None:

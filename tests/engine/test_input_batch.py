@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import BatchMismatchError
-from ditserve.engine.input_batch import InputBatchBuilder
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.sampler import Schedule
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.input_batch import InputBatchBuilder
+from ditserve.engine.runner.sampler import Schedule
 
 
 def make_state(rid: str, rng: random.Random, *, seq_len: int = 8) -> DenoiseState:

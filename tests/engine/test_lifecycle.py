@@ -7,13 +7,13 @@ from collections.abc import Mapping
 import pytest
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine, EnginePhase, WarmUp
 from ditserve.engine.errors import DitServeError, EngineStoppedError
 from ditserve.engine.executor import RankWork
-from ditserve.engine.lifecycle import Lifecycle
+from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase, WarmUp
+from ditserve.engine.loop.lifecycle import Lifecycle
+from ditserve.engine.loop.startup import warm_up
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import RunnerOutput
-from ditserve.engine.startup import warm_up
 
 
 def test_phases_only_move_forward_and_final_phases_stay() -> None:

@@ -8,8 +8,8 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.loop.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.scheduler import StepScheduler
 
@@ -96,7 +96,7 @@ def test_engine_emits_previews_after_their_step(tiny_model_dir) -> None:
 def test_previews_on_cuda_are_complete_when_handed_back(tiny_model_dir, tiny_runner) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from ditserve.engine.model_runner import ModelRunner
+    from ditserve.engine.runner.model_runner import ModelRunner
 
     cuda = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),
                        model_dir=tiny_model_dir)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine
 from ditserve.engine.errors import QueueFullError
-from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.loop.engine import DiffusionEngine
+from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import SamplingParams
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import QueueFullError
-from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import RunnerOutput
 

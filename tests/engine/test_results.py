@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.engine import DiffusionEngine
 from ditserve.engine.images import to_pil_images
+from ditserve.engine.loop.engine import DiffusionEngine
+from ditserve.engine.loop.results import GenerationResult
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.results import GenerationResult
 
 
 def test_images_are_converted_once_on_first_use() -> None:

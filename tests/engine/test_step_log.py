@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ditserve.engine.step_log import StepLog
+from ditserve.engine.loop.step_log import StepLog
 
 
 class Clock:
@@ -82,7 +82,7 @@ def test_a_failing_rate_source_does_not_break_the_line(caplog: pytest.LogCapture
 
 
 def test_copy_rates_of_an_engine_report() -> None:
-    from ditserve.engine.step_log import copy_rates_of
+    from ditserve.engine.loop.step_log import copy_rates_of
 
     assert copy_rates_of(None) == []
     assert copy_rates_of({"h2d_gbps_recent": 54.0}) == [54.0]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import NewRequest, SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import StepScheduler
 
 pytestmark = pytest.mark.gpu

@@ -77,7 +77,7 @@ def test_metrics_expose_shape_groups_rows_and_tokens_per_step() -> None:
 
 
 def test_an_engine_budgets_for_the_family_it_serves(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.loop.engine import DiffusionEngine
 
     # A directory the loader accepts as a Wan pipeline (its layout; no weights are read).
     wan = tmp_path / "wan"

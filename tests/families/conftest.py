@@ -31,7 +31,7 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 def family_runner(family_dir: Callable[[str], Path]) -> Callable[..., Any]:
     """family_runner(variant) -> a resident CPU ModelRunner on that tiny model (shared)."""
     from ditserve.engine.config import EngineConfig
-    from ditserve.engine.model_runner import ModelRunner
+    from ditserve.engine.runner.model_runner import ModelRunner
 
     runners: dict[str, Any] = {}
 

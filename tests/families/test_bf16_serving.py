@@ -12,8 +12,8 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 
 @pytest.mark.parametrize("variant", ["wan", "wan2.2", "qwen-image"])

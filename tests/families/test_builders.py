@@ -36,7 +36,7 @@ def test_wan22_full_is_two_wan21_experts() -> None:
 
 def test_init_tiny_cli_writes_wan22_with_two_experts(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from ditserve.engine.cli import main
-    from ditserve.engine.loader import dit_components, read_model_index
+    from ditserve.engine.weights.loader import dit_components, read_model_index
 
     assert main(["model", "init-tiny", "--family", "wan2.2", str(tmp_path / "w")]) == 0
     cls, index = read_model_index(tmp_path / "w")
@@ -45,8 +45,8 @@ def test_init_tiny_cli_writes_wan22_with_two_experts(tmp_path) -> None:  # type:
 
 
 def test_init_random_writes_a_loadable_qwen_image_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.loader import load_components
     from ditserve.engine.random_model import init_random
+    from ditserve.engine.weights.loader import load_components
 
     path = init_random(tmp_path / "q", family="qwen-image", size="tiny", dtype="float32",
                        device="cpu")

@@ -11,7 +11,7 @@ import pytest
 
 from ditserve.cachectl.cli import main as cachectl
 from ditserve.cachectl.model_build import ModelRequest, describe_loader, plan_model
-from ditserve.engine import loader
+from ditserve.engine.weights import loader
 
 
 def test_each_expert_is_its_own_entry(family_dir: Callable[[str], Path], tmp_path: Path,

@@ -9,8 +9,8 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 

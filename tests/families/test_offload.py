@@ -12,8 +12,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.families import WAN
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 VARIANTS = ["qwen-image", "wan", "wan2.2"]
 
@@ -164,7 +164,7 @@ def test_declared_block_lists_drive_discovery(family_runner) -> None:  # type: i
 
 
 def test_allgather_with_two_experts_is_refused_before_loading(family_dir) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.dit_backing import prepare_dits
+    from ditserve.engine.weights.dit_backing import prepare_dits
 
     with pytest.raises(OffloadError, match="--dlo-no-use-allgather"):
         prepare_dits(family_dir("wan2.2"), dtype="float32",
@@ -174,9 +174,9 @@ def test_allgather_with_two_experts_is_refused_before_loading(family_dir) -> Non
 def test_bf16_wan_maps_its_checkpoint_with_the_ordinary_loads_dtypes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # diffusers loads Wan's norms and modulation tables in float32 whatever the dtype; the
     # builders save them so, and the mapped DiT keeps them so: mapped == loaded, dtype by dtype.
-    from ditserve.engine.loader import load_dit
-    from ditserve.engine.offload.host.backing_choice import prepare_dit
     from ditserve.engine.random_model import init_random
+    from ditserve.engine.weights.backing_choice import prepare_dit
+    from ditserve.engine.weights.loader import load_dit
 
     model_dir = init_random(tmp_path / "wan-bf16", family="wan", size="tiny",
                             dtype="bfloat16", device="cpu")

@@ -38,7 +38,7 @@ def test_model_family_rule_refuses_the_rest_and_names_the_choices(value: object)
 
 
 def test_loader_reads_each_family_and_its_experts(family_dir) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine import loader
+    from ditserve.engine.weights import loader
 
     assert loader.model_family(family_dir("qwen-image")) is families.QWEN_IMAGE
     assert loader.dit_components(family_dir("wan")) == ("transformer",)
@@ -51,7 +51,7 @@ def test_loader_reads_each_family_and_its_experts(family_dir) -> None:  # type: 
 
 
 def test_loader_refuses_wrong_layouts_with_what_it_found(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.loader import read_model_index
+    from ditserve.engine.weights.loader import read_model_index
 
     broken = tmp_path / "broken"
     shutil.copytree(family_dir("wan"), broken)
@@ -100,8 +100,8 @@ def test_one_step_qwen_schedule_is_finite(family_runner) -> None:  # type: ignor
 def test_an_expert_without_its_switch_is_neither_loaded_nor_streamed(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # diffusers never runs transformer_2 without boundary_ratio; the loader does not load it.
     from ditserve.engine.config import EngineConfig, OffloadConfig
-    from ditserve.engine.loader import dit_components
-    from ditserve.engine.model_runner import ModelRunner
+    from ditserve.engine.runner.model_runner import ModelRunner
+    from ditserve.engine.weights.loader import dit_components
 
     model = tmp_path / "no-switch"
     shutil.copytree(family_dir("wan2.2"), model)

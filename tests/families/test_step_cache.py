@@ -13,8 +13,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, StepCacheConfig
 from ditserve.engine.errors import ConfigError, InvalidRequestError
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import NewRequest, SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import RunnerOutput
 from ditserve.engine.step_cache.spec import StepCacheSpec
 

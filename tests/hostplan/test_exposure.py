@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from ditserve.engine.lifecycle import EnginePhase
+from ditserve.engine.loop.lifecycle import EnginePhase
 from ditserve.engine.server.metrics import ServingMetrics
 
 

@@ -10,8 +10,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 REQUESTS = {
     "plain": SamplingParams(prompt="a red fox", num_inference_steps=3, seed=11),
@@ -148,7 +148,7 @@ def test_flux_aligned_blocks_load_with_one_copy_each(tiny_model_dir, tmp_path) -
     from diffusers import FluxTransformer2DModel
 
     from ditserve.engine.offload import enable_offload
-    from ditserve.engine.offload.host.backing_choice import prepare_dit
+    from ditserve.engine.weights.backing_choice import prepare_dit
 
     model = tmp_path / "aligned"
     shutil.copytree(tiny_model_dir, model)

@@ -10,11 +10,11 @@ import torch
 from offload.support import build_flux, flux_inputs, run  # type: ignore[import-not-found]
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.loader import DIT_COMPONENT, dit_class
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.offload.host import mapped as mapped_backing
-from ditserve.engine.offload.host.backing_choice import checkpoint_dit
 from ditserve.engine.offload.host.registration import CudaRegistrar, RegistrationRefused
+from ditserve.engine.weights.backing_choice import checkpoint_dit
+from ditserve.engine.weights.loader import DIT_COMPONENT, dit_class
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -122,8 +122,8 @@ def test_engine_runtime_cache_registered_generation_equals_resident(tiny_model_d
     from engine.driver import drive  # type: ignore[import-not-found]
 
     from ditserve.engine.config import EngineConfig
-    from ditserve.engine.model_runner import ModelRunner
     from ditserve.engine.request import SamplingParams
+    from ditserve.engine.runner.model_runner import ModelRunner
 
     params = SamplingParams(prompt="a red fox", num_inference_steps=3, seed=11)
     resident = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.loader import DIT_COMPONENT, dit_class
-from ditserve.engine.offload.host.backing_choice import checkpoint_dit
 from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan
+from ditserve.engine.weights.backing_choice import checkpoint_dit
+from ditserve.engine.weights.loader import DIT_COMPONENT, dit_class
 
 Edit = Callable[[dict[str, torch.Tensor], Path], None]
 
@@ -143,8 +143,8 @@ def test_auto_maps_the_checkpoint_on_cuda_only_when_the_mapping_can_be_registere
     tiny_model_dir,  # type: ignore[no-untyped-def]
 ) -> None:
     from ditserve.engine.config import OffloadConfig
-    from ditserve.engine.offload.host.backing_choice import prepare_dit
     from ditserve.engine.offload.host.weight_plan import BackingKind
+    from ditserve.engine.weights.backing_choice import prepare_dit
 
     unpinned = OffloadConfig(enabled=True)
     _, plan = prepare_dit(tiny_model_dir, dtype="float32", offload=unpinned,

@@ -7,8 +7,6 @@ import torch
 
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.loader import DIT_COMPONENT, dit_class
-from ditserve.engine.offload.host.backing_choice import checkpoint_dit
 from ditserve.engine.offload.host.mapped import MappedBacking
 from ditserve.engine.offload.host.memory import PageableMemory
 from ditserve.engine.offload.host.registration import (
@@ -20,6 +18,8 @@ from ditserve.engine.offload.host.registration import (
 )
 from ditserve.engine.offload.movement.copy_stream import SyncTransfer
 from ditserve.engine.offload.movement.mapped import make_mapped_transfer
+from ditserve.engine.weights.backing_choice import checkpoint_dit
+from ditserve.engine.weights.loader import DIT_COMPONENT, dit_class
 
 P = 4096
 

@@ -47,6 +47,9 @@ NODES = kmock.resource("", "v1", "nodes")
 PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
 NODECACHES = kmock.resource("ditserve.io", "v1alpha1", "nodecaches")
 LWS = kmock.resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
+HPAS = kmock.resource("autoscaling", "v2", "horizontalpodautoscalers")
+PEERINGS = kmock.resource("kopf.dev", "v1", "kopfpeerings")
+CLUSTER_PEERINGS = kmock.resource("kopf.dev", "v1", "clusterkopfpeerings")
 _ALL_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
 
@@ -93,6 +96,12 @@ class Emulator(kmock.KubernetesEmulator):
             self.resources[LWS] = kmock.ResourceInfo(
                 kind="LeaderWorkerSet", singular="leaderworkerset", namespaced=True,
                 shortnames={"lws"}, subresources={"status", "scale"}, verbs=_ALL_VERBS)
+        # kopf's peering CRDs (the chart installs them): leader election of operator replicas.
+        self.resources[PEERINGS] = kmock.ResourceInfo(
+            kind="KopfPeering", singular="kopfpeering", namespaced=True, verbs=_ALL_VERBS)
+        self.resources[CLUSTER_PEERINGS] = kmock.ResourceInfo(
+            kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
+            verbs=_ALL_VERBS)
         crd = load_crd()
         names = crd["spec"]["names"]
         self.resources[DD] = kmock.ResourceInfo(
@@ -162,6 +171,8 @@ class Emulator(kmock.KubernetesEmulator):
                 data.update(self._check_dd(data))  # defaulted, as the server stores it
             meta = data.setdefault("metadata", {})
             if request.action == kmock.action.CREATE:
+                if meta.get("generateName") and not meta.get("name"):  # kopf's Events use it
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.setdefault("generation", 1)
                 meta.setdefault("creationTimestamp", _now())

@@ -6,7 +6,8 @@ the project does not define are checked against their projects' CRD schemas, ven
 LeaderWorkerSet's pod templates are checked as core/v1 PodTemplateSpecs by kubernetes-validate.
 CRD schemas are made strict the same way: an object without ``x-kubernetes-preserve-unknown-
 fields`` may hold only the properties it declares (a real server would silently prune others,
-which would hide a typo in what the operator renders).
+which would hide a typo in what the operator renders). Kinds whose CRDs the project ships in
+``crds/`` (kopf's peering objects) are checked against those.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import yaml
 
 K8S_VERSION = "1.33.0"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
+PROJECT_CRDS = Path(__file__).resolve().parents[2] / "crds"
 POD_TEMPLATE_MARKER = "x-ditserve-pod-template-spec"
 VENDORED = {
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkerset.x-k8s.io_v1.yaml",
@@ -42,7 +44,28 @@ def _strict(schema: Any) -> Any:
 
 
 @functools.cache
+def project_crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> openAPIV3Schema of every CRD in the project's crds/."""
+    out = {}
+    for path in sorted(PROJECT_CRDS.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc.get("kind") != "CustomResourceDefinition":
+                continue
+            spec = doc["spec"]
+            for version in spec["versions"]:
+                key = (f"{spec['group']}/{version['name']}", spec["names"]["kind"])
+                out[key] = version["schema"]["openAPIV3Schema"]
+    return out
+
+
+@functools.cache
 def vendored_schema(api_version: str, kind: str) -> dict[str, Any]:
+    if (api_version, kind) in project_crd_schemas():
+        schema = copy.deepcopy(project_crd_schemas()[(api_version, kind)])
+        schema.setdefault("properties", {}).update(
+            {"apiVersion": {"type": "string"}, "kind": {"type": "string"}})
+        schema["properties"]["metadata"] = {"type": "object"}
+        return _strict(schema)
     doc = yaml.safe_load((SCHEMAS / VENDORED[(api_version, kind)]).read_text())
     schema = copy.deepcopy(doc["openAPIV3Schema"])
     # metadata is an ObjectMeta the server checks on its own; the CRD leaves it open.
@@ -62,12 +85,12 @@ def _pod_templates(schema: Any, value: Any, path: str) -> list[tuple[str, Any]]:
     return out
 
 
-def problems(obj: dict[str, Any]) -> list[str]:
-    """Why an API server would refuse ``obj`` for its schema (empty if it would not)."""
+def problems(obj: dict[str, Any], version: str = K8S_VERSION) -> list[str]:
+    """Why an API server of ``version`` would refuse ``obj`` for its schema (empty if not)."""
     key = (obj.get("apiVersion"), obj.get("kind"))
-    if key not in VENDORED:
+    if key not in VENDORED and key not in project_crd_schemas():
         try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             return [f"{'.'.join(str(p) for p in e.path) or '<root>'}: {e.message}"]
         return []
@@ -78,14 +101,14 @@ def problems(obj: dict[str, Any]) -> list[str]:
         wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
                    "metadata": {"name": "template"}, "template": template}
         try:
-            kubernetes_validate.validate(wrapped, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(wrapped, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             inner = ".".join(str(p) for p in list(e.path)[1:])
             out.append(f"{path.lstrip('.')}.{inner}: {e.message}")
     return out
 
 
-def validate(obj: dict[str, Any]) -> None:
+def validate(obj: dict[str, Any], version: str = K8S_VERSION) -> None:
     """Raise AssertionError listing the schema problems of ``obj``."""
-    found = problems(obj)
+    found = problems(obj, version)
     assert not found, f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}: {found}"

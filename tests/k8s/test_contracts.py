@@ -63,16 +63,31 @@ def test_cachectl_accepts_the_init_container(name: str) -> None:
 
 
 def test_judging_a_spec_imports_nothing_heavy() -> None:
-    """The operator judges engine.args with the engine's own parser, which must stay light:
-    no torch, no diffusers, no FastAPI in the operator process."""
+    """The operator judges engine.args with the engine's own parser (engine.server.options),
+    which must stay light: no torch, no diffusers, no FastAPI, no uvicorn, and neither the
+    engine's CLI nor its server runtime in the operator process."""
     import subprocess
     import sys
 
-    code = ("import sys; import ditserve.operator.handlers; "
+    heavy = ("torch", "diffusers", "transformers", "fastapi", "starlette", "uvicorn",
+             "ditserve.engine.cli", "ditserve.engine.server.main", "ditserve.engine.server.app")
+    code = ("import sys; import ditserve.operator.judge; import ditserve.operator.handlers; "
             "from ditserve.operator.judge import validate; "
-            "validate({'model': {'hostPath': '/m'}, 'engine': {'args': ['--log-level', 'info']}}); "
-            "print(sorted({m.split('.')[0] for m in sys.modules} "
-            "& {'torch', 'diffusers', 'transformers', 'fastapi', 'starlette'}))")
+            "validate({'model': {'hostPath': '/mnt/models/m'}, "
+            "'engine': {'args': ['--log-level', 'info', '--shutdown-grace', '90']}}); "
+            f"print(sorted(m for m in sys.modules if m in {heavy!r} "
+            "or m.split('.')[0] in {'torch', 'diffusers', 'fastapi', 'uvicorn'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_serve_parser_the_operator_judges_with_is_the_clis() -> None:
+    """One parser: `ditserve serve` and the operator's judgement accept the same flags."""
+    import argparse
+
+    from ditserve.engine.server.options import build_serve_parser
+
+    sub = next(a for a in engine_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    cli_flags = {f for a in sub.choices["serve"]._actions for f in a.option_strings}
+    assert cli_flags == {f for a in build_serve_parser()._actions for f in a.option_strings}

@@ -17,6 +17,7 @@ from k8s.crd_schema import CRD_PATH, NODECACHE_CRD_PATH
 
 from ditserve.cachectl.cli import build_parser as cachectl_parser
 from ditserve.operator.main import build_parser as operator_parser
+from ditserve.operator.policy import AdminPolicy
 from ditserve.operator.render import DEFAULT_IMAGE
 
 NON_DEFAULT = {
@@ -67,7 +68,8 @@ def test_lint_strict(tmp_path: Path, which: str) -> None:
 def test_rendered_objects_validate(rendered: dict[str, list[dict[str, Any]]], which: str) -> None:
     docs = rendered[which]
     for doc in docs:
-        k8s_schemas.validate(doc)
+        for version in ("1.29.0", k8s_schemas.K8S_VERSION, "1.37.0"):  # oldest to newest
+            k8s_schemas.validate(doc, version)
     crds = {d["metadata"]["name"]: d for d in by_kind(docs, "CustomResourceDefinition")}
     assert crds["diffusiondeployments.ditserve.io"] == yaml.safe_load(CRD_PATH.read_text())
     assert crds["nodecaches.ditserve.io"] == yaml.safe_load(NODECACHE_CRD_PATH.read_text())
@@ -94,10 +96,18 @@ def _container(workload: dict[str, Any]) -> dict[str, Any]:
 
 def test_operator_deployment(rendered: dict[str, list[dict[str, Any]]]) -> None:
     (dep,) = by_kind(rendered["default"], "Deployment")
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    # Leader election on: a rolling update never runs two reconciling operators at once.
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "RollingUpdate"}
     op = _container(dep)
     assert op["image"] == DEFAULT_IMAGE  # the chart's default is what the operator assumes
     env = {e["name"]: e["value"] for e in op["env"]}
+    assert env["DITSERVE_OPERATOR_PEERING"] == "rel-ditserve-operator"
+    (peering,) = by_kind(rendered["default"], "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "rel-ditserve-operator"
+    # The admin's roots reach the operator as the policy it enforces.
+    assert AdminPolicy.from_env(env) == AdminPolicy(
+        model_roots=("/mnt/models",), cache_root="/var/cache/ditserve",
+        engine_image=DEFAULT_IMAGE, helper_image=DEFAULT_IMAGE)
     assert env["DITSERVE_ENGINE_IMAGE"] == DEFAULT_IMAGE
     assert env["DITSERVE_LABEL_CACHED_NODES"] == "true"
     assert op["securityContext"]["readOnlyRootFilesystem"] and env["HOME"] == "/tmp"
@@ -114,6 +124,12 @@ def test_operator_deployment(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert args.namespace == ["ml", "ml-dev"] and args.verbose and args.liveness_port == 9090
     assert {e["name"]: e["value"] for e in op["env"]}["DITSERVE_ENGINE_IMAGE"] == (
         "registry.example/ml/ditserve-engine:dev")
+    policy = AdminPolicy.from_env({e["name"]: e["value"] for e in op["env"]})
+    assert policy.model_roots == ("/data/models", "/mnt/nfs")
+    assert policy.cache_root == "/data/ditserve-cache" and policy.pull_secrets == ("regcred",)
+    assert policy.helper_image == "registry.example/ml/ditserve:dev"  # the chart's, not engines'
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(rendered["non-default"],
+                                                              "KopfPeering")) == ["ml", "ml-dev"]
     pod = dep["spec"]["template"]
     assert pod["spec"]["serviceAccountName"] == "dits-op"
     assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
@@ -128,7 +144,8 @@ def test_operator_can_be_turned_off(rendered: dict[str, list[dict[str, Any]]]) -
     assert by_kind(docs, "Deployment") == []
     assert all(d["metadata"]["labels"].get("app.kubernetes.io/component") != "operator"
                for d in docs if d["kind"] != "CustomResourceDefinition")
-    assert len(by_kind(docs, "CustomResourceDefinition")) == 2  # the CRDs stay
+    # The CRDs stay: ditserve's two and kopf's peerings.
+    assert len(by_kind(docs, "CustomResourceDefinition")) == 4
     assert by_kind(docs, "DaemonSet")  # and so does the node cache
     (hook,) = by_kind(docs, "Pod")
     assert not any("-operator." in a for a in hook["spec"]["containers"][0]["command"])
@@ -152,7 +169,7 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]]) -> N
                        for _, res, _ in granted)
     # Deletes only of the children a spec can stop rendering; update only of the finalizers.
     assert {res for _, res, verb in operator if verb == "delete"} == {
-        "deployments", "leaderworkersets", "poddisruptionbudgets"}
+        "deployments", "leaderworkersets", "poddisruptionbudgets", "horizontalpodautoscalers"}
     assert {res for _, res, verb in operator if verb == "update"} == {
         "diffusiondeployments/finalizers"}
     assert not any(res == "nodes" for _, res, _ in operator)  # namespaced rules only
@@ -164,9 +181,16 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]]) -> N
                    ("", "configmaps", "patch"), ("", "services", "create"),
                    ("", "pods", "list"), ("", "events", "create"), ("", "events", "watch")]:
         assert needed in operator, needed
+    # Drift repair watches every child it owns; leader election reads and patches its peering.
+    for needed in [("", "configmaps", "watch"), ("", "services", "watch"),
+                   ("policy", "poddisruptionbudgets", "watch"),
+                   ("autoscaling", "horizontalpodautoscalers", "watch"),
+                   ("autoscaling", "horizontalpodautoscalers", "patch")]:
+        assert needed in operator, needed
     assert nodes == {("ditserve.io", "nodecaches", "get"), ("ditserve.io", "nodecaches", "list"),
                      ("ditserve.io", "nodecaches", "watch"), ("", "nodes", "get"),
-                     ("", "nodes", "patch")}
+                     ("", "nodes", "patch")} | {("kopf.dev", "clusterkopfpeerings", verb)
+                                                for verb in ("get", "list", "watch", "patch")}
     # The daemons may only write NodeCache objects and read their Node.
     assert cachectl == {("ditserve.io", "nodecaches", "get"), ("ditserve.io", "nodecaches", "create"),
                         ("ditserve.io", "nodecaches/status", "patch"), ("", "nodes", "get")}
@@ -256,7 +280,7 @@ def test_service_monitors_select_what_the_operator_and_chart_label(
     (endpoint,) = engines["spec"]["endpoints"]
     assert (endpoint["path"], endpoint["interval"]) == ("/metrics", "15s")
     # An engine Service the operator renders is selected, by its labels and its port's name.
-    kids = render(parse_spec({"model": {"hostPath": "/m"}}), Owner("flux", "ml", "u"))
+    kids = render(parse_spec({"model": {"hostPath": "/mnt/models/m"}}), Owner("flux", "ml", "u"))
     (service,) = [k for k in kids if k["kind"] == "Service"]
     assert engines["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
@@ -284,7 +308,10 @@ def test_helm_test_hook_probes_the_operator_and_a_daemon(
     ({"cachectl": {"root": "relative/path"}}, "/cachectl/root"),
     ({"operator": {"watchNamespaces": ["Not_A_Namespace"]}}, "/operator/watchNamespaces/0"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
-    ({"operator": {"replicas": 2}}, "replicas"),
+    ({"operator": {"replicas": 6}}, "/operator/replicas"),
+    # Two operators without leader election would both reconcile.
+    ({"operator": {"replicas": 2, "leaderElection": {"enabled": False}}}, "needs operator.leader"),
+    ({"cachectl": {"modelHostPaths": ["models"]}}, "/cachectl/modelHostPaths/0"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
 ])
 def test_values_schema_rejects_bad_values(tmp_path: Path, values: dict[str, Any],

@@ -73,7 +73,7 @@ async def test_conditional_status_patch_conflicts_when_stale(kmock: Emulator) ->
     path = "/apis/ditserve.io/v1alpha1/namespaces/default/diffusiondeployments"
     body = {"apiVersion": "ditserve.io/v1alpha1", "kind": "DiffusionDeployment",
             "metadata": {"name": "f", "namespace": "default"},
-            "spec": {"model": {"hostPath": "/m"}}}
+            "spec": {"model": {"hostPath": "/mnt/models/m"}}}
     try:
         created = await client.create(body)
         rv = created["metadata"]["resourceVersion"]
@@ -87,7 +87,7 @@ async def test_conditional_status_patch_conflicts_when_stale(kmock: Emulator) ->
             "data": 1, "sequence": 1, "gpusPerNode": 8}
         with pytest.raises(KubeApiError) as info:
             await client.create({**body, "metadata": {"name": "g", "namespace": "default"},
-                                "spec": {"model": {"hostPath": "/m"}, "replicas": -1}})
+                                "spec": {"model": {"hostPath": "/mnt/models/m"}, "replicas": -1}})
         assert info.value.status == 422 and "spec.replicas" in info.value.message
     finally:
         await client.close()
@@ -105,7 +105,7 @@ class _RacingClient:
             return None
         return {"metadata": {"name": "f", "namespace": "default", "generation": 1,
                              "resourceVersion": str(self.rv), "uid": "u"},
-                "spec": {"model": {"hostPath": "/m"}}, "status": {}}
+                "spec": {"model": {"hostPath": "/mnt/models/m"}}, "status": {}}
 
     async def list(self, path: str, *, label_selector: str | None = None,
                    field_selector: str | None = None) -> list[dict]:
@@ -122,9 +122,11 @@ class _RacingClient:
 
 async def test_status_writes_are_redone_from_a_fresh_read_on_conflict() -> None:
     from ditserve.operator.deployments import _sync_status
+    from ditserve.operator.policy import AdminPolicy
 
     client = _RacingClient()
-    await _sync_status(client, {"apply_failures": {}}, "default", "f")  # type: ignore[arg-type]
+    await _sync_status(client, {"apply_failures": {}, "policy": AdminPolicy(), "repairs": {}},
+                       "default", "f")  # type: ignore[arg-type]
     assert [rv for _, _, rv in client.patches] == ["1", "2"]
     path, status, _ = client.patches[-1]
     assert path.endswith("/diffusiondeployments/f")

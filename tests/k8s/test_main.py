@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -81,8 +82,26 @@ def test_kopf_settings_bound_watches_and_keep_state_in_annotations() -> None:
     assert settings.watching.server_timeout and settings.watching.client_timeout
     assert settings.watching.client_timeout > settings.watching.server_timeout
     assert settings.peering.standalone and settings.scanning.disabled
-    assert settings.posting.level >= 30  # warnings and errors only become Events
+    # Events are posted explicitly (Normal ones too); log lines never become Events.
+    assert settings.posting.enabled and not settings.posting.loggers
     # status.kopf is undeclared in the CRD and would be pruned: state lives in annotations.
     assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
     assert isinstance(settings.persistence.diffbase_storage, kopf.AnnotationsDiffBaseStorage)
-    assert memo["image"] == "ghcr.io/ditserve/ditserve:0.1.0"
+    assert memo["policy"].engine_image == "ghcr.io/ditserve/ditserve:0.1.0"
+
+
+def test_peering_elects_one_replica_by_random_priority(monkeypatch: Any) -> None:
+    import kopf
+
+    from ditserve.operator.deployments import PEERING_ENV, configure
+
+    monkeypatch.setenv(PEERING_ENV, "ditserve-operator")
+    priorities = set()
+    for _ in range(2):
+        settings, memo = kopf.OperatorSettings(), kopf.Memo()
+        configure(settings=settings, memo=memo)
+        assert not settings.peering.standalone and settings.peering.mandatory
+        assert settings.peering.name == "ditserve-operator"
+        priorities.add(settings.peering.priority)
+    # Two replicas with one priority would both pause (kopf pauses on a tie).
+    assert len(priorities) == 2

@@ -12,6 +12,7 @@ import yaml
 from ditserve.engine.config import EngineConfig
 from ditserve.operator import sizing
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.policy import AdminPolicy
 from ditserve.operator.render import (
     CONFIG_HASH_ANNOTATION,
     Owner,
@@ -142,18 +143,20 @@ def test_hostpath_volumes_probes_and_cache_mounts() -> None:
     assert env_of(engine)["DITSERVE_CACHE_ROOT"] == "/var/cache/ditserve"
 
     (init,) = pod["initContainers"]
-    # The daemon opens the model by path: the init container names it by its node path.
+    # The daemon opens the model by path: the init container names it by its node path, asks
+    # for every DiT of the model, and only asks: the daemon writes the cache, not this pod.
     assert init["command"] == ["cachectl", "ensure", "--model", "/mnt/models/flux", "--dtype",
-                               "bfloat16", "--root", "/var/cache/ditserve", "--timeout", "1320"]
+                               "bfloat16", "--component", "all", "--root", "/var/cache/ditserve",
+                               "--timeout", "1320", "--daemon-only"]
     init_mounts = {m["name"]: m for m in init["volumeMounts"]}
     assert init_mounts["model"]["mountPath"] == "/mnt/models/flux"
-    assert not init_mounts["cache"].get("readOnly")  # it may have to build the entry itself
+    assert init_mounts["cache"]["readOnly"] is True
 
 
 def test_sp_pods_ensure_the_cache_entry_their_engines_join() -> None:
     (init,) = pod_of(spec_of(parallelism={"sequence": 2}))["initContainers"]
     # The engine passes (sp_size 2, ulysses) to the cache identity; so does the init container.
-    assert init["command"][-4:] == ["--sp-size", "2", "--sp-impl", "ulysses"]
+    assert init["command"][-5:-1] == ["--sp-size", "2", "--sp-impl", "ulysses"]
     (plain,) = pod_of(spec_of())["initContainers"]
     assert "--sp-size" not in plain["command"]
 
@@ -270,7 +273,7 @@ def test_labels_selector_and_ownership() -> None:
 
 def test_image_comes_from_the_spec_or_the_operator_default() -> None:
     assert engine_of(spec_of())["image"] == "ghcr.io/ditserve/ditserve:0.1.0"
-    kids = children(spec_of(), image="registry.example/ditserve:dev")
+    kids = children(spec_of(), policy=AdminPolicy(engine_image="registry.example/ditserve:dev"))
     assert kids["Deployment"]["spec"]["template"]["spec"]["containers"][0]["image"] == (
         "registry.example/ditserve:dev")
     assert engine_of(spec_of(engine={"image": "mine:1"}))["image"] == "mine:1"

@@ -155,8 +155,9 @@ def test_engine_pods_prefer_nodes_with_a_ready_cache_entry() -> None:
         {"key": cache_label_key("/mnt/models/flux", "bfloat16"), "operator": "In",
          "values": ["Ready"]}]
     # No daemon entries for PVC models, no cache, or when asked not to: no preference.
-    assert "affinity" not in pod_of(spec_of(cache={"mode": "None"}))
-    assert "affinity" not in pod_of(spec_of(scheduling={"preferCachedNodes": False}))
+    assert "nodeAffinity" not in pod_of(spec_of(cache={"mode": "None"}))["affinity"]
+    assert "nodeAffinity" not in pod_of(spec_of(scheduling={"preferCachedNodes": False}))[
+        "affinity"]
     assert "preferredDuringSchedulingIgnoredDuringExecution" not in pod_of(
         VARIANTS["pvc-restricted"])["affinity"]["nodeAffinity"]
 

@@ -30,7 +30,7 @@ def test_mapping_onto_the_engine_config() -> None:
 
 
 def test_compile_maps_onto_the_engine_backend_and_is_off_by_default() -> None:
-    base = {"model": {"hostPath": "/m"}}
+    base = {"model": {"hostPath": "/mnt/models/m"}}
     assert validate(base)[1].compile is None
     assert validate({**base, "compile": {"enabled": True}})[1].compile == "inductor"
     assert validate({**base, "compile": {"enabled": True, "backend": "aot_eager"}})[1].compile == "aot_eager"
@@ -40,7 +40,7 @@ def test_compile_maps_onto_the_engine_backend_and_is_off_by_default() -> None:
 
 
 def test_slots_pass_through_only_when_set() -> None:
-    base = {"model": {"hostPath": "/m", "sizeGiB": 1}, "parallelism": {"data": 2}}
+    base = {"model": {"hostPath": "/mnt/models/m", "sizeGiB": 1}, "parallelism": {"data": 2}}
     _, config = validate({**base, "offload": {"enabled": True, "slots": 6}})
     assert config.offload.slots == 6
     _, config = validate({**base, "offload": {"enabled": True}})
@@ -51,7 +51,7 @@ def test_slots_pass_through_only_when_set() -> None:
 
 def test_every_shape_problem_is_reported_at_once() -> None:
     with pytest.raises(InvalidSpecError) as info:
-        parse_spec({"model": {"hostPath": "/m", "dtype": "int4"}, "replicas": True,
+        parse_spec({"model": {"hostPath": "/mnt/models/m", "dtype": "int4"}, "replicas": True,
                     "parallelism": {"data": 0}, "engine": {"port": "http"}})
     message = str(info.value)
     for expected in ("spec.model.dtype must be one of", "spec.replicas must be an integer",
@@ -72,7 +72,7 @@ def test_missing_model_says_how_to_fix_it() -> None:
 ])
 def test_engine_rules_judge_option_combinations(offload: dict, parallelism: dict,
                                                 engine_says: str) -> None:
-    spec = parse_spec({"model": {"hostPath": "/m", "sizeGiB": 1}, "offload": offload,
+    spec = parse_spec({"model": {"hostPath": "/mnt/models/m", "sizeGiB": 1}, "offload": offload,
                        "parallelism": parallelism})
     with pytest.raises(InvalidSpecError, match=engine_says):
         engine_config(spec)
@@ -87,7 +87,7 @@ def test_engine_rules_judge_option_combinations(offload: dict, parallelism: dict
 ])
 def test_sequence_parallel_sizes_are_judged_by_the_familys_head_counts(
         family: str, sequence: int, ok: bool) -> None:
-    spec = parse_spec({"model": {"hostPath": "/m", "family": family},
+    spec = parse_spec({"model": {"hostPath": "/mnt/models/m", "family": family},
                        "parallelism": {"sequence": sequence, "gpusPerNode": 8}})
     if ok:
         assert engine_config(spec).parallel.sequence_parallel_size == sequence
@@ -98,7 +98,7 @@ def test_sequence_parallel_sizes_are_judged_by_the_familys_head_counts(
 
 
 def test_an_sp_group_spanning_nodes_is_refused() -> None:
-    spec = {"model": {"hostPath": "/m"}, "parallelism": {"data": 2, "sequence": 8,
+    spec = {"model": {"hostPath": "/mnt/models/m"}, "parallelism": {"data": 2, "sequence": 8,
                                                           "gpusPerNode": 4}}
     with pytest.raises(InvalidSpecError, match="stay inside one node"):
         parse_spec(spec)

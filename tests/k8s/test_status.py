@@ -11,7 +11,7 @@ from ditserve.operator.render import GENERATION_ANNOTATION
 from ditserve.operator.status import compute_status, status_changed
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
-SPEC = {"replicas": 2, "model": {"hostPath": "/m", "sizeGiB": 4}, "parallelism": {"sequence": 2}}
+SPEC = {"replicas": 2, "model": {"hostPath": "/mnt/models/m", "sizeGiB": 4}, "parallelism": {"sequence": 2}}
 
 
 def dd(spec: dict[str, Any] | None = None, generation: int = 3,
@@ -231,7 +231,7 @@ def test_apply_failures_of_this_generation_are_conditions() -> None:
 
 
 def test_leader_worker_set_counts_groups_and_topology_spans_nodes() -> None:
-    spec = {"replicas": 2, "model": {"hostPath": "/m"}, "parallelism": {"data": 16}}
+    spec = {"replicas": 2, "model": {"hostPath": "/mnt/models/m"}, "parallelism": {"data": 16}}
     lws = {"metadata": {"generation": 1, "annotations": {GENERATION_ANNOTATION: "3"}},
            "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2,
                       "updatedReplicas": 2}}
@@ -242,7 +242,7 @@ def test_leader_worker_set_counts_groups_and_topology_spans_nodes() -> None:
 
 def test_node_cache_summary_for_host_path_models() -> None:
     nodecaches = [{"metadata": {"name": "gpu-1"}, "status": {
-        "heartbeatTime": T0, "entries": [{"state": "Ready", "model": "/m", "dtype": "bfloat16"}]}}]
+        "heartbeatTime": T0, "entries": [{"state": "Ready", "model": "/mnt/models/m", "dtype": "bfloat16"}]}}]
     status = compute_status(dd(), deployment(), [], now=T0, nodecaches=nodecaches)
     assert status["nodeCache"]["readyNodes"] == 1
     assert status["nodeCache"]["nodes"] == [{"name": "gpu-1", "state": "Ready"}]

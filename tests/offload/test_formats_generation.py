@@ -8,8 +8,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.formats.fp8_linear import FP8Linear
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 ARRIVALS = {
     0: [("fox", SamplingParams(prompt="a red fox", num_inference_steps=3, seed=11)),
@@ -66,9 +66,9 @@ def test_compiled_fp8_blocks_trace_whole_and_stream() -> None:
     from formats.support import flux_inputs, tiny_flux  # type: ignore[import-not-found]
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from ditserve.engine.compiled_blocks import compile_repeated_blocks
     from ditserve.engine.formats.fp8_select import quantize_fp8
     from ditserve.engine.offload import enable_offload
+    from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
     model = tiny_flux().to(torch.bfloat16)
     quantize_fp8(model)

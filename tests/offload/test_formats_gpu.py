@@ -145,7 +145,7 @@ def test_fp8_dlo_equals_resident_fp8_with_scaled_mm() -> None:
 
 
 def test_compiled_fp8_blocks_match_eager_fp8() -> None:
-    from ditserve.engine.compiled_blocks import compile_repeated_blocks
+    from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
     model = flux_bf16().to("cuda")
     quantize_fp8(model, FP8Rule())

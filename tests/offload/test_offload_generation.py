@@ -7,8 +7,8 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
-from ditserve.engine.model_runner import ModelRunner
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
 
 REQUESTS = {
     "plain": SamplingParams(prompt="a red fox", num_inference_steps=3, seed=11),

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.engine import EnginePhase, EngineStats, GenerationResult, RequestEvent
 from ditserve.engine.errors import (
     DitServeError,
     InvalidRequestError,
     QueueFullError,
     RequestAborted,
 )
+from ditserve.engine.loop.engine import EnginePhase, EngineStats, GenerationResult, RequestEvent
 
 
 @dataclass

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.lifecycle import EnginePhase
+from ditserve.engine.loop.lifecycle import EnginePhase
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.auth import check_bearer
 from ditserve.engine.server.config import ServerConfig

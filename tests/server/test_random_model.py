@@ -15,7 +15,7 @@ from ditserve.engine.request import SamplingParams
 
 
 def test_tiny_random_flux_serves_with_flux_layout(tmp_path) -> None:
-    from ditserve.engine.engine import DiffusionEngine
+    from ditserve.engine.loop.engine import DiffusionEngine
 
     model = tmp_path / "rnd"
     assert main(["model", "init-random", "--size", "tiny", "--dtype", "float32",

@@ -15,7 +15,7 @@ import pytest
 from server.video_support import finish, mp4_facts, run
 
 from ditserve.engine.config import EngineConfig, SchedulerConfig
-from ditserve.engine.engine import DiffusionEngine
+from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.metrics import ServingMetrics

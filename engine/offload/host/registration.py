@@ -10,7 +10,7 @@ newest first, and the caller keeps the staging path; if that rollback itself fai
 process state is unknown and startup aborts (``OffloadError``).
 
 CUDA refuses ``cudaHostRegister`` on a writable file mapping; the mappings come from
-``safetensors_mmap`` (``PROT_READ``) and are registered with ``cudaHostRegisterReadOnly``.
+``weights.checkpoint_mmap`` (``PROT_READ``) and are registered with ``cudaHostRegisterReadOnly``.
 The ``Registrar`` interface lets CPU tests run the whole sequence against a fake.
 
 Called by ``mapped.MappedBacking.register``; torn down by ``MappedBacking.close`` (after a

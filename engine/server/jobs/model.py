@@ -115,6 +115,7 @@ class VideoJob:
     size_bytes: int = 0  # the MP4's size, once completed
     reserved_bytes: int = 0  # counted against the store's byte bound
     engine_id: str | None = None  # the engine's request id while it generates
+    eta_s: float | None = None  # the scheduler's estimate of the seconds left, per step
     listeners: list[Any] = field(default_factory=list)
 
     @property
@@ -157,6 +158,10 @@ def video_object(job: VideoJob) -> dict[str, Any]:
             "queue_seconds": round(queued, 6) if queued is not None else None,
             "latency_seconds": round(latency, 6) if latency is not None else None,
             "bytes": job.size_bytes if job.status is JobStatus.COMPLETED else None,
+            "priority": p.priority,
+            "deadline_s": p.deadline_s,
+            "estimated_seconds_left": (round(job.eta_s, 3) if job.eta_s is not None
+                                       and not job.status.is_finished else None),
         },
     }
 

@@ -23,7 +23,7 @@ import logging
 from functools import partial
 from typing import Any
 
-from ditserve.engine.errors import EngineStoppedError, RequestAborted
+from ditserve.engine.errors import DeadlineError, EngineStoppedError, RequestAborted
 from ditserve.engine.server.jobs.files import StorageError
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.jobs.store import JobStore
@@ -81,7 +81,7 @@ class VideoJobs:
     # -- called from the engine's loop thread -------------------------------------------------
     def _on_event(self, job_id: str, event: Any) -> None:
         if event.kind == "step":
-            self.store.stepped(job_id, event.step)
+            self.store.stepped(job_id, event.step, event.eta_s)
 
     def _on_done(self, job_id: str, spec: VideoSpec,
                  future: concurrent.futures.Future[Any]) -> None:
@@ -95,6 +95,9 @@ class VideoJobs:
         if isinstance(error, (RequestAborted, EngineStoppedError)):
             # A cancelled job is already finished (this does nothing); else the server stops.
             self.store.fail(job_id, "engine_stopped", _STOPPED)
+            return
+        if isinstance(error, DeadlineError):
+            self.store.fail(job_id, "deadline_exceeded", str(error))
             return
         log.warning("video %s failed in the engine: %s", job_id, error)
         self.store.fail(job_id, "generation_failed", f"the engine failed to generate this "

@@ -185,13 +185,13 @@ class JobStore:
 
         return self._change(job_id, take)
 
-    def stepped(self, job_id: str, steps_done: int) -> None:
+    def stepped(self, job_id: str, steps_done: int, eta_s: float | None = None) -> None:
         def move(job: VideoJob) -> bool:
             if job.status.is_finished or steps_done <= job.steps_done:
                 return False
             if job.status is JobStatus.QUEUED:
                 job.status, job.started_at = JobStatus.IN_PROGRESS, self.clock()
-            job.steps_done = steps_done
+            job.steps_done, job.eta_s = steps_done, eta_s
             return True
 
         self._change(job_id, move)

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ditserve.engine.errors import (
+    DeadlineError,
     DitServeError,
     EngineStoppedError,
     RequestAborted,
@@ -61,6 +62,9 @@ def _failure(state: ServerState, request_id: str, exc: BaseException) -> APIErro
     if isinstance(exc, (RequestAborted, EngineStoppedError)):
         return unavailable(state, "the request was aborted: the engine is shutting down or "
                                    "stopped; retry on another replica")
+    if isinstance(exc, DeadlineError):
+        return APIError(504, f"{exc} (request {request_id})", type="server_error",
+                        code="deadline_exceeded", reason="deadline")
     return APIError(500, f"the engine failed to generate this request (request {request_id}); "
                          "see the server log", type="server_error", code="engine_error",
                     reason="engine_error")
@@ -178,6 +182,8 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
             elif event.kind == "step":
                 yield streaming.sse(streaming.PROGRESS, {
                     "request_id": rid, "step": event.step, "total_steps": event.total_steps})
+            elif event.kind == "paused":
+                continue  # preempted for a higher priority: it resumes on its own
             elif event.kind == "preview":
                 payloads = await asyncio.to_thread(
                     responses.partial_image_payloads, event.pixels, index=previews,

@@ -29,24 +29,24 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.config import EngineConfig, validate
-from ditserve.engine.delivery import Delivery
 from ditserve.engine.errors import EngineStoppedError, ModelLoadError
 from ditserve.engine.executor import Executor, RankWork
 from ditserve.engine.families import FLUX, Family
-from ditserve.engine.lifecycle import EnginePhase, Lifecycle
-from ditserve.engine.loader import model_family
-from ditserve.engine.pending import PendingRequests
-from ditserve.engine.request import RequestStatus, SamplingParams
-from ditserve.engine.results import (
+from ditserve.engine.loop.delivery import Delivery
+from ditserve.engine.loop.lifecycle import EnginePhase, Lifecycle
+from ditserve.engine.loop.pending import PendingRequests
+from ditserve.engine.loop.results import (
     EngineObserver,
     EngineStats,
     GenerationResult,
     RequestEvent,
     RequestHandle,
 )
+from ditserve.engine.loop.startup import WarmUp, open_executor
+from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
-from ditserve.engine.startup import WarmUp, open_executor
 from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
+from ditserve.engine.weights.loader import model_family
 from ditserve.engine.work import with_budget
 
 # How long a worker's own step loop may sit idle before the engine pings the worker.
@@ -213,7 +213,8 @@ class DiffusionEngine:
         request_id: str | None = None,
         on_event: Callable[[RequestEvent], None] | None = None,
     ) -> RequestHandle:
-        """Validate and enqueue; raises InvalidRequestError, QueueFullError, EngineStoppedError."""
+        """Validate and enqueue; raises InvalidRequestError, QueueFullError, DeadlineError (its
+        ``deadline_s`` cannot be met by the scheduler's estimate), EngineStoppedError."""
         self.validate_params(params)
         rid = request_id or uuid.uuid4().hex
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -337,17 +338,15 @@ class DiffusionEngine:
 
     def _deliver(self, change: StatusChange, finished: dict[str, Any]) -> None:
         rid = change.request_id
-        if change.status == RequestStatus.DENOISING:
-            handle = self._pending.get(rid)
-            if handle is not None:
-                self._delivery.stepped(handle, change.steps_done, change.total_steps)
-            return
-        if not change.status.is_finished:
+        if not change.status.is_finished:  # a step, a pause or a resume
+            self._delivery.progress(change, self._pending.get(rid))
             return
         with self._lock:
             handle, rank = self._pending.remove(rid)
             self._wakeup.notify_all()
-        if change.status == RequestStatus.FINISHED_ERROR:
+        if change.status == RequestStatus.FINISHED_DEADLINE:
+            self._delivery.deadline_exceeded(rid, handle, change.error or "deadline_exceeded")
+        elif change.status == RequestStatus.FINISHED_ERROR:
             self._delivery.failed(rid, handle, change.error or "failed")
         elif handle is not None and finished.get(rid) is not None:
             self._delivery.finished(handle, finished[rid], rank=rank or 0)

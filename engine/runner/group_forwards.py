@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ditserve.engine.block_major import BlockMajor, call
-from ditserve.engine.denoise_state import DenoiseState
-from ditserve.engine.input_batch import InputBatch, InputBatchBuilder
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.request import BatchKey
+from ditserve.engine.runner.block_major import BlockMajor, call
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.input_batch import InputBatch, InputBatchBuilder
 
 
 def shape_groups(states: Sequence[DenoiseState]) -> list[list[DenoiseState]]:

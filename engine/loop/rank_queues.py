@@ -7,16 +7,21 @@ handed, oldest first, to the least-loaded rank that has room for it - a free bat
 within the step's work budget, room for its rows x tokens (or nothing else to do) - preferring
 a rank already running its shape group, whose forward it then joins. So a request never waits
 behind a busy rank while another rank has room. The replica's queue bound (``max_queue``) is
-checked here, over every waiting request of every rank.
+checked here, over every waiting request of every rank, and so is a deadline at admission:
+a request whose ``deadline_s`` no rank's estimate can meet is refused (``DeadlineError``). A
+request's deadline counts from its arrival here, not from its hand-over to a rank. Under the
+priority policy the shared queue hands out in the policy's order (with aging), and when no
+rank has room, to the rank that would pause the lowest-priority request for it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ditserve.engine.config import SchedulerConfig
-from ditserve.engine.errors import QueueFullError
+from ditserve.engine.errors import DeadlineError, QueueFullError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import DEFAULT_WORK_RULE, StepScheduler
 from ditserve.engine.work import RequestWork
@@ -25,10 +30,13 @@ from ditserve.engine.work import RequestWork
 class RankQueues:
     """The shared queue and the per-rank schedulers of one replica (see module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, ranks: int) -> None:
+    def __init__(self, config: SchedulerConfig, ranks: int, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_queue = config.max_queue
-        self.schedulers = [StepScheduler(config) for _ in range(ranks)]
-        self._shared: OrderedDict[str, tuple[SamplingParams, RequestWork]] = OrderedDict()
+        self.clock = clock
+        self.schedulers = [StepScheduler(config, clock=clock) for _ in range(ranks)]
+        # request id -> (params, work, arrival time)
+        self._shared: OrderedDict[str, tuple[SamplingParams, RequestWork, float]] = OrderedDict()
         self._rank_of: dict[str, int] = {}
 
     # -- queries ------------------------------------------------------------------------------
@@ -39,6 +47,15 @@ class RankQueues:
     @property
     def num_running(self) -> int:
         return sum(s.num_running for s in self.schedulers)
+
+    @property
+    def num_paused(self) -> int:
+        return sum(s.num_paused for s in self.schedulers)
+
+    def num_waiting_below(self, priority: int) -> int:
+        """Waiting requests of a priority value below ``priority`` (sooner than it)."""
+        shared = sum(params.priority < priority for params, _, _ in self._shared.values())
+        return shared + sum(p < priority for s in self.schedulers for p in s.waiting_priorities())
 
     def is_full(self, max_queue: int) -> bool:
         """Whether one more request would exceed the replica's room: every batch slot of every
@@ -80,8 +97,8 @@ class RankQueues:
             return True
         if not self._shared:
             return False
-        _, work = next(iter(self._shared.values()))
-        return any(self.schedulers[r].has_room(work) for r in ranks)
+        _, (params, work, _) = self._head()
+        return any(r in self._ranks_for(params, work) for r in ranks)
 
     # -- changes ------------------------------------------------------------------------------
     def add(self, request_id: str, params: SamplingParams,
@@ -94,21 +111,61 @@ class RankQueues:
             raise QueueFullError(f"every batch slot is taken and {self.max_queue} requests are "
                                  f"waiting (max_queue={self.max_queue})")
         work = work or DEFAULT_WORK_RULE.of(params)
+        self._check_deadline(params, work)
+        now = self.clock()
         if len(self.schedulers) == 1:
-            self._hand(request_id, params, work, 0)
+            self._hand(request_id, params, work, now, 0)
         else:
-            self._shared[request_id] = (params, work)
+            self._shared[request_id] = (params, work, now)
             self.release()
 
+    def estimate_s(self, params: SamplingParams, work: RequestWork) -> float | None:
+        """The soonest any rank expects to finish a new request (None: no step measured)."""
+        estimates = [e for s in self.schedulers if (e := s.estimate_s(params, work)) is not None]
+        return min(estimates) if estimates else None
+
+    def _check_deadline(self, params: SamplingParams, work: RequestWork) -> None:
+        if params.deadline_s is None:
+            return
+        estimate = self.estimate_s(params, work)
+        if estimate is not None and estimate > params.deadline_s:
+            step_s = min(s.step_seconds or 0.0 for s in self.schedulers)
+            raise DeadlineError(
+                f"deadline_s={params.deadline_s:g} cannot be met: the scheduler estimates "
+                f"{estimate:.1f} s to finish ({params.num_inference_steps} steps at "
+                f"{step_s:.3f} s/step measured, behind the work already queued); raise "
+                "deadline_s, lower num_inference_steps, or use a higher priority",
+                estimate_s=estimate)
+
     def release(self) -> None:
-        """Hand shared requests, oldest first, to ranks with room for them."""
+        """Hand shared requests, oldest first (under the priority policy: the first in its
+        order), to ranks with room for them (or, under it, a rank that would pause a
+        lower-priority request for it)."""
         while self._shared:
-            request_id, (params, work) = next(iter(self._shared.items()))
-            free = [r for r, s in enumerate(self.schedulers) if s.has_room(work)]
+            request_id, (params, work, arrived_at) = self._head()
+            free = self._ranks_for(params, work)
             if not free:
                 return
             del self._shared[request_id]
-            self._hand(request_id, params, work, self._pick(params, free))
+            self._hand(request_id, params, work, arrived_at, self._pick(params, free))
+
+    def _head(self) -> tuple[str, tuple[SamplingParams, RequestWork, float]]:
+        order = self.schedulers[0].order
+        if order is None:
+            return next(iter(self._shared.items()))
+        now = self.clock()
+        return min(self._shared.items(),
+                   key=lambda item: order.key_of_new(item[1][0].priority,
+                                                     item[1][0].deadline_s, item[1][2], now))
+
+    def _ranks_for(self, params: SamplingParams, work: RequestWork) -> list[int]:
+        """Ranks with room, else the ranks that would pause the lowest priority for it."""
+        free = [r for r, s in enumerate(self.schedulers) if s.has_room(work)]
+        if free:
+            return free
+        pausable = {r: p for r, s in enumerate(self.schedulers)
+                    if (p := s.pausable_priority(params)) is not None}
+        return [r for r, p in pausable.items() if p == max(pausable.values())]
 
     def remove(self, request_id: str) -> int | None:
         """Forget a request (aborted, finished or failed); returns the rank it was on."""
@@ -123,8 +180,8 @@ class RankQueues:
         self._rank_of.clear()
 
     def _hand(self, request_id: str, params: SamplingParams, work: RequestWork,
-              rank: int) -> None:
-        self.schedulers[rank].add(request_id, params, work)
+              arrived_at: float, rank: int) -> None:
+        self.schedulers[rank].add(request_id, params, work, arrived_at=arrived_at)
         self._rank_of[request_id] = rank
 
     def _pick(self, params: SamplingParams, ranks: list[int]) -> int:

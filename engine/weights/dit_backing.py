@@ -1,7 +1,7 @@
 """The host backings of a model's DiTs under offload, one per DiT, as one HostWeightPlan.
 
 Most families have one DiT (``transformer``): its backing and plan come from
-``offload.host.backing_choice.prepare_dit`` unchanged. Wan 2.2 has two experts that offload streams
+``weights.backing_choice.prepare_dit`` unchanged. Wan 2.2 has two experts that offload streams
 as one ``ExpertStack`` (names prefixed by component: ``transformer.blocks.0...``,
 ``transformer_2.blocks.0...``). Each expert gets its own backing (checkpoint mmap of its own
 folder, or its own node-cache entry, keyed by component), and the plans are combined under
@@ -47,8 +47,8 @@ def prepare_dits(
     for several experts (a step may run one expert on one rank and the other elsewhere, so
     the ranks' collectives could not stay matched).
     """
-    from ditserve.engine.loader import dit_components
-    from ditserve.engine.offload.host.backing_choice import prepare_dit
+    from ditserve.engine.weights.backing_choice import prepare_dit
+    from ditserve.engine.weights.loader import dit_components
 
     components = dit_components(model_dir)
     if sharded and len(components) > 1:

@@ -217,7 +217,7 @@ def meta_dit(model_cls: Any, config: Mapping[str, Any], dtype: torch.dtype) -> n
     """
     from accelerate import init_empty_weights
 
-    from ditserve.engine.loader import keeps_float32
+    from ditserve.engine.weights.loader import keeps_float32
 
     def runtime(name: str) -> torch.dtype:
         # As an ordinary load: the class's keep-in-float32 modules stay float32.

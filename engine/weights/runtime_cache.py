@@ -42,14 +42,14 @@ import torch
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.offload.host.safetensors_mmap import (
+from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan
+from ditserve.engine.weights.checkpoint_mmap import (
     MappedSafetensors,
     expected_tensors,
     map_dit,
     preflight,
     source_views,
 )
-from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,9 @@ def runtime_cache_dit(
     from ditserve.cachectl.layout import default_root
     from ditserve.cachectl.model_build import ModelRequest, describe_loader, plan_model
     from ditserve.cachectl.store import CacheStore
-    from ditserve.engine import loader
     from ditserve.engine.config import SEQUENCE_PARALLEL_IMPL
-    from ditserve.engine.loader import torch_dtype
+    from ditserve.engine.weights import loader
+    from ditserve.engine.weights.loader import torch_dtype
 
     store = CacheStore(offload.cache_root or default_root(),
                        lock_timeout_s=offload.cache_lock_timeout_s)

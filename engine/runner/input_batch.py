@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import BatchMismatchError
+from ditserve.engine.runner.denoise_state import DenoiseState
 
 
 def _pad_cat(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -22,8 +22,8 @@ from typing import Any
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.offload.host.safetensors_mmap import MappedSafetensors, map_dit
 from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan
+from ditserve.engine.weights.checkpoint_mmap import MappedSafetensors, map_dit
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def checkpoint_dit(
     try:
         for p in paths:
             files.append(MappedSafetensors(p))
-        from ditserve.engine.loader import torch_dtype
+        from ditserve.engine.weights.loader import torch_dtype
 
         config = model_cls.load_config(str(model_dir), subfolder=component)
         model, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files,
@@ -88,7 +88,7 @@ def prepare_dit(
     then it is loaded ordinarily (the runtime cache is refused by the option rules).
     sp_size: the replica's sequence-parallel size, part of the node cache entry's identity.
     """
-    from ditserve.engine import loader
+    from ditserve.engine.weights import loader
 
     model_cls = loader.dit_class(model_dir, component)
 
@@ -135,7 +135,7 @@ def prepare_dit(
 def _runtime_cache(model_dir: str | Path, dtype: str, offload: OffloadConfig, model_cls: Any,
                    load: Any, tp_size: int, component: str, sp_size: int
                    ) -> tuple[nn.Module, HostWeightPlan]:
-    from ditserve.engine.offload.host.runtime_cache import runtime_cache_dit
+    from ditserve.engine.weights.runtime_cache import runtime_cache_dit
 
     return runtime_cache_dit(model_dir, dtype=dtype, offload=offload, model_cls=model_cls,
                              load_dit=load, tp_size=tp_size, component=component,

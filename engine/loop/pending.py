@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.rank_queues import RankQueues
+from ditserve.engine.loop.rank_queues import RankQueues
+from ditserve.engine.loop.results import EngineStats, RequestHandle
 from ditserve.engine.request import NewRequest
-from ditserve.engine.results import EngineStats, RequestHandle
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.work import RequestWork
 
@@ -39,8 +39,14 @@ class PendingRequests:
 
     def stats(self) -> EngineStats:
         q = self.queues
+        measured = [s.step_seconds for s in q.schedulers if s.step_seconds is not None]
         return EngineStats(q.num_running, q.num_waiting, self._steps_run, self._rows_run,
-                           self._finished, len(q.schedulers), *self._cache)
+                           self._finished, len(q.schedulers), paused=q.num_paused,
+                           waiting_high_priority=q.num_waiting_below(0),
+                           step_seconds=max(measured) if measured else None,
+                           step_cache_block_runs=self._cache[0],
+                           step_cache_skipped_blocks=self._cache[1],
+                           step_cache_skipped_bytes=self._cache[2])
 
     def add(self, handle: RequestHandle, work: RequestWork | None = None) -> None:
         """Queue a request (``work``: its rows x tokens by the model's WorkRule);

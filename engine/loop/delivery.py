@@ -14,14 +14,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ditserve.engine.errors import DitServeError, RequestAborted
-from ditserve.engine.results import (
+from ditserve.engine.errors import DeadlineError, DitServeError, RequestAborted
+from ditserve.engine.loop.results import (
     EngineObserver,
     GenerationResult,
     RequestEvent,
     RequestHandle,
 )
-from ditserve.engine.scheduler import RunnerOutput
+from ditserve.engine.request import RequestStatus
+from ditserve.engine.scheduler import RunnerOutput, StatusChange
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,44 @@ class Delivery:
                                        handle.params.num_inference_steps,
                                        handle.queue_position))
 
-    def stepped(self, handle: RequestHandle, steps_done: int, total_steps: int) -> None:
-        self.emit(handle, RequestEvent(handle.request_id, "step", steps_done, total_steps))
+    def stepped(self, handle: RequestHandle, steps_done: int, total_steps: int,
+                eta_s: float | None = None) -> None:
+        self.emit(handle, RequestEvent(handle.request_id, "step", steps_done, total_steps,
+                                       eta_s=eta_s))
+
+    def progress(self, change: StatusChange, handle: RequestHandle | None) -> None:
+        """A request stepped (the first step after a pause tells the observers how long it
+        was paused), or was paused at a step boundary for a higher-priority one."""
+        rid = change.request_id
+        if change.status == RequestStatus.PAUSED:
+            self._notify("on_preempted", rid)
+            if handle is not None:
+                self.emit(handle, RequestEvent(rid, "paused", change.steps_done,
+                                               change.total_steps))
+            return
+        if change.status != RequestStatus.DENOISING:
+            return
+        if change.resumed_after_s is not None:
+            self._notify("on_resumed", rid, change.resumed_after_s)
+        if handle is not None:
+            self.stepped(handle, change.steps_done, change.total_steps, change.eta_s)
+
+    def deadline_exceeded(self, request_id: str, handle: RequestHandle | None,
+                          reason: str) -> None:
+        """A request the scheduler stopped because it can no longer meet its deadline."""
+        self._notify("on_deadline_exceeded", request_id)
+        if handle is None:
+            return
+        self.emit(handle, RequestEvent(request_id, "failed", error=reason))
+        if not handle.future.done():
+            handle.future.set_exception(DeadlineError(f"request {request_id}: {reason}"))
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        """Call an optional observer hook (see ``EngineObserver``) on those that have it."""
+        for observer in self.observers:
+            method = getattr(observer, hook, None)
+            if method is not None:
+                method(*args)
 
     def preview(self, handle: RequestHandle, step: int, pixels: Any) -> None:
         """A partial image of a running request, decoded after its ``step``."""

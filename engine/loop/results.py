@@ -52,7 +52,10 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class RequestEvent:
-    """Progress of one request. kind: queued | step | preview | finished | failed | aborted.
+    """Progress of one request. kind: queued | step | paused | preview | finished | failed |
+    aborted. A "step" event carries ``eta_s``, the scheduler's estimate of the seconds left
+    (None before a step time was measured); "paused" means preempted at a step boundary by a
+    higher-priority request (it resumes on its own).
 
     A "preview" event carries ``pixels``, (n, 3, H, W) float in [0, 1] on the CPU: the
     request's latents decoded after ``step`` (asked for with ``partial_images``).
@@ -65,6 +68,7 @@ class RequestEvent:
     queue_position: int | None = None
     error: str | None = None
     pixels: Any = None
+    eta_s: float | None = None
 
 
 class EngineObserver(Protocol):
@@ -77,6 +81,13 @@ class EngineObserver(Protocol):
         ``seconds`` (GPU time on CUDA)."""
     def on_finished(self, result: GenerationResult) -> None: ...
     def on_failed(self, request_id: str, reason: str) -> None: ...
+
+    # Optional (called only when an observer defines them): a request was paused at a step
+    # boundary for a higher-priority one (on_preempted), a paused one resumed after
+    # ``seconds`` (on_resumed), a request was stopped or refused for its deadline.
+    # def on_preempted(self, request_id: str) -> None
+    # def on_resumed(self, request_id: str, seconds: float) -> None
+    # def on_deadline_exceeded(self, request_id: str) -> None
 
 
 @dataclass
@@ -105,12 +116,20 @@ class RequestHandle:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """Counters of a replica. paused: requests preempted at a step boundary;
+    waiting_high_priority: waiting requests of a priority below the default 0;
+    step_seconds: the schedulers' measured busy-step period (the slowest rank's; None before
+    any was measured), what deadline estimates use."""
+
     running: int
     waiting: int
     steps_run: int
     rows_run: int
     requests_finished: int
     ranks: int = 1
+    paused: int = 0
+    waiting_high_priority: int = 0
+    step_seconds: float | None = None
     step_cache_block_runs: int = 0  # block computations (one request through one block)
     step_cache_skipped_blocks: int = 0  # of those, skipped by the step cache
     step_cache_skipped_bytes: int = 0  # streamed block bytes not copied (DLO)

@@ -27,18 +27,18 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.block_major import BlockMajor
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.denoise_state import DenoiseState
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.group_forwards import GroupForward, GroupForwards, shape_groups
-from ditserve.engine.inflight import InFlightSteps
-from ditserve.engine.loader import load_components
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import NewRequest
+from ditserve.engine.runner.block_major import BlockMajor
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
+from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.step_cache.runtime import StepCache
+from ditserve.engine.weights.loader import load_components
 from ditserve.engine.work import WorkRule
 
 log = logging.getLogger(__name__)
@@ -83,14 +83,14 @@ class ModelRunner:
         self._decodes = self._sequence is None or self._sequence.rank == 0
         started = time.perf_counter()
         if config.compile is not None:
-            from ditserve.engine.compiled_blocks import require_toolchain
+            from ditserve.engine.runner.compiled_blocks import require_toolchain
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
         offload = config.offload.enabled
         dits, host_plan = None, None
         if offload:
             # Each DiT's host backing (checkpoint mmap, node cache, or ordinary) in one plan.
-            from ditserve.engine.dit_backing import prepare_dits
+            from ditserve.engine.weights.dit_backing import prepare_dits
 
             sharded = weight_group is not None and config.offload.use_allgather
             dits, host_plan = prepare_dits(
@@ -115,7 +115,7 @@ class ModelRunner:
                 shard_pipeline(self.pipeline, self._sequence)
             self.offload: Any = None
             if config.quantization is not None:  # before offload plans the blocks' tensors
-                from ditserve.engine.quantize_dit import quantize_dit
+                from ditserve.engine.weights.quantize import quantize_dit
 
                 quantize_dit(self.pipeline.transformer, config.quantization, device=self.device)
             if offload:
@@ -129,7 +129,7 @@ class ModelRunner:
                     host_plan=host_plan, block_lists=self.pipeline.block_lists, **kwargs,
                 )
             if config.compile is not None:
-                from ditserve.engine.compiled_blocks import compile_repeated_blocks
+                from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
                 compile_repeated_blocks(self.pipeline.transformer, config.compile)
         except BaseException:

@@ -1,0 +1,93 @@
+"""Autoscaling a DiffusionDeployment on queue depth: ``spec.autoscaling`` and its
+HorizontalPodAutoscaler.
+
+Owns reading ``spec.autoscaling`` and rendering it. The choice (docs/kubernetes.md,
+"Autoscaling"): a plain ``autoscaling/v2`` HorizontalPodAutoscaler, not a KEDA ScaledObject.
+It needs no extra controller beyond an adapter that serves the engine's Prometheus metric
+through the custom metrics API (prometheus-adapter), it validates against the cluster's own
+OpenAPI schema, and it scales the DiffusionDeployment itself through its ``/scale``
+subresource, so ``spec.replicas`` stays the one number everyone reads and the operator never
+fights the autoscaler over the workload's replicas.
+
+The metric is an ``Object`` metric of the deployment's Service: the engines' waiting requests
+(``ditserve:num_requests_waiting``, exported as ``ditserve_num_requests_waiting`` by the
+adapter rule in the docs) summed over the Service, with an ``AverageValue`` target = waiting
+requests per replica. Per replica, not per pod: a replica spanning nodes has worker pods that
+serve no HTTP and export no queue.
+
+No scale to zero: at zero replicas nothing exports the metric and nothing holds the first
+request while a pod starts (minutes for a large model), so ``minReplicas`` is at least 1.
+Called by ``spec`` (reading) and ``render`` (the manifest); pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ditserve.operator.spec_reader import SpecReader
+
+DEFAULT_METRIC = "ditserve_num_requests_waiting"
+HPA_KIND = "HorizontalPodAutoscaler"
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """``spec.autoscaling``: off unless ``enabled``."""
+
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_waiting_per_replica: int = 4
+    metric: str = DEFAULT_METRIC
+    scale_down_window_s: int = 300
+
+
+def read_autoscaling(reader: SpecReader) -> AutoscalingSpec:
+    """``spec.autoscaling`` from its reader; problems go to the reader's shared list."""
+    spec = AutoscalingSpec(
+        enabled=reader.flag("enabled", False),
+        min_replicas=reader.integer("minReplicas", 1, 0),
+        max_replicas=reader.integer("maxReplicas", 1, 1),
+        target_waiting_per_replica=reader.integer("targetWaitingPerReplica", 4, 1),
+        metric=reader.text("metric", DEFAULT_METRIC),
+        scale_down_window_s=reader.integer("scaleDownStabilizationSeconds", 300, 0),
+    )
+    if spec.enabled:
+        if spec.min_replicas < 1:
+            reader.problems.append(
+                "autoscaling.minReplicas must be at least 1: scaling to zero would leave no "
+                "engine to export the queue metric and nothing to hold the first request while "
+                "a pod starts")
+        if spec.max_replicas < spec.min_replicas:
+            reader.problems.append(f"autoscaling.maxReplicas ({spec.max_replicas}) must be at "
+                                   f"least autoscaling.minReplicas ({spec.min_replicas})")
+    return spec
+
+
+def horizontal_pod_autoscaler(spec: AutoscalingSpec, *, meta: dict[str, Any],
+                              target: dict[str, str], service: str) -> dict[str, Any]:
+    """The HPA scaling ``target`` (the DiffusionDeployment) on its Service's queue."""
+    return {
+        "apiVersion": "autoscaling/v2", "kind": HPA_KIND, "metadata": meta,
+        "spec": {
+            "scaleTargetRef": target,
+            "minReplicas": spec.min_replicas,
+            "maxReplicas": spec.max_replicas,
+            "metrics": [{"type": "Object", "object": {
+                "describedObject": {"apiVersion": "v1", "kind": "Service", "name": service},
+                "metric": {"name": spec.metric},
+                "target": {"type": "AverageValue",
+                           "averageValue": str(spec.target_waiting_per_replica)}}}],
+            "behavior": {
+                # Desired replicas = total waiting / target, so a queue behind a loading pod
+                # asks for no more than it needs; at most one more replica a minute bounds a
+                # burst's GPU bill while the first new pods load.
+                "scaleUp": {"stabilizationWindowSeconds": 0,
+                            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
+                "scaleDown": {"stabilizationWindowSeconds": spec.scale_down_window_s,
+                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
+            },
+        },
+    }
