@@ -87,11 +87,10 @@ class ParallelConfig:
 
     data_parallel_size: int = 1
     sequence_parallel_size: int = 1
-    tensor_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.sequence_parallel_size * self.tensor_parallel_size
+        return self.data_parallel_size * self.sequence_parallel_size
 
     @property
     def weight_group(self) -> str | None:
@@ -208,6 +207,9 @@ _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": Sc
 _REMOVED = {
     "scheduler.policy": "fifo admission is max_bypass: 0; bypass (the old default) is any "
                         "max_bypass > 0 (priorities: scheduling_policy)",
+    "parallel.tensor_parallel_size": "tensor parallelism is not supported; use "
+                                     "data_parallel_size (throughput) or "
+                                     "sequence_parallel_size (latency)",
 }
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -271,11 +273,6 @@ def problems(config: EngineConfig) -> list[str]:
     par = config.parallel
     int_at_least(out, "parallel.data_parallel_size", par.data_parallel_size, 1)
     int_at_least(out, "parallel.sequence_parallel_size", par.sequence_parallel_size, 1)
-    if par.tensor_parallel_size != 1:
-        out.append(
-            "parallel.tensor_parallel_size must be 1: tensor parallelism is not supported; "
-            "use data_parallel_size (throughput) or sequence_parallel_size (latency)"
-        )
 
     sch = config.scheduler
     int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
@@ -475,8 +472,8 @@ def family_sequence_parallel_problems(size: int, family: Any) -> list[str]:
     counts = ", ".join(str(n) for n in declared.attention_heads)
     return [f"parallelism.sequence={size} divides no attention head count of {declared.label}'s "
             f"released models ({counts}): Ulysses gives every SP rank heads/size heads; use one "
-            f"of {_sizes_dividing(*declared.attention_heads)}, or set model.family: Auto to "
-            "let the engine judge a model with another head count when it starts"]
+            f"of {_sizes_dividing(*declared.attention_heads)}, or declare model.attentionHeads "
+            "(the DiT's num_attention_heads) for a model with another head count"]
 
 
 def step_cache_problems(cache: StepCacheConfig, *, parallel: ParallelConfig) -> list[str]:

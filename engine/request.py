@@ -23,6 +23,49 @@ MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded model can run, read off its own config (each pipeline's ``limits``).
+
+    pixel_multiple: height and width divide by it (VAE factor x patch size).
+    max_side: the largest height or width: the model's positional table (a rope of
+        ``positions`` entries per axis reaches ``positions * pixel_multiple`` pixels), capped
+        at MAX_SIDE; MAX_SIDE for a model whose positions are computed on the fly (Flux).
+    frame_step: None for an image model; a video model's ``num_frames - 1`` divides by it.
+    max_frames: 1 for an image model; a video model's longest clip its positional table
+        covers (Wan: ``rope_max_seq_len`` latent frames), capped at MAX_FRAMES.
+    positions: entries per axis of the model's positional table; None when it has none.
+    """
+
+    pixel_multiple: int = 16
+    max_side: int = MAX_SIDE
+    frame_step: int | None = None
+    max_frames: int = 1
+    max_prompt_chars: int | None = None
+    positions: int | None = None
+
+    @classmethod
+    def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,
+                 frame_step: int | None = None, frames_per_position: int = 1,
+                 max_prompt_chars: int | None = None) -> ModelLimits:
+        """Limits of a model whose positional table holds ``positions`` entries per axis:
+        ``tokens_per_position`` latent patches per entry on the spatial axes, and (video)
+        ``frames_per_position`` latent frames per entry on the time axis."""
+        if positions is None:
+            side, frames = MAX_SIDE, MAX_FRAMES
+        else:
+            side = positions * tokens_per_position * pixel_multiple
+            frames = (positions * frames_per_position - 1) * (frame_step or 1) + 1
+        side = min(side, MAX_SIDE) // pixel_multiple * pixel_multiple
+        if frame_step is None:
+            frames = 1
+        else:
+            frames = min(frames, MAX_FRAMES)
+            frames -= (frames - 1) % frame_step
+        return cls(pixel_multiple=pixel_multiple, max_side=side, frame_step=frame_step,
+                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions)
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Finished states sort last so ``status >= FINISHED_OK`` works.
 
@@ -105,16 +148,17 @@ class SamplingParams:
     def uses_true_cfg(self) -> bool:
         return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
 
-    def _validate_frames(self, frame_step: int | None) -> None:
+    def _validate_frames(self, frame_step: int | None, max_frames: int) -> None:
         frames = self.num_frames
         if frame_step is None:
             if frames != 1:
                 raise InvalidRequestError("num_frames", "this is an image model: num_frames must "
                                           f"be 1, got {frames!r}")
             return
-        if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= MAX_FRAMES:
+        if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= max_frames:
             raise InvalidRequestError(
-                "num_frames", f"must be an integer in [1, {MAX_FRAMES}], got {frames!r}")
+                "num_frames", f"must be an integer in [1, {max_frames}] for this model, got "
+                f"{frames!r}")
         if (frames - 1) % frame_step:
             lower = frames - (frames - 1) % frame_step
             raise InvalidRequestError(
@@ -154,6 +198,13 @@ class SamplingParams:
         points = (((i + 1) * total * 2 + k + 1) // (2 * (k + 1)) for i in range(k))
         return frozenset(step for step in points if 1 <= step < total)
 
+    def validate_for(self, limits: ModelLimits) -> SamplingParams:
+        """``validate`` under the loaded model's limits."""
+        return self.validate(pixel_multiple=limits.pixel_multiple,
+                             max_prompt_chars=limits.max_prompt_chars,
+                             frame_step=limits.frame_step, max_side=limits.max_side,
+                             max_frames=limits.max_frames)
+
     def validate(
         self,
         *,
@@ -162,11 +213,14 @@ class SamplingParams:
         requires_prompt: bool = True,
         max_images: int = MAX_IMAGES,
         frame_step: int | None = None,
+        max_side: int = MAX_SIDE,
+        max_frames: int = MAX_FRAMES,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
         frame_step: None for an image model; a video model's temporal VAE factor.
+        max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
         """
         if not isinstance(self.prompt, str):
             raise InvalidRequestError("prompt", "must be a string")
@@ -182,10 +236,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidRequestError(name, f"must be an integer, got {value!r}")
-            if value < pixel_multiple or value > MAX_SIDE:
+            if value < pixel_multiple or value > max_side:
                 raise InvalidRequestError(
-                    name, f"must be between {pixel_multiple} and {MAX_SIDE}, got {value}"
-                )
+                    name, f"must be between {pixel_multiple} and {max_side} for this model, "
+                    f"got {value}")
             if value % pixel_multiple:
                 lower = value - value % pixel_multiple
                 raise InvalidRequestError(
@@ -206,7 +260,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 "partial_images", f"must be an integer in [0, {MAX_PARTIAL_IMAGES}], got {k!r}"
             )
-        self._validate_frames(frame_step)
+        self._validate_frames(frame_step, max_frames)
         if self.step_cache is not None:
             if not isinstance(self.step_cache, StepCacheSpec):
                 raise InvalidRequestError("step_cache", "must be a StepCacheSpec")

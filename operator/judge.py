@@ -22,6 +22,7 @@ from typing import Any
 from ditserve.engine.cli_options import engine_config_from_args
 from ditserve.engine.config import EngineConfig, family_sequence_parallel_problems
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.families import AUTO_FAMILY, FAMILIES
 from ditserve.engine.server.options import ServeArgsError, parse_serve_args, server_config_from_args
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.policy import AdminPolicy
@@ -133,7 +134,19 @@ def _declared_heads_problems(spec: DeploymentSpec) -> list[str]:
     """model.attentionHeads, when declared, judges the SP size exactly (a family only says
     which sizes fit some of its models: Wan's 8 fits the 14B's 40 heads, not the 1.3B's 12)."""
     heads, size = spec.model.attention_heads, spec.parallelism.sequence
-    if heads is None or size <= 1 or heads % size == 0:
+    if size <= 1:
+        return []
+    if heads is None:
+        if spec.model.family != AUTO_FAMILY:
+            return []  # the declared family's own rule (family_sequence_parallel_problems)
+        # Auto: a size that divides no released model of any family serves none of them.
+        known = sorted({n for family in FAMILIES for n in family.attention_heads})
+        if not known or any(n % size == 0 for n in known):
+            return []
+        return [f"parallelism.sequence={size} divides the attention head count of no "
+                f"supported family's released models ({', '.join(map(str, known))}): declare "
+                "model.attentionHeads (the DiT's num_attention_heads) to serve another model"]
+    if heads % size == 0:
         return []
     fits = [n for n in range(1, heads + 1) if heads % n == 0]
     return [f"parallelism.sequence={size} does not divide model.attentionHeads={heads}: "
@@ -152,8 +165,10 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     parsed = _parse_serve_args(spec.engine.args)
     # The model's own head count is read by the engine at start; a declared family's released
     # head counts already tell a sequence-parallel size that serves none of them.
-    managed = _managed_flag_problems(parsed) + family_sequence_parallel_problems(
-        spec.parallelism.sequence, spec.model.family) + _declared_heads_problems(spec)
+    # A declared head count is exact; a family's released counts only bound what can fit.
+    family = [] if spec.model.attention_heads is not None else family_sequence_parallel_problems(
+        spec.parallelism.sequence, spec.model.family)
+    managed = _managed_flag_problems(parsed) + family + _declared_heads_problems(spec)
     if managed:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(managed))
     try:

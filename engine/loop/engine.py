@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.errors import EngineStoppedError, ModelLoadError
 from ditserve.engine.executor import Executor, RankWork
@@ -43,7 +44,7 @@ from ditserve.engine.loop.results import (
     RequestHandle,
 )
 from ditserve.engine.loop.startup import WarmUp, open_executor
-from ditserve.engine.request import RequestStatus, SamplingParams
+from ditserve.engine.request import ModelLimits, RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
 from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.loader import model_family
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 class DiffusionEngine:
     """The engine of one replica. ``start()`` loads the model; ``shutdown()`` drains and stops.
+    It is the server's ``engine.client.EngineClient``.
 
     observers: told about every forward and every finished or failed request (metrics).
     warmup: what to run before ready beyond the small warm-up step (the compile size).
@@ -158,20 +160,19 @@ class DiffusionEngine:
         if self.executor is not None:
             self.executor.shutdown()
 
-    # -- properties used by the API layer ---------------------------------------------------
+    # -- what the server reads (engine.client.EngineClient) -------------------------------------
     @property
-    def pixel_multiple(self) -> int:
-        return int(self.runner.pixel_multiple) if self.runner else 16
+    def limits(self) -> ModelLimits:
+        """What the loaded model can run; the defaults before it loaded."""
+        return self.runner.limits if self.runner is not None else ModelLimits()
 
-    @property
-    def max_prompt_chars(self) -> int | None:
-        return self.runner.max_prompt_chars if self.runner else None
-
-    @property
-    def frame_step(self) -> int | None:
-        """None for an image model (or before loading); a video model's ``num_frames - 1``
-        must divide by it."""
-        return self.runner.frame_step if self.runner else None
+    def facts(self) -> EngineFacts | None:
+        """The loaded model's limits, rank 0's device and the DiT's dtype; None before."""
+        runner = self.runner
+        if runner is None:
+            return None
+        return EngineFacts(limits=runner.limits, device=str(runner.device),
+                           dtype=self.config.dtype)
 
     @property
     def step_cache_policies(self) -> tuple[str, ...]:
@@ -200,11 +201,21 @@ class DiffusionEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def validate_params(self, params: SamplingParams) -> SamplingParams:
-        params.validate(pixel_multiple=self.pixel_multiple,
-                        max_prompt_chars=self.max_prompt_chars, frame_step=self.frame_step)
+        """Raise InvalidRequestError naming the first field the loaded model cannot run."""
+        params.validate_for(self.limits)
         if self.runner is not None:  # what the served model's step cache can do
             self.runner.step_cache.check(params.step_cache)
         return params
+
+    def submit(
+        self,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        on_event: Callable[[RequestEvent], None] | None = None,
+    ) -> RequestHandle:
+        """The server's name for ``add_request`` (``engine.client.EngineClient.submit``)."""
+        return self.add_request(params, request_id=request_id, on_event=on_event)
 
     def add_request(
         self,

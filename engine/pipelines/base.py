@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ditserve.engine.families import Family
+from ditserve.engine.request import ModelLimits
 
 if TYPE_CHECKING:
     from ditserve.engine.runner.denoise_state import DenoiseState
@@ -36,6 +37,8 @@ class StepPipeline(Protocol):
         ``ExpertStack`` of experts); block_lists: its streamed block lists in call order.
     pixel_multiple: the spatial granularity of height and width.
     frame_step: None for image families; for video, ``num_frames - 1`` must divide by it.
+    limits(): what the model can run (sizes and frames its positional tables reach), read off
+        its own config; the engine checks every request against it.
     """
 
     family: Family
@@ -49,6 +52,7 @@ class StepPipeline(Protocol):
     def denoise_step(self, batch: InputBatch) -> torch.Tensor: ...
     def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None: ...
     def post_decode(self, state: DenoiseState) -> None: ...
+    def limits(self) -> ModelLimits: ...
 
 
 def decode_preview(pipeline: StepPipeline, state: DenoiseState) -> torch.Tensor:

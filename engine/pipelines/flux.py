@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ditserve.engine.families import FLUX
+from ditserve.engine.request import ModelLimits
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import FlowMatchEulerSampler
 
@@ -84,6 +85,12 @@ class FluxStepPipeline:
         if self.device.type != "cuda":
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    def limits(self) -> ModelLimits:
+        """Flux's rope (FluxPosEmbed) is computed from the token ids on the fly: no table
+        bounds the size."""
+        return ModelLimits.of_table(None, pixel_multiple=self.pixel_multiple,
+                                    max_prompt_chars=self.max_prompt_chars)
 
     def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return (

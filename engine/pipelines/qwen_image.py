@@ -22,6 +22,7 @@ import torch
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
+from ditserve.engine.request import ModelLimits
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import FlowMatchEulerSampler
 
@@ -83,6 +84,16 @@ class QwenImageStepPipeline:
         # One prompt, so no padding: every token is real and the length is known on the host.
         hidden = out.hidden_states[-1][:, self.template_drop:]
         return hidden[:, :MAX_TEXT_TOKENS].to(self.text_encoder.dtype)
+
+    def limits(self) -> ModelLimits:
+        """QwenEmbedRope's table holds ``len(pos_freqs)`` positions; it centres the image on
+        it (half a side each way) and puts the text right after the image's half side, so a
+        side of 2 * (positions - text tokens) latent patches is the most it reaches."""
+        positions = int(self.transformer.pos_embed.pos_freqs.shape[0]) - MAX_TEXT_TOKENS
+        # A token is one pixel multiple (2x2 packed latents); a position covers 2 tokens.
+        return ModelLimits.of_table(positions, pixel_multiple=self.pixel_multiple,
+                                    tokens_per_position=2,
+                                    max_prompt_chars=self.max_prompt_chars)
 
     def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return (2 * (height // self.pixel_multiple), 2 * (width // self.pixel_multiple))

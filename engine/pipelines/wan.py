@@ -29,6 +29,7 @@ from ditserve.engine.families import WAN
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.wan_block import chunk_token_math
+from ditserve.engine.request import ModelLimits
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import SchedulerTrajectory
 from ditserve.engine.step_cache.rows import forward_rows
@@ -112,6 +113,15 @@ class WanStepPipeline:
         embeds = torch.zeros_like(states)
         embeds[:, :length] = states[:, :length]
         return embeds.to(self.dtype)
+
+    def limits(self) -> ModelLimits:
+        """diffusers' WanRotaryPosEmbed holds ``rope_max_seq_len`` positions per axis, in
+        patches: a latent grid of more patches per axis (frames / patch_t, height and width /
+        patch) gets a shorter table than the tokens and fails in the forward."""
+        return ModelLimits.of_table(
+            int(self.experts[0].config.rope_max_seq_len), pixel_multiple=self.pixel_multiple,
+            frame_step=self.frame_step, frames_per_position=int(self.patch[0]),
+            max_prompt_chars=self.max_prompt_chars)
 
     def latent_shape(self, n: int, num_frames: int, height: int, width: int) -> tuple[int, ...]:
         frames = (num_frames - 1) // int(self.frame_step or 1) + 1

@@ -31,7 +31,7 @@ from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
-from ditserve.engine.request import NewRequest
+from ditserve.engine.request import ModelLimits, NewRequest
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
@@ -95,7 +95,6 @@ class ModelRunner:
             sharded = weight_group is not None and config.offload.use_allgather
             dits, host_plan = prepare_dits(
                 model_dir, dtype=config.dtype, offload=config.offload,
-                tp_size=config.parallel.tensor_parallel_size,
                 sp_size=config.parallel.sequence_parallel_size,
                 streams_from_mapping=(self.device.type == "cuda" and not sharded
                                       and config.offload.compress == "none"),
@@ -160,6 +159,11 @@ class ModelRunner:
                                   frame_step=self.frame_step,
                                   cfg_rows=self.pipeline.family.cfg_rows)
         self._inflight = InFlightSteps(self.device)
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the loaded model can run (its pipeline's ``limits``)."""
+        return self.pipeline.limits()
 
     @property
     def pixel_multiple(self) -> int:

@@ -18,8 +18,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from ditserve.engine.loop.lifecycle import EnginePhase
-from ditserve.engine.server import video_openapi
+from ditserve.engine.client import EngineClient, EnginePhase
+from ditserve.engine.server import image_openapi, video_openapi
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
@@ -30,7 +30,7 @@ from ditserve.engine.server.state import ServerState
 
 
 def create_app(
-    engine: Any,
+    engine: EngineClient,
     config: ServerConfig,
     *,
     start_engine: bool = True,
@@ -53,7 +53,9 @@ def create_app(
                 await starting  # a loading thread cannot be interrupted; let it finish
             await asyncio.to_thread(state.stop, 0.0)
 
-    app = FastAPI(title="ditserve", lifespan=lifespan, redoc_url=None,
+    # No trailing-slash redirects: their Location is built from the client's Host header;
+    # a path with a stray "/" is a 404 that names the route meant (errors.py).
+    app = FastAPI(title="ditserve", lifespan=lifespan, redoc_url=None, redirect_slashes=False,
                   docs_url="/docs" if config.docs else None)
     app.state.server = state
     count = state.metrics.count_error
@@ -78,9 +80,11 @@ def create_app(
         # The body's rules depend on the loaded model (pixel multiple, prompt limit, frames).
         key = (state.limits(), state.video_limits() if state.videos is not None else None)
         if key not in documents:
-            video = video_openapi.schemas(key[1]) if key[1] is not None else None
-            documents[key] = build_openapi(app, key[0], api_key=config.api_key is not None,
-                                           video_schemas=video)
+            video = key[1] is not None
+            kind = (video_openapi.schemas(key[1]) if key[1] is not None
+                    else image_openapi.schemas(key[0]))
+            documents[key] = build_openapi(app, api_key=config.api_key is not None,
+                                           kind_schemas=kind, video=video)
         return documents[key]
 
     app.openapi = openapi  # type: ignore[method-assign]

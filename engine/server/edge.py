@@ -45,6 +45,11 @@ def request_id(scope: Scope) -> str:
     return str(scope.get("state", {}).get("request_id", "-"))
 
 
+def is_head(request: Any) -> bool:
+    """Whether the client sent HEAD (GuardMiddleware hands routes a GET)."""
+    return bool(request.scope.get("state", {}).get("head"))
+
+
 def engine_id(scope: Scope) -> str:
     """The engine's id for this request: unique even when a client reuses its X-Request-Id."""
     state = scope.get("state", {})
@@ -151,7 +156,9 @@ class GuardMiddleware:
             await send(message)
 
         if head:
+            # Routes see a GET; one whose answer never ends (an event stream) reads the flag.
             scope = dict(scope, method="GET")
+            scope.setdefault("state", {})["head"] = True
         try:
             await self.app(scope, limited_receive, guarded_send)
         except Exception:

@@ -107,6 +107,18 @@ def method_not_allowed(exc: StarletteHTTPException, request: Request | None = No
                     headers={"Allow": ", ".join(allowed)})
 
 
+def _meant(request: Request) -> str:
+    """"; did you mean '/v1/models'?" for a path that names a route but for its last "/"."""
+    path = request.url.path
+    if not path.endswith("/") or path == "/":
+        return ""
+    scope = {**request.scope, "path": path.rstrip("/")}
+    routes = request.app.router.routes
+    if any(route.matches(scope)[0] is not Match.NONE for route in routes):
+        return f"; did you mean {shown(path.rstrip('/'))}?"
+    return ""
+
+
 def install_handlers(app: FastAPI, count: Callable[[str], None]) -> None:
     """Render APIError and the framework's HTTP and validation errors as OpenAI JSON;
     ``count(reason)`` is called once per error response (the errors metric)."""
@@ -126,8 +138,9 @@ def install_handlers(app: FastAPI, count: Callable[[str], None]) -> None:
             return render(request, method_not_allowed(exc, request))
         if exc.status_code == 404:
             return render(request, APIError(
-                404, f"no route {request.method} {shown(request.url.path)}; see /docs or "
-                     "/openapi.json", code="not_found", reason="not_found"))
+                404, f"no route {request.method} {shown(request.url.path)}"
+                     f"{_meant(request)}; see /docs or /openapi.json", code="not_found",
+                reason="not_found"))
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         reason = "invalid_request" if exc.status_code < 500 else "internal"
         return render(request, APIError(exc.status_code, str(exc.detail), type=kind,

@@ -50,6 +50,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics
+    from ditserve.engine.server.protocol import APIErrorH11Protocol
     from ditserve.engine.server.state import engine_options
 
     if engine_config.model is not None:
@@ -73,7 +74,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
                      on_start_failed=on_start_failed)
     uv_config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
-        lifespan="on", timeout_graceful_shutdown=5,
+        lifespan="on", timeout_graceful_shutdown=5, http=APIErrorH11Protocol,
         # One line per request is noise at serving rates; debug/trace turn it on.
         access_log=server_config.log_level in ("debug", "trace"),
     )

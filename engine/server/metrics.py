@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ditserve.engine.loop.lifecycle import EnginePhase
+from ditserve.engine.client import EngineClient, EnginePhase
 from ditserve.engine.loop.step_log import copy_rates_of
 from ditserve.engine.server.jobs.model import FINISHED_LABELS
 
@@ -60,7 +60,7 @@ class _VideoStoreCollector(Collector):
 class _EngineStateCollector(Collector):
     """Reads running/waiting counts and offload totals from the engine at scrape time."""
 
-    def __init__(self, engine_fn: Callable[[], Any]) -> None:
+    def __init__(self, engine_fn: Callable[[], EngineClient | None]) -> None:
         self._engine_fn = engine_fn
 
     def collect(self) -> Iterator[Metric]:
@@ -142,7 +142,7 @@ class _EngineStateCollector(Collector):
 class ServingMetrics:
     """Every metric of the server; see the module docstring."""
 
-    def __init__(self, engine_fn: Callable[[], Any]) -> None:
+    def __init__(self, engine_fn: Callable[[], EngineClient | None]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_time = Histogram(

@@ -89,7 +89,8 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
                    help="jobs held at once, any state (default 256); more get 429")
     v.add_argument("--video-max-bytes", type=int, default=None,
                    help="bytes of stored MP4s plus running jobs' reservations (default "
-                        "4294967296); more get 429")
+                        "4294967296); more get 429, and a job that alone reserves more "
+                        "(frames x height x width x 3) gets 400")
     v.add_argument("--video-ttl", type=float, default=None,
                    help="seconds a finished job and its MP4 are kept (default 3600)")
 

@@ -1,15 +1,16 @@
 """Where the routes read the engine's lifecycle.
 
 /ready and admission (503 while not ready, with a message per phase: ``NOT_READY``,
-``unavailable``) ask ``engine_phase``; it is the engine's own phase (``engine.lifecycle.EnginePhase``), the one place that changes
-it being the engine. ``failure_summary`` is what a client may see of a failure: its kind,
-never its internals (those are in the server log).
+``unavailable``) read the engine's own phase (``EnginePhase``, through the
+``EngineClient``); the engine is the one place that changes it. ``failure_summary`` is what
+a client may see of a failure: its kind, never its internals (those are in the server log).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
+from ditserve.engine.client import EnginePhase
 from ditserve.engine.errors import (
     DeadlineError,
     EngineStoppedError,
@@ -23,31 +24,30 @@ from ditserve.engine.server.schemas import request_error
 ADMISSION_ERRORS = (QueueFullError, EngineStoppedError, InvalidRequestError, DeadlineError)
 QUEUE_FULL = "every batch slot is taken and the queue is full; retry later"
 
-Phase = Literal["loading", "compiling", "ready", "draining", "failed", "stopped"]
 
 
-def engine_phase(state: Any) -> Phase:
+def engine_phase(state: Any) -> EnginePhase:
     """The phase of the replica served by ``state`` (a ServerState)."""
-    phase: Phase = state.engine.phase.value
+    phase: EnginePhase = state.engine.phase
     return phase
 
 
 def failure_summary(state: Any) -> str | None:
     """A failed replica's error for /ready: which stage failed, no exception text."""
     engine = state.engine
-    if engine.phase.value != "failed":
+    if engine.phase is not EnginePhase.FAILED:
         return None
-    started = engine.executor is not None
+    started = engine.facts() is not None  # the model loaded: the loop died later
     stage = "the engine loop stopped" if started else "the engine failed to start"
     return f"{stage}; see the server log"
 
 
 NOT_READY = {
-    "draining": "the server is shutting down; retry on another replica",
-    "stopped": "the engine has stopped; retry on another replica",
-    "failed": "the engine failed; see the server log",
-    "compiling": "the DiT blocks are still compiling (--compile); poll GET /ready",
-    "loading": "the model is still loading; poll GET /ready",
+    EnginePhase.DRAINING: "the server is shutting down; retry on another replica",
+    EnginePhase.STOPPED: "the engine has stopped; retry on another replica",
+    EnginePhase.FAILED: "the engine failed; see the server log",
+    EnginePhase.COMPILING: "the DiT blocks are still compiling (--compile); poll GET /ready",
+    EnginePhase.LOADING: "the model is still loading; poll GET /ready",
 }
 
 
@@ -80,5 +80,5 @@ def admission_error(state: Any, exc: QueueFullError | EngineStoppedError | Inval
 def check_admitting(state: Any) -> None:
     """Raise the 503 of a replica that is not ready for new work."""
     phase = engine_phase(state)
-    if phase != "ready":
+    if phase is not EnginePhase.READY:
         raise unavailable(state, NOT_READY[phase])

@@ -1,5 +1,7 @@
 """The generation API's answers: OpenAI's images response, its ``usage``, and the payloads of
-the image stream events (``image_generation.partial_image`` / ``.completed``).
+the image stream events (``image_generation.partial_image`` / ``.completed``). Each validates
+against the OpenAI SDK's own model (``ImagesResponse``, ``ImageGenPartialImageEvent``,
+``ImageGenCompletedEvent``); ditserve's additions are extra fields those models keep.
 
 ``usage`` counts image tokens, the unit of a DiT's work: ``output_tokens`` is the number of
 latent tokens the DiT denoised, ``(height / pixel_multiple) * (width / pixel_multiple)`` per
@@ -20,7 +22,9 @@ from ditserve.engine.images import png_bytes, to_pil_images
 
 OUTPUT_FORMAT = "png"  # every image is a PNG, whatever output_format asked for
 BACKGROUND = "opaque"  # RGB images; background "transparent" is not available
-QUALITY = "auto"  # quality is ignored: the step count is what trades quality for time
+# quality is ignored: the step count is what trades quality for time. The stream events say
+# "auto"; the plain answer leaves it out (the SDK's ImagesResponse.quality has no "auto").
+QUALITY = "auto"
 
 
 def png_base64(image: Any) -> str:
@@ -61,7 +65,6 @@ def generation_response(result: Any, *, request_id: str, size: str, tokens_per_i
         "data": [{"b64_json": png_base64(image)} for image in result.images],
         "background": BACKGROUND,
         "output_format": OUTPUT_FORMAT,
-        "quality": QUALITY,
         "size": size,
         "usage": usage(result.num_images, tokens_per_image),
         "ditserve": ditserve_meta(result, request_id),

@@ -5,7 +5,7 @@ syntax (400; numbers of thousands of digits, NaN, deep nesting and bad UTF-8 inc
 types and unknown fields (pydantic), valid Unicode, the served model (404), the OpenAI
 ``size`` string, the replica's limits (``RequestLimits``), then the engine's model-specific
 rules (``engine.validate_params``: pixel multiple, prompt length). Every 400 names the
-offending field in ``param`` and in the message. ``openapi.request_schema`` describes the same
+offending field in ``param`` and in the message. ``image_openapi.request_schema`` describes the same
 rules, from the same limits, for the OpenAPI document.
 """
 
@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic import ValidationError as PydanticValidationError
 
+from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, SamplingParams
 from ditserve.engine.server.config import parse_size
@@ -218,7 +219,8 @@ def _check_ranges(body: ImageGenerationRequest) -> None:
             raise invalid(name, f"{name}: must be an integer in [0, {top}], got {shown(value)}")
 
 
-def parse_generation_request(raw: bytes, *, engine: Any, limits: RequestLimits) -> ParsedRequest:
+def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: RequestLimits
+                             ) -> ParsedRequest:
     data = decode_json(raw)
     if not isinstance(data, dict):
         raise invalid(None, "the request body must be a JSON object, got "

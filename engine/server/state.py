@@ -1,11 +1,16 @@
 """ServerState: what the routes share (engine, config, metrics), and what the server gives
 the engine at construction (``engine_options``: its observers and warm-up).
 
-The server never keeps a lifecycle of its own: it reads ``engine.phase`` (loading, compiling,
-ready, draining, stopped, failed) and ``engine.failure``. The lifespan starts the engine in a
+The engine is an ``engine.client.EngineClient``: the server reads only that protocol (never
+the executor or the runner). It keeps no lifecycle of its own: it reads ``engine.phase``
+(loading, compiling, ready, draining, stopped, failed) and ``engine.failure``. The lifespan starts the engine in a
 worker thread (``start_engine``) so /health answers while weights load; the SIGTERM handler
 calls ``begin_drain``, waits while ``has_work``, then ``stop``; the lifespan's exit calls
 ``stop`` too. ``engine.shutdown`` runs exactly once.
+
+What a request may ask (``limits``, ``video_limits``) is the server's flags within the loaded
+model's own limits (``engine.facts().limits``: pixel multiple, frame step, the sizes and
+frame counts its positional tables reach).
 
 One model per replica: ``output`` (from the model's family, read before it loads) says
 whether this replica makes images (/v1/images/generations) or videos (/v1/videos, whose
@@ -21,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.client import EngineClient
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.loop.startup import WarmUp
 from ditserve.engine.loop.step_log import StepLog, copy_rates_of
-from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS
+from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.service import VideoJobs
@@ -38,11 +44,13 @@ from ditserve.engine.server.video_request import VideoLimits
 log = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "ditserve-tiny-flux"
+# A video model's frame step before it loaded (Wan's VAE: 4 frames per latent frame).
+VIDEO_FRAME_STEP = 4
 
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: EngineClient
     config: ServerConfig
     metrics: ServingMetrics
     model_name: str
@@ -55,7 +63,7 @@ class ServerState:
     _stopped: bool = False
 
     @classmethod
-    def build(cls, engine: Any, config: ServerConfig, *, metrics: ServingMetrics | None = None,
+    def build(cls, engine: EngineClient, config: ServerConfig, *, metrics: ServingMetrics | None = None,
               **kwargs: Any) -> ServerState:
         """metrics: the ServingMetrics the engine was given as an observer (``engine_options``);
         without one, only HTTP-level and scrape-time metrics are exported."""
@@ -77,17 +85,26 @@ class ServerState:
         """What this replica makes: "image" or "video"."""
         return self.model.output
 
+    def model_limits(self) -> ModelLimits:
+        """The loaded model's own limits; before it loaded, the usual ones of its kind."""
+        facts = self.engine.facts()
+        if facts is not None:
+            return facts.limits
+        if self.output == "video":
+            return ModelLimits(frame_step=VIDEO_FRAME_STEP, max_frames=MAX_FRAMES)
+        return ModelLimits()
+
     def limits(self) -> RequestLimits:
-        """What a request may ask for now (the model's rules are known once it loaded)."""
-        config = self.config
+        """What a request may ask for now: the server's flags within the model's limits."""
+        config, model = self.config, self.model_limits()
         max_steps = min(config.max_steps or MAX_STEPS, MAX_STEPS)
+        max_side = min(config.max_side or MAX_SIDE, model.max_side)
         return RequestLimits(
             model_name=self.model_name, default_size=self.default_size,
             # A model's default (Flux-dev's 28) never exceeds what --max-steps allows.
             default_steps=min(self.default_steps, max_steps),
-            pixel_multiple=self.engine.pixel_multiple,
-            max_prompt_chars=self.engine.max_prompt_chars,
-            max_side=min(config.max_side or MAX_SIDE, MAX_SIDE),
+            pixel_multiple=model.pixel_multiple, max_prompt_chars=model.max_prompt_chars,
+            max_side=max_side - max_side % model.pixel_multiple,
             max_steps=max_steps, default_guidance=self.model.guidance,
             step_cache_policies=step_cache_policies(self.engine),
         )
@@ -96,8 +113,8 @@ class ServerState:
         """What a video job may ask for now (frame step and pixel multiple once loaded; Wan's
         4 before). The default frame count is rounded down to one the bounds allow."""
         config, model = self.config, self.model
-        frame_step = self.engine.frame_step or 4
-        max_frames = min(config.max_frames or MAX_FRAMES, MAX_FRAMES)
+        frame_step = self.model_limits().frame_step or VIDEO_FRAME_STEP
+        max_frames = min(config.max_frames or MAX_FRAMES, self.model_limits().max_frames)
         max_frames -= (max_frames - 1) % frame_step
         default = min(config.default_frames or model.frames, max_frames)
         images = self.limits()

@@ -15,8 +15,8 @@ import contextlib
 import json
 from typing import Any
 
-QUEUED = "image_generation.queued"
-PROGRESS = "image_generation.progress"
+QUEUED = "ditserve.queued"
+PROGRESS = "ditserve.progress"
 PARTIAL_IMAGE = "image_generation.partial_image"
 COMPLETED = "image_generation.completed"
 ERROR = "error"
@@ -39,11 +39,20 @@ class EventBridge:
 
 def sse(event: str, payload: dict[str, Any]) -> bytes:
     """One SSE message: ``event:`` line, one ``data:`` line of JSON, blank line."""
-    body = json.dumps({"type": event, **payload}, separators=(",", ":"))
+    return _message(event, {"type": event, **payload})
+
+
+def progress(event: str, *values: str | int | None) -> bytes:
+    """One of ditserve's progress messages (QUEUED, PROGRESS): data is a JSON array."""
+    return _message(event, list(values))
+
+
+def _message(event: str, data: Any) -> bytes:
+    body = json.dumps(data, separators=(",", ":"))
     return f"event: {event}\ndata: {body}\n\n".encode()
 
 
-def parse_sse(text: str) -> list[tuple[str, dict[str, Any]]]:
+def parse_sse(text: str) -> list[tuple[str, Any]]:
     """Split an SSE body into (event, data) pairs (used by clients, tests and the bench)."""
     messages = []
     for block in text.split("\n\n"):

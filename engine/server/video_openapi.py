@@ -12,7 +12,7 @@ from typing import Any
 
 from ditserve.engine.server import step_cache_field
 from ditserve.engine.server.config import MAX_FPS
-from ditserve.engine.server.jobs.model import JobStatus
+from ditserve.engine.server.jobs.model import API_STATUSES
 from ditserve.engine.server.openapi import (
     NOT_ONLY_SPACES,
     answers,
@@ -25,7 +25,7 @@ from ditserve.engine.server.openapi import (
 )
 from ditserve.engine.server.video_request import FIELDS, VideoLimits
 
-STATUSES = [status.label for status in JobStatus]
+STATUSES = list(API_STATUSES)
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]
 NOT_FOUND = {404: "No video with this id (never made, deleted, expired, or made before the "
                   "server restarted)"}
@@ -61,12 +61,13 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
         "prompt": prompt,
         "model": {"const": limits.model_name},
         "size": {"type": "string", "pattern": size_pattern(limits, auto=False),
-                 "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple} "
-                                f"(default {width}x{height})"},
+                 "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple} up to "
+                                f"{limits.max_side} (the model's and the server's bound; "
+                                f"default {width}x{height})"},
         "seconds": seconds,
         "num_frames": {"type": "integer", "enum": limits.allowed_frames,
-                       "description": f"{limits.frame_step}k+1 frames (default "
-                                      f"{limits.default_frames})"},
+                       "description": f"{limits.frame_step}k+1 frames up to "
+                                      f"{limits.max_frames} (default {limits.default_frames})"},
         "fps": integer(1, MAX_FPS, f"MP4 frame rate (default {limits.default_fps})"),
         "num_inference_steps": integer(1, limits.max_steps,
                                        f"denoise steps (default {limits.default_steps})"),

@@ -25,7 +25,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictStr
 from pydantic import ValidationError as PydanticValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
+from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.config import MAX_FPS
@@ -46,6 +49,7 @@ from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
                           r"(?:[eE][+-]?[0-9]{1,4})?$")
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+_BOUNDARY = re.compile(r'boundary=("[^"]{1,70}"|[^;,\s]{1,70})', re.IGNORECASE)
 
 
 class VideoCreateRequest(BaseModel):
@@ -141,7 +145,14 @@ async def read_body(request: Any) -> dict[str, Any]:
             raise invalid(None, "the request body must be a JSON object or a form, got "
                                 f"{type(data).__name__}", code="invalid_body")
         return data
-    form = await request.form(max_files=1, max_fields=64)
+    if content_type.startswith("multipart/form-data"):
+        check_multipart(await request.body(), request.headers.get("content-type", ""))
+    try:
+        form = await request.form(max_files=1, max_fields=64)
+    except (MultiPartException, StarletteHTTPException) as e:
+        message = getattr(e, "message", None) or getattr(e, "detail", None) or str(e)
+        raise invalid(None, f"the form cannot be read: {message}",
+                      code="invalid_multipart") from e
     out: dict[str, Any] = {}
     try:
         for name in form:
@@ -155,6 +166,21 @@ async def read_body(request: Any) -> dict[str, Any]:
     finally:
         await form.close()
     return out
+
+
+def check_multipart(raw: bytes, content_type: str) -> None:
+    """A 400 for a multipart body without its closing delimiter (``--BOUNDARY--``): a body
+    cut short would otherwise lose its last field without a word (the parser keeps the
+    parts it finished)."""
+    match = _BOUNDARY.search(content_type)
+    if match is None:
+        raise invalid(None, "Content-Type: multipart/form-data needs a boundary parameter",
+                      code="invalid_multipart")
+    closing = b"--" + match.group(1).strip('"').encode("latin-1") + b"--"
+    if not (raw.startswith(closing) or b"\r\n" + closing in raw):
+        raise invalid(None, "the multipart body is truncated: it does not end with its "
+                            "closing boundary (--BOUNDARY--); send the whole form",
+                      code="invalid_multipart")
 
 
 def _size(body: VideoCreateRequest, limits: VideoLimits) -> tuple[int, int]:
@@ -209,7 +235,7 @@ def _seconds(value: str | float, limits: VideoLimits) -> float:
     return float(value)
 
 
-def parse_video_request(data: dict[str, Any], *, engine: Any, limits: VideoLimits,
+def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: VideoLimits,
                         ) -> VideoSpec:
     """A validated VideoSpec, or an APIError (400, or 404 for another model)."""
     if "input_reference" in data:

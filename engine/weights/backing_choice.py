@@ -29,14 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def checkpoint_dit(
-    model_dir: str | Path, *, dtype: str, model_cls: Any, component: str, tp_size: int = 1
+    model_dir: str | Path, *, dtype: str, model_cls: Any, component: str
 ) -> tuple[nn.Module | None, HostWeightPlan]:
     """The DiT as views of its checkpoint files, or (None, ordinary plan with the reason)."""
     folder = Path(model_dir) / component
     paths = sorted(folder.glob("*.safetensors"))
-    if tp_size != 1:
-        return None, HostWeightPlan.ordinary(
-            f"checkpoint mmap refused: tensor parallel size {tp_size}")
     if not paths:
         return None, HostWeightPlan.ordinary(
             f"checkpoint mmap refused: no .safetensors files in {component}/")
@@ -47,8 +44,7 @@ def checkpoint_dit(
         from ditserve.engine.weights.loader import torch_dtype
 
         config = model_cls.load_config(str(model_dir), subfolder=component)
-        model, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files,
-                                        tp_size=tp_size)
+        model, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files)
         if model is None:
             raise ValueError(checked.reason)
     except Exception as e:  # any failure: ordinary loading, with the reason
@@ -68,7 +64,6 @@ def prepare_dit(
     *,
     dtype: str,
     offload: OffloadConfig,
-    tp_size: int = 1,
     sp_size: int = 1,
     streams_from_mapping: bool = False,
     component: str = "transformer",
@@ -103,8 +98,8 @@ def prepare_dit(
         from ditserve.cachectl.errors import CacheError
 
         try:
-            model, plan = _runtime_cache(model_dir, dtype, offload, model_cls, load, tp_size,
-                                         component, sp_size)
+            model, plan = _runtime_cache(model_dir, dtype, offload, model_cls, load, component,
+                                         sp_size)
         except (CacheError, OSError, ValueError) as e:
             plan = HostWeightPlan.ordinary(f"runtime cache unavailable: {e}")
             log.warning("DLO host backing: %s; using ordinary host memory", plan.reason)
@@ -124,7 +119,7 @@ def prepare_dit(
         log.info("DLO host backing: ordinary (%s)", plan.reason)
         return load(), plan
     mapped, plan = checkpoint_dit(model_dir, dtype=dtype, model_cls=model_cls,
-                                  component=component, tp_size=tp_size)
+                                  component=component)
     if mapped is None:
         log.info("DLO host backing: ordinary (%s)", plan.reason)
         return load(), plan
@@ -133,10 +128,10 @@ def prepare_dit(
 
 
 def _runtime_cache(model_dir: str | Path, dtype: str, offload: OffloadConfig, model_cls: Any,
-                   load: Any, tp_size: int, component: str, sp_size: int
+                   load: Any, component: str, sp_size: int
                    ) -> tuple[nn.Module, HostWeightPlan]:
     from ditserve.engine.weights.runtime_cache import runtime_cache_dit
 
     return runtime_cache_dit(model_dir, dtype=dtype, offload=offload, model_cls=model_cls,
-                             load_dit=load, tp_size=tp_size, component=component,
+                             load_dit=load, component=component,
                              sp_size=sp_size)

@@ -153,13 +153,9 @@ def _examples(names: Sequence[str] | set[str]) -> str:
 def preflight(
     expected: Mapping[str, Expected],
     files: Sequence[MappedSafetensors],
-    *,
-    tp_size: int = 1,
 ) -> Preflight:
     """Check that ``files`` hold exactly the DiT's tensors as they are; bind them."""
     n = len(expected)
-    if tp_size != 1:
-        return _refuse(f"tensor parallel size {tp_size}: files hold unsharded tensors", n)
     if not files:
         return _refuse("no safetensors files", n)
     where: dict[str, MappedSafetensors] = {}
@@ -251,13 +247,11 @@ def map_dit(
     config: Mapping[str, Any],
     dtype: torch.dtype,
     files: Sequence[MappedSafetensors],
-    *,
-    tp_size: int = 1,
 ) -> tuple[nn.Module | None, Preflight, dict[str, torch.Tensor]]:
     """A meta-device DiT whose tensors become read-only views of ``files``, its preflight
     verdict and the views; ``(None, verdict, {})`` when the files do not fit the model."""
     model = meta_dit(model_cls, config, dtype)
-    checked = preflight(expected_tensors(model), files, tp_size=tp_size)
+    checked = preflight(expected_tensors(model), files)
     if not checked.ok:
         return None, checked, {}
     views = source_views(checked.bindings, files)

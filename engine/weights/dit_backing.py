@@ -31,7 +31,6 @@ def prepare_dits(
     *,
     dtype: str,
     offload: OffloadConfig,
-    tp_size: int = 1,
     sp_size: int = 1,
     streams_from_mapping: bool = False,
     sharded: bool = False,
@@ -61,7 +60,7 @@ def prepare_dits(
     try:
         for name in components:
             prepared[name] = prepare_dit(model_dir, dtype=dtype, offload=offload,
-                                         tp_size=tp_size, sp_size=sp_size,
+                                         sp_size=sp_size,
                                          streams_from_mapping=streams_from_mapping,
                                          component=name, keep_private=keep_private)
     except BaseException:

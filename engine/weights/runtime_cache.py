@@ -100,7 +100,6 @@ def runtime_cache_dit(
     offload: OffloadConfig,
     model_cls: Any,
     load_dit: Callable[[], nn.Module],
-    tp_size: int = 1,
     component: str = "transformer",
     sp_size: int = 1,
 ) -> tuple[nn.Module, HostWeightPlan]:
@@ -110,14 +109,12 @@ def runtime_cache_dit(
     sp_size: the replica's sequence-parallel size; with the implementation (Ulysses) it is
     part of the entry's identity, so `cachectl build --sp-size N --sp-impl ulysses` builds
     the entry such an engine joins (SP ranks share it: the SP rank is not in the identity)."""
-    from ditserve.cachectl.errors import ContentMismatchError, EntryNotFoundError
     from ditserve.cachectl.identity import Placement
     from ditserve.cachectl.layout import default_root
     from ditserve.cachectl.model_build import ModelRequest, describe_loader, plan_model
     from ditserve.cachectl.store import CacheStore
     from ditserve.engine.config import SEQUENCE_PARALLEL_IMPL
     from ditserve.engine.weights import loader
-    from ditserve.engine.weights.loader import torch_dtype
 
     store = CacheStore(offload.cache_root or default_root(),
                        lock_timeout_s=offload.cache_lock_timeout_s)
@@ -129,29 +126,48 @@ def runtime_cache_dit(
     key = store.resolve_recipe(model_plan.recipe)
     note = ""
     if key is not None:
-        try:
-            entry = store.join(key)
-        except EntryNotFoundError:
-            entry = None  # removed between resolve and join: build or join below
-        if entry is not None:
-            files = _map_entry(entry)
-            config = model_cls.load_config(str(model_dir), subfolder=component)
-            mapped, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files,
-                                             tp_size=tp_size)
-            if mapped is not None:
-                return mapped, HostWeightPlan(
-                    BackingKind.RUNTIME_CACHE,
-                    reason=f"cache hit: entry {key[:12]} mapped, DiT load skipped (recipe)",
-                    bindings=checked.bindings, sources=views,
-                    mappings=files, coverage=checked.coverage, skipped_materialization=True,
-                    lease=entry,
-                )
-            _close_all(files)
-            entry.close()
-            note = f" (the recipe's entry {key[:12]} did not fit: {checked.reason})"
-            log.warning("runtime cache: entry %s refused: %s", key[:12], checked.reason)
+        hit, note = _join_recipe_hit(store, key, model_dir, model_cls, dtype, component)
+        if hit is not None:
+            return hit
+    return _load_then_join(store, model_plan, load_dit(), note=note)
 
-    model = load_dit()
+
+def _join_recipe_hit(
+    store: Any, key: str, model_dir: str | Path, model_cls: Any, dtype: str, component: str,
+) -> tuple[tuple[nn.Module, HostWeightPlan] | None, str]:
+    """The DiT as views of the entry the recipe names, with no load at all; else None and a
+    note on why the entry was not used (empty when it vanished before the join)."""
+    from ditserve.cachectl.errors import EntryNotFoundError
+    from ditserve.engine.weights.loader import torch_dtype
+
+    try:
+        entry = store.join(key)
+    except EntryNotFoundError:
+        return None, ""  # removed between resolve and join: build or join after a load
+    files = _map_entry(entry)
+    config = model_cls.load_config(str(model_dir), subfolder=component)
+    mapped, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files)
+    if mapped is not None:
+        return (mapped, HostWeightPlan(
+            BackingKind.RUNTIME_CACHE,
+            reason=f"cache hit: entry {key[:12]} mapped, DiT load skipped (recipe)",
+            bindings=checked.bindings, sources=views,
+            mappings=files, coverage=checked.coverage, skipped_materialization=True,
+            lease=entry,
+        )), ""
+    _close_all(files)
+    entry.close()
+    log.warning("runtime cache: entry %s refused: %s", key[:12], checked.reason)
+    return None, f" (the recipe's entry {key[:12]} did not fit: {checked.reason})"
+
+
+def _load_then_join(
+    store: Any, model_plan: Any, model: nn.Module, *, note: str
+) -> tuple[nn.Module, HostWeightPlan]:
+    """Build or join the entry from a loaded DiT, repoint the DiT at the entry's mapping and
+    release the private copy; the ordinary plan (and the private copy) when that fails."""
+    from ditserve.cachectl.errors import ContentMismatchError
+
     try:
         entry = _ensure_from_loaded(store, model_plan, model)
     except ContentMismatchError as e:
@@ -160,7 +176,7 @@ def runtime_cache_dit(
     if entry.built:
         store.stamp(entry.key)  # later (read-only) joins skip the full re-hash
     files = _map_entry(entry)
-    checked = preflight(expected_tensors(model), files, tp_size=tp_size)
+    checked = preflight(expected_tensors(model), files)
     if not checked.ok:
         _close_all(files)
         entry.close()

@@ -69,6 +69,9 @@ def test_invalid_combinations_are_reported_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="unknown option"):
         engine_config_from_args(parse(), {"scheduler": {"max_seqs": 1}})
     # A removed option says what replaces it.
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size was removed: tensor "
+                                          "parallelism is not supported"):
+        engine_config_from_args(parse(), {"parallel": {"tensor_parallel_size": 1}})
     with pytest.raises(ConfigError, match="scheduler.policy was removed: fifo admission is "
                                           "max_bypass: 0"):
         engine_config_from_args(parse(), {"scheduler": {"policy": "fifo"}})

@@ -6,13 +6,15 @@ from types import SimpleNamespace
 from typing import Any
 
 from ditserve.engine.loop.lifecycle import EnginePhase
+from ditserve.engine.loop.results import EngineStats
 from ditserve.engine.server.metrics import ServingMetrics
 
 
 def engine_with(report: dict[str, Any]) -> Any:
     return SimpleNamespace(executor=object(), phase=EnginePhase.READY,
                            offload_report=lambda: report,
-                           stats=lambda: SimpleNamespace(running=0, waiting=0))
+                           stats=lambda: EngineStats(running=0, waiting=0, steps_run=0,
+                                                                   rows_run=0, requests_finished=0))
 
 
 def test_metrics_name_the_mapped_backing_and_path() -> None:

@@ -94,12 +94,6 @@ def test_mismatch_falls_back_with_reason(tiny_model_dir, tmp_path, edit: Edit, r
     assert plan.reason.startswith("checkpoint mmap refused: " + reason), plan.reason
 
 
-def test_tensor_parallel_is_refused(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    model, plan = checkpoint_dit(tiny_model_dir, dtype="float32", model_cls=dit_class(),
-                                 component=DIT_COMPONENT, tp_size=2)
-    assert model is None and "tensor parallel size 2" in plan.reason
-
-
 def test_sharded_checkpoint_binds_every_tensor_to_a_read_only_shared_mapping(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     root = variant(tiny_model_dir, tmp_path, sharded)
     model, plan = checkpoint_dit(root, dtype="float32", model_cls=dit_class(),

@@ -215,3 +215,35 @@ async def test_a_replica_pauses_while_a_higher_priority_peer_holds_the_peering(
             await eventually(lambda: obj(kmock, DEPLOYMENTS, "flux"), what="Deployment")
 
     await _run(scenario)
+
+
+async def test_the_engines_start_error_reaches_status_and_events(
+        kmock: Emulator, kubeconfig: Path, no_operator_errors: None) -> None:
+    said = ("error: sequence-parallel size 8 does not divide the 12 attention heads of "
+            "transformer: use 1, 2, 3, 4, 6 or 12")
+
+    async def scenario() -> None:
+        async with running_operator():
+            await create_dd(kmock, "wan", {**SPEC, "cache": {"mode": "None"}})
+            await eventually(lambda: obj(kmock, DEPLOYMENTS, "wan"), what="Deployment")
+            await create(kmock, "/api/v1/namespaces/default/pods", {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "wan-abc", "labels": {
+                    "app.kubernetes.io/name": "ditserve-engine",
+                    "app.kubernetes.io/instance": "wan",
+                    "app.kubernetes.io/managed-by": "ditserve-operator"}},
+                "spec": {"containers": [{"name": "engine", "image": "x"}]},
+                "status": {"phase": "Running", "containerStatuses": [{
+                    "name": "engine", "ready": False, "restartCount": 3, "image": "x",
+                    "imageID": "", "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                                         "message": "back-off 40s"}},
+                    "lastState": {"terminated": {"exitCode": 2, "reason": "Error",
+                                                 "message": said}}}]}})
+            await eventually(lambda: _reason(kmock, "wan", "Degraded") == "CrashLoopBackOff",
+                             what="Degraded=CrashLoopBackOff")
+            message = cond(obj(kmock, DD, "wan"), "Degraded")["message"]  # type: ignore[index]
+            assert message == f"pod wan-abc: engine restarted 3 times; last exit 2: {said}"
+            warning = await eventually(lambda: _event(kmock, "wan", "CrashLoopBackOff"),
+                                       what="CrashLoopBackOff Event")
+            assert warning["type"] == "Warning" and said in warning["message"]
+
+    await _run(scenario)

@@ -85,10 +85,11 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("version", ["1.29.0", K8S_VERSION, "1.37.0"])  # oldest to newest
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_every_manifest_validates_against_kubernetes_schemas(name: str) -> None:
+def test_every_manifest_validates_against_kubernetes_schemas(name: str, version: str) -> None:
     for manifest in children(VARIANTS[name]).values():
-        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(manifest, version, strict=True)
 
 
 @pytest.mark.parametrize(("dp", "sp", "gpus"), [(1, 1, 1), (2, 1, 2), (1, 4, 4), (2, 4, 8)])

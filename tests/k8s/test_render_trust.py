@@ -112,6 +112,19 @@ def test_the_engines_last_words_reach_the_status() -> None:
                                 f"pod flux-abc: engine restarted 3 times; last exit 2: {said}")
 
 
+@pytest.mark.parametrize("sequence", [7, 16])
+def test_an_auto_family_sp_size_that_fits_no_released_model_is_refused(sequence: int) -> None:
+    auto = spec_of(parallelism={"sequence": sequence, "gpusPerNode": 16})
+    with pytest.raises(InvalidSpecError, match=f"parallelism.sequence={sequence} divides the "
+                                               "attention head count of no supported family"):
+        validate(auto, name=OWNER.name, policy=ADMIN)
+    # The way out for another model: declare its head count.
+    declared = spec_of(model={"hostPath": "/data/models/custom", "attentionHeads": 7 * 16},
+                       parallelism={"sequence": sequence, "gpusPerNode": 16})
+    assert validate(declared, name=OWNER.name, policy=ADMIN)[1].parallel.sequence_parallel_size \
+        == sequence
+
+
 @pytest.mark.parametrize("sequence", [8, 5])
 def test_declared_head_counts_judge_the_sp_size_before_any_gpu(sequence: int) -> None:
     spec = spec_of(model={"hostPath": "/data/models/wan-1.3b", "family": "Wan",

@@ -1,7 +1,7 @@
 """A pure-Python stand-in for DiffusionEngine, for in-process API tests (no torch).
 
-It keeps the engine's public contract (phase/add_request/abort/validate_params/stats/events,
-the observers as a constructor argument) and lets a test choose the outcome of each request:
+It implements the server's ``EngineClient`` (phase, facts, submit, abort, validate_params,
+stats, events; the observers as a constructor argument) and lets a test choose the outcome of each request:
 finish (with "preview" events for ``partial_images``), fail, hang (never finishes), or a full
 queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules. With a
 ``frame_step`` it is a video model: its results are (n, F, 3, H, W) seeded noise (so their
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import (
     DitServeError,
@@ -27,6 +28,7 @@ from ditserve.engine.errors import (
     RequestAborted,
 )
 from ditserve.engine.loop.engine import EnginePhase, EngineStats, GenerationResult, RequestEvent
+from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, ModelLimits
 
 
 @dataclass
@@ -41,6 +43,8 @@ class FakeEngine:
     max_prompt_chars: int = 4000
     offload: dict[str, Any] | None = None  # what offload_report() returns
     frame_step: int | None = None  # a video model's (Wan: 4); None: an image model
+    max_side: int = MAX_SIDE  # what the model's positional table reaches
+    max_frames: int = MAX_FRAMES
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -49,12 +53,15 @@ class FakeEngine:
         return self.phase is EnginePhase.READY
 
     @property
-    def executor(self) -> Any:
-        return object() if self.ready else None
+    def limits(self) -> ModelLimits:
+        video = self.frame_step is not None
+        return ModelLimits(pixel_multiple=self.pixel_multiple, max_side=self.max_side,
+                           frame_step=self.frame_step,
+                           max_frames=self.max_frames if video else 1,
+                           max_prompt_chars=self.max_prompt_chars)
 
-    @property
-    def runner(self) -> Any:
-        return SimpleNamespace(device="cpu") if self.ready else None
+    def facts(self) -> EngineFacts | None:
+        return EngineFacts(self.limits, device="cpu", dtype="float32") if self.ready else None
 
     def start(self) -> FakeEngine:
         self.phase = EnginePhase.READY
@@ -64,12 +71,10 @@ class FakeEngine:
         self.phase = EnginePhase.DRAINING
 
     def validate_params(self, params: Any) -> Any:
-        return params.validate(pixel_multiple=self.pixel_multiple,
-                               max_prompt_chars=self.max_prompt_chars,
-                               frame_step=self.frame_step)
+        return params.validate_for(self.limits)
 
-    def add_request(self, params: Any, *, request_id: str | None = None,
-                    on_event: Any = None) -> Any:
+    def submit(self, params: Any, *, request_id: str | None = None,
+               on_event: Any = None) -> Any:
         self.validate_params(params)
         if self.outcome == "queue_full":
             raise QueueFullError("1 requests are waiting (max_queue=1)")

@@ -109,11 +109,11 @@ def test_queue_full_then_disconnect_frees_the_slot(guarded, metric) -> None:
             assert r1.status_code == 200
             # Keep the iterator referenced: collecting it would close R1's stream.
             events1 = sse_events(r1)
-            await next_event(events1, "image_generation.progress")
+            await next_event(events1, "ditserve.progress")
             async with client.stream("POST", GEN, json=short) as r2:
                 events2 = sse_events(r2)
-                queued = await next_event(events2, "image_generation.queued")
-                assert queued["queue_position"] == 0
+                queued = await next_event(events2, "ditserve.queued")
+                assert queued[:2] == ["queued", 0]
                 refused = await client.post(GEN, json={**short, "stream": False})
                 assert refused.status_code == 429
                 assert refused.headers["retry-after"] == "2"
@@ -130,7 +130,7 @@ def test_queue_full_then_disconnect_frees_the_slot(guarded, metric) -> None:
     rest = asyncio.run(scenario())
     kinds = [kind for kind, _ in rest]
     assert kinds[-1] == "image_generation.completed", rest
-    assert [d["step"] for k, d in rest if k == "image_generation.progress"] == [1, 2, 3]
+    assert [d[1] for k, d in rest if k == "ditserve.progress"] == [1, 2, 3]
     metrics = httpx.get(f"{guarded.url}/metrics").text
     assert metric(metrics, 'ditserve:request_errors_total{reason="client_disconnect"}') == 1
     assert metric(metrics, 'ditserve:request_errors_total{reason="queue_full"}') == 2
@@ -149,7 +149,7 @@ def test_sigterm_drains_running_requests_then_exits(guarded) -> None:
             client.stream("POST", GEN, json=body) as response,
         ):
             events = sse_events(response)
-            await next_event(events, "image_generation.progress")
+            await next_event(events, "ditserve.progress")
             guarded.process.send_signal(signal.SIGTERM)
             ready = await client.get("/ready")
             while ready.status_code == 200:  # the handler runs on the server's next tick
@@ -163,6 +163,6 @@ def test_sigterm_drains_running_requests_then_exits(guarded) -> None:
 
     rest = asyncio.run(scenario())
     assert rest[-1][0] == "image_generation.completed"
-    assert rest[-2][1]["step"] == 300
+    assert rest[-2] == ("ditserve.progress", ["step", 300, 300])
     assert guarded.process.wait(timeout=60) == 0
     assert "engine stopped" in guarded.log_text()

@@ -83,7 +83,7 @@ def test_timeout_aborts_the_request() -> None:
         "message": "the request did not finish within 0.05s and was aborted",
         "type": "server_error", "param": None, "code": "timeout"}
     events = parse_sse(streamed.text)
-    assert [kind for kind, _ in events] == ["image_generation.queued", "error"]
+    assert [kind for kind, _ in events] == ["ditserve.queued", "error"]
     assert events[-1][1]["error"]["code"] == "timeout"
     assert [reason for _, reason in engine.aborted] == ["timed out", "timed out"]
 

@@ -1,17 +1,26 @@
 """The official OpenAI Python SDK against the default server: images.generate (n 1 and 2),
 image streaming with partial images in the SDK's typed events, models, and the SDK's error
 classes for 400 and 404 (401 and 429: test_admission.py, whose server has auth and a
-one-slot queue)."""
+one-slot queue). Every object the API returns validates strictly (``model_validate(...,
+strict=True)``) against the SDK's own model, raw JSON and each stream event alike."""
 
 from __future__ import annotations
 
 import base64
 import io
 
+import httpx
 import openai
 import pytest
-from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent, ImagesResponse
+from openai.types import (
+    ImageGenCompletedEvent,
+    ImageGenPartialImageEvent,
+    ImagesResponse,
+    Model,
+)
 from PIL import Image
+
+from ditserve.engine.server.streaming import parse_sse
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +47,43 @@ def test_stream_with_partial_images(client) -> None:
     stream = client.images.generate(prompt="a fox", size="32x32", stream=True,
                                     partial_images=2, extra_body={"num_inference_steps": 6})
     events = list(stream)
-    partial = [e for e in events if e.type == "image_generation.partial_image"]
-    completed = [e for e in events if e.type == "image_generation.completed"]
-    assert [type(e) for e in partial] == [ImageGenPartialImageEvent] * 2
+    # Code that filters the SDK's events by type sees only OpenAI's, each with its image.
+    partial = [e for e in events if isinstance(e, ImageGenPartialImageEvent)]
+    completed = [e for e in events if isinstance(e, ImageGenCompletedEvent)]
+    assert len(partial) + len(completed) == 3
     assert [e.partial_image_index for e in partial] == [0, 1]
     assert all(png_size(e.b64_json) == (32, 32) and e.size == "32x32" for e in partial)
     (final,) = completed
-    assert isinstance(final, ImageGenCompletedEvent) and events[-1] is final
+    assert events[-1] is final
     assert png_size(final.b64_json) == (32, 32)
     assert (final.output_format, final.usage.output_tokens) == ("png", 64)
-    # ditserve's own progress events pass through under their own type.
-    assert sum(e.type == "image_generation.progress" for e in events) == 6
+    # ditserve's own progress events pass through untyped: JSON arrays, one per step.
+    progress = [e for e in events if isinstance(e, list)]
+    assert progress[0][0] == "queued"
+    assert [e[1] for e in progress if e[0] == "step"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_every_answer_validates_strictly_against_the_sdks_models(server) -> None:
+    plain = httpx.post(f"{server.url}/v1/images/generations",
+                       json={"prompt": "a fox", "n": 2, "quality": "high"}, timeout=60)
+    assert plain.status_code == 200
+    response = ImagesResponse.model_validate(plain.json(), strict=True)
+    assert response.quality is None and response.background == "opaque"
+    streamed = httpx.post(f"{server.url}/v1/images/generations", timeout=60, json={
+        "prompt": "a fox", "stream": True, "partial_images": 1, "num_inference_steps": 2})
+    events = parse_sse(streamed.text)
+    by_type = {"image_generation.partial_image": ImageGenPartialImageEvent,
+               "image_generation.completed": ImageGenCompletedEvent}
+    for kind, data in events:
+        if kind in by_type:
+            assert by_type[kind].model_validate(data, strict=True).type == kind
+        else:  # ditserve's own: never an object the SDK would read as an image event
+            assert kind.startswith("ditserve.") and isinstance(data, list), (kind, data)
+            assert all(not isinstance(value, (dict, list)) for value in data)
+    assert [kind for kind, _ in events][-1] == "image_generation.completed"
+    for body in (httpx.get(f"{server.url}/v1/models").json()["data"][0],
+                 httpx.get(f"{server.url}/v1/models/ditserve-tiny-flux").json()):
+        assert Model.model_validate(body, strict=True).id == "ditserve-tiny-flux"
 
 
 def test_models(client) -> None:

@@ -28,7 +28,7 @@ def test_tiny_random_flux_serves_with_flux_layout(tmp_path) -> None:
 
     engine = DiffusionEngine(EngineConfig(model=str(model), device="cpu")).start()
     try:
-        assert engine.pixel_multiple == 16  # 8x VAE and 2x2 packing, as real Flux
+        assert engine.limits.pixel_multiple == 16  # 8x VAE and 2x2 packing, as real Flux
         result = engine.add_request(
             SamplingParams(prompt="a random cat", height=32, width=48, num_inference_steps=2,
                            seed=0)).result(timeout=120)

@@ -65,7 +65,8 @@ def test_concurrent_requests_equal_alone_and_batch(server, metric) -> None:
 LIMIT_PROMPT = "x" * 4001
 FIELDS = ("prompt, model, n, size, response_format, user, stream, partial_images, background, "
           "moderation, output_compression, output_format, quality, style, safety_identifier, "
-          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed")
+          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, priority, "
+          "deadline_s")
 HUGE = "9" * 5000
 
 BAD_INPUTS = [
@@ -180,22 +181,24 @@ def test_sse_stream_reports_steps_partial_images_then_each_image(server) -> None
         rid = response.headers["x-request-id"]
         events = parse_sse(response.read().decode())
     kinds = [kind for kind, _ in events]
-    assert kinds[0] == "image_generation.queued"
-    assert events[0][1]["queue_position"] == 0 and events[0][1]["total_steps"] == 6
+    assert events[0] == ("ditserve.queued", ["queued", 0, 6])  # next in line, 6 steps
     # Previews after steps 2 and 4 (evenly spaced, never the last), one event per image.
-    assert [(k, d.get("step")) for k, d in events[1:-2]] == [
-        ("image_generation.progress", 1), ("image_generation.progress", 2),
+    assert [(k, d[1] if k == "ditserve.progress" else d.get("step"))
+            for k, d in events[1:-2]] == [
+        ("ditserve.progress", 1), ("ditserve.progress", 2),
         ("image_generation.partial_image", 2), ("image_generation.partial_image", 2),
-        ("image_generation.progress", 3), ("image_generation.progress", 4),
+        ("ditserve.progress", 3), ("ditserve.progress", 4),
         ("image_generation.partial_image", 4), ("image_generation.partial_image", 4),
-        ("image_generation.progress", 5), ("image_generation.progress", 6)]
+        ("ditserve.progress", 5), ("ditserve.progress", 6)]
+    assert all(d == ["step", d[1], 6] for k, d in events if k == "ditserve.progress")
     partial = [d for k, d in events if k == "image_generation.partial_image"]
     assert [(d["partial_image_index"], d["image_index"]) for d in partial] == [
         (0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(d["size"] == "64x64" and d["output_format"] == "png" for d in partial)
     assert decode_png(partial[0]["b64_json"]).shape == (64, 64, 3)
     assert kinds[-2:] == ["image_generation.completed"] * 2
-    assert all(data["type"] == kind and data["request_id"] == rid for kind, data in events)
+    assert all(data["type"] == kind and data["request_id"] == rid
+               for kind, data in events if not kind.startswith("ditserve."))
     completed = [d for k, d in events[-2:]]
     assert [d["image_index"] for d in completed] == [0, 1]
     assert completed[0]["ditserve"]["seed"] == 7

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from openai.types import Video
 from server.video_support import FakeEngine, fake_video_engine, finish, mp4_facts, run, video_app
 
 from ditserve.engine.server.config import ServerConfig
@@ -278,9 +279,9 @@ def test_list_pages_by_creation_time(tmp_path: Path) -> None:
             if not page["has_more"]:
                 break
             after = page["last_id"]
-        await client.delete(f"{VIDEOS}/{ids[1]}")  # cancelled: still listed
+        await client.delete(f"{VIDEOS}/{ids[1]}")  # cancelled and gone: "after" still works
         newest = (await client.get(VIDEOS, params={"limit": 1})).json()
-        after_gone = (await client.get(VIDEOS, params={"after": ids[2], "order": "asc"})).json()
+        after_gone = (await client.get(VIDEOS, params={"after": ids[1], "order": "asc"})).json()
         bad = await client.get(VIDEOS, params={"limit": 0})
         return ids, pages, newest, after_gone, bad
 
@@ -289,29 +290,30 @@ def test_list_pages_by_creation_time(tmp_path: Path) -> None:
     assert [p["has_more"] for p in pages] == [True, True, False]
     assert (pages[0]["first_id"], pages[0]["last_id"]) == (ids[0], ids[1])
     assert [j["id"] for j in newest["data"]] == [ids[4]] and newest["object"] == "list"
-    assert [j["id"] for j in after_gone["data"]] == ids[3:]
+    assert [j["id"] for j in after_gone["data"]] == ids[2:]  # the cursor names a deleted job
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
 
 
-def test_delete_cancels_then_removes(tmp_path: Path) -> None:
+def test_delete_of_an_unfinished_job_cancels_and_removes_it(tmp_path: Path, metric) -> None:
     engine = fake_video_engine(tmp_path, outcome="hang")
-    app, _ = video_app(engine)
+    app, metrics = video_app(engine)
 
     async def script(client):
         job = (await client.post(VIDEOS, json=JOB)).json()
         first = await client.delete(f"{VIDEOS}/{job['id']}")
-        cancelled = (await client.get(f"{VIDEOS}/{job['id']}")).json()
-        events = await finish(client, job["id"])
-        second = await client.delete(f"{VIDEOS}/{job['id']}")
         gone = await client.get(f"{VIDEOS}/{job['id']}")
-        return job, first, cancelled, events, second, gone
+        listed = (await client.get(VIDEOS)).json()["data"]
+        second = await client.delete(f"{VIDEOS}/{job['id']}")
+        return job, first, gone, listed, second
 
-    job, first, cancelled, events, second, gone = run(app, script)
+    job, first, gone, listed, second = run(app, script)
+    # "deleted": true is what happened: the job is gone at once, not left behind cancelled.
     assert first.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
     assert engine.aborted == [(job["id"], "cancelled")]  # the engine frees the slot
-    assert cancelled["status"] == "cancelled" and cancelled["error"]["code"] == "cancelled"
-    assert [kind for kind, _ in events] == ["video.cancelled"]
-    assert second.status_code == 200 and gone.status_code == 404
+    assert gone.status_code == 404 and listed == []
+    assert second.status_code == 404
+    text = metrics.render().decode()
+    assert metric(text, 'ditserve:video_jobs_finished_total{status="cancelled"}') == 1
 
 
 def test_a_stopped_engine_fails_its_unfinished_jobs(tmp_path: Path) -> None:
@@ -325,3 +327,21 @@ def test_a_stopped_engine_fails_its_unfinished_jobs(tmp_path: Path) -> None:
 
     final = run(app, script)[-1][1]["video"]
     assert (final["status"], final["error"]["code"]) == ("failed", "engine_stopped")
+
+
+def test_a_job_of_an_openai_size_is_exactly_the_sdks_video(tmp_path: Path) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path))
+
+    async def script(client):
+        created = (await client.post(VIDEOS, json={
+            "prompt": "a tall shot", "size": "720x1280", "num_frames": 1,
+            "num_inference_steps": 1, "seed": 1})).json()
+        events = await finish(client, created["id"])
+        return [created, *(data["video"] for _, data in events),
+                (await client.get(f"{VIDEOS}/{created['id']}")).json(),
+                *(await client.get(VIDEOS)).json()["data"]]
+
+    objects = run(app, script)
+    videos = [Video.model_validate(obj, strict=True) for obj in objects]
+    assert [v.status for v in videos][-1] == "completed"
+    assert {v.size for v in videos} == {"720x1280"}

@@ -105,17 +105,23 @@ def test_expiry_deletes_the_file_and_hides_the_job(tmp_path: Path) -> None:
     assert store.page(limit=10, after=None, order="desc") == ([], False)
 
 
-def test_delete_finished_removes_file_and_unfinished_is_cancelled(tmp_path: Path) -> None:
+def test_delete_removes_a_finished_job_and_cancels_then_removes_an_unfinished_one(
+        tmp_path: Path) -> None:
     store, _ = make_store(tmp_path)
     done = finish_one(store)
     running = store.add(spec(), "r")["id"]
     store.started(running, engine_id="engine-1", seed=3)
+    seen: list[dict] = []
+    store.subscribe(running, seen.append)
     assert store.delete(done) == (True, None)
     assert not store.files.path_of(done).exists() and store.get(done) is None
     assert store.delete(running) == (True, "engine-1")  # the caller aborts engine-1
-    assert store.get(running)["status"] == "cancelled"
-    assert store.delete(running) == (True, None)  # a cancelled job is then removed
+    assert store.get(running) is None  # gone at once
+    # Its follower saw it end as the API spells a cancelled job.
+    assert [(j["status"], j["error"]["code"]) for j in seen] == [("failed", "cancelled")]
     assert store.delete(running) == (False, None)
+    assert store.usage() == ({"queued": 0, "in_progress": 0, "completed": 0, "failed": 0,
+                              "cancelled": 0}, 0)  # its reservation is released
 
 
 def test_a_job_cancelled_while_encoding_keeps_no_file(tmp_path: Path) -> None:
@@ -124,7 +130,8 @@ def test_a_job_cancelled_while_encoding_keeps_no_file(tmp_path: Path) -> None:
     store.cancel(job_id)
     path = store.files.publish(job_id, b"late")
     assert store.complete(job_id, path, 4) is False  # the caller removes the file
-    assert store.get(job_id)["status"] == "cancelled"
+    assert (store.get(job_id)["status"], store.get(job_id)["error"]["code"]) == (
+        "failed", "cancelled")
 
 
 def test_listeners_see_every_change_then_nothing(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ import torch
 from ditserve.engine.formats.packed_decode import check_target, decode_checked
 from ditserve.engine.formats.packed_layout import PackedBf16
 from ditserve.engine.offload.host.packed_slabs import PackedSource
-from ditserve.engine.offload.movement.transfer import MovementProbe, Transfer, TransferReport
+from ditserve.engine.offload.movement.transfer import DelegatingTransfer, Transfer, TransferReport
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,12 @@ def copy_source(source: Any) -> Any:
     return source.data if isinstance(source, PackedSource) else source
 
 
-class DecodingTransfer:
+class DecodingTransfer(DelegatingTransfer):
     """Copies (or gathers) packed bytes into per-slot staging, then decodes into the slot."""
 
     def __init__(self, inner: Transfer, *, slots: int, staging_bytes: int) -> None:
         """staging_bytes: the largest packed run a slot receives (one buffer per slot)."""
-        self.inner = inner
-        self.device = inner.device
+        super().__init__(inner)
         self.staging = [torch.empty(staging_bytes, dtype=torch.uint8, device=self.device)
                         for _ in range(slots)]
         cuda = self.device.type == "cuda"
@@ -116,17 +115,17 @@ class DecodingTransfer:
         if self.stream is not None:
             # A slot is released only once its decode is done (see module docstring).
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
-        self.inner.release(slot)
+        super().release(slot)
 
     def synchronize(self) -> None:
-        self.inner.synchronize()
+        super().synchronize()
         if self.stream is not None:
             self.stream.synchronize()
 
     def close(self) -> None:
         self.synchronize()
         self.staging.clear()
-        self.inner.close()
+        super().close()
 
     def report(self) -> TransferReport:
         inner = self.inner.report()
@@ -135,6 +134,3 @@ class DecodingTransfer:
             copy_rate=inner.copy_rate, gather=inner.gather,
             device_staging_bytes=inner.device_staging_bytes + sum(
                 s.numel() for s in self.staging))
-
-    def probe(self) -> MovementProbe:
-        return self.inner.probe()

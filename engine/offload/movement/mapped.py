@@ -37,7 +37,11 @@ from ditserve.engine.offload.host.mapped import MappedBacking, MappedRegion
 from ditserve.engine.offload.host.memory import HostMemory
 from ditserve.engine.offload.host.registration import Registrar
 from ditserve.engine.offload.movement.copy_stream import CudaStreamTransfer, SyncTransfer
-from ditserve.engine.offload.movement.transfer import CopyPairs, MovementProbe, TransferReport
+from ditserve.engine.offload.movement.transfer import (
+    CopyPairs,
+    DelegatingTransfer,
+    TransferReport,
+)
 from ditserve.engine.offload.plan import ALIGN_BYTES, SlotLayout, round_up
 
 log = logging.getLogger(__name__)
@@ -45,49 +49,34 @@ GIB = 1024**3
 MappedPairs = Sequence[tuple[torch.Tensor, MappedRegion]]  # (slot region, its mapped parts)
 
 
-class DirectMappedTransfer:
+class DirectMappedTransfer(DelegatingTransfer):
     """Registered (or CPU) sources: every part goes straight into its slot range."""
 
+    inner: SyncTransfer | CudaStreamTransfer
+
     def __init__(self, base: SyncTransfer | CudaStreamTransfer) -> None:
-        self.base = base
-        self.device = base.device
+        super().__init__(base)
 
     def prepare(self, pairs: MappedPairs, slot: int) -> CopyPairs:
         # Each part's slot range, sliced once here rather than on every load.
         return [(dst[off : off + src.numel()], src) for dst, region in pairs
                 for off, src in region.parts]
 
-    def load(self, prepared: CopyPairs, slot: int) -> None:
-        self.base.load(prepared, slot)
-
-    def wait_ready(self, slot: int) -> None:
-        self.base.wait_ready(slot)
-
-    def release(self, slot: int) -> None:
-        self.base.release(slot)
-
-    def synchronize(self) -> None:
-        self.base.synchronize()
-
-    def close(self) -> None:
-        self.base.close()
-
     def report(self) -> TransferReport:
-        return TransferReport(self.base.name, "registered", copy_rate=self.base.report().copy_rate)
-
-    def probe(self) -> MovementProbe:
-        return self.base.probe()
+        return TransferReport(self.inner.name, "registered",
+                              copy_rate=self.inner.report().copy_rate)
 
 
-class StagedTransfer:
+class StagedTransfer(DelegatingTransfer):
     """Packs each load into one of two pinned staging slots, then loads through ``base``;
     on the calling thread (the CPU path)."""
+
+    inner: SyncTransfer | CudaStreamTransfer
 
     def __init__(
         self, base: SyncTransfer | CudaStreamTransfer, slot_layout: SlotLayout, memory: HostMemory
     ) -> None:
-        self.base = base
-        self.device = base.device
+        super().__init__(base)
         self._memory = memory
         self._staging: list[dict[Hashable, torch.Tensor]] = []
         self._buffers: list[torch.Tensor] = []
@@ -128,16 +117,7 @@ class StagedTransfer:
             for off, src in region.parts:
                 buf[off : off + src.numel()].copy_(src)
             uploads.append((dst, buf[: region.numel]))
-        self.base.load(uploads, slot)
-
-    def wait_ready(self, slot: int) -> None:
-        self.base.wait_ready(slot)
-
-    def release(self, slot: int) -> None:
-        self.base.release(slot)
-
-    def synchronize(self) -> None:
-        self.base.synchronize()
+        self.inner.load(uploads, slot)
 
     def close(self) -> None:
         """Synchronize, free the staging slots, close the base transfer."""
@@ -152,17 +132,14 @@ class StagedTransfer:
             for buffer in self._buffers:
                 self._memory.free(buffer)
             self._buffers.clear()
-            self.base.close()
+            self.inner.close()
 
     def _shutdown(self) -> None:
         """Stop whatever packs in the background (nothing on the calling thread)."""
 
     def report(self) -> TransferReport:
-        return TransferReport(self.base.name, "staging", pinned_bytes=self._memory.pinned_bytes,
-                              copy_rate=self.base.report().copy_rate)
-
-    def probe(self) -> MovementProbe:
-        return self.base.probe()
+        return TransferReport(self.inner.name, "staging", pinned_bytes=self._memory.pinned_bytes,
+                              copy_rate=self.inner.report().copy_rate)
 
 
 class ThreadedStagedTransfer(StagedTransfer):
@@ -195,12 +172,12 @@ class ThreadedStagedTransfer(StagedTransfer):
         pending = self._pending.pop(slot, None)
         if pending is not None:
             pending.result()  # the pack and the H2D issue happened (re-raises their error)
-        self.base.wait_ready(slot)
+        self.inner.wait_ready(slot)
 
     def synchronize(self) -> None:
         for slot in list(self._pending):
             self._pending.pop(slot).result()
-        self.base.synchronize()
+        self.inner.synchronize()
 
     def _shutdown(self) -> None:
         self._executor.shutdown(wait=True)

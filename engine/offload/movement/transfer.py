@@ -95,3 +95,40 @@ class Transfer(Protocol):
     def report(self) -> TransferReport: ...
 
     def probe(self) -> MovementProbe: ...
+
+
+class DelegatingTransfer:
+    """A transfer that wraps another (``inner``) and forwards every call it does not change.
+
+    The wrappers - mapped sources (``mapped``), packed decoding (``decode``) - each change one
+    or two steps of a load; subclasses override those and inherit the rest, so no wrapper
+    forwards ``release`` or ``probe`` by hand and a new step of the protocol is forwarded once.
+    """
+
+    def __init__(self, inner: Transfer) -> None:
+        self.inner = inner
+        self.device = inner.device
+
+    def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]], slot: int) -> Any:
+        return self.inner.prepare(pairs, slot)
+
+    def load(self, prepared: Any, slot: int) -> None:
+        self.inner.load(prepared, slot)
+
+    def wait_ready(self, slot: int) -> None:
+        self.inner.wait_ready(slot)
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def report(self) -> TransferReport:
+        return self.inner.report()
+
+    def probe(self) -> MovementProbe:
+        return self.inner.probe()

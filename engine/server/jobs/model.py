@@ -3,7 +3,8 @@
 ``VideoJob`` is plain data; only ``JobStore`` changes it (under its lock), so a job's status
 moves in one place. ``JobStatus`` sorts its final states last, as ``RequestStatus`` does.
 ``video_object`` renders a job as OpenAI's Videos API object (id, ``object: "video"``, status,
-progress, created_at, completed_at, expires_at, error, model, prompt, seconds, size), plus
+progress, created_at, completed_at, expires_at, error, model, prompt, seconds, size; a
+cancelled job reads ``failed`` with error code ``cancelled``), plus
 ditserve's own ``ditserve`` object (frames, fps, steps, seed, timings, bytes).
 
 Ids are ``video_`` + 32 hex digits whose first 16 are a strictly increasing number (the
@@ -44,11 +45,21 @@ class JobStatus(enum.IntEnum):
 
     @property
     def label(self) -> str:
+        """The metrics' spelling (``ditserve:video_jobs{status=...}``)."""
         return self.name.lower()
 
+    @property
+    def api_status(self) -> str:
+        """The API's spelling, one of OpenAI's ``Video.status`` values: a cancelled job is
+        ``failed`` with error code ``cancelled`` (the SDK's Video has no "cancelled")."""
+        return JobStatus.FAILED.label if self is JobStatus.CANCELLED else self.label
 
-# The labels of the states a job ends in (the API's and the metrics' spelling).
+
+# The labels of the states a job ends in (the metrics' spelling).
 FINISHED_LABELS = tuple(s.label for s in JobStatus if s.is_finished)
+# The statuses the API reports (OpenAI's), and those a job ends in.
+API_STATUSES = tuple(dict.fromkeys(s.api_status for s in JobStatus))
+API_FINISHED = tuple(dict.fromkeys(s.api_status for s in JobStatus if s.is_finished))
 
 
 _id_lock = threading.Lock()
@@ -136,7 +147,7 @@ def video_object(job: VideoJob) -> dict[str, Any]:
         "id": job.id,
         "object": OBJECT,
         "model": spec.model,
-        "status": job.status.label,
+        "status": job.status.api_status,
         "progress": job.progress,
         "created_at": int(job.created_at),
         "completed_at": int(job.completed_at) if job.completed_at is not None else None,

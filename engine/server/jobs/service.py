@@ -1,7 +1,7 @@
 """VideoJobs: a video job's way through the engine, from admission to a stored MP4.
 
 ``create`` admits the job to the store (its bounds), then to the engine exactly as an image
-request is admitted (``engine.add_request``: the same batch slots, queue bound and 429s;
+request is admitted (``engine.submit``: the same batch slots, queue bound and 429s;
 the job id is the engine's request id), and answers at once. The engine's progress events
 move the job to ``in_progress`` and its progress up; when the engine's future resolves, an
 encoding thread writes the MP4 (``engine.video.mp4_bytes``) and publishes it atomically
@@ -9,8 +9,8 @@ encoding thread writes the MP4 (``engine.video.mp4_bytes``) and publishes it ato
 with a clear error - the engine failed it (``generation_failed``), the server stopped first
 (``engine_stopped``), the encoder failed (``encoding_failed``), the disk is full
 (``storage_full``) or another write error (``storage_error``) - and frees its reservation.
-``cancel``/``delete`` abort the engine's request, which frees its batch slot at the next
-step boundary.
+``delete`` cancels an unfinished job (aborting the engine's request frees its batch slot at
+the next step boundary) and forgets it.
 
 Built by ServerState; called by routes/videos.py. Encoding runs in this class's own threads,
 never in the engine's step loop (it would leave the GPU idle) nor on the event loop.
@@ -23,6 +23,7 @@ import logging
 from functools import partial
 from typing import Any
 
+from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import DeadlineError, EngineStoppedError, RequestAborted
 from ditserve.engine.server.jobs.files import StorageError
 from ditserve.engine.server.jobs.model import VideoSpec
@@ -36,7 +37,7 @@ ENCODE_THREADS = 2  # libx264 threads internally; two jobs may encode while othe
 class VideoJobs:
     """See the module docstring."""
 
-    def __init__(self, engine: Any, store: JobStore, *, encode_threads: int = ENCODE_THREADS
+    def __init__(self, engine: EngineClient, store: JobStore, *, encode_threads: int = ENCODE_THREADS
                  ) -> None:
         self.engine = engine
         self.store = store
@@ -44,13 +45,13 @@ class VideoJobs:
             max_workers=encode_threads, thread_name_prefix="ditserve-video-encode")
 
     def create(self, spec: VideoSpec, *, request_id: str) -> dict[str, Any]:
-        """Admit a job; raises StoreFull, then whatever ``engine.add_request`` raises
+        """Admit a job; raises StoreFull, then whatever ``engine.submit`` raises
         (QueueFullError, EngineStoppedError, InvalidRequestError). Returns its object as
         admitted (queued, as OpenAI answers; the engine may have begun it already)."""
         admitted = self.store.add(spec, request_id)
         job_id = admitted["id"]
         try:
-            handle = self.engine.add_request(spec.params, request_id=job_id,
+            handle = self.engine.submit(spec.params, request_id=job_id,
                                              on_event=partial(self._on_event, job_id))
         except BaseException:
             self.store.remove_unstarted(job_id)
@@ -62,8 +63,8 @@ class VideoJobs:
         return admitted
 
     def delete(self, job_id: str) -> bool:
-        """Cancel an unfinished job (its batch slot frees at the next step) or remove a
-        finished one with its file. False: no such job."""
+        """Delete a job: an unfinished one is cancelled first (its batch slot frees at the
+        next step), a finished one goes with its file. False: no such job."""
         existed, engine_id = self.store.delete(job_id)
         if engine_id is not None:
             self.engine.abort(engine_id, "cancelled")

@@ -10,8 +10,9 @@ DELETE - it is never evicted early to make room. Room is checked at admission in
   (each reserves the raw RGB size of its frames, which bounds its H.264 file; the real size
   replaces the reservation once stored; a failed or cancelled job releases it).
 
-A job that does not fit is refused (``StoreFull``, a 429 with Retry-After: when finished jobs
-fill the store, the seconds until the first of them expires). Expiry is lazy: every store
+A job that does not fit now is refused (``StoreFull``, a 429 with Retry-After: when finished
+jobs fill the store, the seconds until the first of them expires); one that could never fit,
+even in an empty store, is refused for good (``NeverFits``, a 400). Expiry is lazy: every store
 operation first drops the jobs whose time is up and deletes their files, so an expired job
 is never served. The clock is injected (tests move it; production uses ``time.time``).
 
@@ -66,6 +67,19 @@ class StoreFull(DitServeError):
         self.retry_after_s = retry_after_s
 
 
+class NeverFits(DitServeError):
+    """A job that reserves more bytes than the whole store holds: no wait makes room."""
+
+    def __init__(self, reserved: int, max_bytes: int) -> None:
+        super().__init__(
+            f"this video reserves {reserved} bytes (frames x height x width x 3, the bound of "
+            f"its MP4 until it is encoded), more than the video store's whole {max_bytes} "
+            "bytes (--video-max-bytes): it can never fit; ask for fewer frames or a smaller "
+            "size, or raise --video-max-bytes")
+        self.reserved = reserved
+        self.max_bytes = max_bytes
+
+
 class JobObserver(Protocol):
     def on_job_finished(self, status: str, video_seconds: float) -> None: ...
 
@@ -94,7 +108,7 @@ class JobStore:
 
     # -- admission ---------------------------------------------------------------------------
     def add(self, spec: VideoSpec, request_id: str) -> dict[str, Any]:
-        """Admit a job (queued); raises StoreFull. Returns its ``video`` object."""
+        """Admit a job (queued); raises NeverFits or StoreFull. Returns its ``video`` object."""
         with self._lock:
             self._expire_locked()
             self._check_room_locked(spec)
@@ -105,6 +119,8 @@ class JobStore:
 
     def _check_room_locked(self, spec: VideoSpec) -> None:
         limits = self.limits
+        if spec.raw_bytes > limits.max_bytes:
+            raise NeverFits(spec.raw_bytes, limits.max_bytes)
         if len(self._jobs) >= limits.max_jobs:
             raise StoreFull(f"the video store holds {len(self._jobs)} jobs (max_jobs="
                             f"{limits.max_jobs}); retry when one expires or delete finished "
@@ -220,7 +236,8 @@ class JobStore:
 
     def cancel(self, job_id: str) -> str | None:
         """Cancel an unfinished job: the engine id to abort (None if it never reached the
-        engine). The job stays, cancelled, until it expires."""
+        engine). The job stays, cancelled (``failed`` with code ``cancelled`` in the API),
+        until it expires."""
         return self._cancel(job_id)[1]
 
     def _cancel(self, job_id: str) -> tuple[bool, str | None]:
@@ -237,26 +254,18 @@ class JobStore:
         return self._change(job_id, finish), engine_ids[0]
 
     def delete(self, job_id: str) -> tuple[bool, str | None]:
-        """DELETE: (whether the job existed, the engine id to abort). An unfinished job is
-        cancelled (and stays, cancelled, until it expires or is deleted again); a finished
-        one is removed with its file."""
-        for _ in range(2):  # a job that finishes between the two steps is found finished next
-            with self._lock:
-                self._expire_locked()
-                job = self._jobs.get(job_id)
-                if job is None:
-                    return False, None
-                if job.status.is_finished:
-                    del self._jobs[job_id]
-                    path = job.path
-                    break
-            cancelled, engine_id = self._cancel(job_id)
-            if cancelled:
-                return True, engine_id
-        else:
-            raise AssertionError("a job's status moves to a final state once")
-        self.files.remove(path)
-        return True, None
+        """DELETE: (whether the job existed, the engine id to abort). The job is gone at once:
+        an unfinished one is cancelled first (its followers get its final, cancelled object;
+        an MP4 still being encoded is dropped when it arrives), a finished one is removed
+        with its file."""
+        cancelled, engine_id = self._cancel(job_id)
+        with self._lock:
+            self._expire_locked()
+            job = self._jobs.pop(job_id, None)
+        if job is None:
+            return False, None
+        self.files.remove(job.path)
+        return True, engine_id if cancelled else None
 
     def subscribe(self, job_id: str, listener: Listener) -> dict[str, Any] | None:
         """Call ``listener`` with the job's object after every change; returns the current

@@ -25,7 +25,7 @@ from ditserve.engine.errors import (
     EngineStoppedError,
     RequestAborted,
 )
-from ditserve.engine.server import openapi, responses, streaming
+from ditserve.engine.server import image_openapi, openapi, responses, streaming
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, log_error, request_id_of
@@ -50,7 +50,7 @@ def _admit(state: ServerState, engine_request_id: str, params: Any, on_event: An
            ) -> Any:
     check_admitting(state)
     try:
-        return state.engine.add_request(params, request_id=engine_request_id,
+        return state.engine.submit(params, request_id=engine_request_id,
                                         on_event=on_event)
     except ADMISSION_ERRORS as e:
         raise admission_error(state, e) from e
@@ -89,14 +89,14 @@ def _silence(future: asyncio.Future[Any]) -> None:
 
 
 @router.post(
-    "/v1/images/generations", response_model=None, tags=["images"], openapi_extra=openapi.GENERATION_BODY,
+    "/v1/images/generations", response_model=None, tags=["images"], openapi_extra=image_openapi.GENERATION_BODY,
     summary="Generate images (OpenAI images API; JSON, or Server-Sent Events with stream)",
     responses=openapi.answers(
-        {**openapi.json_answer("ImagesResponse"), **openapi.sse_answer()},
+        {**openapi.json_answer("ImagesResponse"), **image_openapi.sse_answer()},
         404, 413, 429, 503, 504,
         ok_description="The images (JSON), or with `stream` an event stream: "
-                       "image_generation.queued / .progress (ditserve), .partial_image, "
-                       ".completed (OpenAI), or error"),
+                       "image_generation.partial_image, .completed (OpenAI), error, and "
+                       "ditserve.queued / ditserve.progress (JSON arrays; docs/serving.md)"),
 )
 async def create_image(request: Request) -> Response:
     state: ServerState = request.app.state.server
@@ -176,12 +176,11 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
             if event.kind == "queued":
                 if event.queue_position != last_position:  # the engine repeats it every step
                     last_position = event.queue_position
-                    yield streaming.sse(streaming.QUEUED, {
-                        "request_id": rid, "queue_position": event.queue_position,
-                        "total_steps": event.total_steps})
+                    yield streaming.progress(streaming.QUEUED, "queued",
+                                             event.queue_position, event.total_steps)
             elif event.kind == "step":
-                yield streaming.sse(streaming.PROGRESS, {
-                    "request_id": rid, "step": event.step, "total_steps": event.total_steps})
+                yield streaming.progress(streaming.PROGRESS, "step", event.step,
+                                         event.total_steps)
             elif event.kind == "paused":
                 continue  # preempted for a higher priority: it resumes on its own
             elif event.kind == "preview":

@@ -1,4 +1,7 @@
-"""GET /v1/models and GET /v1/models/{id}: the served model, in OpenAI's model format."""
+"""GET /v1/models and GET /v1/models/{id}: the served model, in OpenAI's model format, with
+ditserve's own ``ditserve`` object: what the replica makes, what a request may ask of it (the
+loaded model's limits within the server's flags: sizes, frames, steps, prompt length) and
+its defaults. The same limits are in the OpenAPI document's request schemas."""
 
 from __future__ import annotations
 
@@ -10,28 +13,52 @@ from fastapi import APIRouter, Depends, Request
 from ditserve.engine.server import openapi
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.errors import APIError, shown
+from ditserve.engine.server.state import ServerState
 
 CREATED = int(time.time())
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-def model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": CREATED, "owned_by": "ditserve"}
+def model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": CREATED,
+            "owned_by": "ditserve", "ditserve": served(state)}
+
+
+def served(state: ServerState) -> dict[str, Any]:
+    """What this replica makes and what a request may ask of it."""
+    model = state.model_limits()
+    facts = state.engine.facts()
+    images = state.limits()
+    width, height = images.default_size
+    limits: dict[str, Any] = {
+        "pixel_multiple": images.pixel_multiple, "max_width": images.max_side,
+        "max_height": images.max_side, "max_steps": images.max_steps,
+        "max_prompt_chars": images.max_prompt_chars, "positions": model.positions}
+    defaults: dict[str, Any] = {"size": f"{width}x{height}", "steps": images.default_steps,
+                                "guidance_scale": images.default_guidance}
+    if state.videos is not None:
+        video = state.video_limits()
+        limits.update(frame_step=video.frame_step, max_frames=video.max_frames,
+                      max_seconds=round(video.max_seconds, 6))
+        defaults.update(num_frames=video.default_frames, fps=video.default_fps)
+    return {"output": state.output, "loaded": facts is not None, "limits": limits,
+            "defaults": defaults, "adapters": list(facts.adapters) if facts else []}
 
 
 @router.get("/v1/models", response_model=None, summary="The served model, as a list",
             responses=openapi.answers(openapi.json_answer("ModelList")))
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(request.app.state.server.model_name)]}
+    return {"object": "list", "data": [model_card(request.app.state.server)]}
 
 
 @router.get("/v1/models/{model_id:path}", response_model=None, summary="One model by id",
             responses=openapi.answers(openapi.json_answer("Model"), 404))
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-    name = request.app.state.server.model_name
+    state: ServerState = request.app.state.server
+    name = state.model_name
     if model_id != name:
         raise APIError(404, f"model {shown(model_id)} does not exist; this server serves "
                             f"{name!r}", param="model", code="model_not_found",
                        reason="model_not_found")
-    return model_card(name)
+    return model_card(state)

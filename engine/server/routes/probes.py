@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from ditserve.engine.client import EnginePhase
 from ditserve.engine.server import openapi
 from ditserve.engine.server.phase import engine_phase, failure_summary
 from ditserve.engine.server.state import ServerState
@@ -47,22 +48,23 @@ def readiness(state: ServerState) -> dict[str, Any]:
     """The /ready body: the phase, batch occupancy and the offload path's details."""
     engine = state.engine
     phase = engine_phase(state)
-    body: dict[str, Any] = {"ready": phase == "ready", "phase": phase,
+    body: dict[str, Any] = {"ready": phase is EnginePhase.READY, "phase": phase.value,
                             "model": state.model_name, "compile": engine.config.compile}
     error = failure_summary(state)
     if error:
         body["error"] = error
-    if engine.executor is not None:
+    facts = engine.facts()
+    if facts is not None:
         stats = engine.stats()
         offload = engine.offload_report()
         body.update({
-            "device": str(getattr(engine.runner, "device", engine.config.device)),
-            "dtype": engine.config.dtype,
+            "device": facts.device,
+            "dtype": facts.dtype,
             "max_num_seqs": engine.config.scheduler.max_num_seqs,
             "max_queue": engine.config.scheduler.max_queue,
             "running": stats.running,
             "waiting": stats.waiting,
-            "pixel_multiple": engine.pixel_multiple,
+            "pixel_multiple": facts.limits.pixel_multiple,
             "offload": {"enabled": True, **offload} if offload else {"enabled": False},
         })
     return body

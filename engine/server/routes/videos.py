@@ -26,10 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ditserve.engine.server import video_openapi
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
+from ditserve.engine.server.edge import is_head
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
-from ditserve.engine.server.jobs.model import FINISHED_LABELS, JOB_ID_PATTERN, deleted_object
+from ditserve.engine.server.jobs.model import API_FINISHED, JOB_ID_PATTERN, deleted_object
 from ditserve.engine.server.jobs.service import VideoJobs
-from ditserve.engine.server.jobs.store import StoreFull
+from ditserve.engine.server.jobs.store import NeverFits, StoreFull
 from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
@@ -82,6 +83,8 @@ async def create_video(request: Request) -> JSONResponse:
     check_admitting(state)
     try:
         job = videos.create(spec, request_id=request_id_of(request))
+    except NeverFits as e:
+        raise invalid("size", str(e), code="exceeds_store") from e
     except StoreFull as e:
         raise too_many(state, str(e), e.retry_after_s, code="store_full",
                        reason="store_full") from e
@@ -174,7 +177,7 @@ async def video_content(video_id: str, request: Request) -> Response:
     job, where = found
     if where is None:
         status = job["status"]
-        ready = status not in FINISHED_LABELS
+        ready = status not in API_FINISHED
         raise APIError(409, f"video {video_id} is {status}" + (
             f" ({job['progress']}%): download it once its status is completed" if ready
             else ": it has no content"), param="video_id",
@@ -220,16 +223,20 @@ async def _read(fd: int, start: int, end: int) -> AsyncIterator[bytes]:
             summary="The job's changes as Server-Sent Events, until it finishes",
             response_class=EventStreamResponse,
             responses=video_openapi.events_answers())
-async def video_events(video_id: str, request: Request) -> StreamingResponse:
+async def video_events(video_id: str, request: Request) -> Response:
     _, videos = _videos(request)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if is_head(request):  # the stream's headers, at once: a HEAD never waits for the job
+        if videos.store.get(video_id) is None:
+            raise _not_found(video_id)
+        return Response(media_type="text/event-stream", headers=headers)
     # Job changes arrive from whichever thread made them (the engine's, a DELETE's).
     bridge = EventBridge(asyncio.get_running_loop())
     current = videos.store.subscribe(video_id, bridge.push)
     if current is None:
         raise _not_found(video_id)
     return StreamingResponse(_events(videos, video_id, bridge, current),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             media_type="text/event-stream", headers=headers)
 
 
 async def _events(videos: VideoJobs, video_id: str, bridge: EventBridge,
@@ -240,7 +247,7 @@ async def _events(videos: VideoJobs, video_id: str, bridge: EventBridge,
         job = current
         while True:
             yield sse(f"video.{job['status']}", {"video": job})
-            if job["status"] in FINISHED_LABELS:
+            if job["status"] in API_FINISHED:
                 return
             while True:
                 try:
