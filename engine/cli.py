@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from ditserve.engine.adapters.config import parse_lora_arg
 from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
@@ -60,6 +61,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.request import SamplingParams
 
+    loras = [parse_lora_arg(text) for text in args.lora or ()]
+    if loras:  # the request's adapters are served as --lora-modules
+        args.lora_modules = [*(args.lora_modules or ()), *(f"{n}={p}" for n, p, _ in loras)]
     config = engine_config_from_args(args)
     # With --compile: compile at the requested size before the request runs.
     engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(args.height, args.width)))
@@ -70,6 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
             true_cfg_scale=args.true_cfg_scale, seed=args.seed, num_images=args.num_images,
             num_frames=args.num_frames,
+            loras=engine.adapters.resolve([(n, scale) for n, _, scale in loras])
+            if engine.adapters is not None else (),
         )
         started = time.perf_counter()
         handle = engine.add_request(
@@ -208,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-frames", type=int, default=1,
                      help="video models: frames to generate (4k+1 for Wan, e.g. 81)")
     gen.add_argument("--fps", type=int, default=16, help="video models: MP4 frame rate")
+    gen.add_argument("--lora", action="append", default=None, metavar="NAME=PATH[:SCALE]",
+                     help="apply a LoRA adapter file at SCALE (default 1); repeat to stack")
     add_engine_options(gen, with_config_file=False)
     gen.set_defaults(func=cmd_generate)
 

@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.adapters.config import modules_mapping, parse_lora_module
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
     COMPRESS_MODES,
@@ -49,6 +50,9 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "dlo_compress": ("offload", "compress"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
     "sequence_parallel_size": ("parallel", "sequence_parallel_size"),
+    "max_loras": ("adapters", "max_loras"),
+    "max_lora_rank": ("adapters", "max_lora_rank"),
+    "lora_fuse": ("adapters", "fuse"),
     "step_cache": ("step_cache", "policy"),
     "step_cache_threshold": ("step_cache", "threshold"),
     "step_cache_every": ("step_cache", "every"),
@@ -122,6 +126,20 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     o.add_argument("--dlo-compress", choices=COMPRESS_MODES, default=None,
                    help="lossless: keep streamed blocks' bf16 bytes packed (0.75x, bit-exact) "
                         "in host memory and decode them on the device after each copy")
+    a = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    a.add_argument("--lora-modules", nargs="+", action="extend", default=None,
+                   metavar="NAME=PATH",
+                   help="adapters to serve: a .safetensors file (diffusers/PEFT or kohya "
+                        "keys) or a directory holding one; requests select them by name "
+                        "(model: NAME, or loras: [{name, scale}])")
+    a.add_argument("--max-loras", type=int, default=None,
+                   help="adapters resident on the device at once (default 8); others load "
+                        "on demand, the least recently used idle one is dropped")
+    a.add_argument("--max-lora-rank", type=int, default=None,
+                   help="the largest adapter rank accepted (default 256)")
+    a.add_argument("--lora-fuse", action="store_const", const=True, default=None,
+                   help="merge the one --lora-modules adapter into the weights (a replica "
+                        "serving that adapter only: no per-step cost)")
     c = parser.add_argument_group("step cache (docs/step_cache.md)")
     c.add_argument("--step-cache", choices=STEP_CACHE_POLICIES, default=None,
                    help="reuse the DiT's residual across denoising steps by default (off when "
@@ -170,6 +188,10 @@ def engine_config_from_args(
             continue
         target = merged.setdefault(section, {}) if section else merged
         target[key] = value
+    modules = getattr(args, "lora_modules", None)
+    if modules:
+        pairs = [parse_lora_module(text) for text in modules]
+        merged.setdefault("adapters", {})["lora_modules"] = modules_mapping(pairs)
     offload = getattr(args, "offload", None)
     if offload is not None:
         merged.setdefault("offload", {})["enabled"] = offload == "dlo"

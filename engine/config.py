@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from ditserve.engine.adapters.config import AdapterConfig, adapter_problems
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
 from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
@@ -180,6 +181,7 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
     step_cache: StepCacheConfig = field(default_factory=StepCacheConfig)
 
     @classmethod
@@ -201,7 +203,7 @@ class EngineConfig:
 
 
 _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,
-           "step_cache": StepCacheConfig}
+           "adapters": AdapterConfig, "step_cache": StepCacheConfig}
 # Options that were removed, with what replaces them: a config file that still sets one is
 # told how to update it rather than only that the key is unknown.
 _REMOVED = {
@@ -287,6 +289,11 @@ def problems(config: EngineConfig) -> list[str]:
     number_at_least(out, "scheduler.aging_s", sch.aging_s, 0.001)
     int_at_least(out, "scheduler.max_preemptions", sch.max_preemptions, 0)
 
+    out.extend(adapter_problems(config.adapters))
+    if config.adapters.lora_modules and config.compile is not None and not config.adapters.fuse:
+        out.append("adapters are applied by hooks around the DiT's linear layers, which "
+                   "--compile does not trace; drop --compile, or serve one adapter fused "
+                   "(--lora-fuse)")
     out.extend(step_cache_problems(config.step_cache, parallel=par))
     off = config.offload
     out.extend(offload_problems(off, parallel=par))

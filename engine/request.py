@@ -19,6 +19,8 @@ MAX_IMAGES = 8
 MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_FRAMES = 1025
+MAX_LORAS_PER_REQUEST = 8
+MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 
@@ -98,13 +100,33 @@ class BatchKey:
     Only the token grid (height, width, frames) does. Everything else is per row: each row
     carries its own timestep and guidance value, true CFG just adds rows for the negative
     prompt, and several images per request are several rows. Keeping the key this small is
-    what lets requests with different step counts, guidance and CFG share a batch. (A LoRA
-    adapter, when one is served, changes the weights and so belongs here.)
+    what lets requests with different step counts, guidance and CFG share a batch. LoRA
+    adapters are per row too (each row's low-rank delta is added to the shared base linear,
+    ``engine.adapters``), so requests with different adapters share a forward.
     """
 
     height: int
     width: int
     num_frames: int = 1
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """One LoRA adapter a request applies, resolved by the engine's catalog
+    (``engine.adapters.catalog``) from the name the client gave: the file it was loaded from,
+    the catalog's load generation (a re-load under the same name is another adapter), its
+    largest rank (for the work rule) and the request's scale."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+    rank: int = 0
+    version: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Identity of the loaded weights (name and load generation), not of the scale."""
+        return (self.name, self.version)
 
 
 @dataclass(frozen=True)
@@ -121,6 +143,8 @@ class SamplingParams:
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
         ``preview_steps``); they travel as "preview" events, never change the result.
+    loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
+        their deltas add up, as diffusers' ``set_adapters`` with several names).
     step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
         server's default. Per row, so it is not part of the batch key.
     priority: the scheduling class, lower is sooner (as vLLM's ``priority``); only the
@@ -140,6 +164,7 @@ class SamplingParams:
     num_images: int = 1
     num_frames: int = 1
     partial_images: int = 0
+    loras: tuple[LoraRef, ...] = ()
     step_cache: StepCacheSpec | None = None
     priority: int = 0
     deadline_s: float | None = None
@@ -164,6 +189,21 @@ class SamplingParams:
             raise InvalidRequestError(
                 "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
                 f"(try {lower} or {lower + frame_step})")
+
+    def _validate_loras(self) -> None:
+        if len(self.loras) > MAX_LORAS_PER_REQUEST:
+            raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
+                                      f"request, got {len(self.loras)}")
+        names = [ref.name for ref in self.loras]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("loras", f"an adapter is named twice: {names}")
+        for ref in self.loras:
+            scale = ref.scale
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
+                    or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+                raise InvalidRequestError("loras", f"adapter {ref.name!r}: scale must be a "
+                                          f"number in [-{MAX_LORA_SCALE:g}, "
+                                          f"{MAX_LORA_SCALE:g}], got {scale!r}")
 
     def _validate_scheduling(self) -> None:
         p = self.priority
@@ -266,6 +306,7 @@ class SamplingParams:
                 raise InvalidRequestError("step_cache", "must be a StepCacheSpec")
             self.step_cache.validate()
         self._validate_scheduling()
+        self._validate_loras()
         for name in ("guidance_scale", "true_cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):

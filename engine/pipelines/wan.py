@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ditserve.engine.adapters import rows as adapter_rows
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import WAN
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
@@ -178,7 +179,7 @@ class WanStepPipeline:
         out: torch.Tensor | None = None
         for expert in sorted(set(experts)):
             slices = [sl for sl, e in zip(batch.row_slices, experts, strict=True) if e == expert]
-            with forward_rows(slices):  # the step cache maps this forward's rows by them
+            with forward_rows(slices), adapter_rows.narrowed(slices):  # step cache, LoRA rows
                 rows = self._forward(
                     expert,
                     torch.cat([batch.hidden_states[sl] for sl in slices]),

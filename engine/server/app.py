@@ -25,7 +25,7 @@ from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, Requ
 from ditserve.engine.server.errors import install_handlers
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.openapi import build_openapi
-from ditserve.engine.server.routes import images, models, probes, videos
+from ditserve.engine.server.routes import adapters, images, models, probes, videos
 from ditserve.engine.server.state import ServerState
 
 
@@ -60,7 +60,7 @@ def create_app(
     app.state.server = state
     count = state.metrics.count_error
     install_handlers(app, count)
-    for group in (images, models, probes, videos):
+    for group in (images, models, probes, videos, adapters):
         app.include_router(group.router)
 
     # Added innermost first: RequestId -> CORS -> Guard -> routes (see edge.py).

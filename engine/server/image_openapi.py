@@ -14,6 +14,7 @@ from typing import Any
 from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
 from ditserve.engine.server import step_cache_field, streaming
 from ditserve.engine.server.openapi import (
+    LORAS_SCHEMA,
     NOT_ONLY_SPACES,
     error_schema,
     nullable,
@@ -46,7 +47,9 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
 
     properties: dict[str, Any] = {
         "prompt": prompt,
-        "model": nullable({"const": limits.model_name}),
+        "model": nullable({"const": limits.model_name, "description": "the served model; "
+                           "a LoRA adapter's name from GET /v1/models also selects it (at "
+                           "scale 1) on top of the base model"}),
         "n": integer(1, MAX_IMAGES, "images to generate (default 1)"),
         "size": nullable({"type": "string", "pattern": size_pattern(limits),
                            "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple}"
@@ -69,6 +72,7 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
         "true_cfg_scale": number("classifier-free guidance with negative_prompt; > 1 needs "
                                  "a non-empty negative_prompt (default 1: off)"),
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),
+        "loras": nullable(LORAS_SCHEMA),
         **scheduling_fields(nullable),
         "step_cache": nullable(step_cache_field.openapi_schema(limits.step_cache_policies)),
     }

@@ -96,6 +96,17 @@ class _EngineStateCollector(Collector):
         yield GaugeMetricFamily("ditserve:engine_ready",
                                 "1 when the model is loaded, warmed up and admitting.",
                                 value=ready)
+        lora = engine.adapter_stats() if engine is not None else {}
+        yield GaugeMetricFamily("ditserve:lora_adapters_loaded",
+                                "LoRA adapters loaded (selectable by name).",
+                                value=lora.get("loaded", 0))
+        yield GaugeMetricFamily("ditserve:lora_adapters_resident",
+                                "LoRA adapters resident on the device (rank 0; at most "
+                                "--max-loras beyond those of running requests).",
+                                value=lora.get("resident", 0))
+        yield GaugeMetricFamily("ditserve:lora_resident_bytes",
+                                "Device bytes of the resident LoRA adapters' factors (rank 0).",
+                                value=float(lora.get("bytes", 0)))
         skipped_blocks = skipped_bytes = 0
         if engine is not None:
             skipped_blocks = stats.step_cache_skipped_blocks

@@ -15,7 +15,12 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from ditserve.engine.request import MAX_DEADLINE_S, MAX_PRIORITY
+from ditserve.engine.request import (
+    MAX_DEADLINE_S,
+    MAX_LORA_SCALE,
+    MAX_LORAS_PER_REQUEST,
+    MAX_PRIORITY,
+)
 from ditserve.engine.server.edge import REQUEST_ID_HEADER
 
 ERROR_DESCRIPTIONS = {
@@ -111,6 +116,17 @@ def scheduling_fields(wrap: Any) -> dict[str, Any]:
                                            "or stopped (deadline_exceeded) when the "
                                            "scheduler's estimate cannot make it"}),
     }
+
+
+LORAS_SCHEMA: dict[str, Any] = {
+    "type": "array", "maxItems": MAX_LORAS_PER_REQUEST,
+    "description": "LoRA adapters to apply, stacked (their deltas add up): names from GET "
+                   "/v1/models; an unknown name is a 404 (adapter_not_found)",
+    "items": {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string"},
+                             "scale": {"type": ["number", "null"], "minimum": -MAX_LORA_SCALE,
+                                       "maximum": MAX_LORA_SCALE,
+                                       "description": "default 1"}}}}
 
 
 def error_schema() -> dict[str, Any]:

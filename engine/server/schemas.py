@@ -29,6 +29,7 @@ from pydantic import ValidationError as PydanticValidationError
 from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, SamplingParams
+from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
 from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.model_defaults import ModelDefaults
@@ -79,6 +80,7 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: Number | None = None
     true_cfg_scale: Number | None = None
     seed: Integer | None = None
+    loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
     step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
@@ -230,10 +232,8 @@ def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: Reques
     except PydanticValidationError as e:
         raise pydantic_error(e) from e
     check_text_fields(body)
-    if body.model is not None and body.model != limits.model_name:
-        raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves "
-                            f"{limits.model_name!r} (see GET /v1/models)", param="model",
-                       code="model_not_found", reason="model_not_found")
+    loras = resolve_adapters(body.model, body.loras, engine=engine,
+                             model_name=limits.model_name)
     _check_ranges(body)
     width, height = _size(body, limits)
     params = SamplingParams(
@@ -245,6 +245,7 @@ def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: Reques
         seed=body.seed, num_images=1 if body.n is None else body.n,
         # Previews are decoded only for a stream that can carry them.
         partial_images=(body.partial_images or 0) if body.stream else 0,
+        loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
         step_cache=parse_field(body.step_cache),
     )

@@ -14,6 +14,7 @@ from ditserve.engine.server import step_cache_field
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.jobs.model import API_STATUSES
 from ditserve.engine.server.openapi import (
+    LORAS_SCHEMA,
     NOT_ONLY_SPACES,
     answers,
     headers,
@@ -29,6 +30,7 @@ STATUSES = list(API_STATUSES)
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]
 NOT_FOUND = {404: "No video with this id (never made, deleted, expired, or made before the "
                   "server restarted)"}
+
 
 CREATE_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": ref("VideoCreateRequest")},
@@ -76,6 +78,9 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                                           f"negative_prompt (default {limits.default_guidance})"},
         "negative_prompt": text,
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the job"),
+        # In a form the list travels as JSON text.
+        "loras": {"type": "string", "description": "LoRA adapters as JSON text: "
+                  '[{"name": ..., "scale": ...}]'} if form else LORAS_SCHEMA,
         **scheduling_fields(lambda schema: schema),
         "step_cache": ({**step_cache_field.form_schema(limits.step_cache_policies),
                         "description": step_cache_field.DESCRIPTION}

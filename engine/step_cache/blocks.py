@@ -11,8 +11,8 @@ shape groups' hooks still run around every block call. A DiT's first listed bloc
   ``every``/``teacache`` skip the head too;
 - the blocks after the head run only the rows that compute: the streams are narrowed to those
   rows once at the head (``index_select``), the per-row inputs (timestep embedding, text mask)
-  at each block; a block no row computes is not called at all, and offload is told (``needs``)
-  not to copy it;
+  at each block (and LoRA's row segments with them); a block no row computes is not called
+  at all, and offload is told (``needs``) not to copy it;
 - at the tail the full rows come back: computed rows as computed (each request stores its new
   residual, tail output minus the hidden states where its cached range starts), reusing rows
   as that start plus their cached residual. When every row computes, nothing is narrowed or
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditserve.engine.adapters import rows as adapter_rows
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.step_cache import decide
 from ditserve.engine.step_cache.rows import Member, arg, members, narrow, row_index
@@ -78,6 +79,7 @@ class _Pass:
     computing: int
     start: torch.Tensor  # (rows, ...) hidden states where each row's cached range starts
     head_out: dict[str, torch.Tensor]
+    slices: list[slice]  # the computing rows, in order (LoRA's row segments follow them)
 
 
 @dataclass
@@ -171,7 +173,8 @@ class StepCacheBlocks:
             else:
                 assert p.compute is not None
                 n_args, n_kwargs = narrow(args, kwargs, p.rows, p.compute)
-                out = inner(*n_args, **n_kwargs)
+                with adapter_rows.narrowed(p.slices):  # the LoRA rows computing here
+                    out = inner(*n_args, **n_kwargs)
             if role.index == role.count - 1:
                 lane.passes.pop(role.dit)
                 out = self._tail(role, p, out)
@@ -211,7 +214,8 @@ class StepCacheBlocks:
         else:
             index = row_index(head_rows, hidden.device)
             n_args, n_kwargs = narrow(args, kwargs, rows, index)
-            part = self._streams(inner(*n_args, **n_kwargs))
+            with adapter_rows.narrowed([m.rows for m in head_rows]):
+                part = self._streams(inner(*n_args, **n_kwargs))
             full = {name: arg(role.params, args, kwargs, name).clone() for name in self.outputs}
             for name, tensor in full.items():
                 tensor.index_copy_(0, index, part[name])
@@ -238,7 +242,8 @@ class StepCacheBlocks:
         self._count(role, found, computing)
         n = sum(m.rows.stop - m.rows.start for m in computing)
         compute = None if n == rows else row_index(computing, hidden_out.device)
-        lane.passes[role.dit] = _Pass(found, rows, compute, n, start, streams)
+        lane.passes[role.dit] = _Pass(found, rows, compute, n, start, streams,
+                                      [m.rows for m in computing])
         if compute is None:
             return self._pack(streams)
         return self._pack({k: v.index_select(0, compute) for k, v in streams.items()})

@@ -11,13 +11,18 @@ step needs, and reports what a step skipped into its ``RunnerOutput``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.step_cache.blocks import StepCacheBlocks
-from ditserve.engine.step_cache.policies import TeaCacheRule, request_cache, teacache_rule
+from ditserve.engine.step_cache.policies import (
+    RequestCache,
+    TeaCacheRule,
+    request_cache,
+    teacache_rule,
+)
 from ditserve.engine.step_cache.spec import OFF, POLICIES, StepCacheSpec
 
 if TYPE_CHECKING:
@@ -37,6 +42,7 @@ class StepCache:
         self._refusal = SEQUENCE_PARALLEL_REFUSAL if sequence_parallel else None
         self._rule = teacache_rule(pipeline.family.name, pipeline.transformer)
         self._offload = offload
+        self._live: dict[str, RequestCache] = {}  # request id -> its cache, while it runs
         self.blocks: StepCacheBlocks | None = None
         if default is not None:
             try:
@@ -79,12 +85,18 @@ class StepCache:
         """Give an admitted request its own cache (None when it can never reuse)."""
         spec = self.resolve(state.params.step_cache)
         state.step_cache = None if self.blocks is None else request_cache(spec, self._rule)
+        if state.step_cache is not None:
+            self._live[state.request_id] = state.step_cache
 
-    @staticmethod
-    def stepped(state: DenoiseState) -> None:
+    def stepped(self, state: DenoiseState) -> None:
         """After a request's step: its residuals go once its last step is done."""
         if state.step_index >= state.params.num_inference_steps:
             state.step_cache = None
+            self.forget(state.request_id)
+
+    def forget(self, request_id: str) -> None:
+        """A request left (finished, failed, aborted): drop its cache."""
+        self._live.pop(request_id, None)
 
     def scope(self, inputs: InputBatch) -> contextlib.AbstractContextManager[None]:
         """Around one shape group's forward (in its own lane under block-major offload)."""
@@ -106,7 +118,7 @@ class StepCache:
         if self._offload is not None:
             out.step_cache_skipped_bytes += self._offload.skipped_bytes - before
 
-    @staticmethod
-    def resident_bytes(states: Sequence[DenoiseState]) -> int:
-        """Device bytes the running requests' caches hold (residuals, policy memory)."""
-        return sum(s.step_cache.nbytes for s in states if s.step_cache is not None)
+    def resident_bytes(self) -> int:
+        """Device bytes the running requests' caches hold (residuals, policy memory); 0 once
+        they ended."""
+        return sum(cache.nbytes for cache in self._live.values())

@@ -169,9 +169,9 @@ def test_residuals_are_per_request_and_freed_when_it_ends(family_dir) -> None:  
             out = runner.execute(plan, new)
             new = []
             scheduler.update(plan, out)
-            plan_steps.append(runner.step_cache_bytes())
+            plan_steps.append(runner.step_cache.resident_bytes())
         assert max(plan_steps) > 0  # two requests' residuals while they run
-        assert runner.step_cache_bytes() == 0  # and none once they ended
+        assert runner.step_cache.resident_bytes() == 0  # and none once they ended
     finally:
         runner.close()
 
