@@ -23,6 +23,7 @@ from ditserve.engine.config import (
 )
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
+from ditserve.engine.weights.checkpoint_dtype import AUTO_DTYPE, checkpoint_dtype
 
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
 _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
@@ -66,7 +67,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                        help="YAML file with engine options; command-line flags override it")
     g.add_argument("--model", default=None,
                    help="local diffusers pipeline directory (default: the embedded tiny model)")
-    g.add_argument("--dtype", choices=DTYPES, default=None, help="runtime dtype (default float32)")
+    g.add_argument("--dtype", choices=(AUTO_DTYPE, *DTYPES), default=None,
+                   help="runtime dtype (default auto: the dtype the DiT's weights are stored "
+                        "in, bfloat16 for a bf16 release; as `cachectl build` defaults)")
     g.add_argument("--device", default=None, help="auto (default), cpu, cuda or cuda:N")
     g.add_argument("--compile", nargs="?", const="inductor", default=None,
                    choices=COMPILE_BACKENDS, metavar="BACKEND",
@@ -195,6 +198,10 @@ def engine_config_from_args(
     offload = getattr(args, "offload", None)
     if offload is not None:
         merged.setdefault("offload", {})["enabled"] = offload == "dlo"
+    if merged.get("dtype", AUTO_DTYPE) == AUTO_DTYPE:
+        # Serve in the dtype the checkpoint is stored in (what `cachectl build` defaults to).
+        model = merged.get("model")
+        merged["dtype"] = checkpoint_dtype(model if isinstance(model, str) else None)
     return EngineConfig.from_mapping(merged)
 
 

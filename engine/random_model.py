@@ -51,8 +51,8 @@ FLUX_TRANSFORMER: dict[str, dict[str, Any]] = {
                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                  pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
 }
-# T5 context length per size: real Flux-dev pads prompts to 512 tokens.
-T5_TOKENS = {"full": 512, "small": 512, "tiny": 64}
+# T5 context length per size: real Flux-dev pads prompts to 512 tokens, and so do its tests.
+T5_TOKENS = {"full": 512, "small": 512, "tiny": 512}  # as the released tokenizer
 
 
 def _resolve_device(name: str) -> Any:
@@ -156,6 +156,14 @@ def init_random(
 
 
 def _build(family: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    from ditserve.engine import conditioned_builders
+
+    if family == "flux-kontext":
+        flux = _build("flux", size, dtype=dtype, device=device, seed=seed)
+        return conditioned_builders.kontext_from_flux(flux, tiny=size == "tiny")
+    if family in conditioned_builders.VARIANTS:
+        return conditioned_builders.build_pipeline(family, size, dtype=dtype, device=device,
+                                                   seed=seed)
     if family != "flux":
         from ditserve.engine.model_builders import build_pipeline
 

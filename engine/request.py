@@ -19,6 +19,27 @@ MAX_IMAGES = 8
 MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_FRAMES = 1025
+MAX_CONDITION_IMAGES = 4  # images one request may condition on (Qwen-Image-Edit Plus: 3)
+
+
+@dataclass(frozen=True, repr=False)
+class ConditionImage:
+    """A conditioning image (an edit's source, a video's first frame): decoded 8-bit RGB,
+    row-major, ``width * height * 3`` bytes, EXIF orientation already applied. Checked and
+    decoded at the edge (``engine.server.uploads``, the CLI); pipelines resize it as their
+    diffusers pipeline does."""
+
+    width: int
+    height: int
+    rgb: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.rgb) != self.width * self.height * 3:
+            raise InvalidRequestError("image", f"{len(self.rgb)} bytes is not a {self.width}x"
+                                      f"{self.height} RGB image")
+
+    def __repr__(self) -> str:  # never print the pixels into a log
+        return f"ConditionImage({self.width}x{self.height})"
 MAX_LORAS_PER_REQUEST = 8
 MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
@@ -37,6 +58,9 @@ class ModelLimits:
     max_frames: 1 for an image model; a video model's longest clip its positional table
         covers (Wan: ``rope_max_seq_len`` latent frames), capped at MAX_FRAMES.
     positions: entries per axis of the model's positional table; None when it has none.
+    condition_images: (fewest, most) input images a request brings (edits, image-to-video);
+        (0, 0) for a text-only model.
+    max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
     """
 
     pixel_multiple: int = 16
@@ -45,11 +69,14 @@ class ModelLimits:
     max_frames: int = 1
     max_prompt_chars: int | None = None
     positions: int | None = None
+    condition_images: tuple[int, int] = (0, 0)
+    max_text_tokens: int | None = None
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,
                  frame_step: int | None = None, frames_per_position: int = 1,
-                 max_prompt_chars: int | None = None) -> ModelLimits:
+                 max_prompt_chars: int | None = None,
+                 max_text_tokens: int | None = None) -> ModelLimits:
         """Limits of a model whose positional table holds ``positions`` entries per axis:
         ``tokens_per_position`` latent patches per entry on the spatial axes, and (video)
         ``frames_per_position`` latent frames per entry on the time axis."""
@@ -65,7 +92,8 @@ class ModelLimits:
             frames = min(frames, MAX_FRAMES)
             frames -= (frames - 1) % frame_step
         return cls(pixel_multiple=pixel_multiple, max_side=side, frame_step=frame_step,
-                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions)
+                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions,
+                   max_text_tokens=max_text_tokens)
 
 
 class RequestStatus(enum.IntEnum):
@@ -108,6 +136,12 @@ class BatchKey:
     height: int
     width: int
     num_frames: int = 1
+    # The conditioning images' sizes: their latents join every row's tokens, so requests
+    # with other images (or none) run other token counts.
+    condition: tuple[tuple[int, int], ...] = ()
+    # The text length of a request that names one: prompts of another length would be padded
+    # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
+    max_sequence_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,11 +172,16 @@ class SamplingParams:
         diffusers' WanPipeline does: classifier-free guidance whenever it is > 1, against
         ``negative_prompt`` (or the empty prompt).
     true_cfg_scale: classifier-free guidance with ``negative_prompt``; active when > 1 and a
-        negative prompt is given (as in diffusers' FluxPipeline and QwenImagePipeline).
+        negative prompt is given, the empty string included (as in diffusers' FluxPipeline and
+        QwenImagePipeline; without one it is off, as there).
+    max_sequence_length: text tokens per prompt; None is the pipeline's own default (512 for
+        Flux, Wan and Qwen-Image, as diffusers).
     num_frames: 1 for images; a video family's frame count (``frame_step * k + 1``).
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
         ``preview_steps``); they travel as "preview" events, never change the result.
+    images: conditioning images (an edit's sources, an image-to-video first frame); empty for
+        text-only generation. How many a model takes is its pipeline's ``condition_images``.
     loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
         their deltas add up, as diffusers' ``set_adapters`` with several names).
     step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
@@ -164,6 +203,8 @@ class SamplingParams:
     num_images: int = 1
     num_frames: int = 1
     partial_images: int = 0
+    images: tuple[ConditionImage, ...] = ()
+    max_sequence_length: int | None = None
     loras: tuple[LoraRef, ...] = ()
     step_cache: StepCacheSpec | None = None
     priority: int = 0
@@ -171,7 +212,7 @@ class SamplingParams:
 
     @property
     def uses_true_cfg(self) -> bool:
-        return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
+        return self.true_cfg_scale > 1.0 and self.negative_prompt is not None
 
     def _validate_frames(self, frame_step: int | None, max_frames: int) -> None:
         frames = self.num_frames
@@ -190,6 +231,20 @@ class SamplingParams:
                 "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
                 f"(try {lower} or {lower + frame_step})")
 
+    def _validate_images(self, accepted: tuple[int, int]) -> None:
+        fewest, most = accepted
+        count = len(self.images)
+        if not all(isinstance(i, ConditionImage) for i in self.images):
+            raise InvalidRequestError("image", "conditioning images must be decoded RGB images")
+        if most == 0 and count:
+            raise InvalidRequestError("image", "this model generates from text only; it takes no "
+                                      "input image (serve an edit or image-to-video model)")
+        if count < fewest:
+            raise InvalidRequestError("image", f"this model needs {fewest} input image"
+                                      f"{'s' if fewest > 1 else ''}, got {count}")
+        if count > most:
+            raise InvalidRequestError("image", f"this model takes at most {most} input image"
+                                      f"{'s' if most > 1 else ''}, got {count}")
     def _validate_loras(self) -> None:
         if len(self.loras) > MAX_LORAS_PER_REQUEST:
             raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
@@ -221,7 +276,9 @@ class SamplingParams:
                 f"{d!r}")
 
     def batch_key(self) -> BatchKey:
-        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames)
+        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames,
+                        condition=tuple((i.width, i.height) for i in self.images),
+                        max_sequence_length=self.max_sequence_length)
 
     @property
     def rows(self) -> int:
@@ -243,7 +300,9 @@ class SamplingParams:
         return self.validate(pixel_multiple=limits.pixel_multiple,
                              max_prompt_chars=limits.max_prompt_chars,
                              frame_step=limits.frame_step, max_side=limits.max_side,
-                             max_frames=limits.max_frames)
+                             max_frames=limits.max_frames,
+                             condition_images=limits.condition_images,
+                             max_text_tokens=limits.max_text_tokens)
 
     def validate(
         self,
@@ -253,6 +312,8 @@ class SamplingParams:
         requires_prompt: bool = True,
         max_images: int = MAX_IMAGES,
         frame_step: int | None = None,
+        condition_images: tuple[int, int] = (0, 0),
+        max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
     ) -> SamplingParams:
@@ -260,8 +321,11 @@ class SamplingParams:
 
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
         frame_step: None for an image model; a video model's temporal VAE factor.
+        condition_images: (fewest, most) conditioning images the model takes.
+        max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
         """
+        self._validate_images(condition_images)
         if not isinstance(self.prompt, str):
             raise InvalidRequestError("prompt", "must be a string")
         if requires_prompt and not self.prompt.strip():
@@ -313,10 +377,14 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"must be a number, got {value!r}")
             if not 0.0 <= value <= 100.0 or value != value:
                 raise InvalidRequestError(name, f"must be in [0, 100], got {value}")
-        if self.true_cfg_scale > 1.0 and not self.negative_prompt:
+        length = self.max_sequence_length
+        if length is not None and (
+            not isinstance(length, int) or isinstance(length, bool) or length < 1
+            or (max_text_tokens is not None and length > max_text_tokens)
+        ):
             raise InvalidRequestError(
-                "true_cfg_scale", "> 1 needs a negative_prompt (true CFG contrasts the two)"
-            )
+                "max_sequence_length", f"must be an integer in [1, {max_text_tokens or 'inf'}] "
+                f"for this model, got {length!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
             or not 0 <= self.seed < 2**63

@@ -15,8 +15,9 @@ import string
 from pathlib import Path
 
 TINY_SEED = 0
-# Small T5 context: the tiny tokenizer is character level, so 64 characters of prompt.
-TINY_MAX_SEQUENCE_LENGTH = 64
+# The released Flux.1 T5 tokenizer's model_max_length (and FluxPipeline's default
+# max_sequence_length): a tiny model encodes prompts as a default diffusers call does.
+TINY_MAX_SEQUENCE_LENGTH = 512
 _COMPLETE_MARKER = ".ditserve-tiny-complete"
 
 
@@ -97,9 +98,17 @@ TINY_TRANSFORMER = dict(
 
 
 def _build_tiny(family: str, seed: int):  # type: ignore[no-untyped-def]
-    if family == "flux":
-        return _build_pipeline(transformer_kwargs=TINY_TRANSFORMER, seed=seed)
+    from ditserve.engine import conditioned_builders
+
+    if family in ("flux", "flux-kontext"):
+        flux = _build_pipeline(transformer_kwargs=TINY_TRANSFORMER, seed=seed)
+        return flux if family == "flux" else conditioned_builders.kontext_from_flux(flux,
+                                                                                    tiny=True)
     import torch
+
+    if family in conditioned_builders.VARIANTS:
+        return conditioned_builders.build_pipeline(family, "tiny", dtype=torch.float32,
+                                                   device="cpu", seed=seed)
 
     from ditserve.engine.model_builders import build_pipeline
 

@@ -192,6 +192,11 @@ class DiffusionEngine:
         """The step-cache policies the served model takes (all of them before loading)."""
         return self.runner.step_cache.policies if self.runner else STEP_CACHE_POLICIES
 
+    @property
+    def condition_images(self) -> tuple[int, int]:
+        """(fewest, most) conditioning images a request may bring; (0, 0): text only."""
+        return self.limits.condition_images
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self._pending.stats()

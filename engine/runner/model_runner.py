@@ -19,6 +19,7 @@ other ranks do not join).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -171,8 +172,9 @@ class ModelRunner:
 
     @property
     def limits(self) -> ModelLimits:
-        """What the loaded model can run (its pipeline's ``limits``)."""
-        return self.pipeline.limits()
+        """What the loaded model can run (its pipeline's ``limits``, with the input images
+        an image-conditioned pipeline takes)."""
+        return dataclasses.replace(self.pipeline.limits(), condition_images=self.condition_images)
 
     @property
     def pixel_multiple(self) -> int:
@@ -186,6 +188,12 @@ class ModelRunner:
     def frame_step(self) -> int | None:
         """None for an image model; for video, ``num_frames - 1`` must divide by it."""
         return self.pipeline.frame_step
+
+    @property
+    def condition_images(self) -> tuple[int, int]:
+        """(fewest, most) conditioning images; families without any declare nothing."""
+        accepted: tuple[int, int] = getattr(self.pipeline, "condition_images", (0, 0))
+        return accepted
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None
@@ -240,6 +248,7 @@ class ModelRunner:
                 out.failed[new.request_id] = str(e)
         for rid in plan.freed:
             self.drop(rid)
+        self._encode_conditions(plan.encode)
         for rid in plan.encode:
             if rid not in out.failed:
                 self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
@@ -278,6 +287,19 @@ class ModelRunner:
                 out.forward_groups, out.forward_tokens = step.groups, step.tokens
                 out.forward_seconds = step.seconds
         return out
+
+    def _encode_conditions(self, rids: Sequence[str]) -> None:
+        """Image-conditioned families encode the admitted requests' images in one batch
+        (``encode_conditions``); on failure each request's own ``prepare_encode`` encodes
+        (and fails) alone, so one bad image never fails its neighbours."""
+        encode = getattr(self.pipeline, "encode_conditions", None)
+        states = [self._states[rid] for rid in rids if rid in self._states]
+        if encode is None or len(states) < 2:
+            return
+        try:
+            encode(states)
+        except Exception:
+            log.warning("batched conditioning encode failed; encoding per request", exc_info=True)
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""

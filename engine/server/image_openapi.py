@@ -69,9 +69,12 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
                                        f"denoise steps (default {limits.default_steps})"),
         "guidance_scale": number(f"distilled guidance of Flux-dev (default "
                                  f"{limits.default_guidance:g})"),
-        "true_cfg_scale": number("classifier-free guidance with negative_prompt; > 1 needs "
-                                 "a non-empty negative_prompt (default 1: off)"),
+        "true_cfg_scale": number("classifier-free guidance against negative_prompt (the "
+                                 "empty one too) when > 1; off without a negative_prompt "
+                                 f"(default {limits.default_true_cfg:g}, the pipeline's)"),
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),
+        "max_sequence_length": integer(1, limits.max_text_tokens, "text tokens per prompt "
+                                       "(default: the pipeline's own, 512 as in diffusers)"),
         "loras": nullable(LORAS_SCHEMA),
         **scheduling_fields(nullable),
         "step_cache": nullable(step_cache_field.openapi_schema(limits.step_cache_policies)),
@@ -82,10 +85,6 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
     return {
         "type": "object", "title": "ImageGenerationRequest", "required": ["prompt"],
         "properties": properties, "additionalProperties": False,
-        "if": {"required": ["true_cfg_scale"],
-               "properties": {"true_cfg_scale": {"type": "number", "exclusiveMinimum": 1}}},
-        "then": {"required": ["negative_prompt"],
-                 "properties": {"negative_prompt": {"type": "string", "minLength": 1}}},
     }
 
 

@@ -80,6 +80,7 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: Number | None = None
     true_cfg_scale: Number | None = None
     seed: Integer | None = None
+    max_sequence_length: Integer | None = None
     loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
@@ -101,6 +102,8 @@ class RequestLimits:
     max_side: int = MAX_SIDE
     max_steps: int = MAX_STEPS
     default_guidance: float = ModelDefaults.guidance  # the model's (server.model_defaults)
+    default_true_cfg: float = ModelDefaults.true_cfg  # the model's (server.model_defaults)
+    max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
     step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
 
 
@@ -241,7 +244,9 @@ def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: Reques
         num_inference_steps=_steps(body, limits),
         guidance_scale=(limits.default_guidance if body.guidance_scale is None
                         else body.guidance_scale),
-        true_cfg_scale=1.0 if body.true_cfg_scale is None else body.true_cfg_scale,
+        true_cfg_scale=(limits.default_true_cfg if body.true_cfg_scale is None
+                        else body.true_cfg_scale),
+        max_sequence_length=body.max_sequence_length,
         seed=body.seed, num_images=1 if body.n is None else body.n,
         # Previews are decoded only for a stream that can carry them.
         partial_images=(body.partial_images or 0) if body.stream else 0,

@@ -78,6 +78,8 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                                           f"negative_prompt (default {limits.default_guidance})"},
         "negative_prompt": text,
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the job"),
+        "max_sequence_length": integer(1, limits.max_text_tokens, "text tokens per prompt "
+                                       "(default: the pipeline's own, 512 as in diffusers)"),
         # In a form the list travels as JSON text.
         "loras": {"type": "string", "description": "LoRA adapters as JSON text: "
                   '[{"name": ..., "scale": ...}]'} if form else LORAS_SCHEMA,
