@@ -60,8 +60,10 @@ def create_app(
     app.state.server = state
     count = state.metrics.count_error
     install_handlers(app, count)
-    for group in (images, edits, models, probes, videos, adapters):
+    for group in (images, edits, models, probes, videos):
         app.include_router(group.router)
+    if adapters.runtime_updates_allowed():  # reads host files: only when the operator opts in
+        app.include_router(adapters.router)
 
     # Added innermost first: RequestId -> CORS -> Guard -> routes (see edge.py).
     app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, count=count,
