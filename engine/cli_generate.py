@@ -132,6 +132,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             paths = _save_images(result.images, out)
         print(f"saved {', '.join(map(str, paths))} (seed {result.seed}, "
               f"{params.num_inference_steps} steps, {time.perf_counter() - started:.2f}s)")
+        stats = engine.stats()
+        if stats.step_cache_block_runs:
+            print(f"step cache: skipped {stats.step_cache_skipped_blocks} of "
+                  f"{stats.step_cache_block_runs} block computations "
+                  f"({stats.step_cache_skipped_fraction:.0%}), "
+                  f"{stats.step_cache_skipped_bytes / 2**30:.2f} GiB of streamed weights "
+                  f"not copied ({stats.step_cache_skipped_bytes} bytes)")
     finally:
         engine.shutdown()
     return 0

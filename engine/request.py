@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.step_cache.spec import StepCacheSpec
 
 MAX_STEPS = 1000
 MAX_IMAGES = 8
@@ -183,6 +184,8 @@ class SamplingParams:
         text-only generation. How many a model takes is its pipeline's ``condition_images``.
     loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
         their deltas add up, as diffusers' ``set_adapters`` with several names).
+    step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
+        server's default. Per row, so it is not part of the batch key.
     priority: the scheduling class, lower is sooner (as vLLM's ``priority``); only the
         scheduler reads it, and only under ``--scheduling-policy priority``.
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
@@ -203,6 +206,7 @@ class SamplingParams:
     images: tuple[ConditionImage, ...] = ()
     max_sequence_length: int | None = None
     loras: tuple[LoraRef, ...] = ()
+    step_cache: StepCacheSpec | None = None
     priority: int = 0
     deadline_s: float | None = None
 
@@ -361,6 +365,10 @@ class SamplingParams:
                 "partial_images", f"must be an integer in [0, {MAX_PARTIAL_IMAGES}], got {k!r}"
             )
         self._validate_frames(frame_step, max_frames)
+        if self.step_cache is not None:
+            if not isinstance(self.step_cache, StepCacheSpec):
+                raise InvalidRequestError("step_cache", "must be a StepCacheSpec")
+            self.step_cache.validate()
         self._validate_scheduling()
         self._validate_loras()
         for name in ("guidance_scale", "true_cfg_scale"):

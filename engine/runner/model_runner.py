@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.errors import AdapterError
+from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
@@ -38,6 +38,7 @@ from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.step_cache.runtime import StepCache
 from ditserve.engine.weights.loader import load_components
 from ditserve.engine.work import WorkRule
 
@@ -153,13 +154,17 @@ class ModelRunner:
             time.perf_counter() - started, "dlo" if offload else "off",
         )
         self._states: dict[str, DenoiseState] = {}
+        # Wraps the blocks beneath every hook (offload, compile, SP): built after all of them.
+        self.step_cache = StepCache(self.pipeline, default=config.step_cache.spec(),
+                                    offload=self.offload,
+                                    sequence_parallel=self._sequence is not None)
         # Under offload the shape groups of a step run block-major, as one pass; resident,
         # one after the other (the weights do not move, so there is nothing to share).
         self._block_major = (BlockMajor(self.pipeline.transformer, self.pipeline.block_lists)
                              if offload else None)
         self._forwards = GroupForwards(
             self.pipeline, block_major=self._block_major,
-            one_pass=self.offload.one_pass if offload else None)
+            one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
         self.work_rule = WorkRule(pixels_per_token=self.pixel_multiple,
                                   frame_step=self.frame_step,
                                   cfg_rows=self.pipeline.family.cfg_rows)
@@ -194,6 +199,7 @@ class ModelRunner:
         return self.offload.report() if self.offload is not None else None
 
     def close(self) -> None:
+        self.step_cache.close()
         if self._block_major is not None:
             self._block_major.close()
         if self.offload is not None and getattr(self.offload, "active", True):
@@ -202,10 +208,13 @@ class ModelRunner:
     # -- request registry ---------------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
         self.adapters.acquire(new.params.loras)  # resident while the request runs
-        self._states[new.request_id] = DenoiseState(new.request_id, new.params, new.seed)
+        state = DenoiseState(new.request_id, new.params, new.seed)
+        self.step_cache.attach(state)
+        self._states[new.request_id] = state
 
     def _pop(self, request_id: str) -> DenoiseState | None:
         state = self._states.pop(request_id, None)
+        self.step_cache.forget(request_id)
         if state is not None:
             self.adapters.release(state.params.loras)
         return state
@@ -235,6 +244,8 @@ class ModelRunner:
             except AdapterError as e:  # an adapter file that cannot serve fails its request
                 log.error("request %s: %s", new.request_id, e)
                 out.failed[new.request_id] = f"adapter: {e}"
+            except InvalidRequestError as e:  # the engine's validation refuses these first
+                out.failed[new.request_id] = str(e)
         for rid in plan.freed:
             self.drop(rid)
         self._encode_conditions(plan.encode)
@@ -246,7 +257,8 @@ class ModelRunner:
         if batch:
             groups = shape_groups(batch)
             self._inflight.forward_started()
-            self._denoise(groups, out)
+            with self.step_cache.step(out):
+                self._denoise(groups, out)
             self._inflight.forward_ended(
                 requests=len(batch), rows=sum(s.rows for s in batch), groups=len(groups),
                 tokens=sum(s.rows * self.work_rule.tokens_per_row(s.params) for s in batch))
@@ -319,6 +331,7 @@ class ModelRunner:
                 if self._guarded(out, state.request_id, "step",
                                  lambda s, r=rows: self.pipeline.step(s, r)):
                     out.stepped.append(state.request_id)
+                    self.step_cache.stepped(state)
 
     def _group_failed(self, group: GroupForward, out: RunnerOutput) -> None:
         e = group.error

@@ -45,6 +45,8 @@ from ditserve.engine.server.schemas import (
     pydantic_error,
     request_error,
 )
+from ditserve.engine.server.step_cache_field import parse_field
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 
 # JSON numbers above this many digits are not read from form text (as JSON's own limit).
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
@@ -72,6 +74,7 @@ class VideoCreateRequest(BaseModel):
     loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
+    step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
@@ -97,6 +100,7 @@ class VideoLimits:
     max_steps: int
     max_frames: int
     max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
+    step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
 
     @property
     def allowed_frames(self) -> list[int]:
@@ -291,6 +295,7 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         max_sequence_length=body.max_sequence_length,
         loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
+        step_cache=parse_field(body.step_cache),
     )
     try:
         engine.validate_params(params)

@@ -20,6 +20,7 @@ ENGINE_FLAGS = {
     "--quantization", "--dlo-compress",
     "--lora-modules", "--max-loras", "--max-lora-rank", "--lora-fuse",
     "--scheduling-policy", "--priority-aging-s", "--max-preemptions",
+    "--step-cache", "--step-cache-threshold", "--step-cache-every",
 }
 
 
