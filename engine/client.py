@@ -84,3 +84,6 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def offload_report(self) -> dict[str, Any] | None: ...
+
+    def pipeline_report(self) -> dict[str, Any] | None:
+        """Rank 0's whole-pipeline plan and prompt-cache counters (None before it loads)."""

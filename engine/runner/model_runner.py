@@ -141,6 +141,12 @@ class ModelRunner:
             components.pipeline_class, model_dir, self.device,
             time.perf_counter() - started, "dlo" if offload else "off",
         )
+        from ditserve.engine.runner.whole_pipeline import WholePipeline
+
+        # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
+        self.whole = WholePipeline(self.pipeline, config, device=self.device,
+                                   offload_report=self.offload_report())
+        log.info("pipeline plan:\n%s", self.whole.plan_table())
         self._states: dict[str, DenoiseState] = {}
         # Under offload the shape groups of a step run block-major, as one pass; resident,
         # one after the other (the weights do not move, so there is nothing to share).
@@ -174,6 +180,10 @@ class ModelRunner:
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None
+
+    def pipeline_report(self) -> dict[str, Any]:
+        """Where each component lives and the prompt cache's counters (``WholePipeline``)."""
+        return self.whole.report()
 
     def close(self) -> None:
         if self._block_major is not None:

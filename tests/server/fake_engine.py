@@ -126,6 +126,9 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 0, 0, 0)
 
+    def pipeline_report(self) -> dict[str, Any] | None:
+        return None
+
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload
 
