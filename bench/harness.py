@@ -6,7 +6,10 @@ Flux builder (``build_flux``: diffusers' default config with guidance embeds, bf
 the device; ``tiny=True`` for CPU smoke runs), its inputs (``flux_inputs``, shaped from the
 model's own config), the CUDA-event step timer (``time_steps``), host->device copy rates
 (``copy_gbps``, ``measure_h2d``), the torch-profiler pass (``profile_steps``), memory facts
-(``rss_gib``, ``guest_physical_gib``) and the writers (``write_json``, ``md_table``).
+(``rss_gib``, ``guest_physical_gib``), the writers (``write_json``, ``md_table``) and what the
+serving benchmarks share: Poisson arrivals, percentiles, ``/metrics`` samples and the step
+counters read from their deltas (``poisson_arrivals``, ``percentile``, ``scrape_metrics``,
+``step_summary``, ``free_port``).
 
 Programs read engine state only through the offload handle's public, typed report
 (``handle.snapshot()``) and read-only probe (``handle.probe()``): no private attributes, no
@@ -20,7 +23,11 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import math
 import platform
+import random
+import re
+import socket
 import statistics
 import time
 from collections import Counter
@@ -313,3 +320,65 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[st
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return lines
+
+
+# -- what the serving benchmarks share (they talk to a server over HTTP) -----------------------
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets (s) of ``n`` requests at ``rate`` per second; rate <= 0 or inf: all at
+    once."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        if 0 < rate < math.inf:
+            t += rng.expovariate(rate)
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile of ``values`` (linear interpolation between ranks); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def scrape_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """Every sample of the server's Prometheus ``/metrics``, by name (labels included)."""
+    import httpx  # only the serving benchmarks need an HTTP client
+
+    text = httpx.get(f"{url}/metrics", headers=headers or {}, timeout=30).text
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def step_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What the engine's step counters say about a run: steps, mean batch size and rows,
+    mean step time, bytes streamed (from two ``scrape_metrics`` samples around it)."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("ditserve:step_batch_size_count")
+    return {
+        "denoise_steps": steps,
+        "mean_batch_size": delta("ditserve:step_batch_size_sum") / steps if steps else None,
+        "mean_batch_rows": delta("ditserve:step_batch_rows_sum") / steps if steps else None,
+        "mean_step_s": delta("ditserve:step_time_seconds_sum") / steps if steps else None,
+        "offload_bytes": delta("ditserve:offload_bytes_transferred_total"),
+    }
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a server the benchmark starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

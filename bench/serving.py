@@ -37,10 +37,8 @@ import json
 import math
 import os
 import random
-import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,11 +47,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import free_port, percentile, scrape_metrics, step_summary
 
-from ditserve.engine.loop.step_log import copy_rates_of  # plain Python: no torch import
+from ditserve.engine.loop.step_log import copy_rates_of
 
 GEN = "/v1/images/generations"
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")
 
 
 @dataclass
@@ -80,23 +78,7 @@ def workload(n: int, rate: float, steps: list[int], seed: int) -> list[tuple[flo
     return out
 
 
-def scrape(url: str, headers: dict[str, str]) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
-    samples = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            samples[match.group(1)] = float(match.group(2))
-    return samples
 
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 async def run_workload(url: str, plan: list[tuple[float, int]], *, size: str, n_images: int,
@@ -135,11 +117,6 @@ def summarize(records: list[Record], before: dict[str, float], after: dict[str, 
     ok = [r for r in records if r.status == 200]
     duration = max((r.finished_s for r in records), default=0.0) - min(
         (r.arrival_s for r in records), default=0.0)
-
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    steps = delta("ditserve:step_batch_size_count")
     latencies = [r.latency_s for r in ok]
     queues = [r.queue_s for r in ok if r.queue_s is not None]
     return {
@@ -154,12 +131,7 @@ def summarize(records: list[Record], before: dict[str, float], after: dict[str, 
         "queue_mean_s": sum(queues) / len(queues) if queues else None,
         "queue_p50_s": percentile(queues, 0.5), "queue_p90_s": percentile(queues, 0.9),
         "queue_p99_s": percentile(queues, 0.99),
-        "denoise_steps": steps,
-        "mean_batch_size": delta("ditserve:step_batch_size_sum") / steps if steps else None,
-        "mean_batch_rows": delta("ditserve:step_batch_rows_sum") / steps if steps else None,
-        "mean_step_s": delta("ditserve:step_time_seconds_sum") / steps if steps else None,
-        "offload_bytes": delta("ditserve:offload_bytes_transferred_total"),
-    }
+    } | step_summary(before, after)
 
 
 def bench_url(url: str, args: argparse.Namespace, headers: dict[str, str]) -> dict[str, Any]:
@@ -169,24 +141,18 @@ def bench_url(url: str, args: argparse.Namespace, headers: dict[str, str]) -> di
                                  headers=headers, timeout=args.timeout))
         print(f"  warm-up request {i + 1}/{args.warmup} done", file=sys.stderr)
     plan = workload(args.requests, args.rate, steps, args.seed)
-    before = scrape(url, headers)
+    before = scrape_metrics(url, headers)
     records = asyncio.run(run_workload(url, plan, size=args.size, n_images=args.n,
                                        headers=headers, timeout=args.timeout))
-    after = scrape(url, headers)
+    after = scrape_metrics(url, headers)
     ready = httpx.get(f"{url}/ready", timeout=30).json()
     summary = summarize(records, before, after)
     summary["h2d_gbps_per_rank"] = copy_rates_of(ready.get("offload"))
     return {"summary": summary, "server": ready, "records": [asdict(r) for r in records]}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(args: argparse.Namespace, max_num_seqs: int) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [*shlex.split(args.server_cmd), "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(max_num_seqs), "--max-queue", str(max(64, args.requests)),
            "--request-timeout", str(args.timeout), *shlex.split(args.serve_args)]
@@ -513,10 +479,10 @@ def mixed_main(args: argparse.Namespace, headers: dict[str, str]) -> int:
             try:
                 for _ in range(args.warmup):  # not measured: first use of every size
                     asyncio.run(send_mixed(url, warmup, headers=headers, timeout=args.timeout))
-                before = scrape(url, headers)
+                before = scrape_metrics(url, headers)
                 records = asyncio.run(send_mixed(url, plan, headers=headers,
                                                  timeout=args.timeout))
-                after = scrape(url, headers)
+                after = scrape_metrics(url, headers)
             except BaseException:
                 stop(process, force=True)
                 raise

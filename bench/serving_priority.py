@@ -163,7 +163,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, serving: Any, headers: dict[str, str]) -> int:
-    """Run the benchmark; ``serving`` is bench/serving.py (launch, stop, scrape)."""
+    """Run the benchmark; ``serving`` is bench/serving.py (launch, stop, scrape_metrics)."""
     size, steps = args.priority_size, args.priority_steps
     if args.tiny:
         args.serve_args = f"--device cpu {args.serve_args}".strip()
@@ -226,9 +226,9 @@ def _run_servers(args: argparse.Namespace, serving: Any, headers: dict[str, str]
                 alone = [go([a])[0] for a in idle]  # one after the other: an idle server
                 idle_p90 = p([o.latency_s for o in alone if o.status == 200], 0.9)
                 records["idle"], records["idle_p90"] = [asdict(o) for o in alone], idle_p90
-            before = serving.scrape(url, headers)
+            before = serving.scrape_metrics(url, headers)
             outcomes = go(arrivals)
-            after = serving.scrape(url, headers)
+            after = serving.scrape_metrics(url, headers)
         except BaseException:
             serving.stop(process, force=True)
             raise

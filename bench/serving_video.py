@@ -26,10 +26,8 @@ import asyncio
 import json
 import math
 import os
-import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import free_port, percentile, poisson_arrivals, scrape_metrics, step_summary
 
 THROUGHPUT_TARGET = 0.97
 HBM_TARGET = 0.20
@@ -56,34 +55,6 @@ class JobRecord:
     mp4_bytes: int
     finished_s: float
     error: str | None = None
-
-
-def arrivals(n: int, rate: float, seed: int) -> list[float]:
-    """Poisson arrival offsets (s); rate <= 0 or inf: all at once."""
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n):
-        out.append(t)
-        if 0 < rate < math.inf:
-            t += rng.expovariate(rate)
-    return out
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def metric_samples(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 class HbmSampler:
@@ -168,32 +139,22 @@ def summarize(records: list[JobRecord], before: dict[str, float], after: dict[st
     ok = [r for r in records if r.status == "completed"]
     duration = max((r.finished_s for r in records), default=0.0) - min(
         (r.arrival_s for r in records), default=0.0)
-
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    steps = delta("ditserve:step_batch_size_count")
     latencies = [r.latency_s for r in ok]
     queues = [r.queue_s for r in ok if r.queue_s is not None]
+    steps = step_summary(before, after)
     return {
         "jobs": len(records), "ok": len(ok), "errors": len(records) - len(ok),
         "duration_s": duration,
         "videos_per_hour": 3600 * len(ok) / duration if duration > 0 else None,
         "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
         "queue_mean_s": sum(queues) / len(queues) if queues else None,
-        "denoise_steps": steps,
-        "mean_batch_size": delta("ditserve:step_batch_size_sum") / steps if steps else None,
-        "mean_step_s": delta("ditserve:step_time_seconds_sum") / steps if steps else None,
-        "video_seconds": delta("ditserve:video_seconds_generated_total"),
+        "denoise_steps": steps["denoise_steps"], "mean_batch_size": steps["mean_batch_size"],
+        "mean_step_s": steps["mean_step_s"],
+        "video_seconds": (after.get("ditserve:video_seconds_generated_total", 0.0)
+                          - before.get("ditserve:video_seconds_generated_total", 0.0)),
         "mean_mp4_bytes": sum(r.mp4_bytes for r in ok) / len(ok) if ok else None,
         "peak_hbm_gib": peak_gib,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def bench_config(args: argparse.Namespace, mode: str, seqs: int) -> dict[str, Any]:
@@ -213,10 +174,10 @@ def bench_config(args: argparse.Namespace, mode: str, seqs: int) -> dict[str, An
             wait_ready(process, url, args.startup_timeout, log_path)
             for _ in range(args.warmup):  # first-job costs (kernels, allocator): not measured
                 asyncio.run(run_jobs(url, [0.0], args, steps=1))
-            before = metric_samples(url)
-            records = asyncio.run(run_jobs(url, arrivals(args.jobs, args.rate, args.seed),
+            before = scrape_metrics(url)
+            records = asyncio.run(run_jobs(url, poisson_arrivals(args.jobs, args.rate, args.seed),
                                            args, steps=args.steps))
-            after = metric_samples(url)
+            after = scrape_metrics(url)
             offload = httpx.get(f"{url}/ready", timeout=30).json().get("offload")
         finally:
             stop(process)

@@ -35,6 +35,7 @@ from ditserve.cachectl.commands import (
     EXIT_CORRUPT,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
+    LoaderFn,
 )
 from ditserve.cachectl.errors import BuildError, CacheError, EntryCorruptError, UsageError
 from ditserve.cachectl.identity import DTYPES
@@ -87,6 +88,21 @@ def engine_loader() -> ModelLoader:
     return describe_loader(loader)
 
 
+def default_dtype(model: Path, component: str, loader: LoaderFn) -> str:
+    """``--dtype`` when omitted: the dtype the DiT is stored in (``st_format.stored_dtype``),
+    the rule ``ditserve serve`` follows too, so both agree on the entry."""
+    from ditserve.cachectl.st_header import stored_dtype
+
+    try:
+        found = stored_dtype(list(loader().source_files(model.resolve(), component)))
+    except Exception as e:  # the loader's own errors name what is wrong with the directory
+        raise BuildError(f"cannot tell the dtype of {str(model)!r}: {e}; pass --dtype") from e
+    if found is None:
+        raise BuildError(f"{str(model)!r} has no float32/bfloat16/float16 safetensors weights "
+                         "to take the dtype from; pass --dtype")
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", type=Path, default=argparse.SUPPRESS,
@@ -99,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model", required=True, type=Path, help="local diffusers model directory")
-        sp.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="runtime dtype")
+        sp.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="runtime dtype (default: the dtype the DiT's weights are stored "
+                             "in, as `ditserve serve` defaults)")
         sp.add_argument("--revision", default=None, help="revision label recorded in the identity")
         sp.add_argument("--component", default="transformer", metavar="NAME",
                         help="which DiT of the model (Wan 2.2's second expert: transformer_2; "
@@ -172,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "--max-bytes 0 removes every entry no process uses")
     root = getattr(args, "root", None) or default_root()
     try:
+        if getattr(args, "model", None) is not None and args.dtype is None:
+            args.dtype = default_dtype(args.model, args.component, engine_loader)
         rc = COMMANDS[args.command](root, args, engine_loader)
         sys.stdout.flush()  # a closed pipe must fail here, not in the interpreter's exit
         return rc

@@ -190,7 +190,10 @@ def _relative(paths: Sequence[Path], base: Path) -> list[tuple[str, Path]]:
     root = Path(os.path.abspath(base))
     out = []
     for p in paths:
-        full = Path(os.path.abspath(p if p.is_absolute() else root / p))
+        # A relative path is relative to the working directory, as ``base`` is: the loader
+        # lists ``<model_dir>/transformer/...``, so joining it to ``base`` again would name
+        # ``./m/./m/transformer/...`` for ``--model ./m``.
+        full = Path(os.path.abspath(p))
         try:
             rel = full.relative_to(root).as_posix()
         except ValueError as e:

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.cachectl.errors import CacheError
+from ditserve.cachectl.st_header import HeaderTensor, read_header
+
+__all__ = ["HeaderTensor", "read_header"]  # header reading lives in st_header (torch-free)
 
 ITEMSIZE: dict[str, int] = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
@@ -32,7 +35,6 @@ _TORCH_NAMES = {
 _NUMPY_NAMES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16",
                 "float16": "F16", "int32": "I32", "uint32": "U32", "float32": "F32",
                 "int64": "I64", "uint64": "U64", "float64": "F64"}
-MAX_HEADER = 100 * 2**20
 WRITE_CHUNK = 16 * 2**20
 
 
@@ -117,44 +119,3 @@ def write_shard(
                     on_bytes(n)
             size += raw.nbytes
     return size
-
-
-@dataclass(frozen=True)
-class HeaderTensor:
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int  # absolute
-    nbytes: int
-
-
-def read_header(path: Path) -> tuple[dict[str, HeaderTensor], dict[str, str], int]:
-    """Parse a shard's header: (tensors, metadata, expected file size). Raises ValueError."""
-    with open(path, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) != 8:
-            raise ValueError("file shorter than the 8-byte header length")
-        (length,) = struct.unpack("<Q", raw_len)
-        if length > MAX_HEADER:
-            raise ValueError(f"header length {length} is implausible")
-        body = f.read(length)
-    if len(body) != length:
-        raise ValueError("file ends inside the header")
-    try:
-        header = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"header is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    base = 8 + length
-    tensors: dict[str, HeaderTensor] = {}
-    end = 0
-    for name, info in header.items():
-        try:
-            begin, stop = (int(x) for x in info["data_offsets"])
-            tensors[name] = HeaderTensor(str(info["dtype"]), tuple(int(s) for s in info["shape"]),
-                                         base + begin, stop - begin)
-            end = max(end, stop)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"bad header record for tensor {name!r}") from e
-    return tensors, metadata, base + end

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ditserve.engine.allocator import prefer_expandable_segments
+from ditserve.engine.cli_generate import add_generate_parser
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.families import MODEL_VARIANTS
@@ -31,62 +32,6 @@ def _setup_logging(verbose: bool) -> None:
     )
     for noisy in ("httpx", "urllib3", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def _save_images(images: list, out: Path) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if len(images) == 1:
-        images[0].save(out)
-        return [out]
-    paths = []
-    for i, image in enumerate(images):
-        path = out.with_name(f"{out.stem}-{i}{out.suffix or '.png'}")
-        image.save(path)
-        paths.append(path)
-    return paths
-
-
-def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
-    from ditserve.engine.video import write_mp4
-
-    videos = list(pixels)  # type: ignore[call-overload]
-    if len(videos) == 1:
-        return [write_mp4(videos[0], out, fps=fps)]
-    return [write_mp4(v, out.with_name(f"{out.stem}-{i}{out.suffix or '.mp4'}"), fps=fps)
-            for i, v in enumerate(videos)]
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
-    from ditserve.engine.request import SamplingParams
-
-    config = engine_config_from_args(args)
-    # With --compile: compile at the requested size before the request runs.
-    engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(args.height, args.width)))
-    engine.start()
-    try:
-        params = SamplingParams(
-            prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
-            width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-            true_cfg_scale=args.true_cfg_scale, seed=args.seed, num_images=args.num_images,
-            num_frames=args.num_frames,
-        )
-        started = time.perf_counter()
-        handle = engine.add_request(
-            params, on_event=lambda e: e.kind == "step" and print(
-                f"\rstep {e.step}/{e.total_steps}", end="", file=sys.stderr, flush=True)
-        )
-        result = handle.result()
-        print(file=sys.stderr)
-        if result.is_video:
-            paths = _save_videos(result.pixels, args.out or Path("out.mp4"), args.fps)
-        else:
-            paths = _save_images(result.images, args.out or Path("out.png"))
-        print(f"saved {', '.join(map(str, paths))} (seed {result.seed}, "
-              f"{args.steps} steps, {time.perf_counter() - started:.2f}s)")
-    finally:
-        engine.shutdown()
-    return 0
 
 
 DEMO_PROMPTS = [
@@ -180,25 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate one image (or video) with a local model")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("--out", type=Path, default=None,
-                     help="output path: a PNG for image models (default out.png), an H.264 "
-                          "MP4 for video models (default out.mp4)")
-    gen.add_argument("--height", type=int, default=64)
-    gen.add_argument("--width", type=int, default=64)
-    gen.add_argument("--steps", type=int, default=4, help="num_inference_steps")
-    gen.add_argument("--seed", type=int, default=None, help="random if omitted (printed)")
-    gen.add_argument("--guidance-scale", type=float, default=3.5)
-    gen.add_argument("--true-cfg-scale", type=float, default=1.0,
-                     help="> 1 with --negative-prompt enables true CFG")
-    gen.add_argument("--num-images", type=int, default=1)
-    gen.add_argument("--num-frames", type=int, default=1,
-                     help="video models: frames to generate (4k+1 for Wan, e.g. 81)")
-    gen.add_argument("--fps", type=int, default=16, help="video models: MP4 frame rate")
-    add_engine_options(gen, with_config_file=False)
-    gen.set_defaults(func=cmd_generate)
+    add_generate_parser(sub)
 
     demo = sub.add_parser("demo", help="run concurrent requests on the embedded tiny model")
     demo.add_argument("--out-dir", type=Path, default=Path("demo-out"))

@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.adapters.config import modules_mapping, parse_lora_module
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
     COMPRESS_MODES,
@@ -23,6 +24,7 @@ from ditserve.engine.config import (
     EngineConfig,
 )
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.weights.checkpoint_dtype import AUTO_DTYPE, checkpoint_dtype
 
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
 _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
@@ -54,6 +56,9 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "vae_tiling": ("pipeline", "vae_tiling"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
     "sequence_parallel_size": ("parallel", "sequence_parallel_size"),
+    "max_loras": ("adapters", "max_loras"),
+    "max_lora_rank": ("adapters", "max_lora_rank"),
+    "lora_fuse": ("adapters", "fuse"),
 }
 
 
@@ -64,7 +69,9 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                        help="YAML file with engine options; command-line flags override it")
     g.add_argument("--model", default=None,
                    help="local diffusers pipeline directory (default: the embedded tiny model)")
-    g.add_argument("--dtype", choices=DTYPES, default=None, help="runtime dtype (default float32)")
+    g.add_argument("--dtype", choices=(AUTO_DTYPE, *DTYPES), default=None,
+                   help="runtime dtype (default auto: the dtype the DiT's weights are stored "
+                        "in, bfloat16 for a bf16 release; as `cachectl build` defaults)")
     g.add_argument("--device", default=None, help="auto (default), cpu, cuda or cuda:N")
     g.add_argument("--compile", nargs="?", const="inductor", default=None,
                    choices=COMPILE_BACKENDS, metavar="BACKEND",
@@ -138,6 +145,20 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="decode in tiles (diffusers' VAE tiling and slicing): auto (default) "
                         "tiles under --offload dlo when a frame is >= 1024x1024 (images) or "
                         "above 480p (video); on; off")
+    a = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    a.add_argument("--lora-modules", nargs="+", action="extend", default=None,
+                   metavar="NAME=PATH",
+                   help="adapters to serve: a .safetensors file (diffusers/PEFT or kohya "
+                        "keys) or a directory holding one; requests select them by name "
+                        "(model: NAME, or loras: [{name, scale}])")
+    a.add_argument("--max-loras", type=int, default=None,
+                   help="adapters resident on the device at once (default 8); others load "
+                        "on demand, the least recently used idle one is dropped")
+    a.add_argument("--max-lora-rank", type=int, default=None,
+                   help="the largest adapter rank accepted (default 256)")
+    a.add_argument("--lora-fuse", action="store_const", const=True, default=None,
+                   help="merge the one --lora-modules adapter into the weights (a replica "
+                        "serving that adapter only: no per-step cost)")
     p = parser.add_argument_group("parallelism")
     p.add_argument("--data-parallel-size", type=int, default=None,
                    help="data-parallel ranks, each with its own batch (processes: dp x sp, "
@@ -174,9 +195,17 @@ def engine_config_from_args(
             continue
         target = merged.setdefault(section, {}) if section else merged
         target[key] = value
+    modules = getattr(args, "lora_modules", None)
+    if modules:
+        pairs = [parse_lora_module(text) for text in modules]
+        merged.setdefault("adapters", {})["lora_modules"] = modules_mapping(pairs)
     offload = getattr(args, "offload", None)
     if offload is not None:
         merged.setdefault("offload", {})["enabled"] = offload == "dlo"
+    if merged.get("dtype", AUTO_DTYPE) == AUTO_DTYPE:
+        # Serve in the dtype the checkpoint is stored in (what `cachectl build` defaults to).
+        model = merged.get("model")
+        merged["dtype"] = checkpoint_dtype(model if isinstance(model, str) else None)
     return EngineConfig.from_mapping(merged)
 
 

@@ -10,7 +10,9 @@ pipeline. ``DiffusionEngine`` implements it; so does the tests' fake engine.
   ``validate_params``, ``stats``, ``offload_report``;
 - facts: ``facts()`` - what the loaded model and its device are (``EngineFacts``: the
   model's ``ModelLimits``, device, dtype, served adapters), None until the model has loaded;
-  ``config``, the validated ``EngineConfig`` the engine was built from.
+  ``config``, the validated ``EngineConfig`` the engine was built from;
+- adapters: ``adapters`` (the LoRA catalog the request fields and the adapter routes use) and
+  ``adapter_stats`` (for /metrics).
 
 Pure Python: importing it loads neither torch nor fastapi (an import-linter contract).
 """
@@ -25,6 +27,7 @@ from ditserve.engine.loop.lifecycle import EnginePhase
 from ditserve.engine.request import ModelLimits, SamplingParams
 
 if TYPE_CHECKING:
+    from ditserve.engine.adapters.catalog import AdapterCatalog
     from ditserve.engine.config import EngineConfig
     from ditserve.engine.loop.results import EngineStats, RequestEvent, RequestHandle
 
@@ -36,7 +39,7 @@ class EngineFacts:
     """What a loaded engine serves: the model's limits and where it runs.
 
     device: the torch device of rank 0 ("cuda:0", "cpu"); dtype: the DiT's runtime dtype
-    name ("bfloat16"); adapters: the ids of the LoRA adapters requests may name (none yet).
+    name ("bfloat16"); adapters: the names of the LoRA adapters loaded when it was asked.
     """
 
     limits: ModelLimits
@@ -87,3 +90,10 @@ class EngineClient(Protocol):
 
     def pipeline_report(self) -> dict[str, Any] | None:
         """Rank 0's whole-pipeline plan and prompt-cache counters (None before it loads)."""
+
+    @property
+    def adapters(self) -> AdapterCatalog | None:
+        """The served LoRA adapters by name (resolve, load, unload); None before loading."""
+
+    def adapter_stats(self) -> dict[str, int]:
+        """``loaded`` adapters, and rank 0's ``resident`` adapters and their ``bytes``."""

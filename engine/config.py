@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from ditserve.engine.adapters.config import AdapterConfig, adapter_problems
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
 
@@ -186,13 +187,14 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> EngineConfig:
         """Build from nested plain data (YAML, a CRD spec); unknown keys are an error.
 
-        Nested groups are ``offload``, ``parallel``, ``scheduler`` and ``pipeline``. The result
-        is validated.
+        Nested groups are ``offload``, ``parallel``, ``scheduler``, ``adapters`` and
+        ``pipeline``. The result is validated.
         """
         config = _build(cls, data, path="")
         validate(config)
@@ -207,7 +209,7 @@ class EngineConfig:
 
 
 _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,
-           "pipeline": PipelineConfig}
+           "adapters": AdapterConfig, "pipeline": PipelineConfig}
 # Options that were removed, with what replaces them: a config file that still sets one is
 # told how to update it rather than only that the key is unknown.
 _REMOVED = {
@@ -300,6 +302,11 @@ def problems(config: EngineConfig) -> list[str]:
         out.append(f"pipeline.vae_tiling must be one of {', '.join(VAE_TILING_MODES)}, "
                    f"got {pipe.vae_tiling!r}")
 
+    out.extend(adapter_problems(config.adapters))
+    if config.adapters.lora_modules and config.compile is not None and not config.adapters.fuse:
+        out.append("adapters are applied by hooks around the DiT's linear layers, which "
+                   "--compile does not trace; drop --compile, or serve one adapter fused "
+                   "(--lora-fuse)")
     off = config.offload
     if off.components not in DLO_COMPONENTS:
         out.append(f"offload.components must be one of {', '.join(DLO_COMPONENTS)}, "

@@ -51,6 +51,18 @@ class FormatError(DitServeError, ValueError):
     """A packed or quantized weight format is malformed, or does not fit where it is used."""
 
 
+class AdapterError(DitServeError, ValueError):
+    """A LoRA adapter file cannot be served (format, targets, rank), or an adapter operation
+    is refused (unknown name, in use by a running request)."""
+
+
+class AdapterNotFoundError(AdapterError, KeyError):
+    """No adapter of that name is loaded."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument
+        return str(self.args[0]) if self.args else ""
+
+
 class DeadlineError(DitServeError):
     """A request cannot meet its ``deadline_s`` by the scheduler's estimate: refused at
     admission, or stopped at a step boundary (``deadline_exceeded``), never silently late."""

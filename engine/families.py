@@ -72,7 +72,8 @@ FLUX = Family(
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     resident_modules=("pos_embed", "time_text_embed", "context_embedder", "x_embedder",
                       "norm_out", "proj_out"),
-    batch_key_fields=("height", "width"), output="image", loader_version="flux-loader-1",
+    batch_key_fields=("height", "width", "max_sequence_length"), output="image",
+    loader_version="flux-loader-1",
     attention_heads=(24,),  # FLUX.1-dev / schnell
 )
 QWEN_IMAGE = Family(
@@ -82,7 +83,8 @@ QWEN_IMAGE = Family(
     block_lists=("transformer_blocks",),
     resident_modules=("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in",
                       "norm_out", "proj_out"),
-    batch_key_fields=("height", "width"), output="image", loader_version="qwen-image-loader-1",
+    batch_key_fields=("height", "width", "max_sequence_length"), output="image",
+    loader_version="qwen-image-loader-1",
     attention_heads=(24,),  # Qwen-Image 20B
 )
 WAN = Family(
@@ -92,7 +94,7 @@ WAN = Family(
     components=("vae", "text_encoder", "tokenizer", "scheduler"),
     block_lists=("blocks",),
     resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),
-    batch_key_fields=("height", "width", "num_frames"), output="video",
+    batch_key_fields=("height", "width", "num_frames", "max_sequence_length"), output="video",
     loader_version="wan-loader-1", cfg_rows="guidance",
     attention_heads=(12, 24, 40),  # Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, the 14B DiTs
     reference_work=2 * 21 * 30 * 52,  # 81 frames -> 21 latent frames of 30 x 52 tokens, CFG

@@ -54,8 +54,9 @@ DIT_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 DIT_CONFIGS["wan2.2"] = DIT_CONFIGS["wan"]
-# Text tokens per prompt: the released models' 512 at full size, few for the tiny tokenizers.
-TINY_TEXT_TOKENS = 64
+# The tokenizers' model_max_length: the released models' 512 at every size, so a tiny model
+# encodes prompts exactly as the released pipeline's defaults do (max_sequence_length 512).
+TEXT_TOKENS = 512
 WAN22_BOUNDARY_RATIO = 0.875  # Wan2.2-T2V-A14B: the high-noise expert runs t >= 875
 
 
@@ -155,7 +156,7 @@ def _qwen_text_encoder(tokenizer: Any, width: int) -> Any:
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _t5_tokenizer(tokens: int) -> Any:
+def _t5_tokenizer(tokens: int = TEXT_TOKENS) -> Any:
     from transformers import T5Tokenizer
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
@@ -208,7 +209,6 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
 
     check(variant, size)
     torch.manual_seed(seed)
-    tokens = 512 if size != "tiny" else TINY_TEXT_TOKENS
     width = _text_width(variant, size)
     if variant == "qwen-image":
         tokenizer = _qwen_tokenizer()
@@ -221,7 +221,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
             num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
             time_shift_type="exponential", use_dynamic_shifting=True)
     else:
-        tokenizer = _t5_tokenizer(tokens)
+        tokenizer = _t5_tokenizer()
         parts = {"tokenizer": tokenizer, "text_encoder": _umt5(tokenizer, width),
                  "vae": _wan_vae(variant == "wan2.2-ti2v")}
         scheduler = UniPCMultistepScheduler(

@@ -18,6 +18,8 @@ MAX_IMAGES = 8
 MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_FRAMES = 1025
+MAX_LORAS_PER_REQUEST = 8
+MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 
@@ -34,6 +36,7 @@ class ModelLimits:
     max_frames: 1 for an image model; a video model's longest clip its positional table
         covers (Wan: ``rope_max_seq_len`` latent frames), capped at MAX_FRAMES.
     positions: entries per axis of the model's positional table; None when it has none.
+    max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
     """
 
     pixel_multiple: int = 16
@@ -42,11 +45,13 @@ class ModelLimits:
     max_frames: int = 1
     max_prompt_chars: int | None = None
     positions: int | None = None
+    max_text_tokens: int | None = None
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,
                  frame_step: int | None = None, frames_per_position: int = 1,
-                 max_prompt_chars: int | None = None) -> ModelLimits:
+                 max_prompt_chars: int | None = None,
+                 max_text_tokens: int | None = None) -> ModelLimits:
         """Limits of a model whose positional table holds ``positions`` entries per axis:
         ``tokens_per_position`` latent patches per entry on the spatial axes, and (video)
         ``frames_per_position`` latent frames per entry on the time axis."""
@@ -62,7 +67,8 @@ class ModelLimits:
             frames = min(frames, MAX_FRAMES)
             frames -= (frames - 1) % frame_step
         return cls(pixel_multiple=pixel_multiple, max_side=side, frame_step=frame_step,
-                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions)
+                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions,
+                   max_text_tokens=max_text_tokens)
 
 
 class RequestStatus(enum.IntEnum):
@@ -97,13 +103,36 @@ class BatchKey:
     Only the token grid (height, width, frames) does. Everything else is per row: each row
     carries its own timestep and guidance value, true CFG just adds rows for the negative
     prompt, and several images per request are several rows. Keeping the key this small is
-    what lets requests with different step counts, guidance and CFG share a batch. (A LoRA
-    adapter, when one is served, changes the weights and so belongs here.)
+    what lets requests with different step counts, guidance and CFG share a batch. LoRA
+    adapters are per row too (each row's low-rank delta is added to the shared base linear,
+    ``engine.adapters``), so requests with different adapters share a forward.
     """
 
     height: int
     width: int
     num_frames: int = 1
+    # The text length of a request that names one: prompts of another length would be padded
+    # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
+    max_sequence_length: int | None = None
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """One LoRA adapter a request applies, resolved by the engine's catalog
+    (``engine.adapters.catalog``) from the name the client gave: the file it was loaded from,
+    the catalog's load generation (a re-load under the same name is another adapter), its
+    largest rank (for the work rule) and the request's scale."""
+
+    name: str
+    path: str
+    scale: float = 1.0
+    rank: int = 0
+    version: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Identity of the loaded weights (name and load generation), not of the scale."""
+        return (self.name, self.version)
 
 
 @dataclass(frozen=True)
@@ -115,11 +144,16 @@ class SamplingParams:
         diffusers' WanPipeline does: classifier-free guidance whenever it is > 1, against
         ``negative_prompt`` (or the empty prompt).
     true_cfg_scale: classifier-free guidance with ``negative_prompt``; active when > 1 and a
-        negative prompt is given (as in diffusers' FluxPipeline and QwenImagePipeline).
+        negative prompt is given, the empty string included (as in diffusers' FluxPipeline and
+        QwenImagePipeline; without one it is off, as there).
+    max_sequence_length: text tokens per prompt; None is the pipeline's own default (512 for
+        Flux, Wan and Qwen-Image, as diffusers).
     num_frames: 1 for images; a video family's frame count (``frame_step * k + 1``).
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
         ``preview_steps``); they travel as "preview" events, never change the result.
+    loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
+        their deltas add up, as diffusers' ``set_adapters`` with several names).
     priority: the scheduling class, lower is sooner (as vLLM's ``priority``); only the
         scheduler reads it, and only under ``--scheduling-policy priority``.
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
@@ -137,12 +171,14 @@ class SamplingParams:
     num_images: int = 1
     num_frames: int = 1
     partial_images: int = 0
+    max_sequence_length: int | None = None
+    loras: tuple[LoraRef, ...] = ()
     priority: int = 0
     deadline_s: float | None = None
 
     @property
     def uses_true_cfg(self) -> bool:
-        return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
+        return self.true_cfg_scale > 1.0 and self.negative_prompt is not None
 
     def _validate_frames(self, frame_step: int | None, max_frames: int) -> None:
         frames = self.num_frames
@@ -161,6 +197,21 @@ class SamplingParams:
                 "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
                 f"(try {lower} or {lower + frame_step})")
 
+    def _validate_loras(self) -> None:
+        if len(self.loras) > MAX_LORAS_PER_REQUEST:
+            raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
+                                      f"request, got {len(self.loras)}")
+        names = [ref.name for ref in self.loras]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("loras", f"an adapter is named twice: {names}")
+        for ref in self.loras:
+            scale = ref.scale
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
+                    or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+                raise InvalidRequestError("loras", f"adapter {ref.name!r}: scale must be a "
+                                          f"number in [-{MAX_LORA_SCALE:g}, "
+                                          f"{MAX_LORA_SCALE:g}], got {scale!r}")
+
     def _validate_scheduling(self) -> None:
         p = self.priority
         if not isinstance(p, int) or isinstance(p, bool) or not abs(p) <= MAX_PRIORITY:
@@ -177,7 +228,8 @@ class SamplingParams:
                 f"{d!r}")
 
     def batch_key(self) -> BatchKey:
-        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames)
+        return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames,
+                        max_sequence_length=self.max_sequence_length)
 
     @property
     def rows(self) -> int:
@@ -199,7 +251,8 @@ class SamplingParams:
         return self.validate(pixel_multiple=limits.pixel_multiple,
                              max_prompt_chars=limits.max_prompt_chars,
                              frame_step=limits.frame_step, max_side=limits.max_side,
-                             max_frames=limits.max_frames)
+                             max_frames=limits.max_frames,
+                             max_text_tokens=limits.max_text_tokens)
 
     def validate(
         self,
@@ -209,6 +262,7 @@ class SamplingParams:
         requires_prompt: bool = True,
         max_images: int = MAX_IMAGES,
         frame_step: int | None = None,
+        max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
     ) -> SamplingParams:
@@ -216,6 +270,7 @@ class SamplingParams:
 
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
         frame_step: None for an image model; a video model's temporal VAE factor.
+        max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
         """
         if not isinstance(self.prompt, str):
@@ -258,16 +313,21 @@ class SamplingParams:
             )
         self._validate_frames(frame_step, max_frames)
         self._validate_scheduling()
+        self._validate_loras()
         for name in ("guidance_scale", "true_cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise InvalidRequestError(name, f"must be a number, got {value!r}")
             if not 0.0 <= value <= 100.0 or value != value:
                 raise InvalidRequestError(name, f"must be in [0, 100], got {value}")
-        if self.true_cfg_scale > 1.0 and not self.negative_prompt:
+        length = self.max_sequence_length
+        if length is not None and (
+            not isinstance(length, int) or isinstance(length, bool) or length < 1
+            or (max_text_tokens is not None and length > max_text_tokens)
+        ):
             raise InvalidRequestError(
-                "true_cfg_scale", "> 1 needs a negative_prompt (true CFG contrasts the two)"
-            )
+                "max_sequence_length", f"must be an integer in [1, {max_text_tokens or 'inf'}] "
+                f"for this model, got {length!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
             or not 0 <= self.seed < 2**63

@@ -15,8 +15,9 @@ import string
 from pathlib import Path
 
 TINY_SEED = 0
-# Small T5 context: the tiny tokenizer is character level, so 64 characters of prompt.
-TINY_MAX_SEQUENCE_LENGTH = 64
+# The released Flux.1 T5 tokenizer's model_max_length (and FluxPipeline's default
+# max_sequence_length): a tiny model encodes prompts as a default diffusers call does.
+TINY_MAX_SEQUENCE_LENGTH = 512
 _COMPLETE_MARKER = ".ditserve-tiny-complete"
 
 

@@ -25,6 +25,7 @@ from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, FAMILIES
 from ditserve.engine.server.options import ServeArgsError, parse_serve_args, server_config_from_args
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.loras import lora_args
 from ditserve.operator.policy import AdminPolicy
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec, parse_spec
 from ditserve.operator.workloads import LWS_SUFFIX
@@ -162,7 +163,7 @@ def engine_config(spec: DeploymentSpec) -> EngineConfig:
 
 def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     """(EngineConfig, ServerConfig) of the pods, or InvalidSpecError listing every problem."""
-    parsed = _parse_serve_args(spec.engine.args)
+    parsed = _parse_serve_args((*spec.engine.args, *lora_args(spec.loras)))
     # The model's own head count is read by the engine at start; a declared family's released
     # head counts already tell a sequence-parallel size that serves none of them.
     # A declared head count is exact; a family's released counts only bound what can fit.

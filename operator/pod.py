@@ -29,6 +29,7 @@ from typing import Any
 
 from ditserve.operator import cache_pod, placement, sizing
 from ditserve.operator.cache_pod import ENSURE_CONTAINER
+from ditserve.operator.loras import lora_args, lora_host_paths, lora_mounts, lora_volumes
 from ditserve.operator.spec import RENDEZVOUS_PORT, DeploymentSpec
 
 CONFIG_DIR = "/etc/ditserve"
@@ -82,7 +83,8 @@ class Role(enum.Enum):
 
 def uses_host_path(spec: DeploymentSpec) -> bool:
     """hostPath volumes keep a pod out of the baseline and restricted Pod Security levels."""
-    return spec.model.host_path is not None or (spec.cache.enabled and not spec.cache.claim_name)
+    return (spec.model.host_path is not None or (spec.cache.enabled and not spec.cache.claim_name)
+            or lora_host_paths(spec.loras))
 
 
 def _volumes(spec: DeploymentSpec, config_map: str) -> list[dict[str, Any]]:
@@ -102,7 +104,7 @@ def _volumes(spec: DeploymentSpec, config_map: str) -> list[dict[str, Any]]:
     ]
     if spec.cache.enabled:
         volumes.append(cache_pod.cache_volume(spec))
-    return volumes
+    return volumes + lora_volumes(spec.loras)
 
 
 def _rendezvous_env(spec: DeploymentSpec, role: Role) -> list[dict[str, Any]]:
@@ -145,9 +147,9 @@ def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
 def _command(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
     if role is Role.SINGLE:
         return {"command": ["ditserve", "serve", "--config", CONFIG_PATH],
-                "args": list(spec.engine.args)}
+                "args": [*spec.engine.args, *lora_args(spec.loras)]}
     return {"command": ["sh", "-c", LAUNCHER, "ditserve-launcher"],
-            "args": list(spec.engine.args)}
+            "args": [*spec.engine.args, *lora_args(spec.loras)]}
 
 
 def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE) -> dict[str, Any]:
@@ -164,6 +166,7 @@ def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE)
         # ($ROOT/cachectl.sock) lives in the root and connecting to it needs no write access.
         mounts.append({"name": "cache", "mountPath": cache_pod.cache_root(spec),
                        "readOnly": True})
+    mounts.extend(lora_mounts(spec.loras))  # every rank: requests name the adapters' paths
     limits = {"memory": memory, GPU_RESOURCE: gpus}
     if spec.engine.guaranteed:
         # Guaranteed QoS asks for it; otherwise no CPU limit: throttling a data loader or the

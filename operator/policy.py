@@ -8,7 +8,8 @@ create a DiffusionDeployment chooses its image, args and env; without this polic
 could mount any node directory (``model.hostPath: /var/lib/kubelet``) or point the cache at
 ``/etc`` and have a pod write there. With it:
 
-- ``model.hostPath`` must lie under one of ``model_roots`` (no ``..``, no other root);
+- ``model.hostPath`` (and each ``loras[].hostPath``) must lie under one of ``model_roots``
+  (no ``..``, no other root);
 - ``cache.root`` must be the node cache root the cachectl DaemonSet serves;
 - the cache init container runs ``helper_image`` (the chart's own image), never the tenant's
   ``engine.image``; engine pods mount the cache read-only (``pod``).
@@ -81,6 +82,12 @@ class AdminPolicy:
                        f"cluster admin allows for models ({', '.join(self.model_roots)}; chart "
                        "value cachectl.modelHostPaths): put the model under one of them, or use "
                        "model.persistentVolumeClaim")
+        for lora in spec.loras:  # adapters' node paths: the same roots as models
+            if lora.host_path is not None and not self.allows_model_path(lora.host_path):
+                out.append(f"loras[{lora.name}].hostPath {lora.host_path!r} is outside the node "
+                           f"directories the cluster admin allows ({', '.join(self.model_roots)}"
+                           "; chart value cachectl.modelHostPaths): put it under one of them, "
+                           "or use a persistentVolumeClaim")
         if spec.cache.enabled and spec.cache.root is not None \
                 and _clean(spec.cache.root) != self.cache_root:
             out.append(f"cache.root {spec.cache.root!r} is not the node cache root "

@@ -16,6 +16,7 @@ from typing import Any
 from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES, SCHEDULING_POLICIES
 from ditserve.operator.autoscaling import AutoscalingSpec, read_autoscaling
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.loras import LoraSource, parse_loras
 from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
 
@@ -176,6 +177,7 @@ class DeploymentSpec:
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     disruption: DisruptionSpec = field(default_factory=DisruptionSpec)
+    loras: tuple[LoraSource, ...] = ()  # LoRA adapters mounted read-only (operator.loras)
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
 
     @property
@@ -273,6 +275,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         ),
         disruption=DisruptionSpec(enabled=pdb.optional_flag("enabled"),
                                   max_unavailable=pdb.int_or_str("maxUnavailable", 1)),
+        loras=parse_loras(root),
         autoscaling=read_autoscaling(root.child("autoscaling")),
     )
     problems.extend(_cross_field_problems(spec))

@@ -9,6 +9,12 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt requirements.txt ] && [ "$STAMP" -nt requir
     && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt setup.py ]; then
   exit 0
 fi
+# The README's requirement (pyproject's requires-python): the code and tests use 3.11's stdlib.
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "[bootstrap] ditserve needs Python 3.11+; $PY is $("$PY" -V 2>&1)." >&2
+  echo "[bootstrap] Run with PYTHON=python3.11 (or newer): PYTHON=python3.12 make demo" >&2
+  exit 1
+fi
 echo "[bootstrap] creating .venv and installing dependencies (about 1-2 minutes on first run)"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first and pinned: the CPU wheel. An unpinned torch would fetch a multi-GB CUDA build.

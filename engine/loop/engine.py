@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.adapters.catalog import AdapterCatalog
+from ditserve.engine.adapters.files import rank_inspector
 from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.errors import EngineStoppedError, ModelLoadError
@@ -87,6 +89,7 @@ class DiffusionEngine:
         scheduler = with_budget(config.scheduler, _served_family(config.model))
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
+        self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
 
     @property
     def schedulers(self) -> list[StepScheduler]:
@@ -118,6 +121,9 @@ class DiffusionEngine:
             executor, self.model_dir = open_executor(
                 self.config, self.warmup,
                 on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING))
+            adapters = self.config.adapters
+            self.adapters = AdapterCatalog(adapters, inspect=rank_inspector(
+                self.model_dir, max_rank=adapters.max_lora_rank))
         except BaseException as e:
             self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise
@@ -170,8 +176,15 @@ class DiffusionEngine:
         runner = self.runner
         if runner is None:
             return None
+        names = tuple(e.name for e in self.adapters.entries()) if self.adapters else ()
         return EngineFacts(limits=runner.limits, device=str(runner.device),
-                           dtype=self.config.dtype)
+                           dtype=self.config.dtype, adapters=names)
+
+    def adapter_stats(self) -> dict[str, int]:
+        bank = getattr(self.runner, "adapters", None)
+        return {"loaded": len(self.adapters.entries()) if self.adapters else 0,
+                "resident": len(bank.resident) if bank is not None else 0,
+                "bytes": int(bank.nbytes) if bank is not None else 0}
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -238,6 +251,8 @@ class DiffusionEngine:
                 raise EngineStoppedError("the engine is not accepting requests (starting or "
                                          "shutting down)")
             self._pending.add(handle, work)
+            if self.adapters is not None:  # in use (not unloadable) until the request ends
+                self.adapters.hold_until_done(params.loras, handle.future)
             self._wakeup.notify_all()
         self._delivery.queued(handle)
         return handle

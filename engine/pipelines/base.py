@@ -37,6 +37,8 @@ class StepPipeline(Protocol):
         ``ExpertStack`` of experts); block_lists: its streamed block lists in call order.
     pixel_multiple: the spatial granularity of height and width.
     frame_step: None for image families; for video, ``num_frames - 1`` must divide by it.
+    max_sequence_length: text tokens per prompt when a request names none (the diffusers
+        pipeline's own default); max_text_tokens: the most a request may ask for.
     limits(): what the model can run (sizes and frames its positional tables reach), read off
         its own config; the engine checks every request against it.
     """
@@ -47,6 +49,8 @@ class StepPipeline(Protocol):
     pixel_multiple: int
     frame_step: int | None
     max_prompt_chars: int | None
+    max_sequence_length: int
+    max_text_tokens: int
 
     def prepare_encode(self, state: DenoiseState) -> None: ...
     def denoise_step(self, batch: InputBatch) -> torch.Tensor: ...

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ditserve.engine.families import FLUX
+from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.request import ModelLimits
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import FlowMatchEulerSampler
@@ -53,9 +54,11 @@ class FluxStepPipeline:
         # 2x2 latent packing: pixel sizes must divide by twice the VAE factor.
         self.pixel_multiple = self.vae_scale_factor * 2
         self.clip_max_length = int(getattr(self.tokenizer, "model_max_length", 77))
-        self.max_sequence_length = min(
-            MAX_T5_TOKENS, int(getattr(self.tokenizer_2, "model_max_length", MAX_T5_TOKENS))
-        )
+        # T5 tokens per prompt: FluxPipeline's own default (512), whatever the tokenizer says;
+        # a request may ask for fewer (``max_sequence_length``), never more than 512.
+        self.max_sequence_length = int(
+            call_defaults(components.pipeline_class)["max_sequence_length"])
+        self.max_text_tokens = MAX_T5_TOKENS
         self.max_prompt_chars: int | None = 4000
         self.latent_channels = int(self.transformer.config.in_channels) // 4
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
@@ -64,7 +67,7 @@ class FluxStepPipeline:
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _encode_prompt(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode_prompt(self, prompt: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, L, D) T5 sequence embeddings and (1, P) CLIP pooled embeddings."""
         clip_ids = self.tokenizer(
             [prompt], padding="max_length", max_length=self.clip_max_length,
@@ -72,7 +75,7 @@ class FluxStepPipeline:
         ).input_ids
         pooled = self.text_encoder(self._upload(clip_ids), output_hidden_states=False).pooler_output
         t5_ids = self.tokenizer_2(
-            [prompt], padding="max_length", max_length=self.max_sequence_length,
+            [prompt], padding="max_length", max_length=length,
             truncation=True, return_tensors="pt",
         ).input_ids
         seq = self.text_encoder_2(self._upload(t5_ids), output_hidden_states=False)[0]
@@ -90,7 +93,8 @@ class FluxStepPipeline:
         """Flux's rope (FluxPosEmbed) is computed from the token ids on the fly: no table
         bounds the size."""
         return ModelLimits.of_table(None, pixel_multiple=self.pixel_multiple,
-                                    max_prompt_chars=self.max_prompt_chars)
+                                    max_prompt_chars=self.max_prompt_chars,
+                                    max_text_tokens=self.max_text_tokens)
 
     def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return (
@@ -111,10 +115,11 @@ class FluxStepPipeline:
     def prepare_encode(self, state: DenoiseState) -> None:
         p = state.params
         n = p.num_images
-        seq, pooled = self._encode_prompt(p.prompt)
+        length = p.max_sequence_length or self.max_sequence_length
+        seq, pooled = self._encode_prompt(p.prompt, length)
         seqs, pooleds = [seq.repeat(n, 1, 1)], [pooled.repeat(n, 1)]
         if p.uses_true_cfg:
-            neg_seq, neg_pooled = self._encode_prompt(p.negative_prompt or "")
+            neg_seq, neg_pooled = self._encode_prompt(p.negative_prompt or "", length)
             seqs.append(neg_seq.repeat(n, 1, 1))
             pooleds.append(neg_pooled.repeat(n, 1))
         rows = state.rows

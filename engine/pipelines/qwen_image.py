@@ -21,6 +21,7 @@ import torch
 
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
+from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.request import ModelLimits
 from ditserve.engine.runner.denoise_state import DenoiseState
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
     from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
-MAX_TEXT_TOKENS = 512  # diffusers' QwenImagePipeline default max_sequence_length
+# Text tokens a prompt may keep: the pipeline's default 512 (diffusers accepts up to 1024,
+# but the rope table puts the text after the image, so the size bound below assumes 512).
+MAX_TEXT_TOKENS = 512
 
 
 class QwenImageStepPipeline:
@@ -61,6 +64,11 @@ class QwenImageStepPipeline:
         self.template: str = pipe.prompt_template_encode
         self.template_drop: int = int(pipe.prompt_template_encode_start_idx)
         self.tokenizer_max_length = int(pipe.tokenizer_max_length)
+        # Text tokens kept per prompt: the pipeline's own default max_sequence_length (512);
+        # a request may ask for fewer.
+        self.max_sequence_length = int(
+            call_defaults(components.pipeline_class)["max_sequence_length"])
+        self.max_text_tokens = MAX_TEXT_TOKENS
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
         self.pixel_multiple = self.vae_scale_factor * 2  # 2x2 packing of the latent grid
         self.max_prompt_chars: int | None = 4000
@@ -69,7 +77,7 @@ class QwenImageStepPipeline:
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _encode_prompt(self, prompt: str) -> torch.Tensor:
+    def _encode_prompt(self, prompt: str, length: int) -> torch.Tensor:
         """(1, L, D) text tokens: Qwen2.5-VL's last hidden states after the template prefix."""
         tokens = self.tokenizer(
             [self.template.format(prompt)],
@@ -83,7 +91,7 @@ class QwenImageStepPipeline:
         )
         # One prompt, so no padding: every token is real and the length is known on the host.
         hidden = out.hidden_states[-1][:, self.template_drop:]
-        return hidden[:, :MAX_TEXT_TOKENS].to(self.text_encoder.dtype)
+        return hidden[:, :length].to(self.text_encoder.dtype)
 
     def limits(self) -> ModelLimits:
         """QwenEmbedRope's table holds ``len(pos_freqs)`` positions; it centres the image on
@@ -93,7 +101,8 @@ class QwenImageStepPipeline:
         # A token is one pixel multiple (2x2 packed latents); a position covers 2 tokens.
         return ModelLimits.of_table(positions, pixel_multiple=self.pixel_multiple,
                                     tokens_per_position=2,
-                                    max_prompt_chars=self.max_prompt_chars)
+                                    max_prompt_chars=self.max_prompt_chars,
+                                    max_text_tokens=self.max_text_tokens)
 
     def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return (2 * (height // self.pixel_multiple), 2 * (width // self.pixel_multiple))
@@ -102,9 +111,10 @@ class QwenImageStepPipeline:
     def prepare_encode(self, state: DenoiseState) -> None:
         p = state.params
         n = p.num_images
-        texts = [self._encode_prompt(p.prompt)] * n
+        length = p.max_sequence_length or self.max_sequence_length
+        texts = [self._encode_prompt(p.prompt, length)] * n
         if p.uses_true_cfg:
-            texts += [self._encode_prompt(p.negative_prompt or "")] * n
+            texts += [self._encode_prompt(p.negative_prompt or "", length)] * n
         longest = max(t.shape[1] for t in texts)
         # (rows, L, D) right-padded to this request's longest prompt, with (rows, L) mask.
         embeds = torch.zeros(len(texts), longest, texts[0].shape[2], dtype=texts[0].dtype,

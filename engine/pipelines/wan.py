@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ditserve.engine.adapters import rows as adapter_rows
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import WAN
+from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.wan_block import chunk_token_math
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
-MAX_TEXT_TOKENS = 512  # diffusers' WanPipeline default max_sequence_length
+MAX_TEXT_TOKENS = 512  # the released Wan models' text length (UMT5, 512 tokens)
 
 
 class WanStepPipeline:
@@ -86,8 +88,11 @@ class WanStepPipeline:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
         self._prompt_clean = prompt_clean  # diffusers' own cleaning (html, whitespace, ftfy)
-        self.max_sequence_length = min(
-            MAX_TEXT_TOKENS, int(getattr(self.tokenizer, "model_max_length", MAX_TEXT_TOKENS)))
+        # UMT5 tokens per prompt: WanPipeline's own default (512), whatever the tokenizer
+        # says; a request may ask for another length up to 512, the released models' length.
+        self.max_sequence_length = int(
+            call_defaults(components.pipeline_class)["max_sequence_length"])
+        self.max_text_tokens = MAX_TEXT_TOKENS
         self.max_prompt_chars: int | None = 4000
         self.patch = tuple(self.experts[0].config.patch_size)  # (t, h, w)
         self.frame_step: int | None = int(self.vae.config.scale_factor_temporal)
@@ -98,11 +103,11 @@ class WanStepPipeline:
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _encode_prompt(self, prompt: str) -> torch.Tensor:
+    def _encode_prompt(self, prompt: str, length: int) -> torch.Tensor:
         """(1, L, D) UMT5 states, zeroed past the prompt's own tokens (as diffusers)."""
         tokens = self.tokenizer(
             [self._prompt_clean(prompt)], padding="max_length",
-            max_length=self.max_sequence_length, truncation=True, add_special_tokens=True,
+            max_length=length, truncation=True, add_special_tokens=True,
             return_attention_mask=True, return_tensors="pt",
         )
         length = int(tokens.attention_mask.sum())  # host tensors: no device sync
@@ -120,7 +125,8 @@ class WanStepPipeline:
         return ModelLimits.of_table(
             int(self.experts[0].config.rope_max_seq_len), pixel_multiple=self.pixel_multiple,
             frame_step=self.frame_step, frames_per_position=int(self.patch[0]),
-            max_prompt_chars=self.max_prompt_chars)
+            max_prompt_chars=self.max_prompt_chars,
+            max_text_tokens=self.max_text_tokens)
 
     def latent_shape(self, n: int, num_frames: int, height: int, width: int) -> tuple[int, ...]:
         frames = (num_frames - 1) // int(self.frame_step or 1) + 1
@@ -132,9 +138,10 @@ class WanStepPipeline:
         p = state.params
         n = p.num_images
         cfg = p.guidance_scale > 1.0  # diffusers' WanPipeline: CFG whenever guidance > 1
-        texts = [self._encode_prompt(p.prompt)] * n
+        length = p.max_sequence_length or self.max_sequence_length
+        texts = [self._encode_prompt(p.prompt, length)] * n
         if cfg:
-            texts += [self._encode_prompt(p.negative_prompt or "")] * n
+            texts += [self._encode_prompt(p.negative_prompt or "", length)] * n
         state.rows = len(texts)
         state.host["cfg"] = cfg
         state.static_rows = {"encoder_hidden_states": torch.cat(texts)}
@@ -177,12 +184,13 @@ class WanStepPipeline:
         out: torch.Tensor | None = None
         for expert in sorted(set(experts)):
             slices = [sl for sl, e in zip(batch.row_slices, experts, strict=True) if e == expert]
-            rows = self._forward(
-                expert,
-                torch.cat([batch.hidden_states[sl] for sl in slices]),
-                torch.cat([batch.timesteps[sl] for sl in slices]),
-                torch.cat([text[sl] for sl in slices]),
-            )
+            with adapter_rows.narrowed(slices):  # the LoRA rows of this expert's forward
+                rows = self._forward(
+                    expert,
+                    torch.cat([batch.hidden_states[sl] for sl in slices]),
+                    torch.cat([batch.timesteps[sl] for sl in slices]),
+                    torch.cat([text[sl] for sl in slices]),
+                )
             if out is None:
                 out = rows.new_empty((batch.num_rows, *rows.shape[1:]))
             start = 0

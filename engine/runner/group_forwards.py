@@ -10,6 +10,9 @@ unchanged) and one ``pipeline.denoise_step``. How the forwards run is a choice m
   a step moves one pass of weights whatever its mix of shapes;
 - resident, one forward after the other (nothing to share: the weights stay on the device).
 
+Each forward carries its rows' LoRA adapters (``engine.adapters.rows``): requests with
+different adapters share a group and its forward.
+
 A group whose inputs are refused or whose forward raises fails on its own; the others' results
 stand. The runner decides what a failure means for the group's requests.
 """
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ditserve.engine.adapters import rows
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.request import BatchKey
 from ditserve.engine.runner.block_major import BlockMajor, call
@@ -87,4 +91,13 @@ class GroupForwards:
         return results
 
     def _forward(self, inputs: InputBatch) -> Callable[[], torch.Tensor]:
-        return lambda: self.pipeline.denoise_step(inputs)
+        # Each row's LoRA adapters for the adapted linears' hooks (engine.adapters), set
+        # inside the forward: a block-major lane runs in a greenlet with its own context.
+        adapters = rows.of_requests([s.params for s in inputs.states], inputs.row_slices,
+                                    inputs.num_rows)
+
+        def forward() -> torch.Tensor:
+            with rows.applying(adapters):
+                return self.pipeline.denoise_step(inputs)
+
+        return forward

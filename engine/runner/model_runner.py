@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.errors import AdapterError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
@@ -97,7 +98,9 @@ class ModelRunner:
                 streams_from_mapping=(self.device.type == "cuda" and not sharded
                                       and config.offload.compress == "none"),
                 keep_private=(f"--quantization {config.quantization} replaces the linears' "
-                              "weights" if config.quantization else None),
+                              "weights" if config.quantization else
+                              "--lora-fuse changes the linears' weights"
+                              if config.adapters.fuse else None),
                 sharded=sharded,
             )
         try:
@@ -111,6 +114,12 @@ class ModelRunner:
                 # Before offload and compilation: they wrap the blocks the hooks sit around.
                 shard_pipeline(self.pipeline, self._sequence)
             self.offload: Any = None
+            from ditserve.engine.adapters import bank
+
+            # Fused before quantization and offload read the weights; hooks (preload)
+            # after quantization replaced the linears.
+            self.adapters = bank.open_bank(self.pipeline, components, config.adapters,
+                                           device=self.device)
             if config.quantization is not None:  # before offload plans the blocks' tensors
                 from ditserve.engine.weights.quantize import quantize_dit
 
@@ -125,6 +134,7 @@ class ModelRunner:
                     self.pipeline.transformer, config.offload, device=self.device,
                     host_plan=host_plan, block_lists=self.pipeline.block_lists, **kwargs,
                 )
+            bank.preload(self.adapters, config.adapters)
             if config.compile is not None:
                 from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
@@ -193,10 +203,17 @@ class ModelRunner:
 
     # -- request registry ---------------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
+        self.adapters.acquire(new.params.loras)  # resident while the request runs
         self._states[new.request_id] = DenoiseState(new.request_id, new.params, new.seed)
 
+    def _pop(self, request_id: str) -> DenoiseState | None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.adapters.release(state.params.loras)
+        return state
+
     def drop(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        self._pop(request_id)
         self._inflight.forget(request_id)
 
     # -- one step -----------------------------------------------------------------------------
@@ -215,11 +232,16 @@ class ModelRunner:
         """
         out = RunnerOutput()
         for new in new_requests:
-            self.add_request(new)
+            try:
+                self.add_request(new)
+            except AdapterError as e:  # an adapter file that cannot serve fails its request
+                log.error("request %s: %s", new.request_id, e)
+                out.failed[new.request_id] = f"adapter: {e}"
         for rid in plan.freed:
             self.drop(rid)
         for rid in plan.encode:
-            self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
+            if rid not in out.failed:
+                self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
         passes = self._collective_passes()
         if batch:
@@ -239,11 +261,12 @@ class ModelRunner:
             if rid in out.failed:
                 continue
             if not self._decodes:
-                self._states.pop(rid, None)  # the SP leader decodes this request
+                self._pop(rid)  # the SP leader decodes this request
                 out.decoded.append(rid)
                 continue
             if self._guarded(out, rid, "decode", self.pipeline.post_decode):
-                state = self._states.pop(rid)
+                state = self._pop(rid)
+                assert state is not None
                 out.decoded.append(rid)
                 self._inflight.add_decode(rid, state.pixels)
         for step in self._inflight.close():

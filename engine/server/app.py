@@ -19,13 +19,13 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from ditserve.engine.client import EngineClient, EnginePhase
-from ditserve.engine.server import video_openapi
+from ditserve.engine.server import image_openapi, video_openapi
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.openapi import build_openapi
-from ditserve.engine.server.routes import images, models, probes, videos
+from ditserve.engine.server.routes import adapters, images, models, probes, videos
 from ditserve.engine.server.state import ServerState
 
 
@@ -60,7 +60,7 @@ def create_app(
     app.state.server = state
     count = state.metrics.count_error
     install_handlers(app, count)
-    for group in (images, models, probes, videos):
+    for group in (images, models, probes, videos, adapters):
         app.include_router(group.router)
 
     # Added innermost first: RequestId -> CORS -> Guard -> routes (see edge.py).
@@ -80,9 +80,11 @@ def create_app(
         # The body's rules depend on the loaded model (pixel multiple, prompt limit, frames).
         key = (state.limits(), state.video_limits() if state.videos is not None else None)
         if key not in documents:
-            video = video_openapi.schemas(key[1]) if key[1] is not None else None
-            documents[key] = build_openapi(app, key[0], api_key=config.api_key is not None,
-                                           video_schemas=video)
+            video = key[1] is not None
+            kind = (video_openapi.schemas(key[1]) if key[1] is not None
+                    else image_openapi.schemas(key[0]))
+            documents[key] = build_openapi(app, api_key=config.api_key is not None,
+                                           kind_schemas=kind, video=video)
         return documents[key]
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -108,6 +108,17 @@ class _EngineStateCollector(Collector):
         yield GaugeMetricFamily("ditserve:prompt_cache_bytes",
                                 "Device bytes the cached prompt embeddings take.",
                                 value=float(cache.get("bytes", 0)))
+        lora = engine.adapter_stats() if engine is not None else {}
+        yield GaugeMetricFamily("ditserve:lora_adapters_loaded",
+                                "LoRA adapters loaded (selectable by name).",
+                                value=lora.get("loaded", 0))
+        yield GaugeMetricFamily("ditserve:lora_adapters_resident",
+                                "LoRA adapters resident on the device (rank 0; at most "
+                                "--max-loras beyond those of running requests).",
+                                value=lora.get("resident", 0))
+        yield GaugeMetricFamily("ditserve:lora_resident_bytes",
+                                "Device bytes of the resident LoRA adapters' factors (rank 0).",
+                                value=float(lora.get("bytes", 0)))
         transferred = float((report or {}).get("bytes_transferred", 0))
         yield CounterMetricFamily("ditserve:offload_bytes_transferred",
                                   "Weight bytes streamed host->device by layerwise offload.",

@@ -2,9 +2,10 @@
 schema), headers and media types, so clients and fuzzers (schemathesis, in CI) can rely on it.
 
 Routes declare their answers with ``answers(...)``; ``build_openapi`` adds what depends on
-the running replica: the generation body's rules (``request_schema``, from the same
-``RequestLimits`` the parser enforces: size pattern, prompt length, step bound, model id),
-the ``X-Request-Id`` header on every operation, and Bearer security when an API key is set.
+the running replica: the schemas of the kind of model it serves (``image_openapi`` or
+``video_openapi``: the bodies' rules from the same limits the parsers enforce, the answers and
+events), the ``X-Request-Id`` header on every operation, and Bearer security when an API key
+is set.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from ditserve.engine.request import MAX_DEADLINE_S, MAX_IMAGES, MAX_PARTIAL_IMAGES, MAX_PRIORITY
-from ditserve.engine.server import streaming
+from ditserve.engine.request import (
+    MAX_DEADLINE_S,
+    MAX_LORA_SCALE,
+    MAX_LORAS_PER_REQUEST,
+    MAX_PRIORITY,
+)
 from ditserve.engine.server.edge import REQUEST_ID_HEADER
-from ditserve.engine.server.schemas import FIELDS, IGNORED_FIELDS, RequestLimits
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a wrong or unknown field, a value out of range "
@@ -75,10 +79,6 @@ def readiness_answers() -> dict[int | str, Any]:
     return out
 
 
-GENERATION_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": ref("ImageGenerationRequest")}}}}
-
-
 # A character str.strip() keeps. Spelled out: JSON Schema's regex dialect (ECMA-262) and
 # Python's disagree on \s (\x1c-\x1f, \x85, \ufeff), and the engine strips with Python.
 NOT_ONLY_SPACES = "[^" + "".join(f"\\u{c:04x}" for c in range(0x3001) if chr(c).isspace()) + "]"
@@ -118,120 +118,18 @@ def scheduling_fields(wrap: Any) -> dict[str, Any]:
     }
 
 
-def request_schema(limits: RequestLimits) -> dict[str, Any]:
-    """The JSON Schema of the generation body under ``limits`` (what the parser accepts)."""
-    text = {"type": "string"}
-    prompt: dict[str, Any] = {"type": "string", "minLength": 1, "pattern": NOT_ONLY_SPACES,
-                              "description": "what to draw (not only spaces)"}
-    if limits.max_prompt_chars is not None:
-        prompt["maxLength"] = limits.max_prompt_chars
-    width, height = limits.default_size
-
-    def integer(low: int, high: int, description: str) -> dict[str, Any]:
-        return nullable({"type": "integer", "minimum": low, "maximum": high,
-                          "description": description})
-
-    def number(description: str) -> dict[str, Any]:
-        return nullable({"type": "number", "minimum": 0, "maximum": 100,
-                          "description": description})
-
-    properties: dict[str, Any] = {
-        "prompt": prompt,
-        "model": nullable({"const": limits.model_name}),
-        "n": integer(1, MAX_IMAGES, "images to generate (default 1)"),
-        "size": nullable({"type": "string", "pattern": size_pattern(limits),
-                           "description": f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple}"
-                                          f" up to {limits.max_side} (the model's and the "
-                                          f"server's bound); 'auto' or omitted: "
-                                          f"{width}x{height}"}),
-        "response_format": nullable({"const": "b64_json"}),
-        "user": nullable(text),
-        "stream": nullable({"type": "boolean", "description": "answer with Server-Sent "
-                             "Events (progress, partial images, then the images)"}),
-        "partial_images": integer(0, MAX_PARTIAL_IMAGES, "previews to stream at evenly spaced "
-                                  "steps (with stream)"),
-        **{name: nullable(text) for name in IGNORED_FIELDS if name != "output_compression"},
-        "output_compression": integer(0, 100, "accepted and ignored (PNG is lossless)"),
-        "negative_prompt": nullable(text),
-        "num_inference_steps": integer(1, limits.max_steps,
-                                       f"denoise steps (default {limits.default_steps})"),
-        "guidance_scale": number(f"distilled guidance of Flux-dev (default "
-                                 f"{limits.default_guidance:g})"),
-        "true_cfg_scale": number("classifier-free guidance with negative_prompt; > 1 needs "
-                                 "a non-empty negative_prompt (default 1: off)"),
-        "seed": integer(0, 2**63 - 1, "omitted: random, reported in the answer"),
-        **scheduling_fields(nullable),
-    }
-    for name in IGNORED_FIELDS:
-        properties[name]["description"] = "OpenAI field, accepted and ignored"
-    assert set(properties) == set(FIELDS), "the schema and the parser disagree on the fields"
-    return {
-        "type": "object", "title": "ImageGenerationRequest", "required": ["prompt"],
-        "properties": properties, "additionalProperties": False,
-        "if": {"required": ["true_cfg_scale"],
-               "properties": {"true_cfg_scale": {"type": "number", "exclusiveMinimum": 1}}},
-        "then": {"required": ["negative_prompt"],
-                 "properties": {"negative_prompt": {"type": "string", "minLength": 1}}},
-    }
+LORAS_SCHEMA: dict[str, Any] = {
+    "type": "array", "maxItems": MAX_LORAS_PER_REQUEST,
+    "description": "LoRA adapters to apply, stacked (their deltas add up): names from GET "
+                   "/v1/models; an unknown name is a 404 (adapter_not_found)",
+    "items": {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string"},
+                             "scale": {"type": ["number", "null"], "minimum": -MAX_LORA_SCALE,
+                                       "maximum": MAX_LORA_SCALE,
+                                       "description": "default 1"}}}}
 
 
-def _usage_schema() -> dict[str, Any]:
-    def details(*names: str) -> dict[str, Any]:
-        return {"type": "object", "required": list(names),
-                "properties": {n: {"type": "integer"} for n in names}}
-
-    return {"type": "object", "required": ["input_tokens", "input_tokens_details",
-                                           "output_tokens", "total_tokens"],
-            "description": "image tokens the DiT denoised (see docs/serving.md)",
-            "properties": {"input_tokens": {"type": "integer"},
-                           "input_tokens_details": details("text_tokens", "image_tokens"),
-                           "output_tokens": {"type": "integer"},
-                           "output_tokens_details": details("image_tokens", "text_tokens"),
-                           "total_tokens": {"type": "integer"}}}
-
-
-def _stream_event_schemas() -> dict[str, Any]:
-    """The JSON of each event's ``data:`` line, by ``type`` (the SSE event name)."""
-    string, integer = {"type": "string"}, {"type": "integer"}
-
-    def progress(kind: str, second: str) -> dict[str, Any]:
-        """ditserve's progress data: [kind, int, total_steps] (an array: streaming.py)."""
-        return {"type": "array", "minItems": 3, "maxItems": 3,
-                "description": f"[{kind!r}, {second}, total_steps]",
-                "prefixItems": [{"const": kind}, {"type": ["integer", "null"]}, integer]}
-
-    def event(kind: str, required: list[str], **properties: Any) -> dict[str, Any]:
-        return {"type": "object", "required": ["type", *required],
-                "properties": {"type": {"const": kind}, **properties}}
-
-    image = {"b64_json": string, "background": string, "created_at": integer,
-             "output_format": {"const": "png"}, "quality": string, "size": string,
-             "image_index": integer, "request_id": string}
-    image_required = ["b64_json", "created_at", "output_format", "size"]
-    return {
-        "QueuedEvent": progress("queued", "queue_position (0: next; null: already running)"),
-        "ProgressEvent": progress("step", "denoise steps done"),
-        "PartialImageEvent": event(streaming.PARTIAL_IMAGE,
-                                   [*image_required, "partial_image_index"], **image,
-                                   partial_image_index=integer, step=integer),
-        "CompletedEvent": event(streaming.COMPLETED, [*image_required, "usage"], **image,
-                                usage=ref("Usage")),
-        "ErrorEvent": event(streaming.ERROR, ["error"],
-                            error=_static_error()["properties"]["error"]),
-    }
-
-
-def sse_answer() -> dict[str, Any]:
-    """text/event-stream: the schema of one event (Open API 3.1: ``schema`` is per event)."""
-    names = ("QueuedEvent", "ProgressEvent", "PartialImageEvent", "CompletedEvent", "ErrorEvent")
-    return {"text/event-stream": {
-        "type": "object", "required": ["event", "data"],
-        "properties": {"event": {"enum": list(streaming.EVENT_TYPES)},
-                       "data": {"type": "string", "contentMediaType": "application/json",
-                                "contentSchema": {"oneOf": [ref(n) for n in names]}}}}}
-
-
-def _static_error() -> dict[str, Any]:
+def error_schema() -> dict[str, Any]:
     string, nullable_string = {"type": "string"}, {"type": ["string", "null"]}
     return {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"],
@@ -261,24 +159,7 @@ def _static_schemas() -> dict[str, Any]:
              "properties": {"id": string, "object": {"const": "model"}, "created": integer,
                             "owned_by": string, "ditserve": served}}
     return {
-        "Error": _static_error(),
-        **_stream_event_schemas(),
-        "Usage": _usage_schema(),
-        "ImagesResponse": {
-            "type": "object", "required": ["created", "data", "usage"],
-            "properties": {
-                "created": integer,
-                "data": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["b64_json"],
-                    "properties": {"b64_json": {"type": "string", "description": "PNG"}}}},
-                "background": {"const": "opaque"}, "output_format": {"const": "png"},
-                "size": string, "usage": ref("Usage"),
-                "ditserve": {"type": "object", "description": "seed and timings",
-                             "required": ["request_id", "seed", "num_inference_steps"],
-                             "properties": {"request_id": string, "seed": integer,
-                                            "num_inference_steps": integer,
-                                            "queue_seconds": {"type": "number"},
-                                            "latency_seconds": {"type": "number"}}}}},
+        "Error": error_schema(),
         "Model": model,
         "ModelList": {"type": "object", "required": ["object", "data"],
                       "properties": {"object": {"const": "list"},
@@ -295,21 +176,21 @@ def _static_schemas() -> dict[str, Any]:
     }
 
 
-def build_openapi(app: FastAPI, limits: RequestLimits, *, api_key: bool,
-                  video_schemas: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_openapi(app: FastAPI, *, api_key: bool, kind_schemas: dict[str, Any],
+                  video: bool) -> dict[str, Any]:
     """The whole document for this replica (``app.openapi`` caches it per limits).
 
-    One model per replica: with ``video_schemas`` (``video_openapi.schemas``, a video
-    replica) the document holds the video routes (tag ``videos``) and not the image route
-    (tag ``images``), else the reverse; the other kind's routes answer 400 and are left out.
+    One model per replica: a video replica's document (``video``, with
+    ``video_openapi.schemas``) holds the video routes (tag ``videos``) and not the image
+    route (tag ``images``); an image replica's (``image_openapi.schemas``) the reverse. The
+    other kind's routes answer 400 and are left out.
     """
-    video = video_schemas
     doc = get_openapi(title="ditserve", version="0.1.0", routes=app.routes,
                       description="OpenAI-style image and video generation on a diffusion "
                                   "transformer (one model per replica). Errors are OpenAI's "
                                   "error object; see docs/serving.md.")
-    served = "videos" if video is not None else "images"
-    other = "images" if video is not None else "videos"
+    served = "videos" if video else "images"
+    other = "images" if video else "videos"
     for path in list(doc.get("paths", {})):
         operations = doc["paths"][path]
         for method in [m for m, op in operations.items() if other in op.get("tags", ())]:
@@ -324,14 +205,7 @@ def build_openapi(app: FastAPI, limits: RequestLimits, *, api_key: bool,
     for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422; never answered
         schemas.pop(name, None)
     schemas.update(_static_schemas())
-    if video is not None:
-        schemas.update(video)
-        for name in ("ImageGenerationRequest", "ImagesResponse", "QueuedEvent",
-                     "ProgressEvent", "PartialImageEvent", "CompletedEvent", "ErrorEvent",
-                     "Usage"):
-            schemas.pop(name, None)
-    else:
-        schemas["ImageGenerationRequest"] = request_schema(limits)
+    schemas.update(kind_schemas)
     components["headers"] = {
         REQUEST_ID_HEADER: {"required": True, "schema": {"type": "string"},
                             "description": "the client's X-Request-Id, or the one the server "

@@ -5,7 +5,7 @@ syntax (400; numbers of thousands of digits, NaN, deep nesting and bad UTF-8 inc
 types and unknown fields (pydantic), valid Unicode, the served model (404), the OpenAI
 ``size`` string, the replica's limits (``RequestLimits``), then the engine's model-specific
 rules (``engine.validate_params``: pixel multiple, prompt length). Every 400 names the
-offending field in ``param`` and in the message. ``openapi.request_schema`` describes the same
+offending field in ``param`` and in the message. ``image_openapi.request_schema`` describes the same
 rules, from the same limits, for the OpenAPI document.
 """
 
@@ -29,6 +29,7 @@ from pydantic import ValidationError as PydanticValidationError
 from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, SamplingParams
+from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
 from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.model_defaults import ModelDefaults
@@ -77,6 +78,8 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: Number | None = None
     true_cfg_scale: Number | None = None
     seed: Integer | None = None
+    max_sequence_length: Integer | None = None
+    loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
 
@@ -96,6 +99,8 @@ class RequestLimits:
     max_side: int = MAX_SIDE
     max_steps: int = MAX_STEPS
     default_guidance: float = ModelDefaults.guidance  # the model's (server.model_defaults)
+    default_true_cfg: float = ModelDefaults.true_cfg  # the model's (server.model_defaults)
+    max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
 
 
 @dataclass(frozen=True)
@@ -226,10 +231,8 @@ def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: Reques
     except PydanticValidationError as e:
         raise pydantic_error(e) from e
     check_text_fields(body)
-    if body.model is not None and body.model != limits.model_name:
-        raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves "
-                            f"{limits.model_name!r} (see GET /v1/models)", param="model",
-                       code="model_not_found", reason="model_not_found")
+    loras = resolve_adapters(body.model, body.loras, engine=engine,
+                             model_name=limits.model_name)
     _check_ranges(body)
     width, height = _size(body, limits)
     params = SamplingParams(
@@ -237,10 +240,13 @@ def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: Reques
         num_inference_steps=_steps(body, limits),
         guidance_scale=(limits.default_guidance if body.guidance_scale is None
                         else body.guidance_scale),
-        true_cfg_scale=1.0 if body.true_cfg_scale is None else body.true_cfg_scale,
+        true_cfg_scale=(limits.default_true_cfg if body.true_cfg_scale is None
+                        else body.true_cfg_scale),
+        max_sequence_length=body.max_sequence_length,
         seed=body.seed, num_images=1 if body.n is None else body.n,
         # Previews are decoded only for a stream that can carry them.
         partial_images=(body.partial_images or 0) if body.stream else 0,
+        loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
     )
     try:

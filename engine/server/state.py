@@ -105,6 +105,8 @@ class ServerState:
             pixel_multiple=model.pixel_multiple, max_prompt_chars=model.max_prompt_chars,
             max_side=max_side - max_side % model.pixel_multiple,
             max_steps=max_steps, default_guidance=self.model.guidance,
+            default_true_cfg=self.model.true_cfg,
+            max_text_tokens=model.max_text_tokens or RequestLimits.max_text_tokens,
         )
 
     def video_limits(self) -> VideoLimits:
@@ -124,6 +126,7 @@ class ServerState:
             pixel_multiple=images.pixel_multiple, frame_step=frame_step,
             max_prompt_chars=images.max_prompt_chars, max_side=images.max_side,
             max_steps=images.max_steps, max_frames=max_frames,
+            max_text_tokens=images.max_text_tokens,
         )
 
     def start_engine(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.jobs.model import API_STATUSES
 from ditserve.engine.server.openapi import (
+    LORAS_SCHEMA,
     NOT_ONLY_SPACES,
     answers,
     headers,
@@ -28,6 +29,7 @@ STATUSES = list(API_STATUSES)
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]
 NOT_FOUND = {404: "No video with this id (never made, deleted, expired, or made before the "
                   "server restarted)"}
+
 
 CREATE_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": ref("VideoCreateRequest")},
@@ -75,6 +77,11 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                                           f"negative_prompt (default {limits.default_guidance})"},
         "negative_prompt": text,
         "seed": integer(0, 2**63 - 1, "omitted: random, reported in the job"),
+        "max_sequence_length": integer(1, limits.max_text_tokens, "text tokens per prompt "
+                                       "(default: the pipeline's own, 512 as in diffusers)"),
+        # In a form the list travels as JSON text.
+        "loras": {"type": "string", "description": "LoRA adapters as JSON text: "
+                  '[{"name": ..., "scale": ...}]'} if form else LORAS_SCHEMA,
         **scheduling_fields(lambda schema: schema),
     }
 

@@ -18,6 +18,7 @@ same rules from the same limits, so a body valid by the document is accepted.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -31,8 +32,9 @@ from starlette.formparsers import MultiPartException
 from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
 from ditserve.engine.server.config import MAX_FPS
-from ditserve.engine.server.errors import APIError, invalid, shown
+from ditserve.engine.server.errors import invalid, shown
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.schemas import (
     Integer,
@@ -65,12 +67,15 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: Number | None = None
     negative_prompt: StrictStr | None = None
     seed: Integer | None = None
+    max_sequence_length: Integer | None = None
+    loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
-_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "priority")
+_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "priority",
+                   "max_sequence_length")
 _NUMBER_FIELDS = ("guidance_scale", "deadline_s")
 
 
@@ -90,6 +95,7 @@ class VideoLimits:
     max_side: int
     max_steps: int
     max_frames: int
+    max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
 
     @property
     def allowed_frames(self) -> list[int]:
@@ -118,6 +124,12 @@ def _form_value(name: str, value: Any) -> Any:
     """A form field's text as the type the JSON body would carry."""
     if not isinstance(value, str):  # an uploaded file where text belongs
         raise invalid(name, f"{name}: must be a text field, got a file upload")
+    if name == "loras":  # a form carries the list as JSON text
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise invalid(name, "loras: a form field must hold a JSON list such as "
+                                '[{"name": "style", "scale": 0.8}]') from e
     if name not in _INTEGER_FIELDS + _NUMBER_FIELDS:
         return value
     text = value.strip()
@@ -248,10 +260,8 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
     except PydanticValidationError as e:
         raise pydantic_error(e, fields=FIELDS) from e
     check_text_fields(body)
-    if body.model is not None and body.model != limits.model_name:
-        raise APIError(404, f"model: {shown(body.model)} does not exist; this server serves "
-                            f"{limits.model_name!r} (see GET /v1/models)", param="model",
-                       code="model_not_found", reason="model_not_found")
+    loras = resolve_adapters(body.model, body.loras, engine=engine,
+                             model_name=limits.model_name)
     width, height = _size(body, limits)
     frames, fps = _frames_and_fps(body, limits)
     steps = limits.default_steps if body.num_inference_steps is None \
@@ -263,7 +273,8 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
-        else body.guidance_scale,
+        else body.guidance_scale, max_sequence_length=body.max_sequence_length,
+        loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
     )
     try:

@@ -18,6 +18,7 @@ ENGINE_FLAGS = {
     "--dlo-pin-limit-gib",
     "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
     "--quantization", "--dlo-compress",
+    "--lora-modules", "--max-loras", "--max-lora-rank", "--lora-fuse",
     "--scheduling-policy", "--priority-aging-s", "--max-preemptions",
     "--dlo-components", "--prompt-cache-size", "--prompt-cache-gib", "--vae-tiling",
 }
@@ -35,6 +36,8 @@ def test_generate_flag_set_is_frozen() -> None:
     assert flags("generate") == ENGINE_FLAGS | {
         "--prompt", "--negative-prompt", "--out", "--height", "--width", "--steps", "--seed",
         "--guidance-scale", "--true-cfg-scale", "--num-images", "--num-frames", "--fps",
+        "--max-sequence-length",
+        "--lora",
     }
 
 

@@ -44,7 +44,7 @@ BAD = [
     (dict(prompt="x", num_inference_steps=0), "num_inference_steps"),
     (dict(prompt="x", num_images=99), "n"),
     (dict(prompt="x", guidance_scale=-1.0), "guidance_scale"),
-    (dict(prompt="x", true_cfg_scale=3.0), "true_cfg_scale"),
+    (dict(prompt="x", max_sequence_length=0), "max_sequence_length"),
     (dict(prompt="x", seed=-5), "seed"),
     (dict(prompt="x" * 5000), "prompt"),
 ]

@@ -12,7 +12,6 @@ from PIL import Image
 
 from ditserve.engine.cli import main as ditserve_main
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.tiny_model import TINY_MAX_SEQUENCE_LENGTH
 
 TOLERANCE = 1e-3  # fp32, pixels in [0, 1]
 
@@ -33,7 +32,7 @@ def reference(pipe, params: SamplingParams) -> torch.Tensor:  # type: ignore[no-
         num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
         num_images_per_prompt=params.num_images,
         generator=torch.Generator("cpu").manual_seed(params.seed),
-        max_sequence_length=TINY_MAX_SEQUENCE_LENGTH, output_type="pt", **kwargs,
+        output_type="pt", **kwargs,
     )
     return out.images.float()
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.model_builders import TINY_TEXT_TOKENS
 from ditserve.engine.request import SamplingParams
 
 TOLERANCE = 1e-3  # fp32, pixels in [0, 1] (as the Flux reference test)
@@ -45,8 +44,8 @@ def reference(model_dir, p: SamplingParams) -> torch.Tensor:  # type: ignore[no-
         return pipe(p.prompt, negative_prompt=p.negative_prompt, height=p.height,
                     width=p.width, num_frames=p.num_frames,
                     num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
-                    num_videos_per_prompt=p.num_images, generator=generator, output_type="pt",
-                    max_sequence_length=TINY_TEXT_TOKENS).frames.float()
+                    num_videos_per_prompt=p.num_images, generator=generator,
+                    output_type="pt").frames.float()
     kwargs = {"negative_prompt": p.negative_prompt, "true_cfg_scale": p.true_cfg_scale} \
         if p.negative_prompt else {}
     return pipe(p.prompt, height=p.height, width=p.width,

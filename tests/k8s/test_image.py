@@ -1,6 +1,7 @@
 """The Dockerfile, checked without a Docker engine: the entry points it runs exist as console
-scripts, it copies only sources that exist, runs as non-root from a CUDA PyTorch base, bakes in
-no weights, and the image tag the docs say to build is the chart's and the operator's default."""
+scripts, it copies only sources that exist, runs as non-root with the CUDA build of the pinned
+torch, bakes in no weights, and the image tag the docs say to build is the chart's and the
+operator's default."""
 
 from __future__ import annotations
 
@@ -49,9 +50,14 @@ def test_copies_existing_sources_only_and_no_weights() -> None:
     assert {".venv", ".git", "tests", "**/*.safetensors"} <= set(ignored)
 
 
-def test_cuda_base_and_non_root_user() -> None:
+def test_cuda_torch_and_non_root_user() -> None:
+    # The base is plain Python; torch is requirements.txt's pin, and the build refuses a torch
+    # without CUDA (tests/test_setup.py checks the pin against the tested one).
     base = next(rest for word, rest in _instructions() if word == "ARG" and "BASE_IMAGE" in rest)
-    assert "pytorch/pytorch:" in base and "cuda" in base and "runtime" in base
+    assert base.startswith("BASE_IMAGE=python:")
+    installs = [rest for word, rest in _instructions() if word == "RUN" and "pip install" in rest]
+    assert any("-r requirements.txt" in rest and "torch.version.cuda" in rest
+               for rest in installs)
     users = [rest for word, rest in _instructions() if word == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     # The chart's and the operator's pods assume uid 1000.

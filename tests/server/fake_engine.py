@@ -46,6 +46,7 @@ class FakeEngine:
     frame_step: int | None = None  # a video model's (Wan: 4); None: an image model
     max_side: int = MAX_SIDE  # what the model's positional table reaches
     max_frames: int = MAX_FRAMES
+    adapters: Any = None  # an AdapterCatalog, when a test serves adapters
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -63,6 +64,10 @@ class FakeEngine:
 
     def facts(self) -> EngineFacts | None:
         return EngineFacts(self.limits, device="cpu", dtype="float32") if self.ready else None
+
+    def adapter_stats(self) -> dict[str, int]:
+        loaded = len(self.adapters.entries()) if self.adapters is not None else 0
+        return {"loaded": loaded, "resident": 0, "bytes": 0}
 
     def start(self) -> FakeEngine:
         self.phase = EnginePhase.READY

@@ -65,8 +65,8 @@ def test_concurrent_requests_equal_alone_and_batch(server, metric) -> None:
 LIMIT_PROMPT = "x" * 4001
 FIELDS = ("prompt, model, n, size, response_format, user, stream, partial_images, background, "
           "moderation, output_compression, output_format, quality, style, safety_identifier, "
-          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, priority, "
-          "deadline_s")
+          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, loras, "
+          "priority, deadline_s")
 HUGE = "9" * 5000
 
 BAD_INPUTS = [
@@ -122,8 +122,8 @@ BAD_INPUTS = [
      "the request body is not valid JSON: NaN is not a JSON number"),
     ("guidance-huge", f'{{"prompt": "cat", "guidance_scale": 1{"0" * 400}}}'.encode(), 400,
      "guidance_scale", f"guidance_scale: is out of range, got 1{'0' * 17}...{'0' * 19}"),
-    ("cfg-without-negative", {"prompt": "cat", "true_cfg_scale": 4}, 400, "true_cfg_scale",
-     "true_cfg_scale: > 1 needs a negative_prompt (true CFG contrasts the two)"),
+    ("text-too-long", {"prompt": "cat", "max_sequence_length": 513}, 400, "max_sequence_length",
+     "max_sequence_length: must be an integer in [1, 512] for this model, got 513"),
     ("seed-negative", {"prompt": "cat", "seed": -1}, 400, "seed",
      "seed: must be an integer in [0, 2^63), got -1"),
     ("stream-type", {"prompt": "cat", "stream": "yes"}, 400, "stream",

@@ -7,10 +7,12 @@ HTTP, what a restart leaves, and the SDK's error classes."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from server.video_support import FINAL, AnySizeVideo, mp4_facts
@@ -100,6 +102,14 @@ def test_range_requests_on_the_real_mp4(client, video_server) -> None:
     past = httpx.get(url, headers={"Range": f"bytes={size}-"})
     assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{size}"
     assert set(past.json()["error"]) == {"message", "type", "param", "code"}
+    # The 416 is the document's own: declared on the route, with its header and body.
+    doc = httpx.get(f"{video_server.url}/openapi.json").json()
+    declared = doc["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]["416"]
+    pattern = declared["headers"]["Content-Range"]["schema"]["pattern"]
+    assert re.fullmatch(pattern, past.headers["content-range"])
+    body_schema = {**declared["content"]["application/json"]["schema"],
+                   "components": doc["components"]}
+    jsonschema.validate(past.json(), body_schema)
 
 
 def test_delete_cancels_a_queued_job_and_removes_a_finished_one(client, video_server,

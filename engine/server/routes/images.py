@@ -25,7 +25,7 @@ from ditserve.engine.errors import (
     EngineStoppedError,
     RequestAborted,
 )
-from ditserve.engine.server import openapi, responses, streaming
+from ditserve.engine.server import image_openapi, openapi, responses, streaming
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, log_error, request_id_of
@@ -89,10 +89,10 @@ def _silence(future: asyncio.Future[Any]) -> None:
 
 
 @router.post(
-    "/v1/images/generations", response_model=None, tags=["images"], openapi_extra=openapi.GENERATION_BODY,
+    "/v1/images/generations", response_model=None, tags=["images"], openapi_extra=image_openapi.GENERATION_BODY,
     summary="Generate images (OpenAI images API; JSON, or Server-Sent Events with stream)",
     responses=openapi.answers(
-        {**openapi.json_answer("ImagesResponse"), **openapi.sse_answer()},
+        {**openapi.json_answer("ImagesResponse"), **image_openapi.sse_answer()},
         404, 413, 429, 503, 504,
         ok_description="The images (JSON), or with `stream` an event stream: "
                        "image_generation.partial_image, .completed (OpenAI), error, and "

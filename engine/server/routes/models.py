@@ -1,7 +1,9 @@
 """GET /v1/models and GET /v1/models/{id}: the served model, in OpenAI's model format, with
 ditserve's own ``ditserve`` object: what the replica makes, what a request may ask of it (the
 loaded model's limits within the server's flags: sizes, frames, steps, prompt length) and
-its defaults. The same limits are in the OpenAPI document's request schemas."""
+its defaults. The same limits are in the OpenAPI document's request schemas. Its LoRA
+adapters follow as models of their own, whose card has ``parent`` (the base model) and
+``root`` (the adapter's file), as vLLM lists LoRA modules."""
 
 from __future__ import annotations
 
@@ -46,10 +48,19 @@ def served(state: ServerState) -> dict[str, Any]:
             "defaults": defaults, "adapters": list(facts.adapters) if facts else []}
 
 
-@router.get("/v1/models", response_model=None, summary="The served model, as a list",
+def adapter_cards(state: ServerState) -> list[dict[str, Any]]:
+    """One card per served LoRA adapter (none before the engine has loaded)."""
+    catalog = state.engine.adapters
+    return [{"id": entry.name, "object": "model", "created": CREATED, "owned_by": "ditserve",
+             "parent": state.model_name, "root": entry.path}
+            for entry in (catalog.entries() if catalog is not None else ())]
+
+
+@router.get("/v1/models", response_model=None, summary="The served model and its adapters",
             responses=openapi.answers(openapi.json_answer("ModelList")))
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(request.app.state.server)]}
+    state = request.app.state.server
+    return {"object": "list", "data": [model_card(state), *adapter_cards(state)]}
 
 
 @router.get("/v1/models/{model_id:path}", response_model=None, summary="One model by id",
@@ -57,6 +68,9 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
     name = state.model_name
+    adapter = next((c for c in adapter_cards(state) if c["id"] == model_id), None)
+    if adapter is not None:
+        return adapter
     if model_id != name:
         raise APIError(404, f"model {shown(model_id)} does not exist; this server serves "
                             f"{name!r}", param="model", code="model_not_found",

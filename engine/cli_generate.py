@@ -1,0 +1,158 @@
+"""`ditserve generate`: one request on a local model, written to an image or an MP4.
+
+Every value the flags leave out comes from the model and its diffusers pipeline
+(``server.model_defaults``): a default ``ditserve generate`` runs what a default diffusers
+call runs (guidance, true CFG, text length, a video model's frame count). ``--out`` must fit
+what the model makes; a wrong extension is refused before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ditserve.engine.adapters.config import parse_lora_arg
+from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ditserve.engine.request import SamplingParams
+    from ditserve.engine.server.model_defaults import ModelDefaults
+
+def _save_images(images: list, out: Path) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if len(images) == 1:
+        images[0].save(out)
+        return [out]
+    paths = []
+    for i, image in enumerate(images):
+        path = out.with_name(f"{out.stem}-{i}{out.suffix or '.png'}")
+        image.save(path)
+        paths.append(path)
+    return paths
+
+
+def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
+    from ditserve.engine.video import write_mp4
+
+    videos = list(pixels)  # type: ignore[call-overload]
+    if len(videos) == 1:
+        return [write_mp4(videos[0], out, fps=fps)]
+    return [write_mp4(v, out.with_name(f"{out.stem}-{i}{out.suffix or '.mp4'}"), fps=fps)
+            for i, v in enumerate(videos)]
+
+
+VIDEO_SUFFIX = ".mp4"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def output_path(out: Path | None, *, video: bool) -> Path:
+    """Where ``generate`` writes: ``--out`` if its extension fits what the model makes (an
+    MP4 for a video model, an image format for an image model), else an error that says so."""
+    if out is None:
+        return Path("out.mp4" if video else "out.png")
+    suffix = out.suffix.lower()
+    if video and suffix != VIDEO_SUFFIX:
+        raise ConfigError(f"--out {out}: this is a video model, which writes an H.264 MP4; "
+                          f"give a {VIDEO_SUFFIX} path (e.g. {out.with_suffix(VIDEO_SUFFIX)})")
+    if not video and suffix not in IMAGE_SUFFIXES:
+        raise ConfigError(f"--out {out}: this is an image model; give a path ending in one of "
+                          f"{', '.join(IMAGE_SUFFIXES)} (e.g. {out.with_suffix('.png')})")
+    return out
+
+
+def generation_params(args: argparse.Namespace, defaults: ModelDefaults) -> SamplingParams:
+    """The request ``generate`` runs: the flags given, the model pipeline's defaults for the
+    rest (``server.model_defaults``: a default diffusers call's guidance, CFG, frames)."""
+    from ditserve.engine.request import SamplingParams
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return SamplingParams(
+        prompt=args.prompt, negative_prompt=args.negative_prompt,
+        height=given(args.height, defaults.height), width=given(args.width, defaults.width),
+        num_inference_steps=given(args.steps, defaults.steps),
+        guidance_scale=given(args.guidance_scale, defaults.guidance),
+        true_cfg_scale=given(args.true_cfg_scale, defaults.true_cfg), seed=args.seed,
+        num_images=args.num_images, num_frames=given(args.num_frames, defaults.frames),
+        max_sequence_length=args.max_sequence_length,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
+    from ditserve.engine.server.model_defaults import model_defaults
+
+    loras = [parse_lora_arg(text) for text in args.lora or ()]
+    if loras:  # the request's adapters are served as --lora-modules
+        args.lora_modules = [*(args.lora_modules or ()), *(f"{n}={p}" for n, p, _ in loras)]
+    config = engine_config_from_args(args)
+    defaults = model_defaults(config.model)
+    video = defaults.output == "video"
+    out = output_path(args.out, video=video)  # refused before minutes of loading
+    params = generation_params(args, defaults)
+    fps = defaults.fps if args.fps is None else args.fps
+    # With --compile: compile at the requested size before the request runs.
+    engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(params.height, params.width)))
+    engine.start()
+    try:
+        if loras and engine.adapters is not None:
+            params = replace(params, loras=engine.adapters.resolve(
+                [(name, scale) for name, _, scale in loras]))
+        started = time.perf_counter()
+        handle = engine.add_request(
+            params, on_event=lambda e: e.kind == "step" and print(
+                f"\rstep {e.step}/{e.total_steps}", end="", file=sys.stderr, flush=True)
+        )
+        result = handle.result()
+        print(file=sys.stderr)
+        if result.is_video:
+            paths = _save_videos(result.pixels, out, fps)
+        else:
+            paths = _save_images(result.images, out)
+        print(f"saved {', '.join(map(str, paths))} (seed {result.seed}, "
+              f"{params.num_inference_steps} steps, {time.perf_counter() - started:.2f}s)")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def add_generate_parser(subcommands: Any) -> None:
+    gen = subcommands.add_parser("generate",
+                                 help="generate one image (or video) with a local model")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt", default=None,
+                     help="what CFG steers away from (\"\" counts: CFG against the empty "
+                          "prompt, as diffusers)")
+    gen.add_argument("--out", type=Path, default=None,
+                     help="output path: an image (.png, .jpg, .webp; default out.png) for image "
+                          "models, an H.264 .mp4 for video models (default out.mp4)")
+    gen.add_argument("--height", type=int, default=None,
+                     help="pixels (default: the model's usual size; 64 for a tiny model)")
+    gen.add_argument("--width", type=int, default=None, help="pixels (default as --height)")
+    gen.add_argument("--steps", type=int, default=None,
+                     help="num_inference_steps (default: the pipeline's, e.g. 28 Flux-dev, 50 "
+                          "Qwen-Image and Wan; 4 for a tiny model)")
+    gen.add_argument("--seed", type=int, default=None, help="random if omitted (printed)")
+    gen.add_argument("--guidance-scale", type=float, default=None,
+                     help="default: the pipeline's (Flux 3.5 distilled guidance; Wan 5.0 CFG)")
+    gen.add_argument("--true-cfg-scale", type=float, default=None,
+                     help="CFG against --negative-prompt (even an empty one) when > 1; default: "
+                          "the pipeline's (Flux 1.0: off; Qwen-Image 4.0)")
+    gen.add_argument("--max-sequence-length", type=int, default=None,
+                     help="text tokens per prompt (default: the pipeline's own, 512)")
+    gen.add_argument("--num-images", type=int, default=1)
+    gen.add_argument("--num-frames", type=int, default=None,
+                     help="video models: frames (default: the model's usual count, 81 for "
+                          "Wan; 4k+1)")
+    gen.add_argument("--lora", action="append", default=None, metavar="NAME=PATH[:SCALE]",
+                     help="apply a LoRA adapter file at SCALE (default 1); repeat to stack")
+    gen.add_argument("--fps", type=int, default=None,
+                     help="video models: MP4 frame rate (default: the model's, 16 for Wan)")
+    add_engine_options(gen, with_config_file=False)
+    gen.set_defaults(func=cmd_generate)

@@ -1,0 +1,134 @@
+"""LoRA adapters over HTTP, against `ditserve serve --lora-modules` as a real process:
+selection by ``model`` and by ``loras``, ``/v1/models``, vLLM's load / unload routes behind
+the API key, OpenAI error objects for unknown adapters and for an unload while in use, and
+the adapters' bytes in /metrics."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from adapters.lora_files import peft_lora  # type: ignore[import-not-found]
+from PIL import Image
+from server.conftest import metric_value, start_server  # type: ignore[import-not-found]
+
+from ditserve.engine.server.streaming import parse_sse
+
+KEY = "lora-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GEN = "/v1/images/generations"
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, dict[str, Path]]]:
+    from diffusers import FluxTransformer2DModel
+
+    from ditserve.engine.tiny_model import init_tiny
+
+    tmp = tmp_path_factory.mktemp("lora-server")
+    model = init_tiny(tmp / "model", family="flux")
+    dit = FluxTransformer2DModel.from_pretrained(model / "transformer")
+    files = {"style": peft_lora(dit, tmp / "style.safetensors", rank=4, seed=1, std=0.6),
+             "extra": peft_lora(dit, tmp / "extra.safetensors", rank=8, seed=2,
+                                targets=("to_q", "proj_mlp"))}
+    server = start_server(tmp, "--model", str(model), "--lora-modules",
+                          f"style={files['style']}", "--max-steps", "400",
+                          env={"DITSERVE_API_KEY": KEY})
+    yield server, files
+    server.stop()
+
+
+def image(body: dict[str, object], server) -> np.ndarray:  # type: ignore[no-untyped-def]
+    response = httpx.post(f"{server.url}{GEN}", json=body, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    raw = base64.b64decode(response.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(raw)).convert("RGB")).astype(int)
+
+
+def test_models_list_adapters_with_parent(lora_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = lora_server
+    data = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]
+    base, adapter = data[0], data[1]
+    assert adapter["id"] == "style" and adapter["parent"] == base["id"]
+    assert httpx.get(f"{server.url}/v1/models/style", headers=AUTH).json()["parent"] == base["id"]
+
+
+def test_model_name_selects_the_adapter_at_scale_one(lora_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = lora_server
+    body = {"prompt": "a red fox", "seed": 5, "num_inference_steps": 3, "size": "64x64"}
+    by_model = image({**body, "model": "style"}, server)
+    by_field = image({**body, "loras": [{"name": "style", "scale": 1.0}]}, server)
+    base = image(body, server)
+    half = image({**body, "loras": [{"name": "style", "scale": 0.5}]}, server)
+    assert np.abs(by_model - by_field).max() <= 1
+    assert np.abs(by_model - base).max() > 4  # the adapter changed the image
+    assert np.abs(half - by_model).max() > 1  # and its scale matters
+
+
+def test_unknown_adapters_are_openai_404s(lora_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = lora_server
+    bad_model = httpx.post(f"{server.url}{GEN}", json={"prompt": "x", "model": "nope"},
+                           headers=AUTH)
+    assert bad_model.status_code == 404
+    assert bad_model.json()["error"]["code"] == "model_not_found"
+    assert "'style'" in bad_model.json()["error"]["message"]  # lists what is served
+    bad_lora = httpx.post(f"{server.url}{GEN}", headers=AUTH,
+                          json={"prompt": "x", "loras": [{"name": "nope"}]})
+    assert bad_lora.status_code == 404
+    error = bad_lora.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (
+        "loras", "adapter_not_found", "invalid_request_error")
+    bad_scale = httpx.post(f"{server.url}{GEN}", headers=AUTH,
+                           json={"prompt": "x", "loras": [{"name": "style", "scale": "1"}]})
+    assert bad_scale.status_code == 400 and bad_scale.json()["error"]["param"] == "loras"
+
+
+def test_load_use_and_unload_an_adapter(lora_server, metric=metric_value) -> None:  # type: ignore[no-untyped-def]
+    server, files = lora_server
+    load = {"lora_name": "extra", "lora_path": str(files["extra"])}
+    assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=load).status_code == 401
+    loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json=load, headers=AUTH)
+    assert loaded.status_code == 200 and "extra" in loaded.text
+    again = httpx.post(f"{server.url}/v1/load_lora_adapter", json=load, headers=AUTH)
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    missing = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=AUTH,
+                         json={"lora_name": "ghost", "lora_path": "/nonexistent.safetensors"})
+    assert missing.status_code == 400 and "does not exist" in missing.json()["error"]["message"]
+    ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]]
+    assert "extra" in ids
+
+    body = {"prompt": "a red fox", "seed": 5, "num_inference_steps": 400, "size": "32x32",
+            "loras": [{"name": "extra", "scale": 0.5}, {"name": "style"}], "stream": True}
+    with httpx.stream("POST", f"{server.url}{GEN}", json=body, headers=AUTH,
+                      timeout=300) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        seen = []
+        for line in lines:
+            seen.append(line)
+            if "ditserve.progress" in line:
+                break  # the request is running now, with its adapters
+        busy = httpx.post(f"{server.url}/v1/unload_lora_adapter", headers=AUTH,
+                          json={"lora_name": "extra"})
+        events = parse_sse("\n".join([*seen, *lines]) + "\n")
+    assert busy.status_code == 409, busy.text
+    assert busy.json()["error"]["code"] == "adapter_in_use"
+    assert events[-1][0] == "image_generation.completed"
+
+    metrics = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+    assert metric(metrics, "ditserve:lora_adapters_loaded") == 2
+    assert metric(metrics, "ditserve:lora_resident_bytes") > 0
+    done = httpx.post(f"{server.url}/v1/unload_lora_adapter", headers=AUTH,
+                      json={"lora_name": "extra"})
+    assert done.status_code == 200
+    gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", headers=AUTH,
+                      json={"lora_name": "extra"})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "adapter_not_found"
+    after = httpx.post(f"{server.url}{GEN}", headers=AUTH,
+                       json={"prompt": "x", "loras": [{"name": "extra"}]})
+    assert after.status_code == 404

@@ -1,0 +1,187 @@
+"""The adapter pieces on their own: flag syntax and config rules, the catalog's names,
+generations and in-use refusals, the file checks (text-encoder parts, rank, format), the
+row segments of a narrowed forward, and the work an adapter adds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ditserve.engine.adapters.catalog import AdapterCatalog
+from ditserve.engine.adapters.config import (
+    AdapterConfig,
+    parse_lora_arg,
+    parse_lora_module,
+    startup_refs,
+)
+from ditserve.engine.adapters.rows import RowAdapters, RowSegment
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.errors import AdapterError, AdapterNotFoundError, ConfigError
+from ditserve.engine.request import LoraRef, SamplingParams
+from ditserve.engine.work import WorkRule
+
+
+def test_flag_syntax() -> None:
+    assert parse_lora_module("style=/data/s.safetensors") == ("style", "/data/s.safetensors")
+    assert parse_lora_arg("style=/data/s.safetensors:0.6") == ("style", "/data/s.safetensors", 0.6)
+    assert parse_lora_arg("s=C:/x.safetensors") == ("s", "C:/x.safetensors", 1.0)
+    for bad in ("noequals", "=path", "bad name=/x", "x="):
+        with pytest.raises(ConfigError):
+            parse_lora_module(bad)
+
+
+def test_config_rules_through_from_mapping() -> None:
+    ok = EngineConfig.from_mapping({"adapters": {"lora_modules": {"a": "/a.safetensors"},
+                                                 "max_loras": 2}})
+    assert ok.adapters.max_loras == 2
+    with pytest.raises(ConfigError, match="exactly one adapter"):
+        EngineConfig.from_mapping({"adapters": {"lora_modules": {"a": "/a", "b": "/b"},
+                                                "fuse": True}})
+    with pytest.raises(ConfigError, match="max_loras must be an integer >= 1"):
+        EngineConfig.from_mapping({"adapters": {"max_loras": 0}})
+    with pytest.raises(ConfigError, match="--compile"):
+        EngineConfig.from_mapping({"compile": "inductor",
+                                   "adapters": {"lora_modules": {"a": "/a"}}})
+
+
+def catalog(**modules: str) -> AdapterCatalog:
+    return AdapterCatalog(AdapterConfig(lora_modules=dict(modules)), inspect=lambda path: 16)
+
+
+def test_catalog_resolves_names_as_the_runners_number_them() -> None:
+    config = AdapterConfig(lora_modules={"a": "/a.safetensors", "b": "/b.safetensors"})
+    c = AdapterCatalog(config, inspect=lambda path: 8)
+    refs = c.resolve([("b", 0.5), ("a", 1.0)])
+    assert [(r.name, r.scale, r.rank) for r in refs] == [("b", 0.5, 8), ("a", 1.0, 8)]
+    assert {r.key for r in refs} == {r.key for r in startup_refs(config)}
+    with pytest.raises(AdapterNotFoundError, match="'nope' is not loaded .*loaded: a, b"):
+        c.resolve([("nope", 1.0)])
+
+
+def test_catalog_load_unload_and_in_use() -> None:
+    c = catalog(a="/a.safetensors")
+    entry = c.load("new", "/new.safetensors")
+    assert entry.version == 1 and "new" in c
+    with pytest.raises(AdapterError, match="already loaded"):
+        c.load("new", "/other.safetensors")
+    refs = c.resolve([("new", 1.0)])
+    c.hold(refs)
+    with pytest.raises(AdapterError, match="in use by 1"):
+        c.unload("new")
+    c.release(refs)
+    c.unload("new")
+    with pytest.raises(AdapterNotFoundError):
+        c.unload("new")
+    assert c.load("new", "/new.safetensors").version == 2  # a new generation
+
+
+def test_a_bad_file_is_not_registered() -> None:
+    def inspect(path: str) -> int:
+        raise AdapterError(f"adapter file {path!r} does not exist")
+
+    c = AdapterCatalog(AdapterConfig(), inspect=inspect)
+    with pytest.raises(AdapterError, match="does not exist"):
+        c.load("x", "/missing.safetensors")
+    assert "x" not in c
+
+
+def test_fused_catalog() -> None:
+    c = AdapterCatalog(AdapterConfig(lora_modules={"a": "/a"}, fuse=True), inspect=lambda p: 4)
+    assert c.resolve([("a", 1.0)]) == ()
+    with pytest.raises(AdapterError, match="fused"):
+        c.resolve([("a", 0.5)])
+    with pytest.raises(AdapterError, match="fused"):
+        c.load("b", "/b")
+
+
+def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> Path:
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def test_file_checks(tmp_path: Path) -> None:
+    from diffusers import FluxPipeline
+
+    from ditserve.engine.adapters.files import read_adapter
+
+    a, b = torch.randn(4, 32), torch.randn(32, 4)
+    dit = {"transformer.x.to_q.lora_A.weight": a, "transformer.x.to_q.lora_B.weight": b}
+    te = {"text_encoder.q.lora_A.weight": a.clone(), "text_encoder.q.lora_B.weight": b.clone()}
+    with pytest.raises(AdapterError, match="also adapts text_encoder"):
+        read_adapter(write(tmp_path / "te.safetensors", dit | te), FluxPipeline, max_rank=64)
+    with pytest.raises(AdapterError, match="above --max-lora-rank 2"):
+        read_adapter(write(tmp_path / "r.safetensors", dit), FluxPipeline, max_rank=2)
+    pickle = tmp_path / "w.bin"
+    pickle.write_bytes(b"x")
+    with pytest.raises(AdapterError, match="not a .safetensors file"):
+        read_adapter(pickle, FluxPipeline, max_rank=64)
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 4,
+                                                 "transformer.lora_alpha": 8})}
+    weights = read_adapter(write(tmp_path / "m.safetensors", dit, meta), FluxPipeline,
+                           max_rank=64)
+    assert weights.layers[("transformer", "x.to_q")].scaling == 2.0  # lora_alpha / r
+    (tmp_path / "dir").mkdir()
+    write(tmp_path / "dir" / "pytorch_lora_weights.safetensors", dit)
+    assert read_adapter(tmp_path / "dir", FluxPipeline, max_rank=64).rank == 4
+
+
+def test_rows_of_a_narrowed_forward() -> None:
+    rows = RowAdapters(6, (RowSegment(0, 2, ((("a", 0), 1.0),)),
+                           RowSegment(4, 6, ((("b", 0), 0.5),))))
+    # Rows 1..2 and 4..5 as one forward of 3 rows: row 0 is a's, rows 1..2 are b's.
+    narrowed = rows.narrowed([slice(1, 2), slice(2, 4), slice(4, 6)])
+    assert narrowed.rows == 5
+    assert narrowed.segments == (RowSegment(0, 1, ((("a", 0), 1.0),)),
+                                 RowSegment(3, 5, ((("b", 0), 0.5),)))
+
+
+def test_adapter_work_is_counted() -> None:
+    rule = WorkRule()
+    plain = SamplingParams(prompt="x", height=1024, width=1024)
+    adapted = SamplingParams(prompt="x", height=1024, width=1024,
+                             loras=(LoraRef("a", "/a", rank=64), LoraRef("b", "/b", rank=64)))
+    assert rule.of(plain).tokens == 4096
+    # Two rank-64 adapters: 2 x 2 x 64 / 3072 of the rows' work on top.
+    assert rule.of(adapted).tokens == 4096 + 4096 * 256 // 3072 + 1
+
+
+def test_request_validation_of_loras() -> None:
+    p = SamplingParams(prompt="x", loras=(LoraRef("a", "/a", scale=11.0),))
+    with pytest.raises(Exception, match="scale must be a number in"):
+        p.validate()
+    twice = SamplingParams(prompt="x", loras=(LoraRef("a", "/a"), LoraRef("a", "/a")))
+    with pytest.raises(Exception, match="named twice"):
+        twice.validate()
+
+
+def test_grouped_and_segment_paths_agree() -> None:
+    from torch import nn
+
+    from ditserve.engine.adapters.files import LoraFactors
+    from ditserve.engine.adapters.linear import AdaptedLinear
+    from ditserve.engine.adapters.rows import applying
+
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40)
+    x = torch.randn(6, 5, 24)
+    factors = [LoraFactors(down=torch.randn(4, 24), up=torch.randn(40, 4), scaling=0.5 + i)
+               for i in range(3)]
+    outs = []
+    for grouped in (True, False):
+        layer = AdaptedLinear("l", base, grouped=grouped)
+        for i in range(3):
+            layer.add((f"a{i}", 0), factors[i])
+        # Three adjacent 2-row segments, one adapter each: the grouped path's case.
+        rows = RowAdapters(6, tuple(RowSegment(2 * i, 2 * i + 2, (((f"a{i}", 0), 0.3 * i - 0.2),))
+                                    for i in range(3)))
+        with applying(rows), torch.no_grad():
+            outs.append(base(x))
+        layer.remove(("a0", 0)), layer.remove(("a1", 0)), layer.remove(("a2", 0))
+    with torch.no_grad():
+        plain = base(x)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    assert (outs[0] - plain).abs().max() > 1e-2

@@ -1,0 +1,68 @@
+"""`ditserve generate` on a video model: the model's usual frame count by default, an MP4
+where it was asked for one, and a refusal (before loading) of an extension that does not fit
+what the model makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import pytest
+
+from ditserve.engine.cli import main
+from ditserve.engine.server.model_defaults import model_defaults
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ditserve.engine.tiny_model import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny-wan", family="wan")
+
+
+def _frames(path: Path) -> int:
+    with av.open(str(path)) as container:
+        return sum(1 for _ in container.decode(video=0))
+
+
+def test_a_video_model_writes_its_usual_frame_count_by_default(
+    tiny_wan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "waves.mp4"
+    assert main(["generate", "--model", str(tiny_wan), "--prompt", "waves", "--seed", "1",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    usual = model_defaults(tiny_wan).frames
+    assert usual > 1  # 9 for a tiny Wan (81 for a released one)
+    assert _frames(out) == usual
+    assert f"saved {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("model", "out", "hint"), [
+    ("wan", "waves.png", "waves.mp4"),
+    ("wan", "waves", "waves.mp4"),
+    ("flux", "fox.mp4", "fox.png"),
+])
+def test_an_output_extension_that_does_not_fit_the_model_is_refused(
+    tiny_wan: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    model: str, out: str, hint: str,
+) -> None:
+    directory = {"wan": tiny_wan, "flux": tiny_model_dir}[model]
+    path = tmp_path / out
+    assert main(["generate", "--model", str(directory), "--prompt", "x", "--device", "cpu",
+                 "--out", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {path}" in err and hint in err
+    assert not path.exists()
+
+
+def test_an_image_model_still_writes_a_png(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from PIL import Image
+
+    out = tmp_path / "fox.png"
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "a fox", "--seed", "1",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size == (64, 64)
+
