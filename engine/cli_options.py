@@ -24,6 +24,7 @@ from ditserve.engine.config import (
     EngineConfig,
 )
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.checkpoint_dtype import AUTO_DTYPE, checkpoint_dtype
 
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
@@ -59,6 +60,9 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "max_loras": ("adapters", "max_loras"),
     "max_lora_rank": ("adapters", "max_lora_rank"),
     "lora_fuse": ("adapters", "fuse"),
+    "step_cache": ("step_cache", "policy"),
+    "step_cache_threshold": ("step_cache", "threshold"),
+    "step_cache_every": ("step_cache", "every"),
 }
 
 
@@ -159,6 +163,18 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     a.add_argument("--lora-fuse", action="store_const", const=True, default=None,
                    help="merge the one --lora-modules adapter into the weights (a replica "
                         "serving that adapter only: no per-step cost)")
+    c = parser.add_argument_group("step cache (docs/step_cache.md)")
+    c.add_argument("--step-cache", choices=STEP_CACHE_POLICIES, default=None,
+                   help="reuse the DiT's residual across denoising steps by default (off when "
+                        "omitted; a request's step_cache overrides it): first-block (skip the "
+                        "other blocks while the first block's output barely changes), "
+                        "teacache (Flux, Wan2.1: the published TeaCache rescaling), every "
+                        "(compute one step in K between the first and last 2)")
+    c.add_argument("--step-cache-threshold", type=float, default=None,
+                   help="first-block / teacache threshold (default 0.08 for first-block; "
+                        "teacache: 0.4 Flux, 0.2 Wan); 0 never reuses (bit-identical to off)")
+    c.add_argument("--step-cache-every", type=int, default=None,
+                   help="the every policy's K (default 2); 1 never reuses")
     p = parser.add_argument_group("parallelism")
     p.add_argument("--data-parallel-size", type=int, default=None,
                    help="data-parallel ranks, each with its own batch (processes: dp x sp, "

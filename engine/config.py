@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ditserve.engine.adapters.config import AdapterConfig, adapter_problems
-from ditserve.engine.errors import ConfigError
+from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
+from ditserve.engine.step_cache.spec import StepCacheSpec
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -169,6 +171,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StepCacheConfig:
+    """The server's default step cache (docs/step_cache.md); a request may override it.
+
+    policy: first-block, teacache or every (None: off). threshold: first-block's and
+    teacache's knob (None: the policy's published default). every: the ``every`` policy's K.
+    """
+
+    policy: str | None = None
+    threshold: float | None = None
+    every: int | None = None
+
+    def spec(self) -> StepCacheSpec | None:
+        if self.policy is None:
+            return None
+        return StepCacheSpec(self.policy, self.threshold, self.every)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine replica needs. ``model`` None means the embedded tiny model.
 
@@ -188,13 +208,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    step_cache: StepCacheConfig = field(default_factory=StepCacheConfig)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> EngineConfig:
         """Build from nested plain data (YAML, a CRD spec); unknown keys are an error.
 
-        Nested groups are ``offload``, ``parallel``, ``scheduler``, ``adapters`` and
-        ``pipeline``. The result is validated.
+        Nested groups are ``offload``, ``parallel``, ``scheduler``, ``adapters``,
+        ``step_cache`` and ``pipeline``. The result is validated.
         """
         config = _build(cls, data, path="")
         validate(config)
@@ -209,7 +230,8 @@ class EngineConfig:
 
 
 _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,
-           "adapters": AdapterConfig, "pipeline": PipelineConfig}
+           "adapters": AdapterConfig, "step_cache": StepCacheConfig,
+           "pipeline": PipelineConfig}
 # Options that were removed, with what replaces them: a config file that still sets one is
 # told how to update it rather than only that the key is unknown.
 _REMOVED = {
@@ -307,6 +329,7 @@ def problems(config: EngineConfig) -> list[str]:
         out.append("adapters are applied by hooks around the DiT's linear layers, which "
                    "--compile does not trace; drop --compile, or serve one adapter fused "
                    "(--lora-fuse)")
+    out.extend(step_cache_problems(config.step_cache, parallel=par))
     off = config.offload
     if off.components not in DLO_COMPONENTS:
         out.append(f"offload.components must be one of {', '.join(DLO_COMPONENTS)}, "
@@ -496,6 +519,27 @@ def family_sequence_parallel_problems(size: int, family: Any) -> list[str]:
             f"released models ({counts}): Ulysses gives every SP rank heads/size heads; use one "
             f"of {_sizes_dividing(*declared.attention_heads)}, or declare model.attentionHeads "
             "(the DiT's num_attention_heads) for a model with another head count"]
+
+
+def step_cache_problems(cache: StepCacheConfig, *, parallel: ParallelConfig) -> list[str]:
+    if cache.policy is None:
+        if cache.threshold is not None or cache.every is not None:
+            return ["step_cache.threshold and step_cache.every need step_cache.policy "
+                    f"(one of {', '.join(STEP_CACHE_POLICIES)})"]
+        return []
+    if cache.policy not in STEP_CACHE_POLICIES:
+        return [f"step_cache.policy must be one of {', '.join(STEP_CACHE_POLICIES)} (or "
+                f"unset: off), got {cache.policy!r}"]
+    try:
+        spec = cache.spec()
+        assert spec is not None
+        spec.validate()
+    except InvalidRequestError as e:
+        return [f"step_cache: {e.message}"]
+    if parallel.sequence_parallel_size > 1:
+        return ["step_cache needs sequence_parallel_size 1: each rank would decide on its own "
+                "share of the tokens and the ranks' all-to-alls would no longer match"]
+    return []
 
 
 def validate(config: EngineConfig) -> EngineConfig:

@@ -100,7 +100,29 @@ WAN = Family(
     reference_work=2 * 21 * 30 * 52,  # 81 frames -> 21 latent frames of 30 x 52 tokens, CFG
 )
 
-FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN)
+# Image-conditioned families (edits, image-to-video): the same DiTs, whose rows also carry
+# the conditioning image's latents (or tokens); ``engine.pipelines.flux_kontext`` & co.
+FLUX_KONTEXT = Family(
+    name="flux-kontext", label="FluxKontext", pipeline_class="FluxKontextPipeline",
+    dit_class=FLUX.dit_class, dit_components=FLUX.dit_components, components=FLUX.components,
+    block_lists=FLUX.block_lists, resident_modules=FLUX.resident_modules,
+    batch_key_fields=("height", "width", "images"), output="image",
+    loader_version="flux-kontext-loader-1", attention_heads=FLUX.attention_heads,
+    reference_work=2 * 4096,  # a 1024x1024 edit: 4096 target + 4096 source tokens
+)
+
+WAN_I2V = Family(
+    name="wan-i2v", label="WanI2V", pipeline_class="WanImageToVideoPipeline",
+    dit_class=WAN.dit_class, dit_components=WAN.dit_components,
+    expert_components=WAN.expert_components, expert_switch=WAN.expert_switch,
+    components=WAN.components,  # + image_encoder / image_processor where the model has them
+    block_lists=WAN.block_lists, resident_modules=WAN.resident_modules,
+    batch_key_fields=("height", "width", "num_frames", "images"), output="video",
+    loader_version="wan-i2v-loader-1", cfg_rows="guidance",
+    attention_heads=WAN.attention_heads, reference_work=WAN.reference_work,
+)
+
+FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN, FLUX_KONTEXT, WAN_I2V)
 # What the model builders (`ditserve model init-tiny / init-random --family`) build: one
 # released model layout each, by the family it belongs to.
 MODEL_VARIANTS: dict[str, str] = {
@@ -109,6 +131,9 @@ MODEL_VARIANTS: dict[str, str] = {
     "wan": "wan",  # Wan2.1-T2V-14B
     "wan2.2": "wan",  # Wan2.2-T2V-A14B: two 14B experts
     "wan2.2-ti2v": "wan",  # Wan2.2-TI2V-5B
+    "flux-kontext": "flux-kontext",  # FLUX.1-Kontext-dev
+    "wan-i2v": "wan-i2v",  # Wan2.1-I2V-14B-480P: 36 input channels, CLIP image context
+    "wan2.2-ti2v-i2v": "wan-i2v",  # Wan2.2-TI2V-5B as WanImageToVideoPipeline
 }
 # The value of ``model.family`` that means "read it from model_index.json".
 AUTO_FAMILY = "Auto"

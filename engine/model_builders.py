@@ -24,8 +24,10 @@ from typing import Any
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import MODEL_VARIANTS
 
-# The variants built here (Flux's builders live in tiny_model / random_model).
-VARIANTS: tuple[str, ...] = tuple(v for v in MODEL_VARIANTS if v != "flux")
+# The variants built here (Flux's builders live in tiny_model / random_model, the
+# image-conditioned ones in conditioned_builders, which takes its DiTs from here).
+VARIANTS: tuple[str, ...] = tuple(v for v, family in MODEL_VARIANTS.items()
+                                  if family in ("qwen-image", "wan"))
 SIZES = ("tiny", "small", "full")
 
 _QWEN_FULL: dict[str, Any] = {}  # diffusers' defaults are Qwen-Image's released DiT
@@ -54,6 +56,16 @@ DIT_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 DIT_CONFIGS["wan2.2"] = DIT_CONFIGS["wan"]
+# Image-to-video DiTs (built by conditioned_builders): Wan2.1-I2V-14B takes 16 noise + 4 mask
+# + 16 condition channels and a CLIP ViT-H image context (1280 wide); TI2V-5B is unchanged.
+_I2V = dict(in_channels=36, out_channels=16)
+DIT_CONFIGS["wan-i2v"] = {
+    "full": dict(_I2V, image_dim=1280, added_kv_proj_dim=5120),
+    "small": dict(_I2V, num_layers=2, num_attention_heads=4, image_dim=1280,
+                  added_kv_proj_dim=512),
+    "tiny": dict(DIT_CONFIGS["wan"]["tiny"], **_I2V, image_dim=32, added_kv_proj_dim=24),
+}
+DIT_CONFIGS["wan2.2-ti2v-i2v"] = DIT_CONFIGS["wan2.2-ti2v"]
 # The tokenizers' model_max_length: the released models' 512 at every size, so a tiny model
 # encodes prompts exactly as the released pipeline's defaults do (max_sequence_length 512).
 TEXT_TOKENS = 512
@@ -61,7 +73,7 @@ WAN22_BOUNDARY_RATIO = 0.875  # Wan2.2-T2V-A14B: the high-noise expert runs t >=
 
 
 def check(variant: str, size: str) -> None:
-    if variant not in VARIANTS:
+    if variant not in VARIANTS and variant not in DIT_CONFIGS:
         raise ConfigError(f"family must be one of flux, {', '.join(VARIANTS)}, got {variant!r}")
     if size not in SIZES:
         raise ConfigError(f"size must be one of {', '.join(SIZES)}, got {size!r}")

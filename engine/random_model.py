@@ -156,6 +156,14 @@ def init_random(
 
 
 def _build(family: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    from ditserve.engine import conditioned_builders
+
+    if family == "flux-kontext":
+        flux = _build("flux", size, dtype=dtype, device=device, seed=seed)
+        return conditioned_builders.kontext_from_flux(flux, tiny=size == "tiny")
+    if family in conditioned_builders.VARIANTS:
+        return conditioned_builders.build_pipeline(family, size, dtype=dtype, device=device,
+                                                   seed=seed)
     if family != "flux":
         from ditserve.engine.model_builders import build_pipeline
 

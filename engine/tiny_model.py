@@ -98,9 +98,17 @@ TINY_TRANSFORMER = dict(
 
 
 def _build_tiny(family: str, seed: int):  # type: ignore[no-untyped-def]
-    if family == "flux":
-        return _build_pipeline(transformer_kwargs=TINY_TRANSFORMER, seed=seed)
+    from ditserve.engine import conditioned_builders
+
+    if family in ("flux", "flux-kontext"):
+        flux = _build_pipeline(transformer_kwargs=TINY_TRANSFORMER, seed=seed)
+        return flux if family == "flux" else conditioned_builders.kontext_from_flux(flux,
+                                                                                    tiny=True)
     import torch
+
+    if family in conditioned_builders.VARIANTS:
+        return conditioned_builders.build_pipeline(family, "tiny", dtype=torch.float32,
+                                                   device="cpu", seed=seed)
 
     from ditserve.engine.model_builders import build_pipeline
 

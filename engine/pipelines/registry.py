@@ -23,6 +23,8 @@ PIPELINES: dict[str, str] = {
     "flux": "ditserve.engine.pipelines.flux:FluxStepPipeline",
     "qwen-image": "ditserve.engine.pipelines.qwen_image:QwenImageStepPipeline",
     "wan": "ditserve.engine.pipelines.wan:WanStepPipeline",
+    "flux-kontext": "ditserve.engine.pipelines.flux_kontext:FluxKontextStepPipeline",
+    "wan-i2v": "ditserve.engine.pipelines.wan_i2v:WanI2VStepPipeline",
 }
 
 

@@ -119,6 +119,18 @@ class _EngineStateCollector(Collector):
         yield GaugeMetricFamily("ditserve:lora_resident_bytes",
                                 "Device bytes of the resident LoRA adapters' factors (rank 0).",
                                 value=float(lora.get("bytes", 0)))
+        skipped_blocks = skipped_bytes = 0
+        if engine is not None:
+            skipped_blocks = stats.step_cache_skipped_blocks
+            skipped_bytes = stats.step_cache_skipped_bytes
+        yield CounterMetricFamily("ditserve:step_cache_skipped_blocks",
+                                  "Block computations (one request through one DiT block) the "
+                                  "step cache skipped by reusing a cached residual.",
+                                  value=float(skipped_blocks))
+        yield CounterMetricFamily("ditserve:step_cache_skipped_bytes",
+                                  "Streamed block bytes DLO did not copy because no request of "
+                                  "their step computed them (step cache).",
+                                  value=float(skipped_bytes))
         transferred = float((report or {}).get("bytes_transferred", 0))
         yield CounterMetricFamily("ditserve:offload_bytes_transferred",
                                   "Weight bytes streamed host->device by layerwise offload.",

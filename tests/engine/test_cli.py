@@ -21,6 +21,7 @@ ENGINE_FLAGS = {
     "--lora-modules", "--max-loras", "--max-lora-rank", "--lora-fuse",
     "--scheduling-policy", "--priority-aging-s", "--max-preemptions",
     "--dlo-components", "--prompt-cache-size", "--prompt-cache-gib", "--vae-tiling",
+    "--step-cache", "--step-cache-threshold", "--step-cache-every",
 }
 
 
@@ -36,6 +37,7 @@ def test_generate_flag_set_is_frozen() -> None:
     assert flags("generate") == ENGINE_FLAGS | {
         "--prompt", "--negative-prompt", "--out", "--height", "--width", "--steps", "--seed",
         "--guidance-scale", "--true-cfg-scale", "--num-images", "--num-frames", "--fps",
+        "--image",
         "--max-sequence-length",
         "--lora",
     }

@@ -155,7 +155,8 @@ async def _answer(state: ServerState, request: Request, rid: str, handle: Any, *
 
 
 async def _event_stream(state: ServerState, rid: str, handle: Any,
-                        bridge: streaming.EventBridge, *, size: str, tokens: int
+                        bridge: streaming.EventBridge, *, size: str, tokens: int,
+                        names: streaming.ImageEvents = streaming.GENERATION_EVENTS,
                         ) -> AsyncIterator[bytes]:
     """queued* -> (progress | partial_image)* -> completed (one per image) | error.
     Leaving early (disconnect) aborts the request."""
@@ -176,10 +177,10 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
             if event.kind == "queued":
                 if event.queue_position != last_position:  # the engine repeats it every step
                     last_position = event.queue_position
-                    yield streaming.progress(streaming.QUEUED, "queued",
+                    yield streaming.progress(names.queued, "queued",
                                              event.queue_position, event.total_steps)
             elif event.kind == "step":
-                yield streaming.progress(streaming.PROGRESS, "step", event.step,
+                yield streaming.progress(names.progress, "step", event.step,
                                          event.total_steps)
             elif event.kind == "paused":
                 continue  # preempted for a higher priority: it resumes on its own
@@ -189,7 +190,7 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
                     step=event.step, size=size, request_id=rid)
                 previews += 1
                 for payload in payloads:
-                    yield streaming.sse(streaming.PARTIAL_IMAGE, payload)
+                    yield streaming.sse(names.partial_image, payload)
             elif event.kind == "finished":
                 # The engine emits "finished" just before it resolves the future.
                 result = await asyncio.wrap_future(handle.future)
@@ -199,7 +200,7 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
                 state.metrics.count_success()
                 done = True
                 for payload in payloads:
-                    yield streaming.sse(streaming.COMPLETED, payload)
+                    yield streaming.sse(names.completed, payload)
                 return
             else:  # failed | aborted
                 done = True
