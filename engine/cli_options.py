@@ -15,10 +15,12 @@ from ditserve.engine.adapters.config import modules_mapping, parse_lora_module
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
     COMPRESS_MODES,
+    DLO_COMPONENTS,
     DTYPES,
     GATHER_ENGINES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
+    VAE_TILING_MODES,
     EngineConfig,
 )
 from ditserve.engine.errors import ConfigError
@@ -49,6 +51,10 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "dlo_pin_limit_gib": ("offload", "pin_limit_gib"),
     "dlo_checkpoint_mmap": ("offload", "checkpoint_mmap"),
     "dlo_compress": ("offload", "compress"),
+    "dlo_components": ("offload", "components"),
+    "prompt_cache_size": ("pipeline", "prompt_cache_size"),
+    "prompt_cache_gib": ("pipeline", "prompt_cache_gib"),
+    "vae_tiling": ("pipeline", "vae_tiling"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
     "sequence_parallel_size": ("parallel", "sequence_parallel_size"),
     "max_loras": ("adapters", "max_loras"),
@@ -129,6 +135,20 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     o.add_argument("--dlo-compress", choices=COMPRESS_MODES, default=None,
                    help="lossless: keep streamed blocks' bf16 bytes packed (0.75x, bit-exact) "
                         "in host memory and decode them on the device after each copy")
+    o.add_argument("--dlo-components", choices=DLO_COMPONENTS, default=None,
+                   help="all (default): DLO also parks the text encoders in pinned host "
+                        "memory, on the device only while they encode; dit: stream the DiT "
+                        "only and keep the encoders resident")
+    w = parser.add_argument_group("whole pipeline (encoders, VAE)")
+    w.add_argument("--prompt-cache-size", type=int, default=None,
+                   help="prompt embeddings kept (LRU), so repeated prompts and the empty "
+                        "negative prompt are encoded once (default 256; 0 disables)")
+    w.add_argument("--prompt-cache-gib", type=float, default=None,
+                   help="the most device memory cached prompt embeddings take (default 1)")
+    w.add_argument("--vae-tiling", choices=VAE_TILING_MODES, default=None,
+                   help="decode in tiles (diffusers' VAE tiling and slicing): auto (default) "
+                        "tiles under --offload dlo when a frame is >= 1024x1024 (images) or "
+                        "above 480p (video); on; off")
     a = parser.add_argument_group("LoRA adapters (docs/lora.md)")
     a.add_argument("--lora-modules", nargs="+", action="extend", default=None,
                    metavar="NAME=PATH",

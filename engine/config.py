@@ -62,6 +62,9 @@ class OffloadConfig:
     checkpoint_mmap: "auto" streams straight from the checkpoint's safetensors when it can.
     compress: "lossless" keeps the streamed blocks' bf16 regions packed (12-bit, bit-exact) in
         host memory and decodes them on the device after each copy; "none" streams raw bytes.
+    components: what DLO governs besides streaming the DiT: "all" also parks the text
+        encoders in (pinned) host memory, on the device only for an encode pass; "dit"
+        keeps them resident (docs/offload.md, "Whole pipeline").
     """
 
     enabled: bool = False
@@ -76,6 +79,28 @@ class OffloadConfig:
     pin_limit_gib: float = 0.0
     checkpoint_mmap: str = "auto"
     compress: str = "none"
+    components: str = "all"
+
+
+DLO_COMPONENTS: tuple[str, ...] = ("all", "dit")
+VAE_TILING_MODES: tuple[str, ...] = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline's parts around the DiT (docs/offload.md, "Whole pipeline").
+
+    prompt_cache_size: prompt embeddings kept (LRU) so repeated prompts and the empty negative
+        prompt are encoded once; 0 disables the cache.
+    prompt_cache_gib: the most device memory the cached embeddings may take.
+    vae_tiling: "on" decodes in tiles/slices (diffusers' enable_tiling/enable_slicing), "off"
+        decodes whole, "auto" tiles under DLO when the decoded frame is large (an image of
+        at least 1024x1024 pixels, a video frame above 480p).
+    """
+
+    prompt_cache_size: int = 256
+    prompt_cache_gib: float = 1.0
+    vae_tiling: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -181,6 +206,7 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
     step_cache: StepCacheConfig = field(default_factory=StepCacheConfig)
 
@@ -188,7 +214,8 @@ class EngineConfig:
     def from_mapping(cls, data: Mapping[str, Any]) -> EngineConfig:
         """Build from nested plain data (YAML, a CRD spec); unknown keys are an error.
 
-        Nested groups are ``offload``, ``parallel``, ``scheduler`` and ``step_cache``. The result is validated.
+        Nested groups are ``offload``, ``parallel``, ``scheduler``, ``adapters``,
+        ``step_cache`` and ``pipeline``. The result is validated.
         """
         config = _build(cls, data, path="")
         validate(config)
@@ -203,7 +230,8 @@ class EngineConfig:
 
 
 _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,
-           "adapters": AdapterConfig, "step_cache": StepCacheConfig}
+           "adapters": AdapterConfig, "step_cache": StepCacheConfig,
+           "pipeline": PipelineConfig}
 # Options that were removed, with what replaces them: a config file that still sets one is
 # told how to update it rather than only that the key is unknown.
 _REMOVED = {
@@ -289,6 +317,13 @@ def problems(config: EngineConfig) -> list[str]:
     number_at_least(out, "scheduler.aging_s", sch.aging_s, 0.001)
     int_at_least(out, "scheduler.max_preemptions", sch.max_preemptions, 0)
 
+    pipe = config.pipeline
+    int_at_least(out, "pipeline.prompt_cache_size", pipe.prompt_cache_size, 0)
+    number_at_least(out, "pipeline.prompt_cache_gib", pipe.prompt_cache_gib, 0)
+    if pipe.vae_tiling not in VAE_TILING_MODES:
+        out.append(f"pipeline.vae_tiling must be one of {', '.join(VAE_TILING_MODES)}, "
+                   f"got {pipe.vae_tiling!r}")
+
     out.extend(adapter_problems(config.adapters))
     if config.adapters.lora_modules and config.compile is not None and not config.adapters.fuse:
         out.append("adapters are applied by hooks around the DiT's linear layers, which "
@@ -296,6 +331,9 @@ def problems(config: EngineConfig) -> list[str]:
                    "(--lora-fuse)")
     out.extend(step_cache_problems(config.step_cache, parallel=par))
     off = config.offload
+    if off.components not in DLO_COMPONENTS:
+        out.append(f"offload.components must be one of {', '.join(DLO_COMPONENTS)}, "
+                   f"got {off.components!r}")
     out.extend(offload_problems(off, parallel=par))
     group = par.weight_group_size if off.enabled and off.use_allgather else 1
     out.extend(format_problems(off, quantization=config.quantization, dtype=config.dtype,

@@ -201,6 +201,13 @@ class DiffusionEngine:
         with self._lock:
             return self._pending.stats()
 
+    def pipeline_report(self) -> dict[str, Any] | None:
+        """Rank 0's plan of the whole pipeline and its prompt-cache counters (other DP ranks
+        keep their own caches; their counters are not summed here)."""
+        if self.executor is None:
+            return None
+        return dict(self.executor.runner.pipeline_report())
+
     def offload_report(self, *, refresh: bool = False) -> dict[str, Any] | None:
         """Rank 0's offload report, with every rank's under ``ranks`` when there are several.
 

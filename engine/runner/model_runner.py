@@ -153,6 +153,12 @@ class ModelRunner:
             components.pipeline_class, model_dir, self.device,
             time.perf_counter() - started, "dlo" if offload else "off",
         )
+        from ditserve.engine.runner.whole_pipeline import WholePipeline
+
+        # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
+        self.whole = WholePipeline(self.pipeline, config, device=self.device,
+                                   offload_report=self.offload_report())
+        log.info("pipeline plan:\n%s", self.whole.plan_table())
         self._states: dict[str, DenoiseState] = {}
         # Wraps the blocks beneath every hook (offload, compile, SP): built after all of them.
         self.step_cache = StepCache(self.pipeline, default=config.step_cache.spec(),
@@ -197,6 +203,10 @@ class ModelRunner:
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None
+
+    def pipeline_report(self) -> dict[str, Any]:
+        """Where each component lives and the prompt cache's counters (``WholePipeline``)."""
+        return self.whole.report()
 
     def close(self) -> None:
         self.step_cache.close()
