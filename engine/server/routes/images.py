@@ -63,7 +63,9 @@ def _failure(state: ServerState, request_id: str, exc: BaseException) -> APIErro
         return unavailable(state, "the request was aborted: the engine is shutting down or "
                                    "stopped; retry on another replica")
     if isinstance(exc, DeadlineError):
-        return APIError(504, f"{exc} (request {request_id})", type="server_error",
+        # The client's own deadline_s passed: a 4xx (its choice, not a server fault), and not
+        # 504, which reads as the server's request timeout.
+        return APIError(408, f"{exc} (request {request_id})", type="invalid_request_error",
                         code="deadline_exceeded", reason="deadline")
     return APIError(500, f"the engine failed to generate this request (request {request_id}); "
                          "see the server log", type="server_error", code="engine_error",
@@ -93,7 +95,7 @@ def _silence(future: asyncio.Future[Any]) -> None:
     summary="Generate images (OpenAI images API; JSON, or Server-Sent Events with stream)",
     responses=openapi.answers(
         {**openapi.json_answer("ImagesResponse"), **image_openapi.sse_answer()},
-        404, 413, 429, 503, 504,
+        404, 408, 413, 429, 503, 504,
         ok_description="The images (JSON), or with `stream` an event stream: "
                        "image_generation.partial_image, .completed (OpenAI), error, and "
                        "ditserve.queued / ditserve.progress (JSON arrays; docs/serving.md)"),
