@@ -1,5 +1,15 @@
 #!/usr/bin/env python3
-"""FP8 against bf16, per model family: transformer error per step, and PSNR/SSIM of images.
+"""Output quality of lossy speed-ups against the exact run: FP8 against bf16 (default), or
+the step cache against no cache (``--step-cache``), per model family.
+
+**Step cache** (``--step-cache``): the engine's own runner (resident) generates every prompt
+and seed without a cache, then with each policy and setting (``--policies``, default: the
+published knobs around their defaults); per setting it reports the fraction of block
+computations skipped and the difference to the uncached output on the same seeds (mean
+absolute pixel difference in 8-bit levels, PSNR). Random weights are not trained weights:
+neither the skip fraction at a threshold nor the error predicts a real checkpoint's.
+
+**FP8**:
 
 Takes a local diffusers directory; the family comes from its ``model_index.json``'s
 ``_class_name``, looked up in the family registry (``engine.families``).
@@ -20,6 +30,8 @@ which kind of weights it measured. CUDA uses ``torch._scaled_mm``; CPU the emula
 
     python3 bench/quality.py --model /models/flux-random-full      # one H200, bf16, 1024x1024
     python3 bench/quality.py --tiny                                # CPU smoke (CI)
+    python3 bench/quality.py --step-cache --model /models/flux-random-full --out sc.json
+    python3 bench/quality.py --step-cache --tiny                   # CPU smoke (CI)
 """
 
 from __future__ import annotations
@@ -172,8 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-modulation", action="store_true",
                    help="leave the adaLN modulation linears in bf16")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--step-cache", action="store_true",
+                   help="measure the step cache's policies against no cache instead of FP8")
+    p.add_argument("--policies", nargs="+", default=None, metavar="POLICY:V,V",
+                   help="settings to measure, e.g. first-block:0.05,0.08 teacache:0.4 every:2,3")
     args = p.parse_args(argv)
-    if args.tiny:
+    if args.tiny and args.step_cache:
+        args.device, args.dtype = args.device or "cpu", args.dtype or "float32"
+        args.steps, args.height, args.width = 8, 32, 32
+        args.seeds, args.prompts, args.frames = args.seeds[:1], args.prompts[:1], 5
+    elif args.tiny:
         args.device, args.dtype = args.device or "cpu", args.dtype or "float32"
         args.steps, args.height, args.width = 2, 32, 32
         args.seeds, args.prompts, args.frames = args.seeds[:1], args.prompts[:1], 5
@@ -187,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             from ditserve.engine.tiny_model import init_tiny
 
             model_dir = init_tiny(Path(scratch) / "tiny-flux")
-        result = measure(Path(model_dir), args, device=device, dtype=dtype)
+        measure_fn = measure_step_cache if args.step_cache else measure
+        result = measure_fn(Path(model_dir), args, device=device, dtype=dtype)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0
@@ -248,6 +269,81 @@ def measure(model_dir: Path, args: argparse.Namespace, *, device: str,
         f"SSIM {summary['mean_ssim']:.4f}; {report.layers} linears, weight bytes "
         f"{report.bf16_bytes / 1e6:.1f} -> {report.fp8_bytes / 1e6:.1f} MB ({kind} weights)")
     return summary
+
+
+DEFAULT_SETTINGS = ("first-block:0.05,0.08,0.12,0.2", "teacache:0.25,0.4,0.6", "every:2,3,4")
+
+
+def settings(specs: list[str]) -> list[tuple[str, float]]:
+    out = []
+    for spec in specs:
+        policy, _, values = spec.partition(":")
+        out += [(policy, float(v)) for v in values.split(",") if v]
+    return out
+
+
+def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str,
+                       dtype: torch.dtype) -> dict[str, Any]:
+    from ditserve.engine.config import EngineConfig, SchedulerConfig
+    from ditserve.engine.errors import InvalidRequestError
+    from ditserve.engine.request import NewRequest, SamplingParams
+    from ditserve.engine.runner.model_runner import ModelRunner
+    from ditserve.engine.scheduler import StepScheduler
+    from ditserve.engine.step_cache.spec import StepCacheSpec
+
+    family, kind = family_of(model_dir), weights_kind(model_dir)
+    runner = ModelRunner(EngineConfig(model=str(model_dir), device=device,
+                                      dtype=str(dtype).removeprefix("torch.")), model_dir=model_dir)
+    log(f"step cache quality: {family} ({kind} weights), {args.steps} steps, "
+        f"{args.width}x{args.height}, {dtype} on {device}. Random weights do not predict a "
+        "trained checkpoint's skip fraction or error at a given threshold.")
+    extra = {"num_frames": args.frames, "guidance_scale": 5.0} if family == "wan" else {}
+
+    def generate(spec: StepCacheSpec | None) -> tuple[list[torch.Tensor], int, int]:
+        pixels, skipped, runs = [], 0, 0
+        for prompt in args.prompts:
+            for seed in args.seeds:
+                params = SamplingParams(prompt=prompt, height=args.height, width=args.width,
+                                        num_inference_steps=args.steps, seed=seed,
+                                        step_cache=spec, **extra)
+                scheduler = StepScheduler(SchedulerConfig(max_num_seqs=1))
+                scheduler.add("q", params, runner.work_rule.of(params))
+                new, done = [NewRequest("q", params, seed)], {}
+                while scheduler.has_work():
+                    plan = scheduler.schedule()
+                    out = runner.execute(plan, new)
+                    new = []
+                    scheduler.update(plan, out)
+                    skipped += out.step_cache_skipped_blocks
+                    runs += out.step_cache_block_runs
+                    done.update(out.finished)
+                pixels.append(torch.as_tensor(done["q"]).float().reshape(-1, *done["q"].shape[-3:]))
+        return pixels, skipped, runs
+
+    reference, _, _ = generate(None)
+    rows = []
+    for policy, value in settings(args.policies or list(DEFAULT_SETTINGS)):
+        spec = (StepCacheSpec("every", every=int(value)) if policy == "every"
+                else StepCacheSpec(policy, threshold=value))
+        try:
+            runner.step_cache.check(spec)
+        except InvalidRequestError as e:
+            log(f"{policy} {value:g}: skipped ({e.message})")
+            continue
+        images, skipped, runs = generate(spec)
+        diff = [float((a - b).abs().mean()) * 255 for a, b in zip(images, reference, strict=True)]
+        row = {"policy": policy, "value": value, "skipped_fraction": skipped / max(1, runs),
+               "mean_abs_pixel_diff": statistics.mean(diff),
+               "psnr_db": statistics.mean(psnr(a, b) for a, b in zip(images, reference,
+                                                                     strict=True))}
+        row["psnr_db"] = None if math.isinf(row["psnr_db"]) else row["psnr_db"]  # JSON: identical
+        rows.append(row)
+        log(f"{policy:>11} {value:>5g}: skipped {row['skipped_fraction']:6.1%} of block "
+            f"computations | mean abs diff {row['mean_abs_pixel_diff']:6.2f} / 255 | "
+            f"PSNR {'inf' if row['psnr_db'] is None else format(row['psnr_db'], '6.2f')} dB")
+    runner.close()
+    return {"family": family, "weights": kind, "device": device, "steps": args.steps,
+            "size": [args.width, args.height], "cases": len(reference), "settings": rows}
 
 
 if __name__ == "__main__":

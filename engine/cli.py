@@ -74,6 +74,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nrequests {len(results)} | denoise steps run {stats.steps_run} "
           f"(vs {sum(DEMO_STEPS)} unbatched) | mean batch size {stats.mean_batch_rows:.2f} | "
           f"{images / elapsed:.2f} images/s | wall {elapsed:.2f}s")
+    if stats.step_cache_block_runs:
+        print(f"step cache: skipped {stats.step_cache_skipped_blocks} of "
+              f"{stats.step_cache_block_runs} block computations, "
+              f"{stats.step_cache_skipped_bytes} streamed bytes not copied")
     return 0
 
 

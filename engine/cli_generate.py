@@ -84,6 +84,20 @@ def generation_params(args: argparse.Namespace, defaults: ModelDefaults) -> Samp
     )
 
 
+def _input_images(paths: list[Path] | None) -> tuple[Any, ...]:
+    """--image files, checked and decoded as the server's uploads are."""
+    from ditserve.engine.image_input import decode_image
+
+    images = []
+    for path in paths or ():
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"--image {str(path)!r}: {e.strerror or e}") from e
+        images.append(decode_image(data, field=f"--image {path}"))
+    return tuple(images)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.server.model_defaults import model_defaults
@@ -95,7 +109,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     defaults = model_defaults(config.model)
     video = defaults.output == "video"
     out = output_path(args.out, video=video)  # refused before minutes of loading
-    params = generation_params(args, defaults)
+    # --image files are decoded (and a bad one refused) before the model loads.
+    params = replace(generation_params(args, defaults), images=_input_images(args.image))
     fps = defaults.fps if args.fps is None else args.fps
     # With --compile: compile at the requested size before the request runs.
     engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(params.height, params.width)))
@@ -117,6 +132,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             paths = _save_images(result.images, out)
         print(f"saved {', '.join(map(str, paths))} (seed {result.seed}, "
               f"{params.num_inference_steps} steps, {time.perf_counter() - started:.2f}s)")
+        stats = engine.stats()
+        if stats.step_cache_block_runs:
+            print(f"step cache: skipped {stats.step_cache_skipped_blocks} of "
+                  f"{stats.step_cache_block_runs} block computations "
+                  f"({stats.step_cache_skipped_fraction:.0%}), "
+                  f"{stats.step_cache_skipped_bytes / 2**30:.2f} GiB of streamed weights "
+                  f"not copied ({stats.step_cache_skipped_bytes} bytes)")
     finally:
         engine.shutdown()
     return 0
@@ -152,6 +174,10 @@ def add_generate_parser(subcommands: Any) -> None:
                           "Wan; 4k+1)")
     gen.add_argument("--lora", action="append", default=None, metavar="NAME=PATH[:SCALE]",
                      help="apply a LoRA adapter file at SCALE (default 1); repeat to stack")
+    gen.add_argument("--image", type=Path, action="append", default=None, metavar="PATH",
+                     help="an input image (PNG, JPEG, WebP): the source of an edit model "
+                          "(FLUX.1 Kontext) or an image-to-video model's first frame; repeat "
+                          "it where the model takes several")
     gen.add_argument("--fps", type=int, default=None,
                      help="video models: MP4 frame rate (default: the model's, 16 for Wan)")
     add_engine_options(gen, with_config_file=False)

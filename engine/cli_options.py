@@ -15,13 +15,16 @@ from ditserve.engine.adapters.config import modules_mapping, parse_lora_module
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
     COMPRESS_MODES,
+    DLO_COMPONENTS,
     DTYPES,
     GATHER_ENGINES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
+    VAE_TILING_MODES,
     EngineConfig,
 )
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.checkpoint_dtype import AUTO_DTYPE, checkpoint_dtype
 
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
@@ -48,11 +51,18 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "dlo_pin_limit_gib": ("offload", "pin_limit_gib"),
     "dlo_checkpoint_mmap": ("offload", "checkpoint_mmap"),
     "dlo_compress": ("offload", "compress"),
+    "dlo_components": ("offload", "components"),
+    "prompt_cache_size": ("pipeline", "prompt_cache_size"),
+    "prompt_cache_gib": ("pipeline", "prompt_cache_gib"),
+    "vae_tiling": ("pipeline", "vae_tiling"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
     "sequence_parallel_size": ("parallel", "sequence_parallel_size"),
     "max_loras": ("adapters", "max_loras"),
     "max_lora_rank": ("adapters", "max_lora_rank"),
     "lora_fuse": ("adapters", "fuse"),
+    "step_cache": ("step_cache", "policy"),
+    "step_cache_threshold": ("step_cache", "threshold"),
+    "step_cache_every": ("step_cache", "every"),
 }
 
 
@@ -125,6 +135,20 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     o.add_argument("--dlo-compress", choices=COMPRESS_MODES, default=None,
                    help="lossless: keep streamed blocks' bf16 bytes packed (0.75x, bit-exact) "
                         "in host memory and decode them on the device after each copy")
+    o.add_argument("--dlo-components", choices=DLO_COMPONENTS, default=None,
+                   help="all (default): DLO also parks the text encoders in pinned host "
+                        "memory, on the device only while they encode; dit: stream the DiT "
+                        "only and keep the encoders resident")
+    w = parser.add_argument_group("whole pipeline (encoders, VAE)")
+    w.add_argument("--prompt-cache-size", type=int, default=None,
+                   help="prompt embeddings kept (LRU), so repeated prompts and the empty "
+                        "negative prompt are encoded once (default 256; 0 disables)")
+    w.add_argument("--prompt-cache-gib", type=float, default=None,
+                   help="the most device memory cached prompt embeddings take (default 1)")
+    w.add_argument("--vae-tiling", choices=VAE_TILING_MODES, default=None,
+                   help="decode in tiles (diffusers' VAE tiling and slicing): auto (default) "
+                        "tiles under --offload dlo when a frame is >= 1024x1024 (images) or "
+                        "above 480p (video); on; off")
     a = parser.add_argument_group("LoRA adapters (docs/lora.md)")
     a.add_argument("--lora-modules", nargs="+", action="extend", default=None,
                    metavar="NAME=PATH",
@@ -139,6 +163,18 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     a.add_argument("--lora-fuse", action="store_const", const=True, default=None,
                    help="merge the one --lora-modules adapter into the weights (a replica "
                         "serving that adapter only: no per-step cost)")
+    c = parser.add_argument_group("step cache (docs/step_cache.md)")
+    c.add_argument("--step-cache", choices=STEP_CACHE_POLICIES, default=None,
+                   help="reuse the DiT's residual across denoising steps by default (off when "
+                        "omitted; a request's step_cache overrides it): first-block (skip the "
+                        "other blocks while the first block's output barely changes), "
+                        "teacache (Flux, Wan2.1: the published TeaCache rescaling), every "
+                        "(compute one step in K between the first and last 2)")
+    c.add_argument("--step-cache-threshold", type=float, default=None,
+                   help="first-block / teacache threshold (default 0.08 for first-block; "
+                        "teacache: 0.4 Flux, 0.2 Wan); 0 never reuses (bit-identical to off)")
+    c.add_argument("--step-cache-every", type=int, default=None,
+                   help="the every policy's K (default 2); 1 never reuses")
     p = parser.add_argument_group("parallelism")
     p.add_argument("--data-parallel-size", type=int, default=None,
                    help="data-parallel ranks, each with its own batch (processes: dp x sp, "

@@ -88,6 +88,9 @@ class EngineClient(Protocol):
 
     def offload_report(self) -> dict[str, Any] | None: ...
 
+    def pipeline_report(self) -> dict[str, Any] | None:
+        """Rank 0's whole-pipeline plan and prompt-cache counters (None before it loads)."""
+
     @property
     def adapters(self) -> AdapterCatalog | None:
         """The served LoRA adapters by name (resolve, load, unload); None before loading."""

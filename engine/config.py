@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ditserve.engine.adapters.config import AdapterConfig, adapter_problems
-from ditserve.engine.errors import ConfigError
+from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.families import AUTO_FAMILY, family_labels, family_named
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
+from ditserve.engine.step_cache.spec import StepCacheSpec
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -60,6 +62,9 @@ class OffloadConfig:
     checkpoint_mmap: "auto" streams straight from the checkpoint's safetensors when it can.
     compress: "lossless" keeps the streamed blocks' bf16 regions packed (12-bit, bit-exact) in
         host memory and decodes them on the device after each copy; "none" streams raw bytes.
+    components: what DLO governs besides streaming the DiT: "all" also parks the text
+        encoders in (pinned) host memory, on the device only for an encode pass; "dit"
+        keeps them resident (docs/offload.md, "Whole pipeline").
     """
 
     enabled: bool = False
@@ -74,6 +79,28 @@ class OffloadConfig:
     pin_limit_gib: float = 0.0
     checkpoint_mmap: str = "auto"
     compress: str = "none"
+    components: str = "all"
+
+
+DLO_COMPONENTS: tuple[str, ...] = ("all", "dit")
+VAE_TILING_MODES: tuple[str, ...] = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline's parts around the DiT (docs/offload.md, "Whole pipeline").
+
+    prompt_cache_size: prompt embeddings kept (LRU) so repeated prompts and the empty negative
+        prompt are encoded once; 0 disables the cache.
+    prompt_cache_gib: the most device memory the cached embeddings may take.
+    vae_tiling: "on" decodes in tiles/slices (diffusers' enable_tiling/enable_slicing), "off"
+        decodes whole, "auto" tiles under DLO when the decoded frame is large (an image of
+        at least 1024x1024 pixels, a video frame above 480p).
+    """
+
+    prompt_cache_size: int = 256
+    prompt_cache_gib: float = 1.0
+    vae_tiling: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -144,6 +171,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StepCacheConfig:
+    """The server's default step cache (docs/step_cache.md); a request may override it.
+
+    policy: first-block, teacache or every (None: off). threshold: first-block's and
+    teacache's knob (None: the policy's published default). every: the ``every`` policy's K.
+    """
+
+    policy: str | None = None
+    threshold: float | None = None
+    every: int | None = None
+
+    def spec(self) -> StepCacheSpec | None:
+        if self.policy is None:
+            return None
+        return StepCacheSpec(self.policy, self.threshold, self.every)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine replica needs. ``model`` None means the embedded tiny model.
 
@@ -161,13 +206,16 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    step_cache: StepCacheConfig = field(default_factory=StepCacheConfig)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> EngineConfig:
         """Build from nested plain data (YAML, a CRD spec); unknown keys are an error.
 
-        Nested groups are ``offload``, ``parallel`` and ``scheduler``. The result is validated.
+        Nested groups are ``offload``, ``parallel``, ``scheduler``, ``adapters``,
+        ``step_cache`` and ``pipeline``. The result is validated.
         """
         config = _build(cls, data, path="")
         validate(config)
@@ -182,7 +230,8 @@ class EngineConfig:
 
 
 _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,
-           "adapters": AdapterConfig}
+           "adapters": AdapterConfig, "step_cache": StepCacheConfig,
+           "pipeline": PipelineConfig}
 # Options that were removed, with what replaces them: a config file that still sets one is
 # told how to update it rather than only that the key is unknown.
 _REMOVED = {
@@ -268,12 +317,23 @@ def problems(config: EngineConfig) -> list[str]:
     number_at_least(out, "scheduler.aging_s", sch.aging_s, 0.001)
     int_at_least(out, "scheduler.max_preemptions", sch.max_preemptions, 0)
 
+    pipe = config.pipeline
+    int_at_least(out, "pipeline.prompt_cache_size", pipe.prompt_cache_size, 0)
+    number_at_least(out, "pipeline.prompt_cache_gib", pipe.prompt_cache_gib, 0)
+    if pipe.vae_tiling not in VAE_TILING_MODES:
+        out.append(f"pipeline.vae_tiling must be one of {', '.join(VAE_TILING_MODES)}, "
+                   f"got {pipe.vae_tiling!r}")
+
     out.extend(adapter_problems(config.adapters))
     if config.adapters.lora_modules and config.compile is not None and not config.adapters.fuse:
         out.append("adapters are applied by hooks around the DiT's linear layers, which "
                    "--compile does not trace; drop --compile, or serve one adapter fused "
                    "(--lora-fuse)")
+    out.extend(step_cache_problems(config.step_cache, parallel=par))
     off = config.offload
+    if off.components not in DLO_COMPONENTS:
+        out.append(f"offload.components must be one of {', '.join(DLO_COMPONENTS)}, "
+                   f"got {off.components!r}")
     out.extend(offload_problems(off, parallel=par))
     group = par.weight_group_size if off.enabled and off.use_allgather else 1
     out.extend(format_problems(off, quantization=config.quantization, dtype=config.dtype,
@@ -459,6 +519,27 @@ def family_sequence_parallel_problems(size: int, family: Any) -> list[str]:
             f"released models ({counts}): Ulysses gives every SP rank heads/size heads; use one "
             f"of {_sizes_dividing(*declared.attention_heads)}, or declare model.attentionHeads "
             "(the DiT's num_attention_heads) for a model with another head count"]
+
+
+def step_cache_problems(cache: StepCacheConfig, *, parallel: ParallelConfig) -> list[str]:
+    if cache.policy is None:
+        if cache.threshold is not None or cache.every is not None:
+            return ["step_cache.threshold and step_cache.every need step_cache.policy "
+                    f"(one of {', '.join(STEP_CACHE_POLICIES)})"]
+        return []
+    if cache.policy not in STEP_CACHE_POLICIES:
+        return [f"step_cache.policy must be one of {', '.join(STEP_CACHE_POLICIES)} (or "
+                f"unset: off), got {cache.policy!r}"]
+    try:
+        spec = cache.spec()
+        assert spec is not None
+        spec.validate()
+    except InvalidRequestError as e:
+        return [f"step_cache: {e.message}"]
+    if parallel.sequence_parallel_size > 1:
+        return ["step_cache needs sequence_parallel_size 1: each rank would decide on its own "
+                "share of the tokens and the ranks' all-to-alls would no longer match"]
+    return []
 
 
 def validate(config: EngineConfig) -> EngineConfig:

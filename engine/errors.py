@@ -56,6 +56,15 @@ class AdapterError(DitServeError, ValueError):
     is refused (unknown name, in use by a running request)."""
 
 
+class AdapterFileNotFoundError(AdapterError):
+    """An adapter path names no file (or a directory without a ``.safetensors``)."""
+
+
+class AdapterConflictError(AdapterError):
+    """The adapter operation conflicts with the current state: the name is already loaded,
+    or the adapter is in use by a queued or running request."""
+
+
 class AdapterNotFoundError(AdapterError, KeyError):
     """No adapter of that name is loaded."""
 

@@ -12,12 +12,34 @@ import enum
 from dataclasses import dataclass
 
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.step_cache.spec import StepCacheSpec
 
 MAX_STEPS = 1000
 MAX_IMAGES = 8
 MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_FRAMES = 1025
+MAX_CONDITION_IMAGES = 4  # images one request may condition on (Qwen-Image-Edit Plus: 3)
+
+
+@dataclass(frozen=True, repr=False)
+class ConditionImage:
+    """A conditioning image (an edit's source, a video's first frame): decoded 8-bit RGB,
+    row-major, ``width * height * 3`` bytes, EXIF orientation already applied. Checked and
+    decoded at the edge (``engine.server.uploads``, the CLI); pipelines resize it as their
+    diffusers pipeline does."""
+
+    width: int
+    height: int
+    rgb: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.rgb) != self.width * self.height * 3:
+            raise InvalidRequestError("image", f"{len(self.rgb)} bytes is not a {self.width}x"
+                                      f"{self.height} RGB image")
+
+    def __repr__(self) -> str:  # never print the pixels into a log
+        return f"ConditionImage({self.width}x{self.height})"
 MAX_LORAS_PER_REQUEST = 8
 MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
@@ -36,6 +58,8 @@ class ModelLimits:
     max_frames: 1 for an image model; a video model's longest clip its positional table
         covers (Wan: ``rope_max_seq_len`` latent frames), capped at MAX_FRAMES.
     positions: entries per axis of the model's positional table; None when it has none.
+    condition_images: (fewest, most) input images a request brings (edits, image-to-video);
+        (0, 0) for a text-only model.
     max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
     """
 
@@ -45,6 +69,7 @@ class ModelLimits:
     max_frames: int = 1
     max_prompt_chars: int | None = None
     positions: int | None = None
+    condition_images: tuple[int, int] = (0, 0)
     max_text_tokens: int | None = None
 
     @classmethod
@@ -111,6 +136,9 @@ class BatchKey:
     height: int
     width: int
     num_frames: int = 1
+    # The conditioning images' sizes: their latents join every row's tokens, so requests
+    # with other images (or none) run other token counts.
+    condition: tuple[tuple[int, int], ...] = ()
     # The text length of a request that names one: prompts of another length would be padded
     # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
     max_sequence_length: int | None = None
@@ -152,8 +180,12 @@ class SamplingParams:
     seed: None draws a random seed at admission; the seed used is reported back.
     partial_images: previews of the running latents to decode, at evenly spaced steps (see
         ``preview_steps``); they travel as "preview" events, never change the result.
+    images: conditioning images (an edit's sources, an image-to-video first frame); empty for
+        text-only generation. How many a model takes is its pipeline's ``condition_images``.
     loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
         their deltas add up, as diffusers' ``set_adapters`` with several names).
+    step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
+        server's default. Per row, so it is not part of the batch key.
     priority: the scheduling class, lower is sooner (as vLLM's ``priority``); only the
         scheduler reads it, and only under ``--scheduling-policy priority``.
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
@@ -171,8 +203,10 @@ class SamplingParams:
     num_images: int = 1
     num_frames: int = 1
     partial_images: int = 0
+    images: tuple[ConditionImage, ...] = ()
     max_sequence_length: int | None = None
     loras: tuple[LoraRef, ...] = ()
+    step_cache: StepCacheSpec | None = None
     priority: int = 0
     deadline_s: float | None = None
 
@@ -197,6 +231,20 @@ class SamplingParams:
                 "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
                 f"(try {lower} or {lower + frame_step})")
 
+    def _validate_images(self, accepted: tuple[int, int]) -> None:
+        fewest, most = accepted
+        count = len(self.images)
+        if not all(isinstance(i, ConditionImage) for i in self.images):
+            raise InvalidRequestError("image", "conditioning images must be decoded RGB images")
+        if most == 0 and count:
+            raise InvalidRequestError("image", "this model generates from text only; it takes no "
+                                      "input image (serve an edit or image-to-video model)")
+        if count < fewest:
+            raise InvalidRequestError("image", f"this model needs {fewest} input image"
+                                      f"{'s' if fewest > 1 else ''}, got {count}")
+        if count > most:
+            raise InvalidRequestError("image", f"this model takes at most {most} input image"
+                                      f"{'s' if most > 1 else ''}, got {count}")
     def _validate_loras(self) -> None:
         if len(self.loras) > MAX_LORAS_PER_REQUEST:
             raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
@@ -229,6 +277,7 @@ class SamplingParams:
 
     def batch_key(self) -> BatchKey:
         return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames,
+                        condition=tuple((i.width, i.height) for i in self.images),
                         max_sequence_length=self.max_sequence_length)
 
     @property
@@ -252,6 +301,7 @@ class SamplingParams:
                              max_prompt_chars=limits.max_prompt_chars,
                              frame_step=limits.frame_step, max_side=limits.max_side,
                              max_frames=limits.max_frames,
+                             condition_images=limits.condition_images,
                              max_text_tokens=limits.max_text_tokens)
 
     def validate(
@@ -262,6 +312,7 @@ class SamplingParams:
         requires_prompt: bool = True,
         max_images: int = MAX_IMAGES,
         frame_step: int | None = None,
+        condition_images: tuple[int, int] = (0, 0),
         max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
@@ -270,9 +321,11 @@ class SamplingParams:
 
         pixel_multiple: the model's spatial granularity (VAE factor x patch size).
         frame_step: None for an image model; a video model's temporal VAE factor.
+        condition_images: (fewest, most) conditioning images the model takes.
         max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
         """
+        self._validate_images(condition_images)
         if not isinstance(self.prompt, str):
             raise InvalidRequestError("prompt", "must be a string")
         if requires_prompt and not self.prompt.strip():
@@ -312,6 +365,10 @@ class SamplingParams:
                 "partial_images", f"must be an integer in [0, {MAX_PARTIAL_IMAGES}], got {k!r}"
             )
         self._validate_frames(frame_step, max_frames)
+        if self.step_cache is not None:
+            if not isinstance(self.step_cache, StepCacheSpec):
+                raise InvalidRequestError("step_cache", "must be a StepCacheSpec")
+            self.step_cache.validate()
         self._validate_scheduling()
         self._validate_loras()
         for name in ("guidance_scale", "true_cfg_scale"):

@@ -102,6 +102,8 @@ class RunnerOutput:
     requests, rows, shape groups (one forward each), work (rows x tokens) and time.
     previews: request id -> (step, pixels) of a preview decoded after that step (the runner's
     pixels, opaque here; only requests with ``partial_images``); scheduling ignores them.
+    step_cache_*: this step's block computations (one request through one block), those the
+    step cache skipped, and the streamed bytes it did not copy (engine.step_cache).
     """
 
     stepped: list[str] = field(default_factory=list)
@@ -114,6 +116,9 @@ class RunnerOutput:
     forward_tokens: int = 0
     forward_seconds: float = 0.0
     previews: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    step_cache_block_runs: int = 0
+    step_cache_skipped_blocks: int = 0
+    step_cache_skipped_bytes: int = 0
 
 
 @dataclass(frozen=True)

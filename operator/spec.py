@@ -193,24 +193,12 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     root = SpecReader(data, "spec", problems)
     if root.data.get("model") is None:
         problems.append("spec.model is required: set model.hostPath or model.persistentVolumeClaim")
-    m = root.child("model")
-    pvc = m.child("persistentVolumeClaim")
-    p, o, e, s = root.child("parallelism"), root.child("offload"), root.child("engine"), \
-        root.child("scheduling")
-    rc, b, co, res = o.child("runtimeCache"), root.child("batching"), root.child("compile"), \
-        e.child("resources")
-    key_secret, c, r, pdb = e.child("apiKeySecret"), root.child("cache"), root.child("rollout"), \
-        root.child("podDisruptionBudget")
+    p, o, b, co = (root.child("parallelism"), root.child("offload"), root.child("batching"),
+                   root.child("compile"))
+    c, r, pdb = root.child("cache"), root.child("rollout"), root.child("podDisruptionBudget")
+    rc = o.child("runtimeCache")
     spec = DeploymentSpec(
-        model=ModelSpec(
-            host_path=m.text("hostPath"),
-            claim_name=pvc.text("claimName"),
-            sub_path=pvc.text("subPath", "") or "",
-            family=m.text("family", "Auto", FAMILIES),
-            dtype=m.text("dtype", "bfloat16", DTYPES),
-            size_gib=m.number("sizeGiB", None),
-            attention_heads=m.integer("attentionHeads", None, 1),
-        ),
+        model=_read_model(root.child("model")),
         replicas=root.integer("replicas", 1),
         parallelism=ParallelismSpec(data=p.integer("data", 1, 1),
                                     sequence=p.integer("sequence", 1, 1),
@@ -230,45 +218,14 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
             enabled=co.flag("enabled", False),
             backend=co.text("backend", "inductor", COMPILE_BACKENDS),
         ),
-        engine=EngineSpec(
-            image=e.text("image") or None,
-            image_pull_policy=e.text("imagePullPolicy", "IfNotPresent", PULL_POLICIES),
-            image_pull_secrets=e.names("imagePullSecrets"),
-            service_account_name=e.text("serviceAccountName") or None,
-            pod_labels=e.string_map("podLabels"),
-            pod_annotations=e.string_map("podAnnotations"),
-            cpu=res.int_or_str("cpu", "4"),
-            memory=res.int_or_str("memory", "16Gi"),
-            guaranteed=res.flag("guaranteedQoS", False),
-            shm_size=e.int_or_str("shmSize", "8Gi"),
-            port=e.integer("port", 8000, 1024),
-            args=tuple(str(a) for a in e.items("args")),
-            env=tuple(dict(v) for v in e.items("env") if isinstance(v, Mapping)),
-            api_key_secret=(
-                (key_secret.text("name"), key_secret.text("key", "api-key"))
-                if key_secret.data.get("name")
-                else None
-            ),
-        ),
+        engine=_read_engine(root.child("engine")),
         cache=CacheSpec(
             mode=c.text("mode", "NodeLocal", CACHE_MODES),
             root=c.text("root") or None,
             claim_name=c.child("persistentVolumeClaim").text("claimName"),
         ),
         startup_timeout_s=root.child("probes").integer("startupTimeoutSeconds", None, 30),
-        scheduling=SchedulingSpec(
-            node_selector=s.string_map("nodeSelector"),
-            tolerations=tuple(dict(t) for t in s.items("tolerations") if isinstance(t, Mapping)),
-            affinity=s.data.get("affinity") or None,
-            priority_class_name=s.text("priorityClassName") or None,
-            runtime_class_name=s.text("runtimeClassName") or None,
-            prefer_cached_nodes=s.flag("preferCachedNodes", True),
-            require_cached_nodes=s.flag("requireCachedNodes", False),
-            replica_spread=s.text("replicaSpread", "Preferred", SPREADS),
-            policy=s.text("policy", "fcfs", SCHEDULING_POLICIES),
-            aging_seconds=s.number("agingSeconds", 30.0),
-            max_preemptions=s.integer("maxPreemptions", 2),
-        ),
+        scheduling=_read_scheduling(root.child("scheduling")),
         rollout=RolloutSpec(
             max_unavailable=r.int_or_str("maxUnavailable", 1),
             max_surge=r.int_or_str("maxSurge", 0),
@@ -283,6 +240,59 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     if problems:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(problems))
     return spec
+
+
+def _read_model(m: SpecReader) -> ModelSpec:
+    pvc = m.child("persistentVolumeClaim")
+    return ModelSpec(
+        host_path=m.text("hostPath"),
+        claim_name=pvc.text("claimName"),
+        sub_path=pvc.text("subPath", "") or "",
+        family=m.text("family", "Auto", FAMILIES),
+        dtype=m.text("dtype", "bfloat16", DTYPES),
+        size_gib=m.number("sizeGiB", None),
+        attention_heads=m.integer("attentionHeads", None, 1),
+    )
+
+
+def _read_engine(e: SpecReader) -> EngineSpec:
+    res, key_secret = e.child("resources"), e.child("apiKeySecret")
+    return EngineSpec(
+        image=e.text("image") or None,
+        image_pull_policy=e.text("imagePullPolicy", "IfNotPresent", PULL_POLICIES),
+        image_pull_secrets=e.names("imagePullSecrets"),
+        service_account_name=e.text("serviceAccountName") or None,
+        pod_labels=e.string_map("podLabels"),
+        pod_annotations=e.string_map("podAnnotations"),
+        cpu=res.int_or_str("cpu", "4"),
+        memory=res.int_or_str("memory", "16Gi"),
+        guaranteed=res.flag("guaranteedQoS", False),
+        shm_size=e.int_or_str("shmSize", "8Gi"),
+        port=e.integer("port", 8000, 1024),
+        args=tuple(str(a) for a in e.items("args")),
+        env=tuple(dict(v) for v in e.items("env") if isinstance(v, Mapping)),
+        api_key_secret=(
+            (key_secret.text("name"), key_secret.text("key", "api-key"))
+            if key_secret.data.get("name")
+            else None
+        ),
+    )
+
+
+def _read_scheduling(s: SpecReader) -> SchedulingSpec:
+    return SchedulingSpec(
+        node_selector=s.string_map("nodeSelector"),
+        tolerations=tuple(dict(t) for t in s.items("tolerations") if isinstance(t, Mapping)),
+        affinity=s.data.get("affinity") or None,
+        priority_class_name=s.text("priorityClassName") or None,
+        runtime_class_name=s.text("runtimeClassName") or None,
+        prefer_cached_nodes=s.flag("preferCachedNodes", True),
+        require_cached_nodes=s.flag("requireCachedNodes", False),
+        replica_spread=s.text("replicaSpread", "Preferred", SPREADS),
+        policy=s.text("policy", "fcfs", SCHEDULING_POLICIES),
+        aging_seconds=s.number("agingSeconds", 30.0),
+        max_preemptions=s.integer("maxPreemptions", 2),
+    )
 
 
 def _cross_field_problems(spec: DeploymentSpec) -> list[str]:

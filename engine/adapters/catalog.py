@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ditserve.engine.adapters.config import AdapterConfig, check_name
-from ditserve.engine.errors import AdapterError, AdapterNotFoundError, ConfigError
+from ditserve.engine.errors import (
+    AdapterConflictError,
+    AdapterError,
+    AdapterNotFoundError,
+    ConfigError,
+)
 from ditserve.engine.request import LoraRef
 
 
@@ -123,11 +128,13 @@ class AdapterCatalog:
                                "(--lora-fuse); it loads no others")
         with self._lock:
             if name in self._entries:
-                raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
+                raise AdapterConflictError(f"adapter {name!r} is already loaded; unload it "
+                                           "first")
         rank = self._inspect(path)  # outside the lock: reading a file takes a while
         with self._lock:
             if name in self._entries:
-                raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
+                raise AdapterConflictError(f"adapter {name!r} is already loaded; unload it "
+                                           "first")
             entry = CatalogEntry(name=name, path=path, rank=rank, version=self._next_version)
             self._next_version += 1
             self._entries[name] = entry
@@ -143,7 +150,8 @@ class AdapterCatalog:
             if self.fused == name:
                 raise AdapterError(f"adapter {name!r} is fused into the weights (--lora-fuse)")
             if self._in_use[name] > 0:
-                raise AdapterError(f"adapter {name!r} is in use by {self._in_use[name]} "
-                                   "running or queued request(s); retry when they finish")
+                raise AdapterConflictError(f"adapter {name!r} is in use by "
+                                           f"{self._in_use[name]} running or queued "
+                                           "request(s); retry when they finish")
             del self._entries[name]
             return entry

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.errors import AdapterError
+from ditserve.engine.errors import AdapterError, AdapterFileNotFoundError
 
 DIT_PREFIXES = ("transformer", "transformer_2")
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' key in the safetensors header
@@ -77,12 +77,15 @@ def adapter_file(path: str | Path) -> Path:
         preferred = p / "pytorch_lora_weights.safetensors"
         if preferred in files:
             return preferred
+        if not files:
+            raise AdapterFileNotFoundError(f"adapter directory {str(p)!r} holds no "
+                                           ".safetensors file")
         if len(files) != 1:
             raise AdapterError(f"adapter directory {str(p)!r} holds {len(files)} .safetensors "
                                "files; name the file itself")
         return files[0]
     if not p.is_file():
-        raise AdapterError(f"adapter file {str(p)!r} does not exist")
+        raise AdapterFileNotFoundError(f"adapter file {str(p)!r} does not exist")
     if p.suffix != ".safetensors":
         raise AdapterError(f"adapter file {str(p)!r} is not a .safetensors file (pickled "
                            "checkpoints are not loaded: they can run code)")

@@ -48,6 +48,7 @@ from ditserve.engine.loop.results import (
 from ditserve.engine.loop.startup import WarmUp, open_executor
 from ditserve.engine.request import ModelLimits, RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.loader import model_family
 from ditserve.engine.work import with_budget
 
@@ -186,9 +187,26 @@ class DiffusionEngine:
                 "resident": len(bank.resident) if bank is not None else 0,
                 "bytes": int(bank.nbytes) if bank is not None else 0}
 
+    @property
+    def step_cache_policies(self) -> tuple[str, ...]:
+        """The step-cache policies the served model takes (all of them before loading)."""
+        return self.runner.step_cache.policies if self.runner else STEP_CACHE_POLICIES
+
+    @property
+    def condition_images(self) -> tuple[int, int]:
+        """(fewest, most) conditioning images a request may bring; (0, 0): text only."""
+        return self.limits.condition_images
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self._pending.stats()
+
+    def pipeline_report(self) -> dict[str, Any] | None:
+        """Rank 0's plan of the whole pipeline and its prompt-cache counters (other DP ranks
+        keep their own caches; their counters are not summed here)."""
+        if self.executor is None:
+            return None
+        return dict(self.executor.runner.pipeline_report())
 
     def offload_report(self, *, refresh: bool = False) -> dict[str, Any] | None:
         """Rank 0's offload report, with every rank's under ``ranks`` when there are several.
@@ -209,7 +227,10 @@ class DiffusionEngine:
     # -- requests ---------------------------------------------------------------------------
     def validate_params(self, params: SamplingParams) -> SamplingParams:
         """Raise InvalidRequestError naming the first field the loaded model cannot run."""
-        return params.validate_for(self.limits)
+        params.validate_for(self.limits)
+        if self.runner is not None:  # what the served model's step cache can do
+            self.runner.step_cache.check(params.step_cache)
+        return params
 
     def submit(
         self,

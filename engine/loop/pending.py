@@ -26,6 +26,7 @@ class PendingRequests:
         self._steps_run = 0
         self._rows_run = 0
         self._finished = 0
+        self._cache = [0, 0, 0]  # step cache: block runs, skipped blocks, skipped bytes
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -42,7 +43,10 @@ class PendingRequests:
         return EngineStats(q.num_running, q.num_waiting, self._steps_run, self._rows_run,
                            self._finished, len(q.schedulers), paused=q.num_paused,
                            waiting_high_priority=q.num_waiting_below(0),
-                           step_seconds=max(measured) if measured else None)
+                           step_seconds=max(measured) if measured else None,
+                           step_cache_block_runs=self._cache[0],
+                           step_cache_skipped_blocks=self._cache[1],
+                           step_cache_skipped_bytes=self._cache[2])
 
     def add(self, handle: RequestHandle, work: RequestWork | None = None) -> None:
         """Queue a request (``work``: its rows x tokens by the model's WorkRule);
@@ -78,6 +82,10 @@ class PendingRequests:
     def count(self, outputs: list[RunnerOutput], finished: int) -> None:
         """Count a step: its forwards' rows (a step with any forward counts once) and the
         requests it finished."""
+        for out in outputs:
+            self._cache[0] += out.step_cache_block_runs
+            self._cache[1] += out.step_cache_skipped_blocks
+            self._cache[2] += out.step_cache_skipped_bytes
         rows = sum(out.forward_rows for out in outputs)
         if rows:
             self._steps_run += 1

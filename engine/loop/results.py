@@ -130,6 +130,14 @@ class EngineStats:
     paused: int = 0
     waiting_high_priority: int = 0
     step_seconds: float | None = None
+    step_cache_block_runs: int = 0  # block computations (one request through one block)
+    step_cache_skipped_blocks: int = 0  # of those, skipped by the step cache
+    step_cache_skipped_bytes: int = 0  # streamed block bytes not copied (DLO)
+
+    @property
+    def step_cache_skipped_fraction(self) -> float:
+        runs = self.step_cache_block_runs
+        return self.step_cache_skipped_blocks / runs if runs else 0.0
 
     @property
     def mean_batch_rows(self) -> float:

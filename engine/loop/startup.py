@@ -18,7 +18,7 @@ from pathlib import Path
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
-from ditserve.engine.request import NewRequest, SamplingParams
+from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
 from ditserve.engine.scheduler import StepScheduler
 
 log = logging.getLogger(__name__)
@@ -97,8 +97,11 @@ def warm_up(
 def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int, *,
                requests: int) -> None:
     """One one-step step with ``requests`` requests on every rank, waited for and checked."""
+    # A model that needs input images (image-to-video) warms up on plain grey ones.
+    grey = ConditionImage(width, height, bytes([128]) * (width * height * 3))
+    fewest = int(getattr(executor.runner, "condition_images", (0, 0))[0])
     params = SamplingParams(prompt="warm up", height=height, width=width,
-                            num_inference_steps=1, seed=0)
+                            num_inference_steps=1, seed=0, images=(grey,) * fewest)
     work = {}
     for rank in range(executor.num_ranks):
         # Every warm-up request in one step, whatever the work budget: the compile must see

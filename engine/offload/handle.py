@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -67,6 +67,17 @@ class OffloadHandle:
         """Run a step's forwards (one per shape group, block-major) as ONE pass: blocks that
         run again load nothing, and AllGather ranks stay matched whatever their group counts."""
         return self._streamer.one_pass()
+
+    def skip_unneeded(self, demand: Callable[[nn.Module], bool] | None) -> None:
+        """Load only the streamed blocks ``demand(block)`` says a row of the running step
+        computes (the step cache's answer; None: every block). Ignored in AllGather mode,
+        whose loads are collectives every rank joins."""
+        self._streamer.demand = demand
+
+    @property
+    def skipped_bytes(self) -> int:
+        """Bytes of streamed blocks not copied because no row of their step computed them."""
+        return self._streamer.skipped_bytes
 
     def idle_pass(self) -> None:
         """Join every block's gather, in a forward's order, without running any block.

@@ -33,6 +33,15 @@ ran block k). Strict mode accepts a repeat of the block it ran last. A step's fo
 pass: inside ``one_pass()`` the end of each forward does not end the pass, leaving the scope
 does. ``passes`` counts passes in both modes (a forward of the model outside a scope is one).
 
+Skips (step cache, ``engine.step_cache``): ``demand`` - set through the handle's
+``skip_unneeded`` - says per block module whether any row of the running step computes it. A
+block no row needs is neither loaded nor pointed (its forward, which the step cache short-cuts,
+reads no weight), and nothing is prefetched for it: the next block that is needed finds the
+ring as the last needed block left it, so when a whole step reuses its cached residuals, its
+blocks cost no bytes and the ring stays warm for the next step. ``skipped_bytes`` counts the
+bytes of skipped blocks that were not in a slot already. Strict mode never skips: its loads
+are collectives the other ranks join.
+
 Called by the backend's builders (build, attach) and ``handle`` (detach, idle passes); the
 copy sources come from a ``host`` backing, the bytes move through a ``movement`` transfer.
 """
@@ -125,6 +134,8 @@ class BlockStreamer:
         self.loaded: list[int | None] = [None] * self.slots  # block position held by each slot
         self.pointed: dict[int, int] = {}  # block position -> slot its tensors point into
         self.bytes_transferred = 0
+        self.skipped_bytes = 0  # blocks no row needed, not loaded (step cache)
+        self.demand: Callable[[nn.Module], bool] | None = None
         self.loads = 0
         self.misses = 0
         self._handles: list[RemovableHandle] = []
@@ -178,6 +189,12 @@ class BlockStreamer:
 
     def before_block(self, k: int) -> None:
         self._started = True
+        if not self.strict and self.demand is not None and not self.demand(self.blocks[k].module):
+            # No row of this step computes block k: leave the ring as it is (no load, no
+            # prefetch); its tensors stay placeholders, which its skipped forward never reads.
+            if k not in self.loaded:
+                self.skipped_bytes += self.blocks[k].nbytes
+            return
         if self.strict:
             if k == self.position - 1:
                 pass  # a repeat (another shape group): k and its window sit in slots

@@ -34,6 +34,7 @@ from ditserve.engine.pipelines.wan_block import chunk_token_math
 from ditserve.engine.request import ModelLimits
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import SchedulerTrajectory
+from ditserve.engine.step_cache.rows import forward_rows
 
 if TYPE_CHECKING:
     from ditserve.engine.runner.input_batch import InputBatch
@@ -184,7 +185,7 @@ class WanStepPipeline:
         out: torch.Tensor | None = None
         for expert in sorted(set(experts)):
             slices = [sl for sl, e in zip(batch.row_slices, experts, strict=True) if e == expert]
-            with adapter_rows.narrowed(slices):  # the LoRA rows of this expert's forward
+            with forward_rows(slices), adapter_rows.narrowed(slices):  # step cache, LoRA rows
                 rows = self._forward(
                     expert,
                     torch.cat([batch.hidden_states[sl] for sl in slices]),

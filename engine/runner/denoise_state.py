@@ -8,12 +8,15 @@ object), and the decoded output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.sampler import Schedule
+
+if TYPE_CHECKING:
+    from ditserve.engine.step_cache.policies import RequestCache
 
 
 @dataclass
@@ -30,6 +33,9 @@ class DenoiseState:
         (its family decides when CFG adds negative-prompt rows).
     schedule: the request's own timesteps (and sampler state, for multistep samplers).
     pixels: the decoded output, (n, 3, H, W) for images or (n, F, 3, H, W) for videos.
+    step_cache: the request's own step cache (``engine.step_cache``: its policy's memory and
+        cached residuals, per DiT, one row per model row); None without one. The runner drops
+        it after the request's last step.
     """
 
     request_id: str
@@ -43,6 +49,7 @@ class DenoiseState:
     pixels: torch.Tensor | None = None
     rows: int = 0
     host: dict[str, Any] = field(default_factory=dict)  # pipeline-private host-side facts
+    step_cache: RequestCache | None = None
 
     def __post_init__(self) -> None:
         if not self.rows:

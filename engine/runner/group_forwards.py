@@ -61,12 +61,16 @@ class GroupForwards:
         *,
         block_major: BlockMajor | None = None,
         one_pass: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        around: Callable[[InputBatch], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
         """block_major: run the forwards in lockstep over these block barriers (offload);
-        None runs them in turn. one_pass: the offload's scope that makes them one pass."""
+        None runs them in turn. one_pass: the offload's scope that makes them one pass.
+        around: a scope entered inside each group's forward (in its own lane), given the
+        group's inputs (the step cache's per-forward rows)."""
         self.pipeline = pipeline
         self.block_major = block_major
         self._one_pass = one_pass or contextlib.nullcontext
+        self._around = around
         self._builders: dict[BatchKey, InputBatchBuilder] = {}
 
     def run(self, groups: Sequence[list[DenoiseState]]) -> list[GroupForward]:
@@ -96,8 +100,10 @@ class GroupForwards:
         adapters = rows.of_requests([s.params for s in inputs.states], inputs.row_slices,
                                     inputs.num_rows)
 
+        around = self._around or (lambda _: contextlib.nullcontext())
+
         def forward() -> torch.Tensor:
-            with rows.applying(adapters):
+            with rows.applying(adapters), around(inputs):
                 return self.pipeline.denoise_step(inputs)
 
         return forward

@@ -19,6 +19,7 @@ other ranks do not join).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.errors import AdapterError
+from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
@@ -37,6 +38,7 @@ from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.step_cache.runtime import StepCache
 from ditserve.engine.weights.loader import load_components
 from ditserve.engine.work import WorkRule
 
@@ -151,14 +153,24 @@ class ModelRunner:
             components.pipeline_class, model_dir, self.device,
             time.perf_counter() - started, "dlo" if offload else "off",
         )
+        from ditserve.engine.runner.whole_pipeline import WholePipeline
+
+        # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
+        self.whole = WholePipeline(self.pipeline, config, device=self.device,
+                                   offload_report=self.offload_report())
+        log.info("pipeline plan:\n%s", self.whole.plan_table())
         self._states: dict[str, DenoiseState] = {}
+        # Wraps the blocks beneath every hook (offload, compile, SP): built after all of them.
+        self.step_cache = StepCache(self.pipeline, default=config.step_cache.spec(),
+                                    offload=self.offload,
+                                    sequence_parallel=self._sequence is not None)
         # Under offload the shape groups of a step run block-major, as one pass; resident,
         # one after the other (the weights do not move, so there is nothing to share).
         self._block_major = (BlockMajor(self.pipeline.transformer, self.pipeline.block_lists)
                              if offload else None)
         self._forwards = GroupForwards(
             self.pipeline, block_major=self._block_major,
-            one_pass=self.offload.one_pass if offload else None)
+            one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
         self.work_rule = WorkRule(pixels_per_token=self.pixel_multiple,
                                   frame_step=self.frame_step,
                                   cfg_rows=self.pipeline.family.cfg_rows)
@@ -166,8 +178,9 @@ class ModelRunner:
 
     @property
     def limits(self) -> ModelLimits:
-        """What the loaded model can run (its pipeline's ``limits``)."""
-        return self.pipeline.limits()
+        """What the loaded model can run (its pipeline's ``limits``, with the input images
+        an image-conditioned pipeline takes)."""
+        return dataclasses.replace(self.pipeline.limits(), condition_images=self.condition_images)
 
     @property
     def pixel_multiple(self) -> int:
@@ -182,10 +195,21 @@ class ModelRunner:
         """None for an image model; for video, ``num_frames - 1`` must divide by it."""
         return self.pipeline.frame_step
 
+    @property
+    def condition_images(self) -> tuple[int, int]:
+        """(fewest, most) conditioning images; families without any declare nothing."""
+        accepted: tuple[int, int] = getattr(self.pipeline, "condition_images", (0, 0))
+        return accepted
+
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None
 
+    def pipeline_report(self) -> dict[str, Any]:
+        """Where each component lives and the prompt cache's counters (``WholePipeline``)."""
+        return self.whole.report()
+
     def close(self) -> None:
+        self.step_cache.close()
         if self._block_major is not None:
             self._block_major.close()
         if self.offload is not None and getattr(self.offload, "active", True):
@@ -194,10 +218,13 @@ class ModelRunner:
     # -- request registry ---------------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
         self.adapters.acquire(new.params.loras)  # resident while the request runs
-        self._states[new.request_id] = DenoiseState(new.request_id, new.params, new.seed)
+        state = DenoiseState(new.request_id, new.params, new.seed)
+        self.step_cache.attach(state)
+        self._states[new.request_id] = state
 
     def _pop(self, request_id: str) -> DenoiseState | None:
         state = self._states.pop(request_id, None)
+        self.step_cache.forget(request_id)
         if state is not None:
             self.adapters.release(state.params.loras)
         return state
@@ -227,8 +254,11 @@ class ModelRunner:
             except AdapterError as e:  # an adapter file that cannot serve fails its request
                 log.error("request %s: %s", new.request_id, e)
                 out.failed[new.request_id] = f"adapter: {e}"
+            except InvalidRequestError as e:  # the engine's validation refuses these first
+                out.failed[new.request_id] = str(e)
         for rid in plan.freed:
             self.drop(rid)
+        self._encode_conditions(plan.encode)
         for rid in plan.encode:
             if rid not in out.failed:
                 self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
@@ -237,7 +267,8 @@ class ModelRunner:
         if batch:
             groups = shape_groups(batch)
             self._inflight.forward_started()
-            self._denoise(groups, out)
+            with self.step_cache.step(out):
+                self._denoise(groups, out)
             self._inflight.forward_ended(
                 requests=len(batch), rows=sum(s.rows for s in batch), groups=len(groups),
                 tokens=sum(s.rows * self.work_rule.tokens_per_row(s.params) for s in batch))
@@ -266,6 +297,19 @@ class ModelRunner:
                 out.forward_groups, out.forward_tokens = step.groups, step.tokens
                 out.forward_seconds = step.seconds
         return out
+
+    def _encode_conditions(self, rids: Sequence[str]) -> None:
+        """Image-conditioned families encode the admitted requests' images in one batch
+        (``encode_conditions``); on failure each request's own ``prepare_encode`` encodes
+        (and fails) alone, so one bad image never fails its neighbours."""
+        encode = getattr(self.pipeline, "encode_conditions", None)
+        states = [self._states[rid] for rid in rids if rid in self._states]
+        if encode is None or len(states) < 2:
+            return
+        try:
+            encode(states)
+        except Exception:
+            log.warning("batched conditioning encode failed; encoding per request", exc_info=True)
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""
@@ -297,6 +341,7 @@ class ModelRunner:
                 if self._guarded(out, state.request_id, "step",
                                  lambda s, r=rows: self.pipeline.step(s, r)):
                     out.stepped.append(state.request_id)
+                    self.step_cache.stepped(state)
 
     def _group_failed(self, group: GroupForward, out: RunnerOutput) -> None:
         e = group.error

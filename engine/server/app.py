@@ -20,12 +20,12 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ditserve.engine.client import EngineClient, EnginePhase
 from ditserve.engine.server import image_openapi, video_openapi
-from ditserve.engine.server.config import ServerConfig
+from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.openapi import build_openapi
-from ditserve.engine.server.routes import adapters, images, models, probes, videos
+from ditserve.engine.server.routes import adapters, edits, images, models, probes, videos
 from ditserve.engine.server.state import ServerState
 
 
@@ -60,11 +60,14 @@ def create_app(
     app.state.server = state
     count = state.metrics.count_error
     install_handlers(app, count)
-    for group in (images, models, probes, videos, adapters):
+    for group in (images, edits, models, probes, videos):
         app.include_router(group.router)
+    if adapters.runtime_updates_allowed():  # reads host files: only when the operator opts in
+        app.include_router(adapters.router)
 
     # Added innermost first: RequestId -> CORS -> Guard -> routes (see edge.py).
-    app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, count=count)
+    app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, count=count,
+                       upload_paths=UPLOAD_PATHS, max_upload_bytes=config.max_upload_bytes)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(config.allowed_origins),

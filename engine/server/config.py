@@ -21,6 +21,10 @@ from ditserve.engine.errors import ConfigError
 
 DEFAULT_API_KEY_ENV = "DITSERVE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_UPLOAD_BYTES = 32 << 20  # an image upload route's body (OpenAI: 50 MB per image)
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size of one uploaded image
+# The routes that take image files (multipart): their bodies may be max_upload_bytes.
+UPLOAD_PATHS = frozenset({"/v1/images/edits", "/v1/videos"})
 DEFAULT_VIDEO_MAX_JOBS = 256
 DEFAULT_VIDEO_MAX_BYTES = 4 << 30
 DEFAULT_VIDEO_TTL_S = 3600.0
@@ -52,6 +56,10 @@ class ServerConfig:
     max_side / max_steps: the largest width or height and step count a request may ask for
         (a replica's cost bound per request); None leaves the engine's limits (8192, 1000).
     max_body_bytes: larger request bodies are refused with 413 before they are read whole.
+    max_upload_bytes: the same bound for the routes that take image files (POST
+        /v1/images/edits, POST /v1/videos with ``input_reference``); held in memory.
+    max_image_pixels: the largest decoded width x height of one uploaded image (larger ones,
+        decompression bombs included, are refused with 400 before they are decoded).
     allowed_origins: browser origins allowed by CORS ("*" for any); empty turns CORS off.
     docs: serve the interactive API page at /docs (/openapi.json is always served).
 
@@ -80,6 +88,8 @@ class ServerConfig:
     max_side: int | None = None
     max_steps: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     allowed_origins: tuple[str, ...] = ()
     docs: bool = True
     log_level: str = "info"
@@ -126,6 +136,8 @@ def problems(config: ServerConfig) -> list[str]:
         if getattr(config, name) is not None:
             int_at_least(out, f"server.{name}", getattr(config, name), 1)
     int_at_least(out, "server.max_body_bytes", config.max_body_bytes, 1024)
+    int_at_least(out, "server.max_upload_bytes", config.max_upload_bytes, 1024)
+    int_at_least(out, "server.max_image_pixels", config.max_image_pixels, 64 * 64)
     origins = config.allowed_origins
     if not isinstance(origins, tuple) or not all(
         isinstance(o, str) and (o == "*" or ORIGIN_PATTERN.match(o)) for o in origins

@@ -114,11 +114,15 @@ class GuardMiddleware:
     body is read), answers HEAD like GET without the body, and turns an unhandled exception
     into a generic 500 (details go to the log, with the request id)."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, count: Callable[[str], None]
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, count: Callable[[str], None],
+                 upload_paths: frozenset[str] = frozenset(), max_upload_bytes: int = 0
                  ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.count = count
+        # POSTs to the routes that take image files may send up to max_upload_bytes.
+        self.upload_paths = upload_paths
+        self.max_upload_bytes = max_upload_bytes or max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,6 +130,8 @@ class GuardMiddleware:
             return
         rid = request_id(scope)
         limit = self.max_body_bytes
+        if scope["method"] == "POST" and scope.get("path") in self.upload_paths:
+            limit = self.max_upload_bytes
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > limit:
             self.count("payload_too_large")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
-from ditserve.engine.server import streaming
+from ditserve.engine.server import step_cache_field, streaming
 from ditserve.engine.server.openapi import (
     LORAS_SCHEMA,
     NOT_ONLY_SPACES,
@@ -77,6 +77,7 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
                                        "(default: the pipeline's own, 512 as in diffusers)"),
         "loras": nullable(LORAS_SCHEMA),
         **scheduling_fields(nullable),
+        "step_cache": nullable(step_cache_field.openapi_schema(limits.step_cache_policies)),
     }
     for name in IGNORED_FIELDS:
         properties[name]["description"] = "OpenAI field, accepted and ignored"

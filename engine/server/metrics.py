@@ -68,6 +68,7 @@ class _EngineStateCollector(Collector):
         running = waiting = paused = waiting_high = 0
         ready = 0.0
         report = None
+        pipeline: dict[str, Any] | None = None
         step_s: float | None = None
         if engine is not None:
             stats = engine.stats()
@@ -76,6 +77,7 @@ class _EngineStateCollector(Collector):
             step_s = stats.step_seconds
             ready = 1.0 if engine.phase is EnginePhase.READY else 0.0
             report = engine.offload_report()
+            pipeline = engine.pipeline_report()
         yield GaugeMetricFamily("ditserve:num_requests_running",
                                 "Requests in the running denoise batch.", value=running)
         yield GaugeMetricFamily("ditserve:num_requests_waiting",
@@ -96,6 +98,16 @@ class _EngineStateCollector(Collector):
         yield GaugeMetricFamily("ditserve:engine_ready",
                                 "1 when the model is loaded, warmed up and admitting.",
                                 value=ready)
+        cache = (pipeline or {}).get("prompt_cache") or {}
+        yield CounterMetricFamily("ditserve:prompt_cache_hits",
+                                  "Prompt encodings served from the prompt-embedding cache.",
+                                  value=float(cache.get("hits", 0)))
+        yield CounterMetricFamily("ditserve:prompt_cache_misses",
+                                  "Prompt encodings that ran the text encoder (cache on).",
+                                  value=float(cache.get("misses", 0)))
+        yield GaugeMetricFamily("ditserve:prompt_cache_bytes",
+                                "Device bytes the cached prompt embeddings take.",
+                                value=float(cache.get("bytes", 0)))
         lora = engine.adapter_stats() if engine is not None else {}
         yield GaugeMetricFamily("ditserve:lora_adapters_loaded",
                                 "LoRA adapters loaded (selectable by name).",
@@ -107,6 +119,18 @@ class _EngineStateCollector(Collector):
         yield GaugeMetricFamily("ditserve:lora_resident_bytes",
                                 "Device bytes of the resident LoRA adapters' factors (rank 0).",
                                 value=float(lora.get("bytes", 0)))
+        skipped_blocks = skipped_bytes = 0
+        if engine is not None:
+            skipped_blocks = stats.step_cache_skipped_blocks
+            skipped_bytes = stats.step_cache_skipped_bytes
+        yield CounterMetricFamily("ditserve:step_cache_skipped_blocks",
+                                  "Block computations (one request through one DiT block) the "
+                                  "step cache skipped by reusing a cached residual.",
+                                  value=float(skipped_blocks))
+        yield CounterMetricFamily("ditserve:step_cache_skipped_bytes",
+                                  "Streamed block bytes DLO did not copy because no request of "
+                                  "their step computed them (step cache).",
+                                  value=float(skipped_bytes))
         transferred = float((report or {}).get("bytes_transferred", 0))
         yield CounterMetricFamily("ditserve:offload_bytes_transferred",
                                   "Weight bytes streamed host->device by layerwise offload.",

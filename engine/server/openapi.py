@@ -30,6 +30,8 @@ ERROR_DESCRIPTIONS = {
     404: "`model` (or the model id in the path) is not the served model",
     409: "The video has no content (yet): it is queued or in progress, or it failed or was "
          "cancelled",
+    408: "The request's own deadline_s passed before it finished (code deadline_exceeded): it "
+         "was stopped at a step boundary",
     413: "The request body is larger than the server's limit",
     416: "The Range asks for bytes past the end of the file (Content-Range says its size)",
     429: "Every batch slot is taken and the queue is full; retry after Retry-After seconds",

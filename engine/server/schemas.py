@@ -33,6 +33,8 @@ from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapter
 from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.model_defaults import ModelDefaults
+from ditserve.engine.server.step_cache_field import parse_field
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 
 Number = Annotated[float, Strict()]  # strict: 3 and 3.5 are numbers, "3" and true are not
 
@@ -82,6 +84,7 @@ class ImageGenerationRequest(BaseModel):
     loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
+    step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
 
 
 FIELDS = tuple(ImageGenerationRequest.model_fields)
@@ -101,6 +104,7 @@ class RequestLimits:
     default_guidance: float = ModelDefaults.guidance  # the model's (server.model_defaults)
     default_true_cfg: float = ModelDefaults.true_cfg  # the model's (server.model_defaults)
     max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
+    step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,7 @@ def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: Reques
         partial_images=(body.partial_images or 0) if body.stream else 0,
         loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
+        step_cache=parse_field(body.step_cache),
     )
     try:
         engine.validate_params(params)

@@ -38,6 +38,8 @@ from ditserve.engine.server.jobs.store import JobStore, StoreLimits
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.model_defaults import ModelDefaults, model_defaults
 from ditserve.engine.server.schemas import RequestLimits
+from ditserve.engine.server.step_cache_field import step_cache_policies
+from ditserve.engine.server.uploads import UploadLimits
 from ditserve.engine.server.video_request import VideoLimits
 
 log = logging.getLogger(__name__)
@@ -105,9 +107,15 @@ class ServerState:
             pixel_multiple=model.pixel_multiple, max_prompt_chars=model.max_prompt_chars,
             max_side=max_side - max_side % model.pixel_multiple,
             max_steps=max_steps, default_guidance=self.model.guidance,
+            step_cache_policies=step_cache_policies(self.engine),
             default_true_cfg=self.model.true_cfg,
             max_text_tokens=model.max_text_tokens or RequestLimits.max_text_tokens,
         )
+
+    def upload_limits(self) -> UploadLimits:
+        """How large an uploaded image (and the body carrying it) may be."""
+        return UploadLimits(max_bytes=self.config.max_upload_bytes,
+                            max_pixels=self.config.max_image_pixels)
 
     def video_limits(self) -> VideoLimits:
         """What a video job may ask for now (frame step and pixel multiple once loaded; Wan's
@@ -126,6 +134,7 @@ class ServerState:
             pixel_multiple=images.pixel_multiple, frame_step=frame_step,
             max_prompt_chars=images.max_prompt_chars, max_side=images.max_side,
             max_steps=images.max_steps, max_frames=max_frames,
+            step_cache_policies=images.step_cache_policies,
             max_text_tokens=images.max_text_tokens,
         )
 

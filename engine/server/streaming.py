@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 QUEUED = "ditserve.queued"
@@ -21,6 +22,23 @@ PARTIAL_IMAGE = "image_generation.partial_image"
 COMPLETED = "image_generation.completed"
 ERROR = "error"
 EVENT_TYPES = (QUEUED, PROGRESS, PARTIAL_IMAGE, COMPLETED, ERROR)
+
+
+@dataclass(frozen=True)
+class ImageEvents:
+    """The event names of one image route's stream: generations' ``image_generation.*``,
+    edits' ``image_edit.*`` (OpenAI's ``ImageEditPartialImageEvent`` / ``...CompletedEvent``;
+    the payloads are the same)."""
+
+    queued: str
+    progress: str
+    partial_image: str
+    completed: str
+
+
+GENERATION_EVENTS = ImageEvents(QUEUED, PROGRESS, PARTIAL_IMAGE, COMPLETED)
+EDIT_EVENTS = ImageEvents("image_edit.queued", "image_edit.progress",
+                          "image_edit.partial_image", "image_edit.completed")
 
 
 class EventBridge:

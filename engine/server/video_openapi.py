@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ditserve.engine.server import step_cache_field
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.jobs.model import API_STATUSES
 from ditserve.engine.server.openapi import (
@@ -83,6 +84,9 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
         "loras": {"type": "string", "description": "LoRA adapters as JSON text: "
                   '[{"name": ..., "scale": ...}]'} if form else LORAS_SCHEMA,
         **scheduling_fields(lambda schema: schema),
+        "step_cache": ({**step_cache_field.form_schema(limits.step_cache_policies),
+                        "description": step_cache_field.DESCRIPTION}
+                       if form else step_cache_field.openapi_schema(limits.step_cache_policies)),
     }
 
 

@@ -10,7 +10,8 @@ OpenAI's whole-second string such as ``"4"``); ditserve's ``num_frames``, ``fps`
 comes from ``num_frames`` (``frame_step * k + 1``, Wan: 4k+1) or from ``seconds`` at the
 model's native frame rate (Wan: 16 fps; 5 s -> 81 frames, the smallest valid count that
 lasts that long): give ``fps`` with ``num_frames``, never with ``seconds``. ``input_reference``
-(image-to-video) is refused: the served pipelines are text-to-video.
+(image-to-video: the first frame) is decoded by the route (``server.uploads``) and taken by
+an image-to-video model (Wan 2.1 I2V, Wan 2.2 TI2V); a text-to-video model refuses it.
 
 ``VideoLimits`` holds the replica's bounds; ``video_openapi.request_schema`` describes the
 same rules from the same limits, so a body valid by the document is accepted.
@@ -31,10 +32,10 @@ from starlette.formparsers import MultiPartException
 
 from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
 from ditserve.engine.server.config import MAX_FPS
-from ditserve.engine.server.errors import invalid, shown
+from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.schemas import (
     Integer,
@@ -44,6 +45,8 @@ from ditserve.engine.server.schemas import (
     pydantic_error,
     request_error,
 )
+from ditserve.engine.server.step_cache_field import parse_field
+from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 
 # JSON numbers above this many digits are not read from form text (as JSON's own limit).
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
@@ -71,6 +74,7 @@ class VideoCreateRequest(BaseModel):
     loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
+    step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
@@ -96,6 +100,7 @@ class VideoLimits:
     max_steps: int
     max_frames: int
     max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
+    step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
 
     @property
     def allowed_frames(self) -> list[int]:
@@ -168,7 +173,9 @@ async def read_body(request: Any) -> dict[str, Any]:
             if len(values) > 1:
                 raise invalid(name, f"{name}: is given {len(values)} times; give it once")
             if name == "input_reference":
-                out[name] = values[0]
+                value = values[0]
+                # The file's bytes, read before the form (and its file) is closed below.
+                out[name] = await value.read() if hasattr(value, "read") else value
                 continue
             out[name] = _form_value(name, values[0])
     finally:
@@ -243,13 +250,24 @@ def _seconds(value: str | float, limits: VideoLimits) -> float:
     return float(value)
 
 
+def takes_reference(engine: EngineClient) -> bool:
+    """Whether the served model animates an ``input_reference`` (image-to-video)."""
+    facts = engine.facts()
+    return facts is not None and facts.limits.condition_images[1] > 0
+
+
+def reference_refused() -> APIError:
+    return invalid("input_reference", "input_reference: image-to-video is not supported; "
+                                      "this server generates video from text only",
+                   code="unsupported_value")
+
+
 def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: VideoLimits,
-                        ) -> VideoSpec:
-    """A validated VideoSpec, or an APIError (400, or 404 for another model)."""
-    if "input_reference" in data:
-        raise invalid("input_reference", "input_reference: image-to-video is not supported; "
-                                         "this server generates video from text only",
-                      code="unsupported_value")
+                        images: tuple[ConditionImage, ...] = ()) -> VideoSpec:
+    """A validated VideoSpec, or an APIError (400, or 404 for another model). ``images``:
+    the decoded ``input_reference`` (``server.uploads``), taken out of ``data``."""
+    if "input_reference" in data or (images and not takes_reference(engine)):
+        raise reference_refused()
     seconds = data.get("seconds")
     if seconds is not None and (isinstance(seconds, bool)
                                 or not isinstance(seconds, (str, int, float))):
@@ -273,12 +291,16 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
-        else body.guidance_scale, max_sequence_length=body.max_sequence_length,
+        else body.guidance_scale, images=images,
+        max_sequence_length=body.max_sequence_length,
         loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
+        step_cache=parse_field(body.step_cache),
     )
     try:
         engine.validate_params(params)
     except InvalidRequestError as e:
+        if e.field == "image":
+            raise invalid("input_reference", f"input_reference: {e.message}") from e
         raise request_error(e) from e
     return VideoSpec(params=params, fps=fps, model=limits.model_name)

@@ -12,9 +12,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.adapters.config import startup_refs
-from ditserve.engine.model_builders import TEXT_TOKENS
 from ditserve.engine.request import LoraRef, SamplingParams
-from ditserve.engine.tiny_model import TINY_MAX_SEQUENCE_LENGTH
 
 TOLERANCE = 1e-3  # fp32 on CPU, pixels in [0, 1]
 
@@ -49,10 +47,9 @@ def reference(model_dir, files, family: str, p: SamplingParams,  # type: ignore[
               "generator": generator, "output_type": "pt"}
     if family == "wan":
         return pipe(p.prompt, num_frames=p.num_frames, guidance_scale=p.guidance_scale,
-                    max_sequence_length=TEXT_TOKENS, **common).frames.float()
+                    **common).frames.float()
     if family == "flux":
-        return pipe(p.prompt, guidance_scale=p.guidance_scale,
-                    max_sequence_length=TINY_MAX_SEQUENCE_LENGTH, **common).images.float()
+        return pipe(p.prompt, guidance_scale=p.guidance_scale, **common).images.float()
     return pipe(p.prompt, **common).images.float()
 
 

@@ -81,3 +81,11 @@ def test_generate_cli_applies_a_lora(adapter_models, lora_files, tmp_path: Path)
     base = np.asarray(Image.open(tmp_path / "base.png")).astype(int)
     lora = np.asarray(Image.open(tmp_path / "lora.png")).astype(int)
     assert base.shape == lora.shape and np.abs(base - lora).max() > 4
+
+
+def test_runtime_updates_are_opt_in() -> None:
+    from ditserve.engine.server.routes.adapters import RUNTIME_UPDATES_ENV, runtime_updates_allowed
+
+    assert not runtime_updates_allowed({})
+    assert not runtime_updates_allowed({RUNTIME_UPDATES_ENV: "0"})
+    assert runtime_updates_allowed({RUNTIME_UPDATES_ENV: "true"})

@@ -38,9 +38,15 @@ def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[obje
                                 targets=("to_q", "proj_mlp"))}
     server = start_server(tmp, "--model", str(model), "--lora-modules",
                           f"style={files['style']}", "--max-steps", "400",
-                          env={"DITSERVE_API_KEY": KEY})
+                          env={"DITSERVE_API_KEY": KEY,
+                               "DITSERVE_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     yield server, files
     server.stop()
+
+
+def tmp_text(path: Path) -> Path:
+    path.write_text("not an adapter")
+    return path
 
 
 def image(body: dict[str, object], server) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -95,10 +101,15 @@ def test_load_use_and_unload_an_adapter(lora_server, metric=metric_value) -> Non
     loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json=load, headers=AUTH)
     assert loaded.status_code == 200 and "extra" in loaded.text
     again = httpx.post(f"{server.url}/v1/load_lora_adapter", json=load, headers=AUTH)
-    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    assert again.status_code == 409 and "already loaded" in again.json()["error"]["message"]
     missing = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=AUTH,
                          json={"lora_name": "ghost", "lora_path": "/nonexistent.safetensors"})
-    assert missing.status_code == 400 and "does not exist" in missing.json()["error"]["message"]
+    assert missing.status_code == 404 and "does not exist" in missing.json()["error"]["message"]
+    assert missing.json()["error"]["code"] == "adapter_file_not_found"
+    not_lora = tmp_text(files["extra"].parent / "notes.txt")
+    bad = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=AUTH,
+                     json={"lora_name": "notes", "lora_path": str(not_lora)})
+    assert bad.status_code == 400 and "not a .safetensors file" in bad.text
     ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]]
     assert "extra" in ids
 

@@ -20,6 +20,8 @@ ENGINE_FLAGS = {
     "--quantization", "--dlo-compress",
     "--lora-modules", "--max-loras", "--max-lora-rank", "--lora-fuse",
     "--scheduling-policy", "--priority-aging-s", "--max-preemptions",
+    "--dlo-components", "--prompt-cache-size", "--prompt-cache-gib", "--vae-tiling",
+    "--step-cache", "--step-cache-threshold", "--step-cache-every",
 }
 
 
@@ -35,6 +37,7 @@ def test_generate_flag_set_is_frozen() -> None:
     assert flags("generate") == ENGINE_FLAGS | {
         "--prompt", "--negative-prompt", "--out", "--height", "--width", "--steps", "--seed",
         "--guidance-scale", "--true-cfg-scale", "--num-images", "--num-frames", "--fps",
+        "--image",
         "--max-sequence-length",
         "--lora",
     }
@@ -88,6 +91,24 @@ def test_scheduling_flags_map_onto_the_scheduler_config() -> None:
     with pytest.raises(ConfigError, match="scheduler.scheduling_policy must be one of fcfs, "
                                           "priority"):
         engine_config_from_args(parse(), {"scheduler": {"scheduling_policy": "lifo"}})
+
+
+def test_whole_pipeline_flags_map_onto_the_pipeline_and_offload_config() -> None:
+    config = engine_config_from_args(parse("--offload", "dlo", "--dlo-components", "dit",
+                                           "--prompt-cache-size", "0", "--prompt-cache-gib",
+                                           "0.5", "--vae-tiling", "on"))
+    assert config.offload.components == "dit"
+    assert (config.pipeline.prompt_cache_size, config.pipeline.prompt_cache_gib,
+            config.pipeline.vae_tiling) == (0, 0.5, "on")
+    default = engine_config_from_args(parse())
+    assert (default.offload.components, default.pipeline.prompt_cache_size,
+            default.pipeline.vae_tiling) == ("all", 256, "auto")
+    with pytest.raises(ConfigError, match="pipeline.prompt_cache_size must be an integer >= 0"):
+        engine_config_from_args(parse(), {"pipeline": {"prompt_cache_size": -1}})
+    with pytest.raises(ConfigError, match="pipeline.vae_tiling must be one of auto, on, off"):
+        engine_config_from_args(parse(), {"pipeline": {"vae_tiling": "maybe"}})
+    with pytest.raises(SystemExit):  # argparse refuses an unknown choice
+        parse("--dlo-components", "encoders")
 
 
 def test_missing_model_directory_is_a_clean_error(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

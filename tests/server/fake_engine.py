@@ -42,6 +42,7 @@ class FakeEngine:
     pixel_multiple: int = 4
     max_prompt_chars: int = 4000
     offload: dict[str, Any] | None = None  # what offload_report() returns
+    pipeline: dict[str, Any] | None = None  # what pipeline_report() returns
     frame_step: int | None = None  # a video model's (Wan: 4); None: an image model
     max_side: int = MAX_SIDE  # what the model's positional table reaches
     max_frames: int = MAX_FRAMES
@@ -130,6 +131,9 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 0, 0, 0)
+
+    def pipeline_report(self) -> dict[str, Any] | None:
+        return self.pipeline
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload

@@ -132,7 +132,7 @@ def test_openapi_documents_bodies_errors_and_media_types() -> None:
     assert request["additionalProperties"] is False and request["required"] == ["prompt"]
     assert {"quality", "style", "output_format", "background", "moderation"} <= set(
         request["properties"])
-    assert set(generation["responses"]) == {"200", "400", "401", "404", "413", "429", "500",
+    assert set(generation["responses"]) == {"200", "400", "401", "404", "408", "413", "429", "500",
                                             "503", "504"}
     assert set(generation["responses"]["200"]["content"]) == {"application/json",
                                                               "text/event-stream"}

@@ -65,8 +65,8 @@ def test_concurrent_requests_equal_alone_and_batch(server, metric) -> None:
 LIMIT_PROMPT = "x" * 4001
 FIELDS = ("prompt, model, n, size, response_format, user, stream, partial_images, background, "
           "moderation, output_compression, output_format, quality, style, safety_identifier, "
-          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, loras, "
-          "priority, deadline_s")
+          "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, "
+          "max_sequence_length, loras, priority, deadline_s")
 HUGE = "9" * 5000
 
 BAD_INPUTS = [

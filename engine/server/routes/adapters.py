@@ -2,23 +2,35 @@
 its body shapes (``{"lora_name", "lora_path"}``; ``{"lora_name"}``) and its plain-text
 success answer.
 
-Behind the API key like every route. A load reads and checks the file (diffusers' converters,
+Registered only when ``DITSERVE_ALLOW_RUNTIME_LORA_UPDATING`` is true (as vLLM's
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a load reads a file of the server's host. Behind the API
+key like every route. A load reads and checks the file (diffusers' converters,
 ``--max-lora-rank``) before the name becomes selectable; a name already loaded is refused
-(unload it first). An unload is refused (409) while a running or queued request uses the
-adapter. Errors are OpenAI error objects: 400 bad body or file, 404 unknown name, 409 in use.
+(409: unload it first). An unload is refused (409) while a running or queued request uses
+the adapter. Errors are OpenAI error objects: 400 a bad body or an unusable file, 404 a
+missing file or an unknown name, 409 a name taken or an adapter in use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
-from ditserve.engine.errors import AdapterError, AdapterNotFoundError
+from ditserve.engine.adapters.config import NAME_PATTERN
+from ditserve.engine.errors import (
+    AdapterConflictError,
+    AdapterError,
+    AdapterFileNotFoundError,
+    AdapterNotFoundError,
+)
 from ditserve.engine.server import openapi
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.errors import APIError, invalid
@@ -26,6 +38,12 @@ from ditserve.engine.server.schemas import decode_json, pydantic_error
 
 log = logging.getLogger(__name__)
 router = APIRouter(dependencies=[Depends(require_api_key)])
+RUNTIME_UPDATES_ENV = "DITSERVE_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_updates_allowed(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the operator enabled the load / unload routes."""
+    return environ.get(RUNTIME_UPDATES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -61,14 +79,44 @@ async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
         raise pydantic_error(e, fields=tuple(model.model_fields)) from e
 
 
+def _json_body(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "additionalProperties": False, "required": required,
+        "properties": properties}}}}}
+
+
+LOAD_BODY = _json_body({
+    "lora_name": {"type": "string", "pattern": NAME_PATTERN.pattern,
+                  "description": "the name requests select it by"},
+    "lora_path": {"type": "string", "minLength": 1,
+                  "description": "a .safetensors file on the server's host, or a directory "
+                                 "holding one"},
+    "load_inplace": {"type": ["boolean", "null"], "description": "vLLM's; ignored"},
+}, ["lora_name", "lora_path"])
+UNLOAD_BODY = _json_body({
+    "lora_name": {"type": "string"},
+    "lora_int_id": {"type": ["integer", "null"], "description": "vLLM's; ignored"},
+}, ["lora_name"])
+
+
 @router.post("/v1/load_lora_adapter", response_model=None, summary="Load a LoRA adapter",
-             responses=openapi.answers({"text/plain": {"type": "string"}}, 503))
+             openapi_extra=LOAD_BODY,
+             responses=openapi.answers({"text/plain": {"type": "string"}}, 404, 409, 503,
+                                       descriptions={
+                 404: "The adapter file does not exist",
+                 409: "An adapter of that name is already loaded"}))
 async def load_lora_adapter(request: Request) -> PlainTextResponse:
     body = await _body(request, LoadLoraAdapterRequest)
     assert isinstance(body, LoadLoraAdapterRequest)
     catalog = _catalog(request)
     try:
         entry = await asyncio.to_thread(catalog.load, body.lora_name, body.lora_path)
+    except AdapterFileNotFoundError as e:
+        raise APIError(404, str(e), param="lora_path", code="adapter_file_not_found",
+                       reason="model_not_found") from e
+    except AdapterConflictError as e:
+        raise APIError(409, str(e), param="lora_name", code="adapter_exists",
+                       reason="conflict") from e
     except AdapterError as e:
         raise invalid("lora_path" if "file" in str(e) else "lora_name", str(e)) from e
     log.info("LoRA adapter %s loaded from %s (rank %d)", entry.name, entry.path, entry.rank)
@@ -76,6 +124,7 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
 
 
 @router.post("/v1/unload_lora_adapter", response_model=None, summary="Unload a LoRA adapter",
+             openapi_extra=UNLOAD_BODY,
              responses=openapi.answers({"text/plain": {"type": "string"}}, 404, 409, 503,
                                              descriptions={
                  404: "No adapter of that name is loaded",
@@ -89,8 +138,8 @@ async def unload_lora_adapter(request: Request) -> PlainTextResponse:
     except AdapterNotFoundError as e:
         raise APIError(404, str(e), param="lora_name", code="adapter_not_found",
                        reason="model_not_found") from e
-    except AdapterError as e:
-        raise APIError(409, str(e), param="lora_name", code="adapter_in_use",
-                       reason="conflict") from e
+    except AdapterError as e:  # in use, or fused into the weights
+        code = "adapter_in_use" if isinstance(e, AdapterConflictError) else "adapter_fused"
+        raise APIError(409, str(e), param="lora_name", code=code, reason="conflict") from e
     log.info("LoRA adapter %s unloaded", entry.name)
     return PlainTextResponse(f"Success: LoRA adapter '{entry.name}' removed successfully.")

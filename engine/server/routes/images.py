@@ -63,7 +63,9 @@ def _failure(state: ServerState, request_id: str, exc: BaseException) -> APIErro
         return unavailable(state, "the request was aborted: the engine is shutting down or "
                                    "stopped; retry on another replica")
     if isinstance(exc, DeadlineError):
-        return APIError(504, f"{exc} (request {request_id})", type="server_error",
+        # The client's own deadline_s passed: a 4xx (its choice, not a server fault), and not
+        # 504, which reads as the server's request timeout.
+        return APIError(408, f"{exc} (request {request_id})", type="invalid_request_error",
                         code="deadline_exceeded", reason="deadline")
     return APIError(500, f"the engine failed to generate this request (request {request_id}); "
                          "see the server log", type="server_error", code="engine_error",
@@ -93,7 +95,7 @@ def _silence(future: asyncio.Future[Any]) -> None:
     summary="Generate images (OpenAI images API; JSON, or Server-Sent Events with stream)",
     responses=openapi.answers(
         {**openapi.json_answer("ImagesResponse"), **image_openapi.sse_answer()},
-        404, 413, 429, 503, 504,
+        404, 408, 413, 429, 503, 504,
         ok_description="The images (JSON), or with `stream` an event stream: "
                        "image_generation.partial_image, .completed (OpenAI), error, and "
                        "ditserve.queued / ditserve.progress (JSON arrays; docs/serving.md)"),
@@ -155,7 +157,8 @@ async def _answer(state: ServerState, request: Request, rid: str, handle: Any, *
 
 
 async def _event_stream(state: ServerState, rid: str, handle: Any,
-                        bridge: streaming.EventBridge, *, size: str, tokens: int
+                        bridge: streaming.EventBridge, *, size: str, tokens: int,
+                        names: streaming.ImageEvents = streaming.GENERATION_EVENTS,
                         ) -> AsyncIterator[bytes]:
     """queued* -> (progress | partial_image)* -> completed (one per image) | error.
     Leaving early (disconnect) aborts the request."""
@@ -176,10 +179,10 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
             if event.kind == "queued":
                 if event.queue_position != last_position:  # the engine repeats it every step
                     last_position = event.queue_position
-                    yield streaming.progress(streaming.QUEUED, "queued",
+                    yield streaming.progress(names.queued, "queued",
                                              event.queue_position, event.total_steps)
             elif event.kind == "step":
-                yield streaming.progress(streaming.PROGRESS, "step", event.step,
+                yield streaming.progress(names.progress, "step", event.step,
                                          event.total_steps)
             elif event.kind == "paused":
                 continue  # preempted for a higher priority: it resumes on its own
@@ -189,7 +192,7 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
                     step=event.step, size=size, request_id=rid)
                 previews += 1
                 for payload in payloads:
-                    yield streaming.sse(streaming.PARTIAL_IMAGE, payload)
+                    yield streaming.sse(names.partial_image, payload)
             elif event.kind == "finished":
                 # The engine emits "finished" just before it resolves the future.
                 result = await asyncio.wrap_future(handle.future)
@@ -199,7 +202,7 @@ async def _event_stream(state: ServerState, rid: str, handle: Any,
                 state.metrics.count_success()
                 done = True
                 for payload in payloads:
-                    yield streaming.sse(streaming.COMPLETED, payload)
+                    yield streaming.sse(names.completed, payload)
                 return
             else:  # failed | aborted
                 done = True

@@ -57,6 +57,7 @@ def readiness(state: ServerState) -> dict[str, Any]:
     if facts is not None:
         stats = engine.stats()
         offload = engine.offload_report()
+        pipeline = engine.pipeline_report()
         body.update({
             "device": facts.device,
             "dtype": facts.dtype,
@@ -66,5 +67,6 @@ def readiness(state: ServerState) -> dict[str, Any]:
             "waiting": stats.waiting,
             "pixel_multiple": facts.limits.pixel_multiple,
             "offload": {"enabled": True, **offload} if offload else {"enabled": False},
+            "pipeline": pipeline,
         })
     return body

@@ -39,7 +39,13 @@ from ditserve.engine.server.phase import (
 )
 from ditserve.engine.server.state import ServerState
 from ditserve.engine.server.streaming import EventBridge, sse
-from ditserve.engine.server.video_request import parse_video_request, read_body
+from ditserve.engine.server.uploads import reference_image
+from ditserve.engine.server.video_request import (
+    parse_video_request,
+    read_body,
+    reference_refused,
+    takes_reference,
+)
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["videos"])
 
@@ -78,8 +84,14 @@ def _not_found(video_id: str) -> APIError:
              openapi_extra=video_openapi.CREATE_BODY, responses=video_openapi.create_answers())
 async def create_video(request: Request) -> JSONResponse:
     state, videos = _videos(request)
-    spec = parse_video_request(await read_body(request), engine=state.engine,
-                               limits=state.video_limits())
+    data = await read_body(request)
+    reference = data.pop("input_reference", None)
+    if reference is not None and not takes_reference(state.engine):
+        raise reference_refused()  # before decoding anything
+    images = () if reference is None else (
+        await reference_image(reference, limits=state.upload_limits()),)
+    spec = parse_video_request(data, engine=state.engine, limits=state.video_limits(),
+                               images=images)
     check_admitting(state)
     try:
         job = videos.create(spec, request_id=request_id_of(request))

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Layerwise offload for the image-conditioned DiTs on one GPU: resident vs ditserve DLO vs
+diffusers group offloading, as bench/offload_families.py measures their text-only siblings
+(same program, same methods, table and JSON; this file adds the models and the targets).
+
+- ``--model qwen-image-edit``: Qwen-Image-Edit's DiT (Qwen-Image's 20.4B architecture) at
+  1024x1024 with a 1024x1024 source: every row carries 4096 target + 4096 source tokens;
+  batches 1 and 4;
+- ``--model wan-i2v``: Wan2.1-I2V-14B-480P's DiT (36 input channels, CLIP image context of
+  257 tokens 1280 wide) at 832x480, 81 frames, batch 1 (CFG's two rows: ``--batches 2``).
+
+Target (issue 36): DLO ms/step <= 1.02 x max(PCIe floor, resident), the PCIe floor being
+streamed bytes / measured pinned H2D rate.
+
+    python3 -P bench/offload_conditioned.py --model qwen-image-edit --out out/cond-qwen-edit
+    python3 -P bench/offload_conditioned.py --model wan-i2v --out out/cond-wan-i2v
+
+``--tiny`` runs it on tiny DiTs on a CPU (a smoke test; tests run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ditserve.engine.model_builders import make_dit
+from ditserve.engine.pipelines.wan_block import chunk_token_math
+
+MODELS = ("qwen-image-edit", "wan-i2v")
+DEFAULT_SIZES = {"qwen-image-edit": "1024x1024", "wan-i2v": "832x480x81"}
+TINY_SIZES = {"qwen-image-edit": "64x64", "wan-i2v": "64x64x5"}
+DEFAULT_BATCHES = {"qwen-image-edit": (1, 4), "wan-i2v": (1,)}
+DEFAULT_ITERS = {"qwen-image-edit": 3, "wan-i2v": 2}
+QWEN_TEXT_TOKENS, WAN_TEXT_TOKENS, CLIP_TOKENS = 256, 512, 257
+
+
+def _families() -> Any:
+    """bench/offload_families.py as a module (bench programs are scripts, not a package)."""
+    path = Path(__file__).resolve().with_name("offload_families.py")
+    spec = importlib.util.spec_from_file_location("bench_offload_families", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_dit(model: str, size: str, device: torch.device, seed: int,
+              stock_blocks: bool = False) -> torch.nn.Module:
+    variant = "qwen-image" if model == "qwen-image-edit" else "wan-i2v"
+    dit: torch.nn.Module = make_dit(variant, size, dtype=torch.bfloat16, device=device,
+                                    seed=seed)
+    if variant == "wan-i2v" and not stock_blocks:
+        chunk_token_math(dit)
+    return dit
+
+
+def workloads(model: str, size: str, batches: tuple[int, ...], dit: torch.nn.Module,
+              device: torch.device) -> list[tuple[str, Callable[[], Any]]]:
+    g = torch.Generator(device=device).manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16)
+
+    config: Any = dit.config
+    dims = [int(x) for x in size.split("x")]
+    out: list[tuple[str, Callable[[], Any]]] = []
+    for b in batches:
+        if model == "qwen-image-edit":
+            width, height = dims
+            h, w = height // 16, width // 16  # 8x VAE, then 2x2 packing
+            # (b, target + source tokens, C): the source's tokens follow the target's.
+            kw: dict[str, Any] = dict(
+                hidden_states=randn(b, 2 * h * w, config.in_channels),
+                encoder_hidden_states=randn(b, QWEN_TEXT_TOKENS, config.joint_attention_dim),
+                timestep=torch.full((b,), 0.5, device=device, dtype=torch.bfloat16),
+                img_shapes=[[(1, h, w), (1, h, w)]] * b, return_dict=False)
+        else:
+            width, height, frames = dims
+            latent = ((frames - 1) // 4 + 1, height // 8, width // 8)
+            kw = dict(hidden_states=randn(b, config.in_channels, *latent),
+                      encoder_hidden_states=randn(b, WAN_TEXT_TOKENS, config.text_dim),
+                      encoder_hidden_states_image=randn(b, CLIP_TOKENS, config.image_dim),
+                      timestep=torch.full((b,), 500.0, device=device), return_dict=False)
+        out.append((f"b{b}", lambda kw=kw: dit(**kw)))
+    return out
+
+
+def targets_for(families: Any) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+    base = families.targets  # the peak HBM and pinned host bounds
+
+    def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = base(r)
+        dlo = r["methods"].get("dlo", {}).get("report")
+        gbps = r.get("h2d_gbps")
+        if not dlo:
+            return out
+        for label in sorted({c["cell"] for c in r["cells"]}):
+            d, res = families.find(r, "dlo", label), families.find(r, "resident", label)
+            if not d or not res:
+                continue
+            floor = dlo["streamed_bytes"] / (gbps * 1e9) * 1e3 if gbps else 0.0
+            bound = 1.02 * max(floor, res["ms"])
+            out.append({"target": f"DLO {label} <= 1.02 x max(PCIe floor {floor:.0f} ms, "
+                                  f"resident {res['ms']:.0f} ms)", "value": d["ms"],
+                        "bound": bound, "unit": "ms", "ok": d["ms"] <= bound})
+        return out
+
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--size", default=None, help="WIDTHxHEIGHT (edit) or WxHxFRAMES (video)")
+    p.add_argument("--batches", type=int, nargs="+", default=None)
+    p.add_argument("--methods", nargs="+", default=["resident", "dlo", "diffusers-block"],
+                   choices=("resident", "dlo", "diffusers-block", "diffusers-leaf"))
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=None, help="timed steps per cell")
+    p.add_argument("--out", default="out/offload-conditioned")
+    p.add_argument("--tiny", action="store_true", help="tiny DiTs: a smoke run on a CPU")
+    p.add_argument("--stock-blocks", action="store_true",
+                   help="Wan: diffusers' own block forward instead of the engine's sliced one")
+    args = p.parse_args(argv)
+    args.size = args.size or (TINY_SIZES if args.tiny else DEFAULT_SIZES)[args.model]
+    args.batches = args.batches or list(DEFAULT_BATCHES[args.model])
+    args.iters = args.iters or DEFAULT_ITERS[args.model]
+    if not args.tiny and not torch.cuda.is_available():
+        print("bench/offload_conditioned.py needs a CUDA device (or --tiny on a CPU)",
+              file=sys.stderr)
+        return 2
+    families = _families()
+    families.targets = targets_for(families)
+    families.build_dit = build_dit
+    families.workloads = workloads
+    families.block_lists = lambda model, dit: None  # one DiT, its declared block lists
+    bench = families.Bench(args)
+    try:
+        bench.run()
+    finally:
+        bench.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

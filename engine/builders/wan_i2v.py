@@ -1,0 +1,62 @@
+"""Wan image-to-video's random-weight pipelines: Wan's parts, plus a CLIP image encoder.
+
+Around the DiT (shapes: ``engine.families.wan_i2v``): Wan's tiny UMT5 encoder, tokenizer and
+VAE (``engine.builders.wan``); Wan 2.1 I2V adds a two-layer CLIP vision encoder as wide as
+the DiT's ``image_dim`` and its image processor; Wan 2.2 TI2V as image-to-video has none
+(``expand_timesteps``). Called through ``engine.model_builders``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ditserve.engine.builders import wan
+from ditserve.engine.families.wan_i2v import TI2V_I2V, WAN_I2V
+
+
+def _clip_vision(width: int, image_size: int) -> tuple[Any, Any]:
+    """A CLIP vision encoder of ``width`` (Wan's image context) and its image processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    patch = 8 if image_size < 64 else 14
+    encoder = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=width, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        image_size=image_size, patch_size=patch))
+    processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                   crop_size={"height": image_size, "width": image_size})
+    return encoder, processor
+
+
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+    """The whole diffusers pipeline object (not saved); small parts in ``dtype`` too."""
+    import diffusers
+    import torch
+
+    from ditserve.engine.model_builders import TEXT_TOKENS, build_dit, dit_setting
+
+    torch.manual_seed(seed)
+    ti2v = variant == TI2V_I2V
+    tokenizer = wan.make_tokenizer(TEXT_TOKENS)
+    parts: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "text_encoder": wan.make_umt5(tokenizer, int(dit_setting(variant, size, "text_dim"))),
+        "vae": wan.make_vae(ti2v)}
+    if not ti2v:  # Wan 2.1 I2V: a CLIP image context as wide as the DiT's image_dim
+        encoder, processor = _clip_vision(int(dit_setting(variant, size, "image_dim")),
+                                          32 if size == "tiny" else 224)
+        parts |= {"image_encoder": encoder, "image_processor": processor}
+    for name in ("text_encoder", "vae", "image_encoder"):
+        if name in parts:
+            parts[name] = parts[name].to(dtype)  # stored as served: the loader never casts
+    scheduler = diffusers.UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
+        flow_shift=5.0 if ti2v else 3.0)  # the released 480P I2V and TI2V shifts
+    dit = build_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    pipeline_cls = getattr(diffusers, WAN_I2V.pipeline_class)
+    return pipeline_cls(scheduler=scheduler, transformer=dit, expand_timesteps=ti2v, **parts)
+
+
+def build_tiny(variant: str, seed: int) -> Any:
+    import torch
+
+    return build_pipeline(variant, "tiny", dtype=torch.float32, device="cpu", seed=seed)

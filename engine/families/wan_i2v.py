@@ -1,0 +1,46 @@
+"""The Wan image-to-video family: its record and the models its builders make.
+
+The only module outside the tests that spells Wan's image-to-video pipeline class; its DiT
+is Wan's (``engine.families.wan`` spells that one, and this record takes it from there: a
+family derived from another imports only its base's module). The torch-side parts are named
+lazily: the step pipeline (``engine.pipelines.wan_i2v``), the sequence-parallel hooks (Wan's,
+the same DiT) and the random-weight builders (``engine.builders.wan_i2v``).
+
+Two released layouts: Wan2.1-I2V-14B-480P (16 noise + 4 mask + 16 condition input channels,
+a CLIP ViT-H image context 1280 wide) and Wan2.2-TI2V-5B served as image-to-video (its DiT
+unchanged, ``expand_timesteps``, no image encoder).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ditserve.engine.families.base import Family
+from ditserve.engine.families.defaults import pipeline_video
+from ditserve.engine.families.wan import TI2V_SIZES, WAN, WAN21_SIZES
+
+_I2V = dict(in_channels=36, out_channels=16)
+DIT_SIZES: dict[str, dict[str, Any]] = {
+    "full": dict(_I2V, image_dim=1280, added_kv_proj_dim=5120),
+    "small": dict(_I2V, num_layers=2, num_attention_heads=4, image_dim=1280,
+                  added_kv_proj_dim=512),
+    "tiny": dict(WAN21_SIZES["tiny"], **_I2V, image_dim=32, added_kv_proj_dim=24),
+}
+TI2V_I2V = "wan2.2-ti2v-i2v"  # the variant without an image encoder
+
+WAN_I2V = Family(
+    name="wan-i2v", label="WanI2V", pipeline_class="WanImageToVideoPipeline",
+    dit_class=WAN.dit_class, dit_components=WAN.dit_components,
+    expert_components=WAN.expert_components, expert_switch=WAN.expert_switch,
+    components=WAN.components,  # + image_encoder / image_processor where the model has them
+    block_lists=WAN.block_lists, resident_modules=WAN.resident_modules,
+    batch_key_fields=("height", "width", "num_frames", "images"), output="video",
+    loader_version="wan-i2v-loader-1", cfg_rows="guidance",
+    attention_heads=WAN.attention_heads, reference_work=WAN.reference_work,
+    step_pipeline="ditserve.engine.pipelines.wan_i2v:WanI2VStepPipeline",
+    sp_hooks=WAN.sp_hooks,
+    builders="ditserve.engine.builders.wan_i2v",
+    # Wan2.1-I2V-14B-480P; Wan2.2-TI2V-5B as image-to-video
+    dit_sizes={"wan-i2v": DIT_SIZES, TI2V_I2V: TI2V_SIZES},
+    defaults=pipeline_video,
+)

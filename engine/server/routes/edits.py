@@ -1,0 +1,171 @@
+"""POST /v1/images/edits: OpenAI's image edit request (multipart) on an edit model.
+
+The body is OpenAI's: ``image`` one or several files (``image[]`` as the SDK sends a list),
+``prompt``, ``n``, ``size``, ``response_format``, ``stream`` and ``partial_images``, the
+fields OpenAI's edit models read and a DiT does not (accepted and ignored), and ditserve's
+own (``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``,
+``seed``). ``mask`` (inpainting) is refused with a 400: the served edit models edit the whole
+image from the prompt. Images are checked and decoded by ``uploads``; the text fields go
+through the generation request's parser (same types, limits and messages), then the images
+join the ``SamplingParams`` and the engine judges the whole (how many images the model takes).
+
+``size`` absent or "auto": the first image's aspect ratio at the area of the server's default
+size, rounded down to the model's pixel multiple. Waiting, streaming (``image_edit.*``
+events), timeouts and disconnects are the generations route's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.request import ConditionImage
+from ditserve.engine.server import responses, streaming
+from ditserve.engine.server.auth import require_api_key
+from ditserve.engine.server.edge import engine_id
+from ditserve.engine.server.errors import APIError, invalid, request_id_of
+from ditserve.engine.server.routes.images import _admit, _answer, _event_stream
+from ditserve.engine.server.schemas import RequestLimits, parse_generation_request, request_error
+from ditserve.engine.server.state import ServerState
+from ditserve.engine.server.uploads import is_file, read_image, read_multipart
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+IMAGE_FIELDS = ("image", "image[]")
+# OpenAI's edit-only fields that mean nothing to a DiT: accepted and ignored.
+IGNORED_EDIT_FIELDS = ("input_fidelity",)
+_INTEGERS = ("n", "partial_images", "output_compression", "num_inference_steps", "seed",
+             "priority")
+_NUMBERS = ("guidance_scale", "true_cfg_scale", "deadline_s")
+_BOOLEANS = ("stream",)
+
+
+class _Unjudged:
+    """The engine, minus its verdict on the request (the images are not there yet): the
+    text fields are parsed against everything else it knows (adapters, limits)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @staticmethod
+    def validate_params(params: Any) -> Any:
+        return params
+
+
+def _typed(name: str, text: str) -> Any:
+    """A form field's text as the JSON value the generation parser expects (``loras``: its
+    JSON array, as a form cannot nest)."""
+    if name == "loras":
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise invalid(name, f"{name}: must be a JSON array of {{\"name\": ..., "
+                                f"\"scale\": ...}} objects, got {text!r}") from e
+    if name in _BOOLEANS:
+        if text.lower() not in ("true", "false"):
+            raise invalid(name, f"{name}: must be true or false, got {text!r}")
+        return text.lower() == "true"
+    try:
+        if name in _INTEGERS:
+            return int(text)
+        if name in _NUMBERS:
+            number = float(text)
+            if not math.isfinite(number):
+                raise ValueError(text)
+            return number
+    except ValueError as e:
+        kind = "an integer" if name in _INTEGERS else "a number"
+        raise invalid(name, f"{name}: must be {kind}, got {text!r}") from e
+    return text
+
+
+def _auto_size(image: ConditionImage, limits: RequestLimits) -> str:
+    """The source's aspect ratio at the default size's area, on the pixel grid."""
+    area = limits.default_size[0] * limits.default_size[1]
+    aspect = image.width / image.height
+    m = limits.pixel_multiple
+    width = max(m, min(limits.max_side, int(math.sqrt(area * aspect)) // m * m))
+    height = max(m, min(limits.max_side, int(math.sqrt(area / aspect)) // m * m))
+    return f"{width}x{height}"
+
+
+async def _read_edit(request: Request, state: ServerState
+                     ) -> tuple[dict[str, Any], list[ConditionImage]]:
+    upload = state.upload_limits()
+    form = await read_multipart(request, upload)
+    try:
+        if "mask" in form:
+            raise invalid("mask", f"mask: masked edits (inpainting) are not supported by "
+                                  f"{state.model_name!r}; it edits the whole image as the "
+                                  "prompt says: send the image without a mask",
+                          code="unsupported_value")
+        files = [v for name in IMAGE_FIELDS for v in form.getlist(name)]
+        if not files:
+            raise invalid("image", "image: is required (one or more image files)",
+                          code="missing_field")
+        images = [await read_image(f, field="image", limits=upload) for f in files]
+        fields: dict[str, Any] = {}
+        for name in form:
+            if name in IMAGE_FIELDS or name in IGNORED_EDIT_FIELDS:
+                continue
+            values = form.getlist(name)
+            if len(values) > 1:
+                raise invalid(name, f"{name}: is given {len(values)} times; give it once")
+            if is_file(values[0]):
+                raise invalid(name, f"{name}: must be a text field, not a file")
+            fields[name] = _typed(name, str(values[0]))
+    finally:
+        await form.close()
+    return fields, images
+
+
+# Left out of /openapi.json for now: the document describes JSON bodies generated from the
+# replica's limits, and a multipart body with binary images is not yet among them
+# (docs/serving.md documents the route).
+@router.post("/v1/images/edits", response_model=None, include_in_schema=False)
+async def edit_image(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    if state.output != "image":
+        raise APIError(400, f"this server serves the video model {state.model_name!r}: "
+                            "animate an image with POST /v1/videos and input_reference",
+                       param="model", code="unsupported_model")
+    if state.model_limits().condition_images[1] == 0:
+        raise APIError(400, f"{state.model_name!r} generates images from text only and edits "
+                            "none: serve an edit model (FLUX.1 Kontext, Qwen-Image-Edit), or "
+                            "use POST /v1/images/generations", param="image",
+                       code="unsupported_model")
+    rid = request_id_of(request)
+    limits = state.limits()
+    fields, images = await _read_edit(request, state)
+    if fields.get("size") in (None, "auto"):
+        fields["size"] = _auto_size(images[0], limits)
+    parsed = parse_generation_request(json.dumps(fields).encode(), engine=_Unjudged(state.engine),
+                                      limits=limits)
+    p = dataclasses.replace(parsed.params, images=tuple(images))
+    try:
+        state.engine.validate_params(p)
+    except InvalidRequestError as e:
+        raise request_error(e) from e
+    size = f"{p.width}x{p.height}"
+    tokens = responses.image_tokens(p.width, p.height, limits.pixel_multiple)
+    if parsed.stream:
+        bridge = streaming.EventBridge(asyncio.get_running_loop())
+        handle = _admit(state, engine_id(request.scope), p, on_event=bridge.push)
+        return StreamingResponse(
+            _event_stream(state, rid, handle, bridge, size=size, tokens=tokens,
+                          names=streaming.EDIT_EVENTS),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    handle = _admit(state, engine_id(request.scope), p)
+    return await _answer(state, request, rid, handle, size=size, tokens=tokens)

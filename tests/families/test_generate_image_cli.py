@@ -1,0 +1,46 @@
+"""`ditserve generate --image`: an edit on the tiny FLUX.1 Kontext model and an image-to-video
+run on the tiny Wan I2V model write their outputs; a bad image is a clean error naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PIL import Image
+
+from ditserve.engine.cli import main
+
+
+def write_png(path: Path, size: tuple[int, int]) -> Path:
+    image = Image.new("RGB", size, (40, 90, 200))
+    for x in range(size[0]):
+        image.putpixel((x, x % size[1]), (250, 200, 10))
+    image.save(path)
+    return path
+
+
+def test_edit_and_image_to_video(family_dir, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    source = write_png(tmp_path / "in.png", (90, 60))
+    out = tmp_path / "edit.png"
+    assert main(["generate", "--model", str(family_dir("flux-kontext")), "--device", "cpu",
+                 "--image", str(source), "--prompt", "make it red", "--height", "64",
+                 "--width", "96", "--steps", "1", "--seed", "1", "--out", str(out)]) == 0
+    assert Image.open(out).size == (96, 64)
+    video = tmp_path / "clip.mp4"
+    assert main(["generate", "--model", str(family_dir("wan-i2v")), "--device", "cpu",
+                 "--image", str(source), "--prompt", "it moves", "--height", "32",
+                 "--width", "32", "--num-frames", "5", "--steps", "1", "--out",
+                 str(video)]) == 0
+    assert video.stat().st_size > 0
+    assert "saved" in capsys.readouterr().out
+
+
+def test_a_bad_image_is_a_clean_error(family_dir, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "notes.png"
+    bad.write_text("not an image")
+    code = main(["generate", "--model", str(family_dir("flux-kontext")), "--device", "cpu",
+                 "--image", str(bad), "--prompt", "x"])
+    assert code != 0
+    assert "not a PNG, JPEG or WebP" in capsys.readouterr().err
+    missing = main(["generate", "--model", str(family_dir("flux-kontext")), "--device", "cpu",
+                    "--image", str(tmp_path / "nope.png"), "--prompt", "x"])
+    assert missing != 0

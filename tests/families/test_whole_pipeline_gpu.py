@@ -1,0 +1,58 @@
+"""The whole pipeline on CUDA (run on the device machine): text encoders parked in pinned host
+memory give exactly the outputs of resident encoders, sit in host memory between encodes
+(no encoder weight left in HBM), and the prompt cache changes no output bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine.driver import drive  # type: ignore[import-not-found]
+
+from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
+
+pytestmark = pytest.mark.gpu
+
+
+def arrivals(video: bool) -> dict[int, list[tuple[str, SamplingParams]]]:
+    common = {"height": 32, "width": 32, "num_inference_steps": 3,
+              **({"num_frames": 5} if video else {})}
+    return {0: [("a", SamplingParams(prompt="a red fox", negative_prompt="fog", seed=1,
+                                     true_cfg_scale=3.0, guidance_scale=3.0, **common)),
+                ("b", SamplingParams(prompt="a red fox", negative_prompt="fog", seed=2,
+                                     true_cfg_scale=3.0, guidance_scale=3.0, **common))]}
+
+
+def run(model: object, *, components: str, cache: int) -> tuple[dict[str, torch.Tensor],
+                                                                 ModelRunner]:
+    r = ModelRunner(EngineConfig(model=str(model), device="cuda",
+                                 offload=OffloadConfig(enabled=True, components=components),
+                                 pipeline=PipelineConfig(prompt_cache_size=cache)),
+                    model_dir=model)  # type: ignore[arg-type]
+    out, _ = drive(r, arrivals(r.frame_step is not None), max_num_seqs=2)
+    return out, r
+
+
+@pytest.mark.parametrize("variant", ["flux", "qwen-image", "wan"])
+def test_parked_encoders_on_cuda_equal_resident(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
+    model = family_dir(variant)
+    want, resident = run(model, components="dit", cache=0)
+    resident.close()
+    del resident
+    got, parked = run(model, components="all", cache=0)
+    cached, cached_runner = run(model, components="all", cache=256)
+    try:
+        encoders = [m for name in ("text_encoder", "text_encoder_2")
+                    if isinstance(m := getattr(parked.pipeline, name, None), torch.nn.Module)]
+        for encoder in encoders:
+            for tensor in (*encoder.parameters(), *encoder.buffers()):
+                assert tensor.device.type == "cpu"
+                assert tensor.is_pinned()
+        assert cached_runner.pipeline_report()["prompt_cache"]["hits"] > 0
+    finally:
+        parked.close()
+        cached_runner.close()
+    for rid in want:
+        assert torch.equal(got[rid], want[rid]), rid
+        assert torch.equal(cached[rid], want[rid]), rid
