@@ -85,7 +85,8 @@ def block_lists_of(model: nn.Module, rule: FP8Rule) -> tuple[str, ...]:
     lists = declared_block_lists(name)  # the family registry's, as offload discovers them
     if lists is None:
         raise FormatError(
-            f"no FP8 layer rule for {name}; known: {', '.join(f.dit_class for f in FAMILIES)} "
+            f"no FP8 layer rule for {name}; known: "
+            f"{', '.join(dict.fromkeys(f.dit_class for f in FAMILIES))} "
             "(pass FP8Rule(block_lists=...) with the model's streamed block lists)")
     return lists
 

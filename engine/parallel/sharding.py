@@ -52,7 +52,7 @@ def family_hooks(dit_class: str) -> Hooks:
     """The hooks that shard a DiT of this class (its family's ``sp_hooks``)."""
     family = family_of_dit(dit_class)
     if family is None or family.sp_hooks is None:
-        supported = ", ".join(f.dit_class for f in FAMILIES if f.sp_hooks is not None)
+        supported = ", ".join(dict.fromkeys(f.dit_class for f in FAMILIES if f.sp_hooks))
         raise ConfigError(f"sequence parallelism has no plan for {dit_class}; supported: "
                           f"{supported}")
     hooks: Hooks = resolve(family.sp_hooks)

@@ -93,3 +93,15 @@ def test_unknown_dits_and_variants_are_not_any_familys() -> None:
     assert families.declared_block_lists("SD3Transformer2DModel") is None
     assert families.family_of_variant("sd3") is None
     assert families.family_of_variant("wan2.2") is families.WAN
+
+
+def test_sequence_parallelism_finds_hooks_through_the_family_and_names_each_dit_once() -> None:
+    from ditserve.engine.errors import ConfigError
+    from ditserve.engine.parallel.sharding import family_hooks
+
+    for family in families.FAMILIES:
+        assert family_hooks(family.dit_class) is families.resolve(owner(family.dit_class).sp_hooks)
+    with pytest.raises(ConfigError) as refused:
+        family_hooks("SD3Transformer2DModel")
+    supported = str(refused.value).split("supported: ")[1].split(", ")
+    assert sorted(supported) == sorted({f.dit_class for f in families.FAMILIES})
