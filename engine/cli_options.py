@@ -67,6 +67,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
 
 
 def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: bool = True) -> None:
+    """The engine flags shared by generate, demo, serve and worker, one group per concept."""
     g = parser.add_argument_group("engine")
     if with_config_file:
         g.add_argument("--config", type=Path, default=None,
@@ -108,6 +109,15 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     g.add_argument("--max-preemptions", type=int, default=None,
                    help="the most times one request may be paused for higher-priority ones "
                         "(default 2)")
+    _add_offload_options(parser)
+    _add_pipeline_options(parser)
+    _add_lora_options(parser)
+    _add_step_cache_options(parser)
+    _add_parallel_options(parser)
+
+
+def _add_offload_options(parser: argparse.ArgumentParser) -> None:
+    """Layerwise offload of the DiT blocks and their host backing."""
     o = parser.add_argument_group("layerwise offload (DLO)")
     o.add_argument("--offload", choices=("none", "dlo"), default=None,
                    help="dlo: stream DiT blocks from host memory through device slots")
@@ -139,6 +149,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="all (default): DLO also parks the text encoders in pinned host "
                         "memory, on the device only while they encode; dit: stream the DiT "
                         "only and keep the encoders resident")
+
+
+def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
+    """The rest of the pipeline: prompt-embedding cache, VAE decode."""
     w = parser.add_argument_group("whole pipeline (encoders, VAE)")
     w.add_argument("--prompt-cache-size", type=int, default=None,
                    help="prompt embeddings kept (LRU), so repeated prompts and the empty "
@@ -149,6 +163,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="decode in tiles (diffusers' VAE tiling and slicing): auto (default) "
                         "tiles under --offload dlo when a frame is >= 1024x1024 (images) or "
                         "above 480p (video); on; off")
+
+
+def _add_lora_options(parser: argparse.ArgumentParser) -> None:
+    """Per-request LoRA adapters."""
     a = parser.add_argument_group("LoRA adapters (docs/lora.md)")
     a.add_argument("--lora-modules", nargs="+", action="extend", default=None,
                    metavar="NAME=PATH",
@@ -163,6 +181,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     a.add_argument("--lora-fuse", action="store_const", const=True, default=None,
                    help="merge the one --lora-modules adapter into the weights (a replica "
                         "serving that adapter only: no per-step cost)")
+
+
+def _add_step_cache_options(parser: argparse.ArgumentParser) -> None:
+    """Reuse of the DiT residual across denoising steps."""
     c = parser.add_argument_group("step cache (docs/step_cache.md)")
     c.add_argument("--step-cache", choices=STEP_CACHE_POLICIES, default=None,
                    help="reuse the DiT's residual across denoising steps by default (off when "
@@ -175,6 +197,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                         "teacache: 0.4 Flux, 0.2 Wan); 0 never reuses (bit-identical to off)")
     c.add_argument("--step-cache-every", type=int, default=None,
                    help="the every policy's K (default 2); 1 never reuses")
+
+
+def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
+    """Processes per replica: data and sequence parallelism."""
     p = parser.add_argument_group("parallelism")
     p.add_argument("--data-parallel-size", type=int, default=None,
                    help="data-parallel ranks, each with its own batch (processes: dp x sp, "

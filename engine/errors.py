@@ -74,8 +74,11 @@ class AdapterNotFoundError(AdapterError, KeyError):
 
 class DeadlineError(DitServeError):
     """A request cannot meet its ``deadline_s`` by the scheduler's estimate: refused at
-    admission, or stopped at a step boundary (``deadline_exceeded``), never silently late."""
+    admission, or stopped at a step boundary (``deadline_exceeded``), never silently late.
+    ``started``: it had run denoise steps (False: refused, or stopped while it waited)."""
 
-    def __init__(self, message: str, *, estimate_s: float | None = None) -> None:
+    def __init__(self, message: str, *, estimate_s: float | None = None,
+                 started: bool = False) -> None:
         super().__init__(message)
         self.estimate_s = estimate_s
+        self.started = started

@@ -11,89 +11,23 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ditserve.engine.condition_image import ConditionImage as ConditionImage
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.model_limits import MAX_FRAMES as MAX_FRAMES
+from ditserve.engine.model_limits import MAX_SIDE as MAX_SIDE
+from ditserve.engine.model_limits import ModelLimits as ModelLimits
 from ditserve.engine.step_cache.spec import StepCacheSpec
 
 MAX_STEPS = 1000
 MAX_IMAGES = 8
-MAX_SIDE = 8192
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
-MAX_FRAMES = 1025
 MAX_CONDITION_IMAGES = 4  # images one request may condition on (Qwen-Image-Edit Plus: 3)
 
 
-@dataclass(frozen=True, repr=False)
-class ConditionImage:
-    """A conditioning image (an edit's source, a video's first frame): decoded 8-bit RGB,
-    row-major, ``width * height * 3`` bytes, EXIF orientation already applied. Checked and
-    decoded at the edge (``engine.server.uploads``, the CLI); pipelines resize it as their
-    diffusers pipeline does."""
-
-    width: int
-    height: int
-    rgb: bytes
-
-    def __post_init__(self) -> None:
-        if len(self.rgb) != self.width * self.height * 3:
-            raise InvalidRequestError("image", f"{len(self.rgb)} bytes is not a {self.width}x"
-                                      f"{self.height} RGB image")
-
-    def __repr__(self) -> str:  # never print the pixels into a log
-        return f"ConditionImage({self.width}x{self.height})"
 MAX_LORAS_PER_REQUEST = 8
 MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the loaded model can run, read off its own config (each pipeline's ``limits``).
-
-    pixel_multiple: height and width divide by it (VAE factor x patch size).
-    max_side: the largest height or width: the model's positional table (a rope of
-        ``positions`` entries per axis reaches ``positions * pixel_multiple`` pixels), capped
-        at MAX_SIDE; MAX_SIDE for a model whose positions are computed on the fly (Flux).
-    frame_step: None for an image model; a video model's ``num_frames - 1`` divides by it.
-    max_frames: 1 for an image model; a video model's longest clip its positional table
-        covers (Wan: ``rope_max_seq_len`` latent frames), capped at MAX_FRAMES.
-    positions: entries per axis of the model's positional table; None when it has none.
-    condition_images: (fewest, most) input images a request brings (edits, image-to-video);
-        (0, 0) for a text-only model.
-    max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
-    """
-
-    pixel_multiple: int = 16
-    max_side: int = MAX_SIDE
-    frame_step: int | None = None
-    max_frames: int = 1
-    max_prompt_chars: int | None = None
-    positions: int | None = None
-    condition_images: tuple[int, int] = (0, 0)
-    max_text_tokens: int | None = None
-
-    @classmethod
-    def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,
-                 frame_step: int | None = None, frames_per_position: int = 1,
-                 max_prompt_chars: int | None = None,
-                 max_text_tokens: int | None = None) -> ModelLimits:
-        """Limits of a model whose positional table holds ``positions`` entries per axis:
-        ``tokens_per_position`` latent patches per entry on the spatial axes, and (video)
-        ``frames_per_position`` latent frames per entry on the time axis."""
-        if positions is None:
-            side, frames = MAX_SIDE, MAX_FRAMES
-        else:
-            side = positions * tokens_per_position * pixel_multiple
-            frames = (positions * frames_per_position - 1) * (frame_step or 1) + 1
-        side = min(side, MAX_SIDE) // pixel_multiple * pixel_multiple
-        if frame_step is None:
-            frames = 1
-        else:
-            frames = min(frames, MAX_FRAMES)
-            frames -= (frames - 1) % frame_step
-        return cls(pixel_multiple=pixel_multiple, max_side=side, frame_step=frame_step,
-                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions,
-                   max_text_tokens=max_text_tokens)
 
 
 class RequestStatus(enum.IntEnum):
@@ -326,6 +260,20 @@ class SamplingParams:
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
         """
         self._validate_images(condition_images)
+        self._validate_text(requires_prompt, max_prompt_chars)
+        self._validate_size(pixel_multiple, max_side)
+        self._validate_counts(max_images)
+        self._validate_frames(frame_step, max_frames)
+        if self.step_cache is not None:
+            if not isinstance(self.step_cache, StepCacheSpec):
+                raise InvalidRequestError("step_cache", "must be a StepCacheSpec")
+            self.step_cache.validate()
+        self._validate_scheduling()
+        self._validate_loras()
+        self._validate_numbers(max_text_tokens)
+        return self
+
+    def _validate_text(self, requires_prompt: bool, max_prompt_chars: int | None) -> None:
         if not isinstance(self.prompt, str):
             raise InvalidRequestError("prompt", "must be a string")
         if requires_prompt and not self.prompt.strip():
@@ -336,6 +284,8 @@ class SamplingParams:
             )
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise InvalidRequestError("negative_prompt", "must be a string")
+
+    def _validate_size(self, pixel_multiple: int, max_side: int) -> None:
         for name in ("height", "width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -351,6 +301,8 @@ class SamplingParams:
                     f"must be a multiple of {pixel_multiple} for this model, got {value} "
                     f"(try {lower} or {lower + pixel_multiple})",
                 )
+
+    def _validate_counts(self, max_images: int) -> None:
         steps = self.num_inference_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
             raise InvalidRequestError(
@@ -364,13 +316,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "partial_images", f"must be an integer in [0, {MAX_PARTIAL_IMAGES}], got {k!r}"
             )
-        self._validate_frames(frame_step, max_frames)
-        if self.step_cache is not None:
-            if not isinstance(self.step_cache, StepCacheSpec):
-                raise InvalidRequestError("step_cache", "must be a StepCacheSpec")
-            self.step_cache.validate()
-        self._validate_scheduling()
-        self._validate_loras()
+
+    def _validate_numbers(self, max_text_tokens: int | None) -> None:
         for name in ("guidance_scale", "true_cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -390,7 +337,6 @@ class SamplingParams:
             or not 0 <= self.seed < 2**63
         ):
             raise InvalidRequestError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
-        return self
 
 
 @dataclass(frozen=True)

@@ -70,14 +70,15 @@ class Delivery:
             self.stepped(handle, change.steps_done, change.total_steps, change.eta_s)
 
     def deadline_exceeded(self, request_id: str, handle: RequestHandle | None,
-                          reason: str) -> None:
+                          reason: str, *, started: bool) -> None:
         """A request the scheduler stopped because it can no longer meet its deadline."""
         self._notify("on_deadline_exceeded", request_id)
         if handle is None:
             return
         self.emit(handle, RequestEvent(request_id, "failed", error=reason))
         if not handle.future.done():
-            handle.future.set_exception(DeadlineError(f"request {request_id}: {reason}"))
+            handle.future.set_exception(DeadlineError(f"request {request_id}: {reason}",
+                                                      started=started))
 
     def _notify(self, hook: str, *args: Any) -> None:
         """Call an optional observer hook (see ``EngineObserver``) on those that have it."""

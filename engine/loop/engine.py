@@ -2,11 +2,11 @@
 
 Owns the pending requests (``pending``: handles, and one StepScheduler per data-parallel
 rank behind a shared queue), the executor (the model runners, ``executor``) and the lifecycle
-phase (``lifecycle``; the engine is its only writer).
+phase (``lifecycle``; the engine and its step loops are its only writers).
 ``start()`` loads and warms up (``startup``), then runs one step loop thread per step group of
 the executor - every rank alone when ranks are independent, all ranks together under DLO
-AllGather. Each iteration is one ``_step``: schedule, execute, apply (torch releases the GIL in
-kernels, so HTTP handlers stay responsive). With several ranks, new requests wait in one shared
+AllGather (``step_loop``: schedule, execute, apply; torch releases the GIL in kernels, so HTTP
+handlers stay responsive). With several ranks, new requests wait in one shared
 queue and go, oldest first, to the least-loaded rank that has a free batch slot.
 
 Callers submit from any thread (``add_request`` returns a handle with a concurrent Future) or
@@ -33,7 +33,7 @@ from ditserve.engine.adapters.files import rank_inspector
 from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.errors import EngineStoppedError, ModelLoadError
-from ditserve.engine.executor import Executor, RankWork
+from ditserve.engine.executor import Executor
 from ditserve.engine.families import FLUX, Family
 from ditserve.engine.loop.delivery import Delivery
 from ditserve.engine.loop.lifecycle import EnginePhase, Lifecycle
@@ -46,14 +46,12 @@ from ditserve.engine.loop.results import (
     RequestHandle,
 )
 from ditserve.engine.loop.startup import WarmUp, open_executor
-from ditserve.engine.request import ModelLimits, RequestStatus, SamplingParams
-from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepScheduler
+from ditserve.engine.loop.step_loop import StepLoops
+from ditserve.engine.request import ModelLimits, SamplingParams
+from ditserve.engine.scheduler import StepScheduler
 from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.loader import model_family
 from ditserve.engine.work import with_budget
-
-# How long a worker's own step loop may sit idle before the engine pings the worker.
-HEARTBEAT_S = 2.0
 
 __all__ = [
     "DiffusionEngine", "EngineObserver", "EnginePhase", "EngineStats", "GenerationResult",
@@ -132,8 +130,10 @@ class DiffusionEngine:
             stopped_meanwhile = self.phase.is_final
             if not stopped_meanwhile:
                 self.executor = executor
+                loops = StepLoops(executor, pending=self._pending, lifecycle=self._lifecycle,
+                                  delivery=self._delivery, lock=self._lock, wakeup=self._wakeup)
                 self._threads = [
-                    threading.Thread(target=self._run_loop, args=(group,), daemon=True,
+                    threading.Thread(target=loops.run, args=(group,), daemon=True,
                                      name=f"ditserve-engine-{'-'.join(map(str, group))}")
                     for group in executor.step_groups
                 ]
@@ -298,107 +298,6 @@ class DiffusionEngine:
         self._wakeup.notify_all()
         self._delivery.aborted(handle, reason)
         return True
-
-    # -- the step loops ---------------------------------------------------------------------
-    def _run_loop(self, group: tuple[int, ...]) -> None:
-        """Step the ranks of ``group`` together, at their own pace, until a final phase."""
-        # A loop of workers only pings them while idle, so a dead or hung worker fails the
-        # replica within HEARTBEAT_S + the worker timeout, not at the next request.
-        heartbeat_s = None if 0 in group else HEARTBEAT_S
-        executor = self.executor
-        assert executor is not None, "the step loops run only after start()"
-        try:
-            while (has_work := self._wait_for_work(group, heartbeat_s)) is not None:
-                if has_work:
-                    self._step(executor, group)
-                else:
-                    executor.step({rank: RankWork.idle() for rank in group})
-        except BaseException as e:  # a loop must never die silently
-            log.exception("engine loop died")
-            self._loop_died(e)
-
-    def _step(self, executor: Executor, group: tuple[int, ...]) -> None:
-        """One engine step of ``group``: schedule, execute, apply."""
-        work = self._schedule(group)
-        outputs = executor.step(work)
-        self._apply(work, outputs)
-
-    def _wait_for_work(self, group: tuple[int, ...], heartbeat_s: float | None) -> bool | None:
-        """True: ``group`` has work; False: idle for ``heartbeat_s``; None: stopping."""
-        with self._lock:
-            idle_since = time.monotonic()
-            while not self.phase.is_final and not self._pending.queues.has_work(group):
-                if heartbeat_s is None:
-                    self._wakeup.wait()
-                    continue
-                # Measured from idle_since: other loops' notifications must not postpone it.
-                remaining = heartbeat_s - (time.monotonic() - idle_since)
-                if remaining <= 0:
-                    return False
-                self._wakeup.wait(timeout=remaining)
-            return None if self.phase.is_final else True
-
-    def _schedule(self, group: tuple[int, ...]) -> dict[int, RankWork]:
-        """Plan one step of every rank in ``group``, with the requests each plan admits."""
-        with self._lock:
-            self._pending.queues.release()
-            self._wakeup.notify_all()  # released requests may be another loop's work
-            now = time.monotonic()
-            plans = {rank: self.schedulers[rank].schedule() for rank in group}
-            return {rank: RankWork(plan, self._pending.admitted(plan, now))
-                    for rank, plan in plans.items()}
-
-    def _apply(self, work: dict[int, RankWork], outputs: dict[int, RunnerOutput]) -> None:
-        """Apply a step's outputs: statuses, stats, observers, results and progress events."""
-        with self._lock:
-            changes = [c for rank, w in work.items()
-                       for c in self.schedulers[rank].update(w.plan, outputs[rank])]
-            self._pending.count(list(outputs.values()), finished=sum(
-                c.status == RequestStatus.FINISHED_OK for c in changes))
-            self._pending.queues.release()
-            self._wakeup.notify_all()
-            moved = self._pending.moved_in_queue()
-        self._delivery.forwards(list(outputs.values()))
-        finished = {rid: pixels for out in outputs.values() for rid, pixels in out.finished.items()}
-        for change in changes:
-            self._deliver(change, finished)
-        self._deliver_previews(list(outputs.values()))
-        for handle in moved:
-            self._delivery.queued(handle)
-
-    def _deliver_previews(self, outputs: list[RunnerOutput]) -> None:
-        """Partial images: each decoded preview, after the step event of its step."""
-        for out in outputs:
-            for rid, (step, pixels) in out.previews.items():
-                handle = self._pending.get(rid)
-                if handle is not None:
-                    self._delivery.preview(handle, step, pixels)
-
-    def _deliver(self, change: StatusChange, finished: dict[str, Any]) -> None:
-        rid = change.request_id
-        if not change.status.is_finished:  # a step, a pause or a resume
-            self._delivery.progress(change, self._pending.get(rid))
-            return
-        with self._lock:
-            handle, rank = self._pending.remove(rid)
-            self._wakeup.notify_all()
-        if change.status == RequestStatus.FINISHED_DEADLINE:
-            self._delivery.deadline_exceeded(rid, handle, change.error or "deadline_exceeded")
-        elif change.status == RequestStatus.FINISHED_ERROR:
-            self._delivery.failed(rid, handle, change.error or "failed")
-        elif handle is not None and finished.get(rid) is not None:
-            self._delivery.finished(handle, finished[rid], rank=rank or 0)
-
-    def _loop_died(self, error: BaseException) -> None:
-        """The replica cannot continue: FAILED, every pending request fails, loops leave."""
-        message = f"the engine loop died: {error}"
-        with self._lock:
-            self._lifecycle.move(EnginePhase.FAILED, message)
-            handles = self._pending.take_all()
-            self._wakeup.notify_all()
-        for handle in handles:
-            self._delivery.stopped(handle, EngineStoppedError(message))
-
 
 def _served_family(model_dir: str | None) -> Family | None:
     """The family the engine will load (None without a model: the embedded tiny Flux), or

@@ -14,7 +14,7 @@ time (``track_videos``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,6 +23,9 @@ from prometheus_client.registry import Collector
 from ditserve.engine.client import EngineClient, EnginePhase
 from ditserve.engine.loop.step_log import copy_rates_of
 from ditserve.engine.server.jobs.model import FINISHED_LABELS
+
+if TYPE_CHECKING:
+    from ditserve.engine.loop.results import EngineStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)
@@ -65,101 +68,104 @@ class _EngineStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine_fn()
-        running = waiting = paused = waiting_high = 0
-        ready = 0.0
-        report = None
-        pipeline: dict[str, Any] | None = None
-        step_s: float | None = None
-        if engine is not None:
-            stats = engine.stats()
-            running, waiting = stats.running, stats.waiting
-            paused, waiting_high = stats.paused, stats.waiting_high_priority
-            step_s = stats.step_seconds
-            ready = 1.0 if engine.phase is EnginePhase.READY else 0.0
-            report = engine.offload_report()
-            pipeline = engine.pipeline_report()
-        yield GaugeMetricFamily("ditserve:num_requests_running",
-                                "Requests in the running denoise batch.", value=running)
-        yield GaugeMetricFamily("ditserve:num_requests_waiting",
-                                "Requests admitted to the queue, waiting for a batch slot.",
-                                value=waiting)
-        yield GaugeMetricFamily("ditserve:num_requests_paused",
-                                "Requests paused at a step boundary for higher-priority ones "
-                                "(--scheduling-policy priority).",
-                                value=paused)
-        yield GaugeMetricFamily("ditserve:num_requests_waiting_high_priority",
-                                "Waiting requests of a priority below the default 0 (sooner); "
-                                "an autoscaling signal for interactive traffic.",
-                                value=waiting_high)
-        if step_s is not None:
-            yield GaugeMetricFamily("ditserve:scheduler_step_seconds_estimate",
-                                    "The scheduler's measured period of a busy step, from "
-                                    "which deadline estimates are made (s).", value=step_s)
-        yield GaugeMetricFamily("ditserve:engine_ready",
-                                "1 when the model is loaded, warmed up and admitting.",
-                                value=ready)
-        cache = (pipeline or {}).get("prompt_cache") or {}
-        yield CounterMetricFamily("ditserve:prompt_cache_hits",
-                                  "Prompt encodings served from the prompt-embedding cache.",
-                                  value=float(cache.get("hits", 0)))
-        yield CounterMetricFamily("ditserve:prompt_cache_misses",
-                                  "Prompt encodings that ran the text encoder (cache on).",
-                                  value=float(cache.get("misses", 0)))
-        yield GaugeMetricFamily("ditserve:prompt_cache_bytes",
-                                "Device bytes the cached prompt embeddings take.",
-                                value=float(cache.get("bytes", 0)))
-        lora = engine.adapter_stats() if engine is not None else {}
-        yield GaugeMetricFamily("ditserve:lora_adapters_loaded",
-                                "LoRA adapters loaded (selectable by name).",
-                                value=lora.get("loaded", 0))
-        yield GaugeMetricFamily("ditserve:lora_adapters_resident",
-                                "LoRA adapters resident on the device (rank 0; at most "
-                                "--max-loras beyond those of running requests).",
-                                value=lora.get("resident", 0))
-        yield GaugeMetricFamily("ditserve:lora_resident_bytes",
-                                "Device bytes of the resident LoRA adapters' factors (rank 0).",
-                                value=float(lora.get("bytes", 0)))
-        skipped_blocks = skipped_bytes = 0
-        if engine is not None:
-            skipped_blocks = stats.step_cache_skipped_blocks
-            skipped_bytes = stats.step_cache_skipped_bytes
-        yield CounterMetricFamily("ditserve:step_cache_skipped_blocks",
-                                  "Block computations (one request through one DiT block) the "
-                                  "step cache skipped by reusing a cached residual.",
-                                  value=float(skipped_blocks))
-        yield CounterMetricFamily("ditserve:step_cache_skipped_bytes",
-                                  "Streamed block bytes DLO did not copy because no request of "
-                                  "their step computed them (step cache).",
-                                  value=float(skipped_bytes))
-        transferred = float((report or {}).get("bytes_transferred", 0))
-        yield CounterMetricFamily("ditserve:offload_bytes_transferred",
-                                  "Weight bytes streamed host->device by layerwise offload.",
-                                  value=transferred)
-        if report:
-            # Which host backing and transfer path DLO uses, and why it fell back (if it did).
-            info = GaugeMetricFamily(
-                "ditserve:offload_host_backing_info",
-                "1 for the DLO host backing in use; labels: backing kind (ordinary, "
-                "checkpoint_mmap, runtime_cache), transfer path, fallback reason (empty: none).",
-                labels=["backing_kind", "transfer_path", "fallback_reason"])
-            reason = report.get("fallback_reason") or (
-                report.get("backing_reason", "") if report.get("backing_kind") == "ordinary"
-                else "")
-            info.add_metric([str(report.get("backing_kind", "ordinary")),
-                             str(report.get("transfer_path", "")), str(reason)[:200]], 1.0)
-            yield info
-            yield GaugeMetricFamily("ditserve:offload_pinned_host_bytes",
-                                    "Page-locked host bytes of DLO (slabs, registered "
-                                    "mappings or staging slots).",
-                                    value=float(report.get("pinned_host_bytes", 0)))
-            rates = GaugeMetricFamily(
-                "ditserve:offload_h2d_bytes_per_second",
-                "Host->device rate the DLO weight copies reached over the last few hundred "
-                "block loads, timed on the GPU; per rank.", labels=["rank"])
-            for rank, rate in enumerate(copy_rates_of(report)):
-                if rate is not None:
-                    rates.add_metric([str(rank)], rate * 1e9)
-            yield rates
+        stats = engine.stats() if engine is not None else None
+        yield from _request_metrics(engine, stats)
+        yield from _pipeline_metrics(engine, stats)
+        yield from _offload_metrics(engine.offload_report() if engine is not None else None)
+
+
+def _request_metrics(engine: EngineClient | None, stats: EngineStats | None) -> Iterator[Metric]:
+    """The queue and the lifecycle: running, waiting, paused, the step estimate, ready."""
+    yield GaugeMetricFamily("ditserve:num_requests_running",
+                            "Requests in the running denoise batch.",
+                            value=stats.running if stats else 0)
+    yield GaugeMetricFamily("ditserve:num_requests_waiting",
+                            "Requests admitted to the queue, waiting for a batch slot.",
+                            value=stats.waiting if stats else 0)
+    yield GaugeMetricFamily("ditserve:num_requests_paused",
+                            "Requests paused at a step boundary for higher-priority ones "
+                            "(--scheduling-policy priority).",
+                            value=stats.paused if stats else 0)
+    yield GaugeMetricFamily("ditserve:num_requests_waiting_high_priority",
+                            "Waiting requests of a priority below the default 0 (sooner); "
+                            "an autoscaling signal for interactive traffic.",
+                            value=stats.waiting_high_priority if stats else 0)
+    if stats is not None and stats.step_seconds is not None:
+        yield GaugeMetricFamily("ditserve:scheduler_step_seconds_estimate",
+                                "The scheduler's measured period of a busy step, from "
+                                "which deadline estimates are made (s).", value=stats.step_seconds)
+    ready = engine is not None and engine.phase is EnginePhase.READY
+    yield GaugeMetricFamily("ditserve:engine_ready",
+                            "1 when the model is loaded, warmed up and admitting.",
+                            value=1.0 if ready else 0.0)
+
+
+def _pipeline_metrics(engine: EngineClient | None, stats: EngineStats | None
+                      ) -> Iterator[Metric]:
+    """The prompt-embedding cache, LoRA adapters and the step cache."""
+    pipeline = engine.pipeline_report() if engine is not None else None
+    cache = (pipeline or {}).get("prompt_cache") or {}
+    yield CounterMetricFamily("ditserve:prompt_cache_hits",
+                              "Prompt encodings served from the prompt-embedding cache.",
+                              value=float(cache.get("hits", 0)))
+    yield CounterMetricFamily("ditserve:prompt_cache_misses",
+                              "Prompt encodings that ran the text encoder (cache on).",
+                              value=float(cache.get("misses", 0)))
+    yield GaugeMetricFamily("ditserve:prompt_cache_bytes",
+                            "Device bytes the cached prompt embeddings take.",
+                            value=float(cache.get("bytes", 0)))
+    lora = engine.adapter_stats() if engine is not None else {}
+    yield GaugeMetricFamily("ditserve:lora_adapters_loaded",
+                            "LoRA adapters loaded (selectable by name).",
+                            value=lora.get("loaded", 0))
+    yield GaugeMetricFamily("ditserve:lora_adapters_resident",
+                            "LoRA adapters resident on the device (rank 0; at most "
+                            "--max-loras beyond those of running requests).",
+                            value=lora.get("resident", 0))
+    yield GaugeMetricFamily("ditserve:lora_resident_bytes",
+                            "Device bytes of the resident LoRA adapters' factors (rank 0).",
+                            value=float(lora.get("bytes", 0)))
+    yield CounterMetricFamily("ditserve:step_cache_skipped_blocks",
+                              "Block computations (one request through one DiT block) the "
+                              "step cache skipped by reusing a cached residual.",
+                              value=float(stats.step_cache_skipped_blocks if stats else 0))
+    yield CounterMetricFamily("ditserve:step_cache_skipped_bytes",
+                              "Streamed block bytes DLO did not copy because no request of "
+                              "their step computed them (step cache).",
+                              value=float(stats.step_cache_skipped_bytes if stats else 0))
+
+
+def _offload_metrics(report: dict[str, Any] | None) -> Iterator[Metric]:
+    """Layerwise offload: bytes streamed, the host backing and its copy rate per rank."""
+    transferred = float((report or {}).get("bytes_transferred", 0))
+    yield CounterMetricFamily("ditserve:offload_bytes_transferred",
+                              "Weight bytes streamed host->device by layerwise offload.",
+                              value=transferred)
+    if not report:
+        return
+    # Which host backing and transfer path DLO uses, and why it fell back (if it did).
+    info = GaugeMetricFamily(
+        "ditserve:offload_host_backing_info",
+        "1 for the DLO host backing in use; labels: backing kind (ordinary, "
+        "checkpoint_mmap, runtime_cache), transfer path, fallback reason (empty: none).",
+        labels=["backing_kind", "transfer_path", "fallback_reason"])
+    reason = report.get("fallback_reason") or (
+        report.get("backing_reason", "") if report.get("backing_kind") == "ordinary" else "")
+    info.add_metric([str(report.get("backing_kind", "ordinary")),
+                     str(report.get("transfer_path", "")), str(reason)[:200]], 1.0)
+    yield info
+    yield GaugeMetricFamily("ditserve:offload_pinned_host_bytes",
+                            "Page-locked host bytes of DLO (slabs, registered "
+                            "mappings or staging slots).",
+                            value=float(report.get("pinned_host_bytes", 0)))
+    rates = GaugeMetricFamily(
+        "ditserve:offload_h2d_bytes_per_second",
+        "Host->device rate the DLO weight copies reached over the last few hundred "
+        "block loads, timed on the GPU; per rank.", labels=["rank"])
+    for rank, rate in enumerate(copy_rates_of(report)):
+        if rate is not None:
+            rates.add_metric([str(rank)], rate * 1e9)
+    yield rates
 
 
 class ServingMetrics:

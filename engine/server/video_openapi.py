@@ -24,7 +24,7 @@ from ditserve.engine.server.openapi import (
     scheduling_fields,
     size_pattern,
 )
-from ditserve.engine.server.video_request import FIELDS, VideoLimits
+from ditserve.engine.server.video_request import FIELDS, FORM_LORAS_PATTERN, VideoLimits
 
 STATUSES = list(API_STATUSES)
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]
@@ -81,8 +81,11 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
         "max_sequence_length": integer(1, limits.max_text_tokens, "text tokens per prompt "
                                        "(default: the pipeline's own, 512 as in diffusers)"),
         # In a form the list travels as JSON text.
-        "loras": {"type": "string", "description": "LoRA adapters as JSON text: "
-                  '[{"name": ..., "scale": ...}]'} if form else LORAS_SCHEMA,
+        "loras": {"type": "string", "pattern": FORM_LORAS_PATTERN,
+                  "description": "LoRA adapters, stacked: name[:scale],... (scale default 1; "
+                                 "names from GET /v1/models, an unknown one is a 404), or the "
+                                 'JSON list as text: [{"name": ..., "scale": ...}]'}
+        if form else LORAS_SCHEMA,
         **scheduling_fields(lambda schema: schema),
         "step_cache": ({**step_cache_field.form_schema(limits.step_cache_policies),
                         "description": step_cache_field.DESCRIPTION}

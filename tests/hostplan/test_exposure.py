@@ -11,10 +11,11 @@ from ditserve.engine.server.metrics import ServingMetrics
 
 
 def engine_with(report: dict[str, Any]) -> Any:
-    return SimpleNamespace(executor=object(), phase=EnginePhase.READY,
-                           offload_report=lambda: report,
+    """Just what the metrics read of an engine (engine.client.EngineClient)."""
+    return SimpleNamespace(phase=EnginePhase.READY, offload_report=lambda: report,
+                           pipeline_report=lambda: None, adapter_stats=lambda: {},
                            stats=lambda: EngineStats(running=0, waiting=0, steps_run=0,
-                                                                   rows_run=0, requests_finished=0))
+                                                     rows_run=0, requests_finished=0))
 
 
 def test_metrics_name_the_mapped_backing_and_path() -> None:

@@ -33,6 +33,7 @@ from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
     check_admitting,
+    too_many,
     unavailable,
 )
 from ditserve.engine.server.schemas import parse_generation_request
@@ -62,9 +63,13 @@ def _failure(state: ServerState, request_id: str, exc: BaseException) -> APIErro
     if isinstance(exc, (RequestAborted, EngineStoppedError)):
         return unavailable(state, "the request was aborted: the engine is shutting down or "
                                    "stopped; retry on another replica")
+    if isinstance(exc, DeadlineError) and not exc.started:
+        # Stopped while it waited: as a refusal at admission (another replica may make it).
+        return too_many(state, f"{exc} (request {request_id})", code="deadline_unmeetable",
+                        reason="deadline")
     if isinstance(exc, DeadlineError):
-        # The client's own deadline_s passed: a 4xx (its choice, not a server fault), and not
-        # 504, which reads as the server's request timeout.
+        # The client's own deadline_s passed mid-run: a 4xx (its choice, not a server fault),
+        # and not 504, which reads as the server's request timeout.
         return APIError(408, f"{exc} (request {request_id})", type="invalid_request_error",
                         code="deadline_exceeded", reason="deadline")
     return APIError(500, f"the engine failed to generate this request (request {request_id}); "

@@ -1,0 +1,280 @@
+"""Engine configuration types: the typed, frozen option groups and how a mapping becomes one.
+
+Read from the CLI, the server's ``--config`` YAML and the operator's rendered engine config;
+``EngineConfig.from_mapping`` builds and then judges a config with the rules in
+``config.rules`` (imported there lazily: the rules read these types). Pure Python: importing
+this module must never import torch (the operator depends on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from ditserve.engine.adapters.config import AdapterConfig
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.families import AUTO_FAMILY, family_labels
+from ditserve.engine.step_cache.spec import StepCacheSpec
+
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+CHECKPOINT_MMAP_MODES: tuple[str, ...] = ("auto", "off")
+GATHER_ENGINES: tuple[str, ...] = ("nccl", "copy-engine")
+# torch.compile backends for the DiT's repeated blocks: inductor generates kernels; aot_eager
+# and eager only trace (for checking a model compiles, and in tests on machines without a
+# C++ compiler).
+COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
+# The values a deployment's ``model.family`` may take: Auto (read model_index.json) or a
+# registered family (engine/families/); the operator judges specs with the rule below.
+MODEL_FAMILIES: tuple[str, ...] = (AUTO_FAMILY, *family_labels())
+# Host weight formats (docs/formats.md): how streamed blocks' bf16 bytes sit in host memory,
+# and which linear layers run in FP8. ``format_problems`` says what each combines with.
+COMPRESS_MODES: tuple[str, ...] = ("none", "lossless")
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# An AllGather group splits each packed bf16 run by whole stripes, so its size must divide
+# the stripe count the offload packs with: engine.formats.packed_layout.DEFAULT_STRIPES (a
+# test keeps the two equal; that module refers to torch, which this one must not import).
+PACKED_STRIPES = 8
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Distributed layerwise offload (DLO) settings.
+
+    enabled: stream the DiT's blocks from host memory through device slots.
+    slots: device slots blocks stream through (>= 2); None picks 2 for rank-local streaming
+        and 8 for AllGather. Two overlap one block's copy with the previous block's compute;
+        more let copies run ahead where some blocks compute longer than they copy
+        (AllGather's single blocks), at one largest block of HBM per slot.
+    use_allgather: with a DP/SP group of size > 1, each rank keeps 1/group of every block and
+        rebuilds it with all_gather; no effect at group size 1.
+    gather: how AllGather rebuilds a block: "nccl" (all_gather kernels) or "copy-engine"
+        (peer-to-peer DMA through CUDA symmetric memory: no SMs taken from compute).
+    resident_layers: leading blocks kept on the device (not streamed).
+    hbm_budget_gib: keep as many blocks resident as fit in this budget; stream the rest.
+    runtime_cache: use the node cache (cachectl) entry as the host backing.
+    cache_root: root of the node cache; None means $DITSERVE_CACHE_ROOT or the default.
+    cache_lock_timeout_s: how long to wait for another process building the same entry.
+    pin_limit_gib: host-registration budget for mmap backings; 0 uses bounded staging slots.
+    checkpoint_mmap: "auto" streams straight from the checkpoint's safetensors when it can.
+    compress: "lossless" keeps the streamed blocks' bf16 regions packed (12-bit, bit-exact) in
+        host memory and decodes them on the device after each copy; "none" streams raw bytes.
+    components: what DLO governs besides streaming the DiT: "all" also parks the text
+        encoders in (pinned) host memory, on the device only for an encode pass; "dit"
+        keeps them resident (docs/offload.md, "Whole pipeline").
+    """
+
+    enabled: bool = False
+    slots: int | None = None
+    use_allgather: bool = True
+    gather: str = "nccl"
+    resident_layers: int = 0
+    hbm_budget_gib: float | None = None
+    runtime_cache: bool = False
+    cache_root: str | None = None
+    cache_lock_timeout_s: float = 600.0
+    pin_limit_gib: float = 0.0
+    checkpoint_mmap: str = "auto"
+    compress: str = "none"
+    components: str = "all"
+
+
+DLO_COMPONENTS: tuple[str, ...] = ("all", "dit")
+VAE_TILING_MODES: tuple[str, ...] = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline's parts around the DiT (docs/offload.md, "Whole pipeline").
+
+    prompt_cache_size: prompt embeddings kept (LRU) so repeated prompts and the empty negative
+        prompt are encoded once; 0 disables the cache.
+    prompt_cache_gib: the most device memory the cached embeddings may take.
+    vae_tiling: "on" decodes in tiles/slices (diffusers' enable_tiling/enable_slicing), "off"
+        decodes whole, "auto" tiles under DLO when the decoded frame is large (an image of
+        at least 1024x1024 pixels, a video frame above 480p).
+    """
+
+    prompt_cache_size: int = 256
+    prompt_cache_gib: float = 1.0
+    vae_tiling: str = "auto"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process topology of one engine replica (one process per accelerator).
+
+    data_parallel_size: ranks with their own continuous batch. sequence_parallel_size:
+    processes per DP rank that split each forward's tokens (Ulysses; the DiTs' head counts
+    must divide by it: ``sequence_parallel_problems``)."""
+
+    data_parallel_size: int = 1
+    sequence_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.sequence_parallel_size
+
+    @property
+    def weight_group(self) -> str | None:
+        """The group DLO's AllGather shards over: DP if dp > 1, else SP if sp > 1, never TP."""
+        if self.data_parallel_size > 1:
+            return "dp"
+        if self.sequence_parallel_size > 1:
+            return "sp"
+        return None
+
+    @property
+    def weight_group_size(self) -> int:
+        """How many ranks share the AllGather shards (1: no weight group)."""
+        if self.weight_group == "dp":
+            return self.data_parallel_size
+        return self.sequence_parallel_size if self.weight_group == "sp" else 1
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching and admission.
+
+    max_batch_tokens: the work budget of one step, in rows x latent tokens summed over its
+        requests of every shape (``engine.work``; a 1024x1024 Flux or Qwen-Image image is
+        4096 tokens per row, a true-CFG request has twice its images' rows). None (the
+        default): ``max_num_seqs`` requests of the served family's usual size
+        (``Family.reference_work``: 16384 for four 1024x1024 Flux or Qwen-Image images,
+        262080 for four 81-frame Wan videos with CFG), resolved when the engine is built. A
+        request larger than the budget runs alone.
+    max_num_seqs: the most requests in one step (of any shapes), whatever their work.
+    max_bypass: how often requests that fit the step may overtake an older request that does
+        not, before nobody passes it (bounded wait, no starvation); 0 admits strictly in
+        arrival order (FIFO, with head-of-line blocking).
+    max_queue: waiting requests beyond which new ones are refused (None: unbounded), counted
+        over the whole replica.
+    scheduling_policy: "fcfs" admits in arrival order (with the bounded bypass) and ignores
+        requests' ``priority``; "priority" admits by (priority, deadline, arrival) with aging, and
+        pauses lower-priority running requests at a step boundary to make room
+        (``engine.scheduling_policy``). Deadlines are kept under both.
+    aging_s: under "priority", every ``aging_s`` seconds a request waits (or is paused) it
+        counts one priority level sooner, so low priority is never starved.
+    max_preemptions: the most times one request may be paused.
+    """
+
+    max_num_seqs: int = 4
+    max_batch_tokens: int | None = None
+    max_bypass: int = 8
+    max_queue: int | None = 64
+    scheduling_policy: str = "fcfs"
+    aging_s: float = 30.0
+    max_preemptions: int = 2
+
+
+@dataclass(frozen=True)
+class StepCacheConfig:
+    """The server's default step cache (docs/step_cache.md); a request may override it.
+
+    policy: first-block, teacache or every (None: off). threshold: first-block's and
+    teacache's knob (None: the policy's published default). every: the ``every`` policy's K.
+    """
+
+    policy: str | None = None
+    threshold: float | None = None
+    every: int | None = None
+
+    def spec(self) -> StepCacheSpec | None:
+        if self.policy is None:
+            return None
+        return StepCacheSpec(self.policy, self.threshold, self.every)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine replica needs. ``model`` None means the embedded tiny model.
+
+    compile: a torch.compile backend for the DiT's repeated blocks (regional compilation,
+    ``ditserve.engine.runner.compiled_blocks``); None runs them eagerly.
+    quantization: "fp8" runs the DiT blocks' linear layers in FP8 e4m3 (rowwise weight scales,
+    per-token activation scales; ``ditserve.engine.weights.quantize``); None keeps ``dtype``.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    compile: str | None = None
+    quantization: str | None = None
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    step_cache: StepCacheConfig = field(default_factory=StepCacheConfig)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> EngineConfig:
+        """Build from nested plain data (YAML, a CRD spec); unknown keys are an error.
+
+        Nested groups are ``offload``, ``parallel``, ``scheduler``, ``adapters``,
+        ``step_cache`` and ``pipeline``. The result is validated.
+        """
+        config = _build(cls, data, path="")
+        from ditserve.engine.config.rules import validate
+
+        validate(config)
+        return config
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Plain nested data that ``from_mapping`` reads back to an equal config."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,
+           "adapters": AdapterConfig, "step_cache": StepCacheConfig,
+           "pipeline": PipelineConfig}
+# Options that were removed, with what replaces them: a config file that still sets one is
+# told how to update it rather than only that the key is unknown.
+_REMOVED = {
+    "scheduler.policy": "fifo admission is max_bypass: 0; bypass (the old default) is any "
+                        "max_bypass > 0 (priorities: scheduling_policy)",
+    "parallel.tensor_parallel_size": "tensor parallelism is not supported; use "
+                                     "data_parallel_size (throughput) or "
+                                     "sequence_parallel_size (latency)",
+}
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def reject_unknown_keys(data: Any, known: set[str], path: str = "") -> None:
+    """A config mapping may only hold ``known`` keys; the error names the others."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = f" in {path}" if path else ""
+        raise ConfigError(
+            f"unknown option(s){where}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+
+
+def raise_problems(what: str, found: list[str]) -> None:
+    """Raise one ConfigError listing every problem of a ``what`` configuration, if any."""
+    if found:
+        raise ConfigError(f"invalid {what} configuration:\n  - " + "\n  - ".join(found))
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    for key in data if isinstance(data, Mapping) else ():
+        hint = _REMOVED.get(f"{path}.{key}")
+        if hint is not None:
+            raise ConfigError(f"{path}.{key} was removed: {hint}")
+    reject_unknown_keys(data, {f.name for f in fields(cls)}, path)
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if cls is EngineConfig and key in _NESTED:
+            values[key] = _build(_NESTED[key], value or {}, path=key)
+        else:
+            values[key] = value
+    return cls(**values)
+
+

@@ -1,0 +1,63 @@
+"""What the loaded model can run: its limits, read off its own config by its pipeline.
+
+``ModelLimits`` bounds a request's size, frames, conditioning images and text length; the
+server shows it in ``/v1/models`` and its OpenAPI document and refuses a request beyond it up
+front, and ``SamplingParams.validate_for`` applies it. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_SIDE = 8192
+MAX_FRAMES = 1025
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded model can run, read off its own config (each pipeline's ``limits``).
+
+    pixel_multiple: height and width divide by it (VAE factor x patch size).
+    max_side: the largest height or width: the model's positional table (a rope of
+        ``positions`` entries per axis reaches ``positions * pixel_multiple`` pixels), capped
+        at MAX_SIDE; MAX_SIDE for a model whose positions are computed on the fly (Flux).
+    frame_step: None for an image model; a video model's ``num_frames - 1`` divides by it.
+    max_frames: 1 for an image model; a video model's longest clip its positional table
+        covers (Wan: ``rope_max_seq_len`` latent frames), capped at MAX_FRAMES.
+    positions: entries per axis of the model's positional table; None when it has none.
+    condition_images: (fewest, most) input images a request brings (edits, image-to-video);
+        (0, 0) for a text-only model.
+    max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
+    """
+
+    pixel_multiple: int = 16
+    max_side: int = MAX_SIDE
+    frame_step: int | None = None
+    max_frames: int = 1
+    max_prompt_chars: int | None = None
+    positions: int | None = None
+    condition_images: tuple[int, int] = (0, 0)
+    max_text_tokens: int | None = None
+
+    @classmethod
+    def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,
+                 frame_step: int | None = None, frames_per_position: int = 1,
+                 max_prompt_chars: int | None = None,
+                 max_text_tokens: int | None = None) -> ModelLimits:
+        """Limits of a model whose positional table holds ``positions`` entries per axis:
+        ``tokens_per_position`` latent patches per entry on the spatial axes, and (video)
+        ``frames_per_position`` latent frames per entry on the time axis."""
+        if positions is None:
+            side, frames = MAX_SIDE, MAX_FRAMES
+        else:
+            side = positions * tokens_per_position * pixel_multiple
+            frames = (positions * frames_per_position - 1) * (frame_step or 1) + 1
+        side = min(side, MAX_SIDE) // pixel_multiple * pixel_multiple
+        if frame_step is None:
+            frames = 1
+        else:
+            frames = min(frames, MAX_FRAMES)
+            frames -= (frames - 1) % frame_step
+        return cls(pixel_multiple=pixel_multiple, max_side=side, frame_step=frame_step,
+                   max_frames=frames, max_prompt_chars=max_prompt_chars, positions=positions,
+                   max_text_tokens=max_text_tokens)
