@@ -30,16 +30,17 @@ import torch
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import AdapterError, InvalidRequestError
-from ditserve.engine.pipelines import StepPipeline, build_pipeline
+from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
+from ditserve.engine.runner.assembly import assemble
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.step_cache.runtime import StepCache
-from ditserve.engine.weights.loader import load_components
+from ditserve.engine.weights.load import load_weights
 from ditserve.engine.work import WorkRule
 
 log = logging.getLogger(__name__)
@@ -88,63 +89,25 @@ class ModelRunner:
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
         offload = config.offload.enabled
-        dits, host_plan = None, None
-        if offload:
-            # Each DiT's host backing (checkpoint mmap, node cache, or ordinary) in one plan.
-            from ditserve.engine.weights.dit_backing import prepare_dits
-
-            sharded = weight_group is not None and config.offload.use_allgather
-            dits, host_plan = prepare_dits(
-                model_dir, dtype=config.dtype, offload=config.offload,
-                sp_size=config.parallel.sequence_parallel_size,
-                streams_from_mapping=(self.device.type == "cuda" and not sharded
-                                      and config.offload.compress == "none"),
-                keep_private=(f"--quantization {config.quantization} replaces the linears' "
-                              "weights" if config.quantization else
-                              "--lora-fuse changes the linears' weights"
-                              if config.adapters.fuse else None),
-                sharded=sharded,
-            )
+        sharded = weight_group is not None and config.offload.use_allgather
+        loaded = load_weights(
+            model_dir, dtype=config.dtype, offload=config.offload,
+            sp_size=config.parallel.sequence_parallel_size,
+            streams_from_mapping=(self.device.type == "cuda" and not sharded
+                                  and config.offload.compress == "none"),
+            keep_private=_weights_replaced(config),
+            sharded=sharded,
+        )
+        components, host_plan = loaded.components, loaded.host_plan
         try:
-            components = load_components(model_dir, dtype=config.dtype, dits=dits)
-            self.pipeline: StepPipeline = build_pipeline(
-                components, device=self.device, move_transformer=not offload
-            )
-            if self._sequence is not None:
-                from ditserve.engine.parallel import shard_pipeline
-
-                # Before offload and compilation: they wrap the blocks the hooks sit around.
-                shard_pipeline(self.pipeline, self._sequence)
-            self.offload: Any = None
-            from ditserve.engine.adapters import bank
-
-            # Fused before quantization and offload read the weights; hooks (preload)
-            # after quantization replaced the linears.
-            self.adapters = bank.open_bank(self.pipeline, components, config.adapters,
-                                           device=self.device)
-            if config.quantization is not None:  # before offload plans the blocks' tensors
-                from ditserve.engine.weights.quantize import quantize_dit
-
-                quantize_dit(self.pipeline.transformer, config.quantization, device=self.device)
-            if offload:
-                from ditserve.engine.offload import enable_offload
-
-                kwargs: dict[str, Any] = {}
-                if weight_group is not None and config.offload.use_allgather:
-                    kwargs["group"] = weight_group  # 1/group shards, rebuilt by all_gather
-                self.offload = enable_offload(
-                    self.pipeline.transformer, config.offload, device=self.device,
-                    host_plan=host_plan, block_lists=self.pipeline.block_lists, **kwargs,
-                )
-            bank.preload(self.adapters, config.adapters)
-            if config.compile is not None:
-                from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
-
-                compile_repeated_blocks(self.pipeline.transformer, config.compile)
+            built = assemble(loaded, config, device=self.device, sequence=self._sequence,
+                             weight_group=weight_group)
         except BaseException:
             if host_plan is not None:
                 host_plan.close()
             raise
+        self.pipeline: StepPipeline = built.pipeline
+        self.adapters, self.offload = built.adapters, built.offload
         if host_plan is not None:
             # Exactly once: a plan that replaced the ordinary load must have been taken.
             host_plan.require_consumed()
@@ -378,3 +341,10 @@ class ModelRunner:
             # The previews' copies to the host are queued; they are read as soon as this step
             # returns. Only steps with a preview wait here (at most 3 per request).
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _weights_replaced(config: EngineConfig) -> str | None:
+    """Why the DiT's linear weights change after loading (then they load privately)."""
+    if config.quantization:
+        return f"--quantization {config.quantization} replaces the linears' weights"
+    return "--lora-fuse changes the linears' weights" if config.adapters.fuse else None

@@ -1,0 +1,56 @@
+"""One call from a model directory to loaded weights: ``load_weights``.
+
+Under layerwise offload each DiT first gets its host backing (node cache entry, checkpoint
+mmap or private memory: ``dit_backing``); then every component is built through the family's
+diffusers classes (``loader.load_components``) with those DiTs passed in. What comes back is
+the components and, under offload, the ``HostWeightPlan`` the offload layer takes exactly
+once. Called by the model runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ditserve.engine.weights.loader import LoadedComponents, load_components
+
+if TYPE_CHECKING:
+    from ditserve.engine.config import OffloadConfig
+    from ditserve.engine.offload.host.weight_plan import HostWeightPlan
+
+
+@dataclass
+class LoadedWeights:
+    """A model's components and, under offload, its DiTs' host backing (None: resident)."""
+
+    components: LoadedComponents
+    host_plan: HostWeightPlan | None
+
+
+def load_weights(
+    model_dir: str | Path,
+    *,
+    dtype: str,
+    offload: OffloadConfig,
+    sp_size: int = 1,
+    streams_from_mapping: bool = False,
+    keep_private: str | None = None,
+    sharded: bool = False,
+) -> LoadedWeights:
+    """Load ``model_dir`` (see the module docstring; the options are ``prepare_dits``'s).
+
+    keep_private: why the DiTs' tensors will be replaced after loading (quantization, a fused
+    adapter): then they load into private memory whatever the backing options say."""
+    if not offload.enabled:
+        return LoadedWeights(load_components(model_dir, dtype=dtype), None)
+    from ditserve.engine.weights.dit_backing import prepare_dits
+
+    dits, host_plan = prepare_dits(model_dir, dtype=dtype, offload=offload, sp_size=sp_size,
+                                   streams_from_mapping=streams_from_mapping,
+                                   keep_private=keep_private, sharded=sharded)
+    try:
+        return LoadedWeights(load_components(model_dir, dtype=dtype, dits=dits), host_plan)
+    except BaseException:
+        host_plan.close()  # the mappings and any cache lease it holds
+        raise
