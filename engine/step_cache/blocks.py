@@ -180,6 +180,7 @@ class StepCacheBlocks:
                 out = self._tail(role, p, out)
             return out
 
+        forward.__wrapped__ = inner  # type: ignore[attr-defined]  # what it wraps (compiled or not)
         return forward
 
     def _streams(self, out: Any) -> dict[str, torch.Tensor]:

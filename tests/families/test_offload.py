@@ -58,9 +58,13 @@ def resident(family_runner):  # type: ignore[no-untyped-def]
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Offloaded == resident. Bitwise on CUDA (test_families_gpu.py); here within 1e-6: on
+    the AMD EPYC CI machine a Qwen-Image request (and a Wan 2.2 cache hit) came out up to
+    3e-7 apart in float32 at every commit back to the wave-2 one that had been bitwise equal
+    on the previous CI machine - a CPU kernel difference, not yet pinned down (docs/offload.md)."""
     assert set(got) == set(want)
     for rid in want:
-        assert torch.equal(got[rid], want[rid]), rid
+        torch.testing.assert_close(got[rid], want[rid], atol=1e-6, rtol=0, msg=rid)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
