@@ -98,6 +98,10 @@ def default_dtype(model: Path, component: str, loader: LoaderFn) -> str:
     except Exception as e:  # the loader's own errors name what is wrong with the directory
         raise BuildError(f"cannot tell the dtype of {str(model)!r}: {e}; pass --dtype") from e
     if found is None:
+        if os.environ.get(LOADER_ENV):
+            # A loader named by $DITSERVE_CACHECTL_LOADER reads files the engine does not,
+            # so there is no engine rule to agree with: bfloat16, the cache's own default.
+            return "bfloat16"
         raise BuildError(f"{str(model)!r} has no float32/bfloat16/float16 safetensors weights "
                          "to take the dtype from; pass --dtype")
     return found

@@ -61,12 +61,16 @@ def test_video_jobs_accept_the_same_fields() -> None:
     assert (info.value.status, info.value.code) == (404, "adapter_not_found")
 
 
-def test_video_form_carries_loras_as_json_text() -> None:
+def test_video_form_carries_loras_as_names_or_json_text() -> None:
     from ditserve.engine.server.video_request import _form_value
 
     assert _form_value("loras", '[{"name": "style"}]') == [{"name": "style"}]
-    with pytest.raises(APIError, match="JSON list"):
-        _form_value("loras", "style")
+    assert _form_value("loras", "style") == [{"name": "style", "scale": None}]
+    assert _form_value("loras", "style:0.8,char") == [{"name": "style", "scale": 0.8},
+                                                      {"name": "char", "scale": None}]
+    for bad in ("", "y\u00b6", "style:high", "[not json"):
+        with pytest.raises(APIError, match="name\\[:scale\\]"):
+            _form_value("loras", bad)
 
 
 def test_generate_cli_applies_a_lora(adapter_models, lora_files, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
