@@ -29,6 +29,7 @@ from ditserve.engine.config.types import (
     ParallelConfig,
     StepCacheConfig,
     raise_problems,
+    use_judge,
 )
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import AUTO_FAMILY, family_named
@@ -304,3 +305,6 @@ def validate(config: EngineConfig) -> EngineConfig:
     """Raise ConfigError listing every problem, or return the config unchanged."""
     raise_problems("engine", problems(config))
     return config
+
+
+use_judge(validate)

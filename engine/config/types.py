@@ -2,14 +2,14 @@
 
 Read from the CLI, the server's ``--config`` YAML and the operator's rendered engine config;
 ``EngineConfig.from_mapping`` builds and then judges a config with the rules in
-``config.rules`` (imported there lazily: the rules read these types). Pure Python: importing
+``config.rules`` (which register their judge here: the rules read these types). Pure Python: importing
 this module must never import torch (the operator depends on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -217,9 +217,8 @@ class EngineConfig:
         ``step_cache`` and ``pipeline``. The result is validated.
         """
         config = _build(cls, data, path="")
-        from ditserve.engine.config.rules import validate
-
-        validate(config)
+        assert _judge is not None, "config.rules registers the judge when the package loads"
+        _judge(config)
         return config
 
     def to_mapping(self) -> dict[str, Any]:
@@ -228,6 +227,18 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+# The rules (config.rules) judge a built config. They read these types, so rather than import
+# them back, the rules module registers its judge here on import; the package's __init__
+# imports it, and importing any module of the package runs that __init__ first.
+_judge: Callable[[EngineConfig], EngineConfig] | None = None
+
+
+def use_judge(judge: Callable[[EngineConfig], EngineConfig]) -> None:
+    """Called once by ``config.rules``: ``from_mapping`` validates with ``judge``."""
+    global _judge
+    _judge = judge
 
 
 _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig,

@@ -66,7 +66,7 @@ LIMIT_PROMPT = "x" * 4001
 FIELDS = ("prompt, model, n, size, response_format, user, stream, partial_images, background, "
           "moderation, output_compression, output_format, quality, style, safety_identifier, "
           "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, "
-          "max_sequence_length, loras, priority, deadline_s")
+          "max_sequence_length, loras, priority, deadline_s, step_cache")
 HUGE = "9" * 5000
 
 BAD_INPUTS = [
