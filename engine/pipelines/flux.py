@@ -145,11 +145,16 @@ class FluxStepPipeline:
     # -- denoise ------------------------------------------------------------------------------
     @torch.inference_mode()
     def denoise_step(self, batch: InputBatch) -> torch.Tensor:
+        return self._predict(batch, batch.hidden_states)
+
+    def _predict(self, batch: InputBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The DiT's prediction for ``hidden`` (the rows' image tokens, and any extra tokens a
+        subclass appends) with the batch's text, timesteps and guidance."""
         # diffusers casts the timestep to the latents' dtype before dividing by 1000.
-        timestep = batch.timesteps.to(self.device, batch.hidden_states.dtype) / 1000
+        timestep = batch.timesteps.to(self.device, hidden.dtype) / 1000
         guidance = batch.static["guidance"] if self.guidance_embeds else None
         return self.transformer(
-            hidden_states=batch.hidden_states,
+            hidden_states=hidden,
             timestep=timestep,
             guidance=guidance,
             pooled_projections=batch.static["pooled_projections"],

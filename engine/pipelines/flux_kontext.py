@@ -119,16 +119,5 @@ class FluxKontextStepPipeline(FluxStepPipeline):
         if source is not None:
             # (rows, target, 4C) + (rows, source, 4C) -> (rows, target + source, 4C)
             hidden = torch.cat([hidden, source.to(hidden.dtype)], dim=1)
-        timestep = batch.timesteps.to(self.device, hidden.dtype) / 1000
-        guidance = batch.static["guidance"] if self.guidance_embeds else None
-        out = self.transformer(
-            hidden_states=hidden,
-            timestep=timestep,
-            guidance=guidance,
-            pooled_projections=batch.static["pooled_projections"],
-            encoder_hidden_states=batch.static["encoder_hidden_states"],
-            txt_ids=batch.shared["txt_ids"],
-            img_ids=batch.shared["img_ids"],
-            return_dict=False,
-        )[0]
+        out = self._predict(batch, hidden)
         return out[:, : batch.hidden_states.shape[1]]  # the target tokens' prediction
