@@ -8,12 +8,14 @@ error object (``model_not_found`` for ``model``, ``adapter_not_found`` for ``lor
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Strict, StrictStr
 
 from ditserve.engine.errors import AdapterError, AdapterNotFoundError
-from ditserve.engine.request import LoraRef
+from ditserve.engine.request import MAX_LORAS_PER_REQUEST, LoraRef
 from ditserve.engine.server.errors import APIError, invalid, shown
 
 Number = Annotated[float, Strict()]
@@ -54,3 +56,28 @@ def resolve_adapters(model: str | None, loras: list[LoraSelection] | None, *, en
                        reason="model_not_found") from e
     except AdapterError as e:
         raise invalid("loras", f"loras: {e}") from e
+
+
+# A form's adapters: "style:0.8,character" (what the OpenAPI form pattern describes), or the
+# JSON body's list as text ('[{"name": "style", "scale": 0.8}]').
+FORM_LORA = r"[A-Za-z0-9._-]+(:-?[0-9](\.[0-9]{1,3})?)?"
+FORM_LORAS_PATTERN = f"^{FORM_LORA}(,{FORM_LORA}){{0,{MAX_LORAS_PER_REQUEST - 1}}}$"
+
+
+def parse_form_loras(value: str) -> Any:
+    """A multipart form's ``loras`` text as the JSON body's list (images edits, video jobs)."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise invalid("loras", "loras: not a JSON list; use name[:scale],... or "
+                                   '[{"name": "style", "scale": 0.8}]') from e
+    if not re.fullmatch(FORM_LORAS_PATTERN[1:-1], text):
+        raise invalid("loras", f"loras: {shown(value)} is not name[:scale],... (at most "
+                               f"{MAX_LORAS_PER_REQUEST}) nor a JSON list")
+    selections = []
+    for item in text.split(","):
+        name, _, scale = item.partition(":")
+        selections.append({"name": name, "scale": float(scale) if scale else None})
+    return selections

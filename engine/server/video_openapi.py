@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ditserve.engine.server import step_cache_field
+from ditserve.engine.server.adapter_fields import FORM_LORAS_PATTERN
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.jobs.model import API_STATUSES
 from ditserve.engine.server.openapi import (
@@ -24,7 +25,7 @@ from ditserve.engine.server.openapi import (
     scheduling_fields,
     size_pattern,
 )
-from ditserve.engine.server.video_request import FIELDS, FORM_LORAS_PATTERN, VideoLimits
+from ditserve.engine.server.video_request import FIELDS, VideoLimits
 
 STATUSES = list(API_STATUSES)
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]

@@ -19,7 +19,6 @@ same rules from the same limits, so a body valid by the document is accepted.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -32,8 +31,8 @@ from starlette.formparsers import MultiPartException
 
 from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.request import MAX_LORAS_PER_REQUEST, ConditionImage, SamplingParams
-from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
+from ditserve.engine.request import ConditionImage, SamplingParams
+from ditserve.engine.server.adapter_fields import LoraSelection, parse_form_loras, resolve_adapters
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.jobs.model import VideoSpec
@@ -125,36 +124,12 @@ class VideoLimits:
         return min(frames, self.max_frames)
 
 
-# A form's adapters: "style:0.8,character" (what the OpenAPI form pattern describes), or the
-# JSON body's list as text ('[{"name": "style", "scale": 0.8}]').
-FORM_LORA = r"[A-Za-z0-9._-]+(:-?[0-9](\.[0-9]{1,3})?)?"
-FORM_LORAS_PATTERN = f"^{FORM_LORA}(,{FORM_LORA}){{0,{MAX_LORAS_PER_REQUEST - 1}}}$"
-
-
-def _form_loras(value: str) -> Any:
-    text = value.strip()
-    if text.startswith("["):
-        try:
-            return json.loads(text)
-        except ValueError as e:
-            raise invalid("loras", "loras: not a JSON list; use name[:scale],... or "
-                                   '[{"name": "style", "scale": 0.8}]') from e
-    if not re.fullmatch(FORM_LORAS_PATTERN[1:-1], text):
-        raise invalid("loras", f"loras: {shown(value)} is not name[:scale],... (at most "
-                               f"{MAX_LORAS_PER_REQUEST}) nor a JSON list")
-    selections = []
-    for item in text.split(","):
-        name, _, scale = item.partition(":")
-        selections.append({"name": name, "scale": float(scale) if scale else None})
-    return selections
-
-
 def _form_value(name: str, value: Any) -> Any:
     """A form field's text as the type the JSON body would carry."""
     if not isinstance(value, str):  # an uploaded file where text belongs
         raise invalid(name, f"{name}: must be a text field, got a file upload")
     if name == "loras":  # a form carries "name[:scale],..." or the JSON list as text
-        return _form_loras(value)
+        return parse_form_loras(value)
     if name not in _INTEGER_FIELDS + _NUMBER_FIELDS:
         return value
     text = value.strip()

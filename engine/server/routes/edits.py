@@ -28,6 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import ConditionImage
 from ditserve.engine.server import responses, streaming
+from ditserve.engine.server.adapter_fields import parse_form_loras
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, invalid, request_id_of
@@ -63,14 +64,10 @@ class _Unjudged:
 
 
 def _typed(name: str, text: str) -> Any:
-    """A form field's text as the JSON value the generation parser expects (``loras``: its
-    JSON array, as a form cannot nest)."""
+    """A form field's text as the JSON value the generation parser expects (``loras``:
+    name[:scale],... or its JSON array, as a form cannot nest)."""
     if name == "loras":
-        try:
-            return json.loads(text)
-        except ValueError as e:
-            raise invalid(name, f"{name}: must be a JSON array of {{\"name\": ..., "
-                                f"\"scale\": ...}} objects, got {text!r}") from e
+        return parse_form_loras(text)
     if name in _BOOLEANS:
         if text.lower() not in ("true", "false"):
             raise invalid(name, f"{name}: must be true or false, got {text!r}")
