@@ -55,6 +55,9 @@ from ditserve.engine.config.types import (
     DLO_COMPONENTS as DLO_COMPONENTS,
 )
 from ditserve.engine.config.types import (
+    HBM_BUDGET_AUTO as HBM_BUDGET_AUTO,
+)
+from ditserve.engine.config.types import (
     DTYPES as DTYPES,
 )
 from ditserve.engine.config.types import (
