@@ -205,17 +205,21 @@ def plan_budget(inputs: BudgetInputs, budget: int, *, auto: bool = False) -> Bud
                    dit_budget=max(dit_budget, plan.dit_budget))
 
 
+def _gib(size: int) -> str:
+    return f"{size / GIB:.2f} GiB" if size >= 10 * MIB else f"{size / MIB:.1f} MiB"
+
+
 def _refusal(least: BudgetPlan, minimum: int, *, auto: bool) -> str:
     what = "the free HBM of the device" if auto else "--dlo-hbm-budget-gib"
-    held = ", ".join(f"{name} {size / GIB:.2f}" for name, size in least.held.items() if size)
+    held = ", ".join(f"{name} {_gib(size)}" for name, size in least.held.items() if size)
     phase, peak = max(least.phases.items(), key=lambda item: item[1])
-    return (f"{what} ({least.budget / GIB:.2f} GiB) cannot hold the pipeline: the smallest "
-            f"budget it can run in is {minimum / GIB:.2f} GiB (every DiT block streamed, "
+    least_gib = math.ceil(minimum / GIB * 100) / 100
+    return (f"{what} ({least.budget / GIB:.2f} GiB) cannot hold the pipeline; the smallest "
+            f"budget it can run in is {least_gib:.2f} GiB (every DiT block streamed, "
             "encoders parked, decode tiled where the VAE can): held "
-            f"{held} GiB, plus the {phase} phase's {peak / GIB:.2f} GiB, plus "
-            f"{least.slack / GIB:.2f} GiB allocator slack; raise the budget to at least "
-            f"{math.ceil(minimum / GIB * 100) / 100:.2f}, lower --max-batch-tokens or "
-            "--prompt-cache-gib, or free device memory")
+            f"{held}; plus the {phase} phase's {_gib(peak)}; plus {_gib(least.slack)} "
+            f"allocator slack. Set --dlo-hbm-budget-gib {least_gib:.2f} or more, lower "
+            "--max-batch-tokens or --prompt-cache-gib, or free device memory")
 
 
 def decode_batch(room: int, *, rows: int, whole_per_row: int, tiled_per_row: int | None,

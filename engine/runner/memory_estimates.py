@@ -124,17 +124,18 @@ def _dit_width(transformer: torch.nn.Module) -> int:
     return int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
 
 
-def auto_budget(device: torch.device,
-                mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None) -> int:
+def auto_budget(device: torch.device, *,
+                mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None,
+                memory_reserved: Callable[[torch.device], int] | None = None) -> int:
     """``--dlo-hbm-budget-gib auto``: the device's free HBM plus what this process's allocator
     already holds (the components placed so far are in the plan; its cached blocks are free
-    to reuse)."""
+    to reuse). The two readers default to torch.cuda's (tests pass fakes)."""
     if device.type != "cuda":
         raise ConfigError(
             f"--dlo-hbm-budget-gib auto reads the free HBM of a CUDA device; {device} has none: "
             "give a number of GiB, or run on a GPU")
     free, _ = (mem_get_info or torch.cuda.mem_get_info)(device)
-    return int(free) + int(torch.cuda.memory_reserved(device))
+    return int(free) + int((memory_reserved or torch.cuda.memory_reserved)(device))
 
 
 def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -> BudgetInputs:
