@@ -10,16 +10,19 @@ hooks go on the final linears; compilation wraps the blocks last. Called by ``Mo
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.errors import OffloadError
+from ditserve.engine.errors import ConfigError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.runner.budget_plan import GIB, BudgetInputs, BudgetPlan, plan_budget
 from ditserve.engine.weights.load import LoadedWeights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,13 +80,17 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
 
 
 def _planner_inputs(pipeline: Any, config: EngineConfig) -> BudgetInputs | None:
+    """The memory planner's inputs; without a budget they only inform the printed plan, so
+    a model they cannot be read from still serves (None)."""
     from ditserve.engine.runner.memory_estimates import budget_inputs
 
     try:
         return budget_inputs(pipeline, config)
-    except OffloadError:  # no streamable block lists: nothing to plan the DiT with
+    except Exception as e:
         if config.offload.hbm_budget_gib is not None:
-            raise
+            raise ConfigError(f"--dlo-hbm-budget-gib: cannot plan this pipeline's memory: "
+                              f"{type(e).__name__}: {e}") from e
+        log.warning("no memory estimates for the plan: %s: %s", type(e).__name__, e)
         return None
 
 
@@ -106,8 +113,6 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        from ditserve.engine.errors import ConfigError
-
         raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
     return device
 

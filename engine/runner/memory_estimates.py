@@ -120,7 +120,9 @@ def planned_shape(pipeline: Any) -> tuple[int, int, int]:
 
 
 def _dit_width(transformer: torch.nn.Module) -> int:
-    cfg = transformer.config
+    """The DiT's hidden width (an expert stack's: its first expert's)."""
+    cfg = next((m.config for m in transformer.modules()
+                if isinstance(getattr(m, "config", None), dict)), {})
     return int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
 
 
