@@ -55,13 +55,13 @@ from ditserve.engine.config.types import (
     DLO_COMPONENTS as DLO_COMPONENTS,
 )
 from ditserve.engine.config.types import (
-    HBM_BUDGET_AUTO as HBM_BUDGET_AUTO,
-)
-from ditserve.engine.config.types import (
     DTYPES as DTYPES,
 )
 from ditserve.engine.config.types import (
     GATHER_ENGINES as GATHER_ENGINES,
+)
+from ditserve.engine.config.types import (
+    HBM_BUDGET_AUTO as HBM_BUDGET_AUTO,
 )
 from ditserve.engine.config.types import (
     MODEL_FAMILIES as MODEL_FAMILIES,

@@ -121,8 +121,8 @@ def planned_shape(pipeline: Any) -> tuple[int, int, int]:
 
 def _dit_width(transformer: torch.nn.Module) -> int:
     """The DiT's hidden width (an expert stack's: its first expert's)."""
-    cfg = next((m.config for m in transformer.modules()
-                if isinstance(getattr(m, "config", None), dict)), {})
+    configs = (getattr(m, "config", None) for m in transformer.modules())
+    cfg: dict[str, Any] = next((c for c in configs if isinstance(c, dict)), {})
     return int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
 
 
