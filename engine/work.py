@@ -18,10 +18,11 @@ equal to the rows and tokens every pipeline actually builds.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal, get_args
+from typing import get_args
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.families import FLUX, Family
+from ditserve.engine.families.base import CfgRule
 from ditserve.engine.request import SamplingParams
 
 # Tokens of one 1024x1024 image of a DiT with 16-pixel tokens (Flux.1, Qwen-Image): 64 x 64.
@@ -55,7 +56,6 @@ class ResolvedScheduling(SchedulerConfig):
         return cls(**{**values, "max_batch_tokens": budget})
 
 
-CfgRule = Literal["true_cfg", "guidance"]
 CFG_RULES: tuple[str, ...] = get_args(CfgRule)
 # LoRA work: a rank-r adapter adds two (tokens x r) matmuls beside each adapted d x d linear,
 # 2r/d of that linear's work for the request's rows; d is taken as Flux's and Qwen-Image's
