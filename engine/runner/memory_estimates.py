@@ -36,7 +36,7 @@ from ditserve.engine.pipelines.vae_decode import DEFAULT_TILE_PIXELS
 from ditserve.engine.runner.budget_plan import BudgetInputs
 from ditserve.engine.runner.component_placement import module_bytes
 from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS
-from ditserve.engine.work import with_budget
+from ditserve.engine.work import ResolvedScheduling
 
 DIT_HIDDEN_COPIES = 20
 IMAGE_DECODE_COPIES = 6  # AutoencoderKL's 2-D decoder
@@ -144,8 +144,7 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
     """Everything ``plan_budget`` needs, measured off ``pipeline`` under ``config``."""
     transformer = pipeline.transformer
     fixed, blocks = dit_blocks(transformer, pipeline.block_lists)
-    sched = with_budget(config.scheduler, pipeline.family)
-    assert sched.max_batch_tokens is not None  # resolved by with_budget
+    sched = ResolvedScheduling.for_family(config.scheduler, pipeline.family)
     text = int(getattr(pipeline, "max_text_tokens", None) or pipeline.max_sequence_length)
     rows = 2 * sched.max_num_seqs  # with CFG every request brings a negative prompt's row
     elem = next(transformer.parameters()).element_size()
