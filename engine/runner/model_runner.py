@@ -163,6 +163,7 @@ class ModelRunner:
         return self.whole.report()
 
     def close(self) -> None:
+        self.whole.close()
         self.step_cache.close()
         if self._block_major is not None:
             self._block_major.close()

@@ -77,7 +77,7 @@ def test_measured_peak_stays_under_the_predicted_peak_at_the_smallest_budget(fam
     r = budget_runner(model, minimum / GIB)  # the smallest budget it named: all streamed
     try:
         memory = r.pipeline_report()["memory"]
-        assert memory["resident_blocks"] == 0 and memory["encoders"] == "parked"
+        assert memory["resident_blocks"] == 0 and memory["encoders"] != "resident"
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         out, _ = drive(r, arrivals(r.frame_step is not None), max_num_seqs=2)
