@@ -36,3 +36,16 @@ def test_whole_pipeline_tiny_wan_keeps_earlier_configurations(tmp_path: Path) ->
     assert set(result["configs"]) == {"resident", "dlo-whole"}
     assert result["request"] == "64x64x9, CFG on"
     assert result["configs"]["resident"]["offload"] is None
+
+
+def test_host_rss_tiny_samples_a_loading_child(tmp_path: Path) -> None:
+    bench = load("host_rss")
+    assert bench.main(["--tiny", "--flags", "--offload dlo", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "host_rss.json").read_text())
+    assert row["samples"] > 0 and row["peak_rss_bytes"] >= row["sampled_peaks"]["VmRSS"] > 0
+    assert row["baseline"]["VmRSS"] > 0 and row["load_rss_bytes"] >= 0
+    acct = row["accounting"]
+    assert acct["problems"] == [] and acct["private_bytes"] == 0  # streamed from the mapping
+    assert 0 < acct["mapped_bytes"] <= acct["streamed_bytes"]
+    assert acct["pinned_bytes"] <= 1.02 * acct["streamed_bytes"]
+    assert "peak RSS" in (tmp_path / "host_rss.md").read_text()
