@@ -90,9 +90,7 @@ def cmd_init_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_init_random(args: argparse.Namespace) -> int:
-    from ditserve.engine.random_model import init_random
-
-    from ditserve.engine.random_model import default_components
+    from ditserve.engine.random_model import default_components, init_random
 
     components = args.components or default_components(args.size)
     path = init_random(args.dir, family=args.family, size=args.size, dtype=args.dtype,
