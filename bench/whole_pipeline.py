@@ -193,6 +193,8 @@ def prepare_model(args: argparse.Namespace, scratch: Path) -> Path:
         harness.log(f"building the full-size random {args.model} pipeline in {model} "
                     "(every component at released shape, on the GPU)")
         init_random(model, family=args.model, size="full", components="all", device="cuda")
+        gc.collect()
+        torch.cuda.empty_cache()  # the build's cached blocks would sit under every config
     return model
 
 
