@@ -166,3 +166,14 @@ def test_components_default_and_refusals(tmp_path) -> None:  # type: ignore[no-u
     assert init_random(tmp_path / "old", size="tiny", dtype="float32") == tmp_path / "old"
     with pytest.raises(ConfigError, match="already holds a different random model"):
         init_random(tmp_path / "old", size="small", dtype="float32", components="all")
+
+
+def test_cli_components_flag(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.cli import main
+
+    assert main(["model", "init-random", "--size", "tiny", "--components", "all",
+                 "--device", "cpu", str(tmp_path / "a")]) == 2
+    assert "use --size small or full" in capsys.readouterr().err
+    assert main(["model", "init-random", "--size", "tiny", "--components", "dit",
+                 "--dtype", "float32", "--device", "cpu", str(tmp_path / "d")]) == 0
+    assert "tiny text encoders and VAE" in capsys.readouterr().out
