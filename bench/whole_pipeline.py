@@ -20,7 +20,7 @@ empty negative prompt is cached as in serving). Latency of an N-step request =
 fixed + N x per-step, with per-step = (lat_b - lat_a) / (b - a) and fixed = lat_a - a x
 per-step (encode, decode, admission); when b = N it is the measured lat_b. Peak HBM is
 ``torch.cuda.max_memory_allocated`` (and reserved) over the two timed requests, weights
-included. ``--size tiny`` runs the same program on the tiny models on a CPU (a smoke run:
+included, next to the engine's own predicted peak (its printed plan, ``pipeline_report``). ``--size tiny`` runs the same program on the tiny models on a CPU (a smoke run:
 nothing judged).
 """
 
@@ -113,6 +113,8 @@ def run_config(name: str, flags: str, w: Workload, model: Path, args: argparse.N
     try:
         out["weights_on_device"] = cuda_memory().get("allocated")
         out["offload"] = _scalars(engine.offload_report())
+        # The engine's own plan: where each component lives, and its predicted HBM peak.
+        out["pipeline"] = engine.pipeline_report()
         engine.add_request(request(w, model, f"{name} warm-up", 1)).result()
         harness.sync()
         if torch.cuda.is_available():
@@ -161,15 +163,19 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
 
 
 def table(results: dict[str, Any]) -> str:
-    header = ("config", "flags", "peak HBM alloc GiB", "peak reserved GiB", "step s",
+    header = ("config", "flags", "peak HBM alloc GiB", "predicted GiB", "peak reserved GiB",
+              "step s",
               "encode+decode s", f"request s ({results['steps']} steps)", "vs baseline")
     base = results["configs"].get(BASELINE)
     rows = []
     for name, r in results["configs"].items():
         mem = r.get("memory") or {}
         ratio = f"{r['request_s'] / base['request_s']:.3f}x" if base else "-"
+        memory_plan = (r.get("pipeline") or {}).get("memory") or {}
+        predicted = memory_plan.get("predicted_peak_bytes")
         rows.append((name, f"`{r['flags']}`",
                      f"{mem['peak_allocated'] / GIB:.2f}" if mem else "-",
+                     "-" if predicted is None else f"{predicted / GIB:.2f}",
                      f"{mem['peak_reserved'] / GIB:.2f}" if mem else "-",
                      f"{r['step_s']:.3f}", f"{r['fixed_s']:.2f}", f"{r['request_s']:.2f}",
                      ratio))

@@ -22,6 +22,7 @@ def test_whole_pipeline_tiny_runs_each_configuration(tmp_path: Path) -> None:
     for run in runs.values():
         assert set(run["latency_s"]) == {"1", "2"} and run["request_s"] > 0
         assert run["offload"]["active"] is True  # DLO was on, as the flags said
+        assert {row["name"] for row in run["pipeline"]["plan"]} >= {"transformer", "vae"}
     (target,) = result["targets"]  # no peak HBM on a CPU: the latency ratio only
     assert target["bound"] == 1.03 and isinstance(target["met"], bool)
     assert "dlo-whole" in (tmp_path / "whole_pipeline_flux_tiny.md").read_text()
