@@ -41,6 +41,7 @@ import harness
 import torch
 
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.errors import DitServeError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.model_defaults import model_defaults
 
@@ -105,10 +106,13 @@ def run_config(name: str, flags: str, w: Workload, model: Path, args: argparse.N
                ) -> dict[str, Any]:
     from ditserve.engine.loop.engine import DiffusionEngine
 
-    config = engine_config(flags, model, args.device, args.dtype)
     harness.log(f"{name}: loading ({flags})")
     started = time.perf_counter()
-    engine = DiffusionEngine(config).start()
+    try:
+        engine = DiffusionEngine(engine_config(flags, model, args.device, args.dtype)).start()
+    except DitServeError as e:  # e.g. a budget the planner cannot meet: a result too
+        harness.log(f"{name}: refused at start: {e}")
+        return {"flags": flags, "refused": str(e)}
     out: dict[str, Any] = {"flags": flags, "load_s": time.perf_counter() - started}
     try:
         out["weights_on_device"] = cuda_memory().get("allocated")
@@ -151,6 +155,8 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
     runs = results["configs"]
     out = []
     whole, base = runs.get(WHOLE), runs.get(BASELINE)
+    whole = None if whole is None or "refused" in whole else whole
+    base = None if base is None or "refused" in base else base
     if whole and whole.get("memory"):
         peak = whole["memory"]["peak_allocated"] / GIB
         out.append({"target": f"{WHOLE} peak HBM <= {w.peak_gib} GiB", "value": peak,
@@ -167,8 +173,13 @@ def table(results: dict[str, Any]) -> str:
               "step s",
               "encode+decode s", f"request s ({results['steps']} steps)", "vs baseline")
     base = results["configs"].get(BASELINE)
+    base = None if base is None or "refused" in base else base
     rows = []
     for name, r in results["configs"].items():
+        if "refused" in r:
+            rows.append((name, f"`{r['flags']}`", f"refused at start: {r['refused']}",
+                         *("-",) * 6))
+            continue
         mem = r.get("memory") or {}
         ratio = f"{r['request_s'] / base['request_s']:.3f}x" if base else "-"
         memory_plan = (r.get("pipeline") or {}).get("memory") or {}
