@@ -20,7 +20,7 @@ empty negative prompt is cached as in serving). Latency of an N-step request =
 fixed + N x per-step, with per-step = (lat_b - lat_a) / (b - a) and fixed = lat_a - a x
 per-step (encode, decode, admission); when b = N it is the measured lat_b. Peak HBM is
 ``torch.cuda.max_memory_allocated`` (and reserved) over the two timed requests, weights
-included. ``--size tiny`` runs the same program on the tiny models on a CPU (a smoke run:
+included, next to the engine's own predicted peak (its printed plan, ``pipeline_report``). ``--size tiny`` runs the same program on the tiny models on a CPU (a smoke run:
 nothing judged).
 """
 
@@ -41,6 +41,7 @@ import harness
 import torch
 
 from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.errors import DitServeError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.model_defaults import model_defaults
 
@@ -105,14 +106,19 @@ def run_config(name: str, flags: str, w: Workload, model: Path, args: argparse.N
                ) -> dict[str, Any]:
     from ditserve.engine.loop.engine import DiffusionEngine
 
-    config = engine_config(flags, model, args.device, args.dtype)
     harness.log(f"{name}: loading ({flags})")
     started = time.perf_counter()
-    engine = DiffusionEngine(config).start()
+    try:
+        engine = DiffusionEngine(engine_config(flags, model, args.device, args.dtype)).start()
+    except DitServeError as e:  # e.g. a budget the planner cannot meet: a result too
+        harness.log(f"{name}: refused at start: {e}")
+        return {"flags": flags, "refused": str(e)}
     out: dict[str, Any] = {"flags": flags, "load_s": time.perf_counter() - started}
     try:
         out["weights_on_device"] = cuda_memory().get("allocated")
         out["offload"] = _scalars(engine.offload_report())
+        # The engine's own plan: where each component lives, and its predicted HBM peak.
+        out["pipeline"] = engine.pipeline_report()
         engine.add_request(request(w, model, f"{name} warm-up", 1)).result()
         harness.sync()
         if torch.cuda.is_available():
@@ -149,6 +155,8 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
     runs = results["configs"]
     out = []
     whole, base = runs.get(WHOLE), runs.get(BASELINE)
+    whole = None if whole is None or "refused" in whole else whole
+    base = None if base is None or "refused" in base else base
     if whole and whole.get("memory"):
         peak = whole["memory"]["peak_allocated"] / GIB
         out.append({"target": f"{WHOLE} peak HBM <= {w.peak_gib} GiB", "value": peak,
@@ -161,15 +169,24 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
 
 
 def table(results: dict[str, Any]) -> str:
-    header = ("config", "flags", "peak HBM alloc GiB", "peak reserved GiB", "step s",
+    header = ("config", "flags", "peak HBM alloc GiB", "predicted GiB", "peak reserved GiB",
+              "step s",
               "encode+decode s", f"request s ({results['steps']} steps)", "vs baseline")
     base = results["configs"].get(BASELINE)
+    base = None if base is None or "refused" in base else base
     rows = []
     for name, r in results["configs"].items():
+        if "refused" in r:
+            rows.append((name, f"`{r['flags']}`", f"refused at start: {r['refused']}",
+                         *("-",) * 6))
+            continue
         mem = r.get("memory") or {}
         ratio = f"{r['request_s'] / base['request_s']:.3f}x" if base else "-"
+        memory_plan = (r.get("pipeline") or {}).get("memory") or {}
+        predicted = memory_plan.get("predicted_peak_bytes")
         rows.append((name, f"`{r['flags']}`",
                      f"{mem['peak_allocated'] / GIB:.2f}" if mem else "-",
+                     "-" if predicted is None else f"{predicted / GIB:.2f}",
                      f"{mem['peak_reserved'] / GIB:.2f}" if mem else "-",
                      f"{r['step_s']:.3f}", f"{r['fixed_s']:.2f}", f"{r['request_s']:.2f}",
                      ratio))

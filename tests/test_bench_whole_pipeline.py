@@ -22,6 +22,7 @@ def test_whole_pipeline_tiny_runs_each_configuration(tmp_path: Path) -> None:
     for run in runs.values():
         assert set(run["latency_s"]) == {"1", "2"} and run["request_s"] > 0
         assert run["offload"]["active"] is True  # DLO was on, as the flags said
+        assert {row["name"] for row in run["pipeline"]["plan"]} >= {"transformer", "vae"}
     (target,) = result["targets"]  # no peak HBM on a CPU: the latency ratio only
     assert target["bound"] == 1.03 and isinstance(target["met"], bool)
     assert "dlo-whole" in (tmp_path / "whole_pipeline_flux_tiny.md").read_text()
@@ -31,9 +32,12 @@ def test_whole_pipeline_tiny_wan_keeps_earlier_configurations(tmp_path: Path) ->
     bench = load("whole_pipeline")
     args = ["--model", "wan", "--size", "tiny", "--out", str(tmp_path)]
     assert bench.main([*args, "--configs", "resident"]) == 0
-    assert bench.main([*args, "--configs", "dlo-whole"]) == 0
+    assert bench.main([*args, "--configs", "dlo-whole", "auto-budget", "--config",
+                       "auto-budget=--offload dlo --dlo-hbm-budget-gib auto"]) == 0
     result = json.loads((tmp_path / "whole_pipeline_wan_tiny.json").read_text())
-    assert set(result["configs"]) == {"resident", "dlo-whole"}
+    assert set(result["configs"]) == {"resident", "dlo-whole", "auto-budget"}
+    # A configuration the engine refuses at start (auto needs CUDA) is recorded, not fatal.
+    assert "CUDA" in result["configs"]["auto-budget"]["refused"]
     assert result["request"] == "64x64x9, CFG on"
     assert result["configs"]["resident"]["offload"] is None
 
