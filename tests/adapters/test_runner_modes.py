@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.adapters.config import AdapterConfig, startup_refs
