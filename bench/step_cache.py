@@ -42,6 +42,7 @@ from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import StepScheduler
 from ditserve.engine.step_cache.spec import StepCacheSpec, parse_step_cache
+from ditserve.engine.work import ResolvedScheduling
 
 log = harness.log
 BOUNDS = {"dlo": 0.65, "resident": 0.70}
@@ -60,8 +61,10 @@ def spec_of(setting: str) -> StepCacheSpec | None:
 
 def run_requests(runner: ModelRunner, requests: list[SamplingParams]) -> dict[str, Any]:
     """All requests admitted together, stepped to the end; wall time to the last pixels."""
-    scheduler = StepScheduler(SchedulerConfig(max_num_seqs=len(requests),
-                                              max_batch_tokens=2**40))
+    everyone = SchedulerConfig(max_num_seqs=len(requests),
+                               max_batch_tokens=sum(runner.work_rule.of(p).tokens
+                                                    for p in requests))
+    scheduler = StepScheduler(ResolvedScheduling.for_family(everyone))
     new = []
     for i, params in enumerate(requests):
         scheduler.add(f"r{i}", params, runner.work_rule.of(params))

@@ -7,14 +7,13 @@ step) and finishes when the runner hands back its output, which on a GPU is a st
 ``update(plan, output)`` applies what the model runner reports. Nothing else changes request
 status, so the lifecycle is visible in these two methods.
 
-A step may hold requests of any shapes: the runner gives each shape group (equal ``BatchKey``)
-one forward and, under layerwise offload, runs the groups block-major so the weights cross PCIe
-once per step whatever the mix. Step counts, current steps, seeds, guidance and CFG may all
-differ within a group. Capacity is work, not requests: the requests of a step may take at most
+A step may hold requests of any shapes: the runner gives each shape group (equal ``BatchKey``) one
+forward and, under layerwise offload, runs the groups block-major so the weights cross PCIe once
+per step whatever the mix. Step counts, current steps, seeds, guidance and CFG may all differ
+within a group. Capacity is work, not requests: the requests of a step may take at most
 ``max_batch_tokens`` rows x tokens (``RequestWork``, computed by the engine with the model's
-``WorkRule``), and at most ``max_num_seqs`` of them; a request larger than the budget runs
-alone. They name at most ``max_loras`` distinct LoRA adapters (``AdapterRoom``): a request
-whose adapters do not fit waits like one that does not fit the budget.
+``WorkRule``), and at most ``max_num_seqs`` of them; a request larger than the budget runs alone.
+At most ``max_loras`` distinct LoRA adapters (``AdapterRoom``): the others wait as if over budget.
 
 Admission is in arrival order with a bounded bypass: a request that fits the room left may
 overtake older requests that do not (a large one waiting for running work to finish), and each
@@ -40,12 +39,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from ditserve.engine.adapters.admission import AdapterRoom
-from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
 from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder
 from ditserve.engine.step_plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
-from ditserve.engine.work import RequestWork, WorkRule, with_budget
+from ditserve.engine.work import RequestWork, ResolvedScheduling, WorkRule
 
 __all__ = ["DEFAULT_WORK_RULE", "RunnerOutput", "ScheduledRequest", "StatusChange", "StepPlan",
            "StepScheduler"]
@@ -59,10 +57,13 @@ class StepScheduler:
     """Continuous-batching scheduler over request ids; see the module docstring. ``clock``:
     monotonic seconds (deadlines, aging, the measured step time); tests inject one."""
 
-    def __init__(self, config: SchedulerConfig, *,
+    def __init__(self, config: ResolvedScheduling, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        # An unresolved budget budgets like an image model (the engine's: ``work.with_budget``)
-        self.config = with_budget(config, None)
+        if not isinstance(config, ResolvedScheduling):
+            # The budget depends on the served family, which only the engine knows.
+            raise TypeError("StepScheduler needs a ResolvedScheduling (resolve the "
+                            "SchedulerConfig with ResolvedScheduling.for_family)")
+        self.config = config
         self.clock = clock
         self._order = (PriorityOrder(config.aging_s, config.max_preemptions)
                        if config.scheduling_policy == PRIORITY else None)
@@ -224,7 +225,6 @@ class StepScheduler:
     # -- internals -------------------------------------------------------------------------
     @property
     def _budget(self) -> int:
-        assert self.config.max_batch_tokens is not None  # resolved in __init__
         return self.config.max_batch_tokens
 
     def _held(self) -> Iterable[ScheduledRequest]:

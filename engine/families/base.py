@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ditserve.engine.families.defaults import ModelDefaults, square_image
 
@@ -26,6 +26,11 @@ DitSizes = Mapping[str, Mapping[str, Mapping[str, Any]]]
 #   -> size, steps and frames of a full-size model
 DefaultsRule = Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]],
                         ModelDefaults]
+
+
+# What a family generates, and when classifier-free guidance adds negative-prompt rows.
+Output = Literal["image", "video"]
+CfgRule = Literal["true_cfg", "guidance"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,14 +77,14 @@ class Family:
     block_lists: tuple[str, ...]
     resident_modules: tuple[str, ...]
     batch_key_fields: tuple[str, ...]
-    output: str  # "image" | "video"
+    output: Output
     loader_version: str
     step_pipeline: str
     builders: str
     sp_hooks: str | None = None
     expert_components: tuple[str, ...] = ()
     expert_switch: str | None = None
-    cfg_rows: str = "true_cfg"
+    cfg_rows: CfgRule = "true_cfg"
     attention_heads: tuple[int, ...] = ()
     reference_work: int = 4096
     dit_sizes: DitSizes = field(default_factory=dict, compare=False)

@@ -16,6 +16,11 @@ from ditserve.engine.adapters.config import AdapterConfig
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.work import ResolvedScheduling
+
+
+def resolved(**kw: object) -> ResolvedScheduling:
+    return ResolvedScheduling.for_family(SchedulerConfig(**kw))  # type: ignore[arg-type]
 
 
 def with_loras(*names: str, steps: int = 3, priority: int = 0) -> SamplingParams:
@@ -43,7 +48,7 @@ def run(s: StepScheduler, limit: int) -> tuple[list[StepPlan], list[str]]:
 
 
 def test_a_step_admits_the_requests_whose_adapters_fit() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=8, max_loras=2))
+    s = StepScheduler(resolved(max_num_seqs=8, max_loras=2))
     for rid, names in [("a", ("a",)), ("b", ("b",)), ("c", ("c",)), ("none", ()),
                        ("a2", ("a",)), ("ab", ("a", "b"))]:
         s.add(rid, with_loras(*names))
@@ -54,7 +59,7 @@ def test_a_step_admits_the_requests_whose_adapters_fit() -> None:
 
 
 def test_strict_order_waits_for_the_adapters_to_free() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=8, max_loras=1, max_bypass=0))
+    s = StepScheduler(resolved(max_num_seqs=8, max_loras=1, max_bypass=0))
     for rid, names, steps in [("a", ("a",), 2), ("b", ("b",), 3), ("none", (), 1),
                               ("a2", ("a",), 1)]:
         s.add(rid, with_loras(*names, steps=steps))
@@ -66,8 +71,7 @@ def test_strict_order_waits_for_the_adapters_to_free() -> None:
 
 
 def test_priority_never_pauses_for_adapters_and_never_deadlocks() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=2, max_loras=1,
-                                      scheduling_policy="priority"))
+    s = StepScheduler(resolved(max_num_seqs=2, max_loras=1, scheduling_policy="priority"))
     s.add("low", with_loras("a", steps=4, priority=5))
     first = s.schedule()
     out = RunnerOutput(stepped=list(first.denoise))
@@ -81,7 +85,7 @@ def test_priority_never_pauses_for_adapters_and_never_deadlocks() -> None:
 
 
 def test_unbounded_without_max_loras() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=8))
+    s = StepScheduler(resolved(max_num_seqs=8))
     for name in "abcdefg":
         s.add(name, with_loras(name))
     assert len(s.schedule().encode) == 7
