@@ -2,7 +2,7 @@
 """Step cache speed on one GPU: request latency with and without the cache, resident and DLO.
 
 Runs the engine's own model runner (step-wise pipeline, step cache, layerwise offload) on a
-random full-size Flux pipeline (``ditserve model init-random --family flux --size full``:
+random full-size Flux pipeline (``ditserve model init-random --family flux --size full --components dit``:
 the real 11.9B DiT around tiny encoders; built on the GPU with ``--build`` if missing), at
 1024x1024 and 28 steps. Per mode - ``dlo`` at batch 1 (every block streamed) and
 ``resident`` at batch 4 - it times whole requests (admission to decoded pixels) without a
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             from ditserve.engine.random_model import init_random
 
             log(f"building the random full-size Flux in {model} (on the GPU; ~24 GB written)")
-            init_random(model, family="flux", size="full", device="cuda")
+            init_random(model, family="flux", size="full", device="cuda", components="dit")
         results: dict[str, Any] = {"environment": harness.environment(torch.device(args.device)),
                                    "steps": args.steps, "size": args.size, "modes": {}}
         for mode in args.modes:

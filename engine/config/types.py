@@ -58,7 +58,11 @@ class OffloadConfig:
     gather: how AllGather rebuilds a block: "nccl" (all_gather kernels) or "copy-engine"
         (peer-to-peer DMA through CUDA symmetric memory: no SMs taken from compute).
     resident_layers: leading blocks kept on the device (not streamed).
-    hbm_budget_gib: keep as many blocks resident as fit in this budget; stream the rest.
+    hbm_budget_gib: the HBM the whole pipeline may use, in GiB, or "auto" (the device's free
+        HBM at start): DiT slots and resident blocks, text encoders, VAE and its decode,
+        a step's activations and the allocator's slack; blocks stay resident while they fit
+        (engine.runner.budget_plan; the engine refuses to start under the smallest budget
+        it can meet, and says which).
     runtime_cache: use the node cache (cachectl) entry as the host backing.
     cache_root: root of the node cache; None means $DITSERVE_CACHE_ROOT or the default.
     cache_lock_timeout_s: how long to wait for another process building the same entry.
@@ -76,7 +80,7 @@ class OffloadConfig:
     use_allgather: bool = True
     gather: GatherEngine = "nccl"
     resident_layers: int = 0
-    hbm_budget_gib: float | None = None
+    hbm_budget_gib: float | str | None = None
     runtime_cache: bool = False
     cache_root: str | None = None
     cache_lock_timeout_s: float = 600.0
@@ -88,6 +92,7 @@ class OffloadConfig:
 
 DloComponents = Literal["all", "dit"]
 DLO_COMPONENTS: tuple[str, ...] = get_args(DloComponents)
+HBM_BUDGET_AUTO = "auto"  # offload.hbm_budget_gib: the device's free HBM
 VaeTilingMode = Literal["auto", "on", "off"]
 VAE_TILING_MODES: tuple[str, ...] = get_args(VaeTilingMode)
 
