@@ -203,6 +203,8 @@ class ModelRunner:
         collective (without computing) so the ranks' collectives stay matched.
         """
         out = RunnerOutput()
+        for rid in plan.freed:  # first: their adapters' room is what admission counted
+            self.drop(rid)
         for new in new_requests:
             try:
                 self.add_request(new)
@@ -211,8 +213,6 @@ class ModelRunner:
                 out.failed[new.request_id] = f"adapter: {e}"
             except InvalidRequestError as e:  # the engine's validation refuses these first
                 out.failed[new.request_id] = str(e)
-        for rid in plan.freed:
-            self.drop(rid)
         self._encode_conditions(plan.encode)
         encoding = [rid for rid in plan.encode if rid not in out.failed]
         # The admitted requests' prompts in one encoder pass (cache misses only).

@@ -132,7 +132,7 @@ def _pipeline_metrics(engine: EngineClient | None, stats: EngineStats | None
                             value=lora.get("loaded", 0))
     yield GaugeMetricFamily("ditserve:lora_adapters_resident",
                             "LoRA adapters resident on the device (rank 0; at most "
-                            "--max-loras beyond those of running requests).",
+                            "--max-loras).",
                             value=lora.get("resident", 0))
     yield GaugeMetricFamily("ditserve:lora_resident_bytes",
                             "Device bytes of the resident LoRA adapters' factors (rank 0).",
