@@ -45,6 +45,9 @@ class WanI2VStepPipeline(WanStepPipeline):
 
     family = WAN_I2V  # type: ignore[assignment]
     condition_images = (1, 1)
+    # post_decode mixes each request's own first-frame latents in (TI2V): one request per
+    # VAE call (engine.runner.decode_batches).
+    batched_decode = False
 
     def __init__(
         self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True

@@ -178,3 +178,11 @@ def test_encoders_the_plan_streams_equal_resident_encoders(family_dir, monkeypat
     assert set(got) == set(want)
     for rid in want:
         assert torch.equal(got[rid], want[rid]), rid
+
+
+def test_image_to_video_decodes_one_request_per_call(family_runner) -> None:  # type: ignore[no-untyped-def]
+    """Wan I2V mixes each request's own first-frame latents into its decode: no sharing."""
+    r = family_runner("wan-i2v")
+    assert not r.whole.decoder.batchable
+    assert "same-shape decodes batched" not in r.whole.plan_table()
+    assert r.whole.decoder.batchable == bool(getattr(r.pipeline, "batched_decode", True))
