@@ -89,14 +89,16 @@ def test_checkpoint_mmap_equals_resident(family_dir, resident, variant: str) -> 
 
 @pytest.mark.parametrize("variant", ["qwen-image", "wan2.2"])
 def test_hbm_budget_residency_equals_resident(family_dir, resident, variant: str) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.offload import DEFAULT_ACTIVATION_RESERVE_BYTES
+    from ditserve.engine.runner.budget_plan import BudgetError
 
     probe = runner(family_dir(variant), checkpoint_mmap="off")
     facts = probe.offload_report()
     probe.close()
-    # Room for the resident modules, the reserve, two slots and one more block.
-    budget = (facts["resident_module_bytes"] + DEFAULT_ACTIVATION_RESERVE_BYTES
-              + 3 * facts["slot_bytes"] + 1024)
+    # The budget covers the whole pipeline (docs/offload.md, "One HBM budget"): the smallest
+    # one it can run in streams every block; one more slot's worth keeps a block resident.
+    with pytest.raises(BudgetError) as refused:
+        runner(family_dir(variant), checkpoint_mmap="off", hbm_budget_gib=0.0)
+    budget = refused.value.minimum_bytes + facts["slot_bytes"] + 1024
     r = runner(family_dir(variant), checkpoint_mmap="off", hbm_budget_gib=budget / 2**30)
     report = r.offload_report()
     assert report["residency"] == "hbm_budget"
