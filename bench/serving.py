@@ -320,7 +320,13 @@ TINY_SIZES = "64x64,32x64,48x48"
 MIXED_TARGETS = (  # (what, numerator config, denominator config, bound)
     ("DLO@4 req/s >= 2.3x DLO@1", "dlo:4", "dlo:1", 2.3),
     ("DLO@4 req/s >= 0.95x resident@4", "dlo:4", "resident:4", 0.95),
+    # Issue 34: --dlo-hbm-budget-gib auto keeps a model that fits resident.
+    ("DLO auto@4 req/s >= 0.99x resident@4", "dlo-auto:4", "resident:4", 0.99),
 )
+# Serve flags of each --mixed-configs mode (dlo-auto: the whole-pipeline budget set to the
+# GPU's free memory, docs/offload.md "One HBM budget").
+MIXED_MODES = {"dlo": "--offload dlo", "dlo-auto": "--offload dlo --dlo-hbm-budget-gib auto",
+               "resident": ""}
 
 
 @dataclass(frozen=True)
@@ -339,7 +345,7 @@ def add_mixed_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed", action="store_true",
                    help="a mixed workload against one launched server per --mixed-configs")
     g.add_argument("--mixed-configs", default="dlo:1,dlo:4,resident:4",
-                   help="comma list of dlo:N | resident:N (N: --max-num-seqs)")
+                   help="comma list of dlo:N | dlo-auto:N | resident:N (N: --max-num-seqs)")
     g.add_argument("--sizes", default=None, help=f"WxH list (default {MIXED_SIZES})")
     g.add_argument("--steps-range", default=None, help="MIN,MAX steps, uniform (default 8,20)")
     g.add_argument("--cfg-share", type=float, default=0.2, help="share of true-CFG requests")
@@ -421,9 +427,9 @@ def mixed_configs(spec: str) -> list[tuple[str, str, int]]:
     out = []
     for item in spec.split(","):
         mode, _, value = item.strip().partition(":")
-        if mode not in ("dlo", "resident") or not value.isdigit():
-            raise SystemExit(f"--mixed-configs: {item!r} is not dlo:N or resident:N")
-        out.append((f"{mode}:{value}", "--offload dlo" if mode == "dlo" else "", int(value)))
+        if mode not in MIXED_MODES or not value.isdigit():
+            raise SystemExit(f"--mixed-configs: {item!r} is not dlo:N, dlo-auto:N or resident:N")
+        out.append((f"{mode}:{value}", MIXED_MODES[mode], int(value)))
     return out
 
 

@@ -31,10 +31,14 @@ def test_targets_are_judged_from_the_configurations_that_ran() -> None:
     serving = load("serving")
     rows = serving.mixed_targets({"dlo:1": {"throughput_rps": 0.1},
                                   "dlo:4": {"throughput_rps": 0.25},
+                                  "dlo-auto:4": {"throughput_rps": 0.268},
                                   "resident:4": {"throughput_rps": 0.27}})
-    assert [(round(r, 3), met) for _, r, met in rows] == [(2.5, True), (0.926, False)]
+    assert [(round(r, 3), met) for _, r, met in rows] == [(2.5, True), (0.926, False),
+                                                           (0.993, True)]
     assert [met for _, _, met in serving.mixed_targets({"dlo:4": {"throughput_rps": 1}})] == [
-        None, None]
+        None, None, None]
+    assert serving.mixed_configs("dlo-auto:4,resident:4") == [
+        ("dlo-auto:4", "--offload dlo --dlo-hbm-budget-gib auto", 4), ("resident:4", "", 4)]
     shapes = serving.step_shapes(
         {"ditserve:step_shape_groups_count": 2.0, "ditserve:step_shape_groups_sum": 3.0},
         {"ditserve:step_shape_groups_count": 6.0, "ditserve:step_shape_groups_sum": 13.0,
