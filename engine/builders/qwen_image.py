@@ -13,7 +13,8 @@ from typing import Any
 from ditserve.engine.families.qwen_image import QWEN_IMAGE
 
 
-def _tokenizer() -> Any:
+def make_tokenizer(special: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")) -> Any:
+    """A byte-level tokenizer with ``special`` (the chat template's markers) as single tokens."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -22,11 +23,13 @@ def _tokenizer() -> Any:
     vocab["<|endoftext|>"] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
     # The chat template's markers as single tokens, as in Qwen2.5-VL's tokenizer.
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     return tokenizer
 
 
-def _text_encoder(tokenizer: Any, width: int) -> Any:
+def make_text_encoder(tokenizer: Any, width: int, **token_ids: int) -> Any:
+    """A Qwen2.5-VL of one or two layers ``width`` wide; ``token_ids``: its vision markers'
+    ids in ``tokenizer`` (``image_token_id``, ...) where prompts carry images."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     heads = 2 if width <= 64 else max(1, width // 128)
@@ -44,16 +47,27 @@ def _text_encoder(tokenizer: Any, width: int) -> Any:
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
                            out_hidden_size=width, fullatt_block_indexes=[0]),
+        **token_ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _vae() -> Any:
+def make_vae() -> Any:
     from diffusers import AutoencoderKLQwenImage
 
     # Qwen-Image's latent layout: 16 channels, 8x spatial (three downsamplings), one frame.
     return AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                                   temperal_downsample=[False, True, True])
+
+
+def make_scheduler() -> Any:
+    """Qwen-Image's released scheduler: resolution-dependent exponential time shift."""
+    import diffusers
+
+    return diffusers.FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
+        num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
+        time_shift_type="exponential", use_dynamic_shifting=True)
 
 
 def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
@@ -64,17 +78,13 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     from ditserve.engine.model_builders import build_dit, dit_setting
 
     torch.manual_seed(seed)
-    tokenizer = _tokenizer()
+    tokenizer = make_tokenizer()
     parts: dict[str, Any] = {
         "tokenizer": tokenizer,
-        "text_encoder": _text_encoder(tokenizer, dit_setting(variant, size,
-                                                             "joint_attention_dim")),
-        "vae": _vae()}
-    # Qwen-Image's released scheduler: resolution-dependent exponential time shift.
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
-        num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
-        time_shift_type="exponential", use_dynamic_shifting=True)
+        "text_encoder": make_text_encoder(tokenizer, dit_setting(variant, size,
+                                                                 "joint_attention_dim")),
+        "vae": make_vae()}
+    scheduler = make_scheduler()
     for name in ("text_encoder", "vae"):
         parts[name] = parts[name].to(dtype)  # stored as served: the loader never casts
     dit = build_dit(variant, size, dtype=dtype, device=device, seed=seed)
