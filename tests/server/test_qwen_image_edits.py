@@ -67,7 +67,7 @@ def test_the_route_is_documented_as_a_multipart_form(edit_server) -> None:  # ty
     body = operation["requestBody"]["content"]["multipart/form-data"]
     assert body["schema"] == {"$ref": "#/components/schemas/ImageEditForm"}
     assert set(operation["responses"]) >= {"200", "400", "413", "429"}
-    streamed = operation["responses"]["200"]["content"]["text/event-stream"]
+    streamed = operation["responses"]["200"]["content"]["text/event-stream"]["schema"]
     assert "image_edit.completed" in streamed["properties"]["event"]["enum"]
     form = doc["components"]["schemas"]["ImageEditForm"]
     jsonschema.Draft202012Validator.check_schema(form)
