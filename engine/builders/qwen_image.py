@@ -27,7 +27,7 @@ def make_tokenizer(special: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")) ->
     return tokenizer
 
 
-def make_text_encoder(tokenizer: Any, width: int, **token_ids: int) -> Any:
+def make_text_encoder(tokenizer: Any, width: int, **token_ids: Any) -> Any:
     """A Qwen2.5-VL of one or two layers ``width`` wide; ``token_ids``: its vision markers'
     ids in ``tokenizer`` (``image_token_id``, ...) where prompts carry images."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration

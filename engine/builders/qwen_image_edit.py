@@ -51,7 +51,7 @@ def vl_processor(tokenizer: Any, images: Any) -> Any:
     processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
     processor.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     processor.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-    processor.save_pretrained = types.MethodType(_save_pieces, processor)
+    processor.save_pretrained = types.MethodType(_save_pieces, processor)  # type: ignore[method-assign]
     return processor
 
 
