@@ -4,7 +4,7 @@ and of the VAE decode, per number of rows.
 
 DLO streams the weights through two block slots, so at batch > 1 a served video model's HBM
 is mostly what one block's forward holds at once. This program builds a one-block random
-``WanTransformer3DModel`` at the Wan2.1-T2V-14B widths (diffusers' defaults: dim 5120, FFN
+Wan's DiT at the Wan2.1-T2V-14B widths (diffusers' defaults: dim 5120, FFN
 13824, 40 heads) and the Wan2.1 VAE, both bf16 on the GPU, and for each ``--rows`` (a CFG
 job is two rows) reports the allocator's peak above the weights: the whole forward, and
 within its self-attention, cross-attention and feed-forward (each measured from its own
@@ -75,8 +75,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan
 
+    from ditserve.engine.model_builders import dit_class
     from ditserve.engine.pipelines.wan_block import chunk_token_math
 
     width, height = (int(v) for v in a.size.split("x"))
@@ -85,7 +86,7 @@ def main() -> int:
     tokens = latent_frames * (lh // 2) * (lw // 2)
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    dit = WanTransformer3DModel(num_layers=1).to(dev, torch.bfloat16).eval()
+    dit = dit_class("wan")(num_layers=1).to(dev, torch.bfloat16).eval()
     peaks = sublayer_peaks(dit.blocks[0])
     rows_out = []
     for rows in a.rows:

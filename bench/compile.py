@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regional torch.compile of the DiT blocks (`--compile`): eager vs compiled ms per step.
 
-One process, a random Flux-structured transformer (diffusers ``FluxTransformer2DModel``
+One process, a random Flux-structured transformer (the Flux family's DiT,
 default widths with guidance embeds, bf16; ``--layers`` / ``--single-layers`` cut the block
 count to fit short device sessions: per-block times scale to full Flux, 19 + 38 blocks),
 1024x1024 latents, the given batch sizes. Both variants run the same model object: first

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ditserve.engine.model_builders import dit_class
 from ditserve.engine.offload.host.memory import host_memory
 
 GIB = 1024**3
@@ -74,10 +75,9 @@ def build_flux(device: torch.device, *, seed: int = 0, tiny: bool = False,
     """The default Flux transformer (11.9B parameters), random weights (bf16 unless
     ``dtype``) made on ``device`` (no CPU init); ``tiny`` starts from ``TINY``; ``config``
     overrides either (e.g. fewer blocks)."""
-    from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
-        model: Any = FluxTransformer2DModel(
+        model: Any = dit_class("flux")(
             guidance_embeds=True, **{**(TINY if tiny else {}), **config})
     model = model.to(dtype).to_empty(device=device).eval()
     g = torch.Generator(device=device).manual_seed(seed)

@@ -43,6 +43,7 @@ from ditserve.engine.adapters.linear import AdaptedLinear
 from ditserve.engine.adapters.rows import RowAdapters, RowSegment, applying
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.families.flux import DIT_SIZES as FLUX_TRANSFORMER
+from ditserve.engine.model_builders import dit_class
 from ditserve.engine.offload import enable_offload
 
 TARGET = 1.10
@@ -54,14 +55,13 @@ def log(msg: str) -> None:
 
 
 def build_dit(size: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    from diffusers import FluxTransformer2DModel
 
     previous = torch.get_default_dtype()
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            dit = FluxTransformer2DModel(**FLUX_TRANSFORMER[size])
+            dit = dit_class("flux")(**FLUX_TRANSFORMER[size])
     finally:
         torch.set_default_dtype(previous)
     return dit.eval()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Layerwise offload on one GPU: resident vs ditserve DLO (plain, packed, FP8) vs diffusers.
 
-One process, one random Flux-sized transformer (diffusers ``FluxTransformer2DModel`` default
+One process, one random Flux-sized transformer (the Flux family's DiT, default
 config with guidance embeds: 11.9B parameters, bf16), 1024x1024 and 512x512 latents, batch
 1/2/4. Methods:
 

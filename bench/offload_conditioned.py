@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Layerwise offload for the image-conditioned DiTs on one GPU: resident vs ditserve DLO vs
 diffusers group offloading, as bench/offload_families.py measures their text-only siblings
-(same program, same methods, table and JSON; this file adds the models and the targets).
+(the same runner, ``offload_methods.py``: methods, table and JSON; this file adds the models
+and the targets).
 
 - ``--model qwen-image-edit``: Qwen-Image-Edit's DiT (Qwen-Image's 20.4B architecture, built
   by the family's own builder) at 1024x1024 with a 1024x1024 source: every row carries 4096
@@ -13,8 +14,8 @@ diffusers group offloading, as bench/offload_families.py measures their text-onl
 Target (issue 36): DLO ms/step <= 1.02 x max(PCIe floor, resident), the PCIe floor being
 streamed bytes / measured pinned H2D rate.
 
-    python3 -P bench/offload_conditioned.py --model qwen-image-edit --out out/cond-qwen-edit
-    python3 -P bench/offload_conditioned.py --model wan-i2v --out out/cond-wan-i2v
+    python3 bench/offload_conditioned.py --model qwen-image-edit --out out/cond-qwen-edit
+    python3 bench/offload_conditioned.py --model wan-i2v --out out/cond-wan-i2v
 
 ``--tiny`` runs it on tiny DiTs on a CPU (a smoke test; tests run it).
 """
@@ -22,18 +23,18 @@ streamed bytes / measured pinned H2D rate.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import offload_methods
 import torch
+from offload_methods import find, target
 
 from ditserve.engine.model_builders import make_dit
 from ditserve.engine.pipelines.wan_block import chunk_token_math
 
-MODELS = ("qwen-image-edit", "wan-i2v")
+MODELS_NAMES = ("qwen-image-edit", "wan-i2v")
 DEFAULT_SIZES = {"qwen-image-edit": "1024x1024", "wan-i2v": "832x480x81"}
 TINY_SIZES = {"qwen-image-edit": "64x64", "wan-i2v": "64x64x5"}
 DEFAULT_BATCHES = {"qwen-image-edit": (1, 4), "wan-i2v": (1,)}
@@ -41,17 +42,6 @@ DEFAULT_ITERS = {"qwen-image-edit": 3, "wan-i2v": 2}
 # Qwen-Image-Edit's text rows: a 1024x1024 source read by Qwen2.5-VL (1036 px / 28 = 37 vision
 # tokens a side) and a prompt of 64 tokens.
 QWEN_TEXT_TOKENS, WAN_TEXT_TOKENS, CLIP_TOKENS = 37 * 37 + 64, 512, 257
-
-
-def _families() -> Any:
-    """bench/offload_families.py as a module (bench programs are scripts, not a package)."""
-    path = Path(__file__).resolve().with_name("offload_families.py")
-    spec = importlib.util.spec_from_file_location("bench_offload_families", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def build_dit(model: str, size: str, device: torch.device, seed: int,
@@ -95,61 +85,35 @@ def workloads(model: str, size: str, batches: tuple[int, ...], dit: torch.nn.Mod
     return out
 
 
-def targets_for(families: Any) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
-    base = families.targets  # the peak HBM and pinned host bounds
+def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per cell: DLO within 2% of the larger of the PCIe floor and the resident step."""
+    dlo = r["methods"].get("dlo", {}).get("report")
+    gbps = r.get("h2d_gbps")
+    if not dlo:
+        return []
+    out = []
+    for label in sorted({c["cell"] for c in r["cells"]}):
+        d, res = find(r, "dlo", label), find(r, "resident", label)
+        if not d or not res:
+            continue
+        floor = dlo["streamed_bytes"] / (gbps * 1e9) * 1e3 if gbps else 0.0
+        out.append(target(f"DLO {label} <= 1.02 x max(PCIe floor {floor:.0f} ms, resident "
+                          f"{res['ms']:.0f} ms)", d["ms"], 1.02 * max(floor, res["ms"]), "ms"))
+    return out
 
-    def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = base(r)
-        dlo = r["methods"].get("dlo", {}).get("report")
-        gbps = r.get("h2d_gbps")
-        if not dlo:
-            return out
-        for label in sorted({c["cell"] for c in r["cells"]}):
-            d, res = families.find(r, "dlo", label), families.find(r, "resident", label)
-            if not d or not res:
-                continue
-            floor = dlo["streamed_bytes"] / (gbps * 1e9) * 1e3 if gbps else 0.0
-            bound = 1.02 * max(floor, res["ms"])
-            out.append({"target": f"DLO {label} <= 1.02 x max(PCIe floor {floor:.0f} ms, "
-                                  f"resident {res['ms']:.0f} ms)", "value": d["ms"],
-                        "bound": bound, "unit": "ms", "ok": d["ms"] <= bound})
-        return out
 
-    return targets
+MODELS = offload_methods.Models(build_dit=build_dit, workloads=workloads, targets=targets)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=MODELS, required=True)
-    p.add_argument("--size", default=None, help="WIDTHxHEIGHT (edit) or WxHxFRAMES (video)")
-    p.add_argument("--batches", type=int, nargs="+", default=None)
-    p.add_argument("--methods", nargs="+", default=["resident", "dlo", "diffusers-block"],
-                   choices=("resident", "dlo", "diffusers-block", "diffusers-leaf"))
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=None, help="timed steps per cell")
-    p.add_argument("--out", default="out/offload-conditioned")
-    p.add_argument("--tiny", action="store_true", help="tiny DiTs: a smoke run on a CPU")
-    p.add_argument("--stock-blocks", action="store_true",
-                   help="Wan: diffusers' own block forward instead of the engine's sliced one")
+    offload_methods.add_arguments(p, models=MODELS_NAMES, out="out/offload-conditioned",
+                                  methods=("resident", "dlo", "diffusers-block"))
     args = p.parse_args(argv)
     args.size = args.size or (TINY_SIZES if args.tiny else DEFAULT_SIZES)[args.model]
     args.batches = args.batches or list(DEFAULT_BATCHES[args.model])
     args.iters = args.iters or DEFAULT_ITERS[args.model]
-    if not args.tiny and not torch.cuda.is_available():
-        print("bench/offload_conditioned.py needs a CUDA device (or --tiny on a CPU)",
-              file=sys.stderr)
-        return 2
-    families = _families()
-    families.targets = targets_for(families)
-    families.build_dit = build_dit
-    families.workloads = workloads
-    families.block_lists = lambda model, dit: None  # one DiT, its declared block lists
-    bench = families.Bench(args)
-    try:
-        bench.run()
-    finally:
-        bench.save()
-    return 0
+    return offload_methods.run("offload_conditioned.py", args, MODELS)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """DLO host backings on one GPU: private pinned slabs vs runtime-cache mmap (staging, registered).
 
-One process, one random Flux-structured transformer (diffusers ``FluxTransformer2DModel``
+One process, one random Flux-structured transformer (the Flux family's DiT,
 default widths with guidance embeds, bf16, made on the GPU from a fixed seed); by default
 6 double + 12 single blocks (a third of Flux, so the node cache entry is written within the
 device time; ``--double/--single 19 38`` is full Flux). Batch 1 at 1024x1024 (4096 image +
@@ -41,6 +41,7 @@ import harness
 import torch
 
 from ditserve.engine.config import OffloadConfig
+from ditserve.engine.model_builders import dit_class
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan  # noqa: E402
 from ditserve.engine.weights.checkpoint_mmap import MappedSafetensors, map_dit  # noqa: E402
@@ -189,11 +190,10 @@ class Bench:
         self.save()
 
     def mapped_model(self, store: Any, key: str, config: dict[str, Any]) -> tuple[Any, HostWeightPlan]:
-        from diffusers import FluxTransformer2DModel
 
         entry = store.join(key)
         files = [MappedSafetensors(p) for p in entry.files() if p.suffix == ".safetensors"]
-        model, checked, views = map_dit(FluxTransformer2DModel, config, torch.bfloat16, files)
+        model, checked, views = map_dit(dit_class("flux"), config, torch.bfloat16, files)
         if model is None:
             raise SystemExit(f"entry does not fit the model: {checked.reason}")
         plan = HostWeightPlan(BackingKind.RUNTIME_CACHE, reason="bench: entry mapped",

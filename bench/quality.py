@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ditserve.engine.families import family_of_pipeline, supported_pipelines
+from ditserve.engine.work import ResolvedScheduling
 
 PROMPTS = ("a red fox in fresh snow, morning light", "a lighthouse on a cliff at dusk, oil painting")
 RANDOM_MARKERS = (".ditserve-tiny-complete", ".ditserve-random-complete")
@@ -306,7 +307,7 @@ def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str
                 params = SamplingParams(prompt=prompt, height=args.height, width=args.width,
                                         num_inference_steps=args.steps, seed=seed,
                                         step_cache=spec, **extra)
-                scheduler = StepScheduler(SchedulerConfig(max_num_seqs=1))
+                scheduler = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)))
                 scheduler.add("q", params, runner.work_rule.of(params))
                 new, done = [NewRequest("q", params, seed)], {}
                 while scheduler.has_work():

@@ -256,7 +256,8 @@ def build_model(args: argparse.Namespace) -> None:
         return
     cmd = [*shlex.split(args.server_cmd), "model"]
     cmd += (["init-tiny", "--family", "wan", str(model)] if args.smoke else
-            ["init-random", "--family", "wan", "--size", "full", str(model)])
+            ["init-random", "--family", "wan", "--size", "full", "--components", "dit",
+             str(model)])
     print(f"building: {shlex.join(cmd)}", file=sys.stderr)
     started = time.monotonic()
     subprocess.run(cmd, check=True)

@@ -2,7 +2,7 @@
 """Step cache speed on one GPU: request latency with and without the cache, resident and DLO.
 
 Runs the engine's own model runner (step-wise pipeline, step cache, layerwise offload) on a
-random full-size Flux pipeline (``ditserve model init-random --family flux --size full``:
+random full-size Flux pipeline (``ditserve model init-random --family flux --size full --components dit``:
 the real 11.9B DiT around tiny encoders; built on the GPU with ``--build`` if missing), at
 1024x1024 and 28 steps. Per mode - ``dlo`` at batch 1 (every block streamed) and
 ``resident`` at batch 4 - it times whole requests (admission to decoded pixels) without a
@@ -42,6 +42,7 @@ from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import StepScheduler
 from ditserve.engine.step_cache.spec import StepCacheSpec, parse_step_cache
+from ditserve.engine.work import ResolvedScheduling
 
 log = harness.log
 BOUNDS = {"dlo": 0.65, "resident": 0.70}
@@ -60,8 +61,10 @@ def spec_of(setting: str) -> StepCacheSpec | None:
 
 def run_requests(runner: ModelRunner, requests: list[SamplingParams]) -> dict[str, Any]:
     """All requests admitted together, stepped to the end; wall time to the last pixels."""
-    scheduler = StepScheduler(SchedulerConfig(max_num_seqs=len(requests),
-                                              max_batch_tokens=2**40))
+    everyone = SchedulerConfig(max_num_seqs=len(requests),
+                               max_batch_tokens=sum(runner.work_rule.of(p).tokens
+                                                    for p in requests))
+    scheduler = StepScheduler(ResolvedScheduling.for_family(everyone))
     new = []
     for i, params in enumerate(requests):
         scheduler.add(f"r{i}", params, runner.work_rule.of(params))
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             from ditserve.engine.random_model import init_random
 
             log(f"building the random full-size Flux in {model} (on the GPU; ~24 GB written)")
-            init_random(model, family="flux", size="full", device="cuda")
+            init_random(model, family="flux", size="full", device="cuda", components="dit")
         results: dict[str, Any] = {"environment": harness.environment(torch.device(args.device)),
                                    "steps": args.steps, "size": args.size, "modes": {}}
         for mode in args.modes:

@@ -90,11 +90,15 @@ def cmd_init_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_init_random(args: argparse.Namespace) -> int:
-    from ditserve.engine.random_model import init_random
+    from ditserve.engine.random_model import default_components, init_random
 
+    components = args.components or default_components(args.size)
     path = init_random(args.dir, family=args.family, size=args.size, dtype=args.dtype,
-                       device=args.device, seed=args.seed)
-    print(f"wrote a random-weight {args.family} pipeline ({args.size} DiT, {args.dtype}) to {path}")
+                       device=args.device, seed=args.seed, components=components)
+    around = ("every component at its released shape" if components == "all"
+              else "tiny text encoders and VAE")
+    print(f"wrote a random-weight {args.family} pipeline ({args.size} DiT, {around}, "
+          f"{args.dtype}) to {path}")
     return 0
 
 
@@ -157,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "wan2.2-ti2v: Wan 2.2 TI2V 5B")
     tiny.set_defaults(func=cmd_init_tiny)
     rnd = model_sub.add_parser(
-        "init-random", help="write a random-weight pipeline with a full-size DiT to DIR "
-                            "(tiny text encoders and VAE; for benchmarks)")
+        "init-random", help="write a random-weight pipeline at released shapes to DIR "
+                            "(for benchmarks)")
     rnd.add_argument("dir", type=Path)
     rnd.add_argument("--family", choices=tuple(MODEL_VARIANTS), default="flux")
     rnd.add_argument("--size", choices=("tiny", "small", "full"), default="full",
@@ -166,8 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "bfloat16), Qwen-Image (20B), Wan2.1-T2V-14B, Wan2.2-T2V-A14B (two "
                           "14B experts), Wan2.2-TI2V-5B")
     rnd.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    rnd.add_argument("--components", choices=("all", "dit"), default=None,
+                     help="all (default with --size full): every text encoder, image "
+                          "encoder and VAE at its released shape too (Flux: CLIP-L, T5-XXL, "
+                          "its VAE; Qwen-Image: Qwen2.5-VL-7B; Wan: UMT5-XXL, the Wan VAE); "
+                          "dit (default otherwise): the DiT at --size with tiny text encoders "
+                          "and VAE, for quick runs")
     rnd.add_argument("--device", default="auto",
-                     help="where to allocate and initialize the DiT (auto: cuda if present)")
+                     help="where to allocate and initialize the modules (auto: cuda if "
+                          "present; a GPU builds a full pipeline in seconds)")
     rnd.add_argument("--seed", type=int, default=0)
     rnd.set_defaults(func=cmd_init_random)
     return parser

@@ -18,6 +18,7 @@ from ditserve.engine.config import (
     DLO_COMPONENTS,
     DTYPES,
     GATHER_ENGINES,
+    HBM_BUDGET_AUTO,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     VAE_TILING_MODES,
@@ -126,8 +127,10 @@ def _add_offload_options(parser: argparse.ArgumentParser) -> None:
                         "more let copies run ahead of compute, one largest block of HBM each)")
     o.add_argument("--dlo-resident-layers", type=int, default=None,
                    help="leading DiT blocks kept on the device")
-    o.add_argument("--dlo-hbm-budget-gib", type=float, default=None,
-                   help="keep as many blocks resident as fit in this many GiB; stream the rest")
+    o.add_argument("--dlo-hbm-budget-gib", type=_hbm_budget, default=None, metavar="GIB|auto",
+                   help="HBM for the whole pipeline (DiT, encoders, VAE, activations, "
+                        "slack); auto: the device's free HBM. Blocks stay resident while "
+                        "they fit; refused at start below the smallest budget that fits")
     o.add_argument("--dlo-no-use-allgather", dest="dlo_use_allgather", action="store_const",
                    const=False, default=None,
                    help="with DP/SP > 1: keep full rank-local blocks instead of 1/group shards")
@@ -149,6 +152,16 @@ def _add_offload_options(parser: argparse.ArgumentParser) -> None:
                    help="all (default): DLO also parks the text encoders in pinned host "
                         "memory, on the device only while they encode; dit: stream the DiT "
                         "only and keep the encoders resident")
+
+
+def _hbm_budget(text: str) -> float | str:
+    if text == HBM_BUDGET_AUTO:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of GiB or {HBM_BUDGET_AUTO!r}, got {text!r}") from None
 
 
 def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:

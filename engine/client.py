@@ -6,7 +6,7 @@ pipeline. ``DiffusionEngine`` implements it; so does the tests' fake engine.
 
 - lifecycle: ``phase`` (the engine's own ``EnginePhase``; the server keeps no copy of it),
   ``failure``, ``start``, ``drain``, ``shutdown``;
-- work: ``submit`` (validate and enqueue, a ``RequestHandle`` back), ``abort``,
+- work: ``add_request`` (validate and enqueue, a ``RequestHandle`` back), ``abort``,
   ``validate_params``, ``stats``, ``offload_report``;
 - facts: ``facts()`` - what the loaded model and its device are (``EngineFacts``: the
   model's ``ModelLimits``, device, dtype, served adapters), None until the model has loaded;
@@ -75,7 +75,7 @@ class EngineClient(Protocol):
     def validate_params(self, params: SamplingParams) -> SamplingParams:
         """Raise InvalidRequestError naming the first field the loaded model cannot run."""
 
-    def submit(self, params: SamplingParams, *, request_id: str | None = None,
+    def add_request(self, params: SamplingParams, *, request_id: str | None = None,
                on_event: Callable[[RequestEvent], None] | None = None) -> RequestHandle:
         """Validate and enqueue; raises InvalidRequestError, QueueFullError or
         EngineStoppedError. ``on_event`` is called from the engine's threads."""

@@ -4,11 +4,18 @@ Everything is built locally from a seed; nothing is downloaded. The DiT has the 
 for - its keyword arguments are the family record's ``dit_sizes`` (``engine.families``):
 ``full`` is the released model's architecture, ``small`` keeps the full widths with two
 blocks and few heads (CPU checks) and ``tiny`` is a few hundred kilobytes (tests,
-``ditserve model init-tiny``). Around the DiT everything is deliberately tiny - text
-encoders of one or two layers whose output width is what the DiT expects, tokenizers built
-from an in-code vocabulary, VAEs with the family's latent layout and a few channels - so the
-DiT, the part offload streams and batching amortizes, is the only large part. Those parts
-are each family's own builder module (``Family.builders``, e.g. ``engine.builders.wan``).
+``ditserve model init-tiny``). Around the DiT, ``components`` chooses:
+
+- ``"dit"``: deliberately tiny parts - text encoders of one or two layers whose output width
+  is what the DiT expects, VAEs with the family's latent layout and a few channels - so the
+  DiT, the part offload streams and batching amortizes, is the only large part;
+- ``"all"``: every text encoder, image encoder and VAE at its released shape (the family
+  record's ``released_components`` table, or ``shapes`` when given: tests pass scaled-down
+  tables), built by ``engine.builders.released``.
+
+Tokenizers are built from an in-code vocabulary either way. Those parts are each family's
+own builder module (``Family.builders``, e.g. ``engine.builders.wan``). Every module is left
+on ``device`` (``init_random`` writes them from there, a tensor at a time).
 
 Called by ``tiny_model.init_tiny`` and ``random_model.init_random``; the bench builds DiTs
 in memory with ``make_dit``.
@@ -16,13 +23,17 @@ in memory with ``make_dit``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import MODEL_VARIANTS, Family, family_of_variant, resolve
+from ditserve.engine.families.base import ComponentShape
 
 VARIANTS: tuple[str, ...] = tuple(MODEL_VARIANTS)
 SIZES = ("tiny", "small", "full")
+# What init-random builds at released shape: every component, or the DiT alone (tiny parts).
+COMPONENTS = ("all", "dit")
 # The tokenizers' model_max_length: the released models' 512 at every size, so a tiny model
 # encodes prompts exactly as the released pipeline's defaults do (max_sequence_length 512).
 TEXT_TOKENS = 512
@@ -35,10 +46,18 @@ def _family(variant: str) -> Family:
     return family
 
 
-def check(variant: str, size: str) -> None:
+def check(variant: str, size: str, components: str = "dit") -> None:
     _family(variant)
     if size not in SIZES:
         raise ConfigError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    if components not in COMPONENTS:
+        raise ConfigError(f"components must be one of {', '.join(COMPONENTS)}, "
+                          f"got {components!r}")
+
+
+def released_shapes(variant: str) -> Mapping[str, ComponentShape]:
+    """The variant's text encoders, image encoder and VAE at their released shapes."""
+    return _family(variant).released_components[variant]
 
 
 def dit_class(variant: str) -> Any:
@@ -71,33 +90,34 @@ def make_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> 
     keep-in-float32 modules (Wan's norms and modulation tables) in float32."""
     import torch
 
+    from ditserve.engine.builders.released import allocating
     from ditserve.engine.weights.loader import keeps_float32
 
-    previous = torch.get_default_dtype()
     torch.manual_seed(seed)
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            cls = dit_class(variant)
-            model = cls(**dit_config(variant, size))
-    finally:
-        torch.set_default_dtype(previous)
+    cls = dit_class(variant)
+    with allocating(dtype, device):
+        model = cls(**dit_config(variant, size))
     for name, p in model.named_parameters():
         if keeps_float32(cls, name) and p.is_floating_point():
             p.data = p.data.float()
     return model.eval().requires_grad_(False)
 
 
-def build_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    """``make_dit``, returned on the CPU (what the builders save)."""
-    return make_dit(variant, size, dtype=dtype, device=device, seed=seed).to(device="cpu")
-
-
-def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    """The variant's whole diffusers pipeline object (not saved), by its family's builder."""
-    check(variant, size)
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+                   components: str = "dit",
+                   shapes: Mapping[str, ComponentShape] | None = None) -> Any:
+    """The variant's whole diffusers pipeline object (not saved), by its family's builder;
+    ``components``/``shapes``: see the module docstring."""
+    check(variant, size, components)
+    released = None
+    if components == "all":
+        if shapes is None and size == "tiny":
+            raise ConfigError("a tiny DiT takes tiny text encoders; --components all builds "
+                              "the released ones: use --size small or full")
+        released = dict(released_shapes(variant) if shapes is None else shapes)
     builders = resolve(_family(variant).builders)
-    return builders.build_pipeline(variant, size, dtype=dtype, device=device, seed=seed)
+    return builders.build_pipeline(variant, size, dtype=dtype, device=device, seed=seed,
+                                   released=released)
 
 
 def build_tiny(variant: str, seed: int) -> Any:

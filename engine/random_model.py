@@ -1,21 +1,26 @@
-"""Random-weight pipelines at chosen DiT sizes, for benchmarks (`ditserve model init-random`).
+"""Random-weight pipelines at chosen sizes, for benchmarks (`ditserve model init-random`).
 
 Every variant of ``engine.families.MODEL_VARIANTS``, built by its family's builder module
-(``engine.model_builders``): the DiT has the family's shapes at the size asked for, next to
-deliberately tiny text encoders (their output widths match what the DiT expects) and a tiny
-VAE with the family's latent layout. The DiT - the part DLO streams and batching amortizes -
-is full size; everything around it costs next to nothing. For Flux, ``init_random(dir,
-family="flux", size="full")`` writes a diffusers directory whose DiT is FLUX.1-dev's
-architecture (19 double + 38 single blocks, 3072 wide, ~11.9B parameters, guidance
-embedding on) next to tiny CLIP and T5 encoders and a VAE with Flux's latent layout (16
-channels, 8x downsampling: 1024x1024 pixels -> 4096 image tokens).
+(``engine.model_builders``): the DiT has the family's shapes at the size asked for, and
+``components`` chooses what surrounds it:
 
-Sizes: ``full`` (the real DiT, ~24 GB in bfloat16 for Flux), ``small`` (the same widths with
-two or a few blocks and 4 heads: for CPU checks) and ``tiny`` (a few MB).
+- ``all`` (the default at ``--size full``): every text encoder, image encoder and VAE at its
+  released shape - for Flux, ``init_random(dir, family="flux", size="full")`` writes
+  FLUX.1-dev's architecture whole: the DiT (19 double + 38 single blocks, 3072 wide, ~11.9B
+  parameters), CLIP-L's text tower, T5-XXL's encoder (~4.8B parameters) and Flux's VAE, ~34 GB
+  in bfloat16; Qwen-Image adds Qwen2.5-VL-7B (16.6 GB), Wan UMT5-XXL (11.4 GB);
+- ``dit`` (the default at the other sizes): deliberately tiny text encoders (their output
+  widths match what the DiT expects) and a tiny VAE with the family's latent layout, so the
+  DiT - the part DLO streams and batching amortizes - is the only large part.
 
-Building ``full`` allocates every parameter once, on ``device``: on a GPU it takes seconds;
-on a CPU it needs the DiT's size in free RAM and minutes of random initialization. Writing
-the directory needs as much disk. Weights are never downloaded.
+Sizes: ``full`` (the released DiT), ``small`` (the same widths with two or a few blocks and 4
+heads: for CPU checks) and ``tiny`` (a few MB; tiny parts only).
+
+Every module is allocated and initialized once, in the target dtype, on ``device``: on a GPU
+a full pipeline builds in seconds and is written from there a tensor at a time, so the host
+holds about one shard (5 GB) at a time; on a CPU it needs the pipeline's size in free RAM and
+minutes of random initialization. Writing the directory needs as much disk. Weights are
+never downloaded.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 
 FAMILIES = tuple(MODEL_VARIANTS)
 SIZES = ("tiny", "small", "full")
+COMPONENTS = ("all", "dit")
 _COMPLETE_MARKER = ".ditserve-random-complete"
 
 
@@ -53,40 +59,68 @@ def init_random(
     dtype: str = "bfloat16",
     device: str = "auto",
     seed: int = 0,
+    components: str | None = None,
 ) -> Path:
-    """Write the pipeline directory (see module docstring); idempotent once complete."""
+    """Write the pipeline directory (see module docstring); idempotent once complete.
+    components: "all" or "dit"; None: "all" at ``size="full"``, else "dit"."""
+    chosen = default_components(size) if components is None else components
     if family not in FAMILIES:
         raise ConfigError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     if size not in SIZES:
         raise ConfigError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    if chosen not in COMPONENTS:
+        raise ConfigError(f"components must be one of {', '.join(COMPONENTS)}, "
+                          f"got {chosen!r}")
     target = Path(path)
     marker = target / _COMPLETE_MARKER
-    wanted = {"family": family, "size": size, "dtype": dtype, "seed": seed,
-              "random_weights": True}
+    wanted = {"family": family, "size": size, "components": chosen, "dtype": dtype,
+              "seed": seed, "random_weights": True}
     if marker.exists():
         found = json.loads(marker.read_text())
+        found.setdefault("components", "dit")  # written before there was a choice
+        found.pop("transformer_parameters", None)
+        found.pop("parameters", None)
         if found != wanted:
             raise ConfigError(f"{str(target)!r} already holds a different random model "
                               f"({found}); choose another directory")
         return target
-    from ditserve.engine.weights.loader import torch_dtype as to_torch_dtype
-
     started = time.perf_counter()
-    pipe = _build(family, size, dtype=to_torch_dtype(dtype), device=_resolve_device(device),
-                  seed=seed)
-    params = sum(p.numel() for name in ("transformer", "transformer_2")
-                 if getattr(pipe, name, None) is not None
-                 for p in getattr(pipe, name).parameters())
-    log.info("built a random %s-size %s pipeline: %.2fB DiT parameters in %.1fs", size, family,
-             params / 1e9, time.perf_counter() - started)
+    pipe = _build(family, size, dtype=dtype, device=_resolve_device(device), seed=seed,
+                  components=chosen)
+    params = _parameters(pipe)
+    log.info("built a random %s-size %s pipeline (%s): %s in %.1fs", size, family,
+             "every component at released shape" if chosen == "all" else "tiny encoders",
+             ", ".join(f"{name} {n / 1e9:.2f}B" for name, n in params.items()),
+             time.perf_counter() - started)
     target.mkdir(parents=True, exist_ok=True)
+    # Written from where the modules live, a tensor at a time (safetensors moves each one
+    # to the host as it serializes a shard): the host holds about one shard.
     pipe.save_pretrained(target, max_shard_size="5GB")
-    marker.write_text(json.dumps({**wanted, "transformer_parameters": params}))
+    dit_params = sum(n for name, n in params.items() if name.startswith("transformer"))
+    marker.write_text(json.dumps({**wanted, "transformer_parameters": dit_params,
+                                  "parameters": params}))
     log.info("wrote %s in %.1fs", target, time.perf_counter() - started)
     return target
 
 
-def _build(family: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    from ditserve.engine.model_builders import build_pipeline
+def default_components(size: str) -> str:
+    """What ``--components`` means when not given: the whole released pipeline at full
+    size, tiny parts around a small or tiny DiT."""
+    return "all" if size == "full" else "dit"
 
-    return build_pipeline(family, size, dtype=dtype, device=device, seed=seed)
+
+def _parameters(pipe: Any) -> dict[str, int]:
+    """Parameters per module component of the pipeline."""
+    import torch
+
+    return {name: sum(p.numel() for p in module.parameters())
+            for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
+
+
+def _build(family: str, size: str, *, dtype: str, device: Any, seed: int,
+           components: str) -> Any:
+    from ditserve.engine.model_builders import build_pipeline
+    from ditserve.engine.weights.loader import torch_dtype
+
+    return build_pipeline(family, size, dtype=torch_dtype(dtype), device=device, seed=seed,
+                          components=components)

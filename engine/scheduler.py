@@ -41,12 +41,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
 from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder
 from ditserve.engine.step_plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
-from ditserve.engine.work import RequestWork, WorkRule, with_budget
+from ditserve.engine.work import RequestWork, ResolvedScheduling, WorkRule
 
 __all__ = ["DEFAULT_WORK_RULE", "RunnerOutput", "ScheduledRequest", "StatusChange", "StepPlan",
            "StepScheduler"]
@@ -60,11 +59,13 @@ class StepScheduler:
     """Continuous-batching scheduler over request ids; see the module docstring. ``clock``:
     monotonic seconds (deadlines, aging, the measured step time); tests inject one."""
 
-    def __init__(self, config: SchedulerConfig, *,
+    def __init__(self, config: ResolvedScheduling, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        # An unresolved budget (None) budgets like an image model; the engine resolves it for
-        # the served family before building its schedulers (``work.with_budget``).
-        self.config = with_budget(config, None)
+        if not isinstance(config, ResolvedScheduling):
+            # The budget depends on the served family, which only the engine knows.
+            raise TypeError("StepScheduler needs a ResolvedScheduling (resolve the "
+                            "SchedulerConfig with ResolvedScheduling.for_family)")
+        self.config = config
         self.clock = clock
         self._order = (PriorityOrder(config.aging_s, config.max_preemptions)
                        if config.scheduling_policy == PRIORITY else None)
@@ -227,7 +228,6 @@ class StepScheduler:
     # -- internals -------------------------------------------------------------------------
     @property
     def _budget(self) -> int:
-        assert self.config.max_batch_tokens is not None  # resolved in __init__
         return self.config.max_batch_tokens
 
     def _held(self) -> Iterable[ScheduledRequest]:

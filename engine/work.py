@@ -17,29 +17,46 @@ equal to the rows and tokens every pipeline actually builds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
+from typing import get_args
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.families import FLUX, Family
+from ditserve.engine.families.base import CfgRule
 from ditserve.engine.request import SamplingParams
 
 # Tokens of one 1024x1024 image of a DiT with 16-pixel tokens (Flux.1, Qwen-Image): 64 x 64.
 FULL_IMAGE_TOKENS = 4096
-# The default per-step budget of an image model: four such images (the default max_num_seqs).
-DEFAULT_MAX_BATCH_TOKENS = 4 * FULL_IMAGE_TOKENS
 
 
-def with_budget(config: SchedulerConfig, family: Family | None) -> SchedulerConfig:
-    """``config`` with its work budget resolved: the configured one, else ``max_num_seqs``
-    requests of the served family's usual size (``Family.reference_work``), so an image model
-    budgets four 1024x1024 images and a video model four 81-frame CFG videos, not a video's
-    fraction. An unknown family budgets like Flux."""
-    if config.max_batch_tokens is not None:
-        return config
-    reference = (family or FLUX).reference_work
-    return replace(config, max_batch_tokens=config.max_num_seqs * reference)
+@dataclass(frozen=True, kw_only=True)
+class ResolvedScheduling(SchedulerConfig):
+    """A ``SchedulerConfig`` whose work budget is resolved: what a ``StepScheduler`` runs
+    with. Resolved once, where the engine knows the served family (``for_family``), so no
+    scheduler ever sees an unset budget."""
 
-CFG_RULES = ("true_cfg", "guidance")
+    max_batch_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1:
+            raise ValueError(f"a resolved work budget is a positive token count, got "
+                             f"{self.max_batch_tokens!r}")
+
+    @classmethod
+    def for_family(cls, config: SchedulerConfig,
+                   family: Family | None = None) -> ResolvedScheduling:
+        """``config`` with its budget resolved: the configured one, else ``max_num_seqs``
+        requests of the served family's usual size (``Family.reference_work``), so an image
+        model budgets four 1024x1024 images and a video model four 81-frame CFG videos, not a
+        video's fraction. An unknown family budgets like Flux."""
+        budget = config.max_batch_tokens
+        if budget is None:
+            budget = config.max_num_seqs * (family or FLUX).reference_work
+        values = {f.name: getattr(config, f.name) for f in fields(SchedulerConfig)}
+        return cls(**{**values, "max_batch_tokens": budget})
+
+
+CFG_RULES: tuple[str, ...] = get_args(CfgRule)
 # LoRA work: a rank-r adapter adds two (tokens x r) matmuls beside each adapted d x d linear,
 # 2r/d of that linear's work for the request's rows; d is taken as Flux's and Qwen-Image's
 # 3072 (Wan 14B's 5120 makes it an overestimate there, on the safe side).
@@ -72,7 +89,7 @@ class WorkRule:
 
     pixels_per_token: int = 16
     frame_step: int | None = None
-    cfg_rows: str = "true_cfg"
+    cfg_rows: CfgRule = "true_cfg"
 
     def __post_init__(self) -> None:
         if self.cfg_rows not in CFG_RULES:

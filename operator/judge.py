@@ -108,6 +108,8 @@ def engine_mapping(spec: DeploymentSpec) -> dict[str, Any]:
     }
     if spec.offload.slots is not None:  # unset: the engine picks per mode
         mapping["offload"]["slots"] = spec.offload.slots
+    if spec.offload.hbm_budget_gib is not None:  # the whole pipeline's budget, or "auto"
+        mapping["offload"]["hbm_budget_gib"] = spec.offload.hbm_budget_gib
     return mapping
 
 
@@ -170,6 +172,9 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     family = [] if spec.model.attention_heads is not None else family_sequence_parallel_problems(
         spec.parallelism.sequence, spec.model.family)
     managed = _managed_flag_problems(parsed) + family + _declared_heads_problems(spec)
+    if spec.offload.hbm_budget_gib is not None and parsed.dlo_hbm_budget_gib is not None:
+        managed.append("offload.hbmBudgetGiB and --dlo-hbm-budget-gib in engine.args both set "
+                       "the HBM budget; keep one (the CRD field)")
     if managed:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(managed))
     try:

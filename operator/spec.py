@@ -13,7 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.engine.config import COMPILE_BACKENDS, MODEL_FAMILIES, SCHEDULING_POLICIES
+from ditserve.engine.config import (
+    COMPILE_BACKENDS,
+    HBM_BUDGET_AUTO,
+    MODEL_FAMILIES,
+    SCHEDULING_POLICIES,
+)
 from ditserve.operator.autoscaling import AutoscalingSpec, read_autoscaling
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.loras import LoraSource, parse_loras
@@ -87,6 +92,7 @@ class OffloadSpec:
     resident_layers: int = 0
     runtime_cache: bool = False
     pin_limit_gib: float = 0.0
+    hbm_budget_gib: float | str | None = None  # None: unset; "auto": the GPU's free HBM
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
             use_all_gather=o.flag("useAllGather", True),
             slots=o.integer("slots", None, 2),
             resident_layers=o.integer("residentLayers", 0),
+            hbm_budget_gib=o.number_or_word("hbmBudgetGiB", HBM_BUDGET_AUTO),
             runtime_cache=rc.flag("enabled", False),
             pin_limit_gib=rc.number("pinLimitGiB", 0.0),
         ),

@@ -67,6 +67,21 @@ class SpecReader:
         value = self._get(key, (int, str), default, "an integer or a string")
         return str(value) if isinstance(value, int) and isinstance(default, str) else value
 
+    def number_or_word(self, key: str, word: str) -> float | str | None:
+        """A number >= 0 (a YAML number or a numeric string) or exactly ``word``; None if unset."""
+        value = self._get(key, (int, float, str), None, f"a number >= 0 or {word!r}")
+        if value is None or value == word:
+            return value
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if number < 0 or number != number:  # negative, unreadable or NaN
+            self.problems.append(f"{self.path}.{key} must be a number >= 0 or {word!r}, "
+                                 f"got {value!r}")
+            return None
+        return number
+
     def items(self, key: str) -> tuple[Any, ...]:
         return tuple(self._get(key, (list, tuple), (), "a list") or ())
 

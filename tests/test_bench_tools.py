@@ -4,7 +4,8 @@ The benchmarks themselves need GPUs; what they compute from their measurements d
 a wrong overlap share or a lost cell would silently change a recorded conclusion. Their
 ``--tiny`` modes run the same code paths on a CPU. And they read engine state only through the
 offload handle's public report and probe: no private attributes, no patched engine modules,
-no programs importing each other (``bench/harness.py`` is the one shared module).
+no programs importing each other (``bench/harness.py`` and ``bench/offload_methods.py`` are
+the shared modules).
 """
 
 from __future__ import annotations
@@ -23,21 +24,26 @@ from types import ModuleType
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-PROGRAMS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "harness")
+# Modules the programs share (not programs themselves: no main).
+SHARED = ("harness", "offload_methods")
+PROGRAMS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in SHARED)
 
 
 def load(name: str) -> ModuleType:
-    """A bench program as a module. Programs import ``harness`` by name (their folder is on
-    sys.path when they run): bind it while the program loads, then put sys.modules back."""
-    saved = sys.modules.get("harness")
+    """A bench program as a module. Programs import the shared modules by name (their folder
+    is on sys.path when they run): bind them while the program loads, then put sys.modules
+    back."""
+    saved = {shared: sys.modules.get(shared) for shared in SHARED}
     try:
-        sys.modules["harness"] = _exec(BENCH / "harness.py", "bench_harness")
+        for shared in SHARED:
+            sys.modules[shared] = _exec(BENCH / f"{shared}.py", f"bench_{shared}")
         return _exec(BENCH / f"{name}.py", f"bench_{name}")
     finally:
-        if saved is not None:
-            sys.modules["harness"] = saved
-        else:
-            sys.modules.pop("harness", None)
+        for shared, module in saved.items():
+            if module is not None:
+                sys.modules[shared] = module
+            else:
+                sys.modules.pop(shared, None)
 
 
 def _exec(path: Path, name: str) -> ModuleType:
@@ -281,7 +287,7 @@ def _engine_aliases(tree: ast.Module) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update((a.asname or a.name).split(".")[0] for a in node.names
-                         if a.name.startswith(("ditserve", "harness")))
+                         if a.name.startswith(("ditserve", *SHARED)))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ditserve"):
             # ``from package import module``: the bound names may be modules too.
             names.update(a.asname or a.name for a in node.names)
@@ -312,7 +318,7 @@ def test_every_program_loads(name: str) -> None:
     assert callable(load(name).main)
 
 
-@pytest.mark.parametrize("name", PROGRAMS + ["harness"])
+@pytest.mark.parametrize("name", PROGRAMS + list(SHARED))
 def test_programs_use_only_public_engine_state_and_share_only_the_harness(name: str) -> None:
     tree = ast.parse((BENCH / f"{name}.py").read_text())
     assert _changes_module_globals(tree) == [], f"{name}.py changes module-level state"
@@ -322,7 +328,7 @@ def test_programs_use_only_public_engine_state_and_share_only_the_harness(name: 
             imported = ([a.name for a in node.names] if isinstance(node, ast.Import)
                         else [node.module or ""])
             assert not set(m.split(".")[0] for m in imported) & set(PROGRAMS), (
-                f"{name}.py imports another benchmark program; share code through harness")
+                f"{name}.py imports another benchmark program; share code through a shared module")
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
                 and not node.attr.startswith("__"):
             owner = ast.unparse(node.value)

@@ -4,15 +4,18 @@ The DiT has the family's shapes (``engine.families.flux``: ``DIT_SIZES`` for
 ``init-random``, ``TINY_DIT`` for the embedded model); around it, tiny CLIP and T5 encoders
 whose output widths the DiT expects (T5 ``joint_attention_dim``, CLIP
 ``pooled_projection_dim``), character-level tokenizers and a tiny VAE with Flux's latent
-layout (16 channels, 8x downsampling; the embedded model's: 4 channels, 2x). Called through
-``engine.model_builders``.
+layout (16 channels, 8x downsampling; the embedded model's: 4 channels, 2x) - or, with
+``released``, CLIP-L, T5-XXL and Flux's VAE at their released shapes
+(``RELEASED_COMPONENTS``). Called through ``engine.model_builders``.
 """
 
 from __future__ import annotations
 
 import string
+from collections.abc import Mapping
 from typing import Any
 
+from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.flux import DIT_SIZES, FLUX, TINY_DIT
 from ditserve.engine.tiny_model import TINY_MAX_SEQUENCE_LENGTH
 
@@ -100,37 +103,42 @@ def build_tiny(variant: str, seed: int) -> Any:
     return pipeline_cls(scheduler=_scheduler(), vae=vae, transformer=transformer, **encoders)
 
 
-def _transformer(size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+def _released_parts(released: Mapping[str, ComponentShape], *, dtype: Any, device: Any,
+                    seed: int, t5_tokens: int) -> dict[str, Any]:
+    """The encoders and VAE at the shapes of ``released`` (``engine.builders.released``),
+    with the character-level tokenizers; CLIP's special-token ids are the tokenizer's."""
+    from ditserve.engine.builders.released import build_released
+
+    clip_tok, t5_tok = tokenizers()
+    t5_tok.model_max_length = t5_tokens
+    ids = {"text_encoder": dict(bos_token_id=clip_tok.bos_token_id,
+                                eos_token_id=clip_tok.eos_token_id,
+                                pad_token_id=clip_tok.pad_token_id)}
+    parts = build_released(released, dtype=dtype, device=device, seed=seed, ids=ids)
+    return {**parts, "tokenizer": clip_tok, "tokenizer_2": t5_tok}
+
+
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+                   released: Mapping[str, ComponentShape] | None = None) -> Any:
+    """A random pipeline with a ``size`` DiT on ``device``; around it the tiny parts, or the
+    ``released`` shapes' parts; the small parts stored in ``dtype`` too, so the loader never
+    casts (casting would break mmap sharing)."""
     import torch
 
-    _, dit_cls = _classes()
-    previous = torch.get_default_dtype()
-    torch.manual_seed(seed)
-    # Allocate (and randomly initialize) straight in the target dtype on the target device,
-    # so "full" never needs a float32 copy (48 GB) anywhere.
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = dit_cls(**DIT_SIZES[size])
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to(device="cpu", dtype=dtype).eval()
-
-
-def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    """A random pipeline with a ``size`` DiT; the small parts stored in ``dtype`` too, so the
-    loader never casts (casting would break mmap sharing)."""
-    import torch
+    from ditserve.engine.model_builders import make_dit
 
     pipeline_cls, _ = _classes()
     config = DIT_SIZES[size]
     torch.manual_seed(seed)
-    encoders = _text_encoders(t5_width=config["joint_attention_dim"],
-                              clip_width=config["pooled_projection_dim"],
-                              t5_tokens=T5_TOKENS[size], t5_layers=1)
-    vae = _vae(levels=4, latent_channels=16, widths=(8, 8, 16, 16))
-    for name in ("text_encoder", "text_encoder_2"):
-        encoders[name] = encoders[name].to(dtype)
-    vae = vae.to(dtype)
-    transformer = _transformer(size, dtype=dtype, device=device, seed=seed)
-    return pipeline_cls(scheduler=_scheduler(), vae=vae, transformer=transformer, **encoders)
+    if released is not None:
+        parts = _released_parts(released, dtype=dtype, device=device, seed=seed,
+                                t5_tokens=T5_TOKENS[size])
+    else:
+        parts = _text_encoders(t5_width=config["joint_attention_dim"],
+                               clip_width=config["pooled_projection_dim"],
+                               t5_tokens=T5_TOKENS[size], t5_layers=1)
+        parts["vae"] = _vae(levels=4, latent_channels=16, widths=(8, 8, 16, 16))
+        for name in ("text_encoder", "text_encoder_2", "vae"):
+            parts[name] = parts[name].to(dtype)
+    transformer = make_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    return pipeline_cls(scheduler=_scheduler(), transformer=transformer, **parts)

@@ -8,9 +8,11 @@ tokens and CPU tests stay fast. Called through ``engine.model_builders``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ditserve.engine.builders import flux
+from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.flux_kontext import FLUX_KONTEXT
 
 
@@ -38,8 +40,10 @@ def _from_flux(pipeline: Any, *, tiny: bool) -> Any:
     return getattr(diffusers, FLUX_KONTEXT.pipeline_class)(**parts)
 
 
-def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    pipeline = flux.build_pipeline("flux", size, dtype=dtype, device=device, seed=seed)
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+                   released: Mapping[str, ComponentShape] | None = None) -> Any:
+    pipeline = flux.build_pipeline("flux", size, dtype=dtype, device=device, seed=seed,
+                                   released=released)
     return _from_flux(pipeline, tiny=size == "tiny")
 
 

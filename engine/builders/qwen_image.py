@@ -3,13 +3,16 @@
 Around the DiT (shapes: ``engine.families.qwen_image``): a Qwen2.5-VL text encoder of one or
 two layers whose output width the DiT expects (``joint_attention_dim``), a byte-level
 tokenizer with the chat template's markers, and a VAE with Qwen-Image's latent layout (16
-channels, 8x spatial, one frame) and a few channels. Called through ``engine.model_builders``.
+channels, 8x spatial, one frame) and a few channels - or, with ``released``, Qwen2.5-VL-7B and
+the Qwen-Image VAE at their released shapes. Called through ``engine.model_builders``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.qwen_image import QWEN_IMAGE
 
 
@@ -70,26 +73,41 @@ def make_scheduler() -> Any:
         time_shift_type="exponential", use_dynamic_shifting=True)
 
 
-def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    """The whole diffusers pipeline object (not saved); small parts in ``dtype`` too."""
+def make_parts(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+               released: Mapping[str, ComponentShape] | None, tokenizer: Any,
+               token_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The tokenizer, text encoder and VAE: tiny ones, or ``released``'s shapes;
+    ``token_ids``: the text encoder's vision markers in ``tokenizer`` (edits)."""
+    from ditserve.engine.builders.released import build_released
+    from ditserve.engine.model_builders import dit_setting
+
+    extra = dict(token_ids or {})
+    if released is not None:
+        ids = {"text_encoder": {**extra, "text_config": dict(
+            bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id)}}
+        return {"tokenizer": tokenizer, **build_released(released, dtype=dtype, device=device,
+                                                         seed=seed, ids=ids)}
+    width = dit_setting(variant, size, "joint_attention_dim")
+    # Stored as served: the loader never casts.
+    encoder = make_text_encoder(tokenizer, width, **extra)
+    return {"tokenizer": tokenizer, "text_encoder": encoder.to(dtype), "vae": make_vae().to(dtype)}
+
+
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+                   released: Mapping[str, ComponentShape] | None = None) -> Any:
+    """The whole diffusers pipeline object (not saved); the DiT on ``device``."""
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import build_dit, dit_setting
+    from ditserve.engine.model_builders import make_dit
 
     torch.manual_seed(seed)
-    tokenizer = make_tokenizer()
-    parts: dict[str, Any] = {
-        "tokenizer": tokenizer,
-        "text_encoder": make_text_encoder(tokenizer, dit_setting(variant, size,
-                                                                 "joint_attention_dim")),
-        "vae": make_vae()}
-    scheduler = make_scheduler()
-    for name in ("text_encoder", "vae"):
-        parts[name] = parts[name].to(dtype)  # stored as served: the loader never casts
-    dit = build_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    parts = make_parts(variant, size, dtype=dtype, device=device, seed=seed, released=released,
+                       tokenizer=make_tokenizer())
+    dit = make_dit(variant, size, dtype=dtype, device=device, seed=seed)
     pipeline_cls = getattr(diffusers, QWEN_IMAGE.pipeline_class)
-    return pipeline_cls(scheduler=scheduler, transformer=dit, **parts)
+    return pipeline_cls(scheduler=make_scheduler(), transformer=dit, **parts)
 
 
 def build_tiny(variant: str, seed: int) -> Any:

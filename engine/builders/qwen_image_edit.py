@@ -15,11 +15,13 @@ lay out their ``processor`` folder (the tokenizer's files and ``preprocessor_con
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ditserve.engine.builders import qwen_image
 from ditserve.engine.families import family_of_variant
+from ditserve.engine.families.base import ComponentShape
 
 VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 PATCH = 28  # a vision token: Qwen2.5-VL's 14-pixel patches merged 2x2
@@ -55,29 +57,28 @@ def vl_processor(tokenizer: Any, images: Any) -> Any:
     return processor
 
 
-def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    """The whole diffusers pipeline object (not saved); small parts in ``dtype`` too."""
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+                   released: Mapping[str, ComponentShape] | None = None) -> Any:
+    """The whole diffusers pipeline object (not saved); the DiT on ``device``; with
+    ``released``, Qwen-Image's text encoder and VAE at those shapes."""
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import build_dit, dit_setting
+    from ditserve.engine.model_builders import make_dit
 
     torch.manual_seed(seed)
     tokenizer = qwen_image.make_tokenizer(("<|im_start|>", "<|im_end|>", *VISION_MARKERS))
     ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(marker) for name, marker in (
         ("vision_start_token", "<|vision_start|>"), ("vision_end_token", "<|vision_end|>"),
         ("image_token", "<|image_pad|>"), ("video_token", "<|video_pad|>"))}
-    width = int(dit_setting(variant, size, "joint_attention_dim"))
-    parts: dict[str, Any] = {
-        "tokenizer": tokenizer,
-        "text_encoder": qwen_image.make_text_encoder(tokenizer, width, **ids).to(dtype),
-        "vae": qwen_image.make_vae().to(dtype),  # stored as served: the loader never casts
-        "processor": vl_processor(tokenizer, image_processor(size)),
-        "scheduler": qwen_image.make_scheduler()}
-    dit = build_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    parts = qwen_image.make_parts(variant, size, dtype=dtype, device=device, seed=seed,
+                                  released=released, tokenizer=tokenizer, token_ids=ids)
+    parts["processor"] = vl_processor(tokenizer, image_processor(size))
+    dit = make_dit(variant, size, dtype=dtype, device=device, seed=seed)
     family = family_of_variant(variant)
     assert family is not None
-    return getattr(diffusers, family.pipeline_class)(transformer=dit, **parts)
+    return getattr(diffusers, family.pipeline_class)(
+        transformer=dit, scheduler=qwen_image.make_scheduler(), **parts)
 
 
 def build_tiny(variant: str, seed: int) -> Any:

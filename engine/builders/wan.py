@@ -4,15 +4,19 @@ Around the DiT (shapes and the variants' settings: ``engine.families.wan``): a U
 encoder of one or two layers whose output width the DiT expects (``text_dim``), a
 character-level tokenizer, and a VAE with the variant's latent layout (Wan 2.1: 16
 channels, 8x spatial, 4x temporal; Wan 2.2 TI2V: 48 channels, 16x spatial) and a few
-channels. Called through ``engine.model_builders``.
+channels - or, with ``released``, UMT5-XXL and the variant's VAE at their released shapes.
+Called through ``engine.model_builders``.
 """
 
 from __future__ import annotations
 
 import string
+from collections.abc import Mapping
 from typing import Any
 
+from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.wan import EXPERTS, TI2V, WAN, WAN22_BOUNDARY_RATIO
+from ditserve.engine.families.wan_i2v import TI2V_I2V
 
 
 def make_tokenizer(tokens: int) -> Any:
@@ -48,29 +52,42 @@ def make_vae(ti2v: bool) -> Any:
                             temperal_downsample=[False, True, True])
 
 
-def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    """The whole diffusers pipeline object (not saved); small parts in ``dtype`` too."""
+def text_and_vae(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+                 released: Mapping[str, ComponentShape] | None) -> dict[str, Any]:
+    """The tokenizer and, tiny or at ``released``'s shapes, every other part but the DiT
+    (``text_encoder``, ``vae`` and, where the table has one, ``image_encoder``)."""
+    from ditserve.engine.builders.released import build_released
+    from ditserve.engine.model_builders import TEXT_TOKENS, dit_setting
+
+    tokenizer = make_tokenizer(TEXT_TOKENS)
+    if released is not None:
+        return {"tokenizer": tokenizer,
+                **build_released(released, dtype=dtype, device=device, seed=seed)}
+    width = int(dit_setting(variant, size, "text_dim"))
+    # Stored as served: the loader never casts.
+    return {"tokenizer": tokenizer, "text_encoder": make_umt5(tokenizer, width).to(dtype),
+            "vae": make_vae(variant in (TI2V, TI2V_I2V)).to(dtype)}
+
+
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+                   released: Mapping[str, ComponentShape] | None = None) -> Any:
+    """The whole diffusers pipeline object (not saved); the DiTs on ``device``."""
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import TEXT_TOKENS, build_dit, dit_setting
+    from ditserve.engine.model_builders import make_dit
 
     torch.manual_seed(seed)
-    tokenizer = make_tokenizer(TEXT_TOKENS)
-    parts: dict[str, Any] = {
-        "tokenizer": tokenizer,
-        "text_encoder": make_umt5(tokenizer, dit_setting(variant, size, "text_dim")),
-        "vae": make_vae(variant == TI2V)}
+    parts = text_and_vae(variant, size, dtype=dtype, device=device, seed=seed,
+                         released=released)
     scheduler = diffusers.UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
         flow_shift=5.0 if variant == TI2V else 3.0)
-    for name in ("text_encoder", "vae"):
-        parts[name] = parts[name].to(dtype)  # stored as served: the loader never casts
-    dit = build_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    dit = make_dit(variant, size, dtype=dtype, device=device, seed=seed)
     extra: dict[str, Any] = {}
     if variant == EXPERTS:
-        extra = {"transformer_2": build_dit(variant, size, dtype=dtype, device=device,
-                                            seed=seed + 1),
+        extra = {"transformer_2": make_dit(variant, size, dtype=dtype, device=device,
+                                           seed=seed + 1),
                  "boundary_ratio": WAN22_BOUNDARY_RATIO}
     if variant == TI2V:
         extra = {"expand_timesteps": True}

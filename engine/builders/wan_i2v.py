@@ -3,14 +3,18 @@
 Around the DiT (shapes: ``engine.families.wan_i2v``): Wan's tiny UMT5 encoder, tokenizer and
 VAE (``engine.builders.wan``); Wan 2.1 I2V adds a two-layer CLIP vision encoder as wide as
 the DiT's ``image_dim`` and its image processor; Wan 2.2 TI2V as image-to-video has none
-(``expand_timesteps``). Called through ``engine.model_builders``.
+(``expand_timesteps``). With ``released``, UMT5-XXL, the variant's VAE and (Wan 2.1 I2V)
+CLIP ViT-H/14's vision tower at their released shapes. Called through
+``engine.model_builders``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ditserve.engine.builders import wan
+from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.wan_i2v import TI2V_I2V, WAN_I2V
 
 
@@ -27,31 +31,28 @@ def _clip_vision(width: int, image_size: int) -> tuple[Any, Any]:
     return encoder, processor
 
 
-def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
-    """The whole diffusers pipeline object (not saved); small parts in ``dtype`` too."""
+def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+                   released: Mapping[str, ComponentShape] | None = None) -> Any:
+    """The whole diffusers pipeline object (not saved); the DiT on ``device``."""
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import TEXT_TOKENS, build_dit, dit_setting
+    from ditserve.engine.model_builders import dit_setting, make_dit
 
     torch.manual_seed(seed)
     ti2v = variant == TI2V_I2V
-    tokenizer = wan.make_tokenizer(TEXT_TOKENS)
-    parts: dict[str, Any] = {
-        "tokenizer": tokenizer,
-        "text_encoder": wan.make_umt5(tokenizer, int(dit_setting(variant, size, "text_dim"))),
-        "vae": wan.make_vae(ti2v)}
+    parts = wan.text_and_vae(variant, size, dtype=dtype, device=device, seed=seed,
+                             released=released)
     if not ti2v:  # Wan 2.1 I2V: a CLIP image context as wide as the DiT's image_dim
         encoder, processor = _clip_vision(int(dit_setting(variant, size, "image_dim")),
                                           32 if size == "tiny" else 224)
-        parts |= {"image_encoder": encoder, "image_processor": processor}
-    for name in ("text_encoder", "vae", "image_encoder"):
-        if name in parts:
-            parts[name] = parts[name].to(dtype)  # stored as served: the loader never casts
+        # The released encoder (CLIP ViT-H/14) when the table has it, else the tiny one.
+        parts.setdefault("image_encoder", encoder.to(dtype))
+        parts["image_processor"] = processor
     scheduler = diffusers.UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
         flow_shift=5.0 if ti2v else 3.0)  # the released 480P I2V and TI2V shifts
-    dit = build_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    dit = make_dit(variant, size, dtype=dtype, device=device, seed=seed)
     pipeline_cls = getattr(diffusers, WAN_I2V.pipeline_class)
     return pipeline_cls(scheduler=scheduler, transformer=dit, expand_timesteps=ti2v, **parts)
 

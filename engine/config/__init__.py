@@ -61,6 +61,9 @@ from ditserve.engine.config.types import (
     GATHER_ENGINES as GATHER_ENGINES,
 )
 from ditserve.engine.config.types import (
+    HBM_BUDGET_AUTO as HBM_BUDGET_AUTO,
+)
+from ditserve.engine.config.types import (
     MODEL_FAMILIES as MODEL_FAMILIES,
 )
 from ditserve.engine.config.types import (

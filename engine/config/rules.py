@@ -19,6 +19,7 @@ from ditserve.engine.config.types import (
     DLO_COMPONENTS,
     DTYPES,
     GATHER_ENGINES,
+    HBM_BUDGET_AUTO,
     MODEL_FAMILIES,
     PACKED_STRIPES,
     QUANTIZATIONS,
@@ -177,8 +178,10 @@ def offload_problems(
     int_at_least(out, "offload.resident_layers", off.resident_layers, 0)
     if off.slots is not None:
         int_at_least(out, "offload.slots", off.slots, 2)
-    if off.hbm_budget_gib is not None:
+    if off.hbm_budget_gib is not None and off.hbm_budget_gib != HBM_BUDGET_AUTO:
         number_at_least(out, "offload.hbm_budget_gib", off.hbm_budget_gib, 0)
+        if out and out[-1].startswith("offload.hbm_budget_gib"):
+            out[-1] += f" or {HBM_BUDGET_AUTO!r} (the device's free HBM)"
     number_at_least(out, "offload.pin_limit_gib", off.pin_limit_gib, 0)
     number_at_least(out, "offload.cache_lock_timeout_s", off.cache_lock_timeout_s, 0)
     if off.gather not in GATHER_ENGINES:

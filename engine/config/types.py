@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from ditserve.engine.adapters.config import AdapterConfig
 from ditserve.engine.errors import ConfigError
@@ -19,20 +19,25 @@ from ditserve.engine.families import AUTO_FAMILY, family_labels
 from ditserve.engine.step_cache.spec import StepCacheSpec
 
 DType = Literal["float32", "bfloat16", "float16"]
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-CHECKPOINT_MMAP_MODES: tuple[str, ...] = ("auto", "off")
-GATHER_ENGINES: tuple[str, ...] = ("nccl", "copy-engine")
+DTYPES: tuple[str, ...] = get_args(DType)
+CheckpointMmap = Literal["auto", "off"]
+CHECKPOINT_MMAP_MODES: tuple[str, ...] = get_args(CheckpointMmap)
+GatherEngine = Literal["nccl", "copy-engine"]
+GATHER_ENGINES: tuple[str, ...] = get_args(GatherEngine)
 # torch.compile backends for the DiT's repeated blocks: inductor generates kernels; aot_eager
 # and eager only trace (for checking a model compiles, and in tests on machines without a
 # C++ compiler).
-COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+COMPILE_BACKENDS: tuple[str, ...] = get_args(CompileBackend)
 # The values a deployment's ``model.family`` may take: Auto (read model_index.json) or a
 # registered family (engine/families/); the operator judges specs with the rule below.
 MODEL_FAMILIES: tuple[str, ...] = (AUTO_FAMILY, *family_labels())
 # Host weight formats (docs/formats.md): how streamed blocks' bf16 bytes sit in host memory,
 # and which linear layers run in FP8. ``format_problems`` says what each combines with.
-COMPRESS_MODES: tuple[str, ...] = ("none", "lossless")
-QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+CompressMode = Literal["none", "lossless"]
+COMPRESS_MODES: tuple[str, ...] = get_args(CompressMode)
+Quantization = Literal["fp8"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # An AllGather group splits each packed bf16 run by whole stripes, so its size must divide
 # the stripe count the offload packs with: engine.formats.packed_layout.DEFAULT_STRIPES (a
 # test keeps the two equal; that module refers to torch, which this one must not import).
@@ -53,7 +58,11 @@ class OffloadConfig:
     gather: how AllGather rebuilds a block: "nccl" (all_gather kernels) or "copy-engine"
         (peer-to-peer DMA through CUDA symmetric memory: no SMs taken from compute).
     resident_layers: leading blocks kept on the device (not streamed).
-    hbm_budget_gib: keep as many blocks resident as fit in this budget; stream the rest.
+    hbm_budget_gib: the HBM the whole pipeline may use, in GiB, or "auto" (the device's free
+        HBM at start): DiT slots and resident blocks, text encoders, VAE and its decode,
+        a step's activations and the allocator's slack; blocks stay resident while they fit
+        (engine.runner.budget_plan; the engine refuses to start under the smallest budget
+        it can meet, and says which).
     runtime_cache: use the node cache (cachectl) entry as the host backing.
     cache_root: root of the node cache; None means $DITSERVE_CACHE_ROOT or the default.
     cache_lock_timeout_s: how long to wait for another process building the same entry.
@@ -69,20 +78,23 @@ class OffloadConfig:
     enabled: bool = False
     slots: int | None = None
     use_allgather: bool = True
-    gather: str = "nccl"
+    gather: GatherEngine = "nccl"
     resident_layers: int = 0
-    hbm_budget_gib: float | None = None
+    hbm_budget_gib: float | str | None = None
     runtime_cache: bool = False
     cache_root: str | None = None
     cache_lock_timeout_s: float = 600.0
     pin_limit_gib: float = 0.0
-    checkpoint_mmap: str = "auto"
-    compress: str = "none"
-    components: str = "all"
+    checkpoint_mmap: CheckpointMmap = "auto"
+    compress: CompressMode = "none"
+    components: DloComponents = "all"
 
 
-DLO_COMPONENTS: tuple[str, ...] = ("all", "dit")
-VAE_TILING_MODES: tuple[str, ...] = ("auto", "on", "off")
+DloComponents = Literal["all", "dit"]
+DLO_COMPONENTS: tuple[str, ...] = get_args(DloComponents)
+HBM_BUDGET_AUTO = "auto"  # offload.hbm_budget_gib: the device's free HBM
+VaeTilingMode = Literal["auto", "on", "off"]
+VAE_TILING_MODES: tuple[str, ...] = get_args(VaeTilingMode)
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,7 @@ class PipelineConfig:
 
     prompt_cache_size: int = 256
     prompt_cache_gib: float = 1.0
-    vae_tiling: str = "auto"
+    vae_tiling: VaeTilingMode = "auto"
 
 
 @dataclass(frozen=True)
@@ -164,7 +176,7 @@ class SchedulerConfig:
     max_batch_tokens: int | None = None
     max_bypass: int = 8
     max_queue: int | None = 64
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     aging_s: float = 30.0
     max_preemptions: int = 2
 
@@ -198,10 +210,10 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: DType = "float32"
     device: str = "auto"
-    compile: str | None = None
-    quantization: str | None = None
+    compile: CompileBackend | None = None
+    quantization: Quantization | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -253,7 +265,8 @@ _REMOVED = {
                                      "data_parallel_size (throughput) or "
                                      "sequence_parallel_size (latency)",
 }
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 
 
 def reject_unknown_keys(data: Any, known: set[str], path: str = "") -> None:

@@ -16,16 +16,41 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ditserve.engine.families.defaults import ModelDefaults, square_image
 
 # variant -> size ("tiny" | "small" | "full") -> the DiT's keyword arguments
 DitSizes = Mapping[str, Mapping[str, Mapping[str, Any]]]
+
+
+@dataclass(frozen=True)
+class ComponentShape:
+    """One released component around the DiT - a text encoder, an image encoder, a VAE - as
+    ``init-random --components all`` builds it (random weights, released shape).
+
+    library: "transformers" or "diffusers"; model_class: the class in it; config_class: the
+    transformers config class the model takes (None: a diffusers model, whose keyword
+    arguments are ``config``); config: the released config.json's shape-defining values.
+    """
+
+    library: str
+    model_class: str
+    config: Mapping[str, Any]
+    config_class: str | None = None
+
+
+# variant -> component name -> its released shape
+ReleasedComponents = Mapping[str, Mapping[str, ComponentShape]]
 # (the DiT's config.json, the VAE's config.json, the diffusers pipeline's call defaults)
 #   -> size, steps and frames of a full-size model
 DefaultsRule = Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]],
                         ModelDefaults]
+
+
+# What a family generates, and when classifier-free guidance adds negative-prompt rows.
+Output = Literal["image", "video"]
+CfgRule = Literal["true_cfg", "guidance"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +87,9 @@ class Family:
         calls its ``build_pipeline`` and ``build_tiny``).
     dit_sizes: per model variant the family builds (``ditserve model init-tiny --family``),
         the DiT's keyword arguments per size; the first variant is the family's own name.
+    released_components: per model variant, the text encoders, image encoder and VAE at
+        their released shapes (``init-random --components all``; one table per family, which
+        the builders and the tests read).
     defaults: the size, steps and frames of a full-size model's requests
         (``engine.server.model_defaults``; guidance comes from the pipeline's call defaults).
     """
@@ -75,7 +103,7 @@ class Family:
     block_lists: tuple[str, ...]
     resident_modules: tuple[str, ...]
     batch_key_fields: tuple[str, ...]
-    output: str  # "image" | "video"
+    output: Output
     loader_version: str
     step_pipeline: str
     builders: str
@@ -83,10 +111,11 @@ class Family:
     expert_components: tuple[str, ...] = ()
     self_loaded: tuple[str, ...] = ()
     expert_switch: str | None = None
-    cfg_rows: str = "true_cfg"
+    cfg_rows: CfgRule = "true_cfg"
     attention_heads: tuple[int, ...] = ()
     reference_work: int = 4096
     dit_sizes: DitSizes = field(default_factory=dict, compare=False)
+    released_components: ReleasedComponents = field(default_factory=dict, compare=False)
     defaults: DefaultsRule = field(default=square_image, compare=False)
 
     @property

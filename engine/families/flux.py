@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ditserve.engine.families.base import Family
+from ditserve.engine.families.base import ComponentShape, Family
 from ditserve.engine.families.defaults import ModelDefaults, image_side
 
 _ROPE = (16, 56, 56)
@@ -34,6 +34,30 @@ TINY_DIT: dict[str, Any] = dict(
     num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
     axes_dims_rope=(4, 6, 6), guidance_embeds=True,
 )
+# The released parts around the DiT (FLUX.1-dev's text_encoder, text_encoder_2 and vae
+# config.json): CLIP ViT-L/14's text tower, T5 v1.1 XXL's encoder (~4.8B parameters, 9.5 GB
+# in bf16) and Flux's 16-channel VAE. ``init-random --components all`` builds these.
+RELEASED_COMPONENTS: dict[str, ComponentShape] = {
+    "text_encoder": ComponentShape("transformers", "CLIPTextModel", config_class="CLIPTextConfig",
+                                   config=dict(vocab_size=49408, hidden_size=768,
+                                               intermediate_size=3072, num_hidden_layers=12,
+                                               num_attention_heads=12, max_position_embeddings=77,
+                                               hidden_act="quick_gelu", projection_dim=768)),
+    "text_encoder_2": ComponentShape("transformers", "T5EncoderModel", config_class="T5Config",
+                                     config=dict(vocab_size=32128, d_model=4096, d_kv=64,
+                                                 d_ff=10240, num_layers=24, num_heads=64,
+                                                 feed_forward_proj="gated-gelu",
+                                                 relative_attention_num_buckets=32,
+                                                 relative_attention_max_distance=128,
+                                                 decoder_start_token_id=0, pad_token_id=0,
+                                                 eos_token_id=1)),
+    "vae": ComponentShape("diffusers", "AutoencoderKL", config=dict(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
+        layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+        use_post_quant_conv=False)),
+}
 DISTILLED_STEPS = 4  # schnell: timestep-distilled, no guidance embedding
 
 
@@ -62,5 +86,6 @@ FLUX = Family(
     sp_hooks="ditserve.engine.pipelines.flux_sp:attach",
     builders="ditserve.engine.builders.flux",
     dit_sizes={"flux": DIT_SIZES},  # FLUX.1-dev
+    released_components={"flux": RELEASED_COMPONENTS},
     defaults=defaults,
 )

@@ -10,7 +10,7 @@ lazily: the step pipeline (``engine.pipelines.flux_kontext``), the sequence-para
 from __future__ import annotations
 
 from ditserve.engine.families.base import Family
-from ditserve.engine.families.flux import DIT_SIZES, FLUX
+from ditserve.engine.families.flux import DIT_SIZES, FLUX, RELEASED_COMPONENTS
 
 FLUX_KONTEXT = Family(
     name="flux-kontext", label="FluxKontext", pipeline_class="FluxKontextPipeline",
@@ -23,4 +23,6 @@ FLUX_KONTEXT = Family(
     sp_hooks=FLUX.sp_hooks,
     builders="ditserve.engine.builders.flux_kontext",
     dit_sizes={"flux-kontext": DIT_SIZES},  # FLUX.1-Kontext-dev: Flux.1's DiT
+    # Kontext has no image encoder: the source image goes through Flux's VAE.
+    released_components={"flux-kontext": RELEASED_COMPONENTS},
 )

@@ -16,7 +16,7 @@ loader does not build diffusers' ``Qwen2VLProcessor`` (``self_loaded``).
 from __future__ import annotations
 
 from ditserve.engine.families.base import Family
-from ditserve.engine.families.qwen_image import DIT_SIZES, QWEN_IMAGE
+from ditserve.engine.families.qwen_image import DIT_SIZES, QWEN_IMAGE, RELEASED_COMPONENTS
 
 QWEN_IMAGE_EDIT = Family(
     name="qwen-image-edit", label="QwenImageEdit", pipeline_class="QwenImageEditPipeline",
@@ -30,4 +30,6 @@ QWEN_IMAGE_EDIT = Family(
     sp_hooks=QWEN_IMAGE.sp_hooks,
     builders="ditserve.engine.builders.qwen_image_edit",  # both layouts
     dit_sizes={"qwen-image-edit": DIT_SIZES},  # Qwen-Image-Edit: Qwen-Image's 20B DiT
+    # Qwen-Image's text encoder (Qwen2.5-VL-7B, its vision tower included) and VAE.
+    released_components={"qwen-image-edit": RELEASED_COMPONENTS},
 )

@@ -23,4 +23,5 @@ QWEN_IMAGE_EDIT_PLUS: Family = dataclasses.replace(
     loader_version="qwen-image-edit-plus-loader-1",
     step_pipeline="ditserve.engine.pipelines.qwen_image_edit:QwenImageEditPlusStepPipeline",
     dit_sizes={"qwen-image-edit-plus": QWEN_IMAGE.dit_sizes["qwen-image"]},
+    released_components={"qwen-image-edit-plus": QWEN_IMAGE.released_components["qwen-image"]},
 )

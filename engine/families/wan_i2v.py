@@ -15,9 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ditserve.engine.families.base import Family
+from ditserve.engine.families.base import ComponentShape, Family
 from ditserve.engine.families.defaults import pipeline_video
-from ditserve.engine.families.wan import TI2V_SIZES, WAN, WAN21_SIZES
+from ditserve.engine.families.wan import (
+    TI2V_SIZES,
+    UMT5_XXL,
+    WAN,
+    WAN21_COMPONENTS,
+    WAN21_SIZES,
+    WAN22_VAE,
+)
 
 _I2V = dict(in_channels=36, out_channels=16)
 DIT_SIZES: dict[str, dict[str, Any]] = {
@@ -26,6 +33,12 @@ DIT_SIZES: dict[str, dict[str, Any]] = {
                   added_kv_proj_dim=512),
     "tiny": dict(WAN21_SIZES["tiny"], **_I2V, image_dim=32, added_kv_proj_dim=24),
 }
+# Wan2.1-I2V-14B-480P's image encoder: CLIP ViT-H/14's vision tower (~630M parameters).
+CLIP_VIT_H = ComponentShape("transformers", "CLIPVisionModel", config_class="CLIPVisionConfig",
+                            config=dict(hidden_size=1280, intermediate_size=5120,
+                                        num_hidden_layers=32, num_attention_heads=16,
+                                        image_size=224, patch_size=14, projection_dim=1024,
+                                        hidden_act="gelu"))
 TI2V_I2V = "wan2.2-ti2v-i2v"  # the variant without an image encoder
 
 WAN_I2V = Family(
@@ -42,5 +55,7 @@ WAN_I2V = Family(
     builders="ditserve.engine.builders.wan_i2v",
     # Wan2.1-I2V-14B-480P; Wan2.2-TI2V-5B as image-to-video
     dit_sizes={"wan-i2v": DIT_SIZES, TI2V_I2V: TI2V_SIZES},
+    released_components={"wan-i2v": {**WAN21_COMPONENTS, "image_encoder": CLIP_VIT_H},
+                         TI2V_I2V: {"text_encoder": UMT5_XXL, "vae": WAN22_VAE}},
     defaults=pipeline_video,
 )

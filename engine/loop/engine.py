@@ -51,7 +51,7 @@ from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.scheduler import StepScheduler
 from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.loader import model_family
-from ditserve.engine.work import with_budget
+from ditserve.engine.work import ResolvedScheduling
 
 __all__ = [
     "DiffusionEngine", "EngineObserver", "EnginePhase", "EngineStats", "GenerationResult",
@@ -85,7 +85,8 @@ class DiffusionEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         # The step budget, when unset, is max_num_seqs requests of the family's usual size.
-        scheduler = with_budget(config.scheduler, _served_family(config.model))
+        scheduler = ResolvedScheduling.for_family(config.scheduler,
+                                                  _served_family(config.model))
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
@@ -231,16 +232,6 @@ class DiffusionEngine:
         if self.runner is not None:  # what the served model's step cache can do
             self.runner.step_cache.check(params.step_cache)
         return params
-
-    def submit(
-        self,
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        on_event: Callable[[RequestEvent], None] | None = None,
-    ) -> RequestHandle:
-        """The server's name for ``add_request`` (``engine.client.EngineClient.submit``)."""
-        return self.add_request(params, request_id=request_id, on_event=on_event)
 
     def add_request(
         self,

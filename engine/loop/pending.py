@@ -8,19 +8,18 @@ the request API adds and removes, the step loops take admitted requests out as
 
 from __future__ import annotations
 
-from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.loop.results import EngineStats, RequestHandle
 from ditserve.engine.request import NewRequest
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
-from ditserve.engine.work import RequestWork
+from ditserve.engine.work import RequestWork, ResolvedScheduling
 
 
 class PendingRequests:
     """Handles by request id, the replica's queues, and counters (see module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, ranks: int) -> None:
+    def __init__(self, config: ResolvedScheduling, ranks: int) -> None:
         self.queues = RankQueues(config, ranks)
         self._handles: dict[str, RequestHandle] = {}
         self._steps_run = 0

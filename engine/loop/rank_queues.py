@@ -20,17 +20,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import DeadlineError, QueueFullError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import DEFAULT_WORK_RULE, StepScheduler
-from ditserve.engine.work import RequestWork
+from ditserve.engine.work import RequestWork, ResolvedScheduling
 
 
 class RankQueues:
     """The shared queue and the per-rank schedulers of one replica (see module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, ranks: int, *,
+    def __init__(self, config: ResolvedScheduling, ranks: int, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_queue = config.max_queue
         self.clock = clock

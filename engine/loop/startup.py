@@ -20,6 +20,7 @@ from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
 from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
 from ditserve.engine.scheduler import StepScheduler
+from ditserve.engine.work import ResolvedScheduling
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,14 @@ def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int
     work = {}
     for rank in range(executor.num_ranks):
         # Every warm-up request in one step, whatever the work budget: the compile must see
-        # the batch of ``requests``.
-        scheduler = StepScheduler(replace(config.scheduler, max_batch_tokens=2**62))
+        # the batch of ``requests``, so the budget is exactly their work.
+        request_work = executor.runner.work_rule.of(params)
+        everyone = replace(config.scheduler, max_num_seqs=max(requests, 1),
+                           max_batch_tokens=max(requests * request_work.tokens, 1))
+        scheduler = StepScheduler(ResolvedScheduling.for_family(everyone))
         ids = [f"warmup-{rank}-{i}" for i in range(requests)]
         for rid in ids:
-            scheduler.add(rid, params)
+            scheduler.add(rid, params, request_work)
         work[rank] = RankWork(scheduler.schedule(), tuple(NewRequest(rid, params, 0)
                                                           for rid in ids))
     outputs = executor.step(work)

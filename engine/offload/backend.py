@@ -37,6 +37,7 @@ from torch import nn
 from ditserve.engine.config import OffloadConfig, format_problems, offload_problems
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload import builders, pairing
+from ditserve.engine.offload.accounting import host_accounting
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle
 from ditserve.engine.offload.host.weight_plan import HostWeightPlan
@@ -182,6 +183,10 @@ def _log_enabled(handle: OffloadHandle) -> None:
         _fmt_bytes(r.host.host_bytes),
         r.transfer.name,
     )
+    accounting = host_accounting(r)
+    log.info("%s", accounting.summary())
+    for problem in accounting.problems:
+        log.warning("DLO host memory: %s", problem)
 
 
 def _fmt_bytes(n: int) -> str:

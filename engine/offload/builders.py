@@ -109,6 +109,10 @@ def split_model(
     resident = [t for t in list(model.parameters()) + list(model.buffers())
                 if id(t) not in in_blocks]
     budget = config.hbm_budget_gib
+    if isinstance(budget, str):  # "auto" is the engine planner's to resolve (budget_plan)
+        raise OffloadError(
+            f"offload.hbm_budget_gib={budget!r} reaches enable_offload unresolved; the engine "
+            "resolves auto to the device's free HBM - pass a number of GiB here")
     plan = build_plan(
         specs,
         resident_layers=config.resident_layers,

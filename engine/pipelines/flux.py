@@ -17,7 +17,7 @@ import torch
 
 from ditserve.engine.families import FLUX
 from ditserve.engine.pipeline_defaults import call_defaults
-from ditserve.engine.request import ModelLimits
+from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import FlowMatchEulerSampler
 
@@ -66,20 +66,35 @@ class FluxStepPipeline:
         self._txt_ids: torch.Tensor | None = None
 
     # -- encode ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def _encode_prompt(self, prompt: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, L, D) T5 sequence embeddings and (1, P) CLIP pooled embeddings."""
+        return self._encode_prompts([prompt], length)[0]
+
+    @torch.inference_mode()
+    def _encode_prompts(self, prompts: list[str], length: int,
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``_encode_prompt`` of each prompt, in one pass of each encoder: both pad every
+        prompt to a fixed length (CLIP's 77, T5's ``length``) and Flux passes no attention
+        mask, so a row's embedding does not depend on the other rows."""
         clip_ids = self.tokenizer(
-            [prompt], padding="max_length", max_length=self.clip_max_length,
+            prompts, padding="max_length", max_length=self.clip_max_length,
             truncation=True, return_tensors="pt",
         ).input_ids
         pooled = self.text_encoder(self._upload(clip_ids), output_hidden_states=False).pooler_output
         t5_ids = self.tokenizer_2(
-            [prompt], padding="max_length", max_length=length,
+            prompts, padding="max_length", max_length=length,
             truncation=True, return_tensors="pt",
         ).input_ids
         seq = self.text_encoder_2(self._upload(t5_ids), output_hidden_states=False)[0]
-        return seq.to(self.dtype), pooled.to(self.dtype)
+        seq, pooled = seq.to(self.dtype), pooled.to(self.dtype)
+        if len(prompts) == 1:
+            return [(seq, pooled)]
+        # Own storage per row: a cached row must not keep the whole batch alive.
+        return [(seq[i:i + 1].clone(), pooled[i:i + 1].clone()) for i in range(len(prompts))]
+
+    def text_prompts(self, params: SamplingParams) -> list[str]:
+        """The prompts ``prepare_encode`` encodes for ``params`` (the batched encode's input)."""
+        return [params.prompt] + ([params.negative_prompt or ""] if params.uses_true_cfg else [])
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device without a host sync: a copy from pageable memory blocks

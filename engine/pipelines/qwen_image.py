@@ -23,7 +23,7 @@ from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
-from ditserve.engine.request import ModelLimits
+from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import FlowMatchEulerSampler
 
@@ -76,22 +76,36 @@ class QwenImageStepPipeline:
         self._latents_mean, self._latents_inv_std = latent_statistics(self.vae, device)
 
     # -- encode ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def _encode_prompt(self, prompt: str, length: int) -> torch.Tensor:
         """(1, L, D) text tokens: Qwen2.5-VL's last hidden states after the template prefix."""
+        return self._encode_prompts([prompt], length)[0]
+
+    @torch.inference_mode()
+    def _encode_prompts(self, prompts: list[str], length: int) -> list[torch.Tensor]:
+        """``_encode_prompt`` of each prompt in one encoder pass. The batch is padded on the
+        right to its longest prompt; the encoder is causal, so a prompt's tokens never see
+        the padding after them, and each row keeps only its own tokens (by its mask, as
+        diffusers' ``_extract_masked_hidden``) - the lengths differ per prompt."""
         tokens = self.tokenizer(
-            [self.template.format(prompt)],
+            [self.template.format(p) for p in prompts],
             max_length=self.tokenizer_max_length + self.template_drop,
-            padding=True, truncation=True, return_tensors="pt",
+            padding=True, truncation=True, return_tensors="pt", padding_side="right",
         )
         out = self.text_encoder(
             input_ids=upload(tokens.input_ids, self.device),
             attention_mask=upload(tokens.attention_mask, self.device),
             output_hidden_states=True,
         )
-        # One prompt, so no padding: every token is real and the length is known on the host.
-        hidden = out.hidden_states[-1][:, self.template_drop:]
-        return hidden[:, :length].to(self.text_encoder.dtype)
+        hidden = out.hidden_states[-1].to(self.text_encoder.dtype)
+        # Host tensors: each row's own length without a device sync.
+        lengths = tokens.attention_mask.sum(dim=1).tolist()
+        rows = [hidden[i:i + 1, self.template_drop:int(n)][:, :length]
+                for i, n in enumerate(lengths)]
+        return rows if len(prompts) == 1 else [row.clone() for row in rows]
+
+    def text_prompts(self, params: SamplingParams) -> list[str]:
+        """The prompts ``prepare_encode`` encodes for ``params`` (the batched encode's input)."""
+        return [params.prompt] + ([params.negative_prompt or ""] if params.uses_true_cfg else [])
 
     def limits(self) -> ModelLimits:
         """QwenEmbedRope's table holds ``len(pos_freqs)`` positions; it centres the image on

@@ -12,11 +12,12 @@ The rule of ``auto`` (docs/offload.md, "Whole pipeline"): tile only under DLO (r
 serving has the HBM for a whole decode and tiling changes pixels slightly) and only when a
 decoded frame is large: an image of at least 1024x1024 pixels, or a video frame above 480p
 (more than 832x480 pixels). ``on`` tiles every decode larger than one tile; ``off`` never.
+Under an HBM budget the runner decides from the budget instead (``runner.decode_batches``).
 
 Tiled decode is not bit-exact: tiles see less context at their borders and the seams are
 blended. ``tests/pipelines/test_vae_decode.py`` measures the difference on tiny models.
 
-Installed by ``engine.runner.whole_pipeline``, which wraps the pipeline's ``post_decode``.
+Used by ``engine.runner.decode_batches``, which sets the tiling around each decode call.
 """
 
 from __future__ import annotations

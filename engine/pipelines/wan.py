@@ -31,7 +31,7 @@ from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.wan_block import chunk_token_math
-from ditserve.engine.request import ModelLimits
+from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import SchedulerTrajectory
 from ditserve.engine.step_cache.rows import forward_rows
@@ -103,21 +103,35 @@ class WanStepPipeline:
         self._latents_mean, self._latents_inv_std = latent_statistics(self.vae, device)
 
     # -- encode ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def _encode_prompt(self, prompt: str, length: int) -> torch.Tensor:
         """(1, L, D) UMT5 states, zeroed past the prompt's own tokens (as diffusers)."""
+        return self._encode_prompts([prompt], length)[0]
+
+    @torch.inference_mode()
+    def _encode_prompts(self, prompts: list[str], length: int) -> list[torch.Tensor]:
+        """``_encode_prompt`` of each prompt in one encoder pass: every prompt is padded to
+        ``length`` with its attention mask, as alone, and zeroed past its own tokens."""
         tokens = self.tokenizer(
-            [self._prompt_clean(prompt)], padding="max_length",
+            [self._prompt_clean(p) for p in prompts], padding="max_length",
             max_length=length, truncation=True, add_special_tokens=True,
             return_attention_mask=True, return_tensors="pt",
         )
-        length = int(tokens.attention_mask.sum())  # host tensors: no device sync
+        lengths = tokens.attention_mask.sum(dim=1).tolist()  # host tensors: no device sync
         states = self.text_encoder(
             upload(tokens.input_ids, self.device), upload(tokens.attention_mask, self.device)
         ).last_hidden_state.to(self.text_encoder.dtype)
         embeds = torch.zeros_like(states)
-        embeds[:, :length] = states[:, :length]
-        return embeds.to(self.dtype)
+        for row, n in enumerate(lengths):
+            embeds[row, :int(n)] = states[row, :int(n)]
+        embeds = embeds.to(self.dtype)
+        return [embeds[i:i + 1] if len(prompts) == 1 else embeds[i:i + 1].clone()
+                for i in range(len(prompts))]
+
+    def text_prompts(self, params: SamplingParams) -> list[str]:
+        """The prompts ``prepare_encode`` encodes for ``params`` (the batched encode's input):
+        CFG whenever guidance > 1, as diffusers' pipeline."""
+        cfg = params.guidance_scale > 1.0
+        return [params.prompt] + ([params.negative_prompt or ""] if cfg else [])
 
     def limits(self) -> ModelLimits:
         """diffusers' WanRotaryPosEmbed holds ``rope_max_seq_len`` positions per axis, in

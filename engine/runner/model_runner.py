@@ -33,7 +33,7 @@ from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
-from ditserve.engine.runner.assembly import assemble
+from ditserve.engine.runner.assembly import assemble, resolve_device, weights_replaced
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
@@ -44,17 +44,6 @@ from ditserve.engine.weights.load import load_weights
 from ditserve.engine.work import WorkRule
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        from ditserve.engine.errors import ConfigError
-
-        raise ConfigError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    return device
 
 
 class ModelRunner:
@@ -95,7 +84,7 @@ class ModelRunner:
             sp_size=config.parallel.sequence_parallel_size,
             streams_from_mapping=(self.device.type == "cuda" and not sharded
                                   and config.offload.compress == "none"),
-            keep_private=_weights_replaced(config),
+            keep_private=weights_replaced(config),
             sharded=sharded,
         )
         components, host_plan = loaded.components, loaded.host_plan
@@ -108,6 +97,7 @@ class ModelRunner:
             raise
         self.pipeline: StepPipeline = built.pipeline
         self.adapters, self.offload = built.adapters, built.offload
+        self.budget = built.budget
         if host_plan is not None:
             # Exactly once: a plan that replaced the ordinary load must have been taken.
             host_plan.require_consumed()
@@ -120,7 +110,8 @@ class ModelRunner:
 
         # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
         self.whole = WholePipeline(self.pipeline, config, device=self.device,
-                                   offload_report=self.offload_report())
+                                   offload_report=self.offload_report(), inputs=built.inputs,
+                                   budget=built.budget)
         log.info("pipeline plan:\n%s", self.whole.plan_table())
         self._states: dict[str, DenoiseState] = {}
         # Wraps the blocks beneath every hook (offload, compile, SP): built after all of them.
@@ -222,8 +213,10 @@ class ModelRunner:
         for rid in plan.freed:
             self.drop(rid)
         self._encode_conditions(plan.encode)
-        for rid in plan.encode:
-            if rid not in out.failed:
+        encoding = [rid for rid in plan.encode if rid not in out.failed]
+        # The admitted requests' prompts in one encoder pass (cache misses only).
+        with self.whole.encoding([self._states[r] for r in encoding if r in self._states]):
+            for rid in encoding:
                 self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
         passes = self._collective_passes()
@@ -241,18 +234,7 @@ class ModelRunner:
             # still join every block's collective, exactly once per step like the others.
             self.offload.idle_pass()
             self._inflight.work_queued()
-        for rid in plan.decode:
-            if rid in out.failed:
-                continue
-            if not self._decodes:
-                self._pop(rid)  # the SP leader decodes this request
-                out.decoded.append(rid)
-                continue
-            if self._guarded(out, rid, "decode", self.pipeline.post_decode):
-                state = self._pop(rid)
-                assert state is not None
-                out.decoded.append(rid)
-                self._inflight.add_decode(rid, state.pixels)
+        self._decode([rid for rid in plan.decode if rid not in out.failed], out)
         for step in self._inflight.close():
             out.finished.update(step.decodes)
             if step.rows:
@@ -273,6 +255,25 @@ class ModelRunner:
             encode(states)
         except Exception:
             log.warning("batched conditioning encode failed; encoding per request", exc_info=True)
+
+    def _decode(self, rids: list[str], out: RunnerOutput) -> None:
+        """Decode the finished requests, same shapes batched (``WholePipeline.decode``); on
+        an SP follower only forget them (the group's leader decodes)."""
+        if not self._decodes:
+            for rid in rids:
+                self._pop(rid)
+            out.decoded.extend(rids)
+            return
+        missing = [rid for rid in rids if rid not in self._states]
+        out.failed.update({rid: "decode: request state missing" for rid in missing})
+        states = [self._states[rid] for rid in rids if rid not in missing]
+        failed = self.whole.decode(states) if states else {}
+        out.failed.update(failed)
+        for state in states:
+            if state.request_id not in failed:
+                self._pop(state.request_id)
+                out.decoded.append(state.request_id)
+                self._inflight.add_decode(state.request_id, state.pixels)
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""
@@ -341,10 +342,3 @@ class ModelRunner:
             # The previews' copies to the host are queued; they are read as soon as this step
             # returns. Only steps with a preview wait here (at most 3 per request).
             torch.cuda.current_stream(self.device).synchronize()
-
-
-def _weights_replaced(config: EngineConfig) -> str | None:
-    """Why the DiT's linear weights change after loading (then they load privately)."""
-    if config.quantization:
-        return f"--quantization {config.quantization} replaces the linears' weights"
-    return "--lora-fuse changes the linears' weights" if config.adapters.fuse else None

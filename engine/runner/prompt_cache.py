@@ -88,6 +88,11 @@ class PromptCache:
         self.hits += 1
         return found[0]
 
+    def note_hit(self) -> None:
+        """Count a hit served outside ``get`` (a prompt repeated within one batched encode)."""
+        if self.enabled:
+            self.hits += 1
+
     def put(self, key: Hashable, value: Any) -> None:
         """Keep ``value``, evicting the least recently used entries past either bound; a value
         larger than the whole byte bound is not kept."""
@@ -134,29 +139,42 @@ def _hashable(value: Any) -> Hashable:
     return value if isinstance(value, Hashable) else repr(value)
 
 
+def prompt_key(identity: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """The cache key of one ``_encode_prompt(*args, **kwargs)`` call; TypeError when an
+    argument cannot be keyed on (a tensor)."""
+    return (identity, _hashable(args), _hashable(kwargs))
+
+
 def install_prompt_cache(
     pipeline: Any,
     cache: PromptCache,
     *,
     encoders_on_device: Callable[[], AbstractContextManager[Any]] = nullcontext,
-) -> None:
+    staged: dict[Hashable, Any] | None = None,
+) -> Hashable:
     """Put ``cache`` in front of ``pipeline._encode_prompt`` (every family's per-prompt
-    encoder). ``encoders_on_device``: a context that places the text encoders on the device
-    for one encode (parking); entered only on a miss, so a hit moves no weights.
+    encoder); returns the encoders' identity that every key starts with.
+    ``encoders_on_device``: a context that places the text encoders on the device for one
+    encode (parking); entered only on a miss, so a hit moves no weights. ``staged``: results
+    of this step's batched encoder pass (``batched_encode``), served before the cache and
+    counted there already.
 
     Encoder outputs are never written in place by the pipelines (they are repeated, cat'ed or
     copied into padded rows), so one tensor may serve every request that asks for it."""
     original = pipeline._encode_prompt
     identity = encoder_identity(pipeline)
+    staged = {} if staged is None else staged
 
     @functools.wraps(original)
     def encode(*args: Any, **kwargs: Any) -> Any:
         try:
-            key: Hashable | None = (identity, _hashable(args), _hashable(kwargs))
+            key: Hashable | None = prompt_key(identity, args, kwargs)
         except TypeError:
             key = None  # an argument we cannot key on: encode, do not cache
         if key is not None:
-            hit = cache.get(key)
+            hit = staged.get(key)
+            if hit is None:
+                hit = cache.get(key)
             if hit is not None:
                 return hit
         with encoders_on_device():
@@ -166,3 +184,4 @@ def install_prompt_cache(
         return value
 
     pipeline._encode_prompt = encode
+    return identity

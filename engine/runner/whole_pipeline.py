@@ -7,15 +7,19 @@ Called once by the ModelRunner after the pipeline (and DLO, if on) is built. It
   ``--dlo-components dit`` (``component_placement.ParkedModules``);
 - puts the prompt-embedding cache in front of the pipeline's encoder (``prompt_cache``); a
   parked encoder visits the device only on a cache miss;
-- wraps ``post_decode`` so each decode tiles when ``--vae-tiling`` says so
-  (``pipelines.vae_decode``);
-- logs one table: each component, its bytes, where it lives, and the predicted HBM peak of
-  the weights.
+- encodes the prompts of a step's admitted requests in one encoder pass
+  (``batched_encode``);
+- decodes a step's finished requests batched by shape, whole or tiled by the budget
+  (``decode_batches``; ``--vae-tiling``);
+- logs one table: each component, its bytes, where it lives, the activations of each phase
+  and the predicted HBM peak against the budget (``budget_plan``, when
+  ``--dlo-hbm-budget-gib`` is set: the plan it chose).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +31,12 @@ from ditserve.engine.pipelines.vae_decode import (
     IMAGE_TILING_PIXELS,
     VIDEO_TILING_PIXELS,
     VaeTiling,
-    tiled_post_decode,
+    tiling_wanted,
 )
+from ditserve.engine.runner.batched_encode import BatchedEncode
+from ditserve.engine.runner.budget_plan import BudgetInputs, BudgetPlan, describe
 from ditserve.engine.runner.component_placement import ParkedModules, module_bytes
+from ditserve.engine.runner.decode_batches import DecodeBatches, DecodeRule
 from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS, PromptCache, install_prompt_cache
 
 log = logging.getLogger(__name__)
@@ -59,44 +66,68 @@ class WholePipeline:
     """The hooks and the plan of one ModelRunner's pipeline (see module docstring)."""
 
     def __init__(self, pipeline: Any, config: EngineConfig, *, device: torch.device,
-                 offload_report: dict[str, Any] | None) -> None:
+                 offload_report: dict[str, Any] | None, inputs: BudgetInputs | None = None,
+                 budget: BudgetPlan | None = None) -> None:
+        """inputs: the planner's inputs (sizes, activation estimates), None if unknown;
+        budget: the plan ``--dlo-hbm-budget-gib`` chose (None: no budget)."""
         self.pipeline = pipeline
         offload = config.offload.enabled
         encoders = {name: m for name in ENCODER_ATTRS
                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module)}
         self.parked: ParkedModules | None = None
-        if offload and config.offload.components == "all" and encoders:
+        if (offload and config.offload.components == "all" and encoders
+                and (budget is None or not budget.encoders_resident)):
             self.parked = ParkedModules(encoders, device=device)
         pipe = config.pipeline
         self.cache = PromptCache(max_entries=pipe.prompt_cache_size,
                                  max_bytes=int(pipe.prompt_cache_gib * GIB))
         self.plan: list[ComponentPlan] = [self._dit_row(pipeline, offload_report)]
         self.plan += [self._encoder_row(name, m) for name, m in encoders.items()]
+        staged: dict[Hashable, Any] = {}
+        identity = None
         if hasattr(pipeline, "_encode_prompt"):
-            install_prompt_cache(pipeline, self.cache, encoders_on_device=self._encoders_context)
+            identity = install_prompt_cache(pipeline, self.cache, staged=staged,
+                                            encoders_on_device=self._encoders_context)
         else:  # a pipeline without the per-prompt encoder hook: no cache, encoders as placed
             log.warning("%s has no _encode_prompt; the prompt cache is off",
                         type(pipeline).__name__)
+        self.encode = BatchedEncode(pipeline, self.cache, identity=identity, staged=staged,
+                                    encoders_on_device=self._encoders_context)
+        self.encode.enabled = self.encode.enabled and identity is not None
+        self.inputs, self.budget = inputs, budget
         self.tiling: VaeTiling | None = None
+        self.decoder: DecodeBatches | None = None
         vae = getattr(pipeline, "vae", None)
         if isinstance(vae, torch.nn.Module):
-            self._install_tiling(vae, pipe.vae_tiling, offload=offload)
-            self.plan.append(self._vae_row(vae, pipe.vae_tiling, offload=offload))
+            self._install_decode(vae, pipe.vae_tiling, offload=offload)
+            self.plan.append(self._vae_row(vae, pipe.vae_tiling))
 
     def _encoders_context(self) -> AbstractContextManager[Any]:
         return self.parked.on_device() if self.parked is not None else nullcontext()
 
-    def _install_tiling(self, vae: torch.nn.Module, mode: str, *, offload: bool) -> None:
-        if mode == "off" or (mode == "auto" and not offload):
-            return
-        try:
-            self.tiling = VaeTiling(vae)
-        except TypeError as e:
-            log.warning("--vae-tiling %s: %s; decoding whole", mode, e)
-            return
-        self.pipeline.post_decode = tiled_post_decode(
-            self.pipeline.post_decode, self.tiling, mode=mode, offload=offload,
-            video=self.pipeline.frame_step is not None)
+    def _install_decode(self, vae: torch.nn.Module, mode: str, *, offload: bool) -> None:
+        if mode != "off" and (mode == "on" or offload or self.budget is not None):
+            try:
+                self.tiling = VaeTiling(vae)
+            except TypeError as e:
+                log.warning("--vae-tiling %s: %s; decoding whole", mode, e)
+        room = None if self.budget is None else self.budget.decode_room
+        activations = 0 if self.inputs is None else self.inputs.denoise_activations
+        rule = DecodeRule(mode=mode, offload=offload, video=self.pipeline.frame_step is not None,
+                          room=room, batch_room=activations)
+        self.decoder = DecodeBatches(self.pipeline, self.tiling, rule, self.pipeline.post_decode)
+        # Previews and any single decode take the same rule.
+        self.pipeline.post_decode = self.decoder.one
+
+    def encoding(self, states: Sequence[Any]) -> AbstractContextManager[None]:
+        """Around a step's ``prepare_encode`` calls: their prompts in one encoder pass."""
+        return self.encode.step(states)
+
+    def decode(self, states: Sequence[Any]) -> dict[str, str]:
+        """Decode a step's finished requests; the failed ones' ids, and why."""
+        if self.decoder is None:
+            raise RuntimeError("the pipeline has no VAE to decode with")
+        return self.decoder.run(states)
 
     @staticmethod
     def _dit_row(pipeline: Any, report: dict[str, Any] | None) -> ComponentPlan:
@@ -118,17 +149,35 @@ class WholePipeline:
                                  "only to encode a prompt-cache miss", 0, size)
         return ComponentPlan(name, size, "resident", size)
 
-    def _vae_row(self, vae: torch.nn.Module, mode: str, *, offload: bool) -> ComponentPlan:
+    def _vae_row(self, vae: torch.nn.Module, mode: str) -> ComponentPlan:
         size = module_bytes(vae)
+        batched = "" if self.decoder is None or not self.decoder.batchable else \
+            ", same-shape decodes batched"
         if self.tiling is None:
             decode = "whole decode"
         elif mode == "on":
             decode = f"tiled decode ({self.tiling.tile_pixels}px tiles, sliced)"
+        elif self.budget is not None:
+            decode = (f"tiled decode when a whole one exceeds the budget's "
+                      f"{_size(self.budget.decode_room)} decode room "
+                      f"({self.tiling.tile_pixels}px tiles)")
         else:
             rule = (f"frames > {VIDEO_TILING_PIXELS} px" if self.pipeline.frame_step is not None
                     else f"images >= {IMAGE_TILING_PIXELS} px")
             decode = f"tiled decode for {rule} ({self.tiling.tile_pixels}px tiles)"
-        return ComponentPlan("vae", size, f"resident, {decode}", size)
+        return ComponentPlan("vae", size, f"resident, {decode}{batched}", size)
+
+    def memory_plan(self) -> BudgetPlan | None:
+        """The budget's plan, or the peak of today's placement (None: no estimates)."""
+        if self.budget is not None or self.inputs is None:
+            return self.budget
+        dit = self.plan[0].device_bytes
+        frames, height, width = self.inputs.decode_shape
+        rule = self.decoder.rule if self.decoder is not None else None
+        tiled = self.tiling is not None and rule is not None and tiling_wanted(
+            rule.mode, offload=rule.offload, height=height, width=width, video=frames > 1)
+        return describe(self.inputs, dit_bytes=dit, encoders_resident=self.parked is None,
+                        tiled=tiled)
 
     @property
     def predicted_weight_peak(self) -> int:
@@ -145,15 +194,39 @@ class WholePipeline:
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True))
                  + "  " + row[3] for row in rows]
-        lines.append(f"predicted HBM peak for weights: {_size(self.predicted_weight_peak)} "
-                     "(activations, cached prompt embeddings and allocator slack come on top)")
+        lines.append(f"predicted HBM peak for weights: {_size(self.predicted_weight_peak)}")
+        lines += _memory_lines(self.memory_plan())
         cache = self.cache
         lines.append("prompt cache: " + (f"{cache.max_entries} entries, "
                                          f"{_size(cache.max_bytes)}" if cache.enabled else "off"))
         return "\n".join(lines)
 
     def report(self) -> dict[str, Any]:
-        """The plan and the prompt cache's counters (for /ready and /metrics)."""
+        """The plan, the memory plan, the prompt cache's and the batched passes' counters
+        (for /ready and /metrics)."""
+        memory = self.memory_plan()
         return {"plan": [r.to_json() for r in self.plan],
                 "predicted_weight_peak_bytes": self.predicted_weight_peak,
-                "prompt_cache": self.cache.stats().to_json()}
+                "memory": None if memory is None else memory.to_json(),
+                "prompt_cache": self.cache.stats().to_json(),
+                "encode": {"passes": self.encode.passes, "prompts": self.encode.prompts},
+                "decode": {"calls": 0 if self.decoder is None else self.decoder.calls,
+                           "requests": 0 if self.decoder is None else self.decoder.decoded}}
+
+
+def _memory_lines(memory: BudgetPlan | None) -> list[str]:
+    """The plan table's activation and budget lines."""
+    if memory is None:
+        return ["activations: not estimated (the DiT has no block lists to plan with)"]
+    phases = ", ".join(f"{name} {_size(size)}" for name, size in memory.phases.items())
+    lines = [f"activations (estimated, per phase; the largest counts): {phases}",
+             f"predicted HBM peak: {_size(memory.predicted_peak)} "
+             f"+ {_size(memory.slack)} allocator slack"]
+    if memory.budget:
+        source = "auto: the device's free HBM" if memory.auto else "--dlo-hbm-budget-gib"
+        lines.append(f"HBM budget: {_size(memory.budget)} ({source}); the smallest this "
+                     f"pipeline can run in: {_size(memory.minimum)}; "
+                     f"{len(memory.resident_blocks)} DiT blocks resident, encoders "
+                     f"{'resident' if memory.encoders_resident else 'parked'}, decode "
+                     f"{'tiled' if memory.decode_tiled else 'whole'} at the planned size")
+    return lines

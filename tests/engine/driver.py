@@ -10,6 +10,7 @@ from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.work import ResolvedScheduling
 
 Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]
 
@@ -27,8 +28,8 @@ def drive(
     fail the run unless ``allow_failures``. ``config`` replaces the scheduler config made of
     ``max_num_seqs`` and ``max_bypass``; ``plans`` collects every step's plan.
     """
-    scheduler = StepScheduler(config or SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                        max_bypass=max_bypass))
+    scheduler = StepScheduler(ResolvedScheduling.for_family(config or SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                        max_bypass=max_bypass)))
     pending = dict(arrivals)
     results: dict[str, torch.Tensor] = {}
     batch_sizes: list[int] = []

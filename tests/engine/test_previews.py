@@ -12,6 +12,7 @@ from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.scheduler import StepScheduler
+from ditserve.engine.work import ResolvedScheduling
 
 
 @pytest.mark.parametrize(("steps", "partial", "expected"), [
@@ -36,7 +37,7 @@ WITH_PREVIEWS = SamplingParams(prompt="a fox", num_inference_steps=4, seed=3, nu
 
 def run_with_previews(runner) -> tuple[dict[int, torch.Tensor], torch.Tensor]:  # type: ignore[no-untyped-def]
     """Drive WITH_PREVIEWS to the end; its previews by step and its final pixels."""
-    scheduler = StepScheduler(SchedulerConfig(max_num_seqs=1))
+    scheduler = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)))
     scheduler.add("p", WITH_PREVIEWS)
     new = [NewRequest("p", WITH_PREVIEWS, 3)]
     previews: dict[int, torch.Tensor] = {}

@@ -10,6 +10,7 @@ from ditserve.engine.errors import QueueFullError
 from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.work import ResolvedScheduling
 
 
 def params() -> SamplingParams:
@@ -18,7 +19,7 @@ def params() -> SamplingParams:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_free_slots_count_as_room(ranks: int) -> None:
-    queues = RankQueues(SchedulerConfig(max_num_seqs=2), ranks=ranks)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2)), ranks=ranks)
     slots = 2 * ranks
     for i in range(slots + 1):  # a burst: nothing has been scheduled yet
         assert not queues.is_full(1), i
@@ -28,7 +29,7 @@ def test_free_slots_count_as_room(ranks: int) -> None:
 
 
 def test_running_requests_take_their_slots() -> None:
-    queues = RankQueues(SchedulerConfig(max_num_seqs=2), ranks=1)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2)), ranks=1)
     queues.add("a", params())
     queues.add("b", params())
     queues.schedulers[0].schedule()  # a and b start running

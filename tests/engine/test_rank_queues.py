@@ -9,6 +9,7 @@ from ditserve.engine.errors import QueueFullError
 from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import RunnerOutput
+from ditserve.engine.work import ResolvedScheduling
 
 
 def params(size: int = 64, steps: int = 2) -> SamplingParams:
@@ -26,7 +27,7 @@ def finish_step(queues: RankQueues, rank: int) -> list[str]:
 
 
 def test_one_rank_takes_everything_directly() -> None:
-    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=1)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)), ranks=1)
     for rid in "abc":
         queues.add(rid, params())
     assert [queues.rank_of(r) for r in "abc"] == [0, 0, 0]
@@ -34,7 +35,7 @@ def test_one_rank_takes_everything_directly() -> None:
 
 
 def test_shared_queue_fills_free_slots_least_loaded_first() -> None:
-    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=2)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)), ranks=2)
     for rid in "abcd":
         queues.add(rid, params())
     assert (queues.rank_of("a"), queues.rank_of("b")) == (0, 1)
@@ -44,7 +45,7 @@ def test_shared_queue_fills_free_slots_least_loaded_first() -> None:
 
 
 def test_a_freed_rank_takes_the_oldest_shared_request() -> None:
-    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=2)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)), ranks=2)
     queues.add("long", params(steps=100))
     queues.add("short", params(steps=1))
     queues.add("next", params(steps=1))
@@ -58,7 +59,7 @@ def test_a_shared_request_goes_to_a_rank_with_room_for_its_work() -> None:
     # Budget 100 tokens (16-pixel tokens: 128x128 is 64). Rank 0 runs a 128x128 request, rank
     # 1 a 64x64 one (16): another 128x128 request fits only rank 1's room, though both ranks
     # have a free batch slot and rank 0 would win the tie on load.
-    queues = RankQueues(SchedulerConfig(max_num_seqs=4, max_batch_tokens=100), ranks=2)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=4, max_batch_tokens=100)), ranks=2)
     queues.add("big", params(size=128))
     queues.add("small", params(size=64))
     assert (queues.rank_of("big"), queues.rank_of("small")) == (0, 1)
@@ -74,7 +75,7 @@ def test_a_shared_request_goes_to_a_rank_with_room_for_its_work() -> None:
 
 
 def test_same_shape_group_preferred_among_equally_loaded() -> None:
-    queues = RankQueues(SchedulerConfig(max_num_seqs=2), ranks=2)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2)), ranks=2)
     queues.add("small", params(size=64))
     queues.add("big", params(size=128))
     for rank in (0, 1):
@@ -85,7 +86,7 @@ def test_same_shape_group_preferred_among_equally_loaded() -> None:
 
 
 def test_shared_work_counts_only_where_it_fits() -> None:
-    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=2)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)), ranks=2)
     for rid in "abc":
         queues.add(rid, params())
     for rank in (0, 1):
@@ -94,7 +95,7 @@ def test_shared_work_counts_only_where_it_fits() -> None:
 
 
 def test_remove_frees_shared_and_handed_requests() -> None:
-    queues = RankQueues(SchedulerConfig(max_num_seqs=1), ranks=2)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)), ranks=2)
     for rid in "abc":
         queues.add(rid, params())
     assert queues.remove("c") is None and not queues.is_shared("c")
@@ -108,7 +109,7 @@ def test_remove_frees_shared_and_handed_requests() -> None:
 def test_queue_limit_counts_every_waiting_request_of_the_replica(ranks: int) -> None:
     # max_num_seqs 1: one step fills every rank's slot; then with one rank "a" waits, with two
     # "a" and "b" wait (shared or at their ranks); either way the bound counts all of them.
-    queues = RankQueues(SchedulerConfig(max_num_seqs=1, max_queue=ranks), ranks=ranks)
+    queues = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1, max_queue=ranks)), ranks=ranks)
     for rank in range(ranks):
         queues.add(f"running-{rank}", params())
     for scheduler in queues.schedulers:

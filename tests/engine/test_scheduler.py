@@ -7,6 +7,7 @@ import pytest
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.work import ResolvedScheduling
 
 
 def params(steps: int = 4, size: int = 64, **kw: object) -> SamplingParams:
@@ -26,7 +27,7 @@ def run_step(s: StepScheduler, fail: dict[str, str] | None = None) -> StepPlan:
 
 
 def test_fifo_admission_order_and_capacity() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=2, max_bypass=0))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2, max_bypass=0)))
     for rid in "abc":
         s.add(rid, params())
     plan = s.schedule()
@@ -36,7 +37,7 @@ def test_fifo_admission_order_and_capacity() -> None:
 
 
 def test_mixed_step_counts_share_a_batch_and_finish_in_step_order() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=4))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=4)))
     s.add("long", params(steps=5))
     s.add("short", params(steps=2))
     finished: list[str] = []
@@ -48,7 +49,7 @@ def test_mixed_step_counts_share_a_batch_and_finish_in_step_order() -> None:
 
 
 def test_late_arrival_joins_running_batch_at_a_different_step() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=4))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=4)))
     s.add("a", params(steps=4))
     run_step(s)
     run_step(s)
@@ -61,7 +62,7 @@ def test_late_arrival_joins_running_batch_at_a_different_step() -> None:
 
 
 def test_requests_of_different_shapes_share_a_step() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=4))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=4)))
     s.add("a", params(size=64, steps=3))
     run_step(s)
     s.add("wide", SamplingParams(prompt="p", height=64, width=128))
@@ -72,8 +73,8 @@ def test_requests_of_different_shapes_share_a_step() -> None:
 
 
 def budgeted(budget: int, *, max_num_seqs: int = 8, max_bypass: int = 8) -> StepScheduler:
-    return StepScheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_batch_tokens=budget,
-                                         max_bypass=max_bypass))
+    return StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=max_num_seqs, max_batch_tokens=budget,
+                                         max_bypass=max_bypass)))
 
 
 # With the default work rule (16-pixel tokens): 64x64 is 16 tokens, 128x128 is 64.
@@ -167,9 +168,9 @@ def test_bypass_bound_guarantees_the_head_is_admitted() -> None:
 def test_work_budget_fills_with_a_mix_of_small_and_large_requests() -> None:
     # 16384 tokens per step (the default at max_num_seqs 4: four 1024x1024 images of 4096
     # tokens); a 512x512 image is 1024 tokens, so small requests fill around large ones.
-    s = StepScheduler(SchedulerConfig(max_num_seqs=16, max_batch_tokens=16384))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=16, max_batch_tokens=16384)))
     # Unset, the budget scales with max_num_seqs: that many of the family's usual requests.
-    assert StepScheduler(SchedulerConfig(max_num_seqs=16)).config.max_batch_tokens == 16 * 4096
+    assert StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=16))).config.max_batch_tokens == 16 * 4096
     sizes = {"l0": 1024, "s0": 512, "l1": 1024, "s1": 512, "l2": 1024, "s2": 512,
              "s3": 512, "l3": 1024, "s4": 512}
     for rid, size in sizes.items():
@@ -181,7 +182,7 @@ def test_work_budget_fills_with_a_mix_of_small_and_large_requests() -> None:
 
 
 def test_max_num_seqs_caps_requests_whatever_their_work() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=2))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2)))
     for rid in "abc":
         s.add(rid, params(size=64))  # 16 tokens each, far below the budget
     assert s.schedule().encode == ("a", "b")
@@ -210,7 +211,7 @@ def test_explicit_work_overrides_the_default_rule() -> None:
 
 
 def test_abort_waiting_and_running() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=1))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)))
     s.add("a", params(steps=3))
     s.add("b", params(steps=3))
     run_step(s)
@@ -223,7 +224,7 @@ def test_abort_waiting_and_running() -> None:
 
 
 def test_failed_request_fails_alone() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=4))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=4)))
     s.add("ok", params(steps=2))
     s.add("bad", params(steps=2))
     plan = s.schedule()
@@ -235,7 +236,7 @@ def test_failed_request_fails_alone() -> None:
 
 
 def test_update_reports_finished_last() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=4))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=4)))
     s.add("one", params(steps=1))
     s.add("two", params(steps=2))
     plan = s.schedule()
@@ -246,7 +247,7 @@ def test_update_reports_finished_last() -> None:
 
 def test_output_handed_back_a_step_late_frees_the_slot_at_decode() -> None:
     # A GPU runner returns a step's decoded pixels with the next step's output.
-    s = StepScheduler(SchedulerConfig(max_num_seqs=1))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)))
     s.add("a", params(steps=1))
     s.add("b", params(steps=2))
     plan = s.schedule()
@@ -264,7 +265,7 @@ def test_output_handed_back_a_step_late_frees_the_slot_at_decode() -> None:
 
 
 def test_abort_while_decoding_frees_runner_state_and_ignores_late_output() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=2))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2)))
     s.add("a", params(steps=1))
     plan = s.schedule()
     s.update(plan, RunnerOutput(stepped=["a"], decoded=["a"]))
@@ -276,7 +277,7 @@ def test_abort_while_decoding_frees_runner_state_and_ignores_late_output() -> No
 
 
 def test_a_request_id_is_scheduled_once() -> None:
-    s = StepScheduler(SchedulerConfig(max_num_seqs=1))
+    s = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)))
     s.add("a", params())
     with pytest.raises(ValueError):
         s.add("a", params())

@@ -12,6 +12,7 @@ from ditserve.engine.errors import DeadlineError
 from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepPlan, StepScheduler
+from ditserve.engine.work import ResolvedScheduling
 
 
 class FakeClock:
@@ -28,7 +29,7 @@ def params(steps: int = 4, size: int = 64, **kw: object) -> SamplingParams:
 
 def scheduler(clock: FakeClock, *, policy: str = "priority", **kw: object) -> StepScheduler:
     config = SchedulerConfig(scheduling_policy=policy, **kw)  # type: ignore[arg-type]
-    return StepScheduler(config, clock=clock)
+    return StepScheduler(ResolvedScheduling.for_family(config), clock=clock)
 
 
 def run_step(s: StepScheduler, clock: FakeClock,
@@ -188,7 +189,7 @@ def measured(s: StepScheduler, clock: FakeClock, seconds: float) -> None:
 def test_a_deadline_the_estimate_cannot_meet_is_refused_at_admission() -> None:
     clock = FakeClock()
     config = SchedulerConfig(scheduling_policy="priority", max_batch_tokens=1024)
-    queues = RankQueues(config, 1, clock=clock)
+    queues = RankQueues(ResolvedScheduling.for_family(config), 1, clock=clock)
     s = queues.schedulers[0]
     assert s.estimate_s(params(steps=20)) is None  # nothing measured: nothing refused
     measured(s, clock, 2.0)
@@ -243,7 +244,7 @@ def test_fcfs_with_deadlines_behaves_like_fcfs_until_a_deadline_is_missed() -> N
 def test_data_parallel_shared_queue_hands_by_priority_and_to_a_rank_that_can_pause() -> None:
     clock = FakeClock()
     config = SchedulerConfig(scheduling_policy="priority", max_num_seqs=1)
-    queues = RankQueues(config, 2, clock=clock)
+    queues = RankQueues(ResolvedScheduling.for_family(config), 2, clock=clock)
     queues.add("batch-0", params(priority=1, steps=10))
     queues.add("batch-1", params(priority=2, steps=10))
     for s in queues.schedulers:  # both ranks busy
@@ -258,7 +259,7 @@ def test_data_parallel_shared_queue_hands_by_priority_and_to_a_rank_that_can_pau
     assert rank is not None
     plan = queues.schedulers[rank].schedule()
     assert plan.denoise == ("urgent",) and queues.schedulers[rank].num_paused == 1
-    fcfs = RankQueues(SchedulerConfig(max_num_seqs=1), 2, clock=clock)
+    fcfs = RankQueues(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1)), 2, clock=clock)
     for rid in ("a", "b"):
         fcfs.add(rid, params(priority=5))
     for s in fcfs.schedulers:

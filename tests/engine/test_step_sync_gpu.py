@@ -15,6 +15,7 @@ from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import StepScheduler
+from ditserve.engine.work import ResolvedScheduling
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +29,7 @@ def cuda_runner(tiny_model_dir):  # type: ignore[no-untyped-def]
 
 
 def test_no_step_syncs_and_pixels_come_back_a_step_late(cuda_runner) -> None:  # type: ignore[no-untyped-def]
-    scheduler = StepScheduler(SchedulerConfig(max_num_seqs=2))
+    scheduler = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2)))
     finished: dict[str, torch.Tensor] = {}
 
     def step(new: list[tuple[str, SamplingParams]]) -> list[str]:

@@ -11,7 +11,8 @@ from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import FLUX, WAN
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.work import DEFAULT_MAX_BATCH_TOKENS, FULL_IMAGE_TOKENS, WorkRule, with_budget
+from ditserve.engine.scheduler import StepScheduler
+from ditserve.engine.work import FULL_IMAGE_TOKENS, ResolvedScheduling, WorkRule
 
 
 def test_tokens_follow_the_token_grid_and_rows_the_family_cfg_rule() -> None:
@@ -35,13 +36,21 @@ def test_tokens_follow_the_token_grid_and_rows_the_family_cfg_rule() -> None:
 def test_budget_default_and_validation() -> None:
     # Unset, the budget is max_num_seqs requests of the served family's usual size.
     assert SchedulerConfig().max_batch_tokens is None
-    assert with_budget(SchedulerConfig(), FLUX).max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS
-    assert DEFAULT_MAX_BATCH_TOKENS == 4 * 4096
-    assert with_budget(SchedulerConfig(), None).max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS
+    resolve = ResolvedScheduling.for_family
+    assert resolve(SchedulerConfig(), FLUX).max_batch_tokens == 4 * FULL_IMAGE_TOKENS
+    assert resolve(SchedulerConfig(), None).max_batch_tokens == 4 * FULL_IMAGE_TOKENS
     wan_video = WorkRule(pixels_per_token=16, frame_step=4, cfg_rows="guidance").of(
         SamplingParams(prompt="p", height=480, width=832, num_frames=81, guidance_scale=5.0))
-    assert with_budget(SchedulerConfig(max_num_seqs=4), WAN).max_batch_tokens == 4 * wan_video.tokens
-    assert with_budget(SchedulerConfig(max_batch_tokens=7), WAN).max_batch_tokens == 7
+    assert resolve(SchedulerConfig(max_num_seqs=4), WAN).max_batch_tokens == 4 * wan_video.tokens
+    assert resolve(SchedulerConfig(max_batch_tokens=7), WAN).max_batch_tokens == 7
+    # Every other option passes through unchanged.
+    custom = SchedulerConfig(max_num_seqs=3, max_bypass=0, max_queue=None,
+                             scheduling_policy="priority", aging_s=5.0, max_preemptions=1)
+    resolved = resolve(custom, FLUX)
+    assert isinstance(resolved, SchedulerConfig)
+    assert (resolved.max_num_seqs, resolved.max_bypass, resolved.max_queue,
+            resolved.scheduling_policy, resolved.aging_s, resolved.max_preemptions) == (
+        3, 0, None, "priority", 5.0, 1)
     config = EngineConfig.from_mapping({"scheduler": {"max_batch_tokens": 65536}})
     assert config.scheduler.max_batch_tokens == 65536
     with pytest.raises(ConfigError, match="scheduler.max_batch_tokens must be an integer >= 1"):
@@ -92,3 +101,14 @@ def test_an_engine_budgets_for_the_family_it_serves(tmp_path) -> None:  # type: 
         for name, model in (("tiny flux", None), ("wan", str(wan)))
     }
     assert budgets == {"tiny flux": 4 * 4096, "wan": 4 * 2 * 32760}
+
+
+def test_a_scheduler_only_runs_with_a_resolved_budget() -> None:
+    # The budget depends on the served family: an unresolved config is a programming error,
+    # never a silent image-model default.
+    with pytest.raises(TypeError, match="ResolvedScheduling"):
+        StepScheduler(SchedulerConfig())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive token count"):
+        ResolvedScheduling(max_batch_tokens=0)
+    with pytest.raises(ValueError, match="positive token count"):
+        ResolvedScheduling()  # type: ignore[call-arg]

@@ -4,23 +4,16 @@ tiny DiTs, and the report carries the issue's step-time target. Timings are not 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "offload_conditioned.py"
+from test_bench_tools import load  # type: ignore[import-not-found]
 
 
 @pytest.mark.parametrize("model", ["qwen-image-edit", "wan-i2v"])
 def test_tiny_run_reports_the_step_time_target(model: str, tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_offload_conditioned", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load("offload_conditioned")
     assert bench.main(["--tiny", "--model", model, "--out", str(tmp_path), "--warmup", "0",
                        "--iters", "1", "--methods", "resident", "dlo"]) == 0
     result = json.loads((tmp_path / "offload_families.json").read_text())

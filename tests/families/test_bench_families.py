@@ -3,23 +3,15 @@ the report (cells, DLO facts, targets, table) is complete. Timings are not asser
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "offload_families.py"
+from test_bench_tools import load  # type: ignore[import-not-found]
 
 
 def load_bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_offload_families", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load("offload_families")
 
 
 @pytest.mark.parametrize(("model", "cells"), [

@@ -17,6 +17,7 @@ from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.scheduler import RunnerOutput
 from ditserve.engine.step_cache.spec import StepCacheSpec
+from ditserve.engine.work import ResolvedScheduling
 
 STEPS = 8
 TOLERANCE = 1e-4  # fp32 on CPU, decoded pixels in [0, 1] (as the batching tests)
@@ -160,7 +161,7 @@ def test_residuals_are_per_request_and_freed_when_it_ends(family_dir) -> None:  
         from ditserve.engine.config import SchedulerConfig
         from ditserve.engine.scheduler import StepScheduler
 
-        scheduler = StepScheduler(SchedulerConfig(max_num_seqs=2))
+        scheduler = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2)))
         for rid in ("a", "b"):
             scheduler.add(rid, p, runner.work_rule.of(p))
         new = [NewRequest("a", p, 1), NewRequest("b", p, 2)]

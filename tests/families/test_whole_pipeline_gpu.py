@@ -1,6 +1,8 @@
 """The whole pipeline on CUDA (run on the device machine): text encoders parked in pinned host
 memory give exactly the outputs of resident encoders, sit in host memory between encodes
-(no encoder weight left in HBM), and the prompt cache changes no output bit."""
+(no encoder weight left in HBM), and the prompt cache changes no output bit; under an HBM
+budget the measured peak stays under the planner's predicted peak (and the budget), and
+``auto`` keeps a model that fits resident."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.budget_plan import GIB, BudgetError
 from ditserve.engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
@@ -56,3 +59,47 @@ def test_parked_encoders_on_cuda_equal_resident(family_dir, variant: str) -> Non
     for rid in want:
         assert torch.equal(got[rid], want[rid]), rid
         assert torch.equal(cached[rid], want[rid]), rid
+
+
+def budget_runner(model: object, budget: float | str) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=str(model), device="cuda",
+                                    offload=OffloadConfig(enabled=True, hbm_budget_gib=budget),
+                                    pipeline=PipelineConfig(prompt_cache_gib=0.25)),
+                       model_dir=model)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("variant", ["flux", "qwen-image", "wan"])
+def test_measured_peak_stays_under_the_predicted_peak_at_the_smallest_budget(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
+    model = family_dir(variant)
+    with pytest.raises(BudgetError) as refused:
+        budget_runner(model, 0.01)
+    minimum = refused.value.minimum_bytes
+    r = budget_runner(model, minimum / GIB)  # the smallest budget it named: all streamed
+    try:
+        memory = r.pipeline_report()["memory"]
+        assert memory["resident_blocks"] == 0 and memory["encoders"] == "parked"
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        out, _ = drive(r, arrivals(r.frame_step is not None), max_num_seqs=2)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated()
+    finally:
+        r.close()
+    assert set(out) == {"a", "b"}
+    print(f"{variant}: budget {minimum / GIB:.3f} GiB, predicted peak "
+          f"{memory['predicted_peak_bytes'] / GIB:.3f} GiB, measured {measured / GIB:.3f} GiB")
+    assert measured <= memory["predicted_peak_bytes"]
+    assert measured + memory["slack_bytes"] <= minimum
+
+
+def test_auto_keeps_a_model_that_fits_resident(family_dir) -> None:  # type: ignore[no-untyped-def]
+    r = budget_runner(family_dir("flux"), "auto")
+    try:
+        memory, offload = r.pipeline_report()["memory"], r.offload_report()
+        out, _ = drive(r, arrivals(False), max_num_seqs=2)
+    finally:
+        r.close()
+    assert memory["auto"] and memory["budget_bytes"] > 0
+    assert offload is not None and offload["streamed_blocks"] == 0  # never slower than resident
+    assert memory["encoders"] == "resident" and memory["decode"] == "whole"
+    assert set(out) == {"a", "b"}

@@ -1,6 +1,6 @@
 """A pure-Python stand-in for DiffusionEngine, for in-process API tests (no torch).
 
-It implements the server's ``EngineClient`` (phase, facts, submit, abort, validate_params,
+It implements the server's ``EngineClient`` (phase, facts, add_request, abort, validate_params,
 stats, events; the observers as a constructor argument) and lets a test choose the outcome of each request:
 finish (with "preview" events for ``partial_images``), fail, hang (never finishes), or a full
 queue. Validation is the real ``SamplingParams.validate`` with the tiny model's rules. With a
@@ -79,7 +79,7 @@ class FakeEngine:
     def validate_params(self, params: Any) -> Any:
         return params.validate_for(self.limits)
 
-    def submit(self, params: Any, *, request_id: str | None = None,
+    def add_request(self, params: Any, *, request_id: str | None = None,
                on_event: Any = None) -> Any:
         self.validate_params(params)
         if self.outcome == "queue_full":

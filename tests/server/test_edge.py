@@ -75,7 +75,7 @@ def test_docs_are_on_by_default_and_a_flag_turns_them_off() -> None:
 
 
 class Exploding(FakeEngine):  # type: ignore[misc, valid-type]
-    def submit(self, params, **kwargs):  # type: ignore[no-untyped-def]
+    def add_request(self, params, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("secret internal detail")
 
 

@@ -1,7 +1,7 @@
 """VideoJobs: a video job's way through the engine, from admission to a stored MP4.
 
 ``create`` admits the job to the store (its bounds), then to the engine exactly as an image
-request is admitted (``engine.submit``: the same batch slots, queue bound and 429s;
+request is admitted (``engine.add_request``: the same batch slots, queue bound and 429s;
 the job id is the engine's request id), and answers at once. The engine's progress events
 move the job to ``in_progress`` and its progress up; when the engine's future resolves, an
 encoding thread writes the MP4 (``engine.video.mp4_bytes``) and publishes it atomically
@@ -45,13 +45,13 @@ class VideoJobs:
             max_workers=encode_threads, thread_name_prefix="ditserve-video-encode")
 
     def create(self, spec: VideoSpec, *, request_id: str) -> dict[str, Any]:
-        """Admit a job; raises StoreFull, then whatever ``engine.submit`` raises
+        """Admit a job; raises StoreFull, then whatever ``engine.add_request`` raises
         (QueueFullError, EngineStoppedError, InvalidRequestError). Returns its object as
         admitted (queued, as OpenAI answers; the engine may have begun it already)."""
         admitted = self.store.add(spec, request_id)
         job_id = admitted["id"]
         try:
-            handle = self.engine.submit(spec.params, request_id=job_id,
+            handle = self.engine.add_request(spec.params, request_id=job_id,
                                              on_event=partial(self._on_event, job_id))
         except BaseException:
             self.store.remove_unstarted(job_id)

@@ -51,7 +51,7 @@ def _admit(state: ServerState, engine_request_id: str, params: Any, on_event: An
            ) -> Any:
     check_admitting(state)
     try:
-        return state.engine.submit(params, request_id=engine_request_id,
+        return state.engine.add_request(params, request_id=engine_request_id,
                                         on_event=on_event)
     except ADMISSION_ERRORS as e:
         raise admission_error(state, e) from e

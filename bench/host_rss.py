@@ -1,0 +1,186 @@
+"""Host memory while an engine loads a pipeline (cold start), against issue 34's bound.
+
+The program starts a child process that loads the model exactly as ``ditserve serve`` would
+with the given engine flags (``ModelRunner``: the loader, DLO's host backing, the whole
+pipeline's placement), and samples the child's ``/proc/PID/status`` every ``--interval``
+seconds until it has loaded: ``VmRSS`` and its parts - ``RssAnon`` (private memory: pinned
+slabs, parked encoders, loading buffers), ``RssFile`` and ``RssShmem`` (pages of mapped
+files; a checkpoint under /dev/shm counts as shmem), shared with every process that maps the
+same file. The child also reports the kernel's own peak (``VmHWM``), the offload's host
+accounting (``engine.offload.accounting``: streamed, pinned and mapped bytes; a mapped
+checkpoint must not also be copied, pinned bytes stay <= 1.02x streamed) and the bytes of
+encoders parked in pinned host memory.
+
+The bound judged: the peak RSS above the process's baseline (torch imported, CUDA context
+up, nothing loaded) <= 1.15 x (pinned bytes: DLO's plus parked encoders') + the mapped
+checkpoint bytes (shared pages). ``--tiny`` runs it on the tiny Flux on a CPU (a smoke run:
+there the baseline dominates and the ratio means nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+BOUND = 1.15
+FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
+
+
+def read_status(pid: int) -> dict[str, int] | None:
+    """The memory fields of ``/proc/PID/status`` in bytes; None once the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in FIELDS:
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def child(args: argparse.Namespace) -> int:
+    """Load the engine's model runner, report what it holds, exit."""
+    import torch
+
+    from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+    from ditserve.engine.offload.accounting import host_accounting
+    from ditserve.engine.runner.model_runner import ModelRunner
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_options(parser, with_config_file=False)
+    config = engine_config_from_args(parser.parse_args(
+        [*shlex.split(args.flags), "--model", str(args.model_dir)]))
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")  # the CUDA context belongs to the baseline, not the load
+    baseline = read_status(os.getpid())
+    started = time.perf_counter()
+    runner = ModelRunner(config, model_dir=args.model_dir)
+    load_s = time.perf_counter() - started
+    out: dict[str, Any] = {"load_s": load_s, "status": read_status(os.getpid()),
+                           "baseline": baseline}
+    if runner.offload is not None:
+        accounting = host_accounting(runner.offload.snapshot())
+        out["accounting"] = {"streamed_bytes": accounting.streamed_bytes,
+                             "pinned_bytes": accounting.pinned_bytes,
+                             "mapped_bytes": accounting.mapped_bytes,
+                             "private_bytes": accounting.private_bytes,
+                             "pinned_ratio": accounting.pinned_ratio,
+                             "problems": list(accounting.problems)}
+    plan = runner.pipeline_report().get("plan", [])
+    out["parked_bytes"] = sum(int(row["bytes"]) for row in plan
+                              if str(row.get("lives", "")).startswith("parked"))
+    out["plan"] = plan
+    if torch.cuda.is_available():
+        stats = torch.cuda.host_memory_stats()
+        out["host_allocator_bytes"] = int(stats.get("allocated_bytes.all.current", 0))
+    Path(args.report).write_text(json.dumps(out))
+    runner.close()
+    return 0
+
+
+def measure(args: argparse.Namespace, model: Path, flags: str) -> dict[str, Any]:
+    """Run the child on ``model`` with ``flags``, sampling its memory; its report plus peaks."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "report.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model-dir",
+               str(model), "--flags", flags, "--report", str(report)]
+        proc = subprocess.Popen(cmd)
+        peaks: dict[str, int] = {}
+        samples = 0
+        while proc.poll() is None:
+            status = read_status(proc.pid)
+            if status is not None:
+                samples += 1
+                for key, value in status.items():
+                    peaks[key] = max(peaks.get(key, 0), value)
+            time.sleep(args.interval)
+        if proc.returncode != 0 or not report.is_file():
+            raise SystemExit(f"the loading child failed (exit {proc.returncode}): "
+                             f"{shlex.join(cmd)}")
+        out: dict[str, Any] = json.loads(report.read_text())
+    out |= {"flags": flags, "sampled_peaks": peaks, "samples": samples}
+    final = out.get("status") or {}
+    peak_rss = max(final.get("VmHWM", 0), peaks.get("VmRSS", 0))
+    acct = out.get("accounting") or {}
+    pinned = int(acct.get("pinned_bytes", 0)) + int(out["parked_bytes"])
+    mapped = int(acct.get("mapped_bytes", 0))
+    bound = BOUND * pinned + mapped
+    # What the load added: the peak above the process's RSS once torch (and CUDA) is up.
+    loaded = peak_rss - int((out.get("baseline") or {}).get("VmRSS", 0))
+    out |= {"peak_rss_bytes": peak_rss, "load_rss_bytes": loaded, "pinned_total_bytes": pinned,
+            "bound_bytes": bound, "ratio_to_bound": loaded / bound if bound else None}
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def gib(n: Any) -> str:
+        return "-" if n is None else f"{n / GIB:.2f}"
+
+    lines = ["| flags | streamed GiB | pinned GiB (DLO + parked) | mapped checkpoint GiB (shared)"
+             " | peak RSS GiB (above baseline) | peak anon GiB | peak file+shmem GiB | bound GiB"
+             " | load RSS / bound | accounting |", "|" + "---|" * 10]
+    for r in rows:
+        acct = r.get("accounting") or {}
+        peaks = r["sampled_peaks"]
+        ratio = r["ratio_to_bound"]
+        lines.append(" | ".join([
+            f"| `{r['flags']}`", gib(acct.get("streamed_bytes")),
+            f"{gib(acct.get('pinned_bytes', 0))} + {gib(r['parked_bytes'])}",
+            gib(acct.get("mapped_bytes")),
+            f"{gib(r['peak_rss_bytes'])} ({gib(r['load_rss_bytes'])})", gib(peaks.get("RssAnon")),
+            gib(peaks.get("RssFile", 0) + peaks.get("RssShmem", 0)), gib(r["bound_bytes"]),
+            "-" if ratio is None else f"{ratio:.2f}",
+            ("ok" if not acct.get("problems") else "; ".join(acct["problems"]))
+            if acct else "-"]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="a pipeline directory (e.g. from `ditserve model init-random`)")
+    p.add_argument("--flags", action="append", default=None,
+                   help="engine flags of one load (repeat for several; default "
+                        "'--offload dlo')")
+    p.add_argument("--interval", type=float, default=0.02, help="sampling period, seconds")
+    p.add_argument("--tiny", action="store_true", help="the tiny Flux on a CPU (a smoke run)")
+    p.add_argument("--out", type=Path, default=None, help="write host_rss.json and .md here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--report", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        args.flags = args.flags[0]
+        return child(args)
+    flag_sets = args.flags or ["--offload dlo"]
+    with tempfile.TemporaryDirectory() as scratch:
+        model = args.model_dir
+        if args.tiny:
+            from ditserve.engine.tiny_model import init_tiny
+
+            model = init_tiny(Path(scratch) / "tiny")
+            flag_sets = [f"{f} --device cpu --dtype float32" for f in flag_sets]
+        elif model is None:
+            p.error("--model-dir is required (or --tiny)")
+        rows = [measure(args, Path(model), flags) for flags in flag_sets]
+    text = table(rows)
+    print(text, flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host_rss.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "host_rss.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""One end-to-end request (encode, N steps, decode) of a full-size pipeline, under each
+placement of its components: the peak HBM and latency that issue 34's targets judge.
+
+Every component is at its released shape (``ditserve model init-random --size full``, built on
+the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB, Wan2.1
+~40 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
+and run through the public engine (``DiffusionEngine``: load, add_request, result), so what
+is measured is what ``ditserve serve`` would do with those flags:
+
+- ``resident``: everything on the device (``--offload none``);
+- ``dlo-resident-encoders``: DLO streams the DiT, encoders and VAE resident, whole decode
+  (``--offload dlo --dlo-components dit --vae-tiling off``): the latency baseline;
+- ``dlo-whole``: DLO governs the whole pipeline (``--offload dlo --dlo-components all
+  --vae-tiling auto``): encoders parked or streamed, VAE tiled as the engine plans.
+
+``--config NAME="FLAGS"`` replaces or adds one (e.g. ``dlo-whole="--offload dlo
+--dlo-hbm-budget-gib 3.5"``). Per configuration: one warm-up request (1 step), then requests
+of ``a`` and ``b`` steps, each with its own prompt (the prompt cache never hides an encode; the
+empty negative prompt is cached as in serving). Latency of an N-step request =
+fixed + N x per-step, with per-step = (lat_b - lat_a) / (b - a) and fixed = lat_a - a x
+per-step (encode, decode, admission); when b = N it is the measured lat_b. Peak HBM is
+``torch.cuda.max_memory_allocated`` (and reserved) over the two timed requests, weights
+included, next to the engine's own predicted peak (its printed plan, ``pipeline_report``). ``--size tiny`` runs the same program on the tiny models on a CPU (a smoke run:
+nothing judged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import harness
+import torch
+
+from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.errors import DitServeError
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.model_defaults import model_defaults
+
+GIB = 1 << 30
+CONFIGS = {
+    "resident": "--offload none",
+    "dlo-resident-encoders": "--offload dlo --dlo-components dit --vae-tiling off",
+    "dlo-whole": "--offload dlo --dlo-components all --vae-tiling auto",
+}
+BASELINE, WHOLE = "dlo-resident-encoders", "dlo-whole"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model's request: size, frames, the step count judged, the steps timed, CFG, and
+    the issue's bounds (peak HBM of the whole request; latency vs the baseline)."""
+
+    family: str
+    width: int
+    height: int
+    frames: int
+    steps: int
+    timed: tuple[int, int]
+    negative_prompt: str | None
+    peak_gib: float
+    latency_ratio: float
+
+
+WORKLOADS = {  # issue 34's targets
+    "flux": Workload("flux", 1024, 1024, 1, 28, (2, 28), None, 4.0, 1.03),
+    "qwen-image": Workload("qwen-image", 1024, 1024, 1, 50, (2, 10), "", 5.0, 1.03),
+    "wan": Workload("wan", 832, 480, 81, 50, (1, 3), "", 10.0, 1.02),
+}
+
+
+def engine_config(flags: str, model: Path, device: str, dtype: str) -> Any:
+    """An EngineConfig from engine flags, through the engine's own parser and validation."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_options(parser, with_config_file=False)
+    args = parser.parse_args([*shlex.split(flags), "--model", str(model), "--device", device,
+                              "--dtype", dtype])
+    return engine_config_from_args(args)
+
+
+def request(w: Workload, model: Path, prompt: str, steps: int) -> SamplingParams:
+    defaults = model_defaults(model)
+    return SamplingParams(prompt=prompt, negative_prompt=w.negative_prompt, height=w.height,
+                          width=w.width, num_frames=w.frames, num_inference_steps=steps,
+                          guidance_scale=defaults.guidance, true_cfg_scale=defaults.true_cfg,
+                          seed=0)
+
+
+def cuda_memory() -> dict[str, int]:
+    if not torch.cuda.is_available():
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(),
+            "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_reserved": torch.cuda.max_memory_reserved()}
+
+
+def run_config(name: str, flags: str, w: Workload, model: Path, args: argparse.Namespace,
+               ) -> dict[str, Any]:
+    from ditserve.engine.loop.engine import DiffusionEngine
+
+    harness.log(f"{name}: loading ({flags})")
+    started = time.perf_counter()
+    try:
+        engine = DiffusionEngine(engine_config(flags, model, args.device, args.dtype)).start()
+    except DitServeError as e:  # e.g. a budget the planner cannot meet: a result too
+        harness.log(f"{name}: refused at start: {e}")
+        return {"flags": flags, "refused": str(e)}
+    out: dict[str, Any] = {"flags": flags, "load_s": time.perf_counter() - started}
+    try:
+        out["weights_on_device"] = cuda_memory().get("allocated")
+        out["offload"] = _scalars(engine.offload_report())
+        # The engine's own plan: where each component lives, and its predicted HBM peak.
+        out["pipeline"] = engine.pipeline_report()
+        engine.add_request(request(w, model, f"{name} warm-up", 1)).result()
+        harness.sync()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        latencies = {}
+        for steps in args.timed:
+            t0 = time.perf_counter()
+            engine.add_request(request(w, model, f"{name} timed {steps}", steps)).result()
+            latencies[steps] = time.perf_counter() - t0
+            harness.log(f"{name}: {steps} steps in {latencies[steps]:.2f} s")
+        out["memory"] = cuda_memory()
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            out["left_allocated"] = torch.cuda.memory_allocated()
+    a, b = args.timed
+    per_step = (latencies[b] - latencies[a]) / (b - a)
+    out |= {"latency_s": {str(k): v for k, v in latencies.items()}, "step_s": per_step,
+            "fixed_s": latencies[a] - a * per_step,
+            "request_s": latencies[a] + (args.steps - a) * per_step}
+    return out
+
+
+def _scalars(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    return {k: v for k, v in report.items() if isinstance(v, (int, float, str, bool))}
+
+
+def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
+    runs = results["configs"]
+    out = []
+    whole, base = runs.get(WHOLE), runs.get(BASELINE)
+    whole = None if whole is None or "refused" in whole else whole
+    base = None if base is None or "refused" in base else base
+    if whole and whole.get("memory"):
+        peak = whole["memory"]["peak_allocated"] / GIB
+        out.append({"target": f"{WHOLE} peak HBM <= {w.peak_gib} GiB", "value": peak,
+                    "bound": w.peak_gib, "met": peak <= w.peak_gib})
+    if whole and base:
+        ratio = whole["request_s"] / base["request_s"]
+        out.append({"target": f"{WHOLE} latency <= {w.latency_ratio}x {BASELINE}",
+                    "value": ratio, "bound": w.latency_ratio, "met": ratio <= w.latency_ratio})
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    header = ("config", "flags", "peak HBM alloc GiB", "predicted GiB", "peak reserved GiB",
+              "step s",
+              "encode+decode s", f"request s ({results['steps']} steps)", "vs baseline")
+    base = results["configs"].get(BASELINE)
+    base = None if base is None or "refused" in base else base
+    rows = []
+    for name, r in results["configs"].items():
+        if "refused" in r:
+            rows.append((name, f"`{r['flags']}`", f"refused at start: {r['refused']}",
+                         *("-",) * 6))
+            continue
+        mem = r.get("memory") or {}
+        ratio = f"{r['request_s'] / base['request_s']:.3f}x" if base else "-"
+        memory_plan = (r.get("pipeline") or {}).get("memory") or {}
+        predicted = memory_plan.get("predicted_peak_bytes")
+        rows.append((name, f"`{r['flags']}`",
+                     f"{mem['peak_allocated'] / GIB:.2f}" if mem else "-",
+                     "-" if predicted is None else f"{predicted / GIB:.2f}",
+                     f"{mem['peak_reserved'] / GIB:.2f}" if mem else "-",
+                     f"{r['step_s']:.3f}", f"{r['fixed_s']:.2f}", f"{r['request_s']:.2f}",
+                     ratio))
+    lines = harness.md_table(header, rows)
+    for t in results["targets"]:
+        verdict = "not judged (tiny)" if results["size"] == "tiny" else (
+            "met" if t["met"] else "MISSED")
+        lines.append(f"- {t['target']}: {t['value']:.3f} (bound {t['bound']}) {verdict}")
+    return "\n".join(lines)
+
+
+def prepare_model(args: argparse.Namespace, scratch: Path) -> Path:
+    if args.size == "tiny":
+        from ditserve.engine.tiny_model import init_tiny
+
+        return init_tiny(scratch / f"tiny-{args.model}", family=args.model)
+    model = args.model_dir or Path(f"/dev/shm/ditserve-whole-{args.model}")
+    if not (model / "model_index.json").is_file():
+        from ditserve.engine.random_model import init_random
+
+        harness.log(f"building the full-size random {args.model} pipeline in {model} "
+                    "(every component at released shape, on the GPU)")
+        init_random(model, family=args.model, size="full", components="all", device="cuda")
+        gc.collect()
+        torch.cuda.empty_cache()  # the build's cached blocks would sit under every config
+    return model
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=tuple(WORKLOADS), required=True)
+    p.add_argument("--size", choices=("full", "tiny"), default="full",
+                   help="tiny: the tiny models on a CPU (a smoke run)")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="a full-size random pipeline (built here when missing; default "
+                        "/dev/shm/ditserve-whole-MODEL)")
+    p.add_argument("--configs", nargs="+", default=None,
+                   help=f"which configurations to run (default: all of {', '.join(CONFIGS)})")
+    p.add_argument("--config", action="append", default=[], metavar='NAME="FLAGS"',
+                   help="replace or add a configuration's engine flags")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the request's step count judged (default: the issue's)")
+    p.add_argument("--timed", type=int, nargs=2, default=None, metavar=("A", "B"),
+                   help="step counts of the two timed requests (default: the model's)")
+    p.add_argument("--out", type=Path, default=Path("out/whole-pipeline"))
+    args = p.parse_args(argv)
+    w = WORKLOADS[args.model]
+    tiny = args.size == "tiny"
+    args.steps = args.steps or (3 if tiny else w.steps)
+    args.timed = tuple(args.timed or ((1, 2) if tiny else w.timed))
+    if not 0 < args.timed[0] < args.timed[1]:
+        p.error("--timed A B needs 0 < A < B")
+    args.device, args.dtype = ("cpu", "float32") if tiny else ("cuda", "bfloat16")
+    args.flags = dict(CONFIGS)
+    for item in args.config:
+        name, sep, flags = item.partition("=")
+        if not sep:
+            p.error(f"--config {item!r}: write NAME=\"FLAGS\"")
+        args.flags[name] = flags
+    args.configs = args.configs or list(args.flags)
+    unknown = [c for c in args.configs if c not in args.flags]
+    if unknown:
+        p.error(f"unknown configuration(s) {', '.join(unknown)}; give their flags with --config")
+    if not tiny and not torch.cuda.is_available():
+        p.error("a full-size run needs a CUDA device (or --size tiny on a CPU)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    w = WORKLOADS[args.model]
+    if args.size == "tiny":  # the tiny models' own small sizes
+        w = Workload(w.family, 64, 64, 9 if w.frames > 1 else 1, args.steps, args.timed,
+                     w.negative_prompt, w.peak_gib, w.latency_ratio)
+    out_file = args.out / f"whole_pipeline_{args.model}_{args.size}.json"
+    with tempfile.TemporaryDirectory() as scratch:
+        model = prepare_model(args, Path(scratch))
+        results: dict[str, Any] = {
+            "environment": harness.environment(torch.device(args.device)),
+            "command": " ".join(sys.argv), "model": args.model, "size": args.size,
+            "request": f"{w.width}x{w.height}x{w.frames}, CFG "
+                       f"{'on' if w.negative_prompt is not None else 'off'}",
+            "steps": args.steps, "timed": list(args.timed), "configs": {}}
+        if out_file.is_file():  # configurations run by an earlier call stay
+            results["configs"] = json.loads(out_file.read_text()).get("configs", {})
+        for name in args.configs:
+            results["configs"][name] = run_config(name, args.flags[name], w, model, args)
+            results["targets"] = targets(results, w)
+            harness.write_json(out_file, results)
+    results["targets"] = targets(results, w)
+    harness.write_json(out_file, results)
+    text = table(results)
+    (args.out / f"whole_pipeline_{args.model}_{args.size}.md").write_text(text + "\n")
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""What each part of a loaded pipeline takes in HBM: the planner's inputs, read off the modules.
+
+Weights are counted exactly (the DiT's blocks as the offload lays them out, so the plan and
+the offload agree to the byte). Activations are estimates from the modules' configs, in
+multiples of the tensors they hold, calibrated on the H200 measurements in
+docs/benchmarks.md (they err on the large side):
+
+- denoise: ``DIT_HIDDEN_COPIES`` hidden states of the step's tokens at once (a Flux step at
+  b1 1024x1024 measured 0.49 GiB, 18.6 hidden states of its 4608 tokens; a Wan block with the
+  engine's sliced math 11);
+- encode: per prompt and encoder layer the hidden state, the feed-forward's gated pair and
+  the attention scores, plus every layer's hidden state (Qwen-Image reads them all);
+- VAE decode: ``*_DECODE_COPIES`` tensors of the full-resolution stage's width over one
+  chunk of output (a frame; Wan: the 4 frames one latent frame decodes to; its 832x480
+  decode measured 4.27 GiB against 4.57 estimated), plus the output and its float32 copies;
+  tiled, one tile's worth per row (sliced) plus the stored tiles and the output.
+
+Called by ``engine.runner.assembly`` (``budget_inputs``) and, per decode, by
+``engine.runner.decode_batches``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.offload.builders import block_tensors, slot_count
+from ditserve.engine.offload.discovery import discover
+from ditserve.engine.offload.plan import TensorSpec, layout_block
+from ditserve.engine.pipelines.vae_decode import DEFAULT_TILE_PIXELS
+from ditserve.engine.runner.budget_plan import BudgetInputs
+from ditserve.engine.runner.component_placement import module_bytes
+from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS
+from ditserve.engine.work import ResolvedScheduling
+
+DIT_HIDDEN_COPIES = 20
+IMAGE_DECODE_COPIES = 6  # AutoencoderKL's 2-D decoder
+VIDEO_DECODE_COPIES = 8  # Wan's causal 3-D decoder (and Qwen-Image's, built the same way)
+# The shape a video model's decode is planned for when nothing bounds it: Wan's own default.
+VIDEO_PLAN_SHAPE = (81, 480, 832)
+TEMPLATE_TOKENS = 64  # prompt templates (Qwen-Image's) on top of the text tokens
+
+
+def dit_blocks(transformer: torch.nn.Module, block_lists: Any) -> tuple[int, tuple[int, ...]]:
+    """(bytes outside the blocks, each block's laid-out bytes in call order)."""
+    found = discover(transformer, block_lists)
+    sizes = []
+    inside: set[int] = set()
+    for i, (name, module) in enumerate(found.blocks):
+        named = block_tensors(module)
+        inside.update(id(t) for _, t in named)
+        specs = [TensorSpec(n, t.dtype, t.element_size(), tuple(t.shape)) for n, t in named]
+        sizes.append(layout_block(i, name, specs).nbytes)
+    fixed = sum(t.numel() * t.element_size()
+                for t in (*transformer.parameters(), *transformer.buffers()) if id(t) not in inside)
+    return fixed, tuple(sizes)
+
+
+def _config_value(config: Any, *names: str) -> int:
+    for source in (config, getattr(config, "text_config", None)):
+        for name in names:
+            value = getattr(source, name, None)
+            if isinstance(value, int):
+                return value
+    return 0
+
+
+def encode_activation_bytes(encoder: torch.nn.Module, *, prompts: int, tokens: int) -> int:
+    """One pass of ``encoder`` over ``prompts`` prompts of ``tokens`` tokens each."""
+    cfg = getattr(encoder, "config", None)
+    width = _config_value(cfg, "d_model", "hidden_size") or 1024
+    ffn = _config_value(cfg, "d_ff", "intermediate_size") or 4 * width
+    heads = _config_value(cfg, "num_heads", "num_attention_heads") or 16
+    layers = _config_value(cfg, "num_layers", "num_hidden_layers") or 24
+    elem = next(encoder.parameters()).element_size()
+    per_prompt = tokens * elem * (8 * width + 4 * ffn + (layers + 1) * width)
+    scores = 3 * heads * tokens * tokens * 4  # float32 scores, softmax, dropout-free copy
+    return prompts * (per_prompt + scores)
+
+
+def _full_res_channels(vae: Any) -> int:
+    cfg = vae.config
+    if "block_out_channels" in cfg:  # AutoencoderKL: the tensor upsampled into full res
+        widths = list(cfg.block_out_channels)
+        return int(widths[1] if len(widths) > 1 else widths[0])
+    base = int(cfg.get("decoder_base_dim") or cfg.get("base_dim", 96))
+    mult = list(cfg.get("dim_mult", [1, 2]))
+    return base * int(mult[1] if len(mult) > 1 else mult[0])
+
+
+def decode_bytes(vae: Any, *, rows: int, frames: int, height: int, width: int,
+                 tiled: bool, tile_pixels: int = DEFAULT_TILE_PIXELS) -> int:
+    """Activation peak of one decode call of ``rows`` rows of (frames, height, width)."""
+    elem = next(vae.parameters()).element_size()
+    video = "block_out_channels" not in vae.config
+    chunk = int(vae.config.get("scale_factor_temporal") or 4) if video and frames > 1 else 1
+    copies = VIDEO_DECODE_COPIES if video else IMAGE_DECODE_COPIES
+    pixels = height * width
+    # decoded rows (elem), the cat of a video's frames (x2), float32 post-processing (x3)
+    output = rows * 3 * frames * pixels * (2 * elem + 3 * 4)
+    if tiled:
+        tile = min(pixels, tile_pixels * tile_pixels)
+        stored = math.ceil(rows * 3 * frames * pixels * elem * (4 / 3) ** 2)
+        return copies * _full_res_channels(vae) * tile * chunk * elem + stored + output
+    return rows * copies * _full_res_channels(vae) * pixels * chunk * elem + output
+
+
+def planned_shape(pipeline: Any) -> tuple[int, int, int]:
+    """(frames, height, width) the decode is planned for: one request of the family's usual
+    size (``Family.reference_work``: a 1024x1024 image; Wan's 832x480 x 81 frames)."""
+    if pipeline.frame_step is not None:
+        return VIDEO_PLAN_SHAPE
+    side = math.isqrt(int(pipeline.family.reference_work)) * int(pipeline.pixel_multiple)
+    return 1, side, side
+
+
+def _dit_width(transformer: torch.nn.Module) -> int:
+    """The DiT's hidden width (an expert stack's: its first expert's)."""
+    configs = (getattr(m, "config", None) for m in transformer.modules())
+    cfg: dict[str, Any] = next((c for c in configs if isinstance(c, dict)), {})
+    return int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
+
+
+def auto_budget(device: torch.device, *,
+                mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None,
+                memory_reserved: Callable[[torch.device], int] | None = None) -> int:
+    """``--dlo-hbm-budget-gib auto``: the device's free HBM plus what this process's allocator
+    already holds (the components placed so far are in the plan; its cached blocks are free
+    to reuse). The two readers default to torch.cuda's (tests pass fakes)."""
+    if device.type != "cuda":
+        raise ConfigError(
+            f"--dlo-hbm-budget-gib auto reads the free HBM of a CUDA device; {device} has none: "
+            "give a number of GiB, or run on a GPU")
+    free, _ = (mem_get_info or torch.cuda.mem_get_info)(device)
+    return int(free) + int((memory_reserved or torch.cuda.memory_reserved)(device))
+
+
+def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -> BudgetInputs:
+    """Everything ``plan_budget`` needs, measured off ``pipeline`` under ``config``."""
+    transformer = pipeline.transformer
+    fixed, blocks = dit_blocks(transformer, pipeline.block_lists)
+    sched = ResolvedScheduling.for_family(config.scheduler, pipeline.family)
+    text = int(getattr(pipeline, "max_text_tokens", None) or pipeline.max_sequence_length)
+    rows = 2 * sched.max_num_seqs  # with CFG every request brings a negative prompt's row
+    elem = next(transformer.parameters()).element_size()
+    denoise = (DIT_HIDDEN_COPIES * (sched.max_batch_tokens + rows * text)
+               * _dit_width(transformer) * elem)
+    encoders = tuple((name, m) for name in ENCODER_ATTRS
+                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module))
+    encode = max((encode_activation_bytes(m, prompts=rows, tokens=text + TEMPLATE_TOKENS)
+                  for _, m in encoders), default=0)
+    vae = pipeline.vae
+    frames, height, width = planned_shape(pipeline)
+    shape = {"rows": 1, "frames": frames, "height": height, "width": width}
+    can_tile = hasattr(vae, "enable_tiling")
+    return BudgetInputs(
+        dit_fixed=fixed, dit_blocks=blocks,
+        slots=slot_count(config.offload, len(blocks), group_size),
+        encoders=tuple((name, module_bytes(m)) for name, m in encoders),
+        parkable=config.offload.components == "all", encode_activations=encode,
+        vae=module_bytes(vae), decode_whole=decode_bytes(vae, tiled=False, **shape),
+        decode_tiled=decode_bytes(vae, tiled=True, **shape) if can_tile else None,
+        denoise_activations=denoise,
+        prompt_cache=int(config.pipeline.prompt_cache_gib * (1 << 30))
+        if config.pipeline.prompt_cache_size > 0 else 0,
+        vae_tiling=config.pipeline.vae_tiling, decode_shape=(frames, height, width))

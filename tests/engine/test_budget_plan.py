@@ -1,0 +1,118 @@
+"""The whole-pipeline HBM planner (engine.runner.budget_plan), pure: what a budget buys, in
+order (streamed minimum, resident DiT blocks, resident encoders, whole decode), the refusal
+naming the smallest budget, and how many same-shape decodes one VAE call takes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.runner.budget_plan import (
+    GIB,
+    MIB,
+    BudgetError,
+    BudgetInputs,
+    decode_batch,
+    plan_budget,
+    slack_bytes,
+)
+
+# Flux-like shapes: 19 double blocks of 680 MB, 38 single blocks of 283 MB.
+INPUTS = BudgetInputs(
+    dit_fixed=120 * MIB, dit_blocks=(680 * MIB,) * 19 + (283 * MIB,) * 38, slots=2,
+    encoders=(("text_encoder", 235 * MIB), ("text_encoder_2", 9 * GIB)), parkable=True,
+    encode_activations=400 * MIB, vae=160 * MIB, decode_whole=3 * GIB,
+    decode_tiled=700 * MIB, denoise_activations=2 * GIB, prompt_cache=GIB)
+
+
+def fits(plan) -> bool:  # type: ignore[no-untyped-def]
+    return plan.predicted_peak + slack_bytes(plan.predicted_peak) <= plan.budget
+
+
+def test_smallest_budget_is_met_and_one_byte_less_is_refused_with_it() -> None:
+    with pytest.raises(BudgetError) as refused:
+        plan_budget(INPUTS, 4 * GIB)
+    minimum = refused.value.minimum_bytes
+    # Streamed minimum: resident modules, two slots of the largest block, VAE, prompt
+    # cache; the largest phase is the encode (the parked encoders visit), then slack.
+    peak = 120 * MIB + 2 * 680 * MIB + 160 * MIB + GIB + 9 * GIB + 235 * MIB + 400 * MIB
+    assert minimum == peak + slack_bytes(peak)
+    assert isinstance(refused.value, ConfigError)  # reaches the operator like other errors
+    message = str(refused.value)
+    assert "--dlo-hbm-budget-gib (4.00 GiB) cannot hold the pipeline" in message
+    assert f"smallest budget it can run in is {-(-minimum * 100 // GIB) / 100:.2f} GiB" in message
+    assert "encode phase" in message
+    plan = plan_budget(INPUTS, minimum)
+    assert plan.resident_blocks == () and not plan.encoders_resident
+    # The parked encoders' visit sets the peak: a whole decode fits beneath it for free.
+    assert not plan.decode_tiled
+    assert fits(plan) and plan.minimum == minimum
+    with pytest.raises(BudgetError):
+        plan_budget(INPUTS, minimum - 1)
+
+
+def test_every_budget_above_the_minimum_fits_and_buys_blocks_first() -> None:
+    minimum = plan_budget(INPUTS, 200 * GIB).minimum
+    previous = -1
+    for budget in range(minimum, 60 * GIB, GIB // 2):
+        plan = plan_budget(INPUTS, budget)
+        assert fits(plan), budget
+        assert len(plan.resident_blocks) >= previous
+        previous = len(plan.resident_blocks)
+    assert previous == len(INPUTS.dit_blocks)
+
+
+def test_a_large_budget_keeps_everything_resident_and_decodes_whole() -> None:
+    plan = plan_budget(INPUTS, 80 * GIB)
+    assert len(plan.resident_blocks) == len(INPUTS.dit_blocks)
+    assert plan.held["dit slots"] == 0  # nothing streams, so no slot is needed
+    assert plan.encoders_resident and not plan.decode_tiled
+    assert plan.decode_room >= INPUTS.decode_whole
+    assert plan.predicted_peak == sum(plan.held.values()) + 3 * GIB  # the whole decode
+    assert plan.to_json()["encoders"] == "resident"
+
+
+def test_resident_blocks_are_spread_along_the_order() -> None:
+    plan = plan_budget(INPUTS, 25 * GIB)
+    kept = plan.resident_blocks
+    assert 0 < len(kept) < len(INPUTS.dit_blocks)
+    assert kept != tuple(range(len(kept)))  # not a leading run: copies keep overlapping
+
+
+def test_tiling_modes_change_the_minimum() -> None:
+    auto = plan_budget(INPUTS, 200 * GIB).minimum
+    off = dataclasses.replace(INPUTS, vae_tiling="off", encoders=(("t5", 100 * MIB),))
+    small = dataclasses.replace(INPUTS, encoders=(("t5", 100 * MIB),))
+    # With a small encoder the decode is the largest phase: whole decode costs more.
+    assert plan_budget(off, 200 * GIB).minimum > plan_budget(small, 200 * GIB).minimum
+    on = dataclasses.replace(INPUTS, vae_tiling="on")
+    assert plan_budget(on, 200 * GIB).decode_tiled
+    assert plan_budget(on, 200 * GIB).minimum == auto
+    untileable = dataclasses.replace(small, decode_tiled=None)
+    assert not plan_budget(untileable, 200 * GIB).decode_tiled
+
+
+def test_encoders_that_may_not_park_are_held_in_the_minimum() -> None:
+    resident = dataclasses.replace(INPUTS, parkable=False)
+    plan = plan_budget(resident, plan_budget(resident, 200 * GIB).minimum)
+    assert plan.encoders_resident and plan.held["encoders"] == 9 * GIB + 235 * MIB
+    assert plan.phases["encode"] == 400 * MIB
+
+
+def test_auto_budget_is_named_in_the_refusal() -> None:
+    with pytest.raises(BudgetError, match="the free HBM of the device"):
+        plan_budget(INPUTS, GIB, auto=True)
+
+
+def test_decode_batch_counts_same_shape_requests_per_call() -> None:
+    # Whole decodes while k of them fit the room; tiled and sliced when one does not.
+    assert decode_batch(10 * GIB, rows=1, whole_per_row=3 * GIB, tiled_per_row=GIB,
+                        tiling="auto", limit=8) == (3, False)
+    assert decode_batch(2 * GIB, rows=1, whole_per_row=3 * GIB, tiled_per_row=GIB,
+                        tiling="auto", limit=8) == (8, True)
+    assert decode_batch(2 * GIB, rows=1, whole_per_row=3 * GIB, tiled_per_row=GIB,
+                        tiling="off", limit=8) == (1, False)
+    assert decode_batch(10 * GIB, rows=2, whole_per_row=3 * GIB, tiled_per_row=None,
+                        tiling="auto", limit=1) == (1, False)

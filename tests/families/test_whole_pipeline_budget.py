@@ -1,0 +1,141 @@
+"""The whole pipeline under one HBM budget, on tiny CPU models (issue 34): the engine refuses
+a budget it cannot meet and names the smallest; a met budget is planned, printed and
+reported; ``auto`` reads the device's free HBM; the prompts of a step are encoded in one
+pass and same-shape decodes share one VAE call, each equal to doing it alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.runner.budget_plan import GIB, BudgetError
+from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.runner.memory_estimates import auto_budget
+from ditserve.engine.runner.model_runner import ModelRunner
+
+VARIANTS = ["flux", "qwen-image", "wan"]
+PROMPTS = ["a red fox in the snow", "", "a castle", "a very long prompt " * 6]
+# Batched encoder passes against one prompt per pass (the tiny float32 encoders): the
+# families pad and mask as alone, so only the matmuls' summation order may differ.
+ENCODE_TOLERANCE = 1e-5
+DECODE_TOLERANCE = 1e-5
+
+
+def budget_runner(model, budget: float | str, **pipeline):  # type: ignore[no-untyped-def]
+    config = EngineConfig(model=str(model), device="cpu",
+                          offload=OffloadConfig(enabled=True, hbm_budget_gib=budget),
+                          pipeline=PipelineConfig(**pipeline))
+    return ModelRunner(config, model_dir=model)
+
+
+def test_a_budget_below_the_smallest_is_refused_with_the_smallest(family_dir) -> None:  # type: ignore[no-untyped-def]
+    model = family_dir("flux")
+    with pytest.raises(BudgetError) as refused:
+        budget_runner(model, 0.25)
+    assert isinstance(refused.value, ConfigError)
+    minimum = refused.value.minimum_bytes
+    assert "--dlo-hbm-budget-gib (0.25 GiB) cannot hold the pipeline" in str(refused.value)
+    assert "prompt cache 1.00 GiB" in str(refused.value)  # the default bound counts
+    # The smallest budget named is met: the engine starts and plans under it.
+    r = budget_runner(model, minimum / GIB + 0.01)
+    try:
+        memory = r.pipeline_report()["memory"]
+        table = r.whole.plan_table()
+    finally:
+        r.close()
+    assert memory["budget_bytes"] >= minimum and memory["minimum_bytes"] == minimum
+    assert memory["predicted_peak_bytes"] + memory["slack_bytes"] <= memory["budget_bytes"]
+    assert "HBM budget:" in table and "the smallest this pipeline can run in" in table
+    assert "predicted HBM peak:" in table and "activations (estimated" in table
+
+
+def test_a_generous_budget_keeps_the_dit_and_encoders_resident(family_dir) -> None:  # type: ignore[no-untyped-def]
+    r = budget_runner(family_dir("flux"), 8.0, prompt_cache_gib=0.25)
+    try:
+        report, offload = r.pipeline_report(), r.offload_report()
+    finally:
+        r.close()
+    assert offload is not None and offload["streamed_blocks"] == 0
+    assert report["memory"]["resident_blocks"] == offload["blocks"]
+    rows = {row["name"]: row for row in report["plan"]}
+    assert rows["text_encoder_2"]["lives"] == "resident"
+    assert report["memory"]["encoders"] == "resident"
+
+
+def test_auto_reads_the_free_hbm_and_refuses_without_a_gpu(family_dir) -> None:  # type: ignore[no-untyped-def]
+    cuda = torch.device("cuda", 0)
+    budget = auto_budget(cuda, mem_get_info=lambda d: (40 * GIB, 80 * GIB),
+                         memory_reserved=lambda d: 2 * GIB)
+    assert budget == 42 * GIB  # free, plus what this process already holds
+    with pytest.raises(ConfigError, match="auto reads the free HBM of a CUDA device"):
+        budget_runner(family_dir("flux"), "auto")
+    assert EngineConfig.from_mapping(
+        {"offload": {"enabled": True, "hbm_budget_gib": "auto"}}).offload.hbm_budget_gib == "auto"
+    with pytest.raises(ConfigError, match="or 'auto'"):
+        EngineConfig.from_mapping({"offload": {"enabled": True, "hbm_budget_gib": "lots"}})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_encoder_pass_equals_one_pass_per_prompt(family_runner, variant: str) -> None:  # type: ignore[no-untyped-def]
+    pipeline = family_runner(variant).pipeline
+    length = int(pipeline.max_sequence_length)
+    batched = pipeline._encode_prompts(PROMPTS, length)
+    alone = [pipeline._encode_prompts([prompt], length)[0] for prompt in PROMPTS]
+    for got, want in zip(batched, alone, strict=True):
+        got_t = got if isinstance(got, tuple) else (got,)
+        want_t = want if isinstance(want, tuple) else (want,)
+        for g, w in zip(got_t, want_t, strict=True):
+            assert g.shape == w.shape  # Qwen-Image: each prompt keeps its own length
+            assert torch.allclose(g, w, rtol=0, atol=ENCODE_TOLERANCE), (g - w).abs().max()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_step_encodes_its_prompts_in_one_pass(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
+    from engine.driver import drive  # type: ignore[import-not-found]
+
+    extra = {"num_frames": 5} if variant == "wan" else {}
+    arrivals = {0: [(f"r{i}", SamplingParams(prompt=PROMPTS[i % 3], negative_prompt="blur",
+                                             true_cfg_scale=2.0, guidance_scale=3.0, seed=i,
+                                             num_inference_steps=2, height=32, width=32,
+                                             **extra)) for i in range(4)]}
+    r = ModelRunner(EngineConfig(model=str(family_dir(variant)), device="cpu"),
+                    model_dir=family_dir(variant))
+    try:
+        out, _ = drive(r, arrivals, max_num_seqs=4)
+        report = r.pipeline_report()
+    finally:
+        r.close()
+    assert set(out) == {"r0", "r1", "r2", "r3"}
+    # Three distinct prompts and the negative: one pass, four prompts, the rest hits.
+    assert report["encode"] == {"passes": 1, "prompts": 4}
+    assert report["prompt_cache"]["misses"] == 4 and report["prompt_cache"]["hits"] == 4
+    assert report["decode"] == {"calls": 1, "requests": 4}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_decode_call_equals_one_per_request(family_runner, variant: str) -> None:  # type: ignore[no-untyped-def]
+    r = family_runner(variant)
+    extra = {"num_frames": 5} if variant == "wan" else {}
+    states = []
+    for seed in (1, 2, 3):
+        params = SamplingParams(prompt="a fox", num_inference_steps=2, seed=seed, height=48,
+                                width=32, **extra)
+        state = DenoiseState(f"r{seed}", params, seed)
+        r.pipeline.prepare_encode(state)  # noise latents: every value range decodes
+        states.append(state)
+    alone = []
+    for state in states:
+        single = copy.copy(state)
+        r.pipeline.post_decode(single)
+        alone.append(single.pixels)
+    calls = r.whole.decoder.calls
+    assert r.whole.decode(states) == {}
+    assert r.whole.decoder.calls == calls + 1  # the three shared one VAE call
+    for state, want in zip(states, alone, strict=True):
+        assert state.pixels.shape == want.shape
+        assert torch.allclose(state.pixels, want, rtol=0, atol=DECODE_TOLERANCE)

@@ -1,0 +1,55 @@
+"""bench/whole_pipeline.py and bench/host_rss.py in their CPU modes: each configuration's
+engine flags go through the engine's own parser and one end-to-end request per timed step
+count runs through the public engine; host_rss samples a child that loads the engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from test_bench_tools import load  # type: ignore[import-not-found]
+
+
+def test_whole_pipeline_tiny_runs_each_configuration(tmp_path: Path) -> None:
+    bench = load("whole_pipeline")
+    assert bench.main(["--model", "flux", "--size", "tiny", "--out", str(tmp_path),
+                       "--configs", "dlo-resident-encoders", "dlo-whole",
+                       "--config", "dlo-whole=--offload dlo --vae-tiling on"]) == 0
+    result = json.loads((tmp_path / "whole_pipeline_flux_tiny.json").read_text())
+    runs = result["configs"]
+    assert set(runs) == {"dlo-resident-encoders", "dlo-whole"}
+    assert runs["dlo-whole"]["flags"] == "--offload dlo --vae-tiling on"
+    for run in runs.values():
+        assert set(run["latency_s"]) == {"1", "2"} and run["request_s"] > 0
+        assert run["offload"]["active"] is True  # DLO was on, as the flags said
+        assert {row["name"] for row in run["pipeline"]["plan"]} >= {"transformer", "vae"}
+    (target,) = result["targets"]  # no peak HBM on a CPU: the latency ratio only
+    assert target["bound"] == 1.03 and isinstance(target["met"], bool)
+    assert "dlo-whole" in (tmp_path / "whole_pipeline_flux_tiny.md").read_text()
+
+
+def test_whole_pipeline_tiny_wan_keeps_earlier_configurations(tmp_path: Path) -> None:
+    bench = load("whole_pipeline")
+    args = ["--model", "wan", "--size", "tiny", "--out", str(tmp_path)]
+    assert bench.main([*args, "--configs", "resident"]) == 0
+    assert bench.main([*args, "--configs", "dlo-whole", "auto-budget", "--config",
+                       "auto-budget=--offload dlo --dlo-hbm-budget-gib auto"]) == 0
+    result = json.loads((tmp_path / "whole_pipeline_wan_tiny.json").read_text())
+    assert set(result["configs"]) == {"resident", "dlo-whole", "auto-budget"}
+    # A configuration the engine refuses at start (auto needs CUDA) is recorded, not fatal.
+    assert "CUDA" in result["configs"]["auto-budget"]["refused"]
+    assert result["request"] == "64x64x9, CFG on"
+    assert result["configs"]["resident"]["offload"] is None
+
+
+def test_host_rss_tiny_samples_a_loading_child(tmp_path: Path) -> None:
+    bench = load("host_rss")
+    assert bench.main(["--tiny", "--flags", "--offload dlo", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "host_rss.json").read_text())
+    assert row["samples"] > 0 and row["peak_rss_bytes"] >= row["sampled_peaks"]["VmRSS"] > 0
+    assert row["baseline"]["VmRSS"] > 0 and row["load_rss_bytes"] >= 0
+    acct = row["accounting"]
+    assert acct["problems"] == [] and acct["private_bytes"] == 0  # streamed from the mapping
+    assert 0 < acct["mapped_bytes"] <= acct["streamed_bytes"]
+    assert acct["pinned_bytes"] <= 1.02 * acct["streamed_bytes"]
+    assert "peak RSS" in (tmp_path / "host_rss.md").read_text()
