@@ -7,31 +7,28 @@ step) and finishes when the runner hands back its output, which on a GPU is a st
 ``update(plan, output)`` applies what the model runner reports. Nothing else changes request
 status, so the lifecycle is visible in these two methods.
 
-A step may hold requests of any shapes: the runner gives each shape group (equal ``BatchKey``)
-one forward and, under layerwise offload, runs the groups block-major so the weights cross
-PCIe once per step whatever the mix. Step counts, current steps, seeds, guidance and CFG may
-all differ within a group. Capacity is work, not requests: the requests of a step may take at
-most ``max_batch_tokens`` rows x tokens (``RequestWork``, computed by the engine with the
-model's ``WorkRule``), and at most ``max_num_seqs`` of them; a request larger than the budget
-runs alone.
+A step may hold requests of any shapes: the runner gives each shape group (equal ``BatchKey``) one
+forward and, under layerwise offload, runs the groups block-major so the weights cross PCIe once
+per step whatever the mix. Step counts, current steps, seeds, guidance and CFG may all differ
+within a group. Capacity is work, not requests: the requests of a step may take at most
+``max_batch_tokens`` rows x tokens (``RequestWork``, computed by the engine with the model's
+``WorkRule``), and at most ``max_num_seqs`` of them; a request larger than the budget runs alone.
+At most ``max_loras`` distinct LoRA adapters (``AdapterRoom``): the others wait as if over budget.
 
 Admission is in arrival order with a bounded bypass: a request that fits the room left may
-overtake older requests that do not (a large one waiting for running work to finish), and
-each overtaking counts against every request it overtakes. Once a request has been overtaken
+overtake older requests that do not (a large one waiting for running work to finish), and each
+overtaking counts against every request it overtakes. Once a request has been overtaken
 ``max_bypass`` times nobody passes it: the step drains until it fits, and it is admitted (a
-bounded wait, no starvation). The bound is checked before every overtaking, so it holds
-within one admission pass too (a burst of small requests cannot all pass at once).
-``max_bypass`` 0 is strict arrival order (FIFO: a request that does not fit blocks everyone
-behind it).
+bounded wait, no starvation). The bound is checked before every overtaking, so it holds within
+one admission pass too (a burst of small requests cannot all pass at once). ``max_bypass`` 0 is
+strict arrival order (FIFO: a request that does not fit blocks everyone behind it).
 
 Under the "priority" policy (``scheduling_policy``) lower-priority running requests may be
 paused at a step boundary: left out of the plans (the runner keeps their state, untouched)
-until resumed into ``denoise`` without a second encode. Under both policies a request that
-can no longer meet its deadline (``deadlines``) ends as FINISHED_DEADLINE at a step boundary.
-``update()`` reports the pauses and deadline stops of the ``schedule()`` before it.
-
-The queue bound (``max_queue``) is replica-wide and lives in ``RankQueues``, in front of the
-per-rank schedulers.
+until resumed into ``denoise`` without a second encode. Under both policies a request that can
+no longer meet its deadline (``deadlines``) ends as FINISHED_DEADLINE at a step boundary.
+``update()`` reports the pauses and deadline stops of the ``schedule()`` before it. The queue
+bound (``max_queue``) is replica-wide and lives in ``RankQueues``.
 """
 
 from __future__ import annotations
@@ -41,6 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from ditserve.engine.adapters.admission import AdapterRoom
 from ditserve.engine.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
 from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder
@@ -178,9 +176,8 @@ class StepScheduler:
         """Remove a request; a running or paused one is freed at the next step boundary."""
         if self._waiting.pop(request_id, None) is not None:
             return True
-        if self._running.pop(request_id, None) is not None \
-                or self._paused.pop(request_id, None) is not None \
-                or self._decoding.pop(request_id, None) is not None:
+        if any(queue.pop(request_id, None) is not None
+               for queue in (self._running, self._paused, self._decoding)):
             self._aborted_running.append(request_id)
             return True
         return False
@@ -274,13 +271,14 @@ class StepScheduler:
         """fcfs: arrival order with the bounded bypass (see the module docstring)."""
         slots = self.config.max_num_seqs - len(self._running)
         room = self._budget - sum(r.work.tokens for r in self._running.values())
+        adapters = AdapterRoom(self.config.max_loras, self._running.values())
         admitted: list[str] = []
         passed: list[ScheduledRequest] = []  # older requests that did not fit, in order
         for request in list(self._waiting.values()):
             if slots <= 0:
                 break  # no room for any request: nobody overtakes anybody
             alone = not self._running and not admitted  # a step must admit its first request
-            if request.work.tokens > room and not alone:
+            if (request.work.tokens > room or not adapters.fits(request)) and not alone:
                 if request.times_bypassed >= self.config.max_bypass:
                     break  # waited long enough: the step drains for it
                 passed.append(request)
@@ -291,8 +289,8 @@ class StepScheduler:
                 p.times_bypassed += 1
             self._admit_one(request)
             admitted.append(request.request_id)
-            slots -= 1
-            room -= request.work.tokens
+            slots, room = slots - 1, room - request.work.tokens
+            adapters.take(request)
         return admitted
 
     def _admit_by_priority(self, now: float) -> list[str]:
@@ -305,7 +303,10 @@ class StepScheduler:
         joined: set[str] = set()  # admitted or resumed in this pass: never paused by it
         passed: list[ScheduledRequest] = []
         bound = self.config.max_bypass
+        adapters = AdapterRoom(self.config.max_loras, self._running.values(), self._paused.values())
         for request in self._order.order((*self._paused.values(), *self._waiting.values()), now):
+            if not adapters.fits(request):
+                continue  # paused requests keep theirs: it waits for requests to end
             fits = slots > 0 and (request.work.tokens <= room or not self._running)
             if not fits and not any(p.times_bypassed >= bound for p in passed):
                 pausable = [r for r in self._running.values() if r.request_id not in joined]
@@ -330,6 +331,7 @@ class StepScheduler:
                 admitted.append(request.request_id)
             joined.add(request.request_id)
             slots, room = slots - 1, room - request.work.tokens
+            adapters.take(request)
         return admitted
 
     def _admit_one(self, request: ScheduledRequest) -> None:

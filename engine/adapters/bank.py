@@ -4,11 +4,11 @@ Created by the ``ModelRunner`` over its DiT. ``acquire(refs)`` (a request is add
 every adapter the request names resident - read from its file (``files``), cast to the
 DiT's compute dtype, placed on the device and attached to the hooks of the linear layers it
 adapts (``linear``) - and pins it while the request runs; ``release(refs)`` (the request
-leaves) unpins it. At most ``max_loras`` adapters stay resident: beyond that the least
-recently used idle one is dropped (pinned ones never are, so a step whose requests name more
-adapters than that holds them all until they finish). ``fuse(ref)`` merges one adapter into
-the DiT's weights instead, for a replica serving a single adapter (``--lora-fuse``); it must
-run before quantization and offload read the weights.
+leaves) unpins it. At most ``max_loras`` adapters are resident: the least recently used idle
+one is dropped before another loads (pinned ones never are: the scheduler admits no step
+whose requests name more than ``max_loras`` adapters, ``admission``). ``fuse(ref)`` merges
+one adapter into the DiT's weights instead, for a replica serving a single adapter
+(``--lora-fuse``); it must run before quantization and offload read the weights.
 
 Adapters are keyed by ``LoraRef.key`` (name, load generation), so a name re-loaded from
 another file is another adapter. Not thread-safe: the runner calls it from its step loop.
@@ -60,6 +60,7 @@ class AdapterBank:
         self._pins: Counter[AdapterKey] = Counter()
         self._layers: dict[str, AdaptedLinear] = {}
         self.loads = 0
+        self.peak_resident = 0  # the most adapters ever resident at once
         self.fused: LoraRef | None = None
 
     # -- what is resident -----------------------------------------------------------------
@@ -98,6 +99,7 @@ class AdapterBank:
         if ref.key in self._resident:
             self._resident.move_to_end(ref.key)
             return
+        self._evict(room_for=1)  # before the load: never more than max_loras on the device
         weights = self._placed(read_adapter(ref.path, self.pipeline_class,
                                             max_rank=self.max_rank))
         targets = [(self._layer(component, module), factors)
@@ -108,13 +110,15 @@ class AdapterBank:
             layer.add(ref.key, factors)
         self._resident[ref.key] = weights
         self.loads += 1
+        self.peak_resident = max(self.peak_resident, len(self._resident))
         log.info("adapter %s (rank %d, %d layers, %.1f MiB) resident; %d resident, %.1f MiB",
                  ref.name, weights.rank, len(weights.layers), weights.nbytes / 2**20,
                  len(self._resident), self.nbytes / 2**20)
 
-    def _evict(self) -> None:
+    def _evict(self, room_for: int = 0) -> None:
+        """Drop least recently used idle adapters until ``room_for`` more fit the bound."""
         idle = [key for key in self._resident if self._pins[key] <= 0]
-        while len(self._resident) > self.max_loras and idle:
+        while len(self._resident) + room_for > self.max_loras and idle:
             key = idle.pop(0)  # least recently used first (OrderedDict order)
             weights = self._resident.pop(key)
             for component, module in weights.layers:

@@ -170,6 +170,10 @@ class SchedulerConfig:
     aging_s: under "priority", every ``aging_s`` seconds a request waits (or is paused) it
         counts one priority level sooner, so low priority is never starved.
     max_preemptions: the most times one request may be paused.
+    max_loras: the most distinct LoRA adapters the requests of one step (running and paused)
+        may name (``engine.adapters.admission``); None: unbounded. The engine sets it from
+        ``adapters.max_loras`` (``--max-loras``), so the adapters resident at once never
+        exceed it.
     """
 
     max_num_seqs: int = 4
@@ -179,6 +183,7 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     aging_s: float = 30.0
     max_preemptions: int = 2
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True)

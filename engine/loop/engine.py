@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from ditserve.engine.adapters.catalog import AdapterCatalog
 from ditserve.engine.adapters.files import rank_inspector
 from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig, validate
-from ditserve.engine.errors import EngineStoppedError, ModelLoadError
+from ditserve.engine.errors import EngineStoppedError, InvalidRequestError, ModelLoadError
 from ditserve.engine.executor import Executor
 from ditserve.engine.families import FLUX, Family
 from ditserve.engine.loop.delivery import Delivery
@@ -84,9 +85,11 @@ class DiffusionEngine:
         self._lifecycle = Lifecycle()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        # The step budget, when unset, is max_num_seqs requests of the family's usual size.
-        scheduler = ResolvedScheduling.for_family(config.scheduler,
-                                                  _served_family(config.model))
+        # The step budget, when unset, is max_num_seqs requests of the family's usual size;
+        # a step's distinct adapters are bounded by --max-loras (what the runner keeps).
+        scheduler = replace(ResolvedScheduling.for_family(config.scheduler,
+                                                          _served_family(config.model)),
+                            max_loras=config.adapters.max_loras)
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
@@ -229,6 +232,11 @@ class DiffusionEngine:
     def validate_params(self, params: SamplingParams) -> SamplingParams:
         """Raise InvalidRequestError naming the first field the loaded model cannot run."""
         params.validate_for(self.limits)
+        bound = self.config.adapters.max_loras
+        if len(params.loras) > bound:  # it could never run: no step may hold its adapters
+            raise InvalidRequestError("loras", f"the request stacks {len(params.loras)} LoRA "
+                                      f"adapters, but this server keeps at most {bound} "
+                                      "resident at once (--max-loras); name fewer")
         if self.runner is not None:  # what the served model's step cache can do
             self.runner.step_cache.check(params.step_cache)
         return params

@@ -7,8 +7,8 @@ smallest budget it could meet. Called by ``engine.runner.assembly`` before DLO i
 (the plan's DiT share becomes the offload's own block budget); tested alone on CPU.
 
 The model of the device's memory (docs/offload.md, "Whole pipeline"): weights that stay on
-the device (the DiT's resident modules and blocks, its slots, resident encoders, the VAE)
-and the prompt cache's bound are held all the time; on top comes the largest of three
+the device (the DiT's resident modules and blocks, its slots, resident encoders and a
+streamed encoder's slots and non-layer modules, the VAE) and the prompt cache's bound are held all the time; on top comes the largest of three
 phases of a step, which run one after another on one stream:
 
 - encode: parked encoders visit the device (their bytes) plus one batched encoder pass;
@@ -18,8 +18,8 @@ phases of a step, which run one after another on one stream:
 The predicted peak is that sum; the allocator's slack (fragmentation, cuBLAS workspaces,
 rounding of its blocks) comes on top of it and must fit in the budget too.
 
-What the budget buys, cheapest first: the minimum (every block streamed, encoders parked,
-decode tiled) must fit or the engine refuses to start; then DiT blocks stay resident while
+What the budget buys, cheapest first: the minimum (every block streamed, each encoder
+streamed or parked - whichever combination peaks lower - and the decode tiled) must fit or the engine refuses to start; then DiT blocks stay resident while
 they fit (each saves a copy per step); then the encoders stay resident (no upload per
 cache-miss); whatever is left is the decode's room, which the runner spends per request
 shape: whole decodes and several requests per VAE call where they fit.
@@ -27,6 +27,7 @@ shape: whole decodes and several requests per VAE call where they fit.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from ditserve.engine.errors import ConfigError
 from ditserve.engine.offload.plan import budget_residency
 
 GIB = 1 << 30
+RESIDENT, STREAMED, PARKED = "resident", "streamed", "parked"
 MIB = 1 << 20
 # The allocator's slack: blocks are rounded (2 MiB segments, 512-byte blocks), freed memory
 # is split between sizes, and cuBLAS/cuDNN take workspaces through it. 5% of the peak, and
@@ -61,7 +63,10 @@ class BudgetInputs:
     dit_blocks: each streamable block's bytes as the offload lays it out, in call order.
     slots: device slots streamed blocks go through.
     encoders: (name, bytes) of each text encoder.
-    parkable: encoders may live in host memory between encodes (``offload.components=all``).
+    parkable: encoders may leave the device - parked in host memory between encodes, or
+        streamed layer by layer (``offload.components=all``).
+    streamable: (name, bytes held on the device when streamed: its modules outside its layer
+        lists and two slots of its largest layer) of each encoder DLO can stream.
     encode_activations: one batched encoder pass over a step's prompts.
     vae: the VAE's weights.
     decode_whole / decode_tiled: one decode's activation peak at the largest shape the plan
@@ -84,6 +89,7 @@ class BudgetInputs:
     denoise_activations: int
     prompt_cache: int
     vae_tiling: str = "auto"
+    streamable: tuple[tuple[str, int], ...] = ()
     decode_shape: tuple[int, int, int] = (1, 1024, 1024)  # (frames, height, width) planned
 
     @property
@@ -98,13 +104,24 @@ class BudgetPlan:
     budget: int
     resident_blocks: tuple[int, ...]
     dit_budget: int  # what the DiT's own residency may use (its fixed part, slots, blocks)
-    encoders_resident: bool
+    encoders: dict[str, str]  # each text encoder: "resident", "streamed" or "parked"
     decode_tiled: bool  # the largest planned decode is tiled
     decode_room: int  # activation bytes a decode call may use (whole, tiled, batched)
     phases: dict[str, int] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
     minimum: int = 0
     auto: bool = False
+
+    @property
+    def encoders_resident(self) -> bool:
+        return all(mode == RESIDENT for mode in self.encoders.values())
+
+    def encoder_summary(self) -> str:
+        """"resident", "parked" or "streamed" when all agree, else each encoder's mode."""
+        modes = set(self.encoders.values())
+        if len(modes) <= 1:
+            return next(iter(modes), RESIDENT)
+        return ", ".join(f"{name} {mode}" for name, mode in self.encoders.items())
 
     @property
     def predicted_peak(self) -> int:
@@ -118,7 +135,7 @@ class BudgetPlan:
         return {"budget_bytes": self.budget, "auto": self.auto, "minimum_bytes": self.minimum,
                 "predicted_peak_bytes": self.predicted_peak, "slack_bytes": self.slack,
                 "resident_blocks": len(self.resident_blocks),
-                "encoders": "resident" if self.encoders_resident else "parked",
+                "encoders": self.encoder_summary(), "encoder_modes": dict(self.encoders),
                 "decode": "tiled" if self.decode_tiled else "whole",
                 "decode_room_bytes": self.decode_room,
                 "held_bytes": dict(self.held), "phase_bytes": dict(self.phases)}
@@ -140,7 +157,7 @@ def _decode_need(inputs: BudgetInputs, tiled: bool) -> int:
     return inputs.decode_whole
 
 
-def _plan(inputs: BudgetInputs, *, blocks: Sequence[int], encoders_resident: bool,
+def _plan(inputs: BudgetInputs, *, blocks: Sequence[int], encoders: dict[str, str],
           tiled: bool, budget: int, auto: bool) -> BudgetPlan:
     """The plan with these choices (no check that it fits)."""
     keep = set(blocks)
@@ -148,23 +165,43 @@ def _plan(inputs: BudgetInputs, *, blocks: Sequence[int], encoders_resident: boo
     slots = inputs.slots * max(streamed, default=0)
     held = {"dit": inputs.dit_fixed + sum(inputs.dit_blocks[i] for i in blocks),
             "dit slots": slots, "vae": inputs.vae, "prompt cache": inputs.prompt_cache}
-    parked = not encoders_resident and inputs.parkable
-    held["encoders"] = 0 if parked else inputs.encoder_bytes
-    phases = {"encode": inputs.encode_activations + (inputs.encoder_bytes if parked else 0),
+    streamed_held = dict(inputs.streamable)
+    held["encoders"] = sum(size if encoders[name] == RESIDENT else
+                           streamed_held[name] if encoders[name] == STREAMED else 0
+                           for name, size in inputs.encoders)
+    parked = sum(size for name, size in inputs.encoders if encoders[name] == PARKED)
+    phases = {"encode": inputs.encode_activations + parked,
               "denoise": inputs.denoise_activations,
               "decode": _decode_need(inputs, tiled)}
     return BudgetPlan(budget=budget, resident_blocks=tuple(sorted(blocks)),
-                      dit_budget=held["dit"] + slots, encoders_resident=not parked,
+                      dit_budget=held["dit"] + slots, encoders=dict(encoders),
                       decode_tiled=tiled and inputs.decode_tiled is not None, decode_room=0,
                       phases=phases, held=held, auto=auto)
 
 
-def describe(inputs: BudgetInputs, *, dit_bytes: int, encoders_resident: bool,
+def _least_encoders(inputs: BudgetInputs, tiled: bool) -> dict[str, str]:
+    """Each encoder streamed or parked, whichever combination gives the lowest peak
+    (streaming holds slots all the time; parking holds the whole encoder while it encodes)."""
+    if not inputs.parkable:
+        return {name: RESIDENT for name, _ in inputs.encoders}
+    options = [[PARKED, STREAMED] if name in dict(inputs.streamable) else [PARKED]
+               for name, _ in inputs.encoders]
+    names = [name for name, _ in inputs.encoders]
+    best: tuple[int, dict[str, str]] | None = None
+    for combo in itertools.product(*options):
+        modes = dict(zip(names, combo, strict=True))
+        peak = _plan(inputs, blocks=(), encoders=modes, tiled=tiled, budget=0,
+                     auto=False).predicted_peak
+        if best is None or peak < best[0]:
+            best = (peak, modes)
+    return best[1] if best is not None else {}
+
+
+def describe(inputs: BudgetInputs, *, dit_bytes: int, encoders: dict[str, str],
              tiled: bool) -> BudgetPlan:
     """The peak of a placement chosen without a budget (resident serving, or DLO with a
     fixed residency): ``dit_bytes`` on the device for the DiT, slots included."""
-    plan = _plan(inputs, blocks=(), encoders_resident=encoders_resident, tiled=tiled,
-                 budget=0, auto=False)
+    plan = _plan(inputs, blocks=(), encoders=encoders, tiled=tiled, budget=0, auto=False)
     held = {**plan.held, "dit": dit_bytes, "dit slots": 0}
     return replace(plan, held=held, dit_budget=dit_bytes)
 
@@ -178,7 +215,8 @@ def plan_budget(inputs: BudgetInputs, budget: int, *, auto: bool = False) -> Bud
     raises ``BudgetError`` with the smallest budget that fits when even the minimum does not."""
     tile_allowed = inputs.vae_tiling != "off" and inputs.decode_tiled is not None
     must_tile = inputs.vae_tiling == "on" and inputs.decode_tiled is not None
-    least = _plan(inputs, blocks=(), encoders_resident=not inputs.parkable, tiled=tile_allowed,
+    least_modes = _least_encoders(inputs, tile_allowed)
+    least = _plan(inputs, blocks=(), encoders=least_modes, tiled=tile_allowed,
                   budget=budget, auto=auto)
     minimum = least.predicted_peak + least.slack
     if minimum > budget:
@@ -187,22 +225,23 @@ def plan_budget(inputs: BudgetInputs, budget: int, *, auto: bool = False) -> Bud
     # the rest leaves once it and the largest phase are paid at their minimum.
     others = sum(least.held.values()) - least.held["dit"] - least.held["dit slots"]
     dit_budget = usable_peak(budget) - others - max(least.phases.values())
+    # The minimum fits, so the DiT's streamed minimum does (the slack's rounding aside).
+    dit_budget = max(dit_budget, least.held["dit"] + least.held["dit slots"])
     residency = budget_residency(list(inputs.dit_blocks), budget_bytes=dit_budget,
                                  fixed_bytes=inputs.dit_fixed, activation_reserve_bytes=0,
                                  slots=inputs.slots)
-    plan = _plan(inputs, blocks=residency.resident, encoders_resident=not inputs.parkable,
-                 tiled=tile_allowed, budget=budget, auto=auto)
-    if inputs.parkable:
-        resident = _plan(inputs, blocks=residency.resident, encoders_resident=True,
-                         tiled=tile_allowed, budget=budget, auto=auto)
-        plan = resident if _fits(resident) else plan
+    blocks = residency.resident
+    plan = _plan(inputs, blocks=blocks, encoders=least_modes, tiled=tile_allowed,
+                 budget=budget, auto=auto)
+    resident = _plan(inputs, blocks=blocks, encoders={name: RESIDENT for name in least_modes},
+                     tiled=tile_allowed, budget=budget, auto=auto)
+    plan = resident if _fits(resident) else plan
     if not must_tile and tile_allowed:
-        whole = _plan(inputs, blocks=plan.resident_blocks, encoders_resident=plan.encoders_resident,
-                      tiled=False, budget=budget, auto=auto)
+        whole = _plan(inputs, blocks=blocks, encoders=plan.encoders, tiled=False,
+                      budget=budget, auto=auto)
         plan = whole if _fits(whole) else plan
     room = usable_peak(budget) - sum(plan.held.values())
-    return replace(plan, decode_room=room, minimum=minimum,
-                   dit_budget=max(dit_budget, plan.dit_budget))
+    return replace(plan, decode_room=room, minimum=minimum, dit_budget=dit_budget)
 
 
 def _gib(size: int) -> str:
@@ -216,7 +255,7 @@ def _refusal(least: BudgetPlan, minimum: int, *, auto: bool) -> str:
     least_gib = math.ceil(minimum / GIB * 100) / 100
     return (f"{what} ({least.budget / GIB:.2f} GiB) cannot hold the pipeline; the smallest "
             f"budget it can run in is {least_gib:.2f} GiB (every DiT block streamed, "
-            "encoders parked, decode tiled where the VAE can): held "
+            f"encoders {least.encoder_summary()}, decode tiled where the VAE can): held "
             f"{held}; plus the {phase} phase's {_gib(peak)}; plus {_gib(least.slack)} "
             f"allocator slack. Set --dlo-hbm-budget-gib {least_gib:.2f} or more, lower "
             "--max-batch-tokens or --prompt-cache-gib, or free device memory")

@@ -28,13 +28,14 @@ from typing import Any
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.errors import ConfigError
+from ditserve.engine.errors import ConfigError, OffloadError
 from ditserve.engine.offload.builders import block_tensors, slot_count
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
 from ditserve.engine.pipelines.vae_decode import DEFAULT_TILE_PIXELS
 from ditserve.engine.runner.budget_plan import BudgetInputs
 from ditserve.engine.runner.component_placement import module_bytes
+from ditserve.engine.runner.encoder_streaming import ENCODER_SLOTS
 from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS
 from ditserve.engine.work import ResolvedScheduling
 
@@ -47,7 +48,8 @@ TEMPLATE_TOKENS = 64  # prompt templates (Qwen-Image's) on top of the text token
 
 
 def dit_blocks(transformer: torch.nn.Module, block_lists: Any) -> tuple[int, tuple[int, ...]]:
-    """(bytes outside the blocks, each block's laid-out bytes in call order)."""
+    """(bytes outside the blocks, each block's laid-out bytes in call order) of a DiT, or of
+    any module DLO streams (``block_lists`` None: the lists discovery finds)."""
     found = discover(transformer, block_lists)
     sizes = []
     inside: set[int] = set()
@@ -59,6 +61,16 @@ def dit_blocks(transformer: torch.nn.Module, block_lists: Any) -> tuple[int, tup
     fixed = sum(t.numel() * t.element_size()
                 for t in (*transformer.parameters(), *transformer.buffers()) if id(t) not in inside)
     return fixed, tuple(sizes)
+
+
+def streamed_encoder_bytes(encoder: torch.nn.Module) -> int | None:
+    """What a streamed encoder holds on the device (its modules outside its layer lists and
+    ``ENCODER_SLOTS`` slots of its largest layer); None if DLO finds no layers to stream."""
+    try:
+        fixed, layers = dit_blocks(encoder, None)
+    except OffloadError:
+        return None
+    return fixed + ENCODER_SLOTS * max(layers, default=0)
 
 
 def _config_value(config: Any, *names: str) -> int:
@@ -152,6 +164,8 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
                * _dit_width(transformer) * elem)
     encoders = tuple((name, m) for name in ENCODER_ATTRS
                      if isinstance(m := getattr(pipeline, name, None), torch.nn.Module))
+    streamable = tuple((name, held) for name, m in encoders
+                       if (held := streamed_encoder_bytes(m)) is not None)
     encode = max((encode_activation_bytes(m, prompts=rows, tokens=text + TEMPLATE_TOKENS)
                   for _, m in encoders), default=0)
     vae = pipeline.vae
@@ -168,4 +182,5 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
         denoise_activations=denoise,
         prompt_cache=int(config.pipeline.prompt_cache_gib * (1 << 30))
         if config.pipeline.prompt_cache_size > 0 else 0,
-        vae_tiling=config.pipeline.vae_tiling, decode_shape=(frames, height, width))
+        vae_tiling=config.pipeline.vae_tiling, streamable=streamable,
+        decode_shape=(frames, height, width))

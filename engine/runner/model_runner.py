@@ -163,10 +163,11 @@ class ModelRunner:
         return self.whole.report()
 
     def close(self) -> None:
+        self.whole.close()
         self.step_cache.close()
         if self._block_major is not None:
             self._block_major.close()
-        if self.offload is not None and getattr(self.offload, "active", True):
+        if self.offload is not None and self.offload.active:
             self.offload.disable()
 
     # -- request registry ---------------------------------------------------------------------
@@ -202,6 +203,8 @@ class ModelRunner:
         collective (without computing) so the ranks' collectives stay matched.
         """
         out = RunnerOutput()
+        for rid in plan.freed:  # first: their adapters' room is what admission counted
+            self.drop(rid)
         for new in new_requests:
             try:
                 self.add_request(new)
@@ -210,8 +213,6 @@ class ModelRunner:
                 out.failed[new.request_id] = f"adapter: {e}"
             except InvalidRequestError as e:  # the engine's validation refuses these first
                 out.failed[new.request_id] = str(e)
-        for rid in plan.freed:
-            self.drop(rid)
         self._encode_conditions(plan.encode)
         encoding = [rid for rid in plan.encode if rid not in out.failed]
         # The admitted requests' prompts in one encoder pass (cache misses only).
@@ -277,7 +278,7 @@ class ModelRunner:
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""
-        if self.offload is None or not getattr(self.offload, "needs_collective_participation", False):
+        if self.offload is None or not self.offload.needs_collective_participation:
             return None
         return int(self.offload.passes)
 

@@ -4,7 +4,9 @@ that keep them there (issue 34's first part; docs/offload.md, "Whole pipeline").
 Called once by the ModelRunner after the pipeline (and DLO, if on) is built. It
 
 - parks the text encoders in host memory under ``--offload dlo`` unless
-  ``--dlo-components dit`` (``component_placement.ParkedModules``);
+  ``--dlo-components dit`` (``component_placement.ParkedModules``), or under an HBM budget
+  places each as the budget's plan says: resident, parked, or streamed layer by layer
+  through DLO slots (``encoder_streaming.StreamedEncoders``);
 - puts the prompt-embedding cache in front of the pipeline's encoder (``prompt_cache``); a
   parked encoder visits the device only on a cache miss;
 - encodes the prompts of a step's admitted requests in one encoder pass
@@ -34,9 +36,17 @@ from ditserve.engine.pipelines.vae_decode import (
     tiling_wanted,
 )
 from ditserve.engine.runner.batched_encode import BatchedEncode
-from ditserve.engine.runner.budget_plan import BudgetInputs, BudgetPlan, describe
+from ditserve.engine.runner.budget_plan import (
+    PARKED,
+    RESIDENT,
+    STREAMED,
+    BudgetInputs,
+    BudgetPlan,
+    describe,
+)
 from ditserve.engine.runner.component_placement import ParkedModules, module_bytes
 from ditserve.engine.runner.decode_batches import DecodeBatches, DecodeRule
+from ditserve.engine.runner.encoder_streaming import StreamedEncoders
 from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS, PromptCache, install_prompt_cache
 
 log = logging.getLogger(__name__)
@@ -74,10 +84,14 @@ class WholePipeline:
         offload = config.offload.enabled
         encoders = {name: m for name in ENCODER_ATTRS
                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module)}
+        self.modes = self._encoder_modes(encoders, config, budget)
         self.parked: ParkedModules | None = None
-        if (offload and config.offload.components == "all" and encoders
-                and (budget is None or not budget.encoders_resident)):
-            self.parked = ParkedModules(encoders, device=device)
+        parked = {name: m for name, m in encoders.items() if self.modes[name] == PARKED}
+        if parked:
+            self.parked = ParkedModules(parked, device=device)
+        self.streamed = StreamedEncoders(
+            {name: m for name, m in encoders.items() if self.modes[name] == STREAMED},
+            device=device)
         pipe = config.pipeline
         self.cache = PromptCache(max_entries=pipe.prompt_cache_size,
                                  max_bytes=int(pipe.prompt_cache_gib * GIB))
@@ -101,6 +115,21 @@ class WholePipeline:
         if isinstance(vae, torch.nn.Module):
             self._install_decode(vae, pipe.vae_tiling, offload=offload)
             self.plan.append(self._vae_row(vae, pipe.vae_tiling))
+
+    @staticmethod
+    def _encoder_modes(encoders: dict[str, torch.nn.Module], config: EngineConfig,
+                       budget: BudgetPlan | None) -> dict[str, str]:
+        """Each encoder resident, streamed or parked: the budget's choice; without one,
+        parked under DLO unless ``--dlo-components dit``, else resident."""
+        if budget is not None:
+            return {name: budget.encoders.get(name, RESIDENT) for name in encoders}
+        off = config.offload
+        mode = PARKED if off.enabled and off.components == "all" else RESIDENT
+        return {name: mode for name in encoders}
+
+    def close(self) -> None:
+        """Streamed encoders back to ordinary modules."""
+        self.streamed.close()
 
     def _encoders_context(self) -> AbstractContextManager[Any]:
         return self.parked.on_device() if self.parked is not None else nullcontext()
@@ -144,9 +173,12 @@ class WholePipeline:
 
     def _encoder_row(self, name: str, module: torch.nn.Module) -> ComponentPlan:
         size = module_bytes(module)
-        if self.parked is not None:
+        if self.parked is not None and name in self.parked.names:
             return ComponentPlan(name, size, f"parked in {self.parked.where()}, on the device "
                                  "only to encode a prompt-cache miss", 0, size)
+        if name in self.streamed:
+            streamed = self.streamed[name]
+            return ComponentPlan(name, size, streamed.lives(), streamed.device_bytes)
         return ComponentPlan(name, size, "resident", size)
 
     def _vae_row(self, vae: torch.nn.Module, mode: str) -> ComponentPlan:
@@ -176,8 +208,7 @@ class WholePipeline:
         rule = self.decoder.rule if self.decoder is not None else None
         tiled = self.tiling is not None and rule is not None and tiling_wanted(
             rule.mode, offload=rule.offload, height=height, width=width, video=frames > 1)
-        return describe(self.inputs, dit_bytes=dit, encoders_resident=self.parked is None,
-                        tiled=tiled)
+        return describe(self.inputs, dit_bytes=dit, encoders=self.modes, tiled=tiled)
 
     @property
     def predicted_weight_peak(self) -> int:
@@ -227,6 +258,6 @@ def _memory_lines(memory: BudgetPlan | None) -> list[str]:
         lines.append(f"HBM budget: {_size(memory.budget)} ({source}); the smallest this "
                      f"pipeline can run in: {_size(memory.minimum)}; "
                      f"{len(memory.resident_blocks)} DiT blocks resident, encoders "
-                     f"{'resident' if memory.encoders_resident else 'parked'}, decode "
+                     f"{memory.encoder_summary()}, decode "
                      f"{'tiled' if memory.decode_tiled else 'whole'} at the planned size")
     return lines

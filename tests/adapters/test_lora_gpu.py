@@ -1,7 +1,8 @@
 """LoRA adapters on CUDA (run on the device): a step mixing adapters, stacked adapters and a
 request without one equals each request alone, resident and under DLO (whose copies run on a
 side stream: a missing wait would show here, not on the CPU), in bf16; and the FP8 path
-(rowwise ``torch._scaled_mm`` on sm89+) takes the bf16 delta."""
+(rowwise ``torch._scaled_mm`` on sm89+) takes the bf16 delta, also under DLO; lossless packed
+DLO (decoded on the GPU) equals resident bitwise."""
 
 from __future__ import annotations
 
@@ -41,9 +42,12 @@ def requests(runner: ModelRunner) -> list[tuple[str, SamplingParams]]:
             ("none", p("a tree", 64)), ("ab", p("a ship", 32, ref("a", 0.5), ref("b", 1.0)))]
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["resident", "dlo"])
-def test_mixed_adapters_equal_solo_on_cuda(adapter_models, lora_files, offload: bool) -> None:  # type: ignore[no-untyped-def]
-    extra = {"offload": OffloadConfig(enabled=True)} if offload else {}
+@pytest.mark.parametrize("offload", [None, OffloadConfig(enabled=True),
+                                     OffloadConfig(enabled=True, compress="lossless")],
+                         ids=["resident", "dlo", "dlo-packed"])
+def test_mixed_adapters_equal_solo_on_cuda(adapter_models, lora_files,
+                                           offload: OffloadConfig | None) -> None:  # type: ignore[no-untyped-def]
+    extra = {"offload": offload} if offload is not None else {}
     runner = runner_of(adapter_models("flux"), lora_files("flux"), **extra)
     try:
         batch = requests(runner)
@@ -67,3 +71,32 @@ def test_fp8_takes_the_bf16_delta(adapter_models, lora_files) -> None:  # type: 
     assert (out["a"] - out["none"]).abs().max().item() > BF16_TOLERANCE
     alone, _ = drive(runner, {0: [("a-alone", batch[0][1])]}, max_num_seqs=1)
     assert (out["a"] - alone["a-alone"]).abs().max().item() <= BF16_TOLERANCE
+
+
+def test_packed_dlo_with_adapters_equals_resident_on_cuda(adapter_models, lora_files) -> None:  # type: ignore[no-untyped-def]
+    resident = runner_of(adapter_models("flux"), lora_files("flux"))
+    packed = runner_of(adapter_models("flux"), lora_files("flux"),
+                       offload=OffloadConfig(enabled=True, compress="lossless"))
+    try:
+        want, _ = drive(resident, {0: requests(resident)}, max_num_seqs=4)
+        got, _ = drive(packed, {0: requests(packed)}, max_num_seqs=4)
+        assert packed.offload.report()["compress"] == "lossless"
+    finally:
+        packed.close()
+    for rid, image in want.items():  # the decoded weights are the bf16 weights, bit for bit
+        assert torch.equal(got[rid], image), rid
+
+
+def test_fp8_dlo_takes_the_bf16_delta(adapter_models, lora_files) -> None:  # type: ignore[no-untyped-def]
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm89+")
+    resident = runner_of(adapter_models("flux"), lora_files("flux"), quantization="fp8")
+    offloaded = runner_of(adapter_models("flux"), lora_files("flux"), quantization="fp8",
+                          offload=OffloadConfig(enabled=True))
+    try:
+        want, _ = drive(resident, {0: requests(resident)}, max_num_seqs=4)
+        got, _ = drive(offloaded, {0: requests(offloaded)}, max_num_seqs=4)
+    finally:
+        offloaded.close()
+    for rid, image in want.items():
+        assert torch.equal(got[rid], image), rid

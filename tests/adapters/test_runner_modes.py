@@ -1,6 +1,6 @@
 """Adapters under every way the runner runs a forward: layerwise offload (adapters resident
 beside the streamed slots) with a multi-shape step (block-major lanes), FP8 linears (the
-delta in the activations' dtype), ``--lora-fuse``, and the LRU bound of ``--max-loras``.
+delta in the activations' dtype), and ``--lora-fuse`` (``--max-loras``: test_max_loras.py).
 Tiny Flux on the CPU; each result is compared with the resident per-request path."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.adapters.config import AdapterConfig, startup_refs
@@ -83,25 +82,6 @@ def test_fused_adapter_equals_the_per_request_adapter(adapter_runner, adapter_mo
     assert fused.adapters.nbytes == 0  # nothing resident: it is in the weights
     diff = (got["fused"] - expected["hooked"]).abs().max().item()
     assert diff <= 1e-3, f"fused differs from per-request by {diff}"
-
-
-def test_max_loras_bounds_the_resident_adapters(adapter_models, lora_files) -> None:  # type: ignore[no-untyped-def]
-    files = lora_files("flux")
-    runner = make_runner(adapter_models("flux"), files, adapters=AdapterConfig(
-        lora_modules={name: str(path) for name, path in files.items()}, max_loras=1))
-    assert len(runner.adapters.resident) == 1
-    p = SamplingParams(prompt="a cat", seed=3, num_inference_steps=2, height=32, width=32)
-    first, _ = drive(runner, {0: [("b", SamplingParams(**{**p.__dict__, "loras": (
-        ref(runner, "b"),)}))]}, max_num_seqs=1)
-    assert runner.adapters.resident == ["b"]
-    # Two adapters in one request: both resident while it runs, back to one after.
-    both, _ = drive(runner, {0: [("ab", SamplingParams(**{**p.__dict__, "loras": (
-        ref(runner, "a"), ref(runner, "b"))}))]}, max_num_seqs=1)
-    assert len(runner.adapters.resident) == 1
-    again, _ = drive(runner, {0: [("b2", SamplingParams(**{**p.__dict__, "loras": (
-        ref(runner, "b"),)}))]}, max_num_seqs=1)
-    assert torch.equal(first["b"], again["b2"])  # reloaded after eviction: same result
-    assert runner.adapters.loads >= 3
 
 
 def test_a_bad_adapter_file_fails_only_its_request(adapter_runner, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -143,3 +143,43 @@ def test_load_use_and_unload_an_adapter(lora_server, metric=metric_value) -> Non
     after = httpx.post(f"{server.url}{GEN}", headers=AUTH,
                        json={"prompt": "x", "loras": [{"name": "extra"}]})
     assert after.status_code == 404
+
+
+def test_max_loras_is_a_strict_bound(tmp_path: Path, metric=metric_value) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diffusers import FluxTransformer2DModel
+
+    from ditserve.engine.tiny_model import init_tiny
+
+    model = init_tiny(tmp_path / "model", family="flux")
+    dit = FluxTransformer2DModel.from_pretrained(model / "transformer")
+    style = peft_lora(dit, tmp_path / "style.safetensors", rank=4, seed=1, std=0.6)
+    extra = peft_lora(dit, tmp_path / "extra.safetensors", rank=8, seed=2, std=0.6)
+    server = start_server(tmp_path, "--model", str(model), "--max-loras", "1",
+                          "--lora-modules", f"style={style}", f"extra={extra}")
+    try:
+        started = server.log_text()
+        assert "adapter style (rank 4" in started
+        assert "1 LoRA adapters resident at start" in started and "--max-loras 1" in started
+        stacked = httpx.post(f"{server.url}{GEN}", json={
+            "prompt": "x", "loras": [{"name": "style"}, {"name": "extra"}]})
+        assert stacked.status_code == 400, stacked.text
+        error = stacked.json()["error"]
+        assert error["param"] == "loras" and error["type"] == "invalid_request_error"
+        assert "--max-loras" in error["message"]
+        body = {"prompt": "a red fox", "seed": 5, "num_inference_steps": 3, "size": "32x32"}
+        with ThreadPoolExecutor(3) as pool:  # at once: two adapters never share a step here
+            together = list(pool.map(lambda m: image({**body, "model": m}, server),
+                                     ["style", "extra", "style"]))
+        alone = [image({**body, "model": m}, server) for m in ("style", "extra")]
+        assert np.abs(together[0] - alone[0]).max() <= 1
+        assert np.abs(together[2] - alone[0]).max() <= 1
+        assert np.abs(together[1] - alone[1]).max() <= 1
+        assert np.abs(alone[0] - alone[1]).max() > 4
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric(metrics, "ditserve:lora_adapters_loaded") == 2
+        assert metric(metrics, "ditserve:lora_adapters_resident") == 1
+        assert metric(metrics, "ditserve:lora_resident_bytes") > 0
+    finally:
+        server.stop()

@@ -185,3 +185,24 @@ def test_grouped_and_segment_paths_agree() -> None:
         plain = base(x)
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     assert (outs[0] - plain).abs().max() > 1e-2
+
+
+def test_admission_counts_adapter_work() -> None:
+    from ditserve.engine.config import SchedulerConfig
+    from ditserve.engine.scheduler import StepScheduler
+    from ditserve.engine.work import ResolvedScheduling
+
+    def resolved(**kw: int) -> ResolvedScheduling:
+        return ResolvedScheduling.for_family(SchedulerConfig(**kw))
+
+    rule = WorkRule()
+    plain = SamplingParams(prompt="x", height=1024, width=1024)
+    adapted = SamplingParams(prompt="x", height=1024, width=1024,
+                             loras=(LoraRef("a", "/a", rank=64),))
+    # Two plain 1024^2 images fill a budget of 8192 exactly; with a rank-64 adapter each
+    # carries 4096 x 2 x 64 / 3072 more, so the second one waits for the next step.
+    for params, admitted in ((plain, ("r0", "r1")), (adapted, ("r0",))):
+        s = StepScheduler(resolved(max_num_seqs=4, max_batch_tokens=8192))
+        for rid in ("r0", "r1"):
+            s.add(rid, params, rule.of(params))
+        assert s.schedule().encode == admitted

@@ -34,12 +34,14 @@ def drive(
     results: dict[str, torch.Tensor] = {}
     batch_sizes: list[int] = []
     step = 0
+    queued: dict[str, NewRequest] = {}  # added, not yet admitted
     while pending or scheduler.has_work():
-        new = []
         for rid, params in pending.pop(step, ()):
             scheduler.add(rid, params, runner.work_rule.of(params))
-            new.append(NewRequest(rid, params, params.seed if params.seed is not None else 0))
+            queued[rid] = NewRequest(rid, params, params.seed if params.seed is not None else 0)
         plan = scheduler.schedule()
+        # As the engine does: the runner receives a request when the plan admits it.
+        new = [queued.pop(rid) for rid in plan.encode if rid in queued]
         output = runner.execute(plan, new)
         scheduler.update(plan, output)
         if plans is not None:

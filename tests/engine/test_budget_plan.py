@@ -12,6 +12,8 @@ from ditserve.engine.errors import ConfigError
 from ditserve.engine.runner.budget_plan import (
     GIB,
     MIB,
+    PARKED,
+    STREAMED,
     BudgetError,
     BudgetInputs,
     decode_batch,
@@ -116,3 +118,18 @@ def test_decode_batch_counts_same_shape_requests_per_call() -> None:
                         tiling="off", limit=8) == (1, False)
     assert decode_batch(10 * GIB, rows=2, whole_per_row=3 * GIB, tiled_per_row=None,
                         tiling="auto", limit=1) == (1, False)
+
+
+def test_a_streamable_encoder_streams_when_that_lowers_the_minimum() -> None:
+    # T5-XXL streamed: its embedding (263 MB) and two slots of its 386 MB layers stay on the
+    # device instead of all 9 GiB visiting for each encode.
+    streaming = dataclasses.replace(INPUTS, streamable=(("text_encoder_2", 1035 * MIB),))
+    parked_minimum = plan_budget(INPUTS, 200 * GIB).minimum
+    with pytest.raises(BudgetError, match="encoders text_encoder parked, text_encoder_2 streamed"):
+        plan_budget(streaming, 4 * GIB)
+    plan = plan_budget(streaming, plan_budget(streaming, 200 * GIB).minimum)
+    assert plan.encoders == {"text_encoder": PARKED, "text_encoder_2": STREAMED}
+    assert plan.minimum < parked_minimum / 2  # 6.0 against 12.8 GiB
+    assert plan.held["encoders"] == 1035 * MIB and fits(plan)
+    assert plan.phases["encode"] == 400 * MIB + 235 * MIB  # CLIP still visits, parked
+    assert plan.to_json()["encoders"] == "text_encoder parked, text_encoder_2 streamed"
