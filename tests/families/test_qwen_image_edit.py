@@ -138,3 +138,20 @@ def test_how_many_images_each_model_takes(family_runner) -> None:  # type: ignor
     with pytest.raises(InvalidRequestError, match="at most 3 input images"):
         SamplingParams(prompt="x", images=(image,) * 4).validate(
             pixel_multiple=16, condition_images=plus.condition_images)
+
+
+@pytest.mark.parametrize("variant", ["qwen-image-edit", "flux-kontext"])
+def test_the_step_cache_serves_edits(family_runner, variant: str) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.step_cache.spec import StepCacheSpec
+
+    runner = family_runner(variant)
+    base: dict[str, Any] = dict(prompt="make it red", height=32, width=32, seed=1,
+                                num_inference_steps=8, images=(picture(64, 64, 1),))
+    plain, _ = drive(runner, {0: [("plain", SamplingParams(**base))]}, max_num_seqs=1)
+    off, _ = drive(runner, {0: [("off", SamplingParams(
+        **base, step_cache=StepCacheSpec("first-block", threshold=0.0)))]}, max_num_seqs=1)
+    assert torch.equal(off["off"], plain["plain"])
+    # 8 steps, every 2nd of steps 2..5 reused: a real skip, not another image.
+    every, _ = drive(runner, {0: [("every", SamplingParams(
+        **base, step_cache=StepCacheSpec("every", every=2)))]}, max_num_seqs=1)
+    assert 0 < (every["every"] - plain["plain"]).abs().max().item() < 0.5
