@@ -10,6 +10,8 @@ Called by ``render``; pure. The rules, in one place so the docs can quote them:
     runtime cache, no AllGather           -> size x 1  (one read-only mapping per node, shared
                                              by every rank through the page cache)
     otherwise                             -> size x gpus (each rank pins a full copy)
+    plus, under offload, model.encoderSizeGiB x gpus: each rank keeps the text encoders in
+    pinned host memory (parked, or streamed layer by layer; the engine's HBM budget plan)
 - memory request = limit = engine memory + DLO host memory + shmSize (a memory-backed
   emptyDir counts against the container's memory limit).
 - startup budget = 300 s + 20 s/GiB; cache-ensure budget = 600 s + 30 s/GiB (a cold build
@@ -65,11 +67,14 @@ def dlo_host_bytes(spec: DeploymentSpec) -> int:
     gpus = gpus_per_pod(spec)
     par = spec.parallelism
     group = par.data if par.data > 1 else par.sequence  # DLO shards over DP first, else SP
+    # Text encoders: each rank parks or streams its own copy from pinned memory (never
+    # sharded, never from the node cache; engine.runner.whole_pipeline).
+    encoders = math.ceil(spec.model.encoder_size_gib * GIB * gpus)
     if off.use_all_gather and group > 1:
-        return math.ceil(size * gpus / group)
+        return math.ceil(size * gpus / group) + encoders
     if off.runtime_cache:
-        return math.ceil(size)
-    return math.ceil(size * gpus)
+        return math.ceil(size) + encoders
+    return math.ceil(size * gpus) + encoders
 
 
 def memory_bytes(spec: DeploymentSpec) -> int:

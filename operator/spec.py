@@ -52,6 +52,7 @@ class ModelSpec:
     family: str = "Auto"
     dtype: str = "bfloat16"
     size_gib: float | None = None
+    encoder_size_gib: float = 0.0  # text encoders' weights: pinned per rank under offload
     attention_heads: int | None = None  # the DiT's head count, if the user declares it
 
 
@@ -257,7 +258,7 @@ def _read_model(m: SpecReader) -> ModelSpec:
         sub_path=pvc.text("subPath", "") or "",
         family=m.text("family", "Auto", FAMILIES),
         dtype=m.text("dtype", "bfloat16", DTYPES),
-        size_gib=m.number("sizeGiB", None),
+        size_gib=m.number("sizeGiB", None), encoder_size_gib=m.number("encoderSizeGiB", 0.0),
         attention_heads=m.integer("attentionHeads", None, 1),
     )
 

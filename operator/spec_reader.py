@@ -8,8 +8,11 @@ Called by ``spec`` only; pure.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
+
+_DECIMAL = re.compile(r"^[0-9]+(\.[0-9]+)?$")  # the CRD schema's pattern, without "auto"
 
 
 class SpecReader:
@@ -68,17 +71,19 @@ class SpecReader:
         return str(value) if isinstance(value, int) and isinstance(default, str) else value
 
     def number_or_word(self, key: str, word: str) -> float | str | None:
-        """A number >= 0 (a YAML number or a numeric string) or exactly ``word``; None if unset."""
-        value = self._get(key, (int, float, str), None, f"a number >= 0 or {word!r}")
+        """An int-or-string field holding a number >= 0 (an integer, or any number as a
+        string: "7.5") or exactly ``word``; None if unset. A YAML float is refused, as the
+        CRD schema refuses it."""
+        what = f"an integer >= 0, a number as a string (\"7.5\") or {word!r}"
+        value = self._get(key, (int, str), None, what)
         if value is None or value == word:
             return value
         try:
             number = float(value)
         except ValueError:
             number = -1.0
-        if number < 0 or number != number:  # negative, unreadable or NaN
-            self.problems.append(f"{self.path}.{key} must be a number >= 0 or {word!r}, "
-                                 f"got {value!r}")
+        if number < 0 or number != number or isinstance(value, str) and not _DECIMAL.match(value):
+            self.problems.append(f"{self.path}.{key} must be {what}, got {value!r}")
             return None
         return number
 

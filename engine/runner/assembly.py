@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from ditserve.engine.errors import ConfigError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.runner.budget_plan import GIB, BudgetInputs, BudgetPlan, plan_budget
 from ditserve.engine.weights.load import LoadedWeights
+
+if TYPE_CHECKING:
+    from ditserve.engine.offload import OffloadHandle
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ class Assembled:
 
     pipeline: StepPipeline
     adapters: Any
-    offload: Any
+    offload: OffloadHandle | None
     inputs: BudgetInputs | None = None  # the memory planner's inputs (None: not plannable)
     budget: BudgetPlan | None = None  # the plan --dlo-hbm-budget-gib chose
 

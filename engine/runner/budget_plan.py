@@ -225,6 +225,8 @@ def plan_budget(inputs: BudgetInputs, budget: int, *, auto: bool = False) -> Bud
     # the rest leaves once it and the largest phase are paid at their minimum.
     others = sum(least.held.values()) - least.held["dit"] - least.held["dit slots"]
     dit_budget = usable_peak(budget) - others - max(least.phases.values())
+    # The minimum fits, so the DiT's streamed minimum does (the slack's rounding aside).
+    dit_budget = max(dit_budget, least.held["dit"] + least.held["dit slots"])
     residency = budget_residency(list(inputs.dit_blocks), budget_bytes=dit_budget,
                                  fixed_bytes=inputs.dit_fixed, activation_reserve_bytes=0,
                                  slots=inputs.slots)

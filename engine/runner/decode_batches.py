@@ -89,8 +89,8 @@ class DecodeBatches:
         # A pipeline whose decode reads more of a request than its latents and size (Wan
         # I2V mixes each request's first-frame latents in) decodes one request per call.
         self.batchable = bool(getattr(pipeline, "batched_decode", True))
-        self.calls = 0
-        self.decoded = 0
+        self.calls = 0  # VAE calls of finished requests (previews not counted)
+        self.decoded = 0  # finished requests they decoded
 
     def one(self, state: Any) -> None:
         """Decode one request (and previews): the rule's tiling for it, alone."""
@@ -116,6 +116,8 @@ class DecodeBatches:
     def _chunk(self, chunk: list[Any], tiled: bool) -> dict[str, str]:
         try:
             self._call(chunk, tiled)
+            self.calls += 1
+            self.decoded += len(chunk)
             return {}
         except Exception as e:
             if len(chunk) == 1:
@@ -139,8 +141,6 @@ class DecodeBatches:
         finally:
             if self.tiling is not None:
                 self.tiling.set(False)
-        self.calls += 1
-        self.decoded += len(chunk)
 
     def _batched(self, chunk: list[Any]) -> None:
         # One state carrying every request's latents: same size and frames, so the

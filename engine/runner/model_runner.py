@@ -167,7 +167,7 @@ class ModelRunner:
         self.step_cache.close()
         if self._block_major is not None:
             self._block_major.close()
-        if self.offload is not None and getattr(self.offload, "active", True):
+        if self.offload is not None and self.offload.active:
             self.offload.disable()
 
     # -- request registry ---------------------------------------------------------------------
@@ -278,7 +278,7 @@ class ModelRunner:
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""
-        if self.offload is None or not getattr(self.offload, "needs_collective_participation", False):
+        if self.offload is None or not self.offload.needs_collective_participation:
             return None
         return int(self.offload.passes)
 

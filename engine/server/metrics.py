@@ -114,6 +114,18 @@ def _pipeline_metrics(engine: EngineClient | None, stats: EngineStats | None
     yield GaugeMetricFamily("ditserve:prompt_cache_bytes",
                             "Device bytes the cached prompt embeddings take.",
                             value=float(cache.get("bytes", 0)))
+    encode = (pipeline or {}).get("encode") or {}
+    yield CounterMetricFamily("ditserve:encoder_passes",
+                              "Batched text-encoder passes (one per step with cache misses).",
+                              value=float(encode.get("passes", 0)))
+    memory = (pipeline or {}).get("memory") or {}
+    yield GaugeMetricFamily("ditserve:hbm_predicted_peak_bytes",
+                            "The whole pipeline's predicted HBM peak at start (the plan), "
+                            "allocator slack not included.",
+                            value=float(memory.get("predicted_peak_bytes", 0)))
+    yield GaugeMetricFamily("ditserve:hbm_budget_bytes",
+                            "The HBM budget the plan was made for (0: none set).",
+                            value=float(memory.get("budget_bytes", 0)))
     lora = engine.adapter_stats() if engine is not None else {}
     yield GaugeMetricFamily("ditserve:lora_adapters_loaded",
                             "LoRA adapters loaded (selectable by name).",

@@ -22,7 +22,8 @@ from ditserve.engine.runner.model_runner import ModelRunner
 VARIANTS = ["flux", "qwen-image", "wan"]
 PROMPTS = ["a red fox in the snow", "", "a castle", "a very long prompt " * 6]
 # Batched encoder passes against one prompt per pass (the tiny float32 encoders): the
-# families pad and mask as alone, so only the matmuls' summation order may differ.
+# families pad and mask as alone, so only kernels chosen per batch shape may differ
+# (measured: Flux and Wan bit-identical, Qwen-Image 5e-7); batched decodes 7e-7.
 ENCODE_TOLERANCE = 1e-5
 DECODE_TOLERANCE = 1e-5
 
@@ -137,6 +138,7 @@ def test_one_decode_call_equals_one_per_request(family_runner, variant: str) -> 
     calls = r.whole.decoder.calls
     assert r.whole.decode(states) == {}
     assert r.whole.decoder.calls == calls + 1  # the three shared one VAE call
+    assert r.pipeline_report()["decode"]["requests"] >= 3
     for state, want in zip(states, alone, strict=True):
         assert state.pixels.shape == want.shape
         assert torch.allclose(state.pixels, want, rtol=0, atol=DECODE_TOLERANCE)

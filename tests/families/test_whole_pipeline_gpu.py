@@ -74,7 +74,8 @@ def test_measured_peak_stays_under_the_predicted_peak_at_the_smallest_budget(fam
     with pytest.raises(BudgetError) as refused:
         budget_runner(model, 0.01)
     minimum = refused.value.minimum_bytes
-    r = budget_runner(model, minimum / GIB)  # the smallest budget it named: all streamed
+    # The smallest budget it named (a hair above: GiB as a float rounds): all streamed.
+    r = budget_runner(model, minimum / GIB + 1e-6)
     try:
         memory = r.pipeline_report()["memory"]
         assert memory["resident_blocks"] == 0 and memory["encoders"] != "resident"
@@ -89,7 +90,7 @@ def test_measured_peak_stays_under_the_predicted_peak_at_the_smallest_budget(fam
     print(f"{variant}: budget {minimum / GIB:.3f} GiB, predicted peak "
           f"{memory['predicted_peak_bytes'] / GIB:.3f} GiB, measured {measured / GIB:.3f} GiB")
     assert measured <= memory["predicted_peak_bytes"]
-    assert measured + memory["slack_bytes"] <= minimum
+    assert measured + memory["slack_bytes"] <= memory["budget_bytes"]
 
 
 def test_auto_keeps_a_model_that_fits_resident(family_dir) -> None:  # type: ignore[no-untyped-def]

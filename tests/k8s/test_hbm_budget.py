@@ -34,10 +34,11 @@ def test_a_budget_reaches_the_engine_config(budget: Any, engine_value: Any) -> N
     assert config.offload.hbm_budget_gib == engine_value
 
 
-@pytest.mark.parametrize("budget", ["lots", "-1", "7.5GiB", "Auto"])
+@pytest.mark.parametrize("budget", ["lots", "-1", "7.5GiB", "Auto", 7.5, "1e3", " 4", -2])
 def test_schema_and_judge_refuse_the_same_values(budget: Any) -> None:
     assert not admitted(budget)
-    with pytest.raises(InvalidSpecError, match="offload.hbmBudgetGiB must be a number >= 0 or 'auto'"):
+    with pytest.raises(InvalidSpecError, match="offload.hbmBudgetGiB must be an integer >= 0, "
+                                               "a number as a string"):
         validate(spec(budget), name="flux")
 
 
@@ -62,3 +63,23 @@ def test_a_budget_with_allgather_is_refused_by_the_engine_rules() -> None:
     data["parallelism"] = {"data": 2}
     with pytest.raises(InvalidSpecError, match="resident layers are not supported with AllGather"):
         validate(data, name="flux")
+
+
+def test_host_memory_counts_the_encoders_each_rank_pins_under_offload() -> None:
+    from ditserve.operator.sizing import GIB, dlo_host_bytes, memory_bytes
+
+    base = spec("auto")
+    base["parallelism"] = {"data": 2}
+    with_encoders = {**base, "model": {**base["model"], "encoderSizeGiB": 9.5}}
+    assert not schema_errors(apply_defaults(version_schema(), {
+        "apiVersion": "ditserve.io/v1alpha1", "kind": "DiffusionDeployment",
+        "metadata": {"name": "flux", "namespace": "default"}, "spec": with_encoders}))
+    without = parse_spec(base)
+    assert without.model.encoder_size_gib == 0.0  # the schema's default: nothing added
+    plain = dlo_host_bytes(without)
+    assert plain == 2 * 24 * GIB  # rank-local DiT copies (AllGather off)
+    # Two ranks, each parking (or streaming) its own 9.5 GiB of encoders.
+    assert dlo_host_bytes(parse_spec(with_encoders)) == plain + 19 * GIB
+    assert memory_bytes(parse_spec(with_encoders)) - memory_bytes(without) == 19 * GIB
+    off = {**with_encoders, "offload": {"enabled": False}}
+    assert dlo_host_bytes(parse_spec(off)) == 0  # resident serving pins nothing
