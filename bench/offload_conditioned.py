@@ -4,9 +4,10 @@ diffusers group offloading, as bench/offload_families.py measures their text-onl
 (the same runner, ``offload_methods.py``: methods, table and JSON; this file adds the models
 and the targets).
 
-- ``--model qwen-image-edit``: Qwen-Image-Edit's DiT (Qwen-Image's 20.4B architecture) at
-  1024x1024 with a 1024x1024 source: every row carries 4096 target + 4096 source tokens;
-  batches 1 and 4;
+- ``--model qwen-image-edit``: Qwen-Image-Edit's DiT (Qwen-Image's 20.4B architecture, built
+  by the family's own builder) at 1024x1024 with a 1024x1024 source: every row carries 4096
+  target + 4096 source tokens, and 1433 text tokens (Qwen2.5-VL reads the source as 37x37 =
+  1369 vision tokens, plus a short prompt); batches 1 and 4;
 - ``--model wan-i2v``: Wan2.1-I2V-14B-480P's DiT (36 input channels, CLIP image context of
   257 tokens 1280 wide) at 832x480, 81 frames, batch 1 (CFG's two rows: ``--batches 2``).
 
@@ -38,12 +39,14 @@ DEFAULT_SIZES = {"qwen-image-edit": "1024x1024", "wan-i2v": "832x480x81"}
 TINY_SIZES = {"qwen-image-edit": "64x64", "wan-i2v": "64x64x5"}
 DEFAULT_BATCHES = {"qwen-image-edit": (1, 4), "wan-i2v": (1,)}
 DEFAULT_ITERS = {"qwen-image-edit": 3, "wan-i2v": 2}
-QWEN_TEXT_TOKENS, WAN_TEXT_TOKENS, CLIP_TOKENS = 256, 512, 257
+# Qwen-Image-Edit's text rows: a 1024x1024 source read by Qwen2.5-VL (1036 px / 28 = 37 vision
+# tokens a side) and a prompt of 64 tokens.
+QWEN_TEXT_TOKENS, WAN_TEXT_TOKENS, CLIP_TOKENS = 37 * 37 + 64, 512, 257
 
 
 def build_dit(model: str, size: str, device: torch.device, seed: int,
               stock_blocks: bool = False) -> torch.nn.Module:
-    variant = "qwen-image" if model == "qwen-image-edit" else "wan-i2v"
+    variant = model  # the family's own variant: qwen-image-edit, wan-i2v
     dit: torch.nn.Module = make_dit(variant, size, dtype=torch.bfloat16, device=device,
                                     seed=seed)
     if variant == "wan-i2v" and not stock_blocks:

@@ -176,8 +176,9 @@ def add_generate_parser(subcommands: Any) -> None:
                      help="apply a LoRA adapter file at SCALE (default 1); repeat to stack")
     gen.add_argument("--image", type=Path, action="append", default=None, metavar="PATH",
                      help="an input image (PNG, JPEG, WebP): the source of an edit model "
-                          "(FLUX.1 Kontext) or an image-to-video model's first frame; repeat "
-                          "it where the model takes several")
+                          "(FLUX.1 Kontext, Qwen-Image-Edit) or an image-to-video model's "
+                          "first frame; repeat it where the model takes several "
+                          "(Qwen-Image-Edit Plus: up to 3)")
     gen.add_argument("--fps", type=int, default=None,
                      help="video models: MP4 frame rate (default: the model's, 16 for Wan)")
     add_engine_options(gen, with_config_file=False)

@@ -16,7 +16,8 @@ from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.qwen_image import QWEN_IMAGE
 
 
-def _tokenizer() -> Any:
+def make_tokenizer(special: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")) -> Any:
+    """A byte-level tokenizer with ``special`` (the chat template's markers) as single tokens."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -25,11 +26,13 @@ def _tokenizer() -> Any:
     vocab["<|endoftext|>"] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
     # The chat template's markers as single tokens, as in Qwen2.5-VL's tokenizer.
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     return tokenizer
 
 
-def _text_encoder(tokenizer: Any, width: int) -> Any:
+def make_text_encoder(tokenizer: Any, width: int, **token_ids: Any) -> Any:
+    """A Qwen2.5-VL of one or two layers ``width`` wide; ``token_ids``: its vision markers'
+    ids in ``tokenizer`` (``image_token_id``, ...) where prompts carry images."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     heads = 2 if width <= 64 else max(1, width // 128)
@@ -47,11 +50,12 @@ def _text_encoder(tokenizer: Any, width: int) -> Any:
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
                            out_hidden_size=width, fullatt_block_indexes=[0]),
+        **token_ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _vae() -> Any:
+def make_vae() -> Any:
     from diffusers import AutoencoderKLQwenImage
 
     # Qwen-Image's latent layout: 16 channels, 8x spatial (three downsamplings), one frame.
@@ -59,23 +63,35 @@ def _vae() -> Any:
                                   temperal_downsample=[False, True, True])
 
 
-def _parts(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
-           released: Mapping[str, ComponentShape] | None) -> dict[str, Any]:
-    """The tokenizer, text encoder and VAE: tiny ones, or ``released``'s shapes."""
+def make_scheduler() -> Any:
+    """Qwen-Image's released scheduler: resolution-dependent exponential time shift."""
+    import diffusers
+
+    return diffusers.FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
+        num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
+        time_shift_type="exponential", use_dynamic_shifting=True)
+
+
+def make_parts(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+               released: Mapping[str, ComponentShape] | None, tokenizer: Any,
+               token_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The tokenizer, text encoder and VAE: tiny ones, or ``released``'s shapes;
+    ``token_ids``: the text encoder's vision markers in ``tokenizer`` (edits)."""
     from ditserve.engine.builders.released import build_released
     from ditserve.engine.model_builders import dit_setting
 
-    tokenizer = _tokenizer()
+    extra = dict(token_ids or {})
     if released is not None:
-        ids = {"text_encoder": {"text_config": dict(
+        ids = {"text_encoder": {**extra, "text_config": dict(
             bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
             pad_token_id=tokenizer.pad_token_id)}}
         return {"tokenizer": tokenizer, **build_released(released, dtype=dtype, device=device,
                                                          seed=seed, ids=ids)}
     width = dit_setting(variant, size, "joint_attention_dim")
     # Stored as served: the loader never casts.
-    return {"tokenizer": tokenizer, "text_encoder": _text_encoder(tokenizer, width).to(dtype),
-            "vae": _vae().to(dtype)}
+    encoder = make_text_encoder(tokenizer, width, **extra)
+    return {"tokenizer": tokenizer, "text_encoder": encoder.to(dtype), "vae": make_vae().to(dtype)}
 
 
 def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
@@ -87,15 +103,11 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     from ditserve.engine.model_builders import make_dit
 
     torch.manual_seed(seed)
-    parts = _parts(variant, size, dtype=dtype, device=device, seed=seed, released=released)
-    # Qwen-Image's released scheduler: resolution-dependent exponential time shift.
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
-        num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
-        time_shift_type="exponential", use_dynamic_shifting=True)
+    parts = make_parts(variant, size, dtype=dtype, device=device, seed=seed, released=released,
+                       tokenizer=make_tokenizer())
     dit = make_dit(variant, size, dtype=dtype, device=device, seed=seed)
     pipeline_cls = getattr(diffusers, QWEN_IMAGE.pipeline_class)
-    return pipeline_cls(scheduler=scheduler, transformer=dit, **parts)
+    return pipeline_cls(scheduler=make_scheduler(), transformer=dit, **parts)
 
 
 def build_tiny(variant: str, seed: int) -> Any:

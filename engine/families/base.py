@@ -7,7 +7,7 @@ key, the server's defaults, the DiT shapes the model builders make - and *lazy r
 (``"module:attr"`` strings, resolved by ``resolve`` on first use) to its torch-side parts:
 the step pipeline, the sequence-parallel hooks and the builders.
 
-One record lives in each family module (``engine.families.flux``, ``qwen_image``, ``wan``);
+One record lives in each family module (``engine.families.flux``, ``qwen_image``, ``wan``, ...);
 the registry (``engine.families``) lists them.
 """
 
@@ -64,6 +64,9 @@ class Family:
         some models add (Wan 2.2's low-noise expert ``transformer_2``), switched per step,
         used only when model_index.json sets ``expert_switch`` (Wan: ``boundary_ratio``).
     components: the other required components (text encoders, tokenizers, VAE, scheduler).
+    self_loaded: components the step pipeline reads from the model directory itself; the
+        loader passes None for them to diffusers (Qwen-Image-Edit's ``processor``, whose
+        transformers class cannot be built on a machine without torchvision).
     block_lists: the DiT's repeated-block lists in the order its forward runs them (what DLO
         streams); resident_modules: the DiT's other top-level modules (on the device always).
     batch_key_fields: ``SamplingParams`` fields that change the denoise tensor contract.
@@ -106,6 +109,7 @@ class Family:
     builders: str
     sp_hooks: str | None = None
     expert_components: tuple[str, ...] = ()
+    self_loaded: tuple[str, ...] = ()
     expert_switch: str | None = None
     cfg_rows: CfgRule = "true_cfg"
     attention_heads: tuple[int, ...] = ()

@@ -124,11 +124,19 @@ class QwenImageStepPipeline:
     @torch.inference_mode()
     def prepare_encode(self, state: DenoiseState) -> None:
         p = state.params
-        n = p.num_images
         length = p.max_sequence_length or self.max_sequence_length
-        texts = [self._encode_prompt(p.prompt, length)] * n
-        if p.uses_true_cfg:
-            texts += [self._encode_prompt(p.negative_prompt or "", length)] * n
+        positive = self._encode_prompt(p.prompt, length)
+        negative = (self._encode_prompt(p.negative_prompt or "", length)
+                    if p.uses_true_cfg else None)
+        self._prepare_rows(state, positive, negative)
+
+    def _prepare_rows(self, state: DenoiseState, positive: torch.Tensor,
+                      negative: torch.Tensor | None) -> None:
+        """The request's text rows (``n`` positive, then ``n`` negative under true CFG), its
+        initial latents and its schedule, from its (1, L, D) prompt encodings."""
+        p = state.params
+        n = p.num_images
+        texts = [positive] * n + ([negative] * n if negative is not None else [])
         longest = max(t.shape[1] for t in texts)
         # (rows, L, D) right-padded to this request's longest prompt, with (rows, L) mask.
         embeds = torch.zeros(len(texts), longest, texts[0].shape[2], dtype=texts[0].dtype,
@@ -155,6 +163,12 @@ class QwenImageStepPipeline:
     @torch.inference_mode()
     def denoise_step(self, batch: InputBatch) -> torch.Tensor:
         lh, lw = self._latent_grid(batch.states[0].params.height, batch.states[0].params.width)
+        return self._predict(batch, batch.hidden_states, [(1, lh // 2, lw // 2)])
+
+    def _predict(self, batch: InputBatch, hidden: torch.Tensor,
+                 shapes: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The DiT's output for ``hidden`` (rows, tokens, 4C): every row's image tokens are
+        the grids ``shapes`` (frames, h, w) one after another."""
         lengths = {n for s in batch.states for n in s.host["text_lengths"]}
         # Equal text lengths need no mask (as diffusers, which drops an all-true one; and on
         # CUDA a masked attention cannot take the flash kernel).
@@ -162,11 +176,11 @@ class QwenImageStepPipeline:
         # diffusers casts the timestep to the latents' dtype before dividing by 1000.
         timestep = batch.timesteps.to(self.device, batch.hidden_states.dtype) / 1000
         return self.transformer(
-            hidden_states=batch.hidden_states,
+            hidden_states=hidden,
             timestep=timestep,
             encoder_hidden_states=batch.static["encoder_hidden_states"],
             encoder_hidden_states_mask=mask,
-            img_shapes=[[(1, lh // 2, lw // 2)]] * batch.num_rows,
+            img_shapes=[list(shapes)] * batch.num_rows,
             return_dict=False,
         )[0]
 

@@ -15,7 +15,8 @@ prompt encoding, the float32 noise draw, the per-request scheduler, CFG rows in 
 forward, expert routing - is ``wan.WanStepPipeline``'s. The conditioning is encoded once at
 admission (the VAE encodes the first frames of the requests admitted in one step together,
 per size and frame count) and travels as static rows, so requests at different steps share a
-forward. Every request needs its first frame (``condition_images`` (1, 1)).
+forward; Wan 2.1's CLIP encoder reads the first frames of those requests in one forward too.
+Every request needs its first frame (``condition_images`` (1, 1)).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from ditserve.engine.pipelines.wan import WanStepPipeline
 from ditserve.engine.runner.denoise_state import DenoiseState
 
 if TYPE_CHECKING:
+    from ditserve.engine.request import ConditionImage
     from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
 CONDITION = "condition"  # static row: mask + first-frame latents (2.1) / first-frame latents (TI2V)
 IMAGE_CONTEXT = "image_embeds"  # static row: CLIP hidden states (Wan 2.1 I2V)
+CLIP_CONTEXT = "clip_context"  # host: a batched CLIP encode's rows for this request
 FIRST_FRAME_MASK = "first_frame_mask"  # shared (TI2V): 0 on latent frame 0, else 1
 
 
@@ -87,8 +90,13 @@ class WanI2VStepPipeline(WanStepPipeline):
 
     @torch.inference_mode()
     def encode_conditions(self, states: Sequence[DenoiseState]) -> None:
-        """The first frames of requests admitted together, one VAE forward per shape."""
+        """The first frames of requests admitted together: one VAE forward per shape, and (Wan
+        2.1) one CLIP forward for all of them (its processor makes every image one size)."""
         encode_once(states, prepare=self._preprocess, encode=self._vae_encode)
+        if self.image_encoder is not None and states:
+            contexts = self._clip_contexts([state.params.images[0] for state in states])
+            for row, state in enumerate(states):
+                state.host[CLIP_CONTEXT] = contexts[row : row + 1]
 
     def _first_frame_latents(self, state: DenoiseState) -> torch.Tensor:
         encoded = take_encoded(state)
@@ -112,13 +120,18 @@ class WanI2VStepPipeline(WanStepPipeline):
         return mask.view(1, -1, step, height, width).transpose(1, 2)
 
     @torch.inference_mode()
-    def _image_context(self, state: DenoiseState) -> torch.Tensor:
-        """(1, tokens, D) CLIP penultimate hidden states of the original image (as diffusers)."""
+    def _clip_contexts(self, images: Sequence[ConditionImage]) -> torch.Tensor:
+        """(k, tokens, D) CLIP penultimate hidden states of the original images (as diffusers)."""
         assert self.image_encoder is not None and self.clip_processor is not None
-        inputs = self.clip_processor(images=to_pil(state.params.images[0]), return_tensors="pt")
+        inputs = self.clip_processor(images=[to_pil(i) for i in images], return_tensors="pt")
         pixels = upload(inputs["pixel_values"], self.device).to(self.image_encoder.dtype)
         states = self.image_encoder(pixel_values=pixels, output_hidden_states=True)
         return states.hidden_states[-2].to(self.dtype)
+
+    def _image_context(self, state: DenoiseState) -> torch.Tensor:
+        """(1, tokens, D): the batched encode's rows for this request, else its own."""
+        context: torch.Tensor | None = state.host.pop(CLIP_CONTEXT, None)
+        return context if context is not None else self._clip_contexts(state.params.images[:1])
 
     # -- StepPipeline ------------------------------------------------------------------------
     @torch.inference_mode()

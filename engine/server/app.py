@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from ditserve.engine.client import EngineClient, EnginePhase
-from ditserve.engine.server import image_openapi, video_openapi
+from ditserve.engine.server import edit_openapi, image_openapi, video_openapi
 from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
@@ -27,6 +27,14 @@ from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.openapi import build_openapi
 from ditserve.engine.server.routes import adapters, edits, images, models, probes, videos
 from ditserve.engine.server.state import ServerState
+
+
+def edit_images(state: ServerState) -> int:
+    """The most images the replica's model edits from (0: it does not edit; /v1/images/edits
+    is then left out of the document, as the route answers 400)."""
+    if state.output != "image":
+        return 0
+    return int(state.model_limits().condition_images[1])
 
 
 def create_app(
@@ -81,13 +89,16 @@ def create_app(
 
     def openapi() -> dict[str, Any]:
         # The body's rules depend on the loaded model (pixel multiple, prompt limit, frames).
-        key = (state.limits(), state.video_limits() if state.videos is not None else None)
+        key = (state.limits(), state.video_limits() if state.videos is not None else None,
+               edit_images(state))
         if key not in documents:
             video = key[1] is not None
             kind = (video_openapi.schemas(key[1]) if key[1] is not None
                     else image_openapi.schemas(key[0]))
+            if key[2]:
+                kind |= edit_openapi.schemas(key[0], key[2])
             documents[key] = build_openapi(app, api_key=config.api_key is not None,
-                                           kind_schemas=kind, video=video)
+                                           kind_schemas=kind, video=video, edits=key[2] > 0)
         return documents[key]
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -103,8 +103,10 @@ def _usage_schema() -> dict[str, Any]:
                            "total_tokens": {"type": "integer"}}}
 
 
-def _stream_event_schemas() -> dict[str, Any]:
-    """The JSON of each event's ``data:`` line, by ``type`` (the SSE event name)."""
+def stream_event_schemas(events: streaming.ImageEvents = streaming.GENERATION_EVENTS,
+                         prefix: str = "") -> dict[str, Any]:
+    """The JSON of each event's ``data:`` line, by ``type`` (the SSE event name); ``events``:
+    the route's names (generations' or edits'), ``prefix``: of the schemas' names."""
     string, integer = {"type": "string"}, {"type": "integer"}
 
     def progress(kind: str, second: str) -> dict[str, Any]:
@@ -122,24 +124,29 @@ def _stream_event_schemas() -> dict[str, Any]:
              "image_index": integer, "request_id": string}
     image_required = ["b64_json", "created_at", "output_format", "size"]
     return {
-        "QueuedEvent": progress("queued", "queue_position (0: next; null: already running)"),
-        "ProgressEvent": progress("step", "denoise steps done"),
-        "PartialImageEvent": event(streaming.PARTIAL_IMAGE,
-                                   [*image_required, "partial_image_index"], **image,
-                                   partial_image_index=integer, step=integer),
-        "CompletedEvent": event(streaming.COMPLETED, [*image_required, "usage"], **image,
-                                usage=ref("Usage")),
-        "ErrorEvent": event(streaming.ERROR, ["error"],
-                            error=error_schema()["properties"]["error"]),
+        f"{prefix}QueuedEvent": progress("queued",
+                                         "queue_position (0: next; null: already running)"),
+        f"{prefix}ProgressEvent": progress("step", "denoise steps done"),
+        f"{prefix}PartialImageEvent": event(events.partial_image,
+                                            [*image_required, "partial_image_index"], **image,
+                                            partial_image_index=integer, step=integer),
+        f"{prefix}CompletedEvent": event(events.completed, [*image_required, "usage"],
+                                         **image, usage=ref("Usage")),
+        f"{prefix}ErrorEvent": event(streaming.ERROR, ["error"],
+                                     error=error_schema()["properties"]["error"]),
     }
 
 
-def sse_answer() -> dict[str, Any]:
+def sse_answer(events: streaming.ImageEvents = streaming.GENERATION_EVENTS,
+               prefix: str = "") -> dict[str, Any]:
     """text/event-stream: the schema of one event (Open API 3.1: ``schema`` is per event)."""
-    names = ("QueuedEvent", "ProgressEvent", "PartialImageEvent", "CompletedEvent", "ErrorEvent")
+    names = [f"{prefix}{n}" for n in ("QueuedEvent", "ProgressEvent", "PartialImageEvent",
+                                      "CompletedEvent", "ErrorEvent")]
+    kinds = [events.queued, events.progress, events.partial_image, events.completed,
+             streaming.ERROR]
     return {"text/event-stream": {
         "type": "object", "required": ["event", "data"],
-        "properties": {"event": {"enum": list(streaming.EVENT_TYPES)},
+        "properties": {"event": {"enum": kinds},
                        "data": {"type": "string", "contentMediaType": "application/json",
                                 "contentSchema": {"oneOf": [ref(n) for n in names]}}}}}
 
@@ -148,7 +155,7 @@ def schemas(limits: RequestLimits) -> dict[str, Any]:
     string, integer = {"type": "string"}, {"type": "integer"}
     return {
         "ImageGenerationRequest": request_schema(limits),
-        **_stream_event_schemas(),
+        **stream_event_schemas(),
         "Usage": _usage_schema(),
         "ImagesResponse": {
             "type": "object", "required": ["created", "data", "usage"],

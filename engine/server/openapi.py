@@ -179,26 +179,27 @@ def _static_schemas() -> dict[str, Any]:
 
 
 def build_openapi(app: FastAPI, *, api_key: bool, kind_schemas: dict[str, Any],
-                  video: bool) -> dict[str, Any]:
+                  video: bool, edits: bool = False) -> dict[str, Any]:
     """The whole document for this replica (``app.openapi`` caches it per limits).
 
     One model per replica: a video replica's document (``video``, with
     ``video_openapi.schemas``) holds the video routes (tag ``videos``) and not the image
     route (tag ``images``); an image replica's (``image_openapi.schemas``) the reverse. The
-    other kind's routes answer 400 and are left out.
+    other kind's routes answer 400 and are left out, and so is the edits route (tag
+    ``edits``) unless the model edits (``edits``, with ``edit_openapi.schemas``).
     """
     doc = get_openapi(title="ditserve", version="0.1.0", routes=app.routes,
                       description="OpenAI-style image and video generation on a diffusion "
                                   "transformer (one model per replica). Errors are OpenAI's "
                                   "error object; see docs/serving.md.")
-    served = "videos" if video else "images"
-    other = "images" if video else "videos"
+    served = {"videos"} if video else {"images", *(("edits",) if edits else ())}
+    others = {"images", "videos", "edits"} - served
     for path in list(doc.get("paths", {})):
         operations = doc["paths"][path]
-        for method in [m for m, op in operations.items() if other in op.get("tags", ())]:
+        for method in [m for m, op in operations.items() if others & set(op.get("tags", ()))]:
             del operations[method]
         for operation in operations.values():
-            if served in operation.get("tags", ()):
+            if served & set(operation.get("tags", ())):
                 operation.pop("tags")
         if not operations:
             del doc["paths"][path]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ditserve.engine.errors import ConfigError, InvalidRequestError
+from ditserve.engine.families import family_of_dit
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.step_cache.blocks import StepCacheBlocks
 from ditserve.engine.step_cache.policies import (
@@ -51,8 +52,11 @@ class StepCache:
                 raise ConfigError(f"--step-cache {default.policy}: {e.message}") from e
         if sequence_parallel:
             return
+        # Blocks return what their DiT's blocks return: a derived family (an edit or
+        # image-to-video layout) runs its base family's DiT (FLUX.1 Kontext: Flux's blocks).
+        dit_family = family_of_dit(pipeline.family.dit_class) or pipeline.family
         self.blocks = StepCacheBlocks(pipeline.transformer, pipeline.block_lists,
-                                      pipeline.family.name)
+                                      dit_family.name)
         if offload is not None:
             offload.skip_unneeded(self.blocks.needs)
 

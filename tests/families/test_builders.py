@@ -13,6 +13,8 @@ from ditserve.engine.model_builders import dit_class, dit_config
 # Released DiT sizes (parameters) and block counts, from the public model configs.
 FULL = {
     "qwen-image": (20.0e9, 21.0e9, 60, 3072),  # Qwen-Image: 60 blocks, 24 heads x 128
+    "qwen-image-edit": (20.0e9, 21.0e9, 60, 3072),  # Qwen-Image-Edit: Qwen-Image's DiT
+    "qwen-image-edit-plus": (20.0e9, 21.0e9, 60, 3072),  # Qwen-Image-Edit-2509: the same
     "wan": (13.5e9, 14.5e9, 40, 5120),  # Wan2.1-T2V-14B: 40 blocks, 40 heads x 128
     "wan2.2-ti2v": (4.8e9, 5.2e9, 30, 3072),  # Wan2.2-TI2V-5B: 30 blocks, 24 heads x 128
 }
@@ -55,3 +57,25 @@ def test_init_random_writes_a_loadable_qwen_image_dir(tmp_path) -> None:  # type
     components = load_components(path)
     assert components.family.name == "qwen-image"
     assert next(components.modules["transformer"].parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("variant", ["qwen-image-edit", "qwen-image-edit-plus"])
+def test_init_random_writes_a_loadable_qwen_image_edit_dir(variant: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from transformers import Qwen2VLImageProcessorPil
+
+    from ditserve.engine.cli import main
+    from ditserve.engine.weights.loader import load_components
+
+    assert main(["model", "init-random", "--family", variant, "--size", "tiny",
+                 "--dtype", "float32", "--device", "cpu", str(tmp_path / "e")]) == 0
+    index = json.loads((tmp_path / "e" / "model_index.json").read_text())
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    # The released processor folder's pieces: tokenizer files and the image processor's.
+    processor = Qwen2VLImageProcessorPil.from_pretrained(tmp_path / "e" / "processor")
+    assert processor.merge_size == 2 and processor.patch_size == 14
+    components = load_components(tmp_path / "e")
+    assert components.family.name == variant
+    assert "processor" not in components.modules  # read by the step pipeline itself
+    config = components.modules["text_encoder"].config
+    assert config.image_token_id == components.modules["tokenizer"].convert_tokens_to_ids(
+        "<|image_pad|>")

@@ -1,4 +1,5 @@
-"""`ditserve generate --image`: an edit on the tiny FLUX.1 Kontext model and an image-to-video
+"""`ditserve generate --image`: an edit on the tiny FLUX.1 Kontext model, an edit from two images
+on the tiny Qwen-Image-Edit Plus model (--image repeated) and an image-to-video
 run on the tiny Wan I2V model write their outputs; a bad image is a clean error naming it."""
 
 from __future__ import annotations
@@ -44,3 +45,21 @@ def test_a_bad_image_is_a_clean_error(family_dir, tmp_path: Path, capsys) -> Non
     missing = main(["generate", "--model", str(family_dir("flux-kontext")), "--device", "cpu",
                     "--image", str(tmp_path / "nope.png"), "--prompt", "x"])
     assert missing != 0
+
+
+def test_an_edit_from_several_images(family_dir, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    first = write_png(tmp_path / "cat.png", (80, 60))
+    second = write_png(tmp_path / "sofa.png", (60, 90))
+    out = tmp_path / "edit.png"
+    model = str(family_dir("qwen-image-edit-plus"))
+    assert main(["generate", "--model", model, "--device", "cpu", "--image", str(first),
+                 "--image", str(second), "--prompt", "the cat on the sofa", "--height", "32",
+                 "--width", "48", "--steps", "1", "--seed", "1", "--out", str(out)]) == 0
+    assert Image.open(out).size == (48, 32)
+    assert "saved" in capsys.readouterr().out
+    # The single-image edit model says how many it takes.
+    code = main(["generate", "--model", str(family_dir("qwen-image-edit")), "--device", "cpu",
+                 "--image", str(first), "--image", str(second), "--prompt", "x",
+                 "--steps", "1"])
+    assert code != 0
+    assert "at most 1 input image" in capsys.readouterr().err

@@ -181,3 +181,29 @@ def test_text_only_families_refuse_images_and_edit_families_bound_them(family_ru
     with pytest.raises(InvalidRequestError, match="needs 1 input image"):
         SamplingParams(prompt="x", num_frames=5).validate(
             pixel_multiple=16, frame_step=4, condition_images=wan.condition_images)
+
+
+def test_requests_admitted_together_share_one_clip_and_one_vae_forward(family_runner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    runner = family_runner("wan-i2v")
+    batches: dict[str, list[int]] = {"clip": [], "vae": []}
+    vae = runner.pipeline.vae
+    encode = vae.encode
+
+    def counted_encode(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        batches["vae"].append(x.shape[0])
+        return encode(x, *args, **kwargs)
+
+    def clip_hook(module: Any, inputs: Any, kwargs: Any, output: Any) -> None:
+        batches["clip"].append(kwargs["pixel_values"].shape[0])
+
+    monkeypatch.setattr(vae, "encode", counted_encode)
+    hook = runner.pipeline.image_encoder.register_forward_hook(clip_hook, with_kwargs=True)
+    try:
+        arrivals = [(rid, SamplingParams(prompt=f"scene {rid}", height=32, width=32,
+                                         num_frames=5, num_inference_steps=1, seed=seed,
+                                         guidance_scale=1.0, images=(picture(48, 40, seed),)))
+                    for rid, seed in (("a", 1), ("b", 2), ("c", 3))]
+        drive(runner, {0: arrivals}, max_num_seqs=3)
+    finally:
+        hook.remove()
+    assert batches == {"clip": [3], "vae": [3]}  # one forward each, three requests' images

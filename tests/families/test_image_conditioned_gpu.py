@@ -1,6 +1,7 @@
-"""The image-conditioned families on CUDA (run on the device machine): with DLO (copy stream,
-two slots) two requests with different input images, admitted together, equal resident
-exactly, and resident CUDA equals the CPU run within float tolerance."""
+"""The image-conditioned families (FLUX.1 Kontext, Qwen-Image-Edit and Plus, Wan I2V) on CUDA
+(run on the device machine): with DLO (copy stream, two slots) two requests with different
+input images, admitted together, equal resident exactly, and resident CUDA equals the CPU run
+within float tolerance."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from ditserve.engine.runner.model_runner import ModelRunner
 pytestmark = pytest.mark.gpu
 
 VIDEO = {"flux-kontext": {}, "wan-i2v": {"num_frames": 5, "guidance_scale": 3.0},
-         "wan2.2-ti2v-i2v": {"num_frames": 5, "guidance_scale": 1.0}}
+         "wan2.2-ti2v-i2v": {"num_frames": 5, "guidance_scale": 1.0},
+         # true CFG (a negative prompt): the CFG rows ride in the same forward
+         "qwen-image-edit": {"negative_prompt": "blurry", "true_cfg_scale": 3.0},
+         "qwen-image-edit-plus": {"negative_prompt": " ", "true_cfg_scale": 2.0}}
 
 
 def arrivals(variant: str) -> dict[int, list[tuple[str, SamplingParams]]]:

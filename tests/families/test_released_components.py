@@ -99,6 +99,9 @@ _SMALL: dict[str, dict[str, dict[str, Any]]] = {
         "vae": dict(base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
     },
 }
+# The edit layouts: Qwen-Image's parts (the text encoder's vision markers come from the
+# builder's tokenizer) and a processor folder.
+_SMALL["qwen-image-edit"] = _SMALL["qwen-image-edit-plus"] = _SMALL["qwen-image"]
 _SMALL["wan-i2v"] = {**_SMALL["wan"], "image_encoder": dict(
     hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
     image_size=32, patch_size=8, projection_dim=32)}

@@ -85,6 +85,9 @@ def test_engine_rules_judge_option_combinations(offload: dict, parallelism: dict
     ("Wan", 7, False),
     ("Auto", 5, True),  # unknown heads: fits a released model (40), the engine checks the rest
     ("Auto", 7, False),  # fits no released model of any family
+    # The edit families: Qwen-Image's DiT (24 heads), FLUX.1 Kontext's Flux's.
+    ("QwenImageEdit", 4, True), ("QwenImageEdit", 5, False),
+    ("QwenImageEditPlus", 8, True), ("QwenImageEditPlus", 7, False), ("FluxKontext", 5, False),
 ])
 def test_sequence_parallel_sizes_are_judged_by_the_familys_head_counts(
         family: str, sequence: int, ok: bool) -> None:
@@ -105,3 +108,14 @@ def test_an_sp_group_spanning_nodes_is_refused() -> None:
         parse_spec(spec)
     spec["parallelism"]["gpusPerNode"] = 8  # two pods of one 8-GPU SP group each
     assert parse_spec(spec).parallelism.pods_per_replica == 2
+
+
+@pytest.mark.parametrize("family", ["QwenImageEdit", "QwenImageEditPlus"])
+def test_edit_families_take_the_dlo_rules_of_the_others(family: str) -> None:
+    base = {"model": {"hostPath": "/mnt/models/m", "sizeGiB": 40, "family": family}}
+    _, config = validate({**base, "offload": {"enabled": True},
+                          "parallelism": {"sequence": 2, "gpusPerNode": 8}})
+    assert config.offload.enabled and config.parallel.sequence_parallel_size == 2
+    with pytest.raises(InvalidSpecError, match="not supported with AllGather"):
+        engine_config(parse_spec({**base, "offload": {"enabled": True, "residentLayers": 2},
+                                  "parallelism": {"data": 2}}))

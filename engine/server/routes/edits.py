@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import ConditionImage
-from ditserve.engine.server import responses, streaming
+from ditserve.engine.server import edit_openapi, responses, streaming
 from ditserve.engine.server.adapter_fields import parse_form_loras
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
@@ -126,10 +126,12 @@ async def _read_edit(request: Request, state: ServerState
     return fields, images
 
 
-# Left out of /openapi.json for now: the document describes JSON bodies generated from the
-# replica's limits, and a multipart body with binary images is not yet among them
-# (docs/serving.md documents the route).
-@router.post("/v1/images/edits", response_model=None, include_in_schema=False)
+# In /openapi.json on a replica whose model edits (tag "edits", ``openapi.build_openapi``):
+# the multipart form of ``edit_openapi``, the answers of the generations route.
+@router.post("/v1/images/edits", response_model=None, tags=["edits"],
+             openapi_extra=edit_openapi.EDIT_BODY, responses=edit_openapi.answers(),
+             summary="Edit images (OpenAI images API, multipart; JSON, or Server-Sent Events "
+                     "with stream)")
 async def edit_image(request: Request) -> Response:
     state: ServerState = request.app.state.server
     if state.output != "image":
