@@ -35,7 +35,7 @@ from ditserve.engine.families import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from ditserve.engine.pipelines.common import upload
 from ditserve.engine.pipelines.conditioning import encode_each, take_encoded, to_pil
 from ditserve.engine.pipelines.qwen_image import MAX_TEXT_TOKENS, QwenImageStepPipeline
-from ditserve.engine.request import ModelLimits
+from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
 
 if TYPE_CHECKING:
@@ -119,6 +119,11 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
     # -- the prompt, read with the images ----------------------------------------------------
     def _template_text(self, prompt: str, count: int) -> str:
         return self.template.format(prompt)  # Edit's template holds the image's placeholder
+
+    def text_prompts(self, params: SamplingParams) -> list[str]:
+        """None for the runner's batched text pass: an edit reads each prompt together with
+        its images (``_encode_with_images``), which the text-only pass cannot stage."""
+        return []
 
     @torch.inference_mode()
     def _encode_with_images(self, prompt: str, images: list[Any]) -> torch.Tensor:

@@ -186,3 +186,14 @@ def test_image_to_video_decodes_one_request_per_call(family_runner) -> None:  # 
     assert not r.whole.decoder.batchable
     assert "same-shape decodes batched" not in r.whole.plan_table()
     assert r.whole.decoder.batchable == bool(getattr(r.pipeline, "batched_decode", True))
+
+
+def test_edits_run_no_text_only_encoder_pass(family_runner) -> None:  # type: ignore[no-untyped-def]
+    """Qwen-Image-Edit reads each prompt with its images: the batched text pass stages none."""
+    r = family_runner("qwen-image-edit")
+    before = r.pipeline_report()["encode"]["passes"]
+    state = DenoiseState("e", SamplingParams(prompt="make it red", negative_prompt="blur",
+                                             true_cfg_scale=4.0, height=32, width=32), 1)
+    with r.whole.encoding([state]):
+        pass
+    assert r.pipeline_report()["encode"]["passes"] == before
