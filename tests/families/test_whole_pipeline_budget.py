@@ -197,3 +197,28 @@ def test_edits_run_no_text_only_encoder_pass(family_runner) -> None:  # type: ig
     with r.whole.encoding([state]):
         pass
     assert r.pipeline_report()["encode"]["passes"] == before
+
+
+def test_a_refused_budget_is_the_servers_termination_message(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`ditserve serve` under a budget it cannot meet exits, and the refusal - with the
+    smallest budget - is the pod's termination message (the operator's status reads it)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "termination-log"
+    log.write_text("")  # the kubelet creates the file before the container starts
+    env = {**os.environ, "DITSERVE_TERMINATION_LOG": str(log), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ditserve.engine.cli", "serve", "--model",
+         str(family_dir("flux")), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+         "--offload", "dlo", "--dlo-hbm-budget-gib", "0.1"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0
+    said = log.read_text()
+    assert "--dlo-hbm-budget-gib (0.10 GiB) cannot hold the pipeline" in said, done.stderr[-2000:]
+    assert "the smallest budget it can run in is" in said
