@@ -79,7 +79,8 @@ def child(args: argparse.Namespace) -> int:
                              "problems": list(accounting.problems)}
     plan = runner.pipeline_report().get("plan", [])
     out["parked_bytes"] = sum(int(row["bytes"]) for row in plan
-                              if str(row.get("lives", "")).startswith("parked"))
+                              if row.get("name") != "transformer"
+                              and str(row.get("lives", "")).startswith(("parked", "streamed")))
     out["plan"] = plan
     if torch.cuda.is_available():
         stats = torch.cuda.host_memory_stats()

@@ -179,7 +179,7 @@ def _plan(inputs: BudgetInputs, *, blocks: Sequence[int], encoders: dict[str, st
                       phases=phases, held=held, auto=auto)
 
 
-def _least_encoders(inputs: BudgetInputs, tiled: bool) -> dict[str, str]:
+def least_encoders(inputs: BudgetInputs, tiled: bool) -> dict[str, str]:
     """Each encoder streamed or parked, whichever combination gives the lowest peak
     (streaming holds slots all the time; parking holds the whole encoder while it encodes)."""
     if not inputs.parkable:
@@ -215,7 +215,7 @@ def plan_budget(inputs: BudgetInputs, budget: int, *, auto: bool = False) -> Bud
     raises ``BudgetError`` with the smallest budget that fits when even the minimum does not."""
     tile_allowed = inputs.vae_tiling != "off" and inputs.decode_tiled is not None
     must_tile = inputs.vae_tiling == "on" and inputs.decode_tiled is not None
-    least_modes = _least_encoders(inputs, tile_allowed)
+    least_modes = least_encoders(inputs, tile_allowed)
     least = _plan(inputs, blocks=(), encoders=least_modes, tiled=tile_allowed,
                   budget=budget, auto=auto)
     minimum = least.predicted_peak + least.slack

@@ -3,12 +3,13 @@ that keep them there (issue 34's first part; docs/offload.md, "Whole pipeline").
 
 Called once by the ModelRunner after the pipeline (and DLO, if on) is built. It
 
-- parks the text encoders in host memory under ``--offload dlo`` unless
-  ``--dlo-components dit`` (``component_placement.ParkedModules``), or under an HBM budget
-  places each as the budget's plan says: resident, parked, or streamed layer by layer
-  through DLO slots (``encoder_streaming.StreamedEncoders``);
-- puts the prompt-embedding cache in front of the pipeline's encoder (``prompt_cache``); a
-  parked encoder visits the device only on a cache miss;
+- offloads the text encoders under ``--offload dlo`` unless ``--dlo-components dit``: each
+  streamed layer by layer through DLO slots (``encoder_streaming.StreamedEncoders``) or
+  parked in host memory (``component_placement.ParkedModules``), whichever placement the
+  planner predicts the lower peak for; under an HBM budget, as the budget's plan says
+  (resident, streamed or parked);
+- puts the prompt-embedding cache in front of the pipeline's encoder (``prompt_cache``); an
+  offloaded encoder moves bytes only on a cache miss;
 - encodes the prompts of a step's admitted requests in one encoder pass
   (``batched_encode``);
 - decodes a step's finished requests batched by shape, whole or tiled by the budget
@@ -43,10 +44,11 @@ from ditserve.engine.runner.budget_plan import (
     BudgetInputs,
     BudgetPlan,
     describe,
+    least_encoders,
 )
 from ditserve.engine.runner.component_placement import ParkedModules, module_bytes
 from ditserve.engine.runner.decode_batches import DecodeBatches, DecodeRule
-from ditserve.engine.runner.encoder_streaming import StreamedEncoders
+from ditserve.engine.runner.encoder_streaming import StreamedEncoders, streamable
 from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS, PromptCache, install_prompt_cache
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ class WholePipeline:
         offload = config.offload.enabled
         encoders = {name: m for name in ENCODER_ATTRS
                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module)}
-        self.modes = self._encoder_modes(encoders, config, budget)
+        self.modes = self._encoder_modes(encoders, config, budget, inputs)
         self.parked: ParkedModules | None = None
         parked = {name: m for name, m in encoders.items() if self.modes[name] == PARKED}
         if parked:
@@ -118,14 +120,22 @@ class WholePipeline:
 
     @staticmethod
     def _encoder_modes(encoders: dict[str, torch.nn.Module], config: EngineConfig,
-                       budget: BudgetPlan | None) -> dict[str, str]:
-        """Each encoder resident, streamed or parked: the budget's choice; without one,
-        parked under DLO unless ``--dlo-components dit``, else resident."""
+                       budget: BudgetPlan | None,
+                       inputs: BudgetInputs | None) -> dict[str, str]:
+        """Each encoder resident, streamed or parked: the budget's choice. Without one, under
+        DLO (unless ``--dlo-components dit``) the placement with the lowest predicted peak
+        (streaming holds two layers and the embeddings all the time, parking the whole
+        encoder while it encodes; planned with a tiled decode, the decode the minimum
+        assumes); else resident."""
         if budget is not None:
             return {name: budget.encoders.get(name, RESIDENT) for name in encoders}
         off = config.offload
-        mode = PARKED if off.enabled and off.components == "all" else RESIDENT
-        return {name: mode for name in encoders}
+        if not (off.enabled and off.components == "all"):
+            return {name: RESIDENT for name in encoders}
+        if inputs is not None:
+            chosen = least_encoders(inputs, tiled=inputs.decode_tiled is not None)
+            return {name: chosen.get(name, PARKED) for name in encoders}
+        return {name: STREAMED if streamable(m) else PARKED for name, m in encoders.items()}
 
     def close(self) -> None:
         """Streamed encoders back to ordinary modules."""

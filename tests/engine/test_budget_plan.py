@@ -17,6 +17,7 @@ from ditserve.engine.runner.budget_plan import (
     BudgetError,
     BudgetInputs,
     decode_batch,
+    least_encoders,
     plan_budget,
     slack_bytes,
 )
@@ -133,3 +134,17 @@ def test_a_streamable_encoder_streams_when_that_lowers_the_minimum() -> None:
     assert plan.held["encoders"] == 1035 * MIB and fits(plan)
     assert plan.phases["encode"] == 400 * MIB + 235 * MIB  # CLIP still visits, parked
     assert plan.to_json()["encoders"] == "text_encoder parked, text_encoder_2 streamed"
+
+
+def test_without_a_budget_the_lowest_peak_placement_streams_large_encoders() -> None:
+    # T5-XXL streamed holds 2 x 386 MB + its 263 MB embedding; CLIP-L parked visits whole
+    # (235 MB beside a 400 MB encode pass stays under the 2 GiB denoise phase: free).
+    flux = dataclasses.replace(INPUTS, streamable=(("text_encoder", 150 * MIB),
+                                                   ("text_encoder_2", 2 * 386 * MIB + 263 * MIB)))
+    assert least_encoders(flux, tiled=True) == {"text_encoder": "parked",
+                                                "text_encoder_2": "streamed"}
+    # Nothing streamable: parked.
+    assert set(least_encoders(INPUTS, tiled=True).values()) == {"parked"}
+    # Encoders that may not leave the device (--dlo-components dit) stay resident.
+    pinned = dataclasses.replace(flux, parkable=False)
+    assert set(least_encoders(pinned, tiled=True).values()) == {"resident"}

@@ -72,3 +72,25 @@ def test_a_deep_encoder_keeps_two_layers_and_its_embeddings_on_the_device() -> N
 
 def test_a_module_without_a_layer_list_is_not_streamable() -> None:
     assert not streamable(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(ENCODERS))
+def test_streamed_encoders_on_cuda_equal_resident_ones(variant: str) -> None:
+    cuda = torch.device("cuda")
+    pipe = build_tiny(variant, seed=0)
+    encoders = {name: getattr(pipe, name).eval().to(cuda) for name in ENCODERS[variant]}
+    generator = torch.Generator().manual_seed(1)
+    inputs = {name: torch.randint(0, int(m.get_input_embeddings().num_embeddings), (2, 9),
+                                  generator=generator).to(cuda)
+              for name, m in encoders.items()}
+    resident = {name: _hidden_states(m, inputs[name]) for name, m in encoders.items()}
+    streamed = StreamedEncoders(encoders, device=cuda)
+    try:
+        for _ in range(2):  # the second pass reuses the slots the first one left filled
+            for name, module in encoders.items():
+                got = _hidden_states(module, inputs[name])
+                for a, b in zip(got, resident[name], strict=True):
+                    assert torch.equal(a, b), name
+    finally:
+        streamed.close()
