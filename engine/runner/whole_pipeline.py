@@ -53,6 +53,8 @@ from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS, PromptCache, inst
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+# Pipelines' encoder calls outside ``_encode_prompt``: Qwen-Image-Edit's prompt-with-images.
+UNCACHED_ENCODES = ("_encode_with_images",)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class WholePipeline:
         else:  # a pipeline without the per-prompt encoder hook: no cache, encoders as placed
             log.warning("%s has no _encode_prompt; the prompt cache is off",
                         type(pipeline).__name__)
+        self._place_uncached_encodes(pipeline)
         self.encode = BatchedEncode(pipeline, self.cache, identity=identity, staged=staged,
                                     encoders_on_device=self._encoders_context)
         self.encode.enabled = self.encode.enabled and identity is not None
@@ -136,6 +139,20 @@ class WholePipeline:
             chosen = least_encoders(inputs, tiled=inputs.decode_tiled is not None)
             return {name: chosen.get(name, PARKED) for name in encoders}
         return {name: STREAMED if streamable(m) else PARKED for name, m in encoders.items()}
+
+    def _place_uncached_encodes(self, pipeline: Any) -> None:
+        """Encoder calls the prompt cache does not see (an edit reads its prompt together
+        with its images) run with parked encoders placed on the device too."""
+        for name in UNCACHED_ENCODES:
+            encode = getattr(pipeline, name, None)
+            if encode is None:
+                continue
+
+            def placed(*args: Any, _encode: Any = encode, **kwargs: Any) -> Any:
+                with self._encoders_context():
+                    return _encode(*args, **kwargs)
+
+            setattr(pipeline, name, placed)
 
     def close(self) -> None:
         """Streamed encoders back to ordinary modules."""
