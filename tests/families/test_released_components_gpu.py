@@ -58,7 +58,9 @@ def test_released_flux_parts_build_on_the_gpu_and_load(tmp_path: Path) -> None:
     assert (t5["d_model"], t5["num_layers"], t5["d_ff"]) == (
         wanted["d_model"], wanted["num_layers"], wanted["d_ff"])
 
-    runner = ModelRunner(EngineConfig(model=str(model), device="cuda",
+    # Served in the checkpoint's own dtype (EngineConfig's default is float32, which would
+    # convert - and so copy - every streamed tensor), the blocks stream from the mapping.
+    runner = ModelRunner(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
                                       offload=OffloadConfig(enabled=True)), model_dir=model)
     try:
         accounting = host_accounting(runner.offload.snapshot())
