@@ -59,9 +59,12 @@ def test_released_flux_parts_build_on_the_gpu_and_load(tmp_path: Path) -> None:
         wanted["d_model"], wanted["num_layers"], wanted["d_ff"])
 
     # Served in the checkpoint's own dtype (EngineConfig's default is float32, which would
-    # convert - and so copy - every streamed tensor), the blocks stream from the mapping.
+    # convert - and so copy - every streamed tensor) and with the mapping registered (on CUDA
+    # checkpoint mmap needs --dlo-pin-limit-gib: an unregistered mapping streams at half the
+    # rate, so auto keeps private pinned memory), the blocks stream from the mapping.
     runner = ModelRunner(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+                                      offload=OffloadConfig(enabled=True, pin_limit_gib=64)),
+                         model_dir=model)
     try:
         accounting = host_accounting(runner.offload.snapshot())
     finally:
