@@ -76,6 +76,11 @@ class Family:
     attention_heads: the attention head counts of the family's released DiTs (sequence
         parallelism splits heads over its ranks; the operator judges a declared family's
         SP size with them before any model is read).
+    activation_copies: the hidden states of a step's tokens its DiT holds at once at its peak
+        (the HBM planner's denoise estimate, ``engine.runner.memory_estimates``): 20 for Flux
+        and Qwen-Image (a Flux step at b1 1024x1024 measured 18.6); Wan's blocks run the
+        engine's sliced token math, which measured 8.5 (docs/benchmarks.md, "Activation peak
+        of a Wan block").
     reference_work: rows x latent tokens of one request at the family's usual size (Flux and
         Qwen-Image: a 1024x1024 image, 4096; Wan: 832x480 x 81 frames with CFG, 2 x 32760);
         the default per-step work budget is ``max_num_seqs`` such requests (``engine.work``).
@@ -114,6 +119,7 @@ class Family:
     cfg_rows: CfgRule = "true_cfg"
     attention_heads: tuple[int, ...] = ()
     reference_work: int = 4096
+    activation_copies: int = 20
     dit_sizes: DitSizes = field(default_factory=dict, compare=False)
     released_components: ReleasedComponents = field(default_factory=dict, compare=False)
     defaults: DefaultsRule = field(default=square_image, compare=False)

@@ -67,6 +67,7 @@ WAN = Family(
     loader_version="wan-loader-1", cfg_rows="guidance",
     attention_heads=(12, 24, 40),  # Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, the 14B DiTs
     reference_work=2 * 21 * 30 * 52,  # 81 frames -> 21 latent frames of 30 x 52 tokens, CFG
+    activation_copies=10,  # sliced token math (pipelines.wan_block): 8.5 measured
     step_pipeline="ditserve.engine.pipelines.wan:WanStepPipeline",
     sp_hooks="ditserve.engine.pipelines.wan_sp:attach",
     builders="ditserve.engine.builders.wan",

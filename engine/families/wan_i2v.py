@@ -50,6 +50,7 @@ WAN_I2V = Family(
     batch_key_fields=("height", "width", "num_frames", "images"), output="video",
     loader_version="wan-i2v-loader-1", cfg_rows="guidance",
     attention_heads=WAN.attention_heads, reference_work=WAN.reference_work,
+    activation_copies=WAN.activation_copies,
     step_pipeline="ditserve.engine.pipelines.wan_i2v:WanI2VStepPipeline",
     sp_hooks=WAN.sp_hooks,
     builders="ditserve.engine.builders.wan_i2v",

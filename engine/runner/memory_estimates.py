@@ -5,9 +5,9 @@ the offload agree to the byte). Activations are estimates from the modules' conf
 multiples of the tensors they hold, calibrated on the H200 measurements in
 docs/benchmarks.md (they err on the large side):
 
-- denoise: ``DIT_HIDDEN_COPIES`` hidden states of the step's tokens at once (a Flux step at
-  b1 1024x1024 measured 0.49 GiB, 18.6 hidden states of its 4608 tokens; a Wan block with the
-  engine's sliced math 11);
+- denoise: ``Family.activation_copies`` hidden states of the step's tokens at once (a Flux
+  step at b1 1024x1024 measured 0.49 GiB, 18.6 hidden states of its 4608 tokens: 20; a Wan
+  block with the engine's sliced math measured 8.5: 10);
 - encode: per prompt and encoder layer the hidden state, the feed-forward's gated pair and
   the attention scores, plus every layer's hidden state (Qwen-Image reads them all);
 - VAE decode: ``*_DECODE_COPIES`` tensors of the full-resolution stage's width over one
@@ -39,7 +39,6 @@ from ditserve.engine.runner.encoder_streaming import ENCODER_SLOTS
 from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS
 from ditserve.engine.work import ResolvedScheduling
 
-DIT_HIDDEN_COPIES = 20
 IMAGE_DECODE_COPIES = 6  # AutoencoderKL's 2-D decoder
 VIDEO_DECODE_COPIES = 8  # Wan's causal 3-D decoder (and Qwen-Image's, built the same way)
 # The shape a video model's decode is planned for when nothing bounds it: Wan's own default.
@@ -160,7 +159,7 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
     text = int(getattr(pipeline, "max_text_tokens", None) or pipeline.max_sequence_length)
     rows = 2 * sched.max_num_seqs  # with CFG every request brings a negative prompt's row
     elem = next(transformer.parameters()).element_size()
-    denoise = (DIT_HIDDEN_COPIES * (sched.max_batch_tokens + rows * text)
+    denoise = (pipeline.family.activation_copies * (sched.max_batch_tokens + rows * text)
                * _dit_width(transformer) * elem)
     encoders = tuple((name, m) for name in ENCODER_ATTRS
                      if isinstance(m := getattr(pipeline, name, None), torch.nn.Module))

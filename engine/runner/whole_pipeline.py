@@ -4,10 +4,9 @@ that keep them there (issue 34's first part; docs/offload.md, "Whole pipeline").
 Called once by the ModelRunner after the pipeline (and DLO, if on) is built. It
 
 - offloads the text encoders under ``--offload dlo`` unless ``--dlo-components dit``: each
-  streamed layer by layer through DLO slots (``encoder_streaming.StreamedEncoders``) or
-  parked in host memory (``component_placement.ParkedModules``), whichever placement the
-  planner predicts the lower peak for; under an HBM budget, as the budget's plan says
-  (resident, streamed or parked);
+  streamed layer by layer through DLO slots (``encoder_streaming.StreamedEncoders``), or
+  parked in host memory (``component_placement.ParkedModules``) when DLO finds no layers
+  in it; under an HBM budget, as the budget's plan says (resident, streamed or parked);
 - puts the prompt-embedding cache in front of the pipeline's encoder (``prompt_cache``); an
   offloaded encoder moves bytes only on a cache miss;
 - encodes the prompts of a step's admitted requests in one encoder pass
@@ -44,7 +43,6 @@ from ditserve.engine.runner.budget_plan import (
     BudgetInputs,
     BudgetPlan,
     describe,
-    least_encoders,
 )
 from ditserve.engine.runner.component_placement import ParkedModules, module_bytes
 from ditserve.engine.runner.decode_batches import DecodeBatches, DecodeRule
@@ -88,7 +86,7 @@ class WholePipeline:
         offload = config.offload.enabled
         encoders = {name: m for name in ENCODER_ATTRS
                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module)}
-        self.modes = self._encoder_modes(encoders, config, budget, inputs)
+        self.modes = self._encoder_modes(encoders, config, budget)
         self.parked: ParkedModules | None = None
         parked = {name: m for name, m in encoders.items() if self.modes[name] == PARKED}
         if parked:
@@ -123,21 +121,18 @@ class WholePipeline:
 
     @staticmethod
     def _encoder_modes(encoders: dict[str, torch.nn.Module], config: EngineConfig,
-                       budget: BudgetPlan | None,
-                       inputs: BudgetInputs | None) -> dict[str, str]:
+                       budget: BudgetPlan | None) -> dict[str, str]:
         """Each encoder resident, streamed or parked: the budget's choice. Without one, under
-        DLO (unless ``--dlo-components dit``) the placement with the lowest predicted peak
-        (streaming holds two layers and the embeddings all the time, parking the whole
-        encoder while it encodes; planned with a tiled decode, the decode the minimum
-        assumes); else resident."""
+        DLO (unless ``--dlo-components dit``) every encoder DLO finds layers in streams and
+        the others park: streaming bounds what an encode brings to the device by two
+        layers, whatever the (estimated) phases are - parked, Wan's UMT5-XXL put its whole
+        10.6 GiB on the device for each encode and set the request's peak on an H200
+        (docs/benchmarks.md, "Whole pipeline at full size"); else resident."""
         if budget is not None:
             return {name: budget.encoders.get(name, RESIDENT) for name in encoders}
         off = config.offload
         if not (off.enabled and off.components == "all"):
             return {name: RESIDENT for name in encoders}
-        if inputs is not None:
-            chosen = least_encoders(inputs, tiled=inputs.decode_tiled is not None)
-            return {name: chosen.get(name, PARKED) for name in encoders}
         return {name: STREAMED if streamable(m) else PARKED for name, m in encoders.items()}
 
     def _place_uncached_encodes(self, pipeline: Any) -> None:
