@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import offload_methods
 import torch
 from torch import nn
 
@@ -134,24 +135,7 @@ def cells(dit: nn.Module, args: argparse.Namespace, device: torch.device,
 def time_steps(step: Callable[[], Any], warmup: int, iters: int) -> float:
     """Median ms per step (CUDA events on a GPU, wall clock on a CPU)."""
     with torch.inference_mode():
-        for _ in range(warmup):
-            step()
-        if not torch.cuda.is_available():
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(times)
-        torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(iters)]
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+        return statistics.median(offload_methods.time_steps(step, warmup, iters))
 
 
 def run_method(method: str, args: argparse.Namespace, device: torch.device,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 
 from ditserve.engine.config import OffloadConfig
@@ -123,19 +124,10 @@ def h2d_gbps(device: torch.device, nbytes: int = 2 * GIB, reps: int = 8) -> floa
         return None
     host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device=device)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            s.record(stream)
-            dev.copy_(host, non_blocking=True)
-            e.record(stream)
-        e.synchronize()
-        times.append(s.elapsed_time(e))
+    gbps = harness.copy_gbps(dev, host, torch.cuda.Stream(device=device), reps)
     del host, dev
     release_memory()
-    return nbytes / (statistics.median(times) * 1e-3) / 1e9
+    return gbps
 
 
 def pinned_allocated() -> int:

@@ -3,18 +3,14 @@ table and JSON come out."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "lora.py"
+from test_bench_tools import load  # type: ignore[import-not-found]
 
 
 def test_tiny_bench_prints_the_table(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_lora", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("lora")
     assert bench.main(["--tiny", "--iters", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "lora.json").read_text())
     assert set(result["methods"]) == {"resident", "dlo"}
