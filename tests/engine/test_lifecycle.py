@@ -14,6 +14,7 @@ from ditserve.engine.loop.lifecycle import Lifecycle
 from ditserve.engine.loop.startup import warm_up
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.scheduler import RunnerOutput
+from ditserve.engine.work import WorkRule
 
 
 def test_phases_only_move_forward_and_final_phases_stay() -> None:
@@ -78,7 +79,9 @@ class ScriptedExecutor:
     step_groups = ((0,), (1,))
 
     def __init__(self, *, drop: str | None = None) -> None:
-        self.runner = type("Runner", (), {"pixel_multiple": 16})()
+        # What the warm-up reads of rank 0's runner: its pixel multiple and work rule.
+        self.runner = type("Runner", (), {"pixel_multiple": 16,
+                                          "work_rule": WorkRule(pixels_per_token=16)})()
         self.drop = drop
         self.steps: list[dict[int, RankWork]] = []
 
