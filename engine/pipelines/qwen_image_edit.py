@@ -65,6 +65,9 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
     family = QWEN_IMAGE_EDIT
     condition_images = (1, 1)
     prompt_area: int | None = None  # None: Qwen2.5-VL reads the VAE-sized image
+    # The prompt is encoded with its images inside prepare_encode (``_encode_with_images``):
+    # the runner places offloaded encoders around the step's calls, not the prompt cache.
+    prompt_reads_images = True
 
     def __init__(
         self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True

@@ -54,6 +54,7 @@ class ParkedModules:
         self.pinned = pin
         # (tensor whose .data moves, its host copy); parameters and buffers alike.
         self._weights: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._visits = 0  # on_device depth
         seen: set[int] = set()
         with torch.inference_mode(False), torch.no_grad():
             for module in modules.values():
@@ -73,7 +74,24 @@ class ParkedModules:
 
     @contextmanager
     def on_device(self) -> Iterator[None]:
-        """The modules' weights on the device for the body, back in host memory after."""
+        """The modules' weights on the device for the body, back in host memory after.
+        Reentrant: a nested visit (a cache miss inside a step's placement) moves nothing."""
+        if self._visits:
+            self._visits += 1
+            try:
+                yield
+            finally:
+                self._visits -= 1
+            return
+        self._visits = 1
+        try:
+            with self._placed():
+                yield
+        finally:
+            self._visits = 0
+
+    @contextmanager
+    def _placed(self) -> Iterator[None]:
         same = self.device.type == "cpu"
         # Outside inference mode: these tensors are the modules' own, not inference tensors.
         with torch.inference_mode(False), torch.no_grad():

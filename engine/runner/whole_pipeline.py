@@ -21,8 +21,8 @@ Called once by the ModelRunner after the pipeline (and DLO, if on) is built. It
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +51,6 @@ from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS, PromptCache, inst
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
-# Pipelines' encoder calls outside ``_encode_prompt``: Qwen-Image-Edit's prompt-with-images.
-UNCACHED_ENCODES = ("_encode_with_images",)
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,6 @@ class WholePipeline:
         else:  # a pipeline without the per-prompt encoder hook: no cache, encoders as placed
             log.warning("%s has no _encode_prompt; the prompt cache is off",
                         type(pipeline).__name__)
-        self._place_uncached_encodes(pipeline)
         self.encode = BatchedEncode(pipeline, self.cache, identity=identity, staged=staged,
                                     encoders_on_device=self._encoders_context)
         self.encode.enabled = self.encode.enabled and identity is not None
@@ -135,20 +132,6 @@ class WholePipeline:
             return {name: RESIDENT for name in encoders}
         return {name: STREAMED if streamable(m) else PARKED for name, m in encoders.items()}
 
-    def _place_uncached_encodes(self, pipeline: Any) -> None:
-        """Encoder calls the prompt cache does not see (an edit reads its prompt together
-        with its images) run with parked encoders placed on the device too."""
-        for name in UNCACHED_ENCODES:
-            encode = getattr(pipeline, name, None)
-            if encode is None:
-                continue
-
-            def placed(*args: Any, _encode: Any = encode, **kwargs: Any) -> Any:
-                with self._encoders_context():
-                    return _encode(*args, **kwargs)
-
-            setattr(pipeline, name, placed)
-
     def close(self) -> None:
         """Streamed encoders back to ordinary modules."""
         self.streamed.close()
@@ -170,9 +153,18 @@ class WholePipeline:
         # Previews and any single decode take the same rule.
         self.pipeline.post_decode = self.decoder.one
 
-    def encoding(self, states: Sequence[Any]) -> AbstractContextManager[None]:
-        """Around a step's ``prepare_encode`` calls: their prompts in one encoder pass."""
-        return self.encode.step(states)
+    @contextmanager
+    def encoding(self, states: Sequence[Any]) -> Iterator[None]:
+        """Around a step's ``prepare_encode`` calls: their prompts in one encoder pass. A
+        pipeline whose prompts are read with their images (``prompt_reads_images``: the
+        prompt cache and the batched pass cannot stage them) encodes inside
+        ``prepare_encode``; parked encoders visit the device once for the step's calls."""
+        with self.encode.step(states):
+            if states and getattr(self.pipeline, "prompt_reads_images", False):
+                with self._encoders_context():
+                    yield
+            else:
+                yield
 
     def decode(self, states: Sequence[Any]) -> dict[str, str]:
         """Decode a step's finished requests; the failed ones' ids, and why."""

@@ -94,3 +94,30 @@ def test_streamed_encoders_on_cuda_equal_resident_ones(variant: str) -> None:
                     assert torch.equal(a, b), name
     finally:
         streamed.close()
+
+
+def test_a_nested_visit_of_parked_modules_places_them_once() -> None:
+    from contextlib import contextmanager
+
+    from ditserve.engine.runner.component_placement import ParkedModules
+
+    class Counted(ParkedModules):
+        placements = 0
+
+        @contextmanager
+        def _placed(self):  # type: ignore[no-untyped-def,override]
+            Counted.placements += 1
+            with super()._placed():
+                yield
+
+    module = torch.nn.Linear(4, 4)
+    parked = Counted({"m": module}, device=torch.device("cpu"))
+    with parked.on_device():
+        with parked.on_device():  # e.g. a prompt-cache miss inside a step's placement
+            pass
+        with parked.on_device():
+            pass
+    assert Counted.placements == 1
+    with parked.on_device():
+        pass
+    assert Counted.placements == 2  # the outer exit ended the first visit
