@@ -60,6 +60,7 @@ def enable_offload(
     group: Any = None,
     host_plan: HostWeightPlan | None = None,
     block_lists: Sequence[str] | None = None,
+    host_modules: Sequence[nn.Module] = (),
 ) -> OffloadHandle:
     """Stream ``transformer``'s blocks from host memory through ``offload.slots`` device slots.
 
@@ -73,6 +74,10 @@ def enable_offload(
     from its read-only mappings: registered with ``pin_limit_gib`` > 0, else through two
     pinned staging slots (``movement.mapped``); in AllGather mode the shards are copied out
     of the mapping and the mapping is closed.
+
+    ``host_modules``: modules outside the block lists that stay in host memory instead of
+    moving to the device (a text encoder's token embedding, which looks its rows up on the
+    host; an output head its pipeline never runs).
 
     All or nothing: raises ``OffloadError`` with a message that says how to fix the cause,
     leaving the model unchanged. The model must then be called with inputs on ``device``;
@@ -91,7 +96,8 @@ def enable_offload(
         with contextlib.ExitStack() as undo:
             handle = _enable(transformer, offload_config, torch.device(device), undo,
                              reserve=reserve, group=group, group_size=group_size,
-                             host_plan=host_plan, block_lists=block_lists)
+                             host_plan=host_plan, block_lists=block_lists,
+                             host_modules=host_modules)
             undo.pop_all()  # success: keep everything
     except OffloadError:
         raise
@@ -116,6 +122,7 @@ def _enable(
     group_size: int,
     host_plan: HostWeightPlan | None,
     block_lists: Sequence[str] | None,
+    host_modules: Sequence[nn.Module],
 ) -> OffloadHandle:
     """The steps, in order (module docstring); each registers its undo on ``undo``."""
     plan_facts = (host_plan.describe() if host_plan is not None
@@ -125,7 +132,7 @@ def _enable(
     slots = builders.slot_count(config, len(found.blocks), group_size)
     base = pairing.open_transfer(device, slots, undo)  # raises if the device is unusable
     split = builders.split_model(model, found, config, group_size=group_size, slots=slots,
-                                 activation_reserve_bytes=reserve)
+                                 activation_reserve_bytes=reserve, host_modules=host_modules)
     backing, mapped = pairing.open_backing(host_plan, config, device=base.device, group=group,
                                            group_size=group_size, undo=undo)
     builders.fill(backing, split)

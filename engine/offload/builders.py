@@ -97,8 +97,10 @@ def split_model(
     group_size: int,
     slots: int,
     activation_reserve_bytes: int,
+    host_modules: Sequence[nn.Module] = (),
 ) -> ModelSplit:
-    """Lay out every block (padded for ``group_size`` shards) and choose the resident ones."""
+    """Lay out every block (padded for ``group_size`` shards) and choose the resident ones.
+    ``host_modules``' tensors are neither streamed nor resident: they stay where they are."""
     per_block = [block_tensors(module) for _, module in found.blocks]
     tensors = [[t for _, t in named] for named in per_block]
     specs = [
@@ -106,8 +108,12 @@ def split_model(
         for (name, _), named in zip(found.blocks, per_block, strict=True)
     ]
     in_blocks = {id(t) for ts in tensors for t in ts}
+    on_host = {id(t) for m in host_modules for t in (*m.parameters(), *m.buffers())}
+    if in_blocks & on_host:
+        raise OffloadError("a module kept in host memory lies inside a streamed block; keep "
+                           "only modules outside the block lists on the host")
     resident = [t for t in list(model.parameters()) + list(model.buffers())
-                if id(t) not in in_blocks]
+                if id(t) not in in_blocks and id(t) not in on_host]
     budget = config.hbm_budget_gib
     if isinstance(budget, str):  # "auto" is the engine planner's to resolve (budget_plan)
         raise OffloadError(

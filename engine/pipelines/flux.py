@@ -17,6 +17,7 @@ import torch
 
 from ditserve.engine.families import FLUX
 from ditserve.engine.pipeline_defaults import call_defaults
+from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import FlowMatchEulerSampler
@@ -85,7 +86,8 @@ class FluxStepPipeline:
             prompts, padding="max_length", max_length=length,
             truncation=True, return_tensors="pt",
         ).input_ids
-        seq = self.text_encoder_2(self._upload(t5_ids), output_hidden_states=False)[0]
+        seq = self.text_encoder_2(token_ids(self.text_encoder_2, t5_ids, self.device),
+                                  output_hidden_states=False)[0]
         seq, pooled = seq.to(self.dtype), pooled.to(self.dtype)
         if len(prompts) == 1:
             return [(seq, pooled)]

@@ -23,6 +23,7 @@ from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
+from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.sampler import FlowMatchEulerSampler
@@ -91,8 +92,8 @@ class QwenImageStepPipeline:
             max_length=self.tokenizer_max_length + self.template_drop,
             padding=True, truncation=True, return_tensors="pt", padding_side="right",
         )
-        out = self.text_encoder(
-            input_ids=upload(tokens.input_ids, self.device),
+        out = self.headless_encoder()(
+            input_ids=token_ids(self.text_encoder, tokens.input_ids, self.device),
             attention_mask=upload(tokens.attention_mask, self.device),
             output_hidden_states=True,
         )
@@ -102,6 +103,13 @@ class QwenImageStepPipeline:
         rows = [hidden[i:i + 1, self.template_drop:int(n)][:, :length]
                 for i, n in enumerate(lengths)]
         return rows if len(prompts) == 1 else [row.clone() for row in rows]
+
+    def headless_encoder(self) -> torch.nn.Module:
+        """Qwen2.5-VL without its LM head (``.model``): the pipeline reads hidden states
+        only, and the head would compute 152k logits per token from 1.09 GB of weights (which
+        a streamed encoder therefore keeps in host memory). The states are the same."""
+        inner = getattr(self.text_encoder, "model", None)
+        return inner if isinstance(inner, torch.nn.Module) else self.text_encoder
 
     def text_prompts(self, params: SamplingParams) -> list[str]:
         """The prompts ``prepare_encode`` encodes for ``params`` (the batched encode's input)."""

@@ -141,7 +141,8 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
         text = pieces[0] + "".join(IMAGE_PAD * c + rest for c, rest in zip(counts, pieces[1:],
                                                                             strict=True))
         tokens = self.tokenizer([text], padding=True, return_tensors="pt")
-        out = self.text_encoder(
+        # Device ids: the image placeholders' positions are found on the device.
+        out = self.headless_encoder()(
             input_ids=upload(tokens.input_ids, self.device),
             attention_mask=upload(tokens.attention_mask, self.device),
             pixel_values=upload(vision["pixel_values"], self.device),

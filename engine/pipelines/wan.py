@@ -30,6 +30,7 @@ from ditserve.engine.families import WAN
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
+from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.pipelines.wan_block import chunk_token_math
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
@@ -118,7 +119,8 @@ class WanStepPipeline:
         )
         lengths = tokens.attention_mask.sum(dim=1).tolist()  # host tensors: no device sync
         states = self.text_encoder(
-            upload(tokens.input_ids, self.device), upload(tokens.attention_mask, self.device)
+            token_ids(self.text_encoder, tokens.input_ids, self.device),
+            upload(tokens.attention_mask, self.device)
         ).last_hidden_state.to(self.text_encoder.dtype)
         embeds = torch.zeros_like(states)
         for row, n in enumerate(lengths):

@@ -4,10 +4,18 @@ T5-XXL (Flux), UMT5-XXL (Wan) and Qwen2.5-VL (Qwen-Image) are transformer stacks
 parked whole in host memory (``component_placement.ParkedModules``), each encode still
 brings the whole encoder into HBM, and the pipeline's peak is the DiT's slots plus the whole
 encoder. Streamed, an encoder holds on the device only two slots of its largest layer and the
-modules outside its layer lists (embeddings, final norm, a VL model's LM head); every encode
-pass copies each layer once from pinned host memory, the same bytes as parking moves, so an
+small modules outside its layer lists (final norm, position tables); every encode pass
+copies each layer once from pinned host memory, the same bytes as parking moves, so an
 encode costs the same PCIe time at a fraction of the HBM. The math runs with the same weights
 on the same device, so the embeddings are bit-identical to a resident encoder's.
+
+Two modules outside the layers stay in host memory too (``host_side_modules``):
+
+- a large token table (``HOST_TABLE_MIN_BYTES``; UMT5's is 2.1 GB, Qwen2.5-VL's 1.09 GB,
+  T5-XXL's 0.26 GB): it is looked up on the host and only the rows read are uploaded
+  (``pipelines.host_embedding``);
+- an output head (Qwen2.5-VL's 1.09 GB LM head): pipelines read hidden states only, so it is
+  never run; calling it raises.
 
 ``enable_offload`` finds an encoder's layer list itself (the outermost ``nn.ModuleList`` of
 one repeated block class holding most of the weights: ``encoder.block`` for T5, the
@@ -19,7 +27,7 @@ encode is short, and DP ranks encode different prompts at different times.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +36,7 @@ from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload import OffloadHandle, enable_offload
 from ditserve.engine.offload.discovery import discover
+from ditserve.engine.pipelines.host_embedding import HostEmbedding
 from ditserve.engine.runner.component_placement import module_bytes
 
 log = logging.getLogger(__name__)
@@ -37,6 +46,34 @@ ENCODER_SLOTS = 2
 # Encodes hold few activations (one prompt batch of at most 512 tokens); DLO's reserve check
 # is for a DiT step's activations.
 ENCODER_ACTIVATION_RESERVE_BYTES = 256 << 20
+# Token tables at least this large stay on the host: T5-XXL's (0.26 GB) and larger; a CLIP's
+# (<= 0.13 GB) stays on the device, where its pooling reads the token ids anyway.
+HOST_TABLE_MIN_BYTES = 192 << 20
+
+
+def host_side_modules(encoder: torch.nn.Module, *,
+                      min_table_bytes: int = HOST_TABLE_MIN_BYTES) -> list[torch.nn.Module]:
+    """The modules of ``encoder`` a streamed encoder keeps in host memory (module docstring):
+    its token table if at least ``min_table_bytes``, and its output head if it has one."""
+    found: list[torch.nn.Module] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(encoder, getter, None)
+        module = get() if callable(get) else None
+        if isinstance(module, HostEmbedding):
+            module = module.table
+        if not isinstance(module, torch.nn.Module) or any(module is m for m in found):
+            continue
+        if getter == "get_input_embeddings" and module_bytes(module) < min_table_bytes:
+            continue
+        found.append(module)
+    return found
+
+
+def host_side_bytes(encoder: torch.nn.Module, *,
+                    min_table_bytes: int = HOST_TABLE_MIN_BYTES) -> int:
+    """Bytes of ``host_side_modules`` (a tied table and head once)."""
+    holder = torch.nn.ModuleList(host_side_modules(encoder, min_table_bytes=min_table_bytes))
+    return module_bytes(holder)
 
 
 def streamable(module: torch.nn.Module) -> bool:
@@ -57,17 +94,23 @@ class StreamedEncoder:
     device_bytes: int  # slots + resident modules, on the device all the time
     streamed_blocks: int
     slots: int
+    host_side_bytes: int = 0  # token table and output head kept in host memory
 
     def lives(self) -> str:
+        kept = (f", {self.host_side_bytes / 2**30:.2f} GiB of tables on the host"
+                if self.host_side_bytes >= 1 << 20 else "")
         return (f"streamed by DLO: {self.streamed_blocks} layers from pinned host, "
-                f"{self.slots} slots")
+                f"{self.slots} slots{kept}")
 
 
 class StreamedEncoders:
     """Every streamable encoder of a pipeline under its own DLO handle; see module docstring."""
 
-    def __init__(self, modules: Mapping[str, torch.nn.Module], *, device: torch.device) -> None:
+    def __init__(self, modules: Mapping[str, torch.nn.Module], *, device: torch.device,
+                 min_table_bytes: int = HOST_TABLE_MIN_BYTES) -> None:
+        """min_table_bytes: the smallest token table kept on the host (tests lower it)."""
         self.encoders: dict[str, StreamedEncoder] = {}
+        self._undo: list[Callable[[], None]] = []
         config = OffloadConfig(enabled=True, slots=ENCODER_SLOTS, use_allgather=False)
         try:
             for name, module in modules.items():
@@ -76,15 +119,33 @@ class StreamedEncoders:
                 module.to("cpu")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                on_host = host_side_modules(module, min_table_bytes=min_table_bytes)
+                self._keep_on_host(name, module, on_host, device)
                 handle = enable_offload(module, config, device=device,
-                                        activation_reserve_bytes=ENCODER_ACTIVATION_RESERVE_BYTES)
-                self.encoders[name] = _described(handle, module_bytes(module))
+                                        activation_reserve_bytes=ENCODER_ACTIVATION_RESERVE_BYTES,
+                                        host_modules=on_host)
+                self.encoders[name] = _described(handle, module_bytes(module),
+                                                 host_bytes=module_bytes(
+                                                     torch.nn.ModuleList(on_host)))
                 log.info("%s: %s (%.2f GiB on the device of %.2f GiB)", name,
                          self.encoders[name].lives(), self.encoders[name].device_bytes / 2**30,
                          self.encoders[name].total_bytes / 2**30)
         except BaseException:
             self.close()
             raise
+
+    def _keep_on_host(self, name: str, encoder: torch.nn.Module,
+                      modules: list[torch.nn.Module], device: torch.device) -> None:
+        """Install the host-side lookup for a host table and a guard on a host head."""
+        get_in = getattr(encoder, "get_input_embeddings", None)
+        table = get_in() if callable(get_in) else None
+        for module in modules:
+            if module is table and isinstance(table, torch.nn.Embedding):
+                encoder.set_input_embeddings(HostEmbedding(table, device))  # type: ignore[operator]
+                self._undo.append(lambda e=encoder, t=table: e.set_input_embeddings(t))  # type: ignore[misc]
+            else:
+                hook = module.register_forward_pre_hook(_head_guard(name))
+                self._undo.append(hook.remove)
 
     def __contains__(self, name: object) -> bool:
         return name in self.encoders
@@ -97,14 +158,24 @@ class StreamedEncoders:
         for encoder in self.encoders.values():
             encoder.handle.disable()
         self.encoders.clear()
+        while self._undo:
+            self._undo.pop()()
 
 
-def _described(handle: OffloadHandle, total_bytes: int) -> StreamedEncoder:
+def _head_guard(name: str) -> Callable[..., None]:
+    def refuse(module: torch.nn.Module, args: object) -> None:
+        raise RuntimeError(
+            f"{name}'s output head stays in host memory while the encoder is streamed: "
+            "pipelines read its hidden states only (Qwen-Image calls the model without it)")
+    return refuse
+
+
+def _described(handle: OffloadHandle, total_bytes: int, *, host_bytes: int) -> StreamedEncoder:
     report = handle.report()
     resident = int(report.get("resident_module_bytes", 0)) + int(
         report.get("resident_block_bytes", 0))
     slots = int(report.get("slots", 0))
     return StreamedEncoder(
-        handle=handle, total_bytes=total_bytes,
+        handle=handle, total_bytes=total_bytes, host_side_bytes=host_bytes,
         device_bytes=resident + slots * int(report.get("slot_bytes", 0)),
         streamed_blocks=int(report.get("streamed_blocks", 0)), slots=slots)

@@ -35,7 +35,7 @@ from ditserve.engine.offload.plan import TensorSpec, layout_block
 from ditserve.engine.pipelines.vae_decode import DEFAULT_TILE_PIXELS
 from ditserve.engine.runner.budget_plan import BudgetInputs
 from ditserve.engine.runner.component_placement import module_bytes
-from ditserve.engine.runner.encoder_streaming import ENCODER_SLOTS
+from ditserve.engine.runner.encoder_streaming import ENCODER_SLOTS, host_side_bytes
 from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS
 from ditserve.engine.work import ResolvedScheduling
 
@@ -63,13 +63,14 @@ def dit_blocks(transformer: torch.nn.Module, block_lists: Any) -> tuple[int, tup
 
 
 def streamed_encoder_bytes(encoder: torch.nn.Module) -> int | None:
-    """What a streamed encoder holds on the device (its modules outside its layer lists and
-    ``ENCODER_SLOTS`` slots of its largest layer); None if DLO finds no layers to stream."""
+    """What a streamed encoder holds on the device (its modules outside its layer lists but
+    not kept on the host, and ``ENCODER_SLOTS`` slots of its largest layer); None if DLO
+    finds no layers to stream."""
     try:
         fixed, layers = dit_blocks(encoder, None)
     except OffloadError:
         return None
-    return fixed + ENCODER_SLOTS * max(layers, default=0)
+    return fixed - host_side_bytes(encoder) + ENCODER_SLOTS * max(layers, default=0)
 
 
 def _config_value(config: Any, *names: str) -> int:

@@ -9,22 +9,34 @@ import torch
 
 from ditserve.engine.model_builders import build_tiny
 from ditserve.engine.offload.discovery import discover
+from ditserve.engine.pipelines.host_embedding import HostEmbedding, host_embedding, token_ids
 from ditserve.engine.runner.component_placement import module_bytes
-from ditserve.engine.runner.encoder_streaming import StreamedEncoders, streamable
+from ditserve.engine.runner.encoder_streaming import (
+    StreamedEncoders,
+    host_side_bytes,
+    streamable,
+)
+from ditserve.engine.runner.memory_estimates import streamed_encoder_bytes
 
 ENCODERS = {"flux": ("text_encoder", "text_encoder_2"), "qwen-image": ("text_encoder",),
             "wan": ("text_encoder",)}
 
 
+def _headless(encoder: torch.nn.Module) -> torch.nn.Module:
+    """What a pipeline calls: Qwen2.5-VL without its LM head (its ``.model``)."""
+    return encoder.model if encoder.get_output_embeddings() is not None else encoder
+
+
 def _hidden_states(encoder: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     with torch.inference_mode():
-        out = encoder(input_ids=ids, attention_mask=torch.ones_like(ids),
-                      output_hidden_states=True)
+        out = _headless(encoder)(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 output_hidden_states=True)
     return tuple(h.clone() for h in out.hidden_states)
 
 
+@pytest.mark.parametrize("tables", ["device", "host"])
 @pytest.mark.parametrize("variant", sorted(ENCODERS))
-def test_streamed_encoders_equal_resident_ones(variant: str) -> None:
+def test_streamed_encoders_equal_resident_ones(variant: str, tables: str) -> None:
     pipe = build_tiny(variant, seed=0)
     encoders = {name: getattr(pipe, name).eval() for name in ENCODERS[variant]}
     generator = torch.Generator().manual_seed(1)
@@ -32,9 +44,12 @@ def test_streamed_encoders_equal_resident_ones(variant: str) -> None:
                                   generator=generator) for name, m in encoders.items()}
     resident = {name: _hidden_states(m, inputs[name]) for name, m in encoders.items()}
     assert all(streamable(m) for m in encoders.values())
-    streamed = StreamedEncoders(encoders, device=torch.device("cpu"))
+    # "host": every token table is looked up on the host, however small.
+    min_table = 0 if tables == "host" else 1 << 40
+    streamed = StreamedEncoders(encoders, device=torch.device("cpu"), min_table_bytes=min_table)
     try:
         for name, module in encoders.items():
+            assert (host_embedding(module) is not None) == (tables == "host")
             got = _hidden_states(module, inputs[name])
             assert len(got) == len(resident[name])
             for a, b in zip(got, resident[name], strict=True):
@@ -42,12 +57,58 @@ def test_streamed_encoders_equal_resident_ones(variant: str) -> None:
             facts = streamed[name]
             assert facts.streamed_blocks >= 2 and facts.slots == 2
             assert "streamed by DLO" in facts.lives()
+            assert facts.host_side_bytes == host_side_bytes(module, min_table_bytes=min_table)
     finally:
         streamed.close()
+    for module in encoders.values():  # the ordinary table is back
+        assert isinstance(module.get_input_embeddings(), torch.nn.Embedding)
     # Disabled, the encoders are ordinary modules again and still give the same states.
     for name, module in encoders.items():
         for a, b in zip(_hidden_states(module, inputs[name]), resident[name], strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_streamed_vl_encoder_keeps_its_lm_head_on_the_host_and_refuses_to_run_it() -> None:
+    pipe = build_tiny("qwen-image", seed=0)
+    encoder = pipe.text_encoder.eval()
+    head = encoder.get_output_embeddings()
+    table = encoder.get_input_embeddings()
+    held = streamed_encoder_bytes(encoder)
+    streamed = StreamedEncoders({"text_encoder": encoder}, device=torch.device("cpu"),
+                                min_table_bytes=0)
+    try:
+        facts = streamed["text_encoder"]
+        # The planner's estimate leaves out what stays on the host, as the handle does.
+        assert held is not None and facts.host_side_bytes >= module_bytes(head)
+        assert facts.device_bytes <= held
+        ids = torch.tensor([[1, 2, 3]])
+        with pytest.raises(RuntimeError, match="output head stays in host memory"), \
+                torch.inference_mode():
+            encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
+    finally:
+        streamed.close()
+    assert encoder.get_input_embeddings() is table
+    with torch.inference_mode():  # closed: the whole model runs again
+        encoder(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_token_ids_stay_on_the_host_only_for_a_host_table() -> None:
+    table = torch.nn.Embedding(10, 4)
+    host = torch.tensor([[1, 2]])
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, embedding: torch.nn.Module) -> None:
+            super().__init__()
+            self.embedding = embedding
+
+        def get_input_embeddings(self) -> torch.nn.Module:
+            return self.embedding
+
+    cpu = torch.device("cpu")
+    looked_up = HostEmbedding(table, cpu)
+    assert token_ids(Encoder(looked_up), host, cpu) is host
+    assert torch.equal(looked_up(host), table(host))
+    assert looked_up.num_embeddings == 10 and looked_up.weight is table.weight
 
 
 def test_a_deep_encoder_keeps_two_layers_and_its_embeddings_on_the_device() -> None:
@@ -85,13 +146,16 @@ def test_streamed_encoders_on_cuda_equal_resident_ones(variant: str) -> None:
                                   generator=generator).to(cuda)
               for name, m in encoders.items()}
     resident = {name: _hidden_states(m, inputs[name]) for name, m in encoders.items()}
-    streamed = StreamedEncoders(encoders, device=cuda)
+    # Every table on the host: ids from the host (as pipelines pass them) and from the
+    # device (looked up after a copy back) give the same states.
+    streamed = StreamedEncoders(encoders, device=cuda, min_table_bytes=0)
     try:
-        for _ in range(2):  # the second pass reuses the slots the first one left filled
+        for ids_on in ("cpu", "cuda", "cpu"):  # later passes reuse the slots left filled
             for name, module in encoders.items():
-                got = _hidden_states(module, inputs[name])
+                assert host_embedding(module) is not None
+                got = _hidden_states(module, inputs[name].to(ids_on))
                 for a, b in zip(got, resident[name], strict=True):
-                    assert torch.equal(a, b), name
+                    assert a.device.type == "cuda" and torch.equal(a, b), name
     finally:
         streamed.close()
 
