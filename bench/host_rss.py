@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -57,6 +58,16 @@ def child(args: argparse.Namespace) -> int:
     from ditserve.engine.offload.accounting import host_accounting
     from ditserve.engine.runner.model_runner import ModelRunner
 
+    # What the loader is doing when (wall time, as the parent's samples): the runner's own
+    # log lines, so the report can say which phase the RSS peak fell in.
+    phases: list[tuple[float, str]] = [(time.time(), "start")]
+
+    class Phases(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            phases.append((time.time(), f"{record.name}: {record.getMessage().splitlines()[0]}"[:160]))
+
+    logging.getLogger().addHandler(Phases(logging.INFO))
+    logging.getLogger().setLevel(logging.INFO)
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_options(parser, with_config_file=False)
     config = engine_config_from_args(parser.parse_args(
@@ -85,6 +96,7 @@ def child(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         stats = torch.cuda.host_memory_stats()
         out["host_allocator_bytes"] = int(stats.get("allocated_bytes.all.current", 0))
+    out["phases"] = phases
     Path(args.report).write_text(json.dumps(out))
     runner.close()
     return 0
@@ -98,19 +110,23 @@ def measure(args: argparse.Namespace, model: Path, flags: str) -> dict[str, Any]
                str(model), "--flags", flags, "--report", str(report)]
         proc = subprocess.Popen(cmd)
         peaks: dict[str, int] = {}
+        peak_at: dict[str, float] = {}
         samples = 0
         while proc.poll() is None:
             status = read_status(proc.pid)
             if status is not None:
                 samples += 1
                 for key, value in status.items():
-                    peaks[key] = max(peaks.get(key, 0), value)
+                    if value > peaks.get(key, -1):
+                        peaks[key], peak_at[key] = value, time.time()
             time.sleep(args.interval)
         if proc.returncode != 0 or not report.is_file():
             raise SystemExit(f"the loading child failed (exit {proc.returncode}): "
                              f"{shlex.join(cmd)}")
         out: dict[str, Any] = json.loads(report.read_text())
-    out |= {"flags": flags, "sampled_peaks": peaks, "samples": samples}
+    out |= {"flags": flags, "sampled_peaks": peaks, "samples": samples,
+            "peak_phase": {key: phase_at(out.get("phases", []), at)
+                           for key, at in peak_at.items() if key in ("VmRSS", "RssAnon")}}
     final = out.get("status") or {}
     peak_rss = max(final.get("VmHWM", 0), peaks.get("VmRSS", 0))
     acct = out.get("accounting") or {}
@@ -122,6 +138,15 @@ def measure(args: argparse.Namespace, model: Path, flags: str) -> dict[str, Any]
     out |= {"peak_rss_bytes": peak_rss, "load_rss_bytes": loaded, "pinned_total_bytes": pinned,
             "bound_bytes": bound, "ratio_to_bound": loaded / bound if bound else None}
     return out
+
+
+def phase_at(phases: list[tuple[float, str]], at: float) -> str:
+    """The last log line the child wrote before wall time ``at`` (where a peak fell)."""
+    before = [(t, line) for t, line in phases if t <= at]
+    if not before:
+        return "before the first log line"
+    t, line = before[-1]
+    return f"{at - t:.1f} s after: {line}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -144,6 +169,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             "-" if ratio is None else f"{ratio:.2f}",
             ("ok" if not acct.get("problems") else "; ".join(acct["problems"]))
             if acct else "-"]) + " |")
+    for r in rows:
+        for key, where in r.get("peak_phase", {}).items():
+            lines.append(f"\n`{r['flags']}`: peak {key} {where}")
     return "\n".join(lines)
 
 

@@ -114,11 +114,10 @@ class StreamedEncoders:
         config = OffloadConfig(enabled=True, slots=ENCODER_SLOTS, use_allgather=False)
         try:
             for name, module in modules.items():
-                # Host copies are made from wherever the weights are; start from host memory
-                # so the device never holds a whole encoder again.
-                module.to("cpu")
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                # The pinned host copies are filled from wherever the weights are, and the
+                # originals are freed as the layers are hooked: from the device (where a
+                # pipeline places its encoders at load) no ordinary host copy is made, so
+                # host memory holds each layer once, pinned (bench/host_rss.py).
                 on_host = host_side_modules(module, min_table_bytes=min_table_bytes)
                 self._keep_on_host(name, module, on_host, device)
                 handle = enable_offload(module, config, device=device,
@@ -127,6 +126,8 @@ class StreamedEncoders:
                 self.encoders[name] = _described(handle, module_bytes(module),
                                                  host_bytes=module_bytes(
                                                      torch.nn.ModuleList(on_host)))
+                if device.type == "cuda":  # the encoder's whole device copy is free now
+                    torch.cuda.empty_cache()
                 log.info("%s: %s (%.2f GiB on the device of %.2f GiB)", name,
                          self.encoders[name].lives(), self.encoders[name].device_bytes / 2**30,
                          self.encoders[name].total_bytes / 2**30)
@@ -140,6 +141,7 @@ class StreamedEncoders:
         get_in = getattr(encoder, "get_input_embeddings", None)
         table = get_in() if callable(get_in) else None
         for module in modules:
+            module.to("cpu")
             if module is table and isinstance(table, torch.nn.Embedding):
                 encoder.set_input_embeddings(HostEmbedding(table, device))  # type: ignore[operator]
                 self._undo.append(lambda e=encoder, t=table: e.set_input_embeddings(t))  # type: ignore[misc]
