@@ -106,14 +106,13 @@ class ModelRunner:
             components.pipeline_class, model_dir, self.device,
             time.perf_counter() - started, "dlo" if offload else "off",
         )
-        from ditserve.engine.runner.whole_pipeline import WholePipeline, cap_allocator
+        from ditserve.engine.runner.whole_pipeline import WholePipeline
 
         # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
         self.whole = WholePipeline(self.pipeline, config, device=self.device,
                                    offload_report=self.offload_report(), inputs=built.inputs,
                                    budget=built.budget)
         log.info("pipeline plan:\n%s", self.whole.plan_table())
-        self._allocator_cap = cap_allocator(self.device, built.budget)
         self._states: dict[str, DenoiseState] = {}
         # Wraps the blocks beneath every hook (offload, compile, SP): built after all of them.
         self.step_cache = StepCache(self.pipeline, default=config.step_cache.spec(),
@@ -170,9 +169,6 @@ class ModelRunner:
             self._block_major.close()
         if self.offload is not None and self.offload.active:
             self.offload.disable()
-        if self._allocator_cap is not None:  # the process's next runner starts uncapped
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-            self._allocator_cap = None
 
     # -- request registry ---------------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:

@@ -72,25 +72,6 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB // 4 else f"{n / (1 << 20):.1f} MiB"
 
 
-def cap_allocator(device: torch.device, budget: BudgetPlan | None) -> float | None:
-    """Hold the process to a numeric ``--dlo-hbm-budget-gib``: cap torch's caching allocator
-    at the budget (``set_per_process_memory_fraction``), so what the process reserves - the
-    HBM other tenants of the device see taken - never exceeds it. The plan's slack is room
-    for fragmentation; where fragmentation would still cross the cap, the allocator frees
-    its cached blocks and retries instead of growing. Called once everything is placed (a
-    pipeline places its encoders on the device before they are streamed). ``auto`` already
-    is the device's free HBM: no cap. Returns the fraction set, or None."""
-    if budget is None or budget.auto or device.type != "cuda":
-        return None
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = min(1.0, budget.budget / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    log.info("HBM budget enforced: the caching allocator is capped at %.2f GiB "
-             "(%.4f of the device)", budget.budget / GIB, fraction)
-    return fraction
-
-
 class WholePipeline:
     """The hooks and the plan of one ModelRunner's pipeline (see module docstring)."""
 
