@@ -161,6 +161,18 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
         peak = whole["memory"]["peak_allocated"] / GIB
         out.append({"target": f"{WHOLE} peak HBM <= {w.peak_gib} GiB", "value": peak,
                     "bound": w.peak_gib, "met": peak <= w.peak_gib})
+    # A configuration with a numeric budget: what the process took (allocated, and reserved
+    # by torch's caching allocator - what other tenants of the device see) against it.
+    for name, r in runs.items():
+        budget = ((r.get("pipeline") or {}).get("memory") or {}).get("budget_bytes")
+        mem = r.get("memory")
+        if "refused" in r or not mem or not budget or (r["pipeline"]["memory"].get("auto")):
+            continue
+        for kind in ("allocated", "reserved"):
+            used = mem[f"peak_{kind}"] / GIB
+            out.append({"target": f"{name} peak {kind} <= its budget {budget / GIB:.2f} GiB",
+                        "value": used, "bound": round(budget / GIB, 2),
+                        "met": used <= budget / GIB})
     if whole and base:
         ratio = whole["request_s"] / base["request_s"]
         out.append({"target": f"{WHOLE} latency <= {w.latency_ratio}x {BASELINE}",

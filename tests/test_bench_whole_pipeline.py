@@ -53,3 +53,26 @@ def test_host_rss_tiny_samples_a_loading_child(tmp_path: Path) -> None:
     assert 0 < acct["mapped_bytes"] <= acct["streamed_bytes"]
     assert acct["pinned_bytes"] <= 1.02 * acct["streamed_bytes"]
     assert "peak RSS" in (tmp_path / "host_rss.md").read_text()
+
+
+def test_a_budgeted_configuration_is_judged_on_allocated_and_reserved_hbm() -> None:
+    bench = load("whole_pipeline")
+    gib = 1 << 30
+    runs = {"budget": {"memory": {"peak_allocated": 8.5 * gib, "peak_reserved": 11.9 * gib},
+                       "pipeline": {"memory": {"budget_bytes": 10 * gib, "auto": False}}},
+            "auto": {"memory": {"peak_allocated": 50 * gib, "peak_reserved": 60 * gib},
+                     "pipeline": {"memory": {"budget_bytes": 40 * gib, "auto": True}}},
+            "refused": {"refused": "cannot hold the pipeline"}}
+    found = {t["target"]: t["met"] for t in bench.targets({"configs": runs},
+                                                          bench.WORKLOADS["wan"])}
+    # The reserved bytes (what other tenants of the device see) are held to the budget too;
+    # auto (the device's free HBM) and refused runs are not judged.
+    assert found == {"budget peak allocated <= its budget 10.00 GiB": True,
+                     "budget peak reserved <= its budget 10.00 GiB": False}
+
+
+def test_host_rss_names_the_phase_a_peak_fell_in() -> None:
+    bench = load("host_rss")
+    phases = [(10.0, "start"), (12.0, "loader: DLO host backing"), (20.0, "plan")]
+    assert bench.phase_at(phases, 13.5) == "1.5 s after: loader: DLO host backing"
+    assert bench.phase_at(phases, 9.0) == "before the first log line"
