@@ -1,6 +1,7 @@
 """The whole pipeline on CUDA (run on the device machine): text encoders streamed through DLO
-slots from pinned host memory give exactly the outputs of resident encoders, and the prompt
-cache changes no output bit; under an HBM
+slots from pinned host memory, or parked there, give exactly the outputs of resident
+encoders, the prompt cache changes no output bit, and tiled decode stays within the CPU
+test's tolerance of the whole decode; under an HBM
 budget the measured peak stays under the planner's predicted peak (and the budget), and
 ``auto`` keeps a model that fits resident."""
 
@@ -110,3 +111,59 @@ def test_auto_keeps_a_model_that_fits_resident(family_dir) -> None:  # type: ign
     assert offload is not None and offload["streamed_blocks"] == 0  # never slower than resident
     assert memory["encoders"] == "resident" and memory["decode"] == "whole"
     assert set(out) == {"a", "b"}
+
+
+@pytest.mark.parametrize("variant", ["flux", "qwen-image", "wan"])
+def test_parked_encoders_on_cuda_equal_resident(family_dir, variant: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Encoders parked in pinned host memory (DLO finds layers in every one of them, so the
+    choice is forced) visit the device for each encode and change no output bit."""
+    from ditserve.engine.runner import whole_pipeline
+
+    model = family_dir(variant)
+    want, resident = run(model, components="dit", cache=0)
+    resident.close()
+    monkeypatch.setattr(whole_pipeline, "streamable", lambda module: False)
+    got, parked = run(model, components="all", cache=0)
+    try:
+        plan = {row["name"]: row for row in parked.pipeline_report()["plan"]}
+        encoders = [name for name in plan if name.startswith("text_encoder")]
+        assert encoders and all(plan[name]["lives"].startswith("parked") for name in encoders)
+    finally:
+        parked.close()
+    for rid in want:
+        assert torch.equal(got[rid], want[rid]), rid
+
+
+@pytest.mark.parametrize("variant", ["flux", "qwen-image", "wan"])
+def test_tiled_decode_on_cuda_within_tolerance_of_whole_decode(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
+    """The CPU test's bounds (tests/families/test_whole_pipeline.py) hold for CUDA's
+    kernels: tiled decode is the one placement whose math differs from the whole decode."""
+    from families.test_whole_pipeline import (  # type: ignore[import-not-found]
+        TILED_DECODE_MAX,
+        TILED_DECODE_MEAN,
+    )
+
+    from ditserve.engine.pipelines.vae_decode import VaeTiling, tiled_post_decode
+    from ditserve.engine.runner.denoise_state import DenoiseState
+
+    model = family_dir(variant)
+    r = ModelRunner(EngineConfig(model=str(model), device="cuda"), model_dir=model)  # type: ignore[arg-type]
+    try:
+        pipeline = r.pipeline
+        video = r.frame_step is not None
+        params = SamplingParams(prompt="a fox", num_inference_steps=2, seed=5, height=96,
+                                width=96, **({"num_frames": 5} if video else {}))
+        state = DenoiseState("x", params, 5)
+        pipeline.prepare_encode(state)  # noise latents: the decode sees every value range
+        whole = DenoiseState("x", params, 5, latents=state.latents)
+        pipeline.post_decode(whole)
+        tiling = VaeTiling(pipeline.vae, tile_pixels=32)
+        tiled = DenoiseState("x", params, 5, latents=state.latents)
+        tiled_post_decode(pipeline.post_decode, tiling, mode="on", offload=False,
+                          video=video)(tiled)
+        assert whole.pixels is not None and tiled.pixels is not None
+        difference = (tiled.pixels.float() - whole.pixels.float()).abs()
+        assert 0 < difference.max().item() <= TILED_DECODE_MAX, difference.max().item()
+        assert difference.mean().item() <= TILED_DECODE_MEAN, difference.mean().item()
+    finally:
+        r.close()
