@@ -97,7 +97,8 @@ class StreamedEncoder:
     host_side_bytes: int = 0  # token table and output head kept in host memory
 
     def lives(self) -> str:
-        kept = (f", {self.host_side_bytes / 2**30:.2f} GiB of tables on the host"
+        kept = (f", {self.host_side_bytes / 2**30:.2f} GiB outside the layers (token table, "
+                "output head) in host memory"
                 if self.host_side_bytes >= 1 << 20 else "")
         return (f"streamed by DLO: {self.streamed_blocks} layers from pinned host, "
                 f"{self.slots} slots{kept}")
