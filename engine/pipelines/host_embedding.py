@@ -45,10 +45,17 @@ class HostEmbedding(nn.Module):
         return upload(self.table(host_ids), self.device)
 
 
+def embedding_module(encoder: nn.Module, which: str = "input") -> nn.Module | None:
+    """A transformers model's ``input`` (token table) or ``output`` (head) embedding module,
+    None where it has none."""
+    get = getattr(encoder, f"get_{which}_embeddings", None)
+    module = get() if callable(get) else None
+    return module if isinstance(module, nn.Module) else None
+
+
 def host_embedding(encoder: nn.Module) -> HostEmbedding | None:
     """``encoder``'s input embedding if it is kept on the host."""
-    get = getattr(encoder, "get_input_embeddings", None)
-    table = get() if callable(get) else None
+    table = embedding_module(encoder)
     return table if isinstance(table, HostEmbedding) else None
 
 

@@ -36,7 +36,7 @@ from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload import OffloadHandle, enable_offload
 from ditserve.engine.offload.discovery import discover
-from ditserve.engine.pipelines.host_embedding import HostEmbedding
+from ditserve.engine.pipelines.host_embedding import HostEmbedding, embedding_module
 from ditserve.engine.runner.component_placement import module_bytes
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,13 @@ def host_side_modules(encoder: torch.nn.Module, *,
     """The modules of ``encoder`` a streamed encoder keeps in host memory (module docstring):
     its token table if at least ``min_table_bytes``, and its output head if it has one."""
     found: list[torch.nn.Module] = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        get = getattr(encoder, getter, None)
-        module = get() if callable(get) else None
+    for which in ("input", "output"):
+        module = embedding_module(encoder, which)
         if isinstance(module, HostEmbedding):
             module = module.table
-        if not isinstance(module, torch.nn.Module) or any(module is m for m in found):
+        if module is None or any(module is m for m in found):
             continue
-        if getter == "get_input_embeddings" and module_bytes(module) < min_table_bytes:
+        if which == "input" and module_bytes(module) < min_table_bytes:
             continue
         found.append(module)
     return found
@@ -139,8 +138,7 @@ class StreamedEncoders:
     def _keep_on_host(self, name: str, encoder: torch.nn.Module,
                       modules: list[torch.nn.Module], device: torch.device) -> None:
         """Install the host-side lookup for a host table and a guard on a host head."""
-        get_in = getattr(encoder, "get_input_embeddings", None)
-        table = get_in() if callable(get_in) else None
+        table = embedding_module(encoder)
         for module in modules:
             module.to("cpu")
             if module is table and isinstance(table, torch.nn.Embedding):
