@@ -138,19 +138,6 @@ def _dit_width(transformer: torch.nn.Module) -> int:
     return int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
 
 
-def compute_element_size(module: torch.nn.Module) -> int:
-    """Bytes per element of the dtype holding most of ``module``'s weights: the dtype its
-    hidden states run in. (Its first parameter can be a float32 table kept for precision -
-    diffusers keeps Wan's ``scale_shift_table`` in float32 - which would double the
-    estimate.)"""
-    by_dtype: dict[torch.dtype, int] = {}
-    for t in module.parameters():
-        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel()
-    if not by_dtype:
-        return 2
-    return torch.empty((), dtype=max(by_dtype, key=lambda d: by_dtype[d])).element_size()
-
-
 def auto_budget(device: torch.device, *,
                 mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None,
                 memory_reserved: Callable[[torch.device], int] | None = None) -> int:
@@ -172,7 +159,9 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
     sched = ResolvedScheduling.for_family(config.scheduler, pipeline.family)
     text = int(getattr(pipeline, "max_text_tokens", None) or pipeline.max_sequence_length)
     rows = 2 * sched.max_num_seqs  # with CFG every request brings a negative prompt's row
-    elem = compute_element_size(transformer)
+    # The pipeline's compute dtype (Wan's skips the float32 tables diffusers keeps first,
+    # whose 4 bytes once doubled this estimate).
+    elem = pipeline.dtype.itemsize
     denoise = (pipeline.family.activation_copies * (sched.max_batch_tokens + rows * text)
                * _dit_width(transformer) * elem)
     encoders = tuple((name, m) for name in ENCODER_ATTRS

@@ -186,15 +186,3 @@ def test_a_nested_visit_of_parked_modules_places_them_once() -> None:
         pass
     assert Counted.placements == 2  # the outer exit ended the first visit
 
-
-def test_activation_estimates_use_the_dtype_holding_most_weights() -> None:
-    from ditserve.engine.runner.memory_estimates import compute_element_size
-
-    # A bf16 model whose first parameter is a small float32 table (as diffusers keeps Wan's
-    # scale_shift_table): its hidden states are bf16, two bytes an element.
-    model = torch.nn.Module()
-    model.table = torch.nn.Parameter(torch.zeros(6, dtype=torch.float32))
-    model.body = torch.nn.Linear(16, 16, dtype=torch.bfloat16)
-    assert next(model.parameters()).dtype == torch.float32
-    assert compute_element_size(model) == 2
-    assert compute_element_size(torch.nn.Linear(4, 4)) == 4

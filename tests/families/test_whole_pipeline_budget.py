@@ -222,3 +222,16 @@ def test_a_refused_budget_is_the_servers_termination_message(family_dir, tmp_pat
     said = log.read_text()
     assert "--dlo-hbm-budget-gib (0.10 GiB) cannot hold the pipeline" in said, done.stderr[-2000:]
     assert "the smallest budget it can run in is" in said
+
+
+def test_activation_estimates_use_the_pipelines_compute_dtype(family_runner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Hidden states are counted in the pipeline's compute dtype, not the DiT's first
+    parameter's: diffusers keeps Wan's scale_shift_table in float32 ahead of bf16 weights."""
+    from ditserve.engine.runner.memory_estimates import budget_inputs
+
+    pipeline = family_runner("wan").pipeline
+    config = EngineConfig(model="tiny-wan", device="cpu")
+    assert next(pipeline.transformer.parameters()).dtype == torch.float32
+    float32 = budget_inputs(pipeline, config).denoise_activations
+    monkeypatch.setattr(pipeline, "dtype", torch.bfloat16)  # a bf16 DiT, float32 table first
+    assert budget_inputs(pipeline, config).denoise_activations * 2 == float32
