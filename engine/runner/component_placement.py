@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -76,19 +76,12 @@ class ParkedModules:
     def on_device(self) -> Iterator[None]:
         """The modules' weights on the device for the body, back in host memory after.
         Reentrant: a nested visit (a cache miss inside a step's placement) moves nothing."""
-        if self._visits:
-            self._visits += 1
-            try:
-                yield
-            finally:
-                self._visits -= 1
-            return
-        self._visits = 1
+        self._visits += 1
         try:
-            with self._placed():
+            with self._placed() if self._visits == 1 else nullcontext():
                 yield
         finally:
-            self._visits = 0
+            self._visits -= 1
 
     @contextmanager
     def _placed(self) -> Iterator[None]:

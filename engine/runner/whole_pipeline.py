@@ -108,6 +108,7 @@ class WholePipeline:
         self.encode = BatchedEncode(pipeline, self.cache, identity=identity, staged=staged,
                                     encoders_on_device=self._encoders_context)
         self.encode.enabled = self.encode.enabled and identity is not None
+        self._prompt_reads_images = bool(getattr(pipeline, "prompt_reads_images", False))
         self.inputs, self.budget = inputs, budget
         self.tiling: VaeTiling | None = None
         self.decoder: DecodeBatches | None = None
@@ -159,12 +160,10 @@ class WholePipeline:
         pipeline whose prompts are read with their images (``prompt_reads_images``: the
         prompt cache and the batched pass cannot stage them) encodes inside
         ``prepare_encode``; parked encoders visit the device once for the step's calls."""
-        with self.encode.step(states):
-            if states and getattr(self.pipeline, "prompt_reads_images", False):
-                with self._encoders_context():
-                    yield
-            else:
-                yield
+        reads_images = bool(states) and self._prompt_reads_images
+        with self.encode.step(states), (self._encoders_context() if reads_images
+                                        else nullcontext()):
+            yield
 
     def decode(self, states: Sequence[Any]) -> dict[str, str]:
         """Decode a step's finished requests; the failed ones' ids, and why."""
