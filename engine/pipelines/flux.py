@@ -17,6 +17,7 @@ import torch
 
 from ditserve.engine.families import FLUX
 from ditserve.engine.pipeline_defaults import call_defaults
+from ditserve.engine.pipelines.common import seeded_noise, upload
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
@@ -81,7 +82,7 @@ class FluxStepPipeline:
             prompts, padding="max_length", max_length=self.clip_max_length,
             truncation=True, return_tensors="pt",
         ).input_ids
-        pooled = self.text_encoder(self._upload(clip_ids), output_hidden_states=False).pooler_output
+        pooled = self.text_encoder(upload(clip_ids, self.device), output_hidden_states=False).pooler_output
         t5_ids = self.tokenizer_2(
             prompts, padding="max_length", max_length=length,
             truncation=True, return_tensors="pt",
@@ -97,14 +98,6 @@ class FluxStepPipeline:
     def text_prompts(self, params: SamplingParams) -> list[str]:
         """The prompts ``prepare_encode`` encodes for ``params`` (the batched encode's input)."""
         return [params.prompt] + ([params.negative_prompt or ""] if params.uses_true_cfg else [])
-
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without a host sync: a copy from pageable memory blocks
-        until the GPU has drained everything queued before it (a whole DiT step while another
-        request denoises); from pinned memory it is queued like a kernel."""
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def limits(self) -> ModelLimits:
         """Flux's rope (FluxPosEmbed) is computed from the token ids on the fly: no table
@@ -148,10 +141,8 @@ class FluxStepPipeline:
         lh, lw = self._latent_grid(p.height, p.width)
         state.shared = {"img_ids": self._image_ids(lh, lw), "txt_ids": self._text_ids(seq.shape[1])}
         # Same draw as diffusers: CPU generator, (n, C, h, w), then moved and packed.
-        generator = torch.Generator("cpu").manual_seed(state.seed)
-        noise = self._upload(torch.randn(
-            (n, self.latent_channels, lh, lw), generator=generator, dtype=self.dtype
-        ))
+        noise = seeded_noise((n, self.latent_channels, lh, lw), seed=state.seed,
+                             dtype=self.dtype, device=self.device)
         # (n, C, h, w) -> (n, h/2 * w/2, 4C): 2x2 patches become tokens.
         packed = noise.view(n, self.latent_channels, lh // 2, 2, lw // 2, 2)
         packed = packed.permute(0, 2, 4, 1, 3, 5)
