@@ -164,9 +164,9 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
     # A configuration with a numeric budget: what the process took (allocated, and reserved
     # by torch's caching allocator - what other tenants of the device see) against it.
     for name, r in runs.items():
-        budget = ((r.get("pipeline") or {}).get("memory") or {}).get("budget_bytes")
-        mem = r.get("memory")
-        if "refused" in r or not mem or not budget or (r["pipeline"]["memory"].get("auto")):
+        plan = (r.get("pipeline") or {}).get("memory") or {}
+        budget, mem = plan.get("budget_bytes"), r.get("memory")
+        if "refused" in r or not mem or not budget or plan.get("auto"):
             continue
         for kind in ("allocated", "reserved"):
             used = mem[f"peak_{kind}"] / GIB
