@@ -72,6 +72,32 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB // 4 else f"{n / (1 << 20):.1f} MiB"
 
 
+def cuda_index(device: torch.device) -> int:
+    """``device``'s CUDA index (``cuda`` alone is the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def cap_allocator(device: torch.device, budget: BudgetPlan | None) -> int | None:
+    """Hold the process to a numeric ``--dlo-hbm-budget-gib``: cap torch's caching allocator
+    at the budget (``set_per_process_memory_fraction``), so what the process reserves - the
+    HBM other tenants of the device see taken - never exceeds it. The plan's slack is room
+    for fragmentation; where fragmentation would still cross the cap, the allocator frees
+    its cached blocks and retries instead of growing. Called once everything is placed (a
+    pipeline places its encoders on the device before they are streamed): the end of
+    ``WholePipeline``'s construction, which lifts it on close. ``auto`` already
+    is the device's free HBM: no cap. Returns the CUDA index capped, or None."""
+    if budget is None or budget.auto or device.type != "cuda":
+        return None
+    index = cuda_index(device)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = min(1.0, budget.budget / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    log.info("HBM budget enforced: the caching allocator is capped at %.2f GiB "
+             "(%.4f of the device)", budget.budget / GIB, fraction)
+    return index
+
+
 class WholePipeline:
     """The hooks and the plan of one ModelRunner's pipeline (see module docstring)."""
 
@@ -116,6 +142,8 @@ class WholePipeline:
         if isinstance(vae, torch.nn.Module):
             self._install_decode(vae, pipe.vae_tiling, offload=offload)
             self.plan.append(self._vae_row(vae, pipe.vae_tiling))
+        # Last: the DiT and every encoder are placed (see cap_allocator).
+        self.capped_device = cap_allocator(device, budget)
 
     @staticmethod
     def _encoder_modes(encoders: dict[str, torch.nn.Module], config: EngineConfig,
@@ -134,8 +162,12 @@ class WholePipeline:
         return {name: STREAMED if streamable(m) else PARKED for name, m in encoders.items()}
 
     def close(self) -> None:
-        """Streamed encoders back to ordinary modules."""
+        """Streamed encoders back to ordinary modules; the allocator's cap lifted, so the
+        process's next runner starts uncapped."""
         self.streamed.close()
+        if self.capped_device is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.capped_device)
+            self.capped_device = None
 
     def _encoders_context(self) -> AbstractContextManager[Any]:
         return self.parked.on_device() if self.parked is not None else nullcontext()

@@ -235,3 +235,31 @@ def test_activation_estimates_use_the_pipelines_compute_dtype(family_runner, mon
     float32 = budget_inputs(pipeline, config).denoise_activations
     monkeypatch.setattr(pipeline, "dtype", torch.bfloat16)  # a bf16 DiT, float32 table first
     assert budget_inputs(pipeline, config).denoise_activations * 2 == float32
+
+
+def test_a_numeric_budget_caps_the_caching_allocator_and_auto_does_not(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from ditserve.engine.runner import whole_pipeline
+
+    calls: list[tuple[float, int]] = []
+
+    def set_fraction(fraction: float, device: object) -> None:
+        # torch's own rule: an index, or a torch.device that carries one.
+        assert isinstance(device, int), device
+        calls.append((fraction, device))
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(total_memory=100 * GIB))
+    plan = SimpleNamespace(budget=10 * GIB, auto=False)
+    assert whole_pipeline.cap_allocator(torch.device("cuda"), plan) == 3  # type: ignore[arg-type]
+    assert whole_pipeline.cap_allocator(torch.device("cuda", 1), plan) == 1  # type: ignore[arg-type]
+    assert calls == [(0.1, 3), (0.1, 1)]
+    auto = SimpleNamespace(budget=10 * GIB, auto=True)
+    assert whole_pipeline.cap_allocator(torch.device("cuda"), auto) is None  # type: ignore[arg-type]
+    assert whole_pipeline.cap_allocator(torch.device("cpu"), plan) is None  # type: ignore[arg-type]
+    assert whole_pipeline.cap_allocator(torch.device("cuda"), None) is None
+    assert len(calls) == 2
