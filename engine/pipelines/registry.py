@@ -33,10 +33,13 @@ def pipeline_class(family_name: str) -> Any:
 
 
 def build_pipeline(
-    components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
+    components: LoadedComponents, *, device: torch.device, move_transformer: bool = True,
+    move_encoders: bool = True,
 ) -> StepPipeline:
     """The StepPipeline for a loaded model; ``move_transformer`` False leaves the DiT(s) on
-    the CPU (the offload backend places them)."""
+    the CPU (the offload backend places them), ``move_encoders`` False the text encoders
+    (the whole pipeline's plan places them)."""
     cls = pipeline_class(components.family.name)
-    pipeline: StepPipeline = cls(components, device=device, move_transformer=move_transformer)
+    pipeline: StepPipeline = cls(components, device=device, move_transformer=move_transformer,
+                                 move_encoders=move_encoders)
     return pipeline

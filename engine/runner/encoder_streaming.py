@@ -115,9 +115,11 @@ class StreamedEncoders:
         try:
             for name, module in modules.items():
                 # The pinned host copies are filled from wherever the weights are, and the
-                # originals are freed as the layers are hooked: from the device (where a
-                # pipeline places its encoders at load) no ordinary host copy is made, so
-                # host memory holds each layer once, pinned (bench/host_rss.py).
+                # originals are freed as the layers are hooked. An offloading engine's
+                # pipeline leaves its encoders where the loader put them: host tensors over
+                # the checkpoint's mapping, so the fill reads file pages (shared, not this
+                # process's memory) and host memory holds each layer once, pinned, while the
+                # device never holds the whole encoder (bench/host_rss.py).
                 on_host = host_side_modules(module, min_table_bytes=min_table_bytes)
                 self._keep_on_host(name, module, on_host, device)
                 handle = enable_offload(module, config, device=device,

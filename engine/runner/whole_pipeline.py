@@ -111,6 +111,9 @@ class WholePipeline:
         encoders = {name: m for name in ENCODER_ATTRS
                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module)}
         self.modes = self._encoder_modes(encoders, config, budget)
+        for name, module in encoders.items():
+            if self.modes[name] == RESIDENT:  # an offloading pipeline left it on the host
+                module.to(device)
         self.parked: ParkedModules | None = None
         parked = {name: m for name, m in encoders.items() if self.modes[name] == PARKED}
         if parked:

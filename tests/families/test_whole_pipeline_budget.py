@@ -263,3 +263,61 @@ def test_a_numeric_budget_caps_the_caching_allocator_and_auto_does_not(monkeypat
     assert whole_pipeline.cap_allocator(torch.device("cpu"), plan) is None  # type: ignore[arg-type]
     assert whole_pipeline.cap_allocator(torch.device("cuda"), None) is None
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize(("offload", "components", "moved"),
+                         [(False, "all", True), (True, "dit", True), (True, "all", False)])
+def test_encoders_the_whole_pipeline_offloads_are_not_placed_by_the_pipeline(  # type: ignore[no-untyped-def]
+        family_dir, monkeypatch, offload: bool, components: str, moved: bool) -> None:
+    """An offloading engine's pipeline leaves its text encoders where the loader put them
+    (streamed or parked from there, the device never holds one whole); resident encoders -
+    no offload, ``--dlo-components dit`` - are placed as before."""
+    from ditserve.engine.runner import assembly
+
+    seen: list[bool] = []
+    build = assembly.build_pipeline
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs["move_encoders"])
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(assembly, "build_pipeline", recording)
+    model = family_dir("flux")
+    r = ModelRunner(EngineConfig(model=str(model), device="cpu",
+                                 offload=OffloadConfig(enabled=offload, components=components)),
+                    model_dir=model)
+    try:
+        assert seen == [moved]
+        modes = {row["name"]: row["lives"] for row in r.pipeline_report()["plan"]}
+        want = "resident" if moved else "streamed by DLO"
+        assert all(modes[name].startswith(want) for name in ("text_encoder", "text_encoder_2"))
+    finally:
+        r.close()
+
+
+def test_a_budget_that_keeps_encoders_resident_places_them(family_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Under a budget the plan decides after the pipeline is built: encoders it keeps
+    resident are moved to the device then."""
+    from ditserve.engine.runner import whole_pipeline
+
+    placed: list[str] = []
+    real = whole_pipeline.WholePipeline._encoder_modes
+
+    def modes(encoders, config, budget):  # type: ignore[no-untyped-def]
+        for name, module in encoders.items():
+            original = module.to
+
+            def recording_to(*args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+                placed.append(_name)
+                return _original(*args, **kwargs)
+
+            module.to = recording_to
+        return real(encoders, config, budget)
+
+    monkeypatch.setattr(whole_pipeline.WholePipeline, "_encoder_modes", staticmethod(modes))
+    r = budget_runner(family_dir("flux"), 8.0)
+    try:
+        assert r.pipeline_report()["memory"]["encoders"] == "resident"
+        assert sorted(placed) == ["text_encoder", "text_encoder_2"]
+    finally:
+        r.close()
