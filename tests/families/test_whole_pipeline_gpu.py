@@ -17,6 +17,7 @@ from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.budget_plan import GIB, BudgetError
 from ditserve.engine.runner.model_runner import ModelRunner
+from ditserve.engine.scheduler import RunnerOutput
 
 pytestmark = pytest.mark.gpu
 
@@ -167,3 +168,41 @@ def test_tiled_decode_on_cuda_within_tolerance_of_whole_decode(family_dir, varia
         assert difference.mean().item() <= TILED_DECODE_MEAN, difference.mean().item()
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("variant", ["flux", "wan"])
+def test_a_request_out_of_hbm_under_the_budget_fails_alone_and_serving_goes_on(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
+    """A numeric budget caps the allocator, so a request too large for what is left raises
+    CUDA's out-of-memory error instead of growing past the budget. That request fails with
+    the error named, and the same runner - DLO slots, streamed encoders, prompt cache -
+    then serves requests bit-identical to those it served before."""
+    model = family_dir(variant)
+    with pytest.raises(BudgetError) as refused:
+        budget_runner(model, 0.01)
+    r = budget_runner(model, refused.value.minimum_bytes / GIB + 1e-6)
+    index = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    try:
+        video = r.frame_step is not None
+        before, _ = drive(r, arrivals(video), max_num_seqs=2)
+        # Squeeze the cap to what is reserved now: any new allocator segment is refused.
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved(index) / total,
+                                                   index)
+        large = SamplingParams(prompt="a wide valley", seed=3, height=1024, width=1024,
+                               num_inference_steps=2, **({"num_frames": 5} if video else {}))
+        outputs: list[RunnerOutput] = []
+        got, _ = drive(r, {0: [("large", large)]}, max_num_seqs=2, allow_failures=True,
+                       outputs=outputs)
+        failed = {rid: why for output in outputs for rid, why in output.failed.items()}
+        # The runner's own cap back (cap_allocator's fraction of the budget).
+        budget = r.pipeline_report()["memory"]["budget_bytes"]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+        after, _ = drive(r, arrivals(video), max_num_seqs=2)
+    finally:
+        r.close()
+    assert "large" not in got
+    assert "out of memory" in failed.get("large", "").lower(), failed
+    assert set(after) == set(before)
+    for rid in before:
+        assert torch.equal(after[rid], before[rid]), rid
