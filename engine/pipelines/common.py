@@ -21,13 +21,6 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def place(module: Any, device: torch.device, move: bool) -> Any:
-    """``module`` on ``device`` if ``move``, else left where the loader put it: a text
-    encoder the whole pipeline offloads is streamed or parked straight from its host
-    (mapped) weights, and never holds the device whole (engine.runner.whole_pipeline)."""
-    return module.to(device) if move else module
-
-
 def seeded_noise(
     shape: Sequence[int], *, seed: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from ditserve.engine.families import FLUX
 from ditserve.engine.pipeline_defaults import call_defaults
-from ditserve.engine.pipelines.common import place, seeded_noise, upload
+from ditserve.engine.pipelines.common import seeded_noise, upload
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
@@ -36,15 +36,14 @@ class FluxStepPipeline:
     family = FLUX
 
     def __init__(
-        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True,
-        move_encoders: bool = True,
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
     ) -> None:
         m = components.modules
         self.device = device
         self.transformer = m["transformer"]
         self.vae = m["vae"].to(device)
-        self.text_encoder = place(m["text_encoder"], device, move_encoders)
-        self.text_encoder_2 = place(m["text_encoder_2"], device, move_encoders)
+        self.text_encoder = m["text_encoder"]
+        self.text_encoder_2 = m["text_encoder_2"]
         self.tokenizer = m["tokenizer"]
         self.tokenizer_2 = m["tokenizer_2"]
         if move_transformer:

@@ -43,11 +43,9 @@ class FluxKontextStepPipeline(FluxStepPipeline):
     condition_images = (0, 1)  # text-to-image without one, an edit with one
 
     def __init__(
-        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True,
-        move_encoders: bool = True,
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
     ) -> None:
-        super().__init__(components, device=device, move_transformer=move_transformer,
-                         move_encoders=move_encoders)
+        super().__init__(components, device=device, move_transformer=move_transformer)
         pipe = components.pipeline
         self.image_processor = pipe.image_processor  # diffusers' own resize and normalisation
         from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS

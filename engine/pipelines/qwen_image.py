@@ -22,7 +22,7 @@ import torch
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
 from ditserve.engine.pipeline_defaults import call_defaults
-from ditserve.engine.pipelines.common import latent_statistics, place, seeded_noise, upload
+from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.denoise_state import DenoiseState
@@ -43,14 +43,13 @@ class QwenImageStepPipeline:
     family = QWEN_IMAGE
 
     def __init__(
-        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True,
-        move_encoders: bool = True,
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
     ) -> None:
         m = components.modules
         self.device = device
         self.transformer = m["transformer"]
         self.vae = m["vae"].to(device)
-        self.text_encoder = place(m["text_encoder"], device, move_encoders)
+        self.text_encoder = m["text_encoder"]
         self.tokenizer = m["tokenizer"]
         if move_transformer:
             self.transformer.to(device)

@@ -70,13 +70,11 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
     prompt_reads_images = True
 
     def __init__(
-        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True,
-        move_encoders: bool = True,
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
     ) -> None:
         from transformers import Qwen2VLImageProcessorPil
 
-        super().__init__(components, device=device, move_transformer=move_transformer,
-                         move_encoders=move_encoders)
+        super().__init__(components, device=device, move_transformer=move_transformer)
         self.block_lists = self.family.block_lists
         self.image_processor = components.pipeline.image_processor  # diffusers' resize
         self.vision_processor = Qwen2VLImageProcessorPil.from_pretrained(

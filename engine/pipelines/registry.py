@@ -33,13 +33,11 @@ def pipeline_class(family_name: str) -> Any:
 
 
 def build_pipeline(
-    components: LoadedComponents, *, device: torch.device, move_transformer: bool = True,
-    move_encoders: bool = True,
+    components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
 ) -> StepPipeline:
     """The StepPipeline for a loaded model; ``move_transformer`` False leaves the DiT(s) on
-    the CPU (the offload backend places them), ``move_encoders`` False the text encoders
-    (the whole pipeline's plan places them)."""
+    the CPU (the offload backend places them). Text encoders stay where the loader put
+    them: the whole pipeline's plan places them (engine.runner.whole_pipeline)."""
     cls = pipeline_class(components.family.name)
-    pipeline: StepPipeline = cls(components, device=device, move_transformer=move_transformer,
-                                 move_encoders=move_encoders)
+    pipeline: StepPipeline = cls(components, device=device, move_transformer=move_transformer)
     return pipeline

@@ -28,7 +28,7 @@ from ditserve.engine.adapters import rows as adapter_rows
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import WAN
 from ditserve.engine.pipeline_defaults import call_defaults
-from ditserve.engine.pipelines.common import latent_statistics, place, seeded_noise, upload
+from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.pipelines.wan_block import chunk_token_math
@@ -50,8 +50,7 @@ class WanStepPipeline:
     family = WAN
 
     def __init__(
-        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True,
-        move_encoders: bool = True,
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
     ) -> None:
         m = components.modules
         self.device = device
@@ -80,7 +79,7 @@ class WanStepPipeline:
         )
         self.expand_timesteps = bool(components.config.get("expand_timesteps", False))
         self.vae = m["vae"].to(device)
-        self.text_encoder = place(m["text_encoder"], device, move_encoders)
+        self.text_encoder = m["text_encoder"]
         self.tokenizer = m["tokenizer"]
         if move_transformer:
             self.transformer.to(device)

@@ -53,11 +53,9 @@ class WanI2VStepPipeline(WanStepPipeline):
     batched_decode = False
 
     def __init__(
-        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True,
-        move_encoders: bool = True,
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
     ) -> None:
-        super().__init__(components, device=device, move_transformer=move_transformer,
-                         move_encoders=move_encoders)
+        super().__init__(components, device=device, move_transformer=move_transformer)
         m = components.modules
         self.video_processor = components.pipeline.video_processor
         self.image_encoder = m.get("image_encoder")

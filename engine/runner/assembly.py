@@ -44,10 +44,7 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
     """Wrap the loaded components in the module docstring's order. ``sequence``: this
     process's SP group (None: no SP); ``weight_group``: the group DLO shards weights over."""
     offload = config.offload.enabled
-    # Text encoders the whole pipeline offloads stay on the host (WholePipeline places them).
-    offloads_encoders = offload and config.offload.components == "all"
-    pipeline = build_pipeline(loaded.components, device=device, move_transformer=not offload,
-                              move_encoders=not offloads_encoders)
+    pipeline = build_pipeline(loaded.components, device=device, move_transformer=not offload)
     if sequence is not None:
         from ditserve.engine.parallel import shard_pipeline
 

@@ -3,7 +3,8 @@ that keep them there (issue 34's first part; docs/offload.md, "Whole pipeline").
 
 Called once by the ModelRunner after the pipeline (and DLO, if on) is built. It
 
-- offloads the text encoders under ``--offload dlo`` unless ``--dlo-components dit``: each
+- places the text encoders (the pipelines leave them where the loader put them): resident,
+  or under ``--offload dlo`` unless ``--dlo-components dit`` offloaded, each
   streamed layer by layer through DLO slots (``encoder_streaming.StreamedEncoders``), or
   parked in host memory (``component_placement.ParkedModules``) when DLO finds no layers
   in it; under an HBM budget, as the budget's plan says (resident, streamed or parked);
@@ -83,7 +84,7 @@ def cap_allocator(device: torch.device, budget: BudgetPlan | None) -> int | None
     HBM other tenants of the device see taken - never exceeds it. The plan's slack is room
     for fragmentation; where fragmentation would still cross the cap, the allocator frees
     its cached blocks and retries instead of growing. Called once everything is placed (a
-    pipeline places its encoders on the device before they are streamed): the end of
+    resident encoder is placed here): the end of
     ``WholePipeline``'s construction, which lifts it on close. ``auto`` already
     is the device's free HBM: no cap. Returns the CUDA index capped, or None."""
     if budget is None or budget.auto or device.type != "cuda":
@@ -111,8 +112,11 @@ class WholePipeline:
         encoders = {name: m for name in ENCODER_ATTRS
                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module)}
         self.modes = self._encoder_modes(encoders, config, budget)
+        # Pipelines leave their text encoders where the loader put them (host tensors over
+        # the checkpoint): the resident ones go to the device here, the others are streamed
+        # or parked from there, so the device never holds an offloaded encoder whole.
         for name, module in encoders.items():
-            if self.modes[name] == RESIDENT:  # an offloading pipeline left it on the host
+            if self.modes[name] == RESIDENT:
                 module.to(device)
         self.parked: ParkedModules | None = None
         parked = {name: m for name, m in encoders.items() if self.modes[name] == PARKED}
