@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ditserve.engine.allocator import cap_reserved, lift_cap
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.pipelines.vae_decode import (
     IMAGE_TILING_PIXELS,
@@ -73,29 +74,17 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB // 4 else f"{n / (1 << 20):.1f} MiB"
 
 
-def cuda_index(device: torch.device) -> int:
-    """``device``'s CUDA index (``cuda`` alone is the current device)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def cap_allocator(device: torch.device, budget: BudgetPlan | None) -> int | None:
-    """Hold the process to a numeric ``--dlo-hbm-budget-gib``: cap torch's caching allocator
-    at the budget (``set_per_process_memory_fraction``), so what the process reserves - the
-    HBM other tenants of the device see taken - never exceeds it. The plan's slack is room
-    for fragmentation; where fragmentation would still cross the cap, the allocator frees
-    its cached blocks and retries instead of growing. Called once everything is placed (a
-    resident encoder is placed here): the end of
-    ``WholePipeline``'s construction, which lifts it on close. ``auto`` already
-    is the device's free HBM: no cap. Returns the CUDA index capped, or None."""
+    """Hold the process to a numeric ``--dlo-hbm-budget-gib``: torch's caching allocator
+    capped at the budget (``engine.allocator.cap_reserved``), so what the process reserves
+    never exceeds it. ``auto`` already is the device's free HBM: no cap. Called once the
+    DiT and the resident encoders are placed: the end of ``WholePipeline``'s construction,
+    whose ``close`` lifts it. Returns the CUDA index capped, or None."""
     if budget is None or budget.auto or device.type != "cuda":
         return None
-    index = cuda_index(device)
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(index).total_memory
-    fraction = min(1.0, budget.budget / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, index)
-    log.info("HBM budget enforced: the caching allocator is capped at %.2f GiB "
-             "(%.4f of the device)", budget.budget / GIB, fraction)
+    index = cap_reserved(device, budget.budget)
+    log.info("HBM budget enforced: the caching allocator is capped at %.2f GiB",
+             budget.budget / GIB)
     return index
 
 
@@ -173,7 +162,7 @@ class WholePipeline:
         process's next runner starts uncapped."""
         self.streamed.close()
         if self.capped_device is not None:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.capped_device)
+            lift_cap(self.capped_device)
             self.capped_device = None
 
     def _encoders_context(self) -> AbstractContextManager[Any]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
+from ditserve.engine.allocator import cap_reserved
 from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.budget_plan import GIB, BudgetError
@@ -195,9 +196,8 @@ def test_a_request_out_of_hbm_under_the_budget_fails_alone_and_serving_goes_on(f
         got, _ = drive(r, {0: [("large", large)]}, max_num_seqs=2, allow_failures=True,
                        outputs=outputs)
         failed = {rid: why for output in outputs for rid, why in output.failed.items()}
-        # The runner's own cap back (cap_allocator's fraction of the budget).
-        budget = r.pipeline_report()["memory"]["budget_bytes"]
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+        # The runner's own cap back.
+        cap_reserved(torch.device("cuda", index), r.pipeline_report()["memory"]["budget_bytes"])
         after, _ = drive(r, arrivals(video), max_num_seqs=2)
     finally:
         r.close()
