@@ -115,8 +115,8 @@ class StreamedEncoders:
         try:
             for name, module in modules.items():
                 # The pinned host copies are filled from wherever the weights are, and the
-                # originals are freed as the layers are hooked. An offloading engine's
-                # pipeline leaves its encoders where the loader put them: host tensors over
+                # originals are freed as the layers are hooked. Pipelines leave their
+                # encoders where the loader put them (WholePipeline): host tensors over
                 # the checkpoint's mapping, so the fill reads file pages (shared, not this
                 # process's memory) and host memory holds each layer once, pinned, while the
                 # device never holds the whole encoder (bench/host_rss.py).
@@ -128,8 +128,6 @@ class StreamedEncoders:
                 self.encoders[name] = _described(handle, module_bytes(module),
                                                  host_bytes=module_bytes(
                                                      torch.nn.ModuleList(on_host)))
-                if device.type == "cuda":  # the encoder's whole device copy is free now
-                    torch.cuda.empty_cache()
                 log.info("%s: %s (%.2f GiB on the device of %.2f GiB)", name,
                          self.encoders[name].lives(), self.encoders[name].device_bytes / 2**30,
                          self.encoders[name].total_bytes / 2**30)
