@@ -77,8 +77,8 @@ def main() -> int:
         return 2
     from diffusers import AutoencoderKLWan
 
+    from ditserve.engine.families.wan.block import chunk_token_math
     from ditserve.engine.model_builders import dit_class
-    from ditserve.engine.pipelines.wan_block import chunk_token_math
 
     width, height = (int(v) for v in a.size.split("x"))
     latent_frames = (a.frames - 1) // 4 + 1

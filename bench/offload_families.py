@@ -39,9 +39,9 @@ import torch
 from offload_methods import find, target
 
 from ditserve.engine.families import WAN
+from ditserve.engine.families.wan.block import chunk_token_math
 from ditserve.engine.model_builders import make_dit
 from ditserve.engine.pipelines.experts import ExpertStack
-from ditserve.engine.pipelines.wan_block import chunk_token_math
 
 GIB = 1024**3
 TEXT_TOKENS = {"qwen-image": 256, "wan": 512}  # a typical Qwen prompt; Wan pads to 512

@@ -14,7 +14,7 @@ blocks and few heads (CPU checks) and ``tiny`` is a few hundred kilobytes (tests
   tables), built by ``engine.builders.released``.
 
 Tokenizers are built from an in-code vocabulary either way. Those parts are each family's
-own builder module (``Family.builders``, e.g. ``engine.builders.wan``). Every module is left
+own builder module (``Family.builders``, e.g. ``engine.families.wan.builders``). Every module is left
 on ``device`` (``init_random`` writes them from there, a tensor at a time).
 
 Called by ``tiny_model.init_tiny`` and ``random_model.init_random``; the bench builds DiTs

@@ -42,7 +42,7 @@ from ditserve.engine.adapters.admission import AdapterRoom
 from ditserve.engine.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
 from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder
-from ditserve.engine.step_plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
+from ditserve.engine.step.plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
 from ditserve.engine.work import RequestWork, ResolvedScheduling, WorkRule
 
 __all__ = ["DEFAULT_WORK_RULE", "RunnerOutput", "ScheduledRequest", "StatusChange", "StepPlan",

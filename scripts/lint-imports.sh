@@ -14,6 +14,18 @@ for folder in engine cachectl operator; do
 done
 find "$OUT" -name __pycache__ -prune -exec rm -rf {} +
 PY="$ROOT/.venv/bin/python"
+# pyproject's contracts plus the ones the family folders imply (scripts/family_contracts.py).
+CONFIG="$OUT/importlinter.toml"
+LAYER="$("$PY" "$ROOT/scripts/family_contracts.py" "$ROOT" --pipelines-layer)"
+LAYER="$LAYER" "$PY" - "$ROOT/pyproject.toml" "$CONFIG" <<'PYEOF'
+import os, sys
+marker = '"ditserve.engine.pipelines",  # + every family\'s torch-side modules (generated)'
+text = open(sys.argv[1], encoding="utf-8").read()
+assert marker in text, "pyproject.toml lost the pipelines layer's marker line"
+text = text.replace(marker, '"' + os.environ["LAYER"] + '",')
+open(sys.argv[2], "w", encoding="utf-8").write(text)
+PYEOF
+"$PY" "$ROOT/scripts/family_contracts.py" "$ROOT" >> "$CONFIG"
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cd "$OUT"
 PYTHONPATH="$OUT:$SITE" "$PY" -S -c '
@@ -21,4 +33,4 @@ import sys
 from importlinter.cli import lint_imports_command
 sys.argv = ["lint-imports", sys.argv[1]]
 sys.exit(lint_imports_command())
-' "$ROOT/pyproject.toml"
+' "$CONFIG"

@@ -8,7 +8,7 @@ target dtype on the target device (``allocating``): on a GPU a 5B-parameter enco
 seconds and never touches host memory; on the meta device it costs nothing (what the tests
 use to check a full-size build's shapes and bytes). Nothing is downloaded.
 
-Called by the family builder modules (``engine.builders.flux`` and the others) when
+Called by the family builder modules (``engine.families.flux.builders`` and the others) when
 ``init-random`` builds ``--components all``; ``make_dit`` (``engine.model_builders``) shares
 ``allocating``.
 """

@@ -1,7 +1,7 @@
 """The shared part of the families' attention processors under sequence parallelism.
 
 A family's processor (in its ``*_sp`` module beside its step pipeline, e.g.
-``engine.pipelines.flux_sp``) is a diffusers attention processor (installed with
+``engine.families.flux.sp``) is a diffusers attention processor (installed with
 ``set_attn_processor``; diffusers itself is not modified) that computes exactly what the
 family's own processor computes - the same projections, QK norms and RoPE, on this rank's
 tokens - and hands the attention to ``UlyssesProcessor.attend`` (``ulysses``), with the key

@@ -2,7 +2,7 @@
 
 The mechanics shared by every family; what is family-specific - a few torch hooks around
 modules the forward already calls, and the family's Ulysses processor on every attention -
-is the family's own (``Family.sp_hooks``, e.g. ``engine.pipelines.flux_sp.attach``), looked
+is the family's own (``Family.sp_hooks``, e.g. ``engine.families.flux.sp.attach``), looked
 up by the DiT's class through the family registry. diffusers' code is not modified:
 
 - the family's root pre-hook reads the full inputs, decides this forward's shards

@@ -12,8 +12,8 @@ from ditserve.engine.families import Family
 from ditserve.engine.request import ModelLimits
 
 if TYPE_CHECKING:
-    from ditserve.engine.runner.denoise_state import DenoiseState
-    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.step.denoise_state import DenoiseState
+    from ditserve.engine.step.input_batch import InputBatch
 
 
 class StepPipeline(Protocol):

@@ -20,7 +20,7 @@ import torch
 from ditserve.engine.request import ConditionImage
 
 if TYPE_CHECKING:
-    from ditserve.engine.runner.denoise_state import DenoiseState
+    from ditserve.engine.step.denoise_state import DenoiseState
 
 ENCODED = "condition_latents"  # DenoiseState.host key of a batched encode's result
 

@@ -29,8 +29,8 @@ from ditserve.engine.adapters import rows
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.request import BatchKey
 from ditserve.engine.runner.block_major import BlockMajor, call
-from ditserve.engine.runner.denoise_state import DenoiseState
-from ditserve.engine.runner.input_batch import InputBatch, InputBatchBuilder
+from ditserve.engine.step.denoise_state import DenoiseState
+from ditserve.engine.step.input_batch import InputBatch, InputBatchBuilder
 
 
 def shape_groups(states: Sequence[DenoiseState]) -> list[list[DenoiseState]]:

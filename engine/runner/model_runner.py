@@ -35,10 +35,10 @@ from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
 from ditserve.engine.runner.assembly import assemble, resolve_device, weights_replaced
 from ditserve.engine.runner.block_major import BlockMajor
-from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step_cache.runtime import StepCache
 from ditserve.engine.weights.load import load_weights
 from ditserve.engine.work import WorkRule

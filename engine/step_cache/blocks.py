@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ditserve.engine.adapters import rows as adapter_rows
-from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step_cache import decide
 from ditserve.engine.step_cache.rows import Member, arg, members, narrow, row_index
 

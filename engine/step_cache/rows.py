@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step_cache.policies import RequestCache
 
 _SUBSET: contextvars.ContextVar[tuple[slice, ...] | None] = contextvars.ContextVar(

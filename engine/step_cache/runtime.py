@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.families import family_of_dit
-from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step_cache.blocks import StepCacheBlocks
 from ditserve.engine.step_cache.policies import (
     RequestCache,
@@ -27,8 +27,8 @@ from ditserve.engine.step_cache.policies import (
 from ditserve.engine.step_cache.spec import OFF, POLICIES, StepCacheSpec
 
 if TYPE_CHECKING:
-    from ditserve.engine.runner.input_batch import InputBatch
     from ditserve.engine.scheduler import RunnerOutput
+    from ditserve.engine.step.input_batch import InputBatch
 
 SEQUENCE_PARALLEL_REFUSAL = ("the step cache is not available with sequence parallelism (each "
                              "rank would decide on its own share of the tokens)")

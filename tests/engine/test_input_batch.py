@@ -9,9 +9,9 @@ import torch
 
 from ditserve.engine.errors import BatchMismatchError
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.runner.denoise_state import DenoiseState
-from ditserve.engine.runner.input_batch import InputBatchBuilder
-from ditserve.engine.runner.sampler import Schedule
+from ditserve.engine.step.denoise_state import DenoiseState
+from ditserve.engine.step.input_batch import InputBatchBuilder
+from ditserve.engine.step.sampler import Schedule
 
 
 def make_state(rid: str, rng: random.Random, *, seq_len: int = 8) -> DenoiseState:

@@ -8,7 +8,7 @@ import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.runner.sampler import SchedulerTrajectory
+from ditserve.engine.step.sampler import SchedulerTrajectory
 
 TOLERANCE = 1e-4  # fp32 on CPU, decoded pixels in [0, 1]
 

@@ -1,7 +1,8 @@
-"""One module per family: each family's record lives in its own module under
-engine/families/, which is the only file of engine/, cachectl/ and operator/ that spells the
-family's diffusers class names; the records' lazy references reach the torch-side parts; the
-registry imports no torch."""
+"""One folder per family: each family's record is its folder's ``__init__`` under
+engine/families/<family>/, beside its step pipeline, sequence-parallel hooks and builders; the
+folder is the only place of engine/, cachectl/ and operator/ that spells the family's
+diffusers class names; the records' lazy references reach the torch-side parts in the folder;
+the registry imports no torch."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ REPO = Path(__file__).resolve().parents[2]
 SEARCHED = ("engine", "cachectl", "operator")
 
 
+def family_folder(family: families.Family) -> str:
+    """The family's folder, by the naming rule of docs/architecture.md ("Adding a family")."""
+    return f"engine/families/{family.name.replace('-', '_')}"
+
+
 def family_module(family: families.Family) -> str:
-    """The record's module, by the naming rule of docs/architecture.md ("Adding a family")."""
-    return f"engine/families/{family.name.replace('-', '_')}.py"
+    """The record's module: the folder's ``__init__``."""
+    return f"{family_folder(family)}/__init__.py"
 
 
 def owner(class_name: str) -> families.Family:
@@ -47,18 +53,30 @@ def files_naming(name: str) -> set[str]:
 
 
 @pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
-def test_only_the_family_module_names_its_classes(family: families.Family) -> None:
+def test_only_the_family_folder_names_its_classes(family: families.Family) -> None:
     for name in (family.dit_class, family.pipeline_class):
-        home = family_module(owner(name))
-        assert files_naming(name) == {home}, (
-            f"{name} is spelled outside {home}: write \"the family's DiT\" (or pipeline) "
-            "instead, or read the name off the family record")
+        home = family_folder(owner(name))
+        outside = {f for f in files_naming(name) if not f.startswith(home + "/")}
+        assert family_module(owner(name)) in files_naming(name)
+        assert not outside, (
+            f"{name} is spelled outside {home}/ (in {sorted(outside)}): write \"the family's "
+            "DiT\" (or pipeline) instead, or read the name off the family record")
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+def test_lazy_references_point_into_the_familys_own_folder(family: families.Family) -> None:
+    # A derived family may name its base's parts (the same DiT's hooks); nothing else.
+    allowed = {f"ditserve.engine.families.{f.name.replace('-', '_')}."
+               for f in families.FAMILIES
+               if f is family or f.dit_class == family.dit_class}
+    for reference in (family.step_pipeline, family.builders, family.sp_hooks):
+        if reference is not None:
+            assert any(reference.startswith(prefix) for prefix in allowed), reference
 
 
 @pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
 def test_each_record_lives_in_its_own_module(family: families.Family) -> None:
-    module = importlib.import_module(
-        "ditserve." + family_module(family).removesuffix(".py").replace("/", "."))
+    module = importlib.import_module("ditserve." + family_folder(family).replace("/", "."))
     records = [v for v in vars(module).values() if isinstance(v, families.Family)]
     assert family in records
     # Besides its own, a derived family's module holds only its base's record (the same DiT).
@@ -79,7 +97,7 @@ def test_lazy_references_reach_the_torch_side_parts(family: families.Family) -> 
 
 
 def test_the_registry_imports_no_torch() -> None:
-    names = ", ".join(f"ditserve.{family_module(f).removesuffix('.py').replace('/', '.')}"
+    names = ", ".join(f"ditserve.{family_folder(f).replace('/', '.')}"
                       for f in families.FAMILIES)
     code = (f"import sys, ditserve.engine.families, {names}; "
             "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")

@@ -32,7 +32,7 @@ def edit_reference(model_dir: Path, variant: str, p: SamplingParams) -> torch.Te
     import diffusers
     from transformers import Qwen2Tokenizer, Qwen2VLImageProcessorPil
 
-    from ditserve.engine.builders.qwen_image_edit import vl_processor
+    from ditserve.engine.families.qwen_image_edit.builders import vl_processor
 
     folder = model_dir / "processor"
     processor = vl_processor(Qwen2Tokenizer.from_pretrained(folder),

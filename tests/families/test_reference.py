@@ -69,7 +69,7 @@ def test_matches_diffusers(family_dir, family_runner, case: str) -> None:  # typ
 
 def test_wan22_case_runs_both_experts(family_runner) -> None:  # type: ignore[no-untyped-def]
     # The scenario above must cross the boundary: its 4 steps start above 875 and end below.
-    from ditserve.engine.runner.sampler import SchedulerTrajectory
+    from ditserve.engine.step.sampler import SchedulerTrajectory
 
     pipeline = family_runner("wan2.2").pipeline
     steps = CASES["wan2.2-cfg-both-experts"][1].num_inference_steps

@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from ditserve.engine.pipelines.wan_block import chunk_token_math, token_slices
+from ditserve.engine.families.wan.block import chunk_token_math, token_slices
 
 
 def tiny_wan(**overrides) -> WanTransformer3DModel:

@@ -17,8 +17,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
 from ditserve.engine.pipelines.vae_decode import VaeTiling, tiled_post_decode, tiling_wanted
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.model_runner import ModelRunner
+from ditserve.engine.step.denoise_state import DenoiseState
 
 VARIANTS = ["flux", "qwen-image", "wan"]
 # Tiled against whole decode, |difference| of [0, 1] pixels, on the tiny random VAEs with

@@ -15,9 +15,9 @@ from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.budget_plan import GIB, STREAMED, BudgetError
-from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.memory_estimates import auto_budget
 from ditserve.engine.runner.model_runner import ModelRunner
+from ditserve.engine.step.denoise_state import DenoiseState
 
 VARIANTS = ["flux", "qwen-image", "wan"]
 PROMPTS = ["a red fox in the snow", "", "a castle", "a very long prompt " * 6]

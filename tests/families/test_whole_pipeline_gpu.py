@@ -146,7 +146,7 @@ def test_tiled_decode_on_cuda_within_tolerance_of_whole_decode(family_dir, varia
     )
 
     from ditserve.engine.pipelines.vae_decode import VaeTiling, tiled_post_decode
-    from ditserve.engine.runner.denoise_state import DenoiseState
+    from ditserve.engine.step.denoise_state import DenoiseState
 
     model = family_dir(variant)
     r = ModelRunner(EngineConfig(model=str(model), device="cuda"), model_dir=model)  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 """Wan image-to-video's random-weight pipelines: Wan's parts, plus a CLIP image encoder.
 
 Around the DiT (shapes: ``engine.families.wan_i2v``): Wan's tiny UMT5 encoder, tokenizer and
-VAE (``engine.builders.wan``); Wan 2.1 I2V adds a two-layer CLIP vision encoder as wide as
+VAE (``engine.families.wan.builders``); Wan 2.1 I2V adds a two-layer CLIP vision encoder as wide as
 the DiT's ``image_dim`` and its image processor; Wan 2.2 TI2V as image-to-video has none
 (``expand_timesteps``). With ``released``, UMT5-XXL, the variant's VAE and (Wan 2.1 I2V)
 CLIP ViT-H/14's vision tower at their released shapes. Called through
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ditserve.engine.builders import wan
 from ditserve.engine.families.base import ComponentShape
+from ditserve.engine.families.wan import builders as wan
 from ditserve.engine.families.wan_i2v import TI2V_I2V, WAN_I2V
 
 
@@ -42,7 +42,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     torch.manual_seed(seed)
     ti2v = variant == TI2V_I2V
     parts = wan.text_and_vae(variant, size, dtype=dtype, device=device, seed=seed,
-                             released=released)
+                             released=released, wan22_vae=ti2v)
     if not ti2v:  # Wan 2.1 I2V: a CLIP image context as wide as the DiT's image_dim
         encoder, processor = _clip_vision(int(dit_setting(variant, size, "image_dim")),
                                           32 if size == "tiny" else 224)

@@ -1,9 +1,9 @@
 """The Qwen-Image family (Qwen-Image 20B): its record and the shapes its builders make.
 
-The only module outside the tests that spells Qwen-Image's diffusers class names; the
-torch-side parts are named lazily: the step pipeline (``engine.pipelines.qwen_image``), the
-sequence-parallel hooks (``engine.pipelines.qwen_image_sp``) and the random-weight builders
-(``engine.builders.qwen_image``).
+With the rest of its folder, the only place outside the tests that spells Qwen-Image's diffusers class names; the
+torch-side parts are named lazily: the step pipeline (``engine.families.qwen_image.pipeline``), the
+sequence-parallel hooks (``engine.families.qwen_image.sp``) and the random-weight builders
+(``engine.families.qwen_image.builders``).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ QWEN_IMAGE = Family(
     batch_key_fields=("height", "width", "max_sequence_length"), output="image",
     loader_version="qwen-image-loader-1",
     attention_heads=(24,),  # Qwen-Image 20B
-    step_pipeline="ditserve.engine.pipelines.qwen_image:QwenImageStepPipeline",
-    sp_hooks="ditserve.engine.pipelines.qwen_image_sp:attach",
-    builders="ditserve.engine.builders.qwen_image",
+    step_pipeline="ditserve.engine.families.qwen_image.pipeline:QwenImageStepPipeline",
+    sp_hooks="ditserve.engine.families.qwen_image.sp:attach",
+    builders="ditserve.engine.families.qwen_image.builders",
     dit_sizes={"qwen-image": DIT_SIZES},  # Qwen-Image (20B)
     released_components={"qwen-image": RELEASED_COMPONENTS},
 )

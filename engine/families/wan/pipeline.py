@@ -27,18 +27,18 @@ import torch
 from ditserve.engine.adapters import rows as adapter_rows
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import WAN
+from ditserve.engine.families.wan.block import chunk_token_math
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.host_embedding import token_ids
-from ditserve.engine.pipelines.wan_block import chunk_token_math
 from ditserve.engine.request import ModelLimits, SamplingParams
-from ditserve.engine.runner.denoise_state import DenoiseState
-from ditserve.engine.runner.sampler import SchedulerTrajectory
+from ditserve.engine.step.denoise_state import DenoiseState
+from ditserve.engine.step.sampler import SchedulerTrajectory
 from ditserve.engine.step_cache.rows import forward_rows
 
 if TYPE_CHECKING:
-    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.step.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_TEXT_TOKENS = 512  # the released Wan models' text length (UMT5, 512 tokens)
@@ -63,7 +63,7 @@ class WanStepPipeline:
         self.experts = list(experts.values())
         for expert in self.experts:
             # diffusers' block math with its token-wise parts in slices: about half the
-            # activation memory at video token counts (engine/pipelines/wan_block.py).
+            # activation memory at video token counts (engine/families/wan/block.py).
             chunk_token_math(expert)
         if len(experts) > 1:
             stack = ExpertStack(experts)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.runner.sampler import Schedule
+from ditserve.engine.step.sampler import Schedule
 
 if TYPE_CHECKING:
     from ditserve.engine.step_cache.policies import RequestCache

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ditserve.engine.families import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
+from ditserve.engine.families.qwen_image.pipeline import MAX_TEXT_TOKENS, QwenImageStepPipeline
 from ditserve.engine.pipelines.common import upload
 from ditserve.engine.pipelines.conditioning import encode_each, take_encoded, to_pil
-from ditserve.engine.pipelines.qwen_image import MAX_TEXT_TOKENS, QwenImageStepPipeline
 from ditserve.engine.request import ModelLimits, SamplingParams
-from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.step.denoise_state import DenoiseState
 
 if TYPE_CHECKING:
-    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.step.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
 IMAGE_TOKENS = "image_latents"  # static row: the packed source-image tokens, image after image

@@ -1,7 +1,7 @@
 """FLUX.1 Kontext's random-weight pipelines: Flux's, in the Kontext layout.
 
 Kontext's DiT is Flux.1's and its scheduler FLUX.1-dev's, so the pipeline is Flux's builder
-output (``engine.builders.flux``) in the family's diffusers pipeline class; a tiny one gets a
+output (``engine.families.flux.builders``) in the family's diffusers pipeline class; a tiny one gets a
 16x tiny VAE (five levels), so a source at Kontext's preferred ~1 MP resolution is 1024
 tokens and CPU tests stay fast. Called through ``engine.model_builders``.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ditserve.engine.builders import flux
 from ditserve.engine.families.base import ComponentShape
+from ditserve.engine.families.flux import builders as flux
 from ditserve.engine.families.flux_kontext import FLUX_KONTEXT
 
 

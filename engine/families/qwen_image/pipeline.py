@@ -25,11 +25,11 @@ from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
-from ditserve.engine.runner.denoise_state import DenoiseState
-from ditserve.engine.runner.sampler import FlowMatchEulerSampler
+from ditserve.engine.step.denoise_state import DenoiseState
+from ditserve.engine.step.sampler import FlowMatchEulerSampler
 
 if TYPE_CHECKING:
-    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.step.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
 # Text tokens a prompt may keep: the pipeline's default 512 (diffusers accepts up to 1024,

@@ -1,11 +1,11 @@
 """The Qwen-Image-Edit family (image edits on Qwen-Image's DiT): its record and builder shapes.
 
-The only module outside the tests that spells Qwen-Image-Edit's diffusers pipeline class; its
+With the rest of its folder, the only place outside the tests that spells Qwen-Image-Edit's diffusers pipeline class; its
 DiT is Qwen-Image's (``engine.families.qwen_image`` spells that one, and this record takes it
 from there: a family derived from another imports only its base's module). The torch-side
-parts are named lazily: the step pipeline (``engine.pipelines.qwen_image_edit``), the
+parts are named lazily: the step pipeline (``engine.families.qwen_image_edit.pipeline``), the
 sequence-parallel hooks (Qwen-Image's, the same DiT) and the random-weight builders
-(``engine.builders.qwen_image_edit``).
+(``engine.families.qwen_image_edit.builders``).
 
 Besides Qwen-Image's components a model directory holds ``processor``: Qwen2.5-VL's image
 processor and tokenizer, which the prompt encoding reads the source image through. The step
@@ -26,9 +26,9 @@ QWEN_IMAGE_EDIT = Family(
     batch_key_fields=("height", "width", "images"), output="image",
     loader_version="qwen-image-edit-loader-1", attention_heads=QWEN_IMAGE.attention_heads,
     reference_work=2 * 4096,  # a 1024x1024 edit: 4096 target + 4096 source tokens
-    step_pipeline="ditserve.engine.pipelines.qwen_image_edit:QwenImageEditStepPipeline",
+    step_pipeline="ditserve.engine.families.qwen_image_edit.pipeline:QwenImageEditStepPipeline",
     sp_hooks=QWEN_IMAGE.sp_hooks,
-    builders="ditserve.engine.builders.qwen_image_edit",  # both layouts
+    builders="ditserve.engine.families.qwen_image_edit.builders",  # both layouts
     dit_sizes={"qwen-image-edit": DIT_SIZES},  # Qwen-Image-Edit: Qwen-Image's 20B DiT
     # Qwen-Image's text encoder (Qwen2.5-VL-7B, its vision tower included) and VAE.
     released_components={"qwen-image-edit": RELEASED_COMPONENTS},

@@ -1,10 +1,10 @@
 """The Wan image-to-video family: its record and the models its builders make.
 
-The only module outside the tests that spells Wan's image-to-video pipeline class; its DiT
+With the rest of its folder, the only place outside the tests that spells Wan's image-to-video pipeline class; its DiT
 is Wan's (``engine.families.wan`` spells that one, and this record takes it from there: a
 family derived from another imports only its base's module). The torch-side parts are named
-lazily: the step pipeline (``engine.pipelines.wan_i2v``), the sequence-parallel hooks (Wan's,
-the same DiT) and the random-weight builders (``engine.builders.wan_i2v``).
+lazily: the step pipeline (``engine.families.wan_i2v.pipeline``), the sequence-parallel hooks (Wan's,
+the same DiT) and the random-weight builders (``engine.families.wan_i2v.builders``).
 
 Two released layouts: Wan2.1-I2V-14B-480P (16 noise + 4 mask + 16 condition input channels,
 a CLIP ViT-H image context 1280 wide) and Wan2.2-TI2V-5B served as image-to-video (its DiT
@@ -51,9 +51,9 @@ WAN_I2V = Family(
     loader_version="wan-i2v-loader-1", cfg_rows="guidance",
     attention_heads=WAN.attention_heads, reference_work=WAN.reference_work,
     activation_copies=WAN.activation_copies,
-    step_pipeline="ditserve.engine.pipelines.wan_i2v:WanI2VStepPipeline",
+    step_pipeline="ditserve.engine.families.wan_i2v.pipeline:WanI2VStepPipeline",
     sp_hooks=WAN.sp_hooks,
-    builders="ditserve.engine.builders.wan_i2v",
+    builders="ditserve.engine.families.wan_i2v.builders",
     # Wan2.1-I2V-14B-480P; Wan2.2-TI2V-5B as image-to-video
     dit_sizes={"wan-i2v": DIT_SIZES, TI2V_I2V: TI2V_SIZES},
     released_components={"wan-i2v": {**WAN21_COMPONENTS, "image_encoder": CLIP_VIT_H},

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ditserve.engine.errors import BatchMismatchError
-from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.step.denoise_state import DenoiseState
 
 
 def _pad_cat(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

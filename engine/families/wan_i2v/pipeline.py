@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from ditserve.engine.families import WAN_I2V
+from ditserve.engine.families.wan.pipeline import WanStepPipeline
 from ditserve.engine.pipelines.common import upload
 from ditserve.engine.pipelines.conditioning import encode_once, take_encoded, to_pil
-from ditserve.engine.pipelines.wan import WanStepPipeline
-from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.step.denoise_state import DenoiseState
 
 if TYPE_CHECKING:
     from ditserve.engine.request import ConditionImage
-    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.step.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
 CONDITION = "condition"  # static row: mask + first-frame latents (2.1) / first-frame latents (TI2V)

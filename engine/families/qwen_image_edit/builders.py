@@ -1,6 +1,6 @@
 """Qwen-Image-Edit's random-weight pipelines (one image and several: the Plus layout).
 
-Qwen-Image's tiny parts (``engine.builders.qwen_image``) with what an edit adds: the tokenizer
+Qwen-Image's tiny parts (``engine.families.qwen_image.builders``) with what an edit adds: the tokenizer
 knows Qwen2.5-VL's vision markers, the text encoder's config names their ids (its vision
 tower, one block, reads the source image inside the prompt), and a ``processor`` of that
 tokenizer and Qwen2.5-VL's image processor (a tiny one reads at most 16 vision tokens of an
@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.builders import qwen_image
 from ditserve.engine.families import family_of_variant
 from ditserve.engine.families.base import ComponentShape
+from ditserve.engine.families.qwen_image import builders as qwen_image
 
 VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 PATCH = 28  # a vision token: Qwen2.5-VL's 14-pixel patches merged 2x2

@@ -1,8 +1,8 @@
 """The Wan 2.x text-to-video family: its record and the models its builders make.
 
-The only module outside the tests that spells Wan's diffusers class names; the torch-side
-parts are named lazily: the step pipeline (``engine.pipelines.wan``), the sequence-parallel
-hooks (``engine.pipelines.wan_sp``) and the random-weight builders (``engine.builders.wan``).
+With the rest of its folder, the only place outside the tests that spells Wan's diffusers class names; the torch-side
+parts are named lazily: the step pipeline (``engine.families.wan.pipeline``), the sequence-parallel
+hooks (``engine.families.wan.sp``) and the random-weight builders (``engine.families.wan.builders``).
 
 Three released layouts share it: Wan2.1-T2V-14B (one DiT: diffusers' defaults, 40 blocks
 5120 wide), Wan2.2-T2V-A14B (two such experts switched at ``boundary_ratio``) and
@@ -67,10 +67,10 @@ WAN = Family(
     loader_version="wan-loader-1", cfg_rows="guidance",
     attention_heads=(12, 24, 40),  # Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, the 14B DiTs
     reference_work=2 * 21 * 30 * 52,  # 81 frames -> 21 latent frames of 30 x 52 tokens, CFG
-    activation_copies=10,  # sliced token math (pipelines.wan_block): 8.5 measured
-    step_pipeline="ditserve.engine.pipelines.wan:WanStepPipeline",
-    sp_hooks="ditserve.engine.pipelines.wan_sp:attach",
-    builders="ditserve.engine.builders.wan",
+    activation_copies=10,  # sliced token math (families.wan.block): 8.5 measured
+    step_pipeline="ditserve.engine.families.wan.pipeline:WanStepPipeline",
+    sp_hooks="ditserve.engine.families.wan.sp:attach",
+    builders="ditserve.engine.families.wan.builders",
     # Wan2.1-T2V-14B, Wan2.2-T2V-A14B (two 14B experts), Wan2.2-TI2V-5B
     dit_sizes={"wan": WAN21_SIZES, EXPERTS: WAN21_SIZES, TI2V: TI2V_SIZES},
     released_components={"wan": WAN21_COMPONENTS, EXPERTS: WAN21_COMPONENTS,

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from ditserve.engine.families import FLUX_KONTEXT
+from ditserve.engine.families.flux.pipeline import FluxStepPipeline
 from ditserve.engine.pipelines.common import upload
 from ditserve.engine.pipelines.conditioning import encode_once, take_encoded, to_pil
-from ditserve.engine.pipelines.flux import FluxStepPipeline
-from ditserve.engine.runner.denoise_state import DenoiseState
+from ditserve.engine.step.denoise_state import DenoiseState
 
 if TYPE_CHECKING:
     from ditserve.engine.request import ConditionImage
-    from ditserve.engine.runner.input_batch import InputBatch
+    from ditserve.engine.step.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
 IMAGE_TOKENS = "image_latents"  # static row: the packed source-image tokens

@@ -1,8 +1,8 @@
 """The Flux family (FLUX.1-dev / schnell): its record and the shapes its builders make.
 
-The only module outside the tests that spells Flux's diffusers class names; the torch-side
-parts are named lazily: the step pipeline (``engine.pipelines.flux``), the sequence-parallel
-hooks (``engine.pipelines.flux_sp``) and the random-weight builders (``engine.builders.flux``).
+With the rest of its folder, the only place outside the tests that spells Flux's diffusers class names; the torch-side
+parts are named lazily: the step pipeline (``engine.families.flux.pipeline``), the sequence-parallel
+hooks (``engine.families.flux.sp``) and the random-weight builders (``engine.families.flux.builders``).
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ FLUX = Family(
     batch_key_fields=("height", "width", "max_sequence_length"), output="image",
     loader_version="flux-loader-1",
     attention_heads=(24,),  # FLUX.1-dev / schnell
-    step_pipeline="ditserve.engine.pipelines.flux:FluxStepPipeline",
-    sp_hooks="ditserve.engine.pipelines.flux_sp:attach",
-    builders="ditserve.engine.builders.flux",
+    step_pipeline="ditserve.engine.families.flux.pipeline:FluxStepPipeline",
+    sp_hooks="ditserve.engine.families.flux.sp:attach",
+    builders="ditserve.engine.families.flux.builders",
     dit_sizes={"flux": DIT_SIZES},  # FLUX.1-dev
     released_components={"flux": RELEASED_COMPONENTS},
     defaults=defaults,

@@ -16,7 +16,6 @@ from typing import Any
 
 from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.wan import EXPERTS, TI2V, WAN, WAN22_BOUNDARY_RATIO
-from ditserve.engine.families.wan_i2v import TI2V_I2V
 
 
 def make_tokenizer(tokens: int) -> Any:
@@ -53,9 +52,12 @@ def make_vae(ti2v: bool) -> Any:
 
 
 def text_and_vae(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
-                 released: Mapping[str, ComponentShape] | None) -> dict[str, Any]:
+                 released: Mapping[str, ComponentShape] | None,
+                 wan22_vae: bool | None = None) -> dict[str, Any]:
     """The tokenizer and, tiny or at ``released``'s shapes, every other part but the DiT
-    (``text_encoder``, ``vae`` and, where the table has one, ``image_encoder``)."""
+    (``text_encoder``, ``vae`` and, where the table has one, ``image_encoder``).
+    ``wan22_vae``: the tiny VAE in Wan 2.2's layout (default: for the TI2V variant; the
+    image-to-video family passes it for its own TI2V variant)."""
     from ditserve.engine.builders.released import build_released
     from ditserve.engine.model_builders import TEXT_TOKENS, dit_setting
 
@@ -66,7 +68,7 @@ def text_and_vae(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
     width = int(dit_setting(variant, size, "text_dim"))
     # Stored as served: the loader never casts.
     return {"tokenizer": tokenizer, "text_encoder": make_umt5(tokenizer, width).to(dtype),
-            "vae": make_vae(variant in (TI2V, TI2V_I2V)).to(dtype)}
+            "vae": make_vae(variant == TI2V if wan22_vae is None else wan22_vae).to(dtype)}
 
 
 def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
