@@ -78,7 +78,7 @@ def main() -> int:
     from diffusers import AutoencoderKLWan
 
     from ditserve.engine.families.wan.block import chunk_token_math
-    from ditserve.engine.model_builders import dit_class
+    from ditserve.engine.makers.builders import dit_class
 
     width, height = (int(v) for v in a.size.split("x"))
     latent_frames = (a.frames - 1) // 4 + 1

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.model_builders import dit_class
+from ditserve.engine.makers.builders import dit_class
 from ditserve.engine.offload.host.memory import host_memory
 
 GIB = 1024**3

@@ -57,7 +57,7 @@ def child(args: argparse.Namespace) -> int:
     """Load the engine's model runner, report what it holds, exit."""
     import torch
 
-    from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+    from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
     from ditserve.engine.offload.accounting import host_accounting
     from ditserve.engine.runner.model_runner import ModelRunner
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model_dir
         if args.tiny:
-            from ditserve.engine.tiny_model import init_tiny
+            from ditserve.engine.makers.tiny_model import init_tiny
 
             model = init_tiny(Path(scratch) / "tiny")
             flag_sets = [f"{f} --device cpu --dtype float32" for f in flag_sets]

@@ -44,7 +44,7 @@ from ditserve.engine.adapters.linear import AdaptedLinear
 from ditserve.engine.adapters.rows import RowAdapters, RowSegment, applying
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.families.flux import DIT_SIZES as FLUX_TRANSFORMER
-from ditserve.engine.model_builders import dit_class
+from ditserve.engine.makers.builders import dit_class
 from ditserve.engine.offload import enable_offload
 
 TARGET = 1.10

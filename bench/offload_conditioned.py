@@ -32,7 +32,7 @@ import torch
 from offload_methods import find, target
 
 from ditserve.engine.families.wan.block import chunk_token_math
-from ditserve.engine.model_builders import make_dit
+from ditserve.engine.makers.builders import make_dit
 
 MODELS_NAMES = ("qwen-image-edit", "wan-i2v")
 DEFAULT_SIZES = {"qwen-image-edit": "1024x1024", "wan-i2v": "832x480x81"}

@@ -3,7 +3,7 @@
 DLO vs diffusers group offloading.
 
 One process per model, random full-size DiTs built in memory (bf16, initialized on the GPU;
-nothing is written to disk), the shapes of the released models (``engine.model_builders``):
+nothing is written to disk), the shapes of the released models (``engine.makers.builders``):
 
 - ``--model qwen-image``: Qwen-Image (20.4B) at 1024x1024, batch 1 and 4;
 - ``--model wan``: Wan2.1-T2V-14B at 832x480, 81 frames, batch 1 (``--size 1280x720x81``
@@ -40,7 +40,7 @@ from offload_methods import find, target
 
 from ditserve.engine.families import WAN
 from ditserve.engine.families.wan.block import chunk_token_math
-from ditserve.engine.model_builders import make_dit
+from ditserve.engine.makers.builders import make_dit
 from ditserve.engine.pipelines.experts import ExpertStack
 
 GIB = 1024**3

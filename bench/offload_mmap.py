@@ -41,7 +41,7 @@ import harness
 import torch
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.model_builders import dit_class
+from ditserve.engine.makers.builders import dit_class
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.offload.host.weight_plan import BackingKind, HostWeightPlan  # noqa: E402
 from ditserve.engine.weights.checkpoint_mmap import MappedSafetensors, map_dit  # noqa: E402

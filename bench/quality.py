@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ditserve.engine.families import family_of_pipeline, supported_pipelines
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.work import ResolvedScheduling
 
 PROMPTS = ("a red fox in fresh snow, morning light", "a lighthouse on a cliff at dusk, oil painting")
 RANDOM_MARKERS = (".ditserve-tiny-complete", ".ditserve-random-complete")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         if model_dir is None:
             if not args.tiny:
                 p.error("--model is required (or --tiny)")
-            from ditserve.engine.tiny_model import init_tiny
+            from ditserve.engine.makers.tiny_model import init_tiny
 
             model_dir = init_tiny(Path(scratch) / "tiny-flux")
         measure_fn = measure_step_cache if args.step_cache else measure
@@ -289,7 +289,7 @@ def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str
     from ditserve.engine.errors import InvalidRequestError
     from ditserve.engine.request import NewRequest, SamplingParams
     from ditserve.engine.runner.model_runner import ModelRunner
-    from ditserve.engine.scheduler import StepScheduler
+    from ditserve.engine.sched.scheduler import StepScheduler
     from ditserve.engine.step_cache.spec import StepCacheSpec
 
     family, kind = family_of(model_dir), weights_kind(model_dir)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.model_builders import make_dit
+from ditserve.engine.makers.builders import make_dit
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.parallel.sharding import shard_dit
 from ditserve.engine.parallel.ulysses import SequenceGroup

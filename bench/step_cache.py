@@ -40,9 +40,9 @@ import torch
 from ditserve.engine.config import EngineConfig, OffloadConfig, SchedulerConfig
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.scheduler import StepScheduler
+from ditserve.engine.sched.scheduler import StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 from ditserve.engine.step_cache.spec import StepCacheSpec, parse_step_cache
-from ditserve.engine.work import ResolvedScheduling
 
 log = harness.log
 BOUNDS = {"dlo": 0.65, "resident": 0.70}
@@ -166,14 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model
         if args.tiny:
-            from ditserve.engine.tiny_model import init_tiny
+            from ditserve.engine.makers.tiny_model import init_tiny
 
             model = init_tiny(Path(scratch) / "tiny-flux")
             args.steps, args.size = 8, 32
         elif model is None:
             p.error("--model is required (or --tiny)")
         elif args.build and not (model / "model_index.json").is_file():
-            from ditserve.engine.random_model import init_random
+            from ditserve.engine.makers.random_model import init_random
 
             log(f"building the random full-size Flux in {model} (on the GPU; ~24 GB written)")
             init_random(model, family="flux", size="full", device="cuda", components="dit")

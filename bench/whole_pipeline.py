@@ -40,7 +40,7 @@ from typing import Any
 import harness
 import torch
 
-from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.model_defaults import model_defaults
@@ -212,12 +212,12 @@ def table(results: dict[str, Any]) -> str:
 
 def prepare_model(args: argparse.Namespace, scratch: Path) -> Path:
     if args.size == "tiny":
-        from ditserve.engine.tiny_model import init_tiny
+        from ditserve.engine.makers.tiny_model import init_tiny
 
         return init_tiny(scratch / f"tiny-{args.model}", family=args.model)
     model = args.model_dir or Path(f"/dev/shm/ditserve-whole-{args.model}")
     if not (model / "model_index.json").is_file():
-        from ditserve.engine.random_model import init_random
+        from ditserve.engine.makers.random_model import init_random
 
         harness.log(f"building the full-size random {args.model} pipeline in {model} "
                     "(every component at released shape, on the GPU)")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ditserve.engine.condition_image import ConditionImage as ConditionImage
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.media.condition_image import ConditionImage as ConditionImage
 from ditserve.engine.model_limits import MAX_FRAMES as MAX_FRAMES
 from ditserve.engine.model_limits import MAX_SIDE as MAX_SIDE
 from ditserve.engine.model_limits import ModelLimits as ModelLimits

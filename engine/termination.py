@@ -5,7 +5,7 @@ Owns ``record_fatal``: the message goes to ``$DITSERVE_TERMINATION_LOG`` (defaul
 into the pod's ``lastState.terminated.message`` and the operator into the deployment's status.
 Only if that file exists and is writable (a pod has it; a laptop does not): outside a pod it
 does nothing. Kubernetes keeps at most 4096 bytes; the end of the message is kept. Called by
-``engine.cli`` and ``engine.server.main`` on the way out; pure Python.
+``engine.cli.main`` and ``engine.server.main`` on the way out; pure Python.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ditserve.engine.cli_options import engine_config_from_args
+from ditserve.engine.cli.options import engine_config_from_args
 from ditserve.engine.config import EngineConfig, family_sequence_parallel_problems
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, FAMILIES

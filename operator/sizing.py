@@ -68,7 +68,7 @@ def dlo_host_bytes(spec: DeploymentSpec) -> int:
     par = spec.parallelism
     group = par.data if par.data > 1 else par.sequence  # DLO shards over DP first, else SP
     # Text encoders: each rank parks or streams its own copy from pinned memory (never
-    # sharded, never from the node cache; engine.runner.whole_pipeline).
+    # sharded, never from the node cache; engine.placement.whole_pipeline).
     encoders = math.ceil(spec.model.encoder_size_gib * GIB * gpus)
     if off.use_all_gather and group > 1:
         return math.ceil(size * gpus / group) + encoders

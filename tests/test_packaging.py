@@ -21,6 +21,6 @@ def test_operator_folder_never_shadows_stdlib_operator() -> None:
 
 
 def test_pure_modules_import_no_torch() -> None:
-    code = "import sys, ditserve.engine.config, ditserve.engine.request, ditserve.engine.scheduler; print('torch' in sys.modules)"
+    code = "import sys, ditserve.engine.config, ditserve.engine.request, ditserve.engine.sched.scheduler; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -13,5 +13,5 @@
   need, fusing for ``--lora-fuse``, and their bytes.
 
 The scheduler only carries each request's ``LoraRef``s (``engine.request``) and counts their
-work (``engine.work``); nothing else above the runner knows adapters exist. See docs/lora.md.
+work (``engine.sched.work``); nothing else above the runner knows adapters exist. See docs/lora.md.
 """

@@ -1,6 +1,6 @@
 """AdapterRoom: the distinct LoRA adapters a rank's step holds, against ``--max-loras``.
 
-The scheduler (``engine.scheduler``) builds one per admission pass over the requests whose
+The scheduler (``engine.sched.scheduler``) builds one per admission pass over the requests whose
 adapters the rank's runner pins (running and paused: a paused request keeps its state and
 adapters) and asks, for each waiting request, whether its adapters fit beside them. A request
 that does not fit waits, in its order, like one that does not fit the work budget; the room

@@ -61,7 +61,7 @@ class OffloadConfig:
     hbm_budget_gib: the HBM the whole pipeline may use, in GiB, or "auto" (the device's free
         HBM at start): DiT slots and resident blocks, text encoders, VAE and its decode,
         a step's activations and the allocator's slack; blocks stay resident while they fit
-        (engine.runner.budget_plan; the engine refuses to start under the smallest budget
+        (engine.placement.budget_plan; the engine refuses to start under the smallest budget
         it can meet, and says which).
     runtime_cache: use the node cache (cachectl) entry as the host backing.
     cache_root: root of the node cache; None means $DITSERVE_CACHE_ROOT or the default.
@@ -151,7 +151,7 @@ class SchedulerConfig:
     """Continuous batching and admission.
 
     max_batch_tokens: the work budget of one step, in rows x latent tokens summed over its
-        requests of every shape (``engine.work``; a 1024x1024 Flux or Qwen-Image image is
+        requests of every shape (``engine.sched.work``; a 1024x1024 Flux or Qwen-Image image is
         4096 tokens per row, a true-CFG request has twice its images' rows). None (the
         default): ``max_num_seqs`` requests of the served family's usual size
         (``Family.reference_work``: 16384 for four 1024x1024 Flux or Qwen-Image images,
@@ -166,7 +166,7 @@ class SchedulerConfig:
     scheduling_policy: "fcfs" admits in arrival order (with the bounded bypass) and ignores
         requests' ``priority``; "priority" admits by (priority, deadline, arrival) with aging, and
         pauses lower-priority running requests at a step boundary to make room
-        (``engine.scheduling_policy``). Deadlines are kept under both.
+        (``engine.sched.policy``). Deadlines are kept under both.
     aging_s: under "priority", every ``aging_s`` seconds a request waits (or is paused) it
         counts one priority level sooner, so low priority is never starved.
     max_preemptions: the most times one request may be paused.

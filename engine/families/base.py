@@ -70,25 +70,25 @@ class Family:
     block_lists: the DiT's repeated-block lists in the order its forward runs them (what DLO
         streams); resident_modules: the DiT's other top-level modules (on the device always).
     batch_key_fields: ``SamplingParams`` fields that change the denoise tensor contract.
-    cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.work``):
+    cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.sched.work``):
         "true_cfg" (``true_cfg_scale`` > 1 with a negative prompt) or "guidance"
         (``guidance_scale`` > 1); the pipeline's ``state.rows`` follows the same rule.
     attention_heads: the attention head counts of the family's released DiTs (sequence
         parallelism splits heads over its ranks; the operator judges a declared family's
         SP size with them before any model is read).
     activation_copies: the hidden states of a step's tokens its DiT holds at once at its peak
-        (the HBM planner's denoise estimate, ``engine.runner.memory_estimates``): 20 for Flux
+        (the HBM planner's denoise estimate, ``engine.placement.memory_estimates``): 20 for Flux
         and Qwen-Image (a Flux step at b1 1024x1024 measured 18.6); Wan's blocks run the
         engine's sliced token math, which measured 8.5 (docs/benchmarks.md, "Activation peak
         of a Wan block").
     reference_work: rows x latent tokens of one request at the family's usual size (Flux and
         Qwen-Image: a 1024x1024 image, 4096; Wan: 832x480 x 81 frames with CFG, 2 x 32760);
-        the default per-step work budget is ``max_num_seqs`` such requests (``engine.work``).
+        the default per-step work budget is ``max_num_seqs`` such requests (``engine.sched.work``).
     loader_version: bump when the loader's tensors for the same files change (cache key).
     step_pipeline: ``"module:Class"`` of its ``StepPipeline`` (``engine.pipelines.registry``).
     sp_hooks: ``"module:function"`` that attaches sequence parallelism to one loaded DiT
         (``engine.parallel.sharding``); None: the family runs with SP size 1 only.
-    builders: the module that builds its random-weight pipelines (``engine.model_builders``
+    builders: the module that builds its random-weight pipelines (``engine.makers.builders``
         calls its ``build_pipeline`` and ``build_tiny``).
     dit_sizes: per model variant the family builds (``ditserve model init-tiny --family``),
         the DiT's keyword arguments per size; the first variant is the family's own name.

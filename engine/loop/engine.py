@@ -49,10 +49,10 @@ from ditserve.engine.loop.results import (
 from ditserve.engine.loop.startup import WarmUp, open_executor
 from ditserve.engine.loop.step_loop import StepLoops
 from ditserve.engine.request import ModelLimits, SamplingParams
-from ditserve.engine.scheduler import StepScheduler
+from ditserve.engine.sched.scheduler import StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.loader import model_family
-from ditserve.engine.work import ResolvedScheduling
 
 __all__ = [
     "DiffusionEngine", "EngineObserver", "EnginePhase", "EngineStats", "GenerationResult",

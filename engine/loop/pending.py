@@ -9,11 +9,11 @@ the request API adds and removes, the step loops take admitted requests out as
 from __future__ import annotations
 
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.loop.results import EngineStats, RequestHandle
 from ditserve.engine.request import NewRequest
-from ditserve.engine.scheduler import RunnerOutput, StepPlan
-from ditserve.engine.work import RequestWork, ResolvedScheduling
+from ditserve.engine.sched.rank_queues import RankQueues
+from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.sched.work import RequestWork, ResolvedScheduling
 
 
 class PendingRequests:

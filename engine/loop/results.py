@@ -19,7 +19,7 @@ from ditserve.engine.request import SamplingParams
 @dataclass(frozen=True)
 class GenerationResult:
     """A finished request. ``pixels`` is (n, 3, H, W) float in [0, 1] on CPU for an image
-    model, (n, F, 3, H, W) for a video model (n videos of F frames; ``engine.video`` writes
+    model, (n, F, 3, H, W) for a video model (n videos of F frames; ``engine.media.video`` writes
     them as MP4).
 
     ``images`` (PIL) are made from the pixels on first use, in the caller's thread: converting
@@ -45,7 +45,7 @@ class GenerationResult:
 
     @cached_property
     def images(self) -> list[Any]:
-        from ditserve.engine.images import to_pil_images
+        from ditserve.engine.media.images import to_pil_images
 
         return to_pil_images(self.pixels)
 

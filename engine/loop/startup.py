@@ -19,8 +19,8 @@ from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
 from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
-from ditserve.engine.scheduler import StepScheduler
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.scheduler import StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def resolve_model(config: EngineConfig) -> Path:
     """The model directory: ``config.model``, or the embedded tiny model (built on first use)."""
     if config.model is not None:
         return Path(config.model)
-    from ditserve.engine.tiny_model import ensure_tiny
+    from ditserve.engine.makers.tiny_model import ensure_tiny
 
     model_dir = ensure_tiny()
     log.warning("no --model given: serving the embedded tiny model (random weights) from %s",

@@ -37,7 +37,7 @@ def build_pipeline(
 ) -> StepPipeline:
     """The StepPipeline for a loaded model; ``move_transformer`` False leaves the DiT(s) on
     the CPU (the offload backend places them). Text encoders stay where the loader put
-    them: the whole pipeline's plan places them (engine.runner.whole_pipeline)."""
+    them: the whole pipeline's plan places them (engine.placement.whole_pipeline)."""
     cls = pipeline_class(components.family.name)
     pipeline: StepPipeline = cls(components, device=device, move_transformer=move_transformer)
     return pipeline

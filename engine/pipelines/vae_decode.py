@@ -17,7 +17,7 @@ Under an HBM budget the runner decides from the budget instead (``runner.decode_
 Tiled decode is not bit-exact: tiles see less context at their borders and the seams are
 blended. ``tests/pipelines/test_vae_decode.py`` measures the difference on tiny models.
 
-Used by ``engine.runner.decode_batches``, which sets the tiling around each decode call.
+Used by ``engine.placement.decode_batches``, which sets the tiling around each decode call.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
-from ditserve.engine.runner.budget_plan import GIB, BudgetInputs, BudgetPlan, plan_budget
+from ditserve.engine.placement.budget_plan import GIB, BudgetInputs, BudgetPlan, plan_budget
 from ditserve.engine.weights.load import LoadedWeights
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
 def _planner_inputs(pipeline: Any, config: EngineConfig) -> BudgetInputs | None:
     """The memory planner's inputs; without a budget they only inform the printed plan, so
     a model they cannot be read from still serves (None)."""
-    from ditserve.engine.runner.memory_estimates import budget_inputs
+    from ditserve.engine.placement.memory_estimates import budget_inputs
 
     try:
         return budget_inputs(pipeline, config)
@@ -104,7 +104,7 @@ def _budget_plan(inputs: BudgetInputs | None, config: EngineConfig,
     wanted = config.offload.hbm_budget_gib
     if wanted is None or inputs is None:
         return None
-    from ditserve.engine.runner.memory_estimates import auto_budget
+    from ditserve.engine.placement.memory_estimates import auto_budget
 
     auto = wanted == "auto"
     budget = auto_budget(device) if auto else int(float(wanted) * GIB)

@@ -37,11 +37,11 @@ from ditserve.engine.runner.assembly import assemble, resolve_device, weights_re
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
-from ditserve.engine.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.sched.work import WorkRule
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step_cache.runtime import StepCache
 from ditserve.engine.weights.load import load_weights
-from ditserve.engine.work import WorkRule
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class ModelRunner:
             components.pipeline_class, model_dir, self.device,
             time.perf_counter() - started, "dlo" if offload else "off",
         )
-        from ditserve.engine.runner.whole_pipeline import WholePipeline
+        from ditserve.engine.placement.whole_pipeline import WholePipeline
 
         # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
         self.whole = WholePipeline(self.pipeline, config, device=self.device,

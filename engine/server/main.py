@@ -1,7 +1,7 @@
 """`ditserve serve`: server flags, the config file's ``server:`` section, uvicorn, and the
 SIGTERM drain.
 
-Called by engine.cli (``add_server_options`` while building the parser, ``serve_from_args``
+Called by engine.cli.main (``add_server_options`` while building the parser, ``serve_from_args``
 to run). Precedence: command-line flag > ``--config`` YAML > default; the API key comes from
 ``--api-key`` or the environment variable named by ``server.api_key_env``.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import uvicorn
 
-from ditserve.engine.cli_options import engine_config_and_server_section
+from ditserve.engine.cli.options import engine_config_and_server_section
 from ditserve.engine.server.config import ServerConfig
 
 # The flags and their reading live in the pure ``options`` module (the operator judges

@@ -1,7 +1,7 @@
 """The `ditserve serve` command line as pure Python: the server's flags, how they and the config
 file's ``server:`` section become a ``ServerConfig``, and the whole `serve` parser.
 
-Pure (no uvicorn, fastapi or torch): ``engine.cli`` builds `ditserve serve` from it,
+Pure (no uvicorn, fastapi or torch): ``engine.cli.main`` builds `ditserve serve` from it,
 ``server.main`` reads the flags with it, and the operator judges a DiffusionDeployment's
 ``engine.args`` with the very same parser and rules without importing the server runtime.
 """
@@ -15,7 +15,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from ditserve.engine.cli_options import add_engine_options
+from ditserve.engine.cli.options import add_engine_options
 from ditserve.engine.server.config import ServerConfig, validate_server
 
 SERVE_PROG = "ditserve serve"

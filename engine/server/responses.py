@@ -18,7 +18,7 @@ import base64
 import time
 from typing import Any
 
-from ditserve.engine.images import png_bytes, to_pil_images
+from ditserve.engine.media.images import png_bytes, to_pil_images
 
 OUTPUT_FORMAT = "png"  # every image is a PNG, whatever output_format asked for
 BACKGROUND = "opaque"  # RGB images; background "transparent" is not available

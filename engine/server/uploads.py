@@ -1,5 +1,5 @@
 """Uploaded images (an edit's ``image``, a video job's ``input_reference``): multipart bodies
-read into memory, and each file decoded by ``engine.image_input`` (400 naming the field).
+read into memory, and each file decoded by ``engine.media.image_input`` (400 naming the field).
 
 Bounded at every step: the body is limited by the edge (``server.max_upload_bytes`` on the
 upload routes, 413 past it), multipart parts stay in memory (never spooled to a temporary
@@ -20,7 +20,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.image_input import decode_image
+from ditserve.engine.media.image_input import decode_image
 from ditserve.engine.request import ConditionImage
 from ditserve.engine.server.errors import invalid
 

@@ -1,7 +1,7 @@
 """The scheduler's data: its view of a request, the plan of a step, what the runner did with
 it, and the status changes reported back. Plain data, pure Python (no torch).
 
-``StepScheduler`` (engine/scheduler.py, which re-exports these names) makes plans and applies
+``StepScheduler`` (engine/sched/scheduler.py, which re-exports these names) makes plans and applies
 outputs; the model runner reads plans and writes outputs; the engine loop carries both, and
 ``StepPlan`` / ``RunnerOutput`` cross process boundaries to data-parallel workers.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
-from ditserve.engine.work import RequestWork
+from ditserve.engine.sched.work import RequestWork
 
 
 @dataclass

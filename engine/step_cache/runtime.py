@@ -27,7 +27,7 @@ from ditserve.engine.step_cache.policies import (
 from ditserve.engine.step_cache.spec import OFF, POLICIES, StepCacheSpec
 
 if TYPE_CHECKING:
-    from ditserve.engine.scheduler import RunnerOutput
+    from ditserve.engine.sched.scheduler import RunnerOutput
     from ditserve.engine.step.input_batch import InputBatch
 
 SEQUENCE_PARALLEL_REFUSAL = ("the step cache is not available with sequence parallelism (each "

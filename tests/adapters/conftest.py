@@ -16,7 +16,7 @@ FEED_FORWARD = {"flux": ("ff.net.2", "proj_mlp"), "qwen-image": ("img_mlp.net.2"
 
 @pytest.fixture(scope="session")
 def adapter_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     root = tmp_path_factory.mktemp("adapter-models")
     built: dict[str, Path] = {}

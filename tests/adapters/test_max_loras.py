@@ -15,8 +15,8 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.adapters.config import AdapterConfig
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import LoraRef, SamplingParams
-from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 
 
 def resolved(**kw: object) -> ResolvedScheduling:

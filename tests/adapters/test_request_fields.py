@@ -74,7 +74,7 @@ def test_video_form_carries_loras_as_names_or_json_text() -> None:
 
 
 def test_generate_cli_applies_a_lora(adapter_models, lora_files, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.cli import main
+    from ditserve.engine.cli.main import main
 
     model, files = adapter_models("flux"), lora_files("flux")
     common = ["generate", "--model", str(model), "--device", "cpu", "--prompt", "a red cat",

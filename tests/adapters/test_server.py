@@ -28,7 +28,7 @@ GEN = "/v1/images/generations"
 def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, dict[str, Path]]]:
     from diffusers import FluxTransformer2DModel
 
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     tmp = tmp_path_factory.mktemp("lora-server")
     model = init_tiny(tmp / "model", family="flux")
@@ -150,7 +150,7 @@ def test_max_loras_is_a_strict_bound(tmp_path: Path, metric=metric_value) -> Non
 
     from diffusers import FluxTransformer2DModel
 
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     model = init_tiny(tmp_path / "model", family="flux")
     dit = FluxTransformer2DModel.from_pretrained(model / "transformer")

@@ -22,7 +22,7 @@ from ditserve.engine.adapters.rows import RowAdapters, RowSegment
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import AdapterError, AdapterNotFoundError, ConfigError
 from ditserve.engine.request import LoraRef, SamplingParams
-from ditserve.engine.work import WorkRule
+from ditserve.engine.sched.work import WorkRule
 
 
 def test_flag_syntax() -> None:
@@ -189,8 +189,8 @@ def test_grouped_and_segment_paths_agree() -> None:
 
 def test_admission_counts_adapter_work() -> None:
     from ditserve.engine.config import SchedulerConfig
-    from ditserve.engine.scheduler import StepScheduler
-    from ditserve.engine.work import ResolvedScheduling
+    from ditserve.engine.sched.scheduler import StepScheduler
+    from ditserve.engine.sched.work import ResolvedScheduling
 
     def resolved(**kw: int) -> ResolvedScheduling:
         return ResolvedScheduling.for_family(SchedulerConfig(**kw))

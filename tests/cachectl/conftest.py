@@ -28,6 +28,6 @@ def children() -> Iterator[list[Child]]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny-flux")

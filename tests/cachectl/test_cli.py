@@ -254,7 +254,7 @@ def test_ensure_all_components_caches_every_dit_of_a_two_expert_model(
 ) -> None:
     """Wan 2.2 A14B has two DiTs (transformer, transformer_2): an engine pod with a read-only
     cache maps both only if both entries exist, so the init container asks for all."""
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     model = init_tiny(tmp_path / "wan22", family="wan2.2")
     root = tmp_path / "c"

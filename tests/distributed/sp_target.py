@@ -37,7 +37,7 @@ def _flux_model() -> Any:
 
 
 def _family_model(variant: str) -> Any:
-    from ditserve.engine.model_builders import make_dit
+    from ditserve.engine.makers.builders import make_dit
 
     return make_dit(variant, "tiny", dtype=torch.float32, device="cpu", seed=0)
 

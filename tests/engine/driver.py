@@ -9,8 +9,8 @@ import torch
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 
 Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]
 

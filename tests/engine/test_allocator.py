@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ditserve.engine.allocator import DEFAULT_ALLOCATOR_SETTINGS, prefer_expandable_segments
-from ditserve.engine.cli import main
+from ditserve.engine.cli.main import main
 
 
 def test_an_unconfigured_allocator_gets_expandable_segments() -> None:

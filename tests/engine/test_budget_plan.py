@@ -1,4 +1,4 @@
-"""The whole-pipeline HBM planner (engine.runner.budget_plan), pure: what a budget buys, in
+"""The whole-pipeline HBM planner (engine.placement.budget_plan), pure: what a budget buys, in
 order (streamed minimum, resident DiT blocks, resident encoders, whole decode), the refusal
 naming the smallest budget, and how many same-shape decodes one VAE call takes."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from ditserve.engine.errors import ConfigError
-from ditserve.engine.runner.budget_plan import (
+from ditserve.engine.placement.budget_plan import (
     GIB,
     MIB,
     PARKED,

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from ditserve.engine.cli import build_parser, main
-from ditserve.engine.cli_options import engine_config_from_args
+from ditserve.engine.cli.main import build_parser, main
+from ditserve.engine.cli.options import engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {
@@ -129,7 +129,7 @@ def test_init_tiny_is_safe_for_concurrent_processes(tmp_path) -> None:  # type: 
     import sys
 
     target = tmp_path / "tiny"
-    code = f"from ditserve.engine.tiny_model import init_tiny; init_tiny({str(target)!r})"
+    code = f"from ditserve.engine.makers.tiny_model import init_tiny; init_tiny({str(target)!r})"
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     from ditserve.engine.weights.loader import read_model_index

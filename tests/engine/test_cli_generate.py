@@ -9,13 +9,13 @@ from pathlib import Path
 import av
 import pytest
 
-from ditserve.engine.cli import main
+from ditserve.engine.cli.main import main
 from ditserve.engine.server.model_defaults import model_defaults
 
 
 @pytest.fixture(scope="module")
 def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny-wan", family="wan")
 

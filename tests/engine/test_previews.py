@@ -11,8 +11,8 @@ from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.request import NewRequest, SamplingParams
-from ditserve.engine.scheduler import StepScheduler
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.scheduler import StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 
 
 @pytest.mark.parametrize(("steps", "partial", "expected"), [

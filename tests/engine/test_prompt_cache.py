@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from ditserve.engine.runner.prompt_cache import PromptCache, install_prompt_cache
+from ditserve.engine.placement.prompt_cache import PromptCache, install_prompt_cache
 
 
 def tensor(n: int) -> torch.Tensor:

@@ -8,9 +8,9 @@ import pytest
 from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.errors import QueueFullError
 from ditserve.engine.loop.engine import DiffusionEngine
-from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.rank_queues import RankQueues
+from ditserve.engine.sched.work import ResolvedScheduling
 
 
 def params() -> SamplingParams:

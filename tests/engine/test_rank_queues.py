@@ -6,10 +6,10 @@ import pytest
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import QueueFullError
-from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.scheduler import RunnerOutput
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.rank_queues import RankQueues
+from ditserve.engine.sched.scheduler import RunnerOutput
+from ditserve.engine.sched.work import ResolvedScheduling
 
 
 def params(size: int = 64, steps: int = 2) -> SamplingParams:

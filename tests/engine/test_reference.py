@@ -10,7 +10,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from PIL import Image
 
-from ditserve.engine.cli import main as ditserve_main
+from ditserve.engine.cli.main import main as ditserve_main
 from ditserve.engine.request import SamplingParams
 
 TOLERANCE = 1e-3  # fp32, pixels in [0, 1]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ditserve.engine.config import EngineConfig
-from ditserve.engine.images import to_pil_images
 from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.loop.results import GenerationResult
+from ditserve.engine.media.images import to_pil_images
 from ditserve.engine.request import SamplingParams
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import RequestStatus, SamplingParams
-from ditserve.engine.scheduler import RunnerOutput, StepPlan, StepScheduler
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 
 
 def params(steps: int = 4, size: int = 64, **kw: object) -> SamplingParams:
@@ -201,7 +201,7 @@ def test_a_request_larger_than_the_budget_runs_alone() -> None:
 
 
 def test_explicit_work_overrides_the_default_rule() -> None:
-    from ditserve.engine.work import RequestWork
+    from ditserve.engine.sched.work import RequestWork
 
     s = budgeted(100)
     s.add("a", params(size=64), RequestWork(rows=2, tokens_per_row=40))

@@ -9,10 +9,10 @@ import pytest
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import DeadlineError
-from ditserve.engine.loop.rank_queues import RankQueues
 from ditserve.engine.request import RequestStatus, SamplingParams
-from ditserve.engine.scheduler import RunnerOutput, StatusChange, StepPlan, StepScheduler
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.rank_queues import RankQueues
+from ditserve.engine.sched.scheduler import RunnerOutput, StatusChange, StepPlan, StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 
 
 class FakeClock:

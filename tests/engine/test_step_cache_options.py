@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ditserve.engine.cli import build_parser, main
-from ditserve.engine.cli_options import engine_config_from_args
+from ditserve.engine.cli.main import build_parser, main
+from ditserve.engine.cli.options import engine_config_from_args
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.request import SamplingParams

@@ -14,8 +14,8 @@ import torch
 from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.scheduler import StepScheduler
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.sched.scheduler import StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
 
 pytestmark = pytest.mark.gpu
 

@@ -11,8 +11,8 @@ from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import FLUX, WAN
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.scheduler import StepScheduler
-from ditserve.engine.work import FULL_IMAGE_TOKENS, ResolvedScheduling, WorkRule
+from ditserve.engine.sched.scheduler import StepScheduler
+from ditserve.engine.sched.work import FULL_IMAGE_TOKENS, ResolvedScheduling, WorkRule
 
 
 def test_tokens_follow_the_token_grid_and_rows_the_family_cfg_rule() -> None:

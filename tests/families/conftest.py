@@ -14,7 +14,7 @@ VIDEO_VARIANTS = ("wan", "wan2.2", "wan2.2-ti2v")
 @pytest.fixture(scope="session")
 def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """family_dir(variant) -> the directory of that tiny model (built on first use)."""
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     root = tmp_path_factory.mktemp("family-models")
     built: dict[str, Path] = {}

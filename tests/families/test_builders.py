@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ditserve.engine.model_builders import dit_class, dit_config
+from ditserve.engine.makers.builders import dit_class, dit_config
 
 # Released DiT sizes (parameters) and block counts, from the public model configs.
 FULL = {
@@ -37,7 +37,7 @@ def test_wan22_full_is_two_wan21_experts() -> None:
 
 
 def test_init_tiny_cli_writes_wan22_with_two_experts(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.cli import main
+    from ditserve.engine.cli.main import main
     from ditserve.engine.weights.loader import dit_components, read_model_index
 
     assert main(["model", "init-tiny", "--family", "wan2.2", str(tmp_path / "w")]) == 0
@@ -47,7 +47,7 @@ def test_init_tiny_cli_writes_wan22_with_two_experts(tmp_path) -> None:  # type:
 
 
 def test_init_random_writes_a_loadable_qwen_image_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.random_model import init_random
+    from ditserve.engine.makers.random_model import init_random
     from ditserve.engine.weights.loader import load_components
 
     path = init_random(tmp_path / "q", family="qwen-image", size="tiny", dtype="float32",
@@ -63,7 +63,7 @@ def test_init_random_writes_a_loadable_qwen_image_dir(tmp_path) -> None:  # type
 def test_init_random_writes_a_loadable_qwen_image_edit_dir(variant: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from transformers import Qwen2VLImageProcessorPil
 
-    from ditserve.engine.cli import main
+    from ditserve.engine.cli.main import main
     from ditserve.engine.weights.loader import load_components
 
     assert main(["model", "init-random", "--family", variant, "--size", "tiny",

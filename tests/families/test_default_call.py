@@ -16,8 +16,8 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.cli import build_parser
-from ditserve.engine.cli_generate import generation_params
+from ditserve.engine.cli.generate import generation_params
+from ditserve.engine.cli.main import build_parser
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.model_defaults import model_defaults
 

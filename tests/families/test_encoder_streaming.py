@@ -1,4 +1,4 @@
-"""Text encoders streamed through DLO slots (``engine.runner.encoder_streaming``): every
+"""Text encoders streamed through DLO slots (``engine.placement.encoder_streaming``): every
 family's encoders (T5 and CLIP for Flux, Qwen2.5-VL for Qwen-Image, UMT5 for Wan) give the
 same hidden states streamed as resident, and report what they keep on the device."""
 
@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditserve.engine.model_builders import build_tiny
+from ditserve.engine.makers.builders import build_tiny
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.pipelines.host_embedding import HostEmbedding, host_embedding, token_ids
-from ditserve.engine.runner.component_placement import module_bytes
-from ditserve.engine.runner.encoder_streaming import (
+from ditserve.engine.placement.component_placement import module_bytes
+from ditserve.engine.placement.encoder_streaming import (
     StreamedEncoders,
     host_side_bytes,
     streamable,
 )
-from ditserve.engine.runner.memory_estimates import streamed_encoder_bytes
+from ditserve.engine.placement.memory_estimates import streamed_encoder_bytes
 
 ENCODERS = {"flux": ("text_encoder", "text_encoder_2"), "qwen-image": ("text_encoder",),
             "wan": ("text_encoder",)}
@@ -163,7 +163,7 @@ def test_streamed_encoders_on_cuda_equal_resident_ones(variant: str) -> None:
 def test_a_nested_visit_of_parked_modules_places_them_once() -> None:
     from contextlib import contextmanager
 
-    from ditserve.engine.runner.component_placement import ParkedModules
+    from ditserve.engine.placement.component_placement import ParkedModules
 
     class Counted(ParkedModules):
         placements = 0

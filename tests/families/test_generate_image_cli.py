@@ -8,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from ditserve.engine.cli import main
+from ditserve.engine.cli.main import main
 
 
 def write_png(path: Path, size: tuple[int, int]) -> Path:

@@ -15,7 +15,7 @@ from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.group_forwards import GroupForwards
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.scheduler import RunnerOutput
+from ditserve.engine.sched.scheduler import RunnerOutput
 from ditserve.engine.step.denoise_state import DenoiseState
 
 TOLERANCE = 1e-4  # fp32 on CPU, decoded pixels in [0, 1]

@@ -89,7 +89,7 @@ def test_checkpoint_mmap_equals_resident(family_dir, resident, variant: str) -> 
 
 @pytest.mark.parametrize("variant", ["qwen-image", "wan2.2"])
 def test_hbm_budget_residency_equals_resident(family_dir, resident, variant: str) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.runner.budget_plan import BudgetError
+    from ditserve.engine.placement.budget_plan import BudgetError
 
     probe = runner(family_dir(variant), checkpoint_mmap="off")
     facts = probe.offload_report()
@@ -180,7 +180,7 @@ def test_allgather_with_two_experts_is_refused_before_loading(family_dir) -> Non
 def test_bf16_wan_maps_its_checkpoint_with_the_ordinary_loads_dtypes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # diffusers loads Wan's norms and modulation tables in float32 whatever the dtype; the
     # builders save them so, and the mapped DiT keeps them so: mapped == loaded, dtype by dtype.
-    from ditserve.engine.random_model import init_random
+    from ditserve.engine.makers.random_model import init_random
     from ditserve.engine.weights.backing_choice import prepare_dit
     from ditserve.engine.weights.loader import load_dit
 

@@ -18,8 +18,8 @@ import torch
 
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families.base import ComponentShape
-from ditserve.engine.model_builders import VARIANTS, build_pipeline, released_shapes
-from ditserve.engine.random_model import default_components, init_random
+from ditserve.engine.makers.builders import VARIANTS, build_pipeline, released_shapes
+from ditserve.engine.makers.random_model import default_components, init_random
 
 # Published bf16 sizes (GB) of the released components, +-2%: T5 v1.1 XXL's encoder 9.52,
 # CLIP ViT-L/14's text tower 0.246, Flux's VAE 0.168, Qwen2.5-VL-7B-Instruct 16.58,
@@ -109,7 +109,7 @@ _SMALL["wan-i2v"] = {**_SMALL["wan"], "image_encoder": dict(
 
 def scaled(variant: str) -> dict[str, ComponentShape]:
     """The variant's released table with the scaled-down values over it (same keys)."""
-    from ditserve.engine.builders.released import merged
+    from ditserve.engine.makers.released import merged
 
     return {name: replace(shape, config=merged(shape.config, _SMALL[variant][name]))
             for name, shape in released_shapes(variant).items()}
@@ -172,7 +172,7 @@ def test_components_default_and_refusals(tmp_path) -> None:  # type: ignore[no-u
 
 
 def test_cli_components_flag(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.cli import main
+    from ditserve.engine.cli.main import main
 
     assert main(["model", "init-random", "--size", "tiny", "--components", "all",
                  "--device", "cpu", str(tmp_path / "a")]) == 2

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
-from ditserve.engine.model_builders import released_shapes
+from ditserve.engine.makers.builders import released_shapes
+from ditserve.engine.makers.random_model import init_random
 from ditserve.engine.offload.accounting import host_accounting
-from ditserve.engine.random_model import init_random
 from ditserve.engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu

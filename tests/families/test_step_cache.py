@@ -15,9 +15,9 @@ from ditserve.engine.config import EngineConfig, OffloadConfig, StepCacheConfig
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.scheduler import RunnerOutput
+from ditserve.engine.sched.scheduler import RunnerOutput
+from ditserve.engine.sched.work import ResolvedScheduling
 from ditserve.engine.step_cache.spec import StepCacheSpec
-from ditserve.engine.work import ResolvedScheduling
 
 STEPS = 8
 TOLERANCE = 1e-4  # fp32 on CPU, decoded pixels in [0, 1] (as the batching tests)
@@ -159,7 +159,7 @@ def test_residuals_are_per_request_and_freed_when_it_ends(family_dir) -> None:  
         p = params("flux", StepCacheSpec("every", every=2), num_inference_steps=4)
         plan_steps = []
         from ditserve.engine.config import SchedulerConfig
-        from ditserve.engine.scheduler import StepScheduler
+        from ditserve.engine.sched.scheduler import StepScheduler
 
         scheduler = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=2)))
         for rid in ("a", "b"):

@@ -13,7 +13,7 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.scheduler import RunnerOutput
+from ditserve.engine.sched.scheduler import RunnerOutput
 from ditserve.engine.step_cache.spec import StepCacheSpec
 
 pytestmark = pytest.mark.gpu

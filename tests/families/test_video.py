@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.video import frames_uint8, mp4_bytes, write_mp4
+from ditserve.engine.media.video import frames_uint8, mp4_bytes, write_mp4
 
 
 def decode(source) -> tuple[np.ndarray, object]:  # type: ignore[no-untyped-def]
@@ -56,7 +56,7 @@ def test_generate_on_wan_writes_an_mp4_of_the_engines_frames(family_dir, family_
                                                              tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from engine.driver import drive  # type: ignore[import-not-found]
 
-    from ditserve.engine.cli import main
+    from ditserve.engine.cli.main import main
     from ditserve.engine.request import SamplingParams
 
     out = tmp_path / "cat.mp4"
@@ -77,7 +77,7 @@ def test_generate_on_wan_writes_an_mp4_of_the_engines_frames(family_dir, family_
 
 
 def test_generate_refuses_a_frame_count_the_model_cannot_make(family_dir, capsys) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.cli import main
+    from ditserve.engine.cli.main import main
 
     code = main(["generate", "--model", str(family_dir("wan")), "--device", "cpu",
                  "--prompt", "x", "--steps", "1", "--height", "32", "--width", "32",

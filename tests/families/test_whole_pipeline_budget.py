@@ -13,9 +13,9 @@ import torch
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
 from ditserve.engine.errors import ConfigError
+from ditserve.engine.placement.budget_plan import GIB, STREAMED, BudgetError
+from ditserve.engine.placement.memory_estimates import auto_budget
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.runner.budget_plan import GIB, STREAMED, BudgetError
-from ditserve.engine.runner.memory_estimates import auto_budget
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.denoise_state import DenoiseState
 
@@ -227,7 +227,7 @@ def test_a_refused_budget_is_the_servers_termination_message(family_dir, tmp_pat
 def test_activation_estimates_use_the_pipelines_compute_dtype(family_runner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Hidden states are counted in the pipeline's compute dtype, not the DiT's first
     parameter's: diffusers keeps Wan's scale_shift_table in float32 ahead of bf16 weights."""
-    from ditserve.engine.runner.memory_estimates import budget_inputs
+    from ditserve.engine.placement.memory_estimates import budget_inputs
 
     pipeline = family_runner("wan").pipeline
     config = EngineConfig(model="tiny-wan", device="cpu")
@@ -240,7 +240,7 @@ def test_activation_estimates_use_the_pipelines_compute_dtype(family_runner, mon
 def test_a_numeric_budget_caps_the_caching_allocator_and_auto_does_not(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
-    from ditserve.engine.runner import whole_pipeline
+    from ditserve.engine.placement import whole_pipeline
 
     calls: list[tuple[float, int]] = []
 
@@ -299,7 +299,7 @@ def test_the_whole_pipeline_places_resident_encoders_and_leaves_offloaded_ones_o
 def test_a_budget_that_keeps_encoders_resident_places_them(family_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Under a budget the plan decides after the pipeline is built: encoders it keeps
     resident are moved to the device then."""
-    from ditserve.engine.runner import whole_pipeline
+    from ditserve.engine.placement import whole_pipeline
 
     placed: list[str] = []
     real = whole_pipeline.WholePipeline._encoder_modes

@@ -15,10 +15,10 @@ from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.allocator import cap_reserved
 from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
+from ditserve.engine.placement.budget_plan import GIB, BudgetError
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.runner.budget_plan import GIB, BudgetError
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.scheduler import RunnerOutput
+from ditserve.engine.sched.scheduler import RunnerOutput
 
 pytestmark = pytest.mark.gpu
 
@@ -119,7 +119,7 @@ def test_auto_keeps_a_model_that_fits_resident(family_dir) -> None:  # type: ign
 def test_parked_encoders_on_cuda_equal_resident(family_dir, variant: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Encoders parked in pinned host memory (DLO finds layers in every one of them, so the
     choice is forced) visit the device for each encode and change no output bit."""
-    from ditserve.engine.runner import whole_pipeline
+    from ditserve.engine.placement import whole_pipeline
 
     model = family_dir(variant)
     want, resident = run(model, components="dit", cache=0)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ditserve.cachectl.cli import build_parser as cachectl_parser
-from ditserve.engine.cli import build_parser as engine_parser
+from ditserve.engine.cli.main import build_parser as engine_parser
 from ditserve.operator.judge import engine_config
 from ditserve.operator.render import Owner, render
 from ditserve.operator.spec import parse_spec
@@ -70,7 +70,7 @@ def test_judging_a_spec_imports_nothing_heavy() -> None:
     import sys
 
     heavy = ("torch", "diffusers", "transformers", "fastapi", "starlette", "uvicorn",
-             "ditserve.engine.cli", "ditserve.engine.server.main", "ditserve.engine.server.app")
+             "ditserve.engine.cli.main", "ditserve.engine.server.main", "ditserve.engine.server.app")
     code = ("import sys; import ditserve.operator.judge; import ditserve.operator.handlers; "
             "from ditserve.operator.judge import validate; "
             "validate({'model': {'hostPath': '/mnt/models/m'}, "

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ditserve.engine.cli import build_parser
+from ditserve.engine.cli.main import build_parser
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.judge import MANAGED_FLAGS, engine_config, judge_engine, validate
 from ditserve.operator.render import Owner, render

@@ -90,7 +90,7 @@ def test_the_launcher_starts_one_rank_per_gpu(tmp_path: Any, node_rank: str, exi
     import os
     import subprocess
 
-    from ditserve.engine.cli import build_parser
+    from ditserve.engine.cli.main import build_parser
 
     spec = spec_of(parallelism={"data": 8, "gpusPerNode": 4})
     (container,) = children(spec)["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"][

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, problems
 from ditserve.engine.errors import ConfigError
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.makers.tiny_model import init_tiny
 from ditserve.engine.offload.accounting import PINNED_LIMIT, host_accounting
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.tiny_model import init_tiny
 
 
 @pytest.fixture(scope="module")

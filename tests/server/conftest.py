@@ -143,7 +143,7 @@ def leftover_id() -> str:
 @pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Wan 2.1 model (text-to-video), built once per session."""
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("tiny-wan") / "model", family="wan")
 

@@ -17,7 +17,7 @@ from openai.types import ImageEditCompletedEvent, ImageEditPartialImageEvent, Im
 from PIL import Image
 
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.image_input import decode_image
+from ditserve.engine.media.image_input import decode_image
 
 UPLOAD_LIMIT = 200_000
 
@@ -47,7 +47,7 @@ def size_of(b64: str) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def kontext_server(tmp_path_factory: pytest.TempPathFactory, launch_server) -> Iterator[object]:  # type: ignore[no-untyped-def]
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     tmp = tmp_path_factory.mktemp("kontext-server")
     model = init_tiny(tmp / "model", family="flux-kontext")

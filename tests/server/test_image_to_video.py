@@ -30,7 +30,7 @@ def png(width: int, height: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def i2v_server(tmp_path_factory: pytest.TempPathFactory, launch_server) -> Iterator[object]:  # type: ignore[no-untyped-def]
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     tmp = tmp_path_factory.mktemp("i2v-server")
     model = init_tiny(tmp / "model", family="wan-i2v")

@@ -22,7 +22,7 @@ from server.test_image_edits import png  # type: ignore[import-not-found]
 
 @pytest.fixture(scope="module")
 def edit_server(tmp_path_factory: pytest.TempPathFactory, launch_server) -> Iterator[Any]:  # type: ignore[no-untyped-def]
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     tmp = tmp_path_factory.mktemp("qwen-edit-server")
     model = init_tiny(tmp / "model", family="qwen-image-edit-plus")

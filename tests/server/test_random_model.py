@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from ditserve.engine.cli import main
+from ditserve.engine.cli.main import main
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families.flux import DIT_SIZES as FLUX_TRANSFORMER
-from ditserve.engine.random_model import init_random
+from ditserve.engine.makers.random_model import init_random
 from ditserve.engine.request import SamplingParams
 
 

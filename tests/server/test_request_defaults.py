@@ -18,8 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ditserve.engine.cli import build_parser
-from ditserve.engine.cli_generate import generation_params
+from ditserve.engine.cli.generate import generation_params
+from ditserve.engine.cli.main import build_parser
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.server.app import create_app
@@ -35,7 +35,7 @@ GEN = "/v1/images/generations"
 @pytest.fixture(scope="module")
 def engine_of(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Any]]:
     """engine_of(variant) -> a started CPU DiffusionEngine on that tiny model (shared)."""
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     root = tmp_path_factory.mktemp("models")
     engines: dict[str, Any] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ditserve.engine.cli import build_parser
+from ditserve.engine.cli.main import build_parser
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.main import configs_from_args
@@ -29,7 +29,7 @@ server: {host: 0.0.0.0, port: 8000, request_timeout_s: 30, shutdown_grace_s: 12}
 """)
     engine, server = configs_from_args(parse("--config", path, "--max-num-seqs", "3",
                                              "--port", "9001"))
-    assert engine.scheduler.max_num_seqs == 3 and engine.scheduler.max_queue == 5
+    assert engine.sched.scheduler.max_num_seqs == 3 and engine.sched.scheduler.max_queue == 5
     assert engine.dtype == "bfloat16"
     assert (server.host, server.port) == ("0.0.0.0", 9001)
     assert server.request_timeout_s == 30 and server.shutdown_grace_s == 12
@@ -84,7 +84,7 @@ def test_http_limits_cors_and_docs_from_flags_and_yaml(tmp_path) -> None:
 
 
 def test_serve_refuses_a_missing_model_dir_before_binding(tmp_path, capsys) -> None:
-    from ditserve.engine.cli import main
+    from ditserve.engine.cli.main import main
 
     assert main(["serve", "--model", str(tmp_path / "nope"), "--port", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -6,7 +6,7 @@ whose output widths the DiT expects (T5 ``joint_attention_dim``, CLIP
 ``pooled_projection_dim``), character-level tokenizers and a tiny VAE with Flux's latent
 layout (16 channels, 8x downsampling; the embedded model's: 4 channels, 2x) - or, with
 ``released``, CLIP-L, T5-XXL and Flux's VAE at their released shapes
-(``RELEASED_COMPONENTS``). Called through ``engine.model_builders``.
+(``RELEASED_COMPONENTS``). Called through ``engine.makers.builders``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.flux import DIT_SIZES, FLUX, TINY_DIT
-from ditserve.engine.tiny_model import TINY_MAX_SEQUENCE_LENGTH
+from ditserve.engine.makers.tiny_model import TINY_MAX_SEQUENCE_LENGTH
 
 # T5 context length per size: real Flux-dev pads prompts to 512 tokens, and so do its tests.
 T5_TOKENS = {"full": 512, "small": 512, "tiny": 512}  # as the released tokenizer
@@ -105,9 +105,9 @@ def build_tiny(variant: str, seed: int) -> Any:
 
 def _released_parts(released: Mapping[str, ComponentShape], *, dtype: Any, device: Any,
                     seed: int, t5_tokens: int) -> dict[str, Any]:
-    """The encoders and VAE at the shapes of ``released`` (``engine.builders.released``),
+    """The encoders and VAE at the shapes of ``released`` (``engine.makers.released``),
     with the character-level tokenizers; CLIP's special-token ids are the tokenizer's."""
-    from ditserve.engine.builders.released import build_released
+    from ditserve.engine.makers.released import build_released
 
     clip_tok, t5_tok = tokenizers()
     t5_tok.model_max_length = t5_tokens
@@ -125,7 +125,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     casts (casting would break mmap sharing)."""
     import torch
 
-    from ditserve.engine.model_builders import make_dit
+    from ditserve.engine.makers.builders import make_dit
 
     pipeline_cls, _ = _classes()
     config = DIT_SIZES[size]

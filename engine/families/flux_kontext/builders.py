@@ -3,7 +3,7 @@
 Kontext's DiT is Flux.1's and its scheduler FLUX.1-dev's, so the pipeline is Flux's builder
 output (``engine.families.flux.builders``) in the family's diffusers pipeline class; a tiny one gets a
 16x tiny VAE (five levels), so a source at Kontext's preferred ~1 MP resolution is 1024
-tokens and CPU tests stay fast. Called through ``engine.model_builders``.
+tokens and CPU tests stay fast. Called through ``engine.makers.builders``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Around the DiT (shapes: ``engine.families.qwen_image``): a Qwen2.5-VL text encod
 two layers whose output width the DiT expects (``joint_attention_dim``), a byte-level
 tokenizer with the chat template's markers, and a VAE with Qwen-Image's latent layout (16
 channels, 8x spatial, one frame) and a few channels - or, with ``released``, Qwen2.5-VL-7B and
-the Qwen-Image VAE at their released shapes. Called through ``engine.model_builders``.
+the Qwen-Image VAE at their released shapes. Called through ``engine.makers.builders``.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def make_parts(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
                token_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The tokenizer, text encoder and VAE: tiny ones, or ``released``'s shapes;
     ``token_ids``: the text encoder's vision markers in ``tokenizer`` (edits)."""
-    from ditserve.engine.builders.released import build_released
-    from ditserve.engine.model_builders import dit_setting
+    from ditserve.engine.makers.builders import dit_setting
+    from ditserve.engine.makers.released import build_released
 
     extra = dict(token_ids or {})
     if released is not None:
@@ -100,7 +100,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import make_dit
+    from ditserve.engine.makers.builders import make_dit
 
     torch.manual_seed(seed)
     parts = make_parts(variant, size, dtype=dtype, device=device, seed=seed, released=released,

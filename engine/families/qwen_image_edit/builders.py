@@ -4,7 +4,7 @@ Qwen-Image's tiny parts (``engine.families.qwen_image.builders``) with what an e
 knows Qwen2.5-VL's vision markers, the text encoder's config names their ids (its vision
 tower, one block, reads the source image inside the prompt), and a ``processor`` of that
 tokenizer and Qwen2.5-VL's image processor (a tiny one reads at most 16 vision tokens of an
-image). Called through ``engine.model_builders``.
+image). Called through ``engine.makers.builders``.
 
 transformers cannot build its ``Qwen2VLProcessor`` without torchvision (the class check
 wants a video processor), so ``vl_processor`` assembles one of the two pieces a prompt with
@@ -64,7 +64,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import make_dit
+    from ditserve.engine.makers.builders import make_dit
 
     torch.manual_seed(seed)
     tokenizer = qwen_image.make_tokenizer(("<|im_start|>", "<|im_end|>", *VISION_MARKERS))

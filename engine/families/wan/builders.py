@@ -5,7 +5,7 @@ encoder of one or two layers whose output width the DiT expects (``text_dim``), 
 character-level tokenizer, and a VAE with the variant's latent layout (Wan 2.1: 16
 channels, 8x spatial, 4x temporal; Wan 2.2 TI2V: 48 channels, 16x spatial) and a few
 channels - or, with ``released``, UMT5-XXL and the variant's VAE at their released shapes.
-Called through ``engine.model_builders``.
+Called through ``engine.makers.builders``.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def text_and_vae(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
     (``text_encoder``, ``vae`` and, where the table has one, ``image_encoder``).
     ``wan22_vae``: the tiny VAE in Wan 2.2's layout (default: for the TI2V variant; the
     image-to-video family passes it for its own TI2V variant)."""
-    from ditserve.engine.builders.released import build_released
-    from ditserve.engine.model_builders import TEXT_TOKENS, dit_setting
+    from ditserve.engine.makers.builders import TEXT_TOKENS, dit_setting
+    from ditserve.engine.makers.released import build_released
 
     tokenizer = make_tokenizer(TEXT_TOKENS)
     if released is not None:
@@ -77,7 +77,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import make_dit
+    from ditserve.engine.makers.builders import make_dit
 
     torch.manual_seed(seed)
     parts = text_and_vae(variant, size, dtype=dtype, device=device, seed=seed,

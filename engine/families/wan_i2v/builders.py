@@ -5,7 +5,7 @@ VAE (``engine.families.wan.builders``); Wan 2.1 I2V adds a two-layer CLIP vision
 the DiT's ``image_dim`` and its image processor; Wan 2.2 TI2V as image-to-video has none
 (``expand_timesteps``). With ``released``, UMT5-XXL, the variant's VAE and (Wan 2.1 I2V)
 CLIP ViT-H/14's vision tower at their released shapes. Called through
-``engine.model_builders``.
+``engine.makers.builders``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     import diffusers
     import torch
 
-    from ditserve.engine.model_builders import dit_setting, make_dit
+    from ditserve.engine.makers.builders import dit_setting, make_dit
 
     torch.manual_seed(seed)
     ti2v = variant == TI2V_I2V

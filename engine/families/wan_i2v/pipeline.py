@@ -49,7 +49,7 @@ class WanI2VStepPipeline(WanStepPipeline):
     family = WAN_I2V  # type: ignore[assignment]
     condition_images = (1, 1)
     # post_decode mixes each request's own first-frame latents in (TI2V): one request per
-    # VAE call (engine.runner.decode_batches).
+    # VAE call (engine.placement.decode_batches).
     batched_decode = False
 
     def __init__(

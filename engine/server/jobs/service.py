@@ -4,7 +4,7 @@
 request is admitted (``engine.add_request``: the same batch slots, queue bound and 429s;
 the job id is the engine's request id), and answers at once. The engine's progress events
 move the job to ``in_progress`` and its progress up; when the engine's future resolves, an
-encoding thread writes the MP4 (``engine.video.mp4_bytes``) and publishes it atomically
+encoding thread writes the MP4 (``engine.media.video.mp4_bytes``) and publishes it atomically
 (``VideoFiles.publish``): only then is the job ``completed``. Every other end is a failed job
 with a clear error - the engine failed it (``generation_failed``), the server stopped first
 (``engine_stopped``), the encoder failed (``encoding_failed``), the disk is full
@@ -106,7 +106,7 @@ class VideoJobs:
 
     # -- encoding threads ------------------------------------------------------------------------
     def _store_result(self, job_id: str, spec: VideoSpec, result: Any) -> None:
-        from ditserve.engine.video import mp4_bytes
+        from ditserve.engine.media.video import mp4_bytes
 
         try:
             data = mp4_bytes(result.pixels[0], fps=spec.fps)

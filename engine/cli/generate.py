@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ditserve.engine.adapters.config import parse_lora_arg
-from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def _save_images(images: list, out: Path) -> list[Path]:
 
 
 def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
-    from ditserve.engine.video import write_mp4
+    from ditserve.engine.media.video import write_mp4
 
     videos = list(pixels)  # type: ignore[call-overload]
     if len(videos) == 1:
@@ -86,7 +86,7 @@ def generation_params(args: argparse.Namespace, defaults: ModelDefaults) -> Samp
 
 def _input_images(paths: list[Path] | None) -> tuple[Any, ...]:
     """--image files, checked and decoded as the server's uploads are."""
-    from ditserve.engine.image_input import decode_image
+    from ditserve.engine.media.image_input import decode_image
 
     images = []
     for path in paths or ():

@@ -1,6 +1,6 @@
 """VAE decode of a step's finished requests: batched by shape, tiled by the budget.
 
-Called by ``engine.runner.whole_pipeline`` for the requests the ModelRunner decodes in one
+Called by ``engine.placement.whole_pipeline`` for the requests the ModelRunner decodes in one
 step. Requests whose latents have the same shape (same size, frames and rows) are decoded in
 one VAE call, as many as fit the decode's room; a call that fails is retried one request at a
 time, so only the culprit fails. Each request's decode is whole or tiled by a rule that looks
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.pipelines.vae_decode import VaeTiling, tiling_wanted
-from ditserve.engine.runner.memory_estimates import decode_bytes
+from ditserve.engine.placement.memory_estimates import decode_bytes
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ at their host copies again and the device copies are freed (the caching allocato
 them only after the queued encoder kernels that read them, same stream). The math runs on
 the same device with the same bytes as resident encoders, so outputs are identical.
 
-Built by ``engine.runner.whole_pipeline`` when ``--offload dlo`` governs the encoders.
+Built by ``engine.placement.whole_pipeline`` when ``--offload dlo`` governs the encoders.
 """
 
 from __future__ import annotations

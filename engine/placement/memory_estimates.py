@@ -16,7 +16,7 @@ docs/benchmarks.md (they err on the large side):
   tiled, one tile's worth per row (sliced) plus the stored tiles and the output.
 
 Called by ``engine.runner.assembly`` (``budget_inputs``) and, per decode, by
-``engine.runner.decode_batches``.
+``engine.placement.decode_batches``.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from ditserve.engine.offload.builders import block_tensors, slot_count
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
 from ditserve.engine.pipelines.vae_decode import DEFAULT_TILE_PIXELS
-from ditserve.engine.runner.budget_plan import BudgetInputs
-from ditserve.engine.runner.component_placement import module_bytes
-from ditserve.engine.runner.encoder_streaming import ENCODER_SLOTS, host_side_bytes
-from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS
-from ditserve.engine.work import ResolvedScheduling
+from ditserve.engine.placement.budget_plan import BudgetInputs
+from ditserve.engine.placement.component_placement import module_bytes
+from ditserve.engine.placement.encoder_streaming import ENCODER_SLOTS, host_side_bytes
+from ditserve.engine.placement.prompt_cache import ENCODER_ATTRS
+from ditserve.engine.sched.work import ResolvedScheduling
 
 IMAGE_DECODE_COPIES = 6  # AutoencoderKL's 2-D decoder
 VIDEO_DECODE_COPIES = 8  # Wan's causal 3-D decoder (and Qwen-Image's, built the same way)

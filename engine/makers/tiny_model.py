@@ -55,7 +55,7 @@ def init_tiny(
     with FileLock(str(target) + ".lock"):
         if (target / _COMPLETE_MARKER).exists():
             return target
-        from ditserve.engine.model_builders import build_tiny
+        from ditserve.engine.makers.builders import build_tiny
 
         pipe = build_tiny(family, seed)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -1,7 +1,7 @@
 """PromptCache: a bounded LRU of prompt embeddings, and the hook that puts it in front of a
 pipeline's prompt encoder.
 
-Built by ``engine.runner.whole_pipeline`` (one cache per ModelRunner). Repeated prompts and
+Built by ``engine.placement.whole_pipeline`` (one cache per ModelRunner). Repeated prompts and
 the empty negative prompt that nearly every CFG request carries are encoded once: a hit
 returns the very tensors the encoder returned the first time, so outputs with the cache are
 bit-identical to outputs without it. The cache is bounded twice: by entries (LRU) and by the

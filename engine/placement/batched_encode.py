@@ -1,6 +1,6 @@
 """One encoder pass per step: the prompts of every request admitted in a step, encoded together.
 
-Called by ``engine.runner.whole_pipeline`` around the ModelRunner's per-request
+Called by ``engine.placement.whole_pipeline`` around the ModelRunner's per-request
 ``prepare_encode`` calls. Before them, ``BatchedEncode.step`` collects the prompts those
 requests will ask for (the pipeline's ``text_prompts``), looks each up in the prompt cache,
 and encodes the misses in one call of the pipeline's ``_encode_prompts`` per text length -
@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from ditserve.engine.runner.prompt_cache import PromptCache, prompt_key
+from ditserve.engine.placement.prompt_cache import PromptCache, prompt_key
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 from ditserve.engine.errors import DeadlineError, QueueFullError
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.scheduler import DEFAULT_WORK_RULE, StepScheduler
-from ditserve.engine.work import RequestWork, ResolvedScheduling
+from ditserve.engine.sched.scheduler import DEFAULT_WORK_RULE, StepScheduler
+from ditserve.engine.sched.work import RequestWork, ResolvedScheduling
 
 
 class RankQueues:

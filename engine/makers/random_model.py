@@ -1,7 +1,7 @@
 """Random-weight pipelines at chosen sizes, for benchmarks (`ditserve model init-random`).
 
 Every variant of ``engine.families.MODEL_VARIANTS``, built by its family's builder module
-(``engine.model_builders``): the DiT has the family's shapes at the size asked for, and
+(``engine.makers.builders``): the DiT has the family's shapes at the size asked for, and
 ``components`` chooses what surrounds it:
 
 - ``all`` (the default at ``--size full``): every text encoder, image encoder and VAE at its
@@ -119,7 +119,7 @@ def _parameters(pipe: Any) -> dict[str, int]:
 
 def _build(family: str, size: str, *, dtype: str, device: Any, seed: int,
            components: str) -> Any:
-    from ditserve.engine.model_builders import build_pipeline
+    from ditserve.engine.makers.builders import build_pipeline
     from ditserve.engine.weights.loader import torch_dtype
 
     return build_pipeline(family, size, dtype=torch_dtype(dtype), device=device, seed=seed,

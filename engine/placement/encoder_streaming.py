@@ -37,7 +37,7 @@ from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload import OffloadHandle, enable_offload
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.pipelines.host_embedding import HostEmbedding, embedding_module
-from ditserve.engine.runner.component_placement import module_bytes
+from ditserve.engine.placement.component_placement import module_bytes
 
 log = logging.getLogger(__name__)
 

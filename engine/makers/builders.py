@@ -11,7 +11,7 @@ blocks and few heads (CPU checks) and ``tiny`` is a few hundred kilobytes (tests
   DiT, the part offload streams and batching amortizes, is the only large part;
 - ``"all"``: every text encoder, image encoder and VAE at its released shape (the family
   record's ``released_components`` table, or ``shapes`` when given: tests pass scaled-down
-  tables), built by ``engine.builders.released``.
+  tables), built by ``engine.makers.released``.
 
 Tokenizers are built from an in-code vocabulary either way. Those parts are each family's
 own builder module (``Family.builders``, e.g. ``engine.families.wan.builders``). Every module is left
@@ -90,7 +90,7 @@ def make_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> 
     keep-in-float32 modules (Wan's norms and modulation tables) in float32."""
     import torch
 
-    from ditserve.engine.builders.released import allocating
+    from ditserve.engine.makers.released import allocating
     from ditserve.engine.weights.loader import keeps_float32
 
     torch.manual_seed(seed)

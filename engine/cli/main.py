@@ -1,6 +1,6 @@
 """`ditserve` command line: generate, demo, serve, model init-tiny / init-random.
 
-A thin shell: parse flags, build an EngineConfig (engine.cli_options), call one library
+A thin shell: parse flags, build an EngineConfig (engine.cli.options), call one library
 function, print results. Heavy imports (torch, diffusers) happen inside the commands so
 `ditserve --help` is instant.
 """
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from ditserve.engine.allocator import prefer_expandable_segments
-from ditserve.engine.cli_generate import add_generate_parser
-from ditserve.engine.cli_options import add_engine_options, engine_config_from_args
+from ditserve.engine.cli.generate import add_generate_parser
+from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.families import MODEL_VARIANTS
 from ditserve.engine.server.options import add_server_options
@@ -82,7 +82,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_init_tiny(args: argparse.Namespace) -> int:
-    from ditserve.engine.tiny_model import init_tiny
+    from ditserve.engine.makers.tiny_model import init_tiny
 
     path = init_tiny(args.dir, family=args.family)
     print(f"wrote a tiny random-weight {args.family} pipeline to {path}")
@@ -90,7 +90,7 @@ def cmd_init_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_init_random(args: argparse.Namespace) -> int:
-    from ditserve.engine.random_model import default_components, init_random
+    from ditserve.engine.makers.random_model import default_components, init_random
 
     components = args.components or default_components(args.size)
     path = init_random(args.dir, family=args.family, size=args.size, dtype=args.dtype,
@@ -104,10 +104,10 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """A rank > 0 of a replica whose processes were started by a launcher (e.g. a pod)."""
-    from ditserve.engine.cli_options import engine_config_and_server_section
+    from ditserve.engine.cli.options import engine_config_and_server_section
     from ditserve.engine.distributed.rendezvous import Rendezvous, worker_timeout_s
     from ditserve.engine.distributed.worker import worker_main
-    from ditserve.engine.tiny_model import ensure_tiny
+    from ditserve.engine.makers.tiny_model import ensure_tiny
 
     config, _ = engine_config_and_server_section(args)  # the server section is rank 0's
     rdv = Rendezvous.from_env()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from ditserve.engine.scheduling_policy import Queued
+from ditserve.engine.sched.policy import Queued
 
 # Weight of the newest step in the step-time average: about the last ten steps count.
 STEP_EMA = 0.2

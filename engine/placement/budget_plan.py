@@ -1,7 +1,7 @@
 """The one HBM budget of a whole pipeline: what is resident, streamed, parked and tiled.
 
 Pure (no torch): ``plan_budget`` takes the components' byte sizes, the DiT's block sizes and
-the activation estimates (``engine.runner.memory_estimates`` measures both off the loaded
+the activation estimates (``engine.placement.memory_estimates`` measures both off the loaded
 pipeline) and a budget, and returns a ``BudgetPlan`` - or raises ``BudgetError`` naming the
 smallest budget it could meet. Called by ``engine.runner.assembly`` before DLO is enabled
 (the plan's DiT share becomes the offload's own block budget); tested alone on CPU.

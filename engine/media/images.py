@@ -12,7 +12,7 @@ def to_pil_images(pixels: Any) -> list[Any]:
 
     if pixels.dim() != 4:
         raise ValueError(f"expected image pixels (n, 3, H, W), got {tuple(pixels.shape)}; "
-                         "video pixels (n, F, 3, H, W) are written with engine.video.write_mp4")
+                         "video pixels (n, F, 3, H, W) are written with engine.media.video.write_mp4")
     # (n, 3, H, W) -> (n, H, W, 3) uint8
     array = (pixels.permute(0, 2, 3, 1).numpy() * 255).round().astype("uint8")
     return [Image.fromarray(a) for a in array]

@@ -37,8 +37,8 @@ from ditserve.engine.pipelines.vae_decode import (
     VaeTiling,
     tiling_wanted,
 )
-from ditserve.engine.runner.batched_encode import BatchedEncode
-from ditserve.engine.runner.budget_plan import (
+from ditserve.engine.placement.batched_encode import BatchedEncode
+from ditserve.engine.placement.budget_plan import (
     PARKED,
     RESIDENT,
     STREAMED,
@@ -46,10 +46,10 @@ from ditserve.engine.runner.budget_plan import (
     BudgetPlan,
     describe,
 )
-from ditserve.engine.runner.component_placement import ParkedModules, module_bytes
-from ditserve.engine.runner.decode_batches import DecodeBatches, DecodeRule
-from ditserve.engine.runner.encoder_streaming import StreamedEncoders, streamable
-from ditserve.engine.runner.prompt_cache import ENCODER_ATTRS, PromptCache, install_prompt_cache
+from ditserve.engine.placement.component_placement import ParkedModules, module_bytes
+from ditserve.engine.placement.decode_batches import DecodeBatches, DecodeRule
+from ditserve.engine.placement.encoder_streaming import StreamedEncoders, streamable
+from ditserve.engine.placement.prompt_cache import ENCODER_ATTRS, PromptCache, install_prompt_cache
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30

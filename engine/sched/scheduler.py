@@ -39,11 +39,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from ditserve.engine.adapters.admission import AdapterRoom
-from ditserve.engine.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
-from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder
+from ditserve.engine.sched.deadlines import StepClock, finish_steps, late_by
+from ditserve.engine.sched.policy import PRIORITY, PriorityOrder
+from ditserve.engine.sched.work import RequestWork, ResolvedScheduling, WorkRule
 from ditserve.engine.step.plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
-from ditserve.engine.work import RequestWork, ResolvedScheduling, WorkRule
 
 __all__ = ["DEFAULT_WORK_RULE", "RunnerOutput", "ScheduledRequest", "StatusChange", "StepPlan",
            "StepScheduler"]

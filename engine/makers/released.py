@@ -9,7 +9,7 @@ seconds and never touches host memory; on the meta device it costs nothing (what
 use to check a full-size build's shapes and bytes). Nothing is downloaded.
 
 Called by the family builder modules (``engine.families.flux.builders`` and the others) when
-``init-random`` builds ``--components all``; ``make_dit`` (``engine.model_builders``) shares
+``init-random`` builds ``--components all``; ``make_dit`` (``engine.makers.builders``) shares
 ``allocating``.
 """
 

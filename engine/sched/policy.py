@@ -1,6 +1,6 @@
 """Scheduling policy: the order of admission, and whom to pause.
 
-Pure Python (no torch), called only by ``StepScheduler`` (engine/scheduler.py), which owns the
+Pure Python (no torch), called only by ``StepScheduler`` (engine/sched/scheduler.py), which owns the
 request lifecycle; this module only decides. Two policies (``SchedulerConfig.scheduling_policy``):
 
 - ``fcfs``: arrival order with the scheduler's bounded bypass; ``priority`` is ignored and
@@ -18,7 +18,7 @@ request lifecycle; this module only decides. Two policies (``SchedulerConfig.sch
   base priority, never one in its last step, never one admitted or resumed in the same pass,
   and never one already paused ``max_preemptions`` times.
 
-How long the work will take is ``engine.deadlines``' (it asks ``ahead_of`` here who goes first).
+How long the work will take is ``engine.sched.deadlines``' (it asks ``ahead_of`` here who goes first).
 """
 
 from __future__ import annotations
