@@ -57,7 +57,7 @@ def child(args: argparse.Namespace) -> int:
     """Load the engine's model runner, report what it holds, exit."""
     import torch
 
-    from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
+    from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
     from ditserve.engine.offload.accounting import host_accounting
     from ditserve.engine.runner.model_runner import ModelRunner
 

@@ -286,11 +286,11 @@ def settings(specs: list[str]) -> list[tuple[str, float]]:
 def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str,
                        dtype: torch.dtype) -> dict[str, Any]:
     from ditserve.engine.config import EngineConfig, SchedulerConfig
+    from ditserve.engine.config.step_cache import StepCacheSpec
     from ditserve.engine.errors import InvalidRequestError
     from ditserve.engine.request import NewRequest, SamplingParams
     from ditserve.engine.runner.model_runner import ModelRunner
     from ditserve.engine.sched.scheduler import StepScheduler
-    from ditserve.engine.step_cache.spec import StepCacheSpec
 
     family, kind = family_of(model_dir), weights_kind(model_dir)
     runner = ModelRunner(EngineConfig(model=str(model_dir), device=device,

@@ -38,11 +38,11 @@ import harness
 import torch
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, SchedulerConfig
+from ditserve.engine.config.step_cache import StepCacheSpec, parse_step_cache
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
-from ditserve.engine.step_cache.spec import StepCacheSpec, parse_step_cache
 
 log = harness.log
 BOUNDS = {"dlo": 0.65, "resident": 0.70}

@@ -40,7 +40,7 @@ from typing import Any
 import harness
 import torch
 
-from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
+from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.model_defaults import model_defaults

@@ -2,7 +2,7 @@
 
 Pure (struct and json): ``st_format`` (writing and validating entries) re-exports
 ``read_header``; ``stored_dtype`` is the default ``--dtype`` rule of ``cachectl build`` and of
-the engine's options (``engine.weights.checkpoint_dtype``), which the operator imports too.
+the engine's options (``engine.config.checkpoint_dtype``), which the operator imports too.
 """
 
 from __future__ import annotations

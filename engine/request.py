@@ -11,12 +11,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ditserve.engine.condition_image import ConditionImage as ConditionImage
+from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.media.condition_image import ConditionImage as ConditionImage
 from ditserve.engine.model_limits import MAX_FRAMES as MAX_FRAMES
 from ditserve.engine.model_limits import MAX_SIDE as MAX_SIDE
 from ditserve.engine.model_limits import ModelLimits as ModelLimits
-from ditserve.engine.step_cache.spec import StepCacheSpec
 
 MAX_STEPS = 1000
 MAX_IMAGES = 8
@@ -118,7 +118,7 @@ class SamplingParams:
         text-only generation. How many a model takes is its pipeline's ``condition_images``.
     loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
         their deltas add up, as diffusers' ``set_adapters`` with several names).
-    step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
+    step_cache: this request's step cache (``engine.config.step_cache``); None takes the
         server's default. Per row, so it is not part of the batch key.
     priority: the scheduling class, lower is sooner (as vLLM's ``priority``); only the
         scheduler reads it, and only under ``--scheduling-policy priority``.

@@ -19,8 +19,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ditserve.engine.cli.options import engine_config_from_args
 from ditserve.engine.config import EngineConfig, family_sequence_parallel_problems
+from ditserve.engine.config.flags import engine_config_from_args
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, FAMILIES
 from ditserve.engine.server.options import ServeArgsError, parse_serve_args, server_config_from_args

@@ -19,7 +19,7 @@ from typing import Any
 from ditserve.operator.spec_reader import SpecReader
 
 LORA_MOUNT_ROOT = "/loras"
-# The engine's adapter names (engine.adapters.config) that are also volume-name safe.
+# The engine's adapter names (engine.config.adapters) that are also volume-name safe.
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,48}[a-z0-9])?$")
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from ditserve.engine.adapters.files import AdapterWeights, LoraFactors, read_adapter
 from ditserve.engine.adapters.linear import AdaptedLinear
 from ditserve.engine.adapters.rows import AdapterKey
+from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.errors import AdapterError
 from ditserve.engine.request import LoraRef
 
@@ -185,7 +186,6 @@ def open_bank(pipeline: Any, components: Any, config: Any, *, device: torch.devi
     ``fuse``, its one adapter merged into the weights now. Called before quantization and
     offload (a fused adapter changes the weights they read); ``preload`` after them (the
     hooks must sit on the linears that run: quantization replaces them)."""
-    from ditserve.engine.adapters.config import startup_refs
 
     stacked = tuple(components.dit_components) if len(components.dit_components) > 1 else ()
     bank = AdapterBank(pipeline.transformer, pipeline_class=type(components.pipeline),
@@ -199,7 +199,6 @@ def open_bank(pipeline: Any, components: Any, config: Any, *, device: torch.devi
 def preload(bank: AdapterBank, config: Any) -> None:
     """The ``lora_modules`` made resident up to ``max_loras`` (the start log shows their
     bytes); nothing under ``fuse``."""
-    from ditserve.engine.adapters.config import startup_refs
 
     refs = startup_refs(config)
     if config.fuse or not refs:
@@ -209,3 +208,10 @@ def preload(bank: AdapterBank, config: Any) -> None:
         bank.release([ref])
     log.info("%d LoRA adapters resident at start (%.1f MiB; --max-loras %d)",
              len(bank.resident), bank.nbytes / 2**20, config.max_loras)
+
+
+def startup_refs(config: AdapterConfig) -> list[LoraRef]:
+    """``lora_modules`` as LoraRefs at scale 1, load generations 0..n-1 in their order: the
+    engine's catalog and every runner number them alike."""
+    return [LoraRef(name=name, path=path, version=index)
+            for index, (name, path) in enumerate(config.lora_modules.items())]

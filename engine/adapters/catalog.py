@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ditserve.engine.adapters.config import AdapterConfig, check_name
+from ditserve.engine.config.adapters import AdapterConfig, check_name
 from ditserve.engine.errors import (
     AdapterConflictError,
     AdapterError,

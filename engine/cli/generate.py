@@ -15,8 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ditserve.engine.adapters.config import parse_lora_arg
-from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
+from ditserve.engine.config.adapters import parse_lora_arg
+from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """`ditserve` command line: generate, demo, serve, model init-tiny / init-random.
 
-A thin shell: parse flags, build an EngineConfig (engine.cli.options), call one library
+A thin shell: parse flags, build an EngineConfig (engine.config.flags), call one library
 function, print results. Heavy imports (torch, diffusers) happen inside the commands so
 `ditserve --help` is instant.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.cli.generate import add_generate_parser
-from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
+from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.families import MODEL_VARIANTS
 from ditserve.engine.server.options import add_server_options
@@ -104,7 +104,7 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """A rank > 0 of a replica whose processes were started by a launcher (e.g. a pod)."""
-    from ditserve.engine.cli.options import engine_config_and_server_section
+    from ditserve.engine.config.flags import engine_config_and_server_section
     from ditserve.engine.distributed.rendezvous import Rendezvous, worker_timeout_s
     from ditserve.engine.distributed.worker import worker_main
     from ditserve.engine.makers.tiny_model import ensure_tiny

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ditserve.engine.adapters.config import adapter_problems
+from ditserve.engine.config.adapters import adapter_problems
+from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.config.types import (
     CHECKPOINT_MMAP_MODES,
     COMPILE_BACKENDS,
@@ -34,7 +35,6 @@ from ditserve.engine.config.types import (
 )
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import AUTO_FAMILY, family_named
-from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 
 
 def int_at_least(problems: list[str], name: str, value: Any, minimum: int) -> None:

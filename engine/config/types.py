@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from ditserve.engine.adapters.config import AdapterConfig
+from ditserve.engine.config.adapters import AdapterConfig
+from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, family_labels
-from ditserve.engine.step_cache.spec import StepCacheSpec
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)

@@ -31,11 +31,12 @@ from typing import Any
 
 from ditserve.engine.adapters.catalog import AdapterCatalog
 from ditserve.engine.adapters.files import rank_inspector
-from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig, validate
+from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import EngineStoppedError, InvalidRequestError, ModelLoadError
 from ditserve.engine.executor import Executor
 from ditserve.engine.families import FLUX, Family
+from ditserve.engine.loop.client import EngineFacts
 from ditserve.engine.loop.delivery import Delivery
 from ditserve.engine.loop.lifecycle import EnginePhase, Lifecycle
 from ditserve.engine.loop.pending import PendingRequests
@@ -51,7 +52,6 @@ from ditserve.engine.loop.step_loop import StepLoops
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
-from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.loader import model_family
 
 __all__ = [
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 class DiffusionEngine:
     """The engine of one replica. ``start()`` loads the model; ``shutdown()`` drains and stops.
-    It is the server's ``engine.client.EngineClient``.
+    It is the server's ``engine.loop.client.EngineClient``.
 
     observers: told about every forward and every finished or failed request (metrics).
     warmup: what to run before ready beyond the small warm-up step (the compile size).
@@ -170,7 +170,7 @@ class DiffusionEngine:
         if self.executor is not None:
             self.executor.shutdown()
 
-    # -- what the server reads (engine.client.EngineClient) -------------------------------------
+    # -- what the server reads (engine.loop.client.EngineClient) -------------------------------------
     @property
     def limits(self) -> ModelLimits:
         """What the loaded model can run; the defaults before it loaded."""

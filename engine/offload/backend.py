@@ -34,9 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import ditserve.engine.offload.builders as builders
+import ditserve.engine.offload.pairing as pairing
 from ditserve.engine.config import OffloadConfig, format_problems, offload_problems
 from ditserve.engine.errors import OffloadError
-from ditserve.engine.offload import builders, pairing
 from ditserve.engine.offload.accounting import host_accounting
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from ditserve.engine.errors import DeadlineError, QueueFullError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.sched.scheduler import DEFAULT_WORK_RULE, StepScheduler
-from ditserve.engine.sched.work import RequestWork, ResolvedScheduling
+from ditserve.engine.sched.work import ResolvedScheduling
+from ditserve.engine.step.plan import RequestWork
 
 
 class RankQueues:

@@ -42,8 +42,14 @@ from ditserve.engine.adapters.admission import AdapterRoom
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
 from ditserve.engine.sched.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.sched.policy import PRIORITY, PriorityOrder
-from ditserve.engine.sched.work import RequestWork, ResolvedScheduling, WorkRule
-from ditserve.engine.step.plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
+from ditserve.engine.sched.work import ResolvedScheduling, WorkRule
+from ditserve.engine.step.plan import (
+    RequestWork,
+    RunnerOutput,
+    ScheduledRequest,
+    StatusChange,
+    StepPlan,
+)
 
 __all__ = ["DEFAULT_WORK_RULE", "RunnerOutput", "ScheduledRequest", "StatusChange", "StepPlan",
            "StepScheduler"]

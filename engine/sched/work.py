@@ -24,6 +24,7 @@ from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.families import FLUX, Family
 from ditserve.engine.families.base import CfgRule
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.step.plan import RequestWork
 
 # Tokens of one 1024x1024 image of a DiT with 16-pixel tokens (Flux.1, Qwen-Image): 64 x 64.
 FULL_IMAGE_TOKENS = 4096
@@ -63,18 +64,6 @@ CFG_RULES: tuple[str, ...] = get_args(CfgRule)
 ADAPTER_REFERENCE_WIDTH = 3072
 
 
-@dataclass(frozen=True)
-class RequestWork:
-    """Rows a request adds to its group's forward, and latent tokens per row."""
-
-    rows: int
-    tokens_per_row: int
-    adapter_tokens: int = 0
-
-    @property
-    def tokens(self) -> int:
-        """The request's work in a step: rows x tokens, plus its LoRA adapters' share."""
-        return self.rows * self.tokens_per_row + self.adapter_tokens
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from ditserve.engine.client import EngineClient, EnginePhase
+from ditserve.engine.loop.client import EngineClient, EnginePhase
 from ditserve.engine.server import edit_openapi, image_openapi, video_openapi
 from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware

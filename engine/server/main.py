@@ -22,7 +22,7 @@ from typing import Any
 
 import uvicorn
 
-from ditserve.engine.cli.options import engine_config_and_server_section
+from ditserve.engine.config.flags import engine_config_and_server_section
 from ditserve.engine.server.config import ServerConfig
 
 # The flags and their reading live in the pure ``options`` module (the operator judges

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ditserve.engine.client import EngineClient, EnginePhase
+from ditserve.engine.loop.client import EngineClient, EnginePhase
 from ditserve.engine.loop.step_log import copy_rates_of
 from ditserve.engine.server.jobs.model import FINISHED_LABELS
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from ditserve.engine.cli.options import add_engine_options
+from ditserve.engine.config.flags import add_engine_options
 from ditserve.engine.server.config import ServerConfig, validate_server
 
 SERVE_PROG = "ditserve serve"

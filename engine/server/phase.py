@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ditserve.engine.client import EnginePhase
 from ditserve.engine.errors import (
     DeadlineError,
     EngineStoppedError,
     InvalidRequestError,
     QueueFullError,
 )
+from ditserve.engine.loop.client import EnginePhase
 from ditserve.engine.server.errors import APIError
 from ditserve.engine.server.schemas import request_error
 

@@ -26,15 +26,15 @@ from pydantic import (
 )
 from pydantic import ValidationError as PydanticValidationError
 
-from ditserve.engine.client import EngineClient
+from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, SamplingParams
 from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
 from ditserve.engine.server.config import parse_size
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.model_defaults import ModelDefaults
 from ditserve.engine.server.step_cache_field import parse_field
-from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 
 Number = Annotated[float, Strict()]  # strict: 3 and 3.5 are numbers, "3" and true are not
 

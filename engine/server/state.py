@@ -1,7 +1,7 @@
 """ServerState: what the routes share (engine, config, metrics), and what the server gives
 the engine at construction (``engine_options``: its observers and warm-up).
 
-The engine is an ``engine.client.EngineClient``: the server reads only that protocol (never
+The engine is an ``engine.loop.client.EngineClient``: the server reads only that protocol (never
 the executor or the runner). It keeps no lifecycle of its own: it reads ``engine.phase``
 (loading, compiling, ready, draining, stopped, failed) and ``engine.failure``. The lifespan starts the engine in a
 worker thread (``start_engine``) so /health answers while weights load; the SIGTERM handler
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.client import EngineClient
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.loop.startup import WarmUp
 from ditserve.engine.loop.step_log import StepLog, copy_rates_of
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits

@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.server.errors import invalid
-from ditserve.engine.step_cache.spec import (
+from ditserve.engine.config.step_cache import (
     MAX_EVERY,
     MAX_THRESHOLD,
     OFF,
@@ -22,6 +20,8 @@ from ditserve.engine.step_cache.spec import (
     StepCacheSpec,
     parse_step_cache,
 )
+from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.server.errors import invalid
 
 DESCRIPTION = ("reuse the DiT's residual across steps: first-block (threshold: the first "
                "block's relative change under which the other blocks are skipped), teacache "

@@ -29,8 +29,9 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
-from ditserve.engine.client import EngineClient
+from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.server.adapter_fields import LoraSelection, parse_form_loras, resolve_adapters
 from ditserve.engine.server.config import MAX_FPS
@@ -45,7 +46,6 @@ from ditserve.engine.server.schemas import (
     request_error,
 )
 from ditserve.engine.server.step_cache_field import parse_field
-from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 
 # JSON numbers above this many digits are not read from form text (as JSON's own limit).
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"

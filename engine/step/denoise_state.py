@@ -8,15 +8,12 @@ object), and the decoded output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.step.sampler import Schedule
-
-if TYPE_CHECKING:
-    from ditserve.engine.step_cache.policies import RequestCache
 
 
 @dataclass
@@ -49,7 +46,8 @@ class DenoiseState:
     pixels: torch.Tensor | None = None
     rows: int = 0
     host: dict[str, Any] = field(default_factory=dict)  # pipeline-private host-side facts
-    step_cache: RequestCache | None = None
+    # Typed loosely: the step data sits below the step cache, which owns this state's type.
+    step_cache: Any = None
 
     def __post_init__(self) -> None:
         if not self.rows:

@@ -12,7 +12,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
-from ditserve.engine.sched.work import RequestWork
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    """Rows a request adds to its group's forward, and latent tokens per row."""
+
+    rows: int
+    tokens_per_row: int
+    adapter_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """The request's work in a step: rows x tokens, plus its LoRA adapters' share."""
+        return self.rows * self.tokens_per_row + self.adapter_tokens
 
 
 @dataclass

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.step_cache.spec import (
+from ditserve.engine.config.step_cache import (
     COOLDOWN_STEPS,
     DEFAULT_EVERY,
     DEFAULT_FIRST_BLOCK_THRESHOLD,
     WARMUP_STEPS,
     StepCacheSpec,
 )
+from ditserve.engine.errors import InvalidRequestError
 
 # TeaCache's fitted polynomials (highest degree first), rescaling the indicator's relative L1
 # change into an estimate of the model output's change. Sources:

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ditserve.engine.config.step_cache import OFF, POLICIES, StepCacheSpec
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.families import family_of_dit
 from ditserve.engine.step.denoise_state import DenoiseState
@@ -24,11 +25,10 @@ from ditserve.engine.step_cache.policies import (
     request_cache,
     teacache_rule,
 )
-from ditserve.engine.step_cache.spec import OFF, POLICIES, StepCacheSpec
 
 if TYPE_CHECKING:
-    from ditserve.engine.sched.scheduler import RunnerOutput
     from ditserve.engine.step.input_batch import InputBatch
+    from ditserve.engine.step.plan import RunnerOutput
 
 SEQUENCE_PARALLEL_REFUSAL = ("the step cache is not available with sequence parallelism (each "
                              "rank would decide on its own share of the tokens)")

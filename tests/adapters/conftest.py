@@ -59,8 +59,8 @@ def lora_files(adapter_models, tmp_path_factory) -> Callable[[str], dict[str, Pa
 @pytest.fixture(scope="session")
 def adapter_runner(adapter_models, lora_files) -> Callable[..., Any]:  # type: ignore[no-untyped-def]
     """adapter_runner(family) -> a resident CPU ModelRunner that knows every file above."""
-    from ditserve.engine.adapters.config import AdapterConfig
     from ditserve.engine.config import EngineConfig
+    from ditserve.engine.config.adapters import AdapterConfig
     from ditserve.engine.runner.model_runner import ModelRunner
 
     runners: dict[str, Any] = {}

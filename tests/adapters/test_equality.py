@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.adapters.config import startup_refs
+from ditserve.engine.adapters.bank import startup_refs
 from ditserve.engine.request import LoraRef, SamplingParams
 
 TOLERANCE = 1e-3  # fp32 on CPU, pixels in [0, 1]

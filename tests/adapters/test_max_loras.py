@@ -12,8 +12,8 @@ import torch
 from adapters.test_runner_modes import make_runner, ref  # type: ignore[import-not-found]
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.adapters.config import AdapterConfig
 from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan, StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from ditserve.engine.adapters.catalog import AdapterCatalog
-from ditserve.engine.adapters.config import AdapterConfig
+from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.server.errors import APIError
 from ditserve.engine.server.schemas import RequestLimits, parse_generation_request
 from ditserve.engine.server.video_request import VideoLimits, parse_video_request

@@ -11,8 +11,8 @@ import pytest
 from adapters.test_runner_modes import ref  # type: ignore[import-not-found]
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.adapters.config import AdapterConfig
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
+from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.request import SamplingParams
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ditserve.engine.adapters.bank import startup_refs
 from ditserve.engine.adapters.catalog import AdapterCatalog
-from ditserve.engine.adapters.config import (
+from ditserve.engine.adapters.rows import RowAdapters, RowSegment
+from ditserve.engine.config import EngineConfig
+from ditserve.engine.config.adapters import (
     AdapterConfig,
     parse_lora_arg,
     parse_lora_module,
-    startup_refs,
 )
-from ditserve.engine.adapters.rows import RowAdapters, RowSegment
-from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import AdapterError, AdapterNotFoundError, ConfigError
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.sched.work import WorkRule

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from ditserve.cachectl.cli import main as cachectl
 from ditserve.engine.cli.main import build_parser
-from ditserve.engine.cli.options import engine_config_from_args
+from ditserve.engine.config.flags import engine_config_from_args
 
 
 def _bf16_copy(model: Path, target: Path) -> Path:

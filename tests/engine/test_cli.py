@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from ditserve.engine.cli.main import build_parser, main
-from ditserve.engine.cli.options import engine_config_from_args
+from ditserve.engine.config.flags import engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {

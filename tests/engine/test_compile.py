@@ -14,8 +14,8 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
 from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner

@@ -201,7 +201,7 @@ def test_a_request_larger_than_the_budget_runs_alone() -> None:
 
 
 def test_explicit_work_overrides_the_default_rule() -> None:
-    from ditserve.engine.sched.work import RequestWork
+    from ditserve.engine.step.plan import RequestWork
 
     s = budgeted(100)
     s.add("a", params(size=64), RequestWork(rows=2, tokens_per_row=40))

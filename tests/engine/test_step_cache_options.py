@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from ditserve.engine.cli.main import build_parser, main
-from ditserve.engine.cli.options import engine_config_from_args
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.config.flags import engine_config_from_args
+from ditserve.engine.config.step_cache import StepCacheSpec, parse_step_cache
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.step_cache.spec import StepCacheSpec, parse_step_cache
 
 
 def test_spec_parses_objects_names_and_every_k() -> None:

@@ -142,7 +142,7 @@ def test_how_many_images_each_model_takes(family_runner) -> None:  # type: ignor
 
 @pytest.mark.parametrize("variant", ["qwen-image-edit", "flux-kontext"])
 def test_the_step_cache_serves_edits(family_runner, variant: str) -> None:  # type: ignore[no-untyped-def]
-    from ditserve.engine.step_cache.spec import StepCacheSpec
+    from ditserve.engine.config.step_cache import StepCacheSpec
 
     runner = family_runner(variant)
     base: dict[str, Any] = dict(prompt="make it red", height=32, width=32, seed=1,

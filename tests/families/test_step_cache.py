@@ -12,12 +12,12 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, StepCacheConfig
+from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.sched.scheduler import RunnerOutput
 from ditserve.engine.sched.work import ResolvedScheduling
-from ditserve.engine.step_cache.spec import StepCacheSpec
 
 STEPS = 8
 TOLERANCE = 1e-4  # fp32 on CPU, decoded pixels in [0, 1] (as the batching tests)

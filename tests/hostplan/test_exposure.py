@@ -11,7 +11,7 @@ from ditserve.engine.server.metrics import ServingMetrics
 
 
 def engine_with(report: dict[str, Any]) -> Any:
-    """Just what the metrics read of an engine (engine.client.EngineClient)."""
+    """Just what the metrics read of an engine (engine.loop.client.EngineClient)."""
     return SimpleNamespace(phase=EnginePhase.READY, offload_report=lambda: report,
                            pipeline_report=lambda: None, adapter_stats=lambda: {},
                            stats=lambda: EngineStats(running=0, waiting=0, steps_run=0,

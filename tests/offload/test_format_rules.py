@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, problems
+from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 DLO = OffloadConfig(enabled=True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from offload.test_offload_generic import ToyDiT  # type: ignore[import-not-found]
 
-from ditserve.engine.cli.options import add_engine_options, engine_config_from_args
 from ditserve.engine.config import OffloadConfig, offload_problems
+from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.offload.hooks import BlockStreamer, StreamedBlock
 

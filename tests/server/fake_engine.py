@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.client import EngineFacts
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import (
     DitServeError,
@@ -27,6 +26,7 @@ from ditserve.engine.errors import (
     QueueFullError,
     RequestAborted,
 )
+from ditserve.engine.loop.client import EngineFacts
 from ditserve.engine.loop.engine import EnginePhase, EngineStats, GenerationResult, RequestEvent
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, ModelLimits
 

@@ -23,8 +23,8 @@ import logging
 from functools import partial
 from typing import Any
 
-from ditserve.engine.client import EngineClient
 from ditserve.engine.errors import DeadlineError, EngineStoppedError, RequestAborted
+from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.server.jobs.files import StorageError
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.jobs.store import JobStore

@@ -24,7 +24,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
-from ditserve.engine.adapters.config import NAME_PATTERN
+from ditserve.engine.config.adapters import NAME_PATTERN
 from ditserve.engine.errors import (
     AdapterConflictError,
     AdapterError,

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ditserve.engine.client import EnginePhase
+from ditserve.engine.loop.client import EnginePhase
 from ditserve.engine.server import openapi
 from ditserve.engine.server.phase import engine_phase, failure_summary
 from ditserve.engine.server.state import ServerState

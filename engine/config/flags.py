@@ -11,7 +11,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.adapters.config import modules_mapping, parse_lora_module
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
     COMPRESS_MODES,
@@ -24,9 +23,10 @@ from ditserve.engine.config import (
     VAE_TILING_MODES,
     EngineConfig,
 )
+from ditserve.engine.config.adapters import modules_mapping, parse_lora_module
+from ditserve.engine.config.checkpoint_dtype import AUTO_DTYPE, checkpoint_dtype
+from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import ConfigError
-from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
-from ditserve.engine.weights.checkpoint_dtype import AUTO_DTYPE, checkpoint_dtype
 
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
 _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {

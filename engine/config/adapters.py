@@ -101,12 +101,3 @@ def modules_mapping(pairs: list[tuple[str, str]]) -> dict[str, Any]:
             raise ConfigError(f"adapter {name!r} is given twice in --lora-modules")
         out[name] = path
     return out
-
-
-def startup_refs(config: AdapterConfig) -> list[Any]:
-    """``lora_modules`` as LoraRefs at scale 1, load generations 0..n-1 in their order: the
-    engine's catalog and every runner number them alike."""
-    from ditserve.engine.request import LoraRef
-
-    return [LoraRef(name=name, path=path, version=index)
-            for index, (name, path) in enumerate(config.lora_modules.items())]
