@@ -200,6 +200,10 @@ def offload_problems(
                 ("hbm_budget_gib", off.hbm_budget_gib is not None),
                 ("runtime_cache", off.runtime_cache),
                 ("pin_limit_gib", off.pin_limit_gib != 0),
+                ("use_allgather", not off.use_allgather),
+                ("gather", off.gather != "nccl"),
+                ("checkpoint_mmap", off.checkpoint_mmap != "auto"),
+                ("components", off.components != "all"),
             )
             if value
         ]

@@ -170,10 +170,9 @@ class SchedulerConfig:
     aging_s: under "priority", every ``aging_s`` seconds a request waits (or is paused) it
         counts one priority level sooner, so low priority is never starved.
     max_preemptions: the most times one request may be paused.
-    max_loras: the most distinct LoRA adapters the requests of one step (running and paused)
-        may name (``engine.adapters.admission``); None: unbounded. The engine sets it from
-        ``adapters.max_loras`` (``--max-loras``), so the adapters resident at once never
-        exceed it.
+
+    The bound on a step's distinct LoRA adapters is not a scheduler option: it is
+    ``adapters.max_loras`` (``--max-loras``), which the engine hands the resolved scheduling.
     """
 
     max_num_seqs: int = 4
@@ -183,7 +182,6 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     aging_s: float = 30.0
     max_preemptions: int = 2
-    max_loras: int | None = None
 
 
 @dataclass(frozen=True)
@@ -266,6 +264,8 @@ _NESTED = {"offload": OffloadConfig, "parallel": ParallelConfig, "scheduler": Sc
 _REMOVED = {
     "scheduler.policy": "fifo admission is max_bypass: 0; bypass (the old default) is any "
                         "max_bypass > 0 (priorities: scheduling_policy)",
+    "scheduler.max_loras": "the bound on a step's distinct adapters is adapters.max_loras "
+                           "(--max-loras), which the scheduler follows",
     "parallel.tensor_parallel_size": "tensor parallelism is not supported; use "
                                      "data_parallel_size (throughput) or "
                                      "sequence_parallel_size (latency)",

@@ -69,7 +69,6 @@ class Family:
         transformers class cannot be built on a machine without torchvision).
     block_lists: the DiT's repeated-block lists in the order its forward runs them (what DLO
         streams); resident_modules: the DiT's other top-level modules (on the device always).
-    batch_key_fields: ``SamplingParams`` fields that change the denoise tensor contract.
     cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.sched.work``):
         "true_cfg" (``true_cfg_scale`` > 1 with a negative prompt) or "guidance"
         (``guidance_scale`` > 1); the pipeline's ``state.rows`` follows the same rule.
@@ -107,7 +106,6 @@ class Family:
     components: tuple[str, ...]
     block_lists: tuple[str, ...]
     resident_modules: tuple[str, ...]
-    batch_key_fields: tuple[str, ...]
     output: Output
     loader_version: str
     step_pipeline: str

@@ -25,7 +25,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +86,8 @@ class DiffusionEngine:
         self._wakeup = threading.Condition(self._lock)
         # The step budget, when unset, is max_num_seqs requests of the family's usual size;
         # a step's distinct adapters are bounded by --max-loras (what the runner keeps).
-        scheduler = replace(ResolvedScheduling.for_family(config.scheduler,
-                                                          _served_family(config.model)),
-                            max_loras=config.adapters.max_loras)
+        scheduler = ResolvedScheduling.for_family(config.scheduler, _served_family(config.model),
+                                                  max_loras=config.adapters.max_loras)
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()

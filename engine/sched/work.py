@@ -34,9 +34,16 @@ FULL_IMAGE_TOKENS = 4096
 class ResolvedScheduling(SchedulerConfig):
     """A ``SchedulerConfig`` whose work budget is resolved: what a ``StepScheduler`` runs
     with. Resolved once, where the engine knows the served family (``for_family``), so no
-    scheduler ever sees an unset budget."""
+    scheduler ever sees an unset budget.
+
+    max_loras: the most distinct LoRA adapters the requests of one step (running and paused)
+        may name (``engine.adapters.admission``); None: unbounded. The engine passes
+        ``adapters.max_loras`` (``--max-loras``), so the adapters resident at once never
+        exceed what the runner keeps.
+    """
 
     max_batch_tokens: int
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1:
@@ -44,8 +51,8 @@ class ResolvedScheduling(SchedulerConfig):
                              f"{self.max_batch_tokens!r}")
 
     @classmethod
-    def for_family(cls, config: SchedulerConfig,
-                   family: Family | None = None) -> ResolvedScheduling:
+    def for_family(cls, config: SchedulerConfig, family: Family | None = None, *,
+                   max_loras: int | None = None) -> ResolvedScheduling:
         """``config`` with its budget resolved: the configured one, else ``max_num_seqs``
         requests of the served family's usual size (``Family.reference_work``), so an image
         model budgets four 1024x1024 images and a video model four 81-frame CFG videos, not a
@@ -54,7 +61,7 @@ class ResolvedScheduling(SchedulerConfig):
         if budget is None:
             budget = config.max_num_seqs * (family or FLUX).reference_work
         values = {f.name: getattr(config, f.name) for f in fields(SchedulerConfig)}
-        return cls(**{**values, "max_batch_tokens": budget})
+        return cls(**{**values, "max_batch_tokens": budget, "max_loras": max_loras})
 
 
 CFG_RULES: tuple[str, ...] = get_args(CfgRule)

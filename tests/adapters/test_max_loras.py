@@ -19,8 +19,9 @@ from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan, StepSchedule
 from ditserve.engine.sched.work import ResolvedScheduling
 
 
-def resolved(**kw: object) -> ResolvedScheduling:
-    return ResolvedScheduling.for_family(SchedulerConfig(**kw))  # type: ignore[arg-type]
+def resolved(*, max_loras: int | None = None, **kw: object) -> ResolvedScheduling:
+    return ResolvedScheduling.for_family(SchedulerConfig(**kw),  # type: ignore[arg-type]
+                                         max_loras=max_loras)
 
 
 def with_loras(*names: str, steps: int = 3, priority: int = 0) -> SamplingParams:
@@ -105,7 +106,7 @@ def test_resident_adapters_never_exceed_max_loras(adapter_models, lora_files) ->
             ("b", p("a fox", ref(runner, "b", 0.7))), ("none", p("a tree")),
             ("ab", p("a ship", ref(runner, "a"), ref(runner, "b")))]
     plans: list[StepPlan] = []
-    got, _ = drive(runner, {0: step}, config=SchedulerConfig(max_num_seqs=8, max_loras=2),
+    got, _ = drive(runner, {0: step}, config=resolved(max_num_seqs=8, max_loras=2),
                    max_num_seqs=8, plans=plans)
     assert runner.adapters.peak_resident <= 2
     assert set(got) == {rid for rid, _ in step}  # every request ran: no deadlock, none lost

@@ -10,8 +10,9 @@ from typing import Any
 
 from engine.driver import drive  # type: ignore[import-not-found]
 
+from ditserve.engine.adapters.bank import startup_refs
 from ditserve.engine.config import EngineConfig, OffloadConfig
-from ditserve.engine.config.adapters import AdapterConfig, startup_refs
+from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 

@@ -28,8 +28,10 @@ def drive(
     fail the run unless ``allow_failures``. ``config`` replaces the scheduler config made of
     ``max_num_seqs`` and ``max_bypass``; ``plans`` collects every step's plan.
     """
-    scheduler = StepScheduler(ResolvedScheduling.for_family(config or SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                        max_bypass=max_bypass)))
+    config = config or SchedulerConfig(max_num_seqs=max_num_seqs, max_bypass=max_bypass)
+    if not isinstance(config, ResolvedScheduling):
+        config = ResolvedScheduling.for_family(config)
+    scheduler = StepScheduler(config)
     pending = dict(arrivals)
     results: dict[str, torch.Tensor] = {}
     batch_sizes: list[int] = []

@@ -71,6 +71,12 @@ def test_flags_override_the_config_file_and_map_onto_sections() -> None:
 def test_invalid_combinations_are_reported_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="only apply with offload enabled"):
         engine_config_from_args(parse("--dlo-resident-layers", "2"))
+    # Every offload setting a user can change is refused without offload, not ignored.
+    for flags in (("--dlo-components", "dit"), ("--dlo-no-use-allgather",)):
+        with pytest.raises(ConfigError, match="only apply with offload enabled"):
+            engine_config_from_args(parse(*flags))
+    with pytest.raises(ConfigError, match="offload.checkpoint_mmap only apply"):
+        engine_config_from_args(parse(), {"offload": {"checkpoint_mmap": "off"}})
     with pytest.raises(ConfigError, match="unknown option"):
         engine_config_from_args(parse(), {"scheduler": {"max_seqs": 1}})
     # A removed option says what replaces it.
@@ -80,6 +86,9 @@ def test_invalid_combinations_are_reported_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="scheduler.policy was removed: fifo admission is "
                                           "max_bypass: 0"):
         engine_config_from_args(parse(), {"scheduler": {"policy": "fifo"}})
+    # scheduler.max_loras was overwritten by --max-loras without a word: it is gone.
+    with pytest.raises(ConfigError, match="scheduler.max_loras was removed: .*adapters.max_loras"):
+        engine_config_from_args(parse(), {"scheduler": {"max_loras": 2}})
 
 
 def test_scheduling_flags_map_onto_the_scheduler_config() -> None:

@@ -79,7 +79,7 @@ FLUX = Family(
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     resident_modules=("pos_embed", "time_text_embed", "context_embedder", "x_embedder",
                       "norm_out", "proj_out"),
-    batch_key_fields=("height", "width", "max_sequence_length"), output="image",
+    output="image",
     loader_version="flux-loader-1",
     attention_heads=(24,),  # FLUX.1-dev / schnell
     step_pipeline="ditserve.engine.families.flux.pipeline:FluxStepPipeline",

@@ -16,7 +16,7 @@ FLUX_KONTEXT = Family(
     name="flux-kontext", label="FluxKontext", pipeline_class="FluxKontextPipeline",
     dit_class=FLUX.dit_class, dit_components=FLUX.dit_components, components=FLUX.components,
     block_lists=FLUX.block_lists, resident_modules=FLUX.resident_modules,
-    batch_key_fields=("height", "width", "images"), output="image",
+    output="image",
     loader_version="flux-kontext-loader-1", attention_heads=FLUX.attention_heads,
     reference_work=2 * 4096,  # a 1024x1024 edit: 4096 target + 4096 source tokens
     step_pipeline="ditserve.engine.families.flux_kontext.pipeline:FluxKontextStepPipeline",

@@ -53,7 +53,7 @@ QWEN_IMAGE = Family(
     block_lists=("transformer_blocks",),
     resident_modules=("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in",
                       "norm_out", "proj_out"),
-    batch_key_fields=("height", "width", "max_sequence_length"), output="image",
+    output="image",
     loader_version="qwen-image-loader-1",
     attention_heads=(24,),  # Qwen-Image 20B
     step_pipeline="ditserve.engine.families.qwen_image.pipeline:QwenImageStepPipeline",

@@ -23,7 +23,7 @@ QWEN_IMAGE_EDIT = Family(
     dit_class=QWEN_IMAGE.dit_class, dit_components=QWEN_IMAGE.dit_components,
     components=(*QWEN_IMAGE.components, "processor"), self_loaded=("processor",),
     block_lists=QWEN_IMAGE.block_lists, resident_modules=QWEN_IMAGE.resident_modules,
-    batch_key_fields=("height", "width", "images"), output="image",
+    output="image",
     loader_version="qwen-image-edit-loader-1", attention_heads=QWEN_IMAGE.attention_heads,
     reference_work=2 * 4096,  # a 1024x1024 edit: 4096 target + 4096 source tokens
     step_pipeline="ditserve.engine.families.qwen_image_edit.pipeline:QwenImageEditStepPipeline",

@@ -63,7 +63,7 @@ WAN = Family(
     components=("vae", "text_encoder", "tokenizer", "scheduler"),
     block_lists=("blocks",),
     resident_modules=("rope", "patch_embedding", "condition_embedder", "norm_out", "proj_out"),
-    batch_key_fields=("height", "width", "num_frames", "max_sequence_length"), output="video",
+    output="video",
     loader_version="wan-loader-1", cfg_rows="guidance",
     attention_heads=(12, 24, 40),  # Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, the 14B DiTs
     reference_work=2 * 21 * 30 * 52,  # 81 frames -> 21 latent frames of 30 x 52 tokens, CFG

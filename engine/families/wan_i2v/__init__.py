@@ -47,7 +47,7 @@ WAN_I2V = Family(
     expert_components=WAN.expert_components, expert_switch=WAN.expert_switch,
     components=WAN.components,  # + image_encoder / image_processor where the model has them
     block_lists=WAN.block_lists, resident_modules=WAN.resident_modules,
-    batch_key_fields=("height", "width", "num_frames", "images"), output="video",
+    output="video",
     loader_version="wan-i2v-loader-1", cfg_rows="guidance",
     attention_heads=WAN.attention_heads, reference_work=WAN.reference_work,
     activation_copies=WAN.activation_copies,
