@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.request import NewRequest
-from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.step.plan import RunnerOutput, StepPlan
 
 
 @dataclass(frozen=True)

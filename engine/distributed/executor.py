@@ -61,7 +61,7 @@ from ditserve.engine.distributed.topology import Topology
 from ditserve.engine.distributed.worker import worker_main
 from ditserve.engine.errors import ConfigError, DistributedError
 from ditserve.engine.executor import RankWork
-from ditserve.engine.sched.scheduler import RunnerOutput
+from ditserve.engine.step.plan import RunnerOutput
 
 log = logging.getLogger(__name__)
 REPORT_EVERY_S = 5.0

@@ -92,6 +92,10 @@ class EngineClient(Protocol):
         """Rank 0's whole-pipeline plan and prompt-cache counters (None before it loads)."""
 
     @property
+    def step_cache_policies(self) -> tuple[str, ...]:
+        """The step-cache policies the served model takes (all of them before it loads)."""
+
+    @property
     def adapters(self) -> AdapterCatalog | None:
         """The served LoRA adapters by name (resolve, load, unload); None before loading."""
 

@@ -22,7 +22,7 @@ from ditserve.engine.loop.results import (
     RequestHandle,
 )
 from ditserve.engine.request import RequestStatus
-from ditserve.engine.sched.scheduler import RunnerOutput, StatusChange
+from ditserve.engine.step.plan import RunnerOutput, StatusChange
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,8 @@ from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.results import EngineStats, RequestHandle
 from ditserve.engine.request import NewRequest
 from ditserve.engine.sched.rank_queues import RankQueues
-from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.sched.work import ResolvedScheduling
-from ditserve.engine.step.plan import RequestWork
+from ditserve.engine.step.plan import RequestWork, RunnerOutput, StepPlan
 
 
 class PendingRequests:

@@ -24,7 +24,7 @@ from ditserve.engine.loop.delivery import Delivery
 from ditserve.engine.loop.lifecycle import EnginePhase, Lifecycle
 from ditserve.engine.loop.pending import PendingRequests
 from ditserve.engine.request import RequestStatus
-from ditserve.engine.sched.scheduler import RunnerOutput, StatusChange
+from ditserve.engine.step.plan import RunnerOutput, StatusChange
 
 # How long a worker's own step loop may sit idle before the engine pings the worker.
 HEARTBEAT_S = 2.0

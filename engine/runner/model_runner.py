@@ -37,9 +37,9 @@ from ditserve.engine.runner.assembly import assemble, resolve_device, weights_re
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
-from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.sched.work import WorkRule
 from ditserve.engine.step.denoise_state import DenoiseState
+from ditserve.engine.step.plan import RunnerOutput, StepPlan
 from ditserve.engine.step_cache.runtime import StepCache
 from ditserve.engine.weights.load import load_weights
 

@@ -1,10 +1,12 @@
 """Scheduling policy: the order of admission, and whom to pause.
 
 Pure Python (no torch), called only by ``StepScheduler`` (engine/sched/scheduler.py), which owns the
-request lifecycle; this module only decides. Two policies (``SchedulerConfig.scheduling_policy``):
+request lifecycle; this module only decides. Two policies (``SchedulerConfig.scheduling_policy``),
+two strategies behind one ``AdmissionOrder`` protocol, so the scheduler runs one admission
+loop and never asks which policy it has:
 
-- ``fcfs``: arrival order with the scheduler's bounded bypass; ``priority`` is ignored and
-  nothing is ever paused (the behaviour before priorities existed).
+- ``fcfs`` (``ArrivalOrder``): arrival order with the scheduler's bounded bypass; ``priority``
+  is ignored and nothing is ever paused (the behaviour before priorities existed).
 - ``priority``: waiting and paused requests are admitted by the key
   (effective priority, absolute deadline, arrival), lower first, still with the bounded bypass
   for a request that does not fit the room left. Aging: every ``aging_s`` seconds a request
@@ -52,6 +54,50 @@ class Queued(Protocol):
 
 
 Q = TypeVar("Q", bound=Queued)
+
+
+class AdmissionOrder(Protocol):
+    """What the scheduler asks its policy: who goes first, whom to pause, who is ahead."""
+
+    def order(self, requests: Iterable[Q], now: float) -> list[Q]: ...
+
+    def victims(self, running: Sequence[Q], candidate: Queued, *,
+                tokens_short: int, slots_short: int) -> list[Q] | None: ...
+
+    def ahead_of(self, new: Queued, running: Iterable[Q], queued: Iterable[Q],
+                 now: float) -> list[Q]: ...
+
+    def key_of_new(self, priority: int, deadline_s: float | None, arrived_at: float,
+                   now: float) -> tuple[float, ...]: ...
+
+
+@dataclass(frozen=True)
+class ArrivalOrder:
+    """The ``fcfs`` policy: arrival order, nobody is ever paused, everything held goes first."""
+
+    def order(self, requests: Iterable[Q], now: float) -> list[Q]:
+        return sorted(requests, key=lambda r: r.arrival)
+
+    def victims(self, running: Sequence[Q], candidate: Queued, *,
+                tokens_short: int, slots_short: int) -> list[Q] | None:
+        return None
+
+    def ahead_of(self, new: Queued, running: Iterable[Q], queued: Iterable[Q],
+                 now: float) -> list[Q]:
+        return [*running, *queued]
+
+    def key_of_new(self, priority: int, deadline_s: float | None, arrived_at: float,
+                   now: float) -> tuple[float, ...]:
+        # Every request ties: ``min`` over the replica's shared queue (kept in arrival order)
+        # then picks the oldest.
+        return ()
+
+
+def admission_order(policy: str, *, aging_s: float, max_preemptions: int) -> AdmissionOrder:
+    """The strategy of a ``scheduling_policy`` value."""
+    if policy == PRIORITY:
+        return PriorityOrder(aging_s, max_preemptions)
+    return ArrivalOrder()
 
 
 @dataclass(frozen=True)

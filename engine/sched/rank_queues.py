@@ -150,10 +150,7 @@ class RankQueues:
             self._hand(request_id, params, work, arrived_at, self._pick(params, free))
 
     def _head(self) -> tuple[str, tuple[SamplingParams, RequestWork, float]]:
-        order = self.schedulers[0].order
-        if order is None:
-            return next(iter(self._shared.items()))
-        now = self.clock()
+        order, now = self.schedulers[0].order, self.clock()
         return min(self._shared.items(),
                    key=lambda item: order.key_of_new(item[1][0].priority,
                                                      item[1][0].deadline_s, item[1][2], now))

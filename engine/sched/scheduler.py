@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from ditserve.engine.adapters.admission import AdapterRoom
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
 from ditserve.engine.sched.deadlines import StepClock, finish_steps, late_by
-from ditserve.engine.sched.policy import PRIORITY, PriorityOrder
+from ditserve.engine.sched.policy import AdmissionOrder, admission_order
 from ditserve.engine.sched.work import ResolvedScheduling, WorkRule
 from ditserve.engine.step.plan import (
     RequestWork,
@@ -51,8 +51,7 @@ from ditserve.engine.step.plan import (
     StepPlan,
 )
 
-__all__ = ["DEFAULT_WORK_RULE", "RunnerOutput", "ScheduledRequest", "StatusChange", "StepPlan",
-           "StepScheduler"]
+__all__ = ["DEFAULT_WORK_RULE", "StepScheduler"]
 
 # The work of requests added without one (tests, warm-up): a 16-pixel-token image model.
 DEFAULT_WORK_RULE = WorkRule()
@@ -71,8 +70,8 @@ class StepScheduler:
                             "SchedulerConfig with ResolvedScheduling.for_family)")
         self.config = config
         self.clock = clock
-        self._order = (PriorityOrder(config.aging_s, config.max_preemptions)
-                       if config.scheduling_policy == PRIORITY else None)
+        self._order = admission_order(config.scheduling_policy, aging_s=config.aging_s,
+                                      max_preemptions=config.max_preemptions)
         self._waiting: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._running: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._paused: OrderedDict[str, ScheduledRequest] = OrderedDict()
@@ -115,8 +114,6 @@ class StepScheduler:
 
     def waiting_ids(self) -> list[str]:
         """Waiting request ids, in admission order."""
-        if self._order is None:
-            return list(self._waiting)
         return [r.request_id for r in self._order.order(self._waiting.values(), self.clock())]
 
     def waiting_priorities(self) -> list[int]:
@@ -140,13 +137,13 @@ class StepScheduler:
         return queued == 0 or self.committed_tokens() + work.tokens <= self._budget
 
     @property
-    def order(self) -> PriorityOrder | None:  # None under fcfs (arrival order)
+    def order(self) -> AdmissionOrder:
         return self._order
 
     def pausable_priority(self, params: SamplingParams) -> int | None:
         """The priority of the first request paused here for one of ``params``, or None."""
         probe = ScheduledRequest("", params, NEWEST, DEFAULT_WORK_RULE.of(params))
-        victims = self._order and self._order.victims(
+        victims = self._order.victims(
             list(self._running.values()), probe, tokens_short=0, slots_short=1)
         return victims[0].priority if victims else None
 
@@ -192,7 +189,7 @@ class StepScheduler:
     def schedule(self) -> StepPlan:
         now = self.clock()
         self._stop_late(now)
-        admitted = self._admit() if self._order is None else self._admit_by_priority(now)
+        admitted = self._admit(now)
         decode = tuple(rid for rid, r in self._running.items() if r.remaining_steps <= 1)
         freed, self._aborted_running = tuple(self._aborted_running), []
         self._step_clock.tick(now, busy=bool(self._running))
@@ -237,9 +234,7 @@ class StepScheduler:
         return (*self._running.values(), *self._paused.values(), *self._waiting.values())
 
     def _ahead_of(self, new: ScheduledRequest, now: float) -> list[ScheduledRequest]:
-        """The requests that go before ``new``: everything held under fcfs, else by policy."""
-        if self._order is None:
-            return list(self._held())
+        """The requests that go before ``new``, by the policy."""
         return self._order.ahead_of(new, self._running.values(),
                                     (*self._paused.values(), *self._waiting.values()), now)
 
@@ -273,48 +268,23 @@ class StepScheduler:
                 self._reported.append(self._set(request, RequestStatus.FINISHED_DEADLINE,
                                                 reason))
 
-    def _admit(self) -> list[str]:
-        """fcfs: arrival order with the bounded bypass (see the module docstring)."""
-        slots = self.config.max_num_seqs - len(self._running)
-        room = self._budget - sum(r.work.tokens for r in self._running.values())
-        adapters = AdapterRoom(self.config.max_loras, self._running.values())
-        admitted: list[str] = []
-        passed: list[ScheduledRequest] = []  # older requests that did not fit, in order
-        for request in list(self._waiting.values()):
-            if slots <= 0:
-                break  # no room for any request: nobody overtakes anybody
-            alone = not self._running and not admitted  # a step must admit its first request
-            if (request.work.tokens > room or not adapters.fits(request)) and not alone:
-                if request.times_bypassed >= self.config.max_bypass:
-                    break  # waited long enough: the step drains for it
-                passed.append(request)
-                continue
-            if any(p.times_bypassed >= self.config.max_bypass for p in passed):
-                break  # checked before every overtaking: the bound holds within this pass
-            for p in passed:
-                p.times_bypassed += 1
-            self._admit_one(request)
-            admitted.append(request.request_id)
-            slots, room = slots - 1, room - request.work.tokens
-            adapters.take(request)
-        return admitted
-
-    def _admit_by_priority(self, now: float) -> list[str]:
-        """priority: waiting and paused requests in the policy's order, with the bounded
-        bypass, pausing lower-priority running requests for one that does not fit."""
-        assert self._order is not None
+    def _admit(self, now: float) -> list[str]:
+        """Waiting and paused requests in the policy's order, with the bounded bypass (see
+        the module docstring); a policy that preempts pauses lower-ranked running requests
+        for one that does not fit. Adapters never pause anybody: a request whose adapters do
+        not fit beside the running and paused ones waits as if over budget."""
         slots = self.config.max_num_seqs - len(self._running)
         room = self._budget - sum(r.work.tokens for r in self._running.values())
         admitted: list[str] = []
         joined: set[str] = set()  # admitted or resumed in this pass: never paused by it
-        passed: list[ScheduledRequest] = []
+        passed: list[ScheduledRequest] = []  # requests that did not fit, in order
         bound = self.config.max_bypass
         adapters = AdapterRoom(self.config.max_loras, self._running.values(), self._paused.values())
         for request in self._order.order((*self._paused.values(), *self._waiting.values()), now):
-            if not adapters.fits(request):
-                continue  # paused requests keep theirs: it waits for requests to end
-            fits = slots > 0 and (request.work.tokens <= room or not self._running)
-            if not fits and not any(p.times_bypassed >= bound for p in passed):
+            alone = not self._running  # a step must admit its first request
+            adapters_fit = adapters.fits(request) or (alone and not self._paused)
+            fits = slots > 0 and (alone or request.work.tokens <= room) and adapters_fit
+            if not fits and adapters_fit and not any(p.times_bypassed >= bound for p in passed):
                 pausable = [r for r in self._running.values() if r.request_id not in joined]
                 victims = self._order.victims(pausable, request, tokens_short=request.tokens
                                               - room, slots_short=1 - slots)
@@ -327,7 +297,7 @@ class StepScheduler:
                 passed.append(request)
                 continue
             if any(p.times_bypassed >= bound for p in passed):
-                break
+                break  # checked before every overtaking: the bound holds within this pass
             for p in passed:
                 p.times_bypassed += 1
             if request.request_id in self._paused:

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Strict, StrictStr
 
 from ditserve.engine.errors import AdapterError, AdapterNotFoundError
+from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import MAX_LORAS_PER_REQUEST, LoraRef
 from ditserve.engine.server.errors import APIError, invalid, shown
 
@@ -30,7 +31,7 @@ class LoraSelection(BaseModel):
     scale: Number | None = None
 
 
-def resolve_adapters(model: str | None, loras: list[LoraSelection] | None, *, engine: Any,
+def resolve_adapters(model: str | None, loras: list[LoraSelection] | None, *, engine: EngineClient,
                      model_name: str) -> tuple[LoraRef, ...]:
     """The adapters a request selects (empty: the base model), or the API error."""
     catalog = engine.adapters

@@ -21,6 +21,7 @@ from ditserve.engine.config.step_cache import (
     parse_step_cache,
 )
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.server.errors import invalid
 
 DESCRIPTION = ("reuse the DiT's residual across steps: first-block (threshold: the first "
@@ -43,9 +44,9 @@ def parse_field(value: Any) -> StepCacheSpec | None:
         raise invalid("step_cache", f"step_cache: {e.message}") from e
 
 
-def step_cache_policies(engine: Any) -> tuple[str, ...]:
-    """The policies the engine's model takes (an engine without the notion: all)."""
-    return tuple(getattr(engine, "step_cache_policies", POLICIES))
+def step_cache_policies(engine: EngineClient) -> tuple[str, ...]:
+    """The policies the engine's model takes."""
+    return tuple(engine.step_cache_policies)
 
 
 def form_schema(policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.request import LoraRef, SamplingParams
-from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
+from ditserve.engine.step.plan import RunnerOutput, StepPlan
 
 
 def resolved(*, max_loras: int | None = None, **kw: object) -> ResolvedScheduling:

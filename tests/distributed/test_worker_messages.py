@@ -8,7 +8,7 @@ from ditserve.engine.distributed.protocol import Reports, Step, WorkerFailure, W
 from ditserve.engine.distributed.worker import answer
 from ditserve.engine.executor import RankWork
 from ditserve.engine.request import NewRequest, SamplingParams
-from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan
+from ditserve.engine.step.plan import RunnerOutput, StepPlan
 
 
 class Runner:

@@ -9,8 +9,9 @@ import torch
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
+from ditserve.engine.step.plan import RunnerOutput, StepPlan
 
 Arrivals = Mapping[int, Sequence[tuple[str, SamplingParams]]]
 

@@ -13,8 +13,8 @@ from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase, WarmUp
 from ditserve.engine.loop.lifecycle import Lifecycle
 from ditserve.engine.loop.startup import warm_up
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.sched.scheduler import RunnerOutput
 from ditserve.engine.sched.work import WorkRule
+from ditserve.engine.step.plan import RunnerOutput
 
 
 def test_phases_only_move_forward_and_final_phases_stay() -> None:

@@ -15,7 +15,7 @@ from engine.driver import drive  # type: ignore[import-not-found]
 from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.sched.scheduler import RunnerOutput
+from ditserve.engine.step.plan import RunnerOutput
 
 pytestmark = pytest.mark.gpu
 

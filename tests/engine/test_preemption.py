@@ -11,7 +11,7 @@ from ditserve.engine.config import EngineConfig, SchedulerConfig
 from ditserve.engine.errors import DeadlineError
 from ditserve.engine.loop.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.sched.scheduler import StepPlan
+from ditserve.engine.step.plan import StepPlan
 
 PRIORITY_ONE_SLOT = SchedulerConfig(max_num_seqs=1, scheduling_policy="priority")
 BATCH = SamplingParams(prompt="a lighthouse at dusk", num_inference_steps=6, seed=7,

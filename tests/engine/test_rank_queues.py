@@ -8,8 +8,8 @@ from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import QueueFullError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.sched.rank_queues import RankQueues
-from ditserve.engine.sched.scheduler import RunnerOutput
 from ditserve.engine.sched.work import ResolvedScheduling
+from ditserve.engine.step.plan import RunnerOutput
 
 
 def params(size: int = 64, steps: int = 2) -> SamplingParams:

@@ -6,8 +6,9 @@ import pytest
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import RequestStatus, SamplingParams
-from ditserve.engine.sched.scheduler import RunnerOutput, StepPlan, StepScheduler
+from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
+from ditserve.engine.step.plan import RunnerOutput, StepPlan
 
 
 def params(steps: int = 4, size: int = 64, **kw: object) -> SamplingParams:

@@ -11,8 +11,9 @@ from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.errors import DeadlineError
 from ditserve.engine.request import RequestStatus, SamplingParams
 from ditserve.engine.sched.rank_queues import RankQueues
-from ditserve.engine.sched.scheduler import RunnerOutput, StatusChange, StepPlan, StepScheduler
+from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
+from ditserve.engine.step.plan import RunnerOutput, StatusChange, StepPlan
 
 
 class FakeClock:

@@ -15,8 +15,8 @@ from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.group_forwards import GroupForwards
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.sched.scheduler import RunnerOutput
 from ditserve.engine.step.denoise_state import DenoiseState
+from ditserve.engine.step.plan import RunnerOutput
 
 TOLERANCE = 1e-4  # fp32 on CPU, decoded pixels in [0, 1]
 

@@ -16,8 +16,8 @@ from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.sched.scheduler import RunnerOutput
 from ditserve.engine.sched.work import ResolvedScheduling
+from ditserve.engine.step.plan import RunnerOutput
 
 STEPS = 8
 TOLERANCE = 1e-4  # fp32 on CPU, decoded pixels in [0, 1] (as the batching tests)

@@ -14,7 +14,7 @@ from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.sched.scheduler import RunnerOutput
+from ditserve.engine.step.plan import RunnerOutput
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}

@@ -18,7 +18,7 @@ from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
 from ditserve.engine.placement.budget_plan import GIB, BudgetError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
-from ditserve.engine.sched.scheduler import RunnerOutput
+from ditserve.engine.step.plan import RunnerOutput
 
 pytestmark = pytest.mark.gpu
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import (
     DitServeError,
     InvalidRequestError,
@@ -47,6 +48,7 @@ class FakeEngine:
     max_side: int = MAX_SIDE  # what the model's positional table reaches
     max_frames: int = MAX_FRAMES
     adapters: Any = None  # an AdapterCatalog, when a test serves adapters
+    step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
