@@ -21,6 +21,7 @@ import collections
 import inspect
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,9 +212,38 @@ def read_adapter(path: str | Path, pipeline_class: Any, *, max_rank: int) -> Ada
     return AdapterWeights(path=str(file), layers=layers)
 
 
-def rank_inspector(model_dir: str | Path, *, max_rank: int) -> Any:
+LinearShapes = Mapping[str, tuple[int, int]]
+"""``"<component>.<module>"`` -> (in_features, out_features) of every linear layer an
+adapter may target (``AdapterBank.linear_shapes``)."""
+
+
+def check_fits(weights: AdapterWeights, shapes: LinearShapes) -> None:
+    """Refuse an adapter that names a layer the model lacks, or whose factors do not fit
+    the layer: the same file would fail every request that names it."""
+    components = sorted({name.split(".", 1)[0] for name in shapes})
+    name = Path(weights.path).name
+    for (component, module), factors in weights.layers.items():
+        if component not in components:
+            raise AdapterError(f"{name}: the adapter targets {component}; this model's DiTs "
+                               f"are {', '.join(components)}")
+        shape = shapes.get(f"{component}.{module}")
+        if shape is None:
+            raise AdapterError(f"{name}: the adapter targets {component}.{module}, which is "
+                               "not a linear layer of this model: it was trained for another "
+                               "model")
+        fan_in, fan_out = shape
+        if factors.down.shape[1] != fan_in or factors.up.shape[0] != fan_out:
+            raise AdapterError(
+                f"{name}: the adapter's factors for {component}.{module} are "
+                f"{tuple(factors.up.shape)} x {tuple(factors.down.shape)}, but the layer is "
+                f"{fan_in} -> {fan_out}: the adapter was trained for another model")
+
+
+def rank_inspector(model_dir: str | Path, *, max_rank: int,
+                   shapes: LinearShapes | None = None) -> Any:
     """path -> the adapter's rank, checking the file as a runner will read it for the model
-    in ``model_dir`` (the engine's catalog calls it on every load)."""
+    in ``model_dir`` (the engine's catalog calls it on every load); with ``shapes``, also
+    that every layer it targets exists and fits (``check_fits``)."""
     import diffusers
 
     from ditserve.engine.weights.loader import read_model_index
@@ -221,6 +251,9 @@ def rank_inspector(model_dir: str | Path, *, max_rank: int) -> Any:
     pipeline_class = getattr(diffusers, read_model_index(model_dir)[0])
 
     def inspect_file(path: str) -> int:
-        return read_adapter(path, pipeline_class, max_rank=max_rank).rank
+        weights = read_adapter(path, pipeline_class, max_rank=max_rank)
+        if shapes is not None:
+            check_fits(weights, shapes)
+        return weights.rank
 
     return inspect_file

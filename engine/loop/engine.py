@@ -125,8 +125,10 @@ class DiffusionEngine:
                 self.config, self.warmup,
                 on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING))
             adapters = self.config.adapters
+            bank = getattr(executor.runner, "adapters", None)
             self.adapters = AdapterCatalog(adapters, inspect=rank_inspector(
-                self.model_dir, max_rank=adapters.max_lora_rank))
+                self.model_dir, max_rank=adapters.max_lora_rank,
+                shapes=bank.linear_shapes() if bank is not None else None))
         except BaseException as e:
             self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise

@@ -129,6 +129,40 @@ def test_file_checks(tmp_path: Path) -> None:
     assert read_adapter(tmp_path / "dir", FluxPipeline, max_rank=64).rank == 4
 
 
+def test_a_runtime_load_is_checked_against_the_dit(tmp_path: Path) -> None:
+    """A file that names a layer the model lacks, or whose factors do not fit, is refused
+    when it is loaded (issue 45: it was accepted, then failed every request naming it)."""
+    from diffusers import FluxTransformer2DModel
+
+    from ditserve.engine.adapters.bank import AdapterBank
+    from ditserve.engine.adapters.files import rank_inspector
+    from ditserve.engine.tiny_model import init_tiny
+
+    model = init_tiny(tmp_path / "model", family="flux")
+    dit = FluxTransformer2DModel.from_pretrained(model / "transformer")
+    bank = AdapterBank(dit, pipeline_class=None, device=torch.device("cpu"),
+                       dtype=torch.float32, max_loras=1, max_rank=64)
+    shapes = bank.linear_shapes()
+    q = "transformer_blocks.0.attn.to_q"
+    fan_in, fan_out = shapes[f"transformer.{q}"]
+    inspect = rank_inspector(model, max_rank=64, shapes=shapes)
+    fits = {f"transformer.{q}.lora_A.weight": torch.randn(4, fan_in),
+            f"transformer.{q}.lora_B.weight": torch.randn(fan_out, 4)}
+    assert inspect(str(write(tmp_path / "fits.safetensors", fits))) == 4
+    wide = {f"transformer.{q}.lora_A.weight": torch.randn(4, fan_in * 2),
+            f"transformer.{q}.lora_B.weight": torch.randn(fan_out, 4)}
+    with pytest.raises(AdapterError, match="trained for another model"):
+        inspect(str(write(tmp_path / "wide.safetensors", wide)))
+    ghost = {"transformer.ghost.proj.lora_A.weight": torch.randn(4, fan_in),
+             "transformer.ghost.proj.lora_B.weight": torch.randn(fan_out, 4)}
+    with pytest.raises(AdapterError, match="ghost.proj, which is not a linear layer"):
+        inspect(str(write(tmp_path / "ghost.safetensors", ghost)))
+    catalog = AdapterCatalog(AdapterConfig(), inspect=inspect)
+    with pytest.raises(AdapterError):
+        catalog.load("wide", str(tmp_path / "wide.safetensors"))
+    assert "wide" not in catalog
+
+
 def test_rows_of_a_narrowed_forward() -> None:
     rows = RowAdapters(6, (RowSegment(0, 2, ((("a", 0), 1.0),)),
                            RowSegment(4, 6, ((("b", 0), 0.5),))))
