@@ -47,6 +47,7 @@ class FakeEngine:
     max_side: int = MAX_SIDE  # what the model's positional table reaches
     max_frames: int = MAX_FRAMES
     adapters: Any = None  # an AdapterCatalog, when a test serves adapters
+    submitted: list[Any] = field(default_factory=list)  # every accepted request's params
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -91,6 +92,7 @@ class FakeEngine:
                                  seed=params.seed or 0, submitted_at=time.monotonic(),
                                  on_event=on_event)
         self._handles[rid] = handle
+        self.submitted.append(params)
         emit = on_event or (lambda event: None)
         steps = params.num_inference_steps
         emit(RequestEvent(rid, "queued", 0, steps, 0))

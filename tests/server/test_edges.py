@@ -70,3 +70,84 @@ def test_an_adapter_cannot_take_the_served_models_name(monkeypatch) -> None:  # 
     error = answer.json()["error"]
     assert (error["param"], error["code"]) == ("lora_name", "adapter_name_taken")
     assert "base" not in engine.adapters
+
+
+def test_a_huge_png_is_too_large_not_unknown() -> None:
+    """A 30000x30000 PNG was "not a PNG, JPEG or WebP image" (PIL's own bound fired first)."""
+    import struct
+    import zlib
+
+    from ditserve.engine.errors import InvalidRequestError
+    from ditserve.engine.image_input import decode_image
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0)  # 8-bit RGB
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+    with pytest.raises(InvalidRequestError, match="pixels are accepted"):
+        decode_image(png, max_pixels=4096 * 4096)
+
+
+@pytest.mark.parametrize("path, size", [("/v1/images/generations", "100000x100000"),
+                                        ("/v1/images/generations", "8x1234567"),
+                                        ("/v1/videos", "100000x100000")])
+def test_a_size_past_the_maximum_names_the_maximum(tmp_path: Path, path: str, size: str) -> None:
+    from server.video_support import fake_video_engine  # type: ignore[import-not-found]
+
+    engine = fake_video_engine(tmp_path) if "videos" in path else FakeEngine()
+    (answer,) = call(engine, ("POST", path, {"prompt": "x", "size": size}, {}))
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert "between" in message and "WIDTHxHEIGHT" not in message
+
+
+def test_the_sdks_bracketed_form_keys_fold_into_objects() -> None:
+    from ditserve.engine.server.errors import APIError
+    from ditserve.engine.server.form_fields import fold_nested
+
+    plain, folded = fold_nested([
+        ("prompt", "x"), ("step_cache[policy]", "every"), ("step_cache[every]", "3"),
+        ("loras[][name]", "a"), ("loras[][scale]", "0.5"), ("loras[][name]", "b"),
+        ("image[]", "kept")])
+    assert plain == [("prompt", "x"), ("image[]", "kept")]
+    assert folded == {"step_cache": {"policy": "every", "every": 3},
+                      "loras": [{"name": "a", "scale": 0.5}, {"name": "b"}]}
+    for bad in ([("step_cache[every]", "often")], [("step_cache[colour]", "red")],
+                [("loras[name]", "a")], [("step_cache", "every"), ("step_cache[every]", "2")]):
+        with pytest.raises(APIError) as refused:
+            fold_nested(bad)
+        assert refused.value.status == 400
+
+
+def test_sdk_video_job_with_extension_fields_in_extra_body(tmp_path: Path) -> None:
+    """videos.create(extra_body={"step_cache": {...}, "loras": [...]}) sends a multipart
+    form with bracketed keys; it was refused as unknown fields."""
+    import openai
+    from server.video_support import fake_video_engine, video_app  # type: ignore[import-not-found]
+
+    catalog = AdapterCatalog(AdapterConfig(lora_modules={"style": "/style.safetensors"}),
+                             inspect=lambda path: 4)
+    engine = fake_video_engine(tmp_path, adapters=catalog)
+    app, _ = video_app(engine)
+
+    async def run() -> object:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused",
+                                        http_client=http, max_retries=0)
+            job = await client.videos.create(
+                prompt="waves", size="32x16",  # type: ignore[arg-type]
+                extra_body={"num_frames": 5, "num_inference_steps": 3,
+                            "step_cache": {"policy": "every", "every": 3},
+                            "loras": [{"name": "style", "scale": 0.5}]})
+            return job
+
+    try:
+        asyncio.run(run())
+    finally:
+        app.state.server.videos.close()
+    (params,) = engine.submitted
+    assert (params.step_cache.policy, params.step_cache.every) == ("every", 3)
+    assert [(ref.name, ref.scale) for ref in params.loras] == [("style", 0.5)]
