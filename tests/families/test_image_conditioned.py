@@ -220,3 +220,17 @@ def test_kontext_edits_sources_of_any_size(family_runner, size: tuple[int, int])
     params.validate_for(runner.limits)
     out, _ = drive(runner, {0: [("a", params)]}, max_num_seqs=1)
     assert out["a"].shape[-2:] == (32, 32) and torch.isfinite(out["a"]).all()
+
+
+@pytest.mark.parametrize("variant", ["flux", "flux-kontext"])
+def test_the_advertised_max_side_has_a_schedule(family_runner, variant: str) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: 8192x8192 on the tiny Flux (4M tokens) overflowed the schedule's time shift
+    (a 500): the advertised side is now the largest whose shift is finite."""
+    runner = family_runner(variant)
+    pipeline, limits = runner.pipeline, runner.limits
+    tokens = (limits.max_side // limits.pixel_multiple) ** 2
+    schedule = pipeline.sampler.schedule(2, tokens)
+    assert torch.isfinite(schedule.sigmas).all()
+    past = limits.max_side + limits.pixel_multiple
+    with pytest.raises(InvalidRequestError, match="must be between"):
+        SamplingParams(prompt="x", height=past, width=past).validate_for(limits)
