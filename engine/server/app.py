@@ -85,7 +85,7 @@ def create_app(
             CORSMiddleware, allow_origins=list(config.allowed_origins),
             allow_methods=["GET", "HEAD", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
-            expose_headers=[REQUEST_ID_HEADER, "Retry-After"], max_age=600,
+            expose_headers=[REQUEST_ID_HEADER, "Retry-After", "x-should-retry"], max_age=600,
         )
     app.add_middleware(RequestIdMiddleware, count=count)
 

@@ -25,6 +25,9 @@ from starlette.routing import Match
 
 log = logging.getLogger(__name__)
 
+# The OpenAI SDKs retry 408, 409, 429 and 5xx (twice by default) unless the answer says
+# ``x-should-retry: false``: a missed deadline must not "succeed" on a retry after it.
+NO_RETRY = {"x-should-retry": "false"}
 MAX_SHOWN_CHARS = 80  # a client's value quoted in an error message is cut to about this
 MAX_MESSAGE_CHARS = 1000
 

@@ -151,3 +151,13 @@ def test_sdk_video_job_with_extension_fields_in_extra_body(tmp_path: Path) -> No
     (params,) = engine.submitted
     assert (params.step_cache.policy, params.step_cache.every) == ("every", 3)
     assert [(ref.name, ref.scale) for ref in params.loras] == [("style", 0.5)]
+
+
+def test_a_deadline_passed_mid_run_is_not_retried_by_the_sdk() -> None:
+    from ditserve.engine.errors import DeadlineError
+    from ditserve.engine.server.routes.images import _failure
+
+    app = create_app(FakeEngine(), ServerConfig(), start_engine=False)
+    error = _failure(app.state.server, "rid", DeadlineError("late", started=True))
+    assert (error.status, error.code) == (408, "deadline_exceeded")
+    assert error.headers == {"x-should-retry": "false"}
