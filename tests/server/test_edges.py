@@ -161,3 +161,23 @@ def test_a_deadline_passed_mid_run_is_not_retried_by_the_sdk() -> None:
     error = _failure(app.state.server, "rid", DeadlineError("late", started=True))
     assert (error.status, error.code) == (408, "deadline_exceeded")
     assert error.headers == {"x-should-retry": "false"}
+
+
+def test_a_refused_adapter_at_start_logs_its_reason_without_a_traceback(caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    from ditserve.engine.errors import AdapterError
+
+    engine = FakeEngine()
+
+    def refuse() -> None:
+        raise AdapterError("the adapter was trained for another model")
+
+    engine.start = refuse  # type: ignore[method-assign]
+    failures: list[BaseException] = []
+    app = create_app(engine, ServerConfig(), start_engine=False,
+                     on_start_failed=failures.append)
+    with caplog.at_level(logging.INFO):
+        app.state.server.start_engine()
+    assert [str(e) for e in failures] == ["the adapter was trained for another model"]
+    assert "Traceback" not in caplog.text
