@@ -36,11 +36,14 @@ class ResolvedScheduling(SchedulerConfig):
     scheduler ever sees an unset budget."""
 
     max_batch_tokens: int
+    max_request_tokens: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1:
-            raise ValueError(f"a resolved work budget is a positive token count, got "
-                             f"{self.max_batch_tokens!r}")
+        for name in ("max_batch_tokens", "max_request_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"a resolved {name} is a positive token count, got "
+                                 f"{value!r}")
 
     @classmethod
     def for_family(cls, config: SchedulerConfig,
@@ -48,12 +51,14 @@ class ResolvedScheduling(SchedulerConfig):
         """``config`` with its budget resolved: the configured one, else ``max_num_seqs``
         requests of the served family's usual size (``Family.reference_work``), so an image
         model budgets four 1024x1024 images and a video model four 81-frame CFG videos, not a
-        video's fraction. An unknown family budgets like Flux."""
+        video's fraction. An unknown family budgets like Flux. ``max_request_tokens`` unset is
+        the budget."""
         budget = config.max_batch_tokens
         if budget is None:
             budget = config.max_num_seqs * (family or FLUX).reference_work
         values = {f.name: getattr(config, f.name) for f in fields(SchedulerConfig)}
-        return cls(**{**values, "max_batch_tokens": budget})
+        largest = budget if config.max_request_tokens is None else config.max_request_tokens
+        return cls(**{**values, "max_batch_tokens": budget, "max_request_tokens": largest})
 
 
 CFG_RULES: tuple[str, ...] = get_args(CfgRule)

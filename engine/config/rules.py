@@ -68,6 +68,8 @@ def problems(config: EngineConfig) -> list[str]:
     int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
     if sch.max_batch_tokens is not None:
         int_at_least(out, "scheduler.max_batch_tokens", sch.max_batch_tokens, 1)
+    if sch.max_request_tokens is not None:
+        int_at_least(out, "scheduler.max_request_tokens", sch.max_request_tokens, 1)
     int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
     if sch.max_queue is not None:
         int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)

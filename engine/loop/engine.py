@@ -91,6 +91,7 @@ class DiffusionEngine:
                                                           _served_family(config.model)),
                             max_loras=config.adapters.max_loras)
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
+        self.max_request_tokens = scheduler.max_request_tokens
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
 
@@ -205,7 +206,7 @@ class DiffusionEngine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return self._pending.stats()
+            return self._pending.stats(time.monotonic())
 
     def pipeline_report(self) -> dict[str, Any] | None:
         """Rank 0's plan of the whole pipeline and its prompt-cache counters (other DP ranks
@@ -241,7 +242,23 @@ class DiffusionEngine:
                                       "resident at once (--max-loras); name fewer")
         if self.runner is not None:  # what the served model's step cache can do
             self.runner.step_cache.check(params.step_cache)
+            self._check_work(params)
         return params
+
+    def _check_work(self, params: SamplingParams) -> None:
+        """Refuse a request whose one step would exceed ``max_request_tokens``: a step is
+        never cut short, so it would hold the replica even after its client left."""
+        work = self.runner.work_rule.of(params)
+        tokens = work.tokens
+        bound = self.max_request_tokens
+        if tokens > bound:
+            what = "size and frames" if params.num_frames > 1 else "size"
+            raise InvalidRequestError(
+                "size", f"{params.width}x{params.height}"
+                f"{f' x {params.num_frames} frames' if params.num_frames > 1 else ''} x "
+                f"{work.rows} row(s) is {tokens} tokens of work per step; this server takes "
+                f"at most {bound} per request (--max-request-tokens, default the step budget "
+                f"--max-batch-tokens): ask for a smaller {what} or fewer images")
 
     def add_request(
         self,
