@@ -97,7 +97,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                         "for Flux/Qwen-Image, 262080 for Wan; a larger request runs alone)")
     g.add_argument("--max-request-tokens", type=int, default=None,
                    help="the most work one request may bring to a step, rows x latent tokens "
-                        "(default: --max-batch-tokens); a larger one is refused with a 400, "
+                        "(default: 4 x --max-batch-tokens); a larger one is refused with a 400, "
                         "since a step cannot be cut short when its client leaves")
     g.add_argument("--max-bypass", type=int, default=None,
                    help="how often requests that fit a step may overtake an older one that "

@@ -52,15 +52,20 @@ class ResolvedScheduling(SchedulerConfig):
         requests of the served family's usual size (``Family.reference_work``), so an image
         model budgets four 1024x1024 images and a video model four 81-frame CFG videos, not a
         video's fraction. An unknown family budgets like Flux. ``max_request_tokens`` unset is
-        the budget."""
+        ``REQUEST_BUDGETS`` budgets."""
         budget = config.max_batch_tokens
         if budget is None:
             budget = config.max_num_seqs * (family or FLUX).reference_work
         values = {f.name: getattr(config, f.name) for f in fields(SchedulerConfig)}
-        largest = budget if config.max_request_tokens is None else config.max_request_tokens
+        largest = (REQUEST_BUDGETS * budget if config.max_request_tokens is None
+                   else config.max_request_tokens)
         return cls(**{**values, "max_batch_tokens": budget, "max_request_tokens": largest})
 
 
+# One request may bring this many steps' budgets to one step by default: a 720p Wan video
+# with CFG (151200 tokens) at --max-num-seqs 1 (a 65520 budget) still runs; an 8192x8192
+# Flux image (262144 tokens, a step of minutes an abort cannot cut short) does not.
+REQUEST_BUDGETS = 4
 CFG_RULES: tuple[str, ...] = get_args(CfgRule)
 # LoRA work: a rank-r adapter adds two (tokens x r) matmuls beside each adapted d x d linear,
 # 2r/d of that linear's work for the request's rows; d is taken as Flux's and Qwen-Image's

@@ -158,10 +158,10 @@ class SchedulerConfig:
         262080 for four 81-frame Wan videos with CFG), resolved when the engine is built. A
         request larger than the budget runs alone.
     max_request_tokens: the most work (rows x latent tokens) one request may bring to a step;
-        a larger request is refused up front (400 naming ``size``). None (the default): the
-        resolved ``max_batch_tokens``, so no step exceeds its budget - a step cannot be
-        interrupted, and one huge request would otherwise hold the replica for one step of
-        minutes that an abort (a client gone) cannot cut short. Raise it to serve larger
+        a larger request is refused up front (400 naming ``size``). None (the default): four
+        times the resolved ``max_batch_tokens`` - a step cannot be interrupted, and one huge
+        request would otherwise hold the replica for one step of minutes that an abort (a
+        client gone) cannot cut short. Raise it to serve larger
         images or videos (each then runs alone, in long steps).
     max_num_seqs: the most requests in one step (of any shapes), whatever their work.
     max_bypass: how often requests that fit the step may overtake an older request that does

@@ -257,8 +257,8 @@ class DiffusionEngine:
                 "size", f"{params.width}x{params.height}"
                 f"{f' x {params.num_frames} frames' if params.num_frames > 1 else ''} x "
                 f"{work.rows} row(s) is {tokens} tokens of work per step; this server takes "
-                f"at most {bound} per request (--max-request-tokens, default the step budget "
-                f"--max-batch-tokens): ask for a smaller {what} or fewer images")
+                f"at most {bound} per request (--max-request-tokens, default 4 x the step "
+                f"budget --max-batch-tokens): ask for a smaller {what} or fewer images")
 
     def add_request(
         self,

@@ -189,15 +189,15 @@ def test_a_step_in_flight_is_reported_after_its_request_is_aborted(tiny_model_di
 
 def test_a_request_over_the_step_budget_is_refused_up_front(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """Issue 45: a request of any size ran alone, in steps nothing could cut short; by
-    default one request may bring at most the step budget (--max-request-tokens)."""
+    default one request may bring at most four step budgets (--max-request-tokens)."""
     config = EngineConfig(model=str(tiny_model_dir), device="cpu",
-                          scheduler=SchedulerConfig(max_batch_tokens=1024))
+                          scheduler=SchedulerConfig(max_batch_tokens=256))
     engine = DiffusionEngine(config).start()
     try:
-        assert engine.max_request_tokens == 1024
-        fits = engine.runner.work_rule.of(SamplingParams(prompt="x", height=64, width=64))
-        assert fits.tokens <= 1024
-        engine.validate_params(SamplingParams(prompt="x", height=64, width=64))
+        assert engine.max_request_tokens == 4 * 256
+        fits = engine.runner.work_rule.of(SamplingParams(prompt="x", height=128, width=128))
+        assert 256 < fits.tokens <= 1024  # larger than a step's budget: runs alone
+        engine.validate_params(SamplingParams(prompt="x", height=128, width=128))
         with pytest.raises(InvalidRequestError, match="--max-request-tokens") as refused:
             engine.validate_params(SamplingParams(prompt="x", height=512, width=512))
         assert refused.value.field == "size"
