@@ -12,6 +12,8 @@ computes, without PEFT.
 
 Only ``.safetensors`` files are read (a pickle could run code). Text-encoder parts are
 refused: ditserve encodes prompts once per request, without per-request encoder weights.
+Keys diffusers' converter maps to no component (kohya Flux's ``img_in``, ``time_in``, ...)
+are dropped with a warning naming them, as ``load_lora_weights`` ignores them.
 DoRA and LoRA biases are refused too.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import inspect
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ import torch
 
 from ditserve.engine.errors import AdapterError, AdapterFileNotFoundError
 
+log = logging.getLogger(__name__)
 DIT_PREFIXES = ("transformer", "transformer_2")
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' key in the safetensors header
 
@@ -158,6 +162,21 @@ def _scalings(component: str, ranks: dict[str, int], alphas: dict[str, Any],
     return out
 
 
+def _drop_unmapped(state: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
+    """What ``load_lora_weights`` loads: the DiT's keys (prefixed by its component) and the
+    text encoders'; it ignores the rest - kohya Flux files' non-block keys (``img_in``,
+    ``time_in``, ...) come out of diffusers' converter without a component prefix and are
+    never loaded. Dropped here too, and named in the log."""
+    dropped = sorted(k for k in state if k.split(".")[0] not in DIT_PREFIXES
+                     and not k.startswith("text_encoder"))
+    if dropped:
+        modules = sorted({k.rsplit(".lora_", 1)[0] for k in dropped})
+        log.warning("%s: %d LoRA tensors are dropped, as diffusers' load_lora_weights drops "
+                    "them (its converter maps them to no component): %s", file.name,
+                    len(dropped), ", ".join(modules))
+    return {k: v for k, v in state.items() if k not in set(dropped)}
+
+
 def _refuse_unsupported(state: dict[str, torch.Tensor]) -> None:
     others = [k for k in state if k.split(".")[0] not in DIT_PREFIXES]
     if others:
@@ -187,6 +206,7 @@ def read_adapter(path: str | Path, pipeline_class: Any, *, max_rank: int) -> Ada
         # Keys without a component prefix (a DiT's own save_lora_adapter): the DiT's.
         state = {f"transformer.{k}": v for k, v in state.items()}
         alphas = {f"transformer.{k}": v for k, v in alphas.items()}
+    state = _drop_unmapped(state, file)
     _refuse_unsupported(state)
     layers: dict[tuple[str, str], LoraFactors] = {}
     for component in DIT_PREFIXES:
