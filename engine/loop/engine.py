@@ -119,6 +119,19 @@ class DiffusionEngine:
     def ready(self) -> bool:
         return self.phase is EnginePhase.READY
 
+    def _adopt_fitted_scheduler(self, executor: Executor) -> None:
+        """Schedule by the requests per step the HBM budget's plan lowered to (every rank
+        plans alike; nothing is queued before READY, so the queues are rebuilt empty)."""
+        fitted = getattr(executor.runner, "config", self.config).scheduler
+        if fitted == self.config.scheduler:
+            return
+        self.config = replace(self.config, scheduler=fitted)
+        scheduler = replace(ResolvedScheduling.for_family(fitted, _served_family(self.config.model)),
+                            max_loras=self.config.adapters.max_loras)
+        with self._lock:
+            self._pending = PendingRequests(scheduler, self.config.parallel.data_parallel_size)
+            self.max_request_tokens = scheduler.max_request_tokens
+
     def start(self) -> DiffusionEngine:
         """Load the model and warm up (blocking), then start the step loops: -> READY."""
         try:
@@ -133,6 +146,7 @@ class DiffusionEngine:
         except BaseException as e:
             self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise
+        self._adopt_fitted_scheduler(executor)
         with self._lock:
             stopped_meanwhile = self.phase.is_final
             if not stopped_meanwhile:
