@@ -43,6 +43,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "scheduling_policy": ("scheduler", "scheduling_policy"),
     "priority_aging_s": ("scheduler", "aging_s"),
     "max_preemptions": ("scheduler", "max_preemptions"),
+    "urgent_companions": ("scheduler", "urgent_companions"),
     "dlo_slots": ("offload", "slots"),
     "dlo_resident_layers": ("offload", "resident_layers"),
     "dlo_hbm_budget_gib": ("offload", "hbm_budget_gib"),
@@ -115,6 +116,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     g.add_argument("--max-preemptions", type=int, default=None,
                    help="the most times one request may be paused for higher-priority ones "
                         "(default 2)")
+    g.add_argument("--urgent-companions", type=int, default=None,
+                   help="with --scheduling-policy priority: the most rows of other requests "
+                        "a step holds beside an urgent one (priority below 0); companions "
+                        "beyond it are paused (default: unbounded)")
     _add_offload_options(parser)
     _add_pipeline_options(parser)
     _add_lora_options(parser)

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from ditserve.engine.adapters.admission import AdapterRoom
 from ditserve.engine.deadlines import StepClock, finish_steps, late_by
 from ditserve.engine.request import BatchKey, RequestStatus, SamplingParams
-from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder
+from ditserve.engine.scheduling_policy import PRIORITY, PriorityOrder, is_urgent
 from ditserve.engine.step_plan import RunnerOutput, ScheduledRequest, StatusChange, StepPlan
 from ditserve.engine.work import RequestWork, ResolvedScheduling, WorkRule
 
@@ -315,6 +315,8 @@ class StepScheduler:
                 for victim in victims or ():
                     self._pause(victim, now)
                     slots, room, fits = slots + 1, room + victim.tokens, True
+            if fits and not self._companion_fits(request):
+                continue  # an urgent request runs with few rows beside it; it waits
             if not fits:
                 if slots <= 0 or request.times_bypassed >= bound:
                     break  # no room for anybody, or it waited long enough: drain for it
@@ -332,7 +334,45 @@ class StepScheduler:
             joined.add(request.request_id)
             slots, room = slots - 1, room - request.work.tokens
             adapters.take(request)
+            if is_urgent(request):
+                for victim in self._excess_companions(joined):
+                    self._pause(victim, now)
+                    slots, room = slots + 1, room + victim.tokens
         return admitted
+
+    # -- urgent requests (``urgent_companions``) --------------------------------------------
+    def _companion_rows(self) -> int | None:
+        """Rows of non-urgent running requests, when an urgent one runs and the bound is
+        set; None otherwise (nothing to bound)."""
+        limit = self.config.urgent_companions
+        if limit is None or not any(is_urgent(r) for r in self._running.values()):
+            return None
+        return sum(r.work.rows for r in self._running.values() if not is_urgent(r))
+
+    def _companion_fits(self, request: ScheduledRequest) -> bool:
+        rows = self._companion_rows()
+        limit = self.config.urgent_companions
+        return (is_urgent(request) or rows is None or limit is None
+                or rows + request.work.rows <= limit)
+
+    def _excess_companions(self, joined: set[str]) -> list[ScheduledRequest]:
+        """Non-urgent running requests to pause so the companions' rows fit the bound: the
+        worst priority and latest arrival first, only those the policy may pause."""
+        rows, limit = self._companion_rows(), self.config.urgent_companions
+        if rows is None or limit is None or rows <= limit:
+            return []
+        assert self._order is not None
+        eligible = [r for r in self._running.values() if not is_urgent(r)
+                    and r.request_id not in joined and r.remaining_steps > 1
+                    and r.times_paused < self._order.max_preemptions]
+        eligible.sort(key=lambda r: (-r.priority, -r.arrival))
+        chosen = []
+        for request in eligible:
+            if rows <= limit:
+                break
+            chosen.append(request)
+            rows -= request.work.rows
+        return chosen
 
     def _admit_one(self, request: ScheduledRequest) -> None:
         del self._waiting[request.request_id]

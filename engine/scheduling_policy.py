@@ -16,7 +16,10 @@ request lifecycle; this module only decides. Two policies (``SchedulerConfig.sch
   lowest-priority running requests (latest arrival first among equals) are paused at this step
   boundary to make room, if and only if that makes it fit: only requests of strictly worse
   base priority, never one in its last step, never one admitted or resumed in the same pass,
-  and never one already paused ``max_preemptions`` times.
+  and never one already paused ``max_preemptions`` times. With ``urgent_companions`` K, a
+  step holding an urgent request (priority below 0) holds at most K rows of other requests
+  beside it: others wait, and running ones beyond K are paused when it is admitted (the same
+  eligibility rules), so an urgent request runs at close to its idle latency.
 
 How long the work will take is ``engine.deadlines``' (it asks ``ahead_of`` here who goes first).
 """
@@ -30,6 +33,7 @@ from typing import Protocol, TypeVar
 
 FCFS = "fcfs"
 PRIORITY = "priority"
+URGENT_BELOW = 0  # a priority below the default is urgent (``urgent_companions``)
 
 
 class Queued(Protocol):
@@ -52,6 +56,12 @@ class Queued(Protocol):
 
 
 Q = TypeVar("Q", bound=Queued)
+
+
+def is_urgent(request: Queued) -> bool:
+    """Whether a request is urgent: ``SchedulerConfig.urgent_companions`` bounds the rows of
+    other requests a step holds beside it."""
+    return request.priority < URGENT_BELOW
 
 
 @dataclass(frozen=True)

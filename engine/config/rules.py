@@ -78,6 +78,8 @@ def problems(config: EngineConfig) -> list[str]:
                    f"{', '.join(SCHEDULING_POLICIES)}, got {sch.scheduling_policy!r}")
     number_at_least(out, "scheduler.aging_s", sch.aging_s, 0.001)
     int_at_least(out, "scheduler.max_preemptions", sch.max_preemptions, 0)
+    if sch.urgent_companions is not None:
+        int_at_least(out, "scheduler.urgent_companions", sch.urgent_companions, 0)
 
     pipe = config.pipeline
     int_at_least(out, "pipeline.prompt_cache_size", pipe.prompt_cache_size, 0)

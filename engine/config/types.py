@@ -176,6 +176,12 @@ class SchedulerConfig:
     aging_s: under "priority", every ``aging_s`` seconds a request waits (or is paused) it
         counts one priority level sooner, so low priority is never starved.
     max_preemptions: the most times one request may be paused.
+    urgent_companions: under "priority", the most rows of other requests (of priority 0 or
+        worse) a step holds beside an urgent request (priority below 0): an urgent request
+        runs nearly alone, at close to its idle latency, and the batch fills again when it
+        ends. Running companions beyond it are paused when it is admitted (as far as
+        ``max_preemptions`` allows). None (the default): unbounded - urgent requests only
+        go first.
     max_loras: the most distinct LoRA adapters the requests of one step (running and paused)
         may name (``engine.adapters.admission``); None: unbounded. The engine sets it from
         ``adapters.max_loras`` (``--max-loras``), so the adapters resident at once never
@@ -190,6 +196,7 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     aging_s: float = 30.0
     max_preemptions: int = 2
+    urgent_companions: int | None = None
     max_loras: int | None = None
 
 
