@@ -70,8 +70,7 @@ class BatchKey:
     height: int
     width: int
     num_frames: int = 1
-    # The conditioning images' sizes: their latents join every row's tokens, so requests
-    # with other images (or none) run other token counts.
+    # The conditioning images' sizes: their latents join every row's tokens (other counts).
     condition: tuple[tuple[int, int], ...] = ()
     # The text length of a request that names one: prompts of another length would be padded
     # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
@@ -165,7 +164,7 @@ class SamplingParams:
                 "num_frames", f"must be {frame_step}k+1 for this model, got {frames} "
                 f"(try {lower} or {lower + frame_step})")
 
-    def _validate_images(self, accepted: tuple[int, int], max_aspect: float | None) -> None:
+    def _validate_images(self, accepted: tuple[int, int]) -> None:
         fewest, most = accepted
         count = len(self.images)
         if not all(isinstance(i, ConditionImage) for i in self.images):
@@ -179,13 +178,6 @@ class SamplingParams:
         if count > most:
             raise InvalidRequestError("image", f"this model takes at most {most} input image"
                                       f"{'s' if most > 1 else ''}, got {count}")
-        for image in self.images if max_aspect is not None else ():
-            aspect = max(image.width, image.height) / max(1, min(image.width, image.height))
-            if aspect > max_aspect:
-                raise InvalidRequestError(
-                    "image", f"the image is {image.width}x{image.height} pixels, an aspect "
-                    f"ratio of {aspect:.0f}:1; this model reads images up to {max_aspect:g}:1 "
-                    "(crop or pad it)")
     def _validate_loras(self) -> None:
         if len(self.loras) > MAX_LORAS_PER_REQUEST:
             raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
@@ -237,14 +229,15 @@ class SamplingParams:
         return frozenset(step for step in points if 1 <= step < total)
 
     def validate_for(self, limits: ModelLimits) -> SamplingParams:
-        """``validate`` under the loaded model's limits."""
-        return self.validate(pixel_multiple=limits.pixel_multiple,
-                             max_prompt_chars=limits.max_prompt_chars,
-                             frame_step=limits.frame_step, max_side=limits.max_side,
-                             max_frames=limits.max_frames,
-                             condition_images=limits.condition_images,
-                             max_text_tokens=limits.max_text_tokens,
-                             max_condition_aspect=limits.max_condition_aspect)
+        """``validate`` under the loaded model's limits, its images' aspect bound included."""
+        self.validate(pixel_multiple=limits.pixel_multiple,
+                      max_prompt_chars=limits.max_prompt_chars,
+                      frame_step=limits.frame_step, max_side=limits.max_side,
+                      max_frames=limits.max_frames, condition_images=limits.condition_images,
+                      max_text_tokens=limits.max_text_tokens)
+        for image in self.images:
+            image.check_aspect(limits.max_condition_aspect)
+        return self
 
     def validate(
         self,
@@ -258,7 +251,6 @@ class SamplingParams:
         max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
-        max_condition_aspect: float | None = None,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
@@ -267,9 +259,8 @@ class SamplingParams:
         condition_images: (fewest, most) conditioning images the model takes.
         max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
-        max_condition_aspect: the widest conditioning image the model reads (None: any).
         """
-        self._validate_images(condition_images, max_condition_aspect)
+        self._validate_images(condition_images)
         self._validate_text(requires_prompt, max_prompt_chars)
         self._validate_size(pixel_multiple, max_side)
         self._validate_counts(max_images)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 FCFS = "fcfs"
 PRIORITY = "priority"
@@ -53,6 +53,10 @@ class Queued(Protocol):
     def remaining_steps(self) -> int: ...
     @property
     def times_paused(self) -> int: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def rows(self) -> int: ...
 
 
 Q = TypeVar("Q", bound=Queued)
@@ -70,6 +74,12 @@ class PriorityOrder:
 
     aging_s: float
     max_preemptions: int
+    urgent_companions: int | None = None  # rows beside an urgent request (None: unbounded)
+
+    @classmethod
+    def of(cls, config: Any) -> PriorityOrder:
+        """The order of a ``SchedulerConfig`` (its aging, pause limit and urgent bound)."""
+        return cls(config.aging_s, config.max_preemptions, config.urgent_companions)
 
     def effective_priority(self, request: Queued, now: float) -> int:
         waited = max(0.0, now - request.arrived_at)
@@ -115,3 +125,39 @@ class PriorityOrder:
         key = self.key(new, now)
         return [*(r for r in running if r.priority <= new.priority),
                 *(r for r in queued if self.key(r, now) < key)]
+
+    # -- urgent requests (``urgent_companions``) --------------------------------------------
+    def _companion_rows(self, running: Iterable[Q]) -> int | None:
+        """Rows of the non-urgent running requests while an urgent one runs and the bound is
+        set; None when there is nothing to bound."""
+        held = list(running)
+        if self.urgent_companions is None or not any(is_urgent(r) for r in held):
+            return None
+        return sum(r.rows for r in held if not is_urgent(r))
+
+    def companion_fits(self, running: Iterable[Q], request: Queued) -> bool:
+        """Whether ``request`` may join the running batch beside its urgent requests."""
+        rows = self._companion_rows(running)
+        return (is_urgent(request) or rows is None or self.urgent_companions is None
+                or rows + request.rows <= self.urgent_companions)
+
+    def excess_companions(self, running: Iterable[Q], admitted: Queued,
+                          joined: set[str]) -> list[Q]:
+        """After ``admitted`` joined the batch: the non-urgent running requests to pause so
+        the rows beside an urgent request fit the bound (worst priority, latest arrival
+        first; never one that joined this pass, is in its last step or was paused
+        ``max_preemptions`` times). Empty unless ``admitted`` is urgent."""
+        held = list(running)
+        rows, limit = self._companion_rows(held), self.urgent_companions
+        if not is_urgent(admitted) or rows is None or limit is None or rows <= limit:
+            return []
+        eligible = [r for r in held if not is_urgent(r) and r.request_id not in joined
+                    and r.remaining_steps > 1 and r.times_paused < self.max_preemptions]
+        eligible.sort(key=lambda r: (-r.priority, -r.arrival))
+        chosen: list[Q] = []
+        for request in eligible:
+            if rows <= limit:
+                break
+            chosen.append(request)
+            rows -= request.rows
+        return chosen

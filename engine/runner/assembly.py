@@ -42,6 +42,8 @@ class Assembled:
     pipeline: StepPipeline
     adapters: Any
     offload: OffloadHandle | None
+    # The engine config with the settings the plan lowered to fit (``with_fitted_settings``).
+    config: EngineConfig
     inputs: BudgetInputs | None = None  # the memory planner's inputs (None: not plannable)
     budget: BudgetPlan | None = None  # the plan --dlo-hbm-budget-gib chose
 
@@ -86,7 +88,8 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
         from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
         compile_repeated_blocks(pipeline.transformer, config.compile)
-    return Assembled(pipeline, adapters, handle, inputs, budget)
+    return Assembled(pipeline, adapters, handle, with_fitted_settings(config, budget), inputs,
+                     budget)
 
 
 def _planner_inputs(pipeline: Any, config: EngineConfig) -> BudgetInputs | None:

@@ -33,12 +33,7 @@ from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
-from ditserve.engine.runner.assembly import (
-    assemble,
-    resolve_device,
-    weights_replaced,
-    with_fitted_settings,
-)
+from ditserve.engine.runner.assembly import assemble, resolve_device, weights_replaced
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
@@ -101,11 +96,8 @@ class ModelRunner:
                 host_plan.close()
             raise
         self.pipeline: StepPipeline = built.pipeline
-        self.adapters, self.offload = built.adapters, built.offload
-        self.budget = built.budget
-        # Settings the budget lowered to fit (prompt cache, requests per step) hold from here;
-        # the engine's scheduler reads them off rank 0's runner.
-        config = self.config = with_fitted_settings(config, built.budget)
+        self.adapters, self.offload, self.budget = built.adapters, built.offload, built.budget
+        config = self.config = built.config  # as the budget lowered it (the engine reads it)
         if host_plan is not None:
             # Exactly once: a plan that replaced the ordinary load must have been taken.
             host_plan.require_consumed()
