@@ -124,7 +124,9 @@ def _budget_plan(inputs: BudgetInputs | None, config: EngineConfig,
     except BudgetError as refused:
         fitted = fit_settings(pipeline, config, budget, auto=auto)
         if fitted is None:
-            raise refused from None
+            raise BudgetError(f"{refused} (one request per step with a "
+                              f"{SMALL_PROMPT_CACHE_GIB:g} GiB prompt cache does not fit "
+                              "either)", refused.minimum_bytes) from None
         for change in fitted.settings.changes if fitted.settings else ():
             log.warning("--dlo-hbm-budget-gib %s: lowered %s so the budget holds (set it "
                         "yourself to choose another trade)", wanted, change)
