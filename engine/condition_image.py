@@ -30,3 +30,13 @@ class ConditionImage:
 
     def __repr__(self) -> str:  # never print the pixels into a log
         return f"ConditionImage({self.width}x{self.height})"
+
+    def check_aspect(self, max_aspect: float | None) -> None:
+        """Refuse an image longer than ``max_aspect`` : 1 (the model's image reader's limit,
+        ``ModelLimits.max_condition_aspect``; None: any)."""
+        aspect = max(self.width, self.height) / max(1, min(self.width, self.height))
+        if max_aspect is not None and aspect > max_aspect:
+            raise InvalidRequestError(
+                "image", f"the image is {self.width}x{self.height} pixels, an aspect ratio "
+                f"of {aspect:.0f}:1; this model reads images up to {max_aspect:g}:1 (crop or "
+                "pad it)")

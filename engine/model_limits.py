@@ -28,6 +28,8 @@ class ModelLimits:
     condition_images: (fewest, most) input images a request brings (edits, image-to-video);
         (0, 0) for a text-only model.
     max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
+    max_condition_aspect: the largest long-side / short-side ratio of a conditioning image
+        (None: any), where the model's image reader has one (Qwen2.5-VL's).
     """
 
     pixel_multiple: int = 16
@@ -38,6 +40,7 @@ class ModelLimits:
     positions: int | None = None
     condition_images: tuple[int, int] = (0, 0)
     max_text_tokens: int | None = None
+    max_condition_aspect: float | None = None
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,

@@ -70,8 +70,7 @@ class BatchKey:
     height: int
     width: int
     num_frames: int = 1
-    # The conditioning images' sizes: their latents join every row's tokens, so requests
-    # with other images (or none) run other token counts.
+    # The conditioning images' sizes: their latents join every row's tokens (other counts).
     condition: tuple[tuple[int, int], ...] = ()
     # The text length of a request that names one: prompts of another length would be padded
     # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
@@ -230,13 +229,15 @@ class SamplingParams:
         return frozenset(step for step in points if 1 <= step < total)
 
     def validate_for(self, limits: ModelLimits) -> SamplingParams:
-        """``validate`` under the loaded model's limits."""
-        return self.validate(pixel_multiple=limits.pixel_multiple,
-                             max_prompt_chars=limits.max_prompt_chars,
-                             frame_step=limits.frame_step, max_side=limits.max_side,
-                             max_frames=limits.max_frames,
-                             condition_images=limits.condition_images,
-                             max_text_tokens=limits.max_text_tokens)
+        """``validate`` under the loaded model's limits, its images' aspect bound included."""
+        self.validate(pixel_multiple=limits.pixel_multiple,
+                      max_prompt_chars=limits.max_prompt_chars,
+                      frame_step=limits.frame_step, max_side=limits.max_side,
+                      max_frames=limits.max_frames, condition_images=limits.condition_images,
+                      max_text_tokens=limits.max_text_tokens)
+        for image in self.images:
+            image.check_aspect(limits.max_condition_aspect)
+        return self
 
     def validate(
         self,

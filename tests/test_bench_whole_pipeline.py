@@ -76,3 +76,24 @@ def test_host_rss_names_the_phase_a_peak_fell_in() -> None:
     phases = [(10.0, "start"), (12.0, "loader: DLO host backing"), (20.0, "plan")]
     assert bench.phase_at(phases, 13.5) == "1.5 s after: loader: DLO host backing"
     assert bench.phase_at(phases, 9.0) == "before the first log line"
+
+
+def test_the_plans_prediction_is_judged_against_the_measured_peak(tmp_path: Path) -> None:
+    """Issue 45: the lead verifies the planner's +-15% on the H200 with this target; the
+    prompt cache counts at what the run filled, not at its bound."""
+    bench = load("whole_pipeline")
+    gib = 1 << 30
+    plan = {"predicted_peak_bytes": int(4.0 * gib), "held_bytes": {"prompt cache": gib}}
+    runs = {"close": {"memory": {"peak_allocated": 3 * gib, "peak_reserved": 4 * gib},
+                      "pipeline": {"memory": plan}, "prompt_cache": {"bytes": 0},
+                      "concurrent": 4},
+            "far": {"memory": {"peak_allocated": 2 * gib, "peak_reserved": 3 * gib},
+                    "pipeline": {"memory": plan}, "prompt_cache": {"bytes": gib}}}
+    found = {t["target"].split()[0]: (round(t["value"], 3), t["met"])
+             for t in bench.targets({"configs": runs}, bench.WORKLOADS["flux"])
+             if "predicted" in t["target"]}
+    assert found == {"close": (1.0, True), "far": (2.0, False)}
+    assert bench.main(["--model", "flux", "--size", "tiny", "--out", str(tmp_path),
+                       "--configs", "dlo-whole", "--concurrent", "plan"]) == 0
+    result = json.loads((tmp_path / "whole_pipeline_flux_tiny.json").read_text())
+    assert result["configs"]["dlo-whole"]["concurrent"] == 4

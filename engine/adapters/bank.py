@@ -127,6 +127,21 @@ class AdapterBank:
             log.info("adapter %s evicted (--max-loras %d)", key[0], self.max_loras)
 
     # -- layers ---------------------------------------------------------------------------
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every layer an adapter may target, as ``"<component>.<module>"`` -> (in, out):
+        the table the catalog checks a runtime load against (``files.check_fits``)."""
+        shapes = {}
+        for path, module in self.transformer.named_modules():
+            layer: Any = module
+            if not path or not hasattr(layer, "in_features") or not hasattr(
+                    layer, "out_features"):
+                continue
+            name = path if self.components else f"transformer.{path}"
+            if self.components and name.split(".", 1)[0] not in self.components:
+                continue
+            shapes[name] = (int(layer.in_features), int(layer.out_features))
+        return shapes
+
     def _path(self, component: str, module: str) -> str:
         if not self.components:
             if component != "transformer":

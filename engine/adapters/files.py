@@ -12,6 +12,8 @@ computes, without PEFT.
 
 Only ``.safetensors`` files are read (a pickle could run code). Text-encoder parts are
 refused: ditserve encodes prompts once per request, without per-request encoder weights.
+Keys diffusers' converter maps to no component (kohya Flux's ``img_in``, ``time_in``, ...)
+are dropped with a warning naming them, as ``load_lora_weights`` ignores them.
 DoRA and LoRA biases are refused too.
 """
 
@@ -20,7 +22,9 @@ from __future__ import annotations
 import collections
 import inspect
 import json
+import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ import torch
 
 from ditserve.engine.errors import AdapterError, AdapterFileNotFoundError
 
+log = logging.getLogger(__name__)
 DIT_PREFIXES = ("transformer", "transformer_2")
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' key in the safetensors header
 
@@ -157,6 +162,21 @@ def _scalings(component: str, ranks: dict[str, int], alphas: dict[str, Any],
     return out
 
 
+def _drop_unmapped(state: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
+    """What ``load_lora_weights`` loads: the DiT's keys (prefixed by its component) and the
+    text encoders'; it ignores the rest - kohya Flux files' non-block keys (``img_in``,
+    ``time_in``, ...) come out of diffusers' converter without a component prefix and are
+    never loaded. Dropped here too, and named in the log."""
+    dropped = sorted(k for k in state if k.split(".")[0] not in DIT_PREFIXES
+                     and not k.startswith("text_encoder"))
+    if dropped:
+        modules = sorted({k.rsplit(".lora_", 1)[0] for k in dropped})
+        log.warning("%s: %d LoRA tensors are dropped, as diffusers' load_lora_weights drops "
+                    "them (its converter maps them to no component): %s", file.name,
+                    len(dropped), ", ".join(modules))
+    return {k: v for k, v in state.items() if k not in set(dropped)}
+
+
 def _refuse_unsupported(state: dict[str, torch.Tensor]) -> None:
     others = [k for k in state if k.split(".")[0] not in DIT_PREFIXES]
     if others:
@@ -186,6 +206,7 @@ def read_adapter(path: str | Path, pipeline_class: Any, *, max_rank: int) -> Ada
         # Keys without a component prefix (a DiT's own save_lora_adapter): the DiT's.
         state = {f"transformer.{k}": v for k, v in state.items()}
         alphas = {f"transformer.{k}": v for k, v in alphas.items()}
+    state = _drop_unmapped(state, file)
     _refuse_unsupported(state)
     layers: dict[tuple[str, str], LoraFactors] = {}
     for component in DIT_PREFIXES:
@@ -211,9 +232,38 @@ def read_adapter(path: str | Path, pipeline_class: Any, *, max_rank: int) -> Ada
     return AdapterWeights(path=str(file), layers=layers)
 
 
-def rank_inspector(model_dir: str | Path, *, max_rank: int) -> Any:
+LinearShapes = Mapping[str, tuple[int, int]]
+"""``"<component>.<module>"`` -> (in_features, out_features) of every linear layer an
+adapter may target (``AdapterBank.linear_shapes``)."""
+
+
+def check_fits(weights: AdapterWeights, shapes: LinearShapes) -> None:
+    """Refuse an adapter that names a layer the model lacks, or whose factors do not fit
+    the layer: the same file would fail every request that names it."""
+    components = sorted({name.split(".", 1)[0] for name in shapes})
+    name = Path(weights.path).name
+    for (component, module), factors in weights.layers.items():
+        if component not in components:
+            raise AdapterError(f"{name}: the adapter targets {component}; this model's DiTs "
+                               f"are {', '.join(components)}")
+        shape = shapes.get(f"{component}.{module}")
+        if shape is None:
+            raise AdapterError(f"{name}: the adapter targets {component}.{module}, which is "
+                               "not a linear layer of this model: it was trained for another "
+                               "model")
+        fan_in, fan_out = shape
+        if factors.down.shape[1] != fan_in or factors.up.shape[0] != fan_out:
+            raise AdapterError(
+                f"{name}: the adapter's factors for {component}.{module} are "
+                f"{tuple(factors.up.shape)} x {tuple(factors.down.shape)}, but the layer is "
+                f"{fan_in} -> {fan_out}: the adapter was trained for another model")
+
+
+def rank_inspector(model_dir: str | Path, *, max_rank: int,
+                   shapes: LinearShapes | None = None) -> Any:
     """path -> the adapter's rank, checking the file as a runner will read it for the model
-    in ``model_dir`` (the engine's catalog calls it on every load)."""
+    in ``model_dir`` (the engine's catalog calls it on every load); with ``shapes``, also
+    that every layer it targets exists and fits (``check_fits``)."""
     import diffusers
 
     from ditserve.engine.weights.loader import read_model_index
@@ -221,6 +271,9 @@ def rank_inspector(model_dir: str | Path, *, max_rank: int) -> Any:
     pipeline_class = getattr(diffusers, read_model_index(model_dir)[0])
 
     def inspect_file(path: str) -> int:
-        return read_adapter(path, pipeline_class, max_rank=max_rank).rank
+        weights = read_adapter(path, pipeline_class, max_rank=max_rank)
+        if shapes is not None:
+            check_fits(weights, shapes)
+        return weights.rank
 
     return inspect_file

@@ -64,7 +64,10 @@ class AdaptedLinear:
         self.factors[key] = factors
         self._stack = None
         if self._handle is None:
-            self._handle = self.module.register_forward_hook(self._hook)
+            # First among the layer's hooks: the delta is part of the layer's output, which
+            # later hooks see whole (SP's gather on the DiT's final proj_out was attached
+            # at start; running before it, the delta joins each rank's own tokens).
+            self._handle = self.module.register_forward_hook(self._hook, prepend=True)
 
     def remove(self, key: AdapterKey) -> None:
         self.factors.pop(key, None)

@@ -37,11 +37,13 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "quantization": (None, "quantization"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_batch_tokens": ("scheduler", "max_batch_tokens"),
+    "max_request_tokens": ("scheduler", "max_request_tokens"),
     "max_bypass": ("scheduler", "max_bypass"),
     "max_queue": ("scheduler", "max_queue"),
     "scheduling_policy": ("scheduler", "scheduling_policy"),
     "priority_aging_s": ("scheduler", "aging_s"),
     "max_preemptions": ("scheduler", "max_preemptions"),
+    "urgent_companions": ("scheduler", "urgent_companions"),
     "dlo_slots": ("offload", "slots"),
     "dlo_resident_layers": ("offload", "resident_layers"),
     "dlo_hbm_budget_gib": ("offload", "hbm_budget_gib"),
@@ -94,6 +96,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="work budget of one step: rows x latent tokens over its requests "
                         "(default: --max-num-seqs requests of the family's usual size - 16384 "
                         "for Flux/Qwen-Image, 262080 for Wan; a larger request runs alone)")
+    g.add_argument("--max-request-tokens", type=int, default=None,
+                   help="the most work one request may bring to a step, rows x latent tokens "
+                        "(default: 4 x --max-batch-tokens); a larger one is refused with a 400, "
+                        "since a step cannot be cut short when its client leaves")
     g.add_argument("--max-bypass", type=int, default=None,
                    help="how often requests that fit a step may overtake an older one that "
                         "does not (default 8; 0: strict arrival order)")
@@ -110,6 +116,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     g.add_argument("--max-preemptions", type=int, default=None,
                    help="the most times one request may be paused for higher-priority ones "
                         "(default 2)")
+    g.add_argument("--urgent-companions", type=int, default=None,
+                   help="with --scheduling-policy priority: the most rows of other requests "
+                        "a step holds beside an urgent one (priority below 0); companions "
+                        "beyond it are paused (default: unbounded)")
     _add_offload_options(parser)
     _add_pipeline_options(parser)
     _add_lora_options(parser)

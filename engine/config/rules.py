@@ -68,6 +68,8 @@ def problems(config: EngineConfig) -> list[str]:
     int_at_least(out, "scheduler.max_num_seqs", sch.max_num_seqs, 1)
     if sch.max_batch_tokens is not None:
         int_at_least(out, "scheduler.max_batch_tokens", sch.max_batch_tokens, 1)
+    if sch.max_request_tokens is not None:
+        int_at_least(out, "scheduler.max_request_tokens", sch.max_request_tokens, 1)
     int_at_least(out, "scheduler.max_bypass", sch.max_bypass, 0)
     if sch.max_queue is not None:
         int_at_least(out, "scheduler.max_queue", sch.max_queue, 0)
@@ -76,6 +78,8 @@ def problems(config: EngineConfig) -> list[str]:
                    f"{', '.join(SCHEDULING_POLICIES)}, got {sch.scheduling_policy!r}")
     number_at_least(out, "scheduler.aging_s", sch.aging_s, 0.001)
     int_at_least(out, "scheduler.max_preemptions", sch.max_preemptions, 0)
+    if sch.urgent_companions is not None:
+        int_at_least(out, "scheduler.urgent_companions", sch.urgent_companions, 0)
 
     pipe = config.pipeline
     int_at_least(out, "pipeline.prompt_cache_size", pipe.prompt_cache_size, 0)

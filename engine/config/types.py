@@ -157,6 +157,12 @@ class SchedulerConfig:
         (``Family.reference_work``: 16384 for four 1024x1024 Flux or Qwen-Image images,
         262080 for four 81-frame Wan videos with CFG), resolved when the engine is built. A
         request larger than the budget runs alone.
+    max_request_tokens: the most work (rows x latent tokens) one request may bring to a step;
+        a larger request is refused up front (400 naming ``size``). None (the default): four
+        times the resolved ``max_batch_tokens`` - a step cannot be interrupted, and one huge
+        request would otherwise hold the replica for one step of minutes that an abort (a
+        client gone) cannot cut short. Raise it to serve larger
+        images or videos (each then runs alone, in long steps).
     max_num_seqs: the most requests in one step (of any shapes), whatever their work.
     max_bypass: how often requests that fit the step may overtake an older request that does
         not, before nobody passes it (bounded wait, no starvation); 0 admits strictly in
@@ -170,6 +176,12 @@ class SchedulerConfig:
     aging_s: under "priority", every ``aging_s`` seconds a request waits (or is paused) it
         counts one priority level sooner, so low priority is never starved.
     max_preemptions: the most times one request may be paused.
+    urgent_companions: under "priority", the most rows of other requests (of priority 0 or
+        worse) a step holds beside an urgent request (priority below 0): an urgent request
+        runs nearly alone, at close to its idle latency, and the batch fills again when it
+        ends. Running companions beyond it are paused when it is admitted (as far as
+        ``max_preemptions`` allows). None (the default): unbounded - urgent requests only
+        go first.
 
     The bound on a step's distinct LoRA adapters is not a scheduler option: it is
     ``adapters.max_loras`` (``--max-loras``), which the engine hands the resolved scheduling.
@@ -177,11 +189,13 @@ class SchedulerConfig:
 
     max_num_seqs: int = 4
     max_batch_tokens: int | None = None
+    max_request_tokens: int | None = None
     max_bypass: int = 8
     max_queue: int | None = 64
     scheduling_policy: SchedulingPolicy = "fcfs"
     aging_s: float = 30.0
     max_preemptions: int = 2
+    urgent_companions: int | None = None
 
 
 @dataclass(frozen=True)

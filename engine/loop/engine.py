@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,7 @@ class DiffusionEngine:
         scheduler = ResolvedScheduling.for_family(config.scheduler, _served_family(config.model),
                                                   max_loras=config.adapters.max_loras)
         self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
+        self.max_request_tokens = scheduler.max_request_tokens
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
 
@@ -116,6 +118,19 @@ class DiffusionEngine:
     def ready(self) -> bool:
         return self.phase is EnginePhase.READY
 
+    def _adopt_fitted_scheduler(self, executor: Executor) -> None:
+        """Schedule by the requests per step the HBM budget's plan lowered to (every rank
+        plans alike; nothing is queued before READY, so the queues are rebuilt empty)."""
+        fitted = getattr(executor.runner, "config", self.config).scheduler
+        if fitted == self.config.scheduler:
+            return
+        self.config = replace(self.config, scheduler=fitted)
+        scheduler = ResolvedScheduling.for_family(fitted, _served_family(self.config.model),
+                                                  max_loras=self.config.adapters.max_loras)
+        with self._lock:
+            self._pending = PendingRequests(scheduler, self.config.parallel.data_parallel_size)
+            self.max_request_tokens = scheduler.max_request_tokens
+
     def start(self) -> DiffusionEngine:
         """Load the model and warm up (blocking), then start the step loops: -> READY."""
         try:
@@ -123,11 +138,14 @@ class DiffusionEngine:
                 self.config, self.warmup,
                 on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING))
             adapters = self.config.adapters
+            bank = getattr(executor.runner, "adapters", None)
             self.adapters = AdapterCatalog(adapters, inspect=rank_inspector(
-                self.model_dir, max_rank=adapters.max_lora_rank))
+                self.model_dir, max_rank=adapters.max_lora_rank,
+                shapes=bank.linear_shapes() if bank is not None else None))
         except BaseException as e:
             self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise
+        self._adopt_fitted_scheduler(executor)
         with self._lock:
             stopped_meanwhile = self.phase.is_final
             if not stopped_meanwhile:
@@ -201,7 +219,7 @@ class DiffusionEngine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return self._pending.stats()
+            return self._pending.stats(time.monotonic())
 
     def pipeline_report(self) -> dict[str, Any] | None:
         """Rank 0's plan of the whole pipeline and its prompt-cache counters (other DP ranks
@@ -237,7 +255,23 @@ class DiffusionEngine:
                                       "resident at once (--max-loras); name fewer")
         if self.runner is not None:  # what the served model's step cache can do
             self.runner.step_cache.check(params.step_cache)
+            self._check_work(params)
         return params
+
+    def _check_work(self, params: SamplingParams) -> None:
+        """Refuse a request whose one step would exceed ``max_request_tokens``: a step is
+        never cut short, so it would hold the replica even after its client left."""
+        work = self.runner.work_rule.of(params)
+        tokens = work.tokens
+        bound = self.max_request_tokens
+        if tokens > bound:
+            what = "size and frames" if params.num_frames > 1 else "size"
+            raise InvalidRequestError(
+                "size", f"{params.width}x{params.height}"
+                f"{f' x {params.num_frames} frames' if params.num_frames > 1 else ''} x "
+                f"{work.rows} row(s) is {tokens} tokens of work per step; this server takes "
+                f"at most {bound} per request (--max-request-tokens, default 4 x the step "
+                f"budget --max-batch-tokens): ask for a smaller {what} or fewer images")
 
     def add_request(
         self,

@@ -26,6 +26,17 @@ class PendingRequests:
         self._rows_run = 0
         self._finished = 0
         self._cache = [0, 0, 0]  # step cache: block runs, skipped blocks, skipped bytes
+        # Steps on the executor now, by step group: (started at, requests it denoises). A
+        # request aborted meanwhile is still computed until the step ends.
+        self._in_flight: dict[tuple[int, ...], tuple[float, int]] = {}
+
+    def step_started(self, group: tuple[int, ...], plans: list[StepPlan], now: float) -> None:
+        requests = sum(len(plan.denoise) for plan in plans)
+        if requests:
+            self._in_flight[group] = (now, requests)
+
+    def step_ended(self, group: tuple[int, ...]) -> None:
+        self._in_flight.pop(group, None)
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -36,7 +47,8 @@ class PendingRequests:
     def get(self, request_id: str) -> RequestHandle | None:
         return self._handles.get(request_id)
 
-    def stats(self) -> EngineStats:
+    def stats(self, now: float | None = None) -> EngineStats:
+        """now: the monotonic clock (the age of the steps in flight)."""
         q = self.queues
         measured = [s.step_seconds for s in q.schedulers if s.step_seconds is not None]
         return EngineStats(q.num_running, q.num_waiting, self._steps_run, self._rows_run,
@@ -45,7 +57,11 @@ class PendingRequests:
                            step_seconds=max(measured) if measured else None,
                            step_cache_block_runs=self._cache[0],
                            step_cache_skipped_blocks=self._cache[1],
-                           step_cache_skipped_bytes=self._cache[2])
+                           step_cache_skipped_bytes=self._cache[2],
+                           step_in_flight_s=max((now - start for start, _ in
+                                                 self._in_flight.values()), default=None)
+                           if now is not None else None,
+                           requests_in_flight=sum(n for _, n in self._in_flight.values()))
 
     def add(self, handle: RequestHandle, work: RequestWork | None = None) -> None:
         """Queue a request (``work``: its rows x tokens by the model's WorkRule);

@@ -133,6 +133,10 @@ class EngineStats:
     step_cache_block_runs: int = 0  # block computations (one request through one block)
     step_cache_skipped_blocks: int = 0  # of those, skipped by the step cache
     step_cache_skipped_bytes: int = 0  # streamed block bytes not copied (DLO)
+    # The oldest step on the executor now (None: none), and the requests its steps denoise -
+    # aborted ones included: a step is never cut short, so they still cost until it ends.
+    step_in_flight_s: float | None = None
+    requests_in_flight: int = 0
 
     @property
     def step_cache_skipped_fraction(self) -> float:

@@ -64,7 +64,11 @@ class StepLoops:
     def _step(self, executor: Executor, group: tuple[int, ...]) -> None:
         """One engine step of ``group``: schedule, execute, apply."""
         work = self._schedule(group)
-        outputs = executor.step(work)
+        try:
+            outputs = executor.step(work)
+        finally:
+            with self._lock:
+                self._pending.step_ended(group)
         self._apply(work, outputs)
 
     def _wait_for_work(self, group: tuple[int, ...], heartbeat_s: float | None) -> bool | None:
@@ -89,6 +93,7 @@ class StepLoops:
             self._wakeup.notify_all()  # released requests may be another loop's work
             now = time.monotonic()
             plans = {rank: self._pending.queues.schedulers[rank].schedule() for rank in group}
+            self._pending.step_started(group, list(plans.values()), now)
             return {rank: RankWork(plan, self._pending.admitted(plan, now))
                     for rank, plan in plans.items()}
 

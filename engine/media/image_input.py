@@ -33,8 +33,15 @@ def decode_image(data: bytes, *, field: str = "image",
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             image = Image.open(io.BytesIO(data), formats=list(FORMATS))
-        except (UnidentifiedImageError, Image.DecompressionBombError) as e:
+        except UnidentifiedImageError as e:
             raise InvalidRequestError(field, "not a PNG, JPEG or WebP image") from e
+        except Image.DecompressionBombError as e:
+            # PIL refuses sizes past twice its own bound while it reads the header: the file
+            # is an image, only far too large.
+            raise InvalidRequestError(
+                field, f"the image has more than {2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels; "
+                f"at most {max_pixels} pixels are accepted (decoding it would take too much "
+                "memory)") from e
         width, height = image.size
         if width * height > max_pixels:
             raise InvalidRequestError(

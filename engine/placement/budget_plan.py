@@ -98,6 +98,17 @@ class BudgetInputs:
 
 
 @dataclass(frozen=True)
+class FittedSettings:
+    """The scheduler's and prompt cache's settings a budget was planned for, when the
+    planner lowered them (``changes``: "--flag old -> new" for the log)."""
+
+    max_num_seqs: int
+    max_batch_tokens: int | None
+    prompt_cache_gib: float
+    changes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class BudgetPlan:
     """Where everything lives under the budget, and the peak it predicts (bytes)."""
 
@@ -111,6 +122,9 @@ class BudgetPlan:
     held: dict[str, int] = field(default_factory=dict)
     minimum: int = 0
     auto: bool = False
+    # Serving settings the plan lowered so the budget holds (``fit_settings``): what the
+    # runner and the scheduler then use, and one line each saying so.
+    settings: FittedSettings | None = None
 
     @property
     def encoders_resident(self) -> bool:
@@ -138,6 +152,7 @@ class BudgetPlan:
                 "encoders": self.encoder_summary(), "encoder_modes": dict(self.encoders),
                 "decode": "tiled" if self.decode_tiled else "whole",
                 "decode_room_bytes": self.decode_room,
+                "lowered": list(self.settings.changes) if self.settings else [],
                 "held_bytes": dict(self.held), "phase_bytes": dict(self.phases)}
 
 

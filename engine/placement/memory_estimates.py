@@ -8,8 +8,11 @@ docs/benchmarks.md (they err on the large side):
 - denoise: ``Family.activation_copies`` hidden states of the step's tokens at once (a Flux
   step at b1 1024x1024 measured 0.49 GiB, 18.6 hidden states of its 4608 tokens: 20; a Wan
   block with the engine's sliced math measured 8.5: 10);
-- encode: per prompt and encoder layer the hidden state, the feed-forward's gated pair and
-  the attention scores, plus every layer's hidden state (Qwen-Image reads them all);
+- encode: per prompt the hidden state, the feed-forward's gated pair and the attention scores
+  (compute dtype, float32 softmax, its cast), plus every layer's hidden state only where the
+  pipeline reads them all (Qwen-Image: ``encoder_keeps_hidden_states``; T5 frees each layer's
+  input as the next runs - counting them all made Flux's encode phase 3.4 GiB, the largest
+  term of its 6.77 GiB prediction against 3.06 measured);
 - VAE decode: ``*_DECODE_COPIES`` tensors of the full-resolution stage's width over one
   chunk of output (a frame; Wan: the 4 frames one latent frame decodes to; its 832x480
   decode measured 4.27 GiB against 4.57 estimated), plus the output and its float32 copies;
@@ -82,16 +85,22 @@ def _config_value(config: Any, *names: str) -> int:
     return 0
 
 
-def encode_activation_bytes(encoder: torch.nn.Module, *, prompts: int, tokens: int) -> int:
-    """One pass of ``encoder`` over ``prompts`` prompts of ``tokens`` tokens each."""
+def encode_activation_bytes(encoder: torch.nn.Module, *, prompts: int, tokens: int,
+                            all_layers: bool = False) -> int:
+    """One pass of ``encoder`` over ``prompts`` prompts of ``tokens`` tokens each;
+    ``all_layers``: the pipeline reads every layer's hidden state (Qwen-Image), so they are
+    all alive at the end (otherwise each layer's input is freed as the next one runs)."""
     cfg = getattr(encoder, "config", None)
     width = _config_value(cfg, "d_model", "hidden_size") or 1024
     ffn = _config_value(cfg, "d_ff", "intermediate_size") or 4 * width
     heads = _config_value(cfg, "num_heads", "num_attention_heads") or 16
     layers = _config_value(cfg, "num_layers", "num_hidden_layers") or 24
     elem = next(encoder.parameters()).element_size()
-    per_prompt = tokens * elem * (8 * width + 4 * ffn + (layers + 1) * width)
-    scores = 3 * heads * tokens * tokens * 4  # float32 scores, softmax, dropout-free copy
+    kept = (layers + 1) * width if all_layers else 0
+    per_prompt = tokens * elem * (8 * width + 4 * ffn + kept)
+    # The scores in the compute dtype, their float32 softmax and its cast back (T5's eager
+    # attention; an SDPA encoder holds less).
+    scores = heads * tokens * tokens * (2 * elem + 4)
     return prompts * (per_prompt + scores)
 
 
@@ -168,7 +177,9 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
                      if isinstance(m := getattr(pipeline, name, None), torch.nn.Module))
     streamable = tuple((name, held) for name, m in encoders
                        if (held := streamed_encoder_bytes(m)) is not None)
-    encode = max((encode_activation_bytes(m, prompts=rows, tokens=text + TEMPLATE_TOKENS)
+    all_layers = bool(getattr(pipeline, "encoder_keeps_hidden_states", False))
+    encode = max((encode_activation_bytes(m, prompts=rows, tokens=text + TEMPLATE_TOKENS,
+                                          all_layers=all_layers)
                   for _, m in encoders), default=0)
     vae = pipeline.vae
     frames, height, width = planned_shape(pipeline)

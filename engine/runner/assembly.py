@@ -19,7 +19,14 @@ import torch
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
-from ditserve.engine.placement.budget_plan import GIB, BudgetInputs, BudgetPlan, plan_budget
+from ditserve.engine.placement.budget_plan import (
+    GIB,
+    BudgetError,
+    BudgetInputs,
+    BudgetPlan,
+    FittedSettings,
+    plan_budget,
+)
 from ditserve.engine.weights.load import LoadedWeights
 
 if TYPE_CHECKING:
@@ -35,6 +42,8 @@ class Assembled:
     pipeline: StepPipeline
     adapters: Any
     offload: OffloadHandle | None
+    # The engine config with the settings the plan lowered to fit (``with_fitted_settings``).
+    config: EngineConfig
     inputs: BudgetInputs | None = None  # the memory planner's inputs (None: not plannable)
     budget: BudgetPlan | None = None  # the plan --dlo-hbm-budget-gib chose
 
@@ -57,7 +66,7 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
 
         quantize_dit(pipeline.transformer, config.quantization, device=device)
     inputs = _planner_inputs(pipeline, config)
-    budget = _budget_plan(inputs, config, device)
+    budget = _budget_plan(inputs, config, device, pipeline)
     handle = None
     if offload:
         from ditserve.engine.offload import enable_offload
@@ -79,7 +88,8 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
         from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
         compile_repeated_blocks(pipeline.transformer, config.compile)
-    return Assembled(pipeline, adapters, handle, inputs, budget)
+    return Assembled(pipeline, adapters, handle, with_fitted_settings(config, budget), inputs,
+                     budget)
 
 
 def _planner_inputs(pipeline: Any, config: EngineConfig) -> BudgetInputs | None:
@@ -98,9 +108,10 @@ def _planner_inputs(pipeline: Any, config: EngineConfig) -> BudgetInputs | None:
 
 
 def _budget_plan(inputs: BudgetInputs | None, config: EngineConfig,
-                 device: torch.device) -> BudgetPlan | None:
+                 device: torch.device, pipeline: Any) -> BudgetPlan | None:
     """The plan of ``--dlo-hbm-budget-gib`` (a number or ``auto``); None without one.
-    Raises ``BudgetError`` (a ConfigError) when even the smallest placement does not fit."""
+    Raises ``BudgetError`` (a ConfigError) when even the smallest placement does not fit,
+    after lowering the prompt cache's bound and the requests per step (``fit_settings``)."""
     wanted = config.offload.hbm_budget_gib
     if wanted is None or inputs is None:
         return None
@@ -108,7 +119,69 @@ def _budget_plan(inputs: BudgetInputs | None, config: EngineConfig,
 
     auto = wanted == "auto"
     budget = auto_budget(device) if auto else int(float(wanted) * GIB)
-    return plan_budget(inputs, budget, auto=auto)
+    try:
+        return plan_budget(inputs, budget, auto=auto)
+    except BudgetError as refused:
+        fitted = fit_settings(pipeline, config, budget, auto=auto)
+        if fitted is None:
+            raise BudgetError(f"{refused} (one request per step with a "
+                              f"{SMALL_PROMPT_CACHE_GIB:g} GiB prompt cache does not fit "
+                              "either)", refused.minimum_bytes) from None
+        for change in fitted.settings.changes if fitted.settings else ():
+            log.warning("--dlo-hbm-budget-gib %s: lowered %s so the budget holds (set it "
+                        "yourself to choose another trade)", wanted, change)
+        return fitted
+
+
+# The prompt cache's bound the planner may lower to (a few hundred Flux prompts' embeddings).
+SMALL_PROMPT_CACHE_GIB = 0.25
+
+
+def fit_settings(pipeline: Any, config: EngineConfig, budget: int, *,
+                 auto: bool) -> BudgetPlan | None:
+    """A plan under ``budget`` with the prompt cache's bound, then the requests per step
+    (and with them the step's work budget and the prompts of one encoder pass) lowered as
+    little as it takes; None when even one request per step with a small cache does not
+    fit. The scheduler and the prompt cache then run with those settings."""
+    from ditserve.engine.placement.memory_estimates import budget_inputs
+
+    sched, pipe = config.scheduler, config.pipeline
+    cache_gib = min(pipe.prompt_cache_gib, SMALL_PROMPT_CACHE_GIB)
+    seqs = sched.max_num_seqs
+    while seqs >= 1:
+        tokens = (None if sched.max_batch_tokens is None
+                  else max(1, sched.max_batch_tokens * seqs // sched.max_num_seqs))
+        candidate = replace(config, scheduler=replace(sched, max_num_seqs=seqs,
+                                                      max_batch_tokens=tokens),
+                            pipeline=replace(pipe, prompt_cache_gib=cache_gib))
+        try:
+            plan = plan_budget(budget_inputs(pipeline, candidate), budget, auto=auto)
+        except BudgetError:
+            seqs = seqs // 2 if seqs > 1 else 0
+            continue
+        changes = []
+        if cache_gib != pipe.prompt_cache_gib:
+            changes.append(f"--prompt-cache-gib {pipe.prompt_cache_gib:g} -> {cache_gib:g}")
+        if seqs != sched.max_num_seqs:
+            changes.append(f"--max-num-seqs {sched.max_num_seqs} -> {seqs}"
+                           + (f" (--max-batch-tokens {sched.max_batch_tokens} -> {tokens})"
+                              if tokens is not None else " (and the step's work budget, "
+                              "max_num_seqs requests of the family's usual size, with it)"))
+        return replace(plan, settings=FittedSettings(
+            max_num_seqs=seqs, max_batch_tokens=tokens, prompt_cache_gib=cache_gib,
+            changes=tuple(changes)))
+    return None
+
+
+def with_fitted_settings(config: EngineConfig, plan: BudgetPlan | None) -> EngineConfig:
+    """``config`` with the settings the budget's plan lowered (unchanged without any)."""
+    fitted: FittedSettings | None = plan.settings if plan is not None else None
+    if fitted is None:
+        return config
+    return replace(config,
+                   scheduler=replace(config.scheduler, max_num_seqs=fitted.max_num_seqs,
+                                     max_batch_tokens=fitted.max_batch_tokens),
+                   pipeline=replace(config.pipeline, prompt_cache_gib=fitted.prompt_cache_gib))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -96,8 +96,8 @@ class ModelRunner:
                 host_plan.close()
             raise
         self.pipeline: StepPipeline = built.pipeline
-        self.adapters, self.offload = built.adapters, built.offload
-        self.budget = built.budget
+        self.adapters, self.offload, self.budget = built.adapters, built.offload, built.budget
+        config = self.config = built.config  # as the budget lowered it (the engine reads it)
         if host_plan is not None:
             # Exactly once: a plan that replaced the ordinary load must have been taken.
             host_plan.require_consumed()

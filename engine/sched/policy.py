@@ -18,7 +18,10 @@ loop and never asks which policy it has:
   lowest-priority running requests (latest arrival first among equals) are paused at this step
   boundary to make room, if and only if that makes it fit: only requests of strictly worse
   base priority, never one in its last step, never one admitted or resumed in the same pass,
-  and never one already paused ``max_preemptions`` times.
+  and never one already paused ``max_preemptions`` times. With ``urgent_companions`` K, a
+  step holding an urgent request (priority below 0) holds at most K rows of other requests
+  beside it: others wait, and running ones beyond K are paused when it is admitted (the same
+  eligibility rules), so an urgent request runs at close to its idle latency.
 
 How long the work will take is ``engine.sched.deadlines``' (it asks ``ahead_of`` here who goes first).
 """
@@ -28,10 +31,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 FCFS = "fcfs"
 PRIORITY = "priority"
+URGENT_BELOW = 0  # a priority below the default is urgent (``urgent_companions``)
 
 
 class Queued(Protocol):
@@ -51,6 +55,10 @@ class Queued(Protocol):
     def remaining_steps(self) -> int: ...
     @property
     def times_paused(self) -> int: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def rows(self) -> int: ...
 
 
 Q = TypeVar("Q", bound=Queued)
@@ -69,6 +77,11 @@ class AdmissionOrder(Protocol):
 
     def key_of_new(self, priority: int, deadline_s: float | None, arrived_at: float,
                    now: float) -> tuple[float, ...]: ...
+
+    def companion_fits(self, running: Iterable[Q], request: Queued) -> bool: ...
+
+    def excess_companions(self, running: Iterable[Q], admitted: Queued,
+                          joined: set[str]) -> list[Q]: ...
 
 
 @dataclass(frozen=True)
@@ -92,12 +105,23 @@ class ArrivalOrder:
         # then picks the oldest.
         return ()
 
+    def companion_fits(self, running: Iterable[Q], request: Queued) -> bool:
+        return True  # no request is urgent under arrival order
 
-def admission_order(policy: str, *, aging_s: float, max_preemptions: int) -> AdmissionOrder:
-    """The strategy of a ``scheduling_policy`` value."""
-    if policy == PRIORITY:
-        return PriorityOrder(aging_s, max_preemptions)
+    def excess_companions(self, running: Iterable[Q], admitted: Queued,
+                          joined: set[str]) -> list[Q]:
+        return []
+
+
+def admission_order(config: Any) -> AdmissionOrder:
+    """The strategy of a ``SchedulerConfig``'s ``scheduling_policy``."""
+    if config.scheduling_policy == PRIORITY:
+        return PriorityOrder.of(config)
     return ArrivalOrder()
+def is_urgent(request: Queued) -> bool:
+    """Whether a request is urgent: ``SchedulerConfig.urgent_companions`` bounds the rows of
+    other requests a step holds beside it."""
+    return request.priority < URGENT_BELOW
 
 
 @dataclass(frozen=True)
@@ -106,6 +130,12 @@ class PriorityOrder:
 
     aging_s: float
     max_preemptions: int
+    urgent_companions: int | None = None  # rows beside an urgent request (None: unbounded)
+
+    @classmethod
+    def of(cls, config: Any) -> PriorityOrder:
+        """The order of a ``SchedulerConfig`` (its aging, pause limit and urgent bound)."""
+        return cls(config.aging_s, config.max_preemptions, config.urgent_companions)
 
     def effective_priority(self, request: Queued, now: float) -> int:
         waited = max(0.0, now - request.arrived_at)
@@ -151,3 +181,39 @@ class PriorityOrder:
         key = self.key(new, now)
         return [*(r for r in running if r.priority <= new.priority),
                 *(r for r in queued if self.key(r, now) < key)]
+
+    # -- urgent requests (``urgent_companions``) --------------------------------------------
+    def _companion_rows(self, running: Iterable[Q]) -> int | None:
+        """Rows of the non-urgent running requests while an urgent one runs and the bound is
+        set; None when there is nothing to bound."""
+        held = list(running)
+        if self.urgent_companions is None or not any(is_urgent(r) for r in held):
+            return None
+        return sum(r.rows for r in held if not is_urgent(r))
+
+    def companion_fits(self, running: Iterable[Q], request: Queued) -> bool:
+        """Whether ``request`` may join the running batch beside its urgent requests."""
+        rows = self._companion_rows(running)
+        return (is_urgent(request) or rows is None or self.urgent_companions is None
+                or rows + request.rows <= self.urgent_companions)
+
+    def excess_companions(self, running: Iterable[Q], admitted: Queued,
+                          joined: set[str]) -> list[Q]:
+        """After ``admitted`` joined the batch: the non-urgent running requests to pause so
+        the rows beside an urgent request fit the bound (worst priority, latest arrival
+        first; never one that joined this pass, is in its last step or was paused
+        ``max_preemptions`` times). Empty unless ``admitted`` is urgent."""
+        held = list(running)
+        rows, limit = self._companion_rows(held), self.urgent_companions
+        if not is_urgent(admitted) or rows is None or limit is None or rows <= limit:
+            return []
+        eligible = [r for r in held if not is_urgent(r) and r.request_id not in joined
+                    and r.remaining_steps > 1 and r.times_paused < self.max_preemptions]
+        eligible.sort(key=lambda r: (-r.priority, -r.arrival))
+        chosen: list[Q] = []
+        for request in eligible:
+            if rows <= limit:
+                break
+            chosen.append(request)
+            rows -= request.rows
+        return chosen

@@ -1,11 +1,10 @@
 """StepScheduler: decides what every engine step does; pure Python, no torch.
 
-One ``schedule()`` is one engine step: admit waiting requests into the running batch (they are
-encoded this step), run the denoise forwards over every running request, and decode those whose
-last step this is. A decoded request leaves the batch at once (its room is free for the next
-step) and finishes when the runner hands back its output, which on a GPU is a step later.
-``update(plan, output)`` applies what the model runner reports. Nothing else changes request
-status, so the lifecycle is visible in these two methods.
+One ``schedule()`` is one engine step: admit waiting requests into the running batch (encoded
+this step), run the denoise forwards over every running request, and decode those whose last
+step this is (a decoded request leaves the batch at once and finishes when the runner hands
+back its output, on a GPU a step later). ``update(plan, output)`` applies what the runner
+reports; nothing else changes request status, so the lifecycle is visible in these two methods.
 
 A step may hold requests of any shapes: the runner gives each shape group (equal ``BatchKey``) one
 forward and, under layerwise offload, runs the groups block-major so the weights cross PCIe once
@@ -16,19 +15,16 @@ within a group. Capacity is work, not requests: the requests of a step may take 
 At most ``max_loras`` distinct LoRA adapters (``AdapterRoom``): the others wait as if over budget.
 
 Admission is in arrival order with a bounded bypass: a request that fits the room left may
-overtake older requests that do not (a large one waiting for running work to finish), and each
-overtaking counts against every request it overtakes. Once a request has been overtaken
-``max_bypass`` times nobody passes it: the step drains until it fits, and it is admitted (a
-bounded wait, no starvation). The bound is checked before every overtaking, so it holds within
-one admission pass too (a burst of small requests cannot all pass at once). ``max_bypass`` 0 is
-strict arrival order (FIFO: a request that does not fit blocks everyone behind it).
+overtake older ones that do not; each overtaking counts against every request overtaken, and
+once one has been overtaken ``max_bypass`` times nobody passes it: the step drains until it
+fits (bounded wait, no starvation), a bound checked before every overtaking (a burst of small
+requests cannot all pass at once). ``max_bypass`` 0 is strict FIFO.
 
-Under the "priority" policy (``scheduling_policy``) lower-priority running requests may be
-paused at a step boundary: left out of the plans (the runner keeps their state, untouched)
-until resumed into ``denoise`` without a second encode. Under both policies a request that can
-no longer meet its deadline (``deadlines``) ends as FINISHED_DEADLINE at a step boundary.
-``update()`` reports the pauses and deadline stops of the ``schedule()`` before it. The queue
-bound (``max_queue``) is replica-wide and lives in ``RankQueues``.
+Under the "priority" policy lower-priority running requests may be paused at a step boundary
+(and those beyond ``urgent_companions`` beside an urgent one): left out of the plans, their
+state kept, until resumed without a second encode. Under both policies a request that can no
+longer meet its deadline ends as FINISHED_DEADLINE at a step boundary; ``update()`` reports the
+pauses and deadline stops of the ``schedule()`` before it. ``max_queue`` lives in ``RankQueues``.
 """
 
 from __future__ import annotations
@@ -70,8 +66,7 @@ class StepScheduler:
                             "SchedulerConfig with ResolvedScheduling.for_family)")
         self.config = config
         self.clock = clock
-        self._order = admission_order(config.scheduling_policy, aging_s=config.aging_s,
-                                      max_preemptions=config.max_preemptions)
+        self._order = admission_order(config)
         self._waiting: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._running: OrderedDict[str, ScheduledRequest] = OrderedDict()
         self._paused: OrderedDict[str, ScheduledRequest] = OrderedDict()
@@ -291,6 +286,8 @@ class StepScheduler:
                 for victim in victims or ():
                     self._pause(victim, now)
                     slots, room, fits = slots + 1, room + victim.tokens, True
+            if fits and not self._order.companion_fits(self._running.values(), request):
+                continue  # an urgent request runs with few rows beside it: this one waits
             if not fits:
                 if slots <= 0 or request.times_bypassed >= bound:
                     break  # no room for anybody, or it waited long enough: drain for it
@@ -308,6 +305,9 @@ class StepScheduler:
             joined.add(request.request_id)
             slots, room = slots - 1, room - request.work.tokens
             adapters.take(request)
+            for victim in self._order.excess_companions(self._running.values(), request, joined):
+                self._pause(victim, now)
+                slots, room = slots + 1, room + victim.tokens
         return admitted
 
     def _admit_one(self, request: ScheduledRequest) -> None:

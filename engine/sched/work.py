@@ -43,12 +43,15 @@ class ResolvedScheduling(SchedulerConfig):
     """
 
     max_batch_tokens: int
+    max_request_tokens: int
     max_loras: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1:
-            raise ValueError(f"a resolved work budget is a positive token count, got "
-                             f"{self.max_batch_tokens!r}")
+        for name in ("max_batch_tokens", "max_request_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"a resolved {name} is a positive token count, got "
+                                 f"{value!r}")
 
     @classmethod
     def for_family(cls, config: SchedulerConfig, family: Family | None = None, *,
@@ -56,14 +59,22 @@ class ResolvedScheduling(SchedulerConfig):
         """``config`` with its budget resolved: the configured one, else ``max_num_seqs``
         requests of the served family's usual size (``Family.reference_work``), so an image
         model budgets four 1024x1024 images and a video model four 81-frame CFG videos, not a
-        video's fraction. An unknown family budgets like Flux."""
+        video's fraction. An unknown family budgets like Flux. ``max_request_tokens`` unset is
+        ``REQUEST_BUDGETS`` budgets."""
         budget = config.max_batch_tokens
         if budget is None:
             budget = config.max_num_seqs * (family or FLUX).reference_work
         values = {f.name: getattr(config, f.name) for f in fields(SchedulerConfig)}
-        return cls(**{**values, "max_batch_tokens": budget, "max_loras": max_loras})
+        largest = (REQUEST_BUDGETS * budget if config.max_request_tokens is None
+                   else config.max_request_tokens)
+        return cls(**{**values, "max_batch_tokens": budget, "max_request_tokens": largest,
+                      "max_loras": max_loras})
 
 
+# One request may bring this many steps' budgets to one step by default: a 720p Wan video
+# with CFG (151200 tokens) at --max-num-seqs 1 (a 65520 budget) still runs; an 8192x8192
+# Flux image (262144 tokens, a step of minutes an abort cannot cut short) does not.
+REQUEST_BUDGETS = 4
 CFG_RULES: tuple[str, ...] = get_args(CfgRule)
 # LoRA work: a rank-r adapter adds two (tokens x r) matmuls beside each adapted d x d linear,
 # 2r/d of that linear's work for the request's rows; d is taken as Flux's and Qwen-Image's

@@ -20,6 +20,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ditserve.engine.loop.client import EngineClient, EnginePhase
 from ditserve.engine.server import edit_openapi, image_openapi, video_openapi
+from ditserve.engine.server.auth import check_bearer
 from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
@@ -67,11 +68,14 @@ def create_app(
                   docs_url="/docs" if config.docs else None)
     app.state.server = state
     count = state.metrics.count_error
-    install_handlers(app, count)
+    install_handlers(app, count, authorize=lambda request: check_bearer(
+        request.headers.get("authorization"), config.api_key))
     for group in (images, edits, models, probes, videos):
         app.include_router(group.router)
     if adapters.runtime_updates_allowed():  # reads host files: only when the operator opts in
         app.include_router(adapters.router)
+    else:
+        app.include_router(adapters.disabled_router)  # 404s that name the variable
 
     # Added innermost first: RequestId -> CORS -> Guard -> routes (see edge.py).
     app.add_middleware(GuardMiddleware, max_body_bytes=config.max_body_bytes, count=count,
@@ -81,7 +85,7 @@ def create_app(
             CORSMiddleware, allow_origins=list(config.allowed_origins),
             allow_methods=["GET", "HEAD", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
-            expose_headers=[REQUEST_ID_HEADER, "Retry-After"], max_age=600,
+            expose_headers=[REQUEST_ID_HEADER, "Retry-After", "x-should-retry"], max_age=600,
         )
     app.add_middleware(RequestIdMiddleware, count=count)
 

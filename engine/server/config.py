@@ -35,6 +35,16 @@ SIZE_PATTERN = re.compile(r"^(0|[1-9][0-9]{0,4})x(0|[1-9][0-9]{0,4})$")
 ORIGIN_PATTERN = re.compile(r"^https?://[^/\s]+$")
 
 
+# Two decimal sides that SIZE_PATTERN refused for their length only: out of range, not a
+# format error (a client asking for 100000x100000 learns the maximum).
+DIGITS_SIZE_PATTERN = re.compile(r"^(0|[1-9][0-9]*)x(0|[1-9][0-9]*)$")
+
+
+def size_out_of_range(text: str) -> bool:
+    """Whether ``text`` is 'WxH' with a side too long for ``parse_size``."""
+    return SIZE_PATTERN.match(text) is None and DIGITS_SIZE_PATTERN.match(text) is not None
+
+
 def parse_size(text: str) -> tuple[int, int] | None:
     """'WxH' -> (width, height); None if the text is not of that form."""
     match = SIZE_PATTERN.match(text)

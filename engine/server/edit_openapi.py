@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ditserve.engine.server import openapi, streaming
+from ditserve.engine.server import openapi, step_cache_field, streaming
 from ditserve.engine.server.adapter_fields import FORM_LORAS_PATTERN
 from ditserve.engine.server.image_openapi import request_schema, sse_answer, stream_event_schemas
 from ditserve.engine.server.openapi import ref
@@ -22,7 +22,7 @@ EDIT_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data"
     "schema": ref("ImageEditForm"),
     "encoding": {"image": {"contentType": IMAGE_TYPES},
                  "image[]": {"contentType": IMAGE_TYPES}}}}}}
-# Generation fields a form cannot carry as the JSON body does: step_cache is an object.
+# Generation fields a form carries in another shape than the JSON body (an object as text).
 NOT_IN_FORM = ("step_cache",)
 
 
@@ -47,7 +47,14 @@ def form_schema(limits: RequestLimits, images: int) -> dict[str, Any]:
         f"WIDTHxHEIGHT, multiples of {limits.pixel_multiple} up to {limits.max_side}; 'auto' "
         "or omitted: the first image's aspect ratio at the default size's area")
     properties["loras"] = {"type": "string", "pattern": FORM_LORAS_PATTERN,
-                           "description": "name[:scale],... (or the JSON list as text)"}
+                           "description": "name[:scale],... (or the JSON list as text, or "
+                                          "loras[][name] / loras[][scale] pairs: the OpenAI "
+                                          "SDK's extra_body)"}
+    properties["step_cache"] = {
+        **step_cache_field.form_schema(limits.step_cache_policies),
+        "description": f"{step_cache_field.DESCRIPTION}; a policy name, 'every=K', the JSON "
+                       "object as text, or its keys as step_cache[policy], "
+                       "step_cache[threshold], step_cache[every] (the OpenAI SDK's extra_body)"}
     properties["input_fidelity"] = {"type": "string",
                                     "description": "OpenAI field, accepted and ignored"}
     return {

@@ -25,6 +25,9 @@ from starlette.routing import Match
 
 log = logging.getLogger(__name__)
 
+# The OpenAI SDKs retry 408, 409, 429 and 5xx (twice by default) unless the answer says
+# ``x-should-retry: false``: a missed deadline must not "succeed" on a retry after it.
+NO_RETRY = {"x-should-retry": "false"}
 MAX_SHOWN_CHARS = 80  # a client's value quoted in an error message is cut to about this
 MAX_MESSAGE_CHARS = 1000
 
@@ -119,9 +122,12 @@ def _meant(request: Request) -> str:
     return ""
 
 
-def install_handlers(app: FastAPI, count: Callable[[str], None]) -> None:
+def install_handlers(app: FastAPI, count: Callable[[str], None], *,
+                     authorize: Callable[[Request], None] | None = None) -> None:
     """Render APIError and the framework's HTTP and validation errors as OpenAI JSON;
-    ``count(reason)`` is called once per error response (the errors metric)."""
+    ``count(reason)`` is called once per error response (the errors metric).
+    ``authorize(request)`` (raising a 401 APIError) runs before a 404 or 405 under ``/v1/``
+    is answered: without the key, a client learns nothing of which routes exist."""
 
     def render(request: Request, error: APIError) -> JSONResponse:
         count(error.reason)
@@ -134,6 +140,12 @@ def install_handlers(app: FastAPI, count: Callable[[str], None]) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if authorize is not None and exc.status_code in (404, 405) and (
+                request.url.path.startswith("/v1/")):
+            try:
+                authorize(request)
+            except APIError as unauthorized:
+                return render(request, unauthorized)
         if exc.status_code == 405:
             return render(request, method_not_allowed(exc, request))
         if exc.status_code == 404:

@@ -34,12 +34,18 @@ ERROR_DESCRIPTIONS = {
          "was stopped at a step boundary",
     413: "The request body is larger than the server's limit",
     416: "The Range asks for bytes past the end of the file (Content-Range says its size)",
-    429: "Every batch slot is taken and the queue is full; retry after Retry-After seconds",
+    429: "Every batch slot is taken and the queue is full (retry after Retry-After seconds), "
+         "or deadline_s cannot be met (code deadline_unmeetable: no Retry-After, and "
+         "x-should-retry: false)",
     500: "The engine failed this request, or an internal error (details in the server log)",
     503: "Loading, draining or stopped; retry after Retry-After seconds",
     504: "Not finished within the server's request timeout (the request was aborted)",
 }
 RETRY_HEADERS = {"Retry-After": {"$ref": "#/components/headers/Retry-After"}}
+NO_RETRY_HEADERS = {"x-should-retry": {"$ref": "#/components/headers/x-should-retry"}}
+# A 429 for a deadline the replica cannot meet carries no Retry-After (errors.NO_RETRY).
+MAYBE_RETRY_HEADERS = {"Retry-After": {"$ref": "#/components/headers/Retry-After-Optional"},
+                       "x-should-retry": {"$ref": "#/components/headers/x-should-retry"}}
 
 
 def ref(name: str) -> dict[str, Any]:
@@ -60,7 +66,8 @@ def answers(ok: dict[str, Any], *errors: int, ok_description: str = "OK",
     out: dict[int | str, Any] = {200: {"description": ok_description, "headers": headers(),
                                        "content": {t: {"schema": s} for t, s in ok.items()}}}
     for status in sorted({400, 500, *errors}):
-        extra = RETRY_HEADERS if status in (429, 503) else None
+        extra = (RETRY_HEADERS if status == 503 else MAYBE_RETRY_HEADERS if status == 429
+                 else NO_RETRY_HEADERS if status == 408 else None)
         text = (descriptions or {}).get(status, ERROR_DESCRIPTIONS[status])
         out[status] = {"description": text, "headers": headers(extra),
                        "content": {"application/json": {"schema": ref("Error")}}}
@@ -215,6 +222,13 @@ def build_openapi(app: FastAPI, *, api_key: bool, kind_schemas: dict[str, Any],
                                            "made; also in the server's log lines"},
         "Retry-After": {"required": True, "schema": {"type": "string", "pattern": "^[0-9]+$"},
                         "description": "seconds to wait before retrying"},
+        "Retry-After-Optional": {"required": False,
+                                 "schema": {"type": "string", "pattern": "^[0-9]+$"},
+                                 "description": "seconds to wait before retrying; absent "
+                                                "when a retry cannot help"},
+        "x-should-retry": {"required": False, "schema": {"const": "false"},
+                           "description": "false: the OpenAI SDKs do not retry this answer "
+                                          "(a missed deadline)"},
     }
     components["parameters"] = {REQUEST_ID_HEADER: {
         "name": REQUEST_ID_HEADER, "in": "header", "required": False,

@@ -17,7 +17,7 @@ from ditserve.engine.errors import (
     QueueFullError,
 )
 from ditserve.engine.loop.client import EnginePhase
-from ditserve.engine.server.errors import APIError
+from ditserve.engine.server.errors import NO_RETRY, APIError
 from ditserve.engine.server.schemas import request_error
 
 # What the engine refuses to admit: each maps to one API error (``admission_error``).
@@ -65,13 +65,21 @@ def too_many(state: Any, message: str = QUEUE_FULL, retry_after: float | None = 
                     headers={"Retry-After": str(seconds)})
 
 
+def deadline_unmeetable(message: str) -> APIError:
+    """A 429 for a deadline the replica cannot meet: without Retry-After and with
+    ``x-should-retry: false``, so an OpenAI SDK does not retry it (its deadline_s would
+    restart with the retry and the answer come after the deadline the client meant)."""
+    return APIError(429, message, type="rate_limit_error", code="deadline_unmeetable",
+                    reason="deadline", headers=dict(NO_RETRY))
+
+
 def admission_error(state: Any, exc: QueueFullError | EngineStoppedError | InvalidRequestError
                     | DeadlineError) -> APIError:
     """The API error for an engine's refusal to admit a request (images and video jobs)."""
     if isinstance(exc, QueueFullError):
         return too_many(state)
-    if isinstance(exc, DeadlineError):  # another replica, or a later try, may make it
-        return too_many(state, str(exc), code="deadline_unmeetable", reason="deadline")
+    if isinstance(exc, DeadlineError):
+        return deadline_unmeetable(str(exc))
     if isinstance(exc, EngineStoppedError):
         return unavailable(state, "the engine is not accepting requests; retry later")
     return request_error(exc)

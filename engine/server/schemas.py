@@ -31,7 +31,7 @@ from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, SamplingParams
 from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
-from ditserve.engine.server.config import parse_size
+from ditserve.engine.server.config import parse_size, size_out_of_range
 from ditserve.engine.server.errors import APIError, invalid, shown
 from ditserve.engine.server.model_defaults import ModelDefaults
 from ditserve.engine.server.step_cache_field import parse_field
@@ -194,11 +194,14 @@ def _size(body: ImageGenerationRequest, limits: RequestLimits) -> tuple[int, int
     if body.size is None or body.size == "auto":
         return limits.default_size
     parsed = parse_size(body.size)
+    m = limits.pixel_multiple
+    if parsed is None and size_out_of_range(body.size):
+        raise invalid("size", f"size: width and height must be between {m} and "
+                              f"{limits.max_side}, got {shown(body.size)}")
     if parsed is None:
         width, height = limits.default_size
         raise invalid("size", f"size: must be 'WIDTHxHEIGHT' in pixels or 'auto', e.g. "
                               f"'{width}x{height}', got {shown(body.size)}")
-    m = limits.pixel_multiple
     for name, value in zip(("width", "height"), parsed, strict=True):
         if not m <= value <= limits.max_side:
             raise invalid("size", f"size: {name} must be between {m} and {limits.max_side}, "

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.errors import AdapterError, ConfigError, ModelLoadError
 from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.loop.startup import WarmUp
 from ditserve.engine.loop.step_log import StepLog, copy_rates_of
@@ -144,7 +145,12 @@ class ServerState:
             self.engine.start()  # a failure leaves the engine FAILED, with the reason
             log.info("engine ready: serving %s", self.model_name)
         except BaseException as e:
-            log.exception("engine failed to start")
+            if isinstance(e, (ConfigError, ModelLoadError, AdapterError)):
+                # An operator's mistake whose message says how to fix it: the clear line
+                # follows (main), a traceback above it would only bury it.
+                log.debug("engine failed to start", exc_info=True)
+            else:
+                log.exception("engine failed to start")
             if self.on_start_failed is not None:
                 self.on_start_failed(e)
 

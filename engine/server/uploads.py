@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from ditserve.engine.request import ConditionImage
 from ditserve.engine.server.errors import invalid
 
 MAX_FORM_FIELDS = 64
+_BOUNDARY = re.compile(r'boundary=("[^"]{1,70}"|[^;,\s]{1,70})', re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,29 @@ async def read_multipart(request: Any, limits: UploadLimits) -> FormData:
         raise invalid(None, "the request body must be multipart/form-data (send the image as a "
                             f"file part), got {content_type or 'no Content-Type'}",
                       code="invalid_body")
+    # The body is bounded by the edge (max_upload_bytes); read whole, it is checked for its
+    # closing boundary, and the parser then reads the same bytes (Starlette caches them).
+    check_multipart(await request.body(), content_type)
     try:
         return await _InMemoryParser(request.headers, request.stream(), limits=limits).parse()
     except MultiPartException as e:
-        raise invalid(None, f"malformed multipart body: {e.message}", code="invalid_body") from e
+        raise invalid(None, f"malformed multipart body: {e.message}",
+                      code="invalid_multipart") from e
+
+
+def check_multipart(raw: bytes, content_type: str) -> None:
+    """A 400 for a multipart body without its closing delimiter (``--BOUNDARY--``): a body
+    cut short would otherwise lose its last field without a word (the parser keeps the
+    parts it finished)."""
+    match = _BOUNDARY.search(content_type)
+    if match is None:
+        raise invalid(None, "Content-Type: multipart/form-data needs a boundary parameter",
+                      code="invalid_multipart")
+    closing = b"--" + match.group(1).strip('"').encode("latin-1") + b"--"
+    if not (raw.startswith(closing) or b"\r\n" + closing in raw):
+        raise invalid(None, "the multipart body is truncated: it does not end with its "
+                            "closing boundary (--BOUNDARY--); send the whole form",
+                      code="invalid_multipart")
 
 
 def is_file(value: Any) -> bool:

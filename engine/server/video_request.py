@@ -36,6 +36,7 @@ from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.server.adapter_fields import LoraSelection, parse_form_loras, resolve_adapters
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.errors import APIError, invalid, shown
+from ditserve.engine.server.form_fields import fold_nested
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.schemas import (
     Integer,
@@ -46,12 +47,12 @@ from ditserve.engine.server.schemas import (
     request_error,
 )
 from ditserve.engine.server.step_cache_field import parse_field
+from ditserve.engine.server.uploads import check_multipart
 
 # JSON numbers above this many digits are not read from form text (as JSON's own limit).
 _FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
                           r"(?:[eE][+-]?[0-9]{1,4})?$")
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
-_BOUNDARY = re.compile(r'boundary=("[^"]{1,70}"|[^;,\s]{1,70})', re.IGNORECASE)
 
 
 class VideoCreateRequest(BaseModel):
@@ -163,7 +164,8 @@ async def read_body(request: Any) -> dict[str, Any]:
                       code="invalid_multipart") from e
     out: dict[str, Any] = {}
     try:
-        for name in form:
+        plain, out = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
+        for name in dict.fromkeys(name for name, _ in plain):
             values = form.getlist(name)
             if len(values) > 1:
                 raise invalid(name, f"{name}: is given {len(values)} times; give it once")
@@ -178,32 +180,20 @@ async def read_body(request: Any) -> dict[str, Any]:
     return out
 
 
-def check_multipart(raw: bytes, content_type: str) -> None:
-    """A 400 for a multipart body without its closing delimiter (``--BOUNDARY--``): a body
-    cut short would otherwise lose its last field without a word (the parser keeps the
-    parts it finished)."""
-    match = _BOUNDARY.search(content_type)
-    if match is None:
-        raise invalid(None, "Content-Type: multipart/form-data needs a boundary parameter",
-                      code="invalid_multipart")
-    closing = b"--" + match.group(1).strip('"').encode("latin-1") + b"--"
-    if not (raw.startswith(closing) or b"\r\n" + closing in raw):
-        raise invalid(None, "the multipart body is truncated: it does not end with its "
-                            "closing boundary (--BOUNDARY--); send the whole form",
-                      code="invalid_multipart")
-
-
 def _size(body: VideoCreateRequest, limits: VideoLimits) -> tuple[int, int]:
-    from ditserve.engine.server.config import parse_size
+    from ditserve.engine.server.config import parse_size, size_out_of_range
 
     if body.size is None:
         return limits.default_size
     parsed = parse_size(body.size)
     width, height = limits.default_size
+    m = limits.pixel_multiple
+    if parsed is None and size_out_of_range(body.size):
+        raise invalid("size", f"size: width and height must be multiples of {m} between {m} "
+                              f"and {limits.max_side}, got {shown(body.size)}")
     if parsed is None:
         raise invalid("size", f"size: must be 'WIDTHxHEIGHT' in pixels, e.g. "
                               f"'{width}x{height}', got {shown(body.size)}")
-    m = limits.pixel_multiple
     for name, value in zip(("width", "height"), parsed, strict=True):
         if not m <= value <= limits.max_side or value % m:
             raise invalid("size", f"size: {name} must be a multiple of {m} between {m} and "

@@ -67,6 +67,10 @@ class ScheduledRequest:
         return self.work.tokens
 
     @property
+    def rows(self) -> int:
+        return self.work.rows
+
+    @property
     def priority(self) -> int:
         return self.params.priority
 

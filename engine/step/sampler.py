@@ -38,6 +38,21 @@ def _calculate_shift(image_seq_len: int, config: Any) -> float:
     return image_seq_len * slope + (base_shift - slope * base_len)
 
 
+# diffusers' time shift computes exp(mu) in Python floats, which overflow past exp(709.78):
+# the largest shift a schedule may take, with room for the rest of the formula.
+MAX_SHIFT_MU = 700.0
+
+
+def max_shift_tokens(config: Any) -> int | None:
+    """The most image tokens whose resolution-dependent shift the schedule can compute
+    (diffusers raises OverflowError past it); None without dynamic shifting."""
+    if not config.get("use_dynamic_shifting", False):
+        return None
+    zero, one = _calculate_shift(0, config), _calculate_shift(1, config)
+    slope = one - zero
+    return None if slope <= 0 else int((MAX_SHIFT_MU - zero) / slope)
+
+
 class FlowMatchEulerSampler:
     """Builds per-request schedules and applies one Euler step to any slice of a batch."""
 
@@ -46,6 +61,7 @@ class FlowMatchEulerSampler:
 
         self._scheduler_cls = FlowMatchEulerDiscreteScheduler
         self._config = scheduler_config
+        self.max_tokens = max_shift_tokens(scheduler_config)
 
     def schedule(self, num_steps: int, image_seq_len: int) -> Schedule:
         # A throwaway scheduler object: it only computes the schedule, never steps.

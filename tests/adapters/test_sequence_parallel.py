@@ -74,3 +74,40 @@ def test_sp2_adapters_equal_the_single_process_run(adapter_models, lora_files, a
                              "loras": ()})
     plain, _ = drive(resident, {0: [("plain", base)]}, max_num_seqs=1)
     assert (plain["plain"] - alone[0]).abs().max().item() > 1e-2
+
+
+def test_sp2_adapter_on_the_final_proj_out_equals_sp1(adapter_models, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: SP gathers the DiT's tokens in a hook on its final ``proj_out``; the adapter
+    hook ran after it and added a rank's delta onto the gathered output. The adapter's delta
+    must join the output before the gather."""
+    from adapters.lora_files import peft_lora  # type: ignore[import-not-found]
+    from diffusers import FluxTransformer2DModel
+
+    from ditserve.engine.runner.model_runner import ModelRunner
+
+    monkeypatch.setenv("DITSERVE_WORKER_TIMEOUT_S", "180")
+    model = adapter_models("flux")
+    dit = FluxTransformer2DModel.from_pretrained(model / "transformer")
+    proj = peft_lora(dit, tmp_path / "proj.safetensors", rank=4, seed=5, targets=("proj_out",),
+                     std=0.6)
+    adapters = AdapterConfig(lora_modules={"proj": str(proj)})
+    resident = ModelRunner(EngineConfig(model=str(model), device="cpu", adapters=adapters),
+                           model_dir=model)
+    params = SamplingParams(prompt="sp fox", num_inference_steps=2, seed=81, height=52,
+                            width=52, loras=(ref(resident, "proj"),))
+    alone, _ = drive(resident, {0: [("solo", params)]}, max_num_seqs=1)
+    plain, _ = drive(resident, {0: [("plain", SamplingParams(
+        **{**params.__dict__, "loras": ()}))]}, max_num_seqs=1)
+    assert (plain["plain"] - alone["solo"]).abs().max().item() > 1e-2  # the adapter matters
+    engine = DiffusionEngine(EngineConfig(
+        model=str(model), device="cpu", adapters=adapters,
+        parallel=ParallelConfig(sequence_parallel_size=2))).start()
+    try:
+        assert engine.adapters is not None
+        chosen = engine.adapters.resolve([("proj", 1.0)])
+        result = engine.add_request(SamplingParams(**{**params.__dict__, "loras": chosen}))
+        pixels = result.result(timeout=300).pixels
+    finally:
+        engine.shutdown()
+    diff = (pixels - alone["solo"]).abs().max().item()
+    assert diff <= TOLERANCE, f"SP 2 differs from SP 1 by {diff}"

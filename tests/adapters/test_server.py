@@ -145,6 +145,24 @@ def test_load_use_and_unload_an_adapter(lora_server, metric=metric_value) -> Non
     assert after.status_code == 404
 
 
+def test_a_file_for_another_model_is_refused_at_load(lora_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: the load answered 200 and every request naming the adapter then got 500."""
+    import torch
+    from safetensors.torch import save_file
+
+    server, _ = lora_server
+    module = "transformer.transformer_blocks.0.attn.to_q"
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({f"{module}.lora_A.weight": torch.randn(4, 7),
+               f"{module}.lora_B.weight": torch.randn(5, 4)}, str(wrong))
+    load = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=AUTH,
+                      json={"lora_name": "wrong", "lora_path": str(wrong)})
+    assert load.status_code == 400, load.text
+    assert "trained for another model" in load.json()["error"]["message"]
+    ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]]
+    assert "wrong" not in ids
+
+
 def test_max_loras_is_a_strict_bound(tmp_path: Path, metric=metric_value) -> None:  # type: ignore[no-untyped-def]
     from concurrent.futures import ThreadPoolExecutor
 

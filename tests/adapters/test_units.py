@@ -129,6 +129,40 @@ def test_file_checks(tmp_path: Path) -> None:
     assert read_adapter(tmp_path / "dir", FluxPipeline, max_rank=64).rank == 4
 
 
+def test_a_runtime_load_is_checked_against_the_dit(tmp_path: Path) -> None:
+    """A file that names a layer the model lacks, or whose factors do not fit, is refused
+    when it is loaded (issue 45: it was accepted, then failed every request naming it)."""
+    from diffusers import FluxTransformer2DModel
+
+    from ditserve.engine.adapters.bank import AdapterBank
+    from ditserve.engine.adapters.files import rank_inspector
+    from ditserve.engine.makers.tiny_model import init_tiny
+
+    model = init_tiny(tmp_path / "model", family="flux")
+    dit = FluxTransformer2DModel.from_pretrained(model / "transformer")
+    bank = AdapterBank(dit, pipeline_class=None, device=torch.device("cpu"),
+                       dtype=torch.float32, max_loras=1, max_rank=64)
+    shapes = bank.linear_shapes()
+    q = "transformer_blocks.0.attn.to_q"
+    fan_in, fan_out = shapes[f"transformer.{q}"]
+    inspect = rank_inspector(model, max_rank=64, shapes=shapes)
+    fits = {f"transformer.{q}.lora_A.weight": torch.randn(4, fan_in),
+            f"transformer.{q}.lora_B.weight": torch.randn(fan_out, 4)}
+    assert inspect(str(write(tmp_path / "fits.safetensors", fits))) == 4
+    wide = {f"transformer.{q}.lora_A.weight": torch.randn(4, fan_in * 2),
+            f"transformer.{q}.lora_B.weight": torch.randn(fan_out, 4)}
+    with pytest.raises(AdapterError, match="trained for another model"):
+        inspect(str(write(tmp_path / "wide.safetensors", wide)))
+    ghost = {"transformer.ghost.proj.lora_A.weight": torch.randn(4, fan_in),
+             "transformer.ghost.proj.lora_B.weight": torch.randn(fan_out, 4)}
+    with pytest.raises(AdapterError, match="ghost.proj, which is not a linear layer"):
+        inspect(str(write(tmp_path / "ghost.safetensors", ghost)))
+    catalog = AdapterCatalog(AdapterConfig(), inspect=inspect)
+    with pytest.raises(AdapterError):
+        catalog.load("wide", str(tmp_path / "wide.safetensors"))
+    assert "wide" not in catalog
+
+
 def test_rows_of_a_narrowed_forward() -> None:
     rows = RowAdapters(6, (RowSegment(0, 2, ((("a", 0), 1.0),)),
                            RowSegment(4, 6, ((("b", 0), 0.5),))))
@@ -206,3 +240,37 @@ def test_admission_counts_adapter_work() -> None:
         for rid in ("r0", "r1"):
             s.add(rid, params, rule.of(params))
         assert s.schedule().encode == admitted
+
+
+def test_kohya_non_block_keys_are_dropped_as_diffusers_drops_them(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: a kohya Flux file with ``lora_unet_img_in`` / ``time_in`` keys was refused
+    as "text-encoder parts"; ``load_lora_weights`` loads its block layers and ignores those
+    (its converter maps them to no component). The same layers load here, and the log names
+    what was dropped."""
+    import logging
+
+    from adapters.lora_files import kohya_flux_lora  # type: ignore[import-not-found]
+    from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    from ditserve.engine.adapters.files import read_adapter
+    from ditserve.engine.makers.tiny_model import init_tiny
+
+    model = init_tiny(tmp_path / "model", family="flux")
+    pipe = FluxPipeline.from_pretrained(model)
+    dit = pipe.transformer
+    inner = dit.config.num_attention_heads * dit.config.attention_head_dim
+    plain = kohya_flux_lora(dit, tmp_path / "k.safetensors", rank=4, alpha=2.0, seed=3)
+    tensors = load_file(str(plain))
+    for key, fan_in in (("img_in", dit.config.in_channels), ("time_in_in_layer", 256)):
+        tensors[f"lora_unet_{key}.lora_down.weight"] = torch.randn(4, fan_in)
+        tensors[f"lora_unet_{key}.lora_up.weight"] = torch.randn(inner, 4)
+        tensors[f"lora_unet_{key}.alpha"] = torch.tensor(2.0)
+    file = write(tmp_path / "k2.safetensors", tensors)
+    with caplog.at_level(logging.WARNING):
+        weights = read_adapter(file, FluxPipeline, max_rank=64)
+    assert "x_embedder" in caplog.text and "dropped" in caplog.text
+    pipe.load_lora_weights(str(file), adapter_name="k")
+    loaded = {name.removesuffix(".lora_A") for name, _ in dit.named_modules()
+              if name.endswith(".lora_A")}
+    assert {module for _, module in weights.layers} == loaded

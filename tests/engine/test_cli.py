@@ -12,6 +12,7 @@ from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {
     "--model", "--dtype", "--device", "--compile", "--max-num-seqs", "--max-batch-tokens",
+    "--max-request-tokens", "--urgent-companions",
     "--max-bypass",
     "--max-queue", "--offload", "--dlo-slots", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",

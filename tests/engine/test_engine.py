@@ -153,3 +153,57 @@ def test_queue_position_events_only_when_the_position_changes(tiny_model_dir) ->
     # Told once per move (2 ahead, then 1, then 0), never repeated while it waits.
     assert positions == sorted(set(positions), reverse=True) and positions[-1] == 0
     assert positions[0] in (1, 2)
+
+
+def test_a_step_in_flight_is_reported_after_its_request_is_aborted(tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: a step is never cut short; a request aborted during it no longer counts as
+    running, so the stats (and /ready) report the step itself until it ends."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_model_dir), device="cpu")).start()
+    try:
+        runner = engine.runner
+        execute = runner.execute
+        entered, release = threading.Event(), threading.Event()
+
+        def held(plan, new):  # type: ignore[no-untyped-def]
+            if plan.denoise and not release.is_set():
+                entered.set()
+                assert release.wait(60)
+            return execute(plan, new)
+
+        monkeypatch.setattr(runner, "execute", held)
+        assert engine.stats().step_in_flight_s is None
+        long = engine.add_request(SamplingParams(prompt="long", num_inference_steps=50, seed=1))
+        assert entered.wait(60)
+        assert long.cancel()
+        during = engine.stats()
+        assert during.running == 0  # aborted: not running any more ...
+        assert during.step_in_flight_s is not None and during.step_in_flight_s >= 0
+        assert during.requests_in_flight == 1  # ... but its step still computes it
+        release.set()
+        engine.add_request(SamplingParams(prompt="next", num_inference_steps=1)).result(60)
+        after = engine.stats()
+        assert (after.step_in_flight_s, after.requests_in_flight) == (None, 0)
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_over_the_step_budget_is_refused_up_front(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: a request of any size ran alone, in steps nothing could cut short; by
+    default one request may bring at most four step budgets (--max-request-tokens)."""
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu",
+                          scheduler=SchedulerConfig(max_batch_tokens=256))
+    engine = DiffusionEngine(config).start()
+    try:
+        assert engine.max_request_tokens == 4 * 256
+        fits = engine.runner.work_rule.of(SamplingParams(prompt="x", height=128, width=128))
+        assert 256 < fits.tokens <= 1024  # larger than a step's budget: runs alone
+        engine.validate_params(SamplingParams(prompt="x", height=128, width=128))
+        with pytest.raises(InvalidRequestError, match="--max-request-tokens") as refused:
+            engine.validate_params(SamplingParams(prompt="x", height=512, width=512))
+        assert refused.value.field == "size"
+    finally:
+        engine.shutdown()
+    raised = DiffusionEngine(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                          scheduler=SchedulerConfig(max_batch_tokens=1024,
+                                                                    max_request_tokens=10**6)))
+    assert raised.max_request_tokens == 10**6

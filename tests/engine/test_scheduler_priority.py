@@ -267,3 +267,43 @@ def test_data_parallel_shared_queue_hands_by_priority_and_to_a_rank_that_can_pau
         s.schedule()
     fcfs.add("urgent", params(priority=-5))
     assert fcfs.is_shared("urgent")  # fcfs: it waits for a free slot
+
+
+def test_an_urgent_request_runs_with_at_most_k_rows_beside_it() -> None:
+    """Issue 45 item 14: with urgent_companions K, a step holding an urgent request (priority
+    below 0) holds at most K rows of others: running ones beyond K are paused when it is
+    admitted, new ones wait, and the batch fills again when it ends."""
+    clock = FakeClock()
+    s = scheduler(clock, max_num_seqs=4, urgent_companions=1)
+    for name in ("bg-a", "bg-b", "bg-c"):
+        s.add(name, params(steps=20))
+    assert set(run_step(s, clock).denoise) == {"bg-a", "bg-b", "bg-c"}
+    s.add("urgent", params(steps=3, priority=-5))
+    s.add("bg-d", params(steps=20))
+    changes: list[StatusChange] = []
+    plan = run_step(s, clock, changes)
+    assert "urgent" in plan.denoise
+    assert len([r for r in plan.denoise if r != "urgent"]) == 1  # K = 1 row beside it
+    assert {c.request_id for c in changes if c.status is RequestStatus.PAUSED} == {"bg-b", "bg-c"}
+    while "urgent" not in run_step(s, clock).decode:
+        assert s.num_running <= 2
+    after = run_step(s, clock)
+    assert len(after.denoise) == 4  # the urgent request ended: the batch fills again
+    # Without the knob the urgent request only goes first: nobody is paused for it.
+    clock = FakeClock()
+    s = scheduler(clock, max_num_seqs=4)
+    for name in ("bg-a", "bg-b", "bg-c"):
+        s.add(name, params(steps=20))
+    run_step(s, clock)
+    s.add("urgent", params(steps=3, priority=-5))
+    assert len(run_step(s, clock).denoise) == 4
+
+
+def test_urgent_companions_is_a_checked_option() -> None:
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.errors import ConfigError
+
+    assert EngineConfig.from_mapping({"scheduler": {"urgent_companions": 2}}
+                                     ).scheduler.urgent_companions == 2
+    with pytest.raises(ConfigError, match="urgent_companions"):
+        EngineConfig.from_mapping({"scheduler": {"urgent_companions": -1}})

@@ -109,6 +109,6 @@ def test_a_scheduler_only_runs_with_a_resolved_budget() -> None:
     with pytest.raises(TypeError, match="ResolvedScheduling"):
         StepScheduler(SchedulerConfig())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive token count"):
-        ResolvedScheduling(max_batch_tokens=0)
+        ResolvedScheduling(max_batch_tokens=0, max_request_tokens=1)
     with pytest.raises(ValueError, match="positive token count"):
         ResolvedScheduling()  # type: ignore[call-arg]

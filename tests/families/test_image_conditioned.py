@@ -207,3 +207,30 @@ def test_requests_admitted_together_share_one_clip_and_one_vae_forward(family_ru
     finally:
         hook.remove()
     assert batches == {"clip": [3], "vae": [3]}  # one forward each, three requests' images
+
+
+@pytest.mark.parametrize("size", [(1, 1), (31, 31), (64, 8), (4000, 8)])
+def test_kontext_edits_sources_of_any_size(family_runner, size: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: sources under 16 pixels on a side divided by zero (500); they take their
+    own aspect ratio's preferred resolution."""
+    runner = family_runner("flux-kontext")
+    width, height = size
+    params = SamplingParams(prompt="make it red", height=32, width=32, num_inference_steps=1,
+                            seed=1, images=(picture(width, height, 2),))
+    params.validate_for(runner.limits)
+    out, _ = drive(runner, {0: [("a", params)]}, max_num_seqs=1)
+    assert out["a"].shape[-2:] == (32, 32) and torch.isfinite(out["a"]).all()
+
+
+@pytest.mark.parametrize("variant", ["flux", "flux-kontext"])
+def test_the_advertised_max_side_has_a_schedule(family_runner, variant: str) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: 8192x8192 on the tiny Flux (4M tokens) overflowed the schedule's time shift
+    (a 500): the advertised side is now the largest whose shift is finite."""
+    runner = family_runner(variant)
+    pipeline, limits = runner.pipeline, runner.limits
+    tokens = (limits.max_side // limits.pixel_multiple) ** 2
+    schedule = pipeline.sampler.schedule(2, tokens)
+    assert torch.isfinite(schedule.sigmas).all()
+    past = limits.max_side + limits.pixel_multiple
+    with pytest.raises(InvalidRequestError, match="must be between"):
+        SamplingParams(prompt="x", height=past, width=past).validate_for(limits)

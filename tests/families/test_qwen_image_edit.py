@@ -155,3 +155,18 @@ def test_the_step_cache_serves_edits(family_runner, variant: str) -> None:  # ty
     every, _ = drive(runner, {0: [("every", SamplingParams(
         **base, step_cache=StepCacheSpec("every", every=2)))]}, max_num_seqs=1)
     assert 0 < (every["every"] - plain["plain"]).abs().max().item() < 0.5
+
+
+@pytest.mark.parametrize("variant", ["qwen-image-edit", PLUS])
+def test_sources_beyond_the_vision_readers_aspect_are_a_400(family_runner, variant) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: a 2000x4 source reached Qwen2.5-VL's processor, which raised (a 500)."""
+    runner = family_runner(variant)
+    wide = SamplingParams(prompt="x", height=32, width=32, images=(picture(2000, 4, 0),))
+    with pytest.raises(InvalidRequestError, match="aspect ratio of 500:1") as refused:
+        wide.validate_for(runner.limits)
+    assert refused.value.field == "image"
+    ok = SamplingParams(prompt="x", height=32, width=32, num_inference_steps=1, seed=1,
+                        images=(picture(1500, 10, 0),))  # 150:1, the most it reads
+    ok.validate_for(runner.limits)
+    out, _ = drive(runner, {0: [("a", ok)]}, max_num_seqs=1)
+    assert torch.isfinite(out["a"]).all()

@@ -322,3 +322,41 @@ def test_a_budget_that_keeps_encoders_resident_places_them(family_dir, monkeypat
         assert sorted(placed) == ["text_encoder", "text_encoder_2"]
     finally:
         r.close()
+
+
+def test_a_budget_the_defaults_miss_lowers_the_prompt_cache_and_the_requests_per_step(family_dir, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: a budget the default settings miss only by the prompt cache's 1 GiB bound,
+    or by the step's work, is met by lowering them (each change logged) instead of refused;
+    the runner's prompt cache and the engine's scheduler then use the lowered settings."""
+    import logging
+
+    from ditserve.engine.config import SchedulerConfig
+    from ditserve.engine.loop.engine import DiffusionEngine
+
+    model = family_dir("flux")
+    with caplog.at_level(logging.WARNING):
+        r = budget_runner(model, 0.75)
+    try:
+        assert r.config.pipeline.prompt_cache_gib == 0.25
+        assert r.whole.cache.max_bytes == int(0.25 * GIB)
+        assert r.pipeline_report()["memory"]["lowered"] == ["--prompt-cache-gib 1 -> 0.25"]
+    finally:
+        r.close()
+    assert "lowered --prompt-cache-gib 1 -> 0.25" in caplog.text
+    # A step budget far past what 1 GiB holds: the requests per step come down with it.
+    config = EngineConfig(model=str(model), device="cpu",
+                          offload=OffloadConfig(enabled=True, hbm_budget_gib=1.0),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_batch_tokens=1 << 20))
+    engine = DiffusionEngine(config).start()
+    try:
+        scheduling = engine.config.scheduler
+        assert scheduling.max_num_seqs < 8
+        assert scheduling.max_batch_tokens == (1 << 20) * scheduling.max_num_seqs // 8
+        assert engine.schedulers[0].config.max_num_seqs == scheduling.max_num_seqs
+        memory = engine.pipeline_report()["memory"]
+        assert any("--max-num-seqs 8 ->" in line for line in memory["lowered"])
+        assert memory["predicted_peak_bytes"] + memory["slack_bytes"] <= memory["budget_bytes"]
+        result = engine.add_request(SamplingParams(prompt="x", num_inference_steps=1))
+        assert result.result(timeout=120).images
+    finally:
+        engine.shutdown()

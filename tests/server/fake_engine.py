@@ -49,6 +49,7 @@ class FakeEngine:
     max_frames: int = MAX_FRAMES
     adapters: Any = None  # an AdapterCatalog, when a test serves adapters
     step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
+    submitted: list[Any] = field(default_factory=list)  # every accepted request's params
     _handles: dict[str, Any] = field(default_factory=dict)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -93,6 +94,7 @@ class FakeEngine:
                                  seed=params.seed or 0, submitted_at=time.monotonic(),
                                  on_event=on_event)
         self._handles[rid] = handle
+        self.submitted.append(params)
         emit = on_event or (lambda event: None)
         steps = params.num_inference_steps
         emit(RequestEvent(rid, "queued", 0, steps, 0))

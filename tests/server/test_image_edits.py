@@ -159,3 +159,25 @@ def test_a_text_to_image_replica_says_so(server) -> None:  # type: ignore[no-unt
     assert response.json()["error"]["code"] == "unsupported_model"
     assert "text only" in response.json()["error"]["message"]
 
+
+
+def test_sdk_edit_with_step_cache_in_extra_body(client) -> None:  # type: ignore[no-untyped-def]
+    """The SDK sends extra_body's objects as bracketed form keys (step_cache[policy]); they
+    were refused as unknown fields. Tiny and very wide sources edit too (they were a 500)."""
+    for width, height in ((1, 1), (64, 8)):
+        response = client.images.edit(
+            image=("s.png", png(width, height), "image/png"), prompt="x", size="32x32",
+            extra_body={"num_inference_steps": 2, "seed": 1,
+                        "step_cache": {"policy": "every", "every": 2}})
+        assert size_of(response.data[0].b64_json) == (32, 32)
+
+
+def test_a_truncated_form_is_invalid_multipart(kontext_server) -> None:  # type: ignore[no-untyped-def]
+    boundary = "b0undary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nx\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; "
+            "filename=\"a.png\"\r\nContent-Type: image/png\r\n\r\n").encode() + png(64, 64)[:40]
+    response = httpx.post(f"{kontext_server.url}/v1/images/edits", content=body, headers={
+        "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_multipart"

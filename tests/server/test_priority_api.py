@@ -68,6 +68,27 @@ def test_a_deadline_the_replica_cannot_meet_is_refused_at_once(prio_server, metr
         assert metric(text, name) >= 0
 
 
+def test_the_openai_sdk_does_not_retry_a_missed_deadline(prio_server, metric) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: the SDK retried 429 deadline_unmeetable (and 408 deadline_exceeded) after
+    Retry-After, each retry with a fresh deadline: the answer came after the deadline."""
+    import openai
+
+    url = prio_server.url
+    for _ in range(2):  # the scheduler measures step times from busy steps
+        assert httpx.post(url + GEN, json={"prompt": "warm", "num_inference_steps": 4},
+                          timeout=120).status_code == 200
+    deadline = 'ditserve:request_errors_total{reason="deadline"}'
+    before = metric(httpx.get(url + "/metrics", timeout=30).text, deadline)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=2, timeout=60)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.images.generate(prompt="x", extra_body={"num_inference_steps": 10,
+                                                       "deadline_s": 0.000001})
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert "retry-after" not in refused.value.response.headers
+    after = metric(httpx.get(url + "/metrics", timeout=30).text, deadline)
+    assert after - before == 1  # one try, not three
+
+
 def test_a_video_job_object_shows_its_priority_deadline_and_estimate(tmp_path: Path) -> None:
     store = JobStore(StoreLimits(), VideoFiles(tmp_path / "videos"))
     params = SamplingParams(prompt="p", height=16, width=16, num_frames=5,

@@ -184,5 +184,5 @@ def test_metrics_count_jobs_and_seconds(client, video_server, metric) -> None:
     ready = httpx.get(f"{video_server.url}/ready").json()
     assert json.dumps(sorted(ready)) == json.dumps(sorted(
         ["ready", "phase", "model", "compile", "device", "dtype", "max_num_seqs", "max_queue",
-         "running", "waiting", "pixel_multiple", "offload",
-         "pipeline"]))  # /ready: the same keys, and the pipeline plan (encoders, VAE, cache)
+         "running", "waiting", "step_in_flight", "max_request_tokens", "pixel_multiple",
+         "offload", "pipeline"]))  # /ready: the same keys, and the pipeline plan (encoders, VAE, cache)

@@ -11,6 +11,8 @@ different steps share one forward.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,10 +103,16 @@ class FluxStepPipeline:
 
     def limits(self) -> ModelLimits:
         """Flux's rope (FluxPosEmbed) is computed from the token ids on the fly: no table
-        bounds the size."""
-        return ModelLimits.of_table(None, pixel_multiple=self.pixel_multiple,
-                                    max_prompt_chars=self.max_prompt_chars,
-                                    max_text_tokens=self.max_text_tokens)
+        bounds the size; the schedule's resolution shift does (a square of that side is
+        the most tokens it computes a shift for)."""
+        limits = ModelLimits.of_table(None, pixel_multiple=self.pixel_multiple,
+                                      max_prompt_chars=self.max_prompt_chars,
+                                      max_text_tokens=self.max_text_tokens)
+        tokens = self.sampler.max_tokens
+        if tokens is None:
+            return limits
+        side = math.isqrt(tokens) * self.pixel_multiple
+        return dataclasses.replace(limits, max_side=min(limits.max_side, side))
 
     def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return (

@@ -55,8 +55,11 @@ class FluxKontextStepPipeline(FluxStepPipeline):
 
     # -- the source image --------------------------------------------------------------------
     def source_size(self, image: ConditionImage) -> tuple[int, int]:
-        """(width, height) the source is resized to, as diffusers' ``_auto_resize``."""
+        """(width, height) the source is resized to, as diffusers' ``_auto_resize``; a source
+        under 16 pixels on a side (diffusers divides by zero) takes its own aspect ratio."""
         height, width = self.image_processor.get_default_height_width(to_pil(image))
+        if not height or not width:
+            height, width = image.height, image.width
         aspect = width / height
         _, width, height = min((abs(aspect - w / h), w, h) for w, h in self.preferred_resolutions)
         multiple = self.pixel_multiple

@@ -41,6 +41,7 @@ class QwenImageStepPipeline:
     """StepPipeline for Qwen-Image (see module docstring)."""
 
     family = QWEN_IMAGE
+    encoder_keeps_hidden_states = True  # the prompt is read off every layer's hidden state
 
     def __init__(
         self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True

@@ -25,6 +25,7 @@ counts and run as other shape groups of the same step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,9 @@ SOURCE_GRIDS = "source_grids"  # host: each source's (1, h/2, w/2) token grid
 IMAGE_PAD = "<|image_pad|>"
 VAE_AREA = 1024 * 1024  # the sources' VAE size, as diffusers' pipelines
 PLUS_PROMPT_AREA = 384 * 384  # Plus: the size Qwen2.5-VL reads each image at
+# Qwen2.5-VL's processor refuses images beyond 200:1, and the 1 MP resize onto a 32-pixel
+# grid stretches a source of about 164:1 past that: sources are refused above this.
+MAX_SOURCE_ASPECT = 150.0
 PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 VISION_PATCH = 28  # pixels per vision token side (14-pixel patches merged 2x2)
 
@@ -159,10 +163,11 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
         area = self.prompt_area or VAE_AREA
         vision = self.condition_images[1] * (area // VISION_PATCH**2 + 1)
         positions = table - MAX_TEXT_TOKENS - vision
-        return ModelLimits.of_table(positions, pixel_multiple=self.pixel_multiple,
-                                    tokens_per_position=2,
-                                    max_prompt_chars=self.max_prompt_chars,
-                                    max_text_tokens=self.max_text_tokens)
+        table_limits = ModelLimits.of_table(positions, pixel_multiple=self.pixel_multiple,
+                                            tokens_per_position=2,
+                                            max_prompt_chars=self.max_prompt_chars,
+                                            max_text_tokens=self.max_text_tokens)
+        return dataclasses.replace(table_limits, max_condition_aspect=MAX_SOURCE_ASPECT)
 
     # -- StepPipeline ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -7,7 +7,9 @@ Registered only when ``DITSERVE_ALLOW_RUNTIME_LORA_UPDATING`` is true (as vLLM's
 key like every route. A load reads and checks the file (diffusers' converters,
 ``--max-lora-rank``) before the name becomes selectable; a name already loaded is refused
 (409: unload it first). An unload is refused (409) while a running or queued request uses
-the adapter. Errors are OpenAI error objects: 400 a bad body or an unusable file, 404 a
+the adapter. A file is checked against the served DiT too (every layer it names exists and
+its factors fit), and the served model's own name is refused. Errors are OpenAI error
+objects: 400 a bad body, an unusable file or the model's name, 404 a
 missing file or an unknown name, 409 a name taken or an adapter in use.
 """
 
@@ -109,6 +111,11 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
     body = await _body(request, LoadLoraAdapterRequest)
     assert isinstance(body, LoadLoraAdapterRequest)
     catalog = _catalog(request)
+    model_name = request.app.state.server.model_name
+    if body.lora_name == model_name:
+        # ``model`` selects an adapter by name: this one could never be selected.
+        raise invalid("lora_name", f"{body.lora_name!r} is the served model's name; give "
+                                   "the adapter another name", code="adapter_name_taken")
     try:
         entry = await asyncio.to_thread(catalog.load, body.lora_name, body.lora_path)
     except AdapterFileNotFoundError as e:
@@ -121,6 +128,20 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
         raise invalid("lora_path" if "file" in str(e) else "lora_name", str(e)) from e
     log.info("LoRA adapter %s loaded from %s (rank %d)", entry.name, entry.path, entry.rank)
     return PlainTextResponse(f"Success: LoRA adapter '{entry.name}' added successfully.")
+
+
+disabled_router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@disabled_router.post("/v1/load_lora_adapter", include_in_schema=False)
+@disabled_router.post("/v1/unload_lora_adapter", include_in_schema=False)
+async def runtime_updates_off(request: Request) -> None:
+    """The routes of a server started without the variable: a 404 that says how to turn
+    them on (an unexplained 404 reads as a wrong URL)."""
+    raise APIError(404, f"runtime LoRA loading is off on this server; start it with "
+                        f"{RUNTIME_UPDATES_ENV}=true to enable {request.url.path}, or name "
+                        "adapters at start with --lora-modules",
+                   code="not_found", reason="not_found")
 
 
 @router.post("/v1/unload_lora_adapter", response_model=None, summary="Unload a LoRA adapter",

@@ -32,6 +32,7 @@ from ditserve.engine.server.adapter_fields import parse_form_loras
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, invalid, request_id_of
+from ditserve.engine.server.form_fields import fold_nested
 from ditserve.engine.server.routes.images import _admit, _answer, _event_stream
 from ditserve.engine.server.schemas import RequestLimits, parse_generation_request, request_error
 from ditserve.engine.server.state import ServerState
@@ -111,8 +112,8 @@ async def _read_edit(request: Request, state: ServerState
             raise invalid("image", "image: is required (one or more image files)",
                           code="missing_field")
         images = [await read_image(f, field="image", limits=upload) for f in files]
-        fields: dict[str, Any] = {}
-        for name in form:
+        plain, fields = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
+        for name in dict.fromkeys(name for name, _ in plain):
             if name in IMAGE_FIELDS or name in IGNORED_EDIT_FIELDS:
                 continue
             values = form.getlist(name)

@@ -28,12 +28,12 @@ from ditserve.engine.errors import (
 from ditserve.engine.server import image_openapi, openapi, responses, streaming
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
-from ditserve.engine.server.errors import APIError, log_error, request_id_of
+from ditserve.engine.server.errors import NO_RETRY, APIError, log_error, request_id_of
 from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
     check_admitting,
-    too_many,
+    deadline_unmeetable,
     unavailable,
 )
 from ditserve.engine.server.schemas import parse_generation_request
@@ -65,13 +65,12 @@ def _failure(state: ServerState, request_id: str, exc: BaseException) -> APIErro
                                    "stopped; retry on another replica")
     if isinstance(exc, DeadlineError) and not exc.started:
         # Stopped while it waited: as a refusal at admission (another replica may make it).
-        return too_many(state, f"{exc} (request {request_id})", code="deadline_unmeetable",
-                        reason="deadline")
+        return deadline_unmeetable(f"{exc} (request {request_id})")
     if isinstance(exc, DeadlineError):
         # The client's own deadline_s passed mid-run: a 4xx (its choice, not a server fault),
         # and not 504, which reads as the server's request timeout.
         return APIError(408, f"{exc} (request {request_id})", type="invalid_request_error",
-                        code="deadline_exceeded", reason="deadline")
+                        code="deadline_exceeded", reason="deadline", headers=dict(NO_RETRY))
     return APIError(500, f"the engine failed to generate this request (request {request_id}); "
                          "see the server log", type="server_error", code="engine_error",
                     reason="engine_error")

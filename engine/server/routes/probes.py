@@ -65,6 +65,12 @@ def readiness(state: ServerState) -> dict[str, Any]:
             "max_queue": engine.config.scheduler.max_queue,
             "running": stats.running,
             "waiting": stats.waiting,
+            # A step is never cut short: requests aborted during it (a client gone) are
+            # no longer "running" but still computed until it ends.
+            "step_in_flight": None if stats.step_in_flight_s is None else {
+                "seconds": round(stats.step_in_flight_s, 3),
+                "requests": stats.requests_in_flight},
+            "max_request_tokens": getattr(engine, "max_request_tokens", None),
             "pixel_multiple": facts.limits.pixel_multiple,
             "offload": {"enabled": True, **offload} if offload else {"enabled": False},
             "pipeline": pipeline,
