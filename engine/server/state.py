@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from ditserve.engine.loop.startup import WarmUp
 from ditserve.engine.loop.step_log import StepLog, copy_rates_of
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits
 from ditserve.engine.server.config import ServerConfig, parse_size
+from ditserve.engine.server.jobs.backend import open_backend
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.jobs.store import JobStore, StoreLimits
@@ -74,11 +76,9 @@ class ServerState:
         model = model_defaults(engine.config.model)
         videos = None
         if model.output == "video":
-            limits = StoreLimits(max_jobs=config.video_max_jobs,
-                                 max_bytes=config.video_max_bytes, ttl_s=config.video_ttl_s)
-            store = JobStore(limits, VideoFiles(config.video_dir), observer=metrics)
+            store = open_job_store(config, namespace=name, observer=metrics)
             metrics.track_videos(store.usage)
-            videos = VideoJobs(engine, store)
+            videos = VideoJobs(engine, store, lease_s=config.job_lease_s)
         return cls(engine, config, metrics, name, size, steps, model, videos, **kwargs)
 
     @property
@@ -149,8 +149,11 @@ class ServerState:
                 self.on_start_failed(e)
 
     def begin_drain(self) -> None:
-        """Refuse new work from now on (/ready 503, new requests 503); admitted work goes on."""
+        """Refuse new work from now on (/ready 503, new requests 503, no job is claimed);
+        admitted work goes on."""
         self.engine.drain()
+        if self.videos is not None:
+            self.videos.begin_drain()
 
     def has_work(self) -> bool:
         stats = self.engine.stats()
@@ -166,6 +169,24 @@ class ServerState:
         if self.videos is not None:
             self.videos.close()  # after the engine: its aborts fail the unfinished jobs
         log.info("engine stopped")
+
+
+def open_job_store(config: ServerConfig, *, namespace: str, observer: Any = None) -> JobStore:
+    """The job store ``config`` names (``--job-store``: SQLite by default, or Redis) with its
+    video directory: an owned one (one server, swept of files no job names) for SQLite, a
+    shared one (every replica mounts it) for Redis."""
+    limits = StoreLimits(max_jobs=config.video_max_jobs, max_bytes=config.video_max_bytes,
+                         ttl_s=config.video_ttl_s)
+    shared = config.job_store is not None and not config.job_store.startswith("sqlite:")
+    files = VideoFiles(config.video_dir, shared=shared)
+    try:
+        backend = open_backend(config.job_store, files.root, namespace=namespace,
+                               clock=time.time)
+        files.sweep({job.id for job in backend.jobs()})
+    except BaseException:
+        files.close()
+        raise
+    return JobStore(limits, files, backend, observer=observer)
 
 
 def engine_options(engine_config: EngineConfig, config: ServerConfig, metrics: ServingMetrics,

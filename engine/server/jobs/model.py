@@ -1,7 +1,8 @@
 """A video job: its status machine, its id, and its OpenAI ``video`` object.
 
-``VideoJob`` is plain data; only ``JobStore`` changes it (under its lock), so a job's status
-moves in one place. ``JobStatus`` sorts its final states last, as ``RequestStatus`` does.
+``VideoJob`` is plain data, kept by a job backend (``jobs.backend``: SQLite or Redis) as a
+JSON record (``jobs.records``); only ``JobStore`` changes it (one atomic read-modify-write per
+change, whichever replica makes it), so a job's status moves in one place. ``JobStatus`` sorts its final states last, as ``RequestStatus`` does.
 ``video_object`` renders a job as OpenAI's Videos API object (id, ``object: "video"``, status,
 progress, created_at, completed_at, expires_at, error, model, prompt, seconds, size; a
 cancelled job reads ``failed`` with error code ``cancelled``), plus
@@ -19,7 +20,7 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,14 @@ class VideoSpec:
 
 @dataclass
 class VideoJob:
-    """One job. Changed only by ``JobStore``; read a snapshot with ``video_object``."""
+    """One job. Changed only by ``JobStore``; read a snapshot with ``video_object``.
+
+    The lease fields say which replica runs it: ``owner`` (a replica's worker id) and
+    ``token`` (one claim: a re-claimed job gets a new one, so a replica that lost its lease
+    can no longer move the job), ``attempts`` (claims so far: a job whose replicas died
+    ``MAX_ATTEMPTS`` times fails with ``job_interrupted``), ``queue_entry`` (the backend's own
+    handle on the job's place in the work queue, e.g. a Redis stream entry id).
+    """
 
     id: str
     spec: VideoSpec
@@ -125,9 +133,16 @@ class VideoJob:
     path: Path | None = None  # the published MP4, once completed
     size_bytes: int = 0  # the MP4's size, once completed
     reserved_bytes: int = 0  # counted against the store's byte bound
-    engine_id: str | None = None  # the engine's request id while it generates
     eta_s: float | None = None  # the scheduler's estimate of the seconds left, per step
-    listeners: list[Any] = field(default_factory=list)
+    owner: str | None = None
+    token: str | None = None
+    attempts: int = 0
+    queue_entry: str | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """What the job counts against the store's byte bound."""
+        return self.size_bytes + self.reserved_bytes
 
     @property
     def progress(self) -> int:
@@ -173,6 +188,7 @@ def video_object(job: VideoJob) -> dict[str, Any]:
             "deadline_s": p.deadline_s,
             "estimated_seconds_left": (round(job.eta_s, 3) if job.eta_s is not None
                                        and not job.status.is_finished else None),
+            "attempts": job.attempts,
         },
     }
 
