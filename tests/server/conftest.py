@@ -172,3 +172,13 @@ def video_server(tmp_path_factory: pytest.TempPathFactory, tiny_wan: Path, video
                         "--video-max-jobs", "4096", "--request-timeout", "120")
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real redis-server for the session (tests keep apart by namespace)."""
+    from server.redis_support import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
