@@ -2,11 +2,13 @@
 
 ``VideoJob`` is plain data, kept by a job backend (``jobs.backend``: SQLite or Redis) as a
 JSON record (``jobs.records``); only ``JobStore`` changes it (one atomic read-modify-write per
-change, whichever replica makes it), so a job's status moves in one place. ``JobStatus`` sorts its final states last, as ``RequestStatus`` does.
+change, whichever replica makes it), so a job's status moves in one place. ``JobStatus``
+sorts its final states last, as ``RequestStatus`` does.
 ``video_object`` renders a job as OpenAI's Videos API object (id, ``object: "video"``, status,
 progress, created_at, completed_at, expires_at, error, model, prompt, seconds, size; a
 cancelled job reads ``failed`` with error code ``cancelled``), plus
-ditserve's own ``ditserve`` object (frames, fps, steps, seed, timings, bytes).
+ditserve's own ``ditserve`` object (frames, fps, steps, seed, timings, bytes, the claims so
+far and the replica running it).
 
 Ids are ``video_`` + 32 hex digits whose first 16 are a strictly increasing number (the
 creation time in nanoseconds, bumped on ties): sorting ids sorts jobs by creation, so the
@@ -189,6 +191,7 @@ def video_object(job: VideoJob) -> dict[str, Any]:
             "estimated_seconds_left": (round(job.eta_s, 3) if job.eta_s is not None
                                        and not job.status.is_finished else None),
             "attempts": job.attempts,
+            "replica": job.owner,
         },
     }
 
