@@ -59,7 +59,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)], tags=["videos"])
 DEFAULT_PAGE, MAX_PAGE = 20, 100
 CHUNK_BYTES = 1 << 20
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
-EVENT_POLL_S = 0.5  # how often a follower reads the store for other replicas' changes
+EVENT_POLL_S = 0.25  # how often a follower reads the store for other replicas' changes
 MP4 = "video/mp4"
 
 
