@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ditserve.operator.autoscaling import AutoscalingSpec
 from ditserve.operator.spec_reader import SpecReader
 
 RESULTS_MOUNT = "/videos"
@@ -61,8 +62,9 @@ def parse_jobs(root: SpecReader) -> JobsSpec:
                     lease_s=lease)
 
 
-def jobs_problems(jobs: JobsSpec, *, max_replicas: int) -> list[str]:
+def jobs_problems(jobs: JobsSpec, replicas: int, autoscaling: AutoscalingSpec) -> list[str]:
     """What the rest of the spec makes impossible."""
+    max_replicas = max(replicas, autoscaling.max_replicas if autoscaling.enabled else 0)
     if jobs.shared and jobs.results_claim is None:
         return ["spec.jobs.redis needs spec.jobs.results.persistentVolumeClaim: replicas "
                 "sharing jobs must share their videos too (a ReadWriteMany volume)"]

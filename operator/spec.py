@@ -224,10 +224,8 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         batching=BatchingSpec(
             max_num_seqs=b.integer("maxNumSeqs", 4, 1), max_queue=b.integer("maxQueue", 64)
         ),
-        compile=CompileSpec(
-            enabled=co.flag("enabled", False),
-            backend=co.text("backend", "inductor", COMPILE_BACKENDS),
-        ),
+        compile=CompileSpec(enabled=co.flag("enabled", False),
+                            backend=co.text("backend", "inductor", COMPILE_BACKENDS)),
         engine=_read_engine(root.child("engine")),
         cache=CacheSpec(
             mode=c.text("mode", "NodeLocal", CACHE_MODES),
@@ -344,10 +342,8 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
     clashing = sorted({str(e.get("name")) for e in spec.engine.env} & set(OPERATOR_ENV))
     if clashing:
         out.append(f"engine.env must not set {', '.join(clashing)}: the operator sets them "
-                   "(use engine.apiKeySecret for the API key, spec.jobs.redis.urlSecret for "
-                   "the job store)")
-    most = spec.autoscaling.max_replicas if spec.autoscaling.enabled else spec.replicas
-    out.extend(jobs_problems(spec.jobs, max_replicas=max(most, spec.replicas)))
+                   "(use engine.apiKeySecret, spec.jobs.redis.urlSecret)")
+    out.extend(jobs_problems(spec.jobs, spec.replicas, spec.autoscaling))
     if str(spec.rollout.max_surge) in ("0", "0%") and str(spec.rollout.max_unavailable) in ("0", "0%"):
         out.append("rollout.maxSurge and rollout.maxUnavailable cannot both be 0")
     return out

@@ -23,7 +23,7 @@ from ditserve.engine.server import edit_openapi, image_openapi, video_openapi
 from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
-from ditserve.engine.server.jobs.backend import StoreUnavailable
+from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.openapi import build_openapi
 from ditserve.engine.server.phase import unavailable

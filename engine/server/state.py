@@ -26,14 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ditserve.engine.client import EngineClient
 from ditserve.engine.config import EngineConfig
+from ditserve.engine.errors import ConfigError
 from ditserve.engine.loop.startup import WarmUp
 from ditserve.engine.loop.step_log import StepLog, copy_rates_of
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits
 from ditserve.engine.server.config import ServerConfig, parse_size
-from ditserve.engine.server.jobs.backend import open_backend
+from ditserve.engine.server.jobs.backend import JobBackend
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.jobs.store import JobStore, StoreLimits
@@ -45,6 +47,7 @@ from ditserve.engine.server.uploads import UploadLimits
 from ditserve.engine.server.video_request import VideoLimits
 
 log = logging.getLogger(__name__)
+SQLITE_FILE = "jobs.sqlite3"  # the default job store, under --video-dir
 
 TINY_MODEL_NAME = "ditserve-tiny-flux"
 # A video model's frame step before it loaded (Wan's VAE: 4 frames per latent frame).
@@ -187,6 +190,35 @@ def open_job_store(config: ServerConfig, *, namespace: str, observer: Any = None
         files.close()
         raise
     return JobStore(limits, files, backend, observer=observer)
+
+
+def open_backend(url: str | None, video_dir: Path, *, namespace: str,
+                 clock: Callable[[], float]) -> JobBackend:
+    """The backend ``url`` names (None: ``sqlite:///<video_dir>/jobs.sqlite3``).
+    ``namespace`` keeps deployments apart in one Redis (their jobs and queues never mix)."""
+    from ditserve.engine.server.jobs.sqlite_backend import SqliteBackend
+
+    if url is None:
+        return SqliteBackend(video_dir.resolve() / SQLITE_FILE, clock=clock)
+    scheme = urlsplit(url).scheme
+    if scheme == "sqlite":
+        return SqliteBackend(sqlite_path(url), clock=clock)
+    if scheme in ("redis", "rediss", "unix"):
+        from ditserve.engine.server.jobs.redis_backend import RedisBackend
+
+        return RedisBackend(url, namespace=namespace)
+    raise ConfigError(f"server.job_store: {scheme!r} is no job store; use sqlite:///PATH or "
+                      "redis://HOST:PORT/DB")
+
+
+def sqlite_path(url: str) -> Path:
+    """``sqlite:///abs/path`` -> /abs/path (what follows ``sqlite://`` is the file's path,
+    which must be absolute)."""
+    path = url.removeprefix("sqlite://")
+    if not path.startswith("/"):
+        raise ConfigError(f"server.job_store {url!r}: write sqlite:///ABSOLUTE/PATH (an "
+                          "absolute file path)")
+    return Path(path)
 
 
 def engine_options(engine_config: EngineConfig, config: ServerConfig, metrics: ServingMetrics,

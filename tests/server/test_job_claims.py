@@ -17,7 +17,7 @@ from server.redis_support import RedisServer
 
 from ditserve.engine.condition_image import ConditionImage
 from ditserve.engine.request import LoraRef, SamplingParams
-from ditserve.engine.server.jobs.backend import StoreUnavailable
+from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.model import JobStatus, VideoJob, VideoSpec
 from ditserve.engine.server.jobs.records import decode_job, encode_job
@@ -225,3 +225,21 @@ def test_an_unreachable_redis_is_store_unavailable(tmp_path: Path) -> None:
     finally:
         redis.stop()
         store.close()
+
+
+def test_a_sqlite_file_has_one_server_and_a_url_names_an_absolute_path(tmp_path: Path) -> None:
+    from ditserve.engine.errors import ConfigError
+    from ditserve.engine.server.config import ServerConfig
+    from ditserve.engine.server.state import open_job_store
+
+    first = SqliteBackend(tmp_path / "jobs.sqlite3", clock=time.time)
+    with pytest.raises(ConfigError, match="in use by another ditserve server"):
+        SqliteBackend(tmp_path / "jobs.sqlite3", clock=time.time)
+    first.close()
+    SqliteBackend(tmp_path / "jobs.sqlite3", clock=time.time).close()  # free again
+    config = ServerConfig(video_dir=str(tmp_path / "v"), job_store="sqlite://relative/jobs.db")
+    with pytest.raises(ConfigError, match="an absolute file path"):
+        open_job_store(config, namespace="m")
+    store = open_job_store(ServerConfig(video_dir=str(tmp_path / "v")), namespace="m")
+    assert not store.shared and (tmp_path / "v" / "jobs.sqlite3").is_file()
+    store.close()

@@ -25,18 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlsplit
 
-from ditserve.engine.errors import ConfigError, DitServeError
 from ditserve.engine.server.jobs.model import VideoJob
-
-SQLITE_FILE = "jobs.sqlite3"  # the default store, under --video-dir
-
-
-class StoreUnavailable(DitServeError):
-    """The job backend cannot be reached now (Redis down, a network split)."""
 
 
 @dataclass(frozen=True)
@@ -87,30 +78,3 @@ class JobBackend(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def open_backend(url: str | None, video_dir: Path, *, namespace: str,
-                 clock: Callable[[], float]) -> JobBackend:
-    """The backend ``url`` names (None: ``sqlite:///<video_dir>/jobs.sqlite3``).
-    ``namespace`` keeps deployments apart in one Redis (their jobs and queues never mix)."""
-    if url is None:
-        url = f"sqlite:///{video_dir / SQLITE_FILE}"
-    scheme = urlsplit(url).scheme
-    if scheme == "sqlite":
-        from ditserve.engine.server.jobs.sqlite_backend import SqliteBackend
-
-        return SqliteBackend(sqlite_path(url), clock=clock)
-    if scheme in ("redis", "rediss", "unix"):
-        from ditserve.engine.server.jobs.redis_backend import RedisBackend
-
-        return RedisBackend(url, namespace=namespace)
-    raise ConfigError(f"server.job_store {url!r}: use sqlite:///PATH or redis://HOST:PORT/DB")
-
-
-def sqlite_path(url: str) -> Path:
-    """``sqlite:///abs/path`` -> /abs/path; ``sqlite:///rel/path`` -> rel/path is refused."""
-    path = url.removeprefix("sqlite://")
-    if not path.startswith("/"):
-        raise ConfigError(f"server.job_store {url!r}: write sqlite:////absolute/path or "
-                          "sqlite:///absolute/path (an absolute file path)")
-    return Path(path)

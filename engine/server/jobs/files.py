@@ -31,7 +31,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ditserve.engine.errors import ConfigError, DitServeError
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.server.jobs.errors import StorageError
 from ditserve.engine.server.jobs.model import JOB_ID_PATTERN
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,6 @@ SUFFIX = ".mp4"
 TEMP_DIR = ".tmp"
 LOCK_FILE = ".lock"
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-class StorageError(DitServeError):
-    """A video could not be stored. ``no_space``: the filesystem is full (or over quota)."""
-
-    def __init__(self, message: str, *, no_space: bool) -> None:
-        super().__init__(message)
-        self.no_space = no_space
 
 
 class VideoFiles:

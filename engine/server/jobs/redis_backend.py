@@ -33,7 +33,8 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
-from ditserve.engine.server.jobs.backend import Change, StoreUnavailable, Usage
+from ditserve.engine.server.jobs.backend import Change, Usage
+from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.jobs.model import VideoJob
 from ditserve.engine.server.jobs.records import decode_job, encode_job
 
@@ -50,7 +51,9 @@ class RedisBackend:
 
     def __init__(self, url: str, *, namespace: str) -> None:
         self.url = url
-        self._r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=TIMEOUT_S,
+        # Any: redis-py types each reply as the union of every decoding mode; with
+        # decode_responses=True they are str (and lists, dicts of str).
+        self._r: Any = redis.Redis.from_url(url, decode_responses=True, socket_timeout=TIMEOUT_S,
                                        socket_connect_timeout=TIMEOUT_S,
                                        health_check_interval=10)
         prefix = f"ditserve:{{{namespace}}}"
@@ -141,7 +144,7 @@ class RedisBackend:
             return job
 
         with self._reach():
-            return self._r.transaction(modify, key, value_from_callable=True)  # type: ignore[no-any-return]
+            return self._r.transaction(modify, key, value_from_callable=True)
 
     def _write(self, pipe: Pipeline, before: VideoJob, job: VideoJob) -> None:
         """Queue, in ``pipe``'s MULTI, the writes of ``before`` becoming ``job``."""
@@ -183,7 +186,7 @@ class RedisBackend:
             return job
 
         with self._reach():
-            return self._r.transaction(drop, key, value_from_callable=True)  # type: ignore[no-any-return]
+            return self._r.transaction(drop, key, value_from_callable=True)
 
     def expired(self, now: float) -> list[str]:
         with self._reach():

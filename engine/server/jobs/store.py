@@ -40,13 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ditserve.engine.errors import DitServeError
 from ditserve.engine.server.config import (
     DEFAULT_VIDEO_MAX_BYTES,
     DEFAULT_VIDEO_MAX_JOBS,
     DEFAULT_VIDEO_TTL_S,
 )
 from ditserve.engine.server.jobs.backend import JobBackend, Usage
+from ditserve.engine.server.jobs.errors import NeverFits, StoreFull
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.model import (
     JobStatus,
@@ -68,27 +68,6 @@ class StoreLimits:
     max_jobs: int = DEFAULT_VIDEO_MAX_JOBS
     max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
     ttl_s: float = DEFAULT_VIDEO_TTL_S
-
-
-class StoreFull(DitServeError):
-    """No room for another job; ``retry_after_s``: when room is known to come, else None."""
-
-    def __init__(self, message: str, retry_after_s: float | None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class NeverFits(DitServeError):
-    """A job that reserves more bytes than the whole store holds: no wait makes room."""
-
-    def __init__(self, reserved: int, max_bytes: int) -> None:
-        super().__init__(
-            f"this video reserves {reserved} bytes (frames x height x width x 3, the bound of "
-            f"its MP4 until it is encoded), more than the video store's whole {max_bytes} "
-            "bytes (--video-max-bytes): it can never fit; ask for fewer frames or a smaller "
-            "size, or raise --video-max-bytes")
-        self.reserved = reserved
-        self.max_bytes = max_bytes
 
 
 class JobObserver(Protocol):
@@ -191,7 +170,7 @@ class JobStore:
         while True:
             token = secrets.token_hex(8)
 
-            def take(job: VideoJob) -> bool:
+            def take(job: VideoJob, token: str = token) -> bool:
                 job.attempts += 1
                 if job.attempts > MAX_ATTEMPTS:
                     job.error = {"code": "job_interrupted", "message": (

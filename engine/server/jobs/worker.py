@@ -51,8 +51,7 @@ from ditserve.engine.errors import (
     RequestAborted,
 )
 from ditserve.engine.loop.lifecycle import EnginePhase
-from ditserve.engine.server.jobs.backend import StoreUnavailable
-from ditserve.engine.server.jobs.files import StorageError
+from ditserve.engine.server.jobs.errors import StorageError, StoreUnavailable
 from ditserve.engine.server.jobs.model import JobStatus, VideoJob, VideoSpec
 from ditserve.engine.server.jobs.store import JobStore
 

@@ -34,10 +34,9 @@ from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
 from ditserve.engine.server.edge import is_head
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
-from ditserve.engine.server.jobs.backend import StoreUnavailable
+from ditserve.engine.server.jobs.errors import NeverFits, StoreFull, StoreUnavailable
 from ditserve.engine.server.jobs.model import API_FINISHED, JOB_ID_PATTERN, deleted_object
 from ditserve.engine.server.jobs.service import VideoJobs
-from ditserve.engine.server.jobs.store import NeverFits, StoreFull
 from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
