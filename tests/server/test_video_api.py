@@ -362,3 +362,22 @@ def test_a_job_of_an_openai_size_is_exactly_the_sdks_video(tmp_path: Path) -> No
     videos = [Video.model_validate(obj, strict=True) for obj in objects]
     assert [v.status for v in videos][-1] == "completed"
     assert {v.size for v in videos} == {"720x1280"}
+
+
+def test_a_job_the_claiming_replica_cannot_run_fails_with_a_reason(tmp_path: Path) -> None:
+    """A job another replica admitted (other limits) that this engine refuses ends failed,
+    not stuck in this replica's hands."""
+    from ditserve.engine.request import SamplingParams
+    from ditserve.engine.server.jobs.model import VideoSpec
+
+    app, _ = video_app(fake_video_engine(tmp_path))
+    params = SamplingParams(prompt="p", height=32, width=32, num_frames=6, seed=1)  # not 4k+1
+
+    async def script(client):
+        job = app.state.server.videos.create(VideoSpec(params, fps=8, model="m"),
+                                             request_id="r")
+        return await finish(client, job["id"])
+
+    final = run(app, script)[-1][1]["video"]
+    assert (final["status"], final["error"]["code"]) == ("failed", "invalid_request")
+    assert "num_frames" in final["error"]["message"]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.server.jobs.backend import Change, Usage
+from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.jobs.model import VideoJob
 from ditserve.engine.server.jobs.records import decode_job, encode_job
 
@@ -68,7 +69,7 @@ class SqliteBackend:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+        with self._lock, _reach(self.path):
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -76,6 +77,11 @@ class SqliteBackend:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, _reach(self.path):
+            yield self._db
 
     def _write(self, db: sqlite3.Connection, job: VideoJob, *,
                lease_until: float | None | bool = False) -> None:
@@ -101,22 +107,22 @@ class SqliteBackend:
             self._write(db, job)
 
     def get(self, job_id: str) -> VideoJob | None:
-        with self._lock:
-            row = self._db.execute("SELECT data FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        with self._read() as db:
+            row = db.execute("SELECT data FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return decode_job(row[0]) if row else None
 
     def page(self, *, limit: int, after: str | None, descending: bool
              ) -> tuple[list[VideoJob], bool]:
         order, compare = ("DESC", "<") if descending else ("ASC", ">")
         where = f"WHERE id {compare} ?" if after is not None else ""
-        with self._lock:
-            rows = self._db.execute(f"SELECT data FROM jobs {where} ORDER BY id {order} LIMIT ?",
+        with self._read() as db:
+            rows = db.execute(f"SELECT data FROM jobs {where} ORDER BY id {order} LIMIT ?",
                                     (*(() if after is None else (after,)), limit + 1)).fetchall()
         return [decode_job(r[0]) for r in rows[:limit]], len(rows) > limit
 
     def jobs(self) -> list[VideoJob]:
-        with self._lock:
-            rows = self._db.execute("SELECT data FROM jobs ORDER BY id").fetchall()
+        with self._read() as db:
+            rows = db.execute("SELECT data FROM jobs ORDER BY id").fetchall()
         return [decode_job(r[0]) for r in rows]
 
     def update(self, job_id: str, change: Change) -> VideoJob | None:
@@ -137,9 +143,8 @@ class SqliteBackend:
         return decode_job(row[0]) if row else None
 
     def expired(self, now: float) -> list[str]:
-        with self._lock:
-            rows = self._db.execute("SELECT id FROM jobs WHERE expires_at <= ?", (now,)
-                                    ).fetchall()
+        with self._read() as db:
+            rows = db.execute("SELECT id FROM jobs WHERE expires_at <= ?", (now,)).fetchall()
         return [r[0] for r in rows]
 
     def claim(self, owner: str, lease_s: float, take: Change) -> VideoJob | None:
@@ -167,6 +172,15 @@ class SqliteBackend:
         with self._lock:
             self._db.close()
         os.close(self._lock_fd)  # releases the flock
+
+
+@contextmanager
+def _reach(path: Path) -> Iterator[None]:
+    """A failing database (disk full, I/O error, locked too long) is an unavailable store."""
+    try:
+        yield
+    except sqlite3.OperationalError as e:
+        raise StoreUnavailable(f"the job store {str(path)!r} failed: {e}") from e
 
 
 def _own(path: Path) -> int:

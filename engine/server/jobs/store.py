@@ -109,7 +109,7 @@ class JobStore:
             raise NeverFits(spec.raw_bytes, self.limits.max_bytes)
         self._expire()
         job = VideoJob(new_job_id(), spec, request_id, created_at=self.clock(),
-                       reserved_bytes=spec.raw_bytes)
+                       reserved_bytes=spec.raw_bytes, seed=spec.params.seed)
         self.backend.add(job, lambda usage: self._check_room(spec, usage))
         return video_object(job)
 
@@ -150,7 +150,8 @@ class JobStore:
             return None
         where = None
         if job.status is JobStatus.COMPLETED and job.path is not None:
-            where = Content(job.path, job.size_bytes, job.completed_at or 0.0)
+            # Named by the id under this replica's root: replicas may mount it elsewhere.
+            where = Content(self.files.path_of(job.id), job.size_bytes, job.completed_at or 0.0)
         return video_object(job), where
 
     def usage(self) -> tuple[dict[str, int], int]:
@@ -281,7 +282,7 @@ class JobStore:
         job = self.backend.remove(job_id)
         if job is None:
             return False, None
-        self.files.remove(job.path)
+        self._remove_file(job)
         return True, owner
 
     def subscribe(self, job_id: str, listener: Listener) -> dict[str, Any] | None:
@@ -347,4 +348,8 @@ class JobStore:
         for job_id in self.backend.expired(self.clock()):
             job = self.backend.remove(job_id)
             if job is not None:
-                self.files.remove(job.path)
+                self._remove_file(job)
+
+    def _remove_file(self, job: VideoJob) -> None:
+        if job.path is not None:
+            self.files.remove(self.files.path_of(job.id))

@@ -184,14 +184,21 @@ class JobWorker:
             self._forget(job.id)
             self.store.hand_back(job.id, token)
             return False
-        except InvalidRequestError as e:
+        except (InvalidRequestError, DeadlineError) as e:
             self._forget(job.id)
-            self.store.fail(job.id, "invalid_request", f"this replica cannot run the job: {e}",
-                            token=token)
+            code = "deadline_exceeded" if isinstance(e, DeadlineError) else "invalid_request"
+            self.store.fail(job.id, code, f"this replica cannot run the job: {e}", token=token)
             return True
+        except Exception as e:  # anything else would recur on every claim: fail the job
+            log.exception("video %s: the engine refused it", job.id)
+            self._forget(job.id)
+            self.store.fail(job.id, "generation_failed", f"the engine refused this job ({e}); "
+                            "see the server log", token=token)
+            return True
+        # The callback first: whatever happens to the store now, the result is handled.
+        handle.future.add_done_callback(partial(self._on_done, job.id, held))
         if not self.store.started(job.id, token, seed=handle.seed):
             self.let_go(job.id, "cancelled")  # a DELETE (or a take-over) came first
-        handle.future.add_done_callback(partial(self._on_done, job.id, held))
         return True
 
     def _write_progress(self) -> None:
@@ -271,8 +278,11 @@ class JobWorker:
             return
         if self.store.shared:
             self._wake.set()
-        else:
+            return
+        try:  # never let a failed progress write reach the engine's step loop
             self.store.stepped(job_id, held.token, event.step, event.eta_s)
+        except Exception:
+            log.exception("video %s: progress not recorded", job_id)
 
     def _on_done(self, job_id: str, held: Held, future: concurrent.futures.Future[Any]) -> None:
         held.in_engine = False
