@@ -27,6 +27,10 @@ from ditserve.operator.spec_reader import SpecReader
 RESULTS_MOUNT = "/videos"
 RESULTS_VOLUME = "videos"
 JOB_STORE_ENV = "DITSERVE_JOB_STORE"  # the engine reads it (engine.server.config)
+JOB_NAMESPACE_ENV = "DITSERVE_JOB_NAMESPACE"  # likewise: whose jobs these are
+POD_NAMESPACE_ENV = "DITSERVE_POD_NAMESPACE"
+INSTANCE_LABEL = "app.kubernetes.io/instance"  # the DiffusionDeployment's name (render.py)
+JOBS_ENV = (JOB_STORE_ENV, JOB_NAMESPACE_ENV, f"{JOB_NAMESPACE_ENV}_NAME", POD_NAMESPACE_ENV)
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,16 @@ def jobs_mounts(jobs: JobsSpec) -> list[dict[str, Any]]:
 
 
 def jobs_env(jobs: JobsSpec) -> list[dict[str, Any]]:
+    """The store's URL from its Secret, and the namespace of this deployment's jobs in it:
+    ``<namespace>/<name>`` from the pod's own metadata, so deployments sharing one Redis
+    never take each other's jobs."""
     if jobs.url_secret is None:
         return []
     name, key = jobs.url_secret
-    return [{"name": JOB_STORE_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}]
+    return [{"name": JOB_STORE_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}},
+            {"name": POD_NAMESPACE_ENV, "valueFrom": {"fieldRef": {
+                "fieldPath": "metadata.namespace"}}},
+            {"name": f"{JOB_NAMESPACE_ENV}_NAME", "valueFrom": {"fieldRef": {
+                "fieldPath": f"metadata.labels['{INSTANCE_LABEL}']"}}},
+            {"name": JOB_NAMESPACE_ENV,
+             "value": f"$({POD_NAMESPACE_ENV})/$({JOB_NAMESPACE_ENV}_NAME)"}]

@@ -21,7 +21,7 @@ from ditserve.engine.config import (
 )
 from ditserve.operator.autoscaling import AutoscalingSpec, read_autoscaling
 from ditserve.operator.errors import InvalidSpecError
-from ditserve.operator.jobs import JOB_STORE_ENV, JobsSpec, jobs_problems, parse_jobs
+from ditserve.operator.jobs import JOBS_ENV, JobsSpec, jobs_problems, parse_jobs
 from ditserve.operator.loras import LoraSource, parse_loras
 from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
@@ -38,7 +38,7 @@ SPREADS = ("Preferred", "Required", "None")
 # the cache or the auth, so engine.env may not name them.
 OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "LOCAL_WORLD_SIZE", "NODE_RANK", "DITSERVE_CACHE_ROOT", "DITSERVE_API_KEY",
-                "HF_HUB_OFFLINE", "HOME", "DITSERVE_TERMINATION_LOG", JOB_STORE_ENV)
+                "HF_HUB_OFFLINE", "HOME", "DITSERVE_TERMINATION_LOG", *JOBS_ENV)
 MAX_GPUS_PER_REPLICA = 256
 RENDEZVOUS_PORT = 29500  # MASTER_PORT of every engine pod's process group
 

@@ -30,6 +30,8 @@ DEFAULT_VIDEO_MAX_BYTES = 4 << 30
 DEFAULT_VIDEO_TTL_S = 3600.0
 DEFAULT_JOB_LEASE_S = 30.0
 JOB_STORE_ENV = "DITSERVE_JOB_STORE"  # the job store URL when neither flag nor YAML names one
+JOB_NAMESPACE_ENV = "DITSERVE_JOB_NAMESPACE"  # likewise, the namespace (the operator sets it)
+JOB_NAMESPACE = re.compile(r"^[A-Za-z0-9._/:-]{1,200}$")
 JOB_STORE_PATTERN = re.compile(r"^(sqlite:///.+|(redis|rediss|unix)://\S+)$")
 MAX_FPS = 120  # an MP4 frame rate a job (or --default-fps) may ask for
 # Sides without leading zeros and at most 5 digits: a size of thousands of digits is a format
@@ -81,6 +83,9 @@ class ServerConfig:
         mounts). None: ``$DITSERVE_JOB_STORE``, else ``sqlite:///<video_dir>/jobs.sqlite3``.
     job_lease_s: how long a claimed job stays with a replica that stopped renewing its
         lease (killed, cut off) before another replica runs it.
+    job_namespace: which jobs of a shared store are this deployment's (its replicas share
+        one queue; another namespace in the same Redis never sees them). None:
+        ``$DITSERVE_JOB_NAMESPACE``, else the served model name.
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +115,7 @@ class ServerConfig:
     video_ttl_s: float = DEFAULT_VIDEO_TTL_S
     job_store: str | None = None
     job_lease_s: float = DEFAULT_JOB_LEASE_S
+    job_namespace: str | None = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
@@ -187,6 +193,10 @@ def _video_problems(config: ServerConfig) -> list[str]:
                    "must be too: set server.video_dir (--video-dir) to a directory every "
                    "replica mounts (a ReadWriteMany volume)")
     number_at_least(out, "server.job_lease_s", config.job_lease_s, 0.1)
+    space = config.job_namespace
+    if space is not None and (not isinstance(space, str) or not JOB_NAMESPACE.match(space)):
+        out.append("server.job_namespace must be 1-200 letters, digits or . _ / : -, got "
+                   f"{space!r}")
     return out
 
 

@@ -79,7 +79,8 @@ class ServerState:
         model = model_defaults(engine.config.model)
         videos = None
         if model.output == "video":
-            store = open_job_store(config, namespace=name, observer=metrics)
+            store = open_job_store(config, namespace=config.job_namespace or name,
+                                   observer=metrics)
             metrics.track_videos(store.usage)
             videos = VideoJobs(engine, store, lease_s=config.job_lease_s)
         return cls(engine, config, metrics, name, size, steps, model, videos, **kwargs)

@@ -40,8 +40,18 @@ def engine_and_pod(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 def test_shared_jobs_render_the_secret_the_volume_and_the_server_section() -> None:
     spec = wan(replicas=3, jobs=SHARED)
     engine, pod = engine_and_pod(spec)
-    assert env_of(engine)["DITSERVE_JOB_STORE"] == {
-        "secretKeyRef": {"name": "job-store", "key": "url"}}
+    env = env_of(engine)
+    assert env["DITSERVE_JOB_STORE"] == {"secretKeyRef": {"name": "job-store", "key": "url"}}
+    # Whose jobs: <namespace>/<name> from the pod's metadata (deployments sharing one Redis
+    # never take each other's jobs); the variables it names come first in the list.
+    names = [e["name"] for e in engine["env"]]
+    assert env["DITSERVE_JOB_NAMESPACE"] == (
+        "$(DITSERVE_POD_NAMESPACE)/$(DITSERVE_JOB_NAMESPACE_NAME)")
+    assert names.index("DITSERVE_JOB_NAMESPACE") > names.index("DITSERVE_POD_NAMESPACE")
+    assert env["DITSERVE_JOB_NAMESPACE_NAME"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['app.kubernetes.io/instance']"}}
+    pod_labels = children(spec)["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels["app.kubernetes.io/instance"] == OWNER.name
     assert {"name": "videos", "persistentVolumeClaim": {"claimName": "videos"}} in pod["volumes"]
     assert {"name": "videos", "mountPath": "/videos", "subPath": "wan"} in engine["volumeMounts"]
     config = yaml.safe_load(children(spec)["ConfigMap"]["data"]["engine.yaml"])

@@ -165,6 +165,12 @@ def test_two_replicas_share_jobs_through_redis(tmp_path: Path, request) -> None:
     b.stepped(job_id, claimed.token, 1)
     assert a.get(job_id)["status"] == "in_progress"
     assert [j["id"] for j in a.page(limit=5, after=None, order="desc")[0]] == [job_id]
+    # Another deployment in the same Redis (another namespace) never sees these jobs.
+    backends.namespace += "-other"
+    other = backends.open()
+    other.add(spec(), "r")
+    assert other.get(job_id) is None and a.claim("replica-a", 30) is None
+    assert len(other.page(limit=5, after=None, order="desc")[0]) == 1
     for store in backends.opened:
         store.close()
 

@@ -23,6 +23,8 @@ from server.conftest import ServerProcess, free_port, start_server
 from server.redis_support import RedisServer
 from server.video_support import mp4_facts
 
+pytestmark = pytest.mark.slow  # four server processes, one restarted
+
 LEASE_S = 3.0
 TIMEOUT_S = 120.0
 JOB = {"prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}

@@ -106,6 +106,10 @@ def test_the_job_store_from_flag_yaml_and_environment(tmp_path, monkeypatch) -> 
     assert server.job_store == "redis://:pw@env:6379/0"
     _, server = configs_from_args(parse("--job-store", f"sqlite:///{tmp_path}/jobs.db"))
     assert server.job_store == f"sqlite:///{tmp_path}/jobs.db"  # the flag wins
+    monkeypatch.setenv("DITSERVE_JOB_NAMESPACE", "models/wan")  # the operator's
+    assert configs_from_args(parse("--video-dir", "/v"))[1].job_namespace == "models/wan"
+    assert configs_from_args(parse("--video-dir", "/v", "--job-namespace", "other")
+                             )[1].job_namespace == "other"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -113,6 +117,7 @@ def test_the_job_store_from_flag_yaml_and_environment(tmp_path, monkeypatch) -> 
     (("--job-store", "redis://:secret@host:6379/0"), "a Redis job store is shared by replicas"),
     (("--job-store", "mysql://:secret@host/0"), "'mysql://***@host/0'"),
     (("--job-lease", "0"), "server.job_lease_s must be"),
+    (("--job-namespace", "a b"), "server.job_namespace must be"),
 ])
 def test_bad_job_stores_are_refused(monkeypatch, argv, message) -> None:
     monkeypatch.delenv("DITSERVE_JOB_STORE", raising=False)

@@ -16,7 +16,9 @@ A claimed job is an ordinary engine request (its id is the job id): the same bat
 scheduler as images. Progress: with a local store (SQLite) each step is written from the
 engine's loop thread at once (a local write, so followers hear steps in order, before the
 next step is planned); with a shared one the events only note the latest step and this
-thread writes it, so a slow or unreachable Redis never stalls the step loop. When the engine's future resolves, an
+thread writes it at most every ``PROGRESS_S`` (the rate other replicas' followers read it),
+so a slow or unreachable Redis never stalls the step loop and short steps cost no round trips
+each. When the engine's future resolves, an
 encoding thread writes the MP4 (``engine.video.mp4_bytes``), publishes it
 (``VideoFiles.publish``) and completes the job - the first result of any claim wins. Ends:
 ``generation_failed``, ``deadline_exceeded``, ``encoding_failed``, ``storage_full`` /
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 ENCODE_THREADS = 2  # libx264 threads internally; two jobs may encode while others denoise
 POLL_S = 0.2  # how often an idle replica looks for jobs created elsewhere
 PREFETCH = 1  # jobs claimed beyond the batch slots: the next one waits in the engine
+PROGRESS_S = 0.25  # a shared store gets a job's progress at most this often
 UNREACHABLE_LOG_S = 10.0  # one warning per this long while the store is unreachable
 
 
@@ -90,6 +93,7 @@ class JobWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_unreachable = 0.0
+        self._progress_written = 0.0
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=encode_threads, thread_name_prefix="ditserve-video-encode")
         self._thread = threading.Thread(target=self._run, name="ditserve-video-jobs",
@@ -202,6 +206,7 @@ class JobWorker:
         return True
 
     def _write_progress(self) -> None:
+        self._progress_written = time.monotonic()
         with self._lock:
             progress, self._progress = self._progress, {}
             tokens = {job_id: self._held[job_id].token for job_id in progress
@@ -277,7 +282,8 @@ class JobWorker:
         if held is None:
             return
         if self.store.shared:
-            self._wake.set()
+            if time.monotonic() - self._progress_written >= PROGRESS_S:
+                self._wake.set()  # else the next turn writes it (within PROGRESS_S)
             return
         try:  # never let a failed progress write reach the engine's step loop
             self.store.stepped(job_id, held.token, event.step, event.eta_s)
