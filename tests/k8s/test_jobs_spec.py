@@ -117,3 +117,13 @@ def test_the_replicas_example_renders_valid_manifests() -> None:
     (engine,) = kids["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert env_of(engine)["DITSERVE_JOB_STORE"]["secretKeyRef"]["name"] == "ditserve-job-store"
     assert OWNER.name == kids["Service"]["metadata"]["name"]
+
+
+def test_the_crds_env_rule_names_every_variable_the_operator_sets() -> None:
+    import re
+
+    from ditserve.operator.spec import OPERATOR_ENV
+
+    (rule,) = [line for line in CRD_PATH.read_text().splitlines()
+               if "self.all(e, !(e.name in" in line]
+    assert set(re.findall(r"'([A-Z_]+)'", rule)) == set(OPERATOR_ENV)
