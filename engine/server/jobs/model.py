@@ -8,7 +8,9 @@ sorts its final states last, as ``RequestStatus`` does.
 progress, created_at, completed_at, expires_at, error, model, prompt, seconds, size; a
 cancelled job reads ``failed`` with error code ``cancelled``), plus
 ditserve's own ``ditserve`` object (frames, fps, steps, seed, timings, bytes, the claims so
-far and the replica running it).
+far and the replica running it). ``StoreLimits`` (the store's bounds), ``Content`` (where a
+completed job's MP4 is) and ``JobObserver`` (who hears finished jobs) are the store's plain
+types.
 
 Ids are ``video_`` + 32 hex digits whose first 16 are a strictly increasing number (the
 creation time in nanoseconds, bumped on ties): sorting ids sorts jobs by creation, so the
@@ -24,9 +26,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.config import (
+    DEFAULT_VIDEO_MAX_BYTES,
+    DEFAULT_VIDEO_MAX_JOBS,
+    DEFAULT_VIDEO_TTL_S,
+)
 
 JOB_ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
 OBJECT = "video"
@@ -153,6 +160,29 @@ class VideoJob:
             return 100
         total = self.spec.params.num_inference_steps
         return min(99, 100 * self.steps_done // total) if total else 0
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """max_jobs: jobs held at once, any state. max_bytes: stored MP4 bytes plus unfinished
+    jobs' reservations. ttl_s: how long a finished job (and its file) is kept."""
+
+    max_jobs: int = DEFAULT_VIDEO_MAX_JOBS
+    max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
+    ttl_s: float = DEFAULT_VIDEO_TTL_S
+
+
+class JobObserver(Protocol):
+    def on_job_finished(self, status: str, video_seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Content:
+    """Where a completed job's MP4 is."""
+
+    path: Path
+    size: int
+    completed_at: float
 
 
 def video_object(job: VideoJob) -> dict[str, Any]:

@@ -14,9 +14,11 @@ the backend's transaction (so replicas admitting at once never overshoot):
 
 A job that does not fit now is refused (``StoreFull``, a 429 with Retry-After: when finished
 jobs fill the store, the seconds until the first of them expires); one that could never fit,
-even in an empty store, is refused for good (``NeverFits``, a 400). Expiry is lazy: every read
-first drops the jobs whose time is up and deletes their files, so an expired job is never
-served. The clock is injected (tests move it; production uses ``time.time``).
+even in an empty store, is refused for good (``NeverFits``, a 400). Expiry is lazy: a read
+never returns a job whose time is up, and the sweep that drops such jobs and deletes their
+files runs at most once a second of reads (``SWEEP_S``: each is a round trip to a shared
+store), and whenever an admission finds the store full. The clock is injected (tests move it;
+production uses ``time.time``).
 
 Work: ``claim`` gives a replica's worker the oldest claimable job with a fresh lease token;
 ``started``/``stepped``/``fail``/``hand_back`` move it only while that token is still the
@@ -36,20 +38,17 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from ditserve.engine.server.config import (
-    DEFAULT_VIDEO_MAX_BYTES,
-    DEFAULT_VIDEO_MAX_JOBS,
-    DEFAULT_VIDEO_TTL_S,
-)
 from ditserve.engine.server.jobs.backend import JobBackend, Usage
 from ditserve.engine.server.jobs.errors import NeverFits, StoreFull
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.model import (
+    Content,
+    JobObserver,
     JobStatus,
+    StoreLimits,
     VideoJob,
     VideoSpec,
     new_job_id,
@@ -58,29 +57,7 @@ from ditserve.engine.server.jobs.model import (
 
 Listener = Callable[[dict[str, Any]], None]
 MAX_ATTEMPTS = 3  # claims of one job before it fails: a job that kills its replica stops
-
-
-@dataclass(frozen=True)
-class StoreLimits:
-    """max_jobs: jobs held at once, any state. max_bytes: stored MP4 bytes plus unfinished
-    jobs' reservations. ttl_s: how long a finished job (and its file) is kept."""
-
-    max_jobs: int = DEFAULT_VIDEO_MAX_JOBS
-    max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
-    ttl_s: float = DEFAULT_VIDEO_TTL_S
-
-
-class JobObserver(Protocol):
-    def on_job_finished(self, status: str, video_seconds: float) -> None: ...
-
-
-@dataclass(frozen=True)
-class Content:
-    """Where a completed job's MP4 is."""
-
-    path: Path
-    size: int
-    completed_at: float
+SWEEP_S = 1.0  # reads sweep expired jobs at most this often
 
 
 class JobStore:
@@ -96,6 +73,7 @@ class JobStore:
         self.observer = observer
         self._lock = threading.Lock()  # guards the listeners only
         self._listeners: dict[str, list[Listener]] = {}
+        self._swept: float | None = None
 
     @property
     def shared(self) -> bool:
@@ -107,10 +85,13 @@ class JobStore:
         ``video`` object."""
         if spec.raw_bytes > self.limits.max_bytes:
             raise NeverFits(spec.raw_bytes, self.limits.max_bytes)
-        self._expire()
         job = VideoJob(new_job_id(), spec, request_id, created_at=self.clock(),
                        reserved_bytes=spec.raw_bytes, seed=spec.params.seed)
-        self.backend.add(job, lambda usage: self._check_room(spec, usage))
+        try:
+            self.backend.add(job, lambda usage: self._check_room(spec, usage))
+        except StoreFull:
+            self._expire()  # expired jobs may hold the room: drop them, then judge again
+            self.backend.add(job, lambda usage: self._check_room(spec, usage))
         return video_object(job)
 
     def _check_room(self, spec: VideoSpec, usage: Usage) -> None:
@@ -128,8 +109,11 @@ class JobStore:
 
     # -- reads -------------------------------------------------------------------------------
     def job(self, job_id: str) -> VideoJob | None:
-        self._expire()
-        return self.backend.get(job_id)
+        self._sweep()
+        job = self.backend.get(job_id)
+        if job is None or (job.expires_at is not None and job.expires_at <= self.clock()):
+            return None  # expired: the next sweep removes it
+        return job
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         job = self.job(job_id)
@@ -278,7 +262,6 @@ class JobStore:
         object; its replica aborts it at its next lease renewal, or at once if it is this
         one), a finished one is removed with its file."""
         owner = self.cancel(job_id)
-        self._expire()
         job = self.backend.remove(job_id)
         if job is None:
             return False, None
@@ -344,7 +327,13 @@ class JobStore:
         job.reserved_bytes = 0
         job.owner = job.token = None
 
+    def _sweep(self) -> None:
+        now = self.clock()
+        if self._swept is None or not 0 <= now - self._swept < SWEEP_S:
+            self._expire()
+
     def _expire(self) -> None:
+        self._swept = self.clock()
         for job_id in self.backend.expired(self.clock()):
             job = self.backend.remove(job_id)
             if job is not None:

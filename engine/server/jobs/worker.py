@@ -245,10 +245,6 @@ class JobWorker:
         with self._lock:
             self._held.pop(job_id, None)
 
-    def _current(self, job_id: str, held: Held) -> bool:
-        with self._lock:
-            return self._held.get(job_id) is held
-
     def _settle(self, job_id: str, held: Held, write: Callable[[], None]) -> None:
         """Write a job's end now, or (store unreachable) as soon as it is back."""
         def once() -> None:
@@ -293,8 +289,9 @@ class JobWorker:
     def _on_done(self, job_id: str, held: Held, future: concurrent.futures.Future[Any]) -> None:
         held.in_engine = False
         self._wake.set()  # a batch slot is free
-        if not self._current(job_id, held):
-            return  # let go meanwhile (cancelled, taken over): nothing to write
+        with self._lock:
+            if self._held.get(job_id) is not held:
+                return  # let go meanwhile (cancelled, taken over): nothing to write
         error = future.exception()
         token = held.token
         if error is None:
