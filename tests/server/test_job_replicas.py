@@ -114,6 +114,10 @@ def test_a_stopped_redis_refuses_new_jobs_and_running_ones_finish(replicas, redi
         refused = httpx.post(f"{replicas[1].url}/v1/videos", json=JOB, timeout=30)
         assert refused.status_code == 503 and "retry-after" in refused.headers
         assert refused.json()["error"]["code"] == "job_store_unavailable"
+        poll = httpx.get(f"{replicas[2].url}/v1/videos/{job['id']}", timeout=30)
+        assert poll.status_code == 503 and "retry-after" in poll.headers
+        metrics = httpx.get(f"{replicas[2].url}/metrics", timeout=30).text
+        assert "ditserve:job_store_up 0.0" in metrics
     finally:
         redis.resume()
     done = until(replicas, job["id"], finished)
