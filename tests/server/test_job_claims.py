@@ -249,3 +249,22 @@ def test_a_sqlite_file_has_one_server_and_a_url_names_an_absolute_path(tmp_path:
     store = open_job_store(ServerConfig(video_dir=str(tmp_path / "v")), namespace="m")
     assert not store.shared and (tmp_path / "v" / "jobs.sqlite3").is_file()
     store.close()
+
+
+def test_a_redis_that_lost_its_data_is_unavailable_once_then_serves_again(tmp_path: Path,
+                                                                           request) -> None:
+    import redis
+
+    backends = Backends("redis", tmp_path, request)
+    store = backends.open()
+    store.add(spec(), "r")
+    client = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+    for key in client.scan_iter(f"ditserve:{{{backends.namespace}}}:*"):
+        client.delete(key)  # what a Redis restarted without persistence holds: nothing
+    client.close()
+    with pytest.raises(StoreUnavailable, match="job queue is gone"):
+        store.claim("replica-a", 30)
+    assert store.claim("replica-a", 30) is None  # the queue is back, empty
+    job_id = store.add(spec(), "r")["id"]
+    assert store.claim("replica-a", 30).id == job_id
+    store.close()

@@ -239,3 +239,22 @@ def test_a_private_directory_goes_away_at_close(tmp_path: Path) -> None:
 ])
 def test_choose_range(header, if_range, chosen) -> None:
     assert choose_range(header, 100, if_range=if_range, etag='"etag"') == chosen
+
+
+def test_publication_without_hard_links_renames(tmp_path: Path, monkeypatch) -> None:
+    """A share that refuses hard links (EPERM) still gets the file, atomically renamed; a
+    second claim's later file does not replace it."""
+    import errno
+    import os
+
+    def no_links(src: object, dst: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    files = VideoFiles(tmp_path / "videos", shared=True)
+    job_id = "video_" + "4" * 32
+    path, created = files.publish(job_id, b"first")
+    assert created and path.read_bytes() == b"first"
+    assert files.publish(job_id, b"second") == (path, False)
+    assert path.read_bytes() == b"first" and list((files.root / ".tmp").iterdir()) == []
+    files.close()

@@ -41,6 +41,7 @@ SUFFIX = ".mp4"
 TEMP_DIR = ".tmp"
 LOCK_FILE = ".lock"
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
 
 
 class VideoFiles:
@@ -108,12 +109,8 @@ class VideoFiles:
                 os.fsync(fd)  # the bytes are on disk before the name points at them
             finally:
                 os.close(fd)
-            try:
-                os.link(temp, final)
-                created = True
-            except FileExistsError:
-                created = False  # another claim of this job published first: keep its file
-            os.unlink(temp)
+            created = _name(temp, final)
+            temp.unlink(missing_ok=True)
             _fsync_dir(self.root)  # the new name is on disk too
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -136,6 +133,24 @@ class VideoFiles:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             self._lock_fd = None
+
+
+def _name(temp: Path, final: Path) -> bool:
+    """Give ``temp`` the name ``final`` unless a file has it; whether this call named it."""
+    try:
+        os.link(temp, final)
+        return True
+    except FileExistsError:
+        return False  # another claim of this job published first: keep its file
+    except OSError as e:
+        if e.errno not in NO_LINKS:
+            raise
+    # A filesystem without hard links (some network shares): a rename, which replaces a file
+    # another claim published in the same instant - the same job's video either way.
+    if final.exists():
+        return False
+    os.rename(temp, final)
+    return True
 
 
 def _fsync_dir(path: Path) -> None:

@@ -72,6 +72,12 @@ class RedisBackend:
         except UNREACHABLE as e:
             self._group_ready = False  # a restarted Redis may have lost the group
             raise StoreUnavailable(f"the job store (Redis) cannot be reached: {e}") from e
+        except redis.exceptions.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._group_ready = False  # recreated by the next call
+            raise StoreUnavailable(f"the job queue is gone (a Redis restarted without its "
+                                   f"data?): {e}") from e
 
     def _ensure_group(self) -> None:
         if self._group_ready:
