@@ -2,8 +2,8 @@
 Wan model share one real redis-server (the job store) and one video directory (the shared
 volume). Jobs are created on one replica and polled and downloaded on others chosen at
 random; a replica killed with SIGKILL mid-job has its job run again elsewhere once its lease
-expires; a Redis that stops answering makes new jobs 503 with Retry-After while the running
-ones finish. And one replica on its default SQLite store, killed mid-job and restarted:
+expires; a replica drained by SIGTERM hands its job back to another; a Redis that stops
+answering makes new jobs and polls 503 with Retry-After while the running ones finish. And one replica on its default SQLite store, killed mid-job and restarted:
 finished jobs stay downloadable, the interrupted one runs again.
 
 Small and bounded: one batch slot per replica, 32x32 clips of 5 frames, a 3 s lease."""
@@ -32,7 +32,7 @@ JOB = {"prompt": "waves", "size": "32x32", "num_frames": 5, "num_inference_steps
 LONG = {**JOB, "num_inference_steps": 400}
 FLAGS = ("--max-num-seqs", "1", "--max-side", "64", "--max-steps", "400", "--max-frames", "9",
          "--served-model-name", "tiny-wan", "--job-lease", str(LEASE_S),
-         "--shutdown-grace", "5")
+         "--shutdown-grace", "1")
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,20 @@ def test_a_killed_replicas_job_completes_elsewhere(replicas) -> None:
     assert (done["status"], done["ditserve"]["attempts"]) == ("completed", 2)
     video = httpx.get(f"{survivors[0].url}/v1/videos/{job['id']}/content")
     assert mp4_facts(video.content)["frames"] == 5
+
+
+def test_a_draining_replica_hands_its_job_back(replicas) -> None:
+    """SIGTERM (a rollout, a scale-down) of the replica running a job longer than its 1 s
+    grace: it claims nothing more, hands the job back when the grace ends and exits 0; a
+    replica still serving runs it (a hand-back is no attempt: attempts stays 1)."""
+    live = [s for s in replicas if s.process.poll() is None]
+    job = create(live[0], LONG)
+    running = until(live, job["id"], lambda j: j["status"] == "in_progress")
+    holder = next(s for s in live if f"-{s.process.pid}-" in running["ditserve"]["replica"])
+    assert holder.stop() == 0
+    others = [s for s in live if s is not holder]
+    done = until(others, job["id"], finished)
+    assert (done["status"], done["ditserve"]["attempts"]) == ("completed", 1)
 
 
 def test_one_replica_on_sqlite_survives_a_restart(tmp_path: Path, tiny_wan: Path) -> None:

@@ -303,6 +303,7 @@ class JobWorker:
         if isinstance(error, (RequestAborted, EngineStoppedError)):
             # The engine stops (drain over, shutdown): another replica, or this one after
             # its restart, runs the job.
+            log.info("video %s: handed back to the queue (this replica stops)", job_id)
             self._settle(job_id, held, partial(self.store.hand_back, job_id, token))
             return
         if isinstance(error, DeadlineError):
