@@ -1,33 +1,22 @@
 """JobWorker: one replica's hands on the shared job queue - it claims jobs when its engine
 has room, runs them, keeps their leases, and writes their results.
 
-A thread (``ditserve-video-jobs``) loops: it writes the progress the engine reported since
-the last turn, renews the leases of the jobs it holds every third of a lease (and lets go of
-a job that was cancelled, deleted or taken over: its engine request is aborted, its batch
-slot frees at the next step), retries the result writes the job store refused while it was
-unreachable, then claims jobs while the engine has room: running + waiting < ``max_num_seqs``
-+ ``PREFETCH`` - a free batch slot, plus one job waiting in the engine so that the next
-slot to free is filled at the very next step, with no poll in between. Work goes to the
-replica that has room, never to one a router guessed. The thread wakes at once when a job is
-created on this replica or a slot frees, else every ``poll_s`` to look for jobs created
-elsewhere.
+A thread (``ditserve-video-jobs``) loops: it writes the progress reported since its last
+turn, renews its leases every third of a lease (letting go of a job cancelled, deleted or
+taken over: the engine request is aborted), retries the writes the store refused while
+unreachable, then claims jobs while running + waiting < ``max_num_seqs`` + ``PREFETCH`` (a
+free batch slot, plus one job waiting in the engine so the next free slot is filled at the
+very next step). It wakes when a job is created here or a slot frees, else every ``poll_s``.
 
-A claimed job is an ordinary engine request (its id is the job id): the same batch slots and
-scheduler as images. Progress: with a local store (SQLite) each step is written from the
-engine's loop thread at once (a local write, so followers hear steps in order, before the
-next step is planned); with a shared one the events only note the latest step and this
-thread writes it at most every ``PROGRESS_S`` (the rate other replicas' followers read it),
-so a slow or unreachable Redis never stalls the step loop and short steps cost no round trips
-each. When the engine's future resolves, an
-encoding thread writes the MP4 (``engine.video.mp4_bytes``), publishes it
-(``VideoFiles.publish``) and completes the job - the first result of any claim wins. Ends:
-``generation_failed``, ``deadline_exceeded``, ``encoding_failed``, ``storage_full`` /
-``storage_error``, or a hand-back: a job the engine dropped because it stops (drain over,
-shutdown) or could not take (its queue filled with other work) goes back to the queue for
-any replica. When the store cannot be reached, running jobs go on; their results wait here
-and are written when it is back.
-
-Built and driven by ``VideoJobs``.
+A claimed job is an ordinary engine request (its id is the job id). Progress: a local store
+(SQLite) is written from the engine's loop thread at each step (followers hear steps in
+order); a shared one from this thread at most every ``PROGRESS_S``, so a slow or unreachable
+Redis never stalls the step loop. A finished request's MP4 is encoded and published by an
+encoding thread, which completes the job (the first result of any claim wins); every other
+end is written from those threads too: ``generation_failed``, ``deadline_exceeded``,
+``encoding_failed``, ``storage_full`` / ``storage_error``, or a hand-back to the queue of a
+job the engine dropped (it stops) or could not take. With the store unreachable, running
+jobs go on and their results wait here until it is back. Built and driven by ``VideoJobs``.
 """
 
 from __future__ import annotations
@@ -259,7 +248,17 @@ class JobWorker:
             self._unreachable(e)
             with self._lock:
                 self._unwritten.append(once)
+        except Exception:  # never keep a job held (the drain would wait on it) for a bug
+            log.exception("video %s: its end could not be written", job_id)
+            self._forget(job_id)
         self.wake()
+
+    def _settle_later(self, job_id: str, held: Held, write: Callable[[], None]) -> None:
+        """``_settle`` off the engine's loop thread (a remote store may take seconds)."""
+        try:
+            self._pool.submit(self._settle, job_id, held, write)
+        except RuntimeError:  # the pool is shut down: the server is stopping
+            self._settle(job_id, held, write)
 
     def _quietly(self, write: Callable[[], Any]) -> None:
         try:
@@ -298,20 +297,20 @@ class JobWorker:
             try:
                 self._pool.submit(self._store_result, job_id, held, future.result())
             except RuntimeError:  # the pool is shut down: the server is stopping
-                self._settle(job_id, held, partial(self.store.hand_back, job_id, token))
+                self._settle_later(job_id, held, partial(self.store.hand_back, job_id, token))
             return
         if isinstance(error, (RequestAborted, EngineStoppedError)):
             # The engine stops (drain over, shutdown): another replica, or this one after
             # its restart, runs the job.
             log.info("video %s: handed back to the queue (this replica stops)", job_id)
-            self._settle(job_id, held, partial(self.store.hand_back, job_id, token))
+            self._settle_later(job_id, held, partial(self.store.hand_back, job_id, token))
             return
         if isinstance(error, DeadlineError):
-            self._settle(job_id, held, partial(self.store.fail, job_id, "deadline_exceeded",
-                                               str(error), token=token))
+            self._settle_later(job_id, held, partial(
+                self.store.fail, job_id, "deadline_exceeded", str(error), token=token))
             return
         log.warning("video %s failed in the engine: %s", job_id, error)
-        self._settle(job_id, held, partial(
+        self._settle_later(job_id, held, partial(
             self.store.fail, job_id, "generation_failed", f"the engine failed to generate "
             f"this video (job {job_id}); see the server log", token=token))
 
