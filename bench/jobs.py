@@ -19,8 +19,9 @@ is started by the bench in a temp dir.
 
   CPU (tiny Wan, as recorded in docs/benchmarks.md):
     OMP_NUM_THREADS=1 python bench/jobs.py --jobs 30 --out jobs.json
-  a real model (GPU): python3 -P bench/jobs.py --model /dev/shm/wan --steps 20 \\
-      --size 832x480 --frames 33 --jobs 10 --burst 8 --replicas 1 --out $OUT/jobs.json
+  a real model (GPU; redis-server on PATH): python3 -P bench/jobs.py --model /dev/shm/wan \\
+      --device cuda --server-cmd "python3 -P -m ditserve.engine.cli" --steps 20 \\
+      --size 832x480 --frames 33 --max-num-seqs 4 --jobs 10 --burst 8 --replicas 0
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -75,7 +77,7 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
 def launch(args: argparse.Namespace, tmp: Path, name: str, flags: list[str]
            ) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
-    cmd = [sys.executable, "-m", "ditserve.engine.cli", "serve", "--model", str(args.model),
+    cmd = [*shlex.split(args.server_cmd), "serve", "--model", str(args.model),
            "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
            "--max-num-seqs", str(args.max_num_seqs), "--max-frames", str(args.frames),
            "--max-queue", str(args.burst + 8), *flags]
@@ -235,6 +237,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="default: tiny Wan, built here")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--server-cmd", default=f"{sys.executable} -m ditserve.engine.cli",
+                   help="how to run ditserve (the device machine: python3 -P -m ...)")
     p.add_argument("--jobs", type=int, default=20, help="sequential jobs measured per store")
     p.add_argument("--burst", type=int, default=6, help="jobs posted at once after them")
     p.add_argument("--warmup", type=int, default=2)
