@@ -25,6 +25,7 @@ from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, FAMILIES
 from ditserve.engine.server.options import ServeArgsError, parse_serve_args, server_config_from_args
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.jobs import jobs_server_section
 from ditserve.operator.loras import lora_args
 from ditserve.operator.policy import AdminPolicy
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec, parse_spec
@@ -115,7 +116,17 @@ def engine_mapping(spec: DeploymentSpec) -> dict[str, Any]:
 
 def server_section(spec: DeploymentSpec) -> dict[str, Any]:
     """The ``server:`` section of the engine's config file."""
-    return {"host": "0.0.0.0", "port": spec.engine.port}
+    return {"host": "0.0.0.0", "port": spec.engine.port, **jobs_server_section(spec.jobs)}
+
+
+def _jobs_flag_problems(spec: DeploymentSpec, parsed: Any) -> list[str]:
+    """Flags ``spec.jobs`` owns when it sets them."""
+    owned = {"video_dir": ("--video-dir", "spec.jobs.results", spec.jobs.results_claim),
+             "job_store": ("--job-store", "spec.jobs.redis.urlSecret", spec.jobs.url_secret),
+             "job_lease": ("--job-lease", "spec.jobs.leaseSeconds", spec.jobs.lease_s)}
+    return [f"engine.args must not set {flag}: the operator sets it from {owner}"
+            for dest, (flag, owner, value) in owned.items()
+            if value is not None and getattr(parsed, dest, None) is not None]
 
 
 def _parse_serve_args(args: tuple[str, ...]) -> Any:
@@ -171,7 +182,8 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     # A declared head count is exact; a family's released counts only bound what can fit.
     family = [] if spec.model.attention_heads is not None else family_sequence_parallel_problems(
         spec.parallelism.sequence, spec.model.family)
-    managed = _managed_flag_problems(parsed) + family + _declared_heads_problems(spec)
+    managed = (_managed_flag_problems(parsed) + _jobs_flag_problems(spec, parsed) + family
+               + _declared_heads_problems(spec))
     if spec.offload.hbm_budget_gib is not None and parsed.dlo_hbm_budget_gib is not None:
         managed.append("offload.hbmBudgetGiB and --dlo-hbm-budget-gib in engine.args both set "
                        "the HBM budget; keep one (the CRD field)")

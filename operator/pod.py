@@ -29,6 +29,7 @@ from typing import Any
 
 from ditserve.operator import cache_pod, placement, sizing
 from ditserve.operator.cache_pod import ENSURE_CONTAINER
+from ditserve.operator.jobs import jobs_env, jobs_mounts, jobs_volumes
 from ditserve.operator.loras import lora_args, lora_host_paths, lora_mounts, lora_volumes
 from ditserve.operator.spec import RENDEZVOUS_PORT, DeploymentSpec
 
@@ -87,7 +88,7 @@ def uses_host_path(spec: DeploymentSpec) -> bool:
             or lora_host_paths(spec.loras))
 
 
-def _volumes(spec: DeploymentSpec, config_map: str) -> list[dict[str, Any]]:
+def _volumes(spec: DeploymentSpec, config_map: str, role: Role) -> list[dict[str, Any]]:
     model: dict[str, Any]
     if spec.model.host_path is not None:
         model = {"name": "model", "hostPath": {"path": spec.model.host_path, "type": "Directory"}}
@@ -104,7 +105,8 @@ def _volumes(spec: DeploymentSpec, config_map: str) -> list[dict[str, Any]]:
     ]
     if spec.cache.enabled:
         volumes.append(cache_pod.cache_volume(spec))
-    return volumes + lora_volumes(spec.loras)
+    jobs = jobs_volumes(spec.jobs) if role is not Role.WORKER else []  # rank 0 serves videos
+    return volumes + lora_volumes(spec.loras) + jobs
 
 
 def _rendezvous_env(spec: DeploymentSpec, role: Role) -> list[dict[str, Any]]:
@@ -134,6 +136,8 @@ def _env(spec: DeploymentSpec, role: Role) -> list[dict[str, Any]]:
         name, key = spec.engine.api_key_secret
         env.append({"name": "DITSERVE_API_KEY",
                     "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    if role is not Role.WORKER:  # rank 0 serves HTTP and runs the job layer
+        env.extend(jobs_env(spec.jobs))
     # User env last; parse_spec already refused names the operator sets (spec.OPERATOR_ENV).
     env.extend(dict(item) for item in spec.engine.env)
     return env
@@ -167,6 +171,8 @@ def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE)
         mounts.append({"name": "cache", "mountPath": cache_pod.cache_root(spec),
                        "readOnly": True})
     mounts.extend(lora_mounts(spec.loras))  # every rank: requests name the adapters' paths
+    if role is not Role.WORKER:
+        mounts.extend(jobs_mounts(spec.jobs))  # the server writes and serves the MP4s
     limits = {"memory": memory, GPU_RESOURCE: gpus}
     if spec.engine.guaranteed:
         # Guaranteed QoS asks for it; otherwise no CPU limit: throttling a data loader or the
@@ -234,7 +240,7 @@ def pod_spec(spec: DeploymentSpec, ctx: PodContext, role: Role = Role.SINGLE) ->
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [engine_container(spec, ctx.image, role)],
-        "volumes": _volumes(spec, ctx.config_map),
+        "volumes": _volumes(spec, ctx.config_map, role),
     }
     if spec.cache.enabled:
         pod["initContainers"] = [cache_pod.ensure_container(spec, ctx.helper_image)]

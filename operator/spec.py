@@ -21,6 +21,7 @@ from ditserve.engine.config import (
 )
 from ditserve.operator.autoscaling import AutoscalingSpec, read_autoscaling
 from ditserve.operator.errors import InvalidSpecError
+from ditserve.operator.jobs import JOBS_ENV, JobsSpec, jobs_problems, parse_jobs
 from ditserve.operator.loras import LoraSource, parse_loras
 from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
@@ -37,7 +38,7 @@ SPREADS = ("Preferred", "Required", "None")
 # the cache or the auth, so engine.env may not name them.
 OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "LOCAL_WORLD_SIZE", "NODE_RANK", "DITSERVE_CACHE_ROOT", "DITSERVE_API_KEY",
-                "HF_HUB_OFFLINE", "HOME", "DITSERVE_TERMINATION_LOG")
+                "HF_HUB_OFFLINE", "HOME", "DITSERVE_TERMINATION_LOG", *JOBS_ENV)
 MAX_GPUS_PER_REPLICA = 256
 RENDEZVOUS_PORT = 29500  # MASTER_PORT of every engine pod's process group
 
@@ -186,6 +187,7 @@ class DeploymentSpec:
     disruption: DisruptionSpec = field(default_factory=DisruptionSpec)
     loras: tuple[LoraSource, ...] = ()  # LoRA adapters mounted read-only (operator.loras)
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    jobs: JobsSpec = field(default_factory=JobsSpec)  # the video job store (operator.jobs)
 
     @property
     def wants_disruption_budget(self) -> bool:
@@ -222,10 +224,8 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
         batching=BatchingSpec(
             max_num_seqs=b.integer("maxNumSeqs", 4, 1), max_queue=b.integer("maxQueue", 64)
         ),
-        compile=CompileSpec(
-            enabled=co.flag("enabled", False),
-            backend=co.text("backend", "inductor", COMPILE_BACKENDS),
-        ),
+        compile=CompileSpec(enabled=co.flag("enabled", False),
+                            backend=co.text("backend", "inductor", COMPILE_BACKENDS)),
         engine=_read_engine(root.child("engine")),
         cache=CacheSpec(
             mode=c.text("mode", "NodeLocal", CACHE_MODES),
@@ -242,6 +242,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
                                   max_unavailable=pdb.int_or_str("maxUnavailable", 1)),
         loras=parse_loras(root),
         autoscaling=read_autoscaling(root.child("autoscaling")),
+        jobs=parse_jobs(root),
     )
     problems.extend(_cross_field_problems(spec))
     problems.extend(pod_metadata_problems(spec.engine.pod_labels, spec.engine.pod_annotations))
@@ -341,7 +342,8 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
     clashing = sorted({str(e.get("name")) for e in spec.engine.env} & set(OPERATOR_ENV))
     if clashing:
         out.append(f"engine.env must not set {', '.join(clashing)}: the operator sets them "
-                   "(use engine.apiKeySecret for the API key)")
+                   "(use engine.apiKeySecret, spec.jobs.redis.urlSecret)")
+    out.extend(jobs_problems(spec.jobs, spec.replicas, spec.autoscaling))
     if str(spec.rollout.max_surge) in ("0", "0%") and str(spec.rollout.max_unavailable) in ("0", "0%"):
         out.append("rollout.maxSurge and rollout.maxUnavailable cannot both be 0")
     return out

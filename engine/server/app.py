@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from ditserve.engine.loop.client import EngineClient, EnginePhase
@@ -24,8 +24,10 @@ from ditserve.engine.server.auth import check_bearer
 from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
 from ditserve.engine.server.errors import install_handlers
+from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.openapi import build_openapi
+from ditserve.engine.server.phase import unavailable
 from ditserve.engine.server.routes import adapters, edits, images, models, probes, videos
 from ditserve.engine.server.state import ServerState
 
@@ -70,6 +72,14 @@ def create_app(
     count = state.metrics.count_error
     install_handlers(app, count, authorize=lambda request: check_bearer(
         request.headers.get("authorization"), config.api_key))
+
+    @app.exception_handler(StoreUnavailable)
+    async def _job_store_down(request: Request, exc: StoreUnavailable) -> Response:
+        # New jobs and reads wait for the store; jobs already running go on (jobs.worker).
+        error = unavailable(state, f"{exc}; retry later")
+        error.code = "job_store_unavailable"
+        count(error.reason)
+        return error.response()
     for group in (images, edits, models, probes, videos):
         app.include_router(group.router)
     if adapters.runtime_updates_allowed():  # reads host files: only when the operator opts in

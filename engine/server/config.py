@@ -28,6 +28,11 @@ UPLOAD_PATHS = frozenset({"/v1/images/edits", "/v1/videos"})
 DEFAULT_VIDEO_MAX_JOBS = 256
 DEFAULT_VIDEO_MAX_BYTES = 4 << 30
 DEFAULT_VIDEO_TTL_S = 3600.0
+DEFAULT_JOB_LEASE_S = 30.0
+JOB_STORE_ENV = "DITSERVE_JOB_STORE"  # the job store URL when neither flag nor YAML names one
+JOB_NAMESPACE_ENV = "DITSERVE_JOB_NAMESPACE"  # likewise, the namespace (the operator sets it)
+JOB_NAMESPACE = re.compile(r"^[A-Za-z0-9._/:-]{1,200}$")
+JOB_STORE_PATTERN = re.compile(r"^(sqlite:///.+|(redis|rediss|unix)://\S+)$")
 MAX_FPS = 120  # an MP4 frame rate a job (or --default-fps) may ask for
 # Sides without leading zeros and at most 5 digits: a size of thousands of digits is a format
 # error, never an integer conversion (and "064" is refused as the OpenAPI pattern refuses it).
@@ -83,6 +88,14 @@ class ServerConfig:
     video_max_jobs / video_max_bytes: the job store's bounds (jobs held in any state; MP4
         bytes plus unfinished jobs' reservations); over them, POST /v1/videos gets 429.
     video_ttl_s: how long a finished job and its file are kept.
+    job_store: where jobs live: ``sqlite:///PATH`` or ``redis://HOST:PORT/DB`` (many
+        replicas as one service; ``video_dir`` must then be a directory every replica
+        mounts). None: ``$DITSERVE_JOB_STORE``, else ``sqlite:///<video_dir>/jobs.sqlite3``.
+    job_lease_s: how long a claimed job stays with a replica that stopped renewing its
+        lease (killed, cut off) before another replica runs it.
+    job_namespace: which jobs of a shared store are this deployment's (its replicas share
+        one queue; another namespace in the same Redis never sees them). None:
+        ``$DITSERVE_JOB_NAMESPACE``, else the served model name.
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +123,9 @@ class ServerConfig:
     video_max_jobs: int = DEFAULT_VIDEO_MAX_JOBS
     video_max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
     video_ttl_s: float = DEFAULT_VIDEO_TTL_S
+    job_store: str | None = None
+    job_lease_s: float = DEFAULT_JOB_LEASE_S
+    job_namespace: str | None = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
@@ -178,7 +194,28 @@ def _video_problems(config: ServerConfig) -> list[str]:
     int_at_least(out, "server.video_max_jobs", config.video_max_jobs, 1)
     int_at_least(out, "server.video_max_bytes", config.video_max_bytes, 1 << 20)
     number_at_least(out, "server.video_ttl_s", config.video_ttl_s, 1)
+    store = config.job_store
+    if store is not None and (not isinstance(store, str) or not JOB_STORE_PATTERN.match(store)):
+        out.append("server.job_store must be sqlite:///ABSOLUTE/PATH or redis://HOST:PORT/DB, "
+                   f"got {_redacted(store)!r}")
+    elif isinstance(store, str) and not store.startswith("sqlite:") and config.video_dir is None:
+        out.append("server.job_store: a Redis job store is shared by replicas, so their videos "
+                   "must be too: set server.video_dir (--video-dir) to a directory every "
+                   "replica mounts (a ReadWriteMany volume)")
+    number_at_least(out, "server.job_lease_s", config.job_lease_s, 0.1)
+    space = config.job_namespace
+    if space is not None and (not isinstance(space, str) or not JOB_NAMESPACE.match(space)):
+        out.append("server.job_namespace must be 1-200 letters, digits or . _ / : -, got "
+                   f"{space!r}")
     return out
+
+
+def _redacted(url: object) -> object:
+    """A job store URL without its password (it may come from a Secret)."""
+    if isinstance(url, str) and "@" in url:
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
 
 
 def validate_server(config: ServerConfig) -> ServerConfig:

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from ditserve.engine.loop.client import EngineClient, EnginePhase
 from ditserve.engine.loop.step_log import copy_rates_of
+from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.jobs.model import FINISHED_LABELS
 
 if TYPE_CHECKING:
@@ -43,13 +44,22 @@ ERROR_REASONS = ("invalid_request", "model_not_found", "not_found", "method_not_
 
 
 class _VideoStoreCollector(Collector):
-    """Reads the video job store at scrape time: jobs held by status, bytes held."""
+    """Reads the video job store at scrape time: jobs held by status (with a shared store,
+    every replica's: ``status="queued"`` is the shared queue's depth), bytes held, and
+    whether the store answered."""
 
     def __init__(self, usage: Callable[[], tuple[dict[str, int], int]]) -> None:
         self._usage = usage
 
     def collect(self) -> Iterator[Metric]:
-        counts, used = self._usage()
+        try:
+            counts, used = self._usage()
+        except StoreUnavailable:
+            yield GaugeMetricFamily("ditserve:job_store_up",
+                                    "Whether the video job store answered this scrape.", 0)
+            return
+        yield GaugeMetricFamily("ditserve:job_store_up",
+                                "Whether the video job store answered this scrape.", 1)
         jobs = GaugeMetricFamily("ditserve:video_jobs",
                                  "Video jobs held by the store, by status.", labels=["status"])
         for status, count in counts.items():

@@ -16,7 +16,12 @@ from dataclasses import replace
 from typing import Any
 
 from ditserve.engine.config.flags import add_engine_options
-from ditserve.engine.server.config import ServerConfig, validate_server
+from ditserve.engine.server.config import (
+    JOB_NAMESPACE_ENV,
+    JOB_STORE_ENV,
+    ServerConfig,
+    validate_server,
+)
 
 SERVE_PROG = "ditserve serve"
 
@@ -31,6 +36,7 @@ _SERVER_FLAGS = {
     "default_frames": "default_frames", "default_fps": "default_fps",
     "max_frames": "max_frames", "video_dir": "video_dir", "video_max_jobs": "video_max_jobs",
     "video_max_bytes": "video_max_bytes", "video_ttl": "video_ttl_s",
+    "job_store": "job_store", "job_lease": "job_lease_s", "job_namespace": "job_namespace",
 }
 
 
@@ -93,6 +99,18 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
                         "(frames x height x width x 3) gets 400")
     v.add_argument("--video-ttl", type=float, default=None,
                    help="seconds a finished job and its MP4 are kept (default 3600)")
+    v.add_argument("--job-store", default=None, metavar="URL",
+                   help="where jobs live: sqlite:///PATH (one replica) or "
+                        "redis://HOST:PORT/DB (replicas share jobs and take work when they "
+                        "have room; --video-dir must be a directory they all mount); default "
+                        "$DITSERVE_JOB_STORE, else sqlite:///VIDEO_DIR/jobs.sqlite3")
+    v.add_argument("--job-namespace", default=None, metavar="NAME",
+                   help="the jobs of a shared store that are this deployment's: its replicas "
+                        "share one queue (default $DITSERVE_JOB_NAMESPACE, else the served "
+                        "model name)")
+    v.add_argument("--job-lease", type=float, default=None, metavar="SECONDS",
+                   help="a claimed job whose replica stops renewing its lease runs elsewhere "
+                        "after this long (default 30)")
 
 
 def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None,
@@ -103,7 +121,11 @@ def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | Non
     config = replace(config, **changes)
     env = os.environ if environ is None else environ
     api_key = getattr(args, "api_key", None) or env.get(config.api_key_env) or None
-    return validate_server(replace(config, api_key=api_key))
+    # The URL may hold a password: Kubernetes passes it from a Secret in the environment.
+    job_store = config.job_store or env.get(JOB_STORE_ENV) or None
+    namespace = config.job_namespace or env.get(JOB_NAMESPACE_ENV) or None
+    return validate_server(replace(config, api_key=api_key, job_store=job_store,
+                                   job_namespace=namespace))
 
 
 def build_serve_parser(prog: str = SERVE_PROG) -> argparse.ArgumentParser:

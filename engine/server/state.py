@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import AdapterError, ConfigError, ModelLoadError
@@ -33,6 +35,7 @@ from ditserve.engine.loop.startup import WarmUp
 from ditserve.engine.loop.step_log import StepLog, copy_rates_of
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits
 from ditserve.engine.server.config import ServerConfig, parse_size
+from ditserve.engine.server.jobs.backend import JobBackend
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.jobs.store import JobStore, StoreLimits
@@ -44,6 +47,7 @@ from ditserve.engine.server.uploads import UploadLimits
 from ditserve.engine.server.video_request import VideoLimits
 
 log = logging.getLogger(__name__)
+SQLITE_FILE = "jobs.sqlite3"  # the default job store, under --video-dir
 
 TINY_MODEL_NAME = "ditserve-tiny-flux"
 # A video model's frame step before it loaded (Wan's VAE: 4 frames per latent frame).
@@ -75,11 +79,10 @@ class ServerState:
         model = model_defaults(engine.config.model)
         videos = None
         if model.output == "video":
-            limits = StoreLimits(max_jobs=config.video_max_jobs,
-                                 max_bytes=config.video_max_bytes, ttl_s=config.video_ttl_s)
-            store = JobStore(limits, VideoFiles(config.video_dir), observer=metrics)
+            store = open_job_store(config, namespace=config.job_namespace or name,
+                                   observer=metrics)
             metrics.track_videos(store.usage)
-            videos = VideoJobs(engine, store)
+            videos = VideoJobs(engine, store, lease_s=config.job_lease_s)
         return cls(engine, config, metrics, name, size, steps, model, videos, **kwargs)
 
     @property
@@ -155,8 +158,11 @@ class ServerState:
                 self.on_start_failed(e)
 
     def begin_drain(self) -> None:
-        """Refuse new work from now on (/ready 503, new requests 503); admitted work goes on."""
+        """Refuse new work from now on (/ready 503, new requests 503, no job is claimed);
+        admitted work goes on."""
         self.engine.drain()
+        if self.videos is not None:
+            self.videos.begin_drain()
 
     def has_work(self) -> bool:
         stats = self.engine.stats()
@@ -172,6 +178,53 @@ class ServerState:
         if self.videos is not None:
             self.videos.close()  # after the engine: its aborts fail the unfinished jobs
         log.info("engine stopped")
+
+
+def open_job_store(config: ServerConfig, *, namespace: str, observer: Any = None) -> JobStore:
+    """The job store ``config`` names (``--job-store``: SQLite by default, or Redis) with its
+    video directory: an owned one (one server, swept of files no job names) for SQLite, a
+    shared one (every replica mounts it) for Redis."""
+    limits = StoreLimits(max_jobs=config.video_max_jobs, max_bytes=config.video_max_bytes,
+                         ttl_s=config.video_ttl_s)
+    shared = config.job_store is not None and not config.job_store.startswith("sqlite:")
+    files = VideoFiles(config.video_dir, shared=shared)
+    try:
+        backend = open_backend(config.job_store, files.root, namespace=namespace,
+                               clock=time.time)
+        files.sweep({job.id for job in backend.jobs()})
+    except BaseException:
+        files.close()
+        raise
+    return JobStore(limits, files, backend, observer=observer)
+
+
+def open_backend(url: str | None, video_dir: Path, *, namespace: str,
+                 clock: Callable[[], float]) -> JobBackend:
+    """The backend ``url`` names (None: ``sqlite:///<video_dir>/jobs.sqlite3``).
+    ``namespace`` keeps deployments apart in one Redis (their jobs and queues never mix)."""
+    from ditserve.engine.server.jobs.sqlite_backend import SqliteBackend
+
+    if url is None:
+        return SqliteBackend(video_dir.resolve() / SQLITE_FILE, clock=clock)
+    scheme = urlsplit(url).scheme
+    if scheme == "sqlite":
+        return SqliteBackend(sqlite_path(url), clock=clock)
+    if scheme in ("redis", "rediss", "unix"):
+        from ditserve.engine.server.jobs.redis_backend import RedisBackend
+
+        return RedisBackend(url, namespace=namespace)
+    raise ConfigError(f"server.job_store: {scheme!r} is no job store; use sqlite:///PATH or "
+                      "redis://HOST:PORT/DB")
+
+
+def sqlite_path(url: str) -> Path:
+    """``sqlite:///abs/path`` -> /abs/path (what follows ``sqlite://`` is the file's path,
+    which must be absolute)."""
+    path = url.removeprefix("sqlite://")
+    if not path.startswith("/"):
+        raise ConfigError(f"server.job_store {url!r}: write sqlite:///ABSOLUTE/PATH (an "
+                          "absolute file path)")
+    return Path(path)
 
 
 def engine_options(engine_config: EngineConfig, config: ServerConfig, metrics: ServingMetrics,

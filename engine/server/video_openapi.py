@@ -29,8 +29,9 @@ from ditserve.engine.server.video_request import FIELDS, VideoLimits
 
 STATUSES = list(API_STATUSES)
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]
-NOT_FOUND = {404: "No video with this id (never made, deleted, expired, or made before the "
-                  "server restarted)"}
+STORE_DOWN = {503: "The job store cannot be reached (code job_store_unavailable); retry "
+                   "after Retry-After seconds"}
+NOT_FOUND = {404: "No video with this id (never made, deleted or expired)", **STORE_DOWN}
 
 
 CREATE_BODY = {"requestBody": {"required": True, "content": {
@@ -160,20 +161,24 @@ def schemas(limits: VideoLimits) -> dict[str, Any]:
 def create_answers() -> dict[int | str, Any]:
     return answers(json_answer("Video"), 404, 413, 429, 503,
                    ok_description="The job, queued (poll it, or follow its events)",
-                   descriptions={404: "`model` is not the served model"})
+                   descriptions={404: "`model` is not the served model",
+                                 503: "Loading or draining, or the job store cannot be reached "
+                                      "(job_store_unavailable); retry after Retry-After "
+                                      "seconds"})
 
 
 def video_answers(name: str = "Video", *errors: int) -> dict[int | str, Any]:
-    return answers(json_answer(name), 404, *errors, descriptions=NOT_FOUND)
+    return answers(json_answer(name), 404, 503, *errors, descriptions=NOT_FOUND)
 
 
 def list_answers() -> dict[int | str, Any]:
-    return answers(json_answer("VideoList"), ok_description="A page of jobs")
+    return answers(json_answer("VideoList"), 503, ok_description="A page of jobs",
+                   descriptions=STORE_DOWN)
 
 
 def content_answers() -> dict[int | str, Any]:
     mp4 = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}
-    out = answers({}, 404, 409, 416, descriptions=NOT_FOUND,
+    out = answers({}, 404, 409, 416, 503, descriptions=NOT_FOUND,
                   ok_description="The whole MP4 (H.264). Accept-Ranges: bytes")
     out[200]["content"] = mp4
     out[200]["headers"] = headers({"Accept-Ranges": {"schema": {"const": "bytes"}},
@@ -188,7 +193,7 @@ def content_answers() -> dict[int | str, Any]:
 
 
 def events_answers() -> dict[int | str, Any]:
-    out = answers({}, 404, descriptions=NOT_FOUND,
+    out = answers({}, 404, 503, descriptions=NOT_FOUND,
                   ok_description="Server-Sent Events: the job's object after every change "
                                  "(event video.<status>), ending with its final status")
     out[200]["content"] = {"text/event-stream": {"schema": {

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from k8s import k8s_schemas
-from k8s.chart import CHART, by_kind, helm, named, template
+from k8s.chart import CHART, RELEASE_NAMESPACE, by_kind, helm, named, template
 from k8s.crd_schema import CRD_PATH, NODECACHE_CRD_PATH
 
 from ditserve.cachectl.cli import build_parser as cachectl_parser
@@ -46,6 +46,10 @@ MATRIX: dict[str, dict[str, Any] | None] = {
                                  "operator": {"labelCachedNodes": False}, "tests": {"enabled": False}},
     "no-rbac-no-accounts": {"rbac": {"create": False}, "serviceAccount": {"create": False},
                             "cachectl": {"serviceAccount": {"create": False, "name": "node-sa"}}},
+    "job-store-redis": {"jobStore": {"redis": {
+        "enabled": True, "password": "s3cret", "secretNamespaces": ["ml", "default"],
+        "persistence": {"size": "2Gi"}}}},
+    "job-store-redis-plain": {"jobStore": {"redis": {"enabled": True}}},
 }
 
 
@@ -342,3 +346,36 @@ def test_example_models_are_visible_to_the_default_daemon(
                if m["name"].startswith("models-")]
     host_path = yaml.safe_load(EXAMPLE_PATH.read_text())["spec"]["model"]["hostPath"]
     assert any(host_path.startswith(root.rstrip("/") + "/") for root in mounted)
+
+
+def test_the_job_store_redis_admits_only_engine_pods(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    from ditserve.operator.render import labels
+    from ditserve.operator.spec import parse_spec
+
+    assert by_kind(rendered["default"], "NetworkPolicy") == []  # off by default
+    docs = rendered["job-store-redis"]
+    redis = named(docs, "Deployment", "rel-ditserve-redis")
+    policy = named(docs, "NetworkPolicy", "rel-ditserve-redis")
+    pod_labels = redis["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    # The operator's own labels on engine pods are the only ones admitted, from any namespace.
+    engine = labels("wan", parse_spec({"model": {"hostPath": "/mnt/models/wan"}}))
+    assert peer["namespaceSelector"] == {}
+    assert peer["podSelector"]["matchLabels"].items() <= engine.items()
+    assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
+    secrets = by_kind(docs, "Secret")
+    assert sorted(s["metadata"]["namespace"] for s in secrets) == ["default", "ml"]
+    assert {s["stringData"]["url"] for s in secrets} == {
+        f"redis://:s3cret@rel-ditserve-redis.{RELEASE_NAMESPACE}.svc:6379/0"}
+    container = _container(redis)
+    assert "--requirepass" in container["args"][0] and "s3cret" not in str(container)
+    assert container["securityContext"]["readOnlyRootFilesystem"]
+    claim = named(docs, "PersistentVolumeClaim", "rel-ditserve-redis")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    plain = rendered["job-store-redis-plain"]
+    (secret,) = by_kind(plain, "Secret")
+    assert secret["stringData"]["url"] == f"redis://rel-ditserve-redis.{RELEASE_NAMESPACE}.svc:6379/0"
+    assert "env" not in _container(named(plain, "Deployment", "rel-ditserve-redis"))

@@ -68,13 +68,15 @@ class ServerProcess:
 
 
 def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
-                 port: int | None = None) -> ServerProcess:
+                 port: int | None = None, wait: bool = True) -> ServerProcess:
     """Start `ditserve serve ARGS`; without ``port``, on a free port of 127.0.0.1 (given as
-    flags), else the caller's ARGS (e.g. a --config file) must bind ``port`` themselves."""
+    flags), else the caller's ARGS (e.g. a --config file) must bind ``port`` themselves.
+    ``wait``: until it is ready (else the caller calls ``wait_ready``)."""
     flags: list[str] = []
     if port is None:
         port = free_port()
         flags = ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / "server.log"
     environ = {k: v for k, v in os.environ.items() if k != "DITSERVE_API_KEY"}
     environ.update({"DITSERVE_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1",
@@ -85,6 +87,8 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
             stdout=out, stderr=subprocess.STDOUT, env=environ,
         )
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
+    if not wait:
+        return server
     try:
         server.wait_ready()
     except BaseException:
@@ -172,3 +176,13 @@ def video_server(tmp_path_factory: pytest.TempPathFactory, tiny_wan: Path, video
                         "--video-max-jobs", "4096", "--request-timeout", "120")
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real redis-server for the session (tests keep apart by namespace)."""
+    from server.redis_support import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

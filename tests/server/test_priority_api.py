@@ -4,6 +4,7 @@ deadline_unmeetable), the scheduler's metrics, and the estimate in a video job's
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.model import VideoSpec
+from ditserve.engine.server.jobs.sqlite_backend import SqliteBackend
 from ditserve.engine.server.jobs.store import JobStore, StoreLimits
 
 GEN = "/v1/images/generations"
@@ -90,7 +92,8 @@ def test_the_openai_sdk_does_not_retry_a_missed_deadline(prio_server, metric) ->
 
 
 def test_a_video_job_object_shows_its_priority_deadline_and_estimate(tmp_path: Path) -> None:
-    store = JobStore(StoreLimits(), VideoFiles(tmp_path / "videos"))
+    store = JobStore(StoreLimits(), VideoFiles(tmp_path / "videos"),
+                     SqliteBackend(tmp_path / "videos" / "jobs.sqlite3", clock=time.time))
     params = SamplingParams(prompt="p", height=16, width=16, num_frames=5,
                             num_inference_steps=10, priority=-1, deadline_s=90.0)
     job_id = store.add(VideoSpec(params=params, fps=8, model="m"), "rid")["id"]
@@ -98,7 +101,10 @@ def test_a_video_job_object_shows_its_priority_deadline_and_estimate(tmp_path: P
     assert queued is not None
     assert queued["ditserve"]["priority"] == -1 and queued["ditserve"]["deadline_s"] == 90.0
     assert queued["ditserve"]["estimated_seconds_left"] is None
-    store.started(job_id, engine_id=job_id, seed=1)
-    store.stepped(job_id, 3, eta_s=4.2)
+    claimed = store.claim("replica", 30)
+    assert claimed is not None and claimed.token is not None
+    store.started(job_id, claimed.token, seed=1)
+    store.stepped(job_id, claimed.token, 3, eta_s=4.2)
     running = store.get(job_id)
     assert running is not None and running["ditserve"]["estimated_seconds_left"] == 4.2
+    store.close()

@@ -88,3 +88,39 @@ def test_serve_refuses_a_missing_model_dir_before_binding(tmp_path, capsys) -> N
 
     assert main(["serve", "--model", str(tmp_path / "nope"), "--port", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_job_store_from_flag_yaml_and_environment(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("DITSERVE_JOB_STORE", raising=False)
+    assert configs_from_args(parse())[1].job_store is None  # SQLite under --video-dir
+    path = write(tmp_path, "server: {video_dir: /v, job_store: 'redis://yaml:6379/0', "
+                           "job_lease_s: 9}\n")
+    _, server = configs_from_args(parse("--config", path))
+    assert (server.job_store, server.job_lease_s) == ("redis://yaml:6379/0", 9)
+    _, server = configs_from_args(parse("--config", path, "--job-store", "redis://flag:1/2",
+                                        "--job-lease", "4"))
+    assert (server.job_store, server.job_lease_s) == ("redis://flag:1/2", 4)
+    # Kubernetes passes the URL (it may hold a password) from a Secret in the environment.
+    monkeypatch.setenv("DITSERVE_JOB_STORE", "redis://:pw@env:6379/0")
+    _, server = configs_from_args(parse("--video-dir", "/v"))
+    assert server.job_store == "redis://:pw@env:6379/0"
+    _, server = configs_from_args(parse("--job-store", f"sqlite:///{tmp_path}/jobs.db"))
+    assert server.job_store == f"sqlite:///{tmp_path}/jobs.db"  # the flag wins
+    monkeypatch.setenv("DITSERVE_JOB_NAMESPACE", "models/wan")  # the operator's
+    assert configs_from_args(parse("--video-dir", "/v"))[1].job_namespace == "models/wan"
+    assert configs_from_args(parse("--video-dir", "/v", "--job-namespace", "other")
+                             )[1].job_namespace == "other"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--job-store", "postgres://db/jobs"), "server.job_store must be sqlite:///ABSOLUTE/PATH"),
+    (("--job-store", "redis://:secret@host:6379/0"), "a Redis job store is shared by replicas"),
+    (("--job-store", "mysql://:secret@host/0"), "'mysql://***@host/0'"),
+    (("--job-lease", "0"), "server.job_lease_s must be"),
+    (("--job-namespace", "a b"), "server.job_namespace must be"),
+])
+def test_bad_job_stores_are_refused(monkeypatch, argv, message) -> None:
+    monkeypatch.delenv("DITSERVE_JOB_STORE", raising=False)
+    with pytest.raises(ConfigError) as info:
+        configs_from_args(parse(*argv))
+    assert message in str(info.value) and "secret" not in str(info.value)

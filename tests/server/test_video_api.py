@@ -1,10 +1,11 @@
 """/v1/videos in-process (httpx ASGI transport) around a fake video engine: validation (400
 with OpenAI's error object), unknown ids (404), one model per replica, the OpenAPI document,
-admission (429 from the store's bounds and the engine's queue), multipart bodies, the MP4
+admission (429 from the store's bounds; a job waits for the engine's room), multipart bodies, the MP4
 content (Range, If-Range, HEAD, 416), failures of the engine, and the job metrics."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -234,34 +235,39 @@ def test_content_of_an_unfinished_or_failed_job_is_409(tmp_path: Path) -> None:
     assert content.status_code == 409 and content.json()["error"]["code"] == "video_unavailable"
 
 
-def test_admission_counts_jobs_like_requests(tmp_path: Path) -> None:
-    """429 with Retry-After from the engine's queue bound and from the store's bounds."""
+def test_admission_is_the_stores_and_jobs_wait_for_room(tmp_path: Path) -> None:
+    """A job waits in the store until the engine has room (it is claimed then, not
+    refused); the store's bounds give 429 with Retry-After."""
     config = ServerConfig(retry_after_s=7, video_max_jobs=1)
+    engine = fake_video_engine(tmp_path, outcome="queue_full")
+    app, _ = video_app(engine, config)
 
     async def script(client):
-        return [await client.post(VIDEOS, json=JOB) for _ in range(2)]
+        first = await client.post(VIDEOS, json=JOB)
+        second = await client.post(VIDEOS, json=JOB)
+        waiting = (await client.get(f"{VIDEOS}/{first.json()['id']}")).json()
+        engine.outcome = "finish"  # a batch slot frees: the job is claimed and runs
+        app.state.server.videos.worker.wake()
+        return first, second, waiting, await finish(client, first.json()["id"])
 
-    full_queue, _ = run(video_app(fake_video_engine(tmp_path, outcome="queue_full"),
-                                  config)[0], script)
-    assert full_queue.status_code == 429 and full_queue.headers["retry-after"] == "7"
-    assert full_queue.json()["error"]["code"] == "queue_full"
-
-    first, second = run(video_app(fake_video_engine(tmp_path, outcome="hang"), config)[0],
-                        script)
-    assert first.status_code == 200
+    first, second, waiting, events = run(app, script)
+    assert first.status_code == 200 and waiting["status"] == "queued"
     assert second.status_code == 429 and second.headers["retry-after"] == "7"
     assert second.json()["error"]["code"] == "store_full"
     assert "max_jobs=1" in second.json()["error"]["message"]
+    final = events[-1][1]["video"]
+    assert final["status"] == "completed" and final["ditserve"]["attempts"] == 1
 
 
 def test_a_refused_job_leaves_no_trace(tmp_path: Path) -> None:
-    app, _ = video_app(fake_video_engine(tmp_path, outcome="queue_full"))
+    app, _ = video_app(fake_video_engine(tmp_path), ServerConfig(video_max_bytes=1 << 20))
 
     async def script(client):
-        await client.post(VIDEOS, json=JOB)
-        return (await client.get(VIDEOS)).json(), (await client.get("/metrics")).text
+        refused = await client.post(VIDEOS, json={**JOB, "size": "512x512", "num_frames": 9})
+        return refused, (await client.get(VIDEOS)).json(), (await client.get("/metrics")).text
 
-    page, text = run(app, script)
+    refused, page, text = run(app, script)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "exceeds_store"
     assert page["data"] == [] and page["has_more"] is False
     assert "ditserve:video_store_bytes 0.0" in text
 
@@ -300,33 +306,44 @@ def test_delete_of_an_unfinished_job_cancels_and_removes_it(tmp_path: Path, metr
 
     async def script(client):
         job = (await client.post(VIDEOS, json=JOB)).json()
+        await claimed(engine)  # running on this replica: its engine request is aborted
         first = await client.delete(f"{VIDEOS}/{job['id']}")
         gone = await client.get(f"{VIDEOS}/{job['id']}")
         listed = (await client.get(VIDEOS)).json()["data"]
         second = await client.delete(f"{VIDEOS}/{job['id']}")
-        return job, first, gone, listed, second
+        return job, first, gone, listed, second, metrics.render().decode()
 
-    job, first, gone, listed, second = run(app, script)
+    job, first, gone, listed, second, text = run(app, script)
     # "deleted": true is what happened: the job is gone at once, not left behind cancelled.
     assert first.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
     assert engine.aborted == [(job["id"], "cancelled")]  # the engine frees the slot
     assert gone.status_code == 404 and listed == []
     assert second.status_code == 404
-    text = metrics.render().decode()
     assert metric(text, 'ditserve:video_jobs_finished_total{status="cancelled"}') == 1
 
 
-def test_a_stopped_engine_fails_its_unfinished_jobs(tmp_path: Path) -> None:
+async def claimed(engine) -> None:
+    """Until the replica's worker thread claimed a job and the engine holds it."""
+    while not engine._handles:
+        await asyncio.sleep(0.01)
+
+
+def test_a_job_the_engine_dropped_goes_back_to_the_queue(tmp_path: Path) -> None:
+    """An engine that stops under a job (a drain's grace ran out) hands it back: the job is
+    queued again, not failed, and the next claim runs it (here, the same replica's)."""
     engine = fake_video_engine(tmp_path, outcome="hang")
     app, _ = video_app(engine)
 
     async def script(client):
         job = (await client.post(VIDEOS, json=JOB)).json()
+        await claimed(engine)
+        engine.outcome = "finish"
         engine.abort(job["id"], "engine shut down")  # what a shutdown does to what is left
         return await finish(client, job["id"])
 
     final = run(app, script)[-1][1]["video"]
-    assert (final["status"], final["error"]["code"]) == ("failed", "engine_stopped")
+    assert (final["status"], final["error"]) == ("completed", None)
+    assert final["ditserve"]["attempts"] == 1  # a hand-back is not an attempt
 
 
 def test_a_job_of_an_openai_size_is_exactly_the_sdks_video(tmp_path: Path) -> None:
@@ -345,3 +362,22 @@ def test_a_job_of_an_openai_size_is_exactly_the_sdks_video(tmp_path: Path) -> No
     videos = [Video.model_validate(obj, strict=True) for obj in objects]
     assert [v.status for v in videos][-1] == "completed"
     assert {v.size for v in videos} == {"720x1280"}
+
+
+def test_a_job_the_claiming_replica_cannot_run_fails_with_a_reason(tmp_path: Path) -> None:
+    """A job another replica admitted (other limits) that this engine refuses ends failed,
+    not stuck in this replica's hands."""
+    from ditserve.engine.request import SamplingParams
+    from ditserve.engine.server.jobs.model import VideoSpec
+
+    app, _ = video_app(fake_video_engine(tmp_path))
+    params = SamplingParams(prompt="p", height=32, width=32, num_frames=6, seed=1)  # not 4k+1
+
+    async def script(client):
+        job = app.state.server.videos.create(VideoSpec(params, fps=8, model="m"),
+                                             request_id="r")
+        return await finish(client, job["id"])
+
+    final = run(app, script)[-1][1]["video"]
+    assert (final["status"], final["error"]["code"]) == ("failed", "invalid_request")
+    assert "num_frames" in final["error"]["message"]

@@ -14,7 +14,10 @@ from ditserve.engine.server.config import ServerConfig
 root = Path(sys.argv[1])
 big = {"prompt": "noise", "size": "64x64", "num_frames": 33, "seed": 1}
 small = {"prompt": "noise", "size": "16x16", "num_frames": 1, "seed": 2}
-app, _ = video_app(fake_video_engine(Path(sys.argv[2])), ServerConfig(video_dir=str(root)))
+# The job store on another filesystem: the tiny one is for the MP4s alone.
+store = f"sqlite:///{Path(sys.argv[2]) / 'jobs.sqlite3'}"
+app, _ = video_app(fake_video_engine(Path(sys.argv[2])),
+                   ServerConfig(video_dir=str(root), job_store=store))
 
 
 async def script(client):

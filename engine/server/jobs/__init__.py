@@ -1,7 +1,11 @@
-"""Video jobs: the job layer of ``/v1/videos`` over the same engine handle images use.
+"""Video jobs: the job layer of ``/v1/videos``, shared by every replica of a deployment.
 
-``model`` (a job and its OpenAI-shaped object), ``files`` (the content directory: atomic,
-durable publication of MP4 files), ``store`` (the bounded, expiring set of jobs) and
-``service`` (``VideoJobs``: submits jobs to the engine, follows their progress, encodes and
-stores the result). The routes (``routes/videos.py``) call ``VideoJobs`` only.
+``model`` (a job and its OpenAI-shaped object), ``records`` (a job as JSON), ``backend``
+(the contract a job store engine meets, and the choice of one from ``--job-store``),
+``sqlite_backend`` (the default, one replica) and ``redis_backend`` (many replicas),
+``store`` (``JobStore``: bounds, expiry, claims and leases over a backend), ``files`` (the
+video directory: atomic, durable publication of MP4 files), ``worker`` (``JobWorker``: a
+replica claims jobs when its engine has room, runs them, keeps their leases, writes their
+results), ``service`` (``VideoJobs``, what the routes call) and ``errors``. The routes
+(``routes/videos.py``) call ``VideoJobs`` and its store only.
 """

@@ -1,16 +1,22 @@
 """The directory that holds finished videos, and how a file gets there.
 
 ``VideoFiles.publish`` writes an MP4 so that a half-written one is never visible: into
-``<root>/.tmp/`` (same filesystem), fsync, rename to ``<root>/<job id>.mp4``, fsync the
-directory (so the rename itself survives a crash). A failed write (a full disk: ENOSPC, a
-quota: EDQUOT, or any other OSError) removes its temp file and raises ``StorageError``; the
-caller fails the job. Called by ``VideoJobs`` from its encoding threads.
+``<root>/.tmp/`` (same filesystem), fsync, hard-link to ``<root>/<job id>.mp4``, fsync the
+directory (so the new name itself survives a crash). The link, unlike a rename, never
+replaces a file: when two claims of one job both finish (a replica thought dead was only
+slow), the first file stays and the second writer learns it did not create it (so it never
+removes the winner's file). A failed write (a full disk: ENOSPC, a quota: EDQUOT, or any
+other OSError) removes its temp file and raises ``StorageError``; the caller fails the job.
+Called by ``VideoJobs`` from its encoding threads.
 
-A configured root (``--video-dir``) belongs to one server at a time: the server holds an
-exclusive ``flock`` on ``<root>/.lock`` (a second server on the same directory refuses to
-start), and at start removes what a previous process left (its jobs are gone with it: job
-state lives in memory). Without a configured root the server makes a private temporary
-directory and removes it at shutdown.
+Three kinds of root:
+
+- owned (``--video-dir`` with the default SQLite job store): one server at a time holds an
+  exclusive ``flock`` on ``<root>/.lock`` (a second server on the directory refuses to
+  start); at start ``sweep`` removes the temp files and the MP4s no job names any more;
+- shared (``--video-dir`` on a volume every replica mounts, with a Redis job store): no lock,
+  no sweep - files go with their jobs (DELETE, expiry) whichever replica removes them;
+- private (no ``--video-dir``): a temporary directory removed at shutdown.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ditserve.engine.errors import ConfigError, DitServeError
+from ditserve.engine.errors import ConfigError
+from ditserve.engine.server.jobs.errors import StorageError
 from ditserve.engine.server.jobs.model import JOB_ID_PATTERN
 
 log = logging.getLogger(__name__)
@@ -34,24 +41,24 @@ SUFFIX = ".mp4"
 TEMP_DIR = ".tmp"
 LOCK_FILE = ".lock"
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-class StorageError(DitServeError):
-    """A video could not be stored. ``no_space``: the filesystem is full (or over quota)."""
-
-    def __init__(self, message: str, *, no_space: bool) -> None:
-        super().__init__(message)
-        self.no_space = no_space
+NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
 
 
 class VideoFiles:
     """The content directory of one server (see the module docstring)."""
 
-    def __init__(self, root: str | Path | None) -> None:
+    def __init__(self, root: str | Path | None, *, shared: bool = False) -> None:
         self.private = root is None
+        self.shared = shared and not self.private
         self.root = Path(tempfile.mkdtemp(prefix="ditserve-videos-") if root is None else root)
         self._lock_fd: int | None = None
-        if not self.private:
+        if self.shared:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"server.video_dir {str(self.root)!r} cannot be used: {e}"
+                                  ) from e
+        elif not self.private:
             self._claim()
         (self.root / TEMP_DIR).mkdir(exist_ok=True)
 
@@ -68,24 +75,29 @@ class VideoFiles:
             raise ConfigError(f"server.video_dir {str(self.root)!r} is in use by another "
                               "ditserve server; give each server its own directory") from None
         self._lock_fd = fd
-        left = self._leftovers()
+        shutil.rmtree(self.root / TEMP_DIR, ignore_errors=True)  # a dead writer's half files
+
+    def sweep(self, keep: set[str]) -> None:
+        """Remove the MP4s of jobs not in ``keep`` (the job store's ids): a previous
+        server's files whose jobs expired or were deleted while it was down, or were never
+        recorded (it died between the file and the record). Owned roots only."""
+        if self.shared or self.private:
+            return
+        # Only files this class names, so a mistaken --video-dir loses nothing else.
+        left = [p for p in self.root.iterdir() if p.suffix == SUFFIX and p.is_file()
+                and JOB_ID_PATTERN.fullmatch(p.stem) and p.stem not in keep]
         for path in left:
             path.unlink(missing_ok=True)
-        shutil.rmtree(self.root / TEMP_DIR, ignore_errors=True)
         if left:
-            log.info("removed %d video(s) a previous server left in %s (their jobs ended "
-                     "with that process)", len(left), self.root)
-
-    def _leftovers(self) -> list[Path]:
-        # Only files this class names, so a mistaken --video-dir loses nothing else.
-        return [p for p in self.root.iterdir()
-                if p.suffix == SUFFIX and JOB_ID_PATTERN.fullmatch(p.stem) and p.is_file()]
+            log.info("removed %d video(s) in %s that no job names", len(left), self.root)
 
     def path_of(self, job_id: str) -> Path:
         return self.root / f"{job_id}{SUFFIX}"
 
-    def publish(self, job_id: str, data: bytes) -> Path:
-        """Write ``data`` as the job's MP4, atomically and durably; raises StorageError."""
+    def publish(self, job_id: str, data: bytes) -> tuple[Path, bool]:
+        """Write ``data`` as the job's MP4, atomically and durably: (its path, whether this
+        call created it - False when another claim of the job published first). Raises
+        StorageError."""
         final = self.path_of(job_id)
         temp = self.root / TEMP_DIR / f"{job_id}.{secrets.token_hex(4)}{SUFFIX}"
         try:
@@ -97,8 +109,9 @@ class VideoFiles:
                 os.fsync(fd)  # the bytes are on disk before the name points at them
             finally:
                 os.close(fd)
-            os.rename(temp, final)
-            _fsync_dir(self.root)  # the rename is on disk too
+            created = _name(temp, final)
+            temp.unlink(missing_ok=True)
+            _fsync_dir(self.root)  # the new name is on disk too
         except OSError as e:
             with contextlib.suppress(OSError):
                 temp.unlink(missing_ok=True)
@@ -106,7 +119,7 @@ class VideoFiles:
             reason = "no space left in the video directory" if no_space else os.strerror(
                 e.errno or 0) or str(e)
             raise StorageError(reason, no_space=no_space) from e
-        return final
+        return final, created
 
     def remove(self, path: Path | None) -> None:
         if path is not None:
@@ -120,6 +133,24 @@ class VideoFiles:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             self._lock_fd = None
+
+
+def _name(temp: Path, final: Path) -> bool:
+    """Give ``temp`` the name ``final`` unless a file has it; whether this call named it."""
+    try:
+        os.link(temp, final)
+        return True
+    except FileExistsError:
+        return False  # another claim of this job published first: keep its file
+    except OSError as e:
+        if e.errno not in NO_LINKS:
+            raise
+    # A filesystem without hard links (some network shares): a rename, which replaces a file
+    # another claim published in the same instant - the same job's video either way.
+    if final.exists():
+        return False
+    os.rename(temp, final)
+    return True
 
 
 def _fsync_dir(path: Path) -> None:

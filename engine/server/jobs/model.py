@@ -1,11 +1,16 @@
 """A video job: its status machine, its id, and its OpenAI ``video`` object.
 
-``VideoJob`` is plain data; only ``JobStore`` changes it (under its lock), so a job's status
-moves in one place. ``JobStatus`` sorts its final states last, as ``RequestStatus`` does.
+``VideoJob`` is plain data, kept by a job backend (``jobs.backend``: SQLite or Redis) as a
+JSON record (``jobs.records``); only ``JobStore`` changes it (one atomic read-modify-write per
+change, whichever replica makes it), so a job's status moves in one place. ``JobStatus``
+sorts its final states last, as ``RequestStatus`` does.
 ``video_object`` renders a job as OpenAI's Videos API object (id, ``object: "video"``, status,
 progress, created_at, completed_at, expires_at, error, model, prompt, seconds, size; a
 cancelled job reads ``failed`` with error code ``cancelled``), plus
-ditserve's own ``ditserve`` object (frames, fps, steps, seed, timings, bytes).
+ditserve's own ``ditserve`` object (frames, fps, steps, seed, timings, bytes, the claims so
+far and the replica running it). ``StoreLimits`` (the store's bounds), ``Content`` (where a
+completed job's MP4 is) and ``JobObserver`` (who hears finished jobs) are the store's plain
+types.
 
 Ids are ``video_`` + 32 hex digits whose first 16 are a strictly increasing number (the
 creation time in nanoseconds, bumped on ties): sorting ids sorts jobs by creation, so the
@@ -19,11 +24,16 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.config import (
+    DEFAULT_VIDEO_MAX_BYTES,
+    DEFAULT_VIDEO_MAX_JOBS,
+    DEFAULT_VIDEO_TTL_S,
+)
 
 JOB_ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
 OBJECT = "video"
@@ -109,7 +119,14 @@ class VideoSpec:
 
 @dataclass
 class VideoJob:
-    """One job. Changed only by ``JobStore``; read a snapshot with ``video_object``."""
+    """One job. Changed only by ``JobStore``; read a snapshot with ``video_object``.
+
+    The lease fields say which replica runs it: ``owner`` (a replica's worker id) and
+    ``token`` (one claim: a re-claimed job gets a new one, so a replica that lost its lease
+    can no longer move the job), ``attempts`` (claims so far: a job whose replicas died
+    ``MAX_ATTEMPTS`` times fails with ``job_interrupted``), ``queue_entry`` (the backend's own
+    handle on the job's place in the work queue, e.g. a Redis stream entry id).
+    """
 
     id: str
     spec: VideoSpec
@@ -125,9 +142,16 @@ class VideoJob:
     path: Path | None = None  # the published MP4, once completed
     size_bytes: int = 0  # the MP4's size, once completed
     reserved_bytes: int = 0  # counted against the store's byte bound
-    engine_id: str | None = None  # the engine's request id while it generates
     eta_s: float | None = None  # the scheduler's estimate of the seconds left, per step
-    listeners: list[Any] = field(default_factory=list)
+    owner: str | None = None
+    token: str | None = None
+    attempts: int = 0
+    queue_entry: str | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """What the job counts against the store's byte bound."""
+        return self.size_bytes + self.reserved_bytes
 
     @property
     def progress(self) -> int:
@@ -136,6 +160,29 @@ class VideoJob:
             return 100
         total = self.spec.params.num_inference_steps
         return min(99, 100 * self.steps_done // total) if total else 0
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """max_jobs: jobs held at once, any state. max_bytes: stored MP4 bytes plus unfinished
+    jobs' reservations. ttl_s: how long a finished job (and its file) is kept."""
+
+    max_jobs: int = DEFAULT_VIDEO_MAX_JOBS
+    max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
+    ttl_s: float = DEFAULT_VIDEO_TTL_S
+
+
+class JobObserver(Protocol):
+    def on_job_finished(self, status: str, video_seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Content:
+    """Where a completed job's MP4 is."""
+
+    path: Path
+    size: int
+    completed_at: float
 
 
 def video_object(job: VideoJob) -> dict[str, Any]:
@@ -173,6 +220,8 @@ def video_object(job: VideoJob) -> dict[str, Any]:
             "deadline_s": p.deadline_s,
             "estimated_seconds_left": (round(job.eta_s, 3) if job.eta_s is not None
                                        and not job.status.is_finished else None),
+            "attempts": job.attempts,
+            "replica": job.owner,
         },
     }
 

@@ -1,8 +1,10 @@
-"""JobStore: the bounded, expiring set of video jobs of one server, in memory.
+"""JobStore: the bounded, expiring set of video jobs, kept in a job backend that every
+replica of a deployment may share (``jobs.backend``: SQLite for one replica, Redis for many).
 
 The store keeps what it promised: a job it admitted runs to an end state, and a finished
 job (its MP4 included) stays until its ``expires_at`` (``ttl_s`` after it finished) or a
-DELETE - it is never evicted early to make room. Room is checked at admission instead:
+DELETE - it is never evicted early to make room. Room is checked at admission instead, in
+the backend's transaction (so replicas admitting at once never overshoot):
 
 - ``max_jobs`` bounds the jobs held, in any state (queued, running, finished and not yet
   expired);
@@ -12,34 +14,41 @@ DELETE - it is never evicted early to make room. Room is checked at admission in
 
 A job that does not fit now is refused (``StoreFull``, a 429 with Retry-After: when finished
 jobs fill the store, the seconds until the first of them expires); one that could never fit,
-even in an empty store, is refused for good (``NeverFits``, a 400). Expiry is lazy: every store
-operation first drops the jobs whose time is up and deletes their files, so an expired job
-is never served. The clock is injected (tests move it; production uses ``time.time``).
+even in an empty store, is refused for good (``NeverFits``, a 400). Expiry is lazy: a read
+never returns a job whose time is up, and the sweep that drops such jobs and deletes their
+files runs at most once a second of reads (``SWEEP_S``: each is a round trip to a shared
+store), and whenever an admission finds the store full. The clock is injected (tests move it;
+production uses ``time.time``).
 
-Thread-safe: the engine's loop thread (progress), the encoding threads (completion) and the
-HTTP handlers (create, read, delete) all call it. Listeners (``subscribe``) and the observer
-are called outside the lock, with snapshots of the job's ``video`` object.
+Work: ``claim`` gives a replica's worker the oldest claimable job with a fresh lease token;
+``started``/``stepped``/``fail``/``hand_back`` move it only while that token is still the
+job's (a replica that lost its lease cannot); ``complete`` takes the first result of any
+claim and refuses every later one (a job never completes twice). A job claimed more than
+``MAX_ATTEMPTS`` times (its replicas died each time) fails with ``job_interrupted``.
+
+Thread-safe (the backend is). Listeners (``subscribe``) hear this process's changes at once,
+with the job's ``video`` object; changes made by other replicas reach followers by polling
+(``routes/videos.py``). The observer hears each job this process finished.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from ditserve.engine.errors import DitServeError
-from ditserve.engine.server.config import (
-    DEFAULT_VIDEO_MAX_BYTES,
-    DEFAULT_VIDEO_MAX_JOBS,
-    DEFAULT_VIDEO_TTL_S,
-)
+from ditserve.engine.server.jobs.backend import JobBackend, Usage
+from ditserve.engine.server.jobs.errors import NeverFits, StoreFull
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.model import (
+    Content,
+    JobObserver,
     JobStatus,
+    StoreLimits,
     VideoJob,
     VideoSpec,
     new_job_id,
@@ -47,274 +56,289 @@ from ditserve.engine.server.jobs.model import (
 )
 
 Listener = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class StoreLimits:
-    """max_jobs: jobs held at once, any state. max_bytes: stored MP4 bytes plus unfinished
-    jobs' reservations. ttl_s: how long a finished job (and its file) is kept."""
-
-    max_jobs: int = DEFAULT_VIDEO_MAX_JOBS
-    max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
-    ttl_s: float = DEFAULT_VIDEO_TTL_S
-
-
-class StoreFull(DitServeError):
-    """No room for another job; ``retry_after_s``: when room is known to come, else None."""
-
-    def __init__(self, message: str, retry_after_s: float | None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class NeverFits(DitServeError):
-    """A job that reserves more bytes than the whole store holds: no wait makes room."""
-
-    def __init__(self, reserved: int, max_bytes: int) -> None:
-        super().__init__(
-            f"this video reserves {reserved} bytes (frames x height x width x 3, the bound of "
-            f"its MP4 until it is encoded), more than the video store's whole {max_bytes} "
-            "bytes (--video-max-bytes): it can never fit; ask for fewer frames or a smaller "
-            "size, or raise --video-max-bytes")
-        self.reserved = reserved
-        self.max_bytes = max_bytes
-
-
-class JobObserver(Protocol):
-    def on_job_finished(self, status: str, video_seconds: float) -> None: ...
-
-
-@dataclass(frozen=True)
-class Content:
-    """Where a completed job's MP4 is."""
-
-    path: Path
-    size: int
-    completed_at: float
+MAX_ATTEMPTS = 3  # claims of one job before it fails: a job that kills its replica stops
+SWEEP_S = 1.0  # reads sweep expired jobs at most this often
 
 
 class JobStore:
     """See the module docstring."""
 
-    def __init__(self, limits: StoreLimits, files: VideoFiles, *,
+    def __init__(self, limits: StoreLimits, files: VideoFiles, backend: JobBackend, *,
                  clock: Callable[[], float] = time.time,
                  observer: JobObserver | None = None) -> None:
         self.limits = limits
         self.files = files
+        self.backend = backend
         self.clock = clock
         self.observer = observer
-        self._lock = threading.Lock()
-        self._jobs: dict[str, VideoJob] = {}  # in id order: ids grow with creation time
+        self._lock = threading.Lock()  # guards the listeners only
+        self._listeners: dict[str, list[Listener]] = {}
+        self._swept: float | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.backend.shared
 
     # -- admission ---------------------------------------------------------------------------
     def add(self, spec: VideoSpec, request_id: str) -> dict[str, Any]:
-        """Admit a job (queued); raises NeverFits or StoreFull. Returns its ``video`` object."""
-        with self._lock:
-            self._expire_locked()
-            self._check_room_locked(spec)
-            job = VideoJob(new_job_id(), spec, request_id, created_at=self.clock(),
-                           reserved_bytes=spec.raw_bytes)
-            self._jobs[job.id] = job
-            return video_object(job)
+        """Admit a job (queued); raises NeverFits, StoreFull or StoreUnavailable. Returns its
+        ``video`` object."""
+        if spec.raw_bytes > self.limits.max_bytes:
+            raise NeverFits(spec.raw_bytes, self.limits.max_bytes)
+        job = VideoJob(new_job_id(), spec, request_id, created_at=self.clock(),
+                       reserved_bytes=spec.raw_bytes, seed=spec.params.seed)
+        try:
+            self.backend.add(job, lambda usage: self._check_room(spec, usage))
+        except StoreFull:
+            self._expire()  # expired jobs may hold the room: drop them, then judge again
+            self.backend.add(job, lambda usage: self._check_room(spec, usage))
+        return video_object(job)
 
-    def _check_room_locked(self, spec: VideoSpec) -> None:
+    def _check_room(self, spec: VideoSpec, usage: Usage) -> None:
         limits = self.limits
-        if spec.raw_bytes > limits.max_bytes:
-            raise NeverFits(spec.raw_bytes, limits.max_bytes)
-        if len(self._jobs) >= limits.max_jobs:
-            raise StoreFull(f"the video store holds {len(self._jobs)} jobs (max_jobs="
+        retry = (max(1.0, math.ceil(usage.next_expiry - self.clock()))
+                 if usage.next_expiry is not None else None)  # None: the server's Retry-After
+        if usage.jobs >= limits.max_jobs:
+            raise StoreFull(f"the video store holds {usage.jobs} jobs (max_jobs="
                             f"{limits.max_jobs}); retry when one expires or delete finished "
-                            "ones", self._next_expiry_locked())
-        used = self._bytes_locked()
-        if used + spec.raw_bytes > limits.max_bytes:
-            raise StoreFull(f"the video store has {limits.max_bytes - used} of its "
+                            "ones", retry)
+        if usage.bytes + spec.raw_bytes > limits.max_bytes:
+            raise StoreFull(f"the video store has {limits.max_bytes - usage.bytes} of its "
                             f"{limits.max_bytes} bytes free and this video reserves "
-                            f"{spec.raw_bytes}; retry later or delete finished videos",
-                            self._next_expiry_locked())
-
-    def _next_expiry_locked(self) -> float | None:
-        expiries = [j.expires_at for j in self._jobs.values() if j.expires_at is not None]
-        if not expiries:
-            return None  # only unfinished jobs hold the room: the server's Retry-After
-        return max(1.0, math.ceil(min(expiries) - self.clock()))
-
-    def _bytes_locked(self) -> int:
-        return sum(j.size_bytes + j.reserved_bytes for j in self._jobs.values())
-
-    def remove_unstarted(self, job_id: str) -> None:
-        """Forget a job the engine refused to take (it was never visible as started)."""
-        with self._lock:
-            self._jobs.pop(job_id, None)
+                            f"{spec.raw_bytes}; retry later or delete finished videos", retry)
 
     # -- reads -------------------------------------------------------------------------------
+    def job(self, job_id: str) -> VideoJob | None:
+        self._sweep()
+        job = self.backend.get(job_id)
+        if job is None or (job.expires_at is not None and job.expires_at <= self.clock()):
+            return None  # expired: the next sweep removes it
+        return job
+
     def get(self, job_id: str) -> dict[str, Any] | None:
-        with self._lock:
-            self._expire_locked()
-            job = self._jobs.get(job_id)
-            return video_object(job) if job is not None else None
+        job = self.job(job_id)
+        return video_object(job) if job is not None else None
 
     def page(self, *, limit: int, after: str | None, order: str
              ) -> tuple[list[dict[str, Any]], bool]:
         """Up to ``limit`` jobs after the id ``after`` in ``order`` ("asc": oldest first),
         and whether more follow."""
-        with self._lock:
-            self._expire_locked()
-            ids = sorted(self._jobs, reverse=order == "desc")
-            if after is not None:
-                ids = [i for i in ids if (i < after if order == "desc" else i > after)]
-            return [video_object(self._jobs[i]) for i in ids[:limit]], len(ids) > limit
+        self._expire()
+        jobs, more = self.backend.page(limit=limit, after=after, descending=order == "desc")
+        return [video_object(j) for j in jobs], more
 
     def content(self, job_id: str) -> tuple[dict[str, Any], Content | None] | None:
         """(the job's object, where its MP4 is once completed), or None if unknown."""
-        with self._lock:
-            self._expire_locked()
-            job = self._jobs.get(job_id)
-            if job is None:
-                return None
-            ready = job.status is JobStatus.COMPLETED and job.path is not None
-            where = Content(job.path, job.size_bytes, job.completed_at or 0.0) if (
-                ready and job.path is not None) else None
-            return video_object(job), where
+        job = self.job(job_id)
+        if job is None:
+            return None
+        where = None
+        if job.status is JobStatus.COMPLETED and job.path is not None:
+            # Named by the id under this replica's root: replicas may mount it elsewhere.
+            where = Content(self.files.path_of(job.id), job.size_bytes, job.completed_at or 0.0)
+        return video_object(job), where
 
     def usage(self) -> tuple[dict[str, int], int]:
         """(jobs held by status, bytes stored plus reserved), for the metrics."""
-        with self._lock:
-            self._expire_locked()
-            counts = {status.label: 0 for status in JobStatus}
-            for job in self._jobs.values():
-                counts[job.status.label] += 1
-            return counts, self._bytes_locked()
+        self._expire()
+        counts = {status.label: 0 for status in JobStatus}
+        held = 0
+        for job in self.backend.jobs():
+            counts[job.status.label] += 1
+            held += job.held_bytes
+        return counts, held
 
-    def unfinished(self) -> int:
-        with self._lock:
-            return sum(not j.status.is_finished for j in self._jobs.values())
+    # -- work: claims and leases ---------------------------------------------------------------
+    def claim(self, owner: str, lease_s: float) -> VideoJob | None:
+        """The next job for ``owner`` to run, with a fresh token, or None. Jobs whose
+        replicas died too often are failed on the way."""
+        while True:
+            token = secrets.token_hex(8)
 
-    # -- changes (each notifies the job's listeners) -------------------------------------------
-    def started(self, job_id: str, *, engine_id: str, seed: int) -> bool:
-        """The engine took the job (still queued until its first step). False if the job
-        was cancelled meanwhile: the caller aborts the engine's request."""
+            def take(job: VideoJob, token: str = token) -> bool:
+                job.attempts += 1
+                if job.attempts > MAX_ATTEMPTS:
+                    job.error = {"code": "job_interrupted", "message": (
+                        f"the replica running this job stopped {MAX_ATTEMPTS} times before "
+                        "it finished (killed, out of memory, or cut off from the job store "
+                        "for longer than the lease); see those replicas' logs")}
+                    self._finish(job, JobStatus.FAILED)
+                    return True
+                job.owner, job.token = owner, token
+                job.status, job.steps_done, job.eta_s = JobStatus.QUEUED, 0, None
+                return True
+
+            job = self.backend.claim(owner, lease_s, take)
+            if job is None:
+                return None
+            self._notify(job, just_finished=job.status.is_finished)
+            if not job.status.is_finished:
+                return job
+
+    def renew(self, job_id: str, token: str, lease_s: float) -> VideoJob | None:
+        """The job as it is now (None: deleted); its lease extended if still ``token``'s."""
+        return self.backend.renew(job_id, token, lease_s)
+
+    def started(self, job_id: str, token: str, *, seed: int) -> bool:
+        """The engine took the job (still queued until its first step). False: the job was
+        cancelled, deleted or re-claimed meanwhile - the caller aborts the engine request."""
         def take(job: VideoJob) -> bool:
-            if job.status.is_finished:
+            if job.status.is_finished or job.token != token:
                 return False
-            job.engine_id, job.seed = engine_id, seed
+            job.seed = seed
             return True
 
         return self._change(job_id, take)
 
-    def stepped(self, job_id: str, steps_done: int, eta_s: float | None = None) -> None:
+    def stepped(self, job_id: str, token: str, steps_done: int,
+                eta_s: float | None = None) -> bool:
         def move(job: VideoJob) -> bool:
-            if job.status.is_finished or steps_done <= job.steps_done:
+            if job.status.is_finished or job.token != token or steps_done <= job.steps_done:
                 return False
             if job.status is JobStatus.QUEUED:
                 job.status, job.started_at = JobStatus.IN_PROGRESS, self.clock()
             job.steps_done, job.eta_s = steps_done, eta_s
             return True
 
-        self._change(job_id, move)
+        return self._change(job_id, move)
 
     def complete(self, job_id: str, path: Path, size: int) -> bool:
-        """The MP4 is published. False if the job was cancelled or deleted meanwhile (the
-        caller removes the file: nobody will ask for it)."""
+        """The MP4 is published. The first result of any claim wins; False if the job was
+        finished (by another claim's result, a cancel) or deleted meanwhile."""
         def finish(job: VideoJob) -> bool:
             if job.status.is_finished:
                 return False
             job.path, job.size_bytes = path, size
-            self._finish_locked(job, JobStatus.COMPLETED)
+            self._finish(job, JobStatus.COMPLETED)
             return True
 
         return self._change(job_id, finish)
 
-    def fail(self, job_id: str, code: str, message: str) -> None:
+    def fail(self, job_id: str, code: str, message: str, *, token: str | None = None) -> bool:
+        """Fail an unfinished job; with ``token``, only while that claim is current."""
+        def finish(job: VideoJob) -> bool:
+            if job.status.is_finished or (token is not None and job.token != token):
+                return False
+            job.error = {"code": code, "message": message}
+            self._finish(job, JobStatus.FAILED)
+            return True
+
+        return self._change(job_id, finish)
+
+    def hand_back(self, job_id: str, token: str) -> bool:
+        """Put a claimed job back in the queue for any replica (this one stops, or its engine
+        could not take it); the claim does not count as an attempt."""
+        def release(job: VideoJob) -> bool:
+            if job.status.is_finished or job.token != token:
+                return False
+            job.owner = job.token = None
+            job.attempts = max(0, job.attempts - 1)
+            job.status, job.steps_done, job.eta_s, job.started_at = (
+                JobStatus.QUEUED, 0, None, None)
+            return True
+
+        return self._change(job_id, release)
+
+    # -- cancel and delete ---------------------------------------------------------------------
+    def cancel(self, job_id: str) -> str | None:
+        """Cancel an unfinished job: the owner running it (None if queued or unknown). The
+        job stays, cancelled (``failed`` with code ``cancelled``), until it expires."""
+        owners: list[str | None] = [None]
+
         def finish(job: VideoJob) -> bool:
             if job.status.is_finished:
                 return False
-            job.error = {"code": code, "message": message}
-            self._finish_locked(job, JobStatus.FAILED)
+            owners[0] = job.owner
+            job.error = {"code": "cancelled", "message": "the job was cancelled by a DELETE"}
+            self._finish(job, JobStatus.CANCELLED)
             return True
 
         self._change(job_id, finish)
-
-    def cancel(self, job_id: str) -> str | None:
-        """Cancel an unfinished job: the engine id to abort (None if it never reached the
-        engine). The job stays, cancelled (``failed`` with code ``cancelled`` in the API),
-        until it expires."""
-        return self._cancel(job_id)[1]
-
-    def _cancel(self, job_id: str) -> tuple[bool, str | None]:
-        engine_ids: list[str | None] = [None]
-
-        def finish(job: VideoJob) -> bool:
-            if job.status.is_finished:
-                return False
-            engine_ids[0] = job.engine_id
-            job.error = {"code": "cancelled", "message": "the job was cancelled by a DELETE"}
-            self._finish_locked(job, JobStatus.CANCELLED)
-            return True
-
-        return self._change(job_id, finish), engine_ids[0]
+        return owners[0]
 
     def delete(self, job_id: str) -> tuple[bool, str | None]:
-        """DELETE: (whether the job existed, the engine id to abort). The job is gone at once:
-        an unfinished one is cancelled first (its followers get its final, cancelled object;
-        an MP4 still being encoded is dropped when it arrives), a finished one is removed
-        with its file."""
-        cancelled, engine_id = self._cancel(job_id)
-        with self._lock:
-            self._expire_locked()
-            job = self._jobs.pop(job_id, None)
+        """DELETE: (whether the job existed, the owner that was running it). The job is gone
+        at once: an unfinished one is cancelled first (its followers get its final, cancelled
+        object; its replica aborts it at its next lease renewal, or at once if it is this
+        one), a finished one is removed with its file."""
+        owner = self.cancel(job_id)
+        job = self.backend.remove(job_id)
         if job is None:
             return False, None
-        self.files.remove(job.path)
-        return True, engine_id if cancelled else None
+        self._remove_file(job)
+        return True, owner
 
     def subscribe(self, job_id: str, listener: Listener) -> dict[str, Any] | None:
-        """Call ``listener`` with the job's object after every change; returns the current
-        object (None: unknown id, nothing subscribed)."""
+        """Call ``listener`` with the job's object after each change this process makes;
+        returns the current object (None: unknown id, nothing subscribed)."""
         with self._lock:
-            self._expire_locked()
-            job = self._jobs.get(job_id)
-            if job is None:
-                return None
-            job.listeners.append(listener)
-            return video_object(job)
+            self._listeners.setdefault(job_id, []).append(listener)
+        current = self.get(job_id)
+        if current is None:
+            self.unsubscribe(job_id, listener)
+        return current
 
     def unsubscribe(self, job_id: str, listener: Listener) -> None:
         with self._lock:
-            job = self._jobs.get(job_id)
-            if job is not None and listener in job.listeners:
-                job.listeners.remove(listener)
+            listeners = self._listeners.get(job_id, [])
+            if listener in listeners:
+                listeners.remove(listener)
+            if not listeners:
+                self._listeners.pop(job_id, None)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.files.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _change(self, job_id: str, apply: Callable[[VideoJob], bool | None]) -> bool:
-        with self._lock:
-            job = self._jobs.get(job_id)
-            was_finished = job is not None and job.status.is_finished
-            if job is None or apply(job) is False:
+    def _change(self, job_id: str, apply: Callable[[VideoJob], bool]) -> bool:
+        finished = [False]
+
+        def change(job: VideoJob) -> bool:
+            was = job.status.is_finished
+            if apply(job) is False:
                 return False
-            # The engine thread changes every running job each step: build the API object
-            # only when someone follows the job.
-            listeners = list(job.listeners)
-            snapshot = video_object(job) if listeners else None
-            finished = job.status.is_finished and not was_finished
-            if finished:
-                job.listeners.clear()  # a finished job changes no more
-        for listener in listeners:
-            listener(snapshot)
-        if finished and self.observer is not None:
-            seconds = job.spec.duration_s if job.status is JobStatus.COMPLETED else 0.0
-            self.observer.on_job_finished(job.status.label, seconds)
+            finished[0] = job.status.is_finished and not was
+            return True
+
+        job = self.backend.update(job_id, change)
+        if job is None:
+            return False
+        self._notify(job, just_finished=finished[0])
         return True
 
-    def _finish_locked(self, job: VideoJob, status: JobStatus) -> None:
+    def _notify(self, job: VideoJob, *, just_finished: bool) -> None:
+        with self._lock:
+            listeners = list(self._listeners.get(job.id, ()))
+        if listeners:
+            # The engine thread changes every running job each step: build the API object
+            # only when someone follows the job.
+            snapshot = video_object(job)
+            for listener in listeners:
+                listener(snapshot)
+        if just_finished and self.observer is not None:
+            seconds = job.spec.duration_s if job.status is JobStatus.COMPLETED else 0.0
+            self.observer.on_job_finished(job.status.label, seconds)
+
+    def _finish(self, job: VideoJob, status: JobStatus) -> None:
         job.status = status
         job.completed_at = self.clock()
         job.expires_at = job.completed_at + self.limits.ttl_s
         job.reserved_bytes = 0
-        job.engine_id = None
+        job.owner = job.token = None
 
-    def _expire_locked(self) -> None:
+    def _sweep(self) -> None:
         now = self.clock()
-        expired = [i for i, j in self._jobs.items()
-                   if j.expires_at is not None and j.expires_at <= now]
-        for job_id in expired:
-            self.files.remove(self._jobs.pop(job_id).path)
+        if self._swept is None or not 0 <= now - self._swept < SWEEP_S:
+            self._expire()
+
+    def _expire(self) -> None:
+        self._swept = self.clock()
+        for job_id in self.backend.expired(self.clock()):
+            job = self.backend.remove(job_id)
+            if job is not None:
+                self._remove_file(job)
+
+    def _remove_file(self, job: VideoJob) -> None:
+        if job.path is not None:
+            self.files.remove(self.files.path_of(job.id))

@@ -7,6 +7,12 @@ unfinished job (its batch slot frees at the next step) or removes a finished one
 file; GET /v1/videos lists jobs (``limit``, ``after``, ``order``). Jobs do not depend on
 connections: a client that hangs up leaves its job running.
 
+Every route answers for every job of the job store, whichever replica created or runs it
+(with a shared store, a follower of the events hears this replica's changes at once and
+other replicas' by polling the store every ``EVENT_POLL_S``). Store calls run in worker
+threads (a remote store must never block the event loop); an unreachable store is a 503
+``job_store_unavailable`` with Retry-After (app.py).
+
 An image replica answers these routes with 400 (one model per replica), and its OpenAPI
 document leaves them out.
 """
@@ -28,9 +34,9 @@ from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
 from ditserve.engine.server.edge import is_head
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
+from ditserve.engine.server.jobs.errors import NeverFits, StoreFull, StoreUnavailable
 from ditserve.engine.server.jobs.model import API_FINISHED, JOB_ID_PATTERN, deleted_object
 from ditserve.engine.server.jobs.service import VideoJobs
-from ditserve.engine.server.jobs.store import NeverFits, StoreFull
 from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
@@ -52,6 +58,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)], tags=["videos"])
 DEFAULT_PAGE, MAX_PAGE = 20, 100
 CHUNK_BYTES = 1 << 20
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
+EVENT_POLL_S = 0.25  # how often a follower reads the store for other replicas' changes
 MP4 = "video/mp4"
 
 
@@ -75,8 +82,8 @@ def _videos(request: Request) -> tuple[ServerState, VideoJobs]:
 
 
 def _not_found(video_id: str) -> APIError:
-    return APIError(404, f"no video {shown(video_id)}: it never existed, was deleted, expired, "
-                         "or was made before this server restarted", param="video_id",
+    return APIError(404, f"no video {shown(video_id)}: it never existed, was deleted or "
+                         "expired", param="video_id",
                     code="video_not_found", reason="not_found")
 
 
@@ -94,7 +101,7 @@ async def create_video(request: Request) -> JSONResponse:
                                images=images)
     check_admitting(state)
     try:
-        job = videos.create(spec, request_id=request_id_of(request))
+        job = await asyncio.to_thread(videos.create, spec, request_id=request_id_of(request))
     except NeverFits as e:
         raise invalid("size", str(e), code="exceeds_store") from e
     except StoreFull as e:
@@ -138,7 +145,8 @@ def _query(request: Request) -> tuple[int, str | None, str]:
 async def list_videos(request: Request) -> dict[str, Any]:
     _, videos = _videos(request)
     limit, after, order = _query(request)
-    data, more = videos.store.page(limit=limit, after=after, order=order)
+    data, more = await asyncio.to_thread(videos.store.page, limit=limit, after=after,
+                                         order=order)
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 
@@ -147,7 +155,7 @@ async def list_videos(request: Request) -> dict[str, Any]:
             responses=video_openapi.video_answers())
 async def retrieve_video(video_id: str, request: Request) -> dict[str, Any]:
     _, videos = _videos(request)
-    job = videos.store.get(video_id)
+    job = await asyncio.to_thread(videos.store.get, video_id)
     if job is None:
         raise _not_found(video_id)
     return job
@@ -158,7 +166,7 @@ async def retrieve_video(video_id: str, request: Request) -> dict[str, Any]:
                responses=video_openapi.video_answers("VideoDeleted"))
 async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
     _, videos = _videos(request)
-    if not videos.delete(video_id):
+    if not await asyncio.to_thread(videos.delete, video_id):
         raise _not_found(video_id)
     return deleted_object(video_id)
 
@@ -183,7 +191,7 @@ async def video_content(video_id: str, request: Request) -> Response:
     if variant != "video":
         raise invalid("variant", f"variant: only 'video' (the MP4) is available, got "
                                  f"{shown(variant)}")
-    found = videos.store.content(video_id)
+    found = await asyncio.to_thread(videos.store.content, video_id)
     if found is None:
         raise _not_found(video_id)
     job, where = found
@@ -239,12 +247,12 @@ async def video_events(video_id: str, request: Request) -> Response:
     _, videos = _videos(request)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if is_head(request):  # the stream's headers, at once: a HEAD never waits for the job
-        if videos.store.get(video_id) is None:
+        if await asyncio.to_thread(videos.store.get, video_id) is None:
             raise _not_found(video_id)
         return Response(media_type="text/event-stream", headers=headers)
     # Job changes arrive from whichever thread made them (the engine's, a DELETE's).
     bridge = EventBridge(asyncio.get_running_loop())
-    current = videos.store.subscribe(video_id, bridge.push)
+    current = await asyncio.to_thread(videos.store.subscribe, video_id, bridge.push)
     if current is None:
         raise _not_found(video_id)
     return StreamingResponse(_events(videos, video_id, bridge, current),
@@ -254,18 +262,36 @@ async def video_events(video_id: str, request: Request) -> Response:
 async def _events(videos: VideoJobs, video_id: str, bridge: EventBridge,
                   current: dict[str, Any]) -> AsyncIterator[bytes]:
     """``event: video.<status>`` messages, data ``{"type": ..., "video": job}``, until the
-    job finishes; a keep-alive comment when nothing changed for KEEPALIVE_S."""
+    job finishes; a keep-alive comment when nothing changed for KEEPALIVE_S. This process's
+    changes arrive through ``bridge``; others' are read from the store every EVENT_POLL_S."""
     try:
-        job = current
+        job: dict[str, Any] = current
+        sent: dict[str, Any] | None = None
+        quiet = 0.0
         while True:
-            yield sse(f"video.{job['status']}", {"video": job})
-            if job["status"] in API_FINISHED:
-                return
-            while True:
-                try:
-                    job = await asyncio.wait_for(bridge.queue.get(), KEEPALIVE_S)
-                    break
-                except TimeoutError:
-                    yield b": keep-alive\n\n"
+            if job != sent:
+                yield sse(f"video.{job['status']}", {"video": job})
+                sent, quiet = job, 0.0
+                if job["status"] in API_FINISHED:
+                    return
+            try:
+                job = await asyncio.wait_for(bridge.queue.get(), EVENT_POLL_S)
+                continue
+            except TimeoutError:
+                quiet += EVENT_POLL_S
+            try:
+                fresh = await asyncio.to_thread(videos.store.get, video_id)
+            except StoreUnavailable:
+                fresh = job  # the store is down: nothing new to say yet
+            job = fresh if fresh is not None else _deleted_elsewhere(job)
+            if job == sent and quiet >= KEEPALIVE_S:
+                quiet = 0.0
+                yield b": keep-alive\n\n"
     finally:
         videos.store.unsubscribe(video_id, bridge.push)
+
+
+def _deleted_elsewhere(job: dict[str, Any]) -> dict[str, Any]:
+    """The last word on a job another replica deleted while this one streamed it."""
+    return {**job, "status": "failed", "error": {
+        "code": "cancelled", "message": "the job was cancelled by a DELETE"}}

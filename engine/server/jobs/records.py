@@ -1,0 +1,68 @@
+"""A video job as the JSON text a job backend keeps (``encode_job`` / ``decode_job``).
+
+Every replica must read every job - its request included, since the replica that claims a
+job runs it from this record alone - so the whole ``VideoJob`` round-trips: the sampling
+parameters (conditioning images as zlib-compressed, base64 RGB bytes; LoRA references as
+their names, files and scales, which every replica of a deployment resolves alike), the
+status, the lease and the result. Called by the SQLite and Redis backends only.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+from ditserve.engine.condition_image import ConditionImage
+from ditserve.engine.config.step_cache import StepCacheSpec
+from ditserve.engine.request import LoraRef, SamplingParams
+from ditserve.engine.server.jobs.model import JobStatus, VideoJob, VideoSpec
+
+SCHEMA = 1  # bumped when a record's fields change meaning; older records are refused
+
+
+def encode_job(job: VideoJob) -> str:
+    fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
+    fields.update(
+        status=job.status.name, path=str(job.path) if job.path is not None else None,
+        spec={"fps": job.spec.fps, "model": job.spec.model,
+              "params": _encode_params(job.spec.params)})
+    return json.dumps({"schema": SCHEMA, **fields}, separators=(",", ":"))
+
+
+def decode_job(text: str | bytes) -> VideoJob:
+    data: dict[str, Any] = json.loads(text)
+    if data.pop("schema", None) != SCHEMA:
+        raise ValueError("a job record of another ditserve version (record schema "
+                         f"{data.get('schema')!r}, this server reads {SCHEMA})")
+    spec = data.pop("spec")
+    data["spec"] = VideoSpec(params=_decode_params(spec["params"]), fps=spec["fps"],
+                             model=spec["model"])
+    data["status"] = JobStatus[data["status"]]
+    data["path"] = Path(data["path"]) if data["path"] is not None else None
+    return VideoJob(**data)
+
+
+def _encode_params(params: SamplingParams) -> dict[str, Any]:
+    out = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    out["images"] = [{"width": i.width, "height": i.height,
+                      "rgb": base64.b64encode(zlib.compress(i.rgb, 1)).decode("ascii")}
+                     for i in params.images]
+    out["loras"] = [dataclasses.asdict(lora) for lora in params.loras]
+    out["step_cache"] = (dataclasses.asdict(params.step_cache)
+                         if params.step_cache is not None else None)
+    return out
+
+
+def _decode_params(data: dict[str, Any]) -> SamplingParams:
+    values = dict(data)
+    values["images"] = tuple(
+        ConditionImage(i["width"], i["height"], zlib.decompress(base64.b64decode(i["rgb"])))
+        for i in data["images"])
+    values["loras"] = tuple(LoraRef(**lora) for lora in data["loras"])
+    cache = data["step_cache"]
+    values["step_cache"] = StepCacheSpec(**cache) if cache is not None else None
+    return SamplingParams(**values)
