@@ -81,9 +81,10 @@ class PulledModel:
                 "bytes": self.total_bytes, "downloaded": self.downloaded}
 
 
-def manifest_doc(key: str, identity: dict[str, Any], files: list[PulledFile]) -> dict[str, Any]:
+def manifest_doc(key: str, identity: dict[str, Any], files: list[PulledFile],
+                 uri: str) -> dict[str, Any]:
     doc: dict[str, Any] = {
-        "schema": SCHEMA, "kind": "model", "key": key, "identity": identity,
+        "schema": SCHEMA, "kind": "model", "key": key, "identity": identity, "uri": uri,
         "files": [f.to_json() for f in sorted(files, key=lambda f: f.name)],
         "total_bytes": sum(f.size for f in files),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -119,7 +120,7 @@ def hash_files(paths: dict[str, Path], *, threads: int | None = None) -> dict[st
 
 
 def publish_partial(layout: Layout, key: str, identity: dict[str, Any],
-                    files: list[PulledFile]) -> Path:
+                    files: list[PulledFile], uri: str) -> Path:
     """Make ``.partial/<key>/`` the published entry: write its manifest, make it read-only,
     fsync everything, rename it into ``v1/models`` and fsync that. Caller holds the key's
     build lock and has checked every file."""
@@ -134,7 +135,7 @@ def publish_partial(layout: Layout, key: str, identity: dict[str, Any],
         finally:
             os.close(fd)
     manifest = partial / MANIFEST
-    manifest.write_text(json.dumps(manifest_doc(key, identity, files), indent=1, sort_keys=True))
+    manifest.write_text(json.dumps(manifest_doc(key, identity, files, uri), indent=1, sort_keys=True))
     os.chmod(manifest, 0o444)
     with open(manifest, "rb") as f:
         os.fsync(f.fileno())
@@ -220,6 +221,27 @@ def find_published(layout: Layout, key: str, uri: str) -> PulledModel | None:
     doc = read_manifest(entry)
     return PulledModel(key, entry, uri, doc["identity"].get("revision"), doc["total_bytes"],
                        downloaded=False)
+
+
+@dataclass(frozen=True)
+class PulledInfo:
+    """One pulled entry on disk, for listings and the node status (structure not checked)."""
+
+    key: str
+    uri: str
+    bytes: int
+    problem: str | None = None
+
+
+def list_models(layout: Layout) -> list[PulledInfo]:
+    infos = []
+    for key in model_keys(layout):
+        try:
+            doc = json.loads((layout.model(key) / MANIFEST).read_text())
+            infos.append(PulledInfo(key, str(doc["uri"]), int(doc["total_bytes"])))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            infos.append(PulledInfo(key, "", 0, f"manifest unreadable: {e}"))
+    return infos
 
 
 def model_keys(layout: Layout) -> Iterable[str]:

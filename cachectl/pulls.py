@@ -179,7 +179,7 @@ def pull(root: Path, request: PullRequest, *,
             for aside in (".cache", ".incomplete"):
                 shutil.rmtree(model_dir / aside, ignore_errors=True)
             phase("publishing")
-            path = publish_partial(layout, key, snapshot.identity, files)
+            path = publish_partial(layout, key, snapshot.identity, files, snapshot.uri)
         except OSError as e:
             if e.errno in _SPACE_ERRNOS:
                 st = os.statvfs(layout.root)

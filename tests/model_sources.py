@@ -33,6 +33,17 @@ from typing import Any
 LFS_MIN_BYTES = 1024  # files at least this big are "LFS" files (SHA-256 digests)
 
 
+def weights(size: int, seed: int = 0) -> bytes:
+    return hashlib.shake_256(f"weights-{seed}".encode()).digest(size)
+
+
+# A small diffusers-shaped repository: two configs (git blobs) and two "LFS" weight files.
+FILES = {"model_index.json": b'{"_class_name": "FluxPipeline"}',
+         "transformer/config.json": b'{"num_layers": 2}',
+         "transformer/diffusion_pytorch_model.safetensors": weights(300_000),
+         "vae/diffusion_pytorch_model.safetensors": weights(50_000, 1)}
+
+
 def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
 

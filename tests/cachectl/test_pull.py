@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from model_sources import HubFixture, Repo, moto_s3
+from model_sources import FILES, HubFixture, Repo, moto_s3
 
 from ditserve.cachectl import pulls
 from ditserve.cachectl.errors import (
@@ -31,16 +31,6 @@ from ditserve.cachectl.model_uri import parse_model_uri
 from ditserve.cachectl.pulled import check_model_entry
 from ditserve.cachectl.pulls import PullRequest, pull
 from ditserve.cachectl.sources import Credentials
-
-
-def _weights(size: int, seed: int = 0) -> bytes:
-    return hashlib.shake_256(f"weights-{seed}".encode()).digest(size)
-
-
-FILES = {"model_index.json": b'{"_class_name": "FluxPipeline"}',
-         "transformer/config.json": b'{"num_layers": 2}',
-         "transformer/diffusion_pytorch_model.safetensors": _weights(300_000),
-         "vae/diffusion_pytorch_model.safetensors": _weights(50_000, 1)}
 
 
 @pytest.fixture
