@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ditserve.cachectl.errors import UsageError
+from ditserve.cachectl.model_uri import parse_model_uri
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
     HBM_BUDGET_AUTO,
@@ -44,11 +46,17 @@ RENDEZVOUS_PORT = 29500  # MASTER_PORT of every engine pod's process group
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A local diffusers directory: on the node (host_path) or in a PVC (claim_name + sub_path)."""
+    """A diffusers model: on the node (host_path), in a PVC (claim_name + sub_path), or pulled
+    into the node cache from ``uri`` (hf:// or s3://; ``credentials_secret`` names the Secret
+    whose keys become the pull's environment; ``endpoint`` / ``region`` the source's)."""
 
     host_path: str | None = None
     claim_name: str | None = None
     sub_path: str = ""
+    uri: str | None = None
+    credentials_secret: str | None = None
+    endpoint: str | None = None
+    region: str | None = None
     family: str = "Auto"
     dtype: str = "bfloat16"
     size_gib: float | None = None
@@ -199,7 +207,8 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     problems: list[str] = []
     root = SpecReader(data, "spec", problems)
     if root.data.get("model") is None:
-        problems.append("spec.model is required: set model.hostPath or model.persistentVolumeClaim")
+        problems.append("spec.model is required: set model.hostPath, model.persistentVolumeClaim "
+                        "or model.uri")
     p, o, b, co = (root.child("parallelism"), root.child("offload"), root.child("batching"),
                    root.child("compile"))
     c, r, pdb = root.child("cache"), root.child("rollout"), root.child("podDisruptionBudget")
@@ -256,6 +265,10 @@ def _read_model(m: SpecReader) -> ModelSpec:
         host_path=m.text("hostPath"),
         claim_name=pvc.text("claimName"),
         sub_path=pvc.text("subPath", "") or "",
+        uri=m.text("uri") or None,
+        credentials_secret=m.child("credentialsSecret").text("name") or None,
+        endpoint=m.text("endpoint") or None,
+        region=m.text("region") or None,
         family=m.text("family", "Auto", FAMILIES),
         dtype=m.text("dtype", "bfloat16", DTYPES),
         size_gib=m.number("sizeGiB", None), encoder_size_gib=m.number("encoderSizeGiB", 0.0),
@@ -303,16 +316,40 @@ def _read_scheduling(s: SpecReader) -> SchedulingSpec:
     )
 
 
+def _uri_problems(spec: DeploymentSpec) -> list[str]:
+    """model.uri: a source ``cachectl pull`` accepts (its own parser), pulled into the node
+    cache (so the cache must be on)."""
+    m = spec.model
+    if m.uri is None:
+        extra = [name for name, v in (("credentialsSecret", m.credentials_secret),
+                                      ("endpoint", m.endpoint), ("region", m.region)) if v]
+        return [f"model.{n} only applies with model.uri" for n in extra]
+    out = []
+    try:
+        parse_model_uri(m.uri)
+    except UsageError as e:
+        out.append(f"model.uri: {e}")
+    if not spec.cache.enabled:
+        out.append("model.uri needs cache.mode NodeLocal (the model is pulled into the node cache)")
+    if m.region and not m.uri.startswith("s3://"):
+        out.append("model.region only applies to an s3:// model.uri")
+    if m.endpoint and not m.endpoint.startswith(("http://", "https://")):
+        out.append(f"model.endpoint must be an http(s) URL, got {m.endpoint!r}")
+    return out
+
+
 def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
     """The CRD's CEL rules again: the operator cannot render without them (and an old CRD
     or a server without CEL may let such a spec through)."""
     out = []
-    if (spec.model.host_path is None) == (spec.model.claim_name is None):
-        out.append("set exactly one of model.hostPath or model.persistentVolumeClaim")
+    sources = [spec.model.host_path, spec.model.claim_name, spec.model.uri]
+    if sum(s is not None for s in sources) != 1:
+        out.append("set exactly one of model.hostPath, model.persistentVolumeClaim or model.uri")
     elif spec.model.host_path is not None and not spec.model.host_path.startswith("/"):
         out.append(f"model.hostPath must be an absolute path, got {spec.model.host_path!r}")
     if ".." in spec.model.sub_path.split("/") or spec.model.sub_path.startswith("/"):
         out.append("model.persistentVolumeClaim.subPath must be relative and must not contain '..'")
+    out.extend(_uri_problems(spec))
     if spec.offload.enabled and spec.model.size_gib is None:
         out.append("offload.enabled needs model.sizeGiB (the operator sizes host memory from it)")
     if spec.offload.runtime_cache and not spec.cache.enabled:
