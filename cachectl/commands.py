@@ -232,9 +232,8 @@ def _model_status(problems: list[Problem]) -> str:
 
 
 def cmd_verify(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
-    from ditserve.cachectl.store import CacheStore
-
     from ditserve.cachectl.pull_command import verify_models
+    from ditserve.cachectl.store import CacheStore
 
     store = CacheStore(root, create=False, threads=args.threads)
     models = verify_models(root, args.keys or None)  # pulled models (cachectl pull)

@@ -16,6 +16,7 @@ library downloads. Called by the CLI (``cachectl pull``) and the daemon's pull j
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -62,10 +63,8 @@ def _bytes_under(path: Path) -> int:
     total = 0
     for dirpath, _dirs, names in os.walk(path):
         for name in names:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # renamed into place meanwhile
                 total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:  # renamed into place meanwhile
-                pass
     return total
 
 

@@ -49,6 +49,7 @@ from ditserve.engine.loop.results import (
 from ditserve.engine.loop.startup import WarmUp, open_executor
 from ditserve.engine.loop.step_loop import StepLoops
 from ditserve.engine.request import ModelLimits, SamplingParams
+from ditserve.engine.runner.start_phases import StartTimeline
 from ditserve.engine.scheduler import StepScheduler
 from ditserve.engine.step_cache.spec import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.weights.loader import model_family
@@ -79,6 +80,8 @@ class DiffusionEngine:
     ) -> None:
         self.config = validate(config)
         self.warmup = warmup or WarmUp()
+        # Where the start goes (process start to READY), for the log and /metrics.
+        self.start_timeline = StartTimeline()
         self.executor: Executor | None = None
         self.model_dir: Path | None = None
         self._delivery = Delivery(observers)
@@ -123,7 +126,8 @@ class DiffusionEngine:
         try:
             executor, self.model_dir = open_executor(
                 self.config, self.warmup,
-                on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING))
+                on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING),
+                timeline=self.start_timeline)
             adapters = self.config.adapters
             self.adapters = AdapterCatalog(adapters, inspect=rank_inspector(
                 self.model_dir, max_rank=adapters.max_lora_rank))
@@ -144,6 +148,8 @@ class DiffusionEngine:
                 for thread in self._threads:
                     thread.start()
                 self._lifecycle.move(EnginePhase.READY)  # refused if a drain began meanwhile
+                if self.phase is EnginePhase.READY:
+                    self.start_timeline.ready()
         if stopped_meanwhile:
             executor.shutdown()
         return self
@@ -211,6 +217,10 @@ class DiffusionEngine:
         if self.executor is None:
             return None
         return dict(self.executor.runner.pipeline_report())
+
+    def start_report(self) -> dict[str, Any]:
+        """Seconds per start phase and process start to READY (None until ready)."""
+        return self.start_timeline.report()
 
     def offload_report(self, *, refresh: bool = False) -> dict[str, Any] | None:
         """Rank 0's offload report, with every rank's under ``ranks`` when there are several.

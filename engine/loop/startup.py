@@ -19,6 +19,7 @@ from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
 from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
+from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.scheduler import StepScheduler
 from ditserve.engine.work import ResolvedScheduling
 
@@ -50,23 +51,28 @@ def resolve_model(config: EngineConfig) -> Path:
     return model_dir
 
 
-def make_executor(config: EngineConfig, *, model_dir: Path) -> Executor:
+def make_executor(config: EngineConfig, *, model_dir: Path,
+                  timeline: StartTimeline | None = None) -> Executor:
     """One in-process runner, or rank 0 of a multi-process replica (``world_size`` > 1)."""
     if config.parallel.world_size > 1:
         from ditserve.engine.distributed.executor import MultiProcessExecutor
 
-        return MultiProcessExecutor(config, model_dir=model_dir)
-    return LocalExecutor(config, model_dir=model_dir)
+        # The ranks load in their own processes: here it is one phase, all ranks' load.
+        with timed(timeline, "load"):
+            return MultiProcessExecutor(config, model_dir=model_dir)
+    return LocalExecutor(config, model_dir=model_dir, timeline=timeline)
 
 
 def open_executor(
-    config: EngineConfig, warmup: WarmUp, *, on_compiling: Callable[[], object]
+    config: EngineConfig, warmup: WarmUp, *, on_compiling: Callable[[], object],
+    timeline: StartTimeline | None = None,
 ) -> tuple[Executor, Path]:
-    """Load the model on every rank and warm it up; returns the executor and model directory."""
+    """Load the model on every rank and warm it up; returns the executor and model directory.
+    ``timeline`` records the start phases (see ``runner.start_phases``)."""
     model_dir = resolve_model(config)
-    executor = make_executor(config, model_dir=model_dir)
+    executor = make_executor(config, model_dir=model_dir, timeline=timeline)
     try:
-        warm_up(executor, config, warmup, on_compiling=on_compiling)
+        warm_up(executor, config, warmup, on_compiling=on_compiling, timeline=timeline)
     except BaseException:
         executor.shutdown()
         raise
@@ -75,10 +81,11 @@ def open_executor(
 
 def warm_up(
     executor: Executor, config: EngineConfig, warmup: WarmUp, *,
-    on_compiling: Callable[[], object],
+    on_compiling: Callable[[], object], timeline: StartTimeline | None = None,
 ) -> None:
     multiple = int(executor.runner.pixel_multiple)
-    _warm_step(executor, config, multiple * 2, multiple * 2, requests=1)
+    with timed(timeline, "warm_up"):
+        _warm_step(executor, config, multiple * 2, multiple * 2, requests=1)
     size = warmup.compile_size
     if config.compile is None or size is None:
         return
@@ -90,9 +97,10 @@ def warm_up(
     log.info("--compile: compiling the DiT blocks for %dx%d before ready (can take minutes)",
              width, height)
     on_compiling()
-    _warm_step(executor, config, height, width, requests=1)
-    if config.scheduler.max_num_seqs > 1:
-        _warm_step(executor, config, height, width, requests=2)
+    with timed(timeline, "compile"):
+        _warm_step(executor, config, height, width, requests=1)
+        if config.scheduler.max_num_seqs > 1:
+            _warm_step(executor, config, height, width, requests=2)
 
 
 def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int, *,

@@ -20,6 +20,7 @@ from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.runner.budget_plan import GIB, BudgetInputs, BudgetPlan, plan_budget
+from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.weights.load import LoadedWeights
 
 if TYPE_CHECKING:
@@ -40,11 +41,15 @@ class Assembled:
 
 
 def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.device,
-             sequence: Any = None, weight_group: Any = None) -> Assembled:
+             sequence: Any = None, weight_group: Any = None,
+             timeline: StartTimeline | None = None) -> Assembled:
     """Wrap the loaded components in the module docstring's order. ``sequence``: this
-    process's SP group (None: no SP); ``weight_group``: the group DLO shards weights over."""
+    process's SP group (None: no SP); ``weight_group``: the group DLO shards weights over;
+    ``timeline``: where the start phases ``place`` and ``pin_register`` are recorded."""
     offload = config.offload.enabled
-    pipeline = build_pipeline(loaded.components, device=device, move_transformer=not offload)
+    with timed(timeline, "place"):
+        pipeline = build_pipeline(loaded.components, device=device,
+                                  move_transformer=not offload)
     if sequence is not None:
         from ditserve.engine.parallel import shard_pipeline
 
@@ -71,9 +76,10 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
             # the offload spends only the DiT's share on resident blocks.
             offload_config = replace(offload_config, hbm_budget_gib=budget.dit_budget / GIB)
             kwargs["activation_reserve_bytes"] = 0
-        handle = enable_offload(pipeline.transformer, offload_config, device=device,
-                                host_plan=loaded.host_plan, block_lists=pipeline.block_lists,
-                                **kwargs)
+        with timed(timeline, "pin_register"):
+            handle = enable_offload(pipeline.transformer, offload_config, device=device,
+                                    host_plan=loaded.host_plan,
+                                    block_lists=pipeline.block_lists, **kwargs)
     bank.preload(adapters, config.adapters)
     if config.compile is not None:
         from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
