@@ -9,6 +9,8 @@ Owns ``DaemonConfig``, the FastAPI app and socket setup. Endpoints:
     POST /v1/pull              {uri, credentials, workers, wait_s} -> 200 ready / 202 downloading /
                                400 bad URI / 404 not found / 403 unauthorized / 409 corrupt /
                                507 disk full / 502 other source failures (``reason`` says which)
+    PUT  /v1/compile/{key}     an engine's compiled artifacts (torch's mega-cache, raw bytes),
+                               published atomically as v1/compile/<key>.bin -> 200 / 400 / 413
     GET  /v1/entries/{key}     status of one entry (structure checked, not re-hashed)
     GET  /metrics              Prometheus text (also on --metrics-port, bound to --metrics-host:
                                $POD_IP or the loopback, never every address by default)
@@ -34,12 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 from pydantic import BaseModel, Field
 
 from ditserve.cachectl.builds import BuildCoordinator, JobStatus
+from ditserve.cachectl.compiled import publish_compiled
 from ditserve.cachectl.errors import CacheError, UsageError
 from ditserve.cachectl.identity import Placement, is_key
 from ditserve.cachectl.logs import event
@@ -101,6 +104,9 @@ class PullBody(BaseModel):
     credentials: dict[str, str] = Field(default_factory=dict)
     workers: int = Field(8, ge=1, le=64)
     wait_s: float = Field(0.0, ge=0, le=3600, description="long-poll up to this many seconds")
+
+
+MAX_COMPILE_ARTIFACT_BYTES = 4 << 30
 
 
 _PULL_FAILURE_CODE = {"NotFound": 404, "Unauthorized": 403, "corrupt": 409, "DiskFull": 507,
@@ -198,6 +204,19 @@ def create_app(daemon: Daemon) -> FastAPI:
         if job.status is PullStatus.DOWNLOADING:
             return JSONResponse(snap, 202)
         return JSONResponse(snap, _PULL_FAILURE_CODE.get(job.reason or "", 500))
+
+    @app.put("/v1/compile/{key}")
+    async def compile_artifacts(key: str, request: Request) -> JSONResponse:
+        # Engine pods mount the cache read-only; the daemon publishes what they compiled.
+        if not is_key(key):
+            return JSONResponse({"error": "not a compile key (64 lowercase hex digits)"}, 400)
+        data = await request.body()
+        if not data or len(data) > MAX_COMPILE_ARTIFACT_BYTES:
+            return JSONResponse({"error": f"expected 1 to {MAX_COMPILE_ARTIFACT_BYTES} bytes"},
+                                413)
+        path = await asyncio.to_thread(publish_compiled, daemon.store.root, key, data)
+        event(daemon.logger, "compile_artifacts_saved", key=key, bytes=len(data))
+        return JSONResponse({"status": "ready", "path": str(path), "bytes": len(data)}, 200)
 
     @app.get("/v1/entries/{key}")
     def entry(key: str) -> JSONResponse:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import DitServeError
@@ -22,6 +23,9 @@ from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
 from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.scheduler import StepScheduler
 from ditserve.engine.work import ResolvedScheduling
+
+if TYPE_CHECKING:
+    from ditserve.engine.runner.compile_cache import CompileKey
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +76,63 @@ def open_executor(
     model_dir = resolve_model(config)
     executor = make_executor(config, model_dir=model_dir, timeline=timeline)
     try:
+        shared = _shared_compiles(executor, config, warmup, model_dir)
+        loaded = shared is not None and shared.load()
         warm_up(executor, config, warmup, on_compiling=on_compiling, timeline=timeline)
+        if shared is not None and not loaded:
+            shared.save()
     except BaseException:
         executor.shutdown()
         raise
     return executor, model_dir
+
+
+@dataclass(frozen=True)
+class _SharedCompiles:
+    """The node cache's compiled artifacts for this replica (``runner.compile_cache``)."""
+
+    root: Path
+    key: CompileKey
+
+    def load(self) -> bool:
+        from ditserve.engine.runner import compile_cache
+
+        return compile_cache.load(self.root, self.key)
+
+    def save(self) -> bool:
+        from ditserve.cachectl.layout import default_socket
+        from ditserve.engine.runner import compile_cache
+
+        return compile_cache.save(self.root, self.key, socket_path=default_socket(self.root))
+
+
+def _shared_compiles(executor: Executor, config: EngineConfig, warmup: WarmUp,
+                     model_dir: Path) -> _SharedCompiles | None:
+    """With --compile on a single-process replica where a node cache exists: the key of
+    the warm-up's compiles (loaded before them, saved after them when they were new)."""
+    if config.compile is None or config.parallel.world_size > 1:
+        return None
+    from ditserve.cachectl.layout import default_root
+    from ditserve.engine.runner import compile_cache
+
+    root = Path(config.offload.cache_root or default_root())
+    if not (root / "v1").is_dir():  # no node cache here: nowhere to share compiles
+        return None
+    runner = executor.runner
+    small = int(runner.pixel_multiple) * 2
+    shapes = [(small, small, 1)]
+    if warmup.compile_size is not None:
+        height, width = warmup.compile_size
+        shapes.append((height, width, 1))
+        if config.scheduler.max_num_seqs > 1:
+            shapes.append((height, width, 2))
+    key = compile_cache.CompileKey(
+        model=compile_cache.model_fingerprint(model_dir), shapes=tuple(shapes),
+        backend=config.compile, dtype=str(config.dtype), offload=config.offload.enabled,
+        sp_size=config.parallel.sequence_parallel_size,
+        torch_version=compile_cache.torch_version(),
+        device=compile_cache.device_name(runner.device))
+    return _SharedCompiles(root, key)
 
 
 def warm_up(

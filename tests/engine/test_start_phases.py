@@ -35,9 +35,8 @@ def test_phases_add_up_and_ready_counts_from_process_start() -> None:
     clock.now += 1.0  # untimed work: in the total, not in a phase
     assert timeline.ready() == pytest.approx(2.0 + 4.75)
     assert timeline.report()["start_to_ready_s"] == pytest.approx(6.75)
-    with pytest.raises(ValueError, match="unknown start phase"):
-        with timeline.phase("lunch"):
-            pass
+    with pytest.raises(ValueError, match="unknown start phase"), timeline.phase("lunch"):
+        pass
 
 
 def test_a_failing_phase_is_still_timed() -> None:
