@@ -19,41 +19,10 @@ from typing import Any
 from ditserve.cachectl.errors import CORRUPT, CacheError, DaemonError, EntryCorruptError, Problem
 from ditserve.cachectl.layout import default_socket
 from ditserve.cachectl.model_build import ModelLoader
+from ditserve.cachectl.progress import Progress
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 LoaderFn = Callable[[], ModelLoader]
-
-
-class Progress:
-    """A tqdm bar over bytes on a terminal; a line per phase otherwise (logs stay readable)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar: Any = None
-        self.tty = sys.stderr.isatty()
-
-    def phase(self, text: str) -> None:
-        if self.enabled:
-            self._close()
-            print(f"cachectl: {text}", file=sys.stderr, flush=True)
-
-    def bytes(self, done: int, total: int) -> None:
-        if not (self.enabled and self.tty and total):
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=sys.stderr, leave=False)
-        self.bar.update(done - self.bar.n)
-
-    def _close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def done(self) -> None:
-        self._close()
 
 
 def _entry_result(entry: Any) -> dict[str, Any]:

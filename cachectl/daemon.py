@@ -151,38 +151,8 @@ class Daemon:
 _STATUS_CODE = {JobStatus.READY: 200, JobStatus.BUILDING: 202}
 
 
-def create_app(daemon: Daemon) -> FastAPI:
-    app = FastAPI(title="cachectl", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_request: Any, exc: Exception) -> JSONResponse:
-        # Clients parse every answer as JSON; an unexpected error is a 500 in JSON too.
-        event(daemon.logger, "request_failed", logging.ERROR, error=repr(exc))
-        return JSONResponse({"status": "failed", "reason": "error", "error": str(exc)}, 500)
-
-    @app.get("/healthz")
-    def healthz() -> dict[str, Any]:
-        return {"status": "ok", "root": str(daemon.store.root), "entries": len(daemon.store.keys())}
-
-    @app.post("/v1/ensure")
-    async def ensure(body: EnsureBody) -> JSONResponse:
-        try:
-            placement = Placement(sp_size=body.sp_size, sp_impl=body.sp_impl)
-            request = ModelRequest(Path(body.model), body.dtype, body.revision, placement,
-                                   component=body.component)
-            job = await asyncio.to_thread(daemon.builds.submit, request)
-        except CacheError as e:
-            return JSONResponse({"status": "failed", "reason": "bad_request", "error": str(e)}, 400)
-        except Exception as e:  # an unexpected failure while planning: still a JSON answer
-            event(daemon.logger, "ensure_failed", logging.ERROR, error=repr(e))
-            return JSONResponse({"status": "failed", "reason": "error", "error": str(e)}, 500)
-        if body.wait_s > 0 and not job.future.done():
-            # shield: a client that gives up must not cancel the shared build.
-            await asyncio.wait({asyncio.shield(asyncio.wrap_future(job.future))},
-                               timeout=body.wait_s)
-        snap = job.snapshot()
-        code = _STATUS_CODE.get(job.status, 409 if job.reason == "corrupt" else 500)
-        return JSONResponse(snap, code)
+def _add_download_routes(app: FastAPI, daemon: Daemon) -> None:
+    """``POST /v1/pull`` (models from hf:// or s3://) and ``PUT /v1/compile/{key}``."""
 
     @app.post("/v1/pull")
     async def pull(body: PullBody) -> JSONResponse:
@@ -217,6 +187,42 @@ def create_app(daemon: Daemon) -> FastAPI:
         path = await asyncio.to_thread(publish_compiled, daemon.store.root, key, data)
         event(daemon.logger, "compile_artifacts_saved", key=key, bytes=len(data))
         return JSONResponse({"status": "ready", "path": str(path), "bytes": len(data)}, 200)
+
+
+def create_app(daemon: Daemon) -> FastAPI:
+    app = FastAPI(title="cachectl", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Any, exc: Exception) -> JSONResponse:
+        # Clients parse every answer as JSON; an unexpected error is a 500 in JSON too.
+        event(daemon.logger, "request_failed", logging.ERROR, error=repr(exc))
+        return JSONResponse({"status": "failed", "reason": "error", "error": str(exc)}, 500)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        return {"status": "ok", "root": str(daemon.store.root), "entries": len(daemon.store.keys())}
+
+    @app.post("/v1/ensure")
+    async def ensure(body: EnsureBody) -> JSONResponse:
+        try:
+            placement = Placement(sp_size=body.sp_size, sp_impl=body.sp_impl)
+            request = ModelRequest(Path(body.model), body.dtype, body.revision, placement,
+                                   component=body.component)
+            job = await asyncio.to_thread(daemon.builds.submit, request)
+        except CacheError as e:
+            return JSONResponse({"status": "failed", "reason": "bad_request", "error": str(e)}, 400)
+        except Exception as e:  # an unexpected failure while planning: still a JSON answer
+            event(daemon.logger, "ensure_failed", logging.ERROR, error=repr(e))
+            return JSONResponse({"status": "failed", "reason": "error", "error": str(e)}, 500)
+        if body.wait_s > 0 and not job.future.done():
+            # shield: a client that gives up must not cancel the shared build.
+            await asyncio.wait({asyncio.shield(asyncio.wrap_future(job.future))},
+                               timeout=body.wait_s)
+        snap = job.snapshot()
+        code = _STATUS_CODE.get(job.status, 409 if job.reason == "corrupt" else 500)
+        return JSONResponse(snap, code)
+
+    _add_download_routes(app, daemon)
 
     @app.get("/v1/entries/{key}")
     def entry(key: str) -> JSONResponse:

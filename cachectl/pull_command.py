@@ -137,8 +137,8 @@ def _link(link: Path, model_dir: str) -> None:
 
 def cmd_pull(root: Path, args: argparse.Namespace, _loader: Any) -> int:
     from ditserve.cachectl.client import DaemonClient
-    from ditserve.cachectl.commands import EXIT_OK, Progress
     from ditserve.cachectl.model_uri import parse_model_uri
+    from ditserve.cachectl.progress import Progress
 
     parse_model_uri(args.uri)  # a malformed URI is a usage error before anything else
     progress = Progress(enabled=not args.json)
@@ -154,7 +154,7 @@ def cmd_pull(root: Path, args: argparse.Namespace, _loader: Any) -> int:
     else:
         how = "downloaded" if result.get("downloaded") else "joined"
         print(f"ready {result['key']} {result['model_dir']} ({how})")
-    return EXIT_OK
+    return 0  # EXIT_OK (commands.py)
 
 
 def verify_models(root: Path, keys: list[str] | None) -> list[tuple[str, list[Problem]]]:

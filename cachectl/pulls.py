@@ -28,7 +28,7 @@ from pathlib import Path
 from ditserve.cachectl import locks
 from ditserve.cachectl.errors import InsufficientSpaceError, LockTimeoutError, ModelDigestError
 from ditserve.cachectl.layout import Layout
-from ditserve.cachectl.model_uri import parse_model_uri
+from ditserve.cachectl.model_uri import ModelUri, parse_model_uri
 from ditserve.cachectl.pulled import (
     MODEL_DIR,
     PulledFile,
@@ -39,13 +39,7 @@ from ditserve.cachectl.pulled import (
     model_key,
     publish_partial,
 )
-from ditserve.cachectl.sources import (
-    Credentials,
-    Snapshot,
-    Source,
-    source_digest_matches,
-    source_for,
-)
+from ditserve.cachectl.sources import Credentials, Snapshot, Source, source_digest_matches
 
 PROGRESS_INTERVAL_S = 1.0
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -57,6 +51,17 @@ class PullRequest:
     credentials: Credentials = field(default_factory=Credentials)
     workers: int = 8
     lock_timeout_s: float = 3600.0
+
+
+def source_for(uri: ModelUri, credentials: Credentials) -> Source:
+    """The source of ``uri``; its library (huggingface_hub, boto3) is imported only here."""
+    if uri.scheme == "hf":
+        from ditserve.cachectl.hub_source import HubSource
+
+        return HubSource(uri, credentials)
+    from ditserve.cachectl.s3_source import S3Source
+
+    return S3Source(uri, credentials)
 
 
 def _bytes_under(path: Path) -> int:

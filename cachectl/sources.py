@@ -1,7 +1,7 @@
 """What a model source hands a pull: the snapshot to fetch, and the digests to check it by.
 
 ``RemoteFile`` / ``Snapshot`` are the contract between a source (``hub_source``,
-``s3_source``) and ``pulls``; ``source_for`` picks the source of a URI;
+``s3_source``) and ``pulls`` (which picks the source of a URI);
 ``source_digest_matches`` checks one downloaded file against what its source published
 (the hub's LFS SHA-256 or git blob SHA-1, an object's SHA-256 checksum or single-part MD5
 ETag). Called by ``pulls``.
@@ -14,8 +14,6 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-
-from ditserve.cachectl.model_uri import ModelUri
 
 
 @dataclass(frozen=True)
@@ -64,16 +62,6 @@ class Source(Protocol):
     def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int) -> None:
         """Fetch every file of ``snapshot`` into ``model_dir``, resuming what an earlier,
         interrupted download left there."""
-
-
-def source_for(uri: ModelUri, credentials: Credentials) -> Source:
-    if uri.scheme == "hf":
-        from ditserve.cachectl.hub_source import HubSource
-
-        return HubSource(uri, credentials)
-    from ditserve.cachectl.s3_source import S3Source
-
-    return S3Source(uri, credentials)
 
 
 def _stream_digest(path: Path, h: Any, prefix: bytes = b"") -> Any:

@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.cachectl.errors import UsageError
-from ditserve.cachectl.model_uri import parse_model_uri
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
     HBM_BUDGET_AUTO,
@@ -24,6 +22,7 @@ from ditserve.engine.config import (
 from ditserve.operator.autoscaling import AutoscalingSpec, read_autoscaling
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.loras import LoraSource, parse_loras
+from ditserve.operator.model_spec import ModelSpec, read_model, source_problems
 from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
 
@@ -31,7 +30,6 @@ from ditserve.operator.spec_reader import SpecReader
 MODEL_MOUNT_PATH = "/models/model"
 # The engine's own list (one rule for the CRD enum, the operator and `ditserve serve`).
 FAMILIES = MODEL_FAMILIES
-DTYPES = ("bfloat16", "float16", "float32")
 CACHE_MODES = ("NodeLocal", "None")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 SPREADS = ("Preferred", "Required", "None")
@@ -42,26 +40,6 @@ OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"
                 "HF_HUB_OFFLINE", "HOME", "DITSERVE_TERMINATION_LOG")
 MAX_GPUS_PER_REPLICA = 256
 RENDEZVOUS_PORT = 29500  # MASTER_PORT of every engine pod's process group
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A diffusers model: on the node (host_path), in a PVC (claim_name + sub_path), or pulled
-    into the node cache from ``uri`` (hf:// or s3://; ``credentials_secret`` names the Secret
-    whose keys become the pull's environment; ``endpoint`` / ``region`` the source's)."""
-
-    host_path: str | None = None
-    claim_name: str | None = None
-    sub_path: str = ""
-    uri: str | None = None
-    credentials_secret: str | None = None
-    endpoint: str | None = None
-    region: str | None = None
-    family: str = "Auto"
-    dtype: str = "bfloat16"
-    size_gib: float | None = None
-    encoder_size_gib: float = 0.0  # text encoders' weights: pinned per rank under offload
-    attention_heads: int | None = None  # the DiT's head count, if the user declares it
 
 
 @dataclass(frozen=True)
@@ -214,7 +192,7 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     c, r, pdb = root.child("cache"), root.child("rollout"), root.child("podDisruptionBudget")
     rc = o.child("runtimeCache")
     spec = DeploymentSpec(
-        model=_read_model(root.child("model")),
+        model=read_model(root.child("model")),
         replicas=root.integer("replicas", 1),
         parallelism=ParallelismSpec(data=p.integer("data", 1, 1),
                                     sequence=p.integer("sequence", 1, 1),
@@ -259,23 +237,6 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     return spec
 
 
-def _read_model(m: SpecReader) -> ModelSpec:
-    pvc = m.child("persistentVolumeClaim")
-    return ModelSpec(
-        host_path=m.text("hostPath"),
-        claim_name=pvc.text("claimName"),
-        sub_path=pvc.text("subPath", "") or "",
-        uri=m.text("uri") or None,
-        credentials_secret=m.child("credentialsSecret").text("name") or None,
-        endpoint=m.text("endpoint") or None,
-        region=m.text("region") or None,
-        family=m.text("family", "Auto", FAMILIES),
-        dtype=m.text("dtype", "bfloat16", DTYPES),
-        size_gib=m.number("sizeGiB", None), encoder_size_gib=m.number("encoderSizeGiB", 0.0),
-        attention_heads=m.integer("attentionHeads", None, 1),
-    )
-
-
 def _read_engine(e: SpecReader) -> EngineSpec:
     res, key_secret = e.child("resources"), e.child("apiKeySecret")
     return EngineSpec(
@@ -316,28 +277,6 @@ def _read_scheduling(s: SpecReader) -> SchedulingSpec:
     )
 
 
-def _uri_problems(spec: DeploymentSpec) -> list[str]:
-    """model.uri: a source ``cachectl pull`` accepts (its own parser), pulled into the node
-    cache (so the cache must be on)."""
-    m = spec.model
-    if m.uri is None:
-        extra = [name for name, v in (("credentialsSecret", m.credentials_secret),
-                                      ("endpoint", m.endpoint), ("region", m.region)) if v]
-        return [f"model.{n} only applies with model.uri" for n in extra]
-    out = []
-    try:
-        parse_model_uri(m.uri)
-    except UsageError as e:
-        out.append(f"model.uri: {e}")
-    if not spec.cache.enabled:
-        out.append("model.uri needs cache.mode NodeLocal (the model is pulled into the node cache)")
-    if m.region and not m.uri.startswith("s3://"):
-        out.append("model.region only applies to an s3:// model.uri")
-    if m.endpoint and not m.endpoint.startswith(("http://", "https://")):
-        out.append(f"model.endpoint must be an http(s) URL, got {m.endpoint!r}")
-    return out
-
-
 def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
     """The CRD's CEL rules again: the operator cannot render without them (and an old CRD
     or a server without CEL may let such a spec through)."""
@@ -349,7 +288,7 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
         out.append(f"model.hostPath must be an absolute path, got {spec.model.host_path!r}")
     if ".." in spec.model.sub_path.split("/") or spec.model.sub_path.startswith("/"):
         out.append("model.persistentVolumeClaim.subPath must be relative and must not contain '..'")
-    out.extend(_uri_problems(spec))
+    out.extend(source_problems(spec.model, cache_enabled=spec.cache.enabled))
     if spec.offload.enabled and spec.model.size_gib is None:
         out.append("offload.enabled needs model.sizeGiB (the operator sizes host memory from it)")
     if spec.offload.runtime_cache and not spec.cache.enabled:

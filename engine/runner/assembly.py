@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,7 @@ from ditserve.engine.errors import ConfigError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
 from ditserve.engine.runner.budget_plan import GIB, BudgetInputs, BudgetPlan, plan_budget
 from ditserve.engine.runner.start_phases import StartTimeline, timed
-from ditserve.engine.weights.load import LoadedWeights
+from ditserve.engine.weights.load import LoadedWeights, load_weights
 
 if TYPE_CHECKING:
     from ditserve.engine.offload import OffloadHandle
@@ -38,6 +39,25 @@ class Assembled:
     offload: OffloadHandle | None
     inputs: BudgetInputs | None = None  # the memory planner's inputs (None: not plannable)
     budget: BudgetPlan | None = None  # the plan --dlo-hbm-budget-gib chose
+
+
+def read_weights(model_dir: str | Path, config: EngineConfig, *, device: torch.device,
+                 sharded: bool, timeline: StartTimeline | None = None) -> LoadedWeights:
+    """The model's weights in host memory (start phase ``read``), after the CUDA context
+    (``cuda_init``): the first CUDA call makes it wherever it falls, so make it first and time
+    reading and placing apart from it. ``sharded``: DLO shards over a weight group."""
+    if device.type == "cuda":
+        with timed(timeline, "cuda_init"):
+            torch.empty(0, device=device)
+    with timed(timeline, "read"):
+        return load_weights(
+            model_dir, dtype=config.dtype, offload=config.offload,
+            sp_size=config.parallel.sequence_parallel_size,
+            streams_from_mapping=(device.type == "cuda" and not sharded
+                                  and config.offload.compress == "none"),
+            keep_private=weights_replaced(config),
+            sharded=sharded,
+        )
 
 
 def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.device,

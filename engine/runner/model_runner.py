@@ -33,7 +33,7 @@ from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
-from ditserve.engine.runner.assembly import assemble, resolve_device, weights_replaced
+from ditserve.engine.runner.assembly import assemble, read_weights, resolve_device
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.denoise_state import DenoiseState
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
@@ -41,7 +41,6 @@ from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.scheduler import RunnerOutput, StepPlan
 from ditserve.engine.step_cache.runtime import StepCache
-from ditserve.engine.weights.load import load_weights
 from ditserve.engine.work import WorkRule
 
 log = logging.getLogger(__name__)
@@ -81,22 +80,9 @@ class ModelRunner:
             from ditserve.engine.runner.compiled_blocks import require_toolchain
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
-        if self.device.type == "cuda":
-            with timed(timeline, "cuda_init"):
-                # The context is made by the first CUDA call, wherever that falls: make it
-                # here, so reading and placing are timed apart from it.
-                torch.empty(0, device=self.device)
         offload = config.offload.enabled
-        sharded = weight_group is not None and config.offload.use_allgather
-        with timed(timeline, "read"):
-            loaded = load_weights(
-                model_dir, dtype=config.dtype, offload=config.offload,
-                sp_size=config.parallel.sequence_parallel_size,
-                streams_from_mapping=(self.device.type == "cuda" and not sharded
-                                      and config.offload.compress == "none"),
-                keep_private=weights_replaced(config),
-                sharded=sharded,
-            )
+        loaded = read_weights(model_dir, config, device=self.device, timeline=timeline,
+                              sharded=weight_group is not None and config.offload.use_allgather)
         components, host_plan = loaded.components, loaded.host_plan
         try:
             built = assemble(loaded, config, device=self.device, sequence=self._sequence,
