@@ -75,10 +75,10 @@ def test_the_daemon_publishes_artifacts_for_read_only_pods(tmp_path: Path) -> No
         daemon.stop()
 
 
-def _child(mode: str, root: Path, inductor_dir: Path) -> dict[str, object]:
+def _child(mode: str, root: Path, inductor_dir: Path, device: str = "cpu") -> dict[str, object]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir),
            "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(CHILD), mode, str(root)], capture_output=True,
+    done = subprocess.run([sys.executable, str(CHILD), mode, str(root), device], capture_output=True,
                           text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -91,4 +91,15 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path: Path) -> None:
     first = _child("save", root, tmp_path / "inductor-1")
     assert first == {"loaded": False, "saved": True, "hits": 0, "misses": 1}
     second = _child("load", root, tmp_path / "inductor-2")
+    assert second == {"loaded": True, "saved": False, "hits": 1, "misses": 0}
+
+
+@pytest.mark.gpu
+def test_a_second_process_loads_what_the_first_compiled_on_the_gpu(tmp_path: Path) -> None:
+    """The same on CUDA (Triton kernels, keyed by the GPU's name)."""
+    root = tmp_path / "cache"
+    (root / "v1").mkdir(parents=True)
+    first = _child("save", root, tmp_path / "inductor-1", "cuda")
+    assert first == {"loaded": False, "saved": True, "hits": 0, "misses": 1}
+    second = _child("load", root, tmp_path / "inductor-2", "cuda")
     assert second == {"loaded": True, "saved": False, "hits": 1, "misses": 0}
