@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ditserve.cachectl import locks
-from ditserve.cachectl.errors import InsufficientSpaceError, LockTimeoutError, ModelDigestError
+from ditserve.cachectl.errors import (
+    InsufficientSpaceError,
+    LockTimeoutError,
+    ModelDigestError,
+    ReadOnlyCacheError,
+)
 from ditserve.cachectl.layout import Layout
 from ditserve.cachectl.model_uri import ModelUri, parse_model_uri
 from ditserve.cachectl.pulled import (
@@ -160,7 +165,12 @@ def pull(root: Path, request: PullRequest, *,
     found = find_published(layout, key, snapshot.uri)
     if found is not None:
         return found
-    layout.create()  # like `build`, a pull creates the cache it writes to
+    try:
+        layout.create()  # like `build`, a pull creates the cache it writes to
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise ReadOnlyCacheError(str(layout.root), f"pull {snapshot.uri}") from e
+        raise
     phase("waiting for the lock")
     held = locks.acquire(layout.build_lock(key), shared=False, timeout_s=request.lock_timeout_s,
                          on_wait=on_wait)

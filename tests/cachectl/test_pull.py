@@ -278,3 +278,21 @@ def test_s3_resumes_a_partial_object_and_reports_missing_sources(s3: object,
         pull(root, PullRequest("s3://models/nothing-here", creds))
     with pytest.raises(ModelNotFoundError):
         pull(root, PullRequest("s3://no-such-bucket/x", creds))
+
+
+def test_a_read_only_cache_joins_but_never_downloads(hub: HubFixture, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from ditserve.cachectl.errors import ReadOnlyCacheError
+
+    root = tmp_path / "cache"
+    pull(root, PullRequest("hf://org/tiny"))
+
+    def read_only(self: Layout) -> None:  # an engine pod's mount (tests run as root)
+        raise OSError(errno.EROFS, "Read-only file system", str(self.root))
+
+    monkeypatch.setattr(Layout, "create", read_only)
+    assert not pull(root, PullRequest("hf://org/tiny")).downloaded  # a join writes nothing
+    with pytest.raises(ReadOnlyCacheError, match="read-only"):
+        pull(root, PullRequest("hf://org/private", Credentials(hf_token="hf_secret")))
