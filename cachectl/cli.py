@@ -1,6 +1,6 @@
 """The ``cachectl`` command line: a thin shell over the store, the model builder and the daemon.
 
-Subcommands: build, ensure, verify, list, gc, rm, serve (``cachectl COMMAND --help``).
+Subcommands: build, ensure, pull, verify, list, gc, rm, serve (``cachectl COMMAND --help``).
 ``--root`` is accepted before or after the subcommand; default ``$DITSERVE_CACHE_ROOT``, else
 /var/cache/ditserve. Reading commands (verify, list, gc, rm) never create a root: a mistyped
 one is an error, not an empty cache.
@@ -29,6 +29,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ditserve.cachectl.commands import (
     COMMANDS,
@@ -107,6 +108,27 @@ def default_dtype(model: Path, component: str, loader: LoaderFn) -> str:
     return found
 
 
+def _add_pull(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``cachectl pull``'s flags (docs/cachectl.md, "Pulling models")."""
+    pl = sub.add_parser("pull", parents=[common],
+                        help="download a model from hf:// or s3:// into the cache, once per node")
+    pl.add_argument("uri", metavar="URI", help="hf://org/repo[@revision] or s3://bucket/prefix")
+    pl.add_argument("--workers", type=_positive_int, default=8,
+                    help="files downloaded at a time")
+    pl.add_argument("--link", type=Path, default=None, metavar="PATH",
+                    help="make PATH a symlink to the pulled model folder (an engine's --model)")
+    pl.add_argument("--socket", type=Path, default=None,
+                    help="daemon socket (default: $DITSERVE_CACHECTL_SOCKET or ROOT/cachectl.sock)")
+    pl.add_argument("--timeout", type=float, default=6 * 3600.0,
+                    help="seconds to wait in total (another pull of the same model included)")
+    pl.add_argument("--json", action="store_true", help="print the result as JSON")
+    pull_how = pl.add_mutually_exclusive_group()
+    pull_how.add_argument("--no-daemon", action="store_true", help="never ask the daemon")
+    pull_how.add_argument("--daemon-only", action="store_true",
+                          help="only ask the daemon (wait for it up to --timeout), never write "
+                               "the cache here: for pods that mount the cache read-only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", type=Path, default=argparse.SUPPRESS,
@@ -148,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--daemon-only", action="store_true",
                      help="only ask the daemon (wait for it up to --timeout), never write the "
                           "cache here: for pods that mount the cache read-only")
+
+    _add_pull(sub, common)
 
     v = sub.add_parser("verify", parents=[common], help="re-hash entries; exit 1 on corruption")
     v.add_argument("keys", nargs="*", metavar="KEY", help="entries to check (default: all)")

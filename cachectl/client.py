@@ -51,6 +51,23 @@ class DaemonClient:
             raise DaemonError(f"daemon sent a non-JSON answer ({resp.status})") from e
         return resp.status, data
 
+    def put_bytes(self, path: str, data: bytes) -> tuple[int, dict[str, Any]]:
+        """PUT raw bytes (compiled artifacts) and read the JSON answer."""
+        conn = _UnixConnection(self.socket_path, self.timeout_s)
+        try:
+            conn.request("PUT", path, body=data,
+                         headers={"Content-Type": "application/octet-stream"})
+            resp = conn.getresponse()
+            raw = resp.read()
+        except OSError as e:
+            raise DaemonError(f"cachectl daemon at {self.socket_path} unreachable: {e}") from e
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw) if raw else {}
+        except ValueError as e:
+            raise DaemonError(f"daemon sent a non-JSON answer ({resp.status})") from e
+
     def available(self) -> bool:
         """True if a daemon answers /healthz on the socket."""
         if not self.socket_path.exists():

@@ -19,41 +19,10 @@ from typing import Any
 from ditserve.cachectl.errors import CORRUPT, CacheError, DaemonError, EntryCorruptError, Problem
 from ditserve.cachectl.layout import default_socket
 from ditserve.cachectl.model_build import ModelLoader
+from ditserve.cachectl.progress import Progress
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 LoaderFn = Callable[[], ModelLoader]
-
-
-class Progress:
-    """A tqdm bar over bytes on a terminal; a line per phase otherwise (logs stay readable)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar: Any = None
-        self.tty = sys.stderr.isatty()
-
-    def phase(self, text: str) -> None:
-        if self.enabled:
-            self._close()
-            print(f"cachectl: {text}", file=sys.stderr, flush=True)
-
-    def bytes(self, done: int, total: int) -> None:
-        if not (self.enabled and self.tty and total):
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=sys.stderr, leave=False)
-        self.bar.update(done - self.bar.n)
-
-    def _close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def done(self) -> None:
-        self._close()
 
 
 def _entry_result(entry: Any) -> dict[str, Any]:
@@ -225,13 +194,26 @@ def cmd_build(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
     return EXIT_OK
 
 
+def _model_status(problems: list[Problem]) -> str:
+    if not problems:
+        return "ok"
+    return CORRUPT if any(p.kind == CORRUPT for p in problems) else problems[0].kind
+
+
 def cmd_verify(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
+    from ditserve.cachectl.pull_command import verify_models
     from ditserve.cachectl.store import CacheStore
 
     store = CacheStore(root, create=False, threads=args.threads)
-    reports = store.verify(args.keys or None)
+    models = verify_models(root, args.keys or None)  # pulled models (cachectl pull)
+    model_keys = {k for k, _ in models}
+    runtime_keys = [k for k in args.keys if k not in model_keys] if args.keys else None
+    reports = store.verify(runtime_keys) if runtime_keys is None or runtime_keys else []
     if args.json:
-        print(json.dumps([r.to_json() for r in reports], sort_keys=True))
+        print(json.dumps([r.to_json() for r in reports]
+                         + [{"key": k, "kind": "model", "status": _model_status(p),
+                             "problems": [str(x) for x in p]} for k, p in models],
+                         sort_keys=True))
     else:
         for r in reports:
             rate = r.bytes_hashed / r.seconds / 1e9 if r.seconds > 0 else 0.0
@@ -243,9 +225,13 @@ def cmd_verify(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
                 print(f"{r.status.upper():<7} {r.key}")
                 for p in r.problems:
                     print(f"  {p.file or '(entry)'}: {p.what}")
-        if not reports:
+        for key, problems in models:
+            print(f"{'OK' if not problems else _model_status(problems).upper():<7} {key}  (pulled model)")
+            for p in problems:
+                print(f"  {p.file or '(entry)'}: {p.what}")
+        if not reports and not models:
             print("no entries")
-    statuses = {r.status for r in reports}
+    statuses = {r.status for r in reports} | {_model_status(p) for _, p in models}
     if CORRUPT in statuses:
         return EXIT_CORRUPT
     return EXIT_OK if statuses <= {"ok", "skipped"} else EXIT_UNAVAILABLE
@@ -317,7 +303,13 @@ def cmd_serve(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
     return serve(config, logs.setup(), loader())
 
 
+def cmd_pull(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
+    from ditserve.cachectl.pull_command import cmd_pull as pull
+
+    return pull(root, args, loader)
+
+
 COMMANDS: dict[str, Callable[[Path, argparse.Namespace, LoaderFn], int]] = {
-    "build": cmd_build, "ensure": cmd_ensure, "verify": cmd_verify, "list": cmd_list,
-    "gc": cmd_gc, "rm": cmd_rm, "serve": cmd_serve,
+    "build": cmd_build, "ensure": cmd_ensure, "pull": cmd_pull, "verify": cmd_verify,
+    "list": cmd_list, "gc": cmd_gc, "rm": cmd_rm, "serve": cmd_serve,
 }

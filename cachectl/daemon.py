@@ -6,6 +6,11 @@ Owns ``DaemonConfig``, the FastAPI app and socket setup. Endpoints:
     POST /v1/ensure            {model, dtype, revision, sp_size, sp_impl, wait_s} -> 200 ready /
                                202 building /
                                400 bad request / 409 corrupt entry / 500 failed
+    POST /v1/pull              {uri, credentials, workers, wait_s} -> 200 ready / 202 downloading /
+                               400 bad URI / 404 not found / 403 unauthorized / 409 corrupt /
+                               507 disk full / 502 other source failures (``reason`` says which)
+    PUT  /v1/compile/{key}     an engine's compiled artifacts (torch's mega-cache, raw bytes),
+                               published atomically as v1/compile/<key>.bin -> 200 / 400 / 413
     GET  /v1/entries/{key}     status of one entry (structure checked, not re-hashed)
     GET  /metrics              Prometheus text (also on --metrics-port, bound to --metrics-host:
                                $POD_IP or the loopback, never every address by default)
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -30,19 +36,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 from pydantic import BaseModel, Field
 
 from ditserve.cachectl.builds import BuildCoordinator, JobStatus
-from ditserve.cachectl.errors import CacheError
+from ditserve.cachectl.compiled import publish_compiled
+from ditserve.cachectl.errors import CacheError, UsageError
 from ditserve.cachectl.identity import Placement, is_key
 from ditserve.cachectl.logs import event
 from ditserve.cachectl.metrics import DaemonMetrics
 from ditserve.cachectl.model_build import ModelLoader, ModelRequest
 from ditserve.cachectl.node_status import NodeStatusReporter
+from ditserve.cachectl.pull_jobs import PullCoordinator, PullStatus
+from ditserve.cachectl.pulled import list_models
+from ditserve.cachectl.pulls import PullRequest
 from ditserve.cachectl.scrub import Scrubber
+from ditserve.cachectl.sources import Credentials
 from ditserve.cachectl.store import CacheStore
 from ditserve.cachectl.verify import check_structure
 
@@ -87,6 +98,21 @@ class EnsureBody(BaseModel):
     wait_s: float = Field(0.0, ge=0, le=3600, description="long-poll up to this many seconds")
 
 
+class PullBody(BaseModel):
+    uri: str = Field(min_length=1, max_length=1024, description="hf://org/repo[@rev] or s3://b/p")
+    # Only the names pull_command.CREDENTIAL_ENV sends; never logged or reported.
+    credentials: dict[str, str] = Field(default_factory=dict)
+    workers: int = Field(8, ge=1, le=64)
+    wait_s: float = Field(0.0, ge=0, le=3600, description="long-poll up to this many seconds")
+
+
+MAX_COMPILE_ARTIFACT_BYTES = 4 << 30
+
+
+_PULL_FAILURE_CODE = {"NotFound": 404, "Unauthorized": 403, "corrupt": 409, "DiskFull": 507,
+                      "DigestMismatch": 502, "SourceError": 502}
+
+
 class Daemon:
     """The daemon's parts, apart from the sockets (tests drive it in-process)."""
 
@@ -98,12 +124,14 @@ class Daemon:
         self.metrics = DaemonMetrics(self.store)
         self.builds = BuildCoordinator(self.store, self.metrics, logger, loader,
                                        max_builds=config.max_builds)
+        self.pulls = PullCoordinator(self.store, logger, max_pulls=config.max_builds)
         rate = config.scrub_rate_mib_s * 2**20 if config.scrub_rate_mib_s else None
         self.scrubber = Scrubber(self.store, self.metrics, logger,
                                  interval_s=config.scrub_interval_s, rate_bytes_per_s=rate)
         # In a pod with $NODE_NAME: the node's NodeCache object (None elsewhere).
         self.node_status = NodeStatusReporter.from_env(
-            root=str(config.root), entries=self.store.list, jobs=self.builds.jobs, logger=logger)
+            root=str(config.root), entries=self.store.list, jobs=self.builds.jobs, logger=logger,
+            models=lambda: list_models(self.store.layout), pulls=self.pulls.jobs)
 
     def start(self) -> None:
         self.scrubber.start()
@@ -114,12 +142,51 @@ class Daemon:
         """Stop scrubbing and drain builds; the recipe keys of builds abandoned after the
         grace period (empty when every running build finished)."""
         self.scrubber.stop()
+        self.pulls.stop()
         if self.node_status is not None:
             self.node_status.stop()
         return [job.recipe_key for job in self.builds.drain(self.config.grace_s)]
 
 
 _STATUS_CODE = {JobStatus.READY: 200, JobStatus.BUILDING: 202}
+
+
+def _add_download_routes(app: FastAPI, daemon: Daemon) -> None:
+    """``POST /v1/pull`` (models from hf:// or s3://) and ``PUT /v1/compile/{key}``."""
+
+    @app.post("/v1/pull")
+    async def pull(body: PullBody) -> JSONResponse:
+        try:
+            unknown = set(body.credentials) - {f.name for f in dataclasses.fields(Credentials)}
+            if unknown:
+                raise UsageError(f"unknown credential fields {sorted(unknown)}")
+            request = PullRequest(body.uri, Credentials(**body.credentials), workers=body.workers)
+            job = await asyncio.to_thread(daemon.pulls.submit, request)
+        except CacheError as e:
+            return JSONResponse({"status": "failed", "reason": "bad_request", "error": str(e)}, 400)
+        if body.wait_s > 0 and not job.future.done():
+            # shield: a client that gives up must not cancel the shared download.
+            await asyncio.wait({asyncio.shield(asyncio.wrap_future(job.future))},
+                               timeout=body.wait_s)
+        snap = job.snapshot()
+        if job.status is PullStatus.READY:
+            return JSONResponse(snap, 200)
+        if job.status is PullStatus.DOWNLOADING:
+            return JSONResponse(snap, 202)
+        return JSONResponse(snap, _PULL_FAILURE_CODE.get(job.reason or "", 500))
+
+    @app.put("/v1/compile/{key}")
+    async def compile_artifacts(key: str, request: Request) -> JSONResponse:
+        # Engine pods mount the cache read-only; the daemon publishes what they compiled.
+        if not is_key(key):
+            return JSONResponse({"error": "not a compile key (64 lowercase hex digits)"}, 400)
+        data = await request.body()
+        if not data or len(data) > MAX_COMPILE_ARTIFACT_BYTES:
+            return JSONResponse({"error": f"expected 1 to {MAX_COMPILE_ARTIFACT_BYTES} bytes"},
+                                413)
+        path = await asyncio.to_thread(publish_compiled, daemon.store.root, key, data)
+        event(daemon.logger, "compile_artifacts_saved", key=key, bytes=len(data))
+        return JSONResponse({"status": "ready", "path": str(path), "bytes": len(data)}, 200)
 
 
 def create_app(daemon: Daemon) -> FastAPI:
@@ -154,6 +221,8 @@ def create_app(daemon: Daemon) -> FastAPI:
         snap = job.snapshot()
         code = _STATUS_CODE.get(job.status, 409 if job.reason == "corrupt" else 500)
         return JSONResponse(snap, code)
+
+    _add_download_routes(app, daemon)
 
     @app.get("/v1/entries/{key}")
     def entry(key: str) -> JSONResponse:

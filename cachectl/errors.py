@@ -170,3 +170,33 @@ class DaemonError(CacheError):
 
 class NodeStatusError(CacheError):
     """Reporting the node's cache status to the Kubernetes API failed."""
+
+
+class ModelSourceError(CacheError):
+    """Pulling a model from hf:// or s3:// failed; ``reason`` is a short CamelCase word the
+    operator puts into the deployment's condition (``ModelDownloadFailed: NotFound``)."""
+
+    reason = "SourceError"
+
+    def __init__(self, uri: str, message: str) -> None:
+        super().__init__(f"cannot pull {uri}: {message}")
+        self.uri = uri
+
+
+class ModelNotFoundError(ModelSourceError, LookupError):
+    """The repository, revision, bucket or prefix does not exist (HTTP 404, an empty prefix)."""
+
+    reason = "NotFound"
+
+
+class ModelAccessError(ModelSourceError, PermissionError):
+    """The source refused the credentials, or none were given (HTTP 401/403, a gated repo)."""
+
+    reason = "Unauthorized"
+
+
+class ModelDigestError(ModelSourceError):
+    """A downloaded file differs from the digest its source published; it was deleted, so the
+    next pull downloads it again. Nothing was published."""
+
+    reason = "DigestMismatch"

@@ -6,6 +6,8 @@
     <root>/.locks/<key>.lock       build lock, one writer per key (flock, exclusive)
     (reader leases are flocks on the entry directory itself; see locks.py)
     <root>/.tmp/<key>.<pid>.<nonce>/  publications in progress, and entries GC is deleting
+    <root>/v1/models/<key>/        pulled models (``cachectl pull``): model/ + manifest.json
+    <root>/.partial/<key>/         a pull in progress or interrupted (kept: the next pull resumes)
 """
 
 from __future__ import annotations
@@ -50,6 +52,20 @@ class Layout:
     @property
     def tmp(self) -> Path:
         return self.root / ".tmp"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "v1" / "models"
+
+    @property
+    def partials(self) -> Path:
+        return self.root / ".partial"
+
+    def model(self, key: str) -> Path:
+        return self.models / key
+
+    def partial(self, key: str) -> Path:
+        return self.partials / key
 
     def entry(self, key: str) -> Path:
         return self.entries / key

@@ -8,7 +8,8 @@ and at least every ``heartbeat_s``; the operator reads it (per-deployment summar
 labels for the engine pods' preferred affinity), and so can users: `kubectl get nodecaches`.
 
 Rows: one per published entry (Ready, or Failed when its structure check found a problem) and
-one per build that is running or failed. A Ready entry names the model path it was built from
+one per build that is running or failed. ``models``: one row per pulled model on disk (Ready)
+and per pull that is downloading (with its bytes so far) or failed (with its reason). A Ready entry names the model path it was built from
 when this daemon built or served it by path; the object itself remembers those paths across
 daemon restarts (the store keys entries by content, not by path).
 
@@ -51,6 +52,51 @@ class JobView(Protocol):
     phase: str
     key: str | None
     error: str | None
+
+
+class PullView(Protocol):
+    """What the reporter reads of a daemon pull job (``cachectl.pull_jobs.PullJob``)."""
+
+    uri: str
+    status: Any  # .value in downloading / ready / failed
+    phase: str
+    key: str | None
+    done_bytes: int
+    total_bytes: int
+    error: str | None
+    reason: str | None
+
+
+def model_rows(models: Iterable[Any], pulls: Iterable[PullView], *,
+               previous: Mapping[str, Any] | None, now: str) -> list[dict[str, Any]]:
+    """``status.models``: pulled models on disk, then running and failed pulls."""
+    rows: list[dict[str, Any]] = []
+    on_disk = set()
+    for info in models:
+        on_disk.add(info.key)
+        row: dict[str, Any] = {"state": "Failed" if info.problem else "Ready", "uri": info.uri,
+                               "key": info.key, "bytes": int(info.bytes)}
+        if info.problem:
+            row["message"] = str(info.problem)[:1024]
+        rows.append(row)
+    for job in pulls:
+        state = str(getattr(job.status, "value", job.status))
+        if state == "ready" or (job.key and job.key in on_disk and state != "failed"):
+            continue
+        row = {"state": "Failed" if state == "failed" else "Downloading", "uri": job.uri,
+               "doneBytes": int(job.done_bytes), "totalBytes": int(job.total_bytes),
+               "message": str((f"{job.reason}: {job.error}" if state == "failed"
+                               else job.phase) or "")[:1024]}
+        if job.key:
+            row["key"] = job.key
+        rows.append(row)
+    rows = sorted(rows, key=lambda r: (r["state"], r["uri"], r.get("key", "")))[:MAX_ROWS]
+    old_rows = list((previous or {}).get("models") or [])
+    for row in rows:
+        row["since"] = next((str(o["since"]) for o in old_rows
+                             if (o.get("uri"), o.get("state")) == (row["uri"], row["state"])
+                             and o.get("since")), now)
+    return rows
 
 
 def _now() -> str:
@@ -159,10 +205,12 @@ class NodeStatusReporter:
 
     def __init__(self, api: KubeApi, *, node: str, root: str,
                  entries: Callable[[], Iterable[EntryInfo]], jobs: Callable[[], Iterable[JobView]],
-                 logger: logging.Logger, interval_s: float = 15.0,
+                 logger: logging.Logger, models: Callable[[], Iterable[Any]] = list,
+                 pulls: Callable[[], Iterable[PullView]] = list, interval_s: float = 15.0,
                  heartbeat_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.api, self.node, self.root = api, node, root
         self._entries, self._jobs, self.logger = entries, jobs, logger
+        self._models, self._pulls = models, pulls
         self.interval_s, self.heartbeat_s, self._clock = interval_s, heartbeat_s, clock
         self._last: dict[str, Any] | None = None  # the status last written
         self._last_at = 0.0
@@ -171,13 +219,15 @@ class NodeStatusReporter:
 
     @classmethod
     def from_env(cls, *, root: str, entries: Callable[[], Iterable[EntryInfo]],
-                 jobs: Callable[[], Iterable[JobView]],
-                 logger: logging.Logger) -> NodeStatusReporter | None:
+                 jobs: Callable[[], Iterable[JobView]], logger: logging.Logger,
+                 models: Callable[[], Iterable[Any]] = list,
+                 pulls: Callable[[], Iterable[PullView]] = list) -> NodeStatusReporter | None:
         """A reporter for the node in $NODE_NAME when running in a pod; None otherwise."""
         node, api = os.environ.get(NODE_ENV), KubeApi.in_cluster()
         if not node or api is None:
             return None
-        return cls(api, node=node, root=root, entries=entries, jobs=jobs, logger=logger)
+        return cls(api, node=node, root=root, entries=entries, jobs=jobs, logger=logger,
+                   models=models, pulls=pulls)
 
     def _path(self, subresource: str = "") -> str:
         return f"{API}/{self.node}" + (f"/{subresource}" if subresource else "")
@@ -200,8 +250,13 @@ class NodeStatusReporter:
         if self._last is None:
             self._last = dict(self._ensure_object().get("status") or {})
             force = True
+        now = _now()
         status = node_cache_status(self._entries(), self._jobs(), root=self.root,
-                                   previous=self._last, now=_now())
+                                   previous=self._last, now=now)
+        models = model_rows(self._models(), self._pulls(), previous=self._last, now=now)
+        if models or self._last.get("models"):
+            status["models"] = models
+            status["downloading"] = sum(1 for r in models if r["state"] == "Downloading")
         unchanged = {k: v for k, v in self._last.items() if k != "heartbeatTime"} == status
         if unchanged and not force and self._clock() - self._last_at < self.heartbeat_s:
             return False

@@ -15,15 +15,19 @@ adapter rule in the docs) summed over the Service, with an ``AverageValue`` targ
 requests per replica. Per replica, not per pod: a replica spanning nodes has worker pods that
 serve no HTTP and export no queue.
 
-No scale to zero: at zero replicas nothing exports the metric and nothing holds the first
-request while a pod starts (minutes for a large model), so ``minReplicas`` is at least 1.
-Called by ``spec`` (reading) and ``render`` (the manifest); pure.
+No scale to zero with the HPA: at zero replicas nothing exports the metric and nothing holds
+the first request while a pod starts (minutes for a large model), so ``minReplicas`` is at
+least 1 unless ``scaleToZero`` is enabled, which renders a KEDA ScaledObject instead (see
+``scale_to_zero`` for how and at what cost). Called by ``spec`` (reading) and ``render``
+(the manifest); pure.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ditserve.operator.scale_to_zero import ScaleToZeroSpec, read_scale_to_zero
 
 if TYPE_CHECKING:
     from ditserve.operator.spec_reader import SpecReader
@@ -42,6 +46,15 @@ class AutoscalingSpec:
     target_waiting_per_replica: int = 4
     metric: str = DEFAULT_METRIC
     scale_down_window_s: int = 300
+    scale_to_zero: ScaleToZeroSpec = field(default_factory=ScaleToZeroSpec)
+
+    @property
+    def uses_hpa(self) -> bool:
+        return self.enabled and not self.scale_to_zero.enabled
+
+    @property
+    def uses_keda(self) -> bool:
+        return self.enabled and self.scale_to_zero.enabled
 
 
 def read_autoscaling(reader: SpecReader) -> AutoscalingSpec:
@@ -53,13 +66,15 @@ def read_autoscaling(reader: SpecReader) -> AutoscalingSpec:
         target_waiting_per_replica=reader.integer("targetWaitingPerReplica", 4, 1),
         metric=reader.text("metric", DEFAULT_METRIC),
         scale_down_window_s=reader.integer("scaleDownStabilizationSeconds", 300, 0),
+        scale_to_zero=read_scale_to_zero(reader.child("scaleToZero"),
+                                         autoscaling_enabled=reader.flag("enabled", False)),
     )
     if spec.enabled:
-        if spec.min_replicas < 1:
+        if spec.min_replicas < 1 and not spec.scale_to_zero.enabled:
             reader.problems.append(
                 "autoscaling.minReplicas must be at least 1: scaling to zero would leave no "
                 "engine to export the queue metric and nothing to hold the first request while "
-                "a pod starts")
+                "a pod starts (or enable autoscaling.scaleToZero, a KEDA ScaledObject)")
         if spec.max_replicas < spec.min_replicas:
             reader.problems.append(f"autoscaling.maxReplicas ({spec.max_replicas}) must be at "
                                    f"least autoscaling.minReplicas ({spec.min_replicas})")

@@ -13,7 +13,15 @@ container runs the admin's image (``AdminPolicy.helper_image``), never the tenan
   itself (``--no-daemon``), read-write, still with the admin's image and never as root.
 
 Every DiT of the model is ensured (``--component all``: Wan 2.2's ``transformer_2`` too), so
-no engine falls back to private host memory for one of them. Called by ``pod``; pure.
+no engine falls back to private host memory for one of them.
+
+A ``model.uri`` model (hf:// or s3://) is pulled first by a ``cachectl-pull`` init container:
+``cachectl pull URI --daemon-only --link /models/model`` asks the node's daemon to download it
+once per node into the node cache (this pod's cache mount stays read-only) and leaves, in the
+pod's small ``model`` emptyDir, a symlink to the pulled entry's model folder; the ensure
+container and the engine read ``/models/model`` through it (both mount the cache at the same
+root). The Secret of ``model.credentialsSecret`` reaches only this container, whose request
+carries the credentials to the daemon over the node-local socket. Called by ``pod``; pure.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from ditserve.operator.policy import DEFAULT_CACHE_ROOT
 from ditserve.operator.spec import MODEL_MOUNT_PATH, DeploymentSpec
 
 ENSURE_CONTAINER = "cachectl-ensure"
+PULL_CONTAINER = "cachectl-pull"
+MODEL_LINK_DIR = "/models"  # a uri model: the emptyDir holding the symlink MODEL_MOUNT_PATH
 RESTRICTED_CONTAINER = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
@@ -42,6 +52,8 @@ def cache_root(spec: DeploymentSpec) -> str:
 
 
 def model_mount(spec: DeploymentSpec) -> dict[str, Any]:
+    if spec.model.uri is not None:  # the symlink into the node cache (see the module doc)
+        return {"name": "model", "mountPath": MODEL_LINK_DIR, "readOnly": True}
     mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}
     if spec.model.claim_name and spec.model.sub_path:
         mount["subPath"] = spec.model.sub_path
@@ -60,7 +72,48 @@ def cache_volume(spec: DeploymentSpec) -> dict[str, Any]:
 
 def builds_in_pod(spec: DeploymentSpec) -> bool:
     """Whether the init container writes the cache itself (a model the daemon cannot see)."""
-    return spec.model.host_path is None
+    return spec.model.host_path is None and spec.model.uri is None
+
+
+def _pull_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    m = spec.model
+    env = [{"name": "DITSERVE_CACHE_ROOT", "value": cache_root(spec)},
+           # The one container of the pod that may reach the source (through the daemon).
+           {"name": "HF_HUB_OFFLINE", "value": "0"},
+           {"name": "HOME", "value": "/tmp"}]
+    if m.endpoint:
+        name = "HF_ENDPOINT" if (m.uri or "").startswith("hf://") else "AWS_ENDPOINT_URL_S3"
+        env.append({"name": name, "value": m.endpoint})
+    if m.region:
+        env.append({"name": "AWS_REGION", "value": m.region})
+    return env
+
+
+def pull_container(spec: DeploymentSpec, image: str) -> dict[str, Any]:
+    """`cachectl pull` of ``model.uri`` through the node daemon (module doc)."""
+    assert spec.model.uri is not None
+    root = cache_root(spec)
+    container: dict[str, Any] = {
+        "name": PULL_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["cachectl", "pull", spec.model.uri, "--daemon-only", "--root", root,
+                    "--link", MODEL_MOUNT_PATH, "--timeout", str(sizing.pull_timeout_s(spec))],
+        "env": _pull_env(spec),
+        # It only waits on the daemon, which downloads: a small request is enough.
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                      "limits": {"memory": "256Mi"}},
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_LINK_DIR},
+                         {"name": "cache", "mountPath": root, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": copy.deepcopy(RESTRICTED_CONTAINER),
+        # Its last words ("cachectl: cannot pull ...: no repository ... (404)") become the
+        # termination message the operator puts into ModelDownloadFailed.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.model.credentials_secret:
+        container["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret}}]
+    return container
 
 
 def ensure_container(spec: DeploymentSpec, image: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.operator import autoscaling, render, workloads
+from ditserve.operator import autoscaling, render, scale_to_zero, workloads
 from ditserve.operator.errors import KubeApiError
 from ditserve.operator.judge import validate
 from ditserve.operator.kube import KubeClient, manifest_path, resource_path
@@ -82,8 +82,11 @@ def _stale_candidates(owner: render.Owner, spec: DeploymentSpec) -> list[str]:
     ns, out = owner.namespace, []
     if not spec.wants_disruption_budget:
         out.append(resource_path("policy/v1", "poddisruptionbudgets", ns, owner.name))
-    if not spec.autoscaling.enabled:
+    if not spec.autoscaling.uses_hpa:
         out.append(resource_path("autoscaling/v2", "horizontalpodautoscalers", ns, owner.name))
+    if not spec.autoscaling.uses_keda:  # None when KEDA is not installed: nothing to delete
+        out.append(resource_path(scale_to_zero.KEDA_API_VERSION, "scaledobjects", ns,
+                                 owner.name))
     if spec.parallelism.multi_node:
         out.append(resource_path("apps/v1", "deployments", ns, owner.name))
     else:
@@ -157,6 +160,9 @@ async def _sync_once(client: KubeClient, manifests: list[dict[str, Any]], owner:
                         "(kubernetes-sigs/lws >= 0.6) or fit a replica on one node)")
             elif e.status == 404 and manifest["kind"] == autoscaling.HPA_KIND:
                 hint = " (the autoscaling/v2 API is not served: Kubernetes >= 1.23 is needed)"
+            elif e.status == 404 and manifest["kind"] == scale_to_zero.SCALED_OBJECT_KIND:
+                hint = (" (the KEDA API is not installed: install KEDA (keda.sh) or turn "
+                        "autoscaling.scaleToZero off)")
             result.failure = ApplyFailure("ChildApplyFailed", f"{_describe(manifest)} was "
                                           f"refused: {e.status} {e.reason}: {e.message}{hint}",
                                           owner.generation)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ditserve.operator import cache_pod, placement, sizing
-from ditserve.operator.cache_pod import ENSURE_CONTAINER
+from ditserve.operator.cache_pod import ENSURE_CONTAINER, PULL_CONTAINER
 from ditserve.operator.jobs import jobs_env, jobs_mounts, jobs_volumes
 from ditserve.operator.loras import lora_args, lora_host_paths, lora_mounts, lora_volumes
 from ditserve.operator.spec import RENDEZVOUS_PORT, DeploymentSpec
@@ -43,7 +43,8 @@ EXIT_MARGIN_S = 15
 RUN_AS_UID = 1000  # the image's non-root user
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_CONTAINER = "engine"
-__all__ = ["ENGINE_CONTAINER", "ENSURE_CONTAINER", "PodContext", "Role", "pod_spec"]
+__all__ = ["ENGINE_CONTAINER", "ENSURE_CONTAINER", "PULL_CONTAINER", "PodContext", "Role",
+           "pod_spec"]
 
 # One process per GPU of a multi-node pod; "$@" are engine.args (for rank 0's server only:
 # every rank reads the engine options from the config file). The first rank to exit ends the
@@ -90,7 +91,10 @@ def uses_host_path(spec: DeploymentSpec) -> bool:
 
 def _volumes(spec: DeploymentSpec, config_map: str, role: Role) -> list[dict[str, Any]]:
     model: dict[str, Any]
-    if spec.model.host_path is not None:
+    if spec.model.uri is not None:
+        # Holds only the symlink into the node cache that cachectl-pull leaves.
+        model = {"name": "model", "emptyDir": {"sizeLimit": "1Mi"}}
+    elif spec.model.host_path is not None:
         model = {"name": "model", "hostPath": {"path": spec.model.host_path, "type": "Directory"}}
     else:
         model = {"name": "model",
@@ -244,6 +248,8 @@ def pod_spec(spec: DeploymentSpec, ctx: PodContext, role: Role = Role.SINGLE) ->
     }
     if spec.cache.enabled:
         pod["initContainers"] = [cache_pod.ensure_container(spec, ctx.helper_image)]
+        if spec.model.uri is not None:
+            pod["initContainers"].insert(0, cache_pod.pull_container(spec, ctx.helper_image))
     if spec.engine.service_account_name:
         pod["serviceAccountName"] = spec.engine.service_account_name
     if ctx.pull_secrets:

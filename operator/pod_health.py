@@ -11,6 +11,9 @@ when the rollout's progress deadline expires (40 minutes for a large model):
                         directory, PVC, Secret or ConfigMap volume)
   OOMKilled             a container killed for exceeding its memory limit (from the first
                         kill, before the kubelet backs off into CrashLoopBackOff)
+  ModelDownloadFailed   the cachectl-pull init container failed (a model.uri the daemon could not
+                        download: NotFound, Unauthorized, DigestMismatch, DiskFull ...; its
+                        last words say which)
   CacheEnsureFailed     the cachectl-ensure init container failed
   LeaderWorkerSetTooOld a LeaderWorkerSet pod without LWS_WORKER_INDEX (LWS < 0.6 injects
                         none: every pod of the group would think it is node 0)
@@ -34,7 +37,8 @@ START_FAILURES = {"CreateContainerError", "RunContainerError"}
 MOUNT_EVENT_REASONS = {"FailedMount"}
 # Worst first: the reason the Ready and Degraded conditions report.
 FAILURE_ORDER = ("ImagePullFailed", "ContainerConfigError", "ContainerStartFailed",
-                 "VolumeMountFailed", "LeaderWorkerSetTooOld", "OOMKilled", "CacheEnsureFailed",
+                 "VolumeMountFailed", "LeaderWorkerSetTooOld", "OOMKilled", "ModelDownloadFailed",
+                 "CacheEnsureFailed",
                  "CrashLoopBackOff", "Unschedulable")
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_MIN_VERSION = "0.6"
@@ -113,27 +117,45 @@ def _mount_failures(findings: PodFindings, pods: Sequence[Mapping[str, Any]],
                           f"pod {waiting[involved['uid']]}: {event.get('message') or event['reason']}")
 
 
-def _ensure_state(findings: PodFindings, pod: Mapping[str, Any], name: str) -> str | None:
-    for st in _statuses(pod, "initContainerStatuses"):
-        if st.get("name") != podlib.ENSURE_CONTAINER:
-            continue
-        state, last = st.get("state") or {}, st.get("lastState") or {}
-        waiting = state.get("waiting") or {}
-        term = state.get("terminated") or {}
-        failed = term.get("exitCode", 0) != 0 or (
-            waiting.get("reason") == "CrashLoopBackOff"
-            and (last.get("terminated") or {}).get("exitCode", 0) != 0)
-        if failed:
-            term = term or last.get("terminated") or {}
-            findings.note("CacheEnsureFailed", (
-                f"pod {name}: cachectl ensure exited {term.get('exitCode')}: "
-                f"{term.get('message') or term.get('reason') or 'see its logs'}"))
-            return "failed"
-        if "running" in state:
-            return "warming"
-        if "terminated" in state:
-            return "done"
+# The cache's init containers, in the order they run: (name, failure reason, command).
+_INIT_STEPS = ((podlib.PULL_CONTAINER, "ModelDownloadFailed", "cachectl pull"),
+               (podlib.ENSURE_CONTAINER, "CacheEnsureFailed", "cachectl ensure"))
+
+
+def _init_state(findings: PodFindings, pod: Mapping[str, Any], name: str,
+                st: Mapping[str, Any], reason: str, command: str) -> str | None:
+    state, last = st.get("state") or {}, st.get("lastState") or {}
+    waiting = state.get("waiting") or {}
+    term = state.get("terminated") or {}
+    failed = term.get("exitCode", 0) != 0 or (
+        waiting.get("reason") == "CrashLoopBackOff"
+        and (last.get("terminated") or {}).get("exitCode", 0) != 0)
+    if failed:
+        term = term or last.get("terminated") or {}
+        message = str(term.get("message") or term.get("reason") or "see its logs").strip()
+        if len(message) > MAX_EXIT_MESSAGE:
+            message = "..." + message[-MAX_EXIT_MESSAGE:]
+        findings.note(reason, f"pod {name}: {command} exited {term.get('exitCode')}: {message}")
+        return "failed"
+    if "running" in state:
+        return "warming"
+    if "terminated" in state:
+        return "done"
     return None
+
+
+def _ensure_state(findings: PodFindings, pod: Mapping[str, Any], name: str) -> str | None:
+    """The cache init containers' state: failed, warming (pulling or ensuring), done, or
+    None before any ran."""
+    by_name = {st.get("name"): st for st in _statuses(pod, "initContainerStatuses")}
+    result = None
+    for container, reason, command in _INIT_STEPS:
+        if container not in by_name:
+            continue
+        result = _init_state(findings, pod, name, by_name[container], reason, command)
+        if result != "done":
+            return result
+    return result
 
 
 def _last_words(st: Mapping[str, Any]) -> str:

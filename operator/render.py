@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ditserve.operator import autoscaling, pod, workloads
+from ditserve.operator import autoscaling, pod, scale_to_zero, workloads
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.judge import judge_engine, server_section
 from ditserve.operator.policy import DEFAULT_IMAGE, AdminPolicy
@@ -73,7 +73,8 @@ def selector_string(owner_name: str) -> str:
 def child_names(owner_name: str, spec: DeploymentSpec) -> dict[str, str]:
     return {workloads.workload_kind(spec): workloads.workload_name(owner_name, spec),
             "Service": owner_name, "ConfigMap": f"{owner_name}-engine",
-            PDB_KIND: owner_name, autoscaling.HPA_KIND: owner_name}
+            PDB_KIND: owner_name, autoscaling.HPA_KIND: owner_name,
+            scale_to_zero.SCALED_OBJECT_KIND: owner_name}
 
 
 def endpoint_url(owner: Owner, spec: DeploymentSpec) -> str:
@@ -148,11 +149,18 @@ def render(spec: DeploymentSpec, owner: Owner, *,
     out = [config_map, service, workload]
     if spec.wants_disruption_budget:
         out.append(disruption_budget(spec, meta(PDB_KIND), selector))
-    if spec.autoscaling.enabled:
-        target = {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name}
+    target = {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name}
+    auto = spec.autoscaling
+    if auto.uses_hpa:
         out.append(autoscaling.horizontal_pod_autoscaler(
-            spec.autoscaling, meta=meta(autoscaling.HPA_KIND), target=target,
-            service=names["Service"]))
+            auto, meta=meta(autoscaling.HPA_KIND), target=target, service=names["Service"]))
+    elif auto.uses_keda:
+        out.append(scale_to_zero.scaled_object(
+            auto.scale_to_zero, min_replicas=auto.min_replicas, max_replicas=auto.max_replicas,
+            target_waiting_per_replica=auto.target_waiting_per_replica,
+            scale_down_window_s=auto.scale_down_window_s,
+            meta=meta(scale_to_zero.SCALED_OBJECT_KIND), target=target,
+            namespace=owner.namespace, service=names["Service"]))
     return out
 
 

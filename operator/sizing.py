@@ -36,6 +36,8 @@ _QUANTITY = re.compile(r"^\+?(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suffix>[KMGT
 
 STARTUP_BASE_S = 300
 STARTUP_PER_GIB_S = 20
+PULL_BASE_S = 1800  # a pipeline's VAE, encoders and configs besides the DiT, and slack
+PULL_PER_GIB_S = 52  # 20 MiB/s
 ENSURE_BASE_S = 600
 ENSURE_PER_GIB_S = 30
 PROBE_PERIOD_S = 10
@@ -100,8 +102,17 @@ def ensure_timeout_s(spec: DeploymentSpec) -> int:
     return ENSURE_BASE_S + math.ceil(ENSURE_PER_GIB_S * (spec.model.size_gib or 0.0))
 
 
+def pull_timeout_s(spec: DeploymentSpec) -> int:
+    """Budget of the init container's `cachectl pull` (the node's first download of a uri
+    model; a resumed or joined pull takes less). Sized at a slow 20 MiB/s over the DiT and
+    encoders, plus the rest of a pipeline's files."""
+    gib = (spec.model.size_gib or 0.0) + spec.model.encoder_size_gib
+    return PULL_BASE_S + math.ceil(PULL_PER_GIB_S * gib)
+
+
 def progress_deadline_s(spec: DeploymentSpec) -> int:
-    """The Deployment's progressDeadlineSeconds: a pod that is still building its cache or
-    loading a large model is not a stalled rollout."""
+    """The Deployment's progressDeadlineSeconds: a pod that is still pulling its model,
+    building its cache or loading a large model is not a stalled rollout."""
     cache = ensure_timeout_s(spec) if spec.cache.enabled else 0
+    cache += pull_timeout_s(spec) if spec.model.uri is not None else 0
     return cache + startup_timeout_s(spec) + 300

@@ -23,6 +23,7 @@ from ditserve.operator.autoscaling import AutoscalingSpec, read_autoscaling
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.jobs import JOBS_ENV, JobsSpec, jobs_problems, parse_jobs
 from ditserve.operator.loras import LoraSource, parse_loras
+from ditserve.operator.model_spec import ModelSpec, read_model, source_problems
 from ditserve.operator.pod_metadata import pod_metadata_problems
 from ditserve.operator.spec_reader import SpecReader
 
@@ -30,7 +31,6 @@ from ditserve.operator.spec_reader import SpecReader
 MODEL_MOUNT_PATH = "/models/model"
 # The engine's own list (one rule for the CRD enum, the operator and `ditserve serve`).
 FAMILIES = MODEL_FAMILIES
-DTYPES = ("bfloat16", "float16", "float32")
 CACHE_MODES = ("NodeLocal", "None")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 SPREADS = ("Preferred", "Required", "None")
@@ -41,20 +41,6 @@ OPERATOR_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"
                 "HF_HUB_OFFLINE", "HOME", "DITSERVE_TERMINATION_LOG", *JOBS_ENV)
 MAX_GPUS_PER_REPLICA = 256
 RENDEZVOUS_PORT = 29500  # MASTER_PORT of every engine pod's process group
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A local diffusers directory: on the node (host_path) or in a PVC (claim_name + sub_path)."""
-
-    host_path: str | None = None
-    claim_name: str | None = None
-    sub_path: str = ""
-    family: str = "Auto"
-    dtype: str = "bfloat16"
-    size_gib: float | None = None
-    encoder_size_gib: float = 0.0  # text encoders' weights: pinned per rank under offload
-    attention_heads: int | None = None  # the DiT's head count, if the user declares it
 
 
 @dataclass(frozen=True)
@@ -201,13 +187,14 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     problems: list[str] = []
     root = SpecReader(data, "spec", problems)
     if root.data.get("model") is None:
-        problems.append("spec.model is required: set model.hostPath or model.persistentVolumeClaim")
+        problems.append("spec.model is required: set model.hostPath, model.persistentVolumeClaim "
+                        "or model.uri")
     p, o, b, co = (root.child("parallelism"), root.child("offload"), root.child("batching"),
                    root.child("compile"))
     c, r, pdb = root.child("cache"), root.child("rollout"), root.child("podDisruptionBudget")
     rc = o.child("runtimeCache")
     spec = DeploymentSpec(
-        model=_read_model(root.child("model")),
+        model=read_model(root.child("model")),
         replicas=root.integer("replicas", 1),
         parallelism=ParallelismSpec(data=p.integer("data", 1, 1),
                                     sequence=p.integer("sequence", 1, 1),
@@ -249,19 +236,6 @@ def parse_spec(data: Mapping[str, Any] | None) -> DeploymentSpec:
     if problems:
         raise InvalidSpecError("invalid DiffusionDeployment spec:\n  - " + "\n  - ".join(problems))
     return spec
-
-
-def _read_model(m: SpecReader) -> ModelSpec:
-    pvc = m.child("persistentVolumeClaim")
-    return ModelSpec(
-        host_path=m.text("hostPath"),
-        claim_name=pvc.text("claimName"),
-        sub_path=pvc.text("subPath", "") or "",
-        family=m.text("family", "Auto", FAMILIES),
-        dtype=m.text("dtype", "bfloat16", DTYPES),
-        size_gib=m.number("sizeGiB", None), encoder_size_gib=m.number("encoderSizeGiB", 0.0),
-        attention_heads=m.integer("attentionHeads", None, 1),
-    )
 
 
 def _read_engine(e: SpecReader) -> EngineSpec:
@@ -308,12 +282,14 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
     """The CRD's CEL rules again: the operator cannot render without them (and an old CRD
     or a server without CEL may let such a spec through)."""
     out = []
-    if (spec.model.host_path is None) == (spec.model.claim_name is None):
-        out.append("set exactly one of model.hostPath or model.persistentVolumeClaim")
+    sources = [spec.model.host_path, spec.model.claim_name, spec.model.uri]
+    if sum(s is not None for s in sources) != 1:
+        out.append("set exactly one of model.hostPath, model.persistentVolumeClaim or model.uri")
     elif spec.model.host_path is not None and not spec.model.host_path.startswith("/"):
         out.append(f"model.hostPath must be an absolute path, got {spec.model.host_path!r}")
     if ".." in spec.model.sub_path.split("/") or spec.model.sub_path.startswith("/"):
         out.append("model.persistentVolumeClaim.subPath must be relative and must not contain '..'")
+    out.extend(source_problems(spec.model, cache_enabled=spec.cache.enabled))
     if spec.offload.enabled and spec.model.size_gib is None:
         out.append("offload.enabled needs model.sizeGiB (the operator sizes host memory from it)")
     if spec.offload.runtime_cache and not spec.cache.enabled:

@@ -14,7 +14,8 @@ Reasons, by condition (pod failure reasons: see ``pod_health``):
                ReplicasNotReady.
   Progressing  True: Creating, RollingOut. False: RolloutComplete, ProgressDeadlineExceeded,
                InvalidSpec, ChildConflict, ChildApplyFailed.
-  CacheReady   True: CacheEntryReady, CacheDisabled. False: CacheWarming, CacheEnsureFailed.
+  CacheReady   True: CacheEntryReady, CacheDisabled. False: CacheWarming, ModelDownloadFailed,
+               CacheEnsureFailed.
                Unknown: NoPods, PodsPending.
   Degraded     True: InvalidSpec, ChildConflict, ChildApplyFailed, a pod failure,
                PodCreateFailed (the workload's controller cannot create pods: PodSecurity,
@@ -153,12 +154,17 @@ def _conditions_valid(spec: DeploymentSpec, generation: int, applied: int | None
 
     if not spec.cache.enabled:
         cache = Condition("CacheReady", "True", "CacheDisabled", "cache.mode is None")
+    elif "ModelDownloadFailed" in findings.failures:
+        cache = Condition("CacheReady", "False", "ModelDownloadFailed",
+                          findings.failures["ModelDownloadFailed"])
     elif "CacheEnsureFailed" in findings.failures:
         cache = Condition("CacheReady", "False", "CacheEnsureFailed",
                           findings.failures["CacheEnsureFailed"])
     elif findings.warming:
+        doing = ("pulling the model or running cachectl ensure" if spec.model.uri
+                 else "running cachectl ensure")
         cache = Condition("CacheReady", "False", "CacheWarming",
-                          f"{findings.warming} pod(s) running cachectl ensure")
+                          f"{findings.warming} pod(s) {doing}")
     elif findings.ensured:
         cache = Condition("CacheReady", "True", "CacheEntryReady",
                           f"{findings.ensured} pod(s) started from a published cache entry")

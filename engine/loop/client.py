@@ -88,6 +88,10 @@ class EngineClient(Protocol):
 
     def offload_report(self) -> dict[str, Any] | None: ...
 
+    def start_report(self) -> dict[str, Any]:
+        """``{"phases": {name: seconds}, "start_to_ready_s": seconds or None}``: where this
+        replica's start went (``runner.start_phases``)."""
+
     def pipeline_report(self) -> dict[str, Any] | None:
         """Rank 0's whole-pipeline plan and prompt-cache counters (None before it loads)."""
 

@@ -33,9 +33,8 @@ from ditserve.engine.adapters.catalog import AdapterCatalog
 from ditserve.engine.adapters.files import rank_inspector
 from ditserve.engine.config import EngineConfig, validate
 from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
-from ditserve.engine.errors import EngineStoppedError, InvalidRequestError, ModelLoadError
+from ditserve.engine.errors import EngineStoppedError, InvalidRequestError
 from ditserve.engine.executor import Executor
-from ditserve.engine.families import FLUX, Family
 from ditserve.engine.loop.client import EngineFacts
 from ditserve.engine.loop.delivery import Delivery
 from ditserve.engine.loop.lifecycle import EnginePhase, Lifecycle
@@ -47,12 +46,12 @@ from ditserve.engine.loop.results import (
     RequestEvent,
     RequestHandle,
 )
-from ditserve.engine.loop.startup import WarmUp, open_executor
+from ditserve.engine.loop.startup import WarmUp, open_executor, served_family
 from ditserve.engine.loop.step_loop import StepLoops
 from ditserve.engine.request import ModelLimits, SamplingParams
+from ditserve.engine.runner.start_phases import StartTimeline
 from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
-from ditserve.engine.weights.loader import model_family
 
 __all__ = [
     "DiffusionEngine", "EngineObserver", "EnginePhase", "EngineStats", "GenerationResult",
@@ -79,18 +78,15 @@ class DiffusionEngine:
     ) -> None:
         self.config = validate(config)
         self.warmup = warmup or WarmUp()
+        # Where the start goes (process start to READY), for the log and /metrics.
+        self.start_timeline = StartTimeline()
         self.executor: Executor | None = None
         self.model_dir: Path | None = None
         self._delivery = Delivery(observers)
         self._lifecycle = Lifecycle()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        # The step budget, when unset, is max_num_seqs requests of the family's usual size;
-        # a step's distinct adapters are bounded by --max-loras (what the runner keeps).
-        scheduler = ResolvedScheduling.for_family(config.scheduler, _served_family(config.model),
-                                                  max_loras=config.adapters.max_loras)
-        self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
-        self.max_request_tokens = scheduler.max_request_tokens
+        self._queue_for(config)
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
 
@@ -125,18 +121,25 @@ class DiffusionEngine:
         if fitted == self.config.scheduler:
             return
         self.config = replace(self.config, scheduler=fitted)
-        scheduler = ResolvedScheduling.for_family(fitted, _served_family(self.config.model),
-                                                  max_loras=self.config.adapters.max_loras)
         with self._lock:
-            self._pending = PendingRequests(scheduler, self.config.parallel.data_parallel_size)
-            self.max_request_tokens = scheduler.max_request_tokens
+            self._queue_for(self.config)
+
+    def _queue_for(self, config: EngineConfig) -> None:
+        """The (empty) rank queues of ``config``'s scheduling. The step budget, when unset, is
+        max_num_seqs requests of the family's usual size; a step's distinct adapters are
+        bounded by --max-loras (what the runner keeps)."""
+        scheduler = ResolvedScheduling.for_family(config.scheduler, served_family(config.model),
+                                                  max_loras=config.adapters.max_loras)
+        self._pending = PendingRequests(scheduler, config.parallel.data_parallel_size)
+        self.max_request_tokens = scheduler.max_request_tokens
 
     def start(self) -> DiffusionEngine:
         """Load the model and warm up (blocking), then start the step loops: -> READY."""
         try:
             executor, self.model_dir = open_executor(
                 self.config, self.warmup,
-                on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING))
+                on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING),
+                timeline=self.start_timeline)
             adapters = self.config.adapters
             bank = getattr(executor.runner, "adapters", None)
             self.adapters = AdapterCatalog(adapters, inspect=rank_inspector(
@@ -160,6 +163,8 @@ class DiffusionEngine:
                 for thread in self._threads:
                     thread.start()
                 self._lifecycle.move(EnginePhase.READY)  # refused if a drain began meanwhile
+                if self.phase is EnginePhase.READY:
+                    self.start_timeline.ready()
         if stopped_meanwhile:
             executor.shutdown()
         return self
@@ -227,6 +232,10 @@ class DiffusionEngine:
         if self.executor is None:
             return None
         return dict(self.executor.runner.pipeline_report())
+
+    def start_report(self) -> dict[str, Any]:
+        """Seconds per start phase and process start to READY (None until ready)."""
+        return self.start_timeline.report()
 
     def offload_report(self, *, refresh: bool = False) -> dict[str, Any] | None:
         """Rank 0's offload report, with every rank's under ``ranks`` when there are several.
@@ -329,13 +338,3 @@ class DiffusionEngine:
         self._wakeup.notify_all()
         self._delivery.aborted(handle, reason)
         return True
-
-def _served_family(model_dir: str | None) -> Family | None:
-    """The family the engine will load (None without a model: the embedded tiny Flux), or
-    None when the directory is not a valid model - loading it says why, in more detail."""
-    if model_dir is None:
-        return FLUX
-    try:
-        return model_family(model_dir)
-    except ModelLoadError:
-        return None

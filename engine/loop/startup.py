@@ -14,13 +14,22 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
 from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
+from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
+
+if TYPE_CHECKING:
+    from ditserve.engine.runner.compile_cache import CompileKey
+
+from ditserve.engine.errors import ModelLoadError
+from ditserve.engine.families import FLUX, Family
+from ditserve.engine.weights.loader import model_family
 
 log = logging.getLogger(__name__)
 
@@ -50,35 +59,93 @@ def resolve_model(config: EngineConfig) -> Path:
     return model_dir
 
 
-def make_executor(config: EngineConfig, *, model_dir: Path) -> Executor:
+def make_executor(config: EngineConfig, *, model_dir: Path,
+                  timeline: StartTimeline | None = None) -> Executor:
     """One in-process runner, or rank 0 of a multi-process replica (``world_size`` > 1)."""
     if config.parallel.world_size > 1:
         from ditserve.engine.distributed.executor import MultiProcessExecutor
 
-        return MultiProcessExecutor(config, model_dir=model_dir)
-    return LocalExecutor(config, model_dir=model_dir)
+        # The ranks load in their own processes: here it is one phase, all ranks' load.
+        with timed(timeline, "load"):
+            return MultiProcessExecutor(config, model_dir=model_dir)
+    return LocalExecutor(config, model_dir=model_dir, timeline=timeline)
 
 
 def open_executor(
-    config: EngineConfig, warmup: WarmUp, *, on_compiling: Callable[[], object]
+    config: EngineConfig, warmup: WarmUp, *, on_compiling: Callable[[], object],
+    timeline: StartTimeline | None = None,
 ) -> tuple[Executor, Path]:
-    """Load the model on every rank and warm it up; returns the executor and model directory."""
+    """Load the model on every rank and warm it up; returns the executor and model directory.
+    ``timeline`` records the start phases (see ``runner.start_phases``)."""
     model_dir = resolve_model(config)
-    executor = make_executor(config, model_dir=model_dir)
+    executor = make_executor(config, model_dir=model_dir, timeline=timeline)
     try:
-        warm_up(executor, config, warmup, on_compiling=on_compiling)
+        shared = _shared_compiles(executor, config, warmup, model_dir)
+        loaded = shared is not None and shared.load()
+        warm_up(executor, config, warmup, on_compiling=on_compiling, timeline=timeline)
+        if shared is not None and not loaded:
+            shared.save()
     except BaseException:
         executor.shutdown()
         raise
     return executor, model_dir
 
 
+@dataclass(frozen=True)
+class _SharedCompiles:
+    """The node cache's compiled artifacts for this replica (``runner.compile_cache``)."""
+
+    root: Path
+    key: CompileKey
+
+    def load(self) -> bool:
+        from ditserve.engine.runner import compile_cache
+
+        return compile_cache.load(self.root, self.key)
+
+    def save(self) -> bool:
+        from ditserve.cachectl.layout import default_socket
+        from ditserve.engine.runner import compile_cache
+
+        return compile_cache.save(self.root, self.key, socket_path=default_socket(self.root))
+
+
+def _shared_compiles(executor: Executor, config: EngineConfig, warmup: WarmUp,
+                     model_dir: Path) -> _SharedCompiles | None:
+    """With --compile on a single-process replica where a node cache exists: the key of
+    the warm-up's compiles (loaded before them, saved after them when they were new)."""
+    if config.compile is None or config.parallel.world_size > 1:
+        return None
+    from ditserve.cachectl.layout import default_root
+    from ditserve.engine.runner import compile_cache
+
+    root = Path(config.offload.cache_root or default_root())
+    if not (root / "v1").is_dir():  # no node cache here: nowhere to share compiles
+        return None
+    runner = executor.runner
+    small = int(runner.pixel_multiple) * 2
+    shapes = [(small, small, 1)]
+    if warmup.compile_size is not None:
+        height, width = warmup.compile_size
+        shapes.append((height, width, 1))
+        if config.scheduler.max_num_seqs > 1:
+            shapes.append((height, width, 2))
+    key = compile_cache.CompileKey(
+        model=compile_cache.model_fingerprint(model_dir), shapes=tuple(shapes),
+        backend=config.compile, dtype=str(config.dtype), offload=config.offload.enabled,
+        sp_size=config.parallel.sequence_parallel_size,
+        torch_version=compile_cache.torch_version(),
+        device=compile_cache.device_name(runner.device))
+    return _SharedCompiles(root, key)
+
+
 def warm_up(
     executor: Executor, config: EngineConfig, warmup: WarmUp, *,
-    on_compiling: Callable[[], object],
+    on_compiling: Callable[[], object], timeline: StartTimeline | None = None,
 ) -> None:
     multiple = int(executor.runner.pixel_multiple)
-    _warm_step(executor, config, multiple * 2, multiple * 2, requests=1)
+    with timed(timeline, "warm_up"):
+        _warm_step(executor, config, multiple * 2, multiple * 2, requests=1)
     size = warmup.compile_size
     if config.compile is None or size is None:
         return
@@ -90,9 +157,10 @@ def warm_up(
     log.info("--compile: compiling the DiT blocks for %dx%d before ready (can take minutes)",
              width, height)
     on_compiling()
-    _warm_step(executor, config, height, width, requests=1)
-    if config.scheduler.max_num_seqs > 1:
-        _warm_step(executor, config, height, width, requests=2)
+    with timed(timeline, "compile"):
+        _warm_step(executor, config, height, width, requests=1)
+        if config.scheduler.max_num_seqs > 1:
+            _warm_step(executor, config, height, width, requests=2)
 
 
 def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int, *,
@@ -130,3 +198,14 @@ def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int
         if missing:
             raise DitServeError(f"warm-up step on rank {rank} returned no image for "
                                 f"{', '.join(sorted(missing))}")
+
+
+def served_family(model_dir: str | None) -> Family | None:
+    """The family the engine will load (None without a model: the embedded tiny Flux), or
+    None when the directory is not a valid model - loading it says why, in more detail."""
+    if model_dir is None:
+        return FLUX
+    try:
+        return model_family(model_dir)
+    except ModelLoadError:
+        return None

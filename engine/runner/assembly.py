@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,8 @@ from ditserve.engine.placement.budget_plan import (
     FittedSettings,
     plan_budget,
 )
-from ditserve.engine.weights.load import LoadedWeights
+from ditserve.engine.runner.start_phases import StartTimeline, timed
+from ditserve.engine.weights.load import LoadedWeights, load_weights
 
 if TYPE_CHECKING:
     from ditserve.engine.offload import OffloadHandle
@@ -48,12 +50,35 @@ class Assembled:
     budget: BudgetPlan | None = None  # the plan --dlo-hbm-budget-gib chose
 
 
+def read_weights(model_dir: str | Path, config: EngineConfig, *, device: torch.device,
+                 sharded: bool, timeline: StartTimeline | None = None) -> LoadedWeights:
+    """The model's weights in host memory (start phase ``read``), after the CUDA context
+    (``cuda_init``): the first CUDA call makes it wherever it falls, so make it first and time
+    reading and placing apart from it. ``sharded``: DLO shards over a weight group."""
+    if device.type == "cuda":
+        with timed(timeline, "cuda_init"):
+            torch.empty(0, device=device)
+    with timed(timeline, "read"):
+        return load_weights(
+            model_dir, dtype=config.dtype, offload=config.offload,
+            sp_size=config.parallel.sequence_parallel_size,
+            streams_from_mapping=(device.type == "cuda" and not sharded
+                                  and config.offload.compress == "none"),
+            keep_private=weights_replaced(config),
+            sharded=sharded,
+        )
+
+
 def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.device,
-             sequence: Any = None, weight_group: Any = None) -> Assembled:
+             sequence: Any = None, weight_group: Any = None,
+             timeline: StartTimeline | None = None) -> Assembled:
     """Wrap the loaded components in the module docstring's order. ``sequence``: this
-    process's SP group (None: no SP); ``weight_group``: the group DLO shards weights over."""
+    process's SP group (None: no SP); ``weight_group``: the group DLO shards weights over;
+    ``timeline``: where the start phases ``place`` and ``pin_register`` are recorded."""
     offload = config.offload.enabled
-    pipeline = build_pipeline(loaded.components, device=device, move_transformer=not offload)
+    with timed(timeline, "place"):
+        pipeline = build_pipeline(loaded.components, device=device,
+                                  move_transformer=not offload)
     if sequence is not None:
         from ditserve.engine.parallel import shard_pipeline
 
@@ -80,9 +105,10 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
             # the offload spends only the DiT's share on resident blocks.
             offload_config = replace(offload_config, hbm_budget_gib=budget.dit_budget / GIB)
             kwargs["activation_reserve_bytes"] = 0
-        handle = enable_offload(pipeline.transformer, offload_config, device=device,
-                                host_plan=loaded.host_plan, block_lists=pipeline.block_lists,
-                                **kwargs)
+        with timed(timeline, "pin_register"):
+            handle = enable_offload(pipeline.transformer, offload_config, device=device,
+                                    host_plan=loaded.host_plan,
+                                    block_lists=pipeline.block_lists, **kwargs)
     bank.preload(adapters, config.adapters)
     if config.compile is not None:
         from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks

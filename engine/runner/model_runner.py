@@ -33,15 +33,15 @@ from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
-from ditserve.engine.runner.assembly import assemble, resolve_device, weights_replaced
+from ditserve.engine.runner.assembly import assemble, read_weights, resolve_device
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
+from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.sched.work import WorkRule
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.plan import RunnerOutput, StepPlan
 from ditserve.engine.step_cache.runtime import StepCache
-from ditserve.engine.weights.load import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,14 @@ class ModelRunner:
         device: torch.device | None = None,
         weight_group: Any = None,
         sequence_group: Any = None,
+        timeline: StartTimeline | None = None,
     ) -> None:
         """device: overrides ``config.device`` (each DP rank passes its own).
         weight_group: the process group DLO shards weights over (None: rank-local).
         sequence_group: the SP group this process runs its DP rank's forwards with (None:
-        the whole sequence here)."""
+        the whole sequence here).
+        timeline: records this runner's start phases (cuda_init, read, place, pin_register,
+        encoders); None records nothing."""
         self.config = config
         self.device = device if device is not None else resolve_device(config.device)
         self._sequence: Any = None
@@ -78,19 +81,12 @@ class ModelRunner:
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
         offload = config.offload.enabled
-        sharded = weight_group is not None and config.offload.use_allgather
-        loaded = load_weights(
-            model_dir, dtype=config.dtype, offload=config.offload,
-            sp_size=config.parallel.sequence_parallel_size,
-            streams_from_mapping=(self.device.type == "cuda" and not sharded
-                                  and config.offload.compress == "none"),
-            keep_private=weights_replaced(config),
-            sharded=sharded,
-        )
+        loaded = read_weights(model_dir, config, device=self.device, timeline=timeline,
+                              sharded=weight_group is not None and config.offload.use_allgather)
         components, host_plan = loaded.components, loaded.host_plan
         try:
             built = assemble(loaded, config, device=self.device, sequence=self._sequence,
-                             weight_group=weight_group)
+                             weight_group=weight_group, timeline=timeline)
         except BaseException:
             if host_plan is not None:
                 host_plan.close()
@@ -109,9 +105,10 @@ class ModelRunner:
         from ditserve.engine.placement.whole_pipeline import WholePipeline
 
         # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
-        self.whole = WholePipeline(self.pipeline, config, device=self.device,
-                                   offload_report=self.offload_report(), inputs=built.inputs,
-                                   budget=built.budget)
+        with timed(timeline, "encoders"):
+            self.whole = WholePipeline(self.pipeline, config, device=self.device,
+                                       offload_report=self.offload_report(),
+                                       inputs=built.inputs, budget=built.budget)
         log.info("pipeline plan:\n%s", self.whole.plan_table())
         self._states: dict[str, DenoiseState] = {}
         # Wraps the blocks beneath every hook (offload, compile, SP): built after all of them.

@@ -82,6 +82,7 @@ class _EngineStateCollector(Collector):
         yield from _request_metrics(engine, stats)
         yield from _pipeline_metrics(engine, stats)
         yield from _offload_metrics(engine.offload_report() if engine is not None else None)
+        yield from _start_metrics(engine.start_report() if engine is not None else None)
 
 
 def _request_metrics(engine: EngineClient | None, stats: EngineStats | None) -> Iterator[Metric]:
@@ -108,6 +109,22 @@ def _request_metrics(engine: EngineClient | None, stats: EngineStats | None) -> 
     yield GaugeMetricFamily("ditserve:engine_ready",
                             "1 when the model is loaded, warmed up and admitting.",
                             value=1.0 if ready else 0.0)
+
+
+def _start_metrics(report: dict[str, Any] | None) -> Iterator[Metric]:
+    """Where this replica's start went: seconds per phase, and process start to ready."""
+    phases = GaugeMetricFamily("ditserve:start_phase_seconds",
+                               "Seconds this replica's start spent per phase (process, "
+                               "cuda_init, read, place, pin_register, encoders, warm_up, "
+                               "compile, load).", labels=["phase"])
+    for name, seconds in ((report or {}).get("phases") or {}).items():
+        phases.add_metric([name], float(seconds))
+    yield phases
+    total = (report or {}).get("start_to_ready_s")
+    if total is not None:
+        yield GaugeMetricFamily("ditserve:start_to_ready_seconds",
+                                "Seconds from process start to ready (model loaded, warmed up).",
+                                value=float(total))
 
 
 def _pipeline_metrics(engine: EngineClient | None, stats: EngineStats | None

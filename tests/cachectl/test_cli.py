@@ -39,6 +39,8 @@ def test_the_cli_surface_is_the_documented_one() -> None:
                   "--json", "--timeout"},
         "ensure": {"--root", "--model", "--dtype", "--revision", "--component", "--sp-size", "--sp-impl",
                    "--json", "--timeout", "--socket", "--no-daemon", "--daemon-only"},
+        "pull": {"--root", "uri", "--workers", "--link", "--socket", "--timeout", "--json",
+                 "--no-daemon", "--daemon-only"},
         "verify": {"--root", "keys", "--json", "--threads"},
         "list": {"--root", "--json"},
         "gc": {"--root", "--max-bytes", "--dry-run", "--json"},

@@ -139,9 +139,17 @@ GOOD = {"model": {"hostPath": "/mnt/models/flux", "sizeGiB": 24}}
 INVALID = {
     "negative replicas": ({"replicas": -1}, "spec.replicas: -1 is less than the minimum of 0"),
     "two model sources": ({"model": {"hostPath": "/m", "persistentVolumeClaim": {
-        "claimName": "c"}}}, "set exactly one of model.hostPath or model.persistentVolumeClaim"),
+        "claimName": "c"}}}, "set exactly one of model.hostPath, model.persistentVolumeClaim or "
+                             "model.uri"),
     "no model source": ({"model": {"dtype": "float16"}},
-                        "set exactly one of model.hostPath or model.persistentVolumeClaim"),
+                        "set exactly one of model.hostPath, model.persistentVolumeClaim or model.uri"),
+    "uri and hostPath": ({"model": {"hostPath": "/m", "uri": "hf://org/flux"}},
+                         "set exactly one of model.hostPath, model.persistentVolumeClaim or model.uri"),
+    "uri without cache": ({"model": {"uri": "hf://org/flux"}, "cache": {"mode": "None"}},
+                          "model.uri needs cache.mode NodeLocal"),
+    "bad uri scheme": ({"model": {"uri": "http://example/flux"}}, "does not match"),
+    "credentials without uri": ({"model": {"hostPath": "/m", "credentialsSecret": {"name": "s"}}},
+                                "model.credentialsSecret only applies with model.uri"),
     "relative hostPath": ({"model": {"hostPath": "models/flux"}}, "does not match '^/'"),
     "subPath escapes": ({"model": {"persistentVolumeClaim": {"claimName": "c",
                                                              "subPath": "a/../../etc"}}},
@@ -219,7 +227,8 @@ def test_cel_rules_agree_with_the_operators_own_checks() -> None:
     for case in ("two model sources", "no model source", "subPath escapes", "offload without size",
                  "runtime cache without cache", "cache pvc without cache", "frozen rollout",
                  "operator env", "ragged multi-node", "SP group across nodes",
-                 "managed flag in args",
+                 "managed flag in args", "uri and hostPath", "uri without cache",
+                 "credentials without uri",
                  "reserved pod label", "reserved annotation"):
         change, _ = INVALID[case]
         spec = {**copy.deepcopy(GOOD), **change}

@@ -173,7 +173,8 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]]) -> N
                        for _, res, _ in granted)
     # Deletes only of the children a spec can stop rendering; update only of the finalizers.
     assert {res for _, res, verb in operator if verb == "delete"} == {
-        "deployments", "leaderworkersets", "poddisruptionbudgets", "horizontalpodautoscalers"}
+        "deployments", "leaderworkersets", "poddisruptionbudgets", "horizontalpodautoscalers",
+        "scaledobjects"}
     assert {res for _, res, verb in operator if verb == "update"} == {
         "diffusiondeployments/finalizers"}
     assert not any(res == "nodes" for _, res, _ in operator)  # namespaced rules only

@@ -60,7 +60,7 @@ def test_every_shape_problem_is_reported_at_once() -> None:
 
 
 def test_missing_model_says_how_to_fix_it() -> None:
-    with pytest.raises(InvalidSpecError, match="set model.hostPath or model.persistentVolumeClaim"):
+    with pytest.raises(InvalidSpecError, match="set model.hostPath, model.persistentVolumeClaim or model.uri"):
         parse_spec({})
 
 

@@ -142,5 +142,8 @@ class FakeEngine:
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload
 
+    def start_report(self) -> dict[str, Any]:
+        return {"phases": {}, "start_to_ready_s": None}
+
     def shutdown(self, grace_seconds: float = 0.0) -> None:
         self.phase = EnginePhase.STOPPED

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Time to ready: process start to ``/ready`` of ``ditserve serve``, with its start phases and
+the floor of reading the model's bytes once.
+
+Each variant starts a fresh server process (one at a time), polls ``/ready`` from the moment
+the process was spawned, then reads the engine's own account of its start from ``/metrics``
+(``ditserve:start_phase_seconds{phase}``, ``ditserve:start_to_ready_seconds``) and stops it.
+The floor is what no start can beat: reading every file of the model directory once, timed
+here first (from the page cache when the model is warm there: run the bench twice, or ``cat``
+the model to /dev/null first, as the targets assume). Variants:
+
+    dlo         --offload dlo
+    resident    --offload none
+    compile     --offload dlo --compile, twice on a fresh node cache root: the first start
+                compiles and saves the artifacts, the second ("compile-2nd") loads them
+
+    python3 bench/cold_start.py --model /models/flux1-dev --variants dlo resident compile
+
+Prints one table (seconds); ``--out`` writes JSON beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+
+PHASES = ("process", "cuda_init", "read", "place", "pin_register", "encoders", "warm_up",
+          "compile", "load")
+VARIANTS = {"dlo": ["--offload", "dlo"], "resident": ["--offload", "none"],
+            "compile": ["--offload", "dlo", "--compile"]}
+
+
+def read_floor(model: Path, chunk: int = 64 << 20) -> dict[str, float]:
+    """Seconds to read every byte of the model directory once (large sequential reads)."""
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    total, start = 0, time.perf_counter()
+    for path in sorted(p for p in model.rglob("*") if p.is_file()):
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    seconds = time.perf_counter() - start
+    return {"bytes": total, "seconds": seconds, "gb_per_s": total / seconds / 1e9}
+
+
+def start_once(args: argparse.Namespace, flags: list[str], env: dict[str, str],
+               log_path: Path) -> dict[str, Any]:
+    import httpx
+
+    port = harness.free_port()
+    cmd = [*shlex.split(args.server_cmd), "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--model", str(args.model), *flags, *shlex.split(args.serve_args)]
+    harness.log(f"launching: {shlex.join(cmd)}")
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        spawned = time.perf_counter()
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = spawned + args.timeout
+            while True:
+                if process.poll() is not None:
+                    raise SystemExit(f"server exited with {process.returncode}; see {log_path}")
+                if time.perf_counter() > deadline:
+                    raise SystemExit(f"not ready after {args.timeout}s; see {log_path}")
+                try:
+                    if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)  # polling a child's readiness: 50 ms resolution
+            wall = time.perf_counter() - spawned
+            samples = harness.scrape_metrics(url)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    phases = {name: samples.get(f'ditserve:start_phase_seconds{{phase="{name}"}}')
+              for name in PHASES}
+    return {"ready_s": wall, "engine_ready_s": samples.get("ditserve:start_to_ready_seconds"),
+            "phases": {k: v for k, v in phases.items() if v is not None}}
+
+
+def table(rows: list[tuple[str, dict[str, Any]]], floor: dict[str, float]) -> str:
+    shown = [p for p in PHASES if any(p in r["phases"] for _, r in rows)]
+    head = ["variant", "ready", *shown, "floor", "ready/floor"]
+    body = []
+    for name, r in rows:
+        body.append([name, f"{r['ready_s']:.2f}",
+                     *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in shown),
+                     f"{floor['seconds']:.2f}", f"{r['ready_s'] / floor['seconds']:.1f}x"])
+    return "\n".join(harness.md_table(head, body))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, required=True, help="diffusers model directory")
+    p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["dlo", "resident"])
+    p.add_argument("--server-cmd", default=f"{sys.executable} -m ditserve.engine.cli")
+    p.add_argument("--serve-args", default="", help="more `ditserve serve` flags")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds to ready, per start")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    floor = read_floor(a.model)
+    harness.log(f"floor: {floor['bytes'] / 2**30:.1f} GiB read once in {floor['seconds']:.2f}s "
+                f"({floor['gb_per_s']:.1f} GB/s)")
+    logs = Path(tempfile.mkdtemp(prefix="cold-start-"))
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for variant in a.variants:
+        env = dict(os.environ)
+        runs = [variant]
+        if variant == "compile":
+            # A fresh node cache: the first start compiles and saves, the second loads.
+            root = logs / "cache"
+            (root / "v1").mkdir(parents=True, exist_ok=True)
+            env["DITSERVE_CACHE_ROOT"] = str(root)
+            runs = ["compile", "compile-2nd"]
+        for run in runs:
+            rows.append((run, start_once(a, VARIANTS[variant], env, logs / f"{run}.log")))
+            harness.log(f"{run}: ready in {rows[-1][1]['ready_s']:.2f}s")
+    print(table(rows, floor))
+    if a.out is not None:
+        a.out.write_text(json.dumps({"floor": floor, "runs": dict(rows)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""``hf://org/repo[@revision]``: a model repository on a Hugging Face hub.
+
+Resolves the revision to a commit and lists its files with their digests (LFS SHA-256, else
+the git blob id) through ``HfApi``; downloads with ``snapshot_download`` into the pull's
+partial folder (``local_dir``: huggingface_hub keeps unfinished files there and resumes them
+with range requests, ``max_workers`` files at a time). ``$HF_ENDPOINT`` is honoured (read at
+pull time, so a mirror or a test fixture works), the token comes from the request or
+``$HF_TOKEN``. The hub's errors become the cache's: 404 -> ModelNotFoundError, 401/403 and
+gated repos -> ModelAccessError. Called through ``sources.source_for`` by ``pulls``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ditserve.cachectl.errors import ModelAccessError, ModelNotFoundError, ModelSourceError
+from ditserve.cachectl.model_uri import ModelUri
+from ditserve.cachectl.sources import Credentials, RemoteFile, Snapshot
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+class HubSource:
+    def __init__(self, uri: ModelUri, credentials: Credentials) -> None:
+        self.uri = uri
+        self.token = credentials.hf_token or None  # None: huggingface_hub reads $HF_TOKEN
+        self.endpoint = (credentials.hf_endpoint or os.environ.get("HF_ENDPOINT")
+                         or DEFAULT_ENDPOINT).rstrip("/")
+
+    @contextlib.contextmanager
+    def _hub_errors(self) -> Iterator[None]:
+        from huggingface_hub import constants
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            OfflineModeIsEnabled,
+            RemoteEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        uri = str(self.uri)
+        if constants.HF_HUB_OFFLINE:
+            raise ModelSourceError(uri, "HF_HUB_OFFLINE is set in this process; unset it (or "
+                                        "set HF_HUB_OFFLINE=0) to download")
+        try:
+            yield
+        except GatedRepoError as e:
+            raise ModelAccessError(uri, "the repository is gated: accept its terms on the hub "
+                                        "with the account whose token you pass (HF_TOKEN)") from e
+        except RevisionNotFoundError as e:
+            raise ModelNotFoundError(uri, f"revision {self.uri.revision!r} does not exist in "
+                                          f"{self.uri.repo} on {self.endpoint}") from e
+        except RepositoryNotFoundError as e:
+            if _status(e) == 401:
+                raise ModelAccessError(uri, f"{self.endpoint} refused access (401): the "
+                                            "repository is private or does not exist; pass a "
+                                            "token that may read it (HF_TOKEN)") from e
+            raise ModelNotFoundError(uri, f"no repository {self.uri.repo} on {self.endpoint} "
+                                          "(404)") from e
+        except RemoteEntryNotFoundError as e:
+            raise ModelNotFoundError(uri, f"a listed file is gone from the hub (404): {e}") from e
+        except HfHubHTTPError as e:
+            code = _status(e)
+            if code in (401, 403):
+                raise ModelAccessError(uri, f"{self.endpoint} refused the token ({code}); pass "
+                                            "a token that may read the repository") from e
+            raise ModelSourceError(uri, f"the hub answered {code}: {e}") from e
+        except OfflineModeIsEnabled as e:
+            raise ModelSourceError(uri, f"huggingface_hub is in offline mode: {e}") from e
+
+    def resolve(self) -> Snapshot:
+        from huggingface_hub import HfApi
+        from huggingface_hub.hf_api import RepoFile
+
+        api = HfApi(endpoint=self.endpoint, token=self.token)
+        with self._hub_errors():
+            info = api.model_info(self.uri.repo, revision=self.uri.revision)
+            commit = info.sha
+            if not commit:
+                raise ModelSourceError(str(self.uri), "the hub named no commit for the revision")
+            files = [_remote_file(f) for f in api.list_repo_tree(
+                self.uri.repo, recursive=True, revision=commit) if isinstance(f, RepoFile)]
+        identity = {"schema": 1, "source": "hf", "repo": self.uri.repo, "revision": commit}
+        return Snapshot(str(self.uri), identity, commit, files)
+
+    def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int) -> None:
+        from huggingface_hub import snapshot_download
+
+        with self._hub_errors():
+            snapshot_download(self.uri.repo, revision=snapshot.revision, local_dir=model_dir,
+                              token=self.token, endpoint=self.endpoint, max_workers=workers,
+                              tqdm_class=_silent_tqdm())
+
+
+def _status(e: Any) -> int | None:
+    response = getattr(e, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _remote_file(f: Any) -> RemoteFile:
+    if f.lfs is not None:
+        return RemoteFile(f.path, int(f.lfs.size), {"algorithm": "sha256", "value": f.lfs.sha256})
+    return RemoteFile(f.path, int(f.size), {"algorithm": "git-sha1", "value": f.blob_id})
+
+
+def _silent_tqdm() -> Any:
+    """huggingface_hub's bars stay quiet: ``pulls`` reports progress from the bytes on disk."""
+    from tqdm.auto import tqdm
+
+    class Silent(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Silent

@@ -1,0 +1,250 @@
+"""Pulled model entries: ``<root>/v1/models/<key>/{model/, manifest.json}``.
+
+A pulled entry is a model folder exactly as its source holds it (a diffusers directory, a
+single checkpoint, GGUF ...), downloaded by ``cachectl pull`` and published like a runtime
+entry: written in ``.partial/<key>/``, hashed, fsynced, renamed into ``v1/models`` under the
+key's build lock. Its key is the SHA-256 of the canonical JSON of its identity (the source URI
+and what pins its content: the hub commit, or the S3 listing's ETags), so it is known before
+a byte is downloaded and concurrent pulls of one source meet on one lock.
+
+This module owns the manifest (per file: size, SHA-256, and the digest the source published),
+publishing a finished partial directory, the cheap structure check a join does, and the full
+re-hash ``cachectl verify`` does. Called by ``pulls`` and the CLI's verify and list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import stat
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ditserve.cachectl.errors import CORRUPT, UNREADABLE, Problem, entry_error
+from ditserve.cachectl.layout import Layout
+
+SCHEMA = 1
+MODEL_DIR = "model"  # the model folder inside an entry (the source may hold a manifest.json)
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20
+
+
+def canonical(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def model_key(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical(identity)).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:  # hashlib releases the GIL: files hash in parallel threads
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+@dataclass(frozen=True)
+class PulledFile:
+    name: str  # relative to model/, '/'-separated
+    size: int
+    sha256: str
+    source_digest: dict[str, str] | None  # {"algorithm": ..., "value": ...} as published
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "sha256": self.sha256,
+                "source_digest": self.source_digest}
+
+
+@dataclass(frozen=True)
+class PulledModel:
+    """A published pulled entry. ``model_dir`` is what an engine's ``--model`` names."""
+
+    key: str
+    path: Path
+    uri: str
+    revision: str | None
+    total_bytes: int
+    downloaded: bool  # False: it was already there (this pull only joined it)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / MODEL_DIR
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": "ready", "key": self.key, "path": str(self.path),
+                "model_dir": str(self.model_dir), "uri": self.uri, "revision": self.revision,
+                "bytes": self.total_bytes, "downloaded": self.downloaded}
+
+
+def manifest_doc(key: str, identity: dict[str, Any], files: list[PulledFile],
+                 uri: str) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "schema": SCHEMA, "kind": "model", "key": key, "identity": identity, "uri": uri,
+        "files": [f.to_json() for f in sorted(files, key=lambda f: f.name)],
+        "total_bytes": sum(f.size for f in files),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "writer": f"cachectl pid {os.getpid()} on {socket.gethostname()}"}
+    doc["manifest_digest"] = hashlib.sha256(canonical(doc)).hexdigest()
+    return doc
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def local_files(model_dir: Path) -> dict[str, Path]:
+    """Every regular file under ``model_dir`` by its '/'-separated relative name."""
+    found: dict[str, Path] = {}
+    for dirpath, _dirs, names in os.walk(model_dir):
+        for name in names:
+            p = Path(dirpath, name)
+            found[p.relative_to(model_dir).as_posix()] = p
+    return found
+
+
+def hash_files(paths: dict[str, Path], *, threads: int | None = None) -> dict[str, str]:
+    """SHA-256 of each file, files spread over threads."""
+    workers = threads or max(1, len(os.sched_getaffinity(0)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cachectl-hash") as pool:
+        digests = pool.map(file_sha256, paths.values())
+        return dict(zip(paths, digests, strict=True))
+
+
+def publish_partial(layout: Layout, key: str, identity: dict[str, Any],
+                    files: list[PulledFile], uri: str) -> Path:
+    """Make ``.partial/<key>/`` the published entry: write its manifest, make it read-only,
+    fsync everything, rename it into ``v1/models`` and fsync that. Caller holds the key's
+    build lock and has checked every file."""
+    partial = layout.partial(key)
+    model_dir = partial / MODEL_DIR
+    for name in (f.name for f in files):
+        path = model_dir / name
+        os.chmod(path, 0o444)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    manifest = partial / MANIFEST
+    manifest.write_text(json.dumps(manifest_doc(key, identity, files, uri), indent=1, sort_keys=True))
+    os.chmod(manifest, 0o444)
+    with open(manifest, "rb") as f:
+        os.fsync(f.fileno())
+    for dirpath, _dirs, _names in os.walk(partial):
+        _fsync_dir(Path(dirpath))
+    layout.models.mkdir(parents=True, exist_ok=True)
+    target = layout.model(key)
+    os.rename(partial, target)  # atomic: readers see all of the entry or nothing
+    _fsync_dir(layout.models)
+    return target
+
+
+def read_manifest(entry: Path) -> dict[str, Any]:
+    """The manifest, checked for self-consistency (digest, key, names); ValueError if not."""
+    doc = json.loads((entry / MANIFEST).read_text())
+    if not isinstance(doc, dict) or doc.get("kind") != "model" or doc.get("schema") != SCHEMA:
+        raise ValueError("not a pulled-model manifest of schema 1")
+    body = {k: v for k, v in doc.items() if k != "manifest_digest"}
+    if hashlib.sha256(canonical(body)).hexdigest() != doc.get("manifest_digest"):
+        raise ValueError("manifest_digest does not match the manifest (edited)")
+    if model_key(doc["identity"]) != doc["key"] or doc["key"] != entry.name:
+        raise ValueError("the key does not match the identity or the directory name")
+    for f in doc["files"]:
+        name = f["name"]
+        if name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/")):
+            raise ValueError(f"file name {name!r} leaves the entry")
+    return doc
+
+
+def check_model_entry(entry: Path, *, full: bool,
+                      on_file: Callable[[str], None] | None = None) -> list[Problem]:
+    """What is wrong with a pulled entry: structure (manifest, the exact file set, regular
+    files, sizes) always; with ``full`` every file's SHA-256 too. Never repairs anything."""
+    key = entry.name
+    if entry.is_symlink() or not entry.is_dir():
+        return [Problem(key, None, "not a directory (a symlink is never followed)")]
+    try:
+        doc = read_manifest(entry)
+    except PermissionError as e:
+        return [Problem(key, MANIFEST, f"unreadable: {e}", UNREADABLE)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [Problem(key, MANIFEST, f"manifest unreadable or inconsistent: {e}")]
+    model_dir = entry / MODEL_DIR
+    expected = {f["name"]: f for f in doc["files"]}
+    present = local_files(model_dir) if model_dir.is_dir() else {}
+    problems = [Problem(key, f"{MODEL_DIR}/{n}", "missing") for n in sorted(set(expected) - set(present))]
+    problems += [Problem(key, f"{MODEL_DIR}/{n}", "unexpected file")
+                 for n in sorted(set(present) - set(expected))]
+    to_hash: dict[str, Path] = {}
+    for name in sorted(set(expected) & set(present)):
+        st = present[name].lstat()
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(Problem(key, f"{MODEL_DIR}/{name}", "not a regular file"))
+        elif st.st_size != expected[name]["size"]:
+            problems.append(Problem(key, f"{MODEL_DIR}/{name}",
+                                    f"size {st.st_size}, manifest says {expected[name]['size']}"))
+        else:
+            to_hash[name] = present[name]
+    if full and to_hash:
+        try:
+            digests = hash_files(to_hash)
+        except PermissionError as e:
+            return [*problems, Problem(key, None, f"unreadable: {e}", UNREADABLE)]
+        for name, digest in digests.items():
+            if on_file is not None:
+                on_file(name)
+            if digest != expected[name]["sha256"]:
+                problems.append(Problem(key, f"{MODEL_DIR}/{name}",
+                                        f"SHA-256 mismatch: {digest}, manifest says "
+                                        f"{expected[name]['sha256']}", CORRUPT))
+    return problems
+
+
+def find_published(layout: Layout, key: str, uri: str) -> PulledModel | None:
+    """The published entry of ``key`` (a join: its structure is checked, not re-hashed);
+    None if there is none. One whose structure is wrong is refused, never pulled over."""
+    entry = layout.model(key)
+    if not entry.exists() and not entry.is_symlink():
+        return None
+    problems = check_model_entry(entry, full=False)
+    if problems:
+        raise entry_error(key, problems)
+    doc = read_manifest(entry)
+    return PulledModel(key, entry, uri, doc["identity"].get("revision"), doc["total_bytes"],
+                       downloaded=False)
+
+
+@dataclass(frozen=True)
+class PulledInfo:
+    """One pulled entry on disk, for listings and the node status (structure not checked)."""
+
+    key: str
+    uri: str
+    bytes: int
+    problem: str | None = None
+
+
+def list_models(layout: Layout) -> list[PulledInfo]:
+    infos = []
+    for key in model_keys(layout):
+        try:
+            doc = json.loads((layout.model(key) / MANIFEST).read_text())
+            infos.append(PulledInfo(key, str(doc["uri"]), int(doc["total_bytes"])))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            infos.append(PulledInfo(key, "", 0, f"manifest unreadable: {e}"))
+    return infos
+
+
+def model_keys(layout: Layout) -> Iterable[str]:
+    if not layout.models.is_dir():
+        return []
+    return sorted(p.name for p in layout.models.iterdir() if not p.name.startswith("."))

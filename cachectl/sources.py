@@ -1,0 +1,90 @@
+"""What a model source hands a pull: the snapshot to fetch, and the digests to check it by.
+
+``RemoteFile`` / ``Snapshot`` are the contract between a source (``hub_source``,
+``s3_source``) and ``pulls`` (which picks the source of a URI);
+``source_digest_matches`` checks one downloaded file against what its source published
+(the hub's LFS SHA-256 or git blob SHA-1, an object's SHA-256 checksum or single-part MD5
+ETag). Called by ``pulls``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str  # relative to the model folder, '/'-separated
+    size: int
+    # {"algorithm": "sha256" | "git-sha1" | "md5" | "sha256-b64", "value": ...}; None: the
+    # source published none (a multipart S3 object without a checksum): size only
+    digest: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One immutable state of a source: ``identity`` pins its content (a hub commit, an S3
+    listing's ETags) and keys the cache entry."""
+
+    uri: str
+    identity: dict[str, Any]
+    revision: str | None
+    files: list[RemoteFile] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a pull may authenticate with, when given explicitly (the daemon gets them in the
+    request); None fields fall back to the libraries' own environment lookup
+    (HF_TOKEN, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN, AWS_REGION ...)."""
+
+    hf_token: str | None = None
+    hf_endpoint: str | None = None
+    aws_access_key_id: str | None = None
+    aws_secret_access_key: str | None = None
+    aws_session_token: str | None = None
+    aws_region: str | None = None
+    s3_endpoint: str | None = None
+
+
+class Source(Protocol):
+    def resolve(self) -> Snapshot:
+        """Ask the source what to fetch (cheap: metadata only)."""
+
+    def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int) -> None:
+        """Fetch every file of ``snapshot`` into ``model_dir``, resuming what an earlier,
+        interrupted download left there."""
+
+
+def _stream_digest(path: Path, h: Any, prefix: bytes = b"") -> Any:
+    h.update(prefix)
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h
+
+
+def source_digest_matches(path: Path, digest: dict[str, str] | None, sha256: str) -> bool:
+    """Whether the file at ``path`` (whose SHA-256 is ``sha256``) is what the source
+    published. Files without a published digest match (their size was checked)."""
+    if digest is None:
+        return True
+    algorithm, value = digest["algorithm"], digest["value"]
+    if algorithm == "sha256":
+        return sha256 == value.lower()
+    if algorithm == "sha256-b64":
+        return base64.b64decode(value).hex() == sha256
+    if algorithm == "git-sha1":  # git's blob id: SHA-1 of "blob <size>\0" + content
+        size = path.stat().st_size
+        return _stream_digest(path, hashlib.sha1(), f"blob {size}\0".encode()).hexdigest() == value
+    if algorithm == "md5":
+        return _stream_digest(path, hashlib.md5(usedforsecurity=False)).hexdigest() == value
+    raise ValueError(f"unknown digest algorithm {algorithm!r}")

@@ -1,0 +1,298 @@
+"""``cachectl pull`` against a local hub-compatible server and moto's S3 server: the entry is
+published once, checked against the source's digests and its own manifest, resumed after a
+kill, and failures (404, 401, digest, disk) say what is wrong. No network beyond 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from model_sources import FILES, HubFixture, Repo, moto_s3
+
+from ditserve.cachectl import pulls
+from ditserve.cachectl.errors import (
+    EntryCorruptError,
+    InsufficientSpaceError,
+    ModelAccessError,
+    ModelDigestError,
+    ModelNotFoundError,
+    UsageError,
+)
+from ditserve.cachectl.layout import Layout
+from ditserve.cachectl.model_uri import parse_model_uri
+from ditserve.cachectl.pulled import check_model_entry
+from ditserve.cachectl.pulls import PullRequest, pull
+from ditserve.cachectl.sources import Credentials
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubFixture]:
+    from huggingface_hub import constants
+
+    # tests/conftest.py sets HF_HUB_OFFLINE=1 for everything else; a pull is explicit network
+    # use (here only to 127.0.0.1).
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    fixture = HubFixture(repos={"org/tiny": Repo(dict(FILES)),
+                                "org/private": Repo(dict(FILES), token="hf_secret")})
+    with fixture.running() as running:
+        monkeypatch.setenv("HF_ENDPOINT", running.url)
+        yield running
+
+
+def _files(model_dir: Path) -> dict[str, bytes]:
+    return {p.relative_to(model_dir).as_posix(): p.read_bytes()
+            for p in model_dir.rglob("*") if p.is_file()}
+
+
+def _published(root: Path) -> list[str]:
+    models = Layout(root).models
+    return sorted(p.name for p in models.iterdir()) if models.is_dir() else []
+
+
+def test_uri_parsing() -> None:
+    assert parse_model_uri("hf://org/repo@v1.0").revision == "v1.0"
+    assert str(parse_model_uri("hf://org/repo")) == "hf://org/repo"
+    s3 = parse_model_uri("s3://my-bucket/models/flux")
+    assert (s3.bucket, s3.key_prefix) == ("my-bucket", "models/flux/")
+    for bad in ("http://x/y", "hf://onlyname", "hf://org/repo@..", "s3://UPPER/x", "s3://b/../x"):
+        with pytest.raises(UsageError):
+            parse_model_uri(bad)
+
+
+def test_hf_pull_publishes_an_exact_checked_copy_and_joins_it_again(hub: HubFixture,
+                                                                      tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    phases: list[str] = []
+    model = pull(root, PullRequest("hf://org/tiny"), on_phase=phases.append)
+    assert model.downloaded and model.revision == hub.repos["org/tiny"].commit
+    assert _files(model.model_dir) == FILES  # nothing of huggingface_hub's bookkeeping left
+    assert check_model_entry(model.path, full=True) == []
+    manifest = json.loads((model.path / "manifest.json").read_text())
+    by_name = {f["name"]: f for f in manifest["files"]}
+    big = "transformer/diffusion_pytorch_model.safetensors"
+    assert by_name[big]["sha256"] == hashlib.sha256(FILES[big]).hexdigest()
+    assert by_name[big]["source_digest"]["algorithm"] == "sha256"
+    assert by_name["model_index.json"]["source_digest"]["algorithm"] == "git-sha1"
+    assert {"resolving", "downloading", "checking digests", "publishing"} <= set(phases)
+    assert not any(Layout(root).partials.iterdir())  # the partial folder became the entry
+
+    served = sum(hub.gets.values())
+    again = pull(root, PullRequest("hf://org/tiny@main"))  # a branch: the same commit
+    assert (again.key, again.downloaded) == (model.key, False)
+    assert sum(hub.gets.values()) == served  # joined: not one more byte downloaded
+
+
+def test_hf_errors_say_what_is_wrong(hub: HubFixture, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    with pytest.raises(ModelNotFoundError, match="no repository org/missing"):
+        pull(root, PullRequest("hf://org/missing"))
+    with pytest.raises(ModelNotFoundError, match="revision 'nope' does not exist"):
+        pull(root, PullRequest("hf://org/tiny@nope"))
+    with pytest.raises(ModelAccessError, match="HF_TOKEN") as e:
+        pull(root, PullRequest("hf://org/private"))
+    assert e.value.reason == "Unauthorized"
+    model = pull(root, PullRequest("hf://org/private", Credentials(hf_token="hf_secret")))
+    assert _files(model.model_dir) == FILES
+
+
+def test_a_byte_corrupted_in_transit_is_downloaded_again(hub: HubFixture,
+                                                          tmp_path: Path) -> None:
+    big = "transformer/diffusion_pytorch_model.safetensors"
+    hub.corrupt[big] = 1
+    model = pull(tmp_path / "cache", PullRequest("hf://org/tiny"))
+    assert _files(model.model_dir)[big] == FILES[big]
+    assert hub.corrupt[big] == 0
+
+
+def test_a_file_corrupted_twice_fails_and_publishes_nothing(hub: HubFixture,
+                                                            tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    hub.corrupt["vae/diffusion_pytorch_model.safetensors"] = 2
+    with pytest.raises(ModelDigestError, match="vae/diffusion_pytorch_model.safetensors"):
+        pull(root, PullRequest("hf://org/tiny"))
+    assert _published(root) == []
+    # The bad file was deleted, the good ones kept: the next pull fetches only the bad one.
+    served = dict(hub.gets)
+    pull(root, PullRequest("hf://org/tiny"))
+    fetched_again = {n for n, b in hub.gets.items() if b != served.get(n, 0)}
+    assert fetched_again == {"vae/diffusion_pytorch_model.safetensors"}
+
+
+def test_verify_finds_a_byte_flipped_on_disk(hub: HubFixture, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    model = pull(root, PullRequest("hf://org/tiny"))
+    target = model.model_dir / "transformer/diffusion_pytorch_model.safetensors"
+    os.chmod(target, 0o644)
+    with open(target, "r+b") as f:
+        f.seek(1234)
+        byte = f.read(1)
+        f.seek(1234)
+        f.write(bytes([byte[0] ^ 1]))
+    problems = check_model_entry(model.path, full=True)
+    assert [p.file for p in problems] == ["model/transformer/diffusion_pytorch_model.safetensors"]
+    assert "SHA-256 mismatch" in problems[0].what
+    cli = _cli(root, "verify")
+    assert cli.returncode == 1 and "CORRUPT" in cli.stdout, cli.stdout + cli.stderr
+    # A truncated file breaks the structure: a later pull refuses it instead of pulling over.
+    os.truncate(target, 10)
+    with pytest.raises(EntryCorruptError):
+        pull(root, PullRequest("hf://org/tiny"))
+
+
+def test_disk_full_is_caught_before_downloading(hub: HubFixture, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, path: str) -> None:
+            st = real(path)
+            self.f_frsize, self.f_bavail = st.f_frsize, 1
+
+    monkeypatch.setattr(pulls.os, "statvfs", Full)
+    with pytest.raises(InsufficientSpaceError, match="cachectl gc"):
+        pull(tmp_path / "cache", PullRequest("hf://org/tiny"))
+    assert sum(hub.gets.values()) == 0
+
+
+def _cli(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ditserve.cachectl.cli", "--root", str(root),
+                           *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "0", **(env or {})})
+
+
+def _popen(root: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "ditserve.cachectl.cli", "--root", str(root),
+                             "pull", "--no-daemon", "--json", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "0"})
+
+
+@pytest.mark.slow
+def test_three_pulls_at_once_download_once(hub: HubFixture, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    hub.delay_s = 0.02  # long enough that the three overlap
+    procs = [_popen(root, "hf://org/tiny") for _ in range(3)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    assert len({r["key"] for r in results}) == 1
+    assert sorted(r["downloaded"] for r in results) == [False, False, True]
+    assert dict(hub.gets) == {name: len(data) for name, data in FILES.items()}
+
+
+@pytest.mark.slow
+def test_a_killed_pull_resumes_where_it_stopped(hub: HubFixture, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    big = "transformer/diffusion_pytorch_model.safetensors"
+    hub.delay_s = 0.1  # ~0.5 s for the big file's five 64 KiB chunks
+    proc = _popen(root, "hf://org/tiny")
+    deadline = time.monotonic() + 60
+    while hub.gets[big] < 128 * 1024 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = hub.gets[big]
+    assert 0 < first < len(FILES[big])
+    assert _published(root) == []
+    hub.delay_s = 0.0
+    done = _cli(root, "pull", "--no-daemon", "--json", "hf://org/tiny")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert (Path(result["model_dir"]) / big).read_bytes() == FILES[big]
+    # Resumed: the second pull fetched (about) only what the first had not written.
+    assert hub.gets[big] < 2 * len(FILES[big]) - 64 * 1024
+
+
+def test_cli_pull_links_the_model_and_exits_3_on_404(hub: HubFixture, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    link = tmp_path / "run" / "model"
+    ok = _cli(root, "pull", "--no-daemon", "--link", str(link), "hf://org/tiny")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("ready ") and "(downloaded)" in ok.stdout
+    assert (link / "model_index.json").read_bytes() == FILES["model_index.json"]
+    missing = _cli(root, "pull", "--no-daemon", "hf://org/gone")
+    assert missing.returncode == 3 and "no repository org/gone" in missing.stderr
+    bad = _cli(root, "pull", "ftp://x/y")
+    assert bad.returncode == 2 and "hf://org/repo" in bad.stderr
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    import boto3
+
+    with moto_s3() as env:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket="models")
+        for name, data in FILES.items():
+            client.put_object(Bucket="models", Key=f"flux/{name}", Body=data,
+                              ChecksumAlgorithm="SHA256")
+        client.put_object(Bucket="models", Key="flux-other/x.json", Body=b"{}")
+        yield client
+
+
+def _s3_credentials() -> Credentials:
+    from ditserve.cachectl.pull_command import credentials_from_env
+
+    return credentials_from_env()
+
+
+def test_s3_pull_checks_checksums_and_joins_the_same_listing(s3: object, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    model = pull(root, PullRequest("s3://models/flux", _s3_credentials()))
+    assert _files(model.model_dir) == FILES  # the prefix is a folder: flux-other stays out
+    manifest = json.loads((model.path / "manifest.json").read_text())
+    assert {f["source_digest"]["algorithm"] for f in manifest["files"]} == {"sha256-b64"}
+    assert pull(root, PullRequest("s3://models/flux/", _s3_credentials())).key == model.key
+    # A re-uploaded object changes the listing: a new entry, never a stale one.
+    s3.put_object(Bucket="models", Key="flux/model_index.json", Body=b"{}")  # type: ignore[attr-defined]
+    assert pull(root, PullRequest("s3://models/flux", _s3_credentials())).key != model.key
+
+
+def test_s3_resumes_a_partial_object_and_reports_missing_sources(s3: object,
+                                                                 tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    big = "transformer/diffusion_pytorch_model.safetensors"
+    creds = _s3_credentials()
+    from ditserve.cachectl.pulled import model_key
+    from ditserve.cachectl.s3_source import INCOMPLETE, S3Source
+
+    snapshot = S3Source(parse_model_uri("s3://models/flux"), creds).resolve()
+    partial = Layout(root).partial(model_key(snapshot.identity)) / "model" / INCOMPLETE / big
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(FILES[big][:100_000])  # what a killed pull left
+    model = pull(root, PullRequest("s3://models/flux", creds))
+    assert (model.model_dir / big).read_bytes() == FILES[big]
+    with pytest.raises(ModelNotFoundError, match="no objects under"):
+        pull(root, PullRequest("s3://models/nothing-here", creds))
+    with pytest.raises(ModelNotFoundError):
+        pull(root, PullRequest("s3://no-such-bucket/x", creds))
+
+
+def test_a_read_only_cache_joins_but_never_downloads(hub: HubFixture, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from ditserve.cachectl.errors import ReadOnlyCacheError
+
+    root = tmp_path / "cache"
+    pull(root, PullRequest("hf://org/tiny"))
+
+    def read_only(self: Layout) -> None:  # an engine pod's mount (tests run as root)
+        raise OSError(errno.EROFS, "Read-only file system", str(self.root))
+
+    monkeypatch.setattr(Layout, "create", read_only)
+    assert not pull(root, PullRequest("hf://org/tiny")).downloaded  # a join writes nothing
+    with pytest.raises(ReadOnlyCacheError, match="read-only"):
+        pull(root, PullRequest("hf://org/private", Credentials(hf_token="hf_secret")))
