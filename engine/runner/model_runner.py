@@ -86,6 +86,7 @@ class ModelRunner:
                                   and config.offload.compress == "none"),
             keep_private=weights_replaced(config),
             sharded=sharded,
+            checkpoint=config.checkpoint,
         )
         components, host_plan = loaded.components, loaded.host_plan
         try:

@@ -45,6 +45,8 @@ from ditserve.engine.weights.checkpoint_file import (
 
 log = logging.getLogger(__name__)
 
+# The allocator's alignment, which folder-loaded tensors have (see ``_own_storage``).
+ALIGNMENT = 64
 # A checkpoint's file dtype name (safetensors) -> torch dtype, for the meta shape check.
 _META_DTYPE = torch.float32
 
@@ -175,15 +177,62 @@ def _load_with_diffusers(info: CheckpointFile, base_dir: str | Path, component: 
 
     cls = dit_class(base_dir, component)
     model_for_names = _meta_model(base_dir, component)
-    state = map_keys(info.family, _read_tensors(info), model_for_names)
+    state = _own_storage(map_keys(info.family, _read_tensors(info), model_for_names))
     kwargs: dict[str, Any] = {}
     if info.format is CheckpointFormat.GGUF:
         from diffusers import GGUFQuantizationConfig
 
         kwargs["quantization_config"] = GGUFQuantizationConfig(compute_dtype=torch_type)
     # A dict already in diffusers' names: from_single_file loads it without converting.
-    return cls.from_single_file(state, config=str(base_dir), subfolder=component,
-                                torch_dtype=torch_type, **kwargs)
+    model = cls.from_single_file(state, config=str(base_dir), subfolder=component,
+                                 torch_dtype=torch_type, **kwargs)
+    if info.format is CheckpointFormat.GGUF:
+        _own_gguf_layers(model, torch_type)
+    return model
+
+
+def _own_gguf_layers(model: nn.Module, torch_type: torch.dtype) -> None:
+    """diffusers' ``GGUFLinear`` layers replaced: inside the repeated blocks by
+    ``GGUFBlockLinear`` over the same bytes (plain buffers offload can stream as stored);
+    outside them (embedders, final projection) by ordinary ``torch_type`` linears - small and
+    always resident, so dequantizing them once costs a few MB and saves their per-step
+    dequantization, and the step pipelines read the DiT's compute dtype from its first
+    parameter (the timestep embedder's)."""
+    from diffusers.quantizers.gguf.utils import GGUFLinear, dequantize_gguf_tensor
+
+    from ditserve.engine.families import declared_block_lists
+    from ditserve.engine.formats.gguf_linear import GGUFBlockLinear
+
+    lists = declared_block_lists(type(model).__name__) or ()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, GGUFLinear):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if not hasattr(module.weight, "quant_type"):
+            continue  # a layer the file stores unquantized stays as diffusers built it
+        if any(name.startswith(f"{b}.") for b in lists):
+            setattr(parent, child, GGUFBlockLinear.from_gguf_linear(module))
+            continue
+        linear = nn.Linear(module.in_features, module.out_features,
+                           bias=module.bias is not None, device="meta")
+        linear.weight = nn.Parameter(dequantize_gguf_tensor(module.weight).to(torch_type),
+                                     requires_grad=False)
+        if module.bias is not None:
+            linear.bias = nn.Parameter(module.bias.data.to(torch_type), requires_grad=False)
+        setattr(parent, child, linear)
+
+
+def _own_storage(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor in its own aligned allocation, as a diffusers folder's load gives them: a
+    row slice of a fused tensor (q, k, v out of ``qkv``) is a view at an offset and
+    safetensors' ``load_file`` returns tensors 8-byte aligned, and CPU matmul kernels take
+    another path for such pointers, so outputs would differ from the folder's in the last bit.
+    One tensor at a time, so the copies never double the whole model."""
+    for key, tensor in state.items():
+        if tensor.data_ptr() % ALIGNMENT or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            state[key] = tensor.clone()
+    return state
 
 
 def _load_fp8(info: CheckpointFile, base_dir: str | Path, component: str,
@@ -210,15 +259,15 @@ def _load_fp8(info: CheckpointFile, base_dir: str | Path, component: str,
         bias = state.pop(f"{name}.bias", None)
         layer = FP8Linear(module.in_features, module.out_features,
                           bias=None if bias is None else nn.Parameter(
-                              bias.to(torch_type), requires_grad=False))
+                              bias.to(torch_type).clone(), requires_grad=False))
         layer.weight_fp8.copy_(q)
         layer.weight_scale.copy_(scale)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         layers += 1
     cls = type(model)
-    cast = {k: v.to(torch.float32 if keeps_float32(cls, k) else torch_type)
-            for k, v in state.items()}
+    cast = _own_storage({k: v.to(torch.float32 if keeps_float32(cls, k) else torch_type)
+                         for k, v in state.items()})
     model.load_state_dict(cast, strict=False, assign=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
