@@ -65,7 +65,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str,
         state, quantized = _stored_state(src, component), 0
     state = _file_names(family, state)
     if to.startswith("gguf:"):
-        quantized = _write_gguf(state, dst, qtype=to.split(":", 1)[1], arch=family)
+        quantized = write_gguf(state, dst, qtype=to.split(":", 1)[1], arch=family)
     else:
         from safetensors.torch import save_file
 
@@ -141,7 +141,9 @@ def _file_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def _write_gguf(state: dict[str, torch.Tensor], dst: Path, *, qtype: str, arch: str) -> int:
+def write_gguf(state: dict[str, torch.Tensor], dst: Path, *, qtype: str, arch: str) -> int:
+    """``state`` as a GGUF file of ``qtype`` under its own names (module docstring's rules for
+    which tensors quantize); returns how many did."""
     import gguf
 
     from ditserve.engine.formats.gguf_quant import quantize
