@@ -19,6 +19,8 @@ writes as they are. Called by the CLI (``engine.cli_convert``), benchmarks and t
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,29 +143,39 @@ def _file_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def write_gguf(state: dict[str, torch.Tensor], dst: Path, *, qtype: str, arch: str) -> int:
+def write_gguf(state: dict[str, torch.Tensor], dst: Path, *, qtype: str, arch: str,
+               threads: int | None = None) -> int:
     """``state`` as a GGUF file of ``qtype`` under its own names (module docstring's rules for
-    which tensors quantize); returns how many did."""
+    which tensors quantize); returns how many did. ``threads``: tensors quantized at once
+    (numpy releases the GIL in its array loops; default: the CPU count)."""
     import gguf
 
     from ditserve.engine.formats.gguf_quant import quantize
 
     target = gguf.GGMLQuantizationType[qtype]
     block, _ = gguf.GGML_QUANT_SIZES[target]
+
+    def encode(tensor: torch.Tensor) -> tuple[Any, gguf.GGMLQuantizationType | None]:
+        values: Any = tensor.float().numpy()
+        if tensor.dim() < 2 or tensor.numel() <= SMALL_TENSOR:
+            return values.astype("float32"), None
+        if tensor.shape[-1] % block == 0:
+            return quantize(values, qtype), target
+        return values.astype("float16"), None
+
     writer = gguf.GGUFWriter(path=None, arch=arch)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_file_type(_FILE_TYPES[qtype])
-    quantized = 0
-    for name, tensor in state.items():
-        values: Any = tensor.float().numpy()
-        if tensor.dim() < 2 or tensor.numel() <= SMALL_TENSOR:
-            writer.add_tensor(name, values.astype("float32"))
-        elif tensor.shape[-1] % block == 0:
-            data = quantize(values, qtype)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=target)
-            quantized += 1
-        else:
-            writer.add_tensor(name, values.astype("float16"))
+    names = list(state)
+    with ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
+        encoded = pool.map(encode, (state[n] for n in names))
+        quantized = 0
+        for name, (data, raw_type) in zip(names, encoded, strict=True):
+            if raw_type is None:
+                writer.add_tensor(name, data)
+            else:
+                writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=raw_type)
+                quantized += 1
     writer.write_header_to_file(path=dst)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
