@@ -43,6 +43,8 @@ _DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MANAGED_FLAGS: dict[str, tuple[str, str]] = {
     "config": ("--config", "the operator (ConfigMap <name>-engine)"),
     "model": ("--model", "model.hostPath or model.persistentVolumeClaim"),
+    "base_model": ("--base-model", "model.hostPath or model.persistentVolumeClaim (with "
+                                   "model.checkpoint: the volume is the base model)"),
     "dtype": ("--dtype", "model.dtype"),
     "device": ("--device", "the operator (one GPU per rank)"),
     "compile": ("--compile", "compile.enabled and compile.backend"),
@@ -106,6 +108,8 @@ def engine_mapping(spec: DeploymentSpec) -> dict[str, Any]:
         },
         "compile": spec.compile.backend if spec.compile.enabled else None,
     }
+    if spec.model.checkpoint is not None:  # a file in the volume; the volume is its base
+        mapping["checkpoint"] = f"{MODEL_MOUNT_PATH}/{spec.model.checkpoint}"
     if spec.offload.slots is not None:  # unset: the engine picks per mode
         mapping["offload"]["slots"] = spec.offload.slots
     if spec.offload.hbm_budget_gib is not None:  # the whole pipeline's budget, or "auto"
