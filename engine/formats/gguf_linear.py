@@ -13,14 +13,34 @@ plain torch ops, so they run on CPU and CUDA alike), then ``weight.to(compute_dt
 ``F.linear``, as ``GGUFLinear.forward_native`` - so a DiT of these layers equals diffusers' own
 GGUF loading of the same file.
 
-Built by ``weights.dit_file`` from a GGUF-loaded DiT; run inside the DiT's blocks.
+Built by ``weights.dit_file`` from a GGUF-loaded DiT (with diffusers' dequantizer for the
+type: this leaf package imports neither diffusers nor gguf); run inside the DiT's blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# (blocks (n, type_size) uint8, block_size, type_size) -> values (n, block_size)
+BlockDequantizer = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GGUFQuant:
+    """One GGUF tensor type: its name and id, its block geometry (values and bytes per block)
+    and the torch function that dequantizes its blocks (the caller's: diffusers'; this leaf
+    package imports no loader)."""
+
+    name: str
+    type_id: int
+    block_size: int
+    type_size: int
+    dequantize: BlockDequantizer
 
 
 class GGUFBlockLinear(nn.Module):
@@ -29,36 +49,23 @@ class GGUFBlockLinear(nn.Module):
     weight_q: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, *, weight_q: torch.Tensor,
-                 quant_type: int, bias: nn.Parameter | None,
+                 quant: GGUFQuant, bias: nn.Parameter | None,
                  compute_dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.quant_type = quant_type
+        self.quant = quant
         self.compute_dtype = compute_dtype
         self.register_buffer("weight_q", weight_q)
         self.bias = bias
 
-    @classmethod
-    def from_gguf_linear(cls, layer: nn.Module) -> GGUFBlockLinear:
-        """The same layer over the same bytes (diffusers' ``GGUFLinear`` in, no copy)."""
-        weight = layer.weight
-        return cls(layer.in_features, layer.out_features,
-                   weight_q=weight.as_tensor().detach().view(torch.uint8),
-                   quant_type=int(weight.quant_type), bias=layer.bias,
-                   compute_dtype=layer.compute_dtype)
-
     def dequantized_weight(self) -> torch.Tensor:
         """The (out, in) weight these bytes stand for, in the dequantizer's float dtype."""
-        from diffusers.quantizers.gguf.utils import GGML_QUANT_SIZES, dequantize_functions
-        from gguf import GGMLQuantizationType
-
-        qtype = GGMLQuantizationType(self.quant_type)
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        q = self.quant
         # (rows, bytes) -> (blocks, bytes per block) -> values -> (rows, in_features)
-        blocks = self.weight_q.reshape(-1, type_size)
-        values = dequantize_functions[qtype](blocks, block_size, type_size)
-        return values.reshape(self.out_features, self.in_features)
+        blocks = self.weight_q.reshape(-1, q.type_size)
+        return q.dequantize(blocks, q.block_size, q.type_size).reshape(
+            self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dequantized_weight().to(self.compute_dtype)
@@ -66,7 +73,5 @@ class GGUFBlockLinear(nn.Module):
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
-        from gguf import GGMLQuantizationType
-
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"quant={GGMLQuantizationType(self.quant_type).name}")
+                f"quant={self.quant.name}")

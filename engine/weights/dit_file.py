@@ -201,7 +201,6 @@ def _own_gguf_layers(model: nn.Module, torch_type: torch.dtype) -> None:
     from diffusers.quantizers.gguf.utils import GGUFLinear, dequantize_gguf_tensor
 
     from ditserve.engine.families import declared_block_lists
-    from ditserve.engine.formats.gguf_linear import GGUFBlockLinear
 
     lists = declared_block_lists(type(model).__name__) or ()
     for name, module in list(model.named_modules()):
@@ -212,7 +211,7 @@ def _own_gguf_layers(model: nn.Module, torch_type: torch.dtype) -> None:
         if not hasattr(module.weight, "quant_type"):
             continue  # a layer the file stores unquantized stays as diffusers built it
         if any(name.startswith(f"{b}.") for b in lists):
-            setattr(parent, child, GGUFBlockLinear.from_gguf_linear(module))
+            setattr(parent, child, block_linear(module))
             continue
         linear = nn.Linear(module.in_features, module.out_features,
                            bias=module.bias is not None, device="meta")
@@ -221,6 +220,29 @@ def _own_gguf_layers(model: nn.Module, torch_type: torch.dtype) -> None:
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.data.to(torch_type), requires_grad=False)
         setattr(parent, child, linear)
+
+
+def gguf_quant(quant_type: Any) -> Any:
+    """The ``formats.gguf_linear.GGUFQuant`` of a GGUF type, with diffusers' dequantizer."""
+    from diffusers.quantizers.gguf.utils import GGML_QUANT_SIZES, dequantize_functions
+    from gguf import GGMLQuantizationType
+
+    from ditserve.engine.formats.gguf_linear import GGUFQuant
+
+    qtype = GGMLQuantizationType(int(quant_type))
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return GGUFQuant(qtype.name, int(qtype), block_size, type_size, dequantize_functions[qtype])
+
+
+def block_linear(layer: nn.Module) -> nn.Module:
+    """diffusers' ``GGUFLinear`` as a ``GGUFBlockLinear`` over the same bytes (no copy)."""
+    from ditserve.engine.formats.gguf_linear import GGUFBlockLinear
+
+    weight: Any = layer.weight
+    return GGUFBlockLinear(layer.in_features, layer.out_features,
+                           weight_q=weight.as_tensor().detach().view(torch.uint8),
+                           quant=gguf_quant(weight.quant_type), bias=layer.bias,
+                           compute_dtype=layer.compute_dtype)
 
 
 def _own_storage(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

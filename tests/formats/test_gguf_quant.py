@@ -61,12 +61,13 @@ def test_block_linear_equals_diffusers_dequantization(qtype: str) -> None:
     from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
 
     from ditserve.engine.formats.gguf_linear import GGUFBlockLinear
+    from ditserve.engine.weights.dit_file import gguf_quant
 
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((8, QK_K)) * 0.1).astype(np.float32)
     packed = torch.from_numpy(quantize(w, qtype))
     q = gguf.GGMLQuantizationType[qtype]
-    layer = GGUFBlockLinear(QK_K, 8, weight_q=packed, quant_type=int(q), bias=None,
+    layer = GGUFBlockLinear(QK_K, 8, weight_q=packed, quant=gguf_quant(q), bias=None,
                             compute_dtype=torch.float32)
     expected = dequantize_gguf_tensor(GGUFParameter(packed, quant_type=q))
     assert torch.equal(layer.dequantized_weight(), expected)

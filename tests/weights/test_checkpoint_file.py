@@ -114,7 +114,7 @@ def test_gguf_type_diffusers_cannot_dequantize_is_refused(tmp_path: Path) -> Non
 def test_gguf_types_are_diffusers_supported_ones() -> None:
     from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
 
-    assert GGUF_TYPES == {t.name for t in SUPPORTED_GGUF_QUANT_TYPES} | {"F32", "F16"}
+    assert {t.name for t in SUPPORTED_GGUF_QUANT_TYPES} | {"F32", "F16"} == GGUF_TYPES
 
 
 def test_file_of_other_shapes_is_refused_with_key_and_both_shapes(
@@ -131,8 +131,8 @@ def test_file_of_other_shapes_is_refused_with_key_and_both_shapes(
 
 
 def test_file_of_no_known_family_is_refused(tmp_path: Path) -> None:
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     path = tmp_path / "unet.safetensors"
     save_file({"down_blocks.0.conv.weight": torch.zeros(2, 2)}, str(path))
