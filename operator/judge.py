@@ -190,6 +190,15 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     return config, server
 
 
+def checkpoint_problems(spec: DeploymentSpec) -> list[str]:
+    """``model.checkpoint`` must stay inside the model volume (the engine judges the rest)."""
+    path = spec.model.checkpoint
+    if path is not None and (path.startswith("/") or ".." in path.split("/")):
+        return ["model.checkpoint is a file inside the model volume: a relative path without "
+                f"'..', got {path!r}"]
+    return []
+
+
 def validate(data: Mapping[str, Any] | None, *, name: str | None = None,
              policy: AdminPolicy | None = None) -> tuple[DeploymentSpec, EngineConfig]:
     """Every judgement at once: the name (when given), the spec's shape, the admin's policy
@@ -207,7 +216,7 @@ def validate(data: Mapping[str, Any] | None, *, name: str | None = None,
         problems.append(f"metadata.name must be at most {MAX_MULTI_NODE_NAME} characters when a "
                         "replica spans nodes (the LeaderWorkerSet's StatefulSets are named "
                         f"<name>{LWS_SUFFIX}-<group>), got {len(name)}")
-    problems += policy.problems(spec)
+    problems += policy.problems(spec) + checkpoint_problems(spec)
     if problems:
         raise InvalidSpecError("invalid DiffusionDeployment:\n  - " + "\n  - ".join(problems))
     spec = policy.resolve(spec)

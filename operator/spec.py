@@ -54,9 +54,7 @@ class ModelSpec:
     size_gib: float | None = None
     encoder_size_gib: float = 0.0  # text encoders' weights: pinned per rank under offload
     attention_heads: int | None = None  # the DiT's head count, if the user declares it
-    # A DiT checkpoint file (single-file, GGUF, FP8) inside the model volume, relative to it;
-    # the volume's diffusers folder is then its base model (engine --model FILE --base-model).
-    checkpoint: str | None = None
+    checkpoint: str | None = None  # a DiT file in the volume, relative (the volume: its base)
 
 
 @dataclass(frozen=True)
@@ -317,13 +315,6 @@ def _cross_field_problems(spec: DeploymentSpec) -> list[str]:
         out.append(f"model.hostPath must be an absolute path, got {spec.model.host_path!r}")
     if ".." in spec.model.sub_path.split("/") or spec.model.sub_path.startswith("/"):
         out.append("model.persistentVolumeClaim.subPath must be relative and must not contain '..'")
-    checkpoint = spec.model.checkpoint
-    if checkpoint is not None and (checkpoint.startswith("/") or ".." in checkpoint.split("/")):
-        out.append("model.checkpoint is a file inside the model volume: a relative path without "
-                   f"'..', got {checkpoint!r}")
-    if checkpoint is not None and spec.offload.runtime_cache:
-        out.append("model.checkpoint and offload.runtimeCache.enabled do not combine (the runtime "
-                   "cache stores the base folder's DiT, not the file's)")
     if spec.offload.enabled and spec.model.size_gib is None:
         out.append("offload.enabled needs model.sizeGiB (the operator sizes host memory from it)")
     if spec.offload.runtime_cache and not spec.cache.enabled:

@@ -84,9 +84,7 @@ class ModelRunner:
             sp_size=config.parallel.sequence_parallel_size,
             streams_from_mapping=(self.device.type == "cuda" and not sharded
                                   and config.offload.compress == "none"),
-            keep_private=weights_replaced(config),
-            sharded=sharded,
-            checkpoint=config.checkpoint,
+            keep_private=weights_replaced(config), sharded=sharded, checkpoint=config.checkpoint,
         )
         components, host_plan = loaded.components, loaded.host_plan
         try:

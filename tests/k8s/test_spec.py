@@ -132,6 +132,6 @@ def test_model_checkpoint_names_a_file_in_the_model_volume() -> None:
     for bad in ("/etc/passwd", "../other/flux.gguf"):
         with pytest.raises(InvalidSpecError, match="model.checkpoint is a file inside"):
             validate({"model": {"hostPath": "/mnt/models/flux", "checkpoint": bad}})
-    with pytest.raises(InvalidSpecError, match="runtimeCache"):
+    with pytest.raises(InvalidSpecError, match="runtime cache stores the base model's DiT"):
         validate({"model": {**base["model"], "sizeGiB": 13},
                   "offload": {"enabled": True, "runtimeCache": {"enabled": True}}})
