@@ -128,9 +128,10 @@ def map_keys(family: str, checkpoint: dict[str, Any], model: nn.Module) -> dict[
         return dict(checkpoint)
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
-    mapping: Callable[..., dict[str, Any]] = (
-        SINGLE_FILE_LOADABLE_CLASSES[type(model).__name__]["checkpoint_mapping_fn"])
-    return mapping(checkpoint=dict(checkpoint), config=dict(model.config))
+    classes: Any = SINGLE_FILE_LOADABLE_CLASSES
+    mapping: Callable[..., dict[str, Any]] = classes[type(model).__name__]["checkpoint_mapping_fn"]
+    config: Any = model.config
+    return mapping(checkpoint=dict(checkpoint), config=dict(config))
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -53,7 +53,7 @@ _DOUBLE_NORMS = [
     ("attn.norm_added_k.weight", "txt_attn.norm.key_norm.scale"),
 ]
 # Fused in BFL: (BFL name, the diffusers parts in row order).
-_DOUBLE_FUSED = [
+_DOUBLE_FUSED: list[tuple[str, tuple[str, ...]]] = [
     ("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
     ("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
 ]
@@ -62,7 +62,7 @@ _SINGLE_NORMS = [
     ("attn.norm_q.weight", "norm.query_norm.scale"),
     ("attn.norm_k.weight", "norm.key_norm.scale"),
 ]
-_SINGLE_FUSED = ("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))
+_SINGLE_FUSED: tuple[str, tuple[str, ...]] = ("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))
 # The final modulation: BFL stores (shift, scale), diffusers (scale, shift).
 _SWAPPED = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 _PARAMS = ("weight", "bias")
