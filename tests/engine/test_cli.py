@@ -11,7 +11,7 @@ from ditserve.engine.cli_options import engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {
-    "--model", "--dtype", "--device", "--compile", "--max-num-seqs", "--max-batch-tokens",
+    "--model", "--base-model", "--dtype", "--device", "--compile", "--max-num-seqs", "--max-batch-tokens",
     "--max-bypass",
     "--max-queue", "--offload", "--dlo-slots", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",

@@ -152,3 +152,14 @@ def test_cli_refuses_a_truncated_file_before_loading(tiny_model_dir: Path,
     err = capsys.readouterr().err
     assert str(cut) in err and "truncated" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_file_where_a_directory_is_needed_says_what_to_do(
+        files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ditserve.cachectl.cli import main as cachectl_main
+
+    code = cachectl_main(["build", "--model", str(files["gguf:Q8_0"]),
+                          "--root", str(tmp_path / "cache")])
+    assert code != 0
+    err = capsys.readouterr().err
+    assert "is a file, not a diffusers directory" in err and "--base-model" in err
