@@ -115,6 +115,9 @@ def checkpoint_problems(config: EngineConfig) -> list[str]:
         out.append("a checkpoint file's DiT keeps the form it is stored in (GGUF, FP8 or "
                    "--dtype); drop --quantization, or convert the file "
                    "(ditserve model convert --to fp8)")
+    if config.adapters.fuse:
+        out.append("--lora-fuse merges an adapter into dense weights, which a checkpoint file's "
+                   "GGUF or FP8 layers are not; serve adapters unfused (drop --lora-fuse)")
     if config.offload.enabled and config.offload.runtime_cache:
         out.append("the runtime cache stores the base model's DiT, not a checkpoint file's; "
                    "drop --dlo-runtime-cache (the node cache can hold the file itself: "

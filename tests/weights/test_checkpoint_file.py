@@ -163,3 +163,19 @@ def test_a_file_where_a_directory_is_needed_says_what_to_do(
     assert code != 0
     err = capsys.readouterr().err
     assert "is a file, not a diffusers directory" in err and "--base-model" in err
+
+
+def test_option_rules_for_checkpoint_files() -> None:
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.errors import ConfigError
+
+    base = {"model": "/models/flux", "checkpoint": "/models/flux.gguf"}
+    assert EngineConfig.from_mapping(base).checkpoint == "/models/flux.gguf"
+    for extra, why in (({"quantization": "fp8"}, "drop --quantization"),
+                       ({"offload": {"enabled": True, "runtime_cache": True}},
+                        "drop --dlo-runtime-cache"),
+                       ({"adapters": {"fuse": True}}, "drop --lora-fuse")):
+        with pytest.raises(ConfigError, match=why):
+            EngineConfig.from_mapping({**base, **extra})
+    with pytest.raises(ConfigError, match="--base-model"):
+        EngineConfig.from_mapping({"checkpoint": "/models/flux.gguf"})
