@@ -104,7 +104,12 @@ def _fp8_state(src: str | Path, component: str) -> tuple[dict[str, torch.Tensor]
     dtype = next(iter(stored.values())).dtype
     del stored
     model = load_dit(src, dtype=str(dtype).removeprefix("torch."), component=component)
-    quantize_dit(model, "fp8", device=torch.device("cpu"))
+    # On an sm89+ GPU the layers are quantized there, one at a time (the same values:
+    # the rounding is elementwise), results kept on the host; else on the CPU.
+    from ditserve.engine.weights.quantize import FP8_MIN_CAPABILITY
+
+    fast = torch.cuda.is_available() and torch.cuda.get_device_capability() >= FP8_MIN_CAPABILITY
+    quantize_dit(model, "fp8", device=torch.device("cuda" if fast else "cpu"))
     state: dict[str, torch.Tensor] = {}
     layers = 0
     for name, module in model.named_modules():
