@@ -44,6 +44,8 @@ _DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MANAGED_FLAGS: dict[str, tuple[str, str]] = {
     "config": ("--config", "the operator (ConfigMap <name>-engine)"),
     "model": ("--model", "model.hostPath or model.persistentVolumeClaim"),
+    "base_model": ("--base-model", "model.hostPath or model.persistentVolumeClaim (with "
+                                   "model.checkpoint: the volume is the base model)"),
     "dtype": ("--dtype", "model.dtype"),
     "device": ("--device", "the operator (one GPU per rank)"),
     "compile": ("--compile", "compile.enabled and compile.backend"),
@@ -107,6 +109,8 @@ def engine_mapping(spec: DeploymentSpec) -> dict[str, Any]:
         },
         "compile": spec.compile.backend if spec.compile.enabled else None,
     }
+    if spec.model.checkpoint is not None:  # a file in the volume; the volume is its base
+        mapping["checkpoint"] = f"{MODEL_MOUNT_PATH}/{spec.model.checkpoint}"
     if spec.offload.slots is not None:  # unset: the engine picks per mode
         mapping["offload"]["slots"] = spec.offload.slots
     if spec.offload.hbm_budget_gib is not None:  # the whole pipeline's budget, or "auto"
@@ -198,6 +202,15 @@ def judge_engine(spec: DeploymentSpec) -> tuple[EngineConfig, Any]:
     return config, server
 
 
+def checkpoint_problems(spec: DeploymentSpec) -> list[str]:
+    """``model.checkpoint`` must stay inside the model volume (the engine judges the rest)."""
+    path = spec.model.checkpoint
+    if path is not None and (path.startswith("/") or ".." in path.split("/")):
+        return ["model.checkpoint is a file inside the model volume: a relative path without "
+                f"'..', got {path!r}"]
+    return []
+
+
 def validate(data: Mapping[str, Any] | None, *, name: str | None = None,
              policy: AdminPolicy | None = None) -> tuple[DeploymentSpec, EngineConfig]:
     """Every judgement at once: the name (when given), the spec's shape, the admin's policy
@@ -215,7 +228,7 @@ def validate(data: Mapping[str, Any] | None, *, name: str | None = None,
         problems.append(f"metadata.name must be at most {MAX_MULTI_NODE_NAME} characters when a "
                         "replica spans nodes (the LeaderWorkerSet's StatefulSets are named "
                         f"<name>{LWS_SUFFIX}-<group>), got {len(name)}")
-    problems += policy.problems(spec)
+    problems += policy.problems(spec) + checkpoint_problems(spec)
     if problems:
         raise InvalidSpecError("invalid DiffusionDeployment:\n  - " + "\n  - ".join(problems))
     spec = policy.resolve(spec)

@@ -35,6 +35,7 @@ class ModelSpec:
     size_gib: float | None = None
     encoder_size_gib: float = 0.0  # text encoders' weights: pinned per rank under offload
     attention_heads: int | None = None  # the DiT's head count, if the user declares it
+    checkpoint: str | None = None  # a DiT file in the volume, relative (the volume: its base)
 
 
 def read_model(m: SpecReader) -> ModelSpec:
@@ -51,6 +52,7 @@ def read_model(m: SpecReader) -> ModelSpec:
         dtype=m.text("dtype", "bfloat16", DTYPES),
         size_gib=m.number("sizeGiB", None), encoder_size_gib=m.number("encoderSizeGiB", 0.0),
         attention_heads=m.integer("attentionHeads", None, 1),
+        checkpoint=m.text("checkpoint") or None,
     )
 
 

@@ -232,6 +232,21 @@ def test_offload_bench_formats_smoke_runs_every_format_method_and_judges_the_tar
     assert "| target | value | bound | ok |" in (tmp_path / "offload_bench.md").read_text()
 
 
+def test_checkpoint_formats_smoke_streams_each_format(tmp_path: Path) -> None:
+    formats = load("formats")
+    out = tmp_path / "out"
+    assert formats.main(["--tiny", "--model-dir", str(tmp_path / "flux"), "--out", str(out),
+                         "--formats", "bf16", "gguf:Q8_0", "fp8"]) == 0
+    result = json.loads((out / "formats.json").read_text())
+    rows = {r["format"]: r for r in result["rows"]}
+    assert set(rows) == {"bf16", "gguf:Q8_0", "fp8"}
+    # the quantized forms stream fewer bytes than bf16 (the tiny DiT's small tensors stay F32)
+    assert rows["gguf:Q8_0"]["streamed_bytes"] < rows["bf16"]["streamed_bytes"]
+    assert rows["fp8"]["streamed_bytes"] < rows["bf16"]["streamed_bytes"]
+    assert all(r["dlo_ms"] > 0 and r["floor_ms"] > 0 for r in rows.values())
+    assert not list((tmp_path / "flux-formats").iterdir())  # converted files removed
+
+
 def test_offload_mmap_bench_tiny_run_equals_resident(tmp_path: Path) -> None:
     bench = load("offload_mmap")
     assert bench.main(["--tiny", "--out", str(tmp_path / "out"), "--res", "64", "--warmup",

@@ -1,4 +1,4 @@
-"""`ditserve` command line: generate, demo, serve, model init-tiny / init-random.
+"""`ditserve` command line: generate, demo, serve, model init-tiny / init-random / convert.
 
 A thin shell: parse flags, build an EngineConfig (engine.config.flags), call one library
 function, print results. Heavy imports (torch, diffusers) happen inside the commands so
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ditserve.engine.allocator import prefer_expandable_segments
+from ditserve.engine.cli.convert import add_convert_parsers
 from ditserve.engine.cli.generate import add_generate_parser
 from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "present; a GPU builds a full pipeline in seconds)")
     rnd.add_argument("--seed", type=int, default=0)
     rnd.set_defaults(func=cmd_init_random)
+    add_convert_parsers(model_sub)
     return parser
 
 

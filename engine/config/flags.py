@@ -31,6 +31,7 @@ from ditserve.engine.errors import ConfigError
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
 _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"),
+    "base_model": (None, "base_model"),
     "dtype": (None, "dtype"),
     "device": (None, "device"),
     "compile": (None, "compile"),
@@ -76,7 +77,13 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
         g.add_argument("--config", type=Path, default=None,
                        help="YAML file with engine options; command-line flags override it")
     g.add_argument("--model", default=None,
-                   help="local diffusers pipeline directory (default: the embedded tiny model)")
+                   help="local diffusers pipeline directory (default: the embedded tiny "
+                        "model), or a DiT checkpoint file: single-file safetensors (BFL/ComfyUI "
+                        "or diffusers names), GGUF, or FP8 safetensors (with --base-model; "
+                        "docs/formats.md)")
+    g.add_argument("--base-model", default=None,
+                   help="with --model FILE: the diffusers directory of the same family that "
+                        "gives the DiT's config and every other component (text encoders, VAE)")
     g.add_argument("--dtype", choices=(AUTO_DTYPE, *DTYPES), default=None,
                    help="runtime dtype (default auto: the dtype the DiT's weights are stored "
                         "in, bfloat16 for a bf16 release; as `cachectl build` defaults)")
@@ -267,11 +274,28 @@ def engine_config_from_args(
     offload = getattr(args, "offload", None)
     if offload is not None:
         merged.setdefault("offload", {})["enabled"] = offload == "dlo"
+    _split_checkpoint(merged)
     if merged.get("dtype", AUTO_DTYPE) == AUTO_DTYPE:
         # Serve in the dtype the checkpoint is stored in (what `cachectl build` defaults to).
         model = merged.get("model")
         merged["dtype"] = checkpoint_dtype(model if isinstance(model, str) else None)
     return EngineConfig.from_mapping(merged)
+
+
+def _split_checkpoint(merged: dict[str, Any]) -> None:
+    """``model: FILE`` (+ ``base_model: DIR``) -> ``model: DIR, checkpoint: FILE`` (the
+    config's form: ``model`` is always a directory)."""
+    base = merged.pop("base_model", None)
+    model = merged.get("model")
+    if isinstance(model, str) and Path(model).is_file():  # a file, not a diffusers folder
+        if base is None:
+            raise ConfigError(
+                f"--model {model!r} is a checkpoint file: pass --base-model DIR, a diffusers "
+                "directory of the same family, for the DiT's config and the other components")
+        merged["checkpoint"], merged["model"] = model, base
+    elif base is not None:
+        raise ConfigError("--base-model goes with --model FILE (a checkpoint file); "
+                          f"--model {model!r} is not a file")
 
 
 def engine_config_and_server_section(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, Any]]:

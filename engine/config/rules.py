@@ -88,6 +88,7 @@ def problems(config: EngineConfig) -> list[str]:
         out.append(f"pipeline.vae_tiling must be one of {', '.join(VAE_TILING_MODES)}, "
                    f"got {pipe.vae_tiling!r}")
 
+    out.extend(checkpoint_problems(config))
     out.extend(adapter_problems(config.adapters))
     if config.adapters.lora_modules and config.compile is not None and not config.adapters.fuse:
         out.append("adapters are applied by hooks around the DiT's linear layers, which "
@@ -102,6 +103,29 @@ def problems(config: EngineConfig) -> list[str]:
     group = par.weight_group_size if off.enabled and off.use_allgather else 1
     out.extend(format_problems(off, quantization=config.quantization, dtype=config.dtype,
                                group_size=group))
+    return out
+
+
+def checkpoint_problems(config: EngineConfig) -> list[str]:
+    """The rules for serving a DiT checkpoint file (``checkpoint``): it needs a base model
+    directory, keeps its own stored form, and is read from its file, not the node cache."""
+    if config.checkpoint is None:
+        return []
+    out = []
+    if config.model is None:
+        out.append("a checkpoint file needs a base model: pass --base-model DIR (a diffusers "
+                   "directory of the same family) for its config and other components")
+    if config.quantization is not None:
+        out.append("a checkpoint file's DiT keeps the form it is stored in (GGUF, FP8 or "
+                   "--dtype); drop --quantization, or convert the file "
+                   "(ditserve model convert --to fp8)")
+    if config.adapters.fuse:
+        out.append("--lora-fuse merges an adapter into dense weights, which a checkpoint file's "
+                   "GGUF or FP8 layers are not; serve adapters unfused (drop --lora-fuse)")
+    if config.offload.enabled and config.offload.runtime_cache:
+        out.append("the runtime cache stores the base model's DiT, not a checkpoint file's; "
+                   "drop --dlo-runtime-cache (the node cache can hold the file itself: "
+                   "cachectl build FILE)")
     return out
 
 

@@ -224,9 +224,14 @@ class EngineConfig:
     ``ditserve.engine.runner.compiled_blocks``); None runs them eagerly.
     quantization: "fp8" runs the DiT blocks' linear layers in FP8 e4m3 (rowwise weight scales,
     per-token activation scales; ``ditserve.engine.weights.quantize``); None keeps ``dtype``.
+    checkpoint: a DiT checkpoint file (single-file safetensors, GGUF, or FP8 safetensors;
+    ``ditserve.engine.weights.dit_file``) whose weights are served in place of ``model``'s DiT;
+    ``model`` is then the base diffusers directory giving the DiT's config and every other
+    component. The CLI's ``--model FILE --base-model DIR`` sets both.
     """
 
     model: str | None = None
+    checkpoint: str | None = None
     dtype: DType = "float32"
     device: str = "auto"
     compile: CompileBackend | None = None

@@ -48,8 +48,17 @@ class WarmUp:
 
 
 def resolve_model(config: EngineConfig) -> Path:
-    """The model directory: ``config.model``, or the embedded tiny model (built on first use)."""
+    """The model directory: ``config.model``, or the embedded tiny model (built on first use).
+
+    With a checkpoint file, the file is checked against the directory's DiT here (format, every
+    tensor in the file, keys and shapes), before any executor or device memory exists."""
     if config.model is not None:
+        if config.checkpoint is not None:
+            from ditserve.engine.weights.dit_file import check_checkpoint
+
+            info = check_checkpoint(config.checkpoint, config.model)
+            log.info("serving the DiT of %s (%s, %s) with the other components of %s",
+                     info.path, info.format.value, "/".join(info.quant_types), config.model)
         return Path(config.model)
     from ditserve.engine.makers.tiny_model import ensure_tiny
 

@@ -65,7 +65,7 @@ def read_weights(model_dir: str | Path, config: EngineConfig, *, device: torch.d
             streams_from_mapping=(device.type == "cuda" and not sharded
                                   and config.offload.compress == "none"),
             keep_private=weights_replaced(config),
-            sharded=sharded,
+            sharded=sharded, checkpoint=config.checkpoint,
         )
 
 

@@ -37,11 +37,17 @@ def load_weights(
     streams_from_mapping: bool = False,
     keep_private: str | None = None,
     sharded: bool = False,
+    checkpoint: str | Path | None = None,
 ) -> LoadedWeights:
     """Load ``model_dir`` (see the module docstring; the options are ``prepare_dits``'s).
 
     keep_private: why the DiTs' tensors will be replaced after loading (quantization, a fused
-    adapter): then they load into private memory whatever the backing options say."""
+    adapter): then they load into private memory whatever the backing options say.
+    checkpoint: a DiT checkpoint file (``weights.dit_file``) served instead of the directory's
+    DiT; its tensors live in private memory, in their stored form (GGUF blocks, FP8 bytes),
+    resident or streamed."""
+    if checkpoint is not None:
+        return _load_with_checkpoint(model_dir, checkpoint, dtype=dtype, offload=offload)
     if not offload.enabled:
         return LoadedWeights(load_components(model_dir, dtype=dtype), None)
     from ditserve.engine.weights.dit_backing import prepare_dits
@@ -54,3 +60,24 @@ def load_weights(
     except BaseException:
         host_plan.close()  # the mappings and any cache lease it holds
         raise
+
+
+def _load_with_checkpoint(model_dir: str | Path, checkpoint: str | Path, *, dtype: str,
+                          offload: OffloadConfig) -> LoadedWeights:
+    from ditserve.engine.errors import ModelLoadError
+    from ditserve.engine.weights.dit_file import load_dit_file
+    from ditserve.engine.weights.loader import DIT_COMPONENT, dit_components
+
+    if dit_components(model_dir) != (DIT_COMPONENT,):
+        raise ModelLoadError(
+            f"{str(model_dir)!r} has several DiTs ({', '.join(dit_components(model_dir))}); "
+            "a checkpoint file replaces one: serve a model with one DiT")
+    dit = load_dit_file(checkpoint, model_dir, dtype=dtype)
+    components = load_components(model_dir, dtype=dtype, dits={DIT_COMPONENT: dit})
+    if not offload.enabled:
+        return LoadedWeights(components, None)
+    from ditserve.engine.offload.host.weight_plan import HostWeightPlan
+
+    plan = HostWeightPlan.ordinary(
+        f"checkpoint file {Path(checkpoint).name}: its tensors in private memory as stored")
+    return LoadedWeights(components, plan)

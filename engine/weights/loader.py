@@ -69,6 +69,12 @@ def model_family(model_dir: str | Path) -> Family:
 
 def _family_and_index(model_dir: str | Path) -> tuple[Family, dict[str, Any]]:
     root = Path(model_dir)
+    if root.is_file():
+        raise ModelLoadError(
+            f"{str(root)!r} is a file, not a diffusers directory: the engine serves a DiT "
+            "checkpoint file with --model FILE --base-model DIR (docs/formats.md); the node "
+            "cache (cachectl build) builds entries from diffusers directories only"
+        )
     if not root.is_dir():
         raise ModelLoadError(
             f"model directory {str(root)!r} does not exist; pass --model a local diffusers "

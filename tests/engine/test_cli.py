@@ -11,8 +11,8 @@ from ditserve.engine.config.flags import engine_config_from_args
 from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {
-    "--model", "--dtype", "--device", "--compile", "--max-num-seqs", "--max-batch-tokens",
-    "--max-request-tokens", "--urgent-companions",
+    "--model", "--base-model", "--dtype", "--device", "--compile", "--max-num-seqs",
+    "--max-batch-tokens", "--max-request-tokens", "--urgent-companions",
     "--max-bypass",
     "--max-queue", "--offload", "--dlo-slots", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",

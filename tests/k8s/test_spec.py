@@ -119,3 +119,19 @@ def test_edit_families_take_the_dlo_rules_of_the_others(family: str) -> None:
     with pytest.raises(InvalidSpecError, match="not supported with AllGather"):
         engine_config(parse_spec({**base, "offload": {"enabled": True, "residentLayers": 2},
                                   "parallelism": {"data": 2}}))
+
+
+def test_model_checkpoint_names_a_file_in_the_model_volume() -> None:
+    base = {"model": {"hostPath": "/mnt/models/flux", "checkpoint": "gguf/flux1-dev-Q8_0.gguf"}}
+    spec, config = validate(base)
+    assert spec.model.checkpoint == "gguf/flux1-dev-Q8_0.gguf"
+    # the volume is the base model; the engine serves the file's DiT
+    assert config.model == "/models/model"
+    assert config.checkpoint == "/models/model/gguf/flux1-dev-Q8_0.gguf"
+    assert validate({"model": {"hostPath": "/mnt/models/flux"}})[1].checkpoint is None
+    for bad in ("/etc/passwd", "../other/flux.gguf"):
+        with pytest.raises(InvalidSpecError, match="model.checkpoint is a file inside"):
+            validate({"model": {"hostPath": "/mnt/models/flux", "checkpoint": bad}})
+    with pytest.raises(InvalidSpecError, match="runtime cache stores the base model's DiT"):
+        validate({"model": {**base["model"], "sizeGiB": 13},
+                  "offload": {"enabled": True, "runtimeCache": {"enabled": True}}})

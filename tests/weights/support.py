@@ -1,0 +1,29 @@
+"""Model directories for the checkpoint-file tests: the tiny Flux pipeline with a DiT whose
+linear widths are multiples of 256, so GGUF's K-quants (256-value blocks) quantize every block
+linear (the default tiny DiT is 32 wide: only Q8_0's 32-value blocks fit it)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+WIDE_DIT = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                attention_head_dim=128, num_attention_heads=2, joint_attention_dim=32,
+                pooled_projection_dim=32, axes_dims_rope=(16, 56, 56), guidance_embeds=True)
+
+
+def wide_flux(tiny_model_dir: Path, dst: Path) -> Path:
+    """A copy of the tiny pipeline at ``dst`` with a 256-wide random DiT (float32)."""
+    from diffusers import FluxTransformer2DModel
+
+    shutil.copytree(tiny_model_dir, dst)
+    shutil.rmtree(dst / "transformer")
+    torch.manual_seed(3)
+    model = FluxTransformer2DModel(**WIDE_DIT)
+    with torch.no_grad():  # weights of a trained model's scale, so the image depends on them
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(dst / "transformer")
+    return dst
