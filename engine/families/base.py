@@ -46,11 +46,13 @@ ReleasedComponents = Mapping[str, Mapping[str, ComponentShape]]
 #   -> size, steps and frames of a full-size model
 DefaultsRule = Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]],
                         ModelDefaults]
+# the checkpoint's scheduler config -> the pipeline call defaults it changes
+CallOverrides = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
 # What a family generates, and when classifier-free guidance adds negative-prompt rows.
 Output = Literal["image", "video"]
-CfgRule = Literal["true_cfg", "guidance"]
+CfgRule = Literal["true_cfg", "guidance", "guidance_positive"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +74,8 @@ class Family:
     batch_key_fields: ``SamplingParams`` fields that change the denoise tensor contract.
     cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.work``):
         "true_cfg" (``true_cfg_scale`` > 1 with a negative prompt) or "guidance"
-        (``guidance_scale`` > 1); the pipeline's ``state.rows`` follows the same rule.
+        (``guidance_scale`` > 1) or "guidance_positive" (``guidance_scale`` > 0, Z-Image's
+        rule); the pipeline's ``state.rows`` follows the same rule.
     attention_heads: the attention head counts of the family's released DiTs (sequence
         parallelism splits heads over its ranks; the operator judges a declared family's
         SP size with them before any model is read).
@@ -97,6 +100,9 @@ class Family:
         the builders and the tests read).
     defaults: the size, steps and frames of a full-size model's requests
         (``engine.server.model_defaults``; guidance comes from the pipeline's call defaults).
+    call_overrides: what a checkpoint changes of the pipeline's call defaults, read off its
+        scheduler config (Z-Image-Turbo: 8 steps without guidance, where the shared pipeline
+        class defaults to Base's 50 steps with guidance); None: the call defaults stand.
     """
 
     name: str
@@ -123,6 +129,7 @@ class Family:
     dit_sizes: DitSizes = field(default_factory=dict, compare=False)
     released_components: ReleasedComponents = field(default_factory=dict, compare=False)
     defaults: DefaultsRule = field(default=square_image, compare=False)
+    call_overrides: CallOverrides | None = field(default=None, compare=False)
 
     @property
     def video(self) -> bool:

@@ -22,6 +22,9 @@ pipeline class's ``__call__`` signature (``pipeline_defaults.call_defaults``), n
 ``output`` says what the replica makes (``"image"`` or ``"video"``, from the family registry):
 a video replica serves /v1/videos, an image replica /v1/images/generations.
 
+A family whose checkpoints run one pipeline class differently (Z-Image-Turbo and Base) says
+what a checkpoint's scheduler config changes of the call defaults (``Family.call_overrides``).
+
 ``--default-size`` / ``--default-steps`` override size and steps.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import replace
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +69,11 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     family = FLUX if root is None else family_of_pipeline(index.get("_class_name"))
     if family is None:  # not a supported model: the loader refuses it with the reason
         return TINY
-    call = call_defaults(family.pipeline_class)
+    call: Mapping[str, Any] = call_defaults(family.pipeline_class)
+    if root is not None and family.call_overrides is not None:
+        # The checkpoint's own way to run the shared pipeline class (Z-Image-Turbo).
+        scheduler = _json(root / "scheduler" / "scheduler_config.json")
+        call = {**call, **family.call_overrides(scheduler)}
     guidance = _number(call.get("guidance_scale"), IGNORED_GUIDANCE)
     true_cfg = _number(call.get("true_cfg_scale"), 1.0)
     if root is None:
