@@ -28,7 +28,7 @@ from ditserve.engine.families.defaults import TINY, ModelDefaults, image_side
 DIT_SIZES: dict[str, dict[str, Any]] = {
     "full": {},
     "small": dict(n_layers=2, n_refiner_layers=1),
-    "tiny": dict(dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+    "tiny": dict(dim=32, n_layers=3, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
                  cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[1024, 64, 64]),
 }
 # The released parts around the DiT (Z-Image-Turbo's text_encoder and vae config.json):

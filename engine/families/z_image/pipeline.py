@@ -57,6 +57,9 @@ class ZImageStepPipeline:
         if move_transformer:
             self.transformer.to(device)
         self.block_lists = Z_IMAGE.block_lists
+        # The step cache reuses the main layers' residual (image and caption tokens in one
+        # stream); the refiners, 4 of 34 blocks, each see one stream of its own and run always.
+        self.step_cache_block_lists: tuple[str, ...] = ("layers",)
         self.frame_step: int | None = None  # an image family
         self.dtype: torch.dtype = next(self.transformer.parameters()).dtype
         self.sampler = FlowMatchEulerSampler(m["scheduler"].config)
