@@ -140,6 +140,23 @@ class Family:
         return tuple(self.dit_sizes)
 
 
+def dit_heads(config: Mapping[str, Any]) -> int | None:
+    """A DiT ``config.json``'s attention head count: diffusers' usual
+    ``num_attention_heads``, or ``n_heads`` (Z-Image's, Lumina's); None when neither."""
+    value = config.get("num_attention_heads", config.get("n_heads"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def dit_width(config: Mapping[str, Any]) -> int | None:
+    """A DiT ``config.json``'s hidden width: heads x ``attention_head_dim``, or ``dim``
+    (Z-Image's, Lumina's); None when neither."""
+    heads, head_dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    if isinstance(heads, int) and isinstance(head_dim, int):
+        return heads * head_dim
+    value = config.get("dim")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def resolve(reference: str) -> Any:
     """The object a ``"module:attr"`` reference names (imports its module on first use)."""
     module, _, attr = reference.partition(":")

@@ -10,7 +10,7 @@ pipeline class's ``__call__`` signature (``pipeline_defaults.call_defaults``), n
   ``negative_prompt`` is given, the empty one included); Wan ``guidance_scale`` 5.0 (CFG
   against ``negative_prompt``, or the empty prompt);
 - a DiT narrower than 1024 (``attention_head_dim * num_attention_heads`` of
-  ``transformer/config.json``) is a test-sized model, like ``ditserve model init-tiny``: 64x64
+  ``transformer/config.json``, or its ``dim``) is a test-sized model, like ``ditserve model init-tiny``: 64x64
   and 4 steps (video: 9 frames), so a request without a size costs milliseconds, not minutes;
 - otherwise the family's own rule (``Family.defaults``, in its module under
   ``engine.families``) gives size, steps and frames: an image family a square of the VAE's
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.families import FLUX, family_of_pipeline
+from ditserve.engine.families.base import dit_width
 from ditserve.engine.families.defaults import TINY, TINY_VIDEO_FRAMES, ModelDefaults
 from ditserve.engine.pipeline_defaults import call_defaults
 
@@ -79,9 +80,8 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     if root is None:
         return replace(TINY, guidance=guidance, true_cfg=true_cfg)
     dit = _json(root / "transformer" / "config.json")
-    heads, head_dim = dit.get("num_attention_heads"), dit.get("attention_head_dim")
-    tiny = isinstance(heads, int) and isinstance(head_dim, int) \
-        and heads * head_dim < TEST_MODEL_WIDTH
+    width = dit_width(dit)
+    tiny = width is not None and width < TEST_MODEL_WIDTH
     if tiny:
         size = replace(TINY, output="video", frames=TINY_VIDEO_FRAMES) if family.video else TINY
     else:
