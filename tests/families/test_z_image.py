@@ -151,3 +151,15 @@ def test_work_rule_counts_cfg_rows_as_the_pipeline_builds_them(family_runner) ->
         work = runner.work_rule.of(params)
         assert state.rows == work.rows == rows
         assert work.tokens_per_row == (32 // 16) * (64 // 16)
+
+
+def test_full_size_dit_has_the_released_shape() -> None:
+    from ditserve.engine.model_builders import dit_class, dit_config
+
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = dit_class(VARIANT)(**dit_config(VARIANT, "full"))
+    params = sum(p.numel() for p in model.parameters())
+    assert 6.0e9 <= params <= 6.3e9, f"{params / 1e9:.2f}B parameters"  # 6.15B released
+    assert [len(model.get_submodule(n)) for n in ("noise_refiner", "context_refiner",
+                                                   "layers")] == [2, 2, 30]
+    assert model.config.dim == 3840 and model.config.n_heads == 30
