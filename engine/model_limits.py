@@ -28,6 +28,9 @@ class ModelLimits:
     condition_images: (fewest, most) input images a request brings (edits, image-to-video);
         (0, 0) for a text-only model.
     max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
+    image_strength: for a model that denoises from its source image (image-to-image and
+        inpainting: it takes ``strength`` and a ``mask``), its default strength without and
+        with a mask; None for every other model.
     """
 
     pixel_multiple: int = 16
@@ -38,6 +41,7 @@ class ModelLimits:
     positions: int | None = None
     condition_images: tuple[int, int] = (0, 0)
     max_text_tokens: int | None = None
+    image_strength: tuple[float, float] | None = None
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,

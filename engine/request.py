@@ -8,6 +8,7 @@ The number of steps, the seed and the current step are deliberately not in the k
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -116,6 +117,14 @@ class SamplingParams:
         ``preview_steps``); they travel as "preview" events, never change the result.
     images: conditioning images (an edit's sources, an image-to-video first frame); empty for
         text-only generation. How many a model takes is its pipeline's ``condition_images``.
+    mask: where an image-to-image model repaints its source image (inpainting): white (or,
+        in a mask with transparency, transparent as OpenAI's edits take it) is repainted,
+        the rest kept; None repaints the whole image. Only with one source image, on a model
+        that denoises from its source (``ModelLimits.image_strength``).
+    strength: how far from the source image such a model starts: 1.0 from pure noise, lower
+        keeps more of it and runs only the last part of the steps (``denoise_steps``);
+        None is the model's default (diffusers': 0.6 image-to-image, 1.0 inpainting), filled
+        in by ``validate_for``.
     loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
         their deltas add up, as diffusers' ``set_adapters`` with several names).
     step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
@@ -138,6 +147,8 @@ class SamplingParams:
     num_frames: int = 1
     partial_images: int = 0
     images: tuple[ConditionImage, ...] = ()
+    mask: ConditionImage | None = None
+    strength: float | None = None
     max_sequence_length: int | None = None
     loras: tuple[LoraRef, ...] = ()
     step_cache: StepCacheSpec | None = None
@@ -224,19 +235,59 @@ class SamplingParams:
         """Steps after which a preview is decoded: ``partial_images`` evenly spaced points of
         the trajectory, rounded to a step, never the last step (that one is the result). Few
         steps give fewer previews (4 steps, 3 previews: steps 1, 2, 3; 2 steps: step 1)."""
-        total, k = self.num_inference_steps, self.partial_images
+        total, k = self.denoise_steps, self.partial_images
         # round((i + 1) * total / (k + 1)) in integers, halves rounded up
         points = (((i + 1) * total * 2 + k + 1) // (2 * (k + 1)) for i in range(k))
         return frozenset(step for step in points if 1 <= step < total)
 
     def validate_for(self, limits: ModelLimits) -> SamplingParams:
-        """``validate`` under the loaded model's limits."""
-        return self.validate(pixel_multiple=limits.pixel_multiple,
-                             max_prompt_chars=limits.max_prompt_chars,
-                             frame_step=limits.frame_step, max_side=limits.max_side,
-                             max_frames=limits.max_frames,
-                             condition_images=limits.condition_images,
-                             max_text_tokens=limits.max_text_tokens)
+        """``validate`` under the loaded model's limits; returns the request with the
+        model's default ``strength`` filled in where it denoises from a source image."""
+        self._validate_source(limits.image_strength)
+        params = self
+        if limits.image_strength is not None and self.images and self.strength is None:
+            default = limits.image_strength[1 if self.mask is not None else 0]
+            params = dataclasses.replace(self, strength=default)
+            params._validate_source(limits.image_strength)
+        return params.validate(pixel_multiple=limits.pixel_multiple,
+                               max_prompt_chars=limits.max_prompt_chars,
+                               frame_step=limits.frame_step, max_side=limits.max_side,
+                               max_frames=limits.max_frames,
+                               condition_images=limits.condition_images,
+                               max_text_tokens=limits.max_text_tokens)
+
+    def _validate_source(self, image_strength: tuple[float, float] | None) -> None:
+        """A mask and a strength need a model that denoises from its source image."""
+        if image_strength is None:
+            if self.mask is not None:
+                raise InvalidRequestError("mask", "this model does not repaint a masked region "
+                                          "(inpainting); send the image without a mask")
+            if self.strength is not None:
+                raise InvalidRequestError("strength", "this model does not denoise from its "
+                                          "source image; leave strength out")
+            return
+        if (self.mask is not None or self.strength is not None) and len(self.images) != 1:
+            field = "mask" if self.mask is not None else "strength"
+            raise InvalidRequestError(field, "needs exactly one source image, got "
+                                      f"{len(self.images)}")
+        s = self.strength
+        if s is not None:
+            if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0.0 <= s <= 1.0:
+                raise InvalidRequestError("strength", f"must be a number in [0, 1], got {s!r}")
+            if self.denoise_steps < 1:
+                raise InvalidRequestError(
+                    "strength", f"{s:g} of {self.num_inference_steps} steps runs no step; "
+                    "raise strength or num_inference_steps")
+
+    @property
+    def denoise_steps(self) -> int:
+        """The steps this request runs: all of ``num_inference_steps``, or from a source
+        image at ``strength`` the last ``steps - int(steps - steps * strength)`` of them
+        (diffusers' ``get_timesteps``: 8 steps at 0.6 run 5)."""
+        n = self.num_inference_steps
+        if self.strength is None or not self.images:
+            return n
+        return n - int(max(n - min(n * self.strength, n), 0))
 
     def validate(
         self,

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ditserve.engine.errors import ModelLoadError
-from ditserve.engine.families.base import dit_heads
 from ditserve.engine.families import (
     FLUX,
     Family,
     family_of_pipeline,
     supported_pipelines,
 )
+from ditserve.engine.families.base import dit_heads
 
 if TYPE_CHECKING:
     import torch

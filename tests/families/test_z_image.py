@@ -1,10 +1,12 @@
 """Z-Image (Turbo and Base) on the tiny model: equal to diffusers' own ZImagePipeline for the
-same seed (without guidance, with CFG and a negative prompt, several images), batched equal
+same seed (without guidance, with CFG and a negative prompt, several images), and to its
+ZImageImg2ImgPipeline and ZImageInpaintPipeline from a source image (and a mask), batched equal
 to alone (different sizes, steps, guidance and prompt lengths in one step), layerwise offload
 equal to resident, and the checkpoint's defaults (Turbo's 8 steps without guidance)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
 VARIANT = "z-image"
@@ -163,3 +165,100 @@ def test_full_size_dit_has_the_released_shape() -> None:
     assert [len(model.get_submodule(n)) for n in ("noise_refiner", "context_refiner",
                                                    "layers")] == [2, 2, 30]
     assert model.config.dim == 3840 and model.config.n_heads == 30
+
+
+def source_image(width: int, height: int, seed: int) -> ConditionImage:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+    return ConditionImage(width, height, pixels.numpy().tobytes())
+
+
+def mask_image(width: int, height: int) -> ConditionImage:
+    """White (repaint) on the left half, black (keep) on the right, as a grey RGB image."""
+    pixels = torch.zeros(height, width, 3, dtype=torch.uint8)
+    pixels[:, : width // 2] = 255
+    return ConditionImage(width, height, pixels.numpy().tobytes())
+
+
+EDIT_CASES: dict[str, SamplingParams] = {
+    "img2img": SamplingParams(prompt="a red cat", guidance_scale=0.0, num_inference_steps=5,
+                              seed=21, height=32, width=64, strength=0.6,
+                              images=(source_image(64, 32, 1),)),
+    "img2img-cfg-two": SamplingParams(prompt="a castle", negative_prompt="fog",
+                                      guidance_scale=2.0, num_inference_steps=4, seed=22,
+                                      height=32, width=32, strength=0.8, num_images=2,
+                                      images=(source_image(32, 32, 2),)),
+    "inpaint": SamplingParams(prompt="a blue dog", guidance_scale=0.0, num_inference_steps=4,
+                              seed=23, height=32, width=64, strength=1.0,
+                              images=(source_image(64, 32, 3),), mask=mask_image(64, 32)),
+    "inpaint-partial-cfg": SamplingParams(prompt="a tree", guidance_scale=3.0,
+                                          num_inference_steps=5, seed=24, height=64,
+                                          width=32, strength=0.7,
+                                          images=(source_image(32, 64, 4),),
+                                          mask=mask_image(32, 64)),
+}
+
+
+def edit_reference(model_dir: Path, p: SamplingParams) -> torch.Tensor:
+    import diffusers
+
+    from ditserve.engine.pipelines.conditioning import to_pil
+
+    cls = diffusers.ZImageInpaintPipeline if p.mask is not None \
+        else diffusers.ZImageImg2ImgPipeline
+    pipe = cls.from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    extra = {"mask_image": to_pil(p.mask)} if p.mask is not None else {}
+    return pipe(p.prompt, image=to_pil(p.images[0]), strength=p.strength,
+                negative_prompt=p.negative_prompt, height=p.height, width=p.width,
+                num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+                num_images_per_prompt=p.num_images,
+                generator=torch.Generator("cpu").manual_seed(p.seed or 0), output_type="pt",
+                **extra).images.float()
+
+
+@pytest.mark.parametrize("case", sorted(EDIT_CASES))
+def test_edits_match_diffusers(family_dir, family_runner, case: str) -> None:  # type: ignore[no-untyped-def]
+    params = EDIT_CASES[case]
+    ours, _ = drive(family_runner(VARIANT), {0: [(case, params)]}, max_num_seqs=1)
+    expected = edit_reference(family_dir(VARIANT), params)
+    got = ours[case]
+    assert got.shape == expected.shape == (params.num_images, 3, params.height, params.width)
+    diff = (got - expected).abs().max().item()
+    assert diff <= TOLERANCE, f"max abs diff {diff}"
+
+
+def test_edits_batched_with_generations_equal_alone(family_runner) -> None:  # type: ignore[no-untyped-def]
+    runner = family_runner(VARIANT)
+    arrivals = {0: [("img2img", EDIT_CASES["img2img"]),
+                    ("text", SamplingParams(prompt="a ship", guidance_scale=0.0, seed=5,
+                                            num_inference_steps=3, height=32, width=64))],
+                1: [("inpaint", EDIT_CASES["inpaint-partial-cfg"])]}
+    batched, sizes = drive(runner, arrivals, max_num_seqs=3)
+    assert max(sizes) == 3
+    for requests in arrivals.values():
+        for rid, params in requests:
+            alone, _ = drive(runner, {0: [(f"alone-{rid}", params)]}, max_num_seqs=1)
+            diff = (batched[rid] - alone[f"alone-{rid}"]).abs().max().item()
+            assert diff <= BATCH_TOLERANCE, f"request {rid}: max abs diff {diff}"
+
+
+def test_strength_defaults_and_steps_follow_diffusers(family_runner) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.errors import InvalidRequestError
+
+    limits = family_runner(VARIANT).limits
+    assert limits.image_strength == (0.6, 1.0)  # diffusers' img2img and inpaint defaults
+    assert limits.condition_images == (0, 1)
+    source = source_image(32, 32, 1)
+    base = SamplingParams(prompt="x", height=32, width=32, num_inference_steps=8,
+                          images=(source,))
+    filled = base.validate_for(limits)
+    # diffusers' get_timesteps: 8 - int(8 - 8 * 0.6) = 5 of the 8 steps run
+    assert filled.strength == 0.6 and filled.denoise_steps == 5
+    masked = dataclasses.replace(base, mask=mask_image(32, 32)).validate_for(limits)
+    assert masked.strength == 1.0 and masked.denoise_steps == 8
+    with pytest.raises(InvalidRequestError, match="runs no step"):
+        dataclasses.replace(base, strength=0.0).validate_for(limits)
+    with pytest.raises(InvalidRequestError, match="source image"):
+        SamplingParams(prompt="x", height=32, width=32, mask=mask_image(32, 32)
+                       ).validate_for(limits)

@@ -14,17 +14,23 @@ requests at different steps share a forward, and prompts of different lengths sh
 forward - the DiT takes one caption tensor per row (its list interface) and pads and masks
 them itself, so each row gets only its own caption's tokens.
 
+With a source image (``/v1/images/edits``, ``generate --image``) it runs diffusers'
+image-to-image pipeline, and with a mask too its inpainting pipeline, on the same denoise
+(``engine.families.z_image.source``): one replica serves generations and edits.
+
 Not served: diffusers' ``cfg_normalization`` and ``cfg_truncation`` call options (their
 defaults - off, and a truncation of 1.0, which never truncates - are what runs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from ditserve.engine.families import Z_IMAGE
+from ditserve.engine.families.z_image.source import MASK_KEY, SourceImages
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import seeded_noise, upload
 from ditserve.engine.pipelines.host_embedding import token_ids
@@ -37,6 +43,8 @@ if TYPE_CHECKING:
     from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_TEXT_TOKENS = 512  # the pipeline's default max_sequence_length
+# The pipelines a source image (and a mask) selects: their call defaults give the strength.
+IMAGE_TO_IMAGE, INPAINT = "ZImageImg2ImgPipeline", "ZImageInpaintPipeline"
 TIME_SCALE = 1000.0  # diffusers feeds the DiT (1000 - t) / 1000
 
 
@@ -72,6 +80,8 @@ class ZImageStepPipeline:
         self.max_text_tokens = MAX_TEXT_TOKENS
         self.max_prompt_chars: int | None = 4000
         self.latent_channels = int(self.transformer.config.in_channels)
+        self.condition_images = (0, 1)  # text only, or one source image (edits)
+        self.sources = SourceImages(self.vae, pixel_multiple=self.pixel_multiple, device=device)
 
     # -- encode ------------------------------------------------------------------------------
     def _encode_prompt(self, prompt: str, length: int) -> torch.Tensor:
@@ -119,9 +129,12 @@ class ZImageStepPipeline:
         which the image's frame index comes."""
         lens = self.transformer.config.axes_lens
         positions = min(int(lens[1]), int(lens[2]))
-        return ModelLimits.of_table(positions, pixel_multiple=self.pixel_multiple,
-                                    max_prompt_chars=self.max_prompt_chars,
-                                    max_text_tokens=min(self.max_text_tokens, int(lens[0]) - 2))
+        limits = ModelLimits.of_table(positions, pixel_multiple=self.pixel_multiple,
+                                      max_prompt_chars=self.max_prompt_chars,
+                                      max_text_tokens=min(self.max_text_tokens, int(lens[0]) - 2))
+        strength = (float(call_defaults(IMAGE_TO_IMAGE)["strength"]),
+                    float(call_defaults(INPAINT)["strength"]))
+        return dataclasses.replace(limits, image_strength=strength)
 
     def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return (self.patch_size * (height // self.pixel_multiple),
@@ -154,11 +167,22 @@ class ZImageStepPipeline:
         state.static_rows = {"cap_feats": embeds}
         state.host["caption_lengths"] = tuple(c.shape[0] for c in captions)
         lh, lw = self._latent_grid(p.height, p.width)
-        # Same draw as diffusers: CPU generator, (n, C, h, w), float32 whatever the DiT's dtype.
-        state.latents = seeded_noise((n, self.latent_channels, lh, lw), seed=state.seed,
-                                     dtype=torch.float32, device=self.device)
+        shape = (n, self.latent_channels, lh, lw)
         tokens = (lh // self.patch_size) * (lw // self.patch_size)
-        state.schedule = self.sampler.schedule(p.num_inference_steps, tokens)
+        schedule = self.sampler.schedule(p.num_inference_steps, tokens)
+        if p.images:  # from the source image: the kept steps, latents at their first sigma
+            schedule, _ = self.sources.kept_schedule(schedule, p)
+            latents, inpainting = self.sources.start(p, seed=state.seed, schedule=schedule,
+                                                     latent_shape=shape, dtype=embeds.dtype)
+            # float32 from here on, as diffusers' scheduler returns them after a step.
+            state.latents = latents.float()
+            if inpainting is not None:
+                state.host[MASK_KEY] = inpainting
+        else:
+            # Same draw as diffusers: CPU generator, (n, C, h, w), float32.
+            state.latents = seeded_noise(shape, seed=state.seed, dtype=torch.float32,
+                                         device=self.device)
+        state.schedule = schedule
         state.step_index = 0
 
     # -- denoise ------------------------------------------------------------------------------
@@ -187,6 +211,9 @@ class ZImageStepPipeline:
             prediction = pos + p.guidance_scale * (pos - neg)
         state.latents = self.sampler.step(state.latents, prediction, state.schedule,
                                           state.step_index)
+        inpainting = state.host.get(MASK_KEY)
+        if inpainting is not None:
+            state.latents = inpainting.blend(state.latents, state.schedule, state.step_index)
         state.step_index += 1
 
     # -- decode -------------------------------------------------------------------------------
