@@ -50,6 +50,14 @@ def form_schema(limits: RequestLimits, images: int) -> dict[str, Any]:
                            "description": "name[:scale],... (or the JSON list as text)"}
     properties["input_fidelity"] = {"type": "string",
                                     "description": "OpenAI field, accepted and ignored"}
+    properties["mask"] = {**file, "description": "inpainting, on a model that denoises from "
+                          "its source (Z-Image; the others answer 400): a PNG whose fully "
+                          "transparent pixels mark the region to repaint (OpenAI's), or black "
+                          "and white (white repainted); one source image"}
+    properties["strength"] = {"type": "number", "minimum": 0, "maximum": 1,
+                              "description": "on a model that denoises from its source "
+                              "(Z-Image): 1 starts from noise, lower keeps more of the source "
+                              "and runs fewer steps (default: 0.6, with a mask 1.0)"}
     return {
         "type": "object", "title": "ImageEditForm", "properties": properties,
         "required": ["prompt"],
@@ -57,8 +65,9 @@ def form_schema(limits: RequestLimits, images: int) -> dict[str, Any]:
         "oneOf": [{"required": ["image"], "not": {"required": ["image[]"]}},
                   {"required": ["image[]"], "not": {"required": ["image"]}}],
         "additionalProperties": False,
-        "description": "mask is refused with 400 (the served edit models edit the whole "
-                       "image as the prompt says)",
+        "description": "mask and strength: only on a model that denoises from its source "
+                       "image (Z-Image); the other edit models edit the whole image as the "
+                       "prompt says and refuse them with 400",
     }
 
 
