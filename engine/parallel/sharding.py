@@ -63,8 +63,11 @@ def family_hooks(dit_class: str) -> Hooks:
 def attention_heads(model: nn.Module) -> tuple[int, ...]:
     """The head counts of a DiT's attentions (every module with an attention processor and
     an integer ``heads``), which Ulysses splits over the ranks."""
-    counts = {m.heads for m in model.modules()
-              if hasattr(m, "processor") and isinstance(getattr(m, "heads", None), int)}
+    counts: set[int] = set()
+    for module in model.modules():
+        heads = getattr(module, "heads", None)
+        if hasattr(module, "processor") and isinstance(heads, int):
+            counts.add(heads)
     if not counts:
         raise ConfigError(f"{type(model).__name__} has no attention with a head count to split")
     return tuple(sorted(counts))
