@@ -39,7 +39,8 @@ RELEASED_COMPONENTS: dict[str, ComponentShape] = {
         config=dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                     head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                    rope_theta=1000000.0, tie_word_embeddings=True)),
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                    tie_word_embeddings=True)),
     "vae": ComponentShape("diffusers", "AutoencoderKL", config=dict(
         in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
