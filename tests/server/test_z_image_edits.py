@@ -105,3 +105,15 @@ def test_strength_is_checked(client) -> None:  # type: ignore[no-untyped-def]
         client.images.edit(image=("src.png", png(32, 32), "image/png"), prompt="x",
                            size="32x32", extra_body={"strength": 1.5})
     assert error.value.body["param"] == "strength"
+
+
+def test_the_form_documents_mask_and_strength(zimage) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+    import jsonschema
+
+    form = httpx.get(f"{zimage.url}/openapi.json").json()["components"]["schemas"][
+        "ImageEditForm"]
+    validator = jsonschema.Draft202012Validator(form)
+    assert validator.is_valid({"prompt": "x", "image": "a", "mask": "m", "strength": 0.5})
+    assert not validator.is_valid({"prompt": "x", "image": "a", "strength": 2})
+    assert form["properties"]["image[]"]["maxItems"] == 1
