@@ -13,7 +13,9 @@ initial latents and, inpainting, through a blend after every step).
 
 diffusers also encodes the masked source (its ``masked_image_latents``), which its loop never
 reads; it is drawn after everything above from the generator, so skipping it changes
-nothing. Called by ``engine.families.z_image.pipeline``.
+nothing. Nothing here syncs the host: the draws are made on the CPU and uploaded from pinned
+memory, and the sigmas enter as host numbers (rounded to the latents' dtype first, as
+diffusers' tensor arithmetic rounds them). Called by ``engine.families.z_image.pipeline``.
 """
 
 from __future__ import annotations
@@ -45,9 +47,15 @@ class Inpainting:
         back at the noise level of the next step (the clean source after the last)."""
         kept = self.source
         if step_index + 1 < schedule.num_steps:
-            sigma = schedule.sigmas[step_index + 1].to(self.source.device, self.source.dtype)
-            kept = sigma * self.noise + (1.0 - sigma) * self.source
+            kept = noised(self.source, self.noise, schedule.sigmas[step_index + 1])
         return (1 - self.mask) * kept + self.mask * latents
+
+
+def noised(source: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """``sigma * noise + (1 - sigma) * source`` (diffusers' ``scale_noise``) with the host
+    scalar ``sigma`` as diffusers' arithmetic has it: in the tensors' dtype."""
+    rounded = sigma.to(source.dtype)  # on the host: no copy to the device
+    return float(rounded) * noise + float(1.0 - rounded) * source
 
 
 class SourceImages:
@@ -80,12 +88,14 @@ class SourceImages:
         pixels = self.images.preprocess(to_pil(params.images[0]), height=params.height,
                                         width=params.width).to(torch.float32)
         encoded = self.vae.encode(upload(pixels, self.device).to(dtype)).latent_dist
-        source = encoded.sample(generator)
+        # latent_dist.sample(generator), its draw made on the host and uploaded.
+        draw = torch.randn(tuple(encoded.mean.shape), generator=generator,
+                           dtype=encoded.parameters.dtype)
+        source = encoded.mean + encoded.std * upload(draw, self.device)
         source = (source - self.vae.config.shift_factor) * self.vae.config.scaling_factor
         source = source.repeat(n, 1, 1, 1)
         noise = upload(torch.randn(latent_shape, generator=generator, dtype=dtype), self.device)
-        sigma = schedule.sigmas[0].to(self.device, source.dtype)
-        latents = sigma * noise + (1.0 - sigma) * source
+        latents = noised(source, noise, schedule.sigmas[0])
         if params.mask is None:
             return latents, None
         mask = self.masks.preprocess(to_pil(params.mask), height=params.height,
