@@ -117,3 +117,21 @@ def test_the_form_documents_mask_and_strength(zimage) -> None:  # type: ignore[n
     assert validator.is_valid({"prompt": "x", "image": "a", "mask": "m", "strength": 0.5})
     assert not validator.is_valid({"prompt": "x", "image": "a", "strength": 2})
     assert form["properties"]["image[]"]["maxItems"] == 1
+
+
+def test_progress_counts_the_steps_strength_keeps(zimage) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.loop.engine import DiffusionEngine
+    from ditserve.engine.request import SamplingParams
+
+    events = []
+    engine = DiffusionEngine(EngineConfig(model=str(zimage.model), device="cpu")).start()
+    try:
+        params = SamplingParams(prompt="a boat", height=32, width=32, num_inference_steps=8,
+                                seed=1, images=(decode_image(png(32, 32)),))
+        # The model's default strength 0.6: diffusers runs 5 of the 8 steps.
+        engine.add_request(params, on_event=events.append).result(timeout=120)
+    finally:
+        engine.shutdown()
+    assert {e.total_steps for e in events} == {5}
+    assert [e.step for e in events if e.kind == "step"] == [1, 2, 3, 4, 5]
