@@ -9,14 +9,15 @@ The number of steps, the seed and the current step are deliberately not in the k
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 
 from ditserve.engine.condition_image import ConditionImage as ConditionImage
+from ditserve.engine.condition_image import kept_steps, source_strength
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.model_limits import MAX_FRAMES as MAX_FRAMES
 from ditserve.engine.model_limits import MAX_SIDE as MAX_SIDE
 from ditserve.engine.model_limits import ModelLimits as ModelLimits
+from ditserve.engine.request_status import RequestStatus as RequestStatus
 from ditserve.engine.step_cache.spec import StepCacheSpec
 
 MAX_STEPS = 1000
@@ -29,31 +30,6 @@ MAX_LORAS_PER_REQUEST = 8
 MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
-
-
-class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Finished states sort last so ``status >= FINISHED_OK`` works.
-
-    PAUSED: preempted at a step boundary by a request of higher priority; its denoise state
-    stays with the runner, untouched, until it resumes (back to DENOISING).
-    FINISHED_DEADLINE: the scheduler's estimate says it can no longer meet its ``deadline_s``
-    (or the deadline passed); it was stopped at a step boundary, never silently late.
-    An aborted request has no end state here: the scheduler forgets it at once (a running one
-    is freed at the next step boundary) and the engine reports the abort itself.
-    """
-
-    WAITING = 0
-    ENCODING = 1
-    DENOISING = 2
-    PAUSED = 3
-    DECODING = 4
-    FINISHED_OK = 5
-    FINISHED_ERROR = 6
-    FINISHED_DEADLINE = 7
-
-    @property
-    def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_OK
 
 
 @dataclass(frozen=True)
@@ -117,14 +93,9 @@ class SamplingParams:
         ``preview_steps``); they travel as "preview" events, never change the result.
     images: conditioning images (an edit's sources, an image-to-video first frame); empty for
         text-only generation. How many a model takes is its pipeline's ``condition_images``.
-    mask: where an image-to-image model repaints its source image (inpainting): white (or,
-        in a mask with transparency, transparent as OpenAI's edits take it) is repainted,
-        the rest kept; None repaints the whole image. Only with one source image, on a model
-        that denoises from its source (``ModelLimits.image_strength``).
-    strength: how far from the source image such a model starts: 1.0 from pure noise, lower
-        keeps more of it and runs only the last part of the steps (``denoise_steps``);
-        None is the model's default (diffusers': 0.6 image-to-image, 1.0 inpainting), filled
-        in by ``validate_for``.
+    mask, strength: inpainting's region (white repainted) and how far from the source a
+        model that denoises from it starts (None: its default, filled in by ``validate_for``;
+        ``condition_image.source_strength``).
     loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
         their deltas add up, as diffusers' ``set_adapters`` with several names).
     step_cache: this request's step cache (``engine.step_cache.spec``); None takes the
@@ -243,12 +214,10 @@ class SamplingParams:
     def validate_for(self, limits: ModelLimits) -> SamplingParams:
         """``validate`` under the loaded model's limits; returns the request with the
         model's default ``strength`` filled in where it denoises from a source image."""
-        self._validate_source(limits.image_strength)
-        params = self
-        if limits.image_strength is not None and self.images and self.strength is None:
-            default = limits.image_strength[1 if self.mask is not None else 0]
-            params = dataclasses.replace(self, strength=default)
-            params._validate_source(limits.image_strength)
+        strength = source_strength(images=len(self.images), mask=self.mask,
+                                   strength=self.strength, steps=self.num_inference_steps,
+                                   image_strength=limits.image_strength)
+        params = dataclasses.replace(self, strength=strength)
         return params.validate(pixel_multiple=limits.pixel_multiple,
                                max_prompt_chars=limits.max_prompt_chars,
                                frame_step=limits.frame_step, max_side=limits.max_side,
@@ -256,38 +225,13 @@ class SamplingParams:
                                condition_images=limits.condition_images,
                                max_text_tokens=limits.max_text_tokens)
 
-    def _validate_source(self, image_strength: tuple[float, float] | None) -> None:
-        """A mask and a strength need a model that denoises from its source image."""
-        if image_strength is None:
-            if self.mask is not None:
-                raise InvalidRequestError("mask", "this model does not repaint a masked region "
-                                          "(inpainting); send the image without a mask")
-            if self.strength is not None:
-                raise InvalidRequestError("strength", "this model does not denoise from its "
-                                          "source image; leave strength out")
-            return
-        if (self.mask is not None or self.strength is not None) and len(self.images) != 1:
-            field = "mask" if self.mask is not None else "strength"
-            raise InvalidRequestError(field, "needs exactly one source image, got "
-                                      f"{len(self.images)}")
-        s = self.strength
-        if s is not None:
-            if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0.0 <= s <= 1.0:
-                raise InvalidRequestError("strength", f"must be a number in [0, 1], got {s!r}")
-            if self.denoise_steps < 1:
-                raise InvalidRequestError(
-                    "strength", f"{s:g} of {self.num_inference_steps} steps runs no step; "
-                    "raise strength or num_inference_steps")
-
     @property
     def denoise_steps(self) -> int:
-        """The steps this request runs: all of ``num_inference_steps``, or from a source
-        image at ``strength`` the last ``steps - int(steps - steps * strength)`` of them
-        (diffusers' ``get_timesteps``: 8 steps at 0.6 run 5)."""
-        n = self.num_inference_steps
+        """The steps this request runs: all, or fewer from a source image at ``strength``
+        (``condition_image.kept_steps``)."""
         if self.strength is None or not self.images:
-            return n
-        return n - int(max(n - min(n * self.strength, n), 0))
+            return self.num_inference_steps
+        return kept_steps(self.num_inference_steps, self.strength)
 
     def validate(
         self,
