@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="all (default with --size full): every text encoder, image "
                           "encoder and VAE at its released shape too (Flux: CLIP-L, T5-XXL, "
                           "its VAE; Qwen-Image: Qwen2.5-VL-7B; Wan: UMT5-XXL, the Wan VAE; "
-                          "Z-Image: Qwen3-4B, Flux's VAE); dit (default otherwise): the DiT at --size with tiny text encoders "
-                          "and VAE, for quick runs")
+                          "Z-Image: Qwen3-4B, Flux's VAE); dit (default otherwise): the DiT at "
+                          "--size with tiny text encoders and VAE, for quick runs")
     rnd.add_argument("--device", default="auto",
                      help="where to allocate and initialize the modules (auto: cuda if "
                           "present; a GPU builds a full pipeline in seconds)")
