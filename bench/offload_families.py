@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Layerwise offload for the Qwen-Image and Wan families on one GPU: resident vs ditserve
-DLO vs diffusers group offloading.
+"""Layerwise offload for the Qwen-Image, Wan and Z-Image families on one GPU: resident vs
+ditserve DLO vs diffusers group offloading.
 
 One process per model, random full-size DiTs built in memory (bf16, initialized on the GPU;
 nothing is written to disk), the shapes of the released models (``engine.makers.builders``):
@@ -8,6 +8,8 @@ nothing is written to disk), the shapes of the released models (``engine.makers.
 - ``--model qwen-image``: Qwen-Image (20.4B) at 1024x1024, batch 1 and 4;
 - ``--model wan``: Wan2.1-T2V-14B at 832x480, 81 frames, batch 1 (``--size 1280x720x81``
   for 720p);
+- ``--model z-image``: Z-Image (6.15B; Turbo and Base share the DiT) at 1024x1024, batch 1
+  and 4, through its list interface (one latent and one caption per row);
 - ``--model wan2.2``: Wan2.2-T2V-A14B, two 14B experts as one ``ExpertStack`` streamed
   through one set of device slots: a step of the high-noise expert and a step of a batch
   straddling the boundary (one row per expert, one forward per expert, as the Wan pipeline
@@ -23,6 +25,7 @@ checks the issue's targets (the runner is ``offload_methods.py``, shared with
     python3 bench/offload_families.py --model qwen-image --out out/families-qwen
     python3 bench/offload_families.py --model wan --out out/families-wan
     python3 bench/offload_families.py --model wan2.2 --out out/families-wan22
+    python3 bench/offload_families.py --model z-image --out out/families-z-image
 
 ``--tiny`` runs the same program on tiny DiTs on a CPU (a smoke test; tests run it).
 """
@@ -44,11 +47,13 @@ from ditserve.engine.makers.builders import make_dit
 from ditserve.engine.pipelines.experts import ExpertStack
 
 GIB = 1024**3
-TEXT_TOKENS = {"qwen-image": 256, "wan": 512}  # a typical Qwen prompt; Wan pads to 512
-DEFAULT_SIZES = {"qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81"}
-DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,)}
-DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2}
-TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5"}
+# A typical Qwen prompt; Wan pads to 512; Z-Image: a prompt in Qwen3's chat template.
+TEXT_TOKENS = {"qwen-image": 256, "wan": 512, "z-image": 128}
+DEFAULT_SIZES = {"qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81",
+                 "z-image": "1024x1024"}
+DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,), "z-image": (1, 4)}
+DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2, "z-image": 5}
+TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5", "z-image": "64x64"}
 
 
 def variant_of(model: str) -> str:
@@ -99,6 +104,16 @@ def workloads(model: str, size: str, batches: tuple[int, ...], dit: torch.nn.Mod
                       timestep=torch.full((b,), 0.5, device=device, dtype=torch.bfloat16),
                       img_shapes=[[(1, h, w)]] * b, return_dict=False)
             out.append((f"b{b}", lambda kw=kw: dit(**kw)))
+        return out
+    if model == "z-image":
+        width, height = dims
+        for b in batches:
+            # The list interface: one (C, 1, h, w) latent and one caption per row (8x VAE).
+            images = [randn(config.in_channels, 1, height // 8, width // 8) for _ in range(b)]
+            captions = [randn(TEXT_TOKENS["z-image"], config.cap_feat_dim) for _ in range(b)]
+            t = torch.full((b,), 0.5, device=device)
+            out.append((f"b{b}", lambda i=images, c=captions, t=t: dit(i, t, c,
+                                                                        return_dict=False)))
         return out
     width, height, frames = dims
     latent = ((frames - 1) // 4 + 1, height // 8, width // 8)
@@ -160,7 +175,7 @@ MODELS = offload_methods.Models(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2"),
+    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2", "z-image"),
                                   out="out/offload-families")
     args = p.parse_args(argv)
     args.size = args.size or (TINY_SIZES if args.tiny else DEFAULT_SIZES)[args.model]

@@ -316,12 +316,16 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dic
 # Kept apart from the one-size code above (and from the video mode) so each mode reads alone.
 
 MIXED_SIZES = "1024x1024,768x768,512x512,1344x768"  # WxH; 1344x768 is the non-square one
+# What a CFG request of the mixed workload adds (Flux, Qwen-Image: true CFG); --cfg-body.
+CFG_BODY: dict[str, Any] = {"negative_prompt": "blurry, low quality", "true_cfg_scale": 4.0}
 TINY_SIZES = "64x64,32x64,48x48"
 MIXED_TARGETS = (  # (what, numerator config, denominator config, bound)
     ("DLO@4 req/s >= 2.3x DLO@1", "dlo:4", "dlo:1", 2.3),
     ("DLO@4 req/s >= 0.95x resident@4", "dlo:4", "resident:4", 0.95),
     # Issue 34: --dlo-hbm-budget-gib auto keeps a model that fits resident.
     ("DLO auto@4 req/s >= 0.99x resident@4", "dlo-auto:4", "resident:4", 0.99),
+    # Issue 47 (Z-Image, sizes 512-1360 with n>1): continuous batching's gain.
+    ("resident@8 req/s >= 2.5x resident@1", "resident:8", "resident:1", 2.5),
 )
 # Serve flags of each --mixed-configs mode (dlo-auto: the whole-pipeline budget set to the
 # GPU's free memory, docs/offload.md "One HBM budget").
@@ -336,7 +340,7 @@ class MixedRequest:
     width: int
     height: int
     steps: int
-    cfg: bool  # true CFG: a negative prompt and true_cfg_scale 4, twice the rows
+    cfg: bool  # CFG: --cfg-body (a negative prompt and true_cfg_scale 4), twice the rows
     n: int
 
 
@@ -349,6 +353,9 @@ def add_mixed_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sizes", default=None, help=f"WxH list (default {MIXED_SIZES})")
     g.add_argument("--steps-range", default=None, help="MIN,MAX steps, uniform (default 8,20)")
     g.add_argument("--cfg-share", type=float, default=0.2, help="share of true-CFG requests")
+    g.add_argument("--cfg-body", default=json.dumps(CFG_BODY),
+                   help="JSON fields a CFG request adds (default: Flux/Qwen-Image's true CFG; "
+                        'Z-Image Base: \'{"negative_prompt": "blurry", "guidance_scale": 4}\')')
     g.add_argument("--n2-share", type=float, default=0.1, help="share of n=2 requests")
     g.add_argument("--tiny", action="store_true",
                    help=f"CPU smoke run: the tiny model, sizes {TINY_SIZES}, steps 2,4, "
@@ -369,18 +376,19 @@ def mixed_workload(count: int, rate: float, sizes: list[tuple[int, int]], steps:
     return out
 
 
-def mixed_body(request: MixedRequest) -> dict[str, Any]:
+def mixed_body(request: MixedRequest, cfg_body: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": f"benchmark prompt {request.index}: a lighthouse at dusk",
         "seed": request.index, "num_inference_steps": request.steps,
         "size": f"{request.width}x{request.height}", "n": request.n}
     if request.cfg:
-        body |= {"negative_prompt": "blurry, low quality", "true_cfg_scale": 4.0}
+        body |= CFG_BODY if cfg_body is None else cfg_body
     return body
 
 
 async def send_mixed(url: str, plan: list[MixedRequest], *, headers: dict[str, str],
-                     timeout: float) -> list[Record]:
+                     timeout: float, cfg_body: dict[str, Any] | None = None) -> list[Record]:
     limits = httpx.Limits(max_connections=len(plan) + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
                                  limits=limits) as client:
@@ -391,7 +399,7 @@ async def send_mixed(url: str, plan: list[MixedRequest], *, headers: dict[str, s
             sent = time.monotonic()
             record = Record(request.index, request.steps, sent - start, 0, 0.0, None, 0, 0.0)
             try:
-                response = await client.post(GEN, json=mixed_body(request))
+                response = await client.post(GEN, json=mixed_body(request, cfg_body))
             except httpx.HTTPError as e:
                 response, record.error = None, repr(e)
             now = time.monotonic()
@@ -473,6 +481,7 @@ def mixed_main(args: argparse.Namespace, headers: dict[str, str]) -> int:
     plan = mixed_workload(args.requests, args.rate, sizes, (low, high), cfg_share=args.cfg_share,
                           n2_share=args.n2_share, seed=args.seed)
     warmup = [MixedRequest(i, 0.0, w, h, min(2, low), False, 1) for i, (w, h) in enumerate(sizes)]
+    cfg_body = json.loads(args.cfg_body)
     results: list[dict[str, Any]] = []
     out = Path(args.out)
     interrupted = False
@@ -487,7 +496,7 @@ def mixed_main(args: argparse.Namespace, headers: dict[str, str]) -> int:
                     asyncio.run(send_mixed(url, warmup, headers=headers, timeout=args.timeout))
                 before = scrape_metrics(url, headers)
                 records = asyncio.run(send_mixed(url, plan, headers=headers,
-                                                 timeout=args.timeout))
+                                                 timeout=args.timeout, cfg_body=cfg_body))
                 after = scrape_metrics(url, headers)
             except BaseException:
                 stop(process, force=True)

@@ -2,8 +2,8 @@
 placement of its components: the peak HBM and latency that issue 34's targets judge.
 
 Every component is at its released shape (``ditserve model init-random --size full``, built on
-the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB, Wan2.1
-~40 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
+the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB,
+Z-Image ~20 GB, Wan2.1 ~40 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
 and run through the public engine (``DiffusionEngine``: load, add_request, result), so what
 is measured is what ``ditserve serve`` would do with those flags:
 
@@ -75,6 +75,9 @@ WORKLOADS = {  # issue 34's targets
     "flux": Workload("flux", 1024, 1024, 1, 28, (2, 28), None, 4.0, 1.03),
     "qwen-image": Workload("qwen-image", 1024, 1024, 1, 50, (2, 10), "", 5.0, 1.03),
     "wan": Workload("wan", 832, 480, 81, 50, (1, 3), "", 10.0, 1.02),
+    # Z-Image-Turbo's request (8 steps, no CFG); issue 34's bounds for an image model, as
+    # Flux's (issue 47 sets none for the whole pipeline's peak).
+    "z-image": Workload("z-image", 1024, 1024, 1, 8, (2, 8), None, 4.0, 1.03),
 }
 
 

@@ -1,8 +1,10 @@
-"""A conditioning image of a request: an edit's source, an image-to-video first frame.
+"""A conditioning image of a request: an edit's source, an image-to-video first frame; and
+the rules of denoising from a source image (image-to-image, inpainting with a mask).
 
 Decoded and checked at the edge (``engine.server.uploads``, the CLI's ``--image``); carried
-on ``SamplingParams.images``; each image-conditioned pipeline resizes it as its diffusers
-pipeline does. Pure Python.
+on ``SamplingParams.images`` (and ``mask``); each image-conditioned pipeline resizes it as its
+diffusers pipeline does. ``kept_steps`` and ``check_source`` are ``SamplingParams``'s rules
+for ``strength`` and ``mask``. Pure Python.
 """
 
 from __future__ import annotations
@@ -40,3 +42,46 @@ class ConditionImage:
                 "image", f"the image is {self.width}x{self.height} pixels, an aspect ratio "
                 f"of {aspect:.0f}:1; this model reads images up to {max_aspect:g}:1 (crop or "
                 "pad it)")
+
+def kept_steps(steps: int, strength: float) -> int:
+    """The steps a run from a source image at ``strength`` keeps of ``steps``: the last
+    ``steps - int(steps - steps * strength)`` (diffusers' ``get_timesteps``: 8 at 0.6 run 5)."""
+    return steps - int(max(steps - min(steps * strength, steps), 0))
+
+
+def source_strength(*, images: int, mask: ConditionImage | None, strength: float | None,
+                    steps: int, image_strength: tuple[float, float] | None) -> float | None:
+    """A request's strength, checked: a mask (white: repaint; OpenAI's transparent pixels are
+    made white at decode) and a strength need a model that denoises from its source image
+    (``image_strength``: its defaults without and with a mask, diffusers' 0.6 and 1.0) and
+    exactly one source; a strength is in [0, 1] and keeps at least one of the ``steps``
+    (``kept_steps``). None (a model without source strength, or no source) stays None;
+    with a source it becomes the model's default."""
+    if image_strength is not None and images and strength is None:
+        strength = image_strength[1 if mask is not None else 0]
+    _check_source(images=images, mask=mask, strength=strength, steps=steps,
+                  image_strength=image_strength)
+    return strength
+
+
+def _check_source(*, images: int, mask: ConditionImage | None, strength: float | None,
+                  steps: int, image_strength: tuple[float, float] | None) -> None:
+    if image_strength is None:
+        if mask is not None:
+            raise InvalidRequestError("mask", "this model does not repaint a masked region "
+                                      "(inpainting); send the image without a mask")
+        if strength is not None:
+            raise InvalidRequestError("strength", "this model does not denoise from its "
+                                      "source image; leave strength out")
+        return
+    if (mask is not None or strength is not None) and images != 1:
+        field = "mask" if mask is not None else "strength"
+        raise InvalidRequestError(field, f"needs exactly one source image, got {images}")
+    if strength is None:
+        return
+    if not isinstance(strength, (int, float)) or isinstance(strength, bool) \
+            or not 0.0 <= strength <= 1.0:
+        raise InvalidRequestError("strength", f"must be a number in [0, 1], got {strength!r}")
+    if kept_steps(steps, strength) < 1:
+        raise InvalidRequestError("strength", f"{strength:g} of {steps} steps runs no step; "
+                                  "raise strength or num_inference_steps")

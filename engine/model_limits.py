@@ -30,6 +30,9 @@ class ModelLimits:
     max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
     max_condition_aspect: the largest long-side / short-side ratio of a conditioning image
         (None: any), where the model's image reader has one (Qwen2.5-VL's).
+    image_strength: for a model that denoises from its source image (image-to-image and
+        inpainting: it takes ``strength`` and a ``mask``), its default strength without and
+        with a mask; None for every other model.
     """
 
     pixel_multiple: int = 16
@@ -41,6 +44,7 @@ class ModelLimits:
     condition_images: tuple[int, int] = (0, 0)
     max_text_tokens: int | None = None
     max_condition_aspect: float | None = None
+    image_strength: tuple[float, float] | None = None
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,

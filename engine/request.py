@@ -8,15 +8,17 @@ The number of steps, the seed and the current step are deliberately not in the k
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 from dataclasses import dataclass
 
 from ditserve.engine.condition_image import ConditionImage as ConditionImage
+from ditserve.engine.condition_image import kept_steps, source_strength
 from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.model_limits import MAX_FRAMES as MAX_FRAMES
 from ditserve.engine.model_limits import MAX_SIDE as MAX_SIDE
 from ditserve.engine.model_limits import ModelLimits as ModelLimits
+from ditserve.engine.request_status import RequestStatus as RequestStatus
 
 MAX_STEPS = 1000
 MAX_IMAGES = 8
@@ -28,31 +30,6 @@ MAX_LORAS_PER_REQUEST = 8
 MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
-
-
-class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Finished states sort last so ``status >= FINISHED_OK`` works.
-
-    PAUSED: preempted at a step boundary by a request of higher priority; its denoise state
-    stays with the runner, untouched, until it resumes (back to DENOISING).
-    FINISHED_DEADLINE: the scheduler's estimate says it can no longer meet its ``deadline_s``
-    (or the deadline passed); it was stopped at a step boundary, never silently late.
-    An aborted request has no end state here: the scheduler forgets it at once (a running one
-    is freed at the next step boundary) and the engine reports the abort itself.
-    """
-
-    WAITING = 0
-    ENCODING = 1
-    DENOISING = 2
-    PAUSED = 3
-    DECODING = 4
-    FINISHED_OK = 5
-    FINISHED_ERROR = 6
-    FINISHED_DEADLINE = 7
-
-    @property
-    def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_OK
 
 
 @dataclass(frozen=True)
@@ -115,6 +92,9 @@ class SamplingParams:
         ``preview_steps``); they travel as "preview" events, never change the result.
     images: conditioning images (an edit's sources, an image-to-video first frame); empty for
         text-only generation. How many a model takes is its pipeline's ``condition_images``.
+    mask, strength: inpainting's region (white repainted) and how far from the source a
+        model that denoises from it starts (None: its default, filled in by ``validate_for``;
+        ``condition_image.source_strength``).
     loras: the LoRA adapters applied to this request's rows, each with its scale (stacked:
         their deltas add up, as diffusers' ``set_adapters`` with several names).
     step_cache: this request's step cache (``engine.config.step_cache``); None takes the
@@ -137,6 +117,8 @@ class SamplingParams:
     num_frames: int = 1
     partial_images: int = 0
     images: tuple[ConditionImage, ...] = ()
+    mask: ConditionImage | None = None
+    strength: float | None = None
     max_sequence_length: int | None = None
     loras: tuple[LoraRef, ...] = ()
     step_cache: StepCacheSpec | None = None
@@ -223,21 +205,34 @@ class SamplingParams:
         """Steps after which a preview is decoded: ``partial_images`` evenly spaced points of
         the trajectory, rounded to a step, never the last step (that one is the result). Few
         steps give fewer previews (4 steps, 3 previews: steps 1, 2, 3; 2 steps: step 1)."""
-        total, k = self.num_inference_steps, self.partial_images
+        total, k = self.denoise_steps, self.partial_images
         # round((i + 1) * total / (k + 1)) in integers, halves rounded up
         points = (((i + 1) * total * 2 + k + 1) // (2 * (k + 1)) for i in range(k))
         return frozenset(step for step in points if 1 <= step < total)
 
     def validate_for(self, limits: ModelLimits) -> SamplingParams:
-        """``validate`` under the loaded model's limits, its images' aspect bound included."""
-        self.validate(pixel_multiple=limits.pixel_multiple,
-                      max_prompt_chars=limits.max_prompt_chars,
-                      frame_step=limits.frame_step, max_side=limits.max_side,
-                      max_frames=limits.max_frames, condition_images=limits.condition_images,
-                      max_text_tokens=limits.max_text_tokens)
-        for image in self.images:
+        """``validate`` under the loaded model's limits; returns the request with the
+        model's default ``strength`` filled in where it denoises from a source image."""
+        strength = source_strength(images=len(self.images), mask=self.mask,
+                                   strength=self.strength, steps=self.num_inference_steps,
+                                   image_strength=limits.image_strength)
+        params = dataclasses.replace(self, strength=strength)
+        for image in params.images:
             image.check_aspect(limits.max_condition_aspect)
-        return self
+        return params.validate(pixel_multiple=limits.pixel_multiple,
+                               max_prompt_chars=limits.max_prompt_chars,
+                               frame_step=limits.frame_step, max_side=limits.max_side,
+                               max_frames=limits.max_frames,
+                               condition_images=limits.condition_images,
+                               max_text_tokens=limits.max_text_tokens)
+
+    @property
+    def denoise_steps(self) -> int:
+        """The steps this request runs: all, or fewer from a source image at ``strength``
+        (``condition_image.kept_steps``)."""
+        if self.strength is None or not self.images:
+            return self.num_inference_steps
+        return kept_steps(self.num_inference_steps, self.strength)
 
     def validate(
         self,

@@ -33,10 +33,14 @@ def test_targets_are_judged_from_the_configurations_that_ran() -> None:
                                   "dlo:4": {"throughput_rps": 0.25},
                                   "dlo-auto:4": {"throughput_rps": 0.268},
                                   "resident:4": {"throughput_rps": 0.27}})
-    assert [(round(r, 3), met) for _, r, met in rows] == [(2.5, True), (0.926, False),
-                                                           (0.993, True)]
+    assert [(None if r is None else round(r, 3), met) for _, r, met in rows] == [
+        (2.5, True), (0.926, False), (0.993, True), (None, None)]
     assert [met for _, _, met in serving.mixed_targets({"dlo:4": {"throughput_rps": 1}})] == [
-        None, None, None]
+        None, None, None, None]
+    # Issue 47: max_num_seqs 8 against 1, resident.
+    (*_, (_, ratio, met)) = serving.mixed_targets({"resident:1": {"throughput_rps": 0.1},
+                                                   "resident:8": {"throughput_rps": 0.24}})
+    assert round(ratio, 3) == 2.4 and met is False
     assert serving.mixed_configs("dlo-auto:4,resident:4") == [
         ("dlo-auto:4", "--offload dlo --dlo-hbm-budget-gib auto", 4), ("resident:4", "", 4)]
     shapes = serving.step_shapes(

@@ -1,5 +1,6 @@
-"""bench/serving.py --priority: its trace, its summary and targets, and a CPU smoke run (two
-real `ditserve serve` processes on the tiny model: priority, then fcfs, on one trace)."""
+"""bench/serving.py --priority: its trace (also a mixed load), its summary and targets, and a
+CPU smoke run (two real `ditserve serve` processes on the tiny model: priority, then fcfs, on
+one trace)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def test_the_trace_is_seeded_saturating_and_mixes_the_two_classes() -> None:
     assert times == sorted(times) and 200 < times[-1] < 300  # ~500 at 2 per s
     # Even a tiny trace holds both classes.
     assert {a.priority for a in bench.trace(4, 0.0, 0.1, seed=0)} == {bench.HIGH, bench.LOW}
+    # A mixed load (issue 47): low-priority sizes drawn, high-priority ones the run's size.
+    mixed = bench.trace(200, 2.0, 0.1, seed=4, low_sizes=["512x512", "1360x768"])
+    assert {a.size for a in mixed if a.priority == bench.LOW} == {"512x512", "1360x768"}
+    assert {a.size for a in mixed if a.priority == bench.HIGH} == {None}
 
 
 def test_summary_and_targets_from_outcomes() -> None:
@@ -43,6 +48,8 @@ def test_cpu_smoke_run_of_the_priority_mode(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH / "serving.py"), "--priority", "--tiny", "--requests", "8",
            "--rate", "20", "--high-share", "0.25", "--idle-requests", "2", "--max-num-seqs", "2",
            "--seed", "2", "--startup-timeout", "300",
+           # issue 47's mixed load: drawn low-priority sizes, the rate from the idle p50
+           "--low-sizes", "64x64,32x64", "--rate-of-idle", "4", "--latency-target", "1.5",
            "--server-cmd", f"{sys.executable} -m ditserve.engine.cli", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "DITSERVE_HOME": str(tmp_path / "home")})
@@ -54,4 +61,6 @@ def test_cpu_smoke_run_of_the_priority_mode(tmp_path: Path) -> None:
     assert report["runs"]["fcfs"]["preemptions"] == 0  # fcfs never pauses
     assert report["idle_high_p90_s"] is not None and len(report["records"]["idle"]) == 2
     assert [t["ratio"] is not None for t in report["targets"]] == [True, True]
-    assert "high-priority p90 <= 1.3x idle p90" in done.stdout
+    assert "high-priority p90 <= 1.5x idle p90" in done.stdout
+    assert report["records"]["trace_rate"] > 0
+    assert {a["size"] for a in report["trace"] if a["priority"] == 1} <= {"64x64", "32x64"}

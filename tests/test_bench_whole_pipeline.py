@@ -1,4 +1,4 @@
-"""bench/whole_pipeline.py and bench/host_rss.py in their CPU modes: each configuration's
+"""bench/whole_pipeline.py, bench/z_image_latency.py and bench/host_rss.py in their CPU modes: each configuration's
 engine flags go through the engine's own parser and one end-to-end request per timed step
 count runs through the public engine; host_rss samples a child that loads the engine."""
 
@@ -97,3 +97,16 @@ def test_the_plans_prediction_is_judged_against_the_measured_peak(tmp_path: Path
                        "--configs", "dlo-whole", "--concurrent", "plan"]) == 0
     result = json.loads((tmp_path / "whole_pipeline_flux_tiny.json").read_text())
     assert result["configs"]["dlo-whole"]["concurrent"] == 4
+def test_z_image_latency_tiny_runs_bare_and_engine(tmp_path: Path) -> None:
+    bench = load("z_image_latency")
+    assert bench.main(["--tiny", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "z_image_latency_tiny.json").read_text())
+    bare = result["bare"]
+    assert bare["bare_s"] == bare["encode_s"] + 2 * bare["step_s"] + bare["decode_s"] > 0
+    (run,) = result["configs"].values()
+    assert len(run["latencies_s"]) == 2 and run["median_s"] > 0
+    assert result["targets"] == []  # a CPU smoke run judges nothing
+    # Judged from full-size numbers as the GPU run gives them.
+    rows = bench.targets({"bare": {"bare_s": 1.0}, "configs": {
+        "resident": {"median_s": 1.05}, "dlo-auto": {"median_s": 1.06, "streamed_blocks": 0}}})
+    assert [(round(r["ratio"], 3), r["met"]) for r in rows] == [(1.05, True), (1.01, True)]

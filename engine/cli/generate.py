@@ -84,6 +84,19 @@ def generation_params(args: argparse.Namespace, defaults: ModelDefaults) -> Samp
     )
 
 
+def _input_mask(path: Path | None) -> Any:
+    """The --mask file, decoded to black and white as the server's ``mask`` is."""
+    from ditserve.engine.media.image_input import decode_mask
+
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--mask {str(path)!r}: {e.strerror or e}") from e
+    return decode_mask(data, field=f"--mask {path}")
+
+
 def _input_images(paths: list[Path] | None) -> tuple[Any, ...]:
     """--image files, checked and decoded as the server's uploads are."""
     from ditserve.engine.media.image_input import decode_image
@@ -110,7 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     video = defaults.output == "video"
     out = output_path(args.out, video=video)  # refused before minutes of loading
     # --image files are decoded (and a bad one refused) before the model loads.
-    params = replace(generation_params(args, defaults), images=_input_images(args.image))
+    params = replace(generation_params(args, defaults), images=_input_images(args.image),
+                     mask=_input_mask(args.mask), strength=args.strength)
     fps = defaults.fps if args.fps is None else args.fps
     # With --compile: compile at the requested size before the request runs.
     engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(params.height, params.width)))
@@ -178,7 +192,14 @@ def add_generate_parser(subcommands: Any) -> None:
                      help="an input image (PNG, JPEG, WebP): the source of an edit model "
                           "(FLUX.1 Kontext, Qwen-Image-Edit) or an image-to-video model's "
                           "first frame; repeat it where the model takes several "
-                          "(Qwen-Image-Edit Plus: up to 3)")
+                          "(Qwen-Image-Edit Plus: up to 3); for Z-Image the source of "
+                          "image-to-image")
+    gen.add_argument("--mask", type=Path, default=None, metavar="PATH",
+                     help="inpainting with --image (Z-Image): the region to repaint, white "
+                          "(or, in a PNG with transparency, transparent as OpenAI's edits)")
+    gen.add_argument("--strength", type=float, default=None,
+                     help="with --image on Z-Image: 1 starts from noise, lower keeps more of "
+                          "the source and runs fewer steps (default 0.6; with --mask 1.0)")
     gen.add_argument("--fps", type=int, default=None,
                      help="video models: MP4 frame rate (default: the model's, 16 for Wan)")
     add_engine_options(gen, with_config_file=False)

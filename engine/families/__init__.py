@@ -1,6 +1,6 @@
 """The model families ditserve serves: the registry of their records (pure; no torch).
 
-Each family lives in its own module (``flux``, ``qwen_image``, ``wan``, and the
+Each family lives in its own module (``flux``, ``qwen_image``, ``wan``, ``z_image``, and the
 image-conditioned ``flux_kontext``, ``qwen_image_edit``, ``qwen_image_edit_plus`` and
 ``wan_i2v``) as one ``Family``
 record (``base``): its layout, DiT block lists, batch key fields, server defaults, builder
@@ -26,10 +26,11 @@ from ditserve.engine.families.qwen_image_edit import QWEN_IMAGE_EDIT
 from ditserve.engine.families.qwen_image_edit_plus import QWEN_IMAGE_EDIT_PLUS
 from ditserve.engine.families.wan import WAN
 from ditserve.engine.families.wan_i2v import WAN_I2V
+from ditserve.engine.families.z_image import Z_IMAGE
 
 # Text-to-image/video families first, then the image-conditioned ones derived from them (the
 # same DiTs; a derived family comes after its base, which spells the DiT's class name).
-FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN, FLUX_KONTEXT, QWEN_IMAGE_EDIT,
+FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN, Z_IMAGE, FLUX_KONTEXT, QWEN_IMAGE_EDIT,
                                 QWEN_IMAGE_EDIT_PLUS, WAN_I2V)
 # What the model builders (`ditserve model init-tiny / init-random --family`) build: one
 # released model layout each, by the family it belongs to (each family's ``dit_sizes``).
@@ -38,7 +39,7 @@ MODEL_VARIANTS: dict[str, str] = {v: f.name for f in FAMILIES for v in f.variant
 AUTO_FAMILY = "Auto"
 
 __all__ = ["AUTO_FAMILY", "FAMILIES", "FLUX", "FLUX_KONTEXT", "MODEL_VARIANTS", "QWEN_IMAGE",
-           "QWEN_IMAGE_EDIT", "QWEN_IMAGE_EDIT_PLUS", "WAN", "WAN_I2V", "Family",
+           "QWEN_IMAGE_EDIT", "QWEN_IMAGE_EDIT_PLUS", "WAN", "WAN_I2V", "Z_IMAGE", "Family",
            "declared_block_lists", "family_labels", "family_named", "family_names",
            "family_of_dit", "family_of_pipeline", "family_of_variant", "resolve",
            "supported_pipelines"]

@@ -46,11 +46,13 @@ ReleasedComponents = Mapping[str, Mapping[str, ComponentShape]]
 #   -> size, steps and frames of a full-size model
 DefaultsRule = Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]],
                         ModelDefaults]
+# the checkpoint's scheduler config -> the pipeline call defaults it changes
+CallOverrides = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
 # What a family generates, and when classifier-free guidance adds negative-prompt rows.
 Output = Literal["image", "video"]
-CfgRule = Literal["true_cfg", "guidance"]
+CfgRule = Literal["true_cfg", "guidance", "guidance_positive"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +73,8 @@ class Family:
         streams); resident_modules: the DiT's other top-level modules (on the device always).
     cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.sched.work``):
         "true_cfg" (``true_cfg_scale`` > 1 with a negative prompt) or "guidance"
-        (``guidance_scale`` > 1); the pipeline's ``state.rows`` follows the same rule.
+        (``guidance_scale`` > 1) or "guidance_positive" (``guidance_scale`` > 0, Z-Image's
+        rule); the pipeline's ``state.rows`` follows the same rule.
     attention_heads: the attention head counts of the family's released DiTs (sequence
         parallelism splits heads over its ranks; the operator judges a declared family's
         SP size with them before any model is read).
@@ -96,6 +99,9 @@ class Family:
         the builders and the tests read).
     defaults: the size, steps and frames of a full-size model's requests
         (``engine.server.model_defaults``; guidance comes from the pipeline's call defaults).
+    call_overrides: what a checkpoint changes of the pipeline's call defaults, read off its
+        scheduler config (Z-Image-Turbo: 8 steps without guidance, where the shared pipeline
+        class defaults to Base's 50 steps with guidance); None: the call defaults stand.
     """
 
     name: str
@@ -121,6 +127,7 @@ class Family:
     dit_sizes: DitSizes = field(default_factory=dict, compare=False)
     released_components: ReleasedComponents = field(default_factory=dict, compare=False)
     defaults: DefaultsRule = field(default=square_image, compare=False)
+    call_overrides: CallOverrides | None = field(default=None, compare=False)
 
     @property
     def video(self) -> bool:
@@ -129,6 +136,23 @@ class Family:
     @property
     def variants(self) -> tuple[str, ...]:
         return tuple(self.dit_sizes)
+
+
+def dit_heads(config: Mapping[str, Any]) -> int | None:
+    """A DiT ``config.json``'s attention head count: diffusers' usual
+    ``num_attention_heads``, or ``n_heads`` (Z-Image's, Lumina's); None when neither."""
+    value = config.get("num_attention_heads", config.get("n_heads"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def dit_width(config: Mapping[str, Any]) -> int | None:
+    """A DiT ``config.json``'s hidden width: heads x ``attention_head_dim``, or ``dim``
+    (Z-Image's, Lumina's); None when neither."""
+    heads, head_dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    if isinstance(heads, int) and isinstance(head_dim, int):
+        return heads * head_dim
+    value = config.get("dim")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def resolve(reference: str) -> Any:

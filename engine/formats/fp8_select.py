@@ -47,8 +47,9 @@ from ditserve.engine.families import FAMILIES, declared_block_lists
 from ditserve.engine.formats.fp8_linear import FP8Linear, fits_scaled_mm
 
 # A linear's path inside its block: adaLN modulation (Flux ``norm1.linear``, Qwen-Image
-# ``img_mod.1``). They map the timestep embedding to shift/scale/gate vectors.
-MODULATION = re.compile(r"(^|\.)(norm\w*\.linear|\w+_mod\.\d+)$")
+# ``img_mod.1``, Z-Image ``adaLN_modulation.0``). They map the timestep embedding to
+# shift/scale/gate vectors.
+MODULATION = re.compile(r"(^|\.)(norm\w*\.linear|\w+_mod\.\d+|adaLN_modulation\.\d+)$")
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,9 @@ class Delivery:
                                      tokens=out.forward_tokens)
 
     def queued(self, handle: RequestHandle) -> None:
+        # Progress counts the steps that run (fewer from a source image at strength < 1).
         self.emit(handle, RequestEvent(handle.request_id, "queued", 0,
-                                       handle.params.num_inference_steps,
+                                       handle.params.denoise_steps,
                                        handle.queue_position))
 
     def stepped(self, handle: RequestHandle, steps_done: int, total_steps: int,
@@ -90,7 +91,7 @@ class Delivery:
     def preview(self, handle: RequestHandle, step: int, pixels: Any) -> None:
         """A partial image of a running request, decoded after its ``step``."""
         self.emit(handle, RequestEvent(handle.request_id, "preview", step,
-                                       handle.params.num_inference_steps, pixels=pixels))
+                                       handle.params.denoise_steps, pixels=pixels))
 
     def finished(self, handle: RequestHandle, pixels: Any, *, rank: int) -> None:
         now = time.monotonic()
@@ -101,8 +102,8 @@ class Delivery:
             queue_seconds=started - handle.submitted_at,
             latency_seconds=now - handle.submitted_at, rank=rank,
         )
-        self.emit(handle, RequestEvent(handle.request_id, "finished", result.num_inference_steps,
-                                       result.num_inference_steps))
+        steps = handle.params.denoise_steps
+        self.emit(handle, RequestEvent(handle.request_id, "finished", steps, steps))
         if not handle.future.done():
             handle.future.set_result(result)
         for observer in self.observers:

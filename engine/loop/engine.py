@@ -255,8 +255,9 @@ class DiffusionEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def validate_params(self, params: SamplingParams) -> SamplingParams:
-        """Raise InvalidRequestError naming the first field the loaded model cannot run."""
-        params.validate_for(self.limits)
+        """Raise InvalidRequestError naming the first field the loaded model cannot run;
+        returns the request with the model's defaults filled in (``validate_for``)."""
+        params = params.validate_for(self.limits)
         bound = self.config.adapters.max_loras
         if len(params.loras) > bound:  # it could never run: no step may hold its adapters
             raise InvalidRequestError("loras", f"the request stacks {len(params.loras)} LoRA "
@@ -291,7 +292,7 @@ class DiffusionEngine:
     ) -> RequestHandle:
         """Validate and enqueue; raises InvalidRequestError, QueueFullError, DeadlineError (its
         ``deadline_s`` cannot be met by the scheduler's estimate), EngineStoppedError."""
-        self.validate_params(params)
+        params = self.validate_params(params)  # with the model's defaults filled in
         rid = request_id or uuid.uuid4().hex
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         handle = RequestHandle(rid, params, seed, concurrent.futures.Future(),

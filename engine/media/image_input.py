@@ -6,12 +6,19 @@ WebP, a decoded size over ``max_pixels`` (a decompression bomb: a few kilobytes 
 decode to gigabytes) or a truncated file raises ``InvalidRequestError`` naming the field,
 before anything large is allocated. EXIF orientation is applied, so a phone photo is the
 right way up; transparency is dropped (RGB), as diffusers' image processors drop it.
+
+A mask (``decode_mask``: an edit's ``mask``, ``generate --mask``) is decoded the same way,
+into black and white: OpenAI's edits API marks the region to repaint as fully transparent
+pixels of a PNG, so a mask with transparency repaints where its alpha is 0; a mask without
+transparency is read as diffusers' inpainting pipelines read it, white (>= half grey)
+repaints.
 """
 
 from __future__ import annotations
 
 import io
 import warnings
+from typing import Any
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import ConditionImage
@@ -23,6 +30,17 @@ DEFAULT_MAX_PIXELS = 4096 * 4096
 def decode_image(data: bytes, *, field: str = "image",
                  max_pixels: int = DEFAULT_MAX_PIXELS) -> ConditionImage:
     """Bytes of a PNG, JPEG or WebP file -> an upright RGB image (see module docstring)."""
+    return _decode(data, field=field, max_pixels=max_pixels, mask=False)
+
+
+def decode_mask(data: bytes, *, field: str = "mask",
+                max_pixels: int = DEFAULT_MAX_PIXELS) -> ConditionImage:
+    """Bytes of a mask file -> an upright black-and-white RGB image, white where the model
+    repaints (see module docstring)."""
+    return _decode(data, field=field, max_pixels=max_pixels, mask=True)
+
+
+def _decode(data: bytes, *, field: str, max_pixels: int, mask: bool) -> ConditionImage:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
@@ -50,9 +68,20 @@ def decode_image(data: bytes, *, field: str = "image",
         try:
             image.load()
             upright = ImageOps.exif_transpose(image) or image
-            rgb = upright.convert("RGB")
+            rgb = _black_and_white(upright) if mask else upright.convert("RGB")
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             raise InvalidRequestError(
                 field, f"the image could not be decoded ({e}); send a complete PNG, JPEG or "
                 "WebP file") from e
     return ConditionImage(rgb.width, rgb.height, rgb.tobytes())
+
+
+def _black_and_white(image: Any) -> Any:
+    """A mask as RGB, white where to repaint: transparent pixels (alpha 0) if it has
+    transparency, else its own grey level, thresholded at half as diffusers binarizes."""
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        alpha = image.convert("RGBA").getchannel("A")
+        grey = alpha.point(lambda a: 255 if a == 0 else 0)
+    else:
+        grey = image.convert("L").point(lambda v: 255 if v >= 128 else 0)
+    return grey.convert("RGB")

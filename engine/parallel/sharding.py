@@ -12,7 +12,8 @@ up by the DiT's class through the family registry. diffusers' code is not modifi
   hooks (or computed from sliced position ids);
 - here, a hook on ``proj_out`` (the last token-wise layer) gathers every rank's output
   tokens, so the DiT returns the full output - the same on every rank - and everything
-  after it (unpatchify, the sampler step) runs unchanged.
+  after it (unpatchify, the sampler step) runs unchanged. A DiT without one (Z-Image, whose
+  forward builds a sequence per block list) is gathered by its family's hooks instead.
 
 Every rank runs the same forward on the same inputs (the SP ranks of a DP rank get the same
 plan), so each keeps the full latents and the whole sampler state; only the DiT's tokens
@@ -59,12 +60,26 @@ def family_hooks(dit_class: str) -> Hooks:
     return hooks
 
 
+def attention_heads(model: nn.Module) -> tuple[int, ...]:
+    """The head counts of a DiT's attentions (every module with an attention processor and
+    an integer ``heads``), which Ulysses splits over the ranks."""
+    counts: set[int] = set()
+    for module in model.modules():
+        heads = getattr(module, "heads", None)
+        if hasattr(module, "processor") and isinstance(heads, int):
+            counts.add(heads)
+    if not counts:
+        raise ConfigError(f"{type(model).__name__} has no attention with a head count to split")
+    return tuple(sorted(counts))
+
+
 def shard_dit(dit: nn.Module, sp: SequenceGroup) -> SequenceForward:
     """Make ``dit``'s forward run on this rank's tokens of the SP group ``sp``."""
     model: Any = dit  # a diffusers DiT: its submodules and config are attributes
     name = type(model).__name__
     hooks = family_hooks(name)
-    check_heads(int(model.config.num_attention_heads), sp.size, what=name)
+    for heads in attention_heads(model):
+        check_heads(heads, sp.size, what=name)
     forward = SequenceForward(sp)
     hooks(model, forward)
 
@@ -72,7 +87,8 @@ def shard_dit(dit: nn.Module, sp: SequenceGroup) -> SequenceForward:
         assert forward.output is not None, "proj_out runs inside a sharded forward"
         return gather_tokens(output, forward.output, sp, dim=1)
 
-    model.proj_out.register_forward_hook(gather_output)
+    if isinstance(getattr(model, "proj_out", None), nn.Module):
+        model.proj_out.register_forward_hook(gather_output)
     # always_call: a forward that raises must not leave its shards to the next one.
     model.register_forward_hook(lambda module, args, output: forward.end(), always_call=True)
     return forward

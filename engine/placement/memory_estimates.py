@@ -32,6 +32,7 @@ import torch
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.errors import ConfigError, OffloadError
+from ditserve.engine.families.base import dit_width
 from ditserve.engine.offload.builders import block_tensors, slot_count
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
@@ -144,7 +145,7 @@ def _dit_width(transformer: torch.nn.Module) -> int:
     """The DiT's hidden width (an expert stack's: its first expert's)."""
     configs = (getattr(m, "config", None) for m in transformer.modules())
     cfg: dict[str, Any] = next((c for c in configs if isinstance(c, dict)), {})
-    return int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
+    return dit_width(cfg) or 24 * 128
 
 
 def auto_budget(device: torch.device, *,

@@ -91,7 +91,8 @@ class WorkRule:
     pixels_per_token: the pixel side of one latent token (VAE factor x patch size).
     frame_step: pixel frames per latent frame of a video model; None for an image model.
     cfg_rows: "true_cfg" - negative-prompt rows when ``true_cfg_scale`` > 1 with a negative
-        prompt (Flux, Qwen-Image); "guidance" - when ``guidance_scale`` > 1 (Wan).
+        prompt (Flux, Qwen-Image); "guidance" - when ``guidance_scale`` > 1 (Wan);
+        "guidance_positive" - when ``guidance_scale`` > 0 (Z-Image).
     """
 
     pixels_per_token: int = 16
@@ -103,7 +104,12 @@ class WorkRule:
             raise ValueError(f"cfg_rows must be one of {CFG_RULES}, got {self.cfg_rows!r}")
 
     def rows(self, params: SamplingParams) -> int:
-        cfg = params.guidance_scale > 1.0 if self.cfg_rows == "guidance" else params.uses_true_cfg
+        if self.cfg_rows == "guidance":
+            cfg = params.guidance_scale > 1.0
+        elif self.cfg_rows == "guidance_positive":
+            cfg = params.guidance_scale > 0.0
+        else:
+            cfg = params.uses_true_cfg
         return params.num_images * (2 if cfg else 1)
 
     def tokens_per_row(self, params: SamplingParams) -> int:

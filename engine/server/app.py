@@ -40,6 +40,11 @@ def edit_images(state: ServerState) -> int:
     return int(state.model_limits().condition_images[1])
 
 
+def repaints(state: ServerState) -> bool:
+    """Whether the model denoises from its source image (takes an edit's mask and strength)."""
+    return state.output == "image" and state.model_limits().image_strength is not None
+
+
 def create_app(
     engine: EngineClient,
     config: ServerConfig,
@@ -104,13 +109,13 @@ def create_app(
     def openapi() -> dict[str, Any]:
         # The body's rules depend on the loaded model (pixel multiple, prompt limit, frames).
         key = (state.limits(), state.video_limits() if state.videos is not None else None,
-               edit_images(state))
+               edit_images(state), repaints(state))
         if key not in documents:
             video = key[1] is not None
             kind = (video_openapi.schemas(key[1]) if key[1] is not None
                     else image_openapi.schemas(key[0]))
             if key[2]:
-                kind |= edit_openapi.schemas(key[0], key[2])
+                kind |= edit_openapi.schemas(key[0], key[2], repaints=key[3])
             documents[key] = build_openapi(app, api_key=config.api_key is not None,
                                            kind_schemas=kind, video=video, edits=key[2] > 0)
         return documents[key]

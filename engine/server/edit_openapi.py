@@ -32,8 +32,10 @@ def _present(schema: dict[str, Any]) -> dict[str, Any]:
     return dict(options[0]) if len(options) == 1 else schema
 
 
-def form_schema(limits: RequestLimits, images: int) -> dict[str, Any]:
-    """The edit form under ``limits`` for a model that takes at most ``images`` images."""
+def form_schema(limits: RequestLimits, images: int, *, repaints: bool = False
+                ) -> dict[str, Any]:
+    """The edit form under ``limits`` for a model that takes at most ``images`` images;
+    ``repaints``: it denoises from its source (Z-Image), so it takes mask and strength."""
     generation = request_schema(limits)["properties"]
     properties: dict[str, Any] = {
         name: _present(schema) for name, schema in generation.items() if name not in NOT_IN_FORM}
@@ -57,6 +59,13 @@ def form_schema(limits: RequestLimits, images: int) -> dict[str, Any]:
                        "step_cache[threshold], step_cache[every] (the OpenAI SDK's extra_body)"}
     properties["input_fidelity"] = {"type": "string",
                                     "description": "OpenAI field, accepted and ignored"}
+    if repaints:
+        properties["mask"] = {**file, "description": "inpainting: a PNG whose fully "
+                              "transparent pixels mark the region to repaint (OpenAI's), or "
+                              "black and white (white repainted); one source image"}
+        properties["strength"] = {"type": "number", "minimum": 0, "maximum": 1,
+                                  "description": "1 starts from noise, lower keeps more of the "
+                                  "source and runs fewer steps (default: 0.6, with a mask 1.0)"}
     return {
         "type": "object", "title": "ImageEditForm", "properties": properties,
         "required": ["prompt"],
@@ -64,8 +73,9 @@ def form_schema(limits: RequestLimits, images: int) -> dict[str, Any]:
         "oneOf": [{"required": ["image"], "not": {"required": ["image[]"]}},
                   {"required": ["image[]"], "not": {"required": ["image"]}}],
         "additionalProperties": False,
-        "description": "mask is refused with 400 (the served edit models edit the whole "
-                       "image as the prompt says)",
+        "description": ("image-to-image from one source, inpainting with a mask" if repaints
+                        else "mask is refused with 400 (the served edit models edit the whole "
+                             "image as the prompt says)"),
     }
 
 
@@ -80,7 +90,7 @@ def answers() -> dict[int | str, Any]:
                        "docs/serving.md)")
 
 
-def schemas(limits: RequestLimits, images: int) -> dict[str, Any]:
+def schemas(limits: RequestLimits, images: int, *, repaints: bool = False) -> dict[str, Any]:
     """Added to an editing replica's image schemas (``image_openapi.schemas``)."""
-    return {"ImageEditForm": form_schema(limits, images),
+    return {"ImageEditForm": form_schema(limits, images, repaints=repaints),
             **stream_event_schemas(streaming.EDIT_EVENTS, "Edit")}

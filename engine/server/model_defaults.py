@@ -10,7 +10,7 @@ pipeline class's ``__call__`` signature (``pipeline_defaults.call_defaults``), n
   ``negative_prompt`` is given, the empty one included); Wan ``guidance_scale`` 5.0 (CFG
   against ``negative_prompt``, or the empty prompt);
 - a DiT narrower than 1024 (``attention_head_dim * num_attention_heads`` of
-  ``transformer/config.json``) is a test-sized model, like ``ditserve model init-tiny``: 64x64
+  ``transformer/config.json``, or its ``dim``) is a test-sized model, like ``ditserve model init-tiny``: 64x64
   and 4 steps (video: 9 frames), so a request without a size costs milliseconds, not minutes;
 - otherwise the family's own rule (``Family.defaults``, in its module under
   ``engine.families``) gives size, steps and frames: an image family a square of the VAE's
@@ -22,6 +22,9 @@ pipeline class's ``__call__`` signature (``pipeline_defaults.call_defaults``), n
 ``output`` says what the replica makes (``"image"`` or ``"video"``, from the family registry):
 a video replica serves /v1/videos, an image replica /v1/images/generations.
 
+A family whose checkpoints run one pipeline class differently (Z-Image-Turbo and Base) says
+what a checkpoint's scheduler config changes of the call defaults (``Family.call_overrides``).
+
 ``--default-size`` / ``--default-steps`` override size and steps.
 """
 
@@ -29,11 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ditserve.engine.families import FLUX, family_of_pipeline
+from ditserve.engine.families.base import dit_width
 from ditserve.engine.families.defaults import TINY, TINY_VIDEO_FRAMES, ModelDefaults
 from ditserve.engine.pipeline_defaults import call_defaults
 
@@ -65,15 +70,18 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     family = FLUX if root is None else family_of_pipeline(index.get("_class_name"))
     if family is None:  # not a supported model: the loader refuses it with the reason
         return TINY
-    call = call_defaults(family.pipeline_class)
+    call: Mapping[str, Any] = call_defaults(family.pipeline_class)
+    if root is not None and family.call_overrides is not None:
+        # The checkpoint's own way to run the shared pipeline class (Z-Image-Turbo).
+        scheduler = _json(root / "scheduler" / "scheduler_config.json")
+        call = {**call, **family.call_overrides(scheduler)}
     guidance = _number(call.get("guidance_scale"), IGNORED_GUIDANCE)
     true_cfg = _number(call.get("true_cfg_scale"), 1.0)
     if root is None:
         return replace(TINY, guidance=guidance, true_cfg=true_cfg)
     dit = _json(root / "transformer" / "config.json")
-    heads, head_dim = dit.get("num_attention_heads"), dit.get("attention_head_dim")
-    tiny = isinstance(heads, int) and isinstance(head_dim, int) \
-        and heads * head_dim < TEST_MODEL_WIDTH
+    width = dit_width(dit)
+    tiny = width is not None and width < TEST_MODEL_WIDTH
     if tiny:
         size = replace(TINY, output="video", frames=TINY_VIDEO_FRAMES) if family.video else TINY
     else:

@@ -1,4 +1,4 @@
-"""Uploaded images (an edit's ``image``, a video job's ``input_reference``): multipart bodies
+"""Uploaded images (an edit's ``image`` and ``mask``, a video job's ``input_reference``): multipart bodies
 read into memory, and each file decoded by ``engine.media.image_input`` (400 naming the field).
 
 Bounded at every step: the body is limited by the edge (``server.max_upload_bytes`` on the
@@ -21,7 +21,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.media.image_input import decode_image
+from ditserve.engine.media.image_input import decode_image, decode_mask
 from ditserve.engine.request import ConditionImage
 from ditserve.engine.server.errors import invalid
 
@@ -93,6 +93,16 @@ async def read_image(upload: Any, *, field: str, limits: UploadLimits) -> Condit
     return await _decode(await upload.read(), field=field, limits=limits)
 
 
+async def read_mask(upload: Any, *, limits: UploadLimits) -> ConditionImage:
+    """An edit's ``mask`` file, checked and decoded to black and white (white: repaint;
+    ``engine.media.image_input.decode_mask``)."""
+    field = "mask"
+    if not is_file(upload):
+        raise invalid(field, f"{field}: must be an image file (a multipart file part), not a "
+                             "text field", code="invalid_image")
+    return await _decode(await upload.read(), field=field, limits=limits, mask=True)
+
+
 async def reference_image(value: Any, *, limits: UploadLimits) -> ConditionImage:
     """A video job's ``input_reference``: an uploaded file, or (JSON bodies, OpenAI's
     ``ImageInputReferenceParam``) ``{"image_url": "data:image/...;base64,..."}``."""
@@ -115,10 +125,11 @@ async def reference_image(value: Any, *, limits: UploadLimits) -> ConditionImage
     return await _decode(data, field=field, limits=limits)
 
 
-async def _decode(data: bytes, *, field: str, limits: UploadLimits) -> ConditionImage:
+async def _decode(data: bytes, *, field: str, limits: UploadLimits,
+                  mask: bool = False) -> ConditionImage:
     try:
         # Decoding a large image takes tens of milliseconds: off the event loop.
-        return await asyncio.to_thread(decode_image, data, field=field,
-                                       max_pixels=limits.max_pixels)
+        return await asyncio.to_thread(decode_mask if mask else decode_image, data,
+                                       field=field, max_pixels=limits.max_pixels)
     except InvalidRequestError as e:
         raise invalid(field, f"{field}: {e.message}", code="invalid_image") from e

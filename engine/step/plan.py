@@ -56,7 +56,7 @@ class ScheduledRequest:
 
     @property
     def total_steps(self) -> int:
-        return self.params.num_inference_steps
+        return self.params.denoise_steps  # fewer from a source image at strength < 1
 
     @property
     def remaining_steps(self) -> int:

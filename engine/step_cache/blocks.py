@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 # What each family's blocks return, in order (inputs of the same names carry them in).
 BLOCK_OUTPUTS = {"flux": ("encoder_hidden_states", "hidden_states"),
                  "qwen-image": ("encoder_hidden_states", "hidden_states"),
-                 "wan": ("hidden_states",)}
+                 "wan": ("hidden_states",),
+                 # Z-Image's main layers: one stream of image and caption tokens, named x.
+                 "z-image": ("x",)}
 HIDDEN = "hidden_states"
 
 
@@ -98,6 +100,8 @@ class StepCacheBlocks:
 
     def __init__(self, model: nn.Module, block_lists: Sequence[str], family: str) -> None:
         self.outputs = BLOCK_OUTPUTS.get(family, (HIDDEN,))
+        # The stream whose residual is cached: the image tokens (or the one joint stream).
+        self.hidden = HIDDEN if HIDDEN in self.outputs else self.outputs[-1]
         self._roles: dict[int, _Role] = {}
         self._restore: list[tuple[nn.Module, Any]] = []
         self._run: StepRun | None = None
@@ -196,7 +200,7 @@ class StepCacheBlocks:
 
     def _head(self, lane: _Lane, role: _Role, block: nn.Module, inner: Callable[..., Any],
               args: tuple, kwargs: dict) -> Any:
-        hidden = arg(role.params, args, kwargs, HIDDEN)
+        hidden = arg(role.params, args, kwargs, self.hidden)
         rows = int(hidden.shape[0])
         found = members(lane.states, lane.row_slices, rows)
         if found is None:
@@ -222,12 +226,12 @@ class StepCacheBlocks:
                 tensor.index_copy_(0, index, part[name])
             out = self._pack(full)
         streams = self._streams(out)
-        decide.after_head(role.dit, found, hidden, streams[HIDDEN])
+        decide.after_head(role.dit, found, hidden, streams[self.hidden])
         return self._begin_pass(lane, role, found, rows, hidden, streams)
 
     def _begin_pass(self, lane: _Lane, role: _Role, found: list[Member], rows: int,
                     hidden_in: torch.Tensor, streams: dict[str, torch.Tensor]) -> Any:
-        hidden_out = streams[HIDDEN]
+        hidden_out = streams[self.hidden]
         computing = [m for m in found if not m.reuse]
         # Where each row's cached range starts: after the head for first-block rows (the
         # head ran), before it for every/teacache (their residual covers the head too).
@@ -267,16 +271,24 @@ class StepCacheBlocks:
         if p.compute is not None:  # some rows reused: rebuild the full rows
             full = {}
             for name, part in streams.items():
-                full[name] = (p.start if name == HIDDEN else p.head_out[name]).clone()
+                full[name] = (p.start if name == self.hidden else p.head_out[name]).clone()
                 if p.computing:
                     full[name].index_copy_(0, p.compute, part)
             streams = full
-        hidden = streams[HIDDEN]
+        hidden = streams[self.hidden]
         for m in p.members:
             if m.cache is None:
                 continue
             if m.reuse:
-                hidden[m.rows] += m.cache.residual[role.dit]
+                residual = m.cache.residual[role.dit]
+                # A joint stream padded to its batch's longest row (Z-Image's image and
+                # caption tokens) may be longer or shorter than when the residual was stored;
+                # a row's own tokens lie within both, the rest is padding nobody reads.
+                common = min(residual.shape[1], hidden.shape[1]) if hidden.dim() > 1 else None
+                if common is None or common == hidden.shape[1] == residual.shape[1]:
+                    hidden[m.rows] += residual
+                else:
+                    hidden[m.rows, :common] += residual[:, :common]
             else:
                 m.cache.residual[role.dit] = hidden[m.rows] - p.start[m.rows]
         return self._pack(streams) if p.compute is not None else out

@@ -55,8 +55,10 @@ class StepCache:
         # Blocks return what their DiT's blocks return: a derived family (an edit or
         # image-to-video layout) runs its base family's DiT (FLUX.1 Kontext: Flux's blocks).
         dit_family = family_of_dit(pipeline.family.dit_class) or pipeline.family
-        self.blocks = StepCacheBlocks(pipeline.transformer, pipeline.block_lists,
-                                      dit_family.name)
+        # The lists whose residual is cached: all of them, or the pipeline's choice (Z-Image:
+        # its main layers; the refiners before them run every step on their own streams).
+        cached = getattr(pipeline, "step_cache_block_lists", pipeline.block_lists)
+        self.blocks = StepCacheBlocks(pipeline.transformer, cached, dit_family.name)
         if offload is not None:
             offload.skip_unneeded(self.blocks.needs)
 

@@ -56,9 +56,11 @@ def base_family_name(base_dir: str | Path) -> str:
     DiT: Flux Kontext reads Flux files, Qwen-Image-Edit reads Qwen-Image's)."""
     from ditserve.engine.weights.loader import model_family
 
+    from ditserve.engine.families import family_of_dit
+
     family = model_family(base_dir)
-    return {"FluxTransformer2DModel": "flux", "QwenImageTransformer2DModel": "qwen-image",
-            "WanTransformer3DModel": "wan"}.get(family.dit_class, family.name)
+    owner = family_of_dit(family.dit_class)  # the family that declares the DiT: the base
+    return (owner or family).name
 
 
 def check_checkpoint(path: str | Path, base_dir: str | Path, *,

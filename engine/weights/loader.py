@@ -27,6 +27,7 @@ from ditserve.engine.families import (
     family_of_pipeline,
     supported_pipelines,
 )
+from ditserve.engine.families.base import dit_heads
 
 if TYPE_CHECKING:
     import torch
@@ -141,9 +142,11 @@ def dit_attention_heads(model_dir: str | Path) -> dict[str, int]:
     for component in dit_components(model_dir):
         path = Path(model_dir) / component / "config.json"
         try:
-            config = json.loads(path.read_text())
-            heads[component] = int(config["num_attention_heads"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            count = dit_heads(json.loads(path.read_text()))
+            if count is None:
+                raise KeyError("num_attention_heads")
+            heads[component] = count
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"cannot read the attention head count of {str(path)!r}: "
                                  f"{e!r}") from e
     return heads

@@ -1,4 +1,4 @@
-"""Tiny models of the three families, a runner per family that serves adapters, and small
+"""Tiny models of the families, a runner per family that serves adapters, and small
 random LoRA files made for them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from adapters.lora_files import kohya_flux_lora, peft_lora  # type: ignore[import-not-found]
 
 FEED_FORWARD = {"flux": ("ff.net.2", "proj_mlp"), "qwen-image": ("img_mlp.net.2",),
-                "wan": ("ffn.net.2",)}
+                "wan": ("ffn.net.2",), "z-image": ("feed_forward.w2",)}
 
 
 @pytest.fixture(scope="session")

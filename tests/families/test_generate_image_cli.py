@@ -1,6 +1,7 @@
 """`ditserve generate --image`: an edit on the tiny FLUX.1 Kontext model, an edit from two images
 on the tiny Qwen-Image-Edit Plus model (--image repeated) and an image-to-video
-run on the tiny Wan I2V model write their outputs; a bad image is a clean error naming it."""
+run on the tiny Wan I2V model write their outputs, as Z-Image's image-to-image and inpainting
+(--mask, --strength) do; a bad image is a clean error naming it."""
 
 from __future__ import annotations
 
@@ -63,3 +64,20 @@ def test_an_edit_from_several_images(family_dir, tmp_path: Path, capsys) -> None
                  "--steps", "1"])
     assert code != 0
     assert "at most 1 input image" in capsys.readouterr().err
+
+
+def test_z_image_inpainting_from_the_cli(family_dir, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    source = write_png(tmp_path / "src.png", (64, 32))
+    mask = Image.new("L", (64, 32), 0)
+    mask.paste(255, (0, 0, 32, 32))  # white: repaint the left half
+    mask.save(tmp_path / "mask.png")
+    outs = {}
+    for name, extra in (("img2img", []), ("inpaint", ["--mask", str(tmp_path / "mask.png")])):
+        outs[name] = tmp_path / f"{name}.png"
+        assert main(["generate", "--model", str(family_dir("z-image")), "--device", "cpu",
+                     "--image", str(source), "--prompt", "a boat", "--height", "32",
+                     "--width", "64", "--steps", "3", "--seed", "1", "--strength", "0.9",
+                     "--out", str(outs[name]), *extra]) == 0
+        assert Image.open(outs[name]).size == (64, 32)
+    assert Image.open(outs["img2img"]).tobytes() != Image.open(outs["inpaint"]).tobytes()
+    assert "saved" in capsys.readouterr().out

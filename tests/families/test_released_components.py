@@ -30,6 +30,7 @@ PUBLISHED_GB = {
     ("qwen-image", "text_encoder"): 16.58, ("qwen-image", "vae"): 0.254,
     ("wan", "text_encoder"): 11.36, ("wan", "vae"): 0.254,
     ("wan2.2-ti2v", "vae"): 1.41, ("wan-i2v", "image_encoder"): 1.26,
+    ("z-image", "vae"): 0.168,  # Flux's VAE
 }
 
 
@@ -73,6 +74,9 @@ def test_every_family_names_its_text_encoders_and_vae() -> None:
 
 
 # Scaled-down tables: the released tables' keys, widths a tiny DiT takes (its text width 32).
+_QWEN3_SMALL = dict(vocab_size=300, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                    max_position_embeddings=2048)
 _SMALL: dict[str, dict[str, dict[str, Any]]] = {
     "flux": {
         "text_encoder": dict(vocab_size=300, hidden_size=32, intermediate_size=37,
@@ -97,6 +101,11 @@ _SMALL: dict[str, dict[str, dict[str, Any]]] = {
         "text_encoder": dict(vocab_size=300, d_model=32, d_kv=8, d_ff=37, num_layers=2,
                              num_heads=4),
         "vae": dict(base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
+    },
+    "z-image": {
+        "text_encoder": _QWEN3_SMALL,
+        "vae": dict(block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8,
+                    sample_size=64),
     },
 }
 # The edit layouts: Qwen-Image's parts (the text encoder's vision markers come from the

@@ -1,7 +1,8 @@
 """Sequence parallelism over the families (gloo, two CPU processes of one DP rank): Qwen-Image
 with DLO AllGather over the SP group, Wan 2.2 (two experts, a batch straddling the boundary)
 with rank-local DLO (AllGather streams one DiT only), and Wan 2.2 TI2V resident, equal the
-single-process resident result. The sizes need
+single-process resident result; so does Z-Image with DLO AllGather (its refiners' and main
+layers' streams each sharded, prompts of different lengths masked, CFG rows). The sizes need
 padding: 48 px is 3 x 3 Qwen-Image tokens; 9 frames at 48 px are 3 x 3 x 3 Wan 2.2 tokens
 (TI2V's 16x VAE: 96 px); the
 Qwen-Image prompts differ in length (masked text) and CFG adds negative-prompt rows."""
@@ -37,6 +38,7 @@ def requests(variant: str) -> list[SamplingParams]:
     ("qwen-image", OffloadConfig(enabled=True)),
     ("wan2.2", OffloadConfig(enabled=True, use_allgather=False)),
     ("wan2.2-ti2v", OffloadConfig()),
+    ("z-image", OffloadConfig(enabled=True)),
 ])
 def test_sp2_generation_equals_resident(family_dir, family_runner, monkeypatch,
                                         variant: str, offload: OffloadConfig) -> None:  # type: ignore[no-untyped-def]

@@ -20,12 +20,17 @@ from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.denoise_state import DenoiseState
 
-VARIANTS = ["flux", "qwen-image", "wan"]
+VARIANTS = ["flux", "qwen-image", "wan", "z-image"]
 # Tiled against whole decode, |difference| of [0, 1] pixels, on the tiny random VAEs with
 # 32 px tiles over noise latents (the worst case: many seams, no smooth content); measured
 # max 0.24-0.28, mean 0.018-0.032 (docs/offload.md, "Whole pipeline").
 TILED_DECODE_MAX = 0.35
 TILED_DECODE_MEAN = 0.05
+# Z-Image's tiny VAE is an 8x AutoencoderKL: a 32 px tile would be 4 x 4 latents, mostly
+# blend overlap; its tiles are 64 px (8 x 8 latents, still 2 per side of a 96 px image).
+TILE_PIXELS = {"z-image": 64}
+# ... and its seams are still wider than the other tiny VAEs' (measured max 0.57; mean < 0.07).
+TILED_DECODE_BOUNDS = {"z-image": (0.65, 0.07)}
 
 
 def cfg_params(variant: str, prompt: str, seed: int) -> SamplingParams:
@@ -147,12 +152,14 @@ def test_tiled_decode_within_tolerance_of_whole_decode(family_runner, variant: s
     pipeline.prepare_encode(state)  # noise latents: the decode sees every value range
     whole = DenoiseState("x", params, 5, latents=state.latents)
     pipeline.post_decode(whole)
-    tiling = VaeTiling(pipeline.vae, tile_pixels=32)  # 96 px frames: 3+ tiles per side
+    # 96 px frames: 3+ tiles per side
+    tiling = VaeTiling(pipeline.vae, tile_pixels=TILE_PIXELS.get(variant, 32))
     tiled = DenoiseState("x", params, 5, latents=state.latents)
     tiled_post_decode(pipeline.post_decode, tiling, mode="on", offload=False, video=video)(tiled)
     assert not tiling.on  # switched off again after the decode
     assert whole.pixels is not None and tiled.pixels is not None
     assert tiled.pixels.shape == whole.pixels.shape
     difference = (tiled.pixels - whole.pixels).abs()
-    assert 0 < difference.max().item() <= TILED_DECODE_MAX, difference.max().item()
-    assert difference.mean().item() <= TILED_DECODE_MEAN, difference.mean().item()
+    most, mean = TILED_DECODE_BOUNDS.get(variant, (TILED_DECODE_MAX, TILED_DECODE_MEAN))
+    assert 0 < difference.max().item() <= most, difference.max().item()
+    assert difference.mean().item() <= mean, difference.mean().item()

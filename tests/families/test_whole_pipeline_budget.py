@@ -19,7 +19,7 @@ from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.denoise_state import DenoiseState
 
-VARIANTS = ["flux", "qwen-image", "wan"]
+VARIANTS = ["flux", "qwen-image", "wan", "z-image"]
 PROMPTS = ["a red fox in the snow", "", "a castle", "a very long prompt " * 6]
 # Batched encoder passes against one prompt per pass (the tiny float32 encoders): the
 # families pad and mask as alone, so only kernels chosen per batch shape may differ

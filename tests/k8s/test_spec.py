@@ -88,6 +88,7 @@ def test_engine_rules_judge_option_combinations(offload: dict, parallelism: dict
     # The edit families: Qwen-Image's DiT (24 heads), FLUX.1 Kontext's Flux's.
     ("QwenImageEdit", 4, True), ("QwenImageEdit", 5, False),
     ("QwenImageEditPlus", 8, True), ("QwenImageEditPlus", 7, False), ("FluxKontext", 5, False),
+    ("ZImage", 5, True), ("ZImage", 4, False),  # Z-Image's 30 heads
 ])
 def test_sequence_parallel_sizes_are_judged_by_the_familys_head_counts(
         family: str, sequence: int, ok: bool) -> None:

@@ -4,8 +4,11 @@ The body is OpenAI's: ``image`` one or several files (``image[]`` as the SDK sen
 ``prompt``, ``n``, ``size``, ``response_format``, ``stream`` and ``partial_images``, the
 fields OpenAI's edit models read and a DiT does not (accepted and ignored), and ditserve's
 own (``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``true_cfg_scale``,
-``seed``). ``mask`` (inpainting) is refused with a 400: the served edit models edit the whole
-image from the prompt. Images are checked and decoded by ``uploads``; the text fields go
+``seed``). ``mask`` (inpainting: a PNG whose fully transparent pixels mark the region to
+repaint, as OpenAI's; or black and white, white repainted) and ``strength`` are taken by a
+model that denoises from its source image (Z-Image: image-to-image, and inpainting with a
+mask; ``ModelLimits.image_strength``); the other edit models edit the whole image from the
+prompt and refuse both with a 400. Images are checked and decoded by ``uploads``; the text fields go
 through the generation request's parser (same types, limits and messages), then the images
 join the ``SamplingParams`` and the engine judges the whole (how many images the model takes).
 
@@ -36,7 +39,7 @@ from ditserve.engine.server.form_fields import fold_nested
 from ditserve.engine.server.routes.images import _admit, _answer, _event_stream
 from ditserve.engine.server.schemas import RequestLimits, parse_generation_request, request_error
 from ditserve.engine.server.state import ServerState
-from ditserve.engine.server.uploads import is_file, read_image, read_multipart
+from ditserve.engine.server.uploads import is_file, read_image, read_mask, read_multipart
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -45,7 +48,7 @@ IMAGE_FIELDS = ("image", "image[]")
 IGNORED_EDIT_FIELDS = ("input_fidelity",)
 _INTEGERS = ("n", "partial_images", "output_compression", "num_inference_steps", "seed",
              "priority")
-_NUMBERS = ("guidance_scale", "true_cfg_scale", "deadline_s")
+_NUMBERS = ("guidance_scale", "true_cfg_scale", "deadline_s", "strength")
 _BOOLEANS = ("stream",)
 
 
@@ -97,16 +100,30 @@ def _auto_size(image: ConditionImage, limits: RequestLimits) -> str:
     return f"{width}x{height}"
 
 
-async def _read_edit(request: Request, state: ServerState
-                     ) -> tuple[dict[str, Any], list[ConditionImage]]:
+@dataclasses.dataclass(frozen=True)
+class _Edit:
+    """What an edit form carries besides the generation fields."""
+
+    images: list[ConditionImage]
+    mask: ConditionImage | None
+    strength: float | None
+
+
+async def _read_edit(request: Request, state: ServerState) -> tuple[dict[str, Any], _Edit]:
     upload = state.upload_limits()
     form = await read_multipart(request, upload)
+    repaints = state.model_limits().image_strength is not None
     try:
-        if "mask" in form:
-            raise invalid("mask", f"mask: masked edits (inpainting) are not supported by "
-                                  f"{state.model_name!r}; it edits the whole image as the "
-                                  "prompt says: send the image without a mask",
-                          code="unsupported_value")
+        for name in ("mask", "strength"):
+            if name in form and not repaints:
+                raise invalid(name, f"{name}: masked edits (inpainting) and strength are not "
+                                    f"supported by {state.model_name!r}; it edits the whole "
+                                    f"image as the prompt says: send the image without {name}",
+                              code="unsupported_value")
+        masks = form.getlist("mask")
+        if len(masks) > 1:
+            raise invalid("mask", f"mask: is given {len(masks)} times; give it once")
+        mask = await read_mask(masks[0], limits=upload) if masks else None
         files = [v for name in IMAGE_FIELDS for v in form.getlist(name)]
         if not files:
             raise invalid("image", "image: is required (one or more image files)",
@@ -114,7 +131,7 @@ async def _read_edit(request: Request, state: ServerState
         images = [await read_image(f, field="image", limits=upload) for f in files]
         plain, fields = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
         for name in dict.fromkeys(name for name, _ in plain):
-            if name in IMAGE_FIELDS or name in IGNORED_EDIT_FIELDS:
+            if name in IMAGE_FIELDS or name in IGNORED_EDIT_FIELDS or name == "mask":
                 continue
             values = form.getlist(name)
             if len(values) > 1:
@@ -124,7 +141,8 @@ async def _read_edit(request: Request, state: ServerState
             fields[name] = _typed(name, str(values[0]))
     finally:
         await form.close()
-    return fields, images
+    strength = fields.pop("strength", None)
+    return fields, _Edit(images, mask, strength)
 
 
 # In /openapi.json on a replica whose model edits (tag "edits", ``openapi.build_openapi``):
@@ -146,14 +164,15 @@ async def edit_image(request: Request) -> Response:
                        code="unsupported_model")
     rid = request_id_of(request)
     limits = state.limits()
-    fields, images = await _read_edit(request, state)
+    fields, edit = await _read_edit(request, state)
     if fields.get("size") in (None, "auto"):
-        fields["size"] = _auto_size(images[0], limits)
+        fields["size"] = _auto_size(edit.images[0], limits)
     parsed = parse_generation_request(json.dumps(fields).encode(), engine=_Unjudged(state.engine),
                                       limits=limits)
-    p = dataclasses.replace(parsed.params, images=tuple(images))
+    p = dataclasses.replace(parsed.params, images=tuple(edit.images), mask=edit.mask,
+                            strength=edit.strength)
     try:
-        state.engine.validate_params(p)
+        p = state.engine.validate_params(p)
     except InvalidRequestError as e:
         raise request_error(e) from e
     size = f"{p.width}x{p.height}"
