@@ -35,6 +35,8 @@ def requests(variant: str) -> list[SamplingParams]:
 
 @pytest.mark.parametrize(("variant", "offload"), [
     ("qwen-image", OffloadConfig(enabled=True)),
+    ("flux2", OffloadConfig(enabled=True)),
+    ("flux2-klein", OffloadConfig()),
     ("wan2.2", OffloadConfig(enabled=True, use_allgather=False)),
     ("wan2.2-ti2v", OffloadConfig()),
 ])
