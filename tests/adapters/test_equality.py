@@ -48,8 +48,8 @@ def reference(model_dir, files, family: str, p: SamplingParams,  # type: ignore[
     if family == "wan":
         return pipe(p.prompt, num_frames=p.num_frames, guidance_scale=p.guidance_scale,
                     **common).frames.float()
-    if family in ("flux", "flux2", "flux2-klein"):
-        return pipe(p.prompt, guidance_scale=p.guidance_scale, **common).images.float()
+    if family in ("flux", "flux2", "flux2-klein"):  # FLUX.2's first argument is ``image``
+        return pipe(prompt=p.prompt, guidance_scale=p.guidance_scale, **common).images.float()
     return pipe(p.prompt, **common).images.float()
 
 

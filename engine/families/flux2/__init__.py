@@ -40,10 +40,12 @@ DIT_SIZES: dict[str, dict[str, Any]] = {
 MISTRAL_TEXT = dict(model_type="mistral", vocab_size=131072, hidden_size=5120,
                     intermediate_size=32768, num_hidden_layers=40, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                    rms_norm_eps=1e-5, rope_theta=1000000000.0, sliding_window=None)
+                    rms_norm_eps=1e-5, sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000000.0})
 PIXTRAL_VISION = dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
                       num_hidden_layers=24, num_attention_heads=16, head_dim=64,
-                      image_size=1540, patch_size=14, num_channels=3, rope_theta=10000.0)
+                      image_size=1540, patch_size=14, num_channels=3,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 # FLUX.2's VAE: 32 latent channels, 8x downsampling, a batch norm over the 2x2-patchified
 # latents (128 channels) that the pipeline applies by hand.
 VAE = ComponentShape("diffusers", "AutoencoderKLFlux2", config=dict(

@@ -24,9 +24,12 @@ from typing import Any
 from ditserve.engine.families.base import ComponentShape
 from ditserve.engine.families.flux2 import DIT_SIZES, FLUX2
 
-# Mistral's control tokens (the ids of the released tokenizer's first specials).
-MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
-                    "[/SYSTEM_PROMPT]", "[IMG]")
+# Mistral's control tokens at the released tokenizer's ids ([IMG] is 10, the encoder config's
+# image_token_index; [SYSTEM_PROMPT] 17).
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]",
+                    "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+                    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
 # Mistral's chat layout for diffusers' messages (content: a string or a list of text parts).
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% set text = namespace(v='') %}"
@@ -159,8 +162,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     torch.manual_seed(seed)
     tokenizer = make_tokenizer()
     if released is not None:
-        ids = {"text_encoder": {"text_config": _token_ids(tokenizer),
-                                "image_token_index": tokenizer.convert_tokens_to_ids("[IMG]")}}
+        ids = {"text_encoder": {"text_config": _token_ids(tokenizer)}}
         parts = build_released(released, dtype=dtype, device=device, seed=seed, ids=ids)
     else:
         width = DIT_SIZES[size]["joint_attention_dim"] // 3

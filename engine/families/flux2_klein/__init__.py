@@ -48,7 +48,9 @@ def _qwen3(hidden: int, intermediate: int, tied: bool) -> ComponentShape:
                                       intermediate_size=intermediate, num_hidden_layers=36,
                                       num_attention_heads=32, num_key_value_heads=8,
                                       head_dim=128, max_position_embeddings=40960,
-                                      rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                      rms_norm_eps=1e-6,
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": 1000000.0},
                                       tie_word_embeddings=tied))
 
 
