@@ -20,12 +20,15 @@ from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.denoise_state import DenoiseState
 
-VARIANTS = ["flux", "qwen-image", "wan"]
+VARIANTS = ["flux", "qwen-image", "wan", "flux2", "flux2-klein"]
 # Tiled against whole decode, |difference| of [0, 1] pixels, on the tiny random VAEs with
 # 32 px tiles over noise latents (the worst case: many seams, no smooth content); measured
 # max 0.24-0.28, mean 0.018-0.032 (docs/offload.md, "Whole pipeline").
 TILED_DECODE_MAX = 0.35
 TILED_DECODE_MEAN = 0.05
+# FLUX.2's tiny VAE denormalises the noise latents by its random batch norm first (larger
+# values, sharper seams): measured max 0.41-0.47, mean within TILED_DECODE_MEAN.
+TILED_DECODE_MAX_OF = {"flux2": 0.55, "flux2-klein": 0.55}
 
 
 def cfg_params(variant: str, prompt: str, seed: int) -> SamplingParams:
@@ -154,5 +157,6 @@ def test_tiled_decode_within_tolerance_of_whole_decode(family_runner, variant: s
     assert whole.pixels is not None and tiled.pixels is not None
     assert tiled.pixels.shape == whole.pixels.shape
     difference = (tiled.pixels - whole.pixels).abs()
-    assert 0 < difference.max().item() <= TILED_DECODE_MAX, difference.max().item()
+    bound = TILED_DECODE_MAX_OF.get(variant, TILED_DECODE_MAX)
+    assert 0 < difference.max().item() <= bound, difference.max().item()
     assert difference.mean().item() <= TILED_DECODE_MEAN, difference.mean().item()
