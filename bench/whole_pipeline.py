@@ -3,7 +3,8 @@ placement of its components: the peak HBM and latency that issue 34's targets ju
 
 Every component is at its released shape (``ditserve model init-random --size full``, built on
 the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB, Wan2.1
-~40 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
+~40 GB, FLUX.2 [dev] ~113 GB - on a host of 128 GiB put it in /dev/shm, where DLO maps the
+checkpoint instead of copying it - and [klein] 4B ~16 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
 and run through the public engine (``DiffusionEngine``: load, add_request, result), so what
 is measured is what ``ditserve serve`` would do with those flags:
 
@@ -74,6 +75,10 @@ WORKLOADS = {  # issue 34's targets
     "flux": Workload("flux", 1024, 1024, 1, 28, (2, 28), None, 4.0, 1.03),
     "qwen-image": Workload("qwen-image", 1024, 1024, 1, 50, (2, 10), "", 5.0, 1.03),
     "wan": Workload("wan", 832, 480, 81, 50, (1, 3), "", 10.0, 1.02),
+    # Issue 46: FLUX.2 [dev] (32B DiT + 24B Mistral encoder, ~105 GiB) under 8 GiB of HBM;
+    # [klein] 4B (Qwen3-4B encoder) has no target of its own: the same bounds, reported.
+    "flux2": Workload("flux2", 1024, 1024, 1, 50, (2, 10), None, 8.0, 1.05),
+    "flux2-klein": Workload("flux2-klein", 1024, 1024, 1, 50, (2, 10), None, 8.0, 1.05),
 }
 
 
