@@ -135,6 +135,26 @@ def test_mixed_batch_equals_solo(family_dir: Callable[[str], Path], family_runne
         assert (got[rid] - image).abs().max().item() <= TOLERANCE, rid
 
 
+# Released DiT sizes (parameters), block counts and widths: FLUX.2 [dev] 32B, [klein] 4B / 9B.
+FULL = {"flux2": (31.5e9, 33e9, (8, 48), 6144), "flux2-klein": (3.7e9, 4.1e9, (5, 20), 3072),
+        "flux2-klein-9b": (8.8e9, 9.4e9, (8, 24), 4096)}
+
+
+@pytest.mark.parametrize("variant", sorted(FULL))
+def test_full_size_dits_have_the_released_shapes(variant: str) -> None:
+    from ditserve.engine.model_builders import dit_class, dit_config
+
+    low, high, blocks, width = FULL[variant]
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = dit_class(variant)(**dit_config(variant, "full"))
+    params = sum(p.numel() for p in model.parameters())
+    assert low <= params <= high, f"{variant}: {params / 1e9:.2f}B parameters"
+    assert (len(model.transformer_blocks), len(model.single_transformer_blocks)) == blocks
+    assert model.config.num_attention_heads * model.config.attention_head_dim == width
+    # The text input is three stacked encoder layers.
+    assert model.config.joint_attention_dim == 3 * {6144: 5120, 3072: 2560, 4096: 4096}[width]
+
+
 def test_tiny_tokenizer_templates() -> None:
     """The in-code tokenizers render the chat layouts the released ones do."""
     from diffusers.pipelines.flux2.pipeline_flux2 import format_input

@@ -30,6 +30,10 @@ PUBLISHED_GB = {
     ("qwen-image", "text_encoder"): 16.58, ("qwen-image", "vae"): 0.254,
     ("wan", "text_encoder"): 11.36, ("wan", "vae"): 0.254,
     ("wan2.2-ti2v", "vae"): 1.41, ("wan-i2v", "image_encoder"): 1.26,
+    # Mistral-Small-3.1-24B (24.0B parameters, untied head), Qwen3-4B (4.02B, tied), Qwen3-8B
+    # (8.19B): FLUX.2 [dev]'s and [klein]'s encoders.
+    ("flux2", "text_encoder"): 48.0, ("flux2-klein", "text_encoder"): 8.04,
+    ("flux2-klein-9b", "text_encoder"): 16.38,
 }
 
 

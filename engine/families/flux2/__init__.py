@@ -40,7 +40,7 @@ DIT_SIZES: dict[str, dict[str, Any]] = {
 MISTRAL_TEXT = dict(model_type="mistral", vocab_size=131072, hidden_size=5120,
                     intermediate_size=32768, num_hidden_layers=40, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                    rms_norm_eps=1e-5, sliding_window=None,
+                    rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000000.0})
 PIXTRAL_VISION = dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
                       num_hidden_layers=24, num_attention_heads=16, head_dim=64,
@@ -58,7 +58,8 @@ RELEASED_COMPONENTS: dict[str, ComponentShape] = {
         "transformers", "Mistral3ForConditionalGeneration", config_class="Mistral3Config",
         config=dict(text_config=MISTRAL_TEXT, vision_config=PIXTRAL_VISION,
                     image_token_index=10, projector_hidden_act="gelu", spatial_merge_size=2,
-                    multimodal_projector_bias=False, vision_feature_layer=-1)),
+                    multimodal_projector_bias=False, vision_feature_layer=-1,
+                    tie_word_embeddings=False)),
     "vae": VAE,
 }
 # The encoder layers whose hidden states make the prompt (the pipeline's call default).

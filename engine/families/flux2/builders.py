@@ -118,9 +118,10 @@ def make_vae(*, latent_channels: int, widths: tuple[int, ...]) -> Any:
         up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=widths,
         layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
     )
+    norm: Any = getattr(vae, "bn")  # noqa: B009  # BatchNorm2d over the patchified latents (untyped)
     with torch.no_grad():
-        vae.bn.running_mean.normal_(0.0, 0.2)
-        vae.bn.running_var.uniform_(0.5, 1.5)
+        norm.running_mean.normal_(0.0, 0.2)
+        norm.running_var.uniform_(0.5, 1.5)
     return vae
 
 

@@ -108,9 +108,10 @@ class Flux2StepPipeline:
         ``length`` - diffusers' ``_get_mistral_3_small_prompt_embeds`` tokenization."""
         from diffusers.pipelines.flux2.pipeline_flux2 import format_input
 
-        kwargs = {} if self.system_message is None else {"system_message": self.system_message}
+        messages = (format_input(prompts=prompts) if self.system_message is None
+                    else format_input(prompts=prompts, system_message=self.system_message))
         inputs = self.tokenizer.apply_chat_template(
-            format_input(prompts=prompts, **kwargs), add_generation_prompt=False,
+            messages, add_generation_prompt=False,
             tokenize=True, return_dict=True, return_tensors="pt", padding="max_length",
             truncation=True, max_length=length,
         )
@@ -184,7 +185,7 @@ class Flux2StepPipeline:
         """Each reference as (its size, (1, 3, H, W) pixels in [-1, 1]), in request order:
         checked (at least 64 pixels a side, aspect at most 8) and resized as diffusers does -
         capped at 1024x1024 pixels (aspect kept), cropped to a multiple of 16."""
-        prepared = []
+        prepared: list[tuple[Hashable, torch.Tensor]] = []
         for image in state.params.images:
             pil = self.image_processor.check_image_input(to_pil(image))
             if pil.width * pil.height > MAX_REFERENCE_PIXELS:

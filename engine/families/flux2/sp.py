@@ -45,8 +45,8 @@ class Flux2UlyssesProcessor(UlyssesProcessor):
 
         if rotary is None:
             return query, key
-        return (apply_rotary_emb(query, rotary, sequence_dim=1),
-                apply_rotary_emb(key, rotary, sequence_dim=1))
+        rotate: Any = apply_rotary_emb  # (cos, sin) in, one tensor out
+        return (rotate(query, rotary, sequence_dim=1), rotate(key, rotary, sequence_dim=1))
 
     def _double(self, attn: Any, hidden_states: torch.Tensor,
                 encoder_hidden_states: torch.Tensor | None,

@@ -16,7 +16,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ditserve.engine.families.base import ComponentShape
-from ditserve.engine.families.flux2.builders import byte_level_tokenizer, make_vae, scheduler, tiny_vae
+from ditserve.engine.families.flux2.builders import (
+    byte_level_tokenizer,
+    make_vae,
+    scheduler,
+    tiny_vae,
+)
 from ditserve.engine.families.flux2_klein import FLUX2_KLEIN
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
