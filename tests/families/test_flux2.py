@@ -169,3 +169,29 @@ def test_tiny_tokenizer_templates() -> None:
         [{"role": "user", "content": "cat"}], tokenize=False, add_generation_prompt=True,
         enable_thinking=False)
     assert qwen == "<|im_start|>user\ncat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_distilled_klein_ignores_guidance(family_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """A step-distilled [klein] (``is_distilled`` in model_index.json) runs no CFG rows at
+    guidance 4, as diffusers' pipeline, and equals it."""
+    import json
+    import shutil
+
+    model = tmp_path / "distilled"
+    shutil.copytree(family_dir("flux2-klein"), model)
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    runner = _runner(model)
+    params = SamplingParams(prompt="a red cat", height=32, width=32, num_inference_steps=2,
+                            seed=4, guidance_scale=4.0)
+    state_rows: list[int] = []
+    encode = runner.pipeline.prepare_encode
+
+    def recording(state: Any) -> None:
+        encode(state)
+        state_rows.append(state.rows)
+
+    runner.pipeline.prepare_encode = recording
+    ours, _ = drive(runner, {0: [("d", params)]}, max_num_seqs=1)
+    assert state_rows == [1]
+    assert (ours["d"] - reference(model, params)).abs().max().item() <= TOLERANCE
