@@ -194,4 +194,5 @@ def test_distilled_klein_ignores_guidance(family_dir: Callable[[str], Path], tmp
     runner.pipeline.prepare_encode = recording
     ours, _ = drive(runner, {0: [("d", params)]}, max_num_seqs=1)
     assert state_rows == [1]
+    assert runner.work_rule.rows(params) == 1  # admitted as the one row it runs
     assert (ours["d"] - reference(model, params)).abs().max().item() <= TOLERANCE

@@ -37,6 +37,9 @@ class Flux2KleinStepPipeline(Flux2StepPipeline):
         super().__init__(components, device=device, move_transformer=move_transformer)
         config = getattr(components.pipeline, "config", {}) or {}
         self.distilled = bool(config.get("is_distilled", False))
+        # The work rule's CFG rows: a distilled model adds none at any guidance (only a
+        # request's explicit true CFG would count, which this pipeline ignores too).
+        self.cfg_rows = "true_cfg" if self.distilled else self.family.cfg_rows
 
     def _tokens(self, prompts: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """diffusers' ``_get_qwen3_prompt_embeds`` tokenization: each prompt templated and
