@@ -28,6 +28,8 @@ class ModelLimits:
     condition_images: (fewest, most) input images a request brings (edits, image-to-video);
         (0, 0) for a text-only model.
     max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
+    min_condition_side, max_condition_aspect: the smallest side and the most extreme aspect
+        ratio of an input image the model's pipeline takes (FLUX.2's: 64 px, 8); None: any.
     """
 
     pixel_multiple: int = 16
@@ -38,6 +40,8 @@ class ModelLimits:
     positions: int | None = None
     condition_images: tuple[int, int] = (0, 0)
     max_text_tokens: int | None = None
+    min_condition_side: int | None = None
+    max_condition_aspect: float | None = None
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,

@@ -179,6 +179,20 @@ class SamplingParams:
         if count > most:
             raise InvalidRequestError("image", f"this model takes at most {most} input image"
                                       f"{'s' if most > 1 else ''}, got {count}")
+    def _validate_image_shapes(self, min_side: int | None, max_aspect: float | None) -> None:
+        for index, image in enumerate(self.images):
+            if not isinstance(image, ConditionImage):
+                continue  # _validate_images refused it
+            side, longest = min(image.width, image.height), max(image.width, image.height)
+            if min_side is not None and side < min_side:
+                raise InvalidRequestError(
+                    "image", f"input image {index + 1} is {image.width}x{image.height}; this "
+                    f"model takes images at least {min_side} pixels a side")
+            if max_aspect is not None and longest > max_aspect * side:
+                raise InvalidRequestError(
+                    "image", f"input image {index + 1} is {image.width}x{image.height}; this "
+                    f"model takes aspect ratios up to {max_aspect:g}:1")
+
     def _validate_loras(self) -> None:
         if len(self.loras) > MAX_LORAS_PER_REQUEST:
             raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
@@ -236,7 +250,9 @@ class SamplingParams:
                              frame_step=limits.frame_step, max_side=limits.max_side,
                              max_frames=limits.max_frames,
                              condition_images=limits.condition_images,
-                             max_text_tokens=limits.max_text_tokens)
+                             max_text_tokens=limits.max_text_tokens,
+                             min_condition_side=limits.min_condition_side,
+                             max_condition_aspect=limits.max_condition_aspect)
 
     def validate(
         self,
@@ -250,6 +266,8 @@ class SamplingParams:
         max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
+        min_condition_side: int | None = None,
+        max_condition_aspect: float | None = None,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
@@ -258,8 +276,10 @@ class SamplingParams:
         condition_images: (fewest, most) conditioning images the model takes.
         max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
+        min_condition_side, max_condition_aspect: the input images' bounds (``ModelLimits``).
         """
         self._validate_images(condition_images)
+        self._validate_image_shapes(min_condition_side, max_condition_aspect)
         self._validate_text(requires_prompt, max_prompt_chars)
         self._validate_size(pixel_multiple, max_side)
         self._validate_counts(max_images)

@@ -44,3 +44,14 @@ def test_edit_from_two_references_and_plain_generation(client) -> None:  # type:
     plain = client.images.generate(prompt="a red fox", size="64x64",
                                    extra_body={"num_inference_steps": 2, "seed": 3})
     assert _size(plain.data[0].b64_json) == (64, 64)
+
+
+@pytest.mark.parametrize(("width", "height", "reason"), [
+    (32, 64, "at least 64 pixels a side"), (72, 600, "aspect ratios up to 8:1")])
+def test_a_reference_diffusers_refuses_is_a_400(client, width: int, height: int,  # type: ignore[no-untyped-def]
+                                               reason: str) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client.images.edit(image=[("bad.png", png(width, height), "image/png")], prompt="x",
+                           size="64x64", extra_body={"num_inference_steps": 1})
+    assert error.value.body["param"] == "image"
+    assert reason in error.value.body["message"]

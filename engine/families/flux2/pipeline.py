@@ -25,6 +25,7 @@ only; diffusers' call computes and drops 131k logits per token). Prompt upsampli
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,10 @@ MAX_TEXT_TOKENS = 512  # the released encoders' template + prompt budget (diffus
 # every forward of the request (a 1024x1024 reference: 4096), so the server bounds them.
 MAX_REFERENCE_IMAGES = 10
 MAX_REFERENCE_PIXELS = 1024 * 1024  # diffusers resizes larger references down to this area
+# What diffusers' ``Flux2ImageProcessor.check_image_input`` accepts (its defaults): the server
+# refuses other references up front (400) instead of failing them in the pipeline.
+MIN_REFERENCE_SIDE = 64
+MAX_REFERENCE_ASPECT = 8
 REFERENCE_TIME_SCALE = 10  # reference i's time coordinate: 10 + 10 i (diffusers' scale)
 IMAGE_TOKENS = "image_latents"  # static row: the packed reference-image tokens
 
@@ -152,10 +157,12 @@ class Flux2StepPipeline:
 
     def limits(self) -> ModelLimits:
         """FLUX.2's rope (Flux2PosEmbed) is computed from the token ids on the fly: no table
-        bounds the size."""
-        return ModelLimits.of_table(None, pixel_multiple=self.pixel_multiple,
-                                    max_prompt_chars=self.max_prompt_chars,
-                                    max_text_tokens=self.max_text_tokens)
+        bounds the size; reference images are bounded as diffusers checks them."""
+        limits = ModelLimits.of_table(None, pixel_multiple=self.pixel_multiple,
+                                      max_prompt_chars=self.max_prompt_chars,
+                                      max_text_tokens=self.max_text_tokens)
+        return dataclasses.replace(limits, min_condition_side=MIN_REFERENCE_SIDE,
+                                   max_condition_aspect=MAX_REFERENCE_ASPECT)
 
     # -- token ids ---------------------------------------------------------------------------
     def _grid(self, height: int, width: int) -> tuple[int, int]:
