@@ -89,6 +89,46 @@ def build_flux(device: torch.device, *, seed: int = 0, tiny: bool = False,
     return model  # type: ignore[no-any-return]
 
 
+def build_image_dit(variant: str, device: torch.device, *, seed: int = 0, tiny: bool = False,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A random image DiT of ``variant`` (``engine.makers.builders``: "flux" is
+    ``build_flux``; "flux2", "flux2-klein", "flux2-klein-9b": FLUX.2's DiT at the released
+    shapes, or tiny), made on ``device`` as ``build_flux`` makes Flux's."""
+    if variant == "flux":
+        return build_flux(device, seed=seed, tiny=tiny, dtype=dtype)
+    from ditserve.engine.makers.builders import make_dit
+
+    return make_dit(variant, "tiny" if tiny else "full", dtype=dtype, device=device,  # type: ignore[no-any-return]
+                    seed=seed)
+
+
+def image_inputs(variant: str, model: torch.nn.Module, res: int, batch: int,
+                 device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """One denoise step's inputs of ``variant``'s DiT at ``res`` x ``res``: Flux's
+    (``flux_inputs``) or FLUX.2's (4-axis position ids, no pooled text, guidance only when
+    the DiT embeds it; ``TEXT_TOKENS`` text, the pipeline's padded prompt)."""
+    if variant == "flux":
+        return flux_inputs(model, res, batch, device, dtype)
+    side = res // 16  # VAE /8, then one token per 2x2 latents
+    g = torch.Generator(device=device).manual_seed(1)
+    cfg: Any = model.config
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    def ids(*axes: int) -> torch.Tensor:
+        return torch.cartesian_prod(*(torch.arange(n, device=device) for n in axes))
+
+    return dict(
+        hidden_states=randn(batch, side * side, cfg.in_channels),
+        encoder_hidden_states=randn(batch, TEXT_TOKENS, cfg.joint_attention_dim),
+        timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
+        guidance=(torch.full((batch,), 4.0, device=device, dtype=dtype)
+                  if cfg.guidance_embeds else None),
+        img_ids=ids(1, side, side, 1), txt_ids=ids(1, 1, 1, TEXT_TOKENS), return_dict=False,
+    )
+
+
 def flux_inputs(model: torch.nn.Module, res: int, batch: int,
                 device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """One denoise step's inputs for ``model`` at ``res`` x ``res`` (``TEXT_TOKENS`` text)."""

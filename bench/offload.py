@@ -2,8 +2,9 @@
 """Layerwise offload on one GPU: resident vs ditserve DLO (plain, packed, FP8) vs diffusers.
 
 One process, one random Flux-sized transformer (the Flux family's DiT, default
-config with guidance embeds: 11.9B parameters, bf16), 1024x1024 and 512x512 latents, batch
-1/2/4. Methods:
+config with guidance embeds: 11.9B parameters, bf16; ``--model flux2``: FLUX.2 [dev]'s 32.2B
+DiT, 60 GiB; ``flux2-klein`` / ``flux2-klein-9b``: [klein]'s), 1024x1024 and 512x512 latents,
+batch 1/2/4. Methods:
 
 - ``resident``: the whole transformer in HBM (the compute floor);
 - ``dlo``: ``enable_offload`` with every block streamed;
@@ -28,6 +29,8 @@ typed report (``handle.snapshot()``).
     python3 bench/offload.py --methods resident dlo --resolutions 1024 --batches 1 4 --out $OUT
     python3 bench/offload.py --formats --out $OUT        # issue 24's table, ~6 min on one H200
     python3 bench/offload.py --tiny --methods resident dlo --resolutions 64 --profile-res 64  # CPU
+    python3 bench/offload.py --model flux2 --formats --resolutions 1024 --batches 1 4 \
+        --compiled-batches 1 --out $OUT          # FLUX.2 [dev] (32B, 60 GiB bf16)
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ RESOLUTIONS = (1024, 512)
 BATCHES = (1, 2, 4)
 FORMAT_METHODS = ("resident", "resident-compiled", "dlo", "dlo-packed", "fp8-resident",
                   "fp8-dlo", "fp8-dlo-compiled", "fp8-resident-compiled")
+MODELS = ("flux", "flux2", "flux2-klein", "flux2-klein-9b")
 FP8_METHODS = ("fp8-resident", "fp8-dlo", "fp8-dlo-compiled", "fp8-resident-compiled")
 log = harness.log
 
@@ -70,6 +74,7 @@ class Bench:
         }
         self.outputs: dict[str, torch.Tensor] = {}  # batch-1 outputs, for bit-identity checks
         self.results["target_res"] = args.resolutions[0]
+        self.results["dit"] = args.model
         self.results["compiled_batch"] = max(args.compiled_batches)
 
     def over_deadline(self) -> bool:
@@ -79,7 +84,7 @@ class Bench:
         harness.write_json(self.out / "offload_bench.json", self.results)
 
     def model(self) -> torch.nn.Module:
-        return harness.build_flux(self.device, tiny=self.args.tiny)
+        return harness.build_image_dit(self.args.model, self.device, tiny=self.args.tiny)
 
     def cells(self, method: str, model: torch.nn.Module,
               batches: Sequence[int] | None = None) -> None:
@@ -88,7 +93,7 @@ class Bench:
                 if self.over_deadline():
                     self.results["skipped"].append(f"{method} {res} b{batch}")
                     continue
-                inputs = harness.flux_inputs(model, res, batch, self.device)
+                inputs = harness.image_inputs(self.args.model, model, res, batch, self.device)
                 cuda = self.device.type == "cuda"
                 if cuda:
                     harness.sync()
@@ -121,6 +126,7 @@ class Bench:
         if "resident" in a.methods:
             self.results["methods"]["resident"] = {"weights_bytes": weights}
             self.cells("resident", model)
+            self.record_output("resident", model)
         if "resident-compiled" in a.methods:
             self.compiled("resident-compiled", model)
             harness.uncompile_blocks(model)  # the bf16 offloads below run eagerly
@@ -183,7 +189,7 @@ class Bench:
                 info: dict[str, Any]) -> None:
         before = handle.snapshot().traffic.bytes_transferred
         info["profile"] = harness.profile_steps(
-            model, harness.flux_inputs(model, self.args.profile_res, 1, self.device), 3,
+            model, harness.image_inputs(self.args.model, model, self.args.profile_res, 1, self.device), 3,
             self.out / f"{method.replace('-', '_')}_trace.json.gz")
         moved = handle.snapshot().traffic.bytes_transferred - before
         info["bytes_per_profiled_step"] = moved / 4
@@ -191,11 +197,12 @@ class Bench:
 
     def record_output(self, method: str, model: torch.nn.Module) -> None:
         """Keep batch 1's output at the first resolution; a method whose output must equal
-        another's bit for bit (``dlo-packed`` against ``dlo``) is judged here."""
-        inputs = harness.flux_inputs(model, self.args.resolutions[0], 1, self.device)
+        another's bit for bit (``dlo`` against ``resident``, ``dlo-packed`` against ``dlo``)
+        is judged here."""
+        inputs = harness.image_inputs(self.args.model, model, self.args.resolutions[0], 1, self.device)
         with torch.no_grad():
             self.outputs[method] = model(**inputs)[0].clone()
-        reference = {"dlo-packed": "dlo"}.get(method)
+        reference = {"dlo": "resident", "dlo-packed": "dlo"}.get(method)
         if reference in self.outputs:
             same = torch.equal(self.outputs[method], self.outputs[reference])
             self.results["methods"][method]["identical_to"] = {reference: same}
@@ -262,7 +269,7 @@ class Bench:
         self.cells(method, model)
         if method == "diffusers-block" and not self.over_deadline():
             info["profile"] = harness.profile_steps(
-                model, harness.flux_inputs(model, self.args.profile_res, 1, self.device), 2,
+                model, harness.image_inputs(self.args.model, model, self.args.profile_res, 1, self.device), 2,
                 self.out / "diffusers_block_trace.json.gz")
             log(f"{method} profile: {info['profile']}")
         del model
@@ -297,8 +304,12 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         if best_ms:
             add("DLO b1 1024^2 at least 1.13x faster than diffusers' best", c["ms"] * 1.13, best_ms, "ms")
     c, res_c = cell(r, "dlo", 1024, 4), cell(r, "resident", 1024, 4)
-    if c and res_c:
-        add("compute-bound: DLO b4 1024^2 <= 1.02 x resident", c["ms"], 1.02 * res_c["ms"], "ms")
+    if c and res_c:  # FLUX.2 [dev]'s issue asks 1.05 (its b4 step is 4x Flux's bytes' time)
+        k = 1.05 if r.get("dit") == "flux2" else 1.02
+        add(f"compute-bound: DLO b4 1024^2 <= {k} x resident", c["ms"], k * res_c["ms"], "ms")
+    same = r["methods"].get("dlo", {}).get("identical_to", {}).get("resident")
+    if same is not None:
+        add(f"DLO b1 output bit-identical to resident ({same})", 0.0 if same else 1.0, 0.0, "")
     c = cell(r, "dlo-budget", 1024, 1)
     if budget and c:
         add("budget: DLO b1 1024^2 <= 1.02 x streamed(remaining)/bandwidth", c["ms"],
@@ -422,6 +433,9 @@ FORMAT_DEFAULTS: dict[str, Any] = dict(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "out/offload"))
+    p.add_argument("--model", choices=MODELS, default="flux",
+                   help="the DiT: Flux.1-dev's, or FLUX.2 [dev] / [klein] 4B / 9B at the "
+                        "released shapes (random bf16, built on the GPU)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--budget-gib", type=float, default=None, help="default: half the model")

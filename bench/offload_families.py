@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Layerwise offload for the Qwen-Image, Wan and Z-Image families on one GPU: resident vs
-ditserve DLO vs diffusers group offloading.
+"""Layerwise offload for the Qwen-Image, Wan, Z-Image and FLUX.2 families on one GPU:
+resident vs ditserve DLO vs diffusers group offloading.
 
 One process per model, random full-size DiTs built in memory (bf16, initialized on the GPU;
 nothing is written to disk), the shapes of the released models (``engine.makers.builders``):
@@ -10,6 +10,8 @@ nothing is written to disk), the shapes of the released models (``engine.makers.
   for 720p);
 - ``--model z-image``: Z-Image (6.15B; Turbo and Base share the DiT) at 1024x1024, batch 1
   and 4, through its list interface (one latent and one caption per row);
+- ``--model flux2``: FLUX.2 [dev] (32.2B, 60 GiB bf16) at 1024x1024, batch 1 and 4
+  (``flux2-klein`` / ``flux2-klein-9b``: [klein]'s 4B / 9B DiTs);
 - ``--model wan2.2``: Wan2.2-T2V-A14B, two 14B experts as one ``ExpertStack`` streamed
   through one set of device slots: a step of the high-noise expert and a step of a batch
   straddling the boundary (one row per expert, one forward per expert, as the Wan pipeline
@@ -26,6 +28,7 @@ checks the issue's targets (the runner is ``offload_methods.py``, shared with
     python3 bench/offload_families.py --model wan --out out/families-wan
     python3 bench/offload_families.py --model wan2.2 --out out/families-wan22
     python3 bench/offload_families.py --model z-image --out out/families-z-image
+    python3 bench/offload_families.py --model flux2 --out out/families-flux2   # 32B, 60 GiB
 
 ``--tiny`` runs the same program on tiny DiTs on a CPU (a smoke test; tests run it).
 """
@@ -37,6 +40,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import harness
 import offload_methods
 import torch
 from offload_methods import find, target
@@ -49,11 +53,15 @@ from ditserve.engine.pipelines.experts import ExpertStack
 GIB = 1024**3
 # A typical Qwen prompt; Wan pads to 512; Z-Image: a prompt in Qwen3's chat template.
 TEXT_TOKENS = {"qwen-image": 256, "wan": 512, "z-image": 128}
+FLUX2 = ("flux2", "flux2-klein", "flux2-klein-9b")  # FLUX.2 [dev], [klein] 4B and 9B
 DEFAULT_SIZES = {"qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81",
-                 "z-image": "1024x1024"}
-DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,), "z-image": (1, 4)}
-DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2, "z-image": 5}
-TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5", "z-image": "64x64"}
+                 "z-image": "1024x1024", **dict.fromkeys(FLUX2, "1024x1024")}
+DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,), "z-image": (1, 4),
+                   **dict.fromkeys(FLUX2, (1, 4))}
+DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2, "z-image": 5,
+                 **dict.fromkeys(FLUX2, 3)}
+TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5", "z-image": "64x64",
+              **dict.fromkeys(FLUX2, "64x64")}
 
 
 def variant_of(model: str) -> str:
@@ -94,6 +102,11 @@ def workloads(model: str, size: str, batches: tuple[int, ...], dit: torch.nn.Mod
     first_dit: Any = dit.expert(0) if isinstance(dit, ExpertStack) else dit
     config = first_dit.config
     out: list[tuple[str, Callable[[], Any]]] = []
+    if model in FLUX2:  # FLUX.2's inputs (512 text tokens, 4-axis ids): bench/harness.py
+        for b in batches:
+            kw = harness.image_inputs(model, dit, dims[0], b, device)
+            out.append((f"b{b}", lambda kw=kw: dit(**kw)))
+        return out
     if model == "qwen-image":
         width, height = dims
         h, w = height // 16, width // 16  # 8x VAE, then 2x2 packing
@@ -158,6 +171,13 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         d4, r4 = find(r, "dlo", "b4"), find(r, "resident", "b4")
         if d4 and r4:
             out.append(target("DLO b4 <= 1.02 x resident", d4["ms"], 1.02 * r4["ms"], "ms"))
+    if r["model"] in FLUX2:  # issue 46
+        d1, d4, r4 = find(r, "dlo", "b1"), find(r, "dlo", "b4"), find(r, "resident", "b4")
+        if d1 and gbps:
+            out.append(target("DLO b1 <= 1.02 x its streamed-bytes floor", d1["ms"],
+                              1.02 * dlo["streamed_bytes"] / (gbps * 1e9) * 1e3, "ms"))
+        if d4 and r4:
+            out.append(target("DLO b4 <= 1.05 x resident b4", d4["ms"], 1.05 * r4["ms"], "ms"))
     if r["model"] == "wan":
         d1, r1 = find(r, "dlo", "b1"), find(r, "resident", "b1")
         if d1 and r1:
@@ -175,7 +195,7 @@ MODELS = offload_methods.Models(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2", "z-image"),
+    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2", "z-image", *FLUX2),
                                   out="out/offload-families")
     args = p.parse_args(argv)
     args.size = args.size or (TINY_SIZES if args.tiny else DEFAULT_SIZES)[args.model]

@@ -3,7 +3,8 @@ placement of its components: the peak HBM and latency that issue 34's targets ju
 
 Every component is at its released shape (``ditserve model init-random --size full``, built on
 the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB,
-Z-Image ~20 GB, Wan2.1 ~40 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
+Z-Image ~20 GB, Wan2.1 ~40 GB, FLUX.2 [dev] ~113 GB - on a host of 128 GiB put it in /dev/shm,
+where DLO maps the checkpoint instead of copying it - and [klein] 4B ~16 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
 and run through the public engine (``DiffusionEngine``: load, add_request, result), so what
 is measured is what ``ditserve serve`` would do with those flags:
 
@@ -78,6 +79,10 @@ WORKLOADS = {  # issue 34's targets
     # Z-Image-Turbo's request (8 steps, no CFG); issue 34's bounds for an image model, as
     # Flux's (issue 47 sets none for the whole pipeline's peak).
     "z-image": Workload("z-image", 1024, 1024, 1, 8, (2, 8), None, 4.0, 1.03),
+    # Issue 46: FLUX.2 [dev] (32B DiT + 24B Mistral encoder, ~105 GiB) under 8 GiB of HBM;
+    # [klein] 4B (Qwen3-4B encoder) has no target of its own: the same bounds, reported.
+    "flux2": Workload("flux2", 1024, 1024, 1, 50, (2, 10), None, 8.0, 1.05),
+    "flux2-klein": Workload("flux2-klein", 1024, 1024, 1, 50, (2, 10), None, 8.0, 1.05),
 }
 
 

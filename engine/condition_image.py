@@ -33,15 +33,20 @@ class ConditionImage:
     def __repr__(self) -> str:  # never print the pixels into a log
         return f"ConditionImage({self.width}x{self.height})"
 
-    def check_aspect(self, max_aspect: float | None) -> None:
-        """Refuse an image longer than ``max_aspect`` : 1 (the model's image reader's limit,
-        ``ModelLimits.max_condition_aspect``; None: any)."""
-        aspect = max(self.width, self.height) / max(1, min(self.width, self.height))
-        if max_aspect is not None and aspect > max_aspect:
+    def check_shape(self, index: int, min_side: int | None, max_aspect: float | None) -> None:
+        """Refuse input image ``index`` (0-based) when shorter than ``min_side`` a side or
+        longer than ``max_aspect`` : 1 (``ModelLimits.min_condition_side`` and
+        ``max_condition_aspect``, the model's image reader's limits; None: any)."""
+        side, longest = min(self.width, self.height), max(self.width, self.height)
+        shown = f"input image {index + 1} is {self.width}x{self.height} pixels"
+        if min_side is not None and side < min_side:
             raise InvalidRequestError(
-                "image", f"the image is {self.width}x{self.height} pixels, an aspect ratio "
-                f"of {aspect:.0f}:1; this model reads images up to {max_aspect:g}:1 (crop or "
-                "pad it)")
+                "image", f"{shown}; this model takes images at least {min_side} pixels a side")
+        if max_aspect is not None and longest > max_aspect * max(1, side):
+            raise InvalidRequestError(
+                "image", f"{shown}, an aspect ratio of {longest / max(1, side):.0f}:1; this "
+                f"model takes aspect ratios up to {max_aspect:g}:1 (crop or pad it)")
+
 
 def kept_steps(steps: int, strength: float) -> int:
     """The steps a run from a source image at ``strength`` keeps of ``steps``: the last

@@ -28,8 +28,8 @@ class ModelLimits:
     condition_images: (fewest, most) input images a request brings (edits, image-to-video);
         (0, 0) for a text-only model.
     max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
-    max_condition_aspect: the largest long-side / short-side ratio of a conditioning image
-        (None: any), where the model's image reader has one (Qwen2.5-VL's).
+    min_condition_side, max_condition_aspect: the smallest side and the most extreme aspect
+        ratio of an input image the model's pipeline takes (FLUX.2's: 64 px, 8); None: any.
     image_strength: for a model that denoises from its source image (image-to-image and
         inpainting: it takes ``strength`` and a ``mask``), its default strength without and
         with a mask; None for every other model.
@@ -43,6 +43,7 @@ class ModelLimits:
     positions: int | None = None
     condition_images: tuple[int, int] = (0, 0)
     max_text_tokens: int | None = None
+    min_condition_side: int | None = None
     max_condition_aspect: float | None = None
     image_strength: tuple[float, float] | None = None
 

@@ -217,14 +217,13 @@ class SamplingParams:
                                    strength=self.strength, steps=self.num_inference_steps,
                                    image_strength=limits.image_strength)
         params = dataclasses.replace(self, strength=strength)
-        for image in params.images:
-            image.check_aspect(limits.max_condition_aspect)
         return params.validate(pixel_multiple=limits.pixel_multiple,
                                max_prompt_chars=limits.max_prompt_chars,
                                frame_step=limits.frame_step, max_side=limits.max_side,
-                               max_frames=limits.max_frames,
-                               condition_images=limits.condition_images,
-                               max_text_tokens=limits.max_text_tokens)
+                               max_frames=limits.max_frames, condition_images=limits.condition_images,
+                               max_text_tokens=limits.max_text_tokens,
+                               min_condition_side=limits.min_condition_side,
+                               max_condition_aspect=limits.max_condition_aspect)
 
     @property
     def denoise_steps(self) -> int:
@@ -246,6 +245,8 @@ class SamplingParams:
         max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
+        min_condition_side: int | None = None,
+        max_condition_aspect: float | None = None,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
@@ -254,8 +255,12 @@ class SamplingParams:
         condition_images: (fewest, most) conditioning images the model takes.
         max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
+        min_condition_side, max_condition_aspect: the input images' bounds (``ModelLimits``).
         """
         self._validate_images(condition_images)
+        for index, image in enumerate(self.images):
+            if isinstance(image, ConditionImage):  # else _validate_images refused it
+                image.check_shape(index, min_condition_side, max_condition_aspect)
         self._validate_text(requires_prompt, max_prompt_chars)
         self._validate_size(pixel_multiple, max_side)
         self._validate_counts(max_images)

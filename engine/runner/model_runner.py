@@ -122,9 +122,12 @@ class ModelRunner:
         self._forwards = GroupForwards(
             self.pipeline, block_major=self._block_major,
             one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
+        # A pipeline may narrow its family's CFG rule for the model it loaded (a step-distilled
+        # FLUX.2 [klein] ignores guidance: its ``cfg_rows``).
         self.work_rule = WorkRule(pixels_per_token=self.pixel_multiple,
                                   frame_step=self.frame_step,
-                                  cfg_rows=self.pipeline.family.cfg_rows)
+                                  cfg_rows=getattr(self.pipeline, "cfg_rows",
+                                                   self.pipeline.family.cfg_rows))
         self._inflight = InFlightSteps(self.device)
 
     @property

@@ -63,12 +63,16 @@ class FlowMatchEulerSampler:
         self._config = scheduler_config
         self.max_tokens = max_shift_tokens(scheduler_config)
 
-    def schedule(self, num_steps: int, image_seq_len: int) -> Schedule:
+    def schedule(self, num_steps: int, image_seq_len: int, *,
+                 mu: float | None = None) -> Schedule:
+        """The schedule of ``num_steps`` for ``image_seq_len`` latent tokens. ``mu``: the
+        shift of a dynamically shifting scheduler when the pipeline computes its own (FLUX.2's
+        empirical fit of tokens and steps); by default Flux's linear rule in the token count."""
         # A throwaway scheduler object: it only computes the schedule, never steps.
         scheduler = self._scheduler_cls.from_config(self._config)
         kwargs: dict[str, Any] = {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)}
         if self._config.get("use_dynamic_shifting", False):
-            kwargs["mu"] = _calculate_shift(image_seq_len, self._config)
+            kwargs["mu"] = _calculate_shift(image_seq_len, self._config) if mu is None else mu
         with np.errstate(invalid="ignore", divide="ignore"):  # the one-step case below
             scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         timesteps, sigmas = scheduler.timesteps.clone(), scheduler.sigmas.clone()

@@ -44,7 +44,10 @@ from ditserve.engine.step_cache.rows import Member, arg, members, narrow, row_in
 log = logging.getLogger(__name__)
 
 # What each family's blocks return, in order (inputs of the same names carry them in).
+# A block returning one tensor where its family lists two (FLUX.2's single-stream blocks)
+# returns the joint [text, image] sequence: its image tokens are the trailing ones.
 BLOCK_OUTPUTS = {"flux": ("encoder_hidden_states", "hidden_states"),
+                 "flux2": ("encoder_hidden_states", "hidden_states"),
                  "qwen-image": ("encoder_hidden_states", "hidden_states"),
                  "wan": ("hidden_states",),
                  # Z-Image's main layers: one stream of image and caption tokens, named x.
@@ -189,14 +192,17 @@ class StepCacheBlocks:
 
     def _streams(self, out: Any) -> dict[str, torch.Tensor]:
         values = out if isinstance(out, tuple) else (out,)
-        return dict(zip(self.outputs, values, strict=True))
+        names = self.outputs if len(values) == len(self.outputs) else (self.hidden,)
+        return dict(zip(names, values, strict=True))
 
     def _pack(self, streams: dict[str, torch.Tensor]) -> Any:
-        values = tuple(streams[name] for name in self.outputs)
+        values = tuple(streams[name] for name in self.outputs if name in streams)
         return values if len(values) > 1 else values[0]
 
     def _identity(self, role: _Role, args: tuple, kwargs: dict) -> Any:
-        return self._pack({name: arg(role.params, args, kwargs, name) for name in self.outputs})
+        # A stream the block takes as None (a joint-sequence block's text) is not returned.
+        given = {name: arg(role.params, args, kwargs, name) for name in self.outputs}
+        return self._pack({name: value for name, value in given.items() if value is not None})
 
     def _head(self, lane: _Lane, role: _Role, block: nn.Module, inner: Callable[..., Any],
               args: tuple, kwargs: dict) -> Any:
@@ -268,14 +274,21 @@ class StepCacheBlocks:
 
     def _tail(self, role: _Role, p: _Pass, out: Any) -> Any:
         streams = self._streams(out)
+        start = p.start
+        joint = streams[self.hidden].shape[1] != start.shape[1]  # [text, image] out, image in
+        if joint:  # the reused rows' text tokens are the head's (the DiT drops them)
+            start = torch.cat([p.head_out[name] for name in self.outputs if name != self.hidden]
+                              + [start], dim=1)
         if p.compute is not None:  # some rows reused: rebuild the full rows
             full = {}
             for name, part in streams.items():
-                full[name] = (p.start if name == self.hidden else p.head_out[name]).clone()
+                full[name] = (start if name == self.hidden else p.head_out[name]).clone()
                 if p.computing:
                     full[name].index_copy_(0, p.compute, part)
             streams = full
         hidden = streams[self.hidden]
+        if joint:  # the residual is the image tokens'
+            hidden = hidden[:, hidden.shape[1] - p.start.shape[1]:]
         for m in p.members:
             if m.cache is None:
                 continue

@@ -54,9 +54,8 @@ _META_DTYPE = torch.float32
 def base_family_name(base_dir: str | Path) -> str:
     """The base model's family name as the key markers name it (variants share their base's
     DiT: Flux Kontext reads Flux files, Qwen-Image-Edit reads Qwen-Image's)."""
-    from ditserve.engine.weights.loader import model_family
-
     from ditserve.engine.families import family_of_dit
+    from ditserve.engine.weights.loader import model_family
 
     family = model_family(base_dir)
     owner = family_of_dit(family.dit_class)  # the family that declares the DiT: the base

@@ -11,7 +11,9 @@ import pytest
 from adapters.lora_files import kohya_flux_lora, peft_lora  # type: ignore[import-not-found]
 
 FEED_FORWARD = {"flux": ("ff.net.2", "proj_mlp"), "qwen-image": ("img_mlp.net.2",),
-                "wan": ("ffn.net.2",), "z-image": ("feed_forward.w2",)}
+                "wan": ("ffn.net.2",), "z-image": ("feed_forward.w2",),
+                "flux2": ("ff.linear_out", "to_qkv_mlp_proj"),
+                "flux2-klein": ("ff_context.linear_in", "attn.to_out")}
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """A request with LoRA adapters equals diffusers' pipeline with ``load_lora_weights`` +
-``set_adapters`` at the same scales (Flux, Qwen-Image, Wan, Z-Image; one adapter, two stacked, and a
+``set_adapters`` at the same scales (Flux, Qwen-Image, Wan, Z-Image, FLUX.2 [dev] and [klein]; one adapter, two stacked, and a
 kohya-format Flux file converted by diffusers); requests with different adapters and one
 without, in one step, each equal their solo runs."""
 
@@ -50,6 +50,8 @@ def reference(model_dir, files, family: str, p: SamplingParams,  # type: ignore[
                     **common).frames.float()
     if family in ("flux", "z-image"):
         return pipe(p.prompt, guidance_scale=p.guidance_scale, **common).images.float()
+    if family in ("flux", "flux2", "flux2-klein"):  # FLUX.2's first argument is ``image``
+        return pipe(prompt=p.prompt, guidance_scale=p.guidance_scale, **common).images.float()
     return pipe(p.prompt, **common).images.float()
 
 
@@ -63,6 +65,8 @@ CASES = {
     "wan-two-stacked": ("wan", {"a": 0.6, "b": 1.2}),
     "z-image-one": ("z-image", {"a": 1.0}),
     "z-image-two-stacked": ("z-image", {"a": 0.8, "b": 1.1}),
+    "flux2-two-stacked": ("flux2", {"a": 0.7, "b": 1.3}),
+    "flux2-klein-one": ("flux2-klein", {"b": 1.0}),
 }
 
 
@@ -83,7 +87,7 @@ def test_matches_diffusers_lora(adapter_runner, adapter_models, lora_files,  # t
     assert (got - plain[f"{case}-plain"]).abs().max().item() > 10 * TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image", "wan", "z-image"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "wan", "z-image", "flux2"])
 def test_mixed_adapters_in_one_step_equal_solo(adapter_runner, family: str) -> None:  # type: ignore[no-untyped-def]
     runner = adapter_runner(family)
     requests = [

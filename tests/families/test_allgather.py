@@ -29,7 +29,8 @@ def requests(variant: str) -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize(("variant", "allgather"),
-                         [("qwen-image", True), ("wan", True), ("wan2.2", False)])
+                         [("qwen-image", True), ("wan", True), ("wan2.2", False),
+                          ("flux2", True)])
 def test_dp2_generation_equals_resident(family_dir, family_runner, monkeypatch,
                                         variant: str, allgather: bool) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("DITSERVE_WORKER_TIMEOUT_S", "120")

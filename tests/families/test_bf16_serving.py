@@ -16,7 +16,7 @@ from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
 
-@pytest.mark.parametrize("variant", ["wan", "wan2.2", "qwen-image", "z-image"])
+@pytest.mark.parametrize("variant", ["wan", "wan2.2", "qwen-image", "z-image", "flux2", "flux2-klein"])
 def test_a_bf16_runner_generates(family_dir: Callable[[str], Path], variant: str) -> None:
     model = family_dir(variant)
     runner = ModelRunner(EngineConfig(model=str(model), device="cpu", dtype="bfloat16"),

@@ -19,7 +19,8 @@ from ditserve.engine.placement.encoder_streaming import (
 from ditserve.engine.placement.memory_estimates import streamed_encoder_bytes
 
 ENCODERS = {"flux": ("text_encoder", "text_encoder_2"), "qwen-image": ("text_encoder",),
-            "wan": ("text_encoder",), "z-image": ("text_encoder",)}
+            "wan": ("text_encoder",), "z-image": ("text_encoder",),
+            "flux2": ("text_encoder",), "flux2-klein": ("text_encoder",)}
 
 
 def _headless(encoder: torch.nn.Module) -> torch.nn.Module:

@@ -26,7 +26,7 @@ def arrivals(video: bool) -> dict[int, list[tuple[str, SamplingParams]]]:
     }
 
 
-@pytest.mark.parametrize("variant", ["qwen-image", "wan", "wan2.2", "z-image"])
+@pytest.mark.parametrize("variant", ["qwen-image", "wan", "wan2.2", "z-image", "flux2", "flux2-klein"])
 def test_dlo_on_cuda_equals_resident(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(variant)
     video = variant.startswith("wan")

@@ -43,7 +43,7 @@ def scenario(variant: str) -> dict[int, list[tuple[str, SamplingParams]]]:
     }
 
 
-VARIANTS = ["qwen-image", "wan", "wan2.2", "z-image"]
+VARIANTS = ["qwen-image", "wan", "wan2.2", "z-image", "flux2", "flux2-klein"]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from ditserve.engine.families import WAN
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
-VARIANTS = ["qwen-image", "wan", "wan2.2"]
+VARIANTS = ["qwen-image", "wan", "wan2.2", "flux2", "flux2-klein"]
 
 
 def requests(variant: str) -> dict[int, list[tuple[str, SamplingParams]]]:
@@ -72,7 +72,8 @@ def test_dlo_equals_resident_exactly(family_dir, resident, variant: str) -> None
     r = runner(family_dir(variant), checkpoint_mmap="off")
     report = r.offload_report()
     assert report["backing_kind"] == "ordinary"
-    layers = 2 * (2 if variant == "wan2.2" else 1)  # tiny DiTs: 2 blocks per expert
+    # tiny DiTs: 2 blocks per expert; FLUX.2's 1 double-stream + 2 single-stream
+    layers = {"wan2.2": 4, "flux2": 3, "flux2-klein": 3}.get(variant, 2)
     assert report["streamed_blocks"] == report["blocks"] == layers
     assert_same(generate(r, variant), resident(variant))
 

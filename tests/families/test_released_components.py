@@ -31,6 +31,10 @@ PUBLISHED_GB = {
     ("wan", "text_encoder"): 11.36, ("wan", "vae"): 0.254,
     ("wan2.2-ti2v", "vae"): 1.41, ("wan-i2v", "image_encoder"): 1.26,
     ("z-image", "vae"): 0.168,  # Flux's VAE
+    # Mistral-Small-3.1-24B (24.0B parameters, untied head), Qwen3-4B (4.02B, tied), Qwen3-8B
+    # (8.19B): FLUX.2 [dev]'s and [klein]'s encoders.
+    ("flux2", "text_encoder"): 48.0, ("flux2-klein", "text_encoder"): 8.04,
+    ("flux2-klein-9b", "text_encoder"): 16.38,
 }
 
 
@@ -107,6 +111,26 @@ _SMALL: dict[str, dict[str, dict[str, Any]]] = {
         "vae": dict(block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8,
                     sample_size=64),
     },
+}
+# FLUX.2: the text width 16 (x 3 stacked layers = the tiny DiT's 48), as many layers as the
+# pipelines read (Mistral's 30th, Qwen3's 27th), the tiny DiT's 4 latent channels.
+_FLUX2_VAE = dict(block_out_channels=[8, 16], down_block_types=["DownEncoderBlock2D"] * 2,
+                  up_block_types=["UpDecoderBlock2D"] * 2, layers_per_block=1,
+                  norm_num_groups=8, latent_channels=4, sample_size=64)
+_SMALL["flux2"] = {
+    "text_encoder": dict(
+        text_config=dict(vocab_size=300, hidden_size=16, intermediate_size=24,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=8, max_position_embeddings=1024),
+        vision_config=dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                           num_attention_heads=1, head_dim=8, image_size=28)),
+    "vae": _FLUX2_VAE,
+}
+_SMALL["flux2-klein"] = _SMALL["flux2-klein-9b"] = {
+    "text_encoder": dict(vocab_size=300, hidden_size=16, intermediate_size=24,
+                         num_hidden_layers=27, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=8, max_position_embeddings=1024),
+    "vae": _FLUX2_VAE,
 }
 # The edit layouts: Qwen-Image's parts (the text encoder's vision markers come from the
 # builder's tokenizer) and a processor folder.

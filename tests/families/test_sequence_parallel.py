@@ -36,6 +36,8 @@ def requests(variant: str) -> list[SamplingParams]:
 
 @pytest.mark.parametrize(("variant", "offload"), [
     ("qwen-image", OffloadConfig(enabled=True)),
+    ("flux2", OffloadConfig(enabled=True)),
+    ("flux2-klein", OffloadConfig()),
     ("wan2.2", OffloadConfig(enabled=True, use_allgather=False)),
     ("wan2.2-ti2v", OffloadConfig()),
     ("z-image", OffloadConfig(enabled=True)),

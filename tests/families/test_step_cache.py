@@ -59,7 +59,7 @@ OFF_EQUIVALENT = [StepCacheSpec("first-block", threshold=0.0), StepCacheSpec("ev
 
 
 @pytest.mark.parametrize("dlo", [False, True], ids=["resident", "dlo"])
-@pytest.mark.parametrize("variant", ["flux", "qwen-image", "wan", "z-image"])
+@pytest.mark.parametrize("variant", ["flux", "qwen-image", "wan", "z-image", "flux2", "flux2-klein"])
 def test_threshold_zero_and_every_one_are_bit_identical(family_dir, variant: str,
                                                         dlo: bool) -> None:  # type: ignore[no-untyped-def]
     runner = make_runner(family_dir(variant), dlo=dlo)
@@ -83,7 +83,7 @@ def test_threshold_zero_and_every_one_are_bit_identical(family_dir, variant: str
         runner.close()
 
 
-@pytest.mark.parametrize("variant", ["flux", "qwen-image", "wan", "z-image"])
+@pytest.mark.parametrize("variant", ["flux", "qwen-image", "wan", "z-image", "flux2"])
 def test_every_skips_its_schedule_and_dlo_skips_the_bytes(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
     outs = {}
     for dlo in (False, True):

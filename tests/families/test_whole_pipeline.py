@@ -20,7 +20,7 @@ from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.denoise_state import DenoiseState
 
-VARIANTS = ["flux", "qwen-image", "wan", "z-image"]
+VARIANTS = ["flux", "qwen-image", "wan", "z-image", "flux2", "flux2-klein"]
 # Tiled against whole decode, |difference| of [0, 1] pixels, on the tiny random VAEs with
 # 32 px tiles over noise latents (the worst case: many seams, no smooth content); measured
 # max 0.24-0.28, mean 0.018-0.032 (docs/offload.md, "Whole pipeline").
@@ -30,7 +30,10 @@ TILED_DECODE_MEAN = 0.05
 # blend overlap; its tiles are 64 px (8 x 8 latents, still 2 per side of a 96 px image).
 TILE_PIXELS = {"z-image": 64}
 # ... and its seams are still wider than the other tiny VAEs' (measured max 0.57; mean < 0.07).
-TILED_DECODE_BOUNDS = {"z-image": (0.65, 0.07)}
+# FLUX.2's tiny VAE denormalises the noise latents by its random batch norm first (larger
+# values, sharper seams): measured max 0.41-0.47, mean within TILED_DECODE_MEAN.
+TILED_DECODE_BOUNDS = {"z-image": (0.65, 0.07), "flux2": (0.55, TILED_DECODE_MEAN),
+                       "flux2-klein": (0.55, TILED_DECODE_MEAN)}
 
 
 def cfg_params(variant: str, prompt: str, seed: int) -> SamplingParams:
