@@ -17,7 +17,8 @@ def load_bench():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(("model", "cells"), [
     ("qwen-image", {"b1", "b4"}),
     ("wan2.2", {"expert1 b1", "straddle b1+1"}),
-    ("z-image", "flux2", {"b1", "b4"}),
+    ("z-image", {"b1", "b4"}),
+    ("flux2", {"b1", "b4"}),
 ])
 def test_tiny_run_reports_every_cell(model: str, cells: set[str], tmp_path: Path) -> None:
     bench = load_bench()
