@@ -18,7 +18,7 @@ from ditserve.engine.parallel.sharding import token_input
 from ditserve.engine.parallel.tokens import key_mask
 
 
-def attach_joint_split(model: nn.Module, forward: SequenceForward,
+def attach_joint_split(model: Any, forward: SequenceForward,
                        processor: UlyssesProcessor) -> None:
     """Hook ``model`` so its forward runs on this rank's tokens, attending through
     ``processor``."""
