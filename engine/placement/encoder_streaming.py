@@ -54,8 +54,10 @@ HOST_TABLE_MIN_BYTES = 192 << 20
 def host_side_modules(encoder: torch.nn.Module, *,
                       min_table_bytes: int = HOST_TABLE_MIN_BYTES) -> list[torch.nn.Module]:
     """The modules of ``encoder`` a streamed encoder keeps in host memory (module docstring):
-    its token table if at least ``min_table_bytes``, and its output head if it has one."""
+    its token table if at least ``min_table_bytes``, and its output head if it has one (and
+    does not share the weight of a table that stays on the device)."""
     found: list[torch.nn.Module] = []
+    device_side: list[torch.nn.Module] = []  # a token table too small to keep on the host
     for which in ("input", "output"):
         module = embedding_module(encoder, which)
         if isinstance(module, HostEmbedding):
@@ -63,9 +65,20 @@ def host_side_modules(encoder: torch.nn.Module, *,
         if module is None or any(module is m for m in found):
             continue
         if which == "input" and module_bytes(module) < min_table_bytes:
+            device_side.append(module)
+            continue
+        # A head tied to a table that stays on the device shares its weight: moving the
+        # head to the host would move the table with it, and the encode's device token ids
+        # would then index a host table.
+        if which == "output" and any(_shares_weights(module, m) for m in device_side):
             continue
         found.append(module)
     return found
+
+
+def _shares_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    ours = {id(p) for p in a.parameters()}
+    return any(id(p) in ours for p in b.parameters())
 
 
 def host_side_bytes(encoder: torch.nn.Module, *,

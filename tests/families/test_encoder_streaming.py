@@ -14,6 +14,7 @@ from ditserve.engine.placement.component_placement import module_bytes
 from ditserve.engine.placement.encoder_streaming import (
     StreamedEncoders,
     host_side_bytes,
+    host_side_modules,
     streamable,
 )
 from ditserve.engine.placement.memory_estimates import streamed_encoder_bytes
@@ -91,6 +92,28 @@ def test_a_streamed_vl_encoder_keeps_its_lm_head_on_the_host_and_refuses_to_run_
     assert encoder.get_input_embeddings() is table
     with torch.inference_mode():  # closed: the whole model runs again
         encoder(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_a_head_tied_to_a_device_side_table_is_not_kept_on_the_host() -> None:
+    """A head sharing its weight with a small token table (Mistral3Config ties them by
+    default): keeping the head on the host would move the table there too, and the encode's
+    device token ids would index a host table (FLUX.2's tiny encoder failed so on CUDA)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    config = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=64, hidden_size=16,
+                         intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8),
+        vision_config=dict(model_type="pixtral", hidden_size=8, intermediate_size=8,
+                           num_hidden_layers=1, num_attention_heads=1, head_dim=8,
+                           image_size=28, patch_size=14))
+    encoder = Mistral3ForConditionalGeneration(config)
+    table, head = encoder.get_input_embeddings(), encoder.get_output_embeddings()
+    assert head.weight is table.weight  # tied
+    assert host_side_modules(encoder, min_table_bytes=1 << 40) == []
+    # A table kept on the host takes its tied head with it; the head is guarded.
+    kept = host_side_modules(encoder, min_table_bytes=0)
+    assert kept[0] is table and all(m is table or m is head for m in kept)
 
 
 def test_token_ids_stay_on_the_host_only_for_a_host_table() -> None:

@@ -92,6 +92,7 @@ def make_text_encoder(tokenizer: Any, *, width: int, layers: int) -> Any:
                            image_size=28, patch_size=14),
         image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
         multimodal_projector_bias=False,
+        tie_word_embeddings=False,  # as released (Mistral3Config's default ties them)
     )
     return Mistral3ForConditionalGeneration(config)
 
