@@ -124,6 +124,9 @@ class SamplingParams:
         scheduler reads it, and only under ``--scheduling-policy priority``.
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
         stops a request that cannot make it (``DeadlineError``). None: no deadline.
+    audio: generate the model's sound track with the video (a video family whose DiT
+        generates sound, e.g. Cosmos3 with a sound tokenizer; its pipeline refuses it
+        otherwise). Per row, so not part of the batch key.
     """
 
     prompt: str
@@ -143,6 +146,7 @@ class SamplingParams:
     step_cache: StepCacheSpec | None = None
     priority: int = 0
     deadline_s: float | None = None
+    audio: bool = False
 
     @property
     def uses_true_cfg(self) -> bool:

@@ -1,6 +1,6 @@
 """The model families ditserve serves: the registry of their records (pure; no torch).
 
-Each family lives in its own module (``flux``, ``qwen_image``, ``wan``, and the
+Each family lives in its own module (``flux``, ``qwen_image``, ``wan``, ``cosmos3``, and the
 image-conditioned ``flux_kontext``, ``qwen_image_edit``, ``qwen_image_edit_plus`` and
 ``wan_i2v``) as one ``Family``
 record (``base``): its layout, DiT block lists, batch key fields, server defaults, builder
@@ -19,6 +19,7 @@ Adding a family: docs/architecture.md, "Adding a family".
 from __future__ import annotations
 
 from ditserve.engine.families.base import Family, resolve
+from ditserve.engine.families.cosmos3 import COSMOS3
 from ditserve.engine.families.flux import FLUX
 from ditserve.engine.families.flux_kontext import FLUX_KONTEXT
 from ditserve.engine.families.qwen_image import QWEN_IMAGE
@@ -29,7 +30,7 @@ from ditserve.engine.families.wan_i2v import WAN_I2V
 
 # Text-to-image/video families first, then the image-conditioned ones derived from them (the
 # same DiTs; a derived family comes after its base, which spells the DiT's class name).
-FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN, FLUX_KONTEXT, QWEN_IMAGE_EDIT,
+FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN, COSMOS3, FLUX_KONTEXT, QWEN_IMAGE_EDIT,
                                 QWEN_IMAGE_EDIT_PLUS, WAN_I2V)
 # What the model builders (`ditserve model init-tiny / init-random --family`) build: one
 # released model layout each, by the family it belongs to (each family's ``dit_sizes``).
@@ -37,8 +38,8 @@ MODEL_VARIANTS: dict[str, str] = {v: f.name for f in FAMILIES for v in f.variant
 # The value of ``model.family`` that means "read it from model_index.json".
 AUTO_FAMILY = "Auto"
 
-__all__ = ["AUTO_FAMILY", "FAMILIES", "FLUX", "FLUX_KONTEXT", "MODEL_VARIANTS", "QWEN_IMAGE",
-           "QWEN_IMAGE_EDIT", "QWEN_IMAGE_EDIT_PLUS", "WAN", "WAN_I2V", "Family",
+__all__ = ["AUTO_FAMILY", "COSMOS3", "FAMILIES", "FLUX", "FLUX_KONTEXT", "MODEL_VARIANTS",
+           "QWEN_IMAGE", "QWEN_IMAGE_EDIT", "QWEN_IMAGE_EDIT_PLUS", "WAN", "WAN_I2V", "Family",
            "declared_block_lists", "family_labels", "family_named", "family_names",
            "family_of_dit", "family_of_pipeline", "family_of_variant", "resolve",
            "supported_pipelines"]

@@ -39,6 +39,9 @@ class StepPipeline(Protocol):
     frame_step: None for image families; for video, ``num_frames - 1`` must divide by it.
     max_sequence_length: text tokens per prompt when a request names none (the diffusers
         pipeline's own default); max_text_tokens: the most a request may ask for.
+    host_modules (optional): modules of the DiT outside its block lists that stay in host
+        memory, neither resident nor streamed under offload (Cosmos3's token table, whose
+        rows the pipeline uploads itself, and its unused language-model head).
     limits(): what the model can run (sizes and frames its positional tables reach), read off
         its own config; the engine checks every request against it.
     """
