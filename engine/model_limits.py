@@ -28,6 +28,7 @@ class ModelLimits:
     condition_images: (fewest, most) input images a request brings (edits, image-to-video);
         (0, 0) for a text-only model.
     max_text_tokens: the most text tokens per prompt (``max_sequence_length``) it takes.
+    audio: whether it generates a sound track with its videos (a request's ``audio``).
     """
 
     pixel_multiple: int = 16
@@ -38,6 +39,7 @@ class ModelLimits:
     positions: int | None = None
     condition_images: tuple[int, int] = (0, 0)
     max_text_tokens: int | None = None
+    audio: bool = False
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,

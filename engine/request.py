@@ -240,7 +240,7 @@ class SamplingParams:
                              frame_step=limits.frame_step, max_side=limits.max_side,
                              max_frames=limits.max_frames,
                              condition_images=limits.condition_images,
-                             max_text_tokens=limits.max_text_tokens)
+                             max_text_tokens=limits.max_text_tokens, audio=limits.audio)
 
     def validate(
         self,
@@ -254,6 +254,7 @@ class SamplingParams:
         max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
+        audio: bool = True,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
@@ -262,7 +263,11 @@ class SamplingParams:
         condition_images: (fewest, most) conditioning images the model takes.
         max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
+        audio: whether the model generates sound (False refuses a request's ``audio``).
         """
+        if self.audio and not audio:
+            raise InvalidRequestError("audio", "this model generates no sound track; leave "
+                                      "audio off (Cosmos3 models with a sound tokenizer do)")
         self._validate_images(condition_images)
         self._validate_text(requires_prompt, max_prompt_chars)
         self._validate_size(pixel_multiple, max_side)

@@ -36,7 +36,10 @@ from ditserve.engine.families import FAMILIES, family_of_dit, resolve
 from ditserve.engine.parallel.processors import SequenceForward
 from ditserve.engine.parallel.ulysses import SequenceGroup, check_heads, gather_tokens
 
-Hooks = Callable[[Any, SequenceForward], None]  # (a diffusers DiT, its forward's state)
+# (a diffusers DiT, its forward's state) -> True when the family's hooks gather the DiT's
+# output tokens themselves (Cosmos3, whose proj_out reads positions of the whole sequence);
+# otherwise (None) the output of proj_out is gathered here.
+Hooks = Callable[[Any, SequenceForward], bool | None]
 
 
 def token_input(kwargs: dict[str, Any], name: str) -> torch.Tensor:
@@ -66,13 +69,14 @@ def shard_dit(dit: nn.Module, sp: SequenceGroup) -> SequenceForward:
     hooks = family_hooks(name)
     check_heads(int(model.config.num_attention_heads), sp.size, what=name)
     forward = SequenceForward(sp)
-    hooks(model, forward)
+    gathers_itself = hooks(model, forward)
 
     def gather_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         assert forward.output is not None, "proj_out runs inside a sharded forward"
         return gather_tokens(output, forward.output, sp, dim=1)
 
-    model.proj_out.register_forward_hook(gather_output)
+    if not gathers_itself:
+        model.proj_out.register_forward_hook(gather_output)
     # always_call: a forward that raises must not leave its shards to the next one.
     model.register_forward_hook(lambda module, args, output: forward.end(), always_call=True)
     return forward

@@ -32,9 +32,10 @@ NANO: dict[str, Any] = {}
 # 64 query / 8 key-value heads of 128, MLP 25600): ~64B parameters, ~128 GB in bf16.
 SUPER: dict[str, Any] = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                              num_attention_heads=64, num_key_value_heads=8)
-# A few MB: 2 layers 32 wide, sound generation on (the tiny sound tokenizer's 8 channels).
+# A few MB: 2 layers 32 wide, 4 query / 2 key-value heads (SP2 splits both), sound
+# generation on (the tiny sound tokenizer's 8 channels).
 TINY: dict[str, Any] = dict(vocab_size=260, head_dim=16, hidden_size=32, intermediate_size=37,
-                            num_attention_heads=2, num_hidden_layers=2, num_key_value_heads=1,
+                            num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2,
                             rope_axes_dim=[4, 2, 2], sound_gen=True, sound_dim=8,
                             sound_latent_fps=25.0)
 SMALL_LAYERS = 2

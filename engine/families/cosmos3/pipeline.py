@@ -26,6 +26,7 @@ Pixels are (n, F, 3, H, W) float in [0, 1]; a request with ``audio`` also gets i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 
 HOST_MODULES = ("embed_tokens", "lm_head")  # the DiT's modules kept in host memory
 MAX_PROMPT_CHARS = 4000
+MAX_PROMPT_TOKENS = 512
 SOUND = "sound"  # host: the request's _Sound
 
 
@@ -105,9 +107,10 @@ class Cosmos3StepPipeline:
         # whole patches inside the DiT (720p: 45 latent rows).
         self.pixel_multiple = self.spatial_factor
         self.max_prompt_chars: int | None = MAX_PROMPT_CHARS
-        # The DiT reads the prompt's tokens itself: no text encoder, no padded text length.
-        self.max_sequence_length = 0
-        self.max_text_tokens = 0
+        # The DiT reads the prompt's tokens itself: no text encoder, no padded length (a
+        # request's max_sequence_length is ignored); 512 bounds the planner's estimate.
+        self.max_sequence_length = MAX_PROMPT_TOKENS
+        self.max_text_tokens = MAX_PROMPT_TOKENS
         self._latents_mean, self._latents_inv_std = latent_statistics(self.vae, device)
 
     def _place(self, model: Any) -> None:
@@ -122,8 +125,9 @@ class Cosmos3StepPipeline:
         """Positions are computed on the fly (mRoPE): no positional table bounds the size."""
         limits = ModelLimits.of_table(None, pixel_multiple=self.pixel_multiple,
                                       frame_step=self.frame_step,
-                                      max_prompt_chars=self.max_prompt_chars)
-        return limits
+                                      max_prompt_chars=self.max_prompt_chars,
+                                      max_text_tokens=self.max_text_tokens)
+        return dataclasses.replace(limits, audio=self.has_sound)
 
     @property
     def has_sound(self) -> bool:

@@ -1,0 +1,217 @@
+"""Cosmos3 on its tiny model: equal to diffusers' own Cosmos3OmniPipeline for the same seed
+(text-to-video, text-to-image, image-to-video, the sound track; every frame and every audio
+sample), and its own result alone == batched == under DLO == over two sequence-parallel
+ranks (gloo)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from engine.driver import drive  # type: ignore[import-not-found]
+
+from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
+from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.request import ConditionImage, SamplingParams
+from ditserve.engine.runner.model_runner import ModelRunner
+from ditserve.engine.step.denoise_state import DenoiseState
+from ditserve.engine.step.input_batch import InputBatchBuilder
+
+VARIANT = "cosmos3"
+TOLERANCE = 1e-3  # fp32, pixels in [0, 1] (as the other families' reference tests)
+AUDIO_TOLERANCE = 1e-3  # fp32, waveform samples in [-1, 1]
+SAME = 1e-4  # ours against ours (batching, offload, SP sum in another order)
+
+
+def picture(width: int, height: int, seed: int) -> ConditionImage:
+    rng = np.random.default_rng(seed)
+    return ConditionImage(width, height, rng.integers(0, 256, (height, width, 3),
+                                                      dtype=np.uint8).tobytes())
+
+
+BASE = {"height": 64, "width": 64}
+CASES: dict[str, SamplingParams] = {
+    "t2v-cfg": SamplingParams(prompt="a red cat", negative_prompt="fog", num_frames=5,
+                              num_inference_steps=3, seed=7, guidance_scale=4.0, **BASE),
+    "t2v-plain": SamplingParams(prompt="waves on a beach", num_frames=9, guidance_scale=1.0,
+                                num_inference_steps=4, seed=9, height=32, width=96),
+    "t2i": SamplingParams(prompt="a lighthouse", num_frames=1, num_inference_steps=3, seed=5,
+                          guidance_scale=3.0, **BASE),
+    "i2v": SamplingParams(prompt="the cat walks", negative_prompt="blur", num_frames=5,
+                          num_inference_steps=3, seed=3, guidance_scale=5.0,
+                          images=(picture(80, 48, 1),), **BASE),
+    "sound": SamplingParams(prompt="rain on a roof", num_frames=5, num_inference_steps=3,
+                            seed=4, guidance_scale=2.0, audio=True, **BASE),
+}
+
+
+def reference(model_dir: Any, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    import diffusers
+    from PIL import Image
+
+    pipe = diffusers.Cosmos3OmniPipeline.from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    image = None
+    if p.images:
+        i = p.images[0]
+        image = Image.frombytes("RGB", (i.width, i.height), i.rgb)
+    out = pipe(p.prompt, negative_prompt=p.negative_prompt, image=image,
+               num_frames=p.num_frames, height=p.height, width=p.width,
+               num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+               enable_sound=p.audio, generator=torch.Generator("cpu").manual_seed(p.seed),
+               output_type="pt")
+    return out.video.float()[None], out.sound  # (1, F, 3, H, W), (channels, samples)
+
+
+def run_pipeline(runner: ModelRunner, requests: Sequence[tuple[str, SamplingParams]]
+                 ) -> dict[str, DenoiseState]:
+    """Every request through the runner's pipeline at once (one forward per step over the
+    ones still running), by hand: what a step's result is, with the sound track."""
+    pipeline = runner.pipeline
+    states = {rid: DenoiseState(rid, p, p.seed or 0) for rid, p in requests}
+    for state in states.values():
+        pipeline.prepare_encode(state)
+    builder = InputBatchBuilder()
+    while running := [s for s in states.values()
+                      if s.step_index < s.params.num_inference_steps]:
+        batch = builder.build(running)
+        output = pipeline.denoise_step(batch)
+        for state, rows in zip(running, batch.split(output), strict=True):
+            pipeline.step(state, rows)
+    for state in states.values():
+        pipeline.post_decode(state)
+    return states
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_diffusers(family_dir, family_runner, case: str) -> None:  # type: ignore[no-untyped-def]
+    params = CASES[case]
+    state = run_pipeline(family_runner(VARIANT), [(case, params)])[case]
+    video, sound = reference(family_dir(VARIANT), params)
+    assert state.pixels is not None
+    assert state.pixels.shape == video.shape == (1, params.num_frames, 3, params.height,
+                                                 params.width)
+    diff = (state.pixels - video).abs().max().item()
+    assert diff <= TOLERANCE, f"max abs pixel diff {diff}"
+    assert state.pixels.std().item() > 1e-3  # not a constant video
+    if params.audio:
+        assert sound is not None and state.audio is not None
+        assert state.audio.shape == (1, *sound.shape)
+        audio_diff = (state.audio[0] - sound.float()).abs().max().item()
+        assert audio_diff <= AUDIO_TOLERANCE, f"max abs audio diff {audio_diff}"
+        assert state.audio.std().item() > 1e-4
+    else:
+        assert state.audio is None
+
+
+def test_image_condition_is_the_first_frame(family_runner) -> None:  # type: ignore[no-untyped-def]
+    # The i2v case is conditioned: without its image the same seed gives another video.
+    params = CASES["i2v"]
+    plain = SamplingParams(**{**params.__dict__, "images": ()})
+    runner = family_runner(VARIANT)
+    with_image = run_pipeline(runner, [("with", params)])["with"].pixels
+    without = run_pipeline(runner, [("without", plain)])["without"].pixels
+    assert with_image is not None and without is not None
+    assert (with_image[:, 0] - without[:, 0]).abs().max().item() > 1e-2
+
+
+MIXED: dict[int, list[tuple[str, SamplingParams]]] = {
+    0: [("long", SamplingParams(prompt="a red fox running through the snow at dusk",
+                                num_frames=5, num_inference_steps=5, seed=11,
+                                guidance_scale=4.0, negative_prompt="blurry", **BASE))],
+    2: [("short", SamplingParams(prompt="sea", num_frames=5, num_inference_steps=2, seed=12,
+                                 guidance_scale=1.0, **BASE)),
+        ("sound", SamplingParams(prompt="thunder", num_frames=5, num_inference_steps=3,
+                                 seed=13, guidance_scale=3.0, audio=True, **BASE))],
+    3: [("two", SamplingParams(prompt="two cats", num_frames=5, num_inference_steps=2,
+                               seed=14, num_images=2, guidance_scale=2.0, **BASE))],
+}
+
+
+@pytest.fixture(scope="module")
+def alone(family_runner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    out: dict[str, torch.Tensor] = {}
+    for requests in MIXED.values():
+        for rid, params in requests:
+            pixels, _ = drive(family_runner(VARIANT), {0: [(rid, params)]}, max_num_seqs=1)
+            out[rid] = pixels[rid]
+    return out
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for rid, pixels in want.items():
+        assert got[rid].shape == pixels.shape
+        diff = (got[rid] - pixels).abs().max().item()
+        assert diff <= SAME, f"request {rid}: max abs diff {diff}"
+
+
+def test_batched_equals_alone(family_runner, alone) -> None:  # type: ignore[no-untyped-def]
+    batched, sizes = drive(family_runner(VARIANT), MIXED, max_num_seqs=4)
+    assert max(sizes) >= 3, "the scenario must actually batch"
+    assert_same(batched, alone)
+    assert (batched["long"] - batched["short"]).abs().max().item() > 1e-3
+
+
+def test_batched_sound_equals_alone(family_runner) -> None:  # type: ignore[no-untyped-def]
+    # Requests with and without a sound track, at different steps, in one forward.
+    runner = family_runner(VARIANT)
+    requests = [(rid, p) for group in MIXED.values() for rid, p in group]
+    together = run_pipeline(runner, requests)
+    single = run_pipeline(runner, [("sound", dict(requests)["sound"])])["sound"]
+    assert together["sound"].audio is not None and single.audio is not None
+    assert (together["sound"].audio - single.audio).abs().max().item() <= SAME
+    assert together["long"].audio is None
+
+
+def test_offload_equals_resident(family_dir, alone) -> None:  # type: ignore[no-untyped-def]
+    model = family_dir(VARIANT)
+    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
+                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    try:
+        assert runner.offload is not None
+        report = runner.offload_report()
+        assert report is not None and report["blocks"] == 2  # the two decoder layers stream
+        # The token table and the unused language-model head are neither streamed nor
+        # resident: they stay in host memory.
+        dit: Any = runner.pipeline.transformer
+        assert {id(m) for m in runner.pipeline.host_modules} == {id(dit.embed_tokens),
+                                                                 id(dit.lm_head)}
+        offloaded, _ = drive(runner, MIXED, max_num_seqs=4)
+    finally:
+        runner.close()
+    assert_same(offloaded, alone)
+
+
+def test_audio_refused_without_sound(family_runner) -> None:  # type: ignore[no-untyped-def]
+    # Another family's model has no sound track: the request is refused at the edge.
+    limits = family_runner("wan").limits
+    with pytest.raises(InvalidRequestError, match="audio"):
+        SamplingParams(prompt="x", num_frames=5, audio=True).validate_for(limits)
+    assert family_runner(VARIANT).limits.audio
+
+
+@pytest.mark.slow
+def test_sp2_equals_alone(family_dir, alone, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Two gloo ranks, DLO streaming over them; 64 px at 5 frames is 2 x 2 x 2 vision
+    # tokens, the prompts' odd lengths pad the prompt pathway's shards.
+    from ditserve.engine.loop.engine import DiffusionEngine
+
+    monkeypatch.setenv("DITSERVE_WORKER_TIMEOUT_S", "120")
+    wanted = [(rid, p) for group in MIXED.values() for rid, p in group]
+    config = EngineConfig(model=str(family_dir(VARIANT)), device="cpu",
+                          offload=OffloadConfig(enabled=True),
+                          parallel=ParallelConfig(sequence_parallel_size=2),
+                          scheduler=SchedulerConfig(max_num_seqs=4))
+    engine = DiffusionEngine(config).start()
+    try:
+        handles = {rid: engine.add_request(p) for rid, p in wanted}
+        results = {rid: h.result(timeout=240).pixels for rid, h in handles.items()}
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert_same(results, alone)
+    assert stats.mean_batch_rows > 1  # the requests shared forwards
