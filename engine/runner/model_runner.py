@@ -238,6 +238,7 @@ class ModelRunner:
         self._decode([rid for rid in plan.decode if rid not in out.failed], out)
         for step in self._inflight.close():
             out.finished.update(step.decodes)
+            out.audio.update(step.audio)
             if step.rows:
                 out.forward_requests, out.forward_rows = step.requests, step.rows
                 out.forward_groups, out.forward_tokens = step.groups, step.tokens
@@ -274,7 +275,8 @@ class ModelRunner:
             if state.request_id not in failed:
                 self._pop(state.request_id)
                 out.decoded.append(state.request_id)
-                self._inflight.add_decode(state.request_id, state.pixels)
+                audio = None if state.audio is None else (state.audio, state.audio_rate)
+                self._inflight.add_decode(state.request_id, state.pixels, audio)
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""

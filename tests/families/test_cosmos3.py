@@ -215,3 +215,20 @@ def test_sp2_equals_alone(family_dir, alone, monkeypatch) -> None:  # type: igno
         engine.shutdown()
     assert_same(results, alone)
     assert stats.mean_batch_rows > 1  # the requests shared forwards
+
+
+def test_generate_muxes_the_sound_track(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import av
+
+    from ditserve.engine.cli import main
+
+    out = tmp_path / "rain.mp4"
+    code = main(["generate", "--model", str(family_dir(VARIANT)), "--device", "cpu",
+                 "--prompt", "rain on a roof", "--steps", "2", "--seed", "4", "--height", "64",
+                 "--width", "64", "--num-frames", "9", "--audio", "--out", str(out)])
+    assert code == 0
+    with av.open(str(out)) as container:
+        assert container.streams.video[0].frames == 9
+        sound = container.streams.audio[0]
+        assert sound.codec_context.name == "aac" and sound.rate == 8000  # the tiny tokenizer's
+        assert sound.channels == 2

@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL = ("<|im_start|>", "<|im_end|>", "<|vision_start|>")
-TINY_SAMPLING_RATE = 1600  # a few hundred samples per tiny video (the released: 48 kHz)
+TINY_SAMPLING_RATE = 8000  # AAC's lowest standard rate (the released: 48 kHz)
 
 
 def make_tokenizer() -> Any:
@@ -53,12 +53,12 @@ def make_vae() -> Any:
 
 
 def make_sound_tokenizer(channels: int) -> Any:
-    """A decoder-only sound tokenizer reading ``channels`` latent channels, hop 20 samples."""
+    """A decoder-only sound tokenizer reading ``channels`` latent channels, hop 40 samples."""
     from diffusers import Cosmos3AVAEAudioTokenizer
 
     return Cosmos3AVAEAudioTokenizer(
         sampling_rate=TINY_SAMPLING_RATE, vocoder_input_dim=channels, dec_dim=4,
-        dec_c_mults=(1, 2), dec_strides=(4, 5), encoder_enabled=False)
+        dec_c_mults=(1, 2), dec_strides=(5, 8), encoder_enabled=False)
 
 
 def make_scheduler() -> Any:

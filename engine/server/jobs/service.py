@@ -109,7 +109,8 @@ class VideoJobs:
         from ditserve.engine.video import mp4_bytes
 
         try:
-            data = mp4_bytes(result.pixels[0], fps=spec.fps)
+            audio = None if result.audio is None else (result.audio[0], result.audio_rate)
+            data = mp4_bytes(result.pixels[0], fps=spec.fps, audio=audio)
         except Exception as e:
             log.exception("video %s: encoding failed", job_id)
             self.store.fail(job_id, "encoding_failed", f"the video could not be encoded: {e}")
