@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ditserve.engine.errors import InvalidRequestError
+
 MAX_SIDE = 8192
 MAX_FRAMES = 1025
 
@@ -40,6 +42,12 @@ class ModelLimits:
     condition_images: tuple[int, int] = (0, 0)
     max_text_tokens: int | None = None
     audio: bool = False
+
+    def check_audio(self, wanted: bool) -> None:
+        """Refuse a request's sound track where the model makes none."""
+        if wanted and not self.audio:
+            raise InvalidRequestError("audio", "this model generates no sound track; leave "
+                                      "audio off (Cosmos3 models with a sound tokenizer do)")
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,

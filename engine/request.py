@@ -22,8 +22,6 @@ MAX_STEPS = 1000
 MAX_IMAGES = 8
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_CONDITION_IMAGES = 4  # images one request may condition on (Qwen-Image-Edit Plus: 3)
-
-
 MAX_LORAS_PER_REQUEST = 8
 MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
@@ -124,9 +122,7 @@ class SamplingParams:
         scheduler reads it, and only under ``--scheduling-policy priority``.
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
         stops a request that cannot make it (``DeadlineError``). None: no deadline.
-    audio: generate the model's sound track with the video (a video family whose DiT
-        generates sound, e.g. Cosmos3 with a sound tokenizer; its pipeline refuses it
-        otherwise). Per row, so not part of the batch key.
+    audio: the video's sound track too (``ModelLimits.audio``: models that make one).
     """
 
     prompt: str
@@ -235,12 +231,13 @@ class SamplingParams:
 
     def validate_for(self, limits: ModelLimits) -> SamplingParams:
         """``validate`` under the loaded model's limits."""
+        limits.check_audio(self.audio)  # a sound track only from a model that makes one
         return self.validate(pixel_multiple=limits.pixel_multiple,
                              max_prompt_chars=limits.max_prompt_chars,
                              frame_step=limits.frame_step, max_side=limits.max_side,
                              max_frames=limits.max_frames,
                              condition_images=limits.condition_images,
-                             max_text_tokens=limits.max_text_tokens, audio=limits.audio)
+                             max_text_tokens=limits.max_text_tokens)
 
     def validate(
         self,
@@ -254,7 +251,6 @@ class SamplingParams:
         max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
-        audio: bool = True,
     ) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field, else return self.
 
@@ -263,11 +259,7 @@ class SamplingParams:
         condition_images: (fewest, most) conditioning images the model takes.
         max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
-        audio: whether the model generates sound (False refuses a request's ``audio``).
         """
-        if self.audio and not audio:
-            raise InvalidRequestError("audio", "this model generates no sound track; leave "
-                                      "audio off (Cosmos3 models with a sound tokenizer do)")
         self._validate_images(condition_images)
         self._validate_text(requires_prompt, max_prompt_chars)
         self._validate_size(pixel_multiple, max_side)

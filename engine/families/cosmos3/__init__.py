@@ -71,7 +71,9 @@ COSMOS3 = Family(
                       "time_proj", "time_embedder"),
     batch_key_fields=("height", "width", "num_frames", "images"), output="video",
     loader_version="cosmos3-loader-1", cfg_rows="guidance",
-    attention_heads=(32, 64),  # Cosmos3-Nano, the Super-sized DiT (8 key-value heads each)
+    # Ulysses splits the key-value heads too: 8 in both DiTs (32 and 64 query heads), so 8
+    # bounds the SP size (the SP hooks refuse a size that does not divide them).
+    attention_heads=(8,),
     # 189 frames at 1280x720: 48 latent frames of 23 x 40 patches, CFG's two passes.
     reference_work=2 * 48 * 23 * 40,
     activation_copies=20,
