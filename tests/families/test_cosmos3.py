@@ -232,3 +232,16 @@ def test_generate_muxes_the_sound_track(family_dir, tmp_path) -> None:  # type: 
         sound = container.streams.audio[0]
         assert sound.codec_context.name == "aac" and sound.rate == 8000  # the tiny tokenizer's
         assert sound.channels == 2
+
+
+def test_step_cache_is_refused_with_the_reason(family_dir) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.step_cache.spec import StepCacheSpec
+
+    model = family_dir(VARIANT)
+    runner = ModelRunner(EngineConfig(model=str(model), device="cpu"), model_dir=model)
+    try:
+        assert runner.step_cache.policies == ()
+        with pytest.raises(InvalidRequestError, match="packed"):
+            runner.step_cache.check(StepCacheSpec(policy="first-block"))
+    finally:
+        runner.close()

@@ -75,6 +75,9 @@ class Cosmos3StepPipeline:
     condition_images = (0, 1)  # image-to-video's first frame, when given
     # post_decode reads each request's own sound track: one request per VAE call.
     batched_decode = False
+    # The step cache reuses residuals per row; the layers here see packed sequences.
+    step_cache_refusal = ("the step cache is not available for Cosmos3: its layers run every "
+                          "sequence of a step packed into one, with no rows to reuse")
 
     def __init__(
         self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
