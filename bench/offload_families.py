@@ -24,7 +24,22 @@ checks the issue's targets (the runner is ``offload_methods.py``, shared with
     python3 bench/offload_families.py --model wan --out out/families-wan
     python3 bench/offload_families.py --model wan2.2 --out out/families-wan22
 
+- ``--model cosmos3``: Cosmos3-Nano (15.2B: 36 two-pathway layers, 4096 wide) at 1280x720,
+  189 frames, one request with CFG (its prompt and negative prompt: two packed sequences of
+  48 x 23 x 40 vision tokens after ~200 prompt tokens, one forward, as the Cosmos3 pipeline
+  runs it); the token table and LM head stay in host memory under DLO, as served;
+- ``--model cosmos3-super``: the Super-sized DiT (64 layers, 5120 wide, ~64B) the same way;
+  bf16 is 119 GiB, more than the device host's pinned memory can hold beside everything
+  else: run it with ``--quantization fp8`` (built in bf16 on the GPU, quantized there layer
+  by layer, then streamed in FP8) and ``--methods dlo``. ``--baseline`` names a Nano run's
+  ``offload_families.json``: the DLO peak HBM growth from it is the seed's memory target.
+
 ``--tiny`` runs the same program on tiny DiTs on a CPU (a smoke test; tests run it).
+
+    python3 bench/offload_families.py --model cosmos3 --methods resident dlo \
+        --out out/families-cosmos3
+    python3 bench/offload_families.py --model cosmos3-super --methods dlo --quantization fp8 \
+        --baseline out/families-cosmos3-fp8/offload_families.json --out out/families-super
 """
 
 from __future__ import annotations
@@ -38,6 +53,8 @@ import offload_methods
 import torch
 from offload_methods import find, target
 
+import cosmos3_inputs
+
 from ditserve.engine.families import WAN
 from ditserve.engine.families.wan.block import chunk_token_math
 from ditserve.engine.model_builders import make_dit
@@ -45,10 +62,14 @@ from ditserve.engine.pipelines.experts import ExpertStack
 
 GIB = 1024**3
 TEXT_TOKENS = {"qwen-image": 256, "wan": 512}  # a typical Qwen prompt; Wan pads to 512
-DEFAULT_SIZES = {"qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81"}
-DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,)}
-DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2}
-TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5"}
+COSMOS3 = ("cosmos3", "cosmos3-super")
+DEFAULT_SIZES = {"qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81",
+                 "cosmos3": "1280x720x189", "cosmos3-super": "1280x720x189"}
+DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,), "cosmos3": (1,),
+                   "cosmos3-super": (1,)}
+DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2, "cosmos3": 2, "cosmos3-super": 2}
+TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5",
+              "cosmos3": "64x64x5", "cosmos3-super": "64x64x5"}
 
 
 def variant_of(model: str) -> str:
@@ -66,6 +87,8 @@ def build_dit(model: str, size: str, device: torch.device, seed: int,
                                         device=device, seed=s)
         if variant_of(model) == "wan" and not stock_blocks:
             chunk_token_math(dit)
+        if model in COSMOS3:
+            cosmos3_inputs.prepare(dit)
         return dit
 
     if model == "wan2.2":
@@ -89,6 +112,9 @@ def workloads(model: str, size: str, batches: tuple[int, ...], dit: torch.nn.Mod
     first_dit: Any = dit.expert(0) if isinstance(dit, ExpertStack) else dit
     config = first_dit.config
     out: list[tuple[str, Callable[[], Any]]] = []
+    if model in COSMOS3:
+        return [(f"b{b} cfg", step) for b in batches
+                for step in [cosmos3_inputs.step(dit, dims, requests=b, device=device)]]
     if model == "qwen-image":
         width, height = dims
         h, w = height // 16, width // 16  # 8x VAE, then 2x2 packing
@@ -143,6 +169,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         d4, r4 = find(r, "dlo", "b4"), find(r, "resident", "b4")
         if d4 and r4:
             out.append(target("DLO b4 <= 1.02 x resident", d4["ms"], 1.02 * r4["ms"], "ms"))
+    if r["model"] in COSMOS3:
+        out += cosmos3_inputs.targets(r, dlo, gbps)
     if r["model"] == "wan":
         d1, r1 = find(r, "dlo", "b1"), find(r, "resident", "b1")
         if d1 and r1:
@@ -155,13 +183,21 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 MODELS = offload_methods.Models(
     build_dit=build_dit, workloads=workloads, targets=targets, block_lists=block_lists,
     # diffusers offloads one model at a time; not compared for the two-expert stack
-    compares=lambda model, method: not (model == "wan2.2" and method.startswith("diffusers")))
+    compares=lambda model, method: not (model == "wan2.2" and method.startswith("diffusers")),
+    host_modules=lambda model, dit, device: (
+        cosmos3_inputs.host_modules(dit, device) if model in COSMOS3 else ()))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2"),
+    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2", *COSMOS3),
                                   out="out/offload-families")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="quantize the DiT's linears before offload (cosmos3-super: its bf16 "
+                        "does not fit the host's pinned memory)")
+    p.add_argument("--baseline", default=None,
+                   help="cosmos3-super: a Nano run's offload_families.json (DLO peak HBM "
+                        "growth target)")
     args = p.parse_args(argv)
     args.size = args.size or (TINY_SIZES if args.tiny else DEFAULT_SIZES)[args.model]
     args.batches = args.batches or list(DEFAULT_BATCHES[args.model])

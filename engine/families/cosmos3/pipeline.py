@@ -58,6 +58,14 @@ MAX_PROMPT_TOKENS = 512
 SOUND = "sound"  # host: the request's _Sound
 
 
+def keep_on_host(model: Any, device: torch.device) -> tuple[torch.nn.Module, ...]:
+    """The DiT's modules that stay in host memory (module doc): its token table, whose
+    looked-up rows are uploaded to ``device`` (a few KB per prompt; the ids stay on the
+    host), and its language-model head, which generation never runs."""
+    model.embed_tokens.register_forward_hook(lambda module, args, out: upload(out, device))
+    return tuple(getattr(model, name) for name in HOST_MODULES)
+
+
 @dataclass
 class _Sound:
     """A request's sound track while it denoises: (n, C_s, T_s) float32 latents, their own
@@ -95,11 +103,7 @@ class Cosmos3StepPipeline:
         model: Any = self.transformer
         self.config = model.config
         self.dtype: torch.dtype = model.dtype
-        self.host_modules: tuple[torch.nn.Module, ...] = tuple(
-            getattr(model, name) for name in HOST_MODULES)
-        # The prompt's rows are looked up in host memory and uploaded (a few KB).
-        model.embed_tokens.register_forward_hook(
-            lambda module, args, out: upload(out, device))
+        self.host_modules = keep_on_host(model, device)
         if move_transformer:
             self._place(model)
         model.set_attn_processor(PackedItemsProcessor())
