@@ -3,7 +3,8 @@ placement of its components: the peak HBM and latency that issue 34's targets ju
 
 Every component is at its released shape (``ditserve model init-random --size full``, built on
 the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB, Wan2.1
-~40 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
+~40 GB, Cosmos3-Nano ~31 GB: its DiT reads the prompt's tokens itself, so only the Wan 2.2
+VAE is around it). Each configuration is a set of engine flags, parsed by the engine's own option parser
 and run through the public engine (``DiffusionEngine``: load, add_request, result), so what
 is measured is what ``ditserve serve`` would do with those flags:
 
@@ -74,6 +75,9 @@ WORKLOADS = {  # issue 34's targets
     "flux": Workload("flux", 1024, 1024, 1, 28, (2, 28), None, 4.0, 1.03),
     "qwen-image": Workload("qwen-image", 1024, 1024, 1, 50, (2, 10), "", 5.0, 1.03),
     "wan": Workload("wan", 832, 480, 81, 50, (1, 3), "", 10.0, 1.02),
+    # Cosmos3-Nano's default request (1280x720, 189 frames, 35 steps, CFG); no issue-34
+    # bound of its own: the peak is judged against the seed's 23.1 GB (21.5 GiB) at 720p.
+    "cosmos3": Workload("cosmos3", 1280, 720, 189, 35, (1, 3), "", 23.1e9 / GIB, 1.02),
 }
 
 
