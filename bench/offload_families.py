@@ -49,11 +49,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import cosmos3_inputs
 import offload_methods
 import torch
 from offload_methods import find, target
-
-import cosmos3_inputs
 
 from ditserve.engine.families import WAN
 from ditserve.engine.families.wan.block import chunk_token_math
