@@ -245,3 +245,53 @@ def test_step_cache_is_refused_with_the_reason(family_dir) -> None:  # type: ign
             runner.step_cache.check(StepCacheSpec(policy="first-block"))
     finally:
         runner.close()
+
+
+def test_a_model_that_asks_for_the_safety_checker_loads_without_it(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A released model_index.json may name the guardrail (a package ditserve does not
+    # install) and turn it on: the loader leaves it out instead of failing.
+    import json
+    import shutil
+
+    from ditserve.engine.weights.loader import load_components
+
+    model = tmp_path / "released-like"
+    shutil.copytree(family_dir(VARIANT), model)
+    index = json.loads((model / "model_index.json").read_text())
+    index.update(enable_safety_checker=True,
+                 safety_checker=["cosmos_guardrail", "CosmosSafetyChecker"])
+    (model / "model_index.json").write_text(json.dumps(index))
+    loaded = load_components(model)
+    assert loaded.pipeline.safety_checker is None
+    assert loaded.config["enable_safety_checker"] is False
+
+
+SHAPES: dict[int, list[tuple[str, SamplingParams]]] = {
+    0: [("square", SamplingParams(prompt="a fox", num_frames=5, num_inference_steps=4,
+                                  seed=21, guidance_scale=3.0, **BASE))],
+    1: [("wide", SamplingParams(prompt="sea waves", num_frames=9, num_inference_steps=3,
+                                seed=22, guidance_scale=1.0, height=32, width=96)),
+        ("animated", SamplingParams(prompt="the cat walks", num_frames=5,
+                                    num_inference_steps=2, seed=23, guidance_scale=2.0,
+                                    images=(picture(40, 40, 2),), **BASE))],
+}
+
+
+def test_shape_groups_under_offload_equal_alone(family_dir, family_runner) -> None:  # type: ignore[no-untyped-def]
+    # Three shape groups in one step: under DLO their forwards interleave at layer
+    # boundaries (one pass of weights), each with its own packed sequences.
+    single = {}
+    for requests in SHAPES.values():
+        for rid, params in requests:
+            pixels, _ = drive(family_runner(VARIANT), {0: [(rid, params)]}, max_num_seqs=1)
+            single[rid] = pixels[rid]
+    model = family_dir(VARIANT)
+    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
+                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    outputs: list[Any] = []
+    try:
+        together, _ = drive(runner, SHAPES, max_num_seqs=3, outputs=outputs)
+    finally:
+        runner.close()
+    assert max(out.forward_groups for out in outputs) == 3
+    assert_same(together, single)

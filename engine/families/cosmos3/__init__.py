@@ -64,6 +64,9 @@ COSMOS3 = Family(
     name="cosmos3", label="Cosmos3", pipeline_class="Cosmos3OmniPipeline",
     dit_class="Cosmos3OmniTransformer", dit_components=("transformer",),
     components=("vae", "text_tokenizer", "scheduler"),  # + sound_tokenizer where it has sound
+    # The safety checker (the cosmos_guardrail package) is not part of ditserve: off, and
+    # never loaded, whatever model_index.json says.
+    load_options={"safety_checker": None, "enable_safety_checker": False},
     block_lists=("layers",),
     # embed_tokens (the prompt's token table) stays in host memory, lm_head (never used to
     # generate) too: the pipeline lists them (``host_modules``).
