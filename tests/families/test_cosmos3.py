@@ -50,20 +50,10 @@ CASES: dict[str, SamplingParams] = {
 
 def reference(model_dir: Any, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
     import diffusers
-    from PIL import Image
 
     pipe = diffusers.Cosmos3OmniPipeline.from_pretrained(model_dir)
     pipe.set_progress_bar_config(disable=True)
-    image = None
-    if p.images:
-        i = p.images[0]
-        image = Image.frombytes("RGB", (i.width, i.height), i.rgb)
-    out = pipe(p.prompt, negative_prompt=p.negative_prompt, image=image,
-               num_frames=p.num_frames, height=p.height, width=p.width,
-               num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
-               enable_sound=p.audio, generator=torch.Generator("cpu").manual_seed(p.seed),
-               output_type="pt")
-    return out.video.float()[None], out.sound  # (1, F, 3, H, W), (channels, samples)
+    return reference_on(pipe, p)  # (1, F, 3, H, W), (channels, samples)
 
 
 def run_pipeline(runner: ModelRunner, requests: Sequence[tuple[str, SamplingParams]]
@@ -295,3 +285,52 @@ def test_shape_groups_under_offload_equal_alone(family_dir, family_runner) -> No
         runner.close()
     assert max(out.forward_groups for out in outputs) == 3
     assert_same(together, single)
+
+
+@pytest.mark.gpu
+def test_on_cuda_dlo_equals_resident_and_diffusers(family_dir) -> None:  # type: ignore[no-untyped-def]
+    # The device path: the token table stays on the host (its rows uploaded), DLO streams
+    # the layers through the copy stream and equals resident exactly; both equal diffusers'
+    # own pipeline on the same device, the sound track included.
+    model = family_dir(VARIANT)
+    requests = [(rid, CASES[rid]) for rid in ("t2v-cfg", "i2v", "sound")]
+    results = {}
+    for name, offload in (("resident", OffloadConfig()),
+                          ("dlo", OffloadConfig(enabled=True, checkpoint_mmap="off"))):
+        runner = ModelRunner(EngineConfig(model=str(model), device="cuda", offload=offload),
+                             model_dir=model)
+        try:
+            dit: Any = runner.pipeline.transformer
+            assert dit.embed_tokens.weight.device.type == "cpu"
+            assert dit.lm_head.weight.device.type == "cpu"
+            results[name] = run_pipeline(runner, requests)
+        finally:
+            runner.close()
+    import diffusers
+
+    pipe = diffusers.Cosmos3OmniPipeline.from_pretrained(model).to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    for rid, params in requests:
+        resident, offloaded = results["resident"][rid], results["dlo"][rid]
+        assert torch.equal(resident.pixels, offloaded.pixels), rid
+        video, sound = reference_on(pipe, params)
+        assert (resident.pixels - video).abs().max().item() <= TOLERANCE, rid
+        if params.audio:
+            assert resident.audio is not None and sound is not None
+            assert (resident.audio[0] - sound.float().cpu()).abs().max().item() <= AUDIO_TOLERANCE
+
+
+def reference_on(pipe: Any, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """diffusers' call on an already loaded (and placed) pipeline, as ``reference``."""
+    from PIL import Image
+
+    image = None
+    if p.images:
+        i = p.images[0]
+        image = Image.frombytes("RGB", (i.width, i.height), i.rgb)
+    out = pipe(p.prompt, negative_prompt=p.negative_prompt, image=image,
+               num_frames=p.num_frames, height=p.height, width=p.width,
+               num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+               enable_sound=p.audio, generator=torch.Generator("cpu").manual_seed(p.seed),
+               output_type="pt")
+    return out.video.float().cpu()[None], out.sound
