@@ -334,3 +334,15 @@ def reference_on(pipe: Any, p: SamplingParams) -> tuple[torch.Tensor, torch.Tens
                enable_sound=p.audio, generator=torch.Generator("cpu").manual_seed(p.seed),
                output_type="pt")
     return out.video.float().cpu()[None], out.sound
+
+
+def test_work_rule_counts_the_dits_tokens(family_runner) -> None:  # type: ignore[no-untyped-def]
+    # Sizes go by 16 px, tokens are 32-px patches: a 64x64, 5-frame video is 2 x 2 x 2 tokens
+    # per row, as the pipeline's layout holds them; CFG doubles the rows.
+    runner = family_runner(VARIANT)
+    params = CASES["t2v-cfg"]
+    work = runner.work_rule.of(params)
+    state = run_pipeline(runner, [("w", params)])["w"]
+    layout = state.host["layouts"][0]
+    assert work.tokens_per_row == layout.num_vision == 8
+    assert work.rows == state.rows == 2

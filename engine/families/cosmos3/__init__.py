@@ -77,8 +77,9 @@ COSMOS3 = Family(
     # Ulysses splits the key-value heads too: 8 in both DiTs (32 and 64 query heads), so 8
     # bounds the SP size (the SP hooks refuse a size that does not divide them).
     attention_heads=(8,),
-    # 189 frames at 1280x720: 48 latent frames of 23 x 40 patches, CFG's two passes.
-    reference_work=2 * 48 * 23 * 40,
+    # 189 frames at 1280x720: 48 latent frames of 22 x 40 32-px tokens as the work rule
+    # counts them (the DiT pads 45 latent rows to 23 patches), CFG's two passes.
+    reference_work=2 * 48 * 22 * 40,
     activation_copies=20,
     step_pipeline="ditserve.engine.families.cosmos3.pipeline:Cosmos3StepPipeline",
     sp_hooks="ditserve.engine.families.cosmos3.sp:attach",

@@ -113,6 +113,8 @@ class Cosmos3StepPipeline:
         # diffusers takes any multiple of the VAE's factor: an odd latent side is padded to
         # whole patches inside the DiT (720p: 45 latent rows).
         self.pixel_multiple = self.spatial_factor
+        # One token is a patch of latents: the work rule counts 32-px tokens at 720p.
+        self.pixels_per_token = self.spatial_factor * int(self.config.latent_patch_size)
         self.max_prompt_chars: int | None = MAX_PROMPT_CHARS
         # The DiT reads the prompt's tokens itself: no text encoder, no padded length (a
         # request's max_sequence_length is ignored); 512 bounds the planner's estimate.
