@@ -346,3 +346,20 @@ def test_work_rule_counts_the_dits_tokens(family_runner) -> None:  # type: ignor
     layout = state.host["layouts"][0]
     assert work.tokens_per_row == layout.num_vision == 8
     assert work.rows == state.rows == 2
+
+
+def test_previews_leave_the_result_and_its_sound_alone(family_runner) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from ditserve.engine.pipelines.base import decode_preview
+
+    runner = family_runner(VARIANT)
+    params = CASES["sound"]
+    state = DenoiseState("p", params, params.seed or 0)
+    runner.pipeline.prepare_encode(state)
+    preview = decode_preview(runner.pipeline, state)  # before the first step
+    assert preview.shape == (1, params.num_frames, 3, params.height, params.width)
+    assert state.pixels is None and state.audio is None  # the request itself is untouched
+    final = run_pipeline(runner, [("p", dataclasses.replace(params))])["p"]
+    alone = run_pipeline(runner, [("p", params)])["p"]
+    assert final.audio is not None and torch.equal(final.audio, alone.audio)

@@ -305,7 +305,8 @@ class Cosmos3StepPipeline:
         pixels = (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)  # (n, F, 3, H, W)
         state.pixels = pixels.contiguous().to("cpu", non_blocking=True)
         track: _Sound | None = state.host.get(SOUND)
-        if track is not None and self.sound_tokenizer is not None:
+        finished = state.step_index >= state.params.num_inference_steps  # not a preview
+        if track is not None and finished and self.sound_tokenizer is not None:
             decoder_dtype = next(self.sound_tokenizer.parameters()).dtype
             waveform = self.sound_tokenizer.decode(track.latents.to(decoder_dtype))
             state.audio = waveform.float().to("cpu", non_blocking=True)  # (n, channels, N)
