@@ -348,9 +348,7 @@ def test_work_rule_counts_the_dits_tokens(family_runner) -> None:  # type: ignor
     assert work.rows == state.rows == 2
 
 
-def test_previews_leave_the_result_and_its_sound_alone(family_runner) -> None:  # type: ignore[no-untyped-def]
-    import dataclasses
-
+def test_a_preview_leaves_the_request_alone(family_runner) -> None:  # type: ignore[no-untyped-def]
     from ditserve.engine.pipelines.base import decode_preview
 
     runner = family_runner(VARIANT)
@@ -359,7 +357,5 @@ def test_previews_leave_the_result_and_its_sound_alone(family_runner) -> None:  
     runner.pipeline.prepare_encode(state)
     preview = decode_preview(runner.pipeline, state)  # before the first step
     assert preview.shape == (1, params.num_frames, 3, params.height, params.width)
-    assert state.pixels is None and state.audio is None  # the request itself is untouched
-    final = run_pipeline(runner, [("p", dataclasses.replace(params))])["p"]
-    alone = run_pipeline(runner, [("p", params)])["p"]
-    assert final.audio is not None and torch.equal(final.audio, alone.audio)
+    # The request itself is untouched, and a preview decodes no sound (not its last step).
+    assert state.pixels is None and state.audio is None
