@@ -349,6 +349,8 @@ def test_work_rule_counts_the_dits_tokens(family_runner) -> None:  # type: ignor
 
 
 def test_a_preview_leaves_the_request_alone(family_runner) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
     from ditserve.engine.pipelines.base import decode_preview
 
     runner = family_runner(VARIANT)
@@ -357,5 +359,8 @@ def test_a_preview_leaves_the_request_alone(family_runner) -> None:  # type: ign
     runner.pipeline.prepare_encode(state)
     preview = decode_preview(runner.pipeline, state)  # before the first step
     assert preview.shape == (1, params.num_frames, 3, params.height, params.width)
-    # The request itself is untouched, and a preview decodes no sound (not its last step).
-    assert state.pixels is None and state.audio is None
+    assert state.pixels is None and state.audio is None  # the request itself is untouched
+    # A decode before the last step (a preview's) makes no sound track: only the result has one.
+    early = dataclasses.replace(state, pixels=None)
+    runner.pipeline.post_decode(early)
+    assert early.pixels is not None and early.audio is None
