@@ -198,6 +198,9 @@ def test_sp2_equals_alone(family_dir, alone, monkeypatch) -> None:  # type: igno
                           scheduler=SchedulerConfig(max_num_seqs=4))
     engine = DiffusionEngine(config).start()
     try:
+        # Rank 0 runs in this process: its layers attend through the Ulysses processor.
+        dit: Any = engine.runner.pipeline.transformer
+        assert type(dit.layers[0].self_attn.processor).__name__ == "Cosmos3UlyssesProcessor"
         handles = {rid: engine.add_request(p) for rid, p in wanted}
         results = {rid: h.result(timeout=240).pixels for rid, h in handles.items()}
         stats = engine.stats()
