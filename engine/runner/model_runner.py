@@ -125,12 +125,9 @@ class ModelRunner:
         self._forwards = GroupForwards(
             self.pipeline, block_major=self._block_major,
             one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
-        # A pipeline whose sizes are finer than its tokens (Cosmos3: 16-px sizes, 32-px
-        # patches) says its token side.
-        self.work_rule = WorkRule(pixels_per_token=getattr(self.pipeline, "pixels_per_token",
-                                                           self.pixel_multiple),
-                                  frame_step=self.frame_step,
-                                  cfg_rows=self.pipeline.family.cfg_rows)
+        self.work_rule = WorkRule(  # the DiT's token side (Cosmos3: 32-px patches, 16-px sizes)
+            pixels_per_token=getattr(self.pipeline, "pixels_per_token", self.pixel_multiple),
+            frame_step=self.frame_step, cfg_rows=self.pipeline.family.cfg_rows)
         self._inflight = InFlightSteps(self.device)
 
     @property
