@@ -367,3 +367,12 @@ def test_a_preview_leaves_the_request_alone(family_runner) -> None:  # type: ign
     early = dataclasses.replace(state, pixels=None)
     runner.pipeline.post_decode(early)
     assert early.pixels is not None and early.audio is None
+
+
+def test_operator_judges_sp_by_the_key_value_heads() -> None:
+    # Ulysses splits Cosmos3's 8 key-value heads: 8 ranks serve, 16 serve none of its models.
+    from ditserve.engine.config.rules import family_sequence_parallel_problems
+
+    assert family_sequence_parallel_problems(8, "Cosmos3") == []
+    (problem,) = family_sequence_parallel_problems(16, "Cosmos3")
+    assert "use one of 1, 2, 4, 8" in problem
