@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from offload_methods import find, target
 
+from ditserve.engine.families.cosmos3.block import chunk_token_math
 from ditserve.engine.families.cosmos3.packing import (
     ItemLayout,
     PackedItemsProcessor,
@@ -33,8 +34,10 @@ FPS = 24.0
 
 
 def prepare(dit: Any) -> None:
-    """The engine's attention over packed sequences (one forward per step, as served)."""
+    """The engine's attention over packed sequences (one forward per step) and its sliced
+    feed-forwards, as served."""
     dit.set_attn_processor(PackedItemsProcessor())
+    chunk_token_math(dit)
 
 
 def host_modules(dit: Any, device: torch.device) -> Sequence[torch.nn.Module]:

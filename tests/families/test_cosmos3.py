@@ -376,3 +376,27 @@ def test_operator_judges_sp_by_the_key_value_heads() -> None:
     assert family_sequence_parallel_problems(8, "Cosmos3") == []
     (problem,) = family_sequence_parallel_problems(16, "Cosmos3")
     assert "use one of 1, 2, 4, 8" in problem
+
+
+def test_sliced_token_math_equals_whole(family_dir) -> None:  # type: ignore[no-untyped-def]
+    # Slices of 3 tokens (the tiny sequences are tens long): the feed-forwards and the RoPE
+    # run slice by slice and give the whole-sequence forward's result.
+    from ditserve.engine.families.cosmos3 import block, packing
+    from ditserve.engine.weights.loader import load_dit
+
+    dit: Any = load_dit(family_dir(VARIANT), dtype="float32")
+    dit.set_attn_processor(packing.PackedItemsProcessor())
+    g = torch.Generator().manual_seed(0)
+    und, gen = torch.randn(40, 32, generator=g), torch.randn(24, 32, generator=g)
+    rope = tuple(torch.randn(n, 16, generator=g) for n in (40, 40, 24, 24))
+    layer = dit.layers[0]
+    whole = layer(und, gen, rope)
+    block.chunk_token_math(dit, chunk_tokens=3)
+    saved = packing.ROPE_CHUNK_TOKENS
+    packing.ROPE_CHUNK_TOKENS = 3
+    try:
+        sliced = layer(und, gen, rope)
+    finally:
+        packing.ROPE_CHUNK_TOKENS = saved
+    for a, b in zip(whole, sliced, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5

@@ -150,6 +150,9 @@ def segments(und_total: int, gen_total: int) -> Segments:
     return ((und_total,), (gen_total,)) if current is None else current
 
 
+ROPE_CHUNK_TOKENS = 16384  # tokens per slice of the rotary embedding's temporaries
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -185,7 +188,15 @@ def project(attn: Any, und: torch.Tensor, gen: torch.Tensor,
     cos_und, sin_und, cos_gen, sin_gen = (t.unsqueeze(1) for t in rotary_emb)
 
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + _rotate_half(x) * sin
+        if x.shape[0] <= ROPE_CHUNK_TOKENS:
+            return x * cos + _rotate_half(x) * sin
+        # Elementwise, so sliced over tokens into one output: the same values, with one
+        # slice's temporaries instead of three whole-sequence ones (``block`` module doc).
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[0], ROPE_CHUNK_TOKENS):
+            part = slice(start, start + ROPE_CHUNK_TOKENS)
+            out[part] = x[part] * cos[part] + _rotate_half(x[part]) * sin[part]
+        return out
 
     return Projected(rope(q_und, cos_und, sin_und), rope(k_und, cos_und, sin_und),
                      rope(k_und_gen, cos_und, sin_und), v_und,

@@ -35,6 +35,7 @@ import torch
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import COSMOS3
 from ditserve.engine.families.cosmos3 import FPS
+from ditserve.engine.families.cosmos3.block import chunk_token_math
 from ditserve.engine.families.cosmos3.packing import (
     ItemLayout,
     PackedItemsProcessor,
@@ -107,6 +108,8 @@ class Cosmos3StepPipeline:
         if move_transformer:
             self._place(model)
         model.set_attn_processor(PackedItemsProcessor())
+        # The feed-forwards over slices of tokens: a streamed model's peak is attention's.
+        chunk_token_math(model)
         self.native_flow = bool(components.config.get("use_native_flow_schedule", False))
         self.frame_step: int | None = int(self.vae.config.scale_factor_temporal)
         self.spatial_factor = int(self.vae.config.scale_factor_spatial)
