@@ -400,3 +400,18 @@ def test_sliced_token_math_equals_whole(family_dir) -> None:  # type: ignore[no-
         packing.ROPE_CHUNK_TOKENS = saved
     for a, b in zip(whole, sliced, strict=True):
         assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_memory_plan_leaves_the_host_modules_out(family_runner) -> None:  # type: ignore[no-untyped-def]
+    # The planner's resident DiT bytes are the tensors outside the layers and outside the
+    # token table and LM head, which never reach the device.
+    from ditserve.engine.runner.memory_estimates import budget_inputs
+
+    runner = family_runner(VARIANT)
+    dit: Any = runner.pipeline.transformer
+    skipped = {id(t) for m in (dit.layers, dit.embed_tokens, dit.lm_head)
+               for t in (*m.parameters(), *m.buffers())}
+    resident = sum(t.numel() * t.element_size() for t in (*dit.parameters(), *dit.buffers())
+                   if id(t) not in skipped)
+    inputs = budget_inputs(runner.pipeline, EngineConfig(model="unused", device="cpu"))
+    assert inputs.dit_fixed == resident
