@@ -24,8 +24,6 @@ MAX_STEPS = 1000
 MAX_IMAGES = 8
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_CONDITION_IMAGES = 4  # images one request may condition on (Qwen-Image-Edit Plus: 3)
-
-
 MAX_LORAS_PER_REQUEST = 8
 MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
@@ -103,6 +101,7 @@ class SamplingParams:
         scheduler reads it, and only under ``--scheduling-policy priority``.
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
         stops a request that cannot make it (``DeadlineError``). None: no deadline.
+    audio: the video's sound track too (``ModelLimits.audio``: models that make one).
     """
 
     prompt: str
@@ -124,6 +123,7 @@ class SamplingParams:
     step_cache: StepCacheSpec | None = None
     priority: int = 0
     deadline_s: float | None = None
+    audio: bool = False
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -213,6 +213,7 @@ class SamplingParams:
     def validate_for(self, limits: ModelLimits) -> SamplingParams:
         """``validate`` under the loaded model's limits; returns the request with the
         model's default ``strength`` filled in where it denoises from a source image."""
+        limits.check_audio(self.audio)  # a sound track only from a model that makes one
         strength = source_strength(images=len(self.images), mask=self.mask,
                                    strength=self.strength, steps=self.num_inference_steps,
                                    image_strength=limits.image_strength)

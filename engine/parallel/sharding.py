@@ -37,7 +37,10 @@ from ditserve.engine.families import FAMILIES, family_of_dit, resolve
 from ditserve.engine.parallel.processors import SequenceForward
 from ditserve.engine.parallel.ulysses import SequenceGroup, check_heads, gather_tokens
 
-Hooks = Callable[[Any, SequenceForward], None]  # (a diffusers DiT, its forward's state)
+# (a diffusers DiT, its forward's state) -> True when the family's hooks gather the DiT's
+# output tokens themselves (Cosmos3, whose proj_out reads positions of the whole sequence);
+# otherwise (None) the output of proj_out is gathered here.
+Hooks = Callable[[Any, SequenceForward], bool | None]
 
 
 def token_input(kwargs: dict[str, Any], name: str) -> torch.Tensor:
@@ -81,13 +84,13 @@ def shard_dit(dit: nn.Module, sp: SequenceGroup) -> SequenceForward:
     for heads in attention_heads(model):
         check_heads(heads, sp.size, what=name)
     forward = SequenceForward(sp)
-    hooks(model, forward)
+    gathers_itself = hooks(model, forward)
 
     def gather_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         assert forward.output is not None, "proj_out runs inside a sharded forward"
         return gather_tokens(output, forward.output, sp, dim=1)
 
-    if isinstance(getattr(model, "proj_out", None), nn.Module):
+    if not gathers_itself and isinstance(getattr(model, "proj_out", None), nn.Module):
         model.proj_out.register_forward_hook(gather_output)
     # always_call: a forward that raises must not leave its shards to the next one.
     model.register_forward_hook(lambda module, args, output: forward.end(), always_call=True)

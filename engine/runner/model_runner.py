@@ -124,7 +124,9 @@ class ModelRunner:
             one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
         # A pipeline may narrow its family's CFG rule for the model it loaded (a step-distilled
         # FLUX.2 [klein] ignores guidance: its ``cfg_rows``).
-        self.work_rule = WorkRule(pixels_per_token=self.pixel_multiple,
+        # The DiT's token side (Cosmos3: 32-px patches, 16-px sizes).
+        self.work_rule = WorkRule(pixels_per_token=getattr(self.pipeline, "pixels_per_token",
+                                                           self.pixel_multiple),
                                   frame_step=self.frame_step,
                                   cfg_rows=getattr(self.pipeline, "cfg_rows",
                                                    self.pipeline.family.cfg_rows))
@@ -238,6 +240,7 @@ class ModelRunner:
         self._decode([rid for rid in plan.decode if rid not in out.failed], out)
         for step in self._inflight.close():
             out.finished.update(step.decodes)
+            out.audio.update(step.audio)
             if step.rows:
                 out.forward_requests, out.forward_rows = step.requests, step.rows
                 out.forward_groups, out.forward_tokens = step.groups, step.tokens
@@ -274,7 +277,8 @@ class ModelRunner:
             if state.request_id not in failed:
                 self._pop(state.request_id)
                 out.decoded.append(state.request_id)
-                self._inflight.add_decode(state.request_id, state.pixels)
+                audio = None if state.audio is None else (state.audio, state.audio_rate)
+                self._inflight.add_decode(state.request_id, state.pixels, audio)
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""

@@ -17,7 +17,8 @@ def load_bench():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(("model", "cells"), [
     ("qwen-image", {"b1", "b4"}),
     ("wan2.2", {"expert1 b1", "straddle b1+1"}),
-    ("z-image", "flux2", {"b1", "b4"}),
+    ("z-image", {"b1", "b4"}),
+    ("flux2", {"b1", "b4"}),
 ])
 def test_tiny_run_reports_every_cell(model: str, cells: set[str], tmp_path: Path) -> None:
     bench = load_bench()
@@ -40,3 +41,23 @@ def test_tiny_run_reports_every_cell(model: str, cells: set[str], tmp_path: Path
         floor = "DLO b1 <= 1.02 x its streamed-bytes floor"
         assert (floor in named) == bool(result.get("h2d_gbps"))
     assert "| target | value | bound | ok |" in (tmp_path / "offload_families.md").read_text()
+
+
+def test_tiny_cosmos3_runs_and_compares_with_a_baseline(tmp_path: Path) -> None:
+    # One request with CFG is one forward over two packed sequences; the Super-sized run
+    # (FP8, as its bf16 would not fit the host) reads the Nano run as its baseline.
+    bench = load_bench()
+    nano, super_ = tmp_path / "nano", tmp_path / "super"
+    assert bench.main(["--tiny", "--model", "cosmos3", "--methods", "resident", "dlo",
+                       "--out", str(nano), "--warmup", "0", "--iters", "1"]) == 0
+    assert bench.main(["--tiny", "--model", "cosmos3-super", "--methods", "dlo",
+                       "--quantization", "fp8", "--baseline",
+                       str(nano / "offload_families.json"), "--out", str(super_),
+                       "--warmup", "0", "--iters", "1"]) == 0
+    first = json.loads((nano / "offload_families.json").read_text())
+    assert {(c["method"], c["cell"]) for c in first["cells"]} == {
+        ("resident", "b1 cfg"), ("dlo", "b1 cfg")}
+    assert first["methods"]["dlo"]["report"]["streamed_blocks"] == 2
+    second = json.loads((super_ / "offload_families.json").read_text())
+    assert second["quantization"] == "fp8"
+    assert any(t["target"].startswith("DLO peak HBM growth") for t in second["targets"])
