@@ -9,10 +9,12 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ditserve.cachectl.errors import DaemonError
+from ditserve.cachectl.errors import CacheError, DaemonError
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -87,3 +89,31 @@ class DaemonClient:
 
     def entry(self, key: str) -> tuple[int, dict[str, Any]]:
         return self.request("GET", f"/v1/entries/{key}")
+
+
+DAEMON_POLL_S = 2.0  # how often a pod that may not write the cache asks for the daemon
+
+
+def through_daemon(client: DaemonClient, ask: Callable[[float], dict[str, Any]], *,
+                   timeout_s: float, on_phase: Callable[[str], None]) -> dict[str, Any]:
+    """``ask(seconds_left)`` of the node's daemon, waiting for one to answer: for a process
+    that may not write the cache (a read-only mount), a missing or restarting daemon is
+    waited for within ``timeout_s``, never replaced by local work; a daemon error is asked
+    again."""
+    deadline = time.monotonic() + timeout_s
+    said_waiting = False
+    while True:
+        if client.available():
+            try:
+                return ask(deadline - time.monotonic())
+            except DaemonError as e:
+                on_phase(f"{e}; asking the daemon again")
+        elif not said_waiting:
+            on_phase("waiting for the node's cachectl daemon (this pod never writes the "
+                     "cache itself)")
+            said_waiting = True
+        if time.monotonic() + DAEMON_POLL_S > deadline:
+            raise CacheError(f"no cachectl daemon answered on {client.socket_path} within "
+                             f"--timeout {timeout_s:.0f}s: check the cachectl DaemonSet's pod "
+                             "on this node")
+        time.sleep(DAEMON_POLL_S)

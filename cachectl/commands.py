@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ditserve.cachectl.client import through_daemon
 from ditserve.cachectl.errors import CORRUPT, CacheError, DaemonError, EntryCorruptError, Problem
 from ditserve.cachectl.layout import default_socket
 from ditserve.cachectl.model_build import ModelLoader
@@ -102,7 +103,6 @@ def _daemon_ensure(client: Any, args: argparse.Namespace, progress: Progress) ->
 
 
 ALL_COMPONENTS = "all"
-DAEMON_POLL_S = 2.0
 
 
 def _components(args: argparse.Namespace, loader: LoaderFn) -> list[str]:
@@ -117,28 +117,15 @@ def _daemon_only_ensure(client: Any, args: argparse.Namespace,
                         progress: Progress) -> dict[str, Any]:
     """Ensure through the daemon alone: this process may not write the cache (read-only mount),
     so a missing or restarting daemon is waited for, never replaced by a local build."""
-    deadline = time.monotonic() + args.timeout
-    said_waiting = False
-    while True:
-        left = deadline - time.monotonic()
-        if client.available():
-            try:
-                return _daemon_ensure(client, argparse.Namespace(**{**vars(args), "timeout": left}),
-                                      progress)
-            except _DaemonCannotSeeModel as e:
-                raise CacheError(f"{e}: the cachectl DaemonSet mounts only the node directories "
-                                 "the admin listed (chart value cachectl.modelHostPaths)") from e
-            except DaemonError as e:
-                progress.phase(f"{e}; asking the daemon again")
-        elif not said_waiting:
-            progress.phase("waiting for the node's cachectl daemon (this pod never writes the "
-                           "cache itself)")
-            said_waiting = True
-        if time.monotonic() + DAEMON_POLL_S > deadline:
-            raise CacheError(f"no cachectl daemon answered on {client.socket_path} within "
-                             f"--timeout {args.timeout:.0f}s: check the cachectl DaemonSet's pod "
-                             "on this node")
-        time.sleep(DAEMON_POLL_S)
+    def ask(left: float) -> dict[str, Any]:
+        try:
+            return _daemon_ensure(client, argparse.Namespace(**{**vars(args), "timeout": left}),
+                                  progress)
+        except _DaemonCannotSeeModel as e:
+            raise CacheError(f"{e}: the cachectl DaemonSet mounts only the node directories "
+                             "the admin listed (chart value cachectl.modelHostPaths)") from e
+
+    return through_daemon(client, ask, timeout_s=args.timeout, on_phase=progress.phase)
 
 
 def _ensure_one(root: Path, args: argparse.Namespace, progress: Progress, loader: LoaderFn,

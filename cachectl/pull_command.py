@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ditserve.cachectl.client import through_daemon
 from ditserve.cachectl.errors import (
     CacheError,
     DaemonError,
@@ -32,7 +33,6 @@ from ditserve.cachectl.errors import (
 from ditserve.cachectl.layout import Layout, default_socket
 from ditserve.cachectl.sources import Credentials
 
-DAEMON_POLL_S = 2.0
 # The environment a pull authenticates with (the names huggingface_hub and boto3 read).
 CREDENTIAL_ENV = {"hf_token": "HF_TOKEN", "hf_endpoint": "HF_ENDPOINT",
                   "aws_access_key_id": "AWS_ACCESS_KEY_ID",
@@ -102,22 +102,9 @@ def _local_pull(root: Path, args: argparse.Namespace, progress: Any) -> dict[str
 def _pull(root: Path, args: argparse.Namespace, progress: Any, client: Any) -> dict[str, Any]:
     deadline = time.monotonic() + args.timeout
     if args.daemon_only:
-        said = False
-        while True:
-            if client.available():
-                try:
-                    return _daemon_pull(client, args, progress, deadline)
-                except DaemonError as e:
-                    progress.phase(f"{e}; asking the daemon again")
-            elif not said:
-                progress.phase("waiting for the node's cachectl daemon (this pod never writes "
-                               "the cache itself)")
-                said = True
-            if time.monotonic() + DAEMON_POLL_S > deadline:
-                raise CacheError(f"no cachectl daemon answered on {client.socket_path} within "
-                                 f"--timeout {args.timeout:.0f}s: check the cachectl DaemonSet's "
-                                 "pod on this node")
-            time.sleep(DAEMON_POLL_S)
+        return through_daemon(
+            client, lambda left: _daemon_pull(client, args, progress, time.monotonic() + left),
+            timeout_s=args.timeout, on_phase=progress.phase)
     if not args.no_daemon and client.available():
         try:
             return _daemon_pull(client, args, progress, deadline)

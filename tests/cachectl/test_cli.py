@@ -273,9 +273,9 @@ def test_daemon_only_ensure_never_writes_the_cache_and_says_why(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import ditserve.cachectl.commands as commands
+    import ditserve.cachectl.client as daemon_client
 
-    monkeypatch.setattr(commands, "DAEMON_POLL_S", 0.01)
+    monkeypatch.setattr(daemon_client, "DAEMON_POLL_S", 0.01)
     root = tmp_path / "c"
     rc = main(["ensure", "--daemon-only", "--root", str(root), "--model", str(tiny_model),
                "--dtype", "float32", "--timeout", "0.05"])

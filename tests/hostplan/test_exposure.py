@@ -14,6 +14,7 @@ def engine_with(report: dict[str, Any]) -> Any:
     """Just what the metrics read of an engine (engine.loop.client.EngineClient)."""
     return SimpleNamespace(phase=EnginePhase.READY, offload_report=lambda: report,
                            pipeline_report=lambda: None, adapter_stats=lambda: {},
+                           start_report=lambda: None,
                            stats=lambda: EngineStats(running=0, waiting=0, steps_run=0,
                                                      rows_run=0, requests_finished=0))
 

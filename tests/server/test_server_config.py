@@ -29,7 +29,7 @@ server: {host: 0.0.0.0, port: 8000, request_timeout_s: 30, shutdown_grace_s: 12}
 """)
     engine, server = configs_from_args(parse("--config", path, "--max-num-seqs", "3",
                                              "--port", "9001"))
-    assert engine.sched.scheduler.max_num_seqs == 3 and engine.sched.scheduler.max_queue == 5
+    assert engine.scheduler.max_num_seqs == 3 and engine.scheduler.max_queue == 5
     assert engine.dtype == "bfloat16"
     assert (server.host, server.port) == ("0.0.0.0", 9001)
     assert server.request_timeout_s == 30 and server.shutdown_grace_s == 12

@@ -15,11 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
+from ditserve.engine.parallel.joint_inputs import attach_joint_split
 from ditserve.engine.parallel.processors import SequenceForward, UlyssesProcessor, refuse_mask
-from ditserve.engine.parallel.sharding import token_input
-from ditserve.engine.parallel.tokens import key_mask
 
 
 class Flux2UlyssesProcessor(UlyssesProcessor):
@@ -85,21 +83,4 @@ class Flux2UlyssesProcessor(UlyssesProcessor):
 
 def attach(model: Any, forward: SequenceForward) -> None:
     """Hook the DiT ``model`` so its forward runs on this rank's tokens (``forward``)."""
-    sp = forward.group
-
-    def split_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        hidden = token_input(kwargs, "hidden_states")  # (B, N, C) image tokens
-        text = token_input(kwargs, "encoder_hidden_states")  # (B, T, D) text tokens
-        image_ids, text_ids = token_input(kwargs, "img_ids"), token_input(kwargs, "txt_ids")
-        # diffusers accepts batched (B, L, 4) ids and uses their first row.
-        image_ids, text_ids = (ids[0] if ids.ndim == 3 else ids for ids in (image_ids, text_ids))
-        image, txt = sp.shard(hidden.shape[1]), sp.shard(text.shape[1])
-        # RoPE comes from the ids, so slicing them slices RoPE: rank r's [text_r, image_r].
-        kwargs.update(hidden_states=image.take(hidden, 1), encoder_hidden_states=txt.take(text, 1),
-                      img_ids=image.take(image_ids, 0), txt_ids=txt.take(text_ids, 0))
-        forward.begin(output=image, key_mask=key_mask([(txt, None), (image, None)],
-                                                      rows=hidden.shape[0], device=hidden.device))
-        return args, kwargs
-
-    model.register_forward_pre_hook(split_inputs, with_kwargs=True)
-    model.set_attn_processor(Flux2UlyssesProcessor(forward))
+    attach_joint_split(model, forward, Flux2UlyssesProcessor(forward))
