@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Layerwise offload for the Qwen-Image, Wan, Z-Image and FLUX.2 families on one GPU:
+"""Layerwise offload for the Qwen-Image, Wan, Z-Image, FLUX.2 and Cosmos3 families on one GPU:
 resident vs ditserve DLO vs diffusers group offloading.
 
 One process per model, random full-size DiTs built in memory (bf16, initialized on the GPU;
