@@ -415,3 +415,39 @@ def test_memory_plan_leaves_the_host_modules_out(family_runner) -> None:  # type
                    if id(t) not in skipped)
     inputs = budget_inputs(runner.pipeline, EngineConfig(model="unused", device="cpu"))
     assert inputs.dit_fixed == resident
+
+
+def fp8_run(model: Any, device: str, offload: OffloadConfig) -> dict[str, torch.Tensor]:
+    """Two requests (one with CFG) sharing steps, bfloat16 with ``--quantization fp8``."""
+    runner = ModelRunner(EngineConfig(model=str(model), device=device, dtype="bfloat16",
+                                      quantization="fp8", offload=offload), model_dir=model)
+    try:
+        from ditserve.engine.formats.fp8_linear import FP8Linear
+
+        # The tiny layers' attention projections (multiples of 16) are FP8; its MLP is not.
+        assert any(isinstance(m, FP8Linear) for m in runner.pipeline.transformer.modules())
+        requests = [(rid, CASES[rid]) for rid in ("t2v-cfg", "t2i")]
+        out, sizes = drive(runner, {0: requests}, max_num_seqs=2)
+    finally:
+        runner.close()
+    assert max(sizes) == 2
+    return out
+
+
+def test_fp8_dlo_equals_resident_fp8(family_dir) -> None:  # type: ignore[no-untyped-def]
+    # The Super-sized DiT's bench streams FP8 layers: DLO of FP8 blocks == resident FP8.
+    model = family_dir(VARIANT)
+    resident = fp8_run(model, "cpu", OffloadConfig())
+    offloaded = fp8_run(model, "cpu", OffloadConfig(enabled=True))
+    assert set(resident) == set(offloaded)
+    for rid in resident:
+        assert torch.equal(offloaded[rid], resident[rid]), rid
+
+
+@pytest.mark.gpu
+def test_on_cuda_fp8_dlo_equals_resident_fp8(family_dir) -> None:  # type: ignore[no-untyped-def]
+    model = family_dir(VARIANT)
+    resident = fp8_run(model, "cuda", OffloadConfig())
+    offloaded = fp8_run(model, "cuda", OffloadConfig(enabled=True, checkpoint_mmap="off"))
+    for rid in resident:
+        assert torch.equal(offloaded[rid], resident[rid]), rid
