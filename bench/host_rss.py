@@ -16,8 +16,15 @@ CUDA context up, nothing loaded) <= 1.15 x (pinned bytes: DLO's plus the offload
 encoders') + the checkpoint pages mapped at that moment (RssFile + RssShmem above the
 baseline's: pages shared with the page cache or /dev/shm, whether DLO streams from the
 mapping or safetensors reads a shard through it while the loader copies it). The worst
-sample's ratio is reported, with the log line the RSS peak fell after. ``--tiny`` runs it on the tiny Flux on a CPU (a smoke run:
-there the baseline dominates and the ratio means nothing).
+sample's ratio is reported, with the log line the RSS peak fell after. ``--tiny`` runs it on a
+tiny model (``--family``, default Flux) on a CPU (a smoke run: there the baseline dominates and
+the ratio means nothing). Cosmos3-Nano: its DiT's token table and LM head (2 x 1.2 GB) stay in
+host memory, never pinned: mapped checkpoint pages under ``checkpoint_mmap``, else private.
+``--init-random FAMILY`` builds the full-size random pipeline first when ``--model-dir``
+holds none, so one command measures a family's cold start:
+
+    python3 bench/host_rss.py --init-random cosmos3 --model-dir /dev/shm/ditserve-rss-cosmos3 \
+        --out out/rss-cosmos3
 """
 
 from __future__ import annotations
@@ -192,6 +199,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def init_random(model: Path, family: str, *, size: str = "full", device: str = "cuda") -> None:
+    """Build the random pipeline into ``model`` unless one is there (at full size every
+    component at its released shape). A child process builds it, so none of the build's
+    memory stays beside the loads measured."""
+    if (model / "model_index.json").is_file():
+        return
+    cmd = [sys.executable, "-m", "ditserve.engine.cli", "model", "init-random", "--family",
+           family, "--size", size, "--components", "all" if size == "full" else "dit",
+           "--device", device, str(model)]
+    print(f"building {family} at full size in {model}: {shlex.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path, default=None,
@@ -200,7 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine flags of one load (repeat for several; default "
                         "'--offload dlo')")
     p.add_argument("--interval", type=float, default=0.02, help="sampling period, seconds")
-    p.add_argument("--tiny", action="store_true", help="the tiny Flux on a CPU (a smoke run)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model on a CPU (a smoke run)")
+    p.add_argument("--family", default="flux",
+                   help="--tiny: the tiny model's family (ditserve model init-tiny --family)")
+    p.add_argument("--init-random", metavar="FAMILY", default=None,
+                   help="build a full-size random FAMILY pipeline (ditserve model init-random "
+                        "--size full --components all, on the GPU, in a process of its own) "
+                        "into --model-dir when it holds none (default dir: "
+                        "/dev/shm/ditserve-rss-FAMILY)")
     p.add_argument("--out", type=Path, default=None, help="write host_rss.json and .md here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--report", default=None, help=argparse.SUPPRESS)
@@ -214,10 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.tiny:
             from ditserve.engine.makers.tiny_model import init_tiny
 
-            model = init_tiny(Path(scratch) / "tiny")
+            model = init_tiny(Path(scratch) / "tiny", family=args.family)
             flag_sets = [f"{f} --device cpu --dtype float32" for f in flag_sets]
+        elif args.init_random:
+            model = model or Path(f"/dev/shm/ditserve-rss-{args.init_random}")
+            init_random(model, args.init_random)
         elif model is None:
-            p.error("--model-dir is required (or --tiny)")
+            p.error("--model-dir is required (or --init-random FAMILY, or --tiny)")
         rows = [measure(args, Path(model), flags) for flags in flag_sets]
     text = table(rows)
     print(text, flush=True)

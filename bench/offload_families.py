@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Layerwise offload for the Qwen-Image, Wan, Z-Image and FLUX.2 families on one GPU:
+"""Layerwise offload for the Qwen-Image, Wan, Z-Image, FLUX.2 and Cosmos3 families on one GPU:
 resident vs ditserve DLO vs diffusers group offloading.
 
 One process per model, random full-size DiTs built in memory (bf16, initialized on the GPU;
@@ -30,7 +30,25 @@ checks the issue's targets (the runner is ``offload_methods.py``, shared with
     python3 bench/offload_families.py --model z-image --out out/families-z-image
     python3 bench/offload_families.py --model flux2 --out out/families-flux2   # 32B, 60 GiB
 
+- ``--model cosmos3``: Cosmos3-Nano (15.2B: 36 two-pathway layers, 4096 wide) at 1280x720,
+  189 frames, one request with CFG (its prompt and negative prompt: two packed sequences of
+  48 x 23 x 40 vision tokens after ~200 prompt tokens, one forward, as the Cosmos3 pipeline
+  runs it); the token table and LM head stay in host memory under DLO, as served;
+- ``--model cosmos3-super``: the Super-sized DiT (64 layers, 5120 wide, ~64B) the same way;
+  bf16 is 119 GiB, more than the device host's pinned memory can hold beside everything
+  else: run it with ``--quantization fp8`` (built in bf16 on the GPU, quantized there layer
+  by layer, then streamed in FP8) and ``--methods dlo``. ``--baseline`` names a Nano run's
+  ``offload_families.json``: the DLO peak HBM growth from it is the seed's memory target.
+
 ``--tiny`` runs the same program on tiny DiTs on a CPU (a smoke test; tests run it).
+
+    python3 bench/offload_families.py --model cosmos3 --methods resident dlo \
+        --out out/families-cosmos3
+    python3 bench/offload_families.py --model cosmos3-super --methods dlo --quantization fp8 \
+        --baseline-model cosmos3 --out out/families-super
+
+(``--baseline-model cosmos3`` runs the Nano DiT under DLO first in the same process, same
+request and quantization, so the growth target is judged in one run.)
 """
 
 from __future__ import annotations
@@ -40,6 +58,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import cosmos3_inputs
 import harness
 import offload_methods
 import torch
@@ -54,14 +73,16 @@ GIB = 1024**3
 # A typical Qwen prompt; Wan pads to 512; Z-Image: a prompt in Qwen3's chat template.
 TEXT_TOKENS = {"qwen-image": 256, "wan": 512, "z-image": 128}
 FLUX2 = ("flux2", "flux2-klein", "flux2-klein-9b")  # FLUX.2 [dev], [klein] 4B and 9B
+COSMOS3 = ("cosmos3", "cosmos3-super")
 DEFAULT_SIZES = {"qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81",
-                 "z-image": "1024x1024", **dict.fromkeys(FLUX2, "1024x1024")}
+                 "z-image": "1024x1024", **dict.fromkeys(FLUX2, "1024x1024"),
+                 **dict.fromkeys(COSMOS3, "1280x720x189")}
 DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,), "z-image": (1, 4),
-                   **dict.fromkeys(FLUX2, (1, 4))}
+                   **dict.fromkeys(FLUX2, (1, 4)), **dict.fromkeys(COSMOS3, (1,))}
 DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2, "z-image": 5,
-                 **dict.fromkeys(FLUX2, 3)}
+                 **dict.fromkeys(FLUX2, 3), **dict.fromkeys(COSMOS3, 2)}
 TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5", "z-image": "64x64",
-              **dict.fromkeys(FLUX2, "64x64")}
+              **dict.fromkeys(FLUX2, "64x64"), **dict.fromkeys(COSMOS3, "64x64x5")}
 
 
 def variant_of(model: str) -> str:
@@ -79,6 +100,8 @@ def build_dit(model: str, size: str, device: torch.device, seed: int,
                                         device=device, seed=s)
         if variant_of(model) == "wan" and not stock_blocks:
             chunk_token_math(dit)
+        if model in COSMOS3:
+            cosmos3_inputs.prepare(dit)
         return dit
 
     if model == "wan2.2":
@@ -107,6 +130,9 @@ def workloads(model: str, size: str, batches: tuple[int, ...], dit: torch.nn.Mod
             kw = harness.image_inputs(model, dit, dims[0], b, device)
             out.append((f"b{b}", lambda kw=kw: dit(**kw)))
         return out
+    if model in COSMOS3:
+        return [(f"b{b} cfg", step) for b in batches
+                for step in [cosmos3_inputs.step(dit, dims, requests=b, device=device)]]
     if model == "qwen-image":
         width, height = dims
         h, w = height // 16, width // 16  # 8x VAE, then 2x2 packing
@@ -178,6 +204,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                               1.02 * dlo["streamed_bytes"] / (gbps * 1e9) * 1e3, "ms"))
         if d4 and r4:
             out.append(target("DLO b4 <= 1.05 x resident b4", d4["ms"], 1.05 * r4["ms"], "ms"))
+    if r["model"] in COSMOS3:
+        out += cosmos3_inputs.targets(r, dlo, gbps)
     if r["model"] == "wan":
         d1, r1 = find(r, "dlo", "b1"), find(r, "resident", "b1")
         if d1 and r1:
@@ -190,17 +218,40 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 MODELS = offload_methods.Models(
     build_dit=build_dit, workloads=workloads, targets=targets, block_lists=block_lists,
     # diffusers offloads one model at a time; not compared for the two-expert stack
-    compares=lambda model, method: not (model == "wan2.2" and method.startswith("diffusers")))
+    compares=lambda model, method: not (model == "wan2.2" and method.startswith("diffusers")),
+    host_modules=lambda model, dit, device: (
+        cosmos3_inputs.host_modules(dit, device) if model in COSMOS3 else ()))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2", "z-image", *FLUX2),
+    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2", "z-image", *FLUX2, *COSMOS3),
                                   out="out/offload-families")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="quantize the DiT's linears before offload (cosmos3-super: its bf16 "
+                        "does not fit the host's pinned memory)")
+    p.add_argument("--baseline", default=None,
+                   help="cosmos3-super: a Nano run's offload_families.json (DLO peak HBM "
+                        "growth target)")
+    p.add_argument("--baseline-model", choices=COSMOS3, default=None,
+                   help="cosmos3-super: run this model's DLO first, in this process, with "
+                        "the same size, batches and quantization (into OUT/baseline-MODEL), "
+                        "and judge the peak HBM growth against it: the target in one run")
     args = p.parse_args(argv)
     args.size = args.size or (TINY_SIZES if args.tiny else DEFAULT_SIZES)[args.model]
     args.batches = args.batches or list(DEFAULT_BATCHES[args.model])
     args.iters = args.iters or DEFAULT_ITERS[args.model]
+    if args.baseline_model:
+        if args.baseline:
+            p.error("give --baseline (an earlier run) or --baseline-model (run it now), not both")
+        base = argparse.Namespace(**{**vars(args), "model": args.baseline_model,
+                                     "methods": ["dlo"], "baseline_model": None,
+                                     "out": f"{args.out}/baseline-{args.baseline_model}"})
+        offload_methods.log(f"baseline: {args.baseline_model} under DLO")
+        status = offload_methods.run("offload_families.py", base, MODELS)
+        if status:
+            return status
+        args.baseline = f"{base.out}/offload_families.json"
     return offload_methods.run("offload_families.py", args, MODELS)
 
 

@@ -49,6 +49,9 @@ class Models:
     block_lists: Callable[[str, torch.nn.Module], tuple[str, ...] | None] = (
         lambda model, dit: None)
     compares: Callable[[str, str], bool] = lambda model, method: True
+    # DLO's host_modules: modules that stay in host memory (Cosmos3's token table and head).
+    host_modules: Callable[[str, torch.nn.Module, torch.device], Any] = (
+        lambda model, dit, device: ())
 
 
 def add_arguments(p: argparse.ArgumentParser, *, models: tuple[str, ...], out: str,
@@ -163,6 +166,8 @@ class Comparison:
             "model": args.model, "size": args.size, "command": " ".join(sys.argv),
             "cells": [], "methods": {},
             "wan_blocks": "stock" if args.stock_blocks else "sliced float32 math (engine)",
+            "quantization": getattr(args, "quantization", None),
+            "baseline": getattr(args, "baseline", None),  # another run's results, to compare
         }
 
     def save(self) -> None:
@@ -177,7 +182,9 @@ class Comparison:
             info["weights_bytes"] = weight_bytes(dit)
         elif method == "dlo":
             handle = enable_offload(dit, OffloadConfig(enabled=True), device=self.device,
-                                    block_lists=self.models.block_lists(self.args.model, dit))
+                                    block_lists=self.models.block_lists(self.args.model, dit),
+                                    host_modules=self.models.host_modules(
+                                        self.args.model, dit, self.device))
             info["handle"] = handle
             info["report"] = plain(handle.report())
         else:
@@ -201,6 +208,11 @@ class Comparison:
             if not self.models.compares(a.model, method):
                 continue
             dit = self.models.build_dit(a.model, self.dit_size, self.device, 0, a.stock_blocks)
+            if getattr(a, "quantization", None):  # in place, layer by layer, before offload
+                from ditserve.engine.weights.quantize import quantize_dit
+
+                quantize_dit(dit, a.quantization, device=self.device)
+                release_memory()
             self.results.setdefault("weights_bytes", weight_bytes(dit))
             info = self.enable(method, dit)
             handle = info.pop("handle", None)
@@ -274,7 +286,8 @@ def markdown(r: dict[str, Any]) -> str:
     methods = [m for m in METHODS if any(c["method"] == m for c in r["cells"])]
     labels = list(dict.fromkeys(c["cell"] for c in r["cells"]))
     gbps = r.get("h2d_gbps")
-    lines = [f"{r['model']} {r['size']}: {r['weights_bytes'] / GIB:.1f} GiB bf16 DiT weights; "
+    lines = [f"{r['model']} {r['size']}: {r['weights_bytes'] / GIB:.1f} GiB "
+             f"{r.get('quantization') or 'bf16'} DiT weights; "
              f"{r['gpu']}, torch {r['torch']}, {r['date']}; pinned H2D "
              f"{'-' if gbps is None else f'{gbps:.1f} GB/s'}", "",
              "| cell | " + " | ".join(f"{m} ms/step (peak GiB)" for m in methods) + " |",

@@ -4,7 +4,8 @@ placement of its components: the peak HBM and latency that issue 34's targets ju
 Every component is at its released shape (``ditserve model init-random --size full``, built on
 the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB,
 Z-Image ~20 GB, Wan2.1 ~40 GB, FLUX.2 [dev] ~113 GB - on a host of 128 GiB put it in /dev/shm,
-where DLO maps the checkpoint instead of copying it - and [klein] 4B ~16 GB). Each configuration is a set of engine flags, parsed by the engine's own option parser
+where DLO maps the checkpoint instead of copying it - [klein] 4B ~16 GB, Cosmos3-Nano ~31 GB: its DiT reads the prompt's tokens itself, so only the Wan 2.2
+VAE is around it). Each configuration is a set of engine flags, parsed by the engine's own option parser
 and run through the public engine (``DiffusionEngine``: load, add_request, result), so what
 is measured is what ``ditserve serve`` would do with those flags:
 
@@ -83,6 +84,9 @@ WORKLOADS = {  # issue 34's targets
     # [klein] 4B (Qwen3-4B encoder) has no target of its own: the same bounds, reported.
     "flux2": Workload("flux2", 1024, 1024, 1, 50, (2, 10), None, 8.0, 1.05),
     "flux2-klein": Workload("flux2-klein", 1024, 1024, 1, 50, (2, 10), None, 8.0, 1.05),
+    # Cosmos3-Nano's default request (1280x720, 189 frames, 35 steps, CFG); no issue-34
+    # bound of its own: the peak is judged against the seed's 23.1 GB (21.5 GiB) at 720p.
+    "cosmos3": Workload("cosmos3", 1280, 720, 189, 35, (1, 3), "", 23.1e9 / GIB, 1.02),
 }
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ditserve.engine.errors import InvalidRequestError
+
 MAX_SIDE = 8192
 MAX_FRAMES = 1025
 
@@ -33,6 +35,7 @@ class ModelLimits:
     image_strength: for a model that denoises from its source image (image-to-image and
         inpainting: it takes ``strength`` and a ``mask``), its default strength without and
         with a mask; None for every other model.
+    audio: whether it generates a sound track with its videos (a request's ``audio``).
     """
 
     pixel_multiple: int = 16
@@ -46,6 +49,13 @@ class ModelLimits:
     min_condition_side: int | None = None
     max_condition_aspect: float | None = None
     image_strength: tuple[float, float] | None = None
+    audio: bool = False
+
+    def check_audio(self, wanted: bool) -> None:
+        """Refuse a request's sound track where the model makes none."""
+        if wanted and not self.audio:
+            raise InvalidRequestError("audio", "this model generates no sound track; leave "
+                                      "audio off (Cosmos3 models with a sound tokenizer do)")
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,

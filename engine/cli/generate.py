@@ -36,14 +36,20 @@ def _save_images(images: list, out: Path) -> list[Path]:
     return paths
 
 
-def _save_videos(pixels: object, out: Path, fps: int) -> list[Path]:
+def _save_videos(pixels: object, out: Path, fps: int, audio: object = None,
+                 rate: int = 0) -> list[Path]:
+    """One MP4 per video; with ``audio`` ((n, channels, samples) at ``rate``), each with its
+    own sound track."""
     from ditserve.engine.media.video import write_mp4
 
     videos = list(pixels)  # type: ignore[call-overload]
+    tracks = [None] * len(videos) if audio is None else [
+        (track, rate) for track in audio]  # type: ignore[attr-defined]
     if len(videos) == 1:
-        return [write_mp4(videos[0], out, fps=fps)]
-    return [write_mp4(v, out.with_name(f"{out.stem}-{i}{out.suffix or '.mp4'}"), fps=fps)
-            for i, v in enumerate(videos)]
+        return [write_mp4(videos[0], out, fps=fps, audio=tracks[0])]
+    return [write_mp4(v, out.with_name(f"{out.stem}-{i}{out.suffix or '.mp4'}"), fps=fps,
+                      audio=track)
+            for i, (v, track) in enumerate(zip(videos, tracks, strict=True))]
 
 
 VIDEO_SUFFIX = ".mp4"
@@ -80,7 +86,7 @@ def generation_params(args: argparse.Namespace, defaults: ModelDefaults) -> Samp
         guidance_scale=given(args.guidance_scale, defaults.guidance),
         true_cfg_scale=given(args.true_cfg_scale, defaults.true_cfg), seed=args.seed,
         num_images=args.num_images, num_frames=given(args.num_frames, defaults.frames),
-        max_sequence_length=args.max_sequence_length,
+        max_sequence_length=args.max_sequence_length, audio=args.audio,
     )
 
 
@@ -141,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = handle.result()
         print(file=sys.stderr)
         if result.is_video:
-            paths = _save_videos(result.pixels, out, fps)
+            paths = _save_videos(result.pixels, out, fps, result.audio, result.audio_rate)
         else:
             paths = _save_images(result.images, out)
         print(f"saved {', '.join(map(str, paths))} (seed {result.seed}, "
@@ -202,5 +208,8 @@ def add_generate_parser(subcommands: Any) -> None:
                           "the source and runs fewer steps (default 0.6; with --mask 1.0)")
     gen.add_argument("--fps", type=int, default=None,
                      help="video models: MP4 frame rate (default: the model's, 16 for Wan)")
+    gen.add_argument("--audio", action="store_true",
+                     help="video models that generate sound (Cosmos3 with a sound tokenizer): "
+                          "generate the sound track too, muxed into the MP4 (AAC)")
     add_engine_options(gen, with_config_file=False)
     gen.set_defaults(func=cmd_generate)

@@ -169,14 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--size", choices=("tiny", "small", "full"), default="full",
                      help="full: the released DiT: Flux.1 (11.9B parameters, ~24 GB in "
                           "bfloat16), Qwen-Image (20B), Wan2.1-T2V-14B, Wan2.2-T2V-A14B (two "
-                          "14B experts), Wan2.2-TI2V-5B, Z-Image (6.15B)")
+                          "14B experts), Wan2.2-TI2V-5B, Z-Image (6.15B), Cosmos3-Nano (15.2B; cosmos3-super: "
+                          "a Super-sized ~64B)")
     rnd.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     rnd.add_argument("--components", choices=("all", "dit"), default=None,
                      help="all (default with --size full): every text encoder, image "
                           "encoder and VAE at its released shape too (Flux: CLIP-L, T5-XXL, "
                           "its VAE; Qwen-Image: Qwen2.5-VL-7B; Wan: UMT5-XXL, the Wan VAE; "
-                          "Z-Image: Qwen3-4B, Flux's VAE); dit (default otherwise): the DiT at "
-                          "--size with tiny text encoders and VAE, for quick runs")
+                          "Z-Image: Qwen3-4B, Flux's VAE; Cosmos3: the Wan 2.2 VAE, its DiT reads tokens itself); "
+                          "dit (default otherwise): the DiT at --size with tiny text encoders "
+                          "and VAE, for quick runs")
     rnd.add_argument("--device", default="auto",
                      help="where to allocate and initialize the modules (auto: cuda if "
                           "present; a GPU builds a full pipeline in seconds)")

@@ -69,6 +69,9 @@ class Family:
     self_loaded: components the step pipeline reads from the model directory itself; the
         loader passes None for them to diffusers (Qwen-Image-Edit's ``processor``, whose
         transformers class cannot be built on a machine without torchvision).
+    load_options: keyword arguments the loader adds to the diffusers pipeline's
+        ``from_pretrained`` (Cosmos3: its safety checker off, whose package ditserve does
+        not install).
     block_lists: the DiT's repeated-block lists in the order its forward runs them (what DLO
         streams); resident_modules: the DiT's other top-level modules (on the device always).
     cfg_rows: when classifier-free guidance adds negative-prompt rows (``engine.sched.work``):
@@ -119,6 +122,7 @@ class Family:
     sp_hooks: str | None = None
     expert_components: tuple[str, ...] = ()
     self_loaded: tuple[str, ...] = ()
+    load_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
     expert_switch: str | None = None
     cfg_rows: CfgRule = "true_cfg"
     attention_heads: tuple[int, ...] = ()

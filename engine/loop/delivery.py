@@ -93,11 +93,13 @@ class Delivery:
         self.emit(handle, RequestEvent(handle.request_id, "preview", step,
                                        handle.params.denoise_steps, pixels=pixels))
 
-    def finished(self, handle: RequestHandle, pixels: Any, *, rank: int) -> None:
+    def finished(self, handle: RequestHandle, pixels: Any, *, rank: int,
+                 audio: tuple[Any, int] | None = None) -> None:
         now = time.monotonic()
         started = handle.started_at or now
+        samples, rate = audio if audio is not None else (None, 0)
         result = GenerationResult(
-            request_id=handle.request_id, pixels=pixels,
+            request_id=handle.request_id, pixels=pixels, audio=samples, audio_rate=rate,
             seed=handle.seed, num_inference_steps=handle.params.num_inference_steps,
             queue_seconds=started - handle.submitted_at,
             latency_seconds=now - handle.submitted_at, rank=rank,

@@ -20,7 +20,9 @@ from ditserve.engine.request import SamplingParams
 class GenerationResult:
     """A finished request. ``pixels`` is (n, 3, H, W) float in [0, 1] on CPU for an image
     model, (n, F, 3, H, W) for a video model (n videos of F frames; ``engine.media.video`` writes
-    them as MP4).
+    them as MP4). ``audio``: the videos' sound tracks where the request asked for them
+    (``SamplingParams.audio``), (n, channels, samples) float in [-1, 1] on CPU at
+    ``audio_rate`` samples per second; None otherwise.
 
     ``images`` (PIL) are made from the pixels on first use, in the caller's thread: converting
     a 1024x1024 image takes tens of milliseconds, which the engine loop would otherwise spend
@@ -34,6 +36,8 @@ class GenerationResult:
     queue_seconds: float
     latency_seconds: float
     rank: int = 0  # the data-parallel rank that generated it
+    audio: Any = None
+    audio_rate: int = 0
 
     @property
     def num_images(self) -> int:

@@ -109,8 +109,9 @@ class StepLoops:
             moved = self._pending.moved_in_queue()
         self._delivery.forwards(list(outputs.values()))
         finished = {rid: pixels for out in outputs.values() for rid, pixels in out.finished.items()}
+        audio = {rid: track for out in outputs.values() for rid, track in out.audio.items()}
         for change in changes:
-            self._deliver(change, finished)
+            self._deliver(change, finished, audio)
         self._deliver_previews(list(outputs.values()))
         for handle in moved:
             self._delivery.queued(handle)
@@ -123,7 +124,8 @@ class StepLoops:
                 if handle is not None:
                     self._delivery.preview(handle, step, pixels)
 
-    def _deliver(self, change: StatusChange, finished: dict[str, Any]) -> None:
+    def _deliver(self, change: StatusChange, finished: dict[str, Any],
+                 audio: dict[str, tuple[Any, int]]) -> None:
         rid = change.request_id
         if not change.status.is_finished:  # a step, a pause or a resume
             self._delivery.progress(change, self._pending.get(rid))
@@ -137,7 +139,8 @@ class StepLoops:
         elif change.status == RequestStatus.FINISHED_ERROR:
             self._delivery.failed(rid, handle, change.error or "failed")
         elif handle is not None and finished.get(rid) is not None:
-            self._delivery.finished(handle, finished[rid], rank=rank or 0)
+            self._delivery.finished(handle, finished[rid], rank=rank or 0,
+                                    audio=audio.get(rid))
 
     def _loop_died(self, error: BaseException) -> None:
         """The replica cannot continue: FAILED, every pending request fails, loops leave."""

@@ -37,7 +37,10 @@ from ditserve.engine.families import FAMILIES, family_of_dit, resolve
 from ditserve.engine.parallel.processors import SequenceForward
 from ditserve.engine.parallel.ulysses import SequenceGroup, check_heads, gather_tokens
 
-Hooks = Callable[[Any, SequenceForward], None]  # (a diffusers DiT, its forward's state)
+# (a diffusers DiT, its forward's state) -> True when the family's hooks gather the DiT's
+# output tokens themselves (Cosmos3, whose proj_out reads positions of the whole sequence);
+# otherwise (None) the output of proj_out is gathered here.
+Hooks = Callable[[Any, SequenceForward], bool | None]
 
 
 def token_input(kwargs: dict[str, Any], name: str) -> torch.Tensor:
@@ -60,14 +63,19 @@ def family_hooks(dit_class: str) -> Hooks:
     return hooks
 
 
+# How diffusers' attention modules spell their head counts: ``Attention`` its ``heads``,
+# a grouped-query attention (Cosmos3's) its query and key-value heads.
+HEAD_COUNTS = ("heads", "num_attention_heads", "num_key_value_heads")
+
+
 def attention_heads(model: nn.Module) -> tuple[int, ...]:
     """The head counts of a DiT's attentions (every module with an attention processor and
-    an integer ``heads``), which Ulysses splits over the ranks."""
+    an integer head count, ``HEAD_COUNTS``), which Ulysses splits over the ranks."""
     counts: set[int] = set()
     for module in model.modules():
-        heads = getattr(module, "heads", None)
-        if hasattr(module, "processor") and isinstance(heads, int):
-            counts.add(heads)
+        if hasattr(module, "processor"):
+            counts.update(heads for name in HEAD_COUNTS
+                          if isinstance(heads := getattr(module, name, None), int))
     if not counts:
         raise ConfigError(f"{type(model).__name__} has no attention with a head count to split")
     return tuple(sorted(counts))
@@ -81,13 +89,13 @@ def shard_dit(dit: nn.Module, sp: SequenceGroup) -> SequenceForward:
     for heads in attention_heads(model):
         check_heads(heads, sp.size, what=name)
     forward = SequenceForward(sp)
-    hooks(model, forward)
+    gathers_itself = hooks(model, forward)
 
     def gather_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         assert forward.output is not None, "proj_out runs inside a sharded forward"
         return gather_tokens(output, forward.output, sp, dim=1)
 
-    if isinstance(getattr(model, "proj_out", None), nn.Module):
+    if not gathers_itself and isinstance(getattr(model, "proj_out", None), nn.Module):
         model.proj_out.register_forward_hook(gather_output)
     # always_call: a forward that raises must not leave its shards to the next one.
     model.register_forward_hook(lambda module, args, output: forward.end(), always_call=True)

@@ -15,7 +15,10 @@ block with its all-to-alls in the graph); on CPU they run over gloo, on GPUs ove
 the SP group's own communicator (``rendezvous`` keeps it apart from DLO's weight group, so
 a block's all-to-all never queues behind the next block's weight gather).
 
-Called by the attention processors (``processors``) and the output gather hook (``sharding``).
+Called by the attention processors (``processors``) and the output gather hook (``sharding``);
+a family whose attention is not one plain attention per row (Cosmos3: causal prompt
+attention and several packed sequences) calls ``sequence_to_heads`` / ``heads_to_sequence``
+around its own.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def _waited(result: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def _sequence_to_heads(tensors: tuple[torch.Tensor, ...], sp: SequenceGroup) -> torch.Tensor:
+def sequence_to_heads(tensors: tuple[torch.Tensor, ...], sp: SequenceGroup) -> torch.Tensor:
     """n tensors (B, S_l, H, D) -> one (n, B, P*S_l, H/P, D): every token, this rank's heads."""
     stacked = torch.stack(tensors)
     n, b, s, h, d = stacked.shape
@@ -78,7 +81,7 @@ def _sequence_to_heads(tensors: tuple[torch.Tensor, ...], sp: SequenceGroup) -> 
     return received.reshape(p * s, n, b, h // p, d).permute(1, 2, 0, 3, 4)
 
 
-def _heads_to_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+def heads_to_sequence(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     """(B, P*S_l, H/P, D) -> (B, S_l, H, D): this rank's tokens, every head."""
     b, total, hl, d = x.shape
     p = sp.size
@@ -107,11 +110,11 @@ def ulysses_attention(
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     check_heads(int(query.shape[2]), sp.size, what="this attention")
-    q, k, v = _sequence_to_heads((query, key, value), sp).unbind(0)
+    q, k, v = sequence_to_heads((query, key, value), sp).unbind(0)
     # (B, keys) -> (B, 1, 1, keys): broadcast over heads and queries.
     mask = None if key_mask is None else key_mask[:, None, None, :]
     out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
-    return _heads_to_sequence(out.to(query.dtype), sp)
+    return heads_to_sequence(out.to(query.dtype), sp)
 
 
 def gather_tokens(x: torch.Tensor, shard: TokenShard, sp: SequenceGroup, *, dim: int = 1

@@ -35,10 +35,15 @@ class StepPipeline(Protocol):
     family: the family's pure record (``engine.families``: CFG-row rule, batch-key fields).
     transformer: the module offload streams and compilation compiles (the DiT, or an
         ``ExpertStack`` of experts); block_lists: its streamed block lists in call order.
-    pixel_multiple: the spatial granularity of height and width.
+    pixel_multiple: the spatial granularity of height and width; pixels_per_token
+        (optional, default pixel_multiple): the pixel side of one DiT token, for the work
+        rule (Cosmos3: sizes in 16 px, tokens of 32 px).
     frame_step: None for image families; for video, ``num_frames - 1`` must divide by it.
     max_sequence_length: text tokens per prompt when a request names none (the diffusers
         pipeline's own default); max_text_tokens: the most a request may ask for.
+    host_modules (optional): modules of the DiT outside its block lists that stay in host
+        memory, neither resident nor streamed under offload (Cosmos3's token table, whose
+        rows the pipeline uploads itself, and its unused language-model head).
     limits(): what the model can run (sizes and frames its positional tables reach), read off
         its own config; the engine checks every request against it.
     """

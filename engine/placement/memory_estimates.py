@@ -166,6 +166,8 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
     """Everything ``plan_budget`` needs, measured off ``pipeline`` under ``config``."""
     transformer = pipeline.transformer
     fixed, blocks = dit_blocks(transformer, pipeline.block_lists)
+    # Modules the pipeline keeps in host memory (Cosmos3's token table) never reach the HBM.
+    fixed -= sum(module_bytes(m) for m in getattr(pipeline, "host_modules", ()))
     sched = ResolvedScheduling.for_family(config.scheduler, pipeline.family)
     text = int(getattr(pipeline, "max_text_tokens", None) or pipeline.max_sequence_length)
     rows = 2 * sched.max_num_seqs  # with CFG every request brings a negative prompt's row

@@ -124,9 +124,10 @@ class WholePipeline:
         if hasattr(pipeline, "_encode_prompt"):
             identity = install_prompt_cache(pipeline, self.cache, staged=staged,
                                             encoders_on_device=self._encoders_context)
-        else:  # a pipeline without the per-prompt encoder hook: no cache, encoders as placed
+        elif encoders:  # encoders without the per-prompt hook: no cache, encoders as placed
             log.warning("%s has no _encode_prompt; the prompt cache is off",
                         type(pipeline).__name__)
+        # (No text encoder at all - Cosmos3's DiT reads token ids itself - has nothing to cache.)
         self.encode = BatchedEncode(pipeline, self.cache, identity=identity, staged=staged,
                                     encoders_on_device=self._encoders_context)
         self.encode.enabled = self.encode.enabled and identity is not None

@@ -108,7 +108,8 @@ def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.devic
         with timed(timeline, "pin_register"):
             handle = enable_offload(pipeline.transformer, offload_config, device=device,
                                     host_plan=loaded.host_plan,
-                                    block_lists=pipeline.block_lists, **kwargs)
+                                    block_lists=pipeline.block_lists,
+                                    host_modules=getattr(pipeline, "host_modules", ()), **kwargs)
     bank.preload(adapters, config.adapters)
     if config.compile is not None:
         from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks

@@ -27,6 +27,7 @@ class CompletedStep:
     """A step whose GPU work has finished: its decoded outputs and its forward, if it ran one."""
 
     decodes: dict[str, Any] = field(default_factory=dict)
+    audio: dict[str, tuple[Any, int]] = field(default_factory=dict)  # sound tracks, with rate
     requests: int = 0
     rows: int = 0
     groups: int = 0  # shape groups: one forward each
@@ -85,15 +86,20 @@ class InFlightSteps:
         """The open step queued GPU work that is not a forward (a collective-only pass)."""
         self._open.queued_work = True
 
-    def add_decode(self, request_id: str, output: Any) -> None:
-        """``output`` is valid on the host once the step it was queued in has completed."""
+    def add_decode(self, request_id: str, output: Any, audio: Any = None,
+                   audio_rate: int = 0) -> None:
+        """``output`` (and ``audio``, a sound track of ``audio_rate`` samples/s) is valid on
+        the host once the step it was queued in has completed."""
         self._open.queued_work = True
         self._open.result.decodes[request_id] = output
+        if audio is not None:
+            self._open.result.audio[request_id] = (audio, audio_rate)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's pending decode (it was aborted): it is never handed back."""
         for step in (self._open, *self._queued):
             step.result.decodes.pop(request_id, None)
+            step.result.audio.pop(request_id, None)
 
     # -- closing ----------------------------------------------------------------------------------
     def close(self) -> list[CompletedStep]:

@@ -139,7 +139,7 @@ class ServerState:
             max_prompt_chars=images.max_prompt_chars, max_side=images.max_side,
             max_steps=images.max_steps, max_frames=max_frames,
             step_cache_policies=images.step_cache_policies,
-            max_text_tokens=images.max_text_tokens,
+            max_text_tokens=images.max_text_tokens, audio=self.model_limits().audio,
         )
 
     def start_engine(self) -> None:

@@ -89,6 +89,11 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                                  'JSON list as text: [{"name": ..., "scale": ...}]'}
         if form else LORAS_SCHEMA,
         **scheduling_fields(lambda schema: schema),
+        "audio": ({"type": "string", "enum": ["true", "false"] if limits.audio else ["false"]}
+                  if form else {"type": "boolean", **({} if limits.audio else {"enum": [False]})}
+                  ) | {"description": "generate the model's sound track too, muxed into the "
+                                      "MP4 (AAC); only a model that makes one (Cosmos3 with a "
+                                      "sound tokenizer)"},
         "step_cache": ({**step_cache_field.form_schema(limits.step_cache_policies),
                         "description": step_cache_field.DESCRIPTION}
                        if form else step_cache_field.openapi_schema(limits.step_cache_policies)),

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
@@ -75,6 +75,7 @@ class VideoCreateRequest(BaseModel):
     priority: Integer | None = None
     deadline_s: Number | None = None
     step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
+    audio: StrictBool | None = None  # a sound track too (models that make one: Cosmos3)
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
@@ -101,6 +102,7 @@ class VideoLimits:
     max_frames: int
     max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
     step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
+    audio: bool = False  # the model generates a sound track (a request's ``audio``)
 
     @property
     def allowed_frames(self) -> list[int]:
@@ -131,6 +133,11 @@ def _form_value(name: str, value: Any) -> Any:
         raise invalid(name, f"{name}: must be a text field, got a file upload")
     if name == "loras":  # a form carries "name[:scale],..." or the JSON list as text
         return parse_form_loras(value)
+    if name == "audio":
+        flag = value.strip().lower()
+        if flag not in ("true", "false"):
+            raise invalid(name, f"{name}: must be true or false, got {shown(value)}")
+        return flag == "true"
     if name not in _INTEGER_FIELDS + _NUMBER_FIELDS:
         return value
     text = value.strip()
@@ -280,7 +287,7 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         max_sequence_length=body.max_sequence_length,
         loras=loras,
         priority=body.priority or 0, deadline_s=body.deadline_s,
-        step_cache=parse_field(body.step_cache),
+        step_cache=parse_field(body.step_cache), audio=bool(body.audio),
     )
     try:
         engine.validate_params(params)

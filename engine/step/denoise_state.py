@@ -30,6 +30,8 @@ class DenoiseState:
         (its family decides when CFG adds negative-prompt rows).
     schedule: the request's own timesteps (and sampler state, for multistep samplers).
     pixels: the decoded output, (n, 3, H, W) for images or (n, F, 3, H, W) for videos.
+    audio: the decoded sound track of a request that asked for one (``params.audio``),
+        (n, channels, samples) float in [-1, 1] on the CPU, at ``audio_rate`` samples/s.
     step_cache: the request's own step cache (``engine.step_cache``: its policy's memory and
         cached residuals, per DiT, one row per model row); None without one. The runner drops
         it after the request's last step.
@@ -44,6 +46,8 @@ class DenoiseState:
     static_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
     pixels: torch.Tensor | None = None
+    audio: torch.Tensor | None = None
+    audio_rate: int = 0
     rows: int = 0
     host: dict[str, Any] = field(default_factory=dict)  # pipeline-private host-side facts
     # Typed loosely: the step data sits below the step cache, which owns this state's type.

@@ -121,6 +121,9 @@ class RunnerOutput:
     pixels, opaque here; only requests with ``partial_images``); scheduling ignores them.
     step_cache_*: this step's block computations (one request through one block), those the
     step cache skipped, and the streamed bytes it did not copy (engine.step_cache).
+    audio: request id -> (samples, rate) of a finished request's sound track, for the
+    requests in ``finished`` that asked for one (``SamplingParams.audio``): (n, channels,
+    samples) float in [-1, 1] on the CPU, ``rate`` samples per second.
     """
 
     stepped: list[str] = field(default_factory=list)
@@ -136,6 +139,7 @@ class RunnerOutput:
     step_cache_block_runs: int = 0
     step_cache_skipped_blocks: int = 0
     step_cache_skipped_bytes: int = 0
+    audio: dict[str, tuple[Any, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

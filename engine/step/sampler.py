@@ -104,9 +104,15 @@ class SchedulerTrajectory:
     ``step`` asserts the object's own counter agrees with the request's step index.
     """
 
-    def __init__(self, scheduler_cls: Any, config: Any, num_steps: int) -> None:
+    def __init__(self, scheduler_cls: Any, config: Any, num_steps: int,
+                 sigmas: Any = None) -> None:
+        """``sigmas``: a schedule the pipeline passes diffusers' ``set_timesteps`` itself
+        (None: the scheduler's own for ``num_steps``)."""
         self._scheduler = scheduler_cls.from_config(config)
-        self._scheduler.set_timesteps(num_steps, device="cpu")
+        if sigmas is None:
+            self._scheduler.set_timesteps(num_steps, device="cpu")
+        else:
+            self._scheduler.set_timesteps(num_steps, device="cpu", sigmas=sigmas)
         self._scheduler.set_begin_index(0)
         self.timesteps: torch.Tensor = self._scheduler.timesteps.clone()
 

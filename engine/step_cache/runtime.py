@@ -4,7 +4,7 @@ Built by the runner after the DiT is loaded, offloaded and compiled (the block w
 beneath every hook). It resolves each admitted request's spec against the server default
 into the request's own ``RequestCache`` (``attach``), refuses what the served model cannot
 do (``check``: teacache without published coefficients, any cache under sequence
-parallelism), scopes each step and each shape-group forward, tells offload which blocks a
+parallelism or where the pipeline says why it cannot serve one, ``step_cache_refusal``), scopes each step and each shape-group forward, tells offload which blocks a
 step needs, and reports what a step skipped into its ``RunnerOutput``.
 """
 
@@ -40,7 +40,9 @@ class StepCache:
     def __init__(self, pipeline: Any, *, default: StepCacheSpec | None, offload: Any = None,
                  sequence_parallel: bool = False) -> None:
         self.default = default
-        self._refusal = SEQUENCE_PARALLEL_REFUSAL if sequence_parallel else None
+        # A pipeline whose DiT's blocks take no rows (Cosmos3's packed sequences) says why.
+        self._refusal: str | None = SEQUENCE_PARALLEL_REFUSAL if sequence_parallel else \
+            getattr(pipeline, "step_cache_refusal", None)
         self._rule = teacache_rule(pipeline.family.name, pipeline.transformer)
         self._offload = offload
         self._live: dict[str, RequestCache] = {}  # request id -> its cache, while it runs
@@ -50,7 +52,7 @@ class StepCache:
                 self.check(default)
             except InvalidRequestError as e:
                 raise ConfigError(f"--step-cache {default.policy}: {e.message}") from e
-        if sequence_parallel:
+        if self._refusal is not None:
             return
         # Blocks return what their DiT's blocks return: a derived family (an edit or
         # image-to-video layout) runs its base family's DiT (FLUX.1 Kontext: Flux's blocks).

@@ -240,7 +240,8 @@ def load_components(
     pipeline_cls = getattr(diffusers, family.pipeline_class)
     try:
         # Every module in the serving dtype; the given DiTs are taken as they are.
-        pipe = pipeline_cls.from_pretrained(root, dtype=torch_dtype(dtype), **given)
+        pipe = pipeline_cls.from_pretrained(root, dtype=torch_dtype(dtype),
+                                            **family.load_options, **given)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(
             f"could not load {family.pipeline_class} from {str(root)!r}: {e}") from e

@@ -41,3 +41,43 @@ def test_tiny_run_reports_every_cell(model: str, cells: set[str], tmp_path: Path
         floor = "DLO b1 <= 1.02 x its streamed-bytes floor"
         assert (floor in named) == bool(result.get("h2d_gbps"))
     assert "| target | value | bound | ok |" in (tmp_path / "offload_families.md").read_text()
+
+
+def test_tiny_cosmos3_runs_and_compares_with_a_baseline(tmp_path: Path) -> None:
+    # One request with CFG is one forward over two packed sequences; the Super-sized run
+    # (FP8, as its bf16 would not fit the host) reads the Nano run as its baseline.
+    bench = load_bench()
+    nano, super_ = tmp_path / "nano", tmp_path / "super"
+    assert bench.main(["--tiny", "--model", "cosmos3", "--methods", "resident", "dlo",
+                       "--out", str(nano), "--warmup", "0", "--iters", "1"]) == 0
+    assert bench.main(["--tiny", "--model", "cosmos3-super", "--methods", "dlo",
+                       "--quantization", "fp8", "--baseline",
+                       str(nano / "offload_families.json"), "--out", str(super_),
+                       "--warmup", "0", "--iters", "1"]) == 0
+    first = json.loads((nano / "offload_families.json").read_text())
+    assert {(c["method"], c["cell"]) for c in first["cells"]} == {
+        ("resident", "b1 cfg"), ("dlo", "b1 cfg")}
+    assert first["methods"]["dlo"]["report"]["streamed_blocks"] == 2
+    second = json.loads((super_ / "offload_families.json").read_text())
+    assert second["quantization"] == "fp8"
+    assert any(t["target"].startswith("DLO peak HBM growth") for t in second["targets"])
+
+
+def test_tiny_cosmos3_super_runs_its_baseline_in_the_same_process(tmp_path: Path) -> None:
+    # --baseline-model: the Nano DiT under DLO first (same quantization), then the
+    # Super-sized one, judged against it: the growth target from one command.
+    bench = load_bench()
+    assert bench.main(["--tiny", "--model", "cosmos3-super", "--methods", "dlo",
+                       "--quantization", "fp8", "--baseline-model", "cosmos3",
+                       "--out", str(tmp_path), "--warmup", "0", "--iters", "1"]) == 0
+    base = json.loads((tmp_path / "baseline-cosmos3" / "offload_families.json").read_text())
+    assert (base["model"], base["quantization"]) == ("cosmos3", "fp8")
+    assert {(c["method"], c["cell"]) for c in base["cells"]} == {("dlo", "b1 cfg")}
+    result = json.loads((tmp_path / "offload_families.json").read_text())
+    assert result["model"] == "cosmos3-super"
+    assert result["baseline"] == str(tmp_path / "baseline-cosmos3" / "offload_families.json")
+    growth = [t for t in result["targets"] if t["target"].startswith("DLO peak HBM growth")]
+    assert len(growth) == 1
+    with pytest.raises(SystemExit):  # an earlier run's file and a run now: one or the other
+        bench.main(["--tiny", "--model", "cosmos3-super", "--baseline", "x.json",
+                    "--baseline-model", "cosmos3", "--out", str(tmp_path / "both")])

@@ -84,3 +84,21 @@ def test_generate_refuses_a_frame_count_the_model_cannot_make(family_dir, capsys
                  "--num-frames", "8"])
     assert code == 2
     assert "num_frames" in capsys.readouterr().err
+
+
+def test_mp4_carries_a_sound_track(tmp_path: Path) -> None:
+    # A stereo tone beside the frames: an AAC stream at the track's rate, as long as it.
+    rate = 16000
+    t = torch.arange(rate) / rate
+    tone = torch.stack([torch.sin(2 * torch.pi * 440 * t), torch.sin(2 * torch.pi * 220 * t)])
+    path = write_mp4(smooth_video(8, 32, 32), tmp_path / "sound.mp4", fps=8,
+                     audio=(0.5 * tone, rate))
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 8
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.rate, stream.channels) == ("aac", rate, 2)
+        samples = np.concatenate([f.to_ndarray() for f in container.decode(stream)], axis=1)
+    # AAC adds its priming and pads the last frame: a second, within one frame of 1024.
+    assert rate <= samples.shape[1] <= rate + 2048
+    # The tone survives the lossy codec (its energy, not its exact samples).
+    assert abs(float(np.abs(samples).mean()) - float((0.5 * tone).abs().mean())) < 0.05

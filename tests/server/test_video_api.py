@@ -37,6 +37,8 @@ JOB = {"prompt": "waves at night", "size": "32x16", "num_frames": 5, "fps": 8,
     ({"prompt": "x", "seed": -1}, "seed", "[0, 2^63)"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown field"),
     ({"prompt": "x", "input_reference": "frame.png"}, "input_reference", "text only"),
+    ({"prompt": "x", "audio": True}, "audio", "no sound track"),  # Wan makes none
+    ({"prompt": "x", "audio": "yes"}, "audio", "true or false"),
 ])
 def test_bad_inputs_are_400_with_the_error_object(tmp_path: Path, body, param, words) -> None:
     app, _ = video_app(fake_video_engine(tmp_path))

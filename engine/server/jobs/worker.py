@@ -320,7 +320,8 @@ class JobWorker:
 
         token = held.token
         try:
-            data = mp4_bytes(result.pixels[0], fps=held.spec.fps)
+            audio = None if result.audio is None else (result.audio[0], result.audio_rate)
+            data = mp4_bytes(result.pixels[0], fps=held.spec.fps, audio=audio)
         except Exception as e:
             log.exception("video %s: encoding failed", job_id)
             self._settle(job_id, held, partial(self.store.fail, job_id, "encoding_failed",
