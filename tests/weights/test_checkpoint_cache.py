@@ -162,3 +162,28 @@ def test_engine_builds_the_entry_then_the_next_engine_hits(
     assert "file load skipped" in generate.report["backing_reason"]  # type: ignore[attr-defined]
     assert all(torch.equal(private[k], first[k]) and torch.equal(private[k], second[k])
                for k in private)
+
+
+def test_the_daemon_builds_the_entry_cachectl_and_engines_then_find(
+        files: dict[str, Path], tiny_model_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from ditserve.cachectl.cli import engine_loader
+    from ditserve.cachectl.daemon import Daemon, DaemonConfig, create_app
+
+    root = tmp_path / "cache"
+    daemon = Daemon(DaemonConfig(root=root, socket_path=tmp_path / "s.sock", scrub_interval_s=0,
+                                 grace_s=30), logging.getLogger("test.cachectl"), engine_loader())
+    try:
+        with TestClient(create_app(daemon)) as client:
+            answer = client.post("/v1/ensure", json={
+                "model": str(tiny_model_dir), "checkpoint": str(files["fp8"]),
+                "dtype": "float32", "wait_s": 120})
+    finally:
+        daemon.stop()
+    assert answer.status_code == 200 and answer.json()["built"], answer.json()
+    again = build(root, files["fp8"], tiny_model_dir, capsys)
+    assert again["key"] == answer.json()["key"] and again["via_recipe"]
