@@ -169,3 +169,44 @@ def test_flux_aligned_blocks_load_with_one_copy_each(tiny_model_dir, tmp_path) -
         assert report["mapped_tensors_per_pass"] > 100
     finally:
         handle.disable()
+
+
+def test_unregistered_cuda_start_copies_the_mapping_into_slabs_once(  # type: ignore[no-untyped-def]
+        tiny_model_dir) -> None:
+    """--offload dlo on CUDA without --dlo-pin-limit-gib (``streams_from_mapping``): the DiT is
+    not loaded into private memory; the backend copies its blocks from the checkpoint's mapping
+    into its own slabs, and the DiT computes exactly as the ordinary load does. (On the CPU the
+    slabs are pageable; the path is the same.)"""
+    import sys
+
+    from ditserve.engine.offload import enable_offload
+    from ditserve.engine.weights.backing_choice import prepare_dit
+    from ditserve.engine.weights.loader import load_dit
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "formats"))
+    from support import flux_inputs  # type: ignore[import-not-found]
+
+    config = OffloadConfig(enabled=True)
+    dit, plan = prepare_dit(tiny_model_dir, dtype="float32", offload=config,
+                            streams_from_mapping=True)
+    spans = [(m.address, m.address + m.length) for m in plan.mappings]
+
+    def in_mapping(t: torch.Tensor) -> bool:
+        return any(a <= t.data_ptr() < b for a, b in spans)
+
+    assert spans and all(in_mapping(t) for t in dit.state_dict().values())  # no private copy
+    assert plan.kind == "ordinary" and "copied once" in plan.reason
+    ordinary = load_dit(tiny_model_dir, dtype="float32")
+    inputs = flux_inputs(ordinary)
+    with torch.no_grad():
+        want = ordinary(**inputs)[0]
+    handle = enable_offload(dit, config, device=torch.device("cpu"), host_plan=plan)
+    try:
+        report = handle.report()
+        assert report["backing_kind"] == "ordinary" and report["skipped_materialization"]
+        assert report["transfer_path"] == "private-slabs"
+        with torch.no_grad():
+            got = dit(**inputs)[0]
+        assert torch.equal(want, got)
+    finally:
+        handle.disable()
