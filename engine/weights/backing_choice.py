@@ -6,9 +6,7 @@
    if the cache cannot be used, ordinary memory with the error as the reason;
 2. ``checkpoint_mmap`` (``--dlo-checkpoint-mmap auto``): preflight the checkpoint's
    safetensors against a meta-device DiT; if it passes, the DiT's tensors become read-only
-   views of the checkpoint files and the ordinary load is skipped; on CUDA without a pin
-   limit the plan is ordinary all the same (``copied_from_mapping``: the blocks are copied
-   once from the mapping into pinned slabs);
+   views of the checkpoint files and the ordinary load is skipped;
 3. ``ordinary``: the loader's usual private tensors; the plan says why (1) or (2) did not
    apply, and the reason is logged.
 
@@ -76,11 +74,9 @@ def prepare_dit(
 
     streams_from_mapping: blocks would be copied to a CUDA device straight from the backing
     (rank-local transfer, not AllGather shards, which are always copied into pinned slabs).
-    Then ``checkpoint_mmap="auto"`` streams from the mapping only when ``pin_limit_gib`` lets
-    it be registered: unregistered, it would stream through staging slots at about half the
-    speed of private pinned slabs (docs/benchmarks.md). Without a pin limit the checkpoint is
-    still mapped, and the backend copies its blocks into pinned slabs once: the start reads
-    the DiT once instead of loading it privately and then copying it again.
+    Then ``checkpoint_mmap="auto"`` maps the checkpoint only when ``pin_limit_gib`` lets the
+    mapping be registered: unregistered, it streams through staging slots at about half the
+    speed of private pinned slabs (docs/benchmarks.md), a bad default trade for sharing.
 
     component: which of the model's DiTs (Wan 2.2 has two: ``transformer``, ``transformer_2``).
     keep_private: why the DiT's tensors will be replaced after loading (``--quantization``);
@@ -116,30 +112,19 @@ def prepare_dit(
         return load(), plan
     if offload.checkpoint_mmap == "off":
         return load(), HostWeightPlan.ordinary("checkpoint mmap off (--dlo-checkpoint-mmap off)")
+    if streams_from_mapping and offload.pin_limit_gib <= 0:
+        plan = HostWeightPlan.ordinary(
+            "checkpoint mmap auto: skipped on CUDA without --dlo-pin-limit-gib (an unregistered "
+            "mapping streams through staging slots, about 2x slower than private pinned memory)")
+        log.info("DLO host backing: ordinary (%s)", plan.reason)
+        return load(), plan
     mapped, plan = checkpoint_dit(model_dir, dtype=dtype, model_cls=model_cls,
                                   component=component)
     if mapped is None:
         log.info("DLO host backing: ordinary (%s)", plan.reason)
         return load(), plan
-    if streams_from_mapping and offload.pin_limit_gib <= 0:
-        plan = copied_from_mapping(plan)
     log.info("DLO host backing: %s (%s)", plan.kind, plan.reason)
     return mapped, plan
-
-
-def copied_from_mapping(plan: HostWeightPlan) -> HostWeightPlan:
-    """A mapped plan turned ordinary: the backend copies the blocks into its own pinned slabs,
-    straight from the checkpoint's mapping (the DiT's tensors are its views), then closes the
-    mappings. For CUDA without ``--dlo-pin-limit-gib``: an unregistered mapping would stream
-    through staging slots, about 2x slower per step than private pinned slabs, and loading
-    the DiT into private memory first would copy every byte twice at start."""
-    return HostWeightPlan(
-        BackingKind.ORDINARY,
-        reason=("checkpoint mmap auto: copied once from the checkpoint's mapping into pinned "
-                "slabs (no private load; an unregistered mapping would stream through staging "
-                "slots, about 2x slower: --dlo-pin-limit-gib streams from it registered)"),
-        mappings=plan.mappings, coverage=plan.coverage, skipped_materialization=True,
-    )
 
 
 def _runtime_cache(model_dir: str | Path, dtype: str, offload: OffloadConfig, model_cls: Any,
