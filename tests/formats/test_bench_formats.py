@@ -66,19 +66,3 @@ def test_image_metrics() -> None:
     noisy = (a + 0.1 * torch.randn(a.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
     assert quality.ssim(noisy, a) < quality.ssim((a + noisy) / 2, a) < 1
 
-
-def test_formats_bench_tiny_runs_every_format_on_the_cpu(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCH))  # its shared harness, as `python3 bench/formats.py`
-    formats = load("formats")
-    out = tmp_path / "out"
-    assert formats.main(["--tiny", "--model-dir", str(tmp_path / "flux"), "--out",
-                         str(out)]) == 0
-    result = json.loads((out / "formats.json").read_text())
-    rows = {r["format"]: r for r in result["rows"]}
-    assert set(rows) == {"bf16", "gguf:Q8_0", "gguf:Q4_K", "fp8"}
-    # each streams its stored form: the quantized files' blocks are smaller than bf16's
-    assert rows["gguf:Q8_0"]["streamed_bytes"] < rows["bf16"]["streamed_bytes"]
-    assert rows["fp8"]["streamed_bytes"] < rows["bf16"]["streamed_bytes"]
-    assert {t["target"] for t in result["targets"]} >= {
-        f"{f} DLO b1 <= 1.05 x its floor" for f in rows}
