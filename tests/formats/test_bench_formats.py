@@ -65,4 +65,3 @@ def test_image_metrics() -> None:
         pytest.approx(20.0))
     noisy = (a + 0.1 * torch.randn(a.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
     assert quality.ssim(noisy, a) < quality.ssim((a + noisy) / 2, a) < 1
-
