@@ -10,6 +10,7 @@ config (the file's tensors, the config its structure), the loader's checkpoint f
 the tensors in the form the engine runs them (GGUF blocks and FP8 bytes as stored), and the
 entry's metadata records each layer's form so an engine can build the DiT around the mapped
 bytes without reading the file.
+
 The loader is an argument (``ModelLoader``): this module, like the whole library, never
 imports the engine. Only the edges do: the CLI hands the engine's loader to ``build`` /
 ``ensure`` and to the daemon, and the engine describes its own loader the same way
@@ -103,9 +104,11 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def _source_digest(module: ModuleType | None) -> str:
+def _source_digest(module: ModuleType) -> str:
+    """16 hex digits of the module's source (empty where it cannot be read): any edit of a
+    loader re-keys its entries."""
     try:
-        source = inspect.getsource(module).encode() if module is not None else b""
+        source = inspect.getsource(module).encode()
     except (OSError, TypeError):
         source = b""
     return hashlib.sha256(source).hexdigest()[:16]
