@@ -83,10 +83,10 @@ def engine_loader() -> ModelLoader:
     from ditserve.cachectl.model_build import describe_loader
 
     try:
-        from ditserve.engine.weights import loader
+        from ditserve.engine.weights import checkpoint_cache, loader
     except ImportError as e:  # pragma: no cover - only in a broken install
         raise BuildError(f"the engine loader is not importable: {e}") from e
-    return describe_loader(loader)
+    return describe_loader(loader, checkpoint_cache)
 
 
 def default_dtype(model: Path, component: str, loader: LoaderFn) -> str:
@@ -129,6 +129,28 @@ def _add_pull(sub: Any, common: argparse.ArgumentParser) -> None:
                                "the cache here: for pods that mount the cache read-only")
 
 
+def model_args(sp: argparse.ArgumentParser) -> None:
+    """The flags naming a model entry (build and ensure)."""
+    sp.add_argument("--model", required=True, type=Path,
+                    help="local diffusers model directory, or a DiT checkpoint file "
+                         "(single-file, GGUF or FP8 safetensors) with --base-model")
+    sp.add_argument("--base-model", type=Path, default=None, metavar="DIR",
+                    help="with --model FILE: the diffusers directory of the file's family "
+                         "it is served with (`ditserve serve --model FILE --base-model DIR`)")
+    sp.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="runtime dtype (default: the dtype the DiT's weights are stored "
+                         "in, as `ditserve serve` defaults)")
+    sp.add_argument("--revision", default=None, help="revision label recorded in the identity")
+    sp.add_argument("--component", default="transformer", metavar="NAME",
+                    help="which DiT of the model (Wan 2.2's second expert: transformer_2; "
+                         "'all': every DiT the model has, one entry each)")
+    sp.add_argument("--sp-size", type=_positive_int, default=1,
+                    help="sequence-parallel world size of the engines (part of the identity)")
+    sp.add_argument("--sp-impl", default=None,
+                    help="sequence-parallel implementation name (with --sp-size > 1)")
+    sp.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", type=Path, default=argparse.SUPPRESS,
@@ -138,21 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="exit status: 0 ok, 1 corruption found, 2 usage error, "
                                        "3 missing or unavailable")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def model_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--model", required=True, type=Path, help="local diffusers model directory")
-        sp.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="runtime dtype (default: the dtype the DiT's weights are stored "
-                             "in, as `ditserve serve` defaults)")
-        sp.add_argument("--revision", default=None, help="revision label recorded in the identity")
-        sp.add_argument("--component", default="transformer", metavar="NAME",
-                        help="which DiT of the model (Wan 2.2's second expert: transformer_2; "
-                             "'all': every DiT the model has, one entry each)")
-        sp.add_argument("--sp-size", type=_positive_int, default=1,
-                        help="sequence-parallel world size of the engines (part of the identity)")
-        sp.add_argument("--sp-impl", default=None,
-                        help="sequence-parallel implementation name (with --sp-size > 1)")
-        sp.add_argument("--json", action="store_true", help="print the result as JSON")
 
     b = sub.add_parser("build", parents=[common], help="build (or join) a model's entry here")
     model_args(b)
@@ -219,7 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = getattr(args, "root", None) or default_root()
     try:
         if getattr(args, "model", None) is not None and args.dtype is None:
-            args.dtype = default_dtype(args.model, args.component, engine_loader)
+            # A checkpoint file is served in its base model's dtype, as `ditserve serve`.
+            args.dtype = default_dtype(args.base_model or args.model, args.component,
+                                       engine_loader)
         rc = COMMANDS[args.command](root, args, engine_loader)
         sys.stdout.flush()  # a closed pipe must fail here, not in the interpreter's exit
         return rc

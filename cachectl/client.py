@@ -82,9 +82,11 @@ class DaemonClient:
 
     def ensure(self, model: str, dtype: str, revision: str | None, *, wait_s: float,
                sp_size: int = 1, sp_impl: str | None = None,
-               component: str = "transformer") -> tuple[int, dict[str, Any]]:
+               component: str = "transformer",
+               checkpoint: str | None = None) -> tuple[int, dict[str, Any]]:
         body = {"model": model, "dtype": dtype, "revision": revision, "wait_s": wait_s,
-                "sp_size": sp_size, "sp_impl": sp_impl, "component": component}
+                "sp_size": sp_size, "sp_impl": sp_impl, "component": component,
+                "checkpoint": checkpoint}
         return self.request("POST", "/v1/ensure", body, timeout_s=wait_s + self.timeout_s)
 
     def entry(self, key: str) -> tuple[int, dict[str, Any]]:

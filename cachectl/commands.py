@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.cachectl.client import through_daemon
-from ditserve.cachectl.errors import CORRUPT, CacheError, DaemonError, EntryCorruptError, Problem
+from ditserve.cachectl.errors import (
+    CORRUPT,
+    CacheError,
+    DaemonError,
+    EntryCorruptError,
+    Problem,
+    UsageError,
+)
 from ditserve.cachectl.layout import default_socket
 from ditserve.cachectl.model_build import ModelLoader
 from ditserve.cachectl.progress import Progress
@@ -44,9 +51,20 @@ def _request(args: argparse.Namespace) -> Any:
     from ditserve.cachectl.identity import Placement
     from ditserve.cachectl.model_build import ModelRequest
 
-    return ModelRequest(args.model.resolve(), args.dtype, args.revision,
+    model_dir, checkpoint = model_paths(args)
+    return ModelRequest(model_dir, args.dtype, args.revision,
                         Placement(sp_size=args.sp_size, sp_impl=args.sp_impl),
-                        component=args.component)
+                        component=args.component, checkpoint=checkpoint)
+
+
+def model_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """(model directory, checkpoint file or None) of ``--model [--base-model]``."""
+    if args.base_model is None:
+        return args.model.resolve(), None
+    if not args.model.is_file():
+        raise UsageError(f"--base-model goes with --model FILE (a DiT checkpoint file); "
+                         f"{str(args.model)!r} is not a file")
+    return args.base_model.resolve(), args.model.resolve()
 
 
 def _local_ensure(root: Path, args: argparse.Namespace, progress: Progress,
@@ -81,9 +99,11 @@ def _daemon_ensure(client: Any, args: argparse.Namespace, progress: Progress) ->
             raise CacheError(f"the daemon did not finish within --timeout {args.timeout:.0f}s "
                              f"(last phase: {last_phase}); it keeps building, run ensure again")
         # Long-poll: the daemon answers as soon as the build ends, or after wait_s.
-        status, body = client.ensure(str(args.model.resolve()), args.dtype, args.revision,
+        model_dir, checkpoint = model_paths(args)
+        status, body = client.ensure(str(model_dir), args.dtype, args.revision,
                                      wait_s=min(5.0, left), sp_size=args.sp_size,
-                                     sp_impl=args.sp_impl, component=args.component)
+                                     sp_impl=args.sp_impl, component=args.component,
+                                     checkpoint=None if checkpoint is None else str(checkpoint))
         if body.get("phase") != last_phase:
             last_phase = body.get("phase")
             progress.phase(f"daemon: {last_phase}")
@@ -91,7 +111,7 @@ def _daemon_ensure(client: Any, args: argparse.Namespace, progress: Progress) ->
         progress.bytes(int(prog.get("done_bytes") or 0), int(prog.get("total_bytes") or 0))
         if status == 200:
             return {**body, "via": "daemon"}
-        if status == 400 and body.get("reason") == "bad_request" and args.model.is_dir():
+        if status == 400 and body.get("reason") == "bad_request" and model_dir.is_dir():
             # We see the model, the daemon does not (e.g. a PVC mounted only in this pod).
             raise _DaemonCannotSeeModel(f"the daemon cannot use {args.model}: {body.get('error')}")
         if status != 202:
@@ -110,6 +130,8 @@ def _components(args: argparse.Namespace, loader: LoaderFn) -> list[str]:
     (an engine maps each from the cache; one left out is held in private memory instead)."""
     if args.component != ALL_COMPONENTS:
         return [args.component]
+    if args.base_model is not None:
+        return ["transformer"]  # a checkpoint file holds one DiT: the model's first
     return list(loader().components(args.model.resolve()))
 
 

@@ -3,7 +3,8 @@
 Owns ``DaemonConfig``, the FastAPI app and socket setup. Endpoints:
 
     GET  /healthz              liveness, root, entry count
-    POST /v1/ensure            {model, dtype, revision, sp_size, sp_impl, wait_s} -> 200 ready /
+    POST /v1/ensure            {model, dtype, revision, sp_size, sp_impl, component, checkpoint,
+                                wait_s} -> 200 ready /
                                202 building /
                                400 bad request / 409 corrupt entry / 500 failed
     POST /v1/pull              {uri, credentials, workers, wait_s} -> 200 ready / 202 downloading /
@@ -95,6 +96,9 @@ class EnsureBody(BaseModel):
     component: str = Field("transformer", min_length=1, max_length=64,
                            pattern=r"^[A-Za-z0-9_]+$",
                            description="which DiT of the model (Wan 2.2: transformer_2)")
+    checkpoint: str | None = Field(None, min_length=1,
+                                   description="a DiT checkpoint file served with `model` as "
+                                               "its base (single-file, GGUF or FP8)")
     wait_s: float = Field(0.0, ge=0, le=3600, description="long-poll up to this many seconds")
 
 
@@ -207,7 +211,9 @@ def create_app(daemon: Daemon) -> FastAPI:
         try:
             placement = Placement(sp_size=body.sp_size, sp_impl=body.sp_impl)
             request = ModelRequest(Path(body.model), body.dtype, body.revision, placement,
-                                   component=body.component)
+                                   component=body.component,
+                                   checkpoint=None if body.checkpoint is None
+                                   else Path(body.checkpoint))
             job = await asyncio.to_thread(daemon.builds.submit, request)
         except CacheError as e:
             return JSONResponse({"status": "failed", "reason": "bad_request", "error": str(e)}, 400)

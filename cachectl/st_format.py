@@ -36,6 +36,12 @@ _NUMPY_NAMES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "ui
                 "float16": "F16", "int32": "I32", "uint32": "U32", "float32": "F32",
                 "int64": "I64", "uint64": "U64", "float64": "F64"}
 WRITE_CHUNK = 16 * 2**20
+# The data section starts at a multiple of this (the header is padded to it). Tensors are
+# written largest element first and real DiT tensors are multiples of 64 bytes, so their
+# mapped views land 64-byte aligned, as the allocator's own tensors are: CPU matmul kernels
+# take another path for a less aligned pointer, so a mapped DiT would differ from a loaded
+# one in the last bit (and a device copy from an aligned source is no slower).
+DATA_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,9 @@ def header_bytes(entries: Sequence[tuple[str, RawTensor]], metadata: Mapping[str
                         "data_offsets": [offset, offset + raw.nbytes]}
         offset += raw.nbytes
     body = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    # Pad with spaces to 8 bytes so every tensor's data stays aligned to its element size.
-    body += b" " * (-len(body) % 8)
+    # Pad with spaces so the data section starts DATA_ALIGNMENT-aligned (a multiple of every
+    # element size; see DATA_ALIGNMENT); the 8 bytes of the length come first.
+    body += b" " * (-(8 + len(body)) % DATA_ALIGNMENT)
     return struct.pack("<Q", len(body)) + body
 
 

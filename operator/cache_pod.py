@@ -13,7 +13,8 @@ container runs the admin's image (``AdminPolicy.helper_image``), never the tenan
   itself (``--no-daemon``), read-write, still with the admin's image and never as root.
 
 Every DiT of the model is ensured (``--component all``: Wan 2.2's ``transformer_2`` too), so
-no engine falls back to private host memory for one of them.
+no engine falls back to private host memory for one of them; with ``model.checkpoint`` the
+file's DiT is (``--model FILE --base-model VOLUME``: GGUF and FP8 kept in their stored form).
 
 A ``model.uri`` model (hf:// or s3://) is pulled first by a ``cachectl-pull`` init container:
 ``cachectl pull URI --daemon-only --link /models/model`` asks the node's daemon to download it
@@ -128,7 +129,12 @@ def ensure_container(spec: DeploymentSpec, image: str) -> dict[str, Any]:
     if spec.model.host_path is not None:
         # The daemon opens the model by the path it is given: mount it at its node path.
         model_path = mount["mountPath"] = spec.model.host_path
-    command = ["cachectl", "ensure", "--model", model_path, "--dtype", spec.model.dtype,
+    model_args = ["--model", model_path]
+    if spec.model.checkpoint is not None:
+        # A DiT checkpoint file in the volume: its own entry, the volume as its base model.
+        model_args = ["--model", f"{model_path}/{spec.model.checkpoint}",
+                      "--base-model", model_path]
+    command = ["cachectl", "ensure", *model_args, "--dtype", spec.model.dtype,
                "--component", "all", "--root", root,
                "--timeout", str(sizing.ensure_timeout_s(spec))]
     if spec.parallelism.sequence > 1:

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.weights.convert import TARGETS
+from ditserve.engine.weights.checkpoint_file import CONVERT_TARGETS as TARGETS
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -108,7 +108,8 @@ def problems(config: EngineConfig) -> list[str]:
 
 def checkpoint_problems(config: EngineConfig) -> list[str]:
     """The rules for serving a DiT checkpoint file (``checkpoint``): it needs a base model
-    directory, keeps its own stored form, and is read from its file, not the node cache."""
+    directory and keeps its own stored form (under offload the runtime cache holds it in
+    that form: ``weights.checkpoint_cache``)."""
     if config.checkpoint is None:
         return []
     out = []
@@ -122,10 +123,6 @@ def checkpoint_problems(config: EngineConfig) -> list[str]:
     if config.adapters.fuse:
         out.append("--lora-fuse merges an adapter into dense weights, which a checkpoint file's "
                    "GGUF or FP8 layers are not; serve adapters unfused (drop --lora-fuse)")
-    if config.offload.enabled and config.offload.runtime_cache:
-        out.append("the runtime cache stores the base model's DiT, not a checkpoint file's; "
-                   "drop --dlo-runtime-cache (the node cache can hold the file itself: "
-                   "cachectl build FILE)")
     return out
 
 

@@ -10,7 +10,10 @@ hooks go on the final linears; compilation wraps the blocks last. Called by ``Mo
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,13 +55,11 @@ class Assembled:
 
 def read_weights(model_dir: str | Path, config: EngineConfig, *, device: torch.device,
                  sharded: bool, timeline: StartTimeline | None = None) -> LoadedWeights:
-    """The model's weights in host memory (start phase ``read``), after the CUDA context
-    (``cuda_init``): the first CUDA call makes it wherever it falls, so make it first and time
-    reading and placing apart from it. ``sharded``: DLO shards over a weight group."""
-    if device.type == "cuda":
-        with timed(timeline, "cuda_init"):
-            torch.empty(0, device=device)
-    with timed(timeline, "read"):
+    """The model's weights in host memory (start phase ``read``), while the CUDA context is
+    made (``cuda_init``, on its own thread: ``context_meanwhile``): the first CUDA call makes
+    it wherever it falls, so make it here and time reading and placing apart from it.
+    ``sharded``: DLO shards over a weight group."""
+    with context_meanwhile(device, timeline), timed(timeline, "read"):
         return load_weights(
             model_dir, dtype=config.dtype, offload=config.offload,
             sp_size=config.parallel.sequence_parallel_size,
@@ -67,6 +68,44 @@ def read_weights(model_dir: str | Path, config: EngineConfig, *, device: torch.d
             keep_private=weights_replaced(config),
             sharded=sharded, checkpoint=config.checkpoint,
         )
+
+
+def first_allocation(device: torch.device) -> None:
+    """What makes a device's CUDA context: its first allocation."""
+    torch.empty(0, device=device)
+
+
+@contextlib.contextmanager
+def context_meanwhile(device: torch.device, timeline: StartTimeline | None = None, *,
+                      make_context: Callable[[torch.device], Any] = first_allocation,
+                      ) -> Iterator[None]:
+    """Make ``device``'s CUDA context on a thread while the body runs; ready on exit.
+
+    Reading the weights (headers, building modules on the checkpoints' mappings, tokenizers)
+    needs no device, and creating the context (driver, context, caching allocator) runs in
+    CUDA with the GIL released by torch's factory call, so the two overlap instead of adding
+    up. The context's failure is raised on exit, after the body's own (which wins); nothing
+    happens for another device."""
+    if device.type != "cuda":
+        yield
+        return
+    failure: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            with timed(timeline, "cuda_init"):
+                make_context(device)
+        except BaseException as e:  # raised on the caller's thread below
+            failure.append(e)
+
+    thread = threading.Thread(target=make, name="cuda-context", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if failure:
+        raise failure[0]
 
 
 def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.device,

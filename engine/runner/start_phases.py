@@ -5,7 +5,8 @@ the executor -> ``ModelRunner`` -> ``assemble``); each part wraps its work in
 ``timeline.phase(name)``. Phases, in the order they run:
 
     process       interpreter start to the engine's start (imports, arguments, the server)
-    cuda_init     creating the CUDA context on this process's device
+    cuda_init     creating the CUDA context on this process's device (on its own thread,
+                  while ``read`` runs: the two overlap, so their sum exceeds their wall time)
     read          reading the weights into host memory (safetensors, mmap, the node cache)
     place         building the pipeline and moving its resident parts to the device
     pin_register  layerwise offload: pinning or registering host memory, slots, hooks

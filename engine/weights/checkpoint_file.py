@@ -37,6 +37,10 @@ FP8_MARKERS = {"scaled_fp8"}
 # plain F32/F16), spelled here so the check needs no torch; a test keeps the two equal.
 GGUF_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "Q6_K",
                         "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"})
+# What ``model convert --to`` writes (``weights.convert``); here, torch-free, for the CLI's
+# argument parser, which must not import torch to say --help.
+GGUF_WRITE_TYPES = ("Q8_0", "Q4_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+CONVERT_TARGETS = ("single-file", "fp8", *(f"gguf:{t}" for t in GGUF_WRITE_TYPES))
 
 
 class CheckpointFormat(str, Enum):

@@ -36,8 +36,15 @@ _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
     "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32,
     "I64": torch.int64, "F64": torch.float64,
+    # FP8 checkpoints and their node cache entries (``FP8Linear``'s e4m3 weights).
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+
+def torch_dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (KeyError for one we do not map)."""
+    return _DTYPES[name]
 
 
 def st_dtype(dtype: torch.dtype) -> str:

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 
 from ditserve.engine.errors import ConfigError, ModelLoadError
-from ditserve.engine.weights.checkpoint_file import FP8_SCALE_SUFFIX
+from ditserve.engine.weights.checkpoint_file import (
+    CONVERT_TARGETS,
+    FP8_SCALE_SUFFIX,
+)
 
 log = logging.getLogger(__name__)
 
-GGUF_WRITE_TYPES = ("Q8_0", "Q4_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-TARGETS = ("single-file", "fp8", *(f"gguf:{t}" for t in GGUF_WRITE_TYPES))
+TARGETS = CONVERT_TARGETS  # the forms ``convert`` writes (spelled torch-free for the CLI)
 # city96's rule: tensors this small stay unquantized (F32).
 SMALL_TENSOR = 1024
 

@@ -75,22 +75,23 @@ def repoint(model: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
         tensor.data = view
 
 
-def _map_entry(entry: Any) -> list[MappedSafetensors]:
+def map_entry(entry: Any) -> list[MappedSafetensors]:
     return [MappedSafetensors(p) for p in entry.files() if p.suffix == ".safetensors"]
 
 
-def _close_all(files: list[MappedSafetensors]) -> None:
+def close_all(files: list[MappedSafetensors]) -> None:
     for f in files:
         f.close()
 
 
-def _ensure_from_loaded(store: Any, model_plan: Any, model: nn.Module) -> Any:
+def _ensure_from_loaded(store: Any, model_plan: Any, model: nn.Module,
+                        metadata: Mapping[str, str] | None) -> Any:
     """Build the entry from the loaded DiT's tensors, or join an existing one whose content
     digest matches them (ContentMismatchError otherwise). The tensor dict lives only in this
     frame: after the repoint nothing but the DiT may hold the private copies."""
     tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
     return store.ensure_recipe(model_plan.recipe, model_digest=model_plan.model_digest,
-                               build_fn=lambda: tensors, expected=tensors)
+                               build_fn=lambda: tensors, expected=tensors, metadata=metadata)
 
 
 def runtime_cache_dit(
@@ -129,7 +130,7 @@ def runtime_cache_dit(
         hit, note = _join_recipe_hit(store, key, model_dir, model_cls, dtype, component)
         if hit is not None:
             return hit
-    return _load_then_join(store, model_plan, load_dit(), note=note)
+    return load_then_join(store, model_plan, load_dit(), note=note)
 
 
 def _join_recipe_hit(
@@ -144,7 +145,7 @@ def _join_recipe_hit(
         entry = store.join(key)
     except EntryNotFoundError:
         return None, ""  # removed between resolve and join: build or join after a load
-    files = _map_entry(entry)
+    files = map_entry(entry)
     config = model_cls.load_config(str(model_dir), subfolder=component)
     mapped, checked, views = map_dit(model_cls, config, torch_dtype(dtype), files)
     if mapped is not None:
@@ -155,30 +156,32 @@ def _join_recipe_hit(
             mappings=files, coverage=checked.coverage, skipped_materialization=True,
             lease=entry,
         )), ""
-    _close_all(files)
+    close_all(files)
     entry.close()
     log.warning("runtime cache: entry %s refused: %s", key[:12], checked.reason)
     return None, f" (the recipe's entry {key[:12]} did not fit: {checked.reason})"
 
 
-def _load_then_join(
-    store: Any, model_plan: Any, model: nn.Module, *, note: str
+def load_then_join(
+    store: Any, model_plan: Any, model: nn.Module, *, note: str,
+    metadata: Mapping[str, str] | None = None,
 ) -> tuple[nn.Module, HostWeightPlan]:
     """Build or join the entry from a loaded DiT, repoint the DiT at the entry's mapping and
-    release the private copy; the ordinary plan (and the private copy) when that fails."""
+    release the private copy; the ordinary plan (and the private copy) when that fails.
+    metadata: recorded in an entry this call builds (a checkpoint file's layer forms)."""
     from ditserve.cachectl.errors import ContentMismatchError
 
     try:
-        entry = _ensure_from_loaded(store, model_plan, model)
+        entry = _ensure_from_loaded(store, model_plan, model, metadata)
     except ContentMismatchError as e:
         log.warning("runtime cache: %s", e)
         return model, HostWeightPlan.ordinary(f"runtime cache entry not joined: {e}")
     if entry.built:
         store.stamp(entry.key)  # later (read-only) joins skip the full re-hash
-    files = _map_entry(entry)
+    files = map_entry(entry)
     checked = preflight(expected_tensors(model), files)
     if not checked.ok:
-        _close_all(files)
+        close_all(files)
         entry.close()
         return model, HostWeightPlan.ordinary(
             f"runtime cache entry {entry.key[:12]} does not match the loaded DiT: "

@@ -35,9 +35,9 @@ def test_the_cli_surface_is_the_documented_one() -> None:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert _flags(parser) == {"--root"}
     assert {name: _flags(p) for name, p in sub.choices.items()} == {
-        "build": {"--root", "--model", "--dtype", "--revision", "--component", "--sp-size", "--sp-impl",
+        "build": {"--root", "--model", "--base-model", "--dtype", "--revision", "--component", "--sp-size", "--sp-impl",
                   "--json", "--timeout"},
-        "ensure": {"--root", "--model", "--dtype", "--revision", "--component", "--sp-size", "--sp-impl",
+        "ensure": {"--root", "--model", "--base-model", "--dtype", "--revision", "--component", "--sp-size", "--sp-impl",
                    "--json", "--timeout", "--socket", "--no-daemon", "--daemon-only"},
         "pull": {"--root", "uri", "--workers", "--link", "--socket", "--timeout", "--json",
                  "--no-daemon", "--daemon-only"},

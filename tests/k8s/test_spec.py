@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ditserve.operator.cache_pod import ensure_container
 from ditserve.operator.errors import InvalidSpecError
 from ditserve.operator.judge import engine_config, validate
 from ditserve.operator.spec import parse_spec
@@ -133,6 +134,11 @@ def test_model_checkpoint_names_a_file_in_the_model_volume() -> None:
     for bad in ("/etc/passwd", "../other/flux.gguf"):
         with pytest.raises(InvalidSpecError, match="model.checkpoint is a file inside"):
             validate({"model": {"hostPath": "/mnt/models/flux", "checkpoint": bad}})
-    with pytest.raises(InvalidSpecError, match="runtime cache stores the base model's DiT"):
-        validate({"model": {**base["model"], "sizeGiB": 13},
-                  "offload": {"enabled": True, "runtimeCache": {"enabled": True}}})
+    # the node cache holds the file's DiT as stored; the ensure container builds that entry
+    cached = parse_spec({"model": {**base["model"], "sizeGiB": 13},
+                         "offload": {"enabled": True, "runtimeCache": {"enabled": True}}})
+    assert engine_config(cached).offload.runtime_cache
+    command = ensure_container(cached, "helper:1")["command"]
+    model = command[command.index("--model") + 1]
+    assert model == "/mnt/models/flux/gguf/flux1-dev-Q8_0.gguf"
+    assert command[command.index("--base-model") + 1] == "/mnt/models/flux"

@@ -172,10 +172,12 @@ def test_option_rules_for_checkpoint_files() -> None:
     base = {"model": "/models/flux", "checkpoint": "/models/flux.gguf"}
     assert EngineConfig.from_mapping(base).checkpoint == "/models/flux.gguf"
     for extra, why in (({"quantization": "fp8"}, "drop --quantization"),
-                       ({"offload": {"enabled": True, "runtime_cache": True}},
-                        "drop --dlo-runtime-cache"),
                        ({"adapters": {"fuse": True}}, "drop --lora-fuse")):
         with pytest.raises(ConfigError, match=why):
             EngineConfig.from_mapping({**base, **extra})
     with pytest.raises(ConfigError, match="--base-model"):
         EngineConfig.from_mapping({"checkpoint": "/models/flux.gguf"})
+    # the node cache holds a checkpoint file's DiT as stored (tests/weights/test_checkpoint_cache)
+    cached = EngineConfig.from_mapping(
+        {**base, "offload": {"enabled": True, "runtime_cache": True}})
+    assert cached.offload.runtime_cache and cached.checkpoint == "/models/flux.gguf"

@@ -46,3 +46,23 @@ def test_dlo_equals_resident_on_cuda(wide_dir: Path, tmp_path: Path, to: str) ->
     offloaded = generate(wide_dir, path, offload=OffloadConfig(enabled=True))
     assert resident.keys() == offloaded.keys()
     assert all(torch.equal(resident[k], offloaded[k]) for k in resident)
+
+
+@pytest.mark.parametrize("to", ["gguf:Q8_0", "fp8"])
+def test_node_cache_entry_streams_equal_to_private_memory_on_cuda(
+        wide_dir: Path, tmp_path: Path, to: str) -> None:
+    """The checkpoint's node cache entry (tests/weights/test_checkpoint_cache.py on CPU): built
+    by the first engine, mapped without reading the file by the second, registered with a pin
+    limit; both stream the stored bytes and equal the file in private pinned memory."""
+    if to == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need sm89+")
+    path = tmp_path / ("f.gguf" if to.startswith("gguf") else "f.safetensors")
+    convert(wide_dir, path, to=to)
+    private = generate(wide_dir, path, offload=OffloadConfig(enabled=True))
+    cache = OffloadConfig(enabled=True, runtime_cache=True, cache_root=str(tmp_path / "cache"),
+                          pin_limit_gib=4.0)
+    built = generate(wide_dir, path, offload=cache)
+    mapped = generate(wide_dir, path, offload=cache)
+    for got in (built, mapped):
+        assert got.keys() == private.keys()
+        assert all(torch.equal(private[k], got[k]) for k in private)

@@ -22,6 +22,7 @@ import ctypes
 import functools
 import logging
 import sys
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -85,6 +86,9 @@ class PinnedMemory:
         self.kind = "pinned-registered"
         self.pinned_bytes = 0
         self._registered: dict[int, int] = {}  # data_ptr -> bytes, to unregister on free
+        # Slabs are allocated from several threads at once (``builders.fill``); the
+        # registration itself runs unlocked, only the bookkeeping is serialized.
+        self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """Falls back to the caching host allocator (power-of-two rounding) only where
@@ -96,8 +100,9 @@ class PinnedMemory:
             cudart = torch.cuda.cudart()
             err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
             if err == cudart.cudaError.success:
-                self._registered[buffer.data_ptr()] = nbytes
-                self.pinned_bytes += nbytes
+                with self._lock:
+                    self._registered[buffer.data_ptr()] = nbytes
+                    self.pinned_bytes += nbytes
                 return buffer
             log.warning(
                 "cudaHostRegister refused %d bytes (%s); falling back to the caching host "
@@ -113,23 +118,26 @@ class PinnedMemory:
                 f"could not pin {nbytes} bytes of host memory for offload ({e}); free host RAM "
                 "or keep more blocks resident (--dlo-hbm-budget-gib)"
             ) from e
-        self.pinned_bytes += 1 << max(nbytes - 1, 0).bit_length()  # what the allocator takes
+        with self._lock:
+            self.pinned_bytes += 1 << max(nbytes - 1, 0).bit_length()  # what the allocator takes
         return buffer
 
     def free(self, buffer: torch.Tensor) -> bool:
         """Unregister a buffer from ``allocate``. True: the memory stays valid as ordinary
         pageable memory. False: it came from the caching pinned allocator and stays pinned
         while referenced."""
-        nbytes = self._registered.pop(buffer.data_ptr(), None)
-        if nbytes is None:
-            if buffer.numel():
+        with self._lock:
+            nbytes = self._registered.pop(buffer.data_ptr(), None)
+            if nbytes is None and buffer.numel():
                 self.pinned_bytes -= 1 << max(buffer.numel() - 1, 0).bit_length()
+        if nbytes is None:
             return buffer.numel() == 0
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostUnregister(buffer.data_ptr())
         if err != cudart.cudaError.success:
             log.warning("cudaHostUnregister failed: %s", cudart.cudaGetErrorString(err))
-        self.pinned_bytes -= nbytes
+        with self._lock:
+            self.pinned_bytes -= nbytes
         return True
 
 

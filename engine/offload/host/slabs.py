@@ -23,6 +23,10 @@ from ditserve.engine.offload.plan import BlockLayout
 class SlabBacking:
     """Slabs of the streamed blocks, keyed by block index (a ``HostBacking``)."""
 
+    # ``add`` of different blocks may run on several threads at once (``builders.fill``):
+    # each block has its own slab, and the allocator's bookkeeping is locked.
+    concurrent_add = True
+
     def __init__(self, memory: HostMemory) -> None:
         self._memory = memory
         self._slabs: dict[int, torch.Tensor] = {}
