@@ -16,9 +16,25 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ditserve.engine.families.defaults import ModelDefaults, square_image
+
+# A diffusers pipeline directory's index: a DiffusionPipeline's, or - where diffusers ships a
+# model as a modular pipeline only (MiniMax-H3) - a ModularPipeline's.
+INDEX_FILES = ("model_index.json", "modular_model_index.json")
+
+
+def index_file(root: Path) -> Path | None:
+    """The index of the pipeline directory ``root`` (``INDEX_FILES``, in that order), else
+    None. Its ``_class_name`` names the family; its component entries are ``[library,
+    class]`` (a modular index adds the component's loading spec as a third item)."""
+    for name in INDEX_FILES:
+        if (root / name).is_file():
+            return root / name
+    return None
+
 
 # variant -> size ("tiny" | "small" | "full") -> the DiT's keyword arguments
 DitSizes = Mapping[str, Mapping[str, Mapping[str, Any]]]
