@@ -152,11 +152,6 @@ class ModelRunner:
         return self.pipeline.frame_step
 
     @property
-    def min_frames(self) -> int:
-        """The shortest clip the model generates (MiniMax-H3: 5 s); 1 for every other."""
-        return int(getattr(self.pipeline, "min_frames", 1))
-
-    @property
     def condition_images(self) -> tuple[int, int]:
         """(fewest, most) conditioning images; families without any declare nothing."""
         accepted: tuple[int, int] = getattr(self.pipeline, "condition_images", (0, 0))
