@@ -116,7 +116,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
         width = int(dit.config.text_dim)
         parts = {"text_encoder": make_text_encoder(tokenizer, width=width).to(dtype),
                  "vae": make_vae().to(dtype), "audio_vae": make_audio_vae().to(dtype)}
-    pipe = diffusers.MiniMaxH3ModularPipeline(blocks=diffusers.MiniMaxH3Blocks())
+    pipe: Any = diffusers.MiniMaxH3ModularPipeline(blocks=diffusers.MiniMaxH3Blocks())
     pipe.update_components(transformer=dit, tokenizer=tokenizer, **make_schedulers(), **parts)
     return pipe
 
