@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ditserve.engine.families.base import Family
+from ditserve.engine.families.base import ComponentShape, Family
 from ditserve.engine.families.defaults import ModelDefaults
 
 # diffusers' class defaults are the released DiT (56 heads of 128, 5376 wide, 50 blocks).
@@ -36,6 +36,30 @@ TINY: dict[str, Any] = dict(num_attention_heads=2, attention_head_dim=16, hidden
                             in_channels=TINY_LATENT_CHANNELS,
                             audio_in_channels=TINY_LATENT_CHANNELS, text_dim=16, freq_dim=16,
                             time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
+
+# The released parts around the DiT. The conditioner is a Qwen3-VL whose hidden state after
+# layer 50 is 5120 wide (the DiT's text_dim): the layout of Qwen3-VL-32B (64 layers, 5120
+# wide, 64 query / 8 key-value heads of 128, MLP 25600; its vision tower), the nearest
+# documented shape. The VAEs' diffusers defaults are the released ones (24 video latent
+# channels, 16x spatial, 17 frames -> 5 latent frames; 32 audio channels at 32 kHz).
+QWEN3_VL_32B = ComponentShape(
+    "transformers", "Qwen3VLForConditionalGeneration", config_class="Qwen3VLConfig",
+    config=dict(
+        text_config=dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                         num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                         head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                          "mrope_section": [24, 20, 20],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                           out_hidden_size=5120, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24])))
+RELEASED_COMPONENTS = {
+    "text_encoder": QWEN3_VL_32B,
+    "vae": ComponentShape("diffusers", "AutoencoderKLMiniMaxH3", config={}),
+    "audio_vae": ComponentShape("diffusers", "AutoencoderKLMiniMaxH3Audio", config={}),
+}
 
 FPS = 24  # MiniMax-H3 generates at a fixed 24 fps
 TEXT_LAYER = 50  # the Qwen3-VL hidden state it conditions on (diffusers' text_encoder_layer)
@@ -79,5 +103,6 @@ MINIMAX_H3 = Family(
     builders="ditserve.engine.families.minimax_h3.builders",
     dit_sizes={"minimax-h3": {"full": FULL, "small": dict(num_layers=SMALL_LAYERS),
                               "tiny": TINY}},
+    released_components={"minimax-h3": RELEASED_COMPONENTS},
     defaults=minimax_h3_defaults,
 )
