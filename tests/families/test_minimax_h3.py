@@ -215,3 +215,17 @@ def test_sp2_equals_alone(family_dir, alone, monkeypatch) -> None:  # type: igno
         engine.shutdown()
     assert_same(results, alone)
     assert stats.mean_batch_rows > 1  # the requests shared forwards
+
+
+def test_offload_keeps_the_vaes_own_tiling(family_dir) -> None:  # type: ignore[no-untyped-def]
+    # MiniMax-H3's released frames are its VAE's blended 256 px tiles (on by default): the
+    # engine's decode tiling (512 px tiles, off below 480p) must leave them as they are.
+    model = family_dir(VARIANT)
+    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
+                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    try:
+        vae: Any = runner.pipeline.vae
+        assert vae.use_tiling and vae.tile_sample_min_height == 256
+        assert runner.whole.tiling is None
+    finally:
+        runner.close()

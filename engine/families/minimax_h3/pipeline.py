@@ -180,11 +180,6 @@ class MiniMaxH3StepPipeline:
 
         return TEXT_LAYER
 
-    def text_prompts(self, params: Any) -> list[str]:
-        """The prompts ``prepare_encode`` encodes (the batched encode's input): the prompt
-        alone (guidance-distilled: no negative prompt)."""
-        return [params.prompt]
-
     def aligned_frames(self, num_frames: int) -> int:
         """diffusers' frame count: rounded up to 17 n + 5, between 5 and 15 s at 24 fps."""
         aligned = self._facts.align_num_frames(num_frames, self.frames_per_chunk,
