@@ -95,8 +95,10 @@ MINIMAX_H3 = Family(
     # Guidance-distilled: never negative-prompt rows (the pipeline sets one row per video).
     cfg_rows="guidance",
     attention_heads=(56,),  # SP sizes that divide 56: 2, 4, 7, 8, 14, ...
-    # 124 frames at 1344x768: 37 latent frames of 24 x 42 patches, one forward per step.
-    reference_work=37 * 24 * 42,
+    # 124 frames at 1344x768, one forward per step, in the work rule's units: its frame step
+    # is 1 (any frame count, rounded up to 17 n + 5 by the pipeline), so it counts pixel
+    # frames of 24 x 42 32-px tokens (the DiT sees 37 latent frames: ~3.4x fewer).
+    reference_work=124 * 24 * 42,
     activation_copies=20,
     step_pipeline="ditserve.engine.families.minimax_h3.pipeline:MiniMaxH3StepPipeline",
     sp_hooks="ditserve.engine.families.minimax_h3.sp:attach",
