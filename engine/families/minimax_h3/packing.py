@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 import torch
 
+from ditserve.engine.pipelines.common import upload
+
 
 @dataclass(frozen=True)
 class ItemLayout:
@@ -105,7 +107,7 @@ def joint_inputs(items: Sequence[StepItem], *, keyframe_noise_aug: float,
         table += int(unique.shape[0])
 
     def up(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts).to(device, non_blocking=True)
+        return upload(torch.cat(parts), device)  # host-built: no host sync on CUDA
 
     return dict(
         hidden_states=torch.cat([item.video for item in items])[None],
