@@ -118,6 +118,8 @@ class Family:
         the builders and the tests read).
     defaults: the size, steps and frames of a full-size model's requests
         (``engine.server.model_defaults``; guidance comes from the pipeline's call defaults).
+    min_frames: the shortest clip a video family's pipeline generates (MiniMax-H3: 5 s at
+        24 fps, 124 frames); a tiny model's default request asks for at least that many.
     call_overrides: what a checkpoint changes of the pipeline's call defaults, read off its
         scheduler config (Z-Image-Turbo: 8 steps without guidance, where the shared pipeline
         class defaults to Base's 50 steps with guidance); None: the call defaults stand.
@@ -147,6 +149,7 @@ class Family:
     dit_sizes: DitSizes = field(default_factory=dict, compare=False)
     released_components: ReleasedComponents = field(default_factory=dict, compare=False)
     defaults: DefaultsRule = field(default=square_image, compare=False)
+    min_frames: int = 1
     call_overrides: CallOverrides | None = field(default=None, compare=False)
 
     @property

@@ -84,7 +84,8 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     width = dit_width(dit)
     tiny = width is not None and width < TEST_MODEL_WIDTH
     if tiny:
-        size = replace(TINY, output="video", frames=TINY_VIDEO_FRAMES) if family.video else TINY
+        frames = max(TINY_VIDEO_FRAMES, family.min_frames)  # MiniMax-H3: 5 s at least
+        size = replace(TINY, output="video", frames=frames) if family.video else TINY
     else:
         size = family.defaults(dit, _json(root / "vae" / "config.json"), call)
     defaults = replace(size, guidance=guidance, true_cfg=true_cfg)

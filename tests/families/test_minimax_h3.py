@@ -174,6 +174,14 @@ def test_offload_equals_resident(family_dir, alone) -> None:  # type: ignore[no-
     assert_same(offloaded, alone)
 
 
+def test_a_tiny_models_default_request_is_a_5_s_clip(family_dir) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.server.model_defaults import model_defaults
+
+    defaults = model_defaults(family_dir(VARIANT))
+    assert defaults.output == "video" and defaults.frames == FRAMES
+    assert defaults.width % 32 == 0 and defaults.height % 32 == 0
+
+
 def test_generate_muxes_the_sound_track(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import av
 

@@ -107,4 +107,5 @@ MINIMAX_H3 = Family(
                               "tiny": TINY}},
     released_components={"minimax-h3": RELEASED_COMPONENTS},
     defaults=minimax_h3_defaults,
+    min_frames=DEFAULT_FRAMES,
 )
