@@ -237,3 +237,12 @@ def test_offload_keeps_the_vaes_own_tiling(family_dir) -> None:  # type: ignore[
         assert runner.whole.tiling is None
     finally:
         runner.close()
+
+
+def test_step_cache_is_refused_with_the_reason(family_runner) -> None:  # type: ignore[no-untyped-def]
+    from ditserve.engine.config.step_cache import StepCacheSpec
+
+    runner = family_runner(VARIANT)
+    assert runner.step_cache.policies == ()
+    with pytest.raises(InvalidRequestError, match="packed"):
+        runner.step_cache.check(StepCacheSpec(policy="first-block"))
