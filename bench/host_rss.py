@@ -20,6 +20,11 @@ sample's ratio is reported, with the log line the RSS peak fell after. ``--tiny`
 tiny model (``--family``, default Flux) on a CPU (a smoke run: there the baseline dominates and
 the ratio means nothing). Cosmos3-Nano: its DiT's token table and LM head (2 x 1.2 GB) stay in
 host memory, never pinned: mapped checkpoint pages under ``checkpoint_mmap``, else private.
+``--init-random FAMILY`` builds the full-size random pipeline first when ``--model-dir``
+holds none, so one command measures a family's cold start:
+
+    python3 bench/host_rss.py --init-random cosmos3 --model-dir /dev/shm/ditserve-rss-cosmos3 \
+        --out out/rss-cosmos3
 """
 
 from __future__ import annotations
@@ -194,6 +199,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def init_random(model: Path, family: str, *, size: str = "full", device: str = "cuda") -> None:
+    """Build the random pipeline into ``model`` unless one is there (at full size every
+    component at its released shape). A child process builds it, so none of the build's
+    memory stays beside the loads measured."""
+    if (model / "model_index.json").is_file():
+        return
+    cmd = [sys.executable, "-m", "ditserve.engine.cli", "model", "init-random", "--family",
+           family, "--size", size, "--components", "all" if size == "full" else "dit",
+           "--device", device, str(model)]
+    print(f"building {family} at full size in {model}: {shlex.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path, default=None,
@@ -205,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a tiny model on a CPU (a smoke run)")
     p.add_argument("--family", default="flux",
                    help="--tiny: the tiny model's family (ditserve model init-tiny --family)")
+    p.add_argument("--init-random", metavar="FAMILY", default=None,
+                   help="build a full-size random FAMILY pipeline (ditserve model init-random "
+                        "--size full --components all, on the GPU, in a process of its own) "
+                        "into --model-dir when it holds none (default dir: "
+                        "/dev/shm/ditserve-rss-FAMILY)")
     p.add_argument("--out", type=Path, default=None, help="write host_rss.json and .md here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--report", default=None, help=argparse.SUPPRESS)
@@ -220,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
 
             model = init_tiny(Path(scratch) / "tiny", family=args.family)
             flag_sets = [f"{f} --device cpu --dtype float32" for f in flag_sets]
+        elif args.init_random:
+            model = model or Path(f"/dev/shm/ditserve-rss-{args.init_random}")
+            init_random(model, args.init_random)
         elif model is None:
-            p.error("--model-dir is required (or --tiny)")
+            p.error("--model-dir is required (or --init-random FAMILY, or --tiny)")
         rows = [measure(args, Path(model), flags) for flags in flag_sets]
     text = table(rows)
     print(text, flush=True)

@@ -50,7 +50,11 @@ checks the issue's targets (the runner is ``offload_methods.py``, shared with
     python3 bench/offload_families.py --model cosmos3 --methods resident dlo \
         --out out/families-cosmos3
     python3 bench/offload_families.py --model cosmos3-super --methods dlo --quantization fp8 \
-        --baseline out/families-cosmos3-fp8/offload_families.json --out out/families-super
+        --baseline-model cosmos3 --out out/families-super
+
+(``--baseline-model cosmos3`` runs the Nano DiT under DLO first in the same process, same
+request and quantization, so the growth target is judged in one run.)
+
     python3 bench/offload_families.py --model minimax-h3 --methods resident dlo \
         --out out/families-minimax-h3
 """
@@ -247,10 +251,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default=None,
                    help="cosmos3-super: a Nano run's offload_families.json (DLO peak HBM "
                         "growth target)")
+    p.add_argument("--baseline-model", choices=COSMOS3, default=None,
+                   help="cosmos3-super: run this model's DLO first, in this process, with "
+                        "the same size, batches and quantization (into OUT/baseline-MODEL), "
+                        "and judge the peak HBM growth against it: the target in one run")
     args = p.parse_args(argv)
     args.size = args.size or (TINY_SIZES if args.tiny else DEFAULT_SIZES)[args.model]
     args.batches = args.batches or list(DEFAULT_BATCHES[args.model])
     args.iters = args.iters or DEFAULT_ITERS[args.model]
+    if args.baseline_model:
+        if args.baseline:
+            p.error("give --baseline (an earlier run) or --baseline-model (run it now), not both")
+        base = argparse.Namespace(**{**vars(args), "model": args.baseline_model,
+                                     "methods": ["dlo"], "baseline_model": None,
+                                     "out": f"{args.out}/baseline-{args.baseline_model}"})
+        offload_methods.log(f"baseline: {args.baseline_model} under DLO")
+        status = offload_methods.run("offload_families.py", base, MODELS)
+        if status:
+            return status
+        args.baseline = f"{base.out}/offload_families.json"
     return offload_methods.run("offload_families.py", args, MODELS)
 
 

@@ -286,7 +286,8 @@ def markdown(r: dict[str, Any]) -> str:
     methods = [m for m in METHODS if any(c["method"] == m for c in r["cells"])]
     labels = list(dict.fromkeys(c["cell"] for c in r["cells"]))
     gbps = r.get("h2d_gbps")
-    lines = [f"{r['model']} {r['size']}: {r['weights_bytes'] / GIB:.1f} GiB bf16 DiT weights; "
+    lines = [f"{r['model']} {r['size']}: {r['weights_bytes'] / GIB:.1f} GiB "
+             f"{r.get('quantization') or 'bf16'} DiT weights; "
              f"{r['gpu']}, torch {r['torch']}, {r['date']}; pinned H2D "
              f"{'-' if gbps is None else f'{gbps:.1f} GB/s'}", "",
              "| cell | " + " | ".join(f"{m} ms/step (peak GiB)" for m in methods) + " |",

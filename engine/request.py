@@ -15,6 +15,10 @@ from ditserve.engine.condition_image import ConditionImage as ConditionImage
 from ditserve.engine.condition_image import kept_steps, source_strength
 from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.lora_ref import MAX_LORA_SCALE as MAX_LORA_SCALE
+from ditserve.engine.lora_ref import MAX_LORAS_PER_REQUEST as MAX_LORAS_PER_REQUEST
+from ditserve.engine.lora_ref import LoraRef as LoraRef
+from ditserve.engine.lora_ref import check_loras
 from ditserve.engine.model_limits import MAX_FRAMES as MAX_FRAMES
 from ditserve.engine.model_limits import MAX_SIDE as MAX_SIDE
 from ditserve.engine.model_limits import ModelLimits as ModelLimits
@@ -24,8 +28,6 @@ MAX_STEPS = 1000
 MAX_IMAGES = 8
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on streamed previews
 MAX_CONDITION_IMAGES = 4  # images one request may condition on (Qwen-Image-Edit Plus: 3)
-MAX_LORAS_PER_REQUEST = 8
-MAX_LORA_SCALE = 10.0
 MAX_PRIORITY = 2**31 - 1  # |priority| bound: an int32, as in vLLM
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 
@@ -50,25 +52,6 @@ class BatchKey:
     # The text length of a request that names one: prompts of another length would be padded
     # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
     max_sequence_length: int | None = None
-
-
-@dataclass(frozen=True)
-class LoraRef:
-    """One LoRA adapter a request applies, resolved by the engine's catalog
-    (``engine.adapters.catalog``) from the name the client gave: the file it was loaded from,
-    the catalog's load generation (a re-load under the same name is another adapter), its
-    largest rank (for the work rule) and the request's scale."""
-
-    name: str
-    path: str
-    scale: float = 1.0
-    rank: int = 0
-    version: int = 0
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """Identity of the loaded weights (name and load generation), not of the scale."""
-        return (self.name, self.version)
 
 
 @dataclass(frozen=True)
@@ -160,20 +143,6 @@ class SamplingParams:
         if count > most:
             raise InvalidRequestError("image", f"this model takes at most {most} input image"
                                       f"{'s' if most > 1 else ''}, got {count}")
-    def _validate_loras(self) -> None:
-        if len(self.loras) > MAX_LORAS_PER_REQUEST:
-            raise InvalidRequestError("loras", f"at most {MAX_LORAS_PER_REQUEST} adapters per "
-                                      f"request, got {len(self.loras)}")
-        names = [ref.name for ref in self.loras]
-        if len(set(names)) != len(names):
-            raise InvalidRequestError("loras", f"an adapter is named twice: {names}")
-        for ref in self.loras:
-            scale = ref.scale
-            if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
-                    or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
-                raise InvalidRequestError("loras", f"adapter {ref.name!r}: scale must be a "
-                                          f"number in [-{MAX_LORA_SCALE:g}, "
-                                          f"{MAX_LORA_SCALE:g}], got {scale!r}")
 
     def _validate_scheduling(self) -> None:
         p = self.priority
@@ -271,7 +240,7 @@ class SamplingParams:
                 raise InvalidRequestError("step_cache", "must be a StepCacheSpec")
             self.step_cache.validate()
         self._validate_scheduling()
-        self._validate_loras()
+        check_loras(self.loras)
         self._validate_numbers(max_text_tokens)
         return self
 

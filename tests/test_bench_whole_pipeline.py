@@ -110,3 +110,16 @@ def test_z_image_latency_tiny_runs_bare_and_engine(tmp_path: Path) -> None:
     rows = bench.targets({"bare": {"bare_s": 1.0}, "configs": {
         "resident": {"median_s": 1.05}, "dlo-auto": {"median_s": 1.06, "streamed_blocks": 0}}})
     assert [(round(r["ratio"], 3), r["met"]) for r in rows] == [(1.05, True), (1.01, True)]
+
+
+def test_host_rss_builds_a_random_model_once_in_a_child(tmp_path: Path) -> None:
+    # --init-random: the model the loads read is built by a process of its own (its memory
+    # gone before the measured child starts), and only when the directory holds none.
+    bench = load("host_rss")
+    model = tmp_path / "cosmos3"
+    bench.init_random(model, "cosmos3", size="tiny", device="cpu")
+    index = model / "model_index.json"
+    assert json.loads(index.read_text())["_class_name"] == "Cosmos3OmniPipeline"
+    built = index.stat().st_mtime_ns
+    bench.init_random(model, "cosmos3", size="tiny", device="cpu")
+    assert index.stat().st_mtime_ns == built

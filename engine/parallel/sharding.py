@@ -63,14 +63,19 @@ def family_hooks(dit_class: str) -> Hooks:
     return hooks
 
 
+# How diffusers' attention modules spell their head counts: ``Attention`` its ``heads``,
+# a grouped-query attention (Cosmos3's) its query and key-value heads.
+HEAD_COUNTS = ("heads", "num_attention_heads", "num_key_value_heads")
+
+
 def attention_heads(model: nn.Module) -> tuple[int, ...]:
     """The head counts of a DiT's attentions (every module with an attention processor and
-    an integer ``heads``), which Ulysses splits over the ranks."""
+    an integer head count, ``HEAD_COUNTS``), which Ulysses splits over the ranks."""
     counts: set[int] = set()
     for module in model.modules():
-        heads = getattr(module, "heads", None)
-        if hasattr(module, "processor") and isinstance(heads, int):
-            counts.add(heads)
+        if hasattr(module, "processor"):
+            counts.update(heads for name in HEAD_COUNTS
+                          if isinstance(heads := getattr(module, name, None), int))
     if not counts:
         raise ConfigError(f"{type(model).__name__} has no attention with a head count to split")
     return tuple(sorted(counts))

@@ -86,14 +86,14 @@ class InFlightSteps:
         """The open step queued GPU work that is not a forward (a collective-only pass)."""
         self._open.queued_work = True
 
-    def add_decode(self, request_id: str, output: Any,
-                   audio: tuple[Any, int] | None = None) -> None:
-        """``output`` (and ``audio``, a sound track and its rate) is valid on the host once
-        the step it was queued in has completed."""
+    def add_decode(self, request_id: str, output: Any, audio: Any = None,
+                   audio_rate: int = 0) -> None:
+        """``output`` (and ``audio``, a sound track of ``audio_rate`` samples/s) is valid on
+        the host once the step it was queued in has completed."""
         self._open.queued_work = True
         self._open.result.decodes[request_id] = output
         if audio is not None:
-            self._open.result.audio[request_id] = audio
+            self._open.result.audio[request_id] = (audio, audio_rate)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's pending decode (it was aborted): it is never handed back."""

@@ -122,15 +122,16 @@ class ModelRunner:
         self._forwards = GroupForwards(
             self.pipeline, block_major=self._block_major,
             one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
-        # A pipeline may narrow its family's CFG rule for the model it loaded (a step-distilled
-        # FLUX.2 [klein] ignores guidance: its ``cfg_rows``).
-        # The DiT's token side (Cosmos3: 32-px patches, 16-px sizes).
-        self.work_rule = WorkRule(pixels_per_token=getattr(self.pipeline, "pixels_per_token",
-                                                           self.pixel_multiple),
-                                  frame_step=self.frame_step,
-                                  cfg_rows=getattr(self.pipeline, "cfg_rows",
-                                                   self.pipeline.family.cfg_rows))
+        self.work_rule = self._work_rule()
         self._inflight = InFlightSteps(self.device)
+
+    def _work_rule(self) -> WorkRule:
+        """The scheduler's cost rule; a pipeline may narrow its family's CFG rule (FLUX.2
+        [klein]: ``cfg_rows``) and name its DiT's token side (Cosmos3: ``pixels_per_token``)."""
+        p = self.pipeline
+        return WorkRule(pixels_per_token=getattr(p, "pixels_per_token", self.pixel_multiple),
+                        frame_step=self.frame_step,
+                        cfg_rows=getattr(p, "cfg_rows", p.family.cfg_rows))
 
     @property
     def limits(self) -> ModelLimits:
@@ -277,8 +278,8 @@ class ModelRunner:
             if state.request_id not in failed:
                 self._pop(state.request_id)
                 out.decoded.append(state.request_id)
-                audio = None if state.audio is None else (state.audio, state.audio_rate)
-                self._inflight.add_decode(state.request_id, state.pixels, audio)
+                self._inflight.add_decode(state.request_id, state.pixels, state.audio,
+                                          state.audio_rate)
 
     def _collective_passes(self) -> int | None:
         """Passes run by an offload whose loads are collectives (None: not such an offload)."""

@@ -20,6 +20,7 @@ from ditserve.engine.distributed.rendezvous import free_port
 from ditserve.engine.distributed.topology import Topology
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase
+from ditserve.engine.parallel.sharding import attention_heads
 from ditserve.engine.parallel.tokens import TokenShard, key_mask
 
 
@@ -66,6 +67,23 @@ def test_sequence_parallel_dits_equal_the_plain_forward(tmp_path) -> None:  # ty
                 assert result["sharded"] == -(-result["plain"] // world), f"{name} case {case}"
     # A peer that never joins: rank 0's all-to-all gave up with gloo's timeout error.
     assert "time" in ranks[0]["hung_peer"].lower(), ranks[0]["hung_peer"]
+
+
+def test_head_counts_are_read_off_plain_and_grouped_query_attentions() -> None:
+    # diffusers' Attention spells its count ``heads``; Cosmos3's grouped-query attention
+    # ``num_attention_heads`` and ``num_key_value_heads``: Ulysses must split all of them.
+    from diffusers.models.attention_processor import Attention
+
+    class GroupedQuery(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.processor = object()
+            self.num_attention_heads, self.num_key_value_heads = 32, 8
+
+    model = torch.nn.ModuleList([Attention(query_dim=16, heads=4, dim_head=4), GroupedQuery()])
+    assert attention_heads(model) == (4, 8, 32)
+    with pytest.raises(ConfigError, match="no attention with a head count"):
+        attention_heads(torch.nn.Linear(2, 2))
 
 
 def test_the_heads_rule_names_each_dit_and_the_sizes_that_fit() -> None:

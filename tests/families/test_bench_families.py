@@ -66,3 +66,23 @@ def test_tiny_cosmos3_runs_and_compares_with_a_baseline(tmp_path: Path) -> None:
     second = json.loads((super_ / "offload_families.json").read_text())
     assert second["quantization"] == "fp8"
     assert any(t["target"].startswith("DLO peak HBM growth") for t in second["targets"])
+
+
+def test_tiny_cosmos3_super_runs_its_baseline_in_the_same_process(tmp_path: Path) -> None:
+    # --baseline-model: the Nano DiT under DLO first (same quantization), then the
+    # Super-sized one, judged against it: the growth target from one command.
+    bench = load_bench()
+    assert bench.main(["--tiny", "--model", "cosmos3-super", "--methods", "dlo",
+                       "--quantization", "fp8", "--baseline-model", "cosmos3",
+                       "--out", str(tmp_path), "--warmup", "0", "--iters", "1"]) == 0
+    base = json.loads((tmp_path / "baseline-cosmos3" / "offload_families.json").read_text())
+    assert (base["model"], base["quantization"]) == ("cosmos3", "fp8")
+    assert {(c["method"], c["cell"]) for c in base["cells"]} == {("dlo", "b1 cfg")}
+    result = json.loads((tmp_path / "offload_families.json").read_text())
+    assert result["model"] == "cosmos3-super"
+    assert result["baseline"] == str(tmp_path / "baseline-cosmos3" / "offload_families.json")
+    growth = [t for t in result["targets"] if t["target"].startswith("DLO peak HBM growth")]
+    assert len(growth) == 1
+    with pytest.raises(SystemExit):  # an earlier run's file and a run now: one or the other
+        bench.main(["--tiny", "--model", "cosmos3-super", "--baseline", "x.json",
+                    "--baseline-model", "cosmos3", "--out", str(tmp_path / "both")])
