@@ -38,13 +38,16 @@ CASES: dict[str, SamplingParams] = {
 }
 
 
-def reference(model_dir: Any, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(model_dir: Any, p: SamplingParams, device: str = "cpu"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' modular pipeline on the same directory: (1, F, 3, H, W), (1, 2, samples)."""
     import diffusers
     from transformers.processing_utils import ProcessorMixin
 
     pipe = diffusers.ModularPipeline.from_pretrained(str(model_dir))
     pipe.load_components(dtype=torch.float32)
+    for name in ("transformer", "text_encoder", "vae", "audio_vae"):
+        getattr(pipe, name).to(device)
     pipe.set_progress_bar_config(disable=True)
     # The Qwen3-VL processor needs torchvision (not installed); the text-to-video branch
     # calls only its create_mm_token_type_ids, transformers' own function, given the ids.
@@ -58,7 +61,7 @@ def reference(model_dir: Any, p: SamplingParams) -> tuple[torch.Tensor, torch.Te
                num_inference_steps=p.num_inference_steps + 1,
                generator=torch.Generator().manual_seed(p.seed or 0), output_type="pt",
                output=["videos", "audio"])
-    return out["videos"], out["audio"]
+    return out["videos"].cpu(), out["audio"].cpu()
 
 
 def run_pipeline(runner: ModelRunner, requests: Sequence[tuple[str, SamplingParams]]
@@ -168,6 +171,9 @@ def test_offload_equals_resident(family_dir, alone) -> None:  # type: ignore[no-
         report = runner.offload_report()
         # The refiner's block and the two blocks stream.
         assert report is not None and report["blocks"] == 3
+        # The Qwen3-VL conditioner is placed by the whole-pipeline plan: streamed by DLO.
+        assert runner.pipeline_report()["memory"]["encoder_modes"] == {
+            "text_encoder": "streamed"}
         offloaded, _ = drive(runner, MIXED, max_num_seqs=4)
     finally:
         runner.close()
@@ -246,3 +252,29 @@ def test_step_cache_is_refused_with_the_reason(family_runner) -> None:  # type: 
     assert runner.step_cache.policies == ()
     with pytest.raises(InvalidRequestError, match="packed"):
         runner.step_cache.check(StepCacheSpec(policy="first-block"))
+
+
+@pytest.mark.gpu
+def test_on_cuda_matches_diffusers_and_dlo_equals_resident(family_dir) -> None:  # type: ignore[no-untyped-def]
+    # On the device machine: the same equality on CUDA (fp32), and DLO (copy stream, pinned
+    # slabs) == resident, alone and batched.
+    model = family_dir(VARIANT)
+    resident = ModelRunner(EngineConfig(model=str(model), device="cuda"), model_dir=model)
+    try:
+        params = CASES["wide"]
+        state = run_pipeline(resident, [("wide", params)])["wide"]
+        want, _ = drive(resident, MIXED, max_num_seqs=4)
+    finally:
+        resident.close()
+    video, sound = reference(model, params, device="cuda")
+    assert state.pixels is not None and state.audio is not None
+    assert (state.pixels - video).abs().max().item() <= TOLERANCE
+    assert (state.audio - sound.float()).abs().max().item() <= AUDIO_TOLERANCE
+    offloaded = ModelRunner(EngineConfig(model=str(model), device="cuda",
+                                         offload=OffloadConfig(enabled=True)), model_dir=model)
+    try:
+        got, sizes = drive(offloaded, MIXED, max_num_seqs=4)
+    finally:
+        offloaded.close()
+    assert max(sizes) >= 3
+    assert_same(got, want)
