@@ -278,3 +278,26 @@ def test_on_cuda_matches_diffusers_and_dlo_equals_resident(family_dir) -> None: 
         offloaded.close()
     assert max(sizes) >= 3
     assert_same(got, want)
+
+
+def test_two_shape_groups_under_dlo_equal_alone(family_dir, family_runner) -> None:  # type: ignore[no-untyped-def]
+    # Requests of two sizes in one step: one packed forward per shape group, interleaved
+    # block by block under DLO (each group's forward reads its own items).
+    shapes = {0: [("wide", SamplingParams(prompt="a lighthouse", num_inference_steps=2,
+                                          seed=21, **BASE)),
+                  ("tall", SamplingParams(prompt="a tall tower at night",
+                                          num_inference_steps=2, seed=22,
+                                          **{**BASE, "height": 64, "width": 32}))]}
+    single: dict[str, torch.Tensor] = {}
+    for rid, params in shapes[0]:
+        pixels, _ = drive(family_runner(VARIANT), {0: [(rid, params)]}, max_num_seqs=1)
+        single[rid] = pixels[rid]
+    model = family_dir(VARIANT)
+    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
+                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    try:
+        together, sizes = drive(runner, shapes, max_num_seqs=2)
+    finally:
+        runner.close()
+    assert max(sizes) == 2  # both shape groups in the same steps
+    assert_same(together, single)
