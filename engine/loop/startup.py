@@ -180,7 +180,7 @@ def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int
     fewest = int(getattr(executor.runner, "condition_images", (0, 0))[0])
     # A model with a shortest clip (its pipeline's ``min_frames``; MiniMax-H3: 5 s) warms
     # up on it.
-    frames = int(getattr(executor.runner.pipeline, "min_frames", 1))
+    frames = int(getattr(getattr(executor.runner, "pipeline", None), "min_frames", 1))
     params = SamplingParams(prompt="warm up", height=height, width=width,
                             num_inference_steps=1, seed=0, images=(grey,) * fewest,
                             num_frames=frames)
