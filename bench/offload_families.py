@@ -40,6 +40,11 @@ checks the issue's targets (the runner is ``offload_methods.py``, shared with
   by layer, then streamed in FP8) and ``--methods dlo``. ``--baseline`` names a Nano run's
   ``offload_families.json``: the DLO peak HBM growth from it is the seed's memory target.
 
+- ``--model minimax-h3``: MiniMax-H3 (33.1B: 50 blocks 5376 wide, 66 GB in bf16, built on the
+  GPU; the host holds it pinned under DLO) at its default video size, 1344x768 and 124
+  frames (5 s at 24 fps), one request: one forward over its packed [text | audio | video]
+  sequence of ~37.8k rows, as the MiniMax-H3 pipeline runs it;
+
 ``--tiny`` runs the same program on tiny DiTs on a CPU (a smoke test; tests run it).
 
     python3 bench/offload_families.py --model cosmos3 --methods resident dlo \
@@ -49,6 +54,9 @@ checks the issue's targets (the runner is ``offload_methods.py``, shared with
 
 (``--baseline-model cosmos3`` runs the Nano DiT under DLO first in the same process, same
 request and quantization, so the growth target is judged in one run.)
+
+    python3 bench/offload_families.py --model minimax-h3 --methods resident dlo \
+        --out out/families-minimax-h3
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from typing import Any
 
 import cosmos3_inputs
 import harness
+import minimax_h3_inputs
 import offload_methods
 import torch
 from offload_methods import find, target
@@ -74,14 +83,15 @@ GIB = 1024**3
 TEXT_TOKENS = {"qwen-image": 256, "wan": 512, "z-image": 128}
 FLUX2 = ("flux2", "flux2-klein", "flux2-klein-9b")  # FLUX.2 [dev], [klein] 4B and 9B
 COSMOS3 = ("cosmos3", "cosmos3-super")
-DEFAULT_SIZES = {"qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81",
+MINIMAX_H3 = "minimax-h3"
+DEFAULT_SIZES = {MINIMAX_H3: "1344x768x124", "qwen-image": "1024x1024", "wan": "832x480x81", "wan2.2": "832x480x81",
                  "z-image": "1024x1024", **dict.fromkeys(FLUX2, "1024x1024"),
                  **dict.fromkeys(COSMOS3, "1280x720x189")}
-DEFAULT_BATCHES = {"qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,), "z-image": (1, 4),
+DEFAULT_BATCHES = {MINIMAX_H3: (1,), "qwen-image": (1, 4), "wan": (1,), "wan2.2": (1,), "z-image": (1, 4),
                    **dict.fromkeys(FLUX2, (1, 4)), **dict.fromkeys(COSMOS3, (1,))}
-DEFAULT_ITERS = {"qwen-image": 3, "wan": 2, "wan2.2": 2, "z-image": 5,
+DEFAULT_ITERS = {MINIMAX_H3: 2, "qwen-image": 3, "wan": 2, "wan2.2": 2, "z-image": 5,
                  **dict.fromkeys(FLUX2, 3), **dict.fromkeys(COSMOS3, 2)}
-TINY_SIZES = {"qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5", "z-image": "64x64",
+TINY_SIZES = {MINIMAX_H3: "64x32x124", "qwen-image": "64x64", "wan": "64x64x5", "wan2.2": "64x64x5", "z-image": "64x64",
               **dict.fromkeys(FLUX2, "64x64"), **dict.fromkeys(COSMOS3, "64x64x5")}
 
 
@@ -102,6 +112,8 @@ def build_dit(model: str, size: str, device: torch.device, seed: int,
             chunk_token_math(dit)
         if model in COSMOS3:
             cosmos3_inputs.prepare(dit)
+        if model == MINIMAX_H3:
+            minimax_h3_inputs.prepare(dit)
         return dit
 
     if model == "wan2.2":
@@ -130,6 +142,9 @@ def workloads(model: str, size: str, batches: tuple[int, ...], dit: torch.nn.Mod
             kw = harness.image_inputs(model, dit, dims[0], b, device)
             out.append((f"b{b}", lambda kw=kw: dit(**kw)))
         return out
+    if model == MINIMAX_H3:
+        return [(f"b{b}", minimax_h3_inputs.step(dit, dims, requests=b, device=device))
+                for b in batches]
     if model in COSMOS3:
         return [(f"b{b} cfg", step) for b in batches
                 for step in [cosmos3_inputs.step(dit, dims, requests=b, device=device)]]
@@ -206,6 +221,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             out.append(target("DLO b4 <= 1.05 x resident b4", d4["ms"], 1.05 * r4["ms"], "ms"))
     if r["model"] in COSMOS3:
         out += cosmos3_inputs.targets(r, dlo, gbps)
+    if r["model"] == MINIMAX_H3:
+        out += minimax_h3_inputs.targets(r, dlo, gbps)
     if r["model"] == "wan":
         d1, r1 = find(r, "dlo", "b1"), find(r, "resident", "b1")
         if d1 and r1:
@@ -225,7 +242,8 @@ MODELS = offload_methods.Models(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2", "z-image", *FLUX2, *COSMOS3),
+    offload_methods.add_arguments(p, models=("qwen-image", "wan", "wan2.2", "z-image", *FLUX2, *COSMOS3,
+                                          MINIMAX_H3),
                                   out="out/offload-families")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="quantize the DiT's linears before offload (cosmos3-super: its bf16 "

@@ -55,7 +55,8 @@ class ModelLimits:
         """Refuse a request's sound track where the model makes none."""
         if wanted and not self.audio:
             raise InvalidRequestError("audio", "this model generates no sound track; leave "
-                                      "audio off (Cosmos3 models with a sound tokenizer do)")
+                                      "audio off (Cosmos3 models with a sound tokenizer and "
+                                      "MiniMax-H3 do)")
 
     @classmethod
     def of_table(cls, positions: int | None, *, pixel_multiple: int, tokens_per_position: int = 1,

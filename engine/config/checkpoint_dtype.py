@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ditserve.cachectl.st_header import stored_dtype
 from ditserve.engine.errors import ModelLoadError
+from ditserve.engine.families.base import index_file
 
 AUTO_DTYPE = "auto"  # the option value that means "the checkpoint's own dtype"
 EMBEDDED_MODEL_DTYPE = "float32"  # `ditserve model init-tiny` writes float32 weights
@@ -29,7 +30,7 @@ def checkpoint_dtype(model_dir: str | Path | None, component: str = DIT_COMPONEN
         raise ModelLoadError(
             f"model directory {str(root)!r} does not exist; pass --model a local diffusers "
             "directory (ditserve never downloads weights) or omit it to use the tiny model")
-    if not (root / "model_index.json").is_file():
+    if index_file(root) is None:
         raise ModelLoadError(
             f"{str(root)!r} is not a diffusers pipeline directory (no model_index.json); pass "
             "--model a local diffusers directory (ditserve never downloads weights)")

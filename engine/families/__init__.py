@@ -1,7 +1,7 @@
 """The model families ditserve serves: the registry of their records (pure; no torch).
 
 Each family lives in its own folder (``flux``, ``qwen_image``, ``wan``, ``z_image``,
-``flux2``, ``cosmos3``, and the derived ``flux_kontext``, ``qwen_image_edit``,
+``flux2``, ``cosmos3``, ``minimax_h3``, and the derived ``flux_kontext``, ``qwen_image_edit``,
 ``qwen_image_edit_plus``, ``wan_i2v`` and ``flux2_klein``) as one ``Family``
 record (``base``): its layout, DiT block lists, batch key fields, server defaults, builder
 shapes, and lazy references to its torch-side step pipeline, sequence-parallel hooks and
@@ -24,6 +24,7 @@ from ditserve.engine.families.flux import FLUX
 from ditserve.engine.families.flux2 import FLUX2
 from ditserve.engine.families.flux2_klein import FLUX2_KLEIN
 from ditserve.engine.families.flux_kontext import FLUX_KONTEXT
+from ditserve.engine.families.minimax_h3 import MINIMAX_H3
 from ditserve.engine.families.qwen_image import QWEN_IMAGE
 from ditserve.engine.families.qwen_image_edit import QWEN_IMAGE_EDIT
 from ditserve.engine.families.qwen_image_edit_plus import QWEN_IMAGE_EDIT_PLUS
@@ -33,7 +34,8 @@ from ditserve.engine.families.z_image import Z_IMAGE
 
 # Text-to-image/video families first, then the image-conditioned ones derived from them (the
 # same DiTs; a derived family comes after its base, which spells the DiT's class name).
-FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN, Z_IMAGE, FLUX2, COSMOS3, FLUX_KONTEXT,
+FAMILIES: tuple[Family, ...] = (FLUX, QWEN_IMAGE, WAN, Z_IMAGE, FLUX2, COSMOS3, MINIMAX_H3,
+                                FLUX_KONTEXT,
                                 QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, WAN_I2V, FLUX2_KLEIN)
 # What the model builders (`ditserve model init-tiny / init-random --family`) build: one
 # released model layout each, by the family it belongs to (each family's ``dit_sizes``).
@@ -41,7 +43,7 @@ MODEL_VARIANTS: dict[str, str] = {v: f.name for f in FAMILIES for v in f.variant
 # The value of ``model.family`` that means "read it from model_index.json".
 AUTO_FAMILY = "Auto"
 
-__all__ = ["AUTO_FAMILY", "COSMOS3", "FAMILIES", "FLUX", "FLUX2", "FLUX2_KLEIN", "FLUX_KONTEXT", "MODEL_VARIANTS", "QWEN_IMAGE",
+__all__ = ["AUTO_FAMILY", "COSMOS3", "FAMILIES", "FLUX", "FLUX2", "FLUX2_KLEIN", "FLUX_KONTEXT", "MINIMAX_H3", "MODEL_VARIANTS", "QWEN_IMAGE",
            "QWEN_IMAGE_EDIT", "QWEN_IMAGE_EDIT_PLUS", "WAN", "WAN_I2V", "Z_IMAGE", "Family",
            "declared_block_lists", "family_labels", "family_named", "family_names",
            "family_of_dit", "family_of_pipeline", "family_of_variant", "resolve",

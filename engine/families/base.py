@@ -16,9 +16,25 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ditserve.engine.families.defaults import ModelDefaults, square_image
+
+# A diffusers pipeline directory's index: a DiffusionPipeline's, or - where diffusers ships a
+# model as a modular pipeline only (MiniMax-H3) - a ModularPipeline's.
+INDEX_FILES = ("model_index.json", "modular_model_index.json")
+
+
+def index_file(root: Path) -> Path | None:
+    """The index of the pipeline directory ``root`` (``INDEX_FILES``, in that order), else
+    None. Its ``_class_name`` names the family; its component entries are ``[library,
+    class]`` (a modular index adds the component's loading spec as a third item)."""
+    for name in INDEX_FILES:
+        if (root / name).is_file():
+            return root / name
+    return None
+
 
 # variant -> size ("tiny" | "small" | "full") -> the DiT's keyword arguments
 DitSizes = Mapping[str, Mapping[str, Mapping[str, Any]]]
@@ -102,6 +118,8 @@ class Family:
         the builders and the tests read).
     defaults: the size, steps and frames of a full-size model's requests
         (``engine.server.model_defaults``; guidance comes from the pipeline's call defaults).
+    min_frames: the shortest clip a video family's pipeline generates (MiniMax-H3: 5 s at
+        24 fps, 124 frames); a tiny model's default request asks for at least that many.
     call_overrides: what a checkpoint changes of the pipeline's call defaults, read off its
         scheduler config (Z-Image-Turbo: 8 steps without guidance, where the shared pipeline
         class defaults to Base's 50 steps with guidance); None: the call defaults stand.
@@ -131,6 +149,7 @@ class Family:
     dit_sizes: DitSizes = field(default_factory=dict, compare=False)
     released_components: ReleasedComponents = field(default_factory=dict, compare=False)
     defaults: DefaultsRule = field(default=square_image, compare=False)
+    min_frames: int = 1
     call_overrides: CallOverrides | None = field(default=None, compare=False)
 
     @property

@@ -178,8 +178,12 @@ def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int
     # A model that needs input images (image-to-video) warms up on plain grey ones.
     grey = ConditionImage(width, height, bytes([128]) * (width * height * 3))
     fewest = int(getattr(executor.runner, "condition_images", (0, 0))[0])
+    # A model with a shortest clip (its pipeline's ``min_frames``; MiniMax-H3: 5 s) warms
+    # up on it.
+    frames = int(getattr(getattr(executor.runner, "pipeline", None), "min_frames", 1))
     params = SamplingParams(prompt="warm up", height=height, width=width,
-                            num_inference_steps=1, seed=0, images=(grey,) * fewest)
+                            num_inference_steps=1, seed=0, images=(grey,) * fewest,
+                            num_frames=frames)
     work = {}
     for rank in range(executor.num_ranks):
         # Every warm-up request in one step, whatever the work budget: the compile must see

@@ -95,7 +95,7 @@ def init_random(
     target.mkdir(parents=True, exist_ok=True)
     # Written from where the modules live, a tensor at a time (safetensors moves each one
     # to the host as it serializes a shard): the host holds about one shard.
-    pipe.save_pretrained(target, max_shard_size="5GB")
+    pipe.save_pretrained(str(target), max_shard_size="5GB")  # a modular pipeline takes a str
     dit_params = sum(n for name, n in params.items() if name.startswith("transformer"))
     marker.write_text(json.dumps({**wanted, "transformer_parameters": dit_params,
                                   "parameters": params}))

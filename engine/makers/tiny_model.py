@@ -60,7 +60,7 @@ def init_tiny(
         pipe = build_tiny(family, seed)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            pipe.save_pretrained(staging)
+            pipe.save_pretrained(str(staging))  # a modular pipeline takes a str only
             (staging / _COMPLETE_MARKER).write_text(
                 json.dumps({"family": family, "seed": seed, "random_weights": True}))
             if target.exists():  # an incomplete leftover from an interrupted older version

@@ -44,6 +44,8 @@ class StepPipeline(Protocol):
     host_modules (optional): modules of the DiT outside its block lists that stay in host
         memory, neither resident nor streamed under offload (Cosmos3's token table, whose
         rows the pipeline uploads itself, and its unused language-model head).
+    min_frames (optional, default 1): the shortest clip the model generates (MiniMax-H3:
+        5 s); the engine's warm-up request asks for it.
     limits(): what the model can run (sizes and frames its positional tables reach), read off
         its own config; the engine checks every request against it.
     """

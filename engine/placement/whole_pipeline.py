@@ -170,7 +170,10 @@ class WholePipeline:
         return self.parked.on_device() if self.parked is not None else nullcontext()
 
     def _install_decode(self, vae: torch.nn.Module, mode: str, *, offload: bool) -> None:
-        if mode != "off" and (mode == "on" or offload or self.budget is not None):
+        # A VAE that tiles by default keeps its own tiles: its model's frames are the
+        # blended-tile ones (MiniMax-H3's), so switching them would change every output.
+        own = bool(getattr(vae, "use_tiling", False))
+        if not own and mode != "off" and (mode == "on" or offload or self.budget is not None):
             try:
                 self.tiling = VaeTiling(vae)
             except TypeError as e:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.engine.families import FLUX, family_of_pipeline
-from ditserve.engine.families.base import dit_width
+from ditserve.engine.families.base import dit_width, index_file
 from ditserve.engine.families.defaults import TINY, TINY_VIDEO_FRAMES, ModelDefaults
 from ditserve.engine.pipeline_defaults import call_defaults
 
@@ -66,7 +66,8 @@ def _number(value: object, fallback: float) -> float:
 def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     """Defaults for the model in ``model_dir``; None is the embedded tiny model (Flux)."""
     root = None if model_dir is None else Path(model_dir)
-    index = {} if root is None else _json(root / "model_index.json")
+    found = None if root is None else index_file(root)
+    index = {} if found is None else _json(found)
     family = FLUX if root is None else family_of_pipeline(index.get("_class_name"))
     if family is None:  # not a supported model: the loader refuses it with the reason
         return TINY
@@ -83,7 +84,8 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     width = dit_width(dit)
     tiny = width is not None and width < TEST_MODEL_WIDTH
     if tiny:
-        size = replace(TINY, output="video", frames=TINY_VIDEO_FRAMES) if family.video else TINY
+        frames = max(TINY_VIDEO_FRAMES, family.min_frames)  # MiniMax-H3: 5 s at least
+        size = replace(TINY, output="video", frames=frames) if family.video else TINY
     else:
         size = family.defaults(dit, _json(root / "vae" / "config.json"), call)
     defaults = replace(size, guidance=guidance, true_cfg=true_cfg)

@@ -27,7 +27,7 @@ from ditserve.engine.families import (
     family_of_pipeline,
     supported_pipelines,
 )
-from ditserve.engine.families.base import dit_heads
+from ditserve.engine.families.base import dit_heads, index_file
 
 if TYPE_CHECKING:
     import torch
@@ -81,15 +81,16 @@ def _family_and_index(model_dir: str | Path) -> tuple[Family, dict[str, Any]]:
             f"model directory {str(root)!r} does not exist; pass --model a local diffusers "
             "directory (ditserve never downloads weights) or omit it to use the tiny model"
         )
-    index_file = root / "model_index.json"
-    if not index_file.is_file():
+    found_index = index_file(root)
+    if found_index is None:
         raise ModelLoadError(
-            f"{str(root)!r} has no model_index.json; it is not a diffusers pipeline directory"
+            f"{str(root)!r} has no model_index.json (nor a modular pipeline's "
+            "modular_model_index.json); it is not a diffusers pipeline directory"
         )
     try:
-        index = json.loads(index_file.read_text())
+        index = json.loads(found_index.read_text())
     except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{index_file} is not valid JSON: {e}") from e
+        raise ModelLoadError(f"{found_index} is not valid JSON: {e}") from e
     cls = index.get("_class_name")
     family = family_of_pipeline(cls)
     if family is None:
@@ -105,7 +106,8 @@ def _family_and_index(model_dir: str | Path) -> tuple[Family, dict[str, Any]]:
             f"{str(root)!r} is incomplete: missing component(s) {', '.join(missing)}"
         )
     for name in dit_components_of(family, index, root):
-        found = index[name][1] if isinstance(index[name], list) and len(index[name]) == 2 else None
+        entry = index[name]  # [library, class], or a modular index's [library, class, spec]
+        found = entry[1] if isinstance(entry, list) and len(entry) in (2, 3) else None
         if found != family.dit_class:
             raise ModelLoadError(
                 f"{str(root)!r}: component {name} is a {found!r}; a {family.pipeline_class} "
@@ -239,9 +241,12 @@ def load_components(
     diffusers_logging.disable_progress_bar()  # the engine reports its own progress
     pipeline_cls = getattr(diffusers, family.pipeline_class)
     try:
-        # Every module in the serving dtype; the given DiTs are taken as they are.
-        pipe = pipeline_cls.from_pretrained(root, dtype=torch_dtype(dtype),
-                                            **family.load_options, **given)
+        if issubclass(pipeline_cls, diffusers.ModularPipeline):
+            pipe = _load_modular(pipeline_cls, root, family, index, dtype=dtype, given=given)
+        else:
+            # Every module in the serving dtype; the given DiTs are taken as they are.
+            pipe = pipeline_cls.from_pretrained(root, dtype=torch_dtype(dtype),
+                                                **family.load_options, **given)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(
             f"could not load {family.pipeline_class} from {str(root)!r}: {e}") from e
@@ -255,6 +260,21 @@ def load_components(
         pipeline_class=family.pipeline_class, model_dir=root, modules=modules, family=family,
         config=config, dit_components=used, pipeline=pipe,
     )
+
+
+def _load_modular(pipeline_cls: Any, root: Path, family: Family, index: Mapping[str, Any], *,
+                  dtype: str, given: Mapping[str, Any]) -> Any:
+    """A modular pipeline (diffusers ships MiniMax-H3 as one only): its blocks from the
+    directory's index, then the family's components from the directory - the given ones
+    (prepared DiTs) taken as they are, the ones given as None never loaded."""
+    pipe = pipeline_cls.from_pretrained(root)
+    wanted = [name for name in (*family.dit_components, *family.components)
+              if name not in given and _present(index, root, name)]
+    pipe.load_components(names=wanted, dtype=torch_dtype(dtype))
+    ready = {name: module for name, module in given.items() if module is not None}
+    if ready:
+        pipe.update_components(**ready)
+    return pipe
 
 
 def _quiet_transformers() -> None:

@@ -19,6 +19,7 @@ def load_bench():  # type: ignore[no-untyped-def]
     ("wan2.2", {"expert1 b1", "straddle b1+1"}),
     ("z-image", {"b1", "b4"}),
     ("flux2", {"b1", "b4"}),
+    ("minimax-h3", {"b1"}),
 ])
 def test_tiny_run_reports_every_cell(model: str, cells: set[str], tmp_path: Path) -> None:
     bench = load_bench()
@@ -31,14 +32,18 @@ def test_tiny_run_reports_every_cell(model: str, cells: set[str], tmp_path: Path
         (m, c) for m in methods for c in cells}
     report = result["methods"]["dlo"]["report"]
     # Wan 2.2: both experts through one set of slots; Z-Image: 1 + 1 refiners and 3
-    # layers; FLUX.2: 1 double + 2 single blocks.
-    blocks = {"wan2.2": 4, "z-image": 5, "flux2": 3}.get(model, 2)
+    # layers; FLUX.2: 1 double + 2 single blocks; MiniMax-H3: 1 refiner + 2 blocks.
+    blocks = {"wan2.2": 4, "z-image": 5, "flux2": 3, "minimax-h3": 3}.get(model, 2)
     assert report["streamed_blocks"] == blocks and report["slots"] == 2
     assert any(t["target"].startswith("DLO pinned host") for t in result["targets"])
     if model == "flux2":  # issue 46's step targets (the floor needs a measured H2D rate)
         named = {t["target"] for t in result["targets"]}
         assert "DLO b4 <= 1.05 x resident b4" in named
         floor = "DLO b1 <= 1.02 x its streamed-bytes floor"
+        assert (floor in named) == bool(result.get("h2d_gbps"))
+    if model == "minimax-h3":  # issue 48's step target (the floor needs a measured H2D rate)
+        named = {t["target"] for t in result["targets"]}
+        floor = "DLO b1 <= 1.02 x max(resident, streamed-bytes floor)"
         assert (floor in named) == bool(result.get("h2d_gbps"))
     assert "| target | value | bound | ok |" in (tmp_path / "offload_families.md").read_text()
 

@@ -17,6 +17,8 @@ FULL = {
     "qwen-image-edit-plus": (20.0e9, 21.0e9, 60, 3072),  # Qwen-Image-Edit-2509: the same
     "wan": (13.5e9, 14.5e9, 40, 5120),  # Wan2.1-T2V-14B: 40 blocks, 40 heads x 128
     "wan2.2-ti2v": (4.8e9, 5.2e9, 30, 3072),  # Wan2.2-TI2V-5B: 30 blocks, 24 heads x 128
+    # MiniMax-H3: 33.1B, 50 blocks of 56 heads x 128 (the refiner's 2 are nested)
+    "minimax-h3": (33.0e9, 33.3e9, 50, 7168),
 }
 
 

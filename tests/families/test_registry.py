@@ -35,8 +35,8 @@ def test_model_family_rule_refuses_the_rest_and_names_the_choices(value: object)
     (problem,) = model_family_problems(value)
     assert problem.startswith("model.family must be one of Auto, Flux, QwenImage, Wan")
     assert MODEL_FAMILIES == ("Auto", "Flux", "QwenImage", "Wan", "ZImage", "Flux2", "Cosmos3",
-                              "FluxKontext", "QwenImageEdit", "QwenImageEditPlus", "WanI2V",
-                              "Flux2Klein")
+                              "MiniMaxH3", "FluxKontext", "QwenImageEdit", "QwenImageEditPlus",
+                              "WanI2V", "Flux2Klein")
 
 
 def test_loader_reads_each_family_and_its_experts(family_dir) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,335 @@
+"""Step-wise MiniMax-H3 text-to-video with its sound track, on top of diffusers' components.
+
+Composes the stages of diffusers' modular ``t2va`` workflow as ``MiniMaxH3Blocks`` composes
+them, cut at step boundaries: encode (``MiniMaxH3TextEncoderStep``: the prompt verbatim, no
+template, the Qwen3-VL hidden state after layer 50), prepare (``MiniMaxH3PrepareLayoutStep``:
+the canvas, the ``17 n + 5`` frame count, the packed ``[text | audio | video]`` layout;
+``MiniMaxH3PrepareLatentsStep``: float32 video noise then audio noise off one CPU generator;
+``MiniMaxH3SetTimestepsStep``: the two schedules, shift 12 for video and 3 for audio), one
+denoise forward per step (``MiniMaxH3LoopDenoiser``; ``MiniMaxH3LoopSchedulerStep``: each
+modality's rows step down their own schedule in float32), decode
+(``MiniMaxH3AfterDenoiseStep``, ``MiniMaxH3VideoDecodeStep``, ``MiniMaxH3AudioDecodeStep``).
+The layout and timestep plans are diffusers' own static functions; the rest follows them op
+for op, so a request equals diffusers' call for the same seed.
+
+Differences, on purpose:
+
+- every video of a step - requests with other prompts, at other steps - runs in ONE DiT
+  forward, as items of one packed sequence (``packing``), where diffusers runs one forward
+  per request; each item attends only to itself, so a request's output equals its output
+  alone;
+- a request's ``num_inference_steps`` counts DiT forwards, as every family's does here;
+  diffusers' MiniMax-H3 counts the points of its sigma grid, the terminal zero included, so
+  ``num_inference_steps=N`` here is diffusers' ``num_inference_steps=N + 1``;
+- the sound track is decoded only for a request that asks for it (``audio``; then muxed
+  into the MP4); the audio rows are denoised either way, since the video's are denoised
+  jointly with them;
+- ``num_images`` > 1 draws each video's noise after the previous one's off the same
+  generator, as consecutive diffusers calls with one generator do.
+
+Pixels are (n, F, 3, H, W) float in [0, 1] with F the aligned frame count (diffusers rounds
+``num_frames`` up to ``17 n + 5``); a request with ``audio`` also gets its stereo waveform
+(``state.audio``: (n, 2, samples) at ``state.audio_rate`` Hz).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.families import MINIMAX_H3
+from ditserve.engine.families.minimax_h3.packing import (
+    ItemLayout,
+    StepItem,
+    install,
+    items_in_flight,
+    joint_inputs,
+)
+from ditserve.engine.pipelines.common import upload
+from ditserve.engine.request import ModelLimits
+from ditserve.engine.step.denoise_state import DenoiseState
+from ditserve.engine.step.sampler import SchedulerTrajectory
+
+if TYPE_CHECKING:
+    from ditserve.engine.step.input_batch import InputBatch
+    from ditserve.engine.weights.loader import LoadedComponents
+
+MAX_PROMPT_CHARS = 4000
+MAX_PROMPT_TOKENS = 1024  # bounds the planner's estimate; prompts are never truncated
+AUDIO = "audio"  # host: the request's _AudioTrack
+
+
+@dataclass
+class _AudioTrack:
+    """A request's audio rows while they denoise: (n, A, C_a) float32, channel-major as
+    diffusers packs them, their own schedule, and the last forward's predictions."""
+
+    latents: torch.Tensor
+    schedule: SchedulerTrajectory
+    prediction: torch.Tensor | None = None
+
+
+class MiniMaxH3StepPipeline:
+    """StepPipeline for MiniMax-H3 text-to-video with audio (see module docstring)."""
+
+    family = MINIMAX_H3
+    condition_images = (0, 0)
+    # post_decode reads each request's own audio rows: one request per VAE call.
+    batched_decode = False
+    step_cache_refusal = ("the step cache is not available for MiniMax-H3: its blocks run "
+                          "every video of a step packed into one sequence, with no rows to "
+                          "reuse")
+
+    def __init__(
+        self, components: LoadedComponents, *, device: torch.device, move_transformer: bool = True
+    ) -> None:
+        from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as facts
+
+        m = components.modules
+        self.device = device
+        self.transformer: torch.nn.Module = m["transformer"]
+        self.block_lists = MINIMAX_H3.block_lists
+        self.scheduler = m["scheduler"]
+        self.audio_scheduler = m["audio_scheduler"]
+        self.text_encoder = m["text_encoder"]
+        self.tokenizer = m["tokenizer"]
+        self.vae = m["vae"].to(device)
+        self.audio_vae = m["audio_vae"].to(device)
+        model: Any = self.transformer
+        self.config = model.config
+        if move_transformer:
+            model.to(device)
+        install(model)
+        # The block stack's dtype (diffusers' ModelMixin.dtype skips the float32 heads).
+        self.dtype: torch.dtype = model.dtype
+        self._facts = facts
+        # diffusers' pipeline properties, read off the same components.
+        self.patch: tuple[int, int, int] = tuple(int(p) for p in self.config.patch_size)  # type: ignore[assignment]
+        self.spatial_factor = int(self.vae.spatial_compression_ratio)
+        self.pixel_multiple = self.spatial_factor * self.patch[2]  # canvas_multiple: 32
+        self.frames_per_chunk = int(self.vae.config.clip_length)
+        self.latents_per_chunk = int(self.vae.tokens_chunk_size)
+        self.latent_channels = int(self.vae.config.latent_channels)
+        self.audio_channels = facts.MINIMAX_H3_AUDIO_CHANNELS
+        self.audio_latent_channels = int(self.audio_vae.config.latent_channels)
+        self.text_tag = facts.MINIMAX_H3_TEXT_TAG
+        self.fps = facts.MINIMAX_H3_FPS
+        # Any frame count: diffusers rounds it up to 17 n + 5 (the work rule then counts
+        # pixel frames, ~3.4x the latent frames; ``reference_work`` is in the same units).
+        self.frame_step: int | None = 1
+        self.max_prompt_chars: int | None = MAX_PROMPT_CHARS
+        # The prompt is encoded whole (no padded length): a request's max_sequence_length is
+        # ignored; MAX_PROMPT_TOKENS bounds the planner's estimate.
+        self.max_sequence_length = MAX_PROMPT_TOKENS
+        self.max_text_tokens = MAX_PROMPT_TOKENS
+        mean, std = (torch.tensor(self.vae.config.latents_mean), torch.tensor(self.vae.config.latents_std))
+        self._video_stats = (mean.view(1, -1, 1, 1, 1).to(device), std.view(1, -1, 1, 1, 1).to(device))
+        amean = torch.tensor(self.audio_vae.config.latents_mean)
+        astd = torch.tensor(self.audio_vae.config.latents_std)
+        self._audio_stats = (amean.view(1, -1, 1).to(device), astd.view(1, -1, 1).to(device))
+        self._pixel_stats = tuple(torch.tensor(v, device=device).view(1, -1, 1, 1, 1)
+                                  for v in ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+
+    @property
+    def min_frames(self) -> int:
+        return int(5.0 * self.fps)  # diffusers' min_duration (5 s) at 24 fps
+
+    @property
+    def max_frames(self) -> int:
+        return int(15.0 * self.fps)  # diffusers' max_duration (15 s) at 24 fps
+
+    def limits(self) -> ModelLimits:
+        """Positions are computed on the fly: no table bounds the size; clips of 5 to 15 s."""
+        limits = ModelLimits.of_table(None, pixel_multiple=self.pixel_multiple,
+                                      frame_step=self.frame_step,
+                                      max_prompt_chars=self.max_prompt_chars,
+                                      max_text_tokens=self.max_text_tokens)
+        return dataclasses.replace(limits, max_frames=self.max_frames, audio=True)
+
+    # -- encode ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _encode_prompt(self, prompt: str) -> torch.Tensor:
+        """(1, L, D) in the encoder's dtype: diffusers' ``get_qwen3vl_prompt_embeds`` of the
+        prompt verbatim (no template, no special tokens), hidden state ``TEXT_LAYER``."""
+        layer = int(self.diffusers_text_layer)
+        config = self.text_encoder.config
+        if int(config.text_config.num_hidden_layers) <= layer:
+            raise InvalidRequestError("prompt", f"the text encoder has no layer {layer} "
+                                      "(MiniMax-H3 conditions on its hidden state after it)")
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        host = torch.tensor([ids], dtype=torch.long)
+        # What the processor's create_mm_token_type_ids gives: 1 / 2 on the image / video pad
+        # tokens, 0 on text (a text-only prompt: all 0).
+        types = torch.zeros_like(host)
+        types[host == int(config.image_token_id)] = 1
+        types[host == int(config.video_token_id)] = 2
+        input_ids = upload(host, self.device)
+        outputs = self.text_encoder.model(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=upload(types, self.device), use_cache=False,
+            output_hidden_states=True)
+        return outputs.hidden_states[layer].to(self.text_encoder.dtype)  # type: ignore[no-any-return]
+
+    @property
+    def diffusers_text_layer(self) -> int:
+        from ditserve.engine.families.minimax_h3 import TEXT_LAYER
+
+        return TEXT_LAYER
+
+    def aligned_frames(self, num_frames: int) -> int:
+        """diffusers' frame count: rounded up to 17 n + 5, between 5 and 15 s at 24 fps."""
+        aligned = self._facts.align_num_frames(num_frames, self.frames_per_chunk,
+                                               self.latents_per_chunk)
+        if not self.min_frames <= aligned <= self.max_frames:
+            raise InvalidRequestError(
+                "num_frames", f"MiniMax-H3 generates 5 to 15 s at {self.fps} fps: num_frames, "
+                f"rounded up to 17n+5, must lie in [{self.min_frames}, {self.max_frames}]; got "
+                f"{num_frames} (rounded up to {aligned})")
+        return int(aligned)
+
+    def layout(self, text_len: int, num_frames: int, height: int, width: int
+               ) -> tuple[ItemLayout, tuple[int, int, int, int]]:
+        """diffusers' packed layout of one request, and its (latent frames, latent height,
+        latent width, audio latents per channel)."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+            MiniMaxH3PrepareLayoutStep,
+        )
+
+        facts = self._facts
+        frames = facts.video_latent_num_frames(num_frames, self.frames_per_chunk,
+                                               self.latents_per_chunk)
+        h, w = height // self.spatial_factor, width // self.spatial_factor
+        audio = facts.audio_latent_num_frames(num_frames)
+        tags = torch.full((text_len,), self.text_tag, dtype=torch.long)
+        positions, token_tags, video_idx, audio_idx, text_idx, _, _ = \
+            MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+                tags, frames, h, w, audio, self.patch, self.audio_channels,
+                facts.MINIMAX_H3_AUDIO_TAG, facts.MINIMAX_H3_VIDEO_TAG, ())
+        return ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx), \
+            (frames, h, w, audio)
+
+    def _trajectory(self, scheduler: Any, steps: int) -> SchedulerTrajectory:
+        # diffusers' grid has steps + 1 points (the terminal zero): ``steps`` forwards.
+        trajectory = SchedulerTrajectory(type(scheduler), scheduler.config, steps + 1)
+        if trajectory.num_steps != steps:
+            raise InvalidRequestError(
+                "num_inference_steps", f"{steps} steps collapse to {trajectory.num_steps} "
+                "distinct timesteps in MiniMax-H3's shifted schedule; ask for fewer")
+        return trajectory
+
+    @torch.inference_mode()
+    def prepare_encode(self, state: DenoiseState) -> None:
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+            patchify_video_latents,
+        )
+
+        p = state.params
+        n = p.num_images
+        if p.uses_true_cfg:
+            raise InvalidRequestError("negative_prompt", "MiniMax-H3 is guidance-distilled: it "
+                                      "takes no negative prompt (leave true_cfg_scale at 1)")
+        if p.height % self.pixel_multiple or p.width % self.pixel_multiple:
+            raise InvalidRequestError("height", f"height and width must be multiples of "
+                                      f"{self.pixel_multiple}, got {p.height}x{p.width}")
+        frames = self.aligned_frames(p.num_frames)
+        text = self._encode_prompt(p.prompt)
+        layout, (latent_frames, h, w, audio_len) = self.layout(
+            int(text.shape[1]), frames, p.height, p.width)
+        # One CPU generator, as diffusers draws: the video noise, then the audio noise in
+        # rows, video after video.
+        generator = torch.Generator("cpu").manual_seed(state.seed)
+        videos, audios = [], []
+        for _ in range(n):
+            noise = torch.randn((1, self.latent_channels, latent_frames, h, w),
+                                generator=generator, dtype=torch.float32)
+            videos.append(patchify_video_latents(noise, self.patch))
+            audios.append(torch.randn((audio_len * self.audio_channels,
+                                       self.audio_latent_channels),
+                                      generator=generator, dtype=torch.float32))
+        state.latents = upload(torch.stack(videos), self.device)  # (n, V, C * patch)
+        state.rows = n
+        state.schedule = self._trajectory(self.scheduler, p.num_inference_steps)
+        state.step_index = 0
+        state.host["layout"] = layout
+        state.host["text"] = text
+        state.host["grid"] = (latent_frames, h, w, audio_len)
+        state.host[AUDIO] = _AudioTrack(upload(torch.stack(audios), self.device),
+                                        self._trajectory(self.audio_scheduler,
+                                                         p.num_inference_steps))
+
+    # -- denoise ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def denoise_step(self, batch: InputBatch) -> torch.Tensor:
+        items: list[StepItem] = []
+        for state, rows in zip(batch.states, batch.row_slices, strict=True):
+            track: _AudioTrack = state.host[AUDIO]
+            video_t = state.current_timestep()
+            audio_t = float(track.schedule.timesteps[state.step_index])
+            video = batch.hidden_states[rows]
+            for r in range(state.rows):
+                items.append(StepItem(state.host["layout"], state.host["text"], video[r],
+                                      track.latents[r], video_t, audio_t))
+        kwargs = joint_inputs(items, keyframe_noise_aug=0.999, device=self.device)
+        with items_in_flight(items):
+            video_out, audio_out = self.transformer(**kwargs, return_dict=False)
+        videos = video_out[0].split([int(i.video.shape[0]) for i in items])
+        audios = audio_out[0].split([int(i.audio.shape[0]) for i in items])
+        start = 0
+        for state in batch.states:
+            track = state.host[AUDIO]
+            track.prediction = torch.stack(audios[start:start + state.rows])
+            start += state.rows
+        return torch.stack(videos)  # (rows, V, C * patch)
+
+    def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
+        assert state.schedule is not None and state.latents is not None
+        index = state.step_index
+        # As diffusers' loop: each modality's rows step down their own schedule in float32.
+        state.latents = state.schedule.step(state.latents, output_rows.float(), index)
+        track: _AudioTrack = state.host[AUDIO]
+        assert track.prediction is not None
+        track.latents = track.schedule.step(track.latents, track.prediction.float(), index)
+        track.prediction = None
+        state.step_index += 1
+
+    # -- decode -------------------------------------------------------------------------------
+    def _unpatchify(self, rows: torch.Tensor, grid: tuple[int, int, int, int]) -> torch.Tensor:
+        """diffusers' after-denoise step: (n, V, C * patch) rows -> (n, C, F, h, w)."""
+        frames, h, w, _ = grid
+        pt, ph, pw = self.patch
+        c = self.latent_channels
+        rows = rows.reshape(-1, frames // pt, h // ph, w // pw, c, pt, ph, pw)
+        return rows.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(-1, c, frames, h, w).contiguous()
+
+    @torch.inference_mode()
+    def post_decode(self, state: DenoiseState) -> None:
+        assert state.latents is not None
+        grid = state.host["grid"]
+        mean, std = self._video_stats
+        pixel_mean, pixel_std = self._pixel_stats
+        videos = []
+        for latents in self._unpatchify(state.latents, grid).split(1):
+            video = self.vae.decode(latents * std + mean, return_dict=False)[0]
+            videos.append((video.float() * pixel_std + pixel_mean).clamp(0, 1))
+        pixels = torch.cat(videos).permute(0, 2, 1, 3, 4)  # (n, F, 3, H, W)
+        state.pixels = pixels.contiguous().to("cpu", non_blocking=True)
+        finished = state.step_index >= state.params.num_inference_steps  # not a preview
+        if state.params.audio and finished:
+            self._decode_audio(state, grid[3])
+
+    def _decode_audio(self, state: DenoiseState, audio_len: int) -> None:
+        track: _AudioTrack = state.host[AUDIO]
+        mean, std = self._audio_stats
+        waves = []
+        for rows in track.latents:
+            # Channel-major rows -> the mono audio VAE's two batch items (C_a, A) each.
+            latents = rows.reshape(self.audio_channels, audio_len, -1).permute(0, 2, 1)
+            audio = self.audio_vae.decode(latents.contiguous() * std + mean,
+                                          return_dict=False)[0]
+            waves.append(audio.float().permute(1, 0, 2))  # (1, 2, samples)
+        state.audio = torch.cat(waves).to("cpu", non_blocking=True)
+        state.audio_rate = int(self.audio_vae.config.sampling_rate)
