@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import EngineConfig, ResolvedOffload
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
 from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
@@ -68,28 +68,35 @@ def resolve_model(config: EngineConfig) -> Path:
     return model_dir
 
 
-def make_executor(config: EngineConfig, *, model_dir: Path,
+def make_executor(config: EngineConfig, *, offload: ResolvedOffload, model_dir: Path,
                   timeline: StartTimeline | None = None) -> Executor:
-    """One in-process runner, or rank 0 of a multi-process replica (``world_size`` > 1)."""
+    """One in-process runner, or rank 0 of a multi-process replica (``world_size`` > 1).
+    ``offload``: ``config``'s offload as the composition root resolved it."""
     if config.parallel.world_size > 1:
         from ditserve.engine.distributed.executor import MultiProcessExecutor
 
         # The ranks load in their own processes: here it is one phase, all ranks' load.
         with timed(timeline, "load"):
-            return MultiProcessExecutor(config, model_dir=model_dir)
-    return LocalExecutor(config, model_dir=model_dir, timeline=timeline)
+            return MultiProcessExecutor(config, offload=offload, model_dir=model_dir)
+    return LocalExecutor(config, offload=offload, model_dir=model_dir, timeline=timeline)
 
 
 def open_executor(
-    config: EngineConfig, warmup: WarmUp, *, on_compiling: Callable[[], object],
-    timeline: StartTimeline | None = None,
+    config: EngineConfig, warmup: WarmUp, *, offload: ResolvedOffload,
+    on_compiling: Callable[[], object], timeline: StartTimeline | None = None,
 ) -> tuple[Executor, Path]:
     """Load the model on every rank and warm it up; returns the executor and model directory.
-    ``timeline`` records the start phases (see ``runner.start_phases``)."""
+    ``offload``: ``config``'s offload, resolved once by the caller; ``timeline`` records the
+    start phases (see ``runner.start_phases``)."""
     model_dir = resolve_model(config)
-    executor = make_executor(config, model_dir=model_dir, timeline=timeline)
+    executor = make_executor(config, offload=offload, model_dir=model_dir, timeline=timeline)
     try:
-        shared = _shared_compiles(executor, config, warmup, model_dir)
+        shared = None
+        if config.compile is not None and config.parallel.world_size == 1:
+            shared = _shared_compiles(
+                executor, warmup, model_dir, backend=config.compile, dtype=str(config.dtype),
+                offload=offload, max_num_seqs=config.scheduler.max_num_seqs,
+                sp_size=config.parallel.sequence_parallel_size)
         loaded = shared is not None and shared.load()
         warm_up(executor, config, warmup, on_compiling=on_compiling, timeline=timeline)
         if shared is not None and not loaded:
@@ -119,16 +126,15 @@ class _SharedCompiles:
         return compile_cache.save(self.root, self.key, socket_path=default_socket(self.root))
 
 
-def _shared_compiles(executor: Executor, config: EngineConfig, warmup: WarmUp,
-                     model_dir: Path) -> _SharedCompiles | None:
-    """With --compile on a single-process replica where a node cache exists: the key of
-    the warm-up's compiles (loaded before them, saved after them when they were new)."""
-    if config.compile is None or config.parallel.world_size > 1:
-        return None
+def _shared_compiles(executor: Executor, warmup: WarmUp, model_dir: Path, *, backend: str,
+                     dtype: str, offload: ResolvedOffload, max_num_seqs: int,
+                     sp_size: int) -> _SharedCompiles | None:
+    """With --compile (``backend``) on a single-process replica where a node cache exists:
+    the key of the warm-up's compiles (loaded before them, saved after them when new)."""
     from ditserve.cachectl.layout import default_root
     from ditserve.engine.runner import compile_cache
 
-    root = Path(config.offload.cache_root or default_root())
+    root = Path(offload.cache_root or default_root())
     if not (root / "v1").is_dir():  # no node cache here: nowhere to share compiles
         return None
     runner = executor.runner
@@ -137,12 +143,11 @@ def _shared_compiles(executor: Executor, config: EngineConfig, warmup: WarmUp,
     if warmup.compile_size is not None:
         height, width = warmup.compile_size
         shapes.append((height, width, 1))
-        if config.scheduler.max_num_seqs > 1:
+        if max_num_seqs > 1:
             shapes.append((height, width, 2))
     key = compile_cache.CompileKey(
         model=compile_cache.model_fingerprint(model_dir), shapes=tuple(shapes),
-        backend=config.compile, dtype=str(config.dtype), offload=config.offload.enabled,
-        sp_size=config.parallel.sequence_parallel_size,
+        backend=backend, dtype=dtype, offload=offload.enabled, sp_size=sp_size,
         torch_version=compile_cache.torch_version(),
         device=compile_cache.device_name(runner.device))
     return _SharedCompiles(root, key)

@@ -28,12 +28,19 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import EngineConfig, ResolvedOffload
 from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.request import ModelLimits, NewRequest
-from ditserve.engine.runner.assembly import assemble, read_weights, resolve_device
+from ditserve.engine.runner.assembly import (
+    PlanSettings,
+    assemble,
+    read_weights,
+    resolve_device,
+    weights_replaced,
+    with_fitted_settings,
+)
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
@@ -54,12 +61,15 @@ class ModelRunner:
         config: EngineConfig,
         *,
         model_dir: str | Path,
+        offload: ResolvedOffload | None = None,
         device: torch.device | None = None,
         weight_group: Any = None,
         sequence_group: Any = None,
         timeline: StartTimeline | None = None,
     ) -> None:
-        """device: overrides ``config.device`` (each DP rank passes its own).
+        """offload: ``config``'s offload as the composition root resolved it (the engine
+        passes it to every rank); None resolves it here, for a runner built on its own.
+        device: overrides ``config.device`` (each DP rank passes its own).
         weight_group: the process group DLO shards weights over (None: rank-local).
         sequence_group: the SP group this process runs its DP rank's forwards with (None:
         the whole sequence here).
@@ -80,33 +90,46 @@ class ModelRunner:
             from ditserve.engine.runner.compiled_blocks import require_toolchain
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
-        offload = config.offload.enabled
-        loaded = read_weights(model_dir, config, device=self.device, timeline=timeline,
-                              sharded=weight_group is not None and config.offload.use_allgather)
+        if offload is None:  # a runner of its own is its own composition root
+            offload = ResolvedOffload.of(config.offload, parallel=config.parallel)
+        self.resolved_offload = offload
+        loaded = read_weights(
+            model_dir, dtype=config.dtype, offload=offload,
+            sp_size=config.parallel.sequence_parallel_size, checkpoint=config.checkpoint,
+            keep_private=weights_replaced(quantization=config.quantization,
+                                          fuse=config.adapters.fuse),
+            device=self.device, timeline=timeline,
+            sharded=weight_group is not None and offload.allgather)
         components, host_plan = loaded.components, loaded.host_plan
         try:
-            built = assemble(loaded, config, device=self.device, sequence=self._sequence,
-                             weight_group=weight_group, timeline=timeline)
+            built = assemble(
+                loaded, PlanSettings(scheduler=config.scheduler, pipeline=config.pipeline,
+                                     offload=offload),
+                adapters=config.adapters, quantization=config.quantization,
+                compile=config.compile, device=self.device, sequence=self._sequence,
+                weight_group=weight_group, timeline=timeline)
         except BaseException:
             if host_plan is not None:
                 host_plan.close()
             raise
         self.pipeline: StepPipeline = built.pipeline
         self.adapters, self.offload, self.budget = built.adapters, built.offload, built.budget
-        config = self.config = built.config  # as the budget lowered it (the engine reads it)
+        # As the budget lowered it (the engine reads it).
+        config = self.config = with_fitted_settings(config, built.budget)
         if host_plan is not None:
             # Exactly once: a plan that replaced the ordinary load must have been taken.
             host_plan.require_consumed()
         log.info(
             "loaded %s from %s on %s in %.1fs (offload: %s)",
             components.pipeline_class, model_dir, self.device,
-            time.perf_counter() - started, "dlo" if offload else "off",
+            time.perf_counter() - started, "dlo" if offload.enabled else "off",
         )
         from ditserve.engine.placement.whole_pipeline import WholePipeline
 
         # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
         with timed(timeline, "encoders"):
-            self.whole = WholePipeline(self.pipeline, config, device=self.device,
+            self.whole = WholePipeline(self.pipeline, pipeline_config=config.pipeline,
+                                       offload=offload, device=self.device,
                                        offload_report=self.offload_report(),
                                        inputs=built.inputs, budget=built.budget)
         log.info("pipeline plan:\n%s", self.whole.plan_table())
@@ -118,10 +141,11 @@ class ModelRunner:
         # Under offload the shape groups of a step run block-major, as one pass; resident,
         # one after the other (the weights do not move, so there is nothing to share).
         self._block_major = (BlockMajor(self.pipeline.transformer, self.pipeline.block_lists)
-                             if offload else None)
+                             if offload.enabled else None)
         self._forwards = GroupForwards(
             self.pipeline, block_major=self._block_major,
-            one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
+            one_pass=self.offload.one_pass if self.offload is not None else None,
+            around=self.step_cache.scope)
         # A pipeline may narrow its family's CFG rule for the model it loaded (a step-distilled
         # FLUX.2 [klein] ignores guidance: its ``cfg_rows``).
         # The DiT's token side (Cosmos3: 32-px patches, 16-px sizes).
