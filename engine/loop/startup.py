@@ -182,7 +182,7 @@ def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int
     """One one-step step with ``requests`` requests on every rank, waited for and checked."""
     # A model that needs input images (image-to-video) warms up on plain grey ones.
     grey = ConditionImage(width, height, bytes([128]) * (width * height * 3))
-    fewest = int(getattr(executor.runner, "condition_images", (0, 0))[0])
+    fewest = int(executor.runner.condition_images[0])
     params = SamplingParams(prompt="warm up", height=height, width=width,
                             num_inference_steps=1, seed=0, images=(grey,) * fewest)
     work = {}

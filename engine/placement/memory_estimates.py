@@ -37,6 +37,7 @@ from ditserve.engine.families.base import dit_width
 from ditserve.engine.offload.builders import block_tensors, slot_count
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
+from ditserve.engine.pipelines.capabilities import host_modules_of, keeps_encoder_hidden_states
 from ditserve.engine.pipelines.vae_decode import DEFAULT_TILE_PIXELS
 from ditserve.engine.placement.budget_plan import BudgetInputs
 from ditserve.engine.placement.component_placement import module_bytes
@@ -171,7 +172,7 @@ def budget_inputs(pipeline: Any, *, scheduler: SchedulerConfig, pipeline_config:
     transformer = pipeline.transformer
     fixed, blocks = dit_blocks(transformer, pipeline.block_lists)
     # Modules the pipeline keeps in host memory (Cosmos3's token table) never reach the HBM.
-    fixed -= sum(module_bytes(m) for m in getattr(pipeline, "host_modules", ()))
+    fixed -= sum(module_bytes(m) for m in host_modules_of(pipeline))
     sched = ResolvedScheduling.for_family(scheduler, pipeline.family)
     text = int(getattr(pipeline, "max_text_tokens", None) or pipeline.max_sequence_length)
     rows = 2 * sched.max_num_seqs  # with CFG every request brings a negative prompt's row
@@ -184,7 +185,7 @@ def budget_inputs(pipeline: Any, *, scheduler: SchedulerConfig, pipeline_config:
                      if isinstance(m := getattr(pipeline, name, None), torch.nn.Module))
     streamable = tuple((name, held) for name, m in encoders
                        if (held := streamed_encoder_bytes(m)) is not None)
-    all_layers = bool(getattr(pipeline, "encoder_keeps_hidden_states", False))
+    all_layers = keeps_encoder_hidden_states(pipeline)
     encode = max((encode_activation_bytes(m, prompts=rows, tokens=text + TEMPLATE_TOKENS,
                                           all_layers=all_layers)
                   for _, m in encoders), default=0)

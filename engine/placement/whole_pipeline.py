@@ -31,6 +31,7 @@ import torch
 
 from ditserve.engine.allocator import cap_reserved, lift_cap
 from ditserve.engine.config import PipelineConfig, ResolvedOffload
+from ditserve.engine.pipelines.capabilities import PromptEncoder, prompt_reads_images
 from ditserve.engine.pipelines.vae_decode import (
     IMAGE_TILING_PIXELS,
     VIDEO_TILING_PIXELS,
@@ -123,7 +124,7 @@ class WholePipeline:
         self.plan += [self._encoder_row(name, m) for name, m in encoders.items()]
         staged: dict[Hashable, Any] = {}
         identity = None
-        if hasattr(pipeline, "_encode_prompt"):
+        if isinstance(pipeline, PromptEncoder):
             identity = install_prompt_cache(pipeline, self.cache, staged=staged,
                                             encoders_on_device=self._encoders_context)
         elif encoders:  # encoders without the per-prompt hook: no cache, encoders as placed
@@ -133,7 +134,7 @@ class WholePipeline:
         self.encode = BatchedEncode(pipeline, self.cache, identity=identity, staged=staged,
                                     encoders_on_device=self._encoders_context)
         self.encode.enabled = self.encode.enabled and identity is not None
-        self._prompt_reads_images = bool(getattr(pipeline, "prompt_reads_images", False))
+        self._prompt_reads_images = prompt_reads_images(pipeline)
         self.inputs, self.budget = inputs, budget
         self.tiling: VaeTiling | None = None
         self.decoder: DecodeBatches | None = None

@@ -29,6 +29,7 @@ from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.config.types import CompileBackend
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
+from ditserve.engine.pipelines.capabilities import host_modules_of
 from ditserve.engine.placement.budget_plan import (
     GIB,
     BudgetError,
@@ -55,6 +56,7 @@ class Assembled:
     offload: OffloadHandle | None
     inputs: BudgetInputs | None = None  # the memory planner's inputs (None: not plannable)
     budget: BudgetPlan | None = None  # the plan --dlo-hbm-budget-gib chose
+    pipeline_class: str = ""  # the diffusers pipeline class the model directory names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,35 @@ class PlanSettings:
     scheduler: SchedulerConfig
     pipeline: PipelineConfig
     offload: ResolvedOffload
+
+
+def load_and_assemble(model_dir: str | Path, *, dtype: DType, checkpoint: str | None,
+                      sp_size: int, quantization: str | None, adapters: AdapterConfig,
+                      compile: CompileBackend | None, settings: PlanSettings,
+                      device: torch.device, sequence: Any = None, weight_group: Any = None,
+                      timeline: StartTimeline | None = None) -> Assembled:
+    """``read_weights`` then ``assemble``: the model of ``model_dir`` ready to step on
+    ``device``. The host-weight plan is closed if assembling fails, and checked to have been
+    taken exactly once when it succeeds."""
+    offload = settings.offload
+    loaded = read_weights(
+        model_dir, dtype=dtype, offload=offload, sp_size=sp_size, checkpoint=checkpoint,
+        keep_private=weights_replaced(quantization=quantization, fuse=adapters.fuse),
+        device=device, timeline=timeline,
+        sharded=weight_group is not None and offload.allgather)
+    host_plan = loaded.host_plan
+    try:
+        built = assemble(loaded, settings, adapters=adapters, quantization=quantization,
+                         compile=compile, device=device, sequence=sequence,
+                         weight_group=weight_group, timeline=timeline)
+    except BaseException:
+        if host_plan is not None:
+            host_plan.close()
+        raise
+    if host_plan is not None:
+        # Exactly once: a plan that replaced the ordinary load must have been taken.
+        host_plan.require_consumed()
+    return replace(built, pipeline_class=loaded.components.pipeline_class)
 
 
 def read_weights(model_dir: str | Path, *, dtype: DType, offload: ResolvedOffload,
@@ -128,7 +159,7 @@ def assemble(loaded: LoadedWeights, settings: PlanSettings, *, adapters: Adapter
             handle = enable_offload(pipeline.transformer, offload_config, device=device,
                                     host_plan=loaded.host_plan,
                                     block_lists=pipeline.block_lists,
-                                    host_modules=getattr(pipeline, "host_modules", ()), **kwargs)
+                                    host_modules=host_modules_of(pipeline), **kwargs)
     bank.preload(adapter_bank, adapters)
     if compile is not None:
         from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks

@@ -32,20 +32,22 @@ from ditserve.engine.config import EngineConfig, ResolvedOffload
 from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
+from ditserve.engine.pipelines.capabilities import (
+    BatchedConditions,
+    condition_images_of,
+    work_rule_of,
+)
 from ditserve.engine.request import ModelLimits, NewRequest
 from ditserve.engine.runner.assembly import (
     PlanSettings,
-    assemble,
-    read_weights,
+    load_and_assemble,
     resolve_device,
-    weights_replaced,
     with_fitted_settings,
 )
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.runner.start_phases import StartTimeline, timed
-from ditserve.engine.sched.work import WorkRule
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.plan import RunnerOutput, StepPlan
 from ditserve.engine.step_cache.runtime import StepCache
@@ -92,38 +94,21 @@ class ModelRunner:
             require_toolchain(config.compile, self.device)  # before minutes of loading
         if offload is None:  # a runner of its own is its own composition root
             offload = ResolvedOffload.of(config.offload, parallel=config.parallel)
-        self.resolved_offload = offload
-        loaded = read_weights(
-            model_dir, dtype=config.dtype, offload=offload,
-            sp_size=config.parallel.sequence_parallel_size, checkpoint=config.checkpoint,
-            keep_private=weights_replaced(quantization=config.quantization,
-                                          fuse=config.adapters.fuse),
-            device=self.device, timeline=timeline,
-            sharded=weight_group is not None and offload.allgather)
-        components, host_plan = loaded.components, loaded.host_plan
-        try:
-            built = assemble(
-                loaded, PlanSettings(scheduler=config.scheduler, pipeline=config.pipeline,
-                                     offload=offload),
-                adapters=config.adapters, quantization=config.quantization,
-                compile=config.compile, device=self.device, sequence=self._sequence,
-                weight_group=weight_group, timeline=timeline)
-        except BaseException:
-            if host_plan is not None:
-                host_plan.close()
-            raise
+        built = load_and_assemble(
+            model_dir, dtype=config.dtype, checkpoint=config.checkpoint,
+            sp_size=config.parallel.sequence_parallel_size, quantization=config.quantization,
+            adapters=config.adapters, compile=config.compile,
+            settings=PlanSettings(scheduler=config.scheduler, pipeline=config.pipeline,
+                                  offload=offload),
+            device=self.device, sequence=self._sequence, weight_group=weight_group,
+            timeline=timeline)
         self.pipeline: StepPipeline = built.pipeline
         self.adapters, self.offload, self.budget = built.adapters, built.offload, built.budget
         # As the budget lowered it (the engine reads it).
         config = self.config = with_fitted_settings(config, built.budget)
-        if host_plan is not None:
-            # Exactly once: a plan that replaced the ordinary load must have been taken.
-            host_plan.require_consumed()
-        log.info(
-            "loaded %s from %s on %s in %.1fs (offload: %s)",
-            components.pipeline_class, model_dir, self.device,
-            time.perf_counter() - started, "dlo" if offload.enabled else "off",
-        )
+        log.info("loaded %s from %s on %s in %.1fs (offload: %s)", built.pipeline_class,
+                 model_dir, self.device, time.perf_counter() - started,
+                 "dlo" if offload.enabled else "off")
         from ditserve.engine.placement.whole_pipeline import WholePipeline
 
         # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
@@ -146,14 +131,7 @@ class ModelRunner:
             self.pipeline, block_major=self._block_major,
             one_pass=self.offload.one_pass if self.offload is not None else None,
             around=self.step_cache.scope)
-        # A pipeline may narrow its family's CFG rule for the model it loaded (a step-distilled
-        # FLUX.2 [klein] ignores guidance: its ``cfg_rows``).
-        # The DiT's token side (Cosmos3: 32-px patches, 16-px sizes).
-        self.work_rule = WorkRule(pixels_per_token=getattr(self.pipeline, "pixels_per_token",
-                                                           self.pixel_multiple),
-                                  frame_step=self.frame_step,
-                                  cfg_rows=getattr(self.pipeline, "cfg_rows",
-                                                   self.pipeline.family.cfg_rows))
+        self.work_rule = work_rule_of(self.pipeline)
         self._inflight = InFlightSteps(self.device)
 
     @property
@@ -178,8 +156,7 @@ class ModelRunner:
     @property
     def condition_images(self) -> tuple[int, int]:
         """(fewest, most) conditioning images; families without any declare nothing."""
-        accepted: tuple[int, int] = getattr(self.pipeline, "condition_images", (0, 0))
-        return accepted
+        return condition_images_of(self.pipeline)
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None
@@ -275,12 +252,11 @@ class ModelRunner:
         """Image-conditioned families encode the admitted requests' images in one batch
         (``encode_conditions``); on failure each request's own ``prepare_encode`` encodes
         (and fails) alone, so one bad image never fails its neighbours."""
-        encode = getattr(self.pipeline, "encode_conditions", None)
         states = [self._states[rid] for rid in rids if rid in self._states]
-        if encode is None or len(states) < 2:
+        if not isinstance(self.pipeline, BatchedConditions) or len(states) < 2:
             return
         try:
-            encode(states)
+            self.pipeline.encode_conditions(states)
         except Exception:
             log.warning("batched conditioning encode failed; encoding per request", exc_info=True)
 

@@ -79,8 +79,9 @@ class ScriptedExecutor:
     step_groups = ((0,), (1,))
 
     def __init__(self, *, drop: str | None = None) -> None:
-        # What the warm-up reads of rank 0's runner: its pixel multiple and work rule.
-        self.runner = type("Runner", (), {"pixel_multiple": 16,
+        # What the warm-up reads of rank 0's runner: its pixel multiple, the input images its
+        # model needs and its work rule.
+        self.runner = type("Runner", (), {"pixel_multiple": 16, "condition_images": (0, 0),
                                           "work_rule": WorkRule(pixels_per_token=16)})()
         self.drop = drop
         self.steps: list[dict[int, RankWork]] = []
