@@ -9,6 +9,9 @@ operator depends on it).
 
 from __future__ import annotations
 
+from ditserve.engine.config.judged import (
+    judged as judged,
+)
 from ditserve.engine.config.resolved_offload import (
     ResolvedOffload as ResolvedOffload,
 )

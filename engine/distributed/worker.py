@@ -77,6 +77,7 @@ def worker_main(
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                       WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(local_rank))
+    from ditserve.engine.config.judged import remember_judged
     from ditserve.engine.distributed.rendezvous import (
         Rendezvous,
         destroy,
@@ -86,6 +87,8 @@ def worker_main(
     from ditserve.engine.distributed.topology import Topology
     from ditserve.engine.runner.model_runner import ModelRunner
 
+    # Rank 0 (or `ditserve worker`'s flags) judged this config: its rules do not run again.
+    remember_judged(config)
     rdv = Rendezvous(master_addr, master_port, world_size, rank, local_rank)
     device = rank_device(config.device, rdv.local_rank)
     groups = init_groups(rdv, device, timeout_s, Topology.of(config.parallel, offload=offload))
