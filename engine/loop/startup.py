@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ditserve.engine.config import EngineConfig, ResolvedOffload
+from ditserve.engine.config import EngineConfig, ResolvedOffload, SchedulerConfig
+from ditserve.engine.config.types import CompileBackend
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
 from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
@@ -98,7 +99,8 @@ def open_executor(
                 offload=offload, max_num_seqs=config.scheduler.max_num_seqs,
                 sp_size=config.parallel.sequence_parallel_size)
         loaded = shared is not None and shared.load()
-        warm_up(executor, config, warmup, on_compiling=on_compiling, timeline=timeline)
+        warm_up(executor, warmup, scheduler=config.scheduler, compile=config.compile,
+                on_compiling=on_compiling, timeline=timeline)
         if shared is not None and not loaded:
             shared.save()
     except BaseException:
@@ -154,14 +156,17 @@ def _shared_compiles(executor: Executor, warmup: WarmUp, model_dir: Path, *, bac
 
 
 def warm_up(
-    executor: Executor, config: EngineConfig, warmup: WarmUp, *,
-    on_compiling: Callable[[], object], timeline: StartTimeline | None = None,
+    executor: Executor, warmup: WarmUp, *, scheduler: SchedulerConfig,
+    compile: CompileBackend | None, on_compiling: Callable[[], object],
+    timeline: StartTimeline | None = None,
 ) -> None:
+    """One small step on every rank; with ``compile``, the compiles at ``warmup``'s size
+    for batch one and, when ``scheduler`` batches, two."""
     multiple = int(executor.runner.pixel_multiple)
     with timed(timeline, "warm_up"):
-        _warm_step(executor, config, multiple * 2, multiple * 2, requests=1)
+        _warm_step(executor, scheduler, multiple * 2, multiple * 2, requests=1)
     size = warmup.compile_size
-    if config.compile is None or size is None:
+    if compile is None or size is None:
         return
     # Compiled blocks recompile when a shape first changes: the token count (resolution),
     # then the batch (a batch of 1 is always its own graph). Two more warm-up steps leave a
@@ -172,12 +177,12 @@ def warm_up(
              width, height)
     on_compiling()
     with timed(timeline, "compile"):
-        _warm_step(executor, config, height, width, requests=1)
-        if config.scheduler.max_num_seqs > 1:
-            _warm_step(executor, config, height, width, requests=2)
+        _warm_step(executor, scheduler, height, width, requests=1)
+        if scheduler.max_num_seqs > 1:
+            _warm_step(executor, scheduler, height, width, requests=2)
 
 
-def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int, *,
+def _warm_step(executor: Executor, scheduler: SchedulerConfig, height: int, width: int, *,
                requests: int) -> None:
     """One one-step step with ``requests`` requests on every rank, waited for and checked."""
     # A model that needs input images (image-to-video) warms up on plain grey ones.
@@ -190,13 +195,13 @@ def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int
         # Every warm-up request in one step, whatever the work budget: the compile must see
         # the batch of ``requests``, so the budget is exactly their work.
         request_work = executor.runner.work_rule.of(params)
-        everyone = replace(config.scheduler, max_num_seqs=max(requests, 1),
+        everyone = replace(scheduler, max_num_seqs=max(requests, 1),
                            max_batch_tokens=max(requests * request_work.tokens, 1))
-        scheduler = StepScheduler(ResolvedScheduling.for_family(everyone))
+        rank_scheduler = StepScheduler(ResolvedScheduling.for_family(everyone))
         ids = [f"warmup-{rank}-{i}" for i in range(requests)]
         for rid in ids:
-            scheduler.add(rid, params, request_work)
-        work[rank] = RankWork(scheduler.schedule(), tuple(NewRequest(rid, params, 0)
+            rank_scheduler.add(rid, params, request_work)
+        work[rank] = RankWork(rank_scheduler.schedule(), tuple(NewRequest(rid, params, 0)
                                                           for rid in ids))
     outputs = executor.step(work)
     # An idle step waits for what the first one queued (decoded pixels come back late on a
