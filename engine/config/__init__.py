@@ -9,6 +9,12 @@ operator depends on it).
 
 from __future__ import annotations
 
+from ditserve.engine.config.judged import (
+    judged as judged,
+)
+from ditserve.engine.config.resolved_offload import (
+    ResolvedOffload as ResolvedOffload,
+)
 from ditserve.engine.config.rules import (
     SEQUENCE_PARALLEL_IMPL as SEQUENCE_PARALLEL_IMPL,
 )

@@ -45,6 +45,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "priority_aging_s": ("scheduler", "aging_s"),
     "max_preemptions": ("scheduler", "max_preemptions"),
     "urgent_companions": ("scheduler", "urgent_companions"),
+    "offload": ("offload", "enabled"),  # --offload dlo|none, read as a bool (_offload_mode)
     "dlo_slots": ("offload", "slots"),
     "dlo_resident_layers": ("offload", "resident_layers"),
     "dlo_hbm_budget_gib": ("offload", "hbm_budget_gib"),
@@ -134,10 +135,17 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
     _add_parallel_options(parser)
 
 
+def _offload_mode(text: str) -> bool:
+    """``--offload``'s value as ``offload.enabled``."""
+    if text not in ("none", "dlo"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from 'none', 'dlo')")
+    return text == "dlo"
+
+
 def _add_offload_options(parser: argparse.ArgumentParser) -> None:
     """Layerwise offload of the DiT blocks and their host backing."""
     o = parser.add_argument_group("layerwise offload (DLO)")
-    o.add_argument("--offload", choices=("none", "dlo"), default=None,
+    o.add_argument("--offload", type=_offload_mode, metavar="{none,dlo}", default=None,
                    help="dlo: stream DiT blocks from host memory through device slots")
     o.add_argument("--dlo-slots", type=int, default=None,
                    help="device slots blocks stream through (default 2, or 8 with AllGather; "
@@ -271,9 +279,6 @@ def engine_config_from_args(
     if modules:
         pairs = [parse_lora_module(text) for text in modules]
         merged.setdefault("adapters", {})["lora_modules"] = modules_mapping(pairs)
-    offload = getattr(args, "offload", None)
-    if offload is not None:
-        merged.setdefault("offload", {})["enabled"] = offload == "dlo"
     _split_checkpoint(merged)
     if merged.get("dtype", AUTO_DTYPE) == AUTO_DTYPE:
         # Serve in the dtype the checkpoint is stored in (what `cachectl build` defaults to).

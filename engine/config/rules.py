@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ditserve.engine.config.adapters import adapter_problems
+from ditserve.engine.config.judged import judged, remember_judged
 from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.config.types import (
     CHECKPOINT_MMAP_MODES,
@@ -334,8 +335,12 @@ def step_cache_problems(cache: StepCacheConfig, *, parallel: ParallelConfig) -> 
 
 
 def validate(config: EngineConfig) -> EngineConfig:
-    """Raise ConfigError listing every problem, or return the config unchanged."""
+    """Raise ConfigError listing every problem, or return the config unchanged. The rules run
+    once per config object: a config judged before is returned as it is."""
+    if judged(config):
+        return config
     raise_problems("engine", problems(config))
+    remember_judged(config)
     return config
 
 

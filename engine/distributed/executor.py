@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import EngineConfig, ResolvedOffload
 from ditserve.engine.distributed.protocol import (
     Link,
     Reports,
@@ -70,7 +70,8 @@ REPORT_EVERY_S = 5.0
 class MultiProcessExecutor:
     """Rank 0's side of a multi-process replica (see module docstring)."""
 
-    def __init__(self, config: EngineConfig, *, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, *, offload: ResolvedOffload,
+                 model_dir: Path) -> None:
         from ditserve.engine.runner.model_runner import ModelRunner
 
         if config.parallel.sequence_parallel_size > 1:
@@ -80,7 +81,7 @@ class MultiProcessExecutor:
 
             raise_problems("sequence-parallel", sequence_parallel_problems(
                 config.parallel.sequence_parallel_size, dit_attention_heads(model_dir)))
-        self.topology = Topology.of(config)
+        self.topology = Topology.of(config.parallel, offload=offload)
         self.num_ranks = self.topology.data_parallel_size
         self.step_groups = self.topology.step_groups
         self.timeout_s = worker_timeout_s()
@@ -92,7 +93,7 @@ class MultiProcessExecutor:
         rdv = Rendezvous.from_env()
         if rdv is None:
             rdv = Rendezvous("127.0.0.1", free_port(), world, 0, 0)
-            self._spawn_workers(rdv, config, model_dir)
+            self._spawn_workers(rdv, config, offload, model_dir)
         elif rdv.world_size != world or rdv.rank != 0:
             raise ConfigError(
                 f"environment rendezvous (WORLD_SIZE={rdv.world_size}, RANK={rdv.rank}) does "
@@ -103,8 +104,8 @@ class MultiProcessExecutor:
         try:
             groups = init_groups(rdv, device, self.timeout_s, self.topology)
             self._links = {r: Link(groups.pair(r), peer=r) for r in range(1, world)}
-            self.runner = ModelRunner(config, model_dir=model_dir, device=device,
-                                      weight_group=groups.weight,
+            self.runner = ModelRunner(config, offload=offload, model_dir=model_dir,
+                                      device=device, weight_group=groups.weight,
                                       sequence_group=groups.sequence)
             hellos = [self._receive(r, "start-up") for r in self._links]
         except BaseException:
@@ -126,13 +127,14 @@ class MultiProcessExecutor:
         self._reports_at = [time.monotonic()] * world
 
     # -- process management ---------------------------------------------------------------------
-    def _spawn_workers(self, rdv: Rendezvous, config: EngineConfig, model_dir: Path) -> None:
+    def _spawn_workers(self, rdv: Rendezvous, config: EngineConfig, offload: ResolvedOffload,
+                       model_dir: Path) -> None:
         ctx = mp.get_context("spawn")  # fork after torch/CUDA init is unsafe
         for rank in range(1, rdv.world_size):
             proc = ctx.Process(
                 target=worker_main, name=f"ditserve-rank{rank}", daemon=True,
                 args=(rank, rdv.world_size, rdv.master_addr, rdv.master_port,
-                      config.to_mapping(), str(model_dir), self.timeout_s, rank),
+                      config, offload, str(model_dir), self.timeout_s, rank),
             )
             proc.start()
             self._procs[rank] = proc

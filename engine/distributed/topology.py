@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import ParallelConfig, ResolvedOffload
 
 Ranks = tuple[tuple[int, ...], ...]
 
@@ -38,10 +38,9 @@ class Topology:
     lockstep: bool = False
 
     @classmethod
-    def of(cls, config: EngineConfig) -> Topology:
-        par, off = config.parallel, config.offload
-        gathers = off.enabled and off.use_allgather and par.weight_group == "dp"
-        return cls(par.data_parallel_size, par.sequence_parallel_size, lockstep=gathers)
+    def of(cls, parallel: ParallelConfig, *, offload: ResolvedOffload) -> Topology:
+        return cls(parallel.data_parallel_size, parallel.sequence_parallel_size,
+                   lockstep=offload.lockstep)
 
     @property
     def world_size(self) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 
 from ditserve.engine.adapters.catalog import AdapterCatalog
 from ditserve.engine.adapters.files import rank_inspector
-from ditserve.engine.config import EngineConfig, validate
+from ditserve.engine.config import EngineConfig, ResolvedOffload, validate
 from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import EngineStoppedError, InvalidRequestError
 from ditserve.engine.executor import Executor
@@ -86,6 +86,8 @@ class DiffusionEngine:
         self._lifecycle = Lifecycle()
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
+        # The offload decided once, beside the scheduling: every rank runs with this one.
+        self.offload = ResolvedOffload.of(self.config.offload, parallel=self.config.parallel)
         self._queue_for(config)
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
@@ -137,7 +139,7 @@ class DiffusionEngine:
         """Load the model and warm up (blocking), then start the step loops: -> READY."""
         try:
             executor, self.model_dir = open_executor(
-                self.config, self.warmup,
+                self.config, self.warmup, offload=self.offload,
                 on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING),
                 timeline=self.start_timeline)
             adapters = self.config.adapters

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import EngineConfig, ResolvedOffload, SchedulerConfig
+from ditserve.engine.config.types import CompileBackend
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
 from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
@@ -68,30 +69,38 @@ def resolve_model(config: EngineConfig) -> Path:
     return model_dir
 
 
-def make_executor(config: EngineConfig, *, model_dir: Path,
+def make_executor(config: EngineConfig, *, offload: ResolvedOffload, model_dir: Path,
                   timeline: StartTimeline | None = None) -> Executor:
-    """One in-process runner, or rank 0 of a multi-process replica (``world_size`` > 1)."""
+    """One in-process runner, or rank 0 of a multi-process replica (``world_size`` > 1).
+    ``offload``: ``config``'s offload as the composition root resolved it."""
     if config.parallel.world_size > 1:
         from ditserve.engine.distributed.executor import MultiProcessExecutor
 
         # The ranks load in their own processes: here it is one phase, all ranks' load.
         with timed(timeline, "load"):
-            return MultiProcessExecutor(config, model_dir=model_dir)
-    return LocalExecutor(config, model_dir=model_dir, timeline=timeline)
+            return MultiProcessExecutor(config, offload=offload, model_dir=model_dir)
+    return LocalExecutor(config, offload=offload, model_dir=model_dir, timeline=timeline)
 
 
 def open_executor(
-    config: EngineConfig, warmup: WarmUp, *, on_compiling: Callable[[], object],
-    timeline: StartTimeline | None = None,
+    config: EngineConfig, warmup: WarmUp, *, offload: ResolvedOffload,
+    on_compiling: Callable[[], object], timeline: StartTimeline | None = None,
 ) -> tuple[Executor, Path]:
     """Load the model on every rank and warm it up; returns the executor and model directory.
-    ``timeline`` records the start phases (see ``runner.start_phases``)."""
+    ``offload``: ``config``'s offload, resolved once by the caller; ``timeline`` records the
+    start phases (see ``runner.start_phases``)."""
     model_dir = resolve_model(config)
-    executor = make_executor(config, model_dir=model_dir, timeline=timeline)
+    executor = make_executor(config, offload=offload, model_dir=model_dir, timeline=timeline)
     try:
-        shared = _shared_compiles(executor, config, warmup, model_dir)
+        shared = None
+        if config.compile is not None and config.parallel.world_size == 1:
+            shared = _shared_compiles(
+                executor, warmup, model_dir, backend=config.compile, dtype=str(config.dtype),
+                offload=offload, max_num_seqs=config.scheduler.max_num_seqs,
+                sp_size=config.parallel.sequence_parallel_size)
         loaded = shared is not None and shared.load()
-        warm_up(executor, config, warmup, on_compiling=on_compiling, timeline=timeline)
+        warm_up(executor, warmup, scheduler=config.scheduler, compile=config.compile,
+                on_compiling=on_compiling, timeline=timeline)
         if shared is not None and not loaded:
             shared.save()
     except BaseException:
@@ -119,16 +128,15 @@ class _SharedCompiles:
         return compile_cache.save(self.root, self.key, socket_path=default_socket(self.root))
 
 
-def _shared_compiles(executor: Executor, config: EngineConfig, warmup: WarmUp,
-                     model_dir: Path) -> _SharedCompiles | None:
-    """With --compile on a single-process replica where a node cache exists: the key of
-    the warm-up's compiles (loaded before them, saved after them when they were new)."""
-    if config.compile is None or config.parallel.world_size > 1:
-        return None
+def _shared_compiles(executor: Executor, warmup: WarmUp, model_dir: Path, *, backend: str,
+                     dtype: str, offload: ResolvedOffload, max_num_seqs: int,
+                     sp_size: int) -> _SharedCompiles | None:
+    """With --compile (``backend``) on a single-process replica where a node cache exists:
+    the key of the warm-up's compiles (loaded before them, saved after them when new)."""
     from ditserve.cachectl.layout import default_root
     from ditserve.engine.runner import compile_cache
 
-    root = Path(config.offload.cache_root or default_root())
+    root = Path(offload.cache_root or default_root())
     if not (root / "v1").is_dir():  # no node cache here: nowhere to share compiles
         return None
     runner = executor.runner
@@ -137,26 +145,28 @@ def _shared_compiles(executor: Executor, config: EngineConfig, warmup: WarmUp,
     if warmup.compile_size is not None:
         height, width = warmup.compile_size
         shapes.append((height, width, 1))
-        if config.scheduler.max_num_seqs > 1:
+        if max_num_seqs > 1:
             shapes.append((height, width, 2))
     key = compile_cache.CompileKey(
         model=compile_cache.model_fingerprint(model_dir), shapes=tuple(shapes),
-        backend=config.compile, dtype=str(config.dtype), offload=config.offload.enabled,
-        sp_size=config.parallel.sequence_parallel_size,
+        backend=backend, dtype=dtype, offload=offload.enabled, sp_size=sp_size,
         torch_version=compile_cache.torch_version(),
         device=compile_cache.device_name(runner.device))
     return _SharedCompiles(root, key)
 
 
 def warm_up(
-    executor: Executor, config: EngineConfig, warmup: WarmUp, *,
-    on_compiling: Callable[[], object], timeline: StartTimeline | None = None,
+    executor: Executor, warmup: WarmUp, *, scheduler: SchedulerConfig,
+    compile: CompileBackend | None, on_compiling: Callable[[], object],
+    timeline: StartTimeline | None = None,
 ) -> None:
+    """One small step on every rank; with ``compile``, the compiles at ``warmup``'s size
+    for batch one and, when ``scheduler`` batches, two."""
     multiple = int(executor.runner.pixel_multiple)
     with timed(timeline, "warm_up"):
-        _warm_step(executor, config, multiple * 2, multiple * 2, requests=1)
+        _warm_step(executor, scheduler, multiple * 2, multiple * 2, requests=1)
     size = warmup.compile_size
-    if config.compile is None or size is None:
+    if compile is None or size is None:
         return
     # Compiled blocks recompile when a shape first changes: the token count (resolution),
     # then the batch (a batch of 1 is always its own graph). Two more warm-up steps leave a
@@ -167,20 +177,19 @@ def warm_up(
              width, height)
     on_compiling()
     with timed(timeline, "compile"):
-        _warm_step(executor, config, height, width, requests=1)
-        if config.scheduler.max_num_seqs > 1:
-            _warm_step(executor, config, height, width, requests=2)
+        _warm_step(executor, scheduler, height, width, requests=1)
+        if scheduler.max_num_seqs > 1:
+            _warm_step(executor, scheduler, height, width, requests=2)
 
 
-def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int, *,
+def _warm_step(executor: Executor, scheduler: SchedulerConfig, height: int, width: int, *,
                requests: int) -> None:
     """One one-step step with ``requests`` requests on every rank, waited for and checked."""
     # A model that needs input images (image-to-video) warms up on plain grey ones.
     grey = ConditionImage(width, height, bytes([128]) * (width * height * 3))
-    fewest = int(getattr(executor.runner, "condition_images", (0, 0))[0])
-    # A model with a shortest clip (its pipeline's ``min_frames``; MiniMax-H3: 5 s) warms
-    # up on it.
-    frames = int(getattr(getattr(executor.runner, "pipeline", None), "min_frames", 1))
+    fewest = int(executor.runner.condition_images[0])
+    # A model with a shortest clip (MiniMax-H3: 5 s) warms up on it.
+    frames = int(executor.runner.pipeline.family.min_frames)
     params = SamplingParams(prompt="warm up", height=height, width=width,
                             num_inference_steps=1, seed=0, images=(grey,) * fewest,
                             num_frames=frames)
@@ -189,13 +198,13 @@ def _warm_step(executor: Executor, config: EngineConfig, height: int, width: int
         # Every warm-up request in one step, whatever the work budget: the compile must see
         # the batch of ``requests``, so the budget is exactly their work.
         request_work = executor.runner.work_rule.of(params)
-        everyone = replace(config.scheduler, max_num_seqs=max(requests, 1),
+        everyone = replace(scheduler, max_num_seqs=max(requests, 1),
                            max_batch_tokens=max(requests * request_work.tokens, 1))
-        scheduler = StepScheduler(ResolvedScheduling.for_family(everyone))
+        rank_scheduler = StepScheduler(ResolvedScheduling.for_family(everyone))
         ids = [f"warmup-{rank}-{i}" for i in range(requests)]
         for rid in ids:
-            scheduler.add(rid, params, request_work)
-        work[rank] = RankWork(scheduler.schedule(), tuple(NewRequest(rid, params, 0)
+            rank_scheduler.add(rid, params, request_work)
+        work[rank] = RankWork(rank_scheduler.schedule(), tuple(NewRequest(rid, params, 0)
                                                           for rid in ids))
     outputs = executor.step(work)
     # An idle step waits for what the first one queued (decoded pixels come back late on a

@@ -12,7 +12,9 @@ undo on one ``contextlib.ExitStack``: any failure unwinds what was done and rais
 ``OffloadError``; the model is left as it was.
 
 The option rules are ``engine.config.offload_problems``'s; enable asserts them (with the
-group it is given) and checks what it can once, here, rather than on every load.
+group it is given) unless the options are those of an engine config already judged
+(``engine.config.judged``: the rules run once per config), and checks what it can once, here,
+rather than on every load.
 
 The returned ``OffloadHandle`` (``handle``) reports what is streamed and undoes it.
 
@@ -36,7 +38,7 @@ from torch import nn
 
 import ditserve.engine.offload.builders as builders
 import ditserve.engine.offload.pairing as pairing
-from ditserve.engine.config import OffloadConfig, format_problems, offload_problems
+from ditserve.engine.config import OffloadConfig, format_problems, judged, offload_problems
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.accounting import host_accounting
 from ditserve.engine.offload.discovery import discover
@@ -162,8 +164,8 @@ def _check_request(
 ) -> None:
     """The config's own rules (``offload_problems``, with AllGather as the group makes it),
     and what the call needs: offload enabled, a plan for the options that act on one."""
-    found = offload_problems(config, allgather=group_size > 1)
-    found += format_problems(config, group_size=group_size)
+    found = [] if judged(config) else (offload_problems(config, allgather=group_size > 1)
+                                       + format_problems(config, group_size=group_size))
     if not config.enabled:
         found.insert(0, "offload.enabled is false; set it (--offload dlo) to enable offload")
     if host_plan is None and (config.runtime_cache or config.pin_limit_gib):

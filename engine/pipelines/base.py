@@ -48,6 +48,9 @@ class StepPipeline(Protocol):
         5 s); the engine's warm-up request asks for it.
     limits(): what the model can run (sizes and frames its positional tables reach), read off
         its own config; the engine checks every request against it.
+
+    What a pipeline may declare beyond these (input images, host modules, a token side, ...)
+    are the optional capabilities of ``pipelines.capabilities``.
     """
 
     family: Family

@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from ditserve.engine.pipelines.capabilities import BatchedPromptEncoder
 from ditserve.engine.placement.prompt_cache import PromptCache, prompt_key
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ class BatchedEncode:
         self.identity = identity
         self.staged = staged
         self.encoders_on_device = encoders_on_device
-        self.enabled = all(hasattr(pipeline, name) for name in ("_encode_prompts", "text_prompts"))
-        self._encode_prompts = getattr(pipeline, "_encode_prompts", None)
+        batched = isinstance(pipeline, BatchedPromptEncoder)
+        self.enabled = batched
+        self._encode_prompts = pipeline._encode_prompts if batched else None
         self.passes = 0  # batched encoder passes run
         self.prompts = 0  # prompts they encoded
 

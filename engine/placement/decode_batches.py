@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ditserve.engine.pipelines.capabilities import decodes_in_batches
 from ditserve.engine.pipelines.vae_decode import VaeTiling, tiling_wanted
 from ditserve.engine.placement.memory_estimates import decode_bytes
 
@@ -88,7 +89,7 @@ class DecodeBatches:
         self._post_decode = post_decode  # the pipeline's own, untouched by tiling
         # A pipeline whose decode reads more of a request than its latents and size (Wan
         # I2V mixes each request's first-frame latents in) decodes one request per call.
-        self.batchable = bool(getattr(pipeline, "batched_decode", True))
+        self.batchable = decodes_in_batches(pipeline)
         self.calls = 0  # VAE calls of finished requests (previews not counted)
         self.decoded = 0  # finished requests they decoded
 

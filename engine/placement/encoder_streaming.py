@@ -20,8 +20,8 @@ Two modules outside the layers stay in host memory too (``host_side_modules``):
 ``enable_offload`` finds an encoder's layer list itself (the outermost ``nn.ModuleList`` of
 one repeated block class holding most of the weights: ``encoder.block`` for T5, the
 language model's and the vision tower's ``layers``/``blocks`` for Qwen2.5-VL). Encoders it
-finds none in stay parked. Each encoder streams rank-locally (no AllGather group): an
-encode is short, and DP ranks encode different prompts at different times.
+finds none in stay parked. Each encoder streams with the options the replica's resolved offload
+gives encoders (``ResolvedOffload.encoder_options``: rank-local, two slots).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ditserve.engine.config import OffloadConfig
+from ditserve.engine.config import ResolvedOffload
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload import OffloadHandle, enable_offload
 from ditserve.engine.offload.discovery import discover
@@ -41,8 +41,6 @@ from ditserve.engine.placement.component_placement import module_bytes
 
 log = logging.getLogger(__name__)
 
-# Two slots reach the copy floor for rank-local streaming (offload.builders.DEFAULT_SLOTS).
-ENCODER_SLOTS = 2
 # Encodes hold few activations (one prompt batch of at most 512 tokens); DLO's reserve check
 # is for a DiT step's activations.
 ENCODER_ACTIVATION_RESERVE_BYTES = 256 << 20
@@ -120,11 +118,12 @@ class StreamedEncoders:
     """Every streamable encoder of a pipeline under its own DLO handle; see module docstring."""
 
     def __init__(self, modules: Mapping[str, torch.nn.Module], *, device: torch.device,
-                 min_table_bytes: int = HOST_TABLE_MIN_BYTES) -> None:
-        """min_table_bytes: the smallest token table kept on the host (tests lower it)."""
+                 offload: ResolvedOffload, min_table_bytes: int = HOST_TABLE_MIN_BYTES) -> None:
+        """offload: the replica's resolved offload, which says how encoders stream;
+        min_table_bytes: the smallest token table kept on the host (tests lower it)."""
         self.encoders: dict[str, StreamedEncoder] = {}
         self._undo: list[Callable[[], None]] = []
-        config = OffloadConfig(enabled=True, slots=ENCODER_SLOTS, use_allgather=False)
+        config = offload.encoder_options()
         try:
             for name, module in modules.items():
                 # The pinned host copies are filled from wherever the weights are, and the

@@ -30,16 +30,18 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import PipelineConfig, ResolvedOffload, SchedulerConfig
+from ditserve.engine.config.resolved_offload import ENCODER_SLOTS
 from ditserve.engine.errors import ConfigError, OffloadError
 from ditserve.engine.families.base import dit_width
 from ditserve.engine.offload.builders import block_tensors, slot_count
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
+from ditserve.engine.pipelines.capabilities import host_modules_of, keeps_encoder_hidden_states
 from ditserve.engine.pipelines.vae_decode import DEFAULT_TILE_PIXELS
 from ditserve.engine.placement.budget_plan import BudgetInputs
 from ditserve.engine.placement.component_placement import module_bytes
-from ditserve.engine.placement.encoder_streaming import ENCODER_SLOTS, host_side_bytes
+from ditserve.engine.placement.encoder_streaming import host_side_bytes
 from ditserve.engine.placement.prompt_cache import ENCODER_ATTRS
 from ditserve.engine.sched.work import ResolvedScheduling
 
@@ -162,13 +164,16 @@ def auto_budget(device: torch.device, *,
     return int(free) + int((memory_reserved or torch.cuda.memory_reserved)(device))
 
 
-def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -> BudgetInputs:
-    """Everything ``plan_budget`` needs, measured off ``pipeline`` under ``config``."""
+def budget_inputs(pipeline: Any, *, scheduler: SchedulerConfig, pipeline_config: PipelineConfig,
+                  offload: ResolvedOffload, group_size: int = 1) -> BudgetInputs:
+    """Everything ``plan_budget`` needs, measured off ``pipeline`` under the scheduling
+    (requests per step), the pipeline's settings (prompt cache, VAE tiling) and the offload
+    (slots, whether DLO governs the encoders)."""
     transformer = pipeline.transformer
     fixed, blocks = dit_blocks(transformer, pipeline.block_lists)
     # Modules the pipeline keeps in host memory (Cosmos3's token table) never reach the HBM.
-    fixed -= sum(module_bytes(m) for m in getattr(pipeline, "host_modules", ()))
-    sched = ResolvedScheduling.for_family(config.scheduler, pipeline.family)
+    fixed -= sum(module_bytes(m) for m in host_modules_of(pipeline))
+    sched = ResolvedScheduling.for_family(scheduler, pipeline.family)
     text = int(getattr(pipeline, "max_text_tokens", None) or pipeline.max_sequence_length)
     rows = 2 * sched.max_num_seqs  # with CFG every request brings a negative prompt's row
     # The pipeline's compute dtype (Wan's skips the float32 tables diffusers keeps first,
@@ -180,7 +185,7 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
                      if isinstance(m := getattr(pipeline, name, None), torch.nn.Module))
     streamable = tuple((name, held) for name, m in encoders
                        if (held := streamed_encoder_bytes(m)) is not None)
-    all_layers = bool(getattr(pipeline, "encoder_keeps_hidden_states", False))
+    all_layers = keeps_encoder_hidden_states(pipeline)
     encode = max((encode_activation_bytes(m, prompts=rows, tokens=text + TEMPLATE_TOKENS,
                                           all_layers=all_layers)
                   for _, m in encoders), default=0)
@@ -190,13 +195,13 @@ def budget_inputs(pipeline: Any, config: EngineConfig, *, group_size: int = 1) -
     can_tile = hasattr(vae, "enable_tiling")
     return BudgetInputs(
         dit_fixed=fixed, dit_blocks=blocks,
-        slots=slot_count(config.offload, len(blocks), group_size),
+        slots=slot_count(offload.options, len(blocks), group_size),
         encoders=tuple((name, module_bytes(m)) for name, m in encoders),
-        parkable=config.offload.components == "all", encode_activations=encode,
+        parkable=offload.components == "all", encode_activations=encode,
         vae=module_bytes(vae), decode_whole=decode_bytes(vae, tiled=False, **shape),
         decode_tiled=decode_bytes(vae, tiled=True, **shape) if can_tile else None,
         denoise_activations=denoise,
-        prompt_cache=int(config.pipeline.prompt_cache_gib * (1 << 30))
-        if config.pipeline.prompt_cache_size > 0 else 0,
-        vae_tiling=config.pipeline.vae_tiling, streamable=streamable,
+        prompt_cache=int(pipeline_config.prompt_cache_gib * (1 << 30))
+        if pipeline_config.prompt_cache_size > 0 else 0,
+        vae_tiling=pipeline_config.vae_tiling, streamable=streamable,
         decode_shape=(frames, height, width))

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from ditserve.engine.allocator import cap_reserved, lift_cap
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import PipelineConfig, ResolvedOffload
+from ditserve.engine.pipelines.capabilities import PromptEncoder, prompt_reads_images
 from ditserve.engine.pipelines.vae_decode import (
     IMAGE_TILING_PIXELS,
     VIDEO_TILING_PIXELS,
@@ -91,16 +92,18 @@ def cap_allocator(device: torch.device, budget: BudgetPlan | None) -> int | None
 class WholePipeline:
     """The hooks and the plan of one ModelRunner's pipeline (see module docstring)."""
 
-    def __init__(self, pipeline: Any, config: EngineConfig, *, device: torch.device,
+    def __init__(self, pipeline: Any, *, pipeline_config: PipelineConfig,
+                 offload: ResolvedOffload, device: torch.device,
                  offload_report: dict[str, Any] | None, inputs: BudgetInputs | None = None,
                  budget: BudgetPlan | None = None) -> None:
-        """inputs: the planner's inputs (sizes, activation estimates), None if unknown;
+        """pipeline_config: the prompt cache's bounds and the VAE's tiling; offload: the
+        resolved offload (whether DLO governs the encoders, how they stream);
+        inputs: the planner's inputs (sizes, activation estimates), None if unknown;
         budget: the plan ``--dlo-hbm-budget-gib`` chose (None: no budget)."""
         self.pipeline = pipeline
-        offload = config.offload.enabled
         encoders = {name: m for name in ENCODER_ATTRS
                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module)}
-        self.modes = self._encoder_modes(encoders, config, budget)
+        self.modes = self._encoder_modes(encoders, offload, budget)
         # Pipelines leave their text encoders where the loader put them (host tensors over
         # the checkpoint): the resident ones go to the device here, the others are streamed
         # or parked from there, so the device never holds an offloaded encoder whole.
@@ -113,15 +116,15 @@ class WholePipeline:
             self.parked = ParkedModules(parked, device=device)
         self.streamed = StreamedEncoders(
             {name: m for name, m in encoders.items() if self.modes[name] == STREAMED},
-            device=device)
-        pipe = config.pipeline
+            device=device, offload=offload)
+        pipe = pipeline_config
         self.cache = PromptCache(max_entries=pipe.prompt_cache_size,
                                  max_bytes=int(pipe.prompt_cache_gib * GIB))
         self.plan: list[ComponentPlan] = [self._dit_row(pipeline, offload_report)]
         self.plan += [self._encoder_row(name, m) for name, m in encoders.items()]
         staged: dict[Hashable, Any] = {}
         identity = None
-        if hasattr(pipeline, "_encode_prompt"):
+        if isinstance(pipeline, PromptEncoder):
             identity = install_prompt_cache(pipeline, self.cache, staged=staged,
                                             encoders_on_device=self._encoders_context)
         elif encoders:  # encoders without the per-prompt hook: no cache, encoders as placed
@@ -131,19 +134,19 @@ class WholePipeline:
         self.encode = BatchedEncode(pipeline, self.cache, identity=identity, staged=staged,
                                     encoders_on_device=self._encoders_context)
         self.encode.enabled = self.encode.enabled and identity is not None
-        self._prompt_reads_images = bool(getattr(pipeline, "prompt_reads_images", False))
+        self._prompt_reads_images = prompt_reads_images(pipeline)
         self.inputs, self.budget = inputs, budget
         self.tiling: VaeTiling | None = None
         self.decoder: DecodeBatches | None = None
         vae = getattr(pipeline, "vae", None)
         if isinstance(vae, torch.nn.Module):
-            self._install_decode(vae, pipe.vae_tiling, offload=offload)
+            self._install_decode(vae, pipe.vae_tiling, offload=offload.enabled)
             self.plan.append(self._vae_row(vae, pipe.vae_tiling))
         # Last: the DiT and every encoder are placed (see cap_allocator).
         self.capped_device = cap_allocator(device, budget)
 
     @staticmethod
-    def _encoder_modes(encoders: dict[str, torch.nn.Module], config: EngineConfig,
+    def _encoder_modes(encoders: dict[str, torch.nn.Module], offload: ResolvedOffload,
                        budget: BudgetPlan | None) -> dict[str, str]:
         """Each encoder resident, streamed or parked: the budget's choice. Without one, under
         DLO (unless ``--dlo-components dit``) every encoder DLO finds layers in streams and
@@ -153,8 +156,7 @@ class WholePipeline:
         (docs/benchmarks.md, "Whole pipeline at full size"); else resident."""
         if budget is not None:
             return {name: budget.encoders.get(name, RESIDENT) for name in encoders}
-        off = config.offload
-        if not (off.enabled and off.components == "all"):
+        if not offload.governs_encoders:
             return {name: RESIDENT for name in encoders}
         return {name: STREAMED if streamable(m) else PARKED for name, m in encoders.items()}
 

@@ -5,7 +5,8 @@ pipeline is built; sequence parallelism shards it (before offload and compilatio
 the blocks its hooks sit around); LoRA adapters open (a fused adapter changes the weights
 before quantization and offload read them); FP8 replaces the DiT's linears (before offload
 plans their tensors); offload takes the host-weight plan and streams the blocks; adapter
-hooks go on the final linears; compilation wraps the blocks last. Called by ``ModelRunner``.
+hooks go on the final linears; compilation wraps the blocks last. Called by ``ModelRunner``,
+with the sub-configs each step uses and the offload as the composition root resolved it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import (
+    DType,
+    EngineConfig,
+    PipelineConfig,
+    ResolvedOffload,
+    SchedulerConfig,
+)
+from ditserve.engine.config.adapters import AdapterConfig
+from ditserve.engine.config.types import CompileBackend
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.pipelines import StepPipeline, build_pipeline
+from ditserve.engine.pipelines.capabilities import host_modules_of
 from ditserve.engine.placement.budget_plan import (
     GIB,
     BudgetError,
@@ -47,26 +57,65 @@ class Assembled:
     pipeline: StepPipeline
     adapters: Any
     offload: OffloadHandle | None
-    # The engine config with the settings the plan lowered to fit (``with_fitted_settings``).
-    config: EngineConfig
     inputs: BudgetInputs | None = None  # the memory planner's inputs (None: not plannable)
     budget: BudgetPlan | None = None  # the plan --dlo-hbm-budget-gib chose
+    pipeline_class: str = ""  # the diffusers pipeline class the model directory names
 
 
-def read_weights(model_dir: str | Path, config: EngineConfig, *, device: torch.device,
-                 sharded: bool, timeline: StartTimeline | None = None) -> LoadedWeights:
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """What the memory plan reads and may lower (``fit_settings``): the scheduling and the
+    pipeline's parts around the DiT, with the offload they are planned under."""
+
+    scheduler: SchedulerConfig
+    pipeline: PipelineConfig
+    offload: ResolvedOffload
+
+
+def load_and_assemble(model_dir: str | Path, *, dtype: DType, checkpoint: str | None,
+                      sp_size: int, quantization: str | None, adapters: AdapterConfig,
+                      compile: CompileBackend | None, settings: PlanSettings,
+                      device: torch.device, sequence: Any = None, weight_group: Any = None,
+                      timeline: StartTimeline | None = None) -> Assembled:
+    """``read_weights`` then ``assemble``: the model of ``model_dir`` ready to step on
+    ``device``. The host-weight plan is closed if assembling fails, and checked to have been
+    taken exactly once when it succeeds."""
+    offload = settings.offload
+    loaded = read_weights(
+        model_dir, dtype=dtype, offload=offload, sp_size=sp_size, checkpoint=checkpoint,
+        keep_private=weights_replaced(quantization=quantization, fuse=adapters.fuse),
+        device=device, timeline=timeline,
+        sharded=weight_group is not None and offload.allgather)
+    host_plan = loaded.host_plan
+    try:
+        built = assemble(loaded, settings, adapters=adapters, quantization=quantization,
+                         compile=compile, device=device, sequence=sequence,
+                         weight_group=weight_group, timeline=timeline)
+    except BaseException:
+        if host_plan is not None:
+            host_plan.close()
+        raise
+    if host_plan is not None:
+        # Exactly once: a plan that replaced the ordinary load must have been taken.
+        host_plan.require_consumed()
+    return replace(built, pipeline_class=loaded.components.pipeline_class)
+
+
+def read_weights(model_dir: str | Path, *, dtype: DType, offload: ResolvedOffload,
+                 sp_size: int, checkpoint: str | None, keep_private: str | None,
+                 device: torch.device, sharded: bool,
+                 timeline: StartTimeline | None = None) -> LoadedWeights:
     """The model's weights in host memory (start phase ``read``), while the CUDA context is
     made (``cuda_init``, on its own thread: ``context_meanwhile``): the first CUDA call makes
     it wherever it falls, so make it here and time reading and placing apart from it.
-    ``sharded``: DLO shards over a weight group."""
+    ``sharded``: DLO shards over a weight group; ``keep_private``: why the DiT's weights
+    change after loading (``weights_replaced``)."""
     with context_meanwhile(device, timeline), timed(timeline, "read"):
         return load_weights(
-            model_dir, dtype=config.dtype, offload=config.offload,
-            sp_size=config.parallel.sequence_parallel_size,
+            model_dir, dtype=dtype, offload=offload.options, sp_size=sp_size,
             streams_from_mapping=(device.type == "cuda" and not sharded
-                                  and config.offload.compress == "none"),
-            keep_private=weights_replaced(config),
-            sharded=sharded, checkpoint=config.checkpoint,
+                                  and offload.options.compress == "none"),
+            keep_private=keep_private, sharded=sharded, checkpoint=checkpoint,
         )
 
 
@@ -108,77 +157,82 @@ def context_meanwhile(device: torch.device, timeline: StartTimeline | None = Non
         raise failure[0]
 
 
-def assemble(loaded: LoadedWeights, config: EngineConfig, *, device: torch.device,
+def assemble(loaded: LoadedWeights, settings: PlanSettings, *, adapters: AdapterConfig,
+             quantization: str | None, compile: CompileBackend | None, device: torch.device,
              sequence: Any = None, weight_group: Any = None,
              timeline: StartTimeline | None = None) -> Assembled:
     """Wrap the loaded components in the module docstring's order. ``sequence``: this
     process's SP group (None: no SP); ``weight_group``: the group DLO shards weights over;
     ``timeline``: where the start phases ``place`` and ``pin_register`` are recorded."""
-    offload = config.offload.enabled
+    offload = settings.offload
     with timed(timeline, "place"):
         pipeline = build_pipeline(loaded.components, device=device,
-                                  move_transformer=not offload)
+                                  move_transformer=not offload.enabled)
     if sequence is not None:
         from ditserve.engine.parallel import shard_pipeline
 
         shard_pipeline(pipeline, sequence)
     from ditserve.engine.adapters import bank
 
-    adapters = bank.open_bank(pipeline, loaded.components, config.adapters, device=device)
-    if config.quantization is not None:
+    adapter_bank = bank.open_bank(pipeline, loaded.components, adapters, device=device)
+    if quantization is not None:
         from ditserve.engine.weights.quantize import quantize_dit
 
-        quantize_dit(pipeline.transformer, config.quantization, device=device)
-    inputs = _planner_inputs(pipeline, config)
-    budget = _budget_plan(inputs, config, device, pipeline)
+        quantize_dit(pipeline.transformer, quantization, device=device)
+    inputs = _planner_inputs(pipeline, settings)
+    budget = _budget_plan(inputs, settings, device, pipeline)
     handle = None
-    if offload:
+    if offload.enabled:
         from ditserve.engine.offload import enable_offload
 
         kwargs: dict[str, Any] = {}
-        if weight_group is not None and config.offload.use_allgather:
+        if weight_group is not None and offload.allgather:
             kwargs["group"] = weight_group  # 1/group shards, rebuilt by all_gather
-        offload_config = config.offload
+        offload_config = offload.dit_options()
         if budget is not None:
             # The whole-pipeline plan already paid for activations, encoders and the VAE:
             # the offload spends only the DiT's share on resident blocks.
-            offload_config = replace(offload_config, hbm_budget_gib=budget.dit_budget / GIB)
+            offload_config = offload.dit_options(budget_gib=budget.dit_budget / GIB)
             kwargs["activation_reserve_bytes"] = 0
         with timed(timeline, "pin_register"):
             handle = enable_offload(pipeline.transformer, offload_config, device=device,
                                     host_plan=loaded.host_plan,
                                     block_lists=pipeline.block_lists,
-                                    host_modules=getattr(pipeline, "host_modules", ()), **kwargs)
-    bank.preload(adapters, config.adapters)
-    if config.compile is not None:
+                                    host_modules=host_modules_of(pipeline), **kwargs)
+    bank.preload(adapter_bank, adapters)
+    if compile is not None:
         from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 
-        compile_repeated_blocks(pipeline.transformer, config.compile)
-    return Assembled(pipeline, adapters, handle, with_fitted_settings(config, budget), inputs,
-                     budget)
+        compile_repeated_blocks(pipeline.transformer, compile)
+    return Assembled(pipeline, adapter_bank, handle, inputs, budget)
 
 
-def _planner_inputs(pipeline: Any, config: EngineConfig) -> BudgetInputs | None:
-    """The memory planner's inputs; without a budget they only inform the printed plan, so
-    a model they cannot be read from still serves (None)."""
+def _budget_inputs(pipeline: Any, settings: PlanSettings) -> BudgetInputs:
     from ditserve.engine.placement.memory_estimates import budget_inputs
 
+    return budget_inputs(pipeline, scheduler=settings.scheduler,
+                         pipeline_config=settings.pipeline, offload=settings.offload)
+
+
+def _planner_inputs(pipeline: Any, settings: PlanSettings) -> BudgetInputs | None:
+    """The memory planner's inputs; without a budget they only inform the printed plan, so
+    a model they cannot be read from still serves (None)."""
     try:
-        return budget_inputs(pipeline, config)
+        return _budget_inputs(pipeline, settings)
     except Exception as e:
-        if config.offload.hbm_budget_gib is not None:
+        if settings.offload.budget_gib is not None:
             raise ConfigError(f"--dlo-hbm-budget-gib: cannot plan this pipeline's memory: "
                               f"{type(e).__name__}: {e}") from e
         log.warning("no memory estimates for the plan: %s: %s", type(e).__name__, e)
         return None
 
 
-def _budget_plan(inputs: BudgetInputs | None, config: EngineConfig,
+def _budget_plan(inputs: BudgetInputs | None, settings: PlanSettings,
                  device: torch.device, pipeline: Any) -> BudgetPlan | None:
     """The plan of ``--dlo-hbm-budget-gib`` (a number or ``auto``); None without one.
     Raises ``BudgetError`` (a ConfigError) when even the smallest placement does not fit,
     after lowering the prompt cache's bound and the requests per step (``fit_settings``)."""
-    wanted = config.offload.hbm_budget_gib
+    wanted = settings.offload.budget_gib
     if wanted is None or inputs is None:
         return None
     from ditserve.engine.placement.memory_estimates import auto_budget
@@ -188,7 +242,7 @@ def _budget_plan(inputs: BudgetInputs | None, config: EngineConfig,
     try:
         return plan_budget(inputs, budget, auto=auto)
     except BudgetError as refused:
-        fitted = fit_settings(pipeline, config, budget, auto=auto)
+        fitted = fit_settings(pipeline, settings, budget, auto=auto)
         if fitted is None:
             raise BudgetError(f"{refused} (one request per step with a "
                               f"{SMALL_PROMPT_CACHE_GIB:g} GiB prompt cache does not fit "
@@ -203,25 +257,23 @@ def _budget_plan(inputs: BudgetInputs | None, config: EngineConfig,
 SMALL_PROMPT_CACHE_GIB = 0.25
 
 
-def fit_settings(pipeline: Any, config: EngineConfig, budget: int, *,
+def fit_settings(pipeline: Any, settings: PlanSettings, budget: int, *,
                  auto: bool) -> BudgetPlan | None:
     """A plan under ``budget`` with the prompt cache's bound, then the requests per step
     (and with them the step's work budget and the prompts of one encoder pass) lowered as
     little as it takes; None when even one request per step with a small cache does not
     fit. The scheduler and the prompt cache then run with those settings."""
-    from ditserve.engine.placement.memory_estimates import budget_inputs
-
-    sched, pipe = config.scheduler, config.pipeline
+    sched, pipe = settings.scheduler, settings.pipeline
     cache_gib = min(pipe.prompt_cache_gib, SMALL_PROMPT_CACHE_GIB)
     seqs = sched.max_num_seqs
     while seqs >= 1:
         tokens = (None if sched.max_batch_tokens is None
                   else max(1, sched.max_batch_tokens * seqs // sched.max_num_seqs))
-        candidate = replace(config, scheduler=replace(sched, max_num_seqs=seqs,
-                                                      max_batch_tokens=tokens),
+        candidate = replace(settings, scheduler=replace(sched, max_num_seqs=seqs,
+                                                        max_batch_tokens=tokens),
                             pipeline=replace(pipe, prompt_cache_gib=cache_gib))
         try:
-            plan = plan_budget(budget_inputs(pipeline, candidate), budget, auto=auto)
+            plan = plan_budget(_budget_inputs(pipeline, candidate), budget, auto=auto)
         except BudgetError:
             seqs = seqs // 2 if seqs > 1 else 0
             continue
@@ -259,8 +311,8 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def weights_replaced(config: EngineConfig) -> str | None:
+def weights_replaced(*, quantization: str | None, fuse: bool) -> str | None:
     """Why the DiT's linear weights change after loading (then they load privately)."""
-    if config.quantization:
-        return f"--quantization {config.quantization} replaces the linears' weights"
-    return "--lora-fuse changes the linears' weights" if config.adapters.fuse else None
+    if quantization:
+        return f"--quantization {quantization} replaces the linears' weights"
+    return "--lora-fuse changes the linears' weights" if fuse else None

@@ -28,17 +28,26 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import EngineConfig, ResolvedOffload
 from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
+from ditserve.engine.pipelines.capabilities import (
+    BatchedConditions,
+    condition_images_of,
+    work_rule_of,
+)
 from ditserve.engine.request import ModelLimits, NewRequest
-from ditserve.engine.runner.assembly import assemble, read_weights, resolve_device
+from ditserve.engine.runner.assembly import (
+    PlanSettings,
+    load_and_assemble,
+    resolve_device,
+    with_fitted_settings,
+)
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
 from ditserve.engine.runner.start_phases import StartTimeline, timed
-from ditserve.engine.sched.work import WorkRule
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.plan import RunnerOutput, StepPlan
 from ditserve.engine.step_cache.runtime import StepCache
@@ -54,12 +63,15 @@ class ModelRunner:
         config: EngineConfig,
         *,
         model_dir: str | Path,
+        offload: ResolvedOffload | None = None,
         device: torch.device | None = None,
         weight_group: Any = None,
         sequence_group: Any = None,
         timeline: StartTimeline | None = None,
     ) -> None:
-        """device: overrides ``config.device`` (each DP rank passes its own).
+        """offload: ``config``'s offload as the composition root resolved it (the engine
+        passes it to every rank); None resolves it here, for a runner built on its own.
+        device: overrides ``config.device`` (each DP rank passes its own).
         weight_group: the process group DLO shards weights over (None: rank-local).
         sequence_group: the SP group this process runs its DP rank's forwards with (None:
         the whole sequence here).
@@ -80,33 +92,29 @@ class ModelRunner:
             from ditserve.engine.runner.compiled_blocks import require_toolchain
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
-        offload = config.offload.enabled
-        loaded = read_weights(model_dir, config, device=self.device, timeline=timeline,
-                              sharded=weight_group is not None and config.offload.use_allgather)
-        components, host_plan = loaded.components, loaded.host_plan
-        try:
-            built = assemble(loaded, config, device=self.device, sequence=self._sequence,
-                             weight_group=weight_group, timeline=timeline)
-        except BaseException:
-            if host_plan is not None:
-                host_plan.close()
-            raise
+        if offload is None:  # a runner of its own is its own composition root
+            offload = ResolvedOffload.of(config.offload, parallel=config.parallel)
+        built = load_and_assemble(
+            model_dir, dtype=config.dtype, checkpoint=config.checkpoint,
+            sp_size=config.parallel.sequence_parallel_size, quantization=config.quantization,
+            adapters=config.adapters, compile=config.compile,
+            settings=PlanSettings(scheduler=config.scheduler, pipeline=config.pipeline,
+                                  offload=offload),
+            device=self.device, sequence=self._sequence, weight_group=weight_group,
+            timeline=timeline)
         self.pipeline: StepPipeline = built.pipeline
         self.adapters, self.offload, self.budget = built.adapters, built.offload, built.budget
-        config = self.config = built.config  # as the budget lowered it (the engine reads it)
-        if host_plan is not None:
-            # Exactly once: a plan that replaced the ordinary load must have been taken.
-            host_plan.require_consumed()
-        log.info(
-            "loaded %s from %s on %s in %.1fs (offload: %s)",
-            components.pipeline_class, model_dir, self.device,
-            time.perf_counter() - started, "dlo" if offload else "off",
-        )
+        # As the budget lowered it (the engine reads it).
+        config = self.config = with_fitted_settings(config, built.budget)
+        log.info("loaded %s from %s on %s in %.1fs (offload: %s)", built.pipeline_class,
+                 model_dir, self.device, time.perf_counter() - started,
+                 "dlo" if offload.enabled else "off")
         from ditserve.engine.placement.whole_pipeline import WholePipeline
 
         # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
         with timed(timeline, "encoders"):
-            self.whole = WholePipeline(self.pipeline, config, device=self.device,
+            self.whole = WholePipeline(self.pipeline, pipeline_config=config.pipeline,
+                                       offload=offload, device=self.device,
                                        offload_report=self.offload_report(),
                                        inputs=built.inputs, budget=built.budget)
         log.info("pipeline plan:\n%s", self.whole.plan_table())
@@ -118,20 +126,13 @@ class ModelRunner:
         # Under offload the shape groups of a step run block-major, as one pass; resident,
         # one after the other (the weights do not move, so there is nothing to share).
         self._block_major = (BlockMajor(self.pipeline.transformer, self.pipeline.block_lists)
-                             if offload else None)
+                             if offload.enabled else None)
         self._forwards = GroupForwards(
             self.pipeline, block_major=self._block_major,
-            one_pass=self.offload.one_pass if offload else None, around=self.step_cache.scope)
-        self.work_rule = self._work_rule()
+            one_pass=self.offload.one_pass if self.offload is not None else None,
+            around=self.step_cache.scope)
+        self.work_rule = work_rule_of(self.pipeline)
         self._inflight = InFlightSteps(self.device)
-
-    def _work_rule(self) -> WorkRule:
-        """The scheduler's cost rule; a pipeline may narrow its family's CFG rule (FLUX.2
-        [klein]: ``cfg_rows``) and name its DiT's token side (Cosmos3: ``pixels_per_token``)."""
-        p = self.pipeline
-        return WorkRule(pixels_per_token=getattr(p, "pixels_per_token", self.pixel_multiple),
-                        frame_step=self.frame_step,
-                        cfg_rows=getattr(p, "cfg_rows", p.family.cfg_rows))
 
     @property
     def limits(self) -> ModelLimits:
@@ -155,8 +156,7 @@ class ModelRunner:
     @property
     def condition_images(self) -> tuple[int, int]:
         """(fewest, most) conditioning images; families without any declare nothing."""
-        accepted: tuple[int, int] = getattr(self.pipeline, "condition_images", (0, 0))
-        return accepted
+        return condition_images_of(self.pipeline)
 
     def offload_report(self) -> dict[str, Any] | None:
         return self.offload.report() if self.offload is not None else None
@@ -252,12 +252,11 @@ class ModelRunner:
         """Image-conditioned families encode the admitted requests' images in one batch
         (``encode_conditions``); on failure each request's own ``prepare_encode`` encodes
         (and fails) alone, so one bad image never fails its neighbours."""
-        encode = getattr(self.pipeline, "encode_conditions", None)
         states = [self._states[rid] for rid in rids if rid in self._states]
-        if encode is None or len(states) < 2:
+        if not isinstance(self.pipeline, BatchedConditions) or len(states) < 2:
             return
         try:
-            encode(states)
+            self.pipeline.encode_conditions(states)
         except Exception:
             log.warning("batched conditioning encode failed; encoding per request", exc_info=True)
 

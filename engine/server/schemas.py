@@ -30,11 +30,11 @@ from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import MAX_PARTIAL_IMAGES, MAX_SIDE, MAX_STEPS, SamplingParams
-from ditserve.engine.server.adapter_fields import LoraSelection, resolve_adapters
+from ditserve.engine.server.adapter_fields import LoraSelection
 from ditserve.engine.server.config import parse_size, size_out_of_range
 from ditserve.engine.server.errors import APIError, invalid, shown
+from ditserve.engine.server.extension_fields import parse_extensions
 from ditserve.engine.server.model_defaults import ModelDefaults
-from ditserve.engine.server.step_cache_field import parse_field
 
 Number = Annotated[float, Strict()]  # strict: 3 and 3.5 are numbers, "3" and true are not
 
@@ -229,7 +229,19 @@ def _check_ranges(body: ImageGenerationRequest) -> None:
 
 def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: RequestLimits
                              ) -> ParsedRequest:
-    data = decode_json(raw)
+    """A judged request (the module docstring's every rule)."""
+    parsed = parse_generation_fields(decode_json(raw), engine=engine, limits=limits)
+    try:
+        engine.validate_params(parsed.params)
+    except InvalidRequestError as e:
+        raise request_error(e) from e
+    return parsed
+
+
+def parse_generation_fields(data: Any, *, engine: EngineClient, limits: RequestLimits
+                            ) -> ParsedRequest:
+    """Every rule but the engine's own judgement (``engine.validate_params``): for a request
+    whose params are not whole yet (the edits route adds the images, then judges)."""
     if not isinstance(data, dict):
         raise invalid(None, "the request body must be a JSON object, got "
                             f"{type(data).__name__}", code="invalid_body")
@@ -238,8 +250,7 @@ def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: Reques
     except PydanticValidationError as e:
         raise pydantic_error(e) from e
     check_text_fields(body)
-    loras = resolve_adapters(body.model, body.loras, engine=engine,
-                             model_name=limits.model_name)
+    extensions = parse_extensions(body, engine=engine, model_name=limits.model_name)
     _check_ranges(body)
     width, height = _size(body, limits)
     params = SamplingParams(
@@ -253,14 +264,8 @@ def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: Reques
         seed=body.seed, num_images=1 if body.n is None else body.n,
         # Previews are decoded only for a stream that can carry them.
         partial_images=(body.partial_images or 0) if body.stream else 0,
-        loras=loras,
-        priority=body.priority or 0, deadline_s=body.deadline_s,
-        step_cache=parse_field(body.step_cache),
+        **extensions.fields(),
     )
-    try:
-        engine.validate_params(params)
-    except InvalidRequestError as e:
-        raise request_error(e) from e
     return ParsedRequest(body, params)
 
 

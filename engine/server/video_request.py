@@ -20,7 +20,6 @@ same rules from the same limits, so a body valid by the document is accepted.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +32,10 @@ from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import ConditionImage, SamplingParams
-from ditserve.engine.server.adapter_fields import LoraSelection, parse_form_loras, resolve_adapters
+from ditserve.engine.server.adapter_fields import LoraSelection
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.errors import APIError, invalid, shown
+from ditserve.engine.server.extension_fields import form_value, parse_extensions
 from ditserve.engine.server.form_fields import fold_nested
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.schemas import (
@@ -46,12 +46,8 @@ from ditserve.engine.server.schemas import (
     pydantic_error,
     request_error,
 )
-from ditserve.engine.server.step_cache_field import parse_field
 from ditserve.engine.server.uploads import check_multipart
 
-# JSON numbers above this many digits are not read from form text (as JSON's own limit).
-_FORM_NUMBER = re.compile(r"^[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})"
-                          r"(?:[eE][+-]?[0-9]{1,4})?$")
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 
@@ -79,9 +75,9 @@ class VideoCreateRequest(BaseModel):
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
-_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "priority",
-                   "max_sequence_length")
-_NUMBER_FIELDS = ("guidance_scale", "deadline_s")
+# The form's own number fields (the extensions' are ``extension_fields``').
+_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "max_sequence_length")
+_NUMBER_FIELDS = ("guidance_scale",)
 
 
 @dataclass(frozen=True)
@@ -127,31 +123,6 @@ class VideoLimits:
         return min(frames, self.max_frames)
 
 
-def _form_value(name: str, value: Any) -> Any:
-    """A form field's text as the type the JSON body would carry."""
-    if not isinstance(value, str):  # an uploaded file where text belongs
-        raise invalid(name, f"{name}: must be a text field, got a file upload")
-    if name == "loras":  # a form carries "name[:scale],..." or the JSON list as text
-        return parse_form_loras(value)
-    if name == "audio":
-        flag = value.strip().lower()
-        if flag not in ("true", "false"):
-            raise invalid(name, f"{name}: must be true or false, got {shown(value)}")
-        return flag == "true"
-    if name not in _INTEGER_FIELDS + _NUMBER_FIELDS:
-        return value
-    text = value.strip()
-    if not _FORM_NUMBER.match(text):
-        kind = "an integer" if name in _INTEGER_FIELDS else "a number"
-        raise invalid(name, f"{name}: must be {kind}, got {shown(value)}")
-    if name in _INTEGER_FIELDS and re.fullmatch(r"[+-]?[0-9]+", text):
-        return int(text)
-    number = float(text)
-    if not math.isfinite(number):
-        raise invalid(name, f"{name}: is out of range, got {shown(value)}")
-    return number
-
-
 async def read_body(request: Any) -> dict[str, Any]:
     """The body as a dict: a form (multipart or urlencoded) or JSON; 400 when it is neither."""
     content_type = request.headers.get("content-type", "").lower()
@@ -181,7 +152,8 @@ async def read_body(request: Any) -> dict[str, Any]:
                 # The file's bytes, read before the form (and its file) is closed below.
                 out[name] = await value.read() if hasattr(value, "read") else value
                 continue
-            out[name] = _form_value(name, values[0])
+            out[name] = form_value(name, values[0], integers=_INTEGER_FIELDS,
+                                   numbers=_NUMBER_FIELDS, booleans=("audio",))
     finally:
         await form.close()
     return out
@@ -270,8 +242,7 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
     except PydanticValidationError as e:
         raise pydantic_error(e, fields=FIELDS) from e
     check_text_fields(body)
-    loras = resolve_adapters(body.model, body.loras, engine=engine,
-                             model_name=limits.model_name)
+    extensions = parse_extensions(body, engine=engine, model_name=limits.model_name)
     width, height = _size(body, limits)
     frames, fps = _frames_and_fps(body, limits)
     steps = limits.default_steps if body.num_inference_steps is None \
@@ -284,10 +255,8 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
         else body.guidance_scale, images=images,
-        max_sequence_length=body.max_sequence_length,
-        loras=loras,
-        priority=body.priority or 0, deadline_s=body.deadline_s,
-        step_cache=parse_field(body.step_cache), audio=bool(body.audio),
+        max_sequence_length=body.max_sequence_length, audio=bool(body.audio),
+        **extensions.fields(),
     )
     try:
         engine.validate_params(params)

@@ -27,6 +27,12 @@ class Schedule:
     def num_steps(self) -> int:
         return int(self.timesteps.shape[0])
 
+    def step(self, sample: torch.Tensor, model_output: torch.Tensor,
+             step_index: int) -> torch.Tensor:
+        """One Euler step along this schedule (``FlowMatchEulerSampler.step``): the same call
+        as a ``SchedulerTrajectory``'s, so a pipeline steps any request's own schedule alike."""
+        return FlowMatchEulerSampler.step(sample, model_output, self, step_index)
+
 
 def _calculate_shift(image_seq_len: int, config: Any) -> float:
     # Resolution-dependent shift of Flux: linear in the token count between two anchors.

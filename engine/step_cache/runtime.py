@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ditserve.engine.config.step_cache import OFF, POLICIES, StepCacheSpec
 from ditserve.engine.errors import ConfigError, InvalidRequestError
@@ -30,6 +30,25 @@ if TYPE_CHECKING:
     from ditserve.engine.step.input_batch import InputBatch
     from ditserve.engine.step.plan import RunnerOutput
 
+
+
+@runtime_checkable
+class RefusesStepCache(Protocol):
+    """A pipeline whose DiT's blocks take no rows (Cosmos3's packed sequences) says why the
+    step cache cannot serve it (None: it can). An optional pipeline capability, declared here
+    below the pipelines (``pipelines.capabilities`` lists the others)."""
+
+    step_cache_refusal: str | None
+
+
+@runtime_checkable
+class CachedBlockLists(Protocol):
+    """The block lists whose residual the step cache caches, when not all of them (Z-Image:
+    its main layers; the refiners before them run every step on their own streams)."""
+
+    step_cache_block_lists: tuple[str, ...]
+
+
 SEQUENCE_PARALLEL_REFUSAL = ("the step cache is not available with sequence parallelism (each "
                              "rank would decide on its own share of the tokens)")
 
@@ -40,9 +59,8 @@ class StepCache:
     def __init__(self, pipeline: Any, *, default: StepCacheSpec | None, offload: Any = None,
                  sequence_parallel: bool = False) -> None:
         self.default = default
-        # A pipeline whose DiT's blocks take no rows (Cosmos3's packed sequences) says why.
-        self._refusal: str | None = SEQUENCE_PARALLEL_REFUSAL if sequence_parallel else \
-            getattr(pipeline, "step_cache_refusal", None)
+        self._refusal: str | None = SEQUENCE_PARALLEL_REFUSAL if sequence_parallel else (
+            pipeline.step_cache_refusal if isinstance(pipeline, RefusesStepCache) else None)
         self._rule = teacache_rule(pipeline.family.name, pipeline.transformer)
         self._offload = offload
         self._live: dict[str, RequestCache] = {}  # request id -> its cache, while it runs
@@ -57,9 +75,9 @@ class StepCache:
         # Blocks return what their DiT's blocks return: a derived family (an edit or
         # image-to-video layout) runs its base family's DiT (FLUX.1 Kontext: Flux's blocks).
         dit_family = family_of_dit(pipeline.family.dit_class) or pipeline.family
-        # The lists whose residual is cached: all of them, or the pipeline's choice (Z-Image:
-        # its main layers; the refiners before them run every step on their own streams).
-        cached = getattr(pipeline, "step_cache_block_lists", pipeline.block_lists)
+        # The lists whose residual is cached: all of them, or the pipeline's choice.
+        cached = (pipeline.step_cache_block_lists if isinstance(pipeline, CachedBlockLists)
+                  else pipeline.block_lists)
         self.blocks = StepCacheBlocks(pipeline.transformer, cached, dit_family.name)
         if offload is not None:
             offload.skip_unneeded(self.blocks.needs)

@@ -61,8 +61,9 @@ def test_video_jobs_accept_the_same_fields() -> None:
     assert (info.value.status, info.value.code) == (404, "adapter_not_found")
 
 
-def test_video_form_carries_loras_as_names_or_json_text() -> None:
-    from ditserve.engine.server.video_request import _form_value
+def test_a_form_carries_loras_as_names_or_json_text() -> None:
+    # One reader for the edits route's and the video jobs' forms.
+    from ditserve.engine.server.extension_fields import form_value as _form_value
 
     assert _form_value("loras", '[{"name": "style"}]') == [{"name": "style"}]
     assert _form_value("loras", "style") == [{"name": "style", "scale": None}]

@@ -79,8 +79,9 @@ class ScriptedExecutor:
     step_groups = ((0,), (1,))
 
     def __init__(self, *, drop: str | None = None) -> None:
-        # What the warm-up reads of rank 0's runner: its pixel multiple and work rule.
-        self.runner = type("Runner", (), {"pixel_multiple": 16,
+        # What the warm-up reads of rank 0's runner: its pixel multiple, the input images its
+        # model needs and its work rule.
+        self.runner = type("Runner", (), {"pixel_multiple": 16, "condition_images": (0, 0),
                                           "work_rule": WorkRule(pixels_per_token=16)})()
         self.drop = drop
         self.steps: list[dict[int, RankWork]] = []
@@ -110,8 +111,8 @@ def sizes_and_batches(executor: ScriptedExecutor) -> list[tuple[int, int, int] |
 def test_warm_up_compiles_at_the_given_size_for_batch_one_and_two() -> None:
     executor = ScriptedExecutor()
     compiling = []
-    config = EngineConfig(compile="aot_eager", scheduler=SchedulerConfig(max_num_seqs=4))
-    warm_up(executor, config, WarmUp(compile_size=(96, 128)),  # type: ignore[arg-type]
+    warm_up(executor, WarmUp(compile_size=(96, 128)),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(max_num_seqs=4), compile="aot_eager",
             on_compiling=lambda: compiling.append(True))
     assert compiling == [True]
     assert sizes_and_batches(executor) == [(32, 32, 1), "idle", (96, 128, 1), "idle",
@@ -121,7 +122,8 @@ def test_warm_up_compiles_at_the_given_size_for_batch_one_and_two() -> None:
 def test_warm_up_without_compile_is_one_small_step() -> None:
     executor = ScriptedExecutor()
     compiling = []
-    warm_up(executor, EngineConfig(), WarmUp(compile_size=(96, 128)),  # type: ignore[arg-type]
+    warm_up(executor, WarmUp(compile_size=(96, 128)),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(), compile=None,
             on_compiling=lambda: compiling.append(True))
     assert compiling == [] and sizes_and_batches(executor) == [(32, 32, 1), "idle"]
 
@@ -129,4 +131,5 @@ def test_warm_up_without_compile_is_one_small_step() -> None:
 def test_warm_up_fails_when_a_rank_returns_no_image() -> None:
     executor = ScriptedExecutor(drop="warmup-1-0")
     with pytest.raises(DitServeError, match="rank 1 returned no image for warmup-1-0"):
-        warm_up(executor, EngineConfig(), WarmUp(), on_compiling=lambda: None)  # type: ignore[arg-type]
+        warm_up(executor, WarmUp(), scheduler=SchedulerConfig(),  # type: ignore[arg-type]
+                compile=None, on_compiling=lambda: None)

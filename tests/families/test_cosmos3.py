@@ -13,7 +13,14 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
+from ditserve.engine.config import (
+    EngineConfig,
+    OffloadConfig,
+    ParallelConfig,
+    PipelineConfig,
+    ResolvedOffload,
+    SchedulerConfig,
+)
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -413,7 +420,8 @@ def test_memory_plan_leaves_the_host_modules_out(family_runner) -> None:  # type
                for t in (*m.parameters(), *m.buffers())}
     resident = sum(t.numel() * t.element_size() for t in (*dit.parameters(), *dit.buffers())
                    if id(t) not in skipped)
-    inputs = budget_inputs(runner.pipeline, EngineConfig(model="unused", device="cpu"))
+    inputs = budget_inputs(runner.pipeline, scheduler=SchedulerConfig(),
+                           pipeline_config=PipelineConfig(), offload=ResolvedOffload())
     assert inputs.dit_fixed == resident
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ditserve.engine.config import OffloadConfig, ParallelConfig, ResolvedOffload
 from ditserve.engine.makers.builders import build_tiny
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.pipelines.host_embedding import HostEmbedding, host_embedding, token_ids
@@ -22,6 +23,9 @@ from ditserve.engine.placement.memory_estimates import streamed_encoder_bytes
 ENCODERS = {"flux": ("text_encoder", "text_encoder_2"), "qwen-image": ("text_encoder",),
             "wan": ("text_encoder",), "z-image": ("text_encoder",),
             "flux2": ("text_encoder",), "flux2-klein": ("text_encoder",)}
+
+# The offload a replica resolves under --offload dlo: encoders stream with its encoder options.
+DLO = ResolvedOffload.of(OffloadConfig(enabled=True), parallel=ParallelConfig())
 
 
 def _headless(encoder: torch.nn.Module) -> torch.nn.Module:
@@ -48,7 +52,8 @@ def test_streamed_encoders_equal_resident_ones(variant: str, tables: str) -> Non
     assert all(streamable(m) for m in encoders.values())
     # "host": every token table is looked up on the host, however small.
     min_table = 0 if tables == "host" else 1 << 40
-    streamed = StreamedEncoders(encoders, device=torch.device("cpu"), min_table_bytes=min_table)
+    streamed = StreamedEncoders(encoders, device=torch.device("cpu"), offload=DLO,
+                                min_table_bytes=min_table)
     try:
         for name, module in encoders.items():
             assert (host_embedding(module) is not None) == (tables == "host")
@@ -77,7 +82,7 @@ def test_a_streamed_vl_encoder_keeps_its_lm_head_on_the_host_and_refuses_to_run_
     table = encoder.get_input_embeddings()
     held = streamed_encoder_bytes(encoder)
     streamed = StreamedEncoders({"text_encoder": encoder}, device=torch.device("cpu"),
-                                min_table_bytes=0)
+                                offload=DLO, min_table_bytes=0)
     try:
         facts = streamed["text_encoder"]
         # The planner's estimate leaves out what stays on the host, as the handle does.
@@ -145,7 +150,8 @@ def test_a_deep_encoder_keeps_two_layers_and_its_embeddings_on_the_device() -> N
     found = discover(encoder)
     layer = max(module_bytes(m) for _, m in found.blocks)
     outside = total - sum(module_bytes(m) for _, m in found.blocks)
-    streamed = StreamedEncoders({"text_encoder": encoder}, device=torch.device("cpu"))
+    streamed = StreamedEncoders({"text_encoder": encoder}, device=torch.device("cpu"),
+                                offload=DLO)
     try:
         facts = streamed["text_encoder"]
         assert facts.total_bytes == total and facts.streamed_blocks == 8
@@ -172,7 +178,7 @@ def test_streamed_encoders_on_cuda_equal_resident_ones(variant: str) -> None:
     resident = {name: _hidden_states(m, inputs[name]) for name, m in encoders.items()}
     # Every table on the host: ids from the host (as pipelines pass them) and from the
     # device (looked up after a copy back) give the same states.
-    streamed = StreamedEncoders(encoders, device=cuda, min_table_bytes=0)
+    streamed = StreamedEncoders(encoders, device=cuda, offload=DLO, min_table_bytes=0)
     try:
         for ids_on in ("cpu", "cuda", "cpu"):  # later passes reuse the slots left filled
             for name, module in encoders.items():

@@ -11,7 +11,13 @@ import dataclasses
 import pytest
 import torch
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
+from ditserve.engine.config import (
+    EngineConfig,
+    OffloadConfig,
+    PipelineConfig,
+    ResolvedOffload,
+    SchedulerConfig,
+)
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.placement.budget_plan import GIB, STREAMED, BudgetError
 from ditserve.engine.placement.memory_estimates import auto_budget
@@ -230,11 +236,12 @@ def test_activation_estimates_use_the_pipelines_compute_dtype(family_runner, mon
     from ditserve.engine.placement.memory_estimates import budget_inputs
 
     pipeline = family_runner("wan").pipeline
-    config = EngineConfig(model="tiny-wan", device="cpu")
+    settings = dict(scheduler=SchedulerConfig(), pipeline_config=PipelineConfig(),
+                    offload=ResolvedOffload())
     assert next(pipeline.transformer.parameters()).dtype == torch.float32
-    float32 = budget_inputs(pipeline, config).denoise_activations
+    float32 = budget_inputs(pipeline, **settings).denoise_activations
     monkeypatch.setattr(pipeline, "dtype", torch.bfloat16)  # a bf16 DiT, float32 table first
-    assert budget_inputs(pipeline, config).denoise_activations * 2 == float32
+    assert budget_inputs(pipeline, **settings).denoise_activations * 2 == float32
 
 
 def test_a_numeric_budget_caps_the_caching_allocator_and_auto_does_not(monkeypatch) -> None:  # type: ignore[no-untyped-def]

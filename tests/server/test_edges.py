@@ -155,7 +155,7 @@ def test_sdk_video_job_with_extension_fields_in_extra_body(tmp_path: Path) -> No
 
 def test_a_deadline_passed_mid_run_is_not_retried_by_the_sdk() -> None:
     from ditserve.engine.errors import DeadlineError
-    from ditserve.engine.server.routes.images import _failure
+    from ditserve.engine.server.routes.waiting import failure as _failure
 
     app = create_app(FakeEngine(), ServerConfig(), start_engine=False)
     error = _failure(app.state.server, "rid", DeadlineError("late", started=True))

@@ -45,6 +45,7 @@ from ditserve.engine.families.cosmos3.packing import (
 )
 from ditserve.engine.pipelines.common import latent_statistics, upload
 from ditserve.engine.pipelines.conditioning import to_pil
+from ditserve.engine.pipelines.guidance import guided
 from ditserve.engine.request import ModelLimits
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.sampler import SchedulerTrajectory
@@ -279,12 +280,9 @@ class Cosmos3StepPipeline:
         return torch.cat(vision)  # (rows, C, T, h, w)
 
     def _guided(self, state: DenoiseState, rows: torch.Tensor) -> torch.Tensor:
-        n = state.params.num_images
-        rows = rows.float()  # as diffusers: the combine and the step in float32
-        if not state.host["cfg"]:
-            return rows
-        cond, uncond = rows[:n], rows[n:]
-        return uncond + state.params.guidance_scale * (cond - uncond)
+        # As diffusers: the combine and the step in float32.
+        return guided(rows.float(), state.params.num_images,
+                      state.params.guidance_scale if state.host["cfg"] else None)
 
     def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
         assert state.schedule is not None and state.latents is not None

@@ -20,6 +20,7 @@ import torch
 from ditserve.engine.families import FLUX
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import seeded_noise, upload
+from ditserve.engine.pipelines.guidance import guided_step
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.step.denoise_state import DenoiseState
@@ -186,16 +187,8 @@ class FluxStepPipeline:
         return self._txt_ids
 
     def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
-        assert state.schedule is not None and state.latents is not None
-        n = state.params.num_images
-        prediction = output_rows
-        if state.params.uses_true_cfg:
-            cond, uncond = output_rows[:n], output_rows[n:]
-            prediction = uncond + state.params.true_cfg_scale * (cond - uncond)
-        state.latents = self.sampler.step(
-            state.latents, prediction, state.schedule, state.step_index
-        )
-        state.step_index += 1
+        p = state.params
+        guided_step(state, output_rows, p.true_cfg_scale if p.uses_true_cfg else None)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -35,6 +35,7 @@ from ditserve.engine.families import FLUX2
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import seeded_noise, upload
 from ditserve.engine.pipelines.conditioning import encode_each, take_encoded, to_pil
+from ditserve.engine.pipelines.guidance import guided_step
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.step.denoise_state import DenoiseState
@@ -294,16 +295,8 @@ class Flux2StepPipeline:
         return out[:, : batch.hidden_states.shape[1]]  # the target tokens' prediction
 
     def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
-        assert state.schedule is not None and state.latents is not None
-        n = state.params.num_images
-        prediction = output_rows
-        if self.uses_cfg(state.params):
-            cond, uncond = output_rows[:n], output_rows[n:]
-            prediction = uncond + self.cfg_scale(state.params) * (cond - uncond)
-        state.latents = self.sampler.step(
-            state.latents, prediction, state.schedule, state.step_index
-        )
-        state.step_index += 1
+        p = state.params
+        guided_step(state, output_rows, self.cfg_scale(p) if self.uses_cfg(p) else None)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

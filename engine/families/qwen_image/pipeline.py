@@ -23,6 +23,7 @@ from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import QWEN_IMAGE
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
+from ditserve.engine.pipelines.guidance import guided_step
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.step.denoise_state import DenoiseState
@@ -194,20 +195,10 @@ class QwenImageStepPipeline:
         )[0]
 
     def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
-        assert state.schedule is not None and state.latents is not None
-        n = state.params.num_images
-        prediction = output_rows
-        if state.params.uses_true_cfg:
-            cond, uncond = output_rows[:n], output_rows[n:]
-            guided = uncond + state.params.true_cfg_scale * (cond - uncond)
-            # diffusers rescales the guided prediction to the conditional one's norm per token.
-            cond_norm = torch.norm(cond, dim=-1, keepdim=True)
-            guided_norm = torch.norm(guided, dim=-1, keepdim=True)
-            prediction = guided * (cond_norm / guided_norm)
-        state.latents = self.sampler.step(
-            state.latents, prediction, state.schedule, state.step_index
-        )
-        state.step_index += 1
+        p = state.params
+        # diffusers rescales the guided prediction to the conditional one's norm per token.
+        guided_step(state, output_rows, p.true_cfg_scale if p.uses_true_cfg else None,
+                    renorm=True)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -31,6 +31,7 @@ from ditserve.engine.families.wan.block import chunk_token_math
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
 from ditserve.engine.pipelines.experts import ExpertStack
+from ditserve.engine.pipelines.guidance import guided_step
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.step.denoise_state import DenoiseState
@@ -219,14 +220,8 @@ class WanStepPipeline:
         return out
 
     def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
-        assert state.schedule is not None and state.latents is not None
-        n = state.params.num_images
-        prediction = output_rows
-        if state.host["cfg"]:
-            cond, uncond = output_rows[:n], output_rows[n:]
-            prediction = uncond + state.params.guidance_scale * (cond - uncond)
-        state.latents = state.schedule.step(state.latents, prediction, state.step_index)
-        state.step_index += 1
+        guided_step(state, output_rows,
+                    state.params.guidance_scale if state.host["cfg"] else None)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

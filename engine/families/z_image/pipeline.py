@@ -33,6 +33,7 @@ from ditserve.engine.families import Z_IMAGE
 from ditserve.engine.families.z_image.source import MASK_KEY, SourceImages
 from ditserve.engine.pipeline_defaults import call_defaults
 from ditserve.engine.pipelines.common import seeded_noise, upload
+from ditserve.engine.pipelines.guidance import guided_step
 from ditserve.engine.pipelines.host_embedding import token_ids
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.step.denoise_state import DenoiseState
@@ -203,20 +204,14 @@ class ZImageStepPipeline:
         return -torch.stack([o.float() for o in out]).squeeze(2)
 
     def step(self, state: DenoiseState, output_rows: torch.Tensor) -> None:
-        assert state.schedule is not None and state.latents is not None
         p = state.params
-        n = p.num_images
-        prediction = output_rows
-        if self.uses_cfg(p):
-            # Negated rows: -(pos + g(pos - neg)) == (-pos) + g((-pos) - (-neg)), exactly.
-            pos, neg = output_rows[:n], output_rows[n:]
-            prediction = pos + p.guidance_scale * (pos - neg)
-        state.latents = self.sampler.step(state.latents, prediction, state.schedule,
-                                          state.step_index)
+        index = state.step_index
+        # Negated rows: -(pos + g(pos - neg)) == (-pos) + g((-pos) - (-neg)), exactly.
+        guided_step(state, output_rows, p.guidance_scale if self.uses_cfg(p) else None,
+                    from_conditional=True)
         inpainting = state.host.get(MASK_KEY)
         if inpainting is not None:
-            state.latents = inpainting.blend(state.latents, state.schedule, state.step_index)
-        state.step_index += 1
+            state.latents = inpainting.blend(state.latents, state.schedule, index)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -14,14 +14,13 @@ join the ``SamplingParams`` and the engine judges the whole (how many images the
 
 ``size`` absent or "auto": the first image's aspect ratio at the area of the server's default
 size, rounded down to the model's pixel multiple. Waiting, streaming (``image_edit.*``
-events), timeouts and disconnects are the generations route's.
+events), timeouts and disconnects are the generations route's (``routes.waiting``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 from typing import Any
 
@@ -31,13 +30,13 @@ from fastapi.responses import Response, StreamingResponse
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import ConditionImage
 from ditserve.engine.server import edit_openapi, responses, streaming
-from ditserve.engine.server.adapter_fields import parse_form_loras
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, invalid, request_id_of
+from ditserve.engine.server.extension_fields import form_value
 from ditserve.engine.server.form_fields import fold_nested
-from ditserve.engine.server.routes.images import _admit, _answer, _event_stream
-from ditserve.engine.server.schemas import RequestLimits, parse_generation_request, request_error
+from ditserve.engine.server.routes.waiting import admit, answer, event_stream
+from ditserve.engine.server.schemas import RequestLimits, parse_generation_fields, request_error
 from ditserve.engine.server.state import ServerState
 from ditserve.engine.server.uploads import is_file, read_image, read_mask, read_multipart
 
@@ -46,48 +45,10 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 IMAGE_FIELDS = ("image", "image[]")
 # OpenAI's edit-only fields that mean nothing to a DiT: accepted and ignored.
 IGNORED_EDIT_FIELDS = ("input_fidelity",)
-_INTEGERS = ("n", "partial_images", "output_compression", "num_inference_steps", "seed",
-             "priority")
-_NUMBERS = ("guidance_scale", "true_cfg_scale", "deadline_s", "strength")
+# The form's own number and flag fields (the extensions' are ``extension_fields``').
+_INTEGERS = ("n", "partial_images", "output_compression", "num_inference_steps", "seed")
+_NUMBERS = ("guidance_scale", "true_cfg_scale", "strength")
 _BOOLEANS = ("stream",)
-
-
-class _Unjudged:
-    """The engine, minus its verdict on the request (the images are not there yet): the
-    text fields are parsed against everything else it knows (adapters, limits)."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    @staticmethod
-    def validate_params(params: Any) -> Any:
-        return params
-
-
-def _typed(name: str, text: str) -> Any:
-    """A form field's text as the JSON value the generation parser expects (``loras``:
-    name[:scale],... or its JSON array, as a form cannot nest)."""
-    if name == "loras":
-        return parse_form_loras(text)
-    if name in _BOOLEANS:
-        if text.lower() not in ("true", "false"):
-            raise invalid(name, f"{name}: must be true or false, got {text!r}")
-        return text.lower() == "true"
-    try:
-        if name in _INTEGERS:
-            return int(text)
-        if name in _NUMBERS:
-            number = float(text)
-            if not math.isfinite(number):
-                raise ValueError(text)
-            return number
-    except ValueError as e:
-        kind = "an integer" if name in _INTEGERS else "a number"
-        raise invalid(name, f"{name}: must be {kind}, got {text!r}") from e
-    return text
 
 
 def _auto_size(image: ConditionImage, limits: RequestLimits) -> str:
@@ -138,7 +99,8 @@ async def _read_edit(request: Request, state: ServerState) -> tuple[dict[str, An
                 raise invalid(name, f"{name}: is given {len(values)} times; give it once")
             if is_file(values[0]):
                 raise invalid(name, f"{name}: must be a text field, not a file")
-            fields[name] = _typed(name, str(values[0]))
+            fields[name] = form_value(name, str(values[0]), integers=_INTEGERS,
+                                      numbers=_NUMBERS, booleans=_BOOLEANS)
     finally:
         await form.close()
     strength = fields.pop("strength", None)
@@ -167,8 +129,9 @@ async def edit_image(request: Request) -> Response:
     fields, edit = await _read_edit(request, state)
     if fields.get("size") in (None, "auto"):
         fields["size"] = _auto_size(edit.images[0], limits)
-    parsed = parse_generation_request(json.dumps(fields).encode(), engine=_Unjudged(state.engine),
-                                      limits=limits)
+    # The text fields are parsed by every rule but the engine's: its judgement needs the
+    # images, which join the params first.
+    parsed = parse_generation_fields(fields, engine=state.engine, limits=limits)
     p = dataclasses.replace(parsed.params, images=tuple(edit.images), mask=edit.mask,
                             strength=edit.strength)
     try:
@@ -179,12 +142,12 @@ async def edit_image(request: Request) -> Response:
     tokens = responses.image_tokens(p.width, p.height, limits.pixel_multiple)
     if parsed.stream:
         bridge = streaming.EventBridge(asyncio.get_running_loop())
-        handle = _admit(state, engine_id(request.scope), p, on_event=bridge.push)
+        handle = admit(state, engine_id(request.scope), p, on_event=bridge.push)
         return StreamingResponse(
-            _event_stream(state, rid, handle, bridge, size=size, tokens=tokens,
+            event_stream(state, rid, handle, bridge, size=size, tokens=tokens,
                           names=streaming.EDIT_EVENTS),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    handle = _admit(state, engine_id(request.scope), p)
-    return await _answer(state, request, rid, handle, size=size, tokens=tokens)
+    handle = admit(state, engine_id(request.scope), p)
+    return await answer(state, request, rid, handle, size=size, tokens=tokens)
