@@ -23,6 +23,7 @@ from ditserve.engine.config import (
 )
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import ConditionImage, SamplingParams
+from ditserve.engine.runner.group_forwards import shape_groups
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.input_batch import InputBatchBuilder
@@ -65,8 +66,8 @@ def reference(model_dir: Any, p: SamplingParams) -> tuple[torch.Tensor, torch.Te
 
 def run_pipeline(runner: ModelRunner, requests: Sequence[tuple[str, SamplingParams]]
                  ) -> dict[str, DenoiseState]:
-    """Every request through the runner's pipeline at once (one forward per step over the
-    ones still running), by hand: what a step's result is, with the sound track."""
+    """Every request through the runner's pipeline at once (one forward per step and shape
+    group over the ones still running), by hand: what a step's result is, with the sound track."""
     pipeline = runner.pipeline
     states = {rid: DenoiseState(rid, p, p.seed or 0) for rid, p in requests}
     for state in states.values():
@@ -74,10 +75,11 @@ def run_pipeline(runner: ModelRunner, requests: Sequence[tuple[str, SamplingPara
     builder = InputBatchBuilder()
     while running := [s for s in states.values()
                       if s.step_index < s.params.num_inference_steps]:
-        batch = builder.build(running)
-        output = pipeline.denoise_step(batch)
-        for state, rows in zip(running, batch.split(output), strict=True):
-            pipeline.step(state, rows)
+        for group in shape_groups(running):  # one forward per shape group, as the runner
+            batch = builder.build(group)
+            output = pipeline.denoise_step(batch)
+            for state, rows in zip(group, batch.split(output), strict=True):
+                pipeline.step(state, rows)
     for state in states.values():
         pipeline.post_decode(state)
     return states
