@@ -20,12 +20,11 @@ class RequestWork:
 
     rows: int
     tokens_per_row: int
-    adapter_tokens: int = 0
 
     @property
     def tokens(self) -> int:
-        """The request's work in a step: rows x tokens, plus its LoRA adapters' share."""
-        return self.rows * self.tokens_per_row + self.adapter_tokens
+        """The request's work in a step: rows x tokens (``sched.work.WorkRule``)."""
+        return self.rows * self.tokens_per_row
 
 
 @dataclass
