@@ -97,3 +97,17 @@ def test_mixed_adapters_admit_exactly_as_no_adapters() -> None:
         assert rows_per_step(adapted, with_) == rows_per_step(plain, without)
     # The saturated case is the one the budget binds in: more than three requests a step.
     assert rows_per_step(mixed(40, seed=0), replay(mixed(40, seed=0))) > 4.0
+
+
+def test_the_admission_bench_reports_equal_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from test_bench_tools import load  # type: ignore[import-not-found]
+
+    bench = load("admission")
+    assert bench.main(["--requests", "16", "--every", "0", "--out",
+                       str(tmp_path / "a.json")]) == 0
+    runs = json.loads((tmp_path / "a.json").read_text())["runs"]
+    plain, adapted = (next(r for r in runs if r["run"] == name) for name in ("plain", "adapters"))
+    assert adapted["differing"] == 0
+    assert adapted["rows_per_step"] == plain["rows_per_step"] > 1
