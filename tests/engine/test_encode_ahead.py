@@ -103,3 +103,28 @@ def test_a_disabled_prompt_cache_encodes_nothing_ahead(tiny_model_dir) -> None: 
         assert runner.whole.report()["encode"]["ahead"] == 0  # it would be thrown away
     finally:
         runner.close()
+
+
+def test_the_engine_loop_hands_the_runner_the_requests_next_in_line(tiny_model_dir, tiny_runner) -> None:  # type: ignore[no-untyped-def]
+    """Through the real engine (its step loop builds ``RankWork.upcoming``): four requests
+    queued at one slot take fewer encoder passes than admissions, and equal their solo runs."""
+    from ditserve.engine.config import SchedulerConfig
+    from ditserve.engine.loop.engine import DiffusionEngine
+
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                          scheduler=SchedulerConfig(max_num_seqs=1))).start()
+    requests = [SamplingParams(prompt=f"queued prompt {i}", height=32, width=32,
+                               num_inference_steps=3, seed=i) for i in range(4)]
+    try:
+        warm = engine.pipeline_report()["encode"]  # the warm-up's pass
+        results = [h.result(timeout=120) for h in [engine.add_request(p) for p in requests]]
+        encode = engine.pipeline_report()["encode"]
+    finally:
+        engine.shutdown()
+    # One slot: four admissions. However the loop's first step races the later additions,
+    # a pass that finds the next request waiting encodes it too.
+    assert encode["ahead"] - warm["ahead"] >= 1
+    assert encode["passes"] - warm["passes"] <= 3
+    for params, result in zip(requests, results, strict=True):
+        alone, _ = drive(tiny_runner, {0: [("x", params)]}, max_num_seqs=1)
+        assert (result.pixels - alone["x"]).abs().max().item() <= TOLERANCE
