@@ -204,9 +204,8 @@ class ModelRunner:
         collective_wave: bool = False,
     ) -> RunnerOutput:
         """Run one step. ``new_requests`` are the plan's admitted requests; ``upcoming`` the
-        waiting ones next in line (``StepPlan.upcoming``), whose prompts may join this step's
-        encoder pass so they are cached when they are admitted (nothing else is done with
-        them: they have no state here).
+        waiting ones next in line (``StepPlan.upcoming``): their prompts may join this step's
+        encoder pass, to be cached when they are admitted (they have no state here).
 
         collective_wave: another rank runs a forward in this step; if this rank has no batch
         and its offload shares weights through a collective, it still joins every block's
