@@ -64,8 +64,8 @@ class BatchedEncode:
     @contextmanager
     def step(self, states: Sequence[Any], ahead: Sequence[Any] = ()) -> Iterator[None]:
         """Stage the embeddings ``states`` need for the body (their ``prepare_encode``);
-        ``ahead``: the SamplingParams of the requests next in line, encoded into the cache
-        if a pass runs."""
+        ``ahead``: the requests next in line (``NewRequest``s: anything with ``params``),
+        encoded into the cache if a pass runs."""
         if self.enabled and states:
             try:
                 self._stage(states, ahead)
@@ -107,8 +107,8 @@ class BatchedEncode:
                    self.max_prompts if self.max_prompts is not None else 1 << 30)
         room -= sum(len(wanted) for wanted in misses.values())
         added = 0
-        for params in ahead:
-            for length, prompt, key in self._prompts(params):
+        for request in ahead:
+            for length, prompt, key in self._prompts(request.params):
                 wanted = misses.get(length)
                 if room <= 0 or wanted is None or prompt in wanted or key in self.cache:
                     continue

@@ -194,8 +194,8 @@ class WholePipeline:
     @contextmanager
     def encoding(self, states: Sequence[Any], ahead: Sequence[Any] = ()) -> Iterator[None]:
         """Around a step's ``prepare_encode`` calls: their prompts in one encoder pass, which
-        also encodes the prompts of ``ahead`` (the SamplingParams of the requests next in
-        line) into the prompt cache. A pipeline whose prompts are read with their images
+        also encodes the prompts of ``ahead`` (the requests next in line, ``StepPlan.upcoming``:
+        anything with ``params``) into the prompt cache. A pipeline whose prompts are read with their images
         (``prompt_reads_images``: the prompt cache and the batched pass cannot stage them)
         encodes inside ``prepare_encode``; parked encoders visit the device once for the
         step's calls."""

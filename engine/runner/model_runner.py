@@ -117,8 +117,6 @@ class ModelRunner:
                                        offload=offload, device=self.device,
                                        offload_report=self.offload_report(),
                                        inputs=built.inputs, budget=built.budget,
-                                       # A full step's prompts (a negative one per request
-                                       # with CFG): the encode the memory plan counts.
                                        encode_prompts=2 * config.scheduler.max_num_seqs)
         log.info("pipeline plan:\n%s", self.whole.plan_table())
         self._states: dict[str, DenoiseState] = {}
@@ -199,13 +197,10 @@ class ModelRunner:
         self,
         plan: StepPlan,
         new_requests: Sequence[NewRequest] = (),
-        *,
-        upcoming: Sequence[NewRequest] = (),
-        collective_wave: bool = False,
+        *, upcoming: Sequence[NewRequest] = (), collective_wave: bool = False,
     ) -> RunnerOutput:
-        """Run one step. ``new_requests`` are the plan's admitted requests; ``upcoming`` the
-        waiting ones next in line (``StepPlan.upcoming``): their prompts may join this step's
-        encoder pass, to be cached when they are admitted (they have no state here).
+        """Run one step. ``new_requests``: the plan's admitted requests; ``upcoming``: those
+        next in line, whose prompts this step's encoder pass may take (``StepPlan.upcoming``).
 
         collective_wave: another rank runs a forward in this step; if this rank has no batch
         and its offload shares weights through a collective, it still joins every block's
@@ -224,10 +219,8 @@ class ModelRunner:
                 out.failed[new.request_id] = str(e)
         self._encode_conditions(plan.encode)
         encoding = [rid for rid in plan.encode if rid not in out.failed]
-        # The admitted requests' prompts in one encoder pass (cache misses only), with the
-        # next ones' while the encoders stream anyway.
-        with self.whole.encoding([self._states[r] for r in encoding if r in self._states],
-                                 ahead=[n.params for n in upcoming]):
+        # The admitted requests' prompts in one encoder pass (cache misses; the next ones' too).
+        with self.whole.encoding([self._states[r] for r in encoding if r in self._states], upcoming):
             for rid in encoding:
                 self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]

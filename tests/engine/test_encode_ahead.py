@@ -20,7 +20,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.plan import StepPlan
 
@@ -83,7 +83,8 @@ def test_no_pass_runs_only_to_encode_ahead(streamed_runner) -> None:  # type: ig
     whole = streamed_runner.whole
     whole.cache.clear()
     admitted = SamplingParams(prompt="cached prompt", height=32, width=32)
-    waiting = [SamplingParams(prompt=f"waiting {i}", height=32, width=32) for i in range(3)]
+    waiting = [NewRequest(f"w{i}", SamplingParams(prompt=f"waiting {i}", height=32, width=32), i)
+               for i in range(3)]
     state: Any = type("State", (), {"params": admitted})()
     with whole.encoding([state]):
         pass  # the first admission encodes its prompt
