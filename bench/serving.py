@@ -23,6 +23,15 @@ and 4, and resident at 4), and reports the mean shape groups, rows and tokens pe
 p50/p90 latency and the issue's targets as ok/NO rows. ``--tiny`` makes that a CPU smoke run
 on the embedded tiny model (small sizes, few steps, ``--device cpu``).
 
+Issue 45's two throughput questions are --mixed configurations too. ``MODE+lora:N`` serves
+random adapters made for the model (``--adapter-ranks``, default 16,32,64,128, the last a kohya
+file; bench/adapter_files.py) and each request names one of them in turn: ``dlo:4,dlo+lora:4``
+judges adapters >= 0.95x the adapter-free throughput (and prints the mean rows a step of
+both). On a whole-pipeline model (``model init-random --size full``, encoders included),
+``dlo:4,resident:4`` judges DLO with streamed encoders (``--offload dlo``'s default) against
+resident, and ``dlo-dit:4`` adds DLO of the DiT alone (``--dlo-components dit``); the table
+counts encoder passes per request and prompts encoded ahead.
+
 ``--priority`` (issue 38; bench/serving_priority.py) sends a saturating low-priority stream
 with a share of high-priority requests to a ``--scheduling-policy priority`` server and to an
 fcfs one, and judges high-priority p90 against its idle p90 and throughput against fcfs's
@@ -42,7 +51,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -326,11 +335,15 @@ MIXED_TARGETS = (  # (what, numerator config, denominator config, bound)
     ("DLO auto@4 req/s >= 0.99x resident@4", "dlo-auto:4", "resident:4", 0.99),
     # Issue 47 (Z-Image, sizes 512-1360 with n>1): continuous batching's gain.
     ("resident@8 req/s >= 2.5x resident@1", "resident:8", "resident:1", 2.5),
+    # Issue 45: requests naming one of four adapters each, against none.
+    ("DLO+lora@4 req/s >= 0.95x DLO@4", "dlo+lora:4", "dlo:4", 0.95),
+    ("resident+lora@4 req/s >= 0.95x resident@4", "resident+lora:4", "resident:4", 0.95),
 )
 # Serve flags of each --mixed-configs mode (dlo-auto: the whole-pipeline budget set to the
 # GPU's free memory, docs/offload.md "One HBM budget").
 MIXED_MODES = {"dlo": "--offload dlo", "dlo-auto": "--offload dlo --dlo-hbm-budget-gib auto",
-               "resident": ""}
+               "dlo-dit": "--offload dlo --dlo-components dit", "resident": ""}
+ADAPTER_RANKS = "16,32,64,128"  # issue 45's four adapters (the last one kohya)
 
 
 @dataclass(frozen=True)
@@ -342,6 +355,7 @@ class MixedRequest:
     steps: int
     cfg: bool  # CFG: --cfg-body (a negative prompt and true_cfg_scale 4), twice the rows
     n: int
+    adapter: str | None = None  # the LoRA adapter it names (a +lora configuration)
 
 
 def add_mixed_options(p: argparse.ArgumentParser) -> None:
@@ -349,7 +363,10 @@ def add_mixed_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed", action="store_true",
                    help="a mixed workload against one launched server per --mixed-configs")
     g.add_argument("--mixed-configs", default="dlo:1,dlo:4,resident:4",
-                   help="comma list of dlo:N | dlo-auto:N | resident:N (N: --max-num-seqs)")
+                   help="comma list of MODE[+lora]:N, MODE one of dlo, dlo-auto, dlo-dit, "
+                        "resident (N: --max-num-seqs; +lora: each request names an adapter)")
+    g.add_argument("--adapter-ranks", default=ADAPTER_RANKS,
+                   help="+lora configurations: one random adapter per rank (the last kohya)")
     g.add_argument("--sizes", default=None, help=f"WxH list (default {MIXED_SIZES})")
     g.add_argument("--steps-range", default=None, help="MIN,MAX steps, uniform (default 8,20)")
     g.add_argument("--cfg-share", type=float, default=0.2, help="share of true-CFG requests")
@@ -384,6 +401,8 @@ def mixed_body(request: MixedRequest, cfg_body: dict[str, Any] | None = None
         "size": f"{request.width}x{request.height}", "n": request.n}
     if request.cfg:
         body |= CFG_BODY if cfg_body is None else cfg_body
+    if request.adapter is not None:
+        body["loras"] = [{"name": request.adapter, "scale": 1.0}]
     return body
 
 
@@ -419,7 +438,8 @@ async def send_mixed(url: str, plan: list[MixedRequest], *, headers: dict[str, s
 
 
 def step_shapes(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Mean shape groups, rows and tokens (rows x latent tokens) per step, from /metrics."""
+    """Mean shape groups, rows and tokens (rows x latent tokens) per step, and the text
+    encoder's passes and prompts encoded ahead over the run, from /metrics."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -427,17 +447,21 @@ def step_shapes(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {name: (delta(f"ditserve:{metric}_sum") / steps if steps else None)
             for name, metric in (("mean_groups", "step_shape_groups"),
                                  ("mean_rows", "step_batch_rows"),
-                                 ("mean_tokens", "step_batch_tokens"))}
+                                 ("mean_tokens", "step_batch_tokens"))} | {
+        "encoder_passes": delta("ditserve:encoder_passes_total"),
+        "prompts_ahead": delta("ditserve:encoder_prompts_ahead_total")}
 
 
-def mixed_configs(spec: str) -> list[tuple[str, str, int]]:
-    """``dlo:4`` -> (label, extra serve flags, max_num_seqs)."""
+def mixed_configs(spec: str) -> list[tuple[str, str, int, bool]]:
+    """``dlo+lora:4`` -> (label, extra serve flags, max_num_seqs, requests name adapters)."""
     out = []
     for item in spec.split(","):
         mode, _, value = item.strip().partition(":")
-        if mode not in MIXED_MODES or not value.isdigit():
-            raise SystemExit(f"--mixed-configs: {item!r} is not dlo:N, dlo-auto:N or resident:N")
-        out.append((f"{mode}:{value}", MIXED_MODES[mode], int(value)))
+        base, plus, extra = mode.partition("+")
+        if base not in MIXED_MODES or (plus and extra != "lora") or not value.isdigit():
+            raise SystemExit(f"--mixed-configs: {item!r} is not MODE[+lora]:N with MODE one "
+                             f"of {', '.join(MIXED_MODES)}")
+        out.append((f"{mode}:{value}", MIXED_MODES[base], int(value), bool(plus)))
     return out
 
 
@@ -453,21 +477,64 @@ def mixed_targets(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, float
 
 
 def print_mixed(results: list[dict[str, Any]]) -> None:
-    head = (f"{'config':<12} {'ok/n':>6} {'dur s':>7} {'req/s':>7} {'img/s':>7} {'p50 s':>7} "
-            f"{'p90 s':>7} {'groups':>6} {'rows':>6} {'tokens':>7} {'step s':>7}")
+    head = (f"{'config':<16} {'ok/n':>6} {'dur s':>7} {'req/s':>7} {'img/s':>7} {'p50 s':>7} "
+            f"{'p90 s':>7} {'groups':>6} {'rows':>6} {'tokens':>7} {'step s':>7} "
+            f"{'enc/req':>7} {'ahead':>5}")
     print(head)
     print("-" * len(head))
     for r in results:
         s = r["summary"]
-        print(f"{r['label']:<12} {s['ok']:>3}/{s['requests']:<2} {fmt(s['duration_s']):>7} "
+        passes = s.get("encoder_passes")
+        print(f"{r['label']:<16} {s['ok']:>3}/{s['requests']:<2} {fmt(s['duration_s']):>7} "
               f"{fmt(s['throughput_rps'], '.3f'):>7} {fmt(s['throughput_images_per_s'], '.3f'):>7} "
               f"{fmt(s['latency_p50_s']):>7} {fmt(s['latency_p90_s']):>7} "
               f"{fmt(s['mean_groups']):>6} {fmt(s['mean_rows']):>6} "
-              f"{fmt(s['mean_tokens'], '.0f'):>7} {fmt(s['mean_step_s'], '.3f'):>7}")
+              f"{fmt(s['mean_tokens'], '.0f'):>7} {fmt(s['mean_step_s'], '.3f'):>7} "
+              f"{fmt(passes / s['ok'] if passes is not None and s['ok'] else None):>7} "
+              f"{fmt(s.get('prompts_ahead'), '.0f'):>5}")
     print()
     for what, ratio, met in mixed_targets({r["label"]: r["summary"] for r in results}):
         shown = "-" if ratio is None else f"{ratio:.2f}x"
-        print(f"{what:<34} {shown:>7}  {'-' if met is None else ('ok' if met else 'NO')}")
+        print(f"{what:<44} {shown:>7}  {'-' if met is None else ('ok' if met else 'NO')}")
+
+
+@dataclass(frozen=True)
+class AdapterSet:
+    """Random adapters written for the served model (bench/adapter_files.py), in a scratch
+    folder (/dev/shm when there is one: no disk writes), removed after the run."""
+
+    folder: Path
+    files: dict[str, Path]
+
+    @classmethod
+    def made_for(cls, args: argparse.Namespace, ranks: list[int]) -> AdapterSet:
+        import tempfile
+
+        from ditserve.engine.makers.tiny_model import ensure_tiny
+
+        model = args.model or str(ensure_tiny())  # a launched server without --model: tiny
+        shm = Path("/dev/shm")
+        folder = Path(tempfile.mkdtemp(prefix="ditserve-bench-loras-",
+                                       dir=shm if shm.is_dir() else None))
+        files = _bench_module("adapter_files").write_adapters(model, folder, ranks)
+        print(f"adapters for {model}: " + ", ".join(
+            f"{name} (rank {rank}, {path.stat().st_size / 2**20:.0f} MiB)"
+            for (name, path), rank in zip(files.items(), ranks, strict=True)), file=sys.stderr)
+        return cls(folder, files)
+
+    def serve_flags(self) -> str:
+        return "--lora-modules " + " ".join(shlex.quote(f"{name}={path}")
+                                            for name, path in self.files.items())
+
+    def named(self, plan: list[MixedRequest]) -> list[MixedRequest]:
+        """Request i names adapter i mod n."""
+        names = list(self.files)
+        return [replace(r, adapter=names[r.index % len(names)]) for r in plan]
+
+    def remove(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def mixed_main(args: argparse.Namespace, headers: dict[str, str]) -> int:
@@ -482,20 +549,28 @@ def mixed_main(args: argparse.Namespace, headers: dict[str, str]) -> int:
                           n2_share=args.n2_share, seed=args.seed)
     warmup = [MixedRequest(i, 0.0, w, h, min(2, low), False, 1) for i, (w, h) in enumerate(sizes)]
     cfg_body = json.loads(args.cfg_body)
+    configs = mixed_configs(args.mixed_configs)
+    adapters = AdapterSet.made_for(args, [int(r) for r in args.adapter_ranks.split(",")]) \
+        if any(lora for *_, lora in configs) else None
     results: list[dict[str, Any]] = []
     out = Path(args.out)
     interrupted = False
     try:
-        for label, flags, max_num_seqs in mixed_configs(args.mixed_configs):
-            tag = label.replace(":", "-")
+        for label, flags, max_num_seqs, lora in configs:
+            tag = label.replace(":", "-").replace("+", "-")
+            if lora:
+                assert adapters is not None
+                flags = f"{flags} {adapters.serve_flags()}"
             run = argparse.Namespace(**{**vars(args), "serve_args": f"{args.serve_args} {flags}",
                                         "out": str(out.with_name(f"{out.stem}-{tag}.json"))})
+            sent = adapters.named(plan) if lora and adapters else plan
+            first = adapters.named(warmup) if lora and adapters else warmup
             process, url = launch(run, max_num_seqs)
             try:
                 for _ in range(args.warmup):  # not measured: first use of every size
-                    asyncio.run(send_mixed(url, warmup, headers=headers, timeout=args.timeout))
+                    asyncio.run(send_mixed(url, first, headers=headers, timeout=args.timeout))
                 before = scrape_metrics(url, headers)
-                records = asyncio.run(send_mixed(url, plan, headers=headers,
+                records = asyncio.run(send_mixed(url, sent, headers=headers,
                                                  timeout=args.timeout, cfg_body=cfg_body))
                 after = scrape_metrics(url, headers)
             except BaseException:
@@ -504,12 +579,16 @@ def mixed_main(args: argparse.Namespace, headers: dict[str, str]) -> int:
             stop(process)
             summary = summarize(records, before, after) | step_shapes(before, after)
             results.append({"label": label, "max_num_seqs": max_num_seqs, "summary": summary,
+                            "adapters": [r.adapter for r in sent],
                             "records": [asdict(r) for r in records]})
             print_mixed(results[-1:])
             write_mixed(out, args, plan, results)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted; reporting the finished configurations", file=sys.stderr)
+    finally:
+        if adapters is not None:
+            adapters.remove()
     if not results:
         return 130 if interrupted else 1
     print()

@@ -31,6 +31,7 @@ class RankWork:
 
     plan: StepPlan
     new: tuple[NewRequest, ...] = ()
+    upcoming: tuple[NewRequest, ...] = ()  # the plan's ``upcoming``: prompts to encode ahead
 
     @classmethod
     def idle(cls) -> RankWork:
@@ -67,7 +68,7 @@ class LocalExecutor:
 
     def step(self, work: Mapping[int, RankWork]) -> dict[int, RunnerOutput]:
         own = work[0]
-        return {0: self.runner.execute(own.plan, own.new)}
+        return {0: self.runner.execute(own.plan, own.new, upcoming=own.upcoming)}
 
     def offload_reports(self, *, refresh: bool = False) -> list[dict[str, Any] | None]:
         return [self.runner.offload_report()]

@@ -20,7 +20,7 @@ class LoraRef:
     """One LoRA adapter a request applies, resolved by the engine's catalog
     (``engine.adapters.catalog``) from the name the client gave: the file it was loaded from,
     the catalog's load generation (a re-load under the same name is another adapter), its
-    largest rank (for the work rule) and the request's scale."""
+    largest rank (as read; the step budget charges none: ``sched.work``) and its scale."""
 
     name: str
     path: str

@@ -209,7 +209,8 @@ class MultiProcessExecutor:
             own = None
             if 0 in processes:
                 mine = work[0]
-                own = self.runner.execute(mine.plan, mine.new, collective_wave=collective)
+                own = self.runner.execute(mine.plan, mine.new, upcoming=mine.upcoming,
+                                          collective_wave=collective)
             replies = {p: self._receive(p, "a step") for p in workers}
         failures = [r for r in replies.values() if isinstance(r, WorkerFailure)]
         if failures:

@@ -36,7 +36,8 @@ def answer(runner: Any, rank: int, message: Step | Reports) -> WorkerReply | Wor
         if isinstance(message, Reports):
             return WorkerReply(None, runner.offload_report())
         work = message.work
-        output = runner.execute(work.plan, work.new, collective_wave=message.collective)
+        output = runner.execute(work.plan, work.new, upcoming=work.upcoming,
+                                collective_wave=message.collective)
         return WorkerReply(output, runner.offload_report() if message.reports else None)
     except Exception:
         return WorkerFailure(rank, os.getpid(), traceback.format_exc())

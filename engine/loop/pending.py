@@ -94,6 +94,12 @@ class PendingRequests:
                 admitted.append(NewRequest(rid, handle.params, handle.seed))
         return tuple(admitted)
 
+    def upcoming(self, plan: StepPlan) -> tuple[NewRequest, ...]:
+        """The waiting requests ``plan`` names as next in line (their prompts may be encoded
+        ahead); they stay waiting."""
+        handles = ((rid, self._handles.get(rid)) for rid in plan.upcoming)
+        return tuple(NewRequest(rid, h.params, h.seed) for rid, h in handles if h is not None)
+
     def count(self, outputs: list[RunnerOutput], finished: int) -> None:
         """Count a step: its forwards' rows (a step with any forward counts once) and the
         requests it finished."""

@@ -94,7 +94,8 @@ class StepLoops:
             now = time.monotonic()
             plans = {rank: self._pending.queues.schedulers[rank].schedule() for rank in group}
             self._pending.step_started(group, list(plans.values()), now)
-            return {rank: RankWork(plan, self._pending.admitted(plan, now))
+            return {rank: RankWork(plan, self._pending.admitted(plan, now),
+                                   self._pending.upcoming(plan))
                     for rank, plan in plans.items()}
 
     def _apply(self, work: dict[int, RankWork], outputs: dict[int, RunnerOutput]) -> None:

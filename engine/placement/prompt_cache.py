@@ -88,6 +88,10 @@ class PromptCache:
         self.hits += 1
         return found[0]
 
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` is cached; counts nothing and leaves the LRU order as it is."""
+        return key in self._entries
+
     def note_hit(self) -> None:
         """Count a hit served outside ``get`` (a prompt repeated within one batched encode)."""
         if self.enabled:

@@ -95,11 +95,13 @@ class WholePipeline:
     def __init__(self, pipeline: Any, *, pipeline_config: PipelineConfig,
                  offload: ResolvedOffload, device: torch.device,
                  offload_report: dict[str, Any] | None, inputs: BudgetInputs | None = None,
-                 budget: BudgetPlan | None = None) -> None:
+                 budget: BudgetPlan | None = None, encode_prompts: int | None = None) -> None:
         """pipeline_config: the prompt cache's bounds and the VAE's tiling; offload: the
         resolved offload (whether DLO governs the encoders, how they stream);
         inputs: the planner's inputs (sizes, activation estimates), None if unknown;
-        budget: the plan ``--dlo-hbm-budget-gib`` chose (None: no budget)."""
+        budget: the plan ``--dlo-hbm-budget-gib`` chose (None: no budget);
+        encode_prompts: the most prompts an encoder pass fills up to with prompts encoded
+        ahead (``batched_encode``; None: unbounded)."""
         self.pipeline = pipeline
         encoders = {name: m for name in ENCODER_ATTRS
                     if isinstance(m := getattr(pipeline, name, None), torch.nn.Module)}
@@ -132,7 +134,8 @@ class WholePipeline:
                         type(pipeline).__name__)
         # (No text encoder at all - Cosmos3's DiT reads token ids itself - has nothing to cache.)
         self.encode = BatchedEncode(pipeline, self.cache, identity=identity, staged=staged,
-                                    encoders_on_device=self._encoders_context)
+                                    encoders_on_device=self._encoders_context,
+                                    max_prompts=encode_prompts)
         self.encode.enabled = self.encode.enabled and identity is not None
         self._prompt_reads_images = prompt_reads_images(pipeline)
         self.inputs, self.budget = inputs, budget
@@ -189,14 +192,16 @@ class WholePipeline:
         self.pipeline.post_decode = self.decoder.one
 
     @contextmanager
-    def encoding(self, states: Sequence[Any]) -> Iterator[None]:
-        """Around a step's ``prepare_encode`` calls: their prompts in one encoder pass. A
-        pipeline whose prompts are read with their images (``prompt_reads_images``: the
-        prompt cache and the batched pass cannot stage them) encodes inside
-        ``prepare_encode``; parked encoders visit the device once for the step's calls."""
+    def encoding(self, states: Sequence[Any], ahead: Sequence[Any] = ()) -> Iterator[None]:
+        """Around a step's ``prepare_encode`` calls: their prompts in one encoder pass, which
+        also encodes the prompts of ``ahead`` (the requests next in line, ``StepPlan.upcoming``:
+        anything with ``params``) into the prompt cache. A pipeline whose prompts are read with their images
+        (``prompt_reads_images``: the prompt cache and the batched pass cannot stage them)
+        encodes inside ``prepare_encode``; parked encoders visit the device once for the
+        step's calls."""
         reads_images = bool(states) and self._prompt_reads_images
-        with self.encode.step(states), (self._encoders_context() if reads_images
-                                        else nullcontext()):
+        with self.encode.step(states, ahead), (self._encoders_context() if reads_images
+                                               else nullcontext()):
             yield
 
     def decode(self, states: Sequence[Any]) -> dict[str, str]:
@@ -287,7 +292,8 @@ class WholePipeline:
                 "predicted_weight_peak_bytes": self.predicted_weight_peak,
                 "memory": None if memory is None else memory.to_json(),
                 "prompt_cache": self.cache.stats().to_json(),
-                "encode": {"passes": self.encode.passes, "prompts": self.encode.prompts},
+                "encode": {"passes": self.encode.passes, "prompts": self.encode.prompts,
+                           "ahead": self.encode.ahead},
                 "decode": {"calls": 0 if self.decoder is None else self.decoder.calls,
                            "requests": 0 if self.decoder is None else self.decoder.decoded}}
 

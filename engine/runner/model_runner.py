@@ -116,7 +116,8 @@ class ModelRunner:
             self.whole = WholePipeline(self.pipeline, pipeline_config=config.pipeline,
                                        offload=offload, device=self.device,
                                        offload_report=self.offload_report(),
-                                       inputs=built.inputs, budget=built.budget)
+                                       inputs=built.inputs, budget=built.budget,
+                                       encode_prompts=2 * config.scheduler.max_num_seqs)
         log.info("pipeline plan:\n%s", self.whole.plan_table())
         self._states: dict[str, DenoiseState] = {}
         # Wraps the blocks beneath every hook (offload, compile, SP): built after all of them.
@@ -196,10 +197,10 @@ class ModelRunner:
         self,
         plan: StepPlan,
         new_requests: Sequence[NewRequest] = (),
-        *,
-        collective_wave: bool = False,
+        *, upcoming: Sequence[NewRequest] = (), collective_wave: bool = False,
     ) -> RunnerOutput:
-        """Run one step. ``new_requests`` are the plan's admitted requests.
+        """Run one step. ``new_requests``: the plan's admitted requests; ``upcoming``: those
+        next in line, whose prompts this step's encoder pass may take (``StepPlan.upcoming``).
 
         collective_wave: another rank runs a forward in this step; if this rank has no batch
         and its offload shares weights through a collective, it still joins every block's
@@ -218,8 +219,8 @@ class ModelRunner:
                 out.failed[new.request_id] = str(e)
         self._encode_conditions(plan.encode)
         encoding = [rid for rid in plan.encode if rid not in out.failed]
-        # The admitted requests' prompts in one encoder pass (cache misses only).
-        with self.whole.encoding([self._states[r] for r in encoding if r in self._states]):
+        # The admitted requests' prompts in one encoder pass (cache misses; the next ones' too).
+        with self.whole.encoding([self._states[r] for r in encoding if r in self._states], upcoming):
             for rid in encoding:
                 self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]

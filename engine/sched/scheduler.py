@@ -5,6 +5,8 @@ this step), run the denoise forwards over every running request, and decode thos
 step this is (a decoded request leaves the batch at once and finishes when the runner hands
 back its output, on a GPU a step later). ``update(plan, output)`` applies what the runner
 reports; nothing else changes request status, so the lifecycle is visible in these two methods.
+A plan also names the waiting requests next in line (``upcoming``), whose prompts the runner may
+encode ahead in the step's encoder pass; that changes no status.
 
 A step may hold requests of any shapes: the runner gives each shape group (equal ``BatchKey``) one
 forward and, under layerwise offload, runs the groups block-major so the weights cross PCIe once
@@ -188,8 +190,11 @@ class StepScheduler:
         decode = tuple(rid for rid, r in self._running.items() if r.remaining_steps <= 1)
         freed, self._aborted_running = tuple(self._aborted_running), []
         self._step_clock.tick(now, busy=bool(self._running))
+        # The next step's likely admissions, whose prompts the runner may encode ahead.
+        upcoming = self._order.order(self._waiting.values(), now)[: self.config.max_num_seqs]
         return StepPlan(step_id=next(self._step_ids), encode=tuple(admitted),
-                        denoise=tuple(self._running), decode=decode, freed=freed)
+                        denoise=tuple(self._running), decode=decode, freed=freed,
+                        upcoming=tuple(r.request_id for r in upcoming))
 
     def update(self, plan: StepPlan, output: RunnerOutput) -> list[StatusChange]:
         """Apply the runner's results; return the status changes (with the pauses, resumes

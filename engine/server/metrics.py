@@ -145,6 +145,10 @@ def _pipeline_metrics(engine: EngineClient | None, stats: EngineStats | None
     yield CounterMetricFamily("ditserve:encoder_passes",
                               "Batched text-encoder passes (one per step with cache misses).",
                               value=float(encode.get("passes", 0)))
+    yield CounterMetricFamily("ditserve:encoder_prompts_ahead",
+                              "Prompts a batched encoder pass encoded for requests not yet "
+                              "admitted (the next in line), into the prompt cache.",
+                              value=float(encode.get("ahead", 0)))
     memory = (pipeline or {}).get("memory") or {}
     yield GaugeMetricFamily("ditserve:hbm_predicted_peak_bytes",
                             "The whole pipeline's predicted HBM peak at start (the plan), "

@@ -20,12 +20,11 @@ class RequestWork:
 
     rows: int
     tokens_per_row: int
-    adapter_tokens: int = 0
 
     @property
     def tokens(self) -> int:
-        """The request's work in a step: rows x tokens, plus its LoRA adapters' share."""
-        return self.rows * self.tokens_per_row + self.adapter_tokens
+        """The request's work in a step: rows x tokens (``sched.work.WorkRule``)."""
+        return self.rows * self.tokens_per_row
 
 
 @dataclass
@@ -91,6 +90,9 @@ class StepPlan:
         absent: its state waits, untouched, in the runner until a later plan lists it again.
     decode: requests whose final denoise step is this one; decode after the forward.
     freed: aborted (or deadline-stopped) requests whose runner state must be dropped.
+    upcoming: the waiting requests next in the admission order after this step's admissions
+        (at most ``max_num_seqs``): the runner may encode their prompts ahead, in this step's
+        encoder pass (``placement.batched_encode``); nothing else is done with them.
     step_id: the scheduler's step counter; None for the idle plan, which no scheduler made.
     """
 
@@ -99,6 +101,7 @@ class StepPlan:
     denoise: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     freed: tuple[str, ...] = ()
+    upcoming: tuple[str, ...] = ()
 
     @classmethod
     def idle(cls) -> StepPlan:

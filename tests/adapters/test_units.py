@@ -1,6 +1,7 @@
 """The adapter pieces on their own: flag syntax and config rules, the catalog's names,
 generations and in-use refusals, the file checks (text-encoder parts, rank, format), the
-row segments of a narrowed forward, and the work an adapter adds."""
+row segments of a narrowed forward (the step work adapters do not add:
+test_admission_rows.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from ditserve.engine.config.adapters import (
 )
 from ditserve.engine.errors import AdapterError, AdapterNotFoundError, ConfigError
 from ditserve.engine.request import LoraRef, SamplingParams
-from ditserve.engine.sched.work import WorkRule
 
 
 def test_flag_syntax() -> None:
@@ -173,16 +173,6 @@ def test_rows_of_a_narrowed_forward() -> None:
                                  RowSegment(3, 5, ((("b", 0), 0.5),)))
 
 
-def test_adapter_work_is_counted() -> None:
-    rule = WorkRule()
-    plain = SamplingParams(prompt="x", height=1024, width=1024)
-    adapted = SamplingParams(prompt="x", height=1024, width=1024,
-                             loras=(LoraRef("a", "/a", rank=64), LoraRef("b", "/b", rank=64)))
-    assert rule.of(plain).tokens == 4096
-    # Two rank-64 adapters: 2 x 2 x 64 / 3072 of the rows' work on top.
-    assert rule.of(adapted).tokens == 4096 + 4096 * 256 // 3072 + 1
-
-
 def test_request_validation_of_loras() -> None:
     p = SamplingParams(prompt="x", loras=(LoraRef("a", "/a", scale=11.0),))
     with pytest.raises(Exception, match="scale must be a number in"):
@@ -219,27 +209,6 @@ def test_grouped_and_segment_paths_agree() -> None:
         plain = base(x)
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     assert (outs[0] - plain).abs().max() > 1e-2
-
-
-def test_admission_counts_adapter_work() -> None:
-    from ditserve.engine.config import SchedulerConfig
-    from ditserve.engine.sched.scheduler import StepScheduler
-    from ditserve.engine.sched.work import ResolvedScheduling
-
-    def resolved(**kw: int) -> ResolvedScheduling:
-        return ResolvedScheduling.for_family(SchedulerConfig(**kw))
-
-    rule = WorkRule()
-    plain = SamplingParams(prompt="x", height=1024, width=1024)
-    adapted = SamplingParams(prompt="x", height=1024, width=1024,
-                             loras=(LoraRef("a", "/a", rank=64),))
-    # Two plain 1024^2 images fill a budget of 8192 exactly; with a rank-64 adapter each
-    # carries 4096 x 2 x 64 / 3072 more, so the second one waits for the next step.
-    for params, admitted in ((plain, ("r0", "r1")), (adapted, ("r0",))):
-        s = StepScheduler(resolved(max_num_seqs=4, max_batch_tokens=8192))
-        for rid in ("r0", "r1"):
-            s.add(rid, params, rule.of(params))
-        assert s.schedule().encode == admitted
 
 
 def test_kohya_non_block_keys_are_dropped_as_diffusers_drops_them(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -37,12 +37,15 @@ def test_a_report_request_runs_no_step() -> None:
 def test_steps_run_this_ranks_work_and_attach_a_report_only_when_asked() -> None:
     runner = Runner()
     new = (NewRequest("r", SamplingParams(prompt="p"), 7),)
-    together = answer(runner, 1, Step(RankWork(StepPlan(step_id=1), new), collective=True))
+    upcoming = (NewRequest("next", SamplingParams(prompt="q"), 8),)  # prompts to encode ahead
+    together = answer(runner, 1, Step(RankWork(StepPlan(step_id=1), new, upcoming),
+                                      collective=True))
     alone = answer(runner, 1, Step(RankWork(StepPlan(step_id=2)), reports=True))
     assert isinstance(together, WorkerReply) and together.offload_report is None
     assert isinstance(alone, WorkerReply) and alone.offload_report == {"passes": 3}
-    assert runner.steps == [(StepPlan(step_id=1), new, {"collective_wave": True}),
-                            (StepPlan(step_id=2), (), {"collective_wave": False})]
+    assert runner.steps == [
+        (StepPlan(step_id=1), new, {"upcoming": upcoming, "collective_wave": True}),
+        (StepPlan(step_id=2), (), {"upcoming": (), "collective_wave": False})]
 
 
 def test_an_error_becomes_a_failure_naming_the_rank() -> None:

@@ -20,6 +20,7 @@ def drive(
     runner: ModelRunner, arrivals: Arrivals, *, max_num_seqs: int, max_bypass: int = 0,
     outputs: list[RunnerOutput] | None = None, allow_failures: bool = False,
     config: SchedulerConfig | None = None, plans: list[StepPlan] | None = None,
+    encode_ahead: bool = True,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Run a scripted arrival pattern to completion without threads.
 
@@ -28,6 +29,7 @@ def drive(
     strict arrival order. ``outputs`` collects every step's RunnerOutput; failed requests
     fail the run unless ``allow_failures``. ``config`` replaces the scheduler config made of
     ``max_num_seqs`` and ``max_bypass``; ``plans`` collects every step's plan.
+    ``encode_ahead``: hand the runner the plan's upcoming requests, as the engine does.
     """
     config = config or SchedulerConfig(max_num_seqs=max_num_seqs, max_bypass=max_bypass)
     if not isinstance(config, ResolvedScheduling):
@@ -45,7 +47,8 @@ def drive(
         plan = scheduler.schedule()
         # As the engine does: the runner receives a request when the plan admits it.
         new = [queued.pop(rid) for rid in plan.encode if rid in queued]
-        output = runner.execute(plan, new)
+        upcoming = [queued[rid] for rid in plan.upcoming if rid in queued] if encode_ahead else []
+        output = runner.execute(plan, new, upcoming=upcoming)
         scheduler.update(plan, output)
         if plans is not None:
             plans.append(plan)

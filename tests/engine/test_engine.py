@@ -164,11 +164,11 @@ def test_a_step_in_flight_is_reported_after_its_request_is_aborted(tiny_model_di
         execute = runner.execute
         entered, release = threading.Event(), threading.Event()
 
-        def held(plan, new):  # type: ignore[no-untyped-def]
+        def held(plan, new, **kwargs):  # type: ignore[no-untyped-def]
             if plan.denoise and not release.is_set():
                 entered.set()
                 assert release.wait(60)
-            return execute(plan, new)
+            return execute(plan, new, **kwargs)
 
         monkeypatch.setattr(runner, "execute", held)
         assert engine.stats().step_in_flight_s is None

@@ -120,7 +120,7 @@ def test_a_step_encodes_its_prompts_in_one_pass(family_dir, variant: str) -> Non
         r.close()
     assert set(out) == {"r0", "r1", "r2", "r3"}
     # Three distinct prompts and the negative: one pass, four prompts, the rest hits.
-    assert report["encode"] == {"passes": 1, "prompts": 4}
+    assert report["encode"] == {"passes": 1, "prompts": 4, "ahead": 0}  # nobody waited
     assert report["prompt_cache"]["misses"] == 4 and report["prompt_cache"]["hits"] == 4
     assert report["decode"] == {"calls": 1, "requests": 4}
 

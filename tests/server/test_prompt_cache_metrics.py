@@ -12,7 +12,7 @@ REPORT = {
     "predicted_weight_peak_bytes": 10,
     "prompt_cache": {"hits": 7, "misses": 3, "entries": 3, "bytes": 4096, "max_entries": 256,
                      "max_bytes": 1 << 30},
-    "encode": {"passes": 2, "prompts": 5},
+    "encode": {"passes": 2, "prompts": 5, "ahead": 3},
     "memory": {"predicted_peak_bytes": 3 << 30, "budget_bytes": 4 << 30},
 }
 
@@ -29,6 +29,7 @@ def test_prompt_cache_counters_are_exported() -> None:
     assert sample(text, "ditserve:prompt_cache_misses_total") == 3
     assert sample(text, "ditserve:prompt_cache_bytes") == 4096
     assert sample(text, "ditserve:encoder_passes_total") == 2
+    assert sample(text, "ditserve:encoder_prompts_ahead_total") == 3
     assert sample(text, "ditserve:hbm_predicted_peak_bytes") == 3 << 30
     assert sample(text, "ditserve:hbm_budget_bytes") == 4 << 30
 
