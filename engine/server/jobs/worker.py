@@ -230,9 +230,11 @@ class JobWorker:
             self._last_unreachable = now
             log.warning("%s; running jobs go on, results are written when it is back", error)
 
-    def _forget(self, job_id: str) -> None:
+    def _forget(self, job_id: str, held: Held | None = None) -> None:
+        """Stop holding a job (only the claim ``held``, when given: never a later one)."""
         with self._lock:
-            self._held.pop(job_id, None)
+            if held is None or self._held.get(job_id) is held:
+                self._held.pop(job_id, None)
 
     def _settle(self, job_id: str, held: Held, write: Callable[[], None]) -> None:
         """Write a job's end now, or (store unreachable) as soon as it is back."""
@@ -250,7 +252,7 @@ class JobWorker:
                 self._unwritten.append(once)
         except Exception:  # never keep a job held (the drain would wait on it) for a bug
             log.exception("video %s: its end could not be written", job_id)
-            self._forget(job_id)
+            self._forget(job_id, held)
         self.wake()
 
     def _settle_later(self, job_id: str, held: Held, write: Callable[[], None]) -> None:
@@ -259,6 +261,15 @@ class JobWorker:
             self._pool.submit(self._settle, job_id, held, write)
         except RuntimeError:  # the pool is shut down: the server is stopping
             self._settle(job_id, held, write)
+
+    def _hand_back_later(self, job_id: str, held: Held) -> None:
+        """Give a job back to the queue. This replica lets go of it *before* the store hears
+        it: the moment the hand-back is written, any claimer (this replica's own thread
+        included) may take the job, and a fresh claim must find no stale ``Held`` here (it
+        would be mistaken for this replica's own run going on, and the job would sit claimed
+        and idle until its lease expired, then count a second attempt)."""
+        self._forget(job_id, held)
+        self._settle_later(job_id, held, partial(self.store.hand_back, job_id, held.token))
 
     def _quietly(self, write: Callable[[], Any]) -> None:
         try:
@@ -297,13 +308,13 @@ class JobWorker:
             try:
                 self._pool.submit(self._store_result, job_id, held, future.result())
             except RuntimeError:  # the pool is shut down: the server is stopping
-                self._settle_later(job_id, held, partial(self.store.hand_back, job_id, token))
+                self._hand_back_later(job_id, held)
             return
         if isinstance(error, (RequestAborted, EngineStoppedError)):
             # The engine stops (drain over, shutdown): another replica, or this one after
             # its restart, runs the job.
             log.info("video %s: handed back to the queue (this replica stops)", job_id)
-            self._settle_later(job_id, held, partial(self.store.hand_back, job_id, token))
+            self._hand_back_later(job_id, held)
             return
         if isinstance(error, DeadlineError):
             self._settle_later(job_id, held, partial(
