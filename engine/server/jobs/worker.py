@@ -354,6 +354,6 @@ class JobWorker:
             # Not ours to keep unless another claim's record names this very file.
             current = self.store.job(job_id)
             if current is None or current.status is not JobStatus.COMPLETED:
-                self.store.files.remove(path)
+                self.store.files.remove(job_id)
 
         self._settle(job_id, held, record)
