@@ -154,6 +154,20 @@ def test_a_job_from_json_and_the_same_from_a_form(tmp_path: Path) -> None:
     assert "ditserve:videos_generated_total 2.0" in text
 
 
+def test_the_unfinished_jobs_gauge_is_the_queue_an_autoscaler_reads(tmp_path: Path) -> None:
+    """ditserve:video_jobs_unfinished counts every admitted job not yet done, claimed or not
+    (the HPA of a deployment sharing jobs reads it: docs/kubernetes.md)."""
+    app, _ = video_app(fake_video_engine(tmp_path, outcome="hang"))
+
+    async def script(client):
+        for _ in range(3):
+            assert (await client.post(VIDEOS, json=JOB)).status_code == 200
+        return (await client.get("/metrics")).text
+
+    text = run(app, script)
+    assert "ditserve:video_jobs_unfinished 3.0" in text
+
+
 def test_the_form_the_openai_sdk_sends(tmp_path: Path) -> None:
     """seconds as OpenAI's string: frames at the native 16 fps (1 s -> 17 frames)."""
     app, _ = video_app(fake_video_engine(tmp_path))
