@@ -11,13 +11,13 @@ Wan model on one real redis-server, driven and checked from outside like a clien
    the jobs; no job claimed twice), and the replicas' queues sampled every 50 ms: how long
    any replica sat idle while another had 2+ requests waiting in its engine (the target: never
    longer than one denoise step).
-2. ``faults``: the same replicas, ``--jobs`` jobs spread over ``--fault-span`` seconds (50),
-   while one replica is killed with SIGKILL
-   mid-job (and started again), every replica is restarted one by one (SIGTERM: drain, hand
-   back), and Redis is stopped for ``--redis-down`` seconds (10) and started again on its
-   append-only file. Checked: every accepted job completed or failed with a stated reason
-   (an error code and message), none vanished (a 404); how many ran twice (a replica killed
-   mid-job: its job runs again, as designed).
+2. ``faults``: the same replicas, ``--jobs`` jobs spread over ``--fault-span`` seconds (80),
+   while Redis is stopped for ``--redis-down`` seconds (10) and started again on its
+   append-only file, one replica is killed with SIGKILL mid-job (and started again), and
+   every replica is restarted one by one (SIGTERM: drain, hand back). Checked: every
+   accepted job completed or failed with a stated reason (an error code and message), none
+   vanished (a 404); how many ran twice (a replica killed mid-job: its job runs again, as
+   designed); which answers the POSTs that had to be retried got (503s while Redis is down).
 3. ``sqlite``: one replica on its default SQLite store, one job finished, then SIGKILL during
    a second job and a restart: the finished job still downloads (same bytes), the interrupted
    one runs again or fails with a reason, never a 404.
@@ -208,17 +208,28 @@ def call(method: str, url: str, **kw: Any) -> httpx.Response | None:
 
 
 def submit(fleet: list[Replica], body: dict[str, Any], rng: random.Random,
-           give_up_s: float = 60.0) -> tuple[str | None, str]:
+           retried: list[str] | None = None, give_up_s: float = 60.0
+           ) -> tuple[str | None, str]:
     """POST to a random replica until one accepts: (id, "") or (None, why it never did).
-    503 (Redis down, a draining replica) and a refused connection are retried."""
+    503 (Redis down, a draining replica) and a refused connection are retried (each one's
+    status and error code go to ``retried``)."""
     deadline, last = time.monotonic() + give_up_s, ""
     while time.monotonic() < deadline:
         r = call("POST", f"{rng.choice(fleet).url}/v1/videos", json=body)
         if r is not None and r.status_code == 200:
             return r.json()["id"], ""
         last = "no connection" if r is None else f"{r.status_code} {r.text[:120]}"
+        if retried is not None:
+            retried.append("no connection" if r is None else f"{r.status_code} {_code(r)}")
         time.sleep(0.2)  # a client's retry after Retry-After / a refused connection
     return None, last
+
+
+def _code(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"].get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return ""
 
 
 def follow(fleet: list[Replica], video_id: str, rng: random.Random, limit_s: float
@@ -248,7 +259,8 @@ def follow(fleet: list[Replica], video_id: str, rng: random.Random, limit_s: flo
 
 
 def drive(fleet: list[Replica], args: argparse.Namespace, rate: float, seed: int,
-          during: Any = None) -> tuple[list[dict[str, Any]], list[str], float]:
+          during: Any = None, retried: list[str] | None = None
+          ) -> tuple[list[dict[str, Any]], list[str], float]:
     """``--jobs`` jobs at ``rate``/s, each followed to its end: (outcomes, refusals, seconds).
     ``during`` runs beside the load (the faults)."""
     body = {"prompt": "waves at dusk", "size": args.size, "num_frames": args.frames,
@@ -258,7 +270,7 @@ def drive(fleet: list[Replica], args: argparse.Namespace, rate: float, seed: int
     def one(i: int) -> tuple[dict[str, Any] | None, str]:
         time.sleep(max(0.0, started + i / rate - time.monotonic()))  # open-loop arrivals
         local = random.Random(seed * 1000 + i)
-        video_id, why = submit(fleet, {**body, "seed": i}, local)
+        video_id, why = submit(fleet, {**body, "seed": i}, local, retried)
         if video_id is None:
             return None, why
         return follow(fleet, video_id, local, args.job_limit), ""
@@ -323,8 +335,15 @@ def faults(fleet: list[Replica], redis: Redis, args: argparse.Namespace) -> dict
 
     def during() -> None:
         t0 = time.monotonic()
+        while not any(busy(r) for r in fleet) and time.monotonic() - t0 < 60:
+            time.sleep(0.02)  # until jobs run
+        redis.stop()  # first, while jobs run and arrive
+        events.append(f"{time.monotonic() - t0:.1f}s: redis stopped")
+        time.sleep(args.redis_down)  # the outage itself
+        redis.start()
+        events.append(f"{time.monotonic() - t0:.1f}s: redis back")
         victim = fleet[0]
-        while not busy(victim) and time.monotonic() - t0 < 60:
+        while not busy(victim) and time.monotonic() - t0 < 120:
             time.sleep(0.02)  # until it runs a job
         victim.kill()
         events.append(f"{time.monotonic() - t0:.1f}s: SIGKILL {victim.name} (busy)")
@@ -336,13 +355,13 @@ def faults(fleet: list[Replica], redis: Redis, args: argparse.Namespace) -> dict
             replica.start()
             replica.wait_ready()
             events.append(f"{time.monotonic() - t0:.1f}s: {replica.name} restarted (SIGTERM)")
-        redis.stop()
-        events.append(f"{time.monotonic() - t0:.1f}s: redis stopped")
-        time.sleep(args.redis_down)  # the outage itself
-        redis.start()
-        events.append(f"{time.monotonic() - t0:.1f}s: redis back")
 
-    outcomes, refused, seconds = drive(fleet, args, rate, seed=2, during=during)
+    retried: list[str] = []
+    outcomes, refused, seconds = drive(fleet, args, rate, seed=2, during=during,
+                                       retried=retried)
+    answers: dict[str, int] = {}
+    for why in retried:
+        answers[why] = answers.get(why, 0) + 1
     ended = [o for o in outcomes if o["status"] == "completed" and o["bytes"] > 0
              or o["status"] == "failed" and o["error"] and o["error"].get("message")]
     reasons: dict[str, int] = {}
@@ -353,6 +372,7 @@ def faults(fleet: list[Replica], redis: Redis, args: argparse.Namespace) -> dict
     return {"scenario": "faults", "replicas": len(fleet), "jobs": args.jobs, "rate": rate,
             "accepted": len(outcomes), "refused": len(refused),
             "refused_reasons": sorted(set(r.split(" ")[0] for r in refused)),
+            "retried_posts": answers,
             "completed": sum(o["status"] == "completed" for o in outcomes),
             "failed": reasons, "unaccounted": len(outcomes) - len(ended),
             "vanished": sum(o["vanished"] > 0 for o in outcomes),
@@ -427,11 +447,12 @@ def report(results: list[dict[str, Any]]) -> str:
             ok = r["unaccounted"] == 0 and r["vanished"] == 0
             lines += [
                 "| faults | accepted | completed | failed (code: n) | unaccounted | vanished | "
-                "claimed twice | refused while down | wall s |",
-                "|---|---|---|---|---|---|---|---|---|",
+                "claimed twice | never accepted | POSTs retried (answer: n) | wall s |",
+                "|---|---|---|---|---|---|---|---|---|---|",
                 f"| | {r['accepted']} | {r['completed']} | {r['failed'] or '-'} | "
                 f"{r['unaccounted']} | {r['vanished']} | {r['claimed_twice']} | "
-                f"{r['refused']} {r['refused_reasons']} | {r['seconds']:.1f} |",
+                f"{r['refused']} {r['refused_reasons']} | {r['retried_posts'] or '-'} | "
+                f"{r['seconds']:.1f} |",
                 *[f"  {e}" for e in r["events"]],
                 f"target: every accepted job completed or failed with a reason, none "
                 f"vanished: {'ok' if ok else 'NO'}", ""]
@@ -464,7 +485,7 @@ def main() -> int:
     p.add_argument("--frames", type=int, default=9)
     p.add_argument("--lease", type=float, default=5.0, help="--job-lease of the replicas")
     p.add_argument("--redis-down", type=float, default=10.0)
-    p.add_argument("--fault-span", type=float, default=50.0,
+    p.add_argument("--fault-span", type=float, default=80.0,
                    help="seconds the fault run's arrivals are spread over (the faults take "
                         "about this long on a 2-core machine with 3 replicas)")
     p.add_argument("--job-limit", type=float, default=300.0, help="seconds a job may take")

@@ -124,7 +124,10 @@ class JobWorker:
             left, self._held = self._held, {}
             lost = len(self._unwritten)
         for job_id, held in left.items():
-            self._quietly(partial(self.store.hand_back, job_id, held.token))
+            try:
+                self.store.hand_back(job_id, held.token)
+            except StoreUnavailable as e:
+                self._unreachable(e)
         if lost:
             log.error("%d video result(s) could not be written: the job store stayed "
                       "unreachable (their jobs run again elsewhere once their leases expire)",
@@ -230,8 +233,7 @@ class JobWorker:
             self._last_unreachable = now
             log.warning("%s; running jobs go on, results are written when it is back", error)
 
-    def _forget(self, job_id: str, held: Held | None = None) -> None:
-        """Stop holding a job (only the claim ``held``, when given: never a later one)."""
+    def _forget(self, job_id: str, held: Held | None = None) -> None:  # only ``held``'s claim
         with self._lock:
             if held is None or self._held.get(job_id) is held:
                 self._held.pop(job_id, None)
@@ -263,19 +265,10 @@ class JobWorker:
             self._settle(job_id, held, write)
 
     def _hand_back_later(self, job_id: str, held: Held) -> None:
-        """Give a job back to the queue. This replica lets go of it *before* the store hears
-        it: the moment the hand-back is written, any claimer (this replica's own thread
-        included) may take the job, and a fresh claim must find no stale ``Held`` here (it
-        would be mistaken for this replica's own run going on, and the job would sit claimed
-        and idle until its lease expired, then count a second attempt)."""
+        # Let go first: once written, any claimer (this thread too) may take the job, and a
+        # stale Held would pass for our run going on (the job idle until its lease ran out).
         self._forget(job_id, held)
         self._settle_later(job_id, held, partial(self.store.hand_back, job_id, held.token))
-
-    def _quietly(self, write: Callable[[], Any]) -> None:
-        try:
-            write()
-        except StoreUnavailable as e:
-            self._unreachable(e)
 
     # -- called from the engine's loop thread -------------------------------------------------
     def _on_event(self, job_id: str, event: Any) -> None:
@@ -303,7 +296,6 @@ class JobWorker:
             if self._held.get(job_id) is not held:
                 return  # let go meanwhile (cancelled, taken over): nothing to write
         error = future.exception()
-        token = held.token
         if error is None:
             try:
                 self._pool.submit(self._store_result, job_id, held, future.result())
@@ -311,19 +303,18 @@ class JobWorker:
                 self._hand_back_later(job_id, held)
             return
         if isinstance(error, (RequestAborted, EngineStoppedError)):
-            # The engine stops (drain over, shutdown): another replica, or this one after
-            # its restart, runs the job.
+            # The engine stops (drain, shutdown): another replica (or this one, restarted) runs it.
             log.info("video %s: handed back to the queue (this replica stops)", job_id)
             self._hand_back_later(job_id, held)
             return
         if isinstance(error, DeadlineError):
-            self._settle_later(job_id, held, partial(
-                self.store.fail, job_id, "deadline_exceeded", str(error), token=token))
-            return
-        log.warning("video %s failed in the engine: %s", job_id, error)
-        self._settle_later(job_id, held, partial(
-            self.store.fail, job_id, "generation_failed", f"the engine failed to generate "
-            f"this video (job {job_id}); see the server log", token=token))
+            code, message = "deadline_exceeded", str(error)
+        else:
+            log.warning("video %s failed in the engine: %s", job_id, error)
+            code, message = "generation_failed", (f"the engine failed to generate this video "
+                                                  f"(job {job_id}); see the server log")
+        self._settle_later(job_id, held, partial(self.store.fail, job_id, code, message,
+                                                 token=held.token))
 
     # -- encoding threads ------------------------------------------------------------------------
     def _store_result(self, job_id: str, held: Held, result: Any) -> None:
