@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shlex
 import shutil
@@ -51,7 +50,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from jobs import free_port, stop  # noqa: E402  (bench/jobs.py: the same helpers)
+from jobs import free_port, start_moto, stop  # noqa: E402  (bench/jobs.py: the same helpers)
 
 STARTUP_TIMEOUT_S = 300.0
 SAMPLE_S = 0.05
@@ -410,21 +409,6 @@ def sqlite_restart(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "same_bytes": after.content == before and len(before) > 0,
             "interrupted_job": rerun["status"], "interrupted_error": rerun["error"],
             "attempts": rerun["attempts"], "vanished": rerun["vanished"]}
-
-
-def start_moto() -> Any:
-    """moto's S3 server on 127.0.0.1 with a bucket; the replicas inherit its environment."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update({"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
-                       "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench"})
-    boto3.client("s3").create_bucket(Bucket="bench")
-    return server
 
 
 def report(results: list[dict[str, Any]]) -> str:
