@@ -149,25 +149,27 @@ def replicas(args: argparse.Namespace, tmp: Path, label: str, n: int,
 def metrics(url: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("ditserve:") and "{" not in line:
+        if line.startswith("ditserve:") and ("{" not in line or "video_jobs{" in line):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
 
 
 class Sampler:
-    """Every SAMPLE_S: each replica's (running, waiting) in its engine, or None if down."""
+    """Every SAMPLE_S: each replica's (running, waiting, queued in the store) - its engine's
+    requests and the shared store's queued jobs - or None if it is down."""
 
     def __init__(self, fleet: list[Replica]) -> None:
         self.fleet, self.samples = fleet, []  # type: ignore[var-annotated]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _one(self, replica: Replica) -> tuple[float, float] | None:
+    def _one(self, replica: Replica) -> tuple[float, float, float] | None:
         try:
             m = metrics(replica.url)
-            return m.get("ditserve:num_requests_running", 0), m.get(
-                "ditserve:num_requests_waiting", 0)
+            return (m.get("ditserve:num_requests_running", 0),
+                    m.get("ditserve:num_requests_waiting", 0),
+                    m.get('ditserve:video_jobs{status="queued"}', 0))
         except httpx.HTTPError:
             return None
 
@@ -187,15 +189,28 @@ class Sampler:
     def longest_idle_beside_a_queue(self) -> float:
         """The longest stretch in which one replica (up) held nothing while another had 2+
         requests waiting in its engine."""
-        longest, since = 0.0, None
+        return self._longest(lambda up: any(r + w == 0 for r, w, _ in up)
+                             and any(w >= 2 for _, w, _ in up))
+
+    def longest_idle_beside_unclaimed(self) -> float:
+        """The longest stretch in which one replica held nothing while the store had queued
+        jobs no engine held. Approximate: a job an engine runs stays "queued" in the store
+        until its first progress write (within 0.25 s), and the replicas are read ~at once."""
+        def bad(up: list[tuple[float, float, float]]) -> bool:
+            held = sum(r + w for r, w, _ in up)
+            return any(r + w == 0 for r, w, _ in up) and max(q for _, _, q in up) > held
+        return self._longest(bad)
+
+    def _longest(self, is_bad: Any) -> float:
+        longest, since, t = 0.0, None, 0.0
         for t, states in self.samples:
             up = [s for s in states if s is not None]
-            bad = any(r + w == 0 for r, w in up) and any(w >= 2 for _, w in up)
+            bad = bool(up) and is_bad(up)
             if bad and since is None:
                 since = t
             elif not bad and since is not None:
                 longest, since = max(longest, t - since), None
-        return max(longest, time.monotonic() - since if since is not None else 0.0)
+        return max(longest, t - since if since is not None else 0.0)
 
 
 def call(method: str, url: str, **kw: Any) -> httpx.Response | None:
@@ -310,6 +325,7 @@ def load(fleet: list[Replica], args: argparse.Namespace, job_s: float) -> dict[s
     ran = generated(fleet) - before
     step_s = job_s / args.steps
     idle = sampler.longest_idle_beside_a_queue()
+    unclaimed = sampler.longest_idle_beside_unclaimed()
     done = [o for o in outcomes if o["status"] == "completed" and o["bytes"] > 0]
     return {"scenario": "load", "replicas": len(fleet), "jobs": args.jobs, "rate": rate,
             "accepted": len(outcomes), "refused": refused, "completed": len(done),
@@ -318,7 +334,8 @@ def load(fleet: list[Replica], args: argparse.Namespace, job_s: float) -> dict[s
             "run_twice": int(ran) - len(done), "vanished": sum(o["vanished"] > 0 for o in
                                                                outcomes),
             "seconds": seconds, "job_s": job_s, "step_s": step_s,
-            "longest_idle_beside_queue_s": idle, "samples": len(sampler.samples)}
+            "longest_idle_beside_queue_s": idle, "longest_idle_beside_unclaimed_s": unclaimed,
+            "samples": len(sampler.samples)}
 
 
 def faults(fleet: list[Replica], redis: Redis, args: argparse.Namespace) -> dict[str, Any]:
@@ -418,11 +435,13 @@ def report(results: list[dict[str, Any]]) -> str:
             ok = r["lost"] == 0 and r["run_twice"] == 0 and r["claimed_twice"] == 0
             lines += [
                 "| load | replicas | jobs | rate /s | accepted | completed | lost | run twice | "
-                "longest idle beside a queue s | one step s | wall s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|",
+                "longest idle beside 2+ waiting s | longest idle beside unclaimed jobs s | "
+                "one step s | wall s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
                 f"| | {r['replicas']} | {r['jobs']} | {r['rate']:.2f} | {r['accepted']} | "
                 f"{r['completed']} | {r['lost']} | {r['run_twice']} (claimed twice: "
                 f"{r['claimed_twice']}) | {r['longest_idle_beside_queue_s']:.2f} | "
+                f"{r['longest_idle_beside_unclaimed_s']:.2f} | "
                 f"{r['step_s']:.3f} | {r['seconds']:.1f} |",
                 f"target: 0 lost, 0 run twice: {'ok' if ok else 'NO'}; no replica idle beside "
                 f"2+ waiting for longer than a step: "
