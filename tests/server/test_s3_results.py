@@ -128,10 +128,11 @@ def test_two_replicas_on_redis_and_a_bucket_serve_each_others_jobs(
         return (await client.get(f"/v1/videos/{video_id}"), await client.get(url),
                 await client.get(url, headers={"Range": "bytes=10-19"}),
                 await client.get(url, headers={"Range": "bytes=99999999-"}),
+                await client.head(url),
                 await client.delete(f"/v1/videos/{video_id}"), await client.get(url))
 
     try:
-        polled, whole, part, past, deleted, after = run(second, on_second)
+        polled, whole, part, past, head, deleted, after = run(second, on_second)
     finally:
         first.state.server.videos.close()
     assert done["status"] == "completed" and polled.json()["status"] == "completed"
@@ -140,5 +141,7 @@ def test_two_replicas_on_redis_and_a_bucket_serve_each_others_jobs(
     assert part.status_code == 206 and part.content == whole.content[10:20]
     assert part.headers["content-range"] == f"bytes 10-19/{len(whole.content)}"
     assert past.status_code == 416
+    assert (head.status_code, head.content) == (200, b"")
+    assert head.headers["content-length"] == str(len(stored))
     assert deleted.status_code == 200 and after.status_code == 404
     assert s3.list_objects_v2(Bucket=BUCKET, Prefix="wan/").get("KeyCount") == 0

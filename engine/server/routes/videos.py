@@ -214,15 +214,17 @@ async def video_content(video_id: str, request: Request) -> Response:
                        code="range_not_satisfiable",
                        headers={"Content-Range": f"bytes */{chosen.size}"})
     start, end = chosen if chosen is not None else (0, where.size)
+    headers["Content-Length"] = str(end - start)
+    if chosen is not None:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{where.size}"
+    if is_head(request):  # the headers only: never fetch a bucket's object to drop it
+        return Response(status_code=206 if chosen else 200, media_type=MP4, headers=headers)
     try:
         # Opened before answering: a DELETE or an expiry from now on cannot cut the body
         # short (a file stays readable once open; an object's GET is under way).
         reader = await asyncio.to_thread(videos.store.files.read, video_id, start, end)
     except ResultMissing:
         raise _not_found(video_id) from None
-    headers["Content-Length"] = str(end - start)
-    if chosen is not None:
-        headers["Content-Range"] = f"bytes {start}-{end - 1}/{where.size}"
     return StreamingResponse(_read(reader), status_code=206 if chosen else 200,
                              media_type=MP4, headers=headers)
 
