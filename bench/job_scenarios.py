@@ -10,7 +10,7 @@ Wan model on one real redis-server, driven and checked from outside like a clien
    downloaded), 0 run twice (the videos the replicas generated, from their /metrics, equal
    the jobs; no job claimed twice), and the replicas' queues sampled every 50 ms: how long
    any replica sat idle while another had 2+ requests waiting in its engine (the target: never
-   longer than one denoise step).
+   longer than one denoise step), and while the shared queue held jobs no replica had taken.
 2. ``faults``: the same replicas, ``--jobs`` jobs spread over ``--fault-span`` seconds (80),
    while Redis is stopped for ``--redis-down`` seconds (10) and started again on its
    append-only file, one replica is killed with SIGKILL mid-job (and started again), and
@@ -54,6 +54,7 @@ from jobs import free_port, start_moto, stop  # noqa: E402  (bench/jobs.py: the 
 
 STARTUP_TIMEOUT_S = 300.0
 SAMPLE_S = 0.05
+NAMESPACE = "scenarios"  # the replicas' --job-namespace (the queue's Redis key names it)
 FINAL = ("completed", "failed")
 
 
@@ -156,27 +157,29 @@ def metrics(url: str) -> dict[str, float]:
 
 
 class Sampler:
-    """Every SAMPLE_S: each replica's (running, waiting, queued in the store) - its engine's
-    requests and the shared store's queued jobs - or None if it is down."""
+    """Every SAMPLE_S: each replica's (running, waiting) requests in its engine (None if it
+    is down), and the jobs of the shared queue no replica has taken yet (``undelivered``)."""
 
-    def __init__(self, fleet: list[Replica]) -> None:
-        self.fleet, self.samples = fleet, []  # type: ignore[var-annotated]
+    def __init__(self, fleet: list[Replica], undelivered: Any) -> None:
+        self.fleet, self.undelivered = fleet, undelivered
+        self.samples: list[tuple[float, list[Any], int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _one(self, replica: Replica) -> tuple[float, float, float] | None:
+    def _one(self, replica: Replica) -> tuple[float, float] | None:
         try:
             m = metrics(replica.url)
-            return (m.get("ditserve:num_requests_running", 0),
-                    m.get("ditserve:num_requests_waiting", 0),
-                    m.get('ditserve:video_jobs{status="queued"}', 0))
+            return m.get("ditserve:num_requests_running", 0), m.get(
+                "ditserve:num_requests_waiting", 0)
         except httpx.HTTPError:
             return None
 
     def _run(self) -> None:
-        with ThreadPoolExecutor(len(self.fleet)) as pool:
+        with ThreadPoolExecutor(len(self.fleet) + 1) as pool:
             while not self._stop.wait(SAMPLE_S):
-                self.samples.append((time.monotonic(), list(pool.map(self._one, self.fleet))))
+                queue = pool.submit(self.undelivered)  # read beside the replicas' scrapes
+                states = list(pool.map(self._one, self.fleet))
+                self.samples.append((time.monotonic(), states, queue.result()))
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -189,23 +192,20 @@ class Sampler:
     def longest_idle_beside_a_queue(self) -> float:
         """The longest stretch in which one replica (up) held nothing while another had 2+
         requests waiting in its engine."""
-        return self._longest(lambda up: any(r + w == 0 for r, w, _ in up)
-                             and any(w >= 2 for _, w, _ in up))
+        return self._longest(lambda up, _: any(r + w == 0 for r, w in up)
+                             and any(w >= 2 for _, w in up))
 
     def longest_idle_beside_unclaimed(self) -> float:
-        """The longest stretch in which one replica held nothing while the store had queued
-        jobs no engine held. Approximate: a job an engine runs stays "queued" in the store
-        until its first progress write (within 0.25 s), and the replicas are read ~at once."""
-        def bad(up: list[tuple[float, float, float]]) -> bool:
-            held = sum(r + w for r, w, _ in up)
-            return any(r + w == 0 for r, w, _ in up) and max(q for _, _, q in up) > held
-        return self._longest(bad)
+        """The longest stretch in which one replica held nothing while the shared queue had
+        jobs no replica had taken (each sample reads Redis and the replicas at about the same
+        moment; a replica's scrape may lag its worker by a few ms)."""
+        return self._longest(lambda up, queue: queue > 0 and any(r + w == 0 for r, w in up))
 
     def _longest(self, is_bad: Any) -> float:
         longest, since, t = 0.0, None, 0.0
-        for t, states in self.samples:
+        for t, states, queue in self.samples:
             up = [s for s in states if s is not None]
-            bad = bool(up) and is_bad(up)
+            bad = bool(up) and is_bad(up, queue)
             if bad and since is None:
                 since = t
             elif not bad and since is not None:
@@ -317,10 +317,25 @@ def warm_job_s(fleet: list[Replica], args: argparse.Namespace) -> float:
     return min(times)
 
 
-def load(fleet: list[Replica], args: argparse.Namespace, job_s: float) -> dict[str, Any]:
+def undelivered(redis_url: str) -> Any:
+    """How many entries of the shared queue no replica has taken: the stream's length less
+    its pending (delivered, not yet done) entries - a job's entry is deleted once it ends."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    key = f"ditserve:{{{NAMESPACE}}}:queue"
+
+    def read() -> int:
+        pending = client.xpending(key, "workers")["pending"] if client.exists(key) else 0
+        return int(client.xlen(key)) - int(pending)
+    return read
+
+
+def load(fleet: list[Replica], redis: Redis, args: argparse.Namespace, job_s: float
+         ) -> dict[str, Any]:
     rate = args.rate or 1.5 * len(fleet) * args.max_num_seqs / job_s
     before = generated(fleet)
-    with Sampler(fleet) as sampler:
+    with Sampler(fleet, undelivered(redis.url)) as sampler:
         outcomes, refused, seconds = drive(fleet, args, rate, seed=1)
     ran = generated(fleet) - before
     step_s = job_s / args.steps
@@ -335,6 +350,7 @@ def load(fleet: list[Replica], args: argparse.Namespace, job_s: float) -> dict[s
                                                                outcomes),
             "seconds": seconds, "job_s": job_s, "step_s": step_s,
             "longest_idle_beside_queue_s": idle, "longest_idle_beside_unclaimed_s": unclaimed,
+            "most_unclaimed": max((q for _, _, q in sampler.samples), default=0),
             "samples": len(sampler.samples)}
 
 
@@ -435,13 +451,13 @@ def report(results: list[dict[str, Any]]) -> str:
             ok = r["lost"] == 0 and r["run_twice"] == 0 and r["claimed_twice"] == 0
             lines += [
                 "| load | replicas | jobs | rate /s | accepted | completed | lost | run twice | "
-                "longest idle beside 2+ waiting s | longest idle beside unclaimed jobs s | "
-                "one step s | wall s |",
+                "longest idle beside 2+ waiting s | longest idle beside unclaimed jobs s "
+                "(most unclaimed) | one step s | wall s |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|",
                 f"| | {r['replicas']} | {r['jobs']} | {r['rate']:.2f} | {r['accepted']} | "
                 f"{r['completed']} | {r['lost']} | {r['run_twice']} (claimed twice: "
                 f"{r['claimed_twice']}) | {r['longest_idle_beside_queue_s']:.2f} | "
-                f"{r['longest_idle_beside_unclaimed_s']:.2f} | "
+                f"{r['longest_idle_beside_unclaimed_s']:.2f} ({r['most_unclaimed']}) | "
                 f"{r['step_s']:.3f} | {r['seconds']:.1f} |",
                 f"target: 0 lost, 0 run twice: {'ok' if ok else 'NO'}; no replica idle beside "
                 f"2+ waiting for longer than a step: "
@@ -513,7 +529,7 @@ def main() -> int:
             where = (["--job-results", "s3://bench/videos"] if moto is not None
                      else ["--video-dir", str(tmp / "videos-shared")])
             fleet = replicas(args, tmp, "redis", args.replicas, [
-                "--job-store", redis.url, "--job-namespace", "scenarios", *where])
+                "--job-store", redis.url, "--job-namespace", NAMESPACE, *where])
             try:
                 for replica in fleet:
                     replica.start()
@@ -521,7 +537,7 @@ def main() -> int:
                     replica.wait_ready()
                 job_s = warm_job_s(fleet, args)
                 if "load" in args.scenarios:
-                    results.append(load(fleet, args, job_s))
+                    results.append(load(fleet, redis, args, job_s))
                 if "faults" in args.scenarios:
                     results.append(faults(fleet, redis, args))
             finally:
