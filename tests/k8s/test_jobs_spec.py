@@ -161,6 +161,18 @@ def test_the_replicas_example_renders_valid_manifests() -> None:
     assert OWNER.name == kids["Service"]["metadata"]["name"]
 
 
+def test_the_bucket_example_renders_valid_manifests_and_scales_on_the_shared_queue() -> None:
+    deployment = yaml.safe_load(EXAMPLE.with_name("wan-video-s3.yaml").read_text())
+    assert schema_errors(deployment) == []
+    kids = children(apply_defaults(version_schema(), deployment)["spec"])
+    for manifest in kids.values():
+        kubernetes_validate.validate(manifest, "1.33.0", strict=True)
+    (engine,) = kids["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert env_of(engine)["DITSERVE_JOB_RESULTS"] == "s3://videos/wan"
+    (metric,) = kids["HorizontalPodAutoscaler"]["spec"]["metrics"]
+    assert metric["object"]["metric"]["name"] == "ditserve_video_jobs_unfinished"
+
+
 def test_the_crds_env_rule_names_every_variable_the_operator_sets() -> None:
     import re
 
