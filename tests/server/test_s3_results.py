@@ -95,6 +95,29 @@ def test_a_store_without_conditional_writes_is_checked_before_each_put(s3) -> No
     assert read_all(results, job_id, 0, 5) == b"first" and client.heads == 2
 
 
+def test_an_unreachable_bucket_is_a_503_to_retry_not_a_500(s3, tmp_path: Path) -> None:
+    from botocore.exceptions import EndpointConnectionError
+
+    app, _ = video_app(fake_video_engine(tmp_path), ServerConfig(
+        job_results=f"s3://{BUCKET}/solo"))
+    results = app.state.server.videos.store.files
+
+    async def script(client):
+        job = (await client.post("/v1/videos", json=JOB)).json()
+        await finish(client, job["id"])
+
+        def unreachable(**kwargs: Any) -> Any:
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+        results._client.get_object = unreachable  # the store goes away after the PUT
+        return await client.get(f"/v1/videos/{job['id']}/content")
+
+    response = run(app, script)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "job_store_unavailable"
+    assert "retry-after" in response.headers
+
+
 def test_a_wrong_bucket_or_url_stops_the_server_with_a_reason(s3) -> None:
     with pytest.raises(ConfigError, match="no such bucket"):
         S3Results("s3://not-there/x")

@@ -11,7 +11,7 @@ shared volume (a ReadWriteMany ``--video-dir`` is the other way). A job's MP4 is
   first instead - a narrower window, and the two objects are the same job's video (same
   seed) either way;
 - ``read`` is a ranged GET streamed to the client (the content route's Range requests map
-  onto it one to one);
+  onto it one to one); a bucket that cannot be read is a 503 with Retry-After;
 - ``remove`` deletes the object (DELETE of the job, expiry). A result whose replica died
   between its PUT and the job's record is named by no job: give the bucket a lifecycle rule
   (expire ``<prefix>/`` objects a little after ``--video-ttl``) as the backstop.
@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ditserve.engine.errors import ConfigError
-from ditserve.engine.server.jobs.errors import StorageError
+from ditserve.engine.server.jobs.errors import StorageError, StoreUnavailable
 from ditserve.engine.server.jobs.results import ResultMissing
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,9 @@ class S3Results:
             raise
 
     def read(self, job_id: str, start: int, end: int) -> ObjectRange:
-        from botocore.exceptions import ClientError
+        """Raises ResultMissing (a 404), or StoreUnavailable (a 503 with Retry-After) while
+        the bucket cannot be read."""
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             answer = self._client.get_object(Bucket=self.bucket, Key=self.key_of(job_id),
@@ -135,7 +137,11 @@ class S3Results:
         except ClientError as e:
             if _code(e) in _MISSING:
                 raise ResultMissing(job_id) from None
-            raise
+            raise StoreUnavailable(f"the result store {self.url} refused the read "
+                                   f"({_code(e)})") from e
+        except BotoCoreError as e:
+            raise StoreUnavailable(f"the result store {self.url} cannot be reached: {e}"
+                                   ) from e
         return ObjectRange(answer["Body"])
 
     def remove(self, job_id: str) -> None:
