@@ -264,12 +264,6 @@ class JobWorker:
         except RuntimeError:  # the pool is shut down: the server is stopping
             self._settle(job_id, held, write)
 
-    def _hand_back_later(self, job_id: str, held: Held) -> None:
-        # Let go first: once written, any claimer (this thread too) may take the job, and a
-        # stale Held would pass for our run going on (the job idle until its lease ran out).
-        self._forget(job_id, held)
-        self._settle_later(job_id, held, partial(self.store.hand_back, job_id, held.token))
-
     # -- called from the engine's loop thread -------------------------------------------------
     def _on_event(self, job_id: str, event: Any) -> None:
         if event.kind != "step":
@@ -299,13 +293,16 @@ class JobWorker:
         if error is None:
             try:
                 self._pool.submit(self._store_result, job_id, held, future.result())
+                return
             except RuntimeError:  # the pool is shut down: the server is stopping
-                self._hand_back_later(job_id, held)
-            return
+                error = EngineStoppedError("the server stops")
         if isinstance(error, (RequestAborted, EngineStoppedError)):
-            # The engine stops (drain, shutdown): another replica (or this one, restarted) runs it.
+            # The engine stops (drain, shutdown): another replica (or this one, restarted) runs
+            # it. Let go first: once written, any claimer (this thread too) may take the job,
+            # and a stale Held would pass for our run going on (idle until its lease ran out).
             log.info("video %s: handed back to the queue (this replica stops)", job_id)
-            self._hand_back_later(job_id, held)
+            self._forget(job_id, held)
+            self._settle_later(job_id, held, partial(self.store.hand_back, job_id, held.token))
             return
         if isinstance(error, DeadlineError):
             code, message = "deadline_exceeded", str(error)
