@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Job store overhead: a video job's end-to-end time on one replica with the default SQLite
 job store vs a shared Redis one (``--job-store redis://...``), and, with ``--replicas N``,
-N replicas on that Redis taking jobs from a burst spread over all of them.
+N replicas on that Redis taking jobs from a burst spread over all of them. With ``--s3``, a
+third single replica keeps its results in an S3 bucket (``--job-results``, moto's server).
 
 It launches `ditserve serve` on ``--model`` (the tiny Wan model, built in a temp dir, unless
 given) twice side by side - one replica on SQLite, one on Redis - runs ``--warmup``
@@ -53,6 +54,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def start_moto() -> Any:
+    """moto's S3 server on 127.0.0.1 with the bucket "bench"; servers inherit its env."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update({"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
+                       "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench"})
+    boto3.client("s3").create_bucket(Bucket="bench")
+    return server
 
 
 def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -171,6 +187,8 @@ def start(args: argparse.Namespace, tmp: Path, label: str, replicas: int,
     started = []
     for i in range(replicas):
         flags = ["--video-dir", str(shared if redis_url else tmp / f"videos-{label}-{i}")]
+        if label.endswith("-s3"):  # results in moto's bucket (main started it)
+            flags = ["--job-results", f"s3://bench/{label}"]
         if redis_url:
             flags += ["--job-store", redis_url, "--job-namespace", label]
         started.append(launch(args, tmp, f"{label}-{i}", flags))
@@ -183,6 +201,8 @@ def one_replica_each(args: argparse.Namespace, tmp: Path, redis_url: str
     so that the machine's load drifts over both alike."""
     servers = {"sqlite": start(args, tmp, "sqlite", 1, None),
                "redis": start(args, tmp, "redis", 1, redis_url)}
+    if args.s3:
+        servers["redis-s3"] = start(args, tmp, "redis-s3", 1, redis_url)
     try:
         for group in servers.values():
             for process, url, log in group:
@@ -249,6 +269,9 @@ def main() -> int:
     p.add_argument("--size", default="32x32")
     p.add_argument("--frames", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--s3", action="store_true",
+                   help="a third single replica: Redis jobs, results in an S3 bucket (moto's "
+                        "server, started here; it measures moto's cost, an upper bound)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ditserve-bench-jobs-") as name:
@@ -258,12 +281,15 @@ def main() -> int:
 
             args.model = init_tiny(tmp / "tiny-wan", family="wan")
         redis, url = start_redis(tmp)
+        moto = start_moto() if args.s3 else None
         try:
             results = one_replica_each(args, tmp, url)
             if args.replicas > 1:
                 results.append(replicas_on_redis(args, tmp, url))
         finally:
             stop(redis)
+            if moto is not None:
+                moto.stop()
     ratio = results[1]["p50_s"] / results[0]["p50_s"]
     paired = statistics.median(r / s for r, s in zip(results[1]["times_s"],
                                                      results[0]["times_s"], strict=True))
@@ -271,6 +297,10 @@ def main() -> int:
     print(f"median of paired ratios (each redis job / the sqlite job beside it): {paired:.3f}")
     print(f"target: redis p50 e2e / sqlite p50 e2e on one replica = {ratio:.3f} "
           f"(<= {TARGET}): {'ok' if ratio <= TARGET else 'NO'}")
+    if args.s3:
+        s3_ratio = results[2]["p50_s"] / results[0]["p50_s"]
+        print(f"redis-s3 p50 e2e / sqlite p50 e2e on one replica = {s3_ratio:.3f} "
+              f"(<= {TARGET}): {'ok' if s3_ratio <= TARGET else 'NO'}")
     if args.out is not None:
         args.out.write_text(json.dumps({"results": results, "ratio": ratio, "paired": paired,
                                         "target": TARGET, "args": {

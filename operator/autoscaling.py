@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from ditserve.operator.spec_reader import SpecReader
 
 DEFAULT_METRIC = "ditserve_num_requests_waiting"
+# A deployment sharing video jobs (spec.jobs.redis) scales on the shared queue instead: the
+# unfinished jobs of the store (queued + in progress), which every replica reports alike
+# (the adapter rule takes their max, not their sum). Running jobs count too, so a queue that
+# just emptied into busy replicas does not scale them away.
+JOBS_METRIC = "ditserve_video_jobs_unfinished"
 HPA_KIND = "HorizontalPodAutoscaler"
 
 
@@ -44,7 +49,7 @@ class AutoscalingSpec:
     min_replicas: int = 1
     max_replicas: int = 1
     target_waiting_per_replica: int = 4
-    metric: str = DEFAULT_METRIC
+    metric: str | None = None  # None: DEFAULT_METRIC, or JOBS_METRIC with shared jobs
     scale_down_window_s: int = 300
     scale_to_zero: ScaleToZeroSpec = field(default_factory=ScaleToZeroSpec)
 
@@ -64,7 +69,7 @@ def read_autoscaling(reader: SpecReader) -> AutoscalingSpec:
         min_replicas=reader.integer("minReplicas", 1, 0),
         max_replicas=reader.integer("maxReplicas", 1, 1),
         target_waiting_per_replica=reader.integer("targetWaitingPerReplica", 4, 1),
-        metric=reader.text("metric", DEFAULT_METRIC),
+        metric=reader.text("metric") or None,
         scale_down_window_s=reader.integer("scaleDownStabilizationSeconds", 300, 0),
         scale_to_zero=read_scale_to_zero(reader.child("scaleToZero"),
                                          autoscaling_enabled=reader.flag("enabled", False)),
@@ -81,9 +86,16 @@ def read_autoscaling(reader: SpecReader) -> AutoscalingSpec:
     return spec
 
 
+def metric_of(spec: AutoscalingSpec, *, shared_jobs: bool) -> str:
+    """The custom metric the HPA reads: the spec's, else the queue the deployment has."""
+    return spec.metric or (JOBS_METRIC if shared_jobs else DEFAULT_METRIC)
+
+
 def horizontal_pod_autoscaler(spec: AutoscalingSpec, *, meta: dict[str, Any],
-                              target: dict[str, str], service: str) -> dict[str, Any]:
-    """The HPA scaling ``target`` (the DiffusionDeployment) on its Service's queue."""
+                              target: dict[str, str], service: str,
+                              shared_jobs: bool = False) -> dict[str, Any]:
+    """The HPA scaling ``target`` (the DiffusionDeployment) on its Service's queue: the
+    engines' waiting requests, or with ``shared_jobs`` the shared job queue's depth."""
     return {
         "apiVersion": "autoscaling/v2", "kind": HPA_KIND, "metadata": meta,
         "spec": {
@@ -92,7 +104,7 @@ def horizontal_pod_autoscaler(spec: AutoscalingSpec, *, meta: dict[str, Any],
             "maxReplicas": spec.max_replicas,
             "metrics": [{"type": "Object", "object": {
                 "describedObject": {"apiVersion": "v1", "kind": "Service", "name": service},
-                "metric": {"name": spec.metric},
+                "metric": {"name": metric_of(spec, shared_jobs=shared_jobs)},
                 "target": {"type": "AverageValue",
                            "averageValue": str(spec.target_waiting_per_replica)}}}],
             "behavior": {

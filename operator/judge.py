@@ -127,6 +127,7 @@ def _jobs_flag_problems(spec: DeploymentSpec, parsed: Any) -> list[str]:
     """Flags ``spec.jobs`` owns when it sets them."""
     owned = {"video_dir": ("--video-dir", "spec.jobs.results", spec.jobs.results_claim),
              "job_store": ("--job-store", "spec.jobs.redis.urlSecret", spec.jobs.url_secret),
+             "job_results": ("--job-results", "spec.jobs.results.s3", spec.jobs.s3_url),
              "job_lease": ("--job-lease", "spec.jobs.leaseSeconds", spec.jobs.lease_s)}
     return [f"engine.args must not set {flag}: the operator sets it from {owner}"
             for dest, (flag, owner, value) in owned.items()

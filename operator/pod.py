@@ -29,7 +29,7 @@ from typing import Any
 
 from ditserve.operator import cache_pod, placement, sizing
 from ditserve.operator.cache_pod import ENSURE_CONTAINER, PULL_CONTAINER
-from ditserve.operator.jobs import jobs_env, jobs_mounts, jobs_volumes
+from ditserve.operator.jobs import jobs_env, jobs_env_from, jobs_mounts, jobs_volumes
 from ditserve.operator.loras import lora_args, lora_host_paths, lora_mounts, lora_volumes
 from ditserve.operator.spec import RENDEZVOUS_PORT, DeploymentSpec
 
@@ -188,6 +188,8 @@ def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE)
         "imagePullPolicy": spec.engine.image_pull_policy,
         **_command(spec, role),
         "env": _env(spec, role),
+        **({"envFrom": jobs_env_from(spec.jobs)}
+           if role is not Role.WORKER and jobs_env_from(spec.jobs) else {}),
         "resources": {
             "requests": {"cpu": str(spec.engine.cpu), "memory": memory, GPU_RESOURCE: gpus},
             "limits": limits,

@@ -153,14 +153,15 @@ def render(spec: DeploymentSpec, owner: Owner, *,
     auto = spec.autoscaling
     if auto.uses_hpa:
         out.append(autoscaling.horizontal_pod_autoscaler(
-            auto, meta=meta(autoscaling.HPA_KIND), target=target, service=names["Service"]))
+            auto, meta=meta(autoscaling.HPA_KIND), target=target, service=names["Service"],
+            shared_jobs=spec.jobs.shared))
     elif auto.uses_keda:
         out.append(scale_to_zero.scaled_object(
             auto.scale_to_zero, min_replicas=auto.min_replicas, max_replicas=auto.max_replicas,
             target_waiting_per_replica=auto.target_waiting_per_replica,
             scale_down_window_s=auto.scale_down_window_s,
             meta=meta(scale_to_zero.SCALED_OBJECT_KIND), target=target,
-            namespace=owner.namespace, service=names["Service"]))
+            namespace=owner.namespace, service=names["Service"], shared_jobs=spec.jobs.shared))
     return out
 
 

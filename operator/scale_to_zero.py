@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 SCALED_OBJECT_KIND = "ScaledObject"
 ENGINE_QUEUE = "ditserve:num_requests_waiting"
+SHARED_JOBS = "ditserve:video_jobs_unfinished"  # every replica reports the shared store's
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,12 @@ def read_scale_to_zero(reader: SpecReader, *, autoscaling_enabled: bool) -> Scal
     return spec
 
 
-def default_query(namespace: str, service: str) -> str:
+def default_query(namespace: str, service: str, *, shared_jobs: bool = False) -> str:
+    """The engines' queue summed over the Service; with shared jobs the shared store's
+    unfinished jobs, which each replica reports alike (their max, not their sum)."""
+    if shared_jobs:
+        return (f'max({SHARED_JOBS}{{namespace="{namespace}",service="{service}"}}) '
+                "or vector(0)")
     return (f'sum({ENGINE_QUEUE}{{namespace="{namespace}",service="{service}"}}) '
             "or vector(0)")
 
@@ -66,7 +72,7 @@ def default_query(namespace: str, service: str) -> str:
 def scaled_object(spec: ScaleToZeroSpec, *, min_replicas: int, max_replicas: int,
                   target_waiting_per_replica: int, scale_down_window_s: int,
                   meta: dict[str, Any], target: dict[str, str], namespace: str,
-                  service: str) -> dict[str, Any]:
+                  service: str, shared_jobs: bool = False) -> dict[str, Any]:
     """The ScaledObject scaling ``target`` (the DiffusionDeployment) between ``min_replicas``
     (0 to scale to zero) and ``max_replicas`` on the queue."""
     return {
@@ -87,7 +93,8 @@ def scaled_object(spec: ScaleToZeroSpec, *, min_replicas: int, max_replicas: int
             }}},
             "triggers": [{"type": "prometheus", "metadata": {
                 "serverAddress": spec.prometheus_address or "",
-                "query": spec.query or default_query(namespace, service),
+                "query": spec.query or default_query(namespace, service,
+                                                     shared_jobs=shared_jobs),
                 "threshold": str(target_waiting_per_replica),
                 # Active above 0: the first waiting request wakes a deployment at zero.
                 "activationThreshold": "0",

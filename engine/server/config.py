@@ -32,6 +32,8 @@ DEFAULT_JOB_LEASE_S = 30.0
 JOB_STORE_ENV = "DITSERVE_JOB_STORE"  # the job store URL when neither flag nor YAML names one
 JOB_NAMESPACE_ENV = "DITSERVE_JOB_NAMESPACE"  # likewise, the namespace (the operator sets it)
 JOB_NAMESPACE = re.compile(r"^[A-Za-z0-9._/:-]{1,200}$")
+JOB_RESULTS_ENV = "DITSERVE_JOB_RESULTS"  # likewise, the result store (the operator sets it)
+JOB_RESULTS_PATTERN = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,62}(/\S*)?$")
 JOB_STORE_PATTERN = re.compile(r"^(sqlite:///.+|(redis|rediss|unix)://\S+)$")
 MAX_FPS = 120  # an MP4 frame rate a job (or --default-fps) may ask for
 # Sides without leading zeros and at most 5 digits: a size of thousands of digits is a format
@@ -91,6 +93,10 @@ class ServerConfig:
     job_store: where jobs live: ``sqlite:///PATH`` or ``redis://HOST:PORT/DB`` (many
         replicas as one service; ``video_dir`` must then be a directory every replica
         mounts). None: ``$DITSERVE_JOB_STORE``, else ``sqlite:///<video_dir>/jobs.sqlite3``.
+    job_results: where finished videos are kept when not in ``video_dir``:
+        ``s3://BUCKET/PREFIX``, an S3-compatible bucket every replica reads (endpoint,
+        region and credentials from the usual AWS environment variables). None:
+        ``$DITSERVE_JOB_RESULTS``, else ``video_dir``.
     job_lease_s: how long a claimed job stays with a replica that stopped renewing its
         lease (killed, cut off) before another replica runs it.
     job_namespace: which jobs of a shared store are this deployment's (its replicas share
@@ -124,6 +130,7 @@ class ServerConfig:
     video_max_bytes: int = DEFAULT_VIDEO_MAX_BYTES
     video_ttl_s: float = DEFAULT_VIDEO_TTL_S
     job_store: str | None = None
+    job_results: str | None = None
     job_lease_s: float = DEFAULT_JOB_LEASE_S
     job_namespace: str | None = None
 
@@ -198,10 +205,17 @@ def _video_problems(config: ServerConfig) -> list[str]:
     if store is not None and (not isinstance(store, str) or not JOB_STORE_PATTERN.match(store)):
         out.append("server.job_store must be sqlite:///ABSOLUTE/PATH or redis://HOST:PORT/DB, "
                    f"got {_redacted(store)!r}")
-    elif isinstance(store, str) and not store.startswith("sqlite:") and config.video_dir is None:
+    elif (isinstance(store, str) and not store.startswith("sqlite:")
+          and config.video_dir is None and config.job_results is None):
         out.append("server.job_store: a Redis job store is shared by replicas, so their videos "
-                   "must be too: set server.video_dir (--video-dir) to a directory every "
-                   "replica mounts (a ReadWriteMany volume)")
+                   "must be too: set server.job_results (--job-results) to an s3://BUCKET/"
+                   "PREFIX, or server.video_dir (--video-dir) to a directory every replica "
+                   "mounts (a ReadWriteMany volume)")
+    results = config.job_results
+    if results is not None and (not isinstance(results, str)
+                                or not JOB_RESULTS_PATTERN.match(results)):
+        out.append(f"server.job_results must be s3://BUCKET or s3://BUCKET/PREFIX, got "
+                   f"{results!r}")
     number_at_least(out, "server.job_lease_s", config.job_lease_s, 0.1)
     space = config.job_namespace
     if space is not None and (not isinstance(space, str) or not JOB_NAMESPACE.match(space)):

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from ditserve.engine.loop.client import EngineClient, EnginePhase
 from ditserve.engine.loop.step_log import copy_rates_of
 from ditserve.engine.server.jobs.errors import StoreUnavailable
-from ditserve.engine.server.jobs.model import FINISHED_LABELS
+from ditserve.engine.server.jobs.model import FINISHED_LABELS, JobStatus
 
 if TYPE_CHECKING:
     from ditserve.engine.loop.results import EngineStats
@@ -65,6 +65,13 @@ class _VideoStoreCollector(Collector):
         for status, count in counts.items():
             jobs.add_metric([status], count)
         yield jobs
+        # The queue an autoscaler reads (docs/kubernetes.md): work admitted and not done.
+        yield GaugeMetricFamily("ditserve:video_jobs_unfinished",
+                                "Video jobs queued or in progress in the store (with a "
+                                "shared store, the deployment's: every replica reports the "
+                                "same number).",
+                                value=sum(counts.get(s.label, 0) for s in JobStatus
+                                          if not s.is_finished))
         yield GaugeMetricFamily("ditserve:video_store_bytes",
                                 "Bytes of stored MP4s plus the reservations of unfinished "
                                 "jobs (bounded by --video-max-bytes).", value=used)

@@ -18,6 +18,7 @@ from typing import Any
 from ditserve.engine.config.flags import add_engine_options
 from ditserve.engine.server.config import (
     JOB_NAMESPACE_ENV,
+    JOB_RESULTS_ENV,
     JOB_STORE_ENV,
     ServerConfig,
     validate_server,
@@ -36,7 +37,7 @@ _SERVER_FLAGS = {
     "default_frames": "default_frames", "default_fps": "default_fps",
     "max_frames": "max_frames", "video_dir": "video_dir", "video_max_jobs": "video_max_jobs",
     "video_max_bytes": "video_max_bytes", "video_ttl": "video_ttl_s",
-    "job_store": "job_store", "job_lease": "job_lease_s", "job_namespace": "job_namespace",
+    "job_store": "job_store", "job_results": "job_results", "job_lease": "job_lease_s", "job_namespace": "job_namespace",
 }
 
 
@@ -104,6 +105,11 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
                         "redis://HOST:PORT/DB (replicas share jobs and take work when they "
                         "have room; --video-dir must be a directory they all mount); default "
                         "$DITSERVE_JOB_STORE, else sqlite:///VIDEO_DIR/jobs.sqlite3")
+    v.add_argument("--job-results", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="keep finished videos in an S3-compatible bucket every replica reads "
+                        "(endpoint, region, credentials: AWS_ENDPOINT_URL_S3, AWS_REGION, "
+                        "AWS_ACCESS_KEY_ID...) instead of --video-dir; default "
+                        "$DITSERVE_JOB_RESULTS")
     v.add_argument("--job-namespace", default=None, metavar="NAME",
                    help="the jobs of a shared store that are this deployment's: its replicas "
                         "share one queue (default $DITSERVE_JOB_NAMESPACE, else the served "
@@ -124,8 +130,9 @@ def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | Non
     # The URL may hold a password: Kubernetes passes it from a Secret in the environment.
     job_store = config.job_store or env.get(JOB_STORE_ENV) or None
     namespace = config.job_namespace or env.get(JOB_NAMESPACE_ENV) or None
+    results = config.job_results or env.get(JOB_RESULTS_ENV) or None
     return validate_server(replace(config, api_key=api_key, job_store=job_store,
-                                   job_namespace=namespace))
+                                   job_results=results, job_namespace=namespace))
 
 
 def build_serve_parser(prog: str = SERVE_PROG) -> argparse.ArgumentParser:

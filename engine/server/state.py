@@ -37,6 +37,7 @@ from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.jobs.backend import JobBackend
 from ditserve.engine.server.jobs.files import VideoFiles
+from ditserve.engine.server.jobs.results import ResultStore
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.jobs.store import JobStore, StoreLimits
 from ditserve.engine.server.metrics import ServingMetrics
@@ -183,19 +184,25 @@ class ServerState:
 def open_job_store(config: ServerConfig, *, namespace: str, observer: Any = None) -> JobStore:
     """The job store ``config`` names (``--job-store``: SQLite by default, or Redis) with its
     video directory: an owned one (one server, swept of files no job names) for SQLite, a
-    shared one (every replica mounts it) for Redis."""
+    shared one (every replica mounts it) for Redis; results go to that directory, or to the
+    bucket ``--job-results s3://...`` names (then the directory keeps only the SQLite file)."""
     limits = StoreLimits(max_jobs=config.video_max_jobs, max_bytes=config.video_max_bytes,
                          ttl_s=config.video_ttl_s)
     shared = config.job_store is not None and not config.job_store.startswith("sqlite:")
     files = VideoFiles(config.video_dir, shared=shared)
+    results: ResultStore = files
     try:
         backend = open_backend(config.job_store, files.root, namespace=namespace,
                                clock=time.time)
         files.sweep({job.id for job in backend.jobs()})
+        if config.job_results is not None:
+            from ditserve.engine.server.jobs.s3_results import S3Results
+
+            results = S3Results(config.job_results)
     except BaseException:
         files.close()
         raise
-    return JobStore(limits, files, backend, observer=observer)
+    return JobStore(limits, results, backend, observer=observer, directory=files)
 
 
 def open_backend(url: str | None, video_dir: Path, *, namespace: str,

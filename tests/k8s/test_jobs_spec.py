@@ -74,7 +74,31 @@ def test_one_replica_may_keep_its_jobs_in_sqlite_on_a_volume() -> None:
     assert {"name": "videos", "mountPath": "/videos"} in engine["volumeMounts"]
 
 
+S3 = {"redis": SHARED["redis"], "results": {"s3": {
+    "url": "s3://videos/wan", "endpoint": "http://minio.storage:9000", "region": "eu-west-1",
+    "credentialsSecret": {"name": "video-bucket"}}}}
+
+
+def test_results_in_a_bucket_need_no_volume_and_reach_only_rank_0() -> None:
+    engine, pod = engine_and_pod(wan(replicas=3, jobs=S3))
+    env = env_of(engine)
+    assert (env["DITSERVE_JOB_RESULTS"], env["AWS_ENDPOINT_URL_S3"], env["AWS_REGION"]) == (
+        "s3://videos/wan", "http://minio.storage:9000", "eu-west-1")
+    assert engine["envFrom"] == [{"secretRef": {"name": "video-bucket"}}]
+    assert "videos" not in [v["name"] for v in pod["volumes"]]
+    config = yaml.safe_load(children(wan(replicas=3, jobs=S3))["ConfigMap"]["data"][
+        "engine.yaml"])
+    assert "video_dir" not in config["server"]
+    for manifest in children(wan(replicas=3, jobs=S3)).values():
+        kubernetes_validate.validate(manifest, "1.33.0", strict=True)
+
+
 @pytest.mark.parametrize(("overrides", "words"), [
+    ({"jobs": {**S3, "results": {**S3["results"], **SHARED["results"]}}}, "not both"),
+    ({"jobs": {**S3, "results": {"s3": {"url": "https://videos/wan"}}}}, "s3://BUCKET"),
+    ({"jobs": S3, "engine": {"args": ["--job-results", "s3://other"]}},
+     "must not set --job-results"),
+    ({"replicas": 2, "jobs": {"results": S3["results"]}}, "may run 2 replicas"),
     ({"jobs": {"redis": SHARED["redis"]}}, "needs spec.jobs.results"),
     ({"replicas": 2, "jobs": {"results": SHARED["results"]}}, "may run 2 replicas"),
     ({"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4},
@@ -104,6 +128,24 @@ def test_the_crd_accepts_spec_jobs_and_both_copies_agree() -> None:
     assert defaulted["spec"]["jobs"]["redis"]["urlSecret"]["key"] == "url"
     bad = {**doc, "spec": wan(jobs={"leaseSeconds": 0})}
     assert any("leaseSeconds" in e for e in schema_errors(bad))
+    assert schema_errors({**doc, "spec": wan(jobs=S3)}) == []
+    assert schema_errors({**doc, "spec": wan(jobs={"results": {"s3": {"url": "ftp://x"}}})})
+
+
+def test_a_deployment_sharing_jobs_scales_on_the_shared_queue() -> None:
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 6, "targetWaitingPerReplica": 2}
+    kids = children(wan(jobs=S3, autoscaling=auto))
+    (metric,) = kids["HorizontalPodAutoscaler"]["spec"]["metrics"]
+    assert metric["object"]["metric"]["name"] == "ditserve_video_jobs_unfinished"
+    assert metric["object"]["target"] == {"type": "AverageValue", "averageValue": "2"}
+    kubernetes_validate.validate(kids["HorizontalPodAutoscaler"], "1.33.0", strict=True)
+    chosen = children(wan(jobs=S3, autoscaling={**auto, "metric": "my_queue"}))
+    assert chosen["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["object"]["metric"][
+        "name"] == "my_queue"
+    keda = children(wan(jobs=S3, autoscaling={**auto, "minReplicas": 0, "scaleToZero": {
+        "enabled": True, "prometheusAddress": "http://prometheus:9090"}}))
+    query = keda["ScaledObject"]["spec"]["triggers"][0]["metadata"]["query"]
+    assert query.startswith("max(ditserve:video_jobs_unfinished{") and "vector(0)" in query
 
 
 def test_the_replicas_example_renders_valid_manifests() -> None:
@@ -117,6 +159,18 @@ def test_the_replicas_example_renders_valid_manifests() -> None:
     (engine,) = kids["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert env_of(engine)["DITSERVE_JOB_STORE"]["secretKeyRef"]["name"] == "ditserve-job-store"
     assert OWNER.name == kids["Service"]["metadata"]["name"]
+
+
+def test_the_bucket_example_renders_valid_manifests_and_scales_on_the_shared_queue() -> None:
+    deployment = yaml.safe_load(EXAMPLE.with_name("wan-video-s3.yaml").read_text())
+    assert schema_errors(deployment) == []
+    kids = children(apply_defaults(version_schema(), deployment)["spec"])
+    for manifest in kids.values():
+        kubernetes_validate.validate(manifest, "1.33.0", strict=True)
+    (engine,) = kids["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert env_of(engine)["DITSERVE_JOB_RESULTS"] == "s3://videos/wan"
+    (metric,) = kids["HorizontalPodAutoscaler"]["spec"]["metrics"]
+    assert metric["object"]["metric"]["name"] == "ditserve_video_jobs_unfinished"
 
 
 def test_the_crds_env_rule_names_every_variable_the_operator_sets() -> None:

@@ -120,7 +120,7 @@ class FakeEngine:
             for observer in self.observers:
                 observer.on_failed(rid, "decode failed")
         if handle.future.done():
-            del self._handles[rid]  # finished requests leave the engine (their id is free)
+            self._handles.pop(rid, None)  # a finished (or aborted) request frees its id
         return handle
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:

@@ -112,15 +112,32 @@ def test_the_job_store_from_flag_yaml_and_environment(tmp_path, monkeypatch) -> 
                              )[1].job_namespace == "other"
 
 
+def test_results_in_a_bucket_from_flag_yaml_and_environment(tmp_path, monkeypatch) -> None:
+    """A Redis job store needs no shared --video-dir when the videos go to a bucket."""
+    monkeypatch.delenv("DITSERVE_JOB_STORE", raising=False)
+    monkeypatch.delenv("DITSERVE_JOB_RESULTS", raising=False)
+    path = write(tmp_path, "server: {job_store: 'redis://h:6379/0', job_results: "
+                           "'s3://videos/wan'}\n")
+    _, server = configs_from_args(parse("--config", path))
+    assert (server.job_results, server.video_dir) == ("s3://videos/wan", None)
+    _, server = configs_from_args(parse("--config", path, "--job-results", "s3://other"))
+    assert server.job_results == "s3://other"
+    monkeypatch.setenv("DITSERVE_JOB_RESULTS", "s3://from-env/p")  # the operator's
+    assert configs_from_args(parse())[1].job_results == "s3://from-env/p"
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (("--job-store", "postgres://db/jobs"), "server.job_store must be sqlite:///ABSOLUTE/PATH"),
     (("--job-store", "redis://:secret@host:6379/0"), "a Redis job store is shared by replicas"),
     (("--job-store", "mysql://:secret@host/0"), "'mysql://***@host/0'"),
     (("--job-lease", "0"), "server.job_lease_s must be"),
     (("--job-namespace", "a b"), "server.job_namespace must be"),
+    (("--job-results", "https://bucket/videos"), "server.job_results must be s3://BUCKET"),
+    (("--job-results", "s3://B/x"), "server.job_results must be s3://BUCKET"),
 ])
 def test_bad_job_stores_are_refused(monkeypatch, argv, message) -> None:
     monkeypatch.delenv("DITSERVE_JOB_STORE", raising=False)
+    monkeypatch.delenv("DITSERVE_JOB_RESULTS", raising=False)
     with pytest.raises(ConfigError) as info:
         configs_from_args(parse(*argv))
     assert message in str(info.value) and "secret" not in str(info.value)

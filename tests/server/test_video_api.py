@@ -156,6 +156,39 @@ def test_a_job_from_json_and_the_same_from_a_form(tmp_path: Path) -> None:
     assert "ditserve:videos_generated_total 2.0" in text
 
 
+def test_a_replica_still_loading_answers_503_not_a_verdict_on_the_job(tmp_path: Path) -> None:
+    """Before its model loaded, an engine knows no limits (a real one judges by an image
+    model's): a POST during a restart is 503 with Retry-After, never a 400 the client would
+    not retry."""
+    from ditserve.engine.loop.lifecycle import EnginePhase
+    from ditserve.engine.model_limits import ModelLimits
+
+    engine = fake_video_engine(tmp_path, phase=EnginePhase.LOADING)
+    engine.validate_params = lambda params: params.validate_for(ModelLimits())
+    app, _ = video_app(engine)
+
+    async def script(client):
+        return await client.post(VIDEOS, json=JOB)
+
+    response = run(app, script)
+    assert response.status_code == 503, response.text
+    assert "retry-after" in response.headers
+
+
+def test_the_unfinished_jobs_gauge_is_the_queue_an_autoscaler_reads(tmp_path: Path) -> None:
+    """ditserve:video_jobs_unfinished counts every admitted job not yet done, claimed or not
+    (the HPA of a deployment sharing jobs reads it: docs/kubernetes.md)."""
+    app, _ = video_app(fake_video_engine(tmp_path, outcome="hang"))
+
+    async def script(client):
+        for _ in range(3):
+            assert (await client.post(VIDEOS, json=JOB)).status_code == 200
+        return (await client.get("/metrics")).text
+
+    text = run(app, script)
+    assert "ditserve:video_jobs_unfinished 3.0" in text
+
+
 def test_the_form_the_openai_sdk_sends(tmp_path: Path) -> None:
     """seconds as OpenAI's string: frames at the native 16 fps (1 s -> 17 frames)."""
     app, _ = video_app(fake_video_engine(tmp_path))

@@ -190,11 +190,12 @@ def test_publication_is_atomic_and_a_directory_has_one_owner(tmp_path: Path) -> 
     root = tmp_path / "videos"
     files = VideoFiles(root)
     kept, gone = "video_" + "1" * 32, "video_" + "3" * 32
-    path, created = files.publish(kept, b"complete")
+    where, created = files.publish(kept, b"complete")
+    path = Path(where)
     assert created and path.read_bytes() == b"complete" and path.parent == root
     assert list((root / ".tmp").iterdir()) == []  # the temp file was linked, not copied
     # A second claim of the same job publishing later keeps the first file.
-    assert files.publish(kept, b"second") == (path, False)
+    assert files.publish(kept, b"second") == (where, False)
     assert path.read_bytes() == b"complete" and list((root / ".tmp").iterdir()) == []
     files.publish(gone, b"a job the store no longer has")
     with pytest.raises(ConfigError, match="in use by another ditserve server"):
@@ -253,8 +254,9 @@ def test_publication_without_hard_links_renames(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(os, "link", no_links)
     files = VideoFiles(tmp_path / "videos", shared=True)
     job_id = "video_" + "4" * 32
-    path, created = files.publish(job_id, b"first")
+    where, created = files.publish(job_id, b"first")
+    path = Path(where)
     assert created and path.read_bytes() == b"first"
-    assert files.publish(job_id, b"second") == (path, False)
+    assert files.publish(job_id, b"second") == (where, False)
     assert path.read_bytes() == b"first" and list((files.root / ".tmp").iterdir()) == []
     files.close()

@@ -7,7 +7,7 @@ replaces a file: when two claims of one job both finish (a replica thought dead 
 slow), the first file stays and the second writer learns it did not create it (so it never
 removes the winner's file). A failed write (a full disk: ENOSPC, a quota: EDQUOT, or any
 other OSError) removes its temp file and raises ``StorageError``; the caller fails the job.
-Called by ``VideoJobs`` from its encoding threads.
+Called by ``JobWorker`` from its encoding threads; a ``ResultStore`` (``results.py``).
 
 Three kinds of root:
 
@@ -34,6 +34,7 @@ from pathlib import Path
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.server.jobs.errors import StorageError
 from ditserve.engine.server.jobs.model import JOB_ID_PATTERN
+from ditserve.engine.server.jobs.results import ResultMissing
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class VideoFiles:
     def path_of(self, job_id: str) -> Path:
         return self.root / f"{job_id}{SUFFIX}"
 
-    def publish(self, job_id: str, data: bytes) -> tuple[Path, bool]:
+    def publish(self, job_id: str, data: bytes) -> tuple[str, bool]:
         """Write ``data`` as the job's MP4, atomically and durably: (its path, whether this
         call created it - False when another claim of the job published first). Raises
         StorageError."""
@@ -119,12 +120,19 @@ class VideoFiles:
             reason = "no space left in the video directory" if no_space else os.strerror(
                 e.errno or 0) or str(e)
             raise StorageError(reason, no_space=no_space) from e
-        return final, created
+        return str(final), created
 
-    def remove(self, path: Path | None) -> None:
-        if path is not None:
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+    def read(self, job_id: str, start: int, end: int) -> FileRange:
+        try:
+            # Opened now: a DELETE or an expiry from here on unlinks a file this reader keeps.
+            fd = os.open(self.path_of(job_id), os.O_RDONLY)
+        except FileNotFoundError:
+            raise ResultMissing(job_id) from None
+        return FileRange(fd, start, end)
+
+    def remove(self, job_id: str) -> None:
+        with contextlib.suppress(OSError):
+            self.path_of(job_id).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Release the directory (a private one is removed with everything in it)."""
@@ -133,6 +141,26 @@ class VideoFiles:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             self._lock_fd = None
+
+
+class FileRange:
+    """Bytes [start, end) of an open MP4 (a ``ResultReader``)."""
+
+    def __init__(self, fd: int, start: int, end: int) -> None:
+        self._fd: int | None = fd
+        self._at, self._end = start, end
+
+    def read(self, size: int) -> bytes:
+        if self._fd is None or self._at >= self._end:
+            return b""
+        chunk = os.pread(self._fd, min(size, self._end - self._at), self._at)
+        self._at = self._at + len(chunk) if chunk else self._end  # shorter than said: stop
+        return chunk
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _name(temp: Path, final: Path) -> bool:

@@ -25,7 +25,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from ditserve.engine.request import SamplingParams
@@ -139,7 +138,7 @@ class VideoJob:
     completed_at: float | None = None
     expires_at: float | None = None
     error: dict[str, str] | None = None
-    path: Path | None = None  # the published MP4, once completed
+    path: str | None = None  # where the MP4 was published (a file, an s3:// URL)
     size_bytes: int = 0  # the MP4's size, once completed
     reserved_bytes: int = 0  # counted against the store's byte bound
     eta_s: float | None = None  # the scheduler's estimate of the seconds left, per step
@@ -178,9 +177,9 @@ class JobObserver(Protocol):
 
 @dataclass(frozen=True)
 class Content:
-    """Where a completed job's MP4 is."""
+    """A completed job's MP4: its size and when it was made (read it from the result
+    store by the job's id)."""
 
-    path: Path
     size: int
     completed_at: float
 

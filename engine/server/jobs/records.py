@@ -13,7 +13,6 @@ import base64
 import dataclasses
 import json
 import zlib
-from pathlib import Path
 from typing import Any
 
 from ditserve.engine.condition_image import ConditionImage
@@ -27,7 +26,7 @@ SCHEMA = 1  # bumped when a record's fields change meaning; older records are re
 def encode_job(job: VideoJob) -> str:
     fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
     fields.update(
-        status=job.status.name, path=str(job.path) if job.path is not None else None,
+        status=job.status.name,
         spec={"fps": job.spec.fps, "model": job.spec.model,
               "params": _encode_params(job.spec.params)})
     return json.dumps({"schema": SCHEMA, **fields}, separators=(",", ":"))
@@ -42,7 +41,6 @@ def decode_job(text: str | bytes) -> VideoJob:
     data["spec"] = VideoSpec(params=_decode_params(spec["params"]), fps=spec["fps"],
                              model=spec["model"])
     data["status"] = JobStatus[data["status"]]
-    data["path"] = Path(data["path"]) if data["path"] is not None else None
     return VideoJob(**data)
 
 

@@ -38,12 +38,10 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ditserve.engine.server.jobs.backend import JobBackend, Usage
 from ditserve.engine.server.jobs.errors import NeverFits, StoreFull
-from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.model import (
     Content,
     JobObserver,
@@ -54,6 +52,7 @@ from ditserve.engine.server.jobs.model import (
     new_job_id,
     video_object,
 )
+from ditserve.engine.server.jobs.results import ResultStore
 
 Listener = Callable[[dict[str, Any]], None]
 MAX_ATTEMPTS = 3  # claims of one job before it fails: a job that kills its replica stops
@@ -63,11 +62,14 @@ SWEEP_S = 1.0  # reads sweep expired jobs at most this often
 class JobStore:
     """See the module docstring."""
 
-    def __init__(self, limits: StoreLimits, files: VideoFiles, backend: JobBackend, *,
+    def __init__(self, limits: StoreLimits, files: ResultStore, backend: JobBackend, *,
                  clock: Callable[[], float] = time.time,
-                 observer: JobObserver | None = None) -> None:
+                 observer: JobObserver | None = None,
+                 directory: ResultStore | None = None) -> None:
         self.limits = limits
         self.files = files
+        # The video directory when results live elsewhere (a bucket): released at close.
+        self._directory = directory if directory is not files else None
         self.backend = backend
         self.clock = clock
         self.observer = observer
@@ -128,14 +130,15 @@ class JobStore:
         return [video_object(j) for j in jobs], more
 
     def content(self, job_id: str) -> tuple[dict[str, Any], Content | None] | None:
-        """(the job's object, where its MP4 is once completed), or None if unknown."""
+        """(the job's object, its MP4's facts once completed - read the bytes from
+        ``files``), or None if unknown."""
         job = self.job(job_id)
         if job is None:
             return None
         where = None
         if job.status is JobStatus.COMPLETED and job.path is not None:
-            # Named by the id under this replica's root: replicas may mount it elsewhere.
-            where = Content(self.files.path_of(job.id), job.size_bytes, job.completed_at or 0.0)
+            # Named by the id in the result store: replicas may mount a directory elsewhere.
+            where = Content(job.size_bytes, job.completed_at or 0.0)
         return video_object(job), where
 
     def usage(self) -> tuple[dict[str, int], int]:
@@ -202,7 +205,7 @@ class JobStore:
 
         return self._change(job_id, move)
 
-    def complete(self, job_id: str, path: Path, size: int) -> bool:
+    def complete(self, job_id: str, path: str, size: int) -> bool:
         """The MP4 is published. The first result of any claim wins; False if the job was
         finished (by another claim's result, a cancel) or deleted meanwhile."""
         def finish(job: VideoJob) -> bool:
@@ -289,6 +292,8 @@ class JobStore:
     def close(self) -> None:
         self.backend.close()
         self.files.close()
+        if self._directory is not None:
+            self._directory.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _change(self, job_id: str, apply: Callable[[VideoJob], bool]) -> bool:
@@ -341,4 +346,4 @@ class JobStore:
 
     def _remove_file(self, job: VideoJob) -> None:
         if job.path is not None:
-            self.files.remove(self.files.path_of(job.id))
+            self.files.remove(job.id)

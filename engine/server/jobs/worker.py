@@ -124,7 +124,10 @@ class JobWorker:
             left, self._held = self._held, {}
             lost = len(self._unwritten)
         for job_id, held in left.items():
-            self._quietly(partial(self.store.hand_back, job_id, held.token))
+            try:
+                self.store.hand_back(job_id, held.token)
+            except StoreUnavailable as e:
+                self._unreachable(e)
         if lost:
             log.error("%d video result(s) could not be written: the job store stayed "
                       "unreachable (their jobs run again elsewhere once their leases expire)",
@@ -230,9 +233,10 @@ class JobWorker:
             self._last_unreachable = now
             log.warning("%s; running jobs go on, results are written when it is back", error)
 
-    def _forget(self, job_id: str) -> None:
+    def _forget(self, job_id: str, held: Held | None = None) -> None:  # only ``held``'s claim
         with self._lock:
-            self._held.pop(job_id, None)
+            if held is None or self._held.get(job_id) is held:
+                self._held.pop(job_id, None)
 
     def _settle(self, job_id: str, held: Held, write: Callable[[], None]) -> None:
         """Write a job's end now, or (store unreachable) as soon as it is back."""
@@ -250,7 +254,7 @@ class JobWorker:
                 self._unwritten.append(once)
         except Exception:  # never keep a job held (the drain would wait on it) for a bug
             log.exception("video %s: its end could not be written", job_id)
-            self._forget(job_id)
+            self._forget(job_id, held)
         self.wake()
 
     def _settle_later(self, job_id: str, held: Held, write: Callable[[], None]) -> None:
@@ -259,12 +263,6 @@ class JobWorker:
             self._pool.submit(self._settle, job_id, held, write)
         except RuntimeError:  # the pool is shut down: the server is stopping
             self._settle(job_id, held, write)
-
-    def _quietly(self, write: Callable[[], Any]) -> None:
-        try:
-            write()
-        except StoreUnavailable as e:
-            self._unreachable(e)
 
     # -- called from the engine's loop thread -------------------------------------------------
     def _on_event(self, job_id: str, event: Any) -> None:
@@ -292,27 +290,28 @@ class JobWorker:
             if self._held.get(job_id) is not held:
                 return  # let go meanwhile (cancelled, taken over): nothing to write
         error = future.exception()
-        token = held.token
         if error is None:
             try:
                 self._pool.submit(self._store_result, job_id, held, future.result())
+                return
             except RuntimeError:  # the pool is shut down: the server is stopping
-                self._settle_later(job_id, held, partial(self.store.hand_back, job_id, token))
-            return
+                error = EngineStoppedError("the server stops")
         if isinstance(error, (RequestAborted, EngineStoppedError)):
-            # The engine stops (drain over, shutdown): another replica, or this one after
-            # its restart, runs the job.
+            # The engine stops (drain, shutdown): another replica (or this one, restarted) runs
+            # it. Let go first: once written, any claimer (this thread too) may take the job,
+            # and a stale Held would pass for our run going on (idle until its lease ran out).
             log.info("video %s: handed back to the queue (this replica stops)", job_id)
-            self._settle_later(job_id, held, partial(self.store.hand_back, job_id, token))
+            self._forget(job_id, held)
+            self._settle_later(job_id, held, partial(self.store.hand_back, job_id, held.token))
             return
         if isinstance(error, DeadlineError):
-            self._settle_later(job_id, held, partial(
-                self.store.fail, job_id, "deadline_exceeded", str(error), token=token))
-            return
-        log.warning("video %s failed in the engine: %s", job_id, error)
-        self._settle_later(job_id, held, partial(
-            self.store.fail, job_id, "generation_failed", f"the engine failed to generate "
-            f"this video (job {job_id}); see the server log", token=token))
+            code, message = "deadline_exceeded", str(error)
+        else:
+            log.warning("video %s failed in the engine: %s", job_id, error)
+            code, message = "generation_failed", (f"the engine failed to generate this video "
+                                                  f"(job {job_id}); see the server log")
+        self._settle_later(job_id, held, partial(self.store.fail, job_id, code, message,
+                                                 token=held.token))
 
     # -- encoding threads ------------------------------------------------------------------------
     def _store_result(self, job_id: str, held: Held, result: Any) -> None:
@@ -344,6 +343,6 @@ class JobWorker:
             # Not ours to keep unless another claim's record names this very file.
             current = self.store.job(job_id)
             if current is None or current.status is not JobStatus.COMPLETED:
-                self.store.files.remove(path)
+                self.store.files.remove(job_id)
 
         self._settle(job_id, held, record)

@@ -2,9 +2,9 @@
 
 POST /v1/videos answers at once with the queued job; GET /v1/videos/{id} polls it;
 GET /v1/videos/{id}/events streams its changes (SSE); GET /v1/videos/{id}/content serves the
-MP4 once completed (Range requests: 206 / 416; HEAD); DELETE /v1/videos/{id} cancels an
-unfinished job (its batch slot frees at the next step) or removes a finished one and its
-file; GET /v1/videos lists jobs (``limit``, ``after``, ``order``). Jobs do not depend on
+MP4 once completed, from the result store (a directory or an S3 bucket; Range requests:
+206 / 416; HEAD); DELETE /v1/videos/{id} cancels an unfinished job (its batch slot frees at
+the next step) or removes a finished one and its MP4; GET /v1/videos lists jobs (``limit``, ``after``, ``order``). Jobs do not depend on
 connections: a client that hangs up leaves its job running.
 
 Every route answers for every job of the job store, whichever replica created or runs it
@@ -20,7 +20,6 @@ document leaves them out.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 from collections.abc import AsyncIterator
 from email.utils import formatdate
@@ -36,6 +35,7 @@ from ditserve.engine.server.edge import is_head
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
 from ditserve.engine.server.jobs.errors import NeverFits, StoreFull, StoreUnavailable
 from ditserve.engine.server.jobs.model import API_FINISHED, JOB_ID_PATTERN, deleted_object
+from ditserve.engine.server.jobs.results import ResultMissing, ResultReader
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
@@ -91,6 +91,10 @@ def _not_found(video_id: str) -> APIError:
              openapi_extra=video_openapi.CREATE_BODY, responses=video_openapi.create_answers())
 async def create_video(request: Request) -> JSONResponse:
     state, videos = _videos(request)
+    if state.engine.facts() is None:
+        # Loading (a restart): the engine cannot judge a request against limits it has not
+        # read yet (it would call a video model an image model): 503, retry, not a 400.
+        check_admitting(state)
     data = await read_body(request)
     reference = data.pop("input_reference", None)
     if reference is not None and not takes_reference(state.engine):
@@ -202,11 +206,6 @@ async def video_content(video_id: str, request: Request) -> Response:
             f" ({job['progress']}%): download it once its status is completed" if ready
             else ": it has no content"), param="video_id",
             code="video_not_ready" if ready else "video_unavailable")
-    try:
-        # Opened here: a DELETE or an expiry from now on unlinks a file this answer still reads.
-        fd = os.open(where.path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise _not_found(video_id) from None
     etag = f'"{video_id}"'  # an id names one immutable file
     headers = {"Accept-Ranges": "bytes", "ETag": etag,
                "Last-Modified": formatdate(where.completed_at, usegmt=True),
@@ -214,7 +213,6 @@ async def video_content(video_id: str, request: Request) -> Response:
     chosen = choose_range(request.headers.get("range"), where.size,
                           if_range=request.headers.get("if-range"), etag=etag)
     if isinstance(chosen, Unsatisfiable):
-        os.close(fd)
         raise APIError(416, f"the range {shown(request.headers.get('range'))} starts past the "
                             f"end of the {where.size}-byte video", param="Range",
                        code="range_not_satisfiable",
@@ -223,20 +221,24 @@ async def video_content(video_id: str, request: Request) -> Response:
     headers["Content-Length"] = str(end - start)
     if chosen is not None:
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{where.size}"
-    return StreamingResponse(_read(fd, start, end), status_code=206 if chosen else 200,
+    if is_head(request):  # the headers only: never fetch a bucket's object to drop it
+        return Response(status_code=206 if chosen else 200, media_type=MP4, headers=headers)
+    try:
+        # Opened before answering: a DELETE or an expiry from now on cannot cut the body
+        # short (a file stays readable once open; an object's GET is under way).
+        reader = await asyncio.to_thread(videos.store.files.read, video_id, start, end)
+    except ResultMissing:
+        raise _not_found(video_id) from None
+    return StreamingResponse(_read(reader), status_code=206 if chosen else 200,
                              media_type=MP4, headers=headers)
 
 
-async def _read(fd: int, start: int, end: int) -> AsyncIterator[bytes]:
+async def _read(reader: ResultReader) -> AsyncIterator[bytes]:
     try:
-        while start < end:
-            chunk = await asyncio.to_thread(os.pread, fd, min(CHUNK_BYTES, end - start), start)
-            if not chunk:
-                return
-            start += len(chunk)
+        while chunk := await asyncio.to_thread(reader.read, CHUNK_BYTES):
             yield chunk
     finally:
-        os.close(fd)
+        await asyncio.to_thread(reader.close)
 
 
 @router.get("/v1/videos/{video_id}/events", response_model=None,

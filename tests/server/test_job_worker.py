@@ -1,0 +1,73 @@
+"""JobWorker against a real SQLite job store and the fake engine: a job the engine dropped
+is handed back and runs again at once, even when this replica's own thread claims it in the
+instant the hand-back is written (the race that once left such a job claimed and idle until
+its lease expired, then counted it twice)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from server.video_support import fake_video_engine
+
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.server.jobs.files import VideoFiles
+from ditserve.engine.server.jobs.model import JobStatus, StoreLimits, VideoSpec
+from ditserve.engine.server.jobs.sqlite_backend import SqliteBackend
+from ditserve.engine.server.jobs.store import JobStore
+from ditserve.engine.server.jobs.worker import JobWorker
+
+LEASE_S = 600.0  # no lease expires during the test: only a fresh claim can run the job again
+WAIT_S = 20.0  # generous bound on a fake engine's few milliseconds of work
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_handed_back_job_claimed_at_once_by_its_own_replica_runs_again(tmp_path: Path
+                                                                          ) -> None:
+    engine = fake_video_engine(tmp_path, outcome="hang")
+    store = JobStore(StoreLimits(), VideoFiles(tmp_path / "videos"),
+                     SqliteBackend(tmp_path / "videos" / "jobs.sqlite3", clock=time.time))
+    reclaimed = threading.Event()
+    real_claim, real_hand_back = store.claim, store.hand_back
+
+    def claim(owner: str, lease_s: float):
+        job = real_claim(owner, lease_s)
+        if job is not None and job.attempts == 1 and handed_back.is_set():
+            reclaimed.set()
+        return job
+
+    handed_back = threading.Event()
+
+    def hand_back(job_id: str, token: str) -> bool:
+        engine.outcome = "finish"  # the next run of the job completes
+        written = real_hand_back(job_id, token)
+        handed_back.set()
+        # Hold this thread between the store's write and whatever the worker does after
+        # it, until the worker's own thread claimed the job again: the racy interleaving,
+        # made certain.
+        assert reclaimed.wait(WAIT_S), "the worker never claimed the handed-back job"
+        return written
+
+    store.claim, store.hand_back = claim, hand_back  # type: ignore[method-assign]
+    worker = JobWorker(engine, store, lease_s=LEASE_S, poll_s=0.01)
+    worker.start()
+    try:
+        params = SamplingParams(prompt="p", height=16, width=16, num_frames=5,
+                                num_inference_steps=2, seed=3)
+        job_id = store.add(VideoSpec(params=params, fps=8, model="m"), "req-1")["id"]
+        # What a shutdown does to the requests left in the engine:
+        wait_for(lambda: engine.abort(job_id, "engine shut down"), "the engine to hold it")
+        wait_for(lambda: store.job(job_id).status.is_finished, "the job to finish")
+        job = store.job(job_id)
+        assert (job.status, job.attempts, job.error) == (JobStatus.COMPLETED, 1, None)
+        assert len(engine.submitted) == 2  # the hand-back ran it again, not a lease expiry
+    finally:
+        worker.close()
+        store.close()
