@@ -24,6 +24,7 @@ class ModelLimits:
         ``positions`` entries per axis reaches ``positions * pixel_multiple`` pixels), capped
         at MAX_SIDE; MAX_SIDE for a model whose positions are computed on the fly (Flux).
     frame_step: None for an image model; a video model's ``num_frames - 1`` divides by it.
+    min_frames: the shortest clip the model generates (1: any; MiniMax-H3: 5 s).
     max_frames: 1 for an image model; a video model's longest clip its positional table
         covers (Wan: ``rope_max_seq_len`` latent frames), capped at MAX_FRAMES.
     positions: entries per axis of the model's positional table; None when it has none.
@@ -41,6 +42,7 @@ class ModelLimits:
     pixel_multiple: int = 16
     max_side: int = MAX_SIDE
     frame_step: int | None = None
+    min_frames: int = 1
     max_frames: int = 1
     max_prompt_chars: int | None = None
     positions: int | None = None

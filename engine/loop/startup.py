@@ -189,7 +189,7 @@ def _warm_step(executor: Executor, scheduler: SchedulerConfig, height: int, widt
     grey = ConditionImage(width, height, bytes([128]) * (width * height * 3))
     fewest = int(executor.runner.condition_images[0])
     # A model with a shortest clip (MiniMax-H3: 5 s) warms up on it.
-    frames = int(executor.runner.pipeline.family.min_frames)
+    frames = int(executor.runner.limits.min_frames)
     params = SamplingParams(prompt="warm up", height=height, width=width,
                             num_inference_steps=1, seed=0, images=(grey,) * fewest,
                             num_frames=frames)

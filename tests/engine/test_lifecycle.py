@@ -12,7 +12,7 @@ from ditserve.engine.executor import RankWork
 from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase, WarmUp
 from ditserve.engine.loop.lifecycle import Lifecycle
 from ditserve.engine.loop.startup import warm_up
-from ditserve.engine.request import SamplingParams
+from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.sched.work import WorkRule
 from ditserve.engine.step.plan import RunnerOutput
 
@@ -80,8 +80,9 @@ class ScriptedExecutor:
 
     def __init__(self, *, drop: str | None = None) -> None:
         # What the warm-up reads of rank 0's runner: its pixel multiple, the input images its
-        # model needs and its work rule.
+        # model needs, its limits (the shortest clip) and its work rule.
         self.runner = type("Runner", (), {"pixel_multiple": 16, "condition_images": (0, 0),
+                                          "limits": ModelLimits(),
                                           "work_rule": WorkRule(pixels_per_token=16)})()
         self.drop = drop
         self.steps: list[dict[int, RankWork]] = []

@@ -148,7 +148,8 @@ class MiniMaxH3StepPipeline:
                                       frame_step=self.frame_step,
                                       max_prompt_chars=self.max_prompt_chars,
                                       max_text_tokens=self.max_text_tokens)
-        return dataclasses.replace(limits, max_frames=self.max_frames, audio=True)
+        return dataclasses.replace(limits, min_frames=self.min_frames, max_frames=self.max_frames,
+                                   audio=True)
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
