@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from jobs import free_port, start_moto, stop  # noqa: E402  (bench/jobs.py: the same helpers)
+from job_processes import free_port, start_moto, stop  # noqa: E402
 
 STARTUP_TIMEOUT_S = 300.0
 SAMPLE_S = 0.05

@@ -33,7 +33,6 @@ import os
 import random
 import shlex
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -45,30 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from job_processes import free_port, start_moto, stop
 
 TARGET = 1.05
 STARTUP_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_moto() -> Any:
-    """moto's S3 server on 127.0.0.1 with the bucket "bench"; servers inherit its env."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update({"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
-                       "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench"})
-    boto3.client("s3").create_bucket(Bucket="bench")
-    return server
 
 
 def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -117,16 +96,6 @@ def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
             pass
         time.sleep(0.2)  # polling a child process's readiness
     raise SystemExit("a server did not get ready")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def one_job(create_on: str, follow_on: str, body: dict[str, Any]) -> float:
