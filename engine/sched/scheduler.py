@@ -186,12 +186,14 @@ class StepScheduler:
     def schedule(self) -> StepPlan:
         now = self.clock()
         self._stop_late(now)
-        admitted = self._admit(now)
+        admitted, considered = self._admit(now)
         decode = tuple(rid for rid, r in self._running.items() if r.remaining_steps <= 1)
         freed, self._aborted_running = tuple(self._aborted_running), []
         self._step_clock.tick(now, busy=bool(self._running))
-        # The next step's likely admissions, whose prompts the runner may encode ahead.
-        upcoming = self._order.order(self._waiting.values(), now)[: self.config.max_num_seqs]
+        # The next step's likely admissions, whose prompts the runner may encode ahead: the
+        # ones still waiting, in the order admission just walked (no second sort).
+        upcoming = [r for r in considered if r.request_id in self._waiting]
+        upcoming = upcoming[: self.config.max_num_seqs]
         return StepPlan(step_id=next(self._step_ids), encode=tuple(admitted),
                         denoise=tuple(self._running), decode=decode, freed=freed,
                         upcoming=tuple(r.request_id for r in upcoming))
@@ -268,11 +270,12 @@ class StepScheduler:
                 self._reported.append(self._set(request, RequestStatus.FINISHED_DEADLINE,
                                                 reason))
 
-    def _admit(self, now: float) -> list[str]:
+    def _admit(self, now: float) -> tuple[list[str], list[ScheduledRequest]]:
         """Waiting and paused requests in the policy's order, with the bounded bypass (see
         the module docstring); a policy that preempts pauses lower-ranked running requests
         for one that does not fit. Adapters never pause anybody: a request whose adapters do
-        not fit beside the running and paused ones waits as if over budget."""
+        not fit beside the running and paused ones waits as if over budget. Returns the
+        admitted ids and every request considered, in that order."""
         slots = self.config.max_num_seqs - len(self._running)
         room = self._budget - sum(r.work.tokens for r in self._running.values())
         admitted: list[str] = []
@@ -280,7 +283,8 @@ class StepScheduler:
         passed: list[ScheduledRequest] = []  # requests that did not fit, in order
         bound = self.config.max_bypass
         adapters = AdapterRoom(self.config.max_loras, self._running.values(), self._paused.values())
-        for request in self._order.order((*self._paused.values(), *self._waiting.values()), now):
+        considered = self._order.order((*self._paused.values(), *self._waiting.values()), now)
+        for request in considered:
             alone = not self._running  # a step must admit its first request
             adapters_fit = adapters.fits(request) or (alone and not self._paused)
             fits = slots > 0 and (alone or request.work.tokens <= room) and adapters_fit
@@ -313,7 +317,7 @@ class StepScheduler:
             for victim in self._order.excess_companions(self._running.values(), request, joined):
                 self._pause(victim, now)
                 slots, room = slots + 1, room + victim.tokens
-        return admitted
+        return admitted, considered
 
     def _admit_one(self, request: ScheduledRequest) -> None:
         del self._waiting[request.request_id]
