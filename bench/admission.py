@@ -13,7 +13,7 @@ adapter-free run's:
     python3 bench/admission.py --requests 40 --every 0 2 5
 
 On the H200 the same question is asked of a real server by ``bench/serving.py --mixed
---adapters 4`` (docs/benchmarks.md).
+--mixed-configs dlo:4,dlo+lora:4`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def replay(requests: list[SamplingParams], *, every: int, max_num_seqs: int,
         out.finished = {rid: None for rid in plan.decode}
         s.update(plan, out)
         plans.append(plan)
+        if len(plans) > 100 * max(1, len(requests)) * (every + 1):
+            raise SystemExit("the scheduler stopped making progress")
     return plans
 
 

@@ -7,19 +7,28 @@ runner; the decisions (who is admitted when), never timings."""
 
 from __future__ import annotations
 
-import random
+import functools
 from dataclasses import replace
+from types import ModuleType
 
 from ditserve.engine.config import SchedulerConfig
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling, WorkRule
-from ditserve.engine.step.plan import RunnerOutput, StepPlan
+from ditserve.engine.step.plan import StepPlan
 
 RANKS = (16, 32, 64, 128)  # the issue's four adapters
 ADAPTERS = tuple(LoraRef(f"style{i}", f"/style{i}.safetensors", rank=r, version=i)
                  for i, r in enumerate(RANKS))
-SIZES = ((1024, 1024), (768, 768), (512, 512), (1344, 768))  # bench/serving.py --mixed
+
+
+@functools.cache
+def bench() -> ModuleType:
+    """bench/admission.py: its seeded mixed workload, its replay of the scheduler under a
+    perfect runner, and its rows-per-step summary."""
+    from test_bench_tools import load  # type: ignore[import-not-found]
+
+    return load("admission")
 
 
 def scheduler(max_num_seqs: int = 4) -> StepScheduler:
@@ -30,16 +39,7 @@ def scheduler(max_num_seqs: int = 4) -> StepScheduler:
 
 def mixed(count: int, seed: int) -> list[SamplingParams]:
     """The bench's mixed workload: sizes, 8-20 steps, 20% true CFG, 10% n=2."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        width, height = rng.choice(SIZES)
-        steps, cfg, n = rng.randint(8, 20), rng.random() < 0.2, 2 if rng.random() < 0.1 else 1
-        out.append(SamplingParams(prompt="p", height=height, width=width, num_images=n,
-                                  num_inference_steps=steps,
-                                  negative_prompt="blurry" if cfg else None,
-                                  true_cfg_scale=4.0 if cfg else 1.0))
-    return out
+    return list(bench().workload(count, seed))
 
 
 def with_adapters(requests: list[SamplingParams]) -> list[SamplingParams]:
@@ -50,25 +50,11 @@ def with_adapters(requests: list[SamplingParams]) -> list[SamplingParams]:
 def replay(requests: list[SamplingParams], *, every: int = 0) -> list[StepPlan]:
     """Every plan of a perfect runner serving ``requests``; one arrives each ``every`` steps
     (0: all at once)."""
-    s, rule, plans, added = scheduler(), WorkRule(), [], 0
-    while added < len(requests) or s.has_work():
-        while added < len(requests) and added * every <= len(plans):
-            s.add(f"r{added}", requests[added], rule.of(requests[added]))
-            added += 1
-        plan = s.schedule()
-        out = RunnerOutput(stepped=list(plan.denoise), decoded=list(plan.decode))
-        out.finished = {rid: "pixels" for rid in plan.decode}
-        s.update(plan, out)
-        plans.append(plan)
-        assert len(plans) < 5000, "the scheduler stopped making progress"
-    return plans
+    return list(bench().replay(requests, every=every, max_num_seqs=4, max_loras=8))
 
 
 def rows_per_step(requests: list[SamplingParams], plans: list[StepPlan]) -> float:
-    rule = WorkRule()
-    rows = [sum(rule.rows(requests[int(rid[1:])]) for rid in p.denoise)
-            for p in plans if p.denoise]
-    return sum(rows) / len(rows)
+    return float(bench().summary(requests, plans)["rows_per_step"])
 
 
 def test_four_full_images_with_four_different_adapters_share_one_step() -> None:
@@ -102,10 +88,7 @@ def test_mixed_adapters_admit_exactly_as_no_adapters() -> None:
 def test_the_admission_bench_reports_equal_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
-    from test_bench_tools import load  # type: ignore[import-not-found]
-
-    bench = load("admission")
-    assert bench.main(["--requests", "16", "--every", "0", "--out",
+    assert bench().main(["--requests", "16", "--every", "0", "--out",
                        str(tmp_path / "a.json")]) == 0
     runs = json.loads((tmp_path / "a.json").read_text())["runs"]
     plain, adapted = (next(r for r in runs if r["run"] == name) for name in ("plain", "adapters"))
