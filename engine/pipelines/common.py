@@ -44,3 +44,13 @@ def latent_statistics(vae: Any, device: torch.device) -> tuple[torch.Tensor, tor
     mean = torch.tensor(config.latents_mean).view(shape).to(device, dtype)
     inv_std = (1.0 / torch.tensor(config.latents_std).view(shape)).to(device, dtype)
     return mean, inv_std
+
+
+def decode_normalized_video(vae: Any, latents: torch.Tensor, mean: torch.Tensor,
+                            inv_std: torch.Tensor) -> torch.Tensor:
+    """A Wan-VAE video's pixels, (n, F, 3, H, W) in [0, 1] on the host (copied without a
+    sync): ``latents`` (n, C, f, h, w) normalized by ``latent_statistics``'s mean and 1/std."""
+    latents = latents.to(vae.dtype) / inv_std + mean
+    video = vae.decode(latents, return_dict=False)[0]  # (n, 3, F, H, W) in [-1, 1]
+    pixels = (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+    return pixels.contiguous().to("cpu", non_blocking=True)

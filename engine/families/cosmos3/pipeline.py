@@ -43,7 +43,7 @@ from ditserve.engine.families.cosmos3.packing import (
     items_in_flight,
     joint_inputs,
 )
-from ditserve.engine.pipelines.common import latent_statistics, upload
+from ditserve.engine.pipelines.common import decode_normalized_video, latent_statistics, upload
 from ditserve.engine.pipelines.conditioning import to_pil
 from ditserve.engine.pipelines.guidance import guided
 from ditserve.engine.request import ModelLimits
@@ -301,10 +301,8 @@ class Cosmos3StepPipeline:
     @torch.inference_mode()
     def post_decode(self, state: DenoiseState) -> None:
         assert state.latents is not None
-        latents = state.latents.to(self.vae.dtype) / self._latents_inv_std + self._latents_mean
-        video = self.vae.decode(latents, return_dict=False)[0]  # (n, 3, F, H, W) in [-1, 1]
-        pixels = (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)  # (n, F, 3, H, W)
-        state.pixels = pixels.contiguous().to("cpu", non_blocking=True)
+        state.pixels = decode_normalized_video(self.vae, state.latents, self._latents_mean,
+                                               self._latents_inv_std)
         track: _Sound | None = state.host.get(SOUND)
         finished = state.step_index >= state.params.num_inference_steps  # not a preview
         if track is not None and finished and self.sound_tokenizer is not None:

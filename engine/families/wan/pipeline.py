@@ -29,7 +29,12 @@ from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import WAN
 from ditserve.engine.families.wan.block import chunk_token_math
 from ditserve.engine.pipeline_defaults import call_defaults
-from ditserve.engine.pipelines.common import latent_statistics, seeded_noise, upload
+from ditserve.engine.pipelines.common import (
+    decode_normalized_video,
+    latent_statistics,
+    seeded_noise,
+    upload,
+)
 from ditserve.engine.pipelines.experts import ExpertStack
 from ditserve.engine.pipelines.guidance import guided_step
 from ditserve.engine.pipelines.host_embedding import token_ids
@@ -227,7 +232,5 @@ class WanStepPipeline:
     @torch.inference_mode()
     def post_decode(self, state: DenoiseState) -> None:
         assert state.latents is not None
-        latents = state.latents.to(self.vae.dtype) / self._latents_inv_std + self._latents_mean
-        video = self.vae.decode(latents, return_dict=False)[0]  # (n, 3, F, H, W) in [-1, 1]
-        pixels = (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)  # (n, F, 3, H, W)
-        state.pixels = pixels.contiguous().to("cpu", non_blocking=True)
+        state.pixels = decode_normalized_video(self.vae, state.latents, self._latents_mean,
+                                               self._latents_inv_std)
