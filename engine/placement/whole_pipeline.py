@@ -119,9 +119,8 @@ class WholePipeline:
         self.streamed = StreamedEncoders(
             {name: m for name, m in encoders.items() if self.modes[name] == STREAMED},
             device=device, offload=offload)
-        pipe = pipeline_config
-        self.cache = PromptCache(max_entries=pipe.prompt_cache_size,
-                                 max_bytes=int(pipe.prompt_cache_gib * GIB))
+        self.cache = PromptCache(max_entries=pipeline_config.prompt_cache_size,
+                                 max_bytes=int(pipeline_config.prompt_cache_gib * GIB))
         self.plan: list[ComponentPlan] = [self._dit_row(pipeline, offload_report)]
         self.plan += [self._encoder_row(name, m) for name, m in encoders.items()]
         staged: dict[Hashable, Any] = {}
@@ -143,8 +142,8 @@ class WholePipeline:
         self.decoder: DecodeBatches | None = None
         vae = getattr(pipeline, "vae", None)
         if isinstance(vae, torch.nn.Module):
-            self._install_decode(vae, pipe.vae_tiling, offload=offload.enabled)
-            self.plan.append(self._vae_row(vae, pipe.vae_tiling))
+            self._install_decode(vae, pipeline_config.vae_tiling, offload=offload.enabled)
+            self.plan.append(self._vae_row(vae, pipeline_config.vae_tiling))
         # Last: the DiT and every encoder are placed (see cap_allocator).
         self.capped_device = cap_allocator(device, budget)
 
