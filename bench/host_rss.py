@@ -205,7 +205,7 @@ def init_random(model: Path, family: str, *, size: str = "full", device: str = "
     memory stays beside the loads measured."""
     if (model / "model_index.json").is_file():
         return
-    cmd = [sys.executable, "-m", "ditserve.engine.cli", "model", "init-random", "--family",
+    cmd = [sys.executable, "-P", "-m", "ditserve.engine.cli", "model", "init-random", "--family",
            family, "--size", size, "--components", "all" if size == "full" else "dit",
            "--device", device, str(model)]
     print(f"building {family} at full size in {model}: {shlex.join(cmd)}", flush=True)
