@@ -76,7 +76,7 @@ def align_folder_dits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(load, "load_components", aligned)
 
 
-@pytest.mark.parametrize("variant", ["wan", "wan-i2v"])
+@pytest.mark.parametrize("variant", ["wan", "wan-i2v", "wan2.2-ti2v"])
 def test_single_file_gives_the_folders_dit_bit_for_bit(tiny_variant_dir: Callable[[str], Path],
                                                       tmp_path: Path, variant: str) -> None:
     from ditserve.engine.weights.dit_file import load_dit_file

@@ -1,7 +1,7 @@
 """Wan's original <-> diffusers key mapping (``weights.wan_keys``): one table that round-trips
 exactly, and whose original names diffusers' own converter
 (``convert_wan_transformer_to_diffusers``) maps back to the diffusers folder's tensors - for
-Wan 2.1 text-to-video and image-to-video, and for the files ``model convert`` writes."""
+Wan 2.1 text-to-video and image-to-video and Wan 2.2 TI2V, and for the files ``model convert`` writes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ditserve.engine.weights.wan_keys import is_original, to_diffusers, to_origi
 
 @pytest.fixture(scope="module")
 def wan_dirs(tiny_variant_dir: Callable[[str], Path]) -> dict[str, Path]:
-    return {v: tiny_variant_dir(v) for v in ("wan", "wan-i2v")}
+    return {v: tiny_variant_dir(v) for v in ("wan", "wan-i2v", "wan2.2-ti2v")}
 
 
 def folder_state(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -25,7 +25,7 @@ def folder_state(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_dit_state_dict(model_dir, dtype="float32")
 
 
-@pytest.mark.parametrize("variant", ["wan", "wan-i2v"])
+@pytest.mark.parametrize("variant", ["wan", "wan-i2v", "wan2.2-ti2v"])
 def test_table_round_trips_and_diffusers_reads_its_names(wan_dirs: dict[str, Path],
                                                         variant: str) -> None:
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
