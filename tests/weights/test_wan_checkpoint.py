@@ -91,6 +91,24 @@ def test_single_file_gives_the_folders_dit_bit_for_bit(tiny_variant_dir: Callabl
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
+def test_comfyui_prefixed_single_file_loads_too(wan_dir: Path, tmp_path: Path) -> None:
+    """Comfy-Org's files put ``model.diffusion_model.`` before Wan's names."""
+    from safetensors.torch import load_file, save_file
+
+    from ditserve.engine.weights.checkpoint_file import inspect_checkpoint
+    from ditserve.engine.weights.dit_file import load_dit_file
+    from ditserve.engine.weights.loader import load_dit
+
+    plain, prefixed = tmp_path / "wan.safetensors", tmp_path / "comfy.safetensors"
+    convert(wan_dir, plain, to="single-file")
+    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(str(plain)).items()},
+              str(prefixed))
+    assert inspect_checkpoint(prefixed).family == "wan"
+    want = load_dit(wan_dir, dtype="float32").state_dict()
+    got = load_dit_file(prefixed, wan_dir, dtype="float32").state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_single_file_videos_equal_the_folders(wan_dir: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "wan.safetensors"
