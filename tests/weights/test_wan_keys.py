@@ -78,7 +78,11 @@ def test_converted_file_is_in_original_names_diffusers_maps_back(
         assert theirs.keys() == state.keys()
         assert all(torch.equal(theirs[k], state[k]) for k in state)
         return
+    import gguf
     from diffusers.models.model_loading_utils import load_gguf_checkpoint
+
+    field = gguf.GGUFReader(path).get_field("general.architecture")
+    assert field is not None and bytes(field.parts[field.data[-1]]).decode() == "wan"
 
     theirs = convert_wan_transformer_to_diffusers(load_gguf_checkpoint(str(path)))
     assert theirs.keys() == state.keys()
