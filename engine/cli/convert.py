@@ -41,10 +41,10 @@ def add_convert_parsers(model_sub: Any) -> None:
     conv.add_argument("src", type=Path, help="a diffusers pipeline directory")
     conv.add_argument("dst", type=Path, help="the file to write (.safetensors or .gguf)")
     conv.add_argument("--to", required=True, choices=TARGETS,
-                      help="single-file: safetensors in BFL key names (Flux), as stored; "
-                           "gguf:TYPE: GGUF in the same names (city96's layout), block weights "
-                           "quantized; fp8: e4m3 block linears with per-row scales "
-                           "(ComfyUI's scale_weight)")
+                      help="single-file: safetensors in BFL key names (Flux), Wan's original "
+                           "names (Wan) or diffusers' (Qwen-Image), as stored; gguf:TYPE: GGUF "
+                           "in the same names (city96's layout), block weights quantized; fp8: "
+                           "e4m3 block linears with per-row scales (ComfyUI's scale_weight)")
     conv.set_defaults(func=cmd_convert)
     insp = model_sub.add_parser(
         "inspect", help="print a checkpoint file's format, family and stored types")

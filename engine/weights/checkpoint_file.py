@@ -1,7 +1,8 @@
 """What a DiT checkpoint file is, read from its header alone: format, key layout and tensors.
 
 ``--model`` may name a file instead of a diffusers directory: a single-file safetensors
-checkpoint (BFL/ComfyUI key names, or diffusers' own), a GGUF file (city96's layout), or FP8
+checkpoint (Flux in BFL/ComfyUI key names, Wan in its original ones, or diffusers' own), a GGUF
+file (city96's layout, Flux and Wan), or FP8
 pre-quantized safetensors (e4m3 weights, optionally with ComfyUI's ``<layer>.scale_weight``
 scales). ``inspect_checkpoint`` tells them apart by their bytes - safetensors' 8-byte header
 length and JSON header, GGUF's magic - and checks that every tensor's bytes lie inside the file,

@@ -2,18 +2,21 @@
 layouts other tools read.
 
 - ``single-file``: safetensors in BFL's key names for Flux (``flux1-dev.safetensors``, what
-  ComfyUI and diffusers' ``from_single_file`` read), the tensors as stored;
+  ComfyUI and diffusers' ``from_single_file`` read), in Wan's original names for Wan
+  (``weights.wan_keys``: Wan-AI's and Comfy-Org's files), the tensors as stored;
 - ``gguf:<type>`` (Q8_0, Q4_K, Q4_0, Q4_1, Q5_0, Q5_1): GGUF in the same names, as city96's
-  Flux files (``general.architecture`` ``flux``): 2-D weights whose rows fit the type's block
-  are quantized; 1-D tensors and ones of at most 1024 values stay F32; other weights F16 (a
-  tiny model's narrow layers, or 64-wide inputs under a K-quant's 256-value blocks);
+  Flux and Wan files (``general.architecture`` ``flux``/``wan``): 2-D weights whose rows fit
+  the type's block are quantized; 1-D tensors, ones of at most 1024 values and ones of more
+  than two dimensions (Wan's 5-D patch embedding, F32 in city96's files) stay F32; other
+  weights F16 (a tiny model's narrow layers, or 64-wide inputs under a K-quant's 256-value
+  blocks);
 - ``fp8``: the linears ``--quantization fp8`` quantizes (the blocks' layers), as e4m3 with one
   fp32 scale per row stored as ComfyUI's ``<layer>.scale_weight`` of shape (rows, 1) (a
   broadcastable multiplier, as ComfyUI applies its per-tensor ones), plus its ``scaled_fp8``
   marker; every other tensor as stored.
 
-Only Flux has a BFL layout here; Qwen-Image's single files use diffusers' own names, which it
-writes as they are. Called by the CLI (``engine.cli.convert``), benchmarks and tests.
+Qwen-Image's single files use diffusers' own names, which it writes as they are. A folder with
+two DiTs (Wan 2.2's experts) is refused: a file holds one. Called by the CLI (``engine.cli.convert``), benchmarks and tests.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 TARGETS = CONVERT_TARGETS  # the forms ``convert`` writes (spelled torch-free for the CLI)
 # city96's rule: tensors this small stay unquantized (F32).
 SMALL_TENSOR = 1024
+# The families ``convert`` writes, with their file layout (BFL's, diffusers', Wan's original).
+FILE_FAMILIES = ("flux", "qwen-image", "wan")
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,15 @@ def convert(src: str | Path, dst: str | Path, *, to: str,
     from ditserve.engine.weights.dit_file import base_family_name
 
     family = base_family_name(src)
-    if family not in ("flux", "qwen-image"):
-        raise ConfigError(f"model convert writes Flux and Qwen-Image DiTs; {str(src)!r} is "
-                          f"{family}")
+    if family not in FILE_FAMILIES:
+        raise ConfigError(f"model convert writes {', '.join(FILE_FAMILIES)} DiTs; "
+                          f"{str(src)!r} is {family}")
+    from ditserve.engine.weights.loader import DIT_COMPONENT, dit_components
+
+    dits = dit_components(src)
+    if dits != (DIT_COMPONENT,):
+        raise ConfigError(f"{str(src)!r} has several DiTs ({', '.join(dits)}); a checkpoint "
+                          "file holds one, and ditserve serves files of one-DiT models only")
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if to == "fp8":
@@ -130,24 +141,35 @@ def _fp8_state(src: str | Path, component: str) -> tuple[dict[str, torch.Tensor]
 
 
 def _file_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """diffusers' names -> the file layout (Flux: BFL's; scales mapped with their weights)."""
-    if family != "flux":
+    """diffusers' names -> the file layout (Flux: BFL's; Wan: its original names; Qwen-Image:
+    diffusers' own), FP8 scales mapped with their weights."""
+    if family not in ("flux", "wan"):
         return state
-    from ditserve.engine.weights.flux_keys import to_bfl
-
     scales = {k[: -len(FP8_SCALE_SUFFIX)] + ".weight": v for k, v in state.items()
               if k.endswith(FP8_SCALE_SUFFIX)}
     rest = {k: v for k, v in state.items() if not k.endswith(FP8_SCALE_SUFFIX)}
     marker = {k: rest.pop(k) for k in ("scaled_fp8",) if k in rest}
+    rename = _flux_names if family == "flux" else _wan_names
+    out = rename(rest)
+    for key, scale in rename(scales).items():
+        out[key[: -len(".weight")] + FP8_SCALE_SUFFIX] = scale
+    out.update(marker)
+    return out
+
+
+def _flux_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from ditserve.engine.weights.flux_keys import to_bfl
 
     def cat(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts, dim=0)
 
-    out = to_bfl(rest, cat=cat)
-    for key, scale in to_bfl(scales, cat=cat).items():
-        out[key[: -len(".weight")] + FP8_SCALE_SUFFIX] = scale
-    out.update(marker)
-    return out
+    return to_bfl(state, cat=cat)
+
+
+def _wan_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from ditserve.engine.weights.wan_keys import to_original
+
+    return to_original(state)
 
 
 def write_gguf(state: dict[str, torch.Tensor], dst: Path, *, qtype: str, arch: str,
@@ -164,7 +186,7 @@ def write_gguf(state: dict[str, torch.Tensor], dst: Path, *, qtype: str, arch: s
 
     def encode(tensor: torch.Tensor) -> tuple[Any, gguf.GGMLQuantizationType | None]:
         values: Any = tensor.float().numpy()
-        if tensor.dim() < 2 or tensor.numel() <= SMALL_TENSOR:
+        if tensor.dim() != 2 or tensor.numel() <= SMALL_TENSOR:
             return values.astype("float32"), None
         if tensor.shape[-1] % block == 0:
             return quantize(values, qtype), target

@@ -19,7 +19,9 @@ weights is read or any device memory taken. Then, by format:
   a width ``torch._scaled_mm`` cannot take are dequantized into ``--dtype``.
 
 Flux's BFL names are mapped by ``flux_keys`` (diffusers' converter hard-codes the released
-width); other families' by diffusers' own single-file mapping functions.
+width); other families' by diffusers' own single-file mapping functions (Wan's original names:
+``convert_wan_transformer_to_diffusers``, whose inverse ``wan_keys`` is what ``convert``
+writes).
 
 Called by ``weights.loader`` and ``weights.backing_choice`` when the model has a checkpoint.
 """

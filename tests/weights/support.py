@@ -27,3 +27,24 @@ def wide_flux(tiny_model_dir: Path, dst: Path) -> Path:
             p.normal_(0.0, 0.05)
     model.save_pretrained(dst / "transformer")
     return dst
+
+
+# A tiny Wan DiT 64 wide (2 heads of 32) with a 64-wide FFN: its block linears have 4096
+# values, so GGUF Q8_0 quantizes them (the default tiny Wan is 24 wide: no 32-value row blocks).
+WIDE_WAN = dict(attention_head_dim=32, ffn_dim=64)
+
+
+def wide_wan(tiny_wan_dir: Path, dst: Path) -> Path:
+    """A copy of the tiny Wan pipeline at ``dst`` with a 64-wide random DiT (float32)."""
+    from diffusers import WanTransformer3DModel
+
+    shutil.copytree(tiny_wan_dir, dst)
+    config = dict(WanTransformer3DModel.load_config(str(tiny_wan_dir), subfolder="transformer"))
+    shutil.rmtree(dst / "transformer")
+    torch.manual_seed(4)
+    model = WanTransformer3DModel.from_config({**config, **WIDE_WAN})
+    with torch.no_grad():  # weights of a trained model's scale, so the video depends on them
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(dst / "transformer")
+    return dst
