@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ditserve.engine.config import RunnerConfig
+
 GIB = 1 << 30
 BOUND = 1.15
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
@@ -86,7 +88,7 @@ def child(args: argparse.Namespace) -> int:
         torch.zeros(1, device="cuda")  # the CUDA context belongs to the baseline, not the load
     baseline = read_status(os.getpid())
     started = time.perf_counter()
-    runner = ModelRunner(config, model_dir=args.model_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=args.model_dir)
     load_s = time.perf_counter() - started
     out: dict[str, Any] = {"load_s": load_s, "status": read_status(os.getpid()),
                            "baseline": baseline}

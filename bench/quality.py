@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ditserve.engine.config import RunnerConfig
 from ditserve.engine.families import family_of_pipeline, supported_pipelines
 from ditserve.engine.sched.work import ResolvedScheduling
 
@@ -293,8 +294,8 @@ def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str
     from ditserve.engine.sched.scheduler import StepScheduler
 
     family, kind = family_of(model_dir), weights_kind(model_dir)
-    runner = ModelRunner(EngineConfig(model=str(model_dir), device=device,
-                                      dtype=str(dtype).removeprefix("torch.")), model_dir=model_dir)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model_dir), device=device,
+                                                      dtype=str(dtype).removeprefix("torch."))), model_dir=model_dir)
     log(f"step cache quality: {family} ({kind} weights), {args.steps} steps, "
         f"{args.width}x{args.height}, {dtype} on {device}. Random weights do not predict a "
         "trained checkpoint's skip fraction or error at a given threshold.")
