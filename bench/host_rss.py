@@ -41,8 +41,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.config import RunnerConfig
-
 GIB = 1 << 30
 BOUND = 1.15
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
@@ -66,6 +64,7 @@ def child(args: argparse.Namespace) -> int:
     """Load the engine's model runner, report what it holds, exit."""
     import torch
 
+    from ditserve.engine.config import RunnerConfig
     from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
     from ditserve.engine.offload.accounting import host_accounting
     from ditserve.engine.runner.model_runner import ModelRunner

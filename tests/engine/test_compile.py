@@ -32,8 +32,8 @@ ARRIVALS = {0: [("a", params("a", 3))], 1: [("bb", params("bb", 2))],
 
 
 def run(model_dir, **config) -> tuple[ModelRunner, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
-    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model_dir), device="cpu", **config)),
-                         model_dir=model_dir)
+    config = EngineConfig(model=str(model_dir), device="cpu", **config)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
     results, _ = drive(runner, ARRIVALS, max_num_seqs=2)
     return runner, results
 

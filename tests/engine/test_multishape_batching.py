@@ -163,7 +163,8 @@ def test_compiled_blocks_under_dlo_run_block_major_too(tiny_model_dir, alone) ->
     # (regional compilation), so lanes suspend outside compiled code.
     torch._dynamo.reset()
     runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu",
-                                                      compile="aot_eager", offload=OffloadConfig(enabled=True))),
+                                                      compile="aot_eager",
+                                                      offload=OffloadConfig(enabled=True))),
                          model_dir=tiny_model_dir)
     try:
         outputs: list[RunnerOutput] = []

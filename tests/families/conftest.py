@@ -40,8 +40,8 @@ def family_runner(family_dir: Callable[[str], Path]) -> Callable[..., Any]:
     def get(variant: str) -> Any:
         if variant not in runners:
             model = family_dir(variant)
-            runners[variant] = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu")),
-                                           model_dir=model)
+            config = RunnerConfig.of(EngineConfig(model=str(model), device="cpu"))
+            runners[variant] = ModelRunner(config, model_dir=model)
         return runners[variant]
 
     return get

@@ -30,7 +30,8 @@ def arrivals(video: bool) -> dict[int, list[tuple[str, SamplingParams]]]:
 def test_dlo_on_cuda_equals_resident(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(variant)
     video = variant.startswith("wan")
-    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda")), model_dir=model)
+    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda")),
+                           model_dir=model)
     want, sizes = drive(resident, arrivals(video), max_num_seqs=2)
     resident.close()
     del resident

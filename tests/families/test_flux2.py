@@ -102,7 +102,8 @@ def test_klein_rows_follow_guidance(family_runner: Any) -> None:
 
 
 def _runner(model: Path, **config: Any) -> ModelRunner:
-    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu", **config)), model_dir=model)
+    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu", **config)),
+                       model_dir=model)
 
 
 MIXED = {  # text-only and edits of other sizes arriving together and mid-run

@@ -135,7 +135,8 @@ def test_matches_diffusers(family_runner, expected, case: str) -> None:  # type:
 def test_dlo_matches_diffusers(family_dir, expected, variant: str) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(variant)
     runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
-                                                      offload=OffloadConfig(enabled=True))), model_dir=model)
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         assert runner.offload_report() is not None
         cases = {c: p for c, (v, p) in CASES.items() if v == variant}

@@ -171,7 +171,8 @@ def test_batched_sound_equals_alone(family_runner) -> None:  # type: ignore[no-u
 def test_offload_equals_resident(family_dir, alone) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(VARIANT)
     runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
-                                                      offload=OffloadConfig(enabled=True))), model_dir=model)
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         assert runner.offload is not None
         report = runner.offload_report()
@@ -242,7 +243,8 @@ def test_offload_keeps_the_vaes_own_tiling(family_dir) -> None:  # type: ignore[
     # engine's decode tiling (512 px tiles, off below 480p) must leave them as they are.
     model = family_dir(VARIANT)
     runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
-                                                      offload=OffloadConfig(enabled=True))), model_dir=model)
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         vae: Any = runner.pipeline.vae
         assert vae.use_tiling and vae.tile_sample_min_height == 256
@@ -265,7 +267,8 @@ def test_on_cuda_matches_diffusers_and_dlo_equals_resident(family_dir) -> None: 
     # On the device machine: the same equality on CUDA (fp32), and DLO (copy stream, pinned
     # slabs) == resident, alone and batched.
     model = family_dir(VARIANT)
-    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda")), model_dir=model)
+    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda")),
+                           model_dir=model)
     try:
         params = CASES["wide"]
         state = run_pipeline(resident, [("wide", params)])["wide"]
@@ -277,7 +280,8 @@ def test_on_cuda_matches_diffusers_and_dlo_equals_resident(family_dir) -> None: 
     assert (state.pixels - video).abs().max().item() <= TOLERANCE
     assert (state.audio - sound.float()).abs().max().item() <= AUDIO_TOLERANCE
     offloaded = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda",
-                                                         offload=OffloadConfig(enabled=True))), model_dir=model)
+                                                         offload=OffloadConfig(enabled=True))),
+                            model_dir=model)
     try:
         got, sizes = drive(offloaded, MIXED, max_num_seqs=4)
     finally:
@@ -300,7 +304,8 @@ def test_two_shape_groups_under_dlo_equal_alone(family_dir, family_runner) -> No
         single[rid] = pixels[rid]
     model = family_dir(VARIANT)
     runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
-                                                      offload=OffloadConfig(enabled=True))), model_dir=model)
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         together, sizes = drive(runner, shapes, max_num_seqs=2)
     finally:

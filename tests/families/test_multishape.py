@@ -85,7 +85,8 @@ def test_resident_multishape_steps_equal_alone(family_runner, alone, variant: st
 def test_dlo_multishape_steps_equal_alone(family_dir, alone, variant: str) -> None:  # type: ignore[no-untyped-def]
     model: Path = family_dir(variant)
     runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
-                                                      offload=OffloadConfig(enabled=True))), model_dir=model)
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         drive(runner, {0: [("warm", scenario(variant)[0][0][1])]}, max_num_seqs=1)
         before = runner.offload_report()

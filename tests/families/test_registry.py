@@ -112,7 +112,8 @@ def test_an_expert_without_its_switch_is_neither_loaded_nor_streamed(family_dir,
     (model / "model_index.json").write_text(json.dumps(index))
     assert dit_components(model) == ("transformer",)
     runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
-                                                      offload=OffloadConfig(enabled=True))), model_dir=model)
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         assert len(runner.pipeline.experts) == 1
         assert runner.offload_report()["streamed_blocks"] == 2  # one expert's blocks

@@ -63,7 +63,8 @@ def test_released_flux_parts_build_on_the_gpu_and_load(tmp_path: Path) -> None:
     # checkpoint mmap needs --dlo-pin-limit-gib: an unregistered mapping streams at half the
     # rate, so auto keeps private pinned memory), the blocks stream from the mapping.
     runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
-                                                      offload=OffloadConfig(enabled=True, pin_limit_gib=64))),
+                                                      offload=OffloadConfig(enabled=True,
+                                                                            pin_limit_gib=64))),
                          model_dir=model)
     try:
         accounting = host_accounting(runner.offload.snapshot())

@@ -293,7 +293,8 @@ def test_the_whole_pipeline_places_resident_encoders_and_leaves_offloaded_ones_o
     monkeypatch.setattr(torch.nn.Module, "to", recording_to)
     model = family_dir("flux")
     r = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
-                                                 offload=OffloadConfig(enabled=offload, components=components))),
+                                                 offload=OffloadConfig(enabled=offload,
+                                                                       components=components))),
                     model_dir=model)
     try:
         assert sorted(placed) == (["CLIPTextModel", "T5EncoderModel"] if moved else [])

@@ -300,7 +300,8 @@ def test_regional_compilation_equals_eager(family_dir) -> None:  # type: ignore[
     eager, _ = drive(ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu")),
                                  model_dir=model), arrivals, max_num_seqs=2)
     compiled, _ = drive(ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
-                                                                 compile="aot_eager")), model_dir=model),
+                                                                 compile="aot_eager")),
+                                    model_dir=model),
                         arrivals, max_num_seqs=2)
     for rid, want in eager.items():
         diff = (compiled[rid] - want).abs().max().item()

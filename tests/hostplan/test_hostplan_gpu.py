@@ -131,8 +131,9 @@ def test_engine_runtime_cache_registered_generation_equals_resident(tiny_model_d
     want, _ = drive(resident, {0: [("a", params)]}, max_num_seqs=1)
     offload = OffloadConfig(enabled=True, runtime_cache=True, cache_root=str(tmp_path / "c"),
                             pin_limit_gib=1.0)
-    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda", offload=offload)),
-                         model_dir=tiny_model_dir)
+    config = RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda",
+                                          offload=offload))
+    runner = ModelRunner(config, model_dir=tiny_model_dir)
     try:
         r = runner.offload_report()
         assert (r["backing_kind"], r["transfer_path"]) == ("runtime_cache", "registered")

@@ -24,7 +24,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _runner(model: Path, mmap: str) -> ModelRunner:
     return ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                                    offload=OffloadConfig(enabled=True, checkpoint_mmap=mmap))),
+                                                    offload=OffloadConfig(enabled=True,
+                                                                          checkpoint_mmap=mmap))),
                        model_dir=model)
 
 

@@ -24,7 +24,8 @@ def runners(tiny_model_dir):  # type: ignore[no-untyped-def]
     resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu")),
                            model_dir=tiny_model_dir)
     offloaded = ModelRunner(
-        RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu", offload=OffloadConfig(enabled=True))),
+        RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                     offload=OffloadConfig(enabled=True))),
         model_dir=tiny_model_dir,
     )
     yield resident, offloaded
