@@ -5,6 +5,7 @@ root ``EngineConfig``."""
 from __future__ import annotations
 
 import ast
+import pickle
 from dataclasses import fields
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ditserve.engine.config import (
     StepCacheConfig,
 )
 from ditserve.engine.config.adapters import AdapterConfig
+from ditserve.engine.config.judged import judged, remember_judged_offload
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 # Below the cut: the step execution, the placement of the pipeline, the per-step data, the
@@ -57,6 +59,16 @@ def test_a_runner_on_its_own_resolves_its_offload_by_the_engines_rules() -> None
                                                                  parallel=config.parallel)
     assert RunnerConfig.of(config).offload.mode == "allgather"
     assert RunnerConfig.of(EngineConfig()).offload == ResolvedOffload()
+
+
+def test_a_worker_remembers_the_offload_options_rank_0_judged() -> None:
+    config = EngineConfig.from_mapping({"offload": {"enabled": True}})
+    sent = RunnerConfig.of(config)
+    assert judged(sent.offload.options)  # rank 0's own: the judged config's options
+    received = pickle.loads(pickle.dumps(sent))  # what a spawned worker gets
+    assert received == sent and not judged(received.offload.options)
+    remember_judged_offload(received.offload.options)
+    assert judged(received.offload.options)
 
 
 def _names_engine_config(annotation: ast.expr | None) -> bool:
