@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, ResolvedOffload
+from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, RunnerConfig
 from ditserve.engine.executor import RankWork
 from ditserve.engine.loop.startup import make_executor, resolve_model
 
@@ -45,8 +45,7 @@ def time_steps(step: Callable[[], object], steps: int) -> list[float]:
 def measure(dp: int, mode: str, *, steps: int, device: str) -> dict[str, object]:
     config = EngineConfig(device=device, parallel=ParallelConfig(data_parallel_size=dp),
                           offload=OffloadConfig(enabled=mode == "together"))
-    executor = make_executor(config, offload=ResolvedOffload.of(config.offload,
-                                                                parallel=config.parallel),
+    executor = make_executor(RunnerConfig.of(config), parallel=config.parallel,
                              model_dir=resolve_model(config))
     try:
         if mode == "together":

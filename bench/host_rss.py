@@ -64,6 +64,7 @@ def child(args: argparse.Namespace) -> int:
     """Load the engine's model runner, report what it holds, exit."""
     import torch
 
+    from ditserve.engine.config import RunnerConfig
     from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
     from ditserve.engine.offload.accounting import host_accounting
     from ditserve.engine.runner.model_runner import ModelRunner
@@ -86,7 +87,7 @@ def child(args: argparse.Namespace) -> int:
         torch.zeros(1, device="cuda")  # the CUDA context belongs to the baseline, not the load
     baseline = read_status(os.getpid())
     started = time.perf_counter()
-    runner = ModelRunner(config, model_dir=args.model_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=args.model_dir)
     load_s = time.perf_counter() - started
     out: dict[str, Any] = {"load_s": load_s, "status": read_status(os.getpid()),
                            "baseline": baseline}

@@ -285,7 +285,7 @@ def settings(specs: list[str]) -> list[tuple[str, float]]:
 
 def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str,
                        dtype: torch.dtype) -> dict[str, Any]:
-    from ditserve.engine.config import EngineConfig, SchedulerConfig
+    from ditserve.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
     from ditserve.engine.config.step_cache import StepCacheSpec
     from ditserve.engine.errors import InvalidRequestError
     from ditserve.engine.request import NewRequest, SamplingParams
@@ -293,8 +293,9 @@ def measure_step_cache(model_dir: Path, args: argparse.Namespace, *, device: str
     from ditserve.engine.sched.scheduler import StepScheduler
 
     family, kind = family_of(model_dir), weights_kind(model_dir)
-    runner = ModelRunner(EngineConfig(model=str(model_dir), device=device,
-                                      dtype=str(dtype).removeprefix("torch.")), model_dir=model_dir)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model_dir), device=device,
+                                                      dtype=str(dtype).removeprefix("torch."))),
+                         model_dir=model_dir)
     log(f"step cache quality: {family} ({kind} weights), {args.steps} steps, "
         f"{args.width}x{args.height}, {dtype} on {device}. Random weights do not predict a "
         "trained checkpoint's skip fraction or error at a given threshold.")

@@ -37,7 +37,7 @@ from typing import Any
 import harness
 import torch
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, SchedulerConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig, SchedulerConfig
 from ditserve.engine.config.step_cache import StepCacheSpec, parse_step_cache
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -95,7 +95,7 @@ def bench_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, An
     config = EngineConfig(model=str(model), device=args.device, dtype=args.dtype,
                           offload=OffloadConfig(enabled=mode == "dlo"),
                           scheduler=SchedulerConfig(max_num_seqs=4))
-    runner = ModelRunner(config, model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=model)
     batch = BATCH[mode]
 
     def requests(setting: str, n: int, steps: int | None = None,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ditserve.engine.config import EngineConfig, ResolvedOffload
+from ditserve.engine.config import RunnerConfig
 from ditserve.engine.request import NewRequest
 from ditserve.engine.runner.start_phases import StartTimeline
 from ditserve.engine.step.plan import RunnerOutput, StepPlan
@@ -59,12 +59,11 @@ class LocalExecutor:
     num_ranks = 1
     step_groups = ((0,),)
 
-    def __init__(self, config: EngineConfig, *, offload: ResolvedOffload, model_dir: Path,
+    def __init__(self, config: RunnerConfig, *, model_dir: Path,
                  timeline: StartTimeline | None = None) -> None:
         from ditserve.engine.runner.model_runner import ModelRunner
 
-        self.runner = ModelRunner(config, offload=offload, model_dir=model_dir,
-                                  timeline=timeline)
+        self.runner = ModelRunner(config, model_dir=model_dir, timeline=timeline)
 
     def step(self, work: Mapping[int, RankWork]) -> dict[int, RunnerOutput]:
         own = work[0]

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from ditserve.engine.config import RunnerConfig
+
 # Nothing in the suite may reach a model hub; fail fast instead of hanging on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -44,5 +46,5 @@ def tiny_runner(tiny_model_dir):  # type: ignore[no-untyped-def]
     from ditserve.engine.config import EngineConfig
     from ditserve.engine.runner.model_runner import ModelRunner
 
-    return ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu"),
+    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu")),
                        model_dir=tiny_model_dir)

@@ -105,7 +105,7 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """A rank > 0 of a replica whose processes were started by a launcher (e.g. a pod)."""
-    from ditserve.engine.config import ResolvedOffload
+    from ditserve.engine.config import RunnerConfig
     from ditserve.engine.config.flags import engine_config_and_server_section
     from ditserve.engine.distributed.rendezvous import Rendezvous, worker_timeout_s
     from ditserve.engine.distributed.worker import worker_main
@@ -119,9 +119,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
             "(with MASTER_ADDR/MASTER_PORT of rank 0, which runs `ditserve serve`)"
         )
     model_dir = config.model or str(ensure_tiny())
+    # This rank's composition root: it resolves the offload as rank 0 does (same rules).
     worker_main(rdv.rank, rdv.world_size, rdv.master_addr, rdv.master_port,
-                config, ResolvedOffload.of(config.offload, parallel=config.parallel), model_dir,
-                worker_timeout_s(), rdv.local_rank)
+                RunnerConfig.of(config), config.parallel, model_dir, worker_timeout_s(),
+                rdv.local_rank)
     return 0
 
 

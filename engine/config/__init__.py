@@ -48,6 +48,9 @@ from ditserve.engine.config.rules import (
 from ditserve.engine.config.rules import (
     validate as validate,
 )
+from ditserve.engine.config.runner import (
+    RunnerConfig as RunnerConfig,
+)
 from ditserve.engine.config.types import (
     CHECKPOINT_MMAP_MODES as CHECKPOINT_MMAP_MODES,
 )

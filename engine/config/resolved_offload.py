@@ -4,9 +4,10 @@
 (``off`` / ``local`` / ``allgather`` with its group), the components DLO governs and the HBM
 budget, plus the few fields runtime sites read (the streaming options the offload layer
 takes, the node cache's root). The composition root (``DiffusionEngine``, beside its
-``ResolvedScheduling``; ``ditserve worker`` for a launched rank) resolves it from a judged
-``EngineConfig`` and hands it down, so no runtime site re-derives "is AllGather on?" from the
-raw options. Pure Python (no torch), like the rest of ``config``.
+``ResolvedScheduling``) resolves it from a judged ``EngineConfig`` and hands it down inside
+each rank's ``RunnerConfig`` (``ditserve worker`` and a runner built on its own resolve it by
+the same rule, in ``RunnerConfig.of``), so no runtime site re-derives "is AllGather on?" from
+the raw options. Pure Python (no torch), like the rest of ``config``.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ditserve.engine.config import EngineConfig, ResolvedOffload
+from ditserve.engine.config import ParallelConfig, RunnerConfig
 from ditserve.engine.distributed.protocol import (
     Link,
     Reports,
@@ -70,18 +70,20 @@ REPORT_EVERY_S = 5.0
 class MultiProcessExecutor:
     """Rank 0's side of a multi-process replica (see module docstring)."""
 
-    def __init__(self, config: EngineConfig, *, offload: ResolvedOffload,
+    def __init__(self, config: RunnerConfig, *, parallel: ParallelConfig,
                  model_dir: Path) -> None:
+        """config: every rank's runner options (each worker receives them pickled);
+        parallel: the replica's DP x SP layout."""
         from ditserve.engine.runner.model_runner import ModelRunner
 
-        if config.parallel.sequence_parallel_size > 1:
+        if parallel.sequence_parallel_size > 1:
             # Before spawning anything: the model's DiTs must split their heads over the group.
             from ditserve.engine.config import raise_problems, sequence_parallel_problems
             from ditserve.engine.weights.loader import dit_attention_heads
 
             raise_problems("sequence-parallel", sequence_parallel_problems(
-                config.parallel.sequence_parallel_size, dit_attention_heads(model_dir)))
-        self.topology = Topology.of(config.parallel, offload=offload)
+                parallel.sequence_parallel_size, dit_attention_heads(model_dir)))
+        self.topology = Topology.of(parallel, offload=config.offload)
         self.num_ranks = self.topology.data_parallel_size
         self.step_groups = self.topology.step_groups
         self.timeout_s = worker_timeout_s()
@@ -93,7 +95,7 @@ class MultiProcessExecutor:
         rdv = Rendezvous.from_env()
         if rdv is None:
             rdv = Rendezvous("127.0.0.1", free_port(), world, 0, 0)
-            self._spawn_workers(rdv, config, offload, model_dir)
+            self._spawn_workers(rdv, config, parallel, model_dir)
         elif rdv.world_size != world or rdv.rank != 0:
             raise ConfigError(
                 f"environment rendezvous (WORLD_SIZE={rdv.world_size}, RANK={rdv.rank}) does "
@@ -104,8 +106,8 @@ class MultiProcessExecutor:
         try:
             groups = init_groups(rdv, device, self.timeout_s, self.topology)
             self._links = {r: Link(groups.pair(r), peer=r) for r in range(1, world)}
-            self.runner = ModelRunner(config, offload=offload, model_dir=model_dir,
-                                      device=device, weight_group=groups.weight,
+            self.runner = ModelRunner(config, model_dir=model_dir, device=device,
+                                      weight_group=groups.weight,
                                       sequence_group=groups.sequence)
             hellos = [self._receive(r, "start-up") for r in self._links]
         except BaseException:
@@ -127,14 +129,14 @@ class MultiProcessExecutor:
         self._reports_at = [time.monotonic()] * world
 
     # -- process management ---------------------------------------------------------------------
-    def _spawn_workers(self, rdv: Rendezvous, config: EngineConfig, offload: ResolvedOffload,
+    def _spawn_workers(self, rdv: Rendezvous, config: RunnerConfig, parallel: ParallelConfig,
                        model_dir: Path) -> None:
         ctx = mp.get_context("spawn")  # fork after torch/CUDA init is unsafe
         for rank in range(1, rdv.world_size):
             proc = ctx.Process(
                 target=worker_main, name=f"ditserve-rank{rank}", daemon=True,
                 args=(rank, rdv.world_size, rdv.master_addr, rdv.master_port,
-                      config, offload, str(model_dir), self.timeout_s, rank),
+                      config, parallel, str(model_dir), self.timeout_s, rank),
             )
             proc.start()
             self._procs[rank] = proc

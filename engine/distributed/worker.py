@@ -25,7 +25,7 @@ from ditserve.engine.distributed.protocol import (
 )
 
 if TYPE_CHECKING:
-    from ditserve.engine.config import EngineConfig, ResolvedOffload
+    from ditserve.engine.config import ParallelConfig, RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +60,17 @@ def worker_main(
     world_size: int,
     master_addr: str,
     master_port: int,
-    config: EngineConfig,
-    offload: ResolvedOffload,
+    config: RunnerConfig,
+    parallel: ParallelConfig,
     model_dir: str,
     timeout_s: float,
     local_rank: int,
 ) -> None:
     """Entry point of a spawned worker process (also used by `ditserve worker`).
 
-    config, offload: the replica's judged config and its offload as rank 0 resolved it (a
-    spawned worker receives both pickled: neither is judged or resolved again here).
+    config: this rank's runner options, cut from the replica's judged config with its offload
+    as rank 0 resolved it (``RunnerConfig.of``; a spawned worker receives them pickled: they
+    are neither judged nor resolved again here). parallel: the replica's DP x SP layout.
     local_rank: this process's index on its node (its device is cuda:local_rank): the rank
     itself when rank 0 spawned the workers, the launcher's LOCAL_RANK in a multi-node pod."""
     logging.basicConfig(level=logging.INFO,
@@ -78,7 +79,7 @@ def worker_main(
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                       WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(local_rank))
-    from ditserve.engine.config.judged import remember_judged
+    from ditserve.engine.config.judged import remember_judged_offload
     from ditserve.engine.distributed.rendezvous import (
         Rendezvous,
         destroy,
@@ -88,16 +89,16 @@ def worker_main(
     from ditserve.engine.distributed.topology import Topology
     from ditserve.engine.runner.model_runner import ModelRunner
 
-    # Rank 0 (or `ditserve worker`'s flags) judged this config: its rules do not run again.
-    remember_judged(config)
+    # Rank 0 (or `ditserve worker`'s flags) judged these options: their rules do not run again.
+    remember_judged_offload(config.offload.options)
     rdv = Rendezvous(master_addr, master_port, world_size, rank, local_rank)
     device = rank_device(config.device, rdv.local_rank)
-    groups = init_groups(rdv, device, timeout_s, Topology.of(config.parallel, offload=offload))
+    groups = init_groups(rdv, device, timeout_s, Topology.of(parallel, offload=config.offload))
     link = Link(groups.pair(rank), peer=0)
     runner = None
     try:
         try:
-            runner = ModelRunner(config, offload=offload, model_dir=model_dir, device=device,
+            runner = ModelRunner(config, model_dir=model_dir, device=device,
                                  weight_group=groups.weight, sequence_group=groups.sequence)
         except Exception as e:
             link.send(WorkerFailure(rank, os.getpid(), f"startup failed: {e!r}"))

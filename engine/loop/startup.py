@@ -16,7 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ditserve.engine.config import EngineConfig, ResolvedOffload, SchedulerConfig
+from ditserve.engine.config import (
+    EngineConfig,
+    ParallelConfig,
+    ResolvedOffload,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from ditserve.engine.config.types import CompileBackend
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.executor import Executor, LocalExecutor, RankWork
@@ -69,17 +75,18 @@ def resolve_model(config: EngineConfig) -> Path:
     return model_dir
 
 
-def make_executor(config: EngineConfig, *, offload: ResolvedOffload, model_dir: Path,
+def make_executor(runner: RunnerConfig, *, parallel: ParallelConfig, model_dir: Path,
                   timeline: StartTimeline | None = None) -> Executor:
     """One in-process runner, or rank 0 of a multi-process replica (``world_size`` > 1).
-    ``offload``: ``config``'s offload as the composition root resolved it."""
-    if config.parallel.world_size > 1:
+    ``runner``: every rank's runner options (``RunnerConfig.of``); ``parallel``: the
+    replica's DP x SP layout."""
+    if parallel.world_size > 1:
         from ditserve.engine.distributed.executor import MultiProcessExecutor
 
         # The ranks load in their own processes: here it is one phase, all ranks' load.
         with timed(timeline, "load"):
-            return MultiProcessExecutor(config, offload=offload, model_dir=model_dir)
-    return LocalExecutor(config, offload=offload, model_dir=model_dir, timeline=timeline)
+            return MultiProcessExecutor(runner, parallel=parallel, model_dir=model_dir)
+    return LocalExecutor(runner, model_dir=model_dir, timeline=timeline)
 
 
 def open_executor(
@@ -90,7 +97,9 @@ def open_executor(
     ``offload``: ``config``'s offload, resolved once by the caller; ``timeline`` records the
     start phases (see ``runner.start_phases``)."""
     model_dir = resolve_model(config)
-    executor = make_executor(config, offload=offload, model_dir=model_dir, timeline=timeline)
+    # Below here the ranks see only their part of the config.
+    executor = make_executor(RunnerConfig.of(config, offload=offload), parallel=config.parallel,
+                             model_dir=model_dir, timeline=timeline)
     try:
         shared = None
         if config.compile is not None and config.parallel.world_size == 1:

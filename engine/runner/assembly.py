@@ -23,7 +23,6 @@ import torch
 
 from ditserve.engine.config import (
     DType,
-    EngineConfig,
     PipelineConfig,
     ResolvedOffload,
     SchedulerConfig,
@@ -291,15 +290,16 @@ def fit_settings(pipeline: Any, settings: PlanSettings, budget: int, *,
     return None
 
 
-def with_fitted_settings(config: EngineConfig, plan: BudgetPlan | None) -> EngineConfig:
-    """``config`` with the settings the budget's plan lowered (unchanged without any)."""
+def with_fitted_settings(settings: PlanSettings, plan: BudgetPlan | None) -> PlanSettings:
+    """``settings`` with the scheduling and prompt cache the budget's plan lowered
+    (unchanged without any)."""
     fitted: FittedSettings | None = plan.settings if plan is not None else None
     if fitted is None:
-        return config
-    return replace(config,
-                   scheduler=replace(config.scheduler, max_num_seqs=fitted.max_num_seqs,
+        return settings
+    return replace(settings,
+                   scheduler=replace(settings.scheduler, max_num_seqs=fitted.max_num_seqs,
                                      max_batch_tokens=fitted.max_batch_tokens),
-                   pipeline=replace(config.pipeline, prompt_cache_gib=fitted.prompt_cache_gib))
+                   pipeline=replace(settings.pipeline, prompt_cache_gib=fitted.prompt_cache_gib))
 
 
 def resolve_device(name: str) -> torch.device:

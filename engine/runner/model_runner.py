@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.config import EngineConfig, ResolvedOffload
+from ditserve.engine.config import RunnerConfig
 from ditserve.engine.errors import AdapterError, InvalidRequestError
 from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
@@ -60,24 +60,22 @@ class ModelRunner:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: RunnerConfig,
         *,
         model_dir: str | Path,
-        offload: ResolvedOffload | None = None,
         device: torch.device | None = None,
         weight_group: Any = None,
         sequence_group: Any = None,
         timeline: StartTimeline | None = None,
     ) -> None:
-        """offload: ``config``'s offload as the composition root resolved it (the engine
-        passes it to every rank); None resolves it here, for a runner built on its own.
+        """config: this rank's part of the replica's config (``RunnerConfig.of``), its
+        offload as the composition root resolved it.
         device: overrides ``config.device`` (each DP rank passes its own).
         weight_group: the process group DLO shards weights over (None: rank-local).
         sequence_group: the SP group this process runs its DP rank's forwards with (None:
         the whole sequence here).
         timeline: records this runner's start phases (cuda_init, read, place, pin_register,
         encoders); None records nothing."""
-        self.config = config
         self.device = device if device is not None else resolve_device(config.device)
         self._sequence: Any = None
         if sequence_group is not None:
@@ -92,20 +90,21 @@ class ModelRunner:
             from ditserve.engine.runner.compiled_blocks import require_toolchain
 
             require_toolchain(config.compile, self.device)  # before minutes of loading
-        if offload is None:  # a runner of its own is its own composition root
-            offload = ResolvedOffload.of(config.offload, parallel=config.parallel)
+        offload = config.offload
+        settings = PlanSettings(scheduler=config.scheduler, pipeline=config.pipeline,
+                                offload=offload)
         built = load_and_assemble(
             model_dir, dtype=config.dtype, checkpoint=config.checkpoint,
-            sp_size=config.parallel.sequence_parallel_size, quantization=config.quantization,
-            adapters=config.adapters, compile=config.compile,
-            settings=PlanSettings(scheduler=config.scheduler, pipeline=config.pipeline,
-                                  offload=offload),
+            sp_size=config.sequence_parallel_size, quantization=config.quantization,
+            adapters=config.adapters, compile=config.compile, settings=settings,
             device=self.device, sequence=self._sequence, weight_group=weight_group,
             timeline=timeline)
         self.pipeline: StepPipeline = built.pipeline
         self.adapters, self.offload, self.budget = built.adapters, built.offload, built.budget
-        # As the budget lowered it (the engine reads it).
-        config = self.config = with_fitted_settings(config, built.budget)
+        # As the budget lowered them (the engine schedules by the lowered scheduler).
+        settings = with_fitted_settings(settings, built.budget)
+        self.config = config = dataclasses.replace(config, scheduler=settings.scheduler,
+                                                   pipeline=settings.pipeline)
         log.info("loaded %s from %s on %s in %.1fs (offload: %s)", built.pipeline_class,
                  model_dir, self.device, time.perf_counter() - started,
                  "dlo" if offload.enabled else "off")

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from adapters.lora_files import kohya_flux_lora, peft_lora  # type: ignore[import-not-found]
 
+from ditserve.engine.config import RunnerConfig
+
 FEED_FORWARD = {"flux": ("ff.net.2", "proj_mlp"), "qwen-image": ("img_mlp.net.2",),
                 "wan": ("ffn.net.2",), "z-image": ("feed_forward.w2",),
                 "flux2": ("ff.linear_out", "to_qkv_mlp_proj"),
@@ -73,7 +75,7 @@ def adapter_runner(adapter_models, lora_files) -> Callable[..., Any]:  # type: i
             modules = {name: str(path) for name, path in lora_files(family).items()}
             config = EngineConfig(model=str(model), device="cpu",
                                   adapters=AdapterConfig(lora_modules=modules))
-            runners[family] = ModelRunner(config, model_dir=model)
+            runners[family] = ModelRunner(RunnerConfig.of(config), model_dir=model)
         return runners[family]
 
     return get

@@ -13,7 +13,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.adapters.bank import startup_refs
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -25,8 +25,8 @@ BF16_TOLERANCE = 2e-2  # pixels in [0, 1]; bf16 sums in another order when batch
 
 def runner_of(model, files, **extra: Any) -> ModelRunner:  # type: ignore[no-untyped-def]
     adapters = AdapterConfig(lora_modules={name: str(path) for name, path in files.items()})
-    return ModelRunner(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
-                                    adapters=adapters, **extra), model_dir=model)
+    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
+                                                    adapters=adapters, **extra)), model_dir=model)
 
 
 def requests(runner: ModelRunner) -> list[tuple[str, SamplingParams]]:

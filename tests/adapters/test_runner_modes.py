@@ -11,7 +11,7 @@ from typing import Any
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.adapters.bank import startup_refs
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -23,7 +23,7 @@ def make_runner(model: Path, files: dict[str, Path], **extra: Any) -> ModelRunne
     adapters = extra.pop("adapters", None) or AdapterConfig(
         lora_modules={name: str(path) for name, path in files.items()})
     config = EngineConfig(model=str(model), device="cpu", adapters=adapters, **extra)
-    return ModelRunner(config, model_dir=model)
+    return ModelRunner(RunnerConfig.of(config), model_dir=model)
 
 
 def ref(runner: ModelRunner, name: str, scale: float = 1.0) -> LoraRef:

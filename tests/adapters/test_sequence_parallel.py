@@ -11,7 +11,13 @@ import pytest
 from adapters.test_runner_modes import ref  # type: ignore[import-not-found]
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
+from ditserve.engine.config import (
+    EngineConfig,
+    OffloadConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.request import SamplingParams
@@ -91,8 +97,8 @@ def test_sp2_adapter_on_the_final_proj_out_equals_sp1(adapter_models, monkeypatc
     proj = peft_lora(dit, tmp_path / "proj.safetensors", rank=4, seed=5, targets=("proj_out",),
                      std=0.6)
     adapters = AdapterConfig(lora_modules={"proj": str(proj)})
-    resident = ModelRunner(EngineConfig(model=str(model), device="cpu", adapters=adapters),
-                           model_dir=model)
+    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                        adapters=adapters)), model_dir=model)
     params = SamplingParams(prompt="sp fox", num_inference_steps=2, seed=81, height=52,
                             width=52, loras=(ref(resident, "proj"),))
     alone, _ = drive(resident, {0: [("solo", params)]}, max_num_seqs=1)

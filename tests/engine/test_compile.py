@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.request import SamplingParams
@@ -32,8 +32,8 @@ ARRIVALS = {0: [("a", params("a", 3))], 1: [("bb", params("bb", 2))],
 
 
 def run(model_dir, **config) -> tuple[ModelRunner, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
-    runner = ModelRunner(EngineConfig(model=str(model_dir), device="cpu", **config),
-                         model_dir=model_dir)
+    config = EngineConfig(model=str(model_dir), device="cpu", **config)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
     results, _ = drive(runner, ARRIVALS, max_num_seqs=2)
     return runner, results
 
@@ -106,7 +106,7 @@ def test_engine_refuses_inductor_without_a_compiler_before_loading(monkeypatch, 
     config = EngineConfig.from_mapping({"compile": "inductor", "device": "cpu"})
     # The model directory does not exist: the check must fire before anything is read.
     with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
-        ModelRunner(config, model_dir=tmp_path / "missing")
+        ModelRunner(RunnerConfig.of(config), model_dir=tmp_path / "missing")
 
 
 def test_a_model_without_repeated_blocks_is_refused() -> None:

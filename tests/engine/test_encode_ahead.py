@@ -19,7 +19,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig, RunnerConfig
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.plan import StepPlan
@@ -33,8 +33,8 @@ QUEUE = [(f"r{i}", SamplingParams(prompt=f"prompt number {i}", height=32, width=
 
 @pytest.fixture(scope="module")
 def streamed_runner(tiny_model_dir):  # type: ignore[no-untyped-def]
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu",
-                                      offload=OffloadConfig(enabled=True)),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
                          model_dir=tiny_model_dir)
     assert "text_encoder_2" in runner.whole.streamed  # T5 streams, as --offload dlo does
     yield runner
@@ -95,9 +95,9 @@ def test_no_pass_runs_only_to_encode_ahead(streamed_runner) -> None:  # type: ig
 
 
 def test_a_disabled_prompt_cache_encodes_nothing_ahead(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu",
-                                      offload=OffloadConfig(enabled=True),
-                                      pipeline=PipelineConfig(prompt_cache_size=0)),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                                      offload=OffloadConfig(enabled=True),
+                                                      pipeline=PipelineConfig(prompt_cache_size=0))),
                          model_dir=tiny_model_dir)
     try:
         drive(runner, {0: QUEUE[:4]}, max_num_seqs=2)

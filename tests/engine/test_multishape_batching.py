@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.plan import RunnerOutput
@@ -43,8 +43,8 @@ def alone(tiny_runner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-de
 
 @pytest.fixture(scope="module")
 def dlo_runner(tiny_model_dir):  # type: ignore[no-untyped-def]
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu",
-                                      offload=OffloadConfig(enabled=True)),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
                          model_dir=tiny_model_dir)
     yield runner
     runner.close()
@@ -162,8 +162,9 @@ def test_compiled_blocks_under_dlo_run_block_major_too(tiny_model_dir, alone) ->
     # The barrier and the offload hooks stay eager around the compiled forward of each block
     # (regional compilation), so lanes suspend outside compiled code.
     torch._dynamo.reset()
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu",
-                                      compile="aot_eager", offload=OffloadConfig(enabled=True)),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                                      compile="aot_eager",
+                                                      offload=OffloadConfig(enabled=True))),
                          model_dir=tiny_model_dir)
     try:
         outputs: list[RunnerOutput] = []

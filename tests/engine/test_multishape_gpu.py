@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.step.plan import RunnerOutput
@@ -33,8 +33,8 @@ REQUESTS = {
 def dlo_cuda(tiny_model_dir):  # type: ignore[no-untyped-def]
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda",
-                                      offload=OffloadConfig(enabled=True)),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda",
+                                                      offload=OffloadConfig(enabled=True))),
                          model_dir=tiny_model_dir)
     yield runner
     runner.close()

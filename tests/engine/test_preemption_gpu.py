@@ -10,7 +10,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from engine.test_preemption import BATCH, URGENT, paused_and_resumed  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
@@ -21,8 +21,8 @@ def cuda_runner(tiny_model_dir, request):  # type: ignore[no-untyped-def]
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     offload = OffloadConfig(enabled=request.param == "dlo")
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda",
-                                      offload=offload),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda",
+                                                      offload=offload)),
                          model_dir=tiny_model_dir)
     yield runner
     runner.close()

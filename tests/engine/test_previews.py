@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, SchedulerConfig
+from ditserve.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.engine import DiffusionEngine, RequestEvent
 from ditserve.engine.request import NewRequest, SamplingParams
@@ -99,7 +99,7 @@ def test_previews_on_cuda_are_complete_when_handed_back(tiny_model_dir, tiny_run
         pytest.skip("needs CUDA")
     from ditserve.engine.runner.model_runner import ModelRunner
 
-    cuda = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),
+    cuda = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda")),
                        model_dir=tiny_model_dir)
     on_cuda, final_cuda = run_with_previews(cuda)
     on_cpu, final_cpu = run_with_previews(tiny_runner)

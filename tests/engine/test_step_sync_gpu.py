@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditserve.engine.config import EngineConfig, SchedulerConfig
+from ditserve.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from ditserve.engine.request import NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.sched.scheduler import StepScheduler
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 def cuda_runner(tiny_model_dir):  # type: ignore[no-untyped-def]
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    return ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),
+    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda")),
                        model_dir=tiny_model_dir)
 
 

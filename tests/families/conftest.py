@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from ditserve.engine.config import RunnerConfig
+
 VIDEO_VARIANTS = ("wan", "wan2.2", "wan2.2-ti2v")
 
 
@@ -38,8 +40,8 @@ def family_runner(family_dir: Callable[[str], Path]) -> Callable[..., Any]:
     def get(variant: str) -> Any:
         if variant not in runners:
             model = family_dir(variant)
-            runners[variant] = ModelRunner(EngineConfig(model=str(model), device="cpu"),
-                                           model_dir=model)
+            config = RunnerConfig.of(EngineConfig(model=str(model), device="cpu"))
+            runners[variant] = ModelRunner(config, model_dir=model)
         return runners[variant]
 
     return get

@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig
+from ditserve.engine.config import EngineConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
@@ -19,8 +19,8 @@ from ditserve.engine.runner.model_runner import ModelRunner
 @pytest.mark.parametrize("variant", ["wan", "wan2.2", "qwen-image", "z-image", "flux2", "flux2-klein"])
 def test_a_bf16_runner_generates(family_dir: Callable[[str], Path], variant: str) -> None:
     model = family_dir(variant)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu", dtype="bfloat16"),
-                         model_dir=model)
+    config = RunnerConfig.of(EngineConfig(model=str(model), device="cpu", dtype="bfloat16"))
+    runner = ModelRunner(config, model_dir=model)
     frames = 5 if variant.startswith("wan") else 1
     params = SamplingParams(prompt="a red fox", height=32, width=32, num_frames=frames,
                             num_inference_steps=2, guidance_scale=4.0,

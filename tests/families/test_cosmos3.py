@@ -19,6 +19,7 @@ from ditserve.engine.config import (
     ParallelConfig,
     PipelineConfig,
     ResolvedOffload,
+    RunnerConfig,
     SchedulerConfig,
 )
 from ditserve.engine.errors import InvalidRequestError
@@ -168,8 +169,9 @@ def test_batched_sound_equals_alone(family_runner) -> None:  # type: ignore[no-u
 
 def test_offload_equals_resident(family_dir, alone) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(VARIANT)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         assert runner.offload is not None
         report = runner.offload_report()
@@ -240,7 +242,8 @@ def test_step_cache_is_refused_with_the_reason(family_dir) -> None:  # type: ign
     from ditserve.engine.config.step_cache import StepCacheSpec
 
     model = family_dir(VARIANT)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu"), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu")),
+                         model_dir=model)
     try:
         assert runner.step_cache.policies == ()
         with pytest.raises(InvalidRequestError, match="packed"):
@@ -288,8 +291,9 @@ def test_shape_groups_under_offload_equal_alone(family_dir, family_runner) -> No
             pixels, _ = drive(family_runner(VARIANT), {0: [(rid, params)]}, max_num_seqs=1)
             single[rid] = pixels[rid]
     model = family_dir(VARIANT)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     outputs: list[Any] = []
     try:
         together, _ = drive(runner, SHAPES, max_num_seqs=3, outputs=outputs)
@@ -309,8 +313,8 @@ def test_on_cuda_dlo_equals_resident_and_diffusers(family_dir) -> None:  # type:
     results = {}
     for name, offload in (("resident", OffloadConfig()),
                           ("dlo", OffloadConfig(enabled=True, checkpoint_mmap="off"))):
-        runner = ModelRunner(EngineConfig(model=str(model), device="cuda", offload=offload),
-                             model_dir=model)
+        config = RunnerConfig.of(EngineConfig(model=str(model), device="cuda", offload=offload))
+        runner = ModelRunner(config, model_dir=model)
         try:
             dit: Any = runner.pipeline.transformer
             assert dit.embed_tokens.weight.device.type == "cpu"
@@ -429,8 +433,9 @@ def test_memory_plan_leaves_the_host_modules_out(family_runner) -> None:  # type
 
 def fp8_run(model: Any, device: str, offload: OffloadConfig) -> dict[str, torch.Tensor]:
     """Two requests (one with CFG) sharing steps, bfloat16 with ``--quantization fp8``."""
-    runner = ModelRunner(EngineConfig(model=str(model), device=device, dtype="bfloat16",
-                                      quantization="fp8", offload=offload), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device=device, dtype="bfloat16",
+                                                      quantization="fp8", offload=offload)),
+                         model_dir=model)
     try:
         from ditserve.engine.formats.fp8_linear import FP8Linear
 

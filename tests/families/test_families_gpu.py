@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
@@ -30,13 +30,14 @@ def arrivals(video: bool) -> dict[int, list[tuple[str, SamplingParams]]]:
 def test_dlo_on_cuda_equals_resident(family_dir, variant: str) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(variant)
     video = variant.startswith("wan")
-    resident = ModelRunner(EngineConfig(model=str(model), device="cuda"), model_dir=model)
+    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda")),
+                           model_dir=model)
     want, sizes = drive(resident, arrivals(video), max_num_seqs=2)
     resident.close()
     del resident
     offloaded = ModelRunner(
-        EngineConfig(model=str(model), device="cuda",
-                     offload=OffloadConfig(enabled=True, checkpoint_mmap="off")),
+        RunnerConfig.of(EngineConfig(model=str(model), device="cuda",
+                                     offload=OffloadConfig(enabled=True, checkpoint_mmap="off"))),
         model_dir=model)
     try:
         report = offloaded.offload_report()

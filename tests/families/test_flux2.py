@@ -16,7 +16,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from PIL import Image
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
@@ -102,7 +102,8 @@ def test_klein_rows_follow_guidance(family_runner: Any) -> None:
 
 
 def _runner(model: Path, **config: Any) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(model), device="cpu", **config), model_dir=model)
+    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu", **config)),
+                       model_dir=model)
 
 
 MIXED = {  # text-only and edits of other sizes arriving together and mid-run

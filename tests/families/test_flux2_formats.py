@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
@@ -33,8 +33,8 @@ REQUESTS = [
 
 
 def generate(model: Path, device: str, **config: Any) -> dict[str, torch.Tensor]:
-    runner = ModelRunner(EngineConfig(model=str(model), device=device, dtype="bfloat16",
-                                      **config), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device=device, dtype="bfloat16",
+                                                      **config)), model_dir=model)
     try:
         out, sizes = drive(runner, {0: REQUESTS}, max_num_seqs=2)
     finally:

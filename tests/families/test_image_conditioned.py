@@ -16,7 +16,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from PIL import Image
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -134,8 +134,9 @@ def test_matches_diffusers(family_runner, expected, case: str) -> None:  # type:
 @pytest.mark.parametrize("variant", ["flux-kontext", "wan-i2v", "wan2.2-ti2v-i2v"])
 def test_dlo_matches_diffusers(family_dir, expected, variant: str) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(variant)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         assert runner.offload_report() is not None
         cases = {c: p for c, (v, p) in CASES.items() if v == variant}

@@ -10,7 +10,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from families.test_image_conditioned import picture  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
@@ -40,7 +40,7 @@ def test_dlo_on_cuda_equals_resident(family_dir, variant: str) -> None:  # type:
         device = "cpu" if name == "cpu" else "cuda"
         config = EngineConfig(model=str(model), device=device,
                               **({"offload": offload} if offload else {}))
-        runner = ModelRunner(config, model_dir=model)
+        runner = ModelRunner(RunnerConfig.of(config), model_dir=model)
         try:
             runs[name], sizes = drive(runner, arrivals(variant), max_num_seqs=2)
         finally:

@@ -15,7 +15,13 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
+from ditserve.engine.config import (
+    EngineConfig,
+    OffloadConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -164,8 +170,9 @@ def test_batched_sound_equals_alone(family_runner) -> None:  # type: ignore[no-u
 
 def test_offload_equals_resident(family_dir, alone) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(VARIANT)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         assert runner.offload is not None
         report = runner.offload_report()
@@ -235,8 +242,9 @@ def test_offload_keeps_the_vaes_own_tiling(family_dir) -> None:  # type: ignore[
     # MiniMax-H3's released frames are its VAE's blended 256 px tiles (on by default): the
     # engine's decode tiling (512 px tiles, off below 480p) must leave them as they are.
     model = family_dir(VARIANT)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         vae: Any = runner.pipeline.vae
         assert vae.use_tiling and vae.tile_sample_min_height == 256
@@ -259,7 +267,8 @@ def test_on_cuda_matches_diffusers_and_dlo_equals_resident(family_dir) -> None: 
     # On the device machine: the same equality on CUDA (fp32), and DLO (copy stream, pinned
     # slabs) == resident, alone and batched.
     model = family_dir(VARIANT)
-    resident = ModelRunner(EngineConfig(model=str(model), device="cuda"), model_dir=model)
+    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda")),
+                           model_dir=model)
     try:
         params = CASES["wide"]
         state = run_pipeline(resident, [("wide", params)])["wide"]
@@ -270,8 +279,9 @@ def test_on_cuda_matches_diffusers_and_dlo_equals_resident(family_dir) -> None: 
     assert state.pixels is not None and state.audio is not None
     assert (state.pixels - video).abs().max().item() <= TOLERANCE
     assert (state.audio - sound.float()).abs().max().item() <= AUDIO_TOLERANCE
-    offloaded = ModelRunner(EngineConfig(model=str(model), device="cuda",
-                                         offload=OffloadConfig(enabled=True)), model_dir=model)
+    offloaded = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda",
+                                                         offload=OffloadConfig(enabled=True))),
+                            model_dir=model)
     try:
         got, sizes = drive(offloaded, MIXED, max_num_seqs=4)
     finally:
@@ -293,8 +303,9 @@ def test_two_shape_groups_under_dlo_equal_alone(family_dir, family_runner) -> No
         pixels, _ = drive(family_runner(VARIANT), {0: [(rid, params)]}, max_num_seqs=1)
         single[rid] = pixels[rid]
     model = family_dir(VARIANT)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         together, sizes = drive(runner, shapes, max_num_seqs=2)
     finally:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.group_forwards import GroupForwards
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -84,8 +84,9 @@ def test_resident_multishape_steps_equal_alone(family_runner, alone, variant: st
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_dlo_multishape_steps_equal_alone(family_dir, alone, variant: str) -> None:  # type: ignore[no-untyped-def]
     model: Path = family_dir(variant)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         drive(runner, {0: [("warm", scenario(variant)[0][0][1])]}, max_num_seqs=1)
         before = runner.offload_report()

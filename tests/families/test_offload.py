@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.families import WAN
 from ditserve.engine.request import SamplingParams
@@ -33,7 +33,7 @@ def requests(variant: str) -> dict[int, list[tuple[str, SamplingParams]]]:
 def runner(model_dir: Path, **offload: object) -> ModelRunner:
     config = EngineConfig(model=str(model_dir), device="cpu",
                           offload=OffloadConfig(enabled=True, **offload))  # type: ignore[arg-type]
-    return ModelRunner(config, model_dir=model_dir)
+    return ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
 
 
 def generate(r: ModelRunner, variant: str) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from families.test_image_conditioned import as_pil, assert_close, picture  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import family_named
 from ditserve.engine.request import SamplingParams
@@ -91,8 +91,9 @@ def test_matches_diffusers(family_runner, expected, case: str) -> None:  # type:
 @pytest.mark.parametrize("variant", ["qwen-image-edit", PLUS])
 def test_dlo_matches_diffusers(family_dir, expected, variant: str) -> None:  # type: ignore[no-untyped-def]
     model = family_dir(variant)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         assert runner.offload_report() is not None
         cases = {c: p for c, (v, p) in CASES.items() if v == variant}

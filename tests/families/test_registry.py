@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from ditserve.engine import families
-from ditserve.engine.config import MODEL_FAMILIES, model_family_problems
+from ditserve.engine.config import MODEL_FAMILIES, RunnerConfig, model_family_problems
 from ditserve.engine.errors import InvalidRequestError, ModelLoadError
 from ditserve.engine.request import SamplingParams
 
@@ -111,8 +111,9 @@ def test_an_expert_without_its_switch_is_neither_loaded_nor_streamed(family_dir,
     index["boundary_ratio"] = None
     (model / "model_index.json").write_text(json.dumps(index))
     assert dit_components(model) == ("transformer",)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True)), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True))),
+                         model_dir=model)
     try:
         assert len(runner.pipeline.experts) == 1
         assert runner.offload_report()["streamed_blocks"] == 2  # one expert's blocks

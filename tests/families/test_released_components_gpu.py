@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.makers.builders import released_shapes
 from ditserve.engine.makers.random_model import init_random
 from ditserve.engine.offload.accounting import host_accounting
@@ -62,8 +62,9 @@ def test_released_flux_parts_build_on_the_gpu_and_load(tmp_path: Path) -> None:
     # convert - and so copy - every streamed tensor) and with the mapping registered (on CUDA
     # checkpoint mmap needs --dlo-pin-limit-gib: an unregistered mapping streams at half the
     # rate, so auto keeps private pinned memory), the blocks stream from the mapping.
-    runner = ModelRunner(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
-                                      offload=OffloadConfig(enabled=True, pin_limit_gib=64)),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
+                                                      offload=OffloadConfig(enabled=True,
+                                                                            pin_limit_gib=64))),
                          model_dir=model)
     try:
         accounting = host_accounting(runner.offload.snapshot())

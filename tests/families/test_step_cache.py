@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, StepCacheConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig, StepCacheConfig
 from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.errors import ConfigError, InvalidRequestError
 from ditserve.engine.request import NewRequest, SamplingParams
@@ -37,7 +37,7 @@ def make_runner(model: Path, *, dlo: bool, default: StepCacheConfig | None = Non
                           offload=OffloadConfig(enabled=dlo, checkpoint_mmap="off") if dlo
                           else OffloadConfig(),
                           step_cache=default or StepCacheConfig())
-    return ModelRunner(config, model_dir=model)
+    return ModelRunner(RunnerConfig.of(config), model_dir=model)
 
 
 def run(runner: ModelRunner, *requests: tuple[str, SamplingParams],

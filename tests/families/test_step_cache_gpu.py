@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -35,8 +35,8 @@ def md5(pixels: torch.Tensor) -> str:
 
 def runner(model, *, dlo: bool, dtype: str) -> ModelRunner:  # type: ignore[no-untyped-def]
     offload = OffloadConfig(enabled=True, checkpoint_mmap="off") if dlo else OffloadConfig()
-    return ModelRunner(EngineConfig(model=str(model), device="cuda", dtype=dtype,
-                                    offload=offload), model_dir=model)
+    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda", dtype=dtype,
+                                                    offload=offload)), model_dir=model)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig, RunnerConfig
 from ditserve.engine.pipelines.vae_decode import VaeTiling, tiled_post_decode, tiling_wanted
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -57,7 +57,7 @@ def make_runner(model: Path, *, offload: OffloadConfig | None = None,
                 pipeline: PipelineConfig | None = None) -> ModelRunner:
     config = EngineConfig(model=str(model), device="cpu", offload=offload or OffloadConfig(),
                           pipeline=pipeline or PipelineConfig())
-    return ModelRunner(config, model_dir=model)
+    return ModelRunner(RunnerConfig.of(config), model_dir=model)
 
 
 def generate(r: ModelRunner, variant: str) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from ditserve.engine.config import (
     OffloadConfig,
     PipelineConfig,
     ResolvedOffload,
+    RunnerConfig,
     SchedulerConfig,
 )
 from ditserve.engine.errors import ConfigError
@@ -38,7 +39,7 @@ def budget_runner(model, budget: float | str, **pipeline):  # type: ignore[no-un
     config = EngineConfig(model=str(model), device="cpu",
                           offload=OffloadConfig(enabled=True, hbm_budget_gib=budget),
                           pipeline=PipelineConfig(**pipeline))
-    return ModelRunner(config, model_dir=model)
+    return ModelRunner(RunnerConfig.of(config), model_dir=model)
 
 
 def test_a_budget_below_the_smallest_is_refused_with_the_smallest(family_dir) -> None:  # type: ignore[no-untyped-def]
@@ -111,7 +112,7 @@ def test_a_step_encodes_its_prompts_in_one_pass(family_dir, variant: str) -> Non
                                              true_cfg_scale=2.0, guidance_scale=3.0, seed=i,
                                              num_inference_steps=2, height=32, width=32,
                                              **extra)) for i in range(4)]}
-    r = ModelRunner(EngineConfig(model=str(family_dir(variant)), device="cpu"),
+    r = ModelRunner(RunnerConfig.of(EngineConfig(model=str(family_dir(variant)), device="cpu")),
                     model_dir=family_dir(variant))
     try:
         out, _ = drive(r, arrivals, max_num_seqs=4)
@@ -291,8 +292,9 @@ def test_the_whole_pipeline_places_resident_encoders_and_leaves_offloaded_ones_o
 
     monkeypatch.setattr(torch.nn.Module, "to", recording_to)
     model = family_dir("flux")
-    r = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                 offload=OffloadConfig(enabled=offload, components=components)),
+    r = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                 offload=OffloadConfig(enabled=offload,
+                                                                       components=components))),
                     model_dir=model)
     try:
         assert sorted(placed) == (["CLIPTextModel", "T5EncoderModel"] if moved else [])

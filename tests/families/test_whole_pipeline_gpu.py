@@ -14,7 +14,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.engine.allocator import cap_reserved
-from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, PipelineConfig, RunnerConfig
 from ditserve.engine.placement.budget_plan import GIB, BudgetError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -34,9 +34,10 @@ def arrivals(video: bool) -> dict[int, list[tuple[str, SamplingParams]]]:
 
 def run(model: object, *, components: str, cache: int) -> tuple[dict[str, torch.Tensor],
                                                                  ModelRunner]:
-    r = ModelRunner(EngineConfig(model=str(model), device="cuda",
-                                 offload=OffloadConfig(enabled=True, components=components),
-                                 pipeline=PipelineConfig(prompt_cache_size=cache)),
+    r = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda",
+                                                 offload=OffloadConfig(enabled=True,
+                                                                       components=components),
+                                                 pipeline=PipelineConfig(prompt_cache_size=cache))),
                     model_dir=model)  # type: ignore[arg-type]
     out, _ = drive(r, arrivals(r.frame_step is not None), max_num_seqs=2)
     return out, r
@@ -66,9 +67,10 @@ def test_streamed_encoders_on_cuda_equal_resident(family_dir, variant: str) -> N
 
 
 def budget_runner(model: object, budget: float | str) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(model), device="cuda",
-                                    offload=OffloadConfig(enabled=True, hbm_budget_gib=budget),
-                                    pipeline=PipelineConfig(prompt_cache_gib=0.25)),
+    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda",
+                                                    offload=OffloadConfig(enabled=True,
+                                                                          hbm_budget_gib=budget),
+                                                    pipeline=PipelineConfig(prompt_cache_gib=0.25))),
                        model_dir=model)  # type: ignore[arg-type]
 
 
@@ -149,7 +151,8 @@ def test_tiled_decode_on_cuda_within_tolerance_of_whole_decode(family_dir, varia
     from ditserve.engine.step.denoise_state import DenoiseState
 
     model = family_dir(variant)
-    r = ModelRunner(EngineConfig(model=str(model), device="cuda"), model_dir=model)  # type: ignore[arg-type]
+    r = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda")),
+                    model_dir=model)  # type: ignore[arg-type]
     try:
         pipeline = r.pipeline
         video = r.frame_step is not None

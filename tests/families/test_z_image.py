@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
@@ -100,11 +100,11 @@ def test_dlo_equals_resident(family_dir) -> None:  # type: ignore[no-untyped-def
     # encoded in another batch (equal to float noise, not bitwise).
     arrivals = scenario()
     model = family_dir(VARIANT)
-    resident, _ = drive(ModelRunner(EngineConfig(model=str(model), device="cpu"),
+    resident, _ = drive(ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu")),
                                     model_dir=model), arrivals, max_num_seqs=5)
-    runner = ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                      offload=OffloadConfig(enabled=True,
-                                                            checkpoint_mmap="off")),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                      offload=OffloadConfig(enabled=True,
+                                                                            checkpoint_mmap="off"))),
                          model_dir=model)
     try:
         report = runner.offload_report()
@@ -297,10 +297,11 @@ def test_regional_compilation_equals_eager(family_dir) -> None:  # type: ignore[
                                  num_inference_steps=2, height=32, width=32)),
         ("cfg", SamplingParams(prompt="a castle at night in the rain", guidance_scale=2.0,
                                seed=2, num_inference_steps=2, height=32, width=64))]}
-    eager, _ = drive(ModelRunner(EngineConfig(model=str(model), device="cpu"),
+    eager, _ = drive(ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu")),
                                  model_dir=model), arrivals, max_num_seqs=2)
-    compiled, _ = drive(ModelRunner(EngineConfig(model=str(model), device="cpu",
-                                                 compile="aot_eager"), model_dir=model),
+    compiled, _ = drive(ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                                 compile="aot_eager")),
+                                    model_dir=model),
                         arrivals, max_num_seqs=2)
     for rid, want in eager.items():
         diff = (compiled[rid] - want).abs().max().item()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, SchedulerConfig
+from ditserve.engine.config import EngineConfig, RunnerConfig, SchedulerConfig
 from ditserve.engine.request import ConditionImage, NewRequest, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.sched.scheduler import StepScheduler
@@ -39,7 +39,8 @@ def test_steps_do_not_sync_and_equal_alone(family_dir) -> None:  # type: ignore[
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = family_dir("z-image")
-    runner = ModelRunner(EngineConfig(model=str(model), device="cuda"), model_dir=model)
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cuda")),
+                         model_dir=model)
     scheduler = StepScheduler(ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=3)))
     finished: dict[str, torch.Tensor] = {}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -24,7 +24,7 @@ ARRIVALS = {0: [("plain", REQUESTS["plain"])], 1: [("cfg", REQUESTS["cfg"])]}
 def runner(model_dir: Path, **offload: object) -> ModelRunner:
     config = EngineConfig(model=str(model_dir), device="cpu",
                           offload=OffloadConfig(enabled=True, **offload))  # type: ignore[arg-type]
-    return ModelRunner(config, model_dir=model_dir)
+    return ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from offload.support import build_flux, flux_inputs, run  # type: ignore[import-not-found]
 
-from ditserve.engine.config import OffloadConfig
+from ditserve.engine.config import OffloadConfig, RunnerConfig
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.offload.host import mapped as mapped_backing
 from ditserve.engine.offload.host.registration import CudaRegistrar, RegistrationRefused
@@ -126,13 +126,14 @@ def test_engine_runtime_cache_registered_generation_equals_resident(tiny_model_d
     from ditserve.engine.runner.model_runner import ModelRunner
 
     params = SamplingParams(prompt="a red fox", num_inference_steps=3, seed=11)
-    resident = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),
+    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda")),
                            model_dir=tiny_model_dir)
     want, _ = drive(resident, {0: [("a", params)]}, max_num_seqs=1)
     offload = OffloadConfig(enabled=True, runtime_cache=True, cache_root=str(tmp_path / "c"),
                             pin_limit_gib=1.0)
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda", offload=offload),
-                         model_dir=tiny_model_dir)
+    config = RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda",
+                                          offload=offload))
+    runner = ModelRunner(config, model_dir=tiny_model_dir)
     try:
         r = runner.offload_report()
         assert (r["backing_kind"], r["transfer_path"]) == ("runtime_cache", "registered")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.formats.fp8_linear import FP8Linear
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -20,7 +20,7 @@ ARRIVALS = {
 
 def runner(model_dir, **changes) -> ModelRunner:  # type: ignore[no-untyped-def]
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16").replace(**changes)
-    return ModelRunner(config, model_dir=model_dir)
+    return ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
 
 
 def generate(r: ModelRunner) -> dict[str, torch.Tensor]:

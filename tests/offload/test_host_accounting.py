@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.makers.tiny_model import init_tiny
 from ditserve.engine.offload.accounting import PINNED_LIMIT, host_accounting
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -23,8 +23,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _runner(model: Path, mmap: str) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                    offload=OffloadConfig(enabled=True, checkpoint_mmap=mmap)),
+    return ModelRunner(RunnerConfig.of(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                                    offload=OffloadConfig(enabled=True,
+                                                                          checkpoint_mmap=mmap))),
                        model_dir=model)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
@@ -21,10 +21,11 @@ ARRIVALS = {0: [("plain", REQUESTS["plain"]), ("cfg", REQUESTS["cfg"])], 1: [("t
 
 @pytest.fixture(scope="module")
 def runners(tiny_model_dir):  # type: ignore[no-untyped-def]
-    resident = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cpu"),
+    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu")),
                            model_dir=tiny_model_dir)
     offloaded = ModelRunner(
-        EngineConfig(model=str(tiny_model_dir), device="cpu", offload=OffloadConfig(enabled=True)),
+        RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cpu",
+                                     offload=OffloadConfig(enabled=True))),
         model_dir=tiny_model_dir,
     )
     yield resident, offloaded

@@ -15,7 +15,7 @@ from engine.driver import drive  # type: ignore[import-not-found]
 
 from ditserve.cachectl.cli import main
 from ditserve.cachectl.store import CacheStore
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.config.rules import checkpoint_problems
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -47,7 +47,7 @@ def build(root: Path, checkpoint: Path, base: Path, capsys: pytest.CaptureFixtur
 def generate(model_dir: Path, checkpoint: Path, **offload: object) -> dict[str, torch.Tensor]:
     config = EngineConfig(model=str(model_dir), checkpoint=str(checkpoint), device="cpu",
                           offload=OffloadConfig(enabled=True, **offload))  # type: ignore[arg-type]
-    runner = ModelRunner(config, model_dir=model_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
     try:
         generate.report = runner.offload_report()  # type: ignore[attr-defined]
         return drive(runner, ARRIVALS, max_num_seqs=1)[0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.weights.convert import convert
@@ -26,7 +26,7 @@ def generate(model_dir: Path, checkpoint: Path | None = None, **changes: object
              ) -> dict[str, torch.Tensor]:
     config = EngineConfig(model=str(model_dir), checkpoint=None if checkpoint is None
                           else str(checkpoint), device="cpu").replace(**changes)
-    runner = ModelRunner(config, model_dir=model_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
     try:
         return drive(runner, ARRIVALS, max_num_seqs=2)[0]
     finally:
@@ -58,7 +58,7 @@ def test_gguf_serves_quantized_and_offloaded_equals_resident(tiny_model_dir: Pat
 
     config = EngineConfig(model=str(tiny_model_dir), checkpoint=str(files["gguf:Q8_0"]),
                           device="cpu")
-    runner = ModelRunner(config, model_dir=tiny_model_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=tiny_model_dir)
     try:
         layer = runner.pipeline.transformer.transformer_blocks[0].ff.net[2]  # type: ignore[attr-defined]
         assert isinstance(layer, GGUFBlockLinear) and layer.weight_q.dtype == torch.uint8

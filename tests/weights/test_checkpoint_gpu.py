@@ -11,7 +11,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from weights.support import wide_flux  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 from ditserve.engine.weights.convert import convert
@@ -29,7 +29,7 @@ def wide_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def generate(model_dir: Path, checkpoint: Path, **changes: object) -> dict[str, torch.Tensor]:
     config = EngineConfig(model=str(model_dir), checkpoint=str(checkpoint), device="cuda",
                           dtype="bfloat16").replace(**changes)
-    runner = ModelRunner(config, model_dir=model_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
     try:
         return drive(runner, ARRIVALS, max_num_seqs=2)[0]
     finally:

@@ -17,7 +17,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from weights.support import wide_flux  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.formats.gguf_linear import GGUFBlockLinear
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
@@ -36,7 +36,7 @@ def wide_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def ditserve_images(model_dir: Path, checkpoint: Path, **changes: object) -> torch.Tensor:
     config = EngineConfig(model=str(model_dir), checkpoint=str(checkpoint),
                           device="cpu").replace(**changes)
-    runner = ModelRunner(config, model_dir=model_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
     try:
         blocks = runner.pipeline.transformer.single_transformer_blocks  # type: ignore[attr-defined]
         assert isinstance(blocks[0].proj_out, GGUFBlockLinear)  # kept quantized
