@@ -18,7 +18,11 @@ from pathlib import Path
 
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import ConfigError, HostMemoryError
-from ditserve.engine.weights.host_facts import component_files, read_host_memory
+from ditserve.engine.weights.host_facts import (
+    component_files,
+    read_host_memory,
+    read_mountinfo,
+)
 from ditserve.engine.weights.host_fit import (
     GIB,
     ComponentFiles,
@@ -58,7 +62,7 @@ def model_files(model_dir: str | Path, *, dtype: str, mountinfo: str | None = No
 
     root = Path(model_dir)
     if mountinfo is None:
-        mountinfo = Path("/proc/self/mountinfo").read_text()
+        mountinfo = read_mountinfo()
     dit_names = dit_components(root)
     dits, encoders, others = [], [], []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
@@ -83,7 +87,9 @@ def check_host_memory(model_dir: str | Path, *, dtype: str, offload: OffloadConf
     mode = check_mode()
     if mode == "off":
         return None
-    dits, encoders, others = model_files(model_dir, dtype=dtype, mountinfo=mountinfo)
+    dits, encoders, others = model_files(model_dir, dtype=dtype,
+                                         mountinfo=read_mountinfo() if mountinfo is None
+                                         else mountinfo)
     options = LoadOptions(
         mmap=offload.checkpoint_mmap, pin_limit_bytes=int(offload.pin_limit_gib * GIB),
         registers=streams_from_mapping, keep_private=keep_private,

@@ -110,6 +110,14 @@ def read_host_memory(proc: Path = Path("/proc"),
     return HostMemory(available, cgroup_limits(own, cgroup_root))
 
 
+def read_mountinfo(proc: Path = Path("/proc")) -> str:
+    """This process's mount table (empty when unreadable: filesystems read "unknown")."""
+    try:
+        return (proc / "self" / "mountinfo").read_text()
+    except OSError:
+        return ""
+
+
 def filesystem_of(device: int, mountinfo: str) -> str:
     """The filesystem type of a file's device number (``st_dev``) in a mountinfo text."""
     wanted = f"{os.major(device)}:{os.minor(device)}"

@@ -23,8 +23,8 @@ limit, as in a pod, the limit minus the cgroup's working set; the smaller wins):
 backing on CUDA rank-local streaming: the checkpoint on tmpfs -> map it and register the
 mapping (a pin limit of the mapped bytes: full speed, no copy); on a disk -> a private pinned
 copy when it fits, else the mapping through staging slots (nothing committed, about 2x
-slower per step). ``HEADROOM_BYTES`` is kept free for the process itself (CUDA context,
-staging, activations' host copies).
+slower per step). Some headroom is kept free for the process itself (CUDA context,
+staging, decoded images' host copies: ``headroom_for``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,15 @@ from dataclasses import dataclass, replace
 
 GIB = 1 << 30
 # Host memory kept free beyond the weights: torch and the CUDA context (~1-3 GiB RSS), pinned
-# staging slots, decoded images' host copies, the allocator's slack.
+# staging slots, decoded images' host copies, the allocator's slack. An eighth of what the
+# load commits, up to this: a load that commits nothing is never refused, a large one keeps
+# room for the process around its weights.
 HEADROOM_BYTES = 4 * GIB
+HEADROOM_FRACTION = 8
+
+
+def headroom_for(committed: int, cap: int = HEADROOM_BYTES) -> int:
+    return min(cap, committed // HEADROOM_FRACTION)
 # Filesystems whose pages live in memory and are never reclaimed (swap aside).
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "shmem", "ramfs", "hugetlbfs"})
 
@@ -189,7 +196,8 @@ class HostFit:
 
 
 def gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """Bytes for a person: GiB from 1 GiB up, MiB below (tiny models, headroom)."""
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
 def plan_host_fit(dits: Sequence[ComponentFiles], encoders: Sequence[ComponentFiles],
@@ -208,14 +216,17 @@ def _plan(dits: Sequence[ComponentFiles], encoders: Sequence[ComponentFiles],
           headroom: int) -> HostFit:
     rest = [*_encoder_holdings(encoders, options), *_resident_holdings(others, options)]
     rest_committed = sum(h.committed for h in rest)
-    backing, pin, auto_pin, reason = _dit_backing(dits, memory, options,
-                                                  room=memory.available - headroom
-                                                  - rest_committed)
+    dit_bytes = sum(d.bytes for d in dits) * options.processes
+    room = memory.available - rest_committed - headroom_for(rest_committed + dit_bytes, headroom)
+    backing, pin, auto_pin, reason = _dit_backing(dits, memory, options, room=room)
     holdings = [_dit_holding(d, backing, options) for d in dits] + rest
-    private = sum(_dit_holding(d, DitBacking.PRIVATE, options).committed for d in dits)
+    committed = sum(h.committed for h in holdings)
+    private = rest_committed + sum(_dit_holding(d, DitBacking.PRIVATE, options).committed
+                                   for d in dits)
     return HostFit(dit=backing, pin_limit_bytes=pin, auto_pin=auto_pin, reason=reason,
-                   holdings=tuple(holdings), memory=memory, headroom=headroom,
-                   private_fits=private + rest_committed + headroom <= memory.available)
+                   holdings=tuple(holdings), memory=memory,
+                   headroom=headroom_for(committed, headroom),
+                   private_fits=private + headroom_for(private, headroom) <= memory.available)
 
 
 def _dit_backing(dits: Sequence[ComponentFiles], memory: HostMemory, options: LoadOptions,
