@@ -7,7 +7,8 @@ and the flags that would fit - instead of letting the kernel OOM-kill the engine
 through the load. ``DITSERVE_HOST_MEMORY_CHECK``: ``refuse`` (default), ``warn`` (log the
 refusal and load anyway: an estimate can be wrong, e.g. with swap) or ``off``.
 
-Called by ``weights.load.load_weights`` for a model directory under offload.
+Called by ``weights.load.load_weights`` for a model directory under offload;
+``require_room`` by ``placement.whole_pipeline`` right before it pins offloaded encoders.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from ditserve.engine.weights.host_fit import (
     HostFit,
     HostMemory,
     LoadOptions,
+    gib,
+    headroom_for,
     plan_host_fit,
 )
 
@@ -105,3 +108,25 @@ def check_host_memory(model_dir: str | Path, *, dtype: str, offload: OffloadConf
         else:
             raise HostMemoryError(fit.refusal())
     return fit
+
+
+def require_room(nbytes: int, *, what: str, remedies: tuple[str, ...] = (),
+                 memory: HostMemory | None = None) -> None:
+    """Refuse (``HostMemoryError``) to commit ``nbytes`` more host memory for ``what`` when
+    the host (or its cgroup) has no room for them now: the check again, with fresh facts,
+    right before a large pinned copy (text encoders after the DiT is in place)."""
+    mode = check_mode()
+    if mode == "off" or nbytes <= 0:
+        return
+    memory = memory or read_host_memory()
+    headroom = headroom_for(nbytes)
+    if nbytes + headroom <= memory.available:
+        return
+    fixes = ("; to lower it: " + "; or ".join(remedies)) if remedies else ""
+    message = (f"host memory: {what} would commit {gib(nbytes)} + {gib(headroom)} headroom, "
+               f"but {gib(memory.available)} is available ({memory.source()}); refusing to "
+               f"start instead of being OOM-killed{fixes} ({CHECK_ENV}=warn loads anyway)")
+    if mode == "warn":
+        log.warning("%s: %s", CHECK_ENV, message)
+        return
+    raise HostMemoryError(message)

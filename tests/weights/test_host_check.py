@@ -100,3 +100,21 @@ def test_the_automatic_pin_limit_reaches_the_offload_options() -> None:
     assert auto.pin_limit_gib == 3.0
     chosen = OffloadConfig(enabled=True, pin_limit_gib=1.0)
     assert with_auto_pin_limit(chosen, Mapped()).pin_limit_gib == 1.0  # type: ignore[arg-type]
+
+
+def test_require_room_refuses_a_pinned_copy_that_does_not_fit(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv(host_check.CHECK_ENV, raising=False)
+    tight = HostMemory(40 * GIB)
+    host_check.require_room(30 * GIB, what="pinned encoders", memory=tight)  # 30 + 3.75 fits
+    with pytest.raises(HostMemoryError, match=r"pinned encoders would commit 45.0 GiB.*"
+                                              r"40.0 GiB is available.*--dlo-components dit"):
+        host_check.require_room(45 * GIB, what="pinned encoders", memory=tight,
+                                remedies=("--dlo-components dit",))
+    monkeypatch.setenv(host_check.CHECK_ENV, "warn")
+    with caplog.at_level(logging.WARNING, logger=host_check.__name__):
+        host_check.require_room(45 * GIB, what="pinned encoders", memory=tight)
+    assert "refusing to start" in caplog.text
+    monkeypatch.setenv(host_check.CHECK_ENV, "sometimes")
+    with pytest.raises(ValueError, match="refuse, warn, off"):
+        host_check.require_room(GIB, what="x", memory=tight)
