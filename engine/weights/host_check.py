@@ -81,15 +81,10 @@ def model_files(model_dir: str | Path, *, dtype: str, mountinfo: str | None = No
     return dits, encoders, others
 
 
-def check_host_memory(model_dir: str | Path, *, dtype: str, offload: OffloadConfig,
-                      streams_from_mapping: bool, keep_private: str | None, sharded: bool,
-                      memory: HostMemory | None = None, mountinfo: str | None = None,
-                      ) -> HostFit | None:
-    """The load's host plan (module docstring); None with the check off. Raises
-    ``HostMemoryError`` when it does not fit (unless the check only warns)."""
-    mode = check_mode()
-    if mode == "off":
-        return None
+def plan_load(model_dir: str | Path, *, dtype: str, offload: OffloadConfig,
+              streams_from_mapping: bool, keep_private: str | None, sharded: bool,
+              memory: HostMemory | None = None, mountinfo: str | None = None) -> HostFit:
+    """The load's host plan from this host's facts (``memory``, ``mountinfo``: fakes)."""
     dits, encoders, others = model_files(model_dir, dtype=dtype,
                                          mountinfo=read_mountinfo() if mountinfo is None
                                          else mountinfo)
@@ -100,7 +95,21 @@ def check_host_memory(model_dir: str | Path, *, dtype: str, offload: OffloadConf
         encoders_offloaded=offload.enabled and offload.components == "all",
         processes=local_processes(), sharded=sharded,
         copies=sharded or offload.compress != "none")
-    fit = plan_host_fit(dits, encoders, others, memory or read_host_memory(), options)
+    return plan_host_fit(dits, encoders, others, memory or read_host_memory(), options)
+
+
+def check_host_memory(model_dir: str | Path, *, dtype: str, offload: OffloadConfig,
+                      streams_from_mapping: bool, keep_private: str | None, sharded: bool,
+                      memory: HostMemory | None = None, mountinfo: str | None = None,
+                      ) -> HostFit | None:
+    """The load's host plan (module docstring), logged; None with the check off. Raises
+    ``HostMemoryError`` when it does not fit (unless the check only warns)."""
+    mode = check_mode()
+    if mode == "off":
+        return None
+    fit = plan_load(model_dir, dtype=dtype, offload=offload,
+                    streams_from_mapping=streams_from_mapping, keep_private=keep_private,
+                    sharded=sharded, memory=memory, mountinfo=mountinfo)
     log.info("%s", fit.table())
     if not fit.fits:
         if mode == "warn":

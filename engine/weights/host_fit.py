@@ -172,6 +172,14 @@ class HostFit:
     def fits(self) -> bool:
         return self.needed <= self.memory.available
 
+    def to_json(self) -> dict[str, object]:
+        return {"dit_backing": str(self.dit), "reason": self.reason, "fits": self.fits,
+                "pin_limit_bytes": self.pin_limit_bytes, "auto_pin": self.auto_pin,
+                "committed_bytes": self.committed, "headroom_bytes": self.headroom,
+                "available_bytes": self.memory.available, "available_from": self.memory.source(),
+                "components": [dict(h.__dict__) for h in self.holdings],
+                "remedies": list(self.remedies)}
+
     def table(self) -> str:
         """The host plan, one line per component, then the verdict."""
         width = max(len(h.name) for h in self.holdings) if self.holdings else 0
