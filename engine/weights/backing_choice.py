@@ -133,12 +133,7 @@ def prepare_dit(
     mapped, plan = checkpoint_dit(model_dir, dtype=dtype, model_cls=model_cls,
                                   component=component)
     if mapped is None:
-        if host_fit is not None and not host_fit.private_fits:
-            raise HostMemoryError(
-                f"host memory: the plan mapped {component}/ ({host_fit.reason}), but the "
-                f"mapping was refused ({plan.reason}), and a private copy does not fit the "
-                f"{gib(host_fit.memory.available)} available; fix the checkpoint (store it in "
-                "the serving dtype, one DiT per folder) or free host memory")
+        _require_private_fits(host_fit, component, plan)
         log.info("DLO host backing: ordinary (%s)", plan.reason)
         return load(), plan
     if streams_from_mapping and offload.pin_limit_gib <= 0 and host_fit is not None:
@@ -147,6 +142,19 @@ def prepare_dit(
             plan.auto_pin_limit_bytes = pin_limit_for(plan.coverage.bound_bytes)
     log.info("DLO host backing: %s (%s)", plan.kind, plan.reason)
     return mapped, plan
+
+
+def _require_private_fits(host_fit: HostFit | None, component: str,
+                          refused: HostWeightPlan) -> None:
+    """The plan counted on a mapping that the preflight refused: load privately only if a
+    private copy fits too."""
+    if host_fit is None or host_fit.private_fits:
+        return
+    raise HostMemoryError(
+        f"host memory: the plan mapped {component}/ ({host_fit.reason}), but the mapping was "
+        f"refused ({refused.reason}), and a private copy does not fit the "
+        f"{gib(host_fit.memory.available)} available; fix the checkpoint (store it in the "
+        "serving dtype, one DiT per folder) or free host memory")
 
 
 def _runtime_cache(model_dir: str | Path, dtype: str, offload: OffloadConfig, model_cls: Any,

@@ -18,7 +18,8 @@ import os
 from pathlib import Path
 
 from ditserve.cachectl.st_header import SERVING_DTYPES, read_header
-from ditserve.engine.weights.host_fit import CgroupMemory, ComponentFiles, HostMemory
+from ditserve.engine.weights.host_fit import ComponentFiles
+from ditserve.engine.weights.host_memory import CgroupMemory, HostMemory
 
 # Written as the cgroup's memory.max when there is no limit (v2), or a page-rounded
 # LONG_MAX (v1): anything this large is "unlimited".

@@ -33,7 +33,11 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-GIB = 1 << 30
+from ditserve.engine.weights.host_memory import GIB, CgroupMemory, HostMemory, gib
+
+__all__ = ["GIB", "CgroupMemory", "ComponentFiles", "DitBacking", "HostFit", "HostMemory",
+           "Holding", "LoadOptions", "gib", "headroom_for", "pin_limit_for", "plan_host_fit"]
+
 # Host memory kept free beyond the weights: torch and the CUDA context (~1-3 GiB RSS), pinned
 # staging slots, decoded images' host copies, the allocator's slack. An eighth of what the
 # load commits, up to this: a load that commits nothing is never refused, a large one keeps
@@ -46,41 +50,6 @@ def headroom_for(committed: int, cap: int = HEADROOM_BYTES) -> int:
     return min(cap, committed // HEADROOM_FRACTION)
 # Filesystems whose pages live in memory and are never reclaimed (swap aside).
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "shmem", "ramfs", "hugetlbfs"})
-
-
-@dataclass(frozen=True)
-class CgroupMemory:
-    """One memory cgroup level with a limit: ``memory.max`` (v2) or ``limit_in_bytes`` (v1).
-    reclaimable: its inactive file pages (what kubelet subtracts for the working set)."""
-
-    path: str
-    limit: int
-    usage: int
-    reclaimable: int = 0
-
-    @property
-    def available(self) -> int:
-        return max(0, self.limit - max(0, self.usage - self.reclaimable))
-
-
-@dataclass(frozen=True)
-class HostMemory:
-    """What this process may still commit: MemAvailable, bounded by every cgroup limit."""
-
-    mem_available: int
-    cgroups: tuple[CgroupMemory, ...] = ()
-
-    @property
-    def available(self) -> int:
-        return min([self.mem_available, *(c.available for c in self.cgroups)])
-
-    def source(self) -> str:
-        """Which bound is the available figure, in words."""
-        tight = min(self.cgroups, key=lambda c: c.available, default=None)
-        if tight is not None and tight.available < self.mem_available:
-            return (f"cgroup {tight.path}: limit {gib(tight.limit)}, working set "
-                    f"{gib(max(0, tight.usage - tight.reclaimable))}")
-        return "MemAvailable in /proc/meminfo (tmpfs pages count as used)"
 
 
 @dataclass(frozen=True)
@@ -201,11 +170,6 @@ class HostFit:
                 f"{gib(self.memory.available)} is available ({self.memory.source()}); "
                 f"refusing to start instead of being OOM-killed{fixes} "
                 "(DITSERVE_HOST_MEMORY_CHECK=warn loads anyway)")
-
-
-def gib(n: int) -> str:
-    """Bytes for a person: GiB from 1 GiB up, MiB below (tiny models, headroom)."""
-    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
 def plan_host_fit(dits: Sequence[ComponentFiles], encoders: Sequence[ComponentFiles],

@@ -118,3 +118,17 @@ def test_require_room_refuses_a_pinned_copy_that_does_not_fit(
     monkeypatch.setenv(host_check.CHECK_ENV, "sometimes")
     with pytest.raises(ValueError, match="refuse, warn, off"):
         host_check.require_room(GIB, what="x", memory=tight)
+
+
+def test_a_refused_mapping_falls_back_to_a_private_copy_only_if_that_fits(
+        tiny_model_dir: Path) -> None:
+    from ditserve.engine.weights.backing_choice import prepare_dit
+    from ditserve.engine.weights.host_fit import DitBacking, HostFit
+
+    planned = HostFit(dit=DitBacking.MAPPED_REGISTERED, pin_limit_bytes=GIB, auto_pin=True,
+                      reason="checkpoint on tmpfs", holdings=(), memory=HostMemory(0),
+                      private_fits=False)
+    # The tiny checkpoint is float32: served in bfloat16, the preflight refuses the mapping.
+    with pytest.raises(HostMemoryError, match="mapping was refused.*dtype"):
+        prepare_dit(tiny_model_dir, dtype="bfloat16", offload=OffloadConfig(enabled=True),
+                    streams_from_mapping=True, host_fit=planned)
