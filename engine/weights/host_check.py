@@ -51,11 +51,14 @@ def check_mode() -> str:
 
 
 def local_processes() -> int:
-    """Engine processes on this host loading at once (a launcher's LOCAL_WORLD_SIZE)."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    """Engine processes on this host loading at once: a launcher's LOCAL_WORLD_SIZE, else
+    WORLD_SIZE (the workers an engine spawns itself all run on its host), else 1."""
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        try:
+            return max(1, int(os.environ[name]))
+        except (KeyError, ValueError):
+            continue
+    return 1
 
 
 def model_files(model_dir: str | Path, *, dtype: str, mountinfo: str | None = None

@@ -132,3 +132,13 @@ def test_a_refused_mapping_falls_back_to_a_private_copy_only_if_that_fits(
     with pytest.raises(HostMemoryError, match="mapping was refused.*dtype"):
         prepare_dit(tiny_model_dir, dtype="bfloat16", offload=OffloadConfig(enabled=True),
                     streams_from_mapping=True, host_fit=planned)
+
+
+def test_processes_on_this_host_come_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert host_check.local_processes() == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert host_check.local_processes() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 of the 4 ranks on this host
+    assert host_check.local_processes() == 2
