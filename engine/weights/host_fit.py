@@ -153,7 +153,8 @@ class HostFit:
         """The host plan, one line per component, then the verdict."""
         width = max(len(h.name) for h in self.holdings) if self.holdings else 0
         lines = [f"  {h.name.ljust(width)}  {gib(h.bytes):>10}  {h.held_in}  "
-                 f"(commits {gib(h.committed)})" for h in self.holdings]
+                 f"(commits {gib(h.committed) if h.committed else 'nothing'})"
+                 for h in self.holdings]
         lines.append(f"  needs {gib(self.committed)} + {gib(self.headroom)} headroom of "
                      f"{gib(self.memory.available)} available ({self.memory.source()}): "
                      + ("fits" if self.fits else "DOES NOT FIT"))
@@ -161,7 +162,7 @@ class HostFit:
 
     def refusal(self) -> str:
         """The error of a plan that does not fit: bytes needed, available, what would fit."""
-        parts = ", ".join(f"{h.name} {gib(h.committed)} ({h.held_in})"
+        parts = "; ".join(f"{h.name} {gib(h.committed)} as {h.held_in}"
                           for h in self.holdings if h.committed)
         fixes = ("; would fit: " + "; or ".join(self.remedies)) if self.remedies else (
             "; nothing this engine can choose fits: free host memory, or serve on a larger host")
@@ -297,7 +298,8 @@ def _remedies(dits: Sequence[ComponentFiles], encoders: Sequence[ComponentFiles]
                       "staging, about 2x slower)", replace(options, pin_limit_bytes=0),
                       encoders, memory))
     if options.encoders_offloaded and encoders:
-        tries.append(("--dlo-components dit (text encoders resident in HBM: no pinned copy)",
+        tries.append(("--dlo-components dit (text encoders resident in HBM, if the device holds "
+                      "them: no pinned copy)",
                       replace(options, encoders_offloaded=False), encoders, memory))
     spilled = sum(e.bytes for e in encoders if e.in_memory)
     if spilled:
