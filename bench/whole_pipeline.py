@@ -4,7 +4,8 @@ placement of its components: the peak HBM and latency that issue 34's targets ju
 Every component is at its released shape (``ditserve model init-random --size full``, built on
 the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB,
 Z-Image ~20 GB, Wan2.1 ~40 GB, FLUX.2 [dev] ~113 GB - on a host of 128 GiB put it in /dev/shm,
-where DLO maps the checkpoint instead of copying it - [klein] 4B ~16 GB, Cosmos3-Nano ~31 GB: its DiT reads the prompt's tokens itself, so only the Wan 2.2
+where DLO maps the checkpoint instead of copying it, and with ``--spill-dir`` the text
+encoders on a local disk, where their page cache can be evicted - [klein] 4B ~16 GB, Cosmos3-Nano ~31 GB: its DiT reads the prompt's tokens itself, so only the Wan 2.2
 VAE is around it). Each configuration is a set of engine flags, parsed by the engine's own option parser
 and run through the public engine (``DiffusionEngine``: load, add_request, result), so what
 is measured is what ``ditserve serve`` would do with those flags:
@@ -22,8 +23,13 @@ empty negative prompt is cached as in serving). Latency of an N-step request =
 fixed + N x per-step, with per-step = (lat_b - lat_a) / (b - a) and fixed = lat_a - a x
 per-step (encode, decode, admission); when b = N it is the measured lat_b. Peak HBM is
 ``torch.cuda.max_memory_allocated`` (and reserved) over the two timed requests, weights
-included, next to the engine's own predicted peak (its printed plan, ``pipeline_report``). ``--size tiny`` runs the same program on the tiny models on a CPU (a smoke run:
-nothing judged).
+included, next to the engine's own predicted peak (its printed plan, ``pipeline_report``).
+Before each configuration loads, its host plan is printed and recorded (``host_plan``): what
+each component's bytes are held in (tmpfs pages, page cache, pinned copies), what that
+commits against the host's available memory, and the DiT backing the engine's ``auto`` takes
+(``engine.weights.host_check``, the same plan the engine refuses to start on when it does not
+fit). ``--size tiny`` runs the same program on the tiny models on a CPU (a smoke run: nothing
+judged).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import argparse
 import gc
 import json
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -44,6 +51,7 @@ import torch
 
 from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
+from ditserve.engine.families import family_named
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.model_defaults import model_defaults
 
@@ -115,18 +123,39 @@ def cuda_memory() -> dict[str, int]:
             "peak_reserved": torch.cuda.max_memory_reserved()}
 
 
+def host_plan(config: Any, model: Path) -> dict[str, Any] | None:
+    """The engine's host plan of this configuration's load (None: no offload, no plan)."""
+    if not config.offload.enabled:
+        return None
+    from ditserve.engine.runner.assembly import weights_replaced
+    from ditserve.engine.weights.host_check import plan_load
+
+    sharded = config.parallel.weight_group is not None and config.offload.use_allgather
+    fit = plan_load(model, dtype=config.dtype, offload=config.offload,
+                    streams_from_mapping=(config.device != "cpu" and not sharded
+                                          and config.offload.compress == "none"),
+                    keep_private=weights_replaced(quantization=config.quantization,
+                                                  fuse=config.adapters.fuse),
+                    sharded=sharded)
+    print(fit.table(), flush=True)
+    return fit.to_json()
+
+
 def run_config(name: str, flags: str, w: Workload, model: Path, args: argparse.Namespace,
                ) -> dict[str, Any]:
     from ditserve.engine.loop.engine import DiffusionEngine
 
     harness.log(f"{name}: loading ({flags})")
+    config = engine_config(flags, model, args.device, args.dtype)
+    plan = host_plan(config, model)
     started = time.perf_counter()
     try:
-        engine = DiffusionEngine(engine_config(flags, model, args.device, args.dtype)).start()
+        engine = DiffusionEngine(config).start()
     except DitServeError as e:  # e.g. a budget the planner cannot meet: a result too
         harness.log(f"{name}: refused at start: {e}")
-        return {"flags": flags, "refused": str(e)}
-    out: dict[str, Any] = {"flags": flags, "load_s": time.perf_counter() - started}
+        return {"flags": flags, "refused": str(e), "host_plan": plan}
+    out: dict[str, Any] = {"flags": flags, "load_s": time.perf_counter() - started,
+                           "host_plan": plan}
     try:
         out["weights_on_device"] = cuda_memory().get("allocated")
         out["offload"] = _scalars(engine.offload_report())
@@ -241,6 +270,7 @@ def table(results: dict[str, Any]) -> str:
                      f"{r['step_s']:.3f}", f"{r['fixed_s']:.2f}", f"{r['request_s']:.2f}",
                      ratio))
     lines = harness.md_table(header, rows)
+    lines += host_lines(results["configs"])
     for t in results["targets"]:
         verdict = "not judged (tiny)" if results["size"] == "tiny" else (
             "met" if t["met"] else "MISSED")
@@ -248,12 +278,66 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def host_lines(configs: dict[str, Any]) -> list[str]:
+    """Each configuration's host plan: where each component's bytes are held."""
+    lines = []
+    for name, run in configs.items():
+        plan = run.get("host_plan")
+        if not plan:
+            continue
+        held = "; ".join(f"{c['name']} {c['bytes'] / GIB:.1f} GiB in {c['held_in']}"
+                         for c in plan["components"])
+        lines.append(f"- host plan of {name}: DiT {plan['dit_backing']}; {held}; commits "
+                     f"{plan['committed_bytes'] / GIB:.1f} GiB of "
+                     f"{plan['available_bytes'] / GIB:.1f} GiB available "
+                     f"({'fits' if plan['fits'] else 'does NOT fit'})")
+    return lines
+
+
+def spill_components(model: Path, spill: Path, names: list[str]) -> list[str]:
+    """Keep these components' files under ``spill`` (a local disk), each linked from the
+    model directory: a built one is moved there (freeing its tmpfs pages), a missing one is
+    written there through its link by the build. Returns the names newly spilled."""
+    done = []
+    model.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        link, target = model / name, spill / name
+        if link.is_symlink():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target)
+        if link.is_dir():
+            shutil.move(str(link), str(target))  # across filesystems: copy, then delete
+        else:
+            target.mkdir()
+        link.symlink_to(target, target_is_directory=True)
+        done.append(name)
+    return done
+
+
+def encoder_components(model: str) -> list[str]:
+    """The family's text encoder components (what ``--spill-dir`` moves)."""
+    family = family_named(model)
+    return [] if family is None else [c for c in family.components
+                                      if c.startswith("text_encoder")]
+
+
 def prepare_model(args: argparse.Namespace, scratch: Path) -> Path:
     if args.size == "tiny":
         from ditserve.engine.makers.tiny_model import init_tiny
 
-        return init_tiny(scratch / f"tiny-{args.model}", family=args.model)
+        model = init_tiny(scratch / f"tiny-{args.model}", family=args.model)
+        if args.spill_dir is not None:
+            spill_components(model, args.spill_dir / model.name, encoder_components(args.model))
+        return model
     model = args.model_dir or Path(f"/dev/shm/ditserve-whole-{args.model}")
+    if args.spill_dir is not None:
+        spilled = spill_components(model, args.spill_dir / model.name,
+                                   encoder_components(args.model))
+        if spilled:
+            harness.log(f"{', '.join(spilled)}: files under {args.spill_dir / model.name}, "
+                        f"linked from {model}")
     if not (model / "model_index.json").is_file():
         from ditserve.engine.makers.random_model import init_random
 
@@ -273,6 +357,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="a full-size random pipeline (built here when missing; default "
                         "/dev/shm/ditserve-whole-MODEL)")
+    p.add_argument("--spill-dir", type=Path, default=None,
+                   help="keep the text encoders' files in DIR/<model dir name>/ (a local disk), "
+                        "linked from --model-dir: on a tmpfs their pages could never be "
+                        "evicted, on a disk their page cache can (FLUX.2 [dev]'s 45 GiB "
+                        "Mistral encoder on a 125 GiB host)")
     p.add_argument("--configs", nargs="+", default=None,
                    help=f"which configurations to run (default: all of {', '.join(CONFIGS)})")
     p.add_argument("--config", action="append", default=[], metavar='NAME="FLAGS"',

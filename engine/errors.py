@@ -13,6 +13,11 @@ class ModelLoadError(DitServeError):
     """A model directory is missing, incomplete, or of an unsupported pipeline class."""
 
 
+class HostMemoryError(ConfigError):
+    """Loading would commit more host memory than is available (the engine refuses to start
+    instead of being OOM-killed); the message names the flags that would fit."""
+
+
 class InvalidRequestError(DitServeError, ValueError):
     """A generation request has an invalid field; ``field`` names it."""
 

@@ -123,3 +123,35 @@ def test_host_rss_builds_a_random_model_once_in_a_child(tmp_path: Path) -> None:
     built = index.stat().st_mtime_ns
     bench.init_random(model, "cosmos3", size="tiny", device="cpu")
     assert index.stat().st_mtime_ns == built
+
+
+def test_whole_pipeline_spills_encoders_and_records_each_host_plan(tmp_path: Path) -> None:
+    bench = load("whole_pipeline")
+    spill = tmp_path / "disk"
+    assert bench.main(["--model", "flux", "--size", "tiny", "--out", str(tmp_path / "out"),
+                       "--spill-dir", str(spill), "--configs", "dlo-resident-encoders",
+                       "dlo-whole"]) == 0
+    result = json.loads((tmp_path / "out" / "whole_pipeline_flux_tiny.json").read_text())
+    for name, offloaded in (("dlo-resident-encoders", False), ("dlo-whole", True)):
+        plan = result["configs"][name]["host_plan"]
+        rows = {row["name"]: row for row in plan["components"]}
+        assert set(rows) >= {"transformer", "text_encoder", "text_encoder_2", "vae"}
+        assert plan["fits"] and plan["dit_backing"] == "mapped"  # a CPU reads the mapping
+        assert ("pinned" in rows["text_encoder"]["held_in"]) == offloaded
+        assert (rows["text_encoder"]["committed"] > 0) == offloaded
+    text = (tmp_path / "out" / "whole_pipeline_flux_tiny.md").read_text()
+    assert "host plan of dlo-whole: DiT mapped" in text
+
+
+def test_spill_components_moves_built_files_and_links_them(tmp_path: Path) -> None:
+    bench = load("whole_pipeline")
+    model, spill = tmp_path / "shm" / "model", tmp_path / "disk"
+    (model / "text_encoder").mkdir(parents=True)
+    (model / "text_encoder" / "model.safetensors").write_bytes(b"x")
+    assert bench.spill_components(model, spill, ["text_encoder", "text_encoder_2"]) == [
+        "text_encoder", "text_encoder_2"]
+    assert (model / "text_encoder").is_symlink()
+    assert (spill / "text_encoder" / "model.safetensors").read_bytes() == b"x"
+    assert (model / "text_encoder_2").resolve() == (spill / "text_encoder_2").resolve()
+    assert bench.spill_components(model, spill, ["text_encoder"]) == []  # already spilled
+    assert bench.encoder_components("flux2") == ["text_encoder"]

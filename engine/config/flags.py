@@ -167,9 +167,14 @@ def _add_offload_options(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--cache-root", default=None,
                    help="node cache root (default $DITSERVE_CACHE_ROOT or /var/cache/ditserve)")
     o.add_argument("--dlo-pin-limit-gib", type=float, default=None,
-                   help="host-registration budget for mmap backings (0: staging copies)")
+                   help="host-registration budget for mmap backings (0: staging copies, or "
+                        "under auto an automatic budget for a checkpoint on tmpfs)")
     o.add_argument("--dlo-checkpoint-mmap", choices=("auto", "off"), default=None,
-                   help="stream straight from the checkpoint's safetensors when possible")
+                   help="auto: stream straight from the checkpoint's safetensors when that "
+                        "is the backing that fits host memory (a checkpoint on tmpfs is "
+                        "mapped and registered, never copied); off: a private pinned copy. "
+                        "A load that cannot fit host memory is refused at start "
+                        "(DITSERVE_HOST_MEMORY_CHECK=warn|off to load anyway)")
     o.add_argument("--dlo-compress", choices=COMPRESS_MODES, default=None,
                    help="lossless: keep streamed blocks' bf16 bytes packed (0.75x, bit-exact) "
                         "in host memory and decode them on the device after each copy")

@@ -49,8 +49,13 @@ from ditserve.engine.placement.budget_plan import (
 )
 from ditserve.engine.placement.component_placement import ParkedModules, module_bytes
 from ditserve.engine.placement.decode_batches import DecodeBatches, DecodeRule
-from ditserve.engine.placement.encoder_streaming import StreamedEncoders, streamable
+from ditserve.engine.placement.encoder_streaming import (
+    StreamedEncoders,
+    host_side_bytes,
+    streamable,
+)
 from ditserve.engine.placement.prompt_cache import ENCODER_ATTRS, PromptCache, install_prompt_cache
+from ditserve.engine.weights.host_check import require_room
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -114,6 +119,7 @@ class WholePipeline:
                 module.to(device)
         self.parked: ParkedModules | None = None
         parked = {name: m for name, m in encoders.items() if self.modes[name] == PARKED}
+        _require_pin_room(encoders, self.modes)
         if parked:
             self.parked = ParkedModules(parked, device=device)
         self.streamed = StreamedEncoders(
@@ -295,6 +301,20 @@ class WholePipeline:
                            "ahead": self.encode.ahead},
                 "decode": {"calls": 0 if self.decoder is None else self.decoder.calls,
                            "requests": 0 if self.decoder is None else self.decoder.decoded}}
+
+
+def _require_pin_room(encoders: dict[str, torch.nn.Module], modes: dict[str, str]) -> None:
+    """Refuse to start, rather than be OOM-killed, when the offloaded encoders' pinned copies
+    (a parked encoder whole, a streamed one's layers) do not fit the host now - the load's
+    host plan (``weights.host_check``) checked the same before the DiT was read."""
+    pinned = {name: module_bytes(m) - (host_side_bytes(m) if modes[name] == STREAMED else 0)
+              for name, m in encoders.items() if modes[name] in (PARKED, STREAMED)}
+    if pinned:
+        require_room(sum(pinned.values()),
+                     what=f"pinned host copies of {', '.join(pinned)} (offloaded encoders)",
+                     remedies=("--dlo-components dit (text encoders resident in HBM)",
+                               "their files on a local disk instead of tmpfs (their page "
+                               "cache is reclaimable)"))
 
 
 def _memory_lines(memory: BudgetPlan | None) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 
 from ditserve.engine.config import (
     DType,
+    OffloadConfig,
     PipelineConfig,
     ResolvedOffload,
     SchedulerConfig,
@@ -45,6 +46,7 @@ from ditserve.engine.weights.load import LoadedWeights, load_weights
 
 if TYPE_CHECKING:
     from ditserve.engine.offload import OffloadHandle
+    from ditserve.engine.offload.host.weight_plan import HostWeightPlan
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +195,7 @@ def assemble(loaded: LoadedWeights, settings: PlanSettings, *, adapters: Adapter
             # the offload spends only the DiT's share on resident blocks.
             offload_config = offload.dit_options(budget_gib=budget.dit_budget / GIB)
             kwargs["activation_reserve_bytes"] = 0
+        offload_config = with_auto_pin_limit(offload_config, loaded.host_plan)
         with timed(timeline, "pin_register"):
             handle = enable_offload(pipeline.transformer, offload_config, device=device,
                                     host_plan=loaded.host_plan,
@@ -204,6 +207,16 @@ def assemble(loaded: LoadedWeights, settings: PlanSettings, *, adapters: Adapter
 
         compile_repeated_blocks(pipeline.transformer, compile)
     return Assembled(pipeline, adapter_bank, handle, inputs, budget)
+
+
+def with_auto_pin_limit(options: OffloadConfig, host_plan: HostWeightPlan | None
+                        ) -> OffloadConfig:
+    """``options`` with the registration budget the loader chose for its mapping (a
+    checkpoint on tmpfs: ``weights.host_fit``) when ``--dlo-pin-limit-gib`` set none."""
+    auto = host_plan.auto_pin_limit_bytes if host_plan is not None else 0
+    if not auto or options.pin_limit_gib > 0:
+        return options
+    return replace(options, pin_limit_gib=auto / GIB)
 
 
 def _budget_inputs(pipeline: Any, settings: PlanSettings) -> BudgetInputs:

@@ -24,6 +24,7 @@ from torch import nn
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.host.weight_plan import BackingKind, Coverage, HostWeightPlan
+from ditserve.engine.weights.host_fit import HostFit
 
 
 def prepare_dits(
@@ -35,12 +36,14 @@ def prepare_dits(
     streams_from_mapping: bool = False,
     sharded: bool = False,
     keep_private: str | None = None,
+    host_fit: HostFit | None = None,
 ) -> tuple[dict[str, nn.Module], HostWeightPlan]:
     """Every DiT of the model (by component) with its backing, and the one plan for them.
 
     keep_private: why the DiTs' tensors will be replaced after loading (``--quantization``):
     each is then loaded ordinarily (see ``backing_choice.prepare_dit``).
     sp_size: the replica's sequence-parallel size (the node cache entry's identity has it).
+    host_fit: the load's host plan (``weights.host_check``), whose DiT backing ``auto`` follows.
 
     sharded: offload will keep 1/group shards and rebuild blocks with a collective; refused
     for several experts (a step may run one expert on one rank and the other elsewhere, so
@@ -62,7 +65,8 @@ def prepare_dits(
             prepared[name] = prepare_dit(model_dir, dtype=dtype, offload=offload,
                                          sp_size=sp_size,
                                          streams_from_mapping=streams_from_mapping,
-                                         component=name, keep_private=keep_private)
+                                         component=name, keep_private=keep_private,
+                                         host_fit=host_fit)
     except BaseException:
         for _, plan in prepared.values():
             plan.close()
@@ -115,4 +119,5 @@ def combine_plans(plans: Mapping[str, HostWeightPlan]) -> HostWeightPlan:
         mappings=[m for p in plans.values() for m in p.mappings], coverage=coverage,
         skipped_materialization=any(p.skipped_materialization for p in plans.values()),
         lease=lease,
+        auto_pin_limit_bytes=sum(p.auto_pin_limit_bytes for p in plans.values()),
     )

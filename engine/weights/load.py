@@ -53,10 +53,16 @@ def load_weights(
     if not offload.enabled:
         return LoadedWeights(load_components(model_dir, dtype=dtype), None)
     from ditserve.engine.weights.dit_backing import prepare_dits
+    from ditserve.engine.weights.host_check import check_host_memory
 
+    # Before anything is read: refuse a load that would not fit this host's memory (instead
+    # of an OOM kill halfway through), and let ``auto`` pick the DiT backing that fits.
+    fit = check_host_memory(model_dir, dtype=dtype, offload=offload,
+                            streams_from_mapping=streams_from_mapping,
+                            keep_private=keep_private, sharded=sharded)
     dits, host_plan = prepare_dits(model_dir, dtype=dtype, offload=offload, sp_size=sp_size,
                                    streams_from_mapping=streams_from_mapping,
-                                   keep_private=keep_private, sharded=sharded)
+                                   keep_private=keep_private, sharded=sharded, host_fit=fit)
     try:
         return LoadedWeights(load_components(model_dir, dtype=dtype, dits=dits), host_plan)
     except BaseException:

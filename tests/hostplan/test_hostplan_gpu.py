@@ -141,3 +141,38 @@ def test_engine_runtime_cache_registered_generation_equals_resident(tiny_model_d
         assert torch.equal(got["a"], want["a"])
     finally:
         runner.close()
+
+
+def test_engine_registers_a_tmpfs_checkpoint_without_a_pin_limit(tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 46: ``auto`` on CUDA maps a checkpoint it finds on tmpfs and registers it under an
+    automatic pin limit (before, it copied it into private pinned memory beside its pages)."""
+    import os
+
+    from engine.driver import drive  # type: ignore[import-not-found]
+
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.request import SamplingParams
+    from ditserve.engine.runner.model_runner import ModelRunner
+    from ditserve.engine.weights import host_check
+    from ditserve.engine.weights.host_fit import GIB, HostMemory
+
+    dev = os.stat((tiny_model_dir / DIT_COMPONENT).resolve()).st_dev
+    mounts = f"25 24 {os.major(dev)}:{os.minor(dev)} / /m rw - tmpfs tmpfs rw\n"
+    monkeypatch.setattr(host_check, "read_mountinfo", lambda: mounts)
+    monkeypatch.setattr(host_check, "read_host_memory", lambda: HostMemory(64 * GIB))
+    monkeypatch.delenv(host_check.CHECK_ENV, raising=False)
+    params = SamplingParams(prompt="a red fox", num_inference_steps=3, seed=11)
+    resident = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),
+                           model_dir=tiny_model_dir)
+    want, _ = drive(resident, {0: [("a", params)]}, max_num_seqs=1)
+    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda",
+                                      offload=OffloadConfig(enabled=True)),
+                         model_dir=tiny_model_dir)
+    try:
+        r = runner.offload_report()
+        assert (r["backing_kind"], r["transfer_path"]) == ("checkpoint_mmap", "registered")
+        assert "tmpfs" in r["backing_reason"] and r["auto_pin_limit_bytes"] > 0
+        got, _ = drive(runner, {0: [("a", params)]}, max_num_seqs=1)
+        assert torch.equal(got["a"], want["a"])
+    finally:
+        runner.close()

@@ -90,9 +90,12 @@ class HostWeightPlan:
         coverage: Coverage | None = None,
         skipped_materialization: bool = False,
         lease: Any = None,
+        auto_pin_limit_bytes: int = 0,
     ) -> None:
         """sources: runtime name -> tensor view over ``mappings`` (read-only file maps);
-        lease: the cache entry (closed with the plan)."""
+        lease: the cache entry (closed with the plan); auto_pin_limit_bytes: the registration
+        budget the loader chose for this mapping when ``--dlo-pin-limit-gib`` was not set
+        (``weights.host_fit``: a checkpoint on tmpfs is registered, not copied; 0: none)."""
         bindings = dict(bindings or {})
         if kind is not BackingKind.ORDINARY:
             if not bindings or sources is None or set(bindings) != set(sources):
@@ -108,6 +111,8 @@ class HostWeightPlan:
         self.coverage = coverage or Coverage(0, 0, 0)
         self.skipped_materialization = skipped_materialization
         self._lease = lease
+        self.auto_pin_limit_bytes = auto_pin_limit_bytes if kind is not BackingKind.ORDINARY \
+            else 0
         self._consumed = False
         self._closed = False
 
@@ -160,6 +165,7 @@ class HostWeightPlan:
             "mapped_bytes": self.coverage.bound_bytes,
             "mapped_files": len(self._mappings),
             "skipped_materialization": self.skipped_materialization,
+            "auto_pin_limit_bytes": self.auto_pin_limit_bytes,
         }
 
     def close(self) -> None:
