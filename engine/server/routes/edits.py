@@ -35,6 +35,7 @@ from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, invalid, request_id_of
 from ditserve.engine.server.extension_fields import form_value
 from ditserve.engine.server.form_fields import fold_nested
+from ditserve.engine.server.phase import check_loaded
 from ditserve.engine.server.routes.waiting import admit, answer, event_stream
 from ditserve.engine.server.schemas import RequestLimits, parse_generation_fields, request_error
 from ditserve.engine.server.state import ServerState
@@ -119,6 +120,7 @@ async def edit_image(request: Request) -> Response:
         raise APIError(400, f"this server serves the video model {state.model_name!r}: "
                             "animate an image with POST /v1/videos and input_reference",
                        param="model", code="unsupported_model")
+    check_loaded(state)  # before the model loaded, it seems to edit nothing
     if state.model_limits().condition_images[1] == 0:
         raise APIError(400, f"{state.model_name!r} generates images from text only and edits "
                             "none: serve an edit model (FLUX.1 Kontext, Qwen-Image-Edit), or "

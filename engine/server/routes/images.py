@@ -16,6 +16,7 @@ from ditserve.engine.server import image_openapi, openapi, responses, streaming
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import APIError, request_id_of
+from ditserve.engine.server.phase import check_loaded
 from ditserve.engine.server.routes.waiting import admit, answer, event_stream
 from ditserve.engine.server.schemas import parse_generation_request
 from ditserve.engine.server.state import ServerState
@@ -39,6 +40,7 @@ async def create_image(request: Request) -> Response:
         raise APIError(400, f"this server serves the video model {state.model_name!r}: "
                             "create videos with POST /v1/videos (one model per replica)",
                        param="model", code="unsupported_model")
+    check_loaded(state)  # 503 while loading: no verdict by limits not read yet
     rid = request_id_of(request)  # the client's (or a new) id; the engine's is unique
     limits = state.limits()
     parsed = parse_generation_request(await request.body(), engine=state.engine, limits=limits)

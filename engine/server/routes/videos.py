@@ -41,6 +41,7 @@ from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
     check_admitting,
+    check_loaded,
     too_many,
 )
 from ditserve.engine.server.state import ServerState
@@ -91,10 +92,7 @@ def _not_found(video_id: str) -> APIError:
              openapi_extra=video_openapi.CREATE_BODY, responses=video_openapi.create_answers())
 async def create_video(request: Request) -> JSONResponse:
     state, videos = _videos(request)
-    if state.engine.facts() is None:
-        # Loading (a restart): the engine cannot judge a request against limits it has not
-        # read yet (it would call a video model an image model): 503, retry, not a 400.
-        check_admitting(state)
+    check_loaded(state)  # a restart: 503, not a verdict by an image model's limits
     data = await read_body(request)
     reference = data.pop("input_reference", None)
     if reference is not None and not takes_reference(state.engine):
