@@ -18,7 +18,7 @@ from ditserve.engine.errors import (
 )
 from ditserve.engine.loop.client import EnginePhase
 from ditserve.engine.server.errors import NO_RETRY, APIError
-from ditserve.engine.server.schemas import request_error
+from ditserve.engine.server.fields.body import request_error
 
 # What the engine refuses to admit: each maps to one API error (``admission_error``).
 ADMISSION_ERRORS = (QueueFullError, EngineStoppedError, InvalidRequestError, DeadlineError)

@@ -1,13 +1,18 @@
-"""The server's shape, checked: routes share helpers through public modules (no private name
-imported from another server module), and the engine is always held as the typed
-``EngineClient``, never as ``Any``."""
+"""The server's shape, checked: one package per endpoint family, each making its router in its
+``routes.py`` and named in the import-linter contract that keeps those packages independent;
+routes share helpers through public modules (no private name imported from another server
+module); and the engine is always held as the typed ``EngineClient``, never as ``Any``."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-SERVER = Path(__file__).resolve().parents[2] / "engine" / "server"
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = ROOT / "engine" / "server"
+CONTRACT = "server layers"
 
 
 def _trees() -> dict[str, ast.AST]:
@@ -30,3 +35,30 @@ def test_the_engine_is_never_typed_any() -> None:
                if isinstance(node, ast.arg) and node.arg == "engine"
                and isinstance(node.annotation, ast.Name) and node.annotation.id == "Any"]
     assert untyped == [], f"annotate the engine as engine.loop.client.EngineClient: {untyped}"
+
+
+def _endpoint_layer() -> set[str]:
+    """The packages of the contract's layer of independent endpoint packages."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    contract = next(c for c in config["tool"]["importlinter"]["contracts"]
+                    if c["name"].startswith(CONTRACT))
+    layer = next(layer for layer in contract["layers"]
+                 if "images" in {name.strip() for name in layer.replace(":", "|").split("|")})
+    assert ":" not in layer, "the endpoint packages must be independent (|), not siblings (:)"
+    return {name.strip() for name in layer.split("|")}
+
+
+def test_every_endpoint_package_is_an_independent_layer_of_the_contract() -> None:
+    endpoints = {path.parent.name for path in SERVER.glob("*/routes.py")}
+    assert {"images", "edits", "videos", "adapters", "models", "probes"} <= endpoints
+    assert _endpoint_layer() == endpoints, (
+        f"name each endpoint package (a folder with routes.py) in the {CONTRACT!r} contract's "
+        "endpoint layer of pyproject.toml, joined by '|'")
+
+
+def test_routers_are_made_only_in_an_endpoint_packages_routes() -> None:
+    makers = [name for name, tree in _trees().items() for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "APIRouter"
+              and not (name.endswith("/routes.py") and name.count("/") == 1)]
+    assert makers == [], f"a route belongs in its endpoint package's routes.py: {makers}"

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ditserve.engine.server import openapi, step_cache_field, streaming
-from ditserve.engine.server.adapter_fields import FORM_LORAS_PATTERN
-from ditserve.engine.server.image_openapi import request_schema, sse_answer, stream_event_schemas
+from ditserve.engine.server import openapi, streaming
+from ditserve.engine.server.fields import step_cache as step_cache_field
+from ditserve.engine.server.fields.adapters import FORM_LORAS_PATTERN
+from ditserve.engine.server.generation.openapi import (
+    request_schema,
+    sse_answer,
+    stream_event_schemas,
+)
+from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.openapi import ref
-from ditserve.engine.server.schemas import RequestLimits
 
 IMAGE_TYPES = "image/png, image/jpeg, image/webp"
 EDIT_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {
@@ -91,6 +96,6 @@ def answers() -> dict[int | str, Any]:
 
 
 def schemas(limits: RequestLimits, images: int, *, repaints: bool = False) -> dict[str, Any]:
-    """Added to an editing replica's image schemas (``image_openapi.schemas``)."""
+    """Added to an editing replica's image schemas (``generation.openapi.schemas``)."""
     return {"ImageEditForm": form_schema(limits, images, repaints=repaints),
             **stream_event_schemas(streaming.EDIT_EVENTS, "Edit")}

@@ -1,10 +1,11 @@
-"""The OpenAPI parts of the image route: the generation body (from the same
-``RequestLimits`` the parser enforces: size pattern, prompt length, step bound, model id),
-the images answer, its ``usage``, and the schema of each stream event (OpenAI's objects, and
-ditserve's progress arrays, ``streaming``).
+"""The OpenAPI parts the image routes share: the generation body (from the same
+``RequestLimits`` the parser enforces: size pattern, prompt length, step bound, model id; the
+edit form is derived from it), the images answer, its ``usage``, and the schema of each stream
+event (OpenAI's objects, and ditserve's progress arrays, ``streaming``).
 
 ``schemas(limits)`` goes into ``components.schemas`` (``openapi.build_openapi``, on an image
-replica); ``GENERATION_BODY`` and ``sse_answer`` are the route's.
+replica); ``sse_answer`` is part of each image route's answers (``images.openapi``,
+``edits.openapi``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
-from ditserve.engine.server import step_cache_field, streaming
+from ditserve.engine.server import streaming
+from ditserve.engine.server.fields import step_cache as step_cache_field
+from ditserve.engine.server.generation.request import FIELDS, IGNORED_FIELDS
+from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.openapi import (
     LORAS_SCHEMA,
     NOT_ONLY_SPACES,
@@ -22,10 +26,6 @@ from ditserve.engine.server.openapi import (
     scheduling_fields,
     size_pattern,
 )
-from ditserve.engine.server.schemas import FIELDS, IGNORED_FIELDS, RequestLimits
-
-GENERATION_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": ref("ImageGenerationRequest")}}}}
 
 
 def request_schema(limits: RequestLimits) -> dict[str, Any]:

@@ -28,11 +28,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ditserve.engine.server import video_openapi
 from ditserve.engine.server.auth import require_api_key
-from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
 from ditserve.engine.server.edge import is_head
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
+from ditserve.engine.server.fields.uploads import reference_image
 from ditserve.engine.server.jobs.errors import NeverFits, StoreFull, StoreUnavailable
 from ditserve.engine.server.jobs.model import API_FINISHED, JOB_ID_PATTERN, deleted_object
 from ditserve.engine.server.jobs.results import ResultMissing, ResultReader
@@ -46,8 +45,9 @@ from ditserve.engine.server.phase import (
 )
 from ditserve.engine.server.state import ServerState
 from ditserve.engine.server.streaming import EventBridge, sse
-from ditserve.engine.server.uploads import reference_image
-from ditserve.engine.server.video_request import (
+from ditserve.engine.server.videos import openapi as video_openapi
+from ditserve.engine.server.videos.byte_ranges import Unsatisfiable, choose_range
+from ditserve.engine.server.videos.request import (
     parse_video_request,
     read_body,
     reference_refused,
