@@ -27,12 +27,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.server import streaming
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edits.form import auto_size, edit_images, read_edit
 from ditserve.engine.server.edits.openapi import EDIT_BODY, answers
 from ditserve.engine.server.errors import APIError, request_id_of
 from ditserve.engine.server.fields.body import request_error
+from ditserve.engine.server.generation.events import EDIT_EVENTS
 from ditserve.engine.server.generation.request import parse_generation_fields
 from ditserve.engine.server.generation.waiting import respond
 from ditserve.engine.server.phase import check_loaded
@@ -74,4 +74,4 @@ async def edit_image(request: Request) -> Response:
     except InvalidRequestError as e:
         raise request_error(e) from e
     return await respond(state, request, rid, p, stream=parsed.stream,
-                         pixel_multiple=limits.pixel_multiple, names=streaming.EDIT_EVENTS)
+                         pixel_multiple=limits.pixel_multiple, names=EDIT_EVENTS)

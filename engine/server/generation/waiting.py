@@ -30,6 +30,7 @@ from ditserve.engine.server import streaming
 from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import NO_RETRY, APIError, log_error
 from ditserve.engine.server.generation import responses
+from ditserve.engine.server.generation.events import ERROR, GENERATION_EVENTS, ImageEvents
 from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
@@ -62,7 +63,7 @@ def admit(state: ServerState, engine_request_id: str, params: SamplingParams,
 
 async def respond(state: ServerState, request: Request, rid: str, params: SamplingParams, *,
                   stream: bool, pixel_multiple: int,
-                  names: streaming.ImageEvents = streaming.GENERATION_EVENTS) -> Response:
+                  names: ImageEvents = GENERATION_EVENTS) -> Response:
     """Admit a judged request and answer it: its images (JSON), or with ``stream`` its events
     (``names``: the route's event names)."""
     size = f"{params.width}x{params.height}"
@@ -150,7 +151,7 @@ async def answer(state: ServerState, request: Request, rid: str, handle: Request
 
 async def event_stream(state: ServerState, rid: str, handle: RequestHandle,
                        bridge: streaming.EventBridge, *, size: str, tokens: int,
-                       names: streaming.ImageEvents = streaming.GENERATION_EVENTS,
+                       names: ImageEvents = GENERATION_EVENTS,
                        ) -> AsyncIterator[bytes]:
     """queued* -> (progress | partial_image)* -> completed (one per image) | error.
     Leaving early (disconnect) aborts the request."""
@@ -213,4 +214,4 @@ async def event_stream(state: ServerState, rid: str, handle: RequestHandle,
 def error_event(state: ServerState, rid: str, error: APIError) -> bytes:
     state.metrics.count_error(error.reason)
     log_error(rid, error)
-    return streaming.sse(streaming.ERROR, error.body())
+    return streaming.sse(ERROR, error.body())
