@@ -19,7 +19,7 @@ from fastapi import Request
 from ditserve.engine.request import ConditionImage
 from ditserve.engine.server.errors import invalid
 from ditserve.engine.server.fields.extensions import form_value
-from ditserve.engine.server.fields.forms import fold_nested
+from ditserve.engine.server.fields.forms import fold_nested, once
 from ditserve.engine.server.fields.uploads import is_file, read_image, read_mask, read_multipart
 from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.state import ServerState
@@ -65,10 +65,8 @@ async def read_edit(request: Request, state: ServerState) -> tuple[dict[str, Any
                                     f"supported by {state.model_name!r}; it edits the whole "
                                     f"image as the prompt says: send the image without {name}",
                               code="unsupported_value")
-        masks = form.getlist("mask")
-        if len(masks) > 1:
-            raise invalid("mask", f"mask: is given {len(masks)} times; give it once")
-        mask = await read_mask(masks[0], limits=upload) if masks else None
+        mask_file = once(form, "mask")
+        mask = None if mask_file is None else await read_mask(mask_file, limits=upload)
         files = [v for name in IMAGE_FIELDS for v in form.getlist(name)]
         if not files:
             raise invalid("image", "image: is required (one or more image files)",
@@ -78,12 +76,10 @@ async def read_edit(request: Request, state: ServerState) -> tuple[dict[str, Any
         for name in dict.fromkeys(name for name, _ in plain):
             if name in IMAGE_FIELDS or name in IGNORED_EDIT_FIELDS or name == "mask":
                 continue
-            values = form.getlist(name)
-            if len(values) > 1:
-                raise invalid(name, f"{name}: is given {len(values)} times; give it once")
-            if is_file(values[0]):
+            value = once(form, name)
+            if is_file(value):
                 raise invalid(name, f"{name}: must be a text field, not a file")
-            fields[name] = form_value(name, str(values[0]), integers=_INTEGERS,
+            fields[name] = form_value(name, str(value), integers=_INTEGERS,
                                       numbers=_NUMBERS, booleans=_BOOLEANS)
     finally:
         await form.close()

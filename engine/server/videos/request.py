@@ -42,7 +42,7 @@ from ditserve.engine.server.fields.body import (
     request_error,
 )
 from ditserve.engine.server.fields.extensions import form_value, parse_extensions
-from ditserve.engine.server.fields.forms import fold_nested
+from ditserve.engine.server.fields.forms import fold_nested, once
 from ditserve.engine.server.fields.uploads import check_multipart
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.limits import VideoLimits
@@ -100,15 +100,12 @@ async def read_body(request: Any) -> dict[str, Any]:
     try:
         plain, out = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
         for name in dict.fromkeys(name for name, _ in plain):
-            values = form.getlist(name)
-            if len(values) > 1:
-                raise invalid(name, f"{name}: is given {len(values)} times; give it once")
+            value = once(form, name)
             if name == "input_reference":
-                value = values[0]
                 # The file's bytes, read before the form (and its file) is closed below.
                 out[name] = await value.read() if hasattr(value, "read") else value
                 continue
-            out[name] = form_value(name, values[0], integers=_INTEGER_FIELDS,
+            out[name] = form_value(name, value, integers=_INTEGER_FIELDS,
                                    numbers=_NUMBER_FIELDS, booleans=("audio",))
     finally:
         await form.close()
