@@ -14,7 +14,8 @@ threads (a remote store must never block the event loop); an unreachable store i
 ``job_store_unavailable`` with Retry-After (app.py).
 
 An image replica answers these routes with 400 (one model per replica), and its OpenAPI
-document leaves them out.
+document leaves them out. A replica still loading its model answers a create with 503
+``model_loading`` (``phase.check_loaded``): it cannot judge the job before it read its limits.
 """
 
 from __future__ import annotations
