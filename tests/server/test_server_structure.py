@@ -1,7 +1,7 @@
 """The server's shape, checked: one package per endpoint family, each making its router in its
 ``routes.py`` and named in the import-linter contract that keeps those packages independent;
 routes share helpers through public modules (no private name imported from another server
-module); and the engine is always held as the typed ``EngineClient``, never as ``Any``."""
+module, nor reached through an imported module); and the engine is always held as the typed ``EngineClient``, never as ``Any``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,30 @@ def test_no_server_module_imports_a_private_name_of_another() -> None:
                and node.module.startswith("ditserve.engine.server")
                for alias in node.names if alias.name.startswith("_")]
     assert private == [], f"make the shared helper public in a shared module: {private}"
+
+
+def _server_modules_bound(tree: ast.AST) -> set[str]:
+    """The names a module binds to server modules (``from ditserve.engine.server.x import
+    y``, where y may be a module, and ``import ditserve.engine.server.x as y``)."""
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "ditserve.engine.server"):
+            bound.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            bound.update(alias.asname for alias in node.names
+                         if alias.asname and alias.name.startswith("ditserve.engine.server"))
+    return bound
+
+
+def test_no_server_module_reaches_a_private_name_through_a_module() -> None:
+    reached = [f"{name}:{node.lineno} {node.value.id}.{node.attr}"
+               for name, tree in _trees().items() if (bound := _server_modules_bound(tree))
+               for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+               and node.value.id in bound and node.attr.startswith("_")
+               and not node.attr.startswith("__")]
+    assert reached == [], f"make the shared helper public in a shared module: {reached}"
 
 
 def test_the_engine_is_never_typed_any() -> None:
