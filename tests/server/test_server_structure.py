@@ -1,7 +1,8 @@
 """The server's shape, checked: one package per endpoint family, each making its router in its
 ``routes.py`` and named in the import-linter contract that keeps those packages independent;
 routes share helpers through public modules (no private name imported from another server
-module, nor reached through an imported module); and the engine is always held as the typed ``EngineClient``, never as ``Any``."""
+module, nor reached through an imported module); and the engine is always held as the typed
+``EngineClient``, never as ``Any``."""
 
 from __future__ import annotations
 
