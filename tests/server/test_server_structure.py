@@ -62,21 +62,33 @@ def test_the_engine_is_never_typed_any() -> None:
     assert untyped == [], f"annotate the engine as engine.loop.client.EngineClient: {untyped}"
 
 
-def _endpoint_layer() -> set[str]:
-    """The packages of the contract's layer of independent endpoint packages."""
+def _layers() -> list[str]:
+    """The server contract's layers, top first, as written in pyproject.toml."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     contract = next(c for c in config["tool"]["importlinter"]["contracts"]
                     if c["name"].startswith(CONTRACT))
-    layer = next(layer for layer in contract["layers"]
-                 if "images" in {name.strip() for name in layer.replace(":", "|").split("|")})
-    assert ":" not in layer, "the endpoint packages must be independent (|), not siblings (:)"
-    return {name.strip() for name in layer.split("|")}
+    return list(contract["layers"])
+
+
+def _names(layer: str) -> set[str]:
+    return {name.strip() for name in layer.replace(":", "|").split("|")}
+
+
+def test_every_server_module_is_in_a_layer_of_the_contract() -> None:
+    modules = {path.stem for path in SERVER.glob("*.py") if path.stem != "__init__"} | {
+        path.parent.name for path in SERVER.glob("*/__init__.py")}
+    placed = set().union(*map(_names, _layers()))
+    assert modules - placed == set(), (
+        f"place each server module and package in a layer of the {CONTRACT!r} contract "
+        f"(pyproject.toml): {sorted(modules - placed)}")
 
 
 def test_every_endpoint_package_is_an_independent_layer_of_the_contract() -> None:
     endpoints = {path.parent.name for path in SERVER.glob("*/routes.py")}
     assert {"images", "edits", "videos", "adapters", "models", "probes"} <= endpoints
-    assert _endpoint_layer() == endpoints, (
+    layer = next(layer for layer in _layers() if "images" in _names(layer))
+    assert ":" not in layer, "the endpoint packages must be independent (|), not siblings (:)"
+    assert _names(layer) == endpoints, (
         f"name each endpoint package (a folder with routes.py) in the {CONTRACT!r} contract's "
         "endpoint layer of pyproject.toml, joined by '|'")
 
