@@ -1,7 +1,7 @@
 """A conditioning image of a request: an edit's source, an image-to-video first frame; and
 the rules of denoising from a source image (image-to-image, inpainting with a mask).
 
-Decoded and checked at the edge (``engine.server.uploads``, the CLI's ``--image``); carried
+Decoded and checked at the edge (``engine.server.fields.uploads``, the CLI's ``--image``); carried
 on ``SamplingParams.images`` (and ``mask``); each image-conditioned pipeline resizes it as its
 diffusers pipeline does. ``kept_steps`` and ``check_source`` are ``SamplingParams``'s rules
 for ``strength`` and ``mask``. Pure Python.
@@ -18,7 +18,7 @@ from ditserve.engine.errors import InvalidRequestError
 class ConditionImage:
     """A conditioning image (an edit's source, a video's first frame): decoded 8-bit RGB,
     row-major, ``width * height * 3`` bytes, EXIF orientation already applied. Checked and
-    decoded at the edge (``engine.server.uploads``, the CLI); pipelines resize it as their
+    decoded at the edge (``engine.server.fields.uploads``, the CLI); pipelines resize it as their
     diffusers pipeline does."""
 
     width: int

@@ -2,7 +2,7 @@
 
 Pure Python (no torch): ``engine.request`` carries a tuple of them in ``SamplingParams.loras``
 (and re-exports them), the server resolves them from the client's names
-(``engine.server.adapter_fields``), the adapter bank loads what they point at.
+(``engine.server.fields.adapters``), the adapter bank loads what they point at.
 """
 
 from __future__ import annotations

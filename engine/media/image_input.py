@@ -1,6 +1,6 @@
 """Input images (an edit's source, a video's first frame): file bytes -> ``ConditionImage``.
 
-One decoder for the HTTP upload routes (``server.uploads``) and ``ditserve generate
+One decoder for the HTTP upload routes (``server.fields.uploads``) and ``ditserve generate
 --image``. An image's header is read before its pixels: a format other than PNG, JPEG or
 WebP, a decoded size over ``max_pixels`` (a decompression bomb: a few kilobytes that would
 decode to gigabytes) or a truncated file raises ``InvalidRequestError`` naming the field,

@@ -4,8 +4,10 @@ the engine lifespan.
 ``create_app(engine, config)`` is called by ``main`` (a real server) and by tests (with
 httpx's ASGITransport and ``start_engine=False`` around an engine they started). The lifespan
 starts the engine in a worker thread, so /health answers while the weights load and /ready
-turns 200 after the warm-up step; on exit it stops the engine. Routes live in ``routes/``,
-one module per group; a new group is one more ``include_router``.
+turns 200 after the warm-up step; on exit it stops the engine. Routes live in one package
+per endpoint family (``images``, ``edits``, ``videos``, ``adapters``, ``models``,
+``probes``), each with its ``routes.router``; a new family is a package and one more
+``include_router``.
 """
 
 from __future__ import annotations
@@ -19,30 +21,25 @@ from fastapi import FastAPI, Request, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from ditserve.engine.loop.client import EngineClient, EnginePhase
-from ditserve.engine.server import edit_openapi, image_openapi, video_openapi
+from ditserve.engine.server.adapters import routes as adapters
 from ditserve.engine.server.auth import check_bearer
 from ditserve.engine.server.config import UPLOAD_PATHS, ServerConfig
 from ditserve.engine.server.edge import REQUEST_ID_HEADER, GuardMiddleware, RequestIdMiddleware
+from ditserve.engine.server.edits import openapi as edit_openapi
+from ditserve.engine.server.edits import routes as edits
+from ditserve.engine.server.edits.form import edit_images, repaints
 from ditserve.engine.server.errors import install_handlers
+from ditserve.engine.server.generation import openapi as image_openapi
+from ditserve.engine.server.images import routes as images
 from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.metrics import ServingMetrics
+from ditserve.engine.server.models import routes as models
 from ditserve.engine.server.openapi import build_openapi
 from ditserve.engine.server.phase import unavailable
-from ditserve.engine.server.routes import adapters, edits, images, models, probes, videos
+from ditserve.engine.server.probes import routes as probes
 from ditserve.engine.server.state import ServerState
-
-
-def edit_images(state: ServerState) -> int:
-    """The most images the replica's model edits from (0: it does not edit; /v1/images/edits
-    is then left out of the document, as the route answers 400)."""
-    if state.output != "image":
-        return 0
-    return int(state.model_limits().condition_images[1])
-
-
-def repaints(state: ServerState) -> bool:
-    """Whether the model denoises from its source image (takes an edit's mask and strength)."""
-    return state.output == "image" and state.model_limits().image_strength is not None
+from ditserve.engine.server.videos import openapi as video_openapi
+from ditserve.engine.server.videos import routes as videos
 
 
 def create_app(

@@ -2,8 +2,8 @@
 schema), headers and media types, so clients and fuzzers (schemathesis, in CI) can rely on it.
 
 Routes declare their answers with ``answers(...)``; ``build_openapi`` adds what depends on
-the running replica: the schemas of the kind of model it serves (``image_openapi`` or
-``video_openapi``: the bodies' rules from the same limits the parsers enforce, the answers and
+the running replica: the schemas of the kind of model it serves (``generation.openapi`` or
+``videos.openapi``: the bodies' rules from the same limits the parsers enforce, the answers and
 events), the ``X-Request-Id`` header on every operation, and Bearer security when an API key
 is set.
 """
@@ -190,10 +190,10 @@ def build_openapi(app: FastAPI, *, api_key: bool, kind_schemas: dict[str, Any],
     """The whole document for this replica (``app.openapi`` caches it per limits).
 
     One model per replica: a video replica's document (``video``, with
-    ``video_openapi.schemas``) holds the video routes (tag ``videos``) and not the image
-    route (tag ``images``); an image replica's (``image_openapi.schemas``) the reverse. The
+    ``videos.openapi.schemas``) holds the video routes (tag ``videos``) and not the image
+    route (tag ``images``); an image replica's (``generation.openapi.schemas``) the reverse. The
     other kind's routes answer 400 and are left out, and so is the edits route (tag
-    ``edits``) unless the model edits (``edits``, with ``edit_openapi.schemas``).
+    ``edits``) unless the model edits (``edits``, with ``edits.openapi.schemas``).
     """
     doc = get_openapi(title="ditserve", version="0.1.0", routes=app.routes,
                       description="OpenAI-style image and video generation on a diffusion "

@@ -18,7 +18,7 @@ from ditserve.engine.errors import (
 )
 from ditserve.engine.loop.client import EnginePhase
 from ditserve.engine.server.errors import NO_RETRY, APIError
-from ditserve.engine.server.schemas import request_error
+from ditserve.engine.server.fields.body import request_error
 
 # What the engine refuses to admit: each maps to one API error (``admission_error``).
 ADMISSION_ERRORS = (QueueFullError, EngineStoppedError, InvalidRequestError, DeadlineError)
@@ -51,9 +51,9 @@ NOT_READY = {
 }
 
 
-def unavailable(state: Any, message: str) -> APIError:
+def unavailable(state: Any, message: str, *, code: str = "unavailable") -> APIError:
     """A 503 with Retry-After."""
-    return APIError(503, message, type="server_error", code="unavailable", reason="unavailable",
+    return APIError(503, message, type="server_error", code=code, reason="unavailable",
                     headers={"Retry-After": str(state.config.retry_after_s)})
 
 
@@ -86,7 +86,19 @@ def admission_error(state: Any, exc: QueueFullError | EngineStoppedError | Inval
 
 
 def check_admitting(state: Any) -> None:
-    """Raise the 503 of a replica that is not ready for new work."""
+    """Raise the 503 of a replica that is not ready for new work (code ``model_loading``
+    while the model loads: the client retries after Retry-After)."""
     phase = engine_phase(state)
     if phase is not EnginePhase.READY:
-        raise unavailable(state, NOT_READY[phase])
+        code = "model_loading" if phase is EnginePhase.LOADING else "unavailable"
+        raise unavailable(state, NOT_READY[phase], code=code)
+
+
+def check_loaded(state: Any) -> None:
+    """Raise the 503 of ``check_admitting`` while the model has not loaded. Called by every
+    generation route before it parses a request: until the model loaded, the engine knows
+    neither its limits (it would judge by the defaults), nor its adapters, nor whether it
+    edits or animates images, so any verdict on the request would be a 4xx the client does
+    not retry, where a retry after the load succeeds."""
+    if state.engine.facts() is None:
+        check_admitting(state)

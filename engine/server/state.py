@@ -35,17 +35,16 @@ from ditserve.engine.loop.startup import WarmUp
 from ditserve.engine.loop.step_log import StepLog, copy_rates_of
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits
 from ditserve.engine.server.config import ServerConfig, parse_size
+from ditserve.engine.server.fields.step_cache import step_cache_policies
+from ditserve.engine.server.fields.uploads import UploadLimits
 from ditserve.engine.server.jobs.backend import JobBackend
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.results import ResultStore
 from ditserve.engine.server.jobs.service import VideoJobs
 from ditserve.engine.server.jobs.store import JobStore, StoreLimits
+from ditserve.engine.server.limits import RequestLimits, VideoLimits
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.model_defaults import ModelDefaults, model_defaults
-from ditserve.engine.server.schemas import RequestLimits
-from ditserve.engine.server.step_cache_field import step_cache_policies
-from ditserve.engine.server.uploads import UploadLimits
-from ditserve.engine.server.video_request import VideoLimits
 
 log = logging.getLogger(__name__)
 SQLITE_FILE = "jobs.sqlite3"  # the default job store, under --video-dir

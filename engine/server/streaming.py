@@ -1,11 +1,12 @@
-"""Server-Sent Events for ``"stream": true``: engine progress events -> an SSE byte stream.
+"""Server-Sent Events, the mechanics every stream shares (an image request's ``"stream":
+true``, a video job's events): engine progress events -> an SSE byte stream.
 
 The engine calls ``EventBridge.push`` from its loop thread; the bridge hands each event to
 the request's asyncio queue with ``call_soon_threadsafe`` (asyncio queues are not
-thread-safe). Every ``data:`` line is one JSON object whose ``type`` repeats the event name.
-``PARTIAL_IMAGE`` and ``COMPLETED`` are OpenAI's image stream events (the SDK's typed
-``ImageGenPartialImageEvent`` / ``ImageGenCompletedEvent``); ``QUEUED`` and ``PROGRESS`` are
-ditserve's own, under their own types, which OpenAI clients pass over.
+thread-safe). Every ``data:`` line is one JSON object whose ``type`` repeats the event name
+(``sse``), or one of ditserve's progress arrays (``progress``). The image streams' event
+names are ``generation.events``'; ``parse_sse`` reads a finished body back (clients, tests,
+benches).
 """
 
 from __future__ import annotations
@@ -13,32 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import dataclass
 from typing import Any
-
-QUEUED = "ditserve.queued"
-PROGRESS = "ditserve.progress"
-PARTIAL_IMAGE = "image_generation.partial_image"
-COMPLETED = "image_generation.completed"
-ERROR = "error"
-EVENT_TYPES = (QUEUED, PROGRESS, PARTIAL_IMAGE, COMPLETED, ERROR)
-
-
-@dataclass(frozen=True)
-class ImageEvents:
-    """The event names of one image route's stream: generations' ``image_generation.*``,
-    edits' ``image_edit.*`` (OpenAI's ``ImageEditPartialImageEvent`` / ``...CompletedEvent``;
-    the payloads are the same)."""
-
-    queued: str
-    progress: str
-    partial_image: str
-    completed: str
-
-
-GENERATION_EVENTS = ImageEvents(QUEUED, PROGRESS, PARTIAL_IMAGE, COMPLETED)
-EDIT_EVENTS = ImageEvents("image_edit.queued", "image_edit.progress",
-                          "image_edit.partial_image", "image_edit.completed")
 
 
 class EventBridge:

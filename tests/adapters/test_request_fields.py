@@ -14,8 +14,9 @@ from PIL import Image
 from ditserve.engine.adapters.catalog import AdapterCatalog
 from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.server.errors import APIError
-from ditserve.engine.server.schemas import RequestLimits, parse_generation_request
-from ditserve.engine.server.video_request import VideoLimits, parse_video_request
+from ditserve.engine.server.generation.request import parse_generation_request
+from ditserve.engine.server.limits import RequestLimits, VideoLimits
+from ditserve.engine.server.videos.request import parse_video_request
 
 CATALOG = AdapterCatalog(AdapterConfig(lora_modules={"style": "/s.safetensors",
                                                      "detail": "/d.safetensors"}),
@@ -63,7 +64,7 @@ def test_video_jobs_accept_the_same_fields() -> None:
 
 def test_a_form_carries_loras_as_names_or_json_text() -> None:
     # One reader for the edits route's and the video jobs' forms.
-    from ditserve.engine.server.extension_fields import form_value as _form_value
+    from ditserve.engine.server.fields.extensions import form_value as _form_value
 
     assert _form_value("loras", '[{"name": "style"}]') == [{"name": "style"}]
     assert _form_value("loras", "style") == [{"name": "style", "scale": None}]
@@ -89,7 +90,7 @@ def test_generate_cli_applies_a_lora(adapter_models, lora_files, tmp_path: Path)
 
 
 def test_runtime_updates_are_opt_in() -> None:
-    from ditserve.engine.server.routes.adapters import RUNTIME_UPDATES_ENV, runtime_updates_allowed
+    from ditserve.engine.server.adapters.routes import RUNTIME_UPDATES_ENV, runtime_updates_allowed
 
     assert not runtime_updates_allowed({})
     assert not runtime_updates_allowed({RUNTIME_UPDATES_ENV: "0"})

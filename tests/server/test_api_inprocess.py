@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import io
 import sys
 from pathlib import Path
 
@@ -111,6 +112,39 @@ def test_loading_engine_is_not_ready_and_refuses_work() -> None:
     assert gen.status_code == 503
     assert gen.json()["error"]["message"] == "the model is still loading; poll GET /ready"
     assert health.status_code == 200
+
+
+def test_every_image_route_answers_a_loading_replica_with_503_not_a_verdict() -> None:
+    """Before its model loaded, an engine knows neither its limits (a real one judges by the
+    default ``ModelLimits``) nor its adapters nor whether it edits: a request during a
+    restart is 503 ``model_loading`` with Retry-After, never a 4xx the client would not
+    retry (as the videos route answers)."""
+    from PIL import Image
+
+    from ditserve.engine.model_limits import ModelLimits
+
+    engine = FakeEngine(phase=EnginePhase.LOADING)
+    engine.validate_params = lambda params: params.validate_for(ModelLimits())
+    image = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(image, format="PNG")
+    app = create_app(engine, ServerConfig(retry_after_s=3), start_engine=False)
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [
+                await client.post(GEN, json={"prompt": "cat", "model": "style"}),
+                await client.post(GEN, json={"prompt": "cat", "size": "36x36"}),
+                await client.post("/v1/images/edits", data={"prompt": "red"},
+                                  files={"image": ("cat.png", image.getvalue(), "image/png")}),
+            ]
+
+    for response in asyncio.run(run()):
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "3"
+        assert response.json()["error"] == {
+            "message": "the model is still loading; poll GET /ready", "type": "server_error",
+            "param": None, "code": "model_loading"}
 
 
 def test_ready_says_compiling_while_the_warm_up_compiles() -> None:

@@ -16,10 +16,10 @@ import pytest
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.config import ServerConfig
+from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.metrics import ServingMetrics
 from ditserve.engine.server.model_defaults import model_defaults
 from ditserve.engine.server.openapi import size_pattern
-from ditserve.engine.server.schemas import RequestLimits
 from ditserve.engine.server.state import engine_options
 
 _spec = importlib.util.spec_from_file_location("server_fake_engine_edge",

@@ -105,7 +105,7 @@ def test_a_size_past_the_maximum_names_the_maximum(tmp_path: Path, path: str, si
 
 def test_the_sdks_bracketed_form_keys_fold_into_objects() -> None:
     from ditserve.engine.server.errors import APIError
-    from ditserve.engine.server.form_fields import fold_nested
+    from ditserve.engine.server.fields.forms import fold_nested
 
     plain, folded = fold_nested([
         ("prompt", "x"), ("step_cache[policy]", "every"), ("step_cache[every]", "3"),
@@ -155,7 +155,7 @@ def test_sdk_video_job_with_extension_fields_in_extra_body(tmp_path: Path) -> No
 
 def test_a_deadline_passed_mid_run_is_not_retried_by_the_sdk() -> None:
     from ditserve.engine.errors import DeadlineError
-    from ditserve.engine.server.routes.waiting import failure as _failure
+    from ditserve.engine.server.generation.waiting import failure as _failure
 
     app = create_app(FakeEngine(), ServerConfig(), start_engine=False)
     error = _failure(app.state.server, "rid", DeadlineError("late", started=True))

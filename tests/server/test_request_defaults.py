@@ -24,10 +24,10 @@ from ditserve.engine.config import EngineConfig
 from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.config import ServerConfig
+from ditserve.engine.server.generation.request import parse_generation_request
 from ditserve.engine.server.model_defaults import model_defaults
-from ditserve.engine.server.schemas import parse_generation_request
 from ditserve.engine.server.state import ServerState
-from ditserve.engine.server.video_request import parse_video_request
+from ditserve.engine.server.videos.request import parse_video_request
 
 GEN = "/v1/images/generations"
 

@@ -173,6 +173,7 @@ def test_a_replica_still_loading_answers_503_not_a_verdict_on_the_job(tmp_path: 
     response = run(app, script)
     assert response.status_code == 503, response.text
     assert "retry-after" in response.headers
+    assert response.json()["error"]["code"] == "model_loading"
 
 
 def test_the_unfinished_jobs_gauge_is_the_queue_an_autoscaler_reads(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from ditserve.engine.loop.engine import DiffusionEngine
 from ditserve.engine.server.app import create_app
 from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.metrics import ServingMetrics
-from ditserve.engine.server.video_request import parse_video_request
+from ditserve.engine.server.videos.request import parse_video_request
 
 TIMEOUT_S = 120
 

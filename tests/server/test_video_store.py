@@ -12,12 +12,12 @@ import pytest
 
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
 from ditserve.engine.server.jobs.errors import StoreFull
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.jobs.sqlite_backend import SqliteBackend
 from ditserve.engine.server.jobs.store import JobStore, StoreLimits
+from ditserve.engine.server.videos.byte_ranges import Unsatisfiable, choose_range
 
 _namespaces = itertools.count()
 

@@ -9,5 +9,5 @@ directory: atomic, durable publication of MP4 files), ``s3_results`` (an S3-comp
 every replica reads), ``worker`` (``JobWorker``: a
 replica claims jobs when its engine has room, runs them, keeps their leases, writes their
 results), ``service`` (``VideoJobs``, what the routes call) and ``errors``. The routes
-(``routes/videos.py``) call ``VideoJobs`` and its store only.
+(``videos/routes.py``) call ``VideoJobs`` and its store only.
 """

@@ -1,7 +1,7 @@
 """The job layer's errors: what the routes turn into 429 / 400 / 503, and what fails a job.
 
 Raised by ``JobStore`` (StoreFull, NeverFits), the backends (StoreUnavailable) and
-``VideoFiles`` (StorageError); caught by routes/videos.py, app.py and ``JobWorker``.
+``VideoFiles`` (StorageError); caught by videos/routes.py, app.py and ``JobWorker``.
 """
 
 from __future__ import annotations

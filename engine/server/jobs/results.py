@@ -13,7 +13,7 @@ the first writer wins (a second claim of the same job learns it did not create t
 so it never removes the winner's); ``read`` opens a byte range for the content route;
 ``remove`` deletes a job's result (DELETE, expiry); ``sweep`` drops results no job names
 (owned directories only). Chosen by ``open_results`` from the server config; called by
-``JobStore`` (remove), ``JobWorker`` (publish) and routes/videos.py (read).
+``JobStore`` (remove), ``JobWorker`` (publish) and videos/routes.py (read).
 """
 
 from __future__ import annotations

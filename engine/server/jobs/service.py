@@ -9,7 +9,7 @@ video. ``delete`` cancels an unfinished job (the replica running it aborts the e
 request: at once if it is this one, else at its next lease renewal) and forgets it.
 ``begin_drain`` stops claiming; ``busy`` says whether this replica still holds work.
 
-Built by ServerState; called by routes/videos.py.
+Built by ServerState; called by videos/routes.py.
 """
 
 from __future__ import annotations

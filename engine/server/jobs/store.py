@@ -28,7 +28,7 @@ claim and refuses every later one (a job never completes twice). A job claimed m
 
 Thread-safe (the backend is). Listeners (``subscribe``) hear this process's changes at once,
 with the job's ``video`` object; changes made by other replicas reach followers by polling
-(``routes/videos.py``). The observer hears each job this process finished.
+(``videos/routes.py``). The observer hears each job this process finished.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """ditserve's extension fields of every generation request, parsed in one place.
 
 Image generations, image edits and video jobs all carry the same extensions beside their
-OpenAI fields: ``loras`` (with OpenAI's ``model`` naming an adapter: ``adapter_fields``),
-``priority``, ``deadline_s`` and ``step_cache`` (``step_cache_field``). ``parse_extensions``
+OpenAI fields: ``loras`` (with OpenAI's ``model`` naming an adapter: ``fields.adapters``),
+``priority``, ``deadline_s`` and ``step_cache`` (``fields.step_cache``). ``parse_extensions``
 turns a validated body's values into the ``SamplingParams`` fields they set; ``form_value``
 types a multipart form's text field as the JSON body would carry it (the extensions' and the
 caller's own numbers and flags), so the edits route and the video jobs' form reader read
@@ -20,9 +20,9 @@ from typing import Any, Protocol
 from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import LoraRef
-from ditserve.engine.server.adapter_fields import LoraSelection, parse_form_loras, resolve_adapters
 from ditserve.engine.server.errors import invalid, shown
-from ditserve.engine.server.step_cache_field import parse_field
+from ditserve.engine.server.fields.adapters import LoraSelection, parse_form_loras, resolve_adapters
+from ditserve.engine.server.fields.step_cache import parse_field
 
 # The extensions' form fields that are numbers (besides ``loras`` and ``step_cache``).
 EXTENSION_INTEGERS = ("priority",)

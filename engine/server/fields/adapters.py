@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Strict, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictStr
 
 from ditserve.engine.errors import AdapterError, AdapterNotFoundError
 from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import MAX_LORAS_PER_REQUEST, LoraRef
 from ditserve.engine.server.errors import APIError, invalid, shown
-
-Number = Annotated[float, Strict()]
+from ditserve.engine.server.fields.body import Number
 
 
 class LoraSelection(BaseModel):

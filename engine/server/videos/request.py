@@ -10,17 +10,16 @@ OpenAI's whole-second string such as ``"4"``); ditserve's ``num_frames``, ``fps`
 comes from ``num_frames`` (``frame_step * k + 1``, Wan: 4k+1) or from ``seconds`` at the
 model's native frame rate (Wan: 16 fps; 5 s -> 81 frames, the smallest valid count that
 lasts that long): give ``fps`` with ``num_frames``, never with ``seconds``. ``input_reference``
-(image-to-video: the first frame) is decoded by the route (``server.uploads``) and taken by
+(image-to-video: the first frame) is decoded by the route (``fields.uploads``) and taken by
 an image-to-video model (Wan 2.1 I2V, Wan 2.2 TI2V); a text-to-video model refuses it.
 
-``VideoLimits`` holds the replica's bounds; ``video_openapi.request_schema`` describes the
-same rules from the same limits, so a body valid by the document is accepted.
+``limits.VideoLimits`` holds the replica's bounds; ``videos.openapi.request_schema`` describes
+the same rules from the same limits, so a body valid by the document is accepted.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
@@ -28,17 +27,13 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
-from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.request import ConditionImage, SamplingParams
-from ditserve.engine.server.adapter_fields import LoraSelection
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.errors import APIError, invalid, shown
-from ditserve.engine.server.extension_fields import form_value, parse_extensions
-from ditserve.engine.server.form_fields import fold_nested
-from ditserve.engine.server.jobs.model import VideoSpec
-from ditserve.engine.server.schemas import (
+from ditserve.engine.server.fields.adapters import LoraSelection
+from ditserve.engine.server.fields.body import (
     Integer,
     Number,
     check_text_fields,
@@ -46,7 +41,11 @@ from ditserve.engine.server.schemas import (
     pydantic_error,
     request_error,
 )
-from ditserve.engine.server.uploads import check_multipart
+from ditserve.engine.server.fields.extensions import form_value, parse_extensions
+from ditserve.engine.server.fields.forms import fold_nested, once
+from ditserve.engine.server.fields.uploads import check_multipart
+from ditserve.engine.server.jobs.model import VideoSpec
+from ditserve.engine.server.limits import VideoLimits
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 
@@ -70,57 +69,14 @@ class VideoCreateRequest(BaseModel):
     loras: list[LoraSelection] | None = None
     priority: Integer | None = None
     deadline_s: Number | None = None
-    step_cache: Any = None  # checked by server.step_cache_field (its messages, not pydantic's)
+    step_cache: Any = None  # checked by fields.step_cache (its messages, not pydantic's)
     audio: StrictBool | None = None  # a sound track too (models that make one: Cosmos3)
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
-# The form's own number fields (the extensions' are ``extension_fields``').
+# The form's own number fields (the extensions' are ``fields.extensions``').
 _INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "max_sequence_length")
 _NUMBER_FIELDS = ("guidance_scale",)
-
-
-@dataclass(frozen=True)
-class VideoLimits:
-    """What a video request may ask of this replica (server config + the loaded model)."""
-
-    model_name: str
-    default_size: tuple[int, int]  # (width, height)
-    default_steps: int
-    default_frames: int
-    default_fps: int
-    default_guidance: float
-    pixel_multiple: int
-    frame_step: int
-    max_prompt_chars: int | None
-    max_side: int
-    max_steps: int
-    max_frames: int
-    max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
-    step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
-    audio: bool = False  # the model generates a sound track (a request's ``audio``)
-
-    @property
-    def allowed_frames(self) -> list[int]:
-        return list(range(1, self.max_frames + 1, self.frame_step))
-
-    @property
-    def max_seconds(self) -> float:
-        """The longest ``seconds`` whose frame count stays within ``max_frames``."""
-        return self.max_frames / self.default_fps
-
-    @property
-    def second_strings(self) -> list[str]:
-        """OpenAI's string form: whole seconds, "1" up to the longest allowed."""
-        return [str(s) for s in range(1, math.floor(self.max_seconds) + 1)]
-
-    def frames_for(self, seconds: float) -> int:
-        """The smallest valid frame count lasting at least ``seconds`` at the native rate."""
-        k = self.frame_step
-        wanted = seconds * self.default_fps
-        # 1e-9: 0.5625 s x 16 fps must be 9 frames, not the float product 9.000000000000002.
-        frames = k * max(0, math.ceil((wanted - 1) / k - 1e-9)) + 1
-        return min(frames, self.max_frames)
 
 
 async def read_body(request: Any) -> dict[str, Any]:
@@ -144,15 +100,12 @@ async def read_body(request: Any) -> dict[str, Any]:
     try:
         plain, out = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
         for name in dict.fromkeys(name for name, _ in plain):
-            values = form.getlist(name)
-            if len(values) > 1:
-                raise invalid(name, f"{name}: is given {len(values)} times; give it once")
+            value = once(form, name)
             if name == "input_reference":
-                value = values[0]
                 # The file's bytes, read before the form (and its file) is closed below.
                 out[name] = await value.read() if hasattr(value, "read") else value
                 continue
-            out[name] = form_value(name, values[0], integers=_INTEGER_FIELDS,
+            out[name] = form_value(name, value, integers=_INTEGER_FIELDS,
                                    numbers=_NUMBER_FIELDS, booleans=("audio",))
     finally:
         await form.close()
@@ -229,7 +182,7 @@ def reference_refused() -> APIError:
 def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: VideoLimits,
                         images: tuple[ConditionImage, ...] = ()) -> VideoSpec:
     """A validated VideoSpec, or an APIError (400, or 404 for another model). ``images``:
-    the decoded ``input_reference`` (``server.uploads``), taken out of ``data``."""
+    the decoded ``input_reference`` (``fields.uploads``), taken out of ``data``."""
     if "input_reference" in data or (images and not takes_reference(engine)):
         raise reference_refused()
     seconds = data.get("seconds")

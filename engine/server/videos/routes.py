@@ -14,7 +14,8 @@ threads (a remote store must never block the event loop); an unreachable store i
 ``job_store_unavailable`` with Retry-After (app.py).
 
 An image replica answers these routes with 400 (one model per replica), and its OpenAPI
-document leaves them out.
+document leaves them out. A replica still loading its model answers a create with 503
+``model_loading`` (``phase.check_loaded``): it cannot judge the job before it read its limits.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ditserve.engine.server import video_openapi
 from ditserve.engine.server.auth import require_api_key
-from ditserve.engine.server.byte_ranges import Unsatisfiable, choose_range
 from ditserve.engine.server.edge import is_head
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
+from ditserve.engine.server.fields.uploads import reference_image
 from ditserve.engine.server.jobs.errors import NeverFits, StoreFull, StoreUnavailable
 from ditserve.engine.server.jobs.model import API_FINISHED, JOB_ID_PATTERN, deleted_object
 from ditserve.engine.server.jobs.results import ResultMissing, ResultReader
@@ -41,12 +41,14 @@ from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
     check_admitting,
+    check_loaded,
     too_many,
 )
 from ditserve.engine.server.state import ServerState
 from ditserve.engine.server.streaming import EventBridge, sse
-from ditserve.engine.server.uploads import reference_image
-from ditserve.engine.server.video_request import (
+from ditserve.engine.server.videos import openapi as video_openapi
+from ditserve.engine.server.videos.byte_ranges import Unsatisfiable, choose_range
+from ditserve.engine.server.videos.request import (
     parse_video_request,
     read_body,
     reference_refused,
@@ -91,10 +93,7 @@ def _not_found(video_id: str) -> APIError:
              openapi_extra=video_openapi.CREATE_BODY, responses=video_openapi.create_answers())
 async def create_video(request: Request) -> JSONResponse:
     state, videos = _videos(request)
-    if state.engine.facts() is None:
-        # Loading (a restart): the engine cannot judge a request against limits it has not
-        # read yet (it would call a video model an image model): 503, retry, not a 400.
-        check_admitting(state)
+    check_loaded(state)  # a restart: 503, not a verdict by an image model's limits
     data = await read_body(request)
     reference = data.pop("input_reference", None)
     if reference is not None and not takes_reference(state.engine):

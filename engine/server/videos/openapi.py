@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ditserve.engine.server import step_cache_field
-from ditserve.engine.server.adapter_fields import FORM_LORAS_PATTERN
 from ditserve.engine.server.config import MAX_FPS
+from ditserve.engine.server.fields import step_cache as step_cache_field
+from ditserve.engine.server.fields.adapters import FORM_LORAS_PATTERN
 from ditserve.engine.server.jobs.model import API_STATUSES
+from ditserve.engine.server.limits import VideoLimits
 from ditserve.engine.server.openapi import (
     LORAS_SCHEMA,
     NOT_ONLY_SPACES,
@@ -25,7 +26,7 @@ from ditserve.engine.server.openapi import (
     scheduling_fields,
     size_pattern,
 )
-from ditserve.engine.server.video_request import FIELDS, VideoLimits
+from ditserve.engine.server.videos.request import FIELDS
 
 STATUSES = list(API_STATUSES)
 EVENT_TYPES = [f"video.{status}" for status in STATUSES]

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ditserve.engine.server import openapi, step_cache_field, streaming
-from ditserve.engine.server.adapter_fields import FORM_LORAS_PATTERN
-from ditserve.engine.server.image_openapi import request_schema, sse_answer, stream_event_schemas
+from ditserve.engine.server import openapi
+from ditserve.engine.server.fields import step_cache as step_cache_field
+from ditserve.engine.server.fields.adapters import FORM_LORAS_PATTERN
+from ditserve.engine.server.generation.events import EDIT_EVENTS
+from ditserve.engine.server.generation.openapi import (
+    request_schema,
+    sse_answer,
+    stream_event_schemas,
+)
+from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.openapi import ref
-from ditserve.engine.server.schemas import RequestLimits
 
 IMAGE_TYPES = "image/png, image/jpeg, image/webp"
 EDIT_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {
@@ -82,7 +88,7 @@ def form_schema(limits: RequestLimits, images: int, *, repaints: bool = False
 def answers() -> dict[int | str, Any]:
     """The route's ``responses``: the generations route's, with the ``image_edit.*`` events."""
     return openapi.answers(
-        {**openapi.json_answer("ImagesResponse"), **sse_answer(streaming.EDIT_EVENTS, "Edit")},
+        {**openapi.json_answer("ImagesResponse"), **sse_answer(EDIT_EVENTS, "Edit")},
         404, 408, 413, 429, 503, 504,
         ok_description="The edited images (JSON), or with `stream` an event stream: "
                        "image_edit.partial_image, .completed (OpenAI), error, and "
@@ -91,6 +97,6 @@ def answers() -> dict[int | str, Any]:
 
 
 def schemas(limits: RequestLimits, images: int, *, repaints: bool = False) -> dict[str, Any]:
-    """Added to an editing replica's image schemas (``image_openapi.schemas``)."""
+    """Added to an editing replica's image schemas (``generation.openapi.schemas``)."""
     return {"ImageEditForm": form_schema(limits, images, repaints=repaints),
-            **stream_event_schemas(streaming.EDIT_EVENTS, "Edit")}
+            **stream_event_schemas(EDIT_EVENTS, "Edit")}

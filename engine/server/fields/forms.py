@@ -10,7 +10,8 @@ element starts the next one, as the SDK writes each element's keys together). On
 extension fields in ``NESTED`` are folded, each key typed as the JSON body types it; any
 other bracketed name stays as it is (and is refused as an unknown field by the parsers).
 
-Called by the edits route and the video jobs' form reader, before their per-field parsing.
+Called by the edits route and the video jobs' form reader, before their per-field parsing,
+which reads each field's one value with ``once``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import math
 import re
 from collections.abc import Iterable
 from typing import Any
+
+from starlette.datastructures import FormData
 
 from ditserve.engine.server.errors import invalid, shown
 
@@ -80,3 +83,12 @@ def fold_nested(items: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]]
             raise invalid(name, f"{name}: is given both as a field and as {name}[...]; give "
                                 "one")
     return plain, folded
+
+
+def once(form: FormData, name: str) -> Any:
+    """The one value of the form's field ``name`` (None when absent); a 400 when it is given
+    more than once."""
+    values = form.getlist(name)
+    if len(values) > 1:
+        raise invalid(name, f"{name}: is given {len(values)} times; give it once")
+    return values[0] if values else None

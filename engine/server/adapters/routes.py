@@ -36,7 +36,7 @@ from ditserve.engine.errors import (
 from ditserve.engine.server import openapi
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.errors import APIError, invalid
-from ditserve.engine.server.schemas import decode_json, pydantic_error
+from ditserve.engine.server.fields.body import decode_json, pydantic_error
 
 log = logging.getLogger(__name__)
 router = APIRouter(dependencies=[Depends(require_api_key)])

@@ -1,10 +1,12 @@
-"""The OpenAPI parts of the image route: the generation body (from the same
-``RequestLimits`` the parser enforces: size pattern, prompt length, step bound, model id),
-the images answer, its ``usage``, and the schema of each stream event (OpenAI's objects, and
-ditserve's progress arrays, ``streaming``).
+"""The OpenAPI parts the image routes share: the generation body (from the same
+``RequestLimits`` the parser enforces: size pattern, prompt length, step bound, model id; the
+edit form is derived from it), the images answer, its ``usage``, and the schema of each stream
+event (OpenAI's objects, and ditserve's progress arrays, ``streaming.progress``; the names are
+``generation.events``').
 
 ``schemas(limits)`` goes into ``components.schemas`` (``openapi.build_openapi``, on an image
-replica); ``GENERATION_BODY`` and ``sse_answer`` are the route's.
+replica); ``sse_answer`` is part of each image route's answers (``images.openapi``,
+``edits.openapi``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
-from ditserve.engine.server import step_cache_field, streaming
+from ditserve.engine.server.fields import step_cache as step_cache_field
+from ditserve.engine.server.generation.events import ERROR, GENERATION_EVENTS, ImageEvents
+from ditserve.engine.server.generation.request import FIELDS, IGNORED_FIELDS
+from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.openapi import (
     LORAS_SCHEMA,
     NOT_ONLY_SPACES,
@@ -22,10 +27,6 @@ from ditserve.engine.server.openapi import (
     scheduling_fields,
     size_pattern,
 )
-from ditserve.engine.server.schemas import FIELDS, IGNORED_FIELDS, RequestLimits
-
-GENERATION_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": ref("ImageGenerationRequest")}}}}
 
 
 def request_schema(limits: RequestLimits) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def _usage_schema() -> dict[str, Any]:
                            "total_tokens": {"type": "integer"}}}
 
 
-def stream_event_schemas(events: streaming.ImageEvents = streaming.GENERATION_EVENTS,
+def stream_event_schemas(events: ImageEvents = GENERATION_EVENTS,
                          prefix: str = "") -> dict[str, Any]:
     """The JSON of each event's ``data:`` line, by ``type`` (the SSE event name); ``events``:
     the route's names (generations' or edits'), ``prefix``: of the schemas' names."""
@@ -132,18 +133,18 @@ def stream_event_schemas(events: streaming.ImageEvents = streaming.GENERATION_EV
                                             partial_image_index=integer, step=integer),
         f"{prefix}CompletedEvent": event(events.completed, [*image_required, "usage"],
                                          **image, usage=ref("Usage")),
-        f"{prefix}ErrorEvent": event(streaming.ERROR, ["error"],
+        f"{prefix}ErrorEvent": event(ERROR, ["error"],
                                      error=error_schema()["properties"]["error"]),
     }
 
 
-def sse_answer(events: streaming.ImageEvents = streaming.GENERATION_EVENTS,
+def sse_answer(events: ImageEvents = GENERATION_EVENTS,
                prefix: str = "") -> dict[str, Any]:
     """text/event-stream: the schema of one event (Open API 3.1: ``schema`` is per event)."""
     names = [f"{prefix}{n}" for n in ("QueuedEvent", "ProgressEvent", "PartialImageEvent",
                                       "CompletedEvent", "ErrorEvent")]
     kinds = [events.queued, events.progress, events.partial_image, events.completed,
-             streaming.ERROR]
+             ERROR]
     return {"text/event-stream": {
         "type": "object", "required": ["event", "data"],
         "properties": {"event": {"enum": kinds},

@@ -1,8 +1,9 @@
 """Admission and waiting for an image request, shared by the generations and edits routes.
 
-``admit`` hands a parsed request to the engine (429 when every batch slot is taken and the
-queue is full, 503 while loading or draining); ``answer`` waits for a plain request's images
-and ``event_stream`` streams a ``stream`` request's events. Whatever ends the wait - the
+``respond`` is what both routes end with: ``admit`` hands a parsed request to the engine (429
+when every batch slot is taken and the queue is full, 503 while loading or draining), then
+``answer`` waits for a plain request's images or ``event_stream`` streams a ``stream``
+request's events. Whatever ends the wait - the
 result, the timeout, the client hanging up, an engine failure - the request leaves the engine:
 an abandoned request is aborted so its batch slot frees at the next step boundary.
 """
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ditserve.engine.errors import (
     DeadlineError,
@@ -25,8 +26,11 @@ from ditserve.engine.errors import (
     RequestAborted,
 )
 from ditserve.engine.request import SamplingParams
-from ditserve.engine.server import responses, streaming
+from ditserve.engine.server import streaming
+from ditserve.engine.server.edge import engine_id
 from ditserve.engine.server.errors import NO_RETRY, APIError, log_error
+from ditserve.engine.server.generation import responses
+from ditserve.engine.server.generation.events import ERROR, GENERATION_EVENTS, ImageEvents
 from ditserve.engine.server.phase import (
     ADMISSION_ERRORS,
     admission_error,
@@ -55,6 +59,25 @@ def admit(state: ServerState, engine_request_id: str, params: SamplingParams,
                                         on_event=on_event)
     except ADMISSION_ERRORS as e:
         raise admission_error(state, e) from e
+
+
+async def respond(state: ServerState, request: Request, rid: str, params: SamplingParams, *,
+                  stream: bool, pixel_multiple: int,
+                  names: ImageEvents = GENERATION_EVENTS) -> Response:
+    """Admit a judged request and answer it: its images (JSON), or with ``stream`` its events
+    (``names``: the route's event names)."""
+    size = f"{params.width}x{params.height}"
+    tokens = responses.image_tokens(params.width, params.height, pixel_multiple)
+    if stream:
+        bridge = streaming.EventBridge(asyncio.get_running_loop())
+        handle = admit(state, engine_id(request.scope), params, on_event=bridge.push)
+        return StreamingResponse(
+            event_stream(state, rid, handle, bridge, size=size, tokens=tokens, names=names),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    handle = admit(state, engine_id(request.scope), params)
+    return await answer(state, request, rid, handle, size=size, tokens=tokens)
 
 
 def failure(state: ServerState, request_id: str, exc: BaseException) -> APIError:
@@ -128,7 +151,7 @@ async def answer(state: ServerState, request: Request, rid: str, handle: Request
 
 async def event_stream(state: ServerState, rid: str, handle: RequestHandle,
                        bridge: streaming.EventBridge, *, size: str, tokens: int,
-                       names: streaming.ImageEvents = streaming.GENERATION_EVENTS,
+                       names: ImageEvents = GENERATION_EVENTS,
                        ) -> AsyncIterator[bytes]:
     """queued* -> (progress | partial_image)* -> completed (one per image) | error.
     Leaving early (disconnect) aborts the request."""
@@ -191,4 +214,4 @@ async def event_stream(state: ServerState, rid: str, handle: RequestHandle,
 def error_event(state: ServerState, rid: str, error: APIError) -> bytes:
     state.metrics.count_error(error.reason)
     log_error(rid, error)
-    return streaming.sse(streaming.ERROR, error.body())
+    return streaming.sse(ERROR, error.body())

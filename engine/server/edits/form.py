@@ -1,0 +1,100 @@
+"""The edit form (multipart) read into the generation fields and the images, and what the
+served model makes of an edit: how many images it takes (``edit_images``) and whether it
+repaints from its source (``repaints``: takes ``mask`` and ``strength``).
+
+Images are checked and decoded by ``fields.uploads``; the text fields are typed as the JSON
+body would carry them (``fields.extensions.form_value``), so the generation parser reads them
+alike. Called by the edits route; ``app`` reads ``edit_images`` and ``repaints`` to choose
+the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from fastapi import Request
+
+from ditserve.engine.request import ConditionImage
+from ditserve.engine.server.errors import invalid
+from ditserve.engine.server.fields.extensions import form_value
+from ditserve.engine.server.fields.forms import fold_nested, once
+from ditserve.engine.server.fields.uploads import is_file, read_image, read_mask, read_multipart
+from ditserve.engine.server.limits import RequestLimits
+from ditserve.engine.server.state import ServerState
+
+IMAGE_FIELDS = ("image", "image[]")
+# OpenAI's edit-only fields that mean nothing to a DiT: accepted and ignored.
+IGNORED_EDIT_FIELDS = ("input_fidelity",)
+# The form's own number and flag fields (the extensions' are ``fields.extensions``').
+_INTEGERS = ("n", "partial_images", "output_compression", "num_inference_steps", "seed")
+_NUMBERS = ("guidance_scale", "true_cfg_scale", "strength")
+_BOOLEANS = ("stream",)
+
+
+def auto_size(image: ConditionImage, limits: RequestLimits) -> str:
+    """The source's aspect ratio at the default size's area, on the pixel grid."""
+    area = limits.default_size[0] * limits.default_size[1]
+    aspect = image.width / image.height
+    m = limits.pixel_multiple
+    width = max(m, min(limits.max_side, int(math.sqrt(area * aspect)) // m * m))
+    height = max(m, min(limits.max_side, int(math.sqrt(area / aspect)) // m * m))
+    return f"{width}x{height}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Edit:
+    """What an edit form carries besides the generation fields."""
+
+    images: list[ConditionImage]
+    mask: ConditionImage | None
+    strength: float | None
+
+
+async def read_edit(request: Request, state: ServerState) -> tuple[dict[str, Any], Edit]:
+    """The form's text fields typed as the JSON body's (``fields.extensions.form_value``,
+    the SDK's nested ``extra_body`` folded back: ``fields.forms``) and its images; a 400
+    for a mask or strength on a model that does not repaint, or a field given twice."""
+    upload = state.upload_limits()
+    form = await read_multipart(request, upload)
+    try:
+        for name in ("mask", "strength"):
+            if name in form and not repaints(state):
+                raise invalid(name, f"{name}: masked edits (inpainting) and strength are not "
+                                    f"supported by {state.model_name!r}; it edits the whole "
+                                    f"image as the prompt says: send the image without {name}",
+                              code="unsupported_value")
+        mask_file = once(form, "mask")
+        mask = None if mask_file is None else await read_mask(mask_file, limits=upload)
+        files = [v for name in IMAGE_FIELDS for v in form.getlist(name)]
+        if not files:
+            raise invalid("image", "image: is required (one or more image files)",
+                          code="missing_field")
+        images = [await read_image(f, field="image", limits=upload) for f in files]
+        plain, fields = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
+        for name in dict.fromkeys(name for name, _ in plain):
+            if name in IMAGE_FIELDS or name in IGNORED_EDIT_FIELDS or name == "mask":
+                continue
+            value = once(form, name)
+            if is_file(value):
+                raise invalid(name, f"{name}: must be a text field, not a file")
+            fields[name] = form_value(name, str(value), integers=_INTEGERS,
+                                      numbers=_NUMBERS, booleans=_BOOLEANS)
+    finally:
+        await form.close()
+    strength = fields.pop("strength", None)
+    return fields, Edit(images, mask, strength)
+
+
+def edit_images(state: ServerState) -> int:
+    """The most images the replica's model edits from (0: it does not edit; /v1/images/edits
+    is then left out of the document, as the route answers 400)."""
+    if state.output != "image":
+        return 0
+    return int(state.model_limits().condition_images[1])
+
+
+def repaints(state: ServerState) -> bool:
+    """Whether the model denoises from its source image (takes an edit's mask and strength)."""
+    return state.output == "image" and state.model_limits().image_strength is not None

@@ -1,0 +1,2 @@
+"""GET /health, /ready and /metrics, open without auth: ``routes``.
+"""
