@@ -47,6 +47,7 @@ from ditserve.engine.server.state import ServerState
 from ditserve.engine.server.streaming import EventBridge, sse
 from ditserve.engine.server.uploads import reference_image
 from ditserve.engine.server.video_request import (
+    REFERENCE_FIELDS,
     parse_video_request,
     read_body,
     reference_refused,
@@ -96,13 +97,14 @@ async def create_video(request: Request) -> JSONResponse:
         # read yet (it would call a video model an image model): 503, retry, not a 400.
         check_admitting(state)
     data = await read_body(request)
-    reference = data.pop("input_reference", None)
-    if reference is not None and not takes_reference(state.engine):
+    references = [(name, data.pop(name)) for name in REFERENCE_FIELDS if name in data]
+    if references and not takes_reference(state.engine):
         raise reference_refused()  # before decoding anything
-    images = () if reference is None else (
-        await reference_image(reference, limits=state.upload_limits()),)
+    images = tuple([await reference_image(value, limits=state.upload_limits(), field=name)
+                    for name, value in references])
     spec = parse_video_request(data, engine=state.engine, limits=state.video_limits(),
-                               images=images)
+                               images=images,
+                               last_frame=any(n == REFERENCE_FIELDS[1] for n, _ in references))
     check_admitting(state)
     try:
         job = await asyncio.to_thread(videos.create, spec, request_id=request_id_of(request))
