@@ -441,3 +441,29 @@ def test_generate_takes_a_first_and_a_last_image(family_dir, tmp_path) -> None: 
     with av.open(str(out)) as container:
         assert container.streams.video[0].frames == FRAMES
     assert Image.open(paths[1]).size == (48, 48)
+
+
+@pytest.mark.gpu
+def test_keyframes_on_cuda_match_diffusers_and_dlo_equals_resident(family_dir) -> None:  # type: ignore[no-untyped-def]
+    # On the device machine: fl2va equal to diffusers on CUDA (fp32), and DLO (copy stream,
+    # pinned slabs) == resident with keyframe and text-only requests batched.
+    model = family_dir(VARIANT)
+    params = KEYFRAMES["first-last"]
+    resident = ModelRunner(EngineConfig(model=str(model), device="cuda"), model_dir=model)
+    try:
+        state = run_pipeline(resident, [("first-last", params)])["first-last"]
+        want, _ = drive(resident, KEYFRAME_MIX, max_num_seqs=4)
+    finally:
+        resident.close()
+    video, sound = reference(model, params, device="cuda")
+    assert state.pixels is not None and state.audio is not None
+    assert (state.pixels - video).abs().max().item() <= TOLERANCE
+    assert (state.audio - sound.float()).abs().max().item() <= AUDIO_TOLERANCE
+    offloaded = ModelRunner(EngineConfig(model=str(model), device="cuda",
+                                         offload=OffloadConfig(enabled=True)), model_dir=model)
+    try:
+        got, sizes = drive(offloaded, KEYFRAME_MIX, max_num_seqs=4)
+    finally:
+        offloaded.close()
+    assert max(sizes) >= 3
+    assert_same(got, want)
