@@ -377,6 +377,20 @@ def test_keyframe_requests_are_refused_as_diffusers_refuses(family_runner) -> No
         runner.pipeline.prepare_encode(DenoiseState("both", both, 1))
 
 
+def test_the_prompt_cache_keys_on_the_keyframes_pixels(family_runner) -> None:  # type: ignore[no-untyped-def]
+    # The cache in front of _encode_prompt: the same prompt with another keyframe of the
+    # same size is another presentation; the same keyframe again is a hit.
+    encode = family_runner(VARIANT).pipeline._encode_prompt
+    one, other = frame(64, 32, 11), frame(64, 32, 12)
+    first, tags = encode("a red cat", (one,), (64, 32))
+    second, _ = encode("a red cat", (other,), (64, 32))
+    assert (first - second).abs().max().item() > 1e-6
+    assert encode("a red cat", (frame(64, 32, 11),), (64, 32))[0] is first
+    text_only, text_tags = encode("a red cat")
+    assert tags.shape[0] > text_tags.shape[0] == text_only.shape[1]
+    assert int((tags == 0).sum()) > 0 and int((text_tags == 0).sum()) == 0  # vision rows
+
+
 def test_a_last_frame_is_refused_by_a_first_frame_model() -> None:
     from ditserve.engine.model_limits import ModelLimits
 

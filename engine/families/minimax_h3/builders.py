@@ -102,7 +102,7 @@ def make_audio_vae() -> Any:
 
 # Qwen3-VL's image processor as released: 16 px patches, 2x2 merged into one token, two
 # frames a temporal patch, pixels normalized to [-1, 1], 256 to 16384 tokens of 32x32 px.
-VISION = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+VISION: dict[str, Any] = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
               image_std=[0.5] * 3)
 RELEASED_PIXELS = (65536, 16777216)
 TINY_PIXELS = (1024, 4096)  # 1 to 4 vision tokens

@@ -7,18 +7,18 @@ What diffusers' ``fl2va`` blocks do before the denoise loop, for one request:
   packed order; with ``last_frame`` the final one is the last frame);
 - ``on_canvas`` (``MiniMaxH3ResizeStep``): the first keyframe stretched onto the canvas, a
   follower cover-cropped onto it with the released model's rounding;
-- ``presentation`` (``MiniMaxH3FL2VATextEncoderStep``): a ``"<Picture i>: "`` label and a
-  vision block per keyframe before the prompt, the vision rows tagged as video;
+- the prompt's presentation with a label and a vision block per keyframe
+  (``engine.families.minimax_h3.presentation``);
 - ``encode`` (``MiniMaxH3KeyframeVaeEncoderStep``, ``encode_vae_condition``): each keyframe's
   conditioning latents, sampled under the fixed seed 42 and rounded through float16;
 - ``noised_rows`` (``MiniMaxH3PrepareConditionLatentsStep``): one noise draw per keyframe off
   the request's generator, mixed in at ``t = 0.999`` and patchified - drawn before the
   generated rows' noise, as diffusers draws.
 
-The vision features come from Qwen3-VL's image processor, read from the model's
-``processor`` folder by transformers' ``AutoImageProcessor`` (the class diffusers' own
-``Qwen3VLProcessor`` loads there; the PIL backend where torchvision is absent). Called by the
-step pipeline (``engine.families.minimax_h3.pipeline``).
+Qwen3-VL's image processor, which reads the keyframes into the prompt, comes from the
+model's ``processor`` folder by transformers' ``AutoImageProcessor`` (the class diffusers'
+own ``Qwen3VLProcessor`` loads there; the PIL backend where torchvision is absent). Called by
+the step pipeline (``engine.families.minimax_h3.pipeline``).
 """
 
 from __future__ import annotations
@@ -90,37 +90,6 @@ def load_image_processor(model_dir: Path) -> Any:
     if not (folder / "preprocessor_config.json").is_file():
         return None
     return AutoImageProcessor.from_pretrained(str(folder))
-
-
-def presentation(tokenizer: Any, prompt: str, vision_tokens: Sequence[int], *,
-                 text_tag: int, video_tag: int) -> tuple[list[int], list[int]]:
-    """The ``fl2va`` presentation, tokenized: per keyframe a ``"<Picture i>: "`` label (text
-    rows) and a vision block of ``vision_tokens[i]`` image pads (video rows), then the prompt
-    verbatim; no template, no special tokens. Returns the ids and their modality tags."""
-    start, pad, end = (tokenizer.convert_tokens_to_ids(t) for t in (
-        "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"))
-    ids: list[int] = []
-    tags: list[int] = []
-    for index, count in enumerate(vision_tokens):
-        label = tokenizer(f"<Picture {index + 1}>: ", add_special_tokens=False)["input_ids"]
-        block = [start] + [pad] * count + [end]
-        ids += label + block
-        tags += [text_tag] * len(label) + [video_tag] * len(block)
-    words = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    return ids + words, tags + [text_tag] * len(words)
-
-
-def vision_inputs(image_processor: Any, keyframes: Sequence[Any]
-                  ) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The conditioner's vision tensors of the keyframes (one batched processor call) and
-    each keyframe's count of vision tokens (its patches over the merge window)."""
-    if not keyframes:
-        return {}, []
-    vision = image_processor(images=list(keyframes), return_tensors="pt")
-    grid = vision["image_grid_thw"]
-    merge = int(image_processor.merge_size) ** 2
-    counts = [int(g.prod()) // merge for g in grid]
-    return {"pixel_values": vision["pixel_values"], "image_grid_thw": grid}, counts
 
 
 @torch.inference_mode()

@@ -1,19 +1,18 @@
-"""Step-wise MiniMax-H3 text-to-video with its sound track, on top of diffusers' components;
-with a first and/or last frame, its keyframe workflow (``fl2va``).
+"""Step-wise MiniMax-H3 text-to-video with its sound track (diffusers' ``t2va`` workflow),
+and from a first and/or last frame (``fl2va``), on top of diffusers' components.
 
-Composes the stages of diffusers' modular ``t2va`` and ``fl2va`` workflows as
-``MiniMaxH3Blocks`` composes them, cut at step boundaries (a request with images takes the
-keyframe stages of ``engine.families.minimax_h3.keyframes`` where the text-only one has
-none): encode (``MiniMaxH3TextEncoderStep``: the prompt verbatim, no
-template, the Qwen3-VL hidden state after layer 50), prepare (``MiniMaxH3PrepareLayoutStep``:
-the canvas, the ``17 n + 5`` frame count, the packed ``[text | audio | video]`` layout;
-``MiniMaxH3PrepareLatentsStep``: float32 video noise then audio noise off one CPU generator;
-``MiniMaxH3SetTimestepsStep``: the two schedules, shift 12 for video and 3 for audio), one
-denoise forward per step (``MiniMaxH3LoopDenoiser``; ``MiniMaxH3LoopSchedulerStep``: each
-modality's rows step down their own schedule in float32), decode
-(``MiniMaxH3AfterDenoiseStep``, ``MiniMaxH3VideoDecodeStep``, ``MiniMaxH3AudioDecodeStep``).
-The layout and timestep plans are diffusers' own static functions; the rest follows them op
-for op, so a request equals diffusers' call for the same seed.
+Composes the stages of diffusers' modular workflows as ``MiniMaxH3Blocks`` composes them, cut
+at step boundaries: encode (``presentation``: the prompt after any keyframes' vision blocks,
+the Qwen3-VL hidden state after layer 50; ``keyframes``: the keyframes on the canvas, their
+conditioning latents), prepare (``MiniMaxH3PrepareLayoutStep``: the ``17 n + 5`` frame
+count, the packed ``[text | keyframes | audio | video]`` layout; float32 keyframe, video and
+audio noise off one CPU generator, in that order; ``MiniMaxH3SetTimestepsStep``: shift 12 for
+video, 3 for audio), one denoise forward per step (``MiniMaxH3LoopDenoiser``;
+``MiniMaxH3LoopSchedulerStep``: each modality's generated rows step down their own schedule
+in float32, the keyframe rows held), decode (``MiniMaxH3AfterDenoiseStep``,
+``MiniMaxH3VideoDecodeStep``, ``MiniMaxH3AudioDecodeStep``). The layout and timestep plans
+are diffusers' own static functions; the rest follows them op for op, so a request equals
+diffusers' call for the same seed.
 
 Differences, on purpose:
 
@@ -29,9 +28,8 @@ Differences, on purpose:
   jointly with them;
 - ``num_images`` > 1 draws each video's noise after the previous one's off the same
   generator, as consecutive diffusers calls with one generator do (keyframe noise first);
-- a keyframe request without a size gets the model's default canvas (the server's and CLI's
-  defaults fill height and width in), where diffusers, given no size, derives one from the
-  first keyframe's aspect ratio: pass the size to follow the keyframe.
+- a keyframe request's canvas is its size (the server and CLI fill the model's default in),
+  where diffusers, given no size, takes the first keyframe's aspect ratio.
 
 Pixels are (n, F, 3, H, W) float in [0, 1] with F the aligned frame count (diffusers rounds
 ``num_frames`` up to ``17 n + 5``); a request with ``audio`` also gets its stereo waveform
@@ -48,7 +46,7 @@ import torch
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import MINIMAX_H3
-from ditserve.engine.families.minimax_h3 import keyframes
+from ditserve.engine.families.minimax_h3 import TEXT_LAYER, keyframes, presentation
 from ditserve.engine.families.minimax_h3.packing import (
     ItemLayout,
     StepItem,
@@ -57,7 +55,7 @@ from ditserve.engine.families.minimax_h3.packing import (
     joint_inputs,
 )
 from ditserve.engine.pipelines.common import upload
-from ditserve.engine.request import ModelLimits
+from ditserve.engine.request import ConditionImage, ModelLimits
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.sampler import SchedulerTrajectory
 
@@ -68,8 +66,7 @@ if TYPE_CHECKING:
 MAX_PROMPT_CHARS = 4000
 MAX_PROMPT_TOKENS = 1024  # bounds the planner's estimate; prompts are never truncated
 AUDIO = "audio"  # host: the request's _AudioTrack
-# diffusers' pixel_mean / pixel_std: the video VAE's pixel convention (ImageNet's).
-PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # diffusers' (ImageNet)
 KEYFRAME_ROWS = "keyframe_rows"  # host: (n, K, C * patch) noised keyframe rows, or absent
 
 
@@ -168,42 +165,16 @@ class MiniMaxH3StepPipeline:
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _encode_prompt(self, prompt: str, frames: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, L, D) in the encoder's dtype and the (L,) modality tags of its rows: diffusers'
-        ``get_qwen3vl_prompt_embeds`` of the presentation (the prompt verbatim, no template,
-        no special tokens; after a label and a vision block per keyframe in ``frames``),
-        hidden state ``TEXT_LAYER``."""
-        layer = int(self.diffusers_text_layer)
-        config = self.text_encoder.config
-        if int(config.text_config.num_hidden_layers) <= layer:
-            raise InvalidRequestError("prompt", f"the text encoder has no layer {layer} "
-                                      "(MiniMax-H3 conditions on its hidden state after it)")
-        vision, counts = keyframes.vision_inputs(self.image_processor, frames)
-        ids, tags = keyframes.presentation(self.tokenizer, prompt, counts,
-                                           text_tag=self.text_tag, video_tag=self.video_tag)
-        host = torch.tensor([ids], dtype=torch.long)
-        # What the processor's create_mm_token_type_ids gives: 1 / 2 on the image / video pad
-        # tokens, 0 on text (a text-only prompt: all 0).
-        types = torch.zeros_like(host)
-        types[host == int(config.image_token_id)] = 1
-        types[host == int(config.video_token_id)] = 2
-        input_ids = upload(host, self.device)
-        # The vision tensors as diffusers passes them: pixels in the encoder's dtype.
-        extra = {name: value.to(self.device, self.text_encoder.dtype)
-                 if name.startswith("pixel_") else upload(value, self.device)
-                 for name, value in vision.items()}
-        outputs = self.text_encoder.model(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-            mm_token_type_ids=upload(types, self.device), use_cache=False,
-            output_hidden_states=True, **extra)
-        text = outputs.hidden_states[layer].to(self.text_encoder.dtype)
-        return text, torch.tensor(tags, dtype=torch.long)
-
-    @property
-    def diffusers_text_layer(self) -> int:
-        from ditserve.engine.families.minimax_h3 import TEXT_LAYER
-
-        return TEXT_LAYER
+    def _encode_prompt(self, prompt: str, images: tuple[ConditionImage, ...] = (),
+                       canvas: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, L, D) in the encoder's dtype and the (L,) modality tags of its rows: the
+        presentation of ``prompt`` after the keyframes ``images`` put on the ``canvas``
+        (width, height) - arguments the prompt cache keys on by value (``presentation``)."""
+        frames = keyframes.on_canvas(images, *canvas)
+        return presentation.encode(
+            self.text_encoder, self.tokenizer, self.image_processor, prompt, frames,
+            layer=TEXT_LAYER, device=self.device, text_tag=self.text_tag,
+            video_tag=self.video_tag)
 
     def aligned_frames(self, num_frames: int) -> int:
         """diffusers' frame count: rounded up to 17 n + 5, between 5 and 15 s at 24 fps."""
@@ -267,7 +238,7 @@ class MiniMaxH3StepPipeline:
                                       "folder (Qwen3-VL's image processor): it serves text "
                                       "to video only")
         placed = keyframes.on_canvas(p.images, p.width, p.height)
-        text, tags = self._encode_prompt(p.prompt, placed)
+        text, tags = self._encode_prompt(p.prompt, p.images, (p.width, p.height))
         layout, (latent_frames, h, w, audio_len) = self.layout(
             tags, frames, p.height, p.width, anchors)
         conditions = keyframes.encode(self.vae, placed, device=self.device,
