@@ -1,7 +1,8 @@
 """Several MiniMax-H3 sequences in one DiT forward: their joint layout and their attention.
 
-MiniMax-H3's DiT reads ONE packed sequence per request, ``[text | audio | video]`` rows
-addressed by sequence-wide index tensors, with a table of the distinct timesteps present
+MiniMax-H3's DiT reads ONE packed sequence per request, ``[text | keyframes | audio |
+video]`` rows (keyframe rows only in the ``fl2va`` workflow) addressed by sequence-wide index
+tensors, with a table of the distinct timesteps present
 and each row's index into it; its batch axis only replicates that one layout. Here every
 video of a step - requests with other prompts (other text lengths) and at other steps - is
 one more item of the same packed sequence, in the layout the DiT's own forward already
