@@ -223,13 +223,16 @@ def test_generate_muxes_the_sound_track(family_dir, tmp_path) -> None:  # type: 
 
 
 @pytest.mark.slow
-def test_sp2_equals_alone(family_dir, alone, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_sp2_equals_alone(family_dir, family_runner, alone, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # Two gloo ranks, DLO streaming over them; the packed sequences' odd lengths pad the
-    # shards.
+    # shards. A keyframe request (its conditioning rows split like the others) rides along.
     from ditserve.engine.loop.engine import DiffusionEngine
 
     monkeypatch.setenv("DITSERVE_WORKER_TIMEOUT_S", "120")
-    wanted = [(rid, p) for group in MIXED.values() for rid, p in group]
+    keyframed = KEYFRAME_MIX[0][1]
+    pixels, _ = drive(family_runner(VARIANT), {0: [keyframed]}, max_num_seqs=1)
+    alone = {**alone, keyframed[0]: pixels[keyframed[0]]}
+    wanted = [(rid, p) for group in MIXED.values() for rid, p in group] + [keyframed]
     config = EngineConfig(model=str(family_dir(VARIANT)), device="cpu",
                           offload=OffloadConfig(enabled=True),
                           parallel=ParallelConfig(sequence_parallel_size=2),
