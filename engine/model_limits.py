@@ -58,7 +58,8 @@ class ModelLimits:
 
     def check_last_frame(self, wanted: object, *, images: int) -> None:
         """Refuse a last-frame image where the model conditions on a first frame only, or
-        where the request brings no image to be it."""
+        where the request brings no image to be it; a keyframe model's two images are a
+        first and a last frame, so they come with ``last_frame``."""
         if not isinstance(wanted, bool):
             raise InvalidRequestError("last_frame", f"must be a boolean, got {wanted!r}")
         if wanted and not self.last_frame:
@@ -66,6 +67,9 @@ class ModelLimits:
                                       "the first frame alone (MiniMax-H3 takes both)")
         if wanted and not images:
             raise InvalidRequestError("last_frame", "a last frame needs its image")
+        if self.last_frame and images > 1 and not wanted:
+            raise InvalidRequestError("last_frame", f"{images} images are a first and a last "
+                                      "frame: mark the last one (last_frame)")
 
     def check_audio(self, wanted: bool) -> None:
         """Refuse a request's sound track where the model makes none."""

@@ -376,7 +376,9 @@ def test_keyframe_requests_are_refused_as_diffusers_refuses(family_runner) -> No
         SamplingParams(images=(frame(32, 32, 1),) * 3, last_frame=True,
                        **base).validate_for(limits)
     both = SamplingParams(images=(frame(32, 32, 1),) * 2, **base)
-    with pytest.raises(InvalidRequestError, match="last frame"):
+    with pytest.raises(InvalidRequestError, match="mark the last one"):
+        both.validate_for(limits)
+    with pytest.raises(InvalidRequestError, match="last frame"):  # the pipeline's own check
         runner.pipeline.prepare_encode(DenoiseState("both", both, 1))
 
 
