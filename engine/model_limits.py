@@ -37,6 +37,8 @@ class ModelLimits:
         inpainting: it takes ``strength`` and a ``mask``), its default strength without and
         with a mask; None for every other model.
     audio: whether it generates a sound track with its videos (a request's ``audio``).
+    last_frame: whether a request's last image may be the video's last frame (a request's
+        ``last_frame``: MiniMax-H3's keyframe workflow).
     """
 
     pixel_multiple: int = 16
@@ -52,6 +54,22 @@ class ModelLimits:
     max_condition_aspect: float | None = None
     image_strength: tuple[float, float] | None = None
     audio: bool = False
+    last_frame: bool = False
+
+    def check_last_frame(self, wanted: object, *, images: int) -> None:
+        """Refuse a last-frame image where the model conditions on a first frame only, or
+        where the request brings no image to be it; a keyframe model's two images are a
+        first and a last frame, so they come with ``last_frame``."""
+        if not isinstance(wanted, bool):
+            raise InvalidRequestError("last_frame", f"must be a boolean, got {wanted!r}")
+        if wanted and not self.last_frame:
+            raise InvalidRequestError("last_frame", "this model takes no last frame; send "
+                                      "the first frame alone (MiniMax-H3 takes both)")
+        if wanted and not images:
+            raise InvalidRequestError("last_frame", "a last frame needs its image")
+        if self.last_frame and images > 1 and not wanted:
+            raise InvalidRequestError("last_frame", f"{images} images are a first and a last "
+                                      "frame: mark the last one (last_frame)")
 
     def check_audio(self, wanted: bool) -> None:
         """Refuse a request's sound track where the model makes none."""

@@ -73,6 +73,8 @@ class SamplingParams:
         ``preview_steps``); they travel as "preview" events, never change the result.
     images: conditioning images (an edit's sources, an image-to-video first frame); empty for
         text-only generation. How many a model takes is its pipeline's ``condition_images``.
+    last_frame: the last of ``images`` is the video's last frame, the one before it (if
+        any) its first (keyframes: ``ModelLimits.last_frame``, MiniMax-H3's ``fl2va``).
     mask, strength: inpainting's region (white repainted) and how far from the source a
         model that denoises from it starts (None: its default, filled in by ``validate_for``;
         ``condition_image.source_strength``).
@@ -99,6 +101,7 @@ class SamplingParams:
     num_frames: int = 1
     partial_images: int = 0
     images: tuple[ConditionImage, ...] = ()
+    last_frame: bool = False
     mask: ConditionImage | None = None
     strength: float | None = None
     max_sequence_length: int | None = None
@@ -183,6 +186,7 @@ class SamplingParams:
         """``validate`` under the loaded model's limits; returns the request with the
         model's default ``strength`` filled in where it denoises from a source image."""
         limits.check_audio(self.audio)  # a sound track only from a model that makes one
+        limits.check_last_frame(self.last_frame, images=len(self.images))
         strength = source_strength(images=len(self.images), mask=self.mask,
                                    strength=self.strength, steps=self.num_inference_steps,
                                    image_strength=limits.image_strength)

@@ -103,17 +103,19 @@ def _input_mask(path: Path | None) -> Any:
     return decode_mask(data, field=f"--mask {path}")
 
 
-def _input_images(paths: list[Path] | None) -> tuple[Any, ...]:
-    """--image files, checked and decoded as the server's uploads are."""
+def _input_images(paths: list[Path] | None, last: Path | None = None) -> tuple[Any, ...]:
+    """--image files then the --last-image file, checked and decoded as the server's uploads
+    are."""
     from ditserve.engine.media.image_input import decode_image
 
     images = []
-    for path in paths or ():
+    for flag, path in [*(("--image", p) for p in paths or ()),
+                       *((("--last-image", last),) if last is not None else ())]:
         try:
             data = path.read_bytes()
         except OSError as e:
-            raise ConfigError(f"--image {str(path)!r}: {e.strerror or e}") from e
-        images.append(decode_image(data, field=f"--image {path}"))
+            raise ConfigError(f"{flag} {str(path)!r}: {e.strerror or e}") from e
+        images.append(decode_image(data, field=f"{flag} {path}"))
     return tuple(images)
 
 
@@ -129,7 +131,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     video = defaults.output == "video"
     out = output_path(args.out, video=video)  # refused before minutes of loading
     # --image files are decoded (and a bad one refused) before the model loads.
-    params = replace(generation_params(args, defaults), images=_input_images(args.image),
+    params = replace(generation_params(args, defaults),
+                     images=_input_images(args.image, args.last_image),
+                     last_frame=args.last_image is not None,
                      mask=_input_mask(args.mask), strength=args.strength)
     fps = defaults.fps if args.fps is None else args.fps
     # With --compile: compile at the requested size before the request runs.
@@ -200,6 +204,10 @@ def add_generate_parser(subcommands: Any) -> None:
                           "first frame; repeat it where the model takes several "
                           "(Qwen-Image-Edit Plus: up to 3); for Z-Image the source of "
                           "image-to-image")
+    gen.add_argument("--last-image", type=Path, default=None, metavar="PATH",
+                     help="the video's last frame (MiniMax-H3 keyframes): with --image, a "
+                          "video from that first frame to this one; alone, a video ending on "
+                          "it")
     gen.add_argument("--mask", type=Path, default=None, metavar="PATH",
                      help="inpainting with --image (Z-Image): the region to repaint, white "
                           "(or, in a PNG with transparency, transparent as OpenAI's edits)")

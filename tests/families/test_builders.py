@@ -81,3 +81,28 @@ def test_init_random_writes_a_loadable_qwen_image_edit_dir(variant: str, tmp_pat
     config = components.modules["text_encoder"].config
     assert config.image_token_id == components.modules["tokenizer"].convert_tokens_to_ids(
         "<|image_pad|>")
+
+
+def test_minimax_h3_dirs_hold_qwen3_vls_image_processor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # What the keyframe workflow reads its frames through: the released layout's processor
+    # folder (named Qwen3VLProcessor in the index), with Qwen3-VL's 16 px patches merged 2x2
+    # (the tiny vision tower's patch) and, at the released shapes, its pixel budget.
+    from transformers import AutoImageProcessor
+
+    from ditserve.engine.cli.main import main
+    from ditserve.engine.families.minimax_h3 import builders
+    from ditserve.engine.weights.loader import load_components
+
+    assert main(["model", "init-random", "--family", "minimax-h3", "--size", "tiny",
+                 "--dtype", "float32", "--device", "cpu", str(tmp_path / "m")]) == 0
+    index = json.loads((tmp_path / "m" / "modular_model_index.json").read_text())
+    assert index["processor"][:2] == ["transformers", "Qwen3VLProcessor"]
+    processor = AutoImageProcessor.from_pretrained(str(tmp_path / "m" / "processor"))
+    components = load_components(tmp_path / "m")
+    vision = components.modules["text_encoder"].config.vision_config
+    assert (processor.patch_size, processor.merge_size) == (vision.patch_size,
+                                                            vision.spatial_merge_size)
+    assert "processor" not in components.modules  # read by the step pipeline itself
+    released = builders.make_image_processor("full")
+    assert (released.size["shortest_edge"], released.size["longest_edge"]) == \
+        builders.RELEASED_PIXELS and released.patch_size == 16

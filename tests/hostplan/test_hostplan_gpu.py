@@ -162,11 +162,11 @@ def test_engine_registers_a_tmpfs_checkpoint_without_a_pin_limit(tiny_model_dir,
     monkeypatch.setattr(host_check, "read_host_memory", lambda: HostMemory(64 * GIB))
     monkeypatch.delenv(host_check.CHECK_ENV, raising=False)
     params = SamplingParams(prompt="a red fox", num_inference_steps=3, seed=11)
-    resident = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda"),
+    resident = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda")),
                            model_dir=tiny_model_dir)
     want, _ = drive(resident, {0: [("a", params)]}, max_num_seqs=1)
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), device="cuda",
-                                      offload=OffloadConfig(enabled=True)),
+    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(tiny_model_dir), device="cuda",
+                                      offload=OffloadConfig(enabled=True))),
                          model_dir=tiny_model_dir)
     try:
         r = runner.offload_report()

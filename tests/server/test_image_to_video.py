@@ -90,3 +90,14 @@ def test_refusals_name_input_reference(i2v_server, body, words) -> None:  # type
     error = response.json()["error"]
     assert error["param"] == "input_reference"
     assert words in error["message"]
+
+
+def test_a_first_frame_model_refuses_a_last_frame(i2v_server) -> None:  # type: ignore[no-untyped-def]
+    url = "data:image/png;base64," + base64.b64encode(png(32, 32)).decode()
+    response = httpx.post(f"{i2v_server.url}/v1/videos", timeout=60, json={
+        "prompt": "x", "size": "32x32", "num_frames": 5, "input_reference": {"image_url": url},
+        "last_frame_reference": {"image_url": url}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "last_frame_reference"
+    assert "takes no last frame" in error["message"]

@@ -1,9 +1,10 @@
-"""The MiniMax-H3 family (joint video + audio generation, text-to-video with its sound track):
-its record and the shapes its builders make.
+"""The MiniMax-H3 family (joint video + audio generation: text-to-video with its sound track,
+from a first and/or last frame too): its record and the shapes its builders make.
 
 With the rest of its folder, the only place outside the tests that spells MiniMax-H3's
 diffusers class names; the torch-side parts are named lazily: the step pipeline
-(``engine.families.minimax_h3.pipeline``), the sequence-parallel hooks
+(``engine.families.minimax_h3.pipeline``, with ``presentation`` and ``keyframes``), the
+sequence-parallel hooks
 (``engine.families.minimax_h3.sp``) and the random-weight builders
 (``engine.families.minimax_h3.builders``).
 
@@ -14,8 +15,10 @@ over ONE packed sequence per request - the prompt's Qwen3-VL hidden states (refi
 blocks of its own), the stereo audio latents and the video latents - with no
 cross-attention; the checkpoint is guidance-distilled (no CFG, one forward per step). Two
 rectified-flow schedules step the video (shift 12) and audio (shift 3) rows of the one
-forward. Served here: text-to-video with audio (``t2va``); the keyframe (``fl2va``) and
-omni-reference (``ref2va``, the ``transformer_ref`` DiT) workflows are not.
+forward. Served here: text-to-video with audio (``t2va``) and the keyframe workflow
+(``fl2va``: a first and/or last frame, read through the ``processor`` folder's Qwen3-VL
+image processor, which the step pipeline loads itself); the omni-reference workflow
+(``ref2va``, the ``transformer_ref`` DiT) is not.
 """
 
 from __future__ import annotations

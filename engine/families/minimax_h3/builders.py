@@ -5,15 +5,24 @@ conditioner 16 wide with 51 text layers (the pipeline reads the hidden state aft
 so a stack of 50 or fewer is refused) and a one-layer vision tower, the video VAE's layout
 (16x spatial, 17 frames -> 5 latent frames per chunk) with 4 latent channels and a one-layer
 ViT decoder, a mono audio VAE hopping 200 samples at 8 kHz (40 latents per second, the
-released rate), and the two MiniMax-H3 schedulers as released (shift 12 for video, 3 for
-audio) - or, with ``released``, the components at their released shapes. Saved as diffusers
-saves a modular pipeline (``modular_model_index.json``). Called through
-``engine.makers.builders``.
+released rate), the two MiniMax-H3 schedulers as released (shift 12 for video, 3 for
+audio) and a ``processor``: Qwen3-VL's image processor (16 px patches merged 2x2, its
+released normalization) beside the tokenizer, which the keyframe workflow reads a first or
+last frame into the prompt through (a tiny one reads at most 4 vision tokens of a frame) -
+or, with ``released``, the components at their released shapes. Saved as diffusers saves a
+modular pipeline (``modular_model_index.json``). Called through ``engine.makers.builders``.
+
+transformers cannot build ``Qwen3VLProcessor`` without torchvision (its video processor
+needs it), so ``vl_processor`` assembles the pieces the keyframe workflow uses and saves the
+released folder layout (the tokenizer's files and ``preprocessor_config.json``); diffusers
+then names the component ``Qwen3VLProcessor`` in the index, as the released model does.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ditserve.engine.families.base import ComponentShape
@@ -91,6 +100,38 @@ def make_audio_vae() -> Any:
         latents_std=[1.0, 0.8, 1.2, 1.1])
 
 
+# Qwen3-VL's image processor as released: 16 px patches, 2x2 merged into one token, two
+# frames a temporal patch, pixels normalized to [-1, 1], 256 to 16384 tokens of 32x32 px.
+VISION: dict[str, Any] = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+              image_std=[0.5] * 3)
+RELEASED_PIXELS = (65536, 16777216)
+TINY_PIXELS = (1024, 4096)  # 1 to 4 vision tokens
+
+
+def make_image_processor(size: str) -> Any:
+    from transformers import Qwen2VLImageProcessorPil
+
+    low, high = TINY_PIXELS if size == "tiny" else RELEASED_PIXELS
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": low, "longest_edge": high}, **VISION)
+
+
+def _save_pieces(processor: Any, save_directory: str | Path, **_: Any) -> None:
+    processor.tokenizer.save_pretrained(save_directory)
+    processor.image_processor.save_pretrained(save_directory)
+
+
+def vl_processor(tokenizer: Any, images: Any) -> Any:
+    """A ``Qwen3VLProcessor`` of ``tokenizer`` and the image processor ``images`` without
+    transformers' class check (module docstring); it saves the released folder layout."""
+    from transformers import Qwen3VLProcessor
+
+    processor = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
+    processor.tokenizer, processor.image_processor = tokenizer, images
+    processor.video_processor, processor.chat_template = None, None
+    processor.save_pretrained = types.MethodType(_save_pieces, processor)  # type: ignore[method-assign]
+    return processor
+
+
 def make_schedulers() -> dict[str, Any]:
     from diffusers import MiniMaxH3Scheduler
 
@@ -117,7 +158,10 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
         parts = {"text_encoder": make_text_encoder(tokenizer, width=width).to(dtype),
                  "vae": make_vae().to(dtype), "audio_vae": make_audio_vae().to(dtype)}
     pipe: Any = diffusers.MiniMaxH3ModularPipeline(blocks=diffusers.MiniMaxH3Blocks())
-    pipe.update_components(transformer=dit, tokenizer=tokenizer, **make_schedulers(), **parts)
+    processor = vl_processor(tokenizer, make_image_processor("tiny" if released is None
+                                                             else "full"))
+    pipe.update_components(transformer=dit, tokenizer=tokenizer, processor=processor,
+                           **make_schedulers(), **parts)
     return pipe
 
 

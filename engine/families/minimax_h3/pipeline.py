@@ -1,16 +1,18 @@
-"""Step-wise MiniMax-H3 text-to-video with its sound track, on top of diffusers' components.
+"""Step-wise MiniMax-H3 text-to-video with its sound track (diffusers' ``t2va`` workflow),
+and from a first and/or last frame (``fl2va``), on top of diffusers' components.
 
-Composes the stages of diffusers' modular ``t2va`` workflow as ``MiniMaxH3Blocks`` composes
-them, cut at step boundaries: encode (``MiniMaxH3TextEncoderStep``: the prompt verbatim, no
-template, the Qwen3-VL hidden state after layer 50), prepare (``MiniMaxH3PrepareLayoutStep``:
-the canvas, the ``17 n + 5`` frame count, the packed ``[text | audio | video]`` layout;
-``MiniMaxH3PrepareLatentsStep``: float32 video noise then audio noise off one CPU generator;
-``MiniMaxH3SetTimestepsStep``: the two schedules, shift 12 for video and 3 for audio), one
-denoise forward per step (``MiniMaxH3LoopDenoiser``; ``MiniMaxH3LoopSchedulerStep``: each
-modality's rows step down their own schedule in float32), decode
-(``MiniMaxH3AfterDenoiseStep``, ``MiniMaxH3VideoDecodeStep``, ``MiniMaxH3AudioDecodeStep``).
-The layout and timestep plans are diffusers' own static functions; the rest follows them op
-for op, so a request equals diffusers' call for the same seed.
+Composes the stages of diffusers' modular workflows as ``MiniMaxH3Blocks`` composes them, cut
+at step boundaries: encode (``presentation``: the prompt after any keyframes' vision blocks,
+the Qwen3-VL hidden state after layer 50; ``keyframes``: the keyframes on the canvas, their
+conditioning latents), prepare (``MiniMaxH3PrepareLayoutStep``: the ``17 n + 5`` frame
+count, the packed ``[text | keyframes | audio | video]`` layout; float32 keyframe, video and
+audio noise off one CPU generator, in that order; ``MiniMaxH3SetTimestepsStep``: shift 12 for
+video, 3 for audio), one denoise forward per step (``MiniMaxH3LoopDenoiser``;
+``MiniMaxH3LoopSchedulerStep``: each modality's generated rows step down their own schedule
+in float32, the keyframe rows held), decode (``MiniMaxH3AfterDenoiseStep``,
+``MiniMaxH3VideoDecodeStep``, ``MiniMaxH3AudioDecodeStep``). The layout and timestep plans
+are diffusers' own static functions; the rest follows them op for op, so a request equals
+diffusers' call for the same seed.
 
 Differences, on purpose:
 
@@ -25,7 +27,9 @@ Differences, on purpose:
   into the MP4); the audio rows are denoised either way, since the video's are denoised
   jointly with them;
 - ``num_images`` > 1 draws each video's noise after the previous one's off the same
-  generator, as consecutive diffusers calls with one generator do.
+  generator, as consecutive diffusers calls with one generator do (keyframe noise first);
+- a keyframe request's canvas is its size (the server and CLI fill the model's default in),
+  where diffusers, given no size, takes the first keyframe's aspect ratio.
 
 Pixels are (n, F, 3, H, W) float in [0, 1] with F the aligned frame count (diffusers rounds
 ``num_frames`` up to ``17 n + 5``); a request with ``audio`` also gets its stereo waveform
@@ -42,6 +46,7 @@ import torch
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import MINIMAX_H3
+from ditserve.engine.families.minimax_h3 import TEXT_LAYER, keyframes, presentation
 from ditserve.engine.families.minimax_h3.packing import (
     ItemLayout,
     StepItem,
@@ -50,7 +55,7 @@ from ditserve.engine.families.minimax_h3.packing import (
     joint_inputs,
 )
 from ditserve.engine.pipelines.common import upload
-from ditserve.engine.request import ModelLimits
+from ditserve.engine.request import ConditionImage, ModelLimits
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.sampler import SchedulerTrajectory
 
@@ -61,6 +66,8 @@ if TYPE_CHECKING:
 MAX_PROMPT_CHARS = 4000
 MAX_PROMPT_TOKENS = 1024  # bounds the planner's estimate; prompts are never truncated
 AUDIO = "audio"  # host: the request's _AudioTrack
+PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # diffusers' (ImageNet)
+KEYFRAME_ROWS = "keyframe_rows"  # host: (n, K, C * patch) noised keyframe rows, or absent
 
 
 @dataclass
@@ -77,7 +84,6 @@ class MiniMaxH3StepPipeline:
     """StepPipeline for MiniMax-H3 text-to-video with audio (see module docstring)."""
 
     family = MINIMAX_H3
-    condition_images = (0, 0)
     # post_decode reads each request's own audio rows: one request per VAE call.
     batched_decode = False
     step_cache_refusal = ("the step cache is not available for MiniMax-H3: its blocks run "
@@ -117,6 +123,7 @@ class MiniMaxH3StepPipeline:
         self.audio_channels = facts.MINIMAX_H3_AUDIO_CHANNELS
         self.audio_latent_channels = int(self.audio_vae.config.latent_channels)
         self.text_tag = facts.MINIMAX_H3_TEXT_TAG
+        self.video_tag = facts.MINIMAX_H3_VIDEO_TAG
         self.fps = facts.MINIMAX_H3_FPS
         # Any frame count: diffusers rounds it up to 17 n + 5 (the work rule then counts
         # pixel frames, ~3.4x the latent frames; ``reference_work`` is in the same units).
@@ -132,7 +139,12 @@ class MiniMaxH3StepPipeline:
         astd = torch.tensor(self.audio_vae.config.latents_std)
         self._audio_stats = (amean.view(1, -1, 1).to(device), astd.view(1, -1, 1).to(device))
         self._pixel_stats = tuple(torch.tensor(v, device=device).view(1, -1, 1, 1, 1)
-                                  for v in ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+                                  for v in (PIXEL_MEAN, PIXEL_STD))
+        # Keyframes (a first and a last frame) where the directory has Qwen3-VL's image
+        # processor, which reads them into the prompt; text only otherwise.
+        self.image_processor = keyframes.load_image_processor(components.model_dir)
+        self.condition_images = (0, 0) if self.image_processor is None else \
+            (0, keyframes.MAX_KEYFRAMES)
 
     @property
     def min_frames(self) -> int:
@@ -149,37 +161,20 @@ class MiniMaxH3StepPipeline:
                                       max_prompt_chars=self.max_prompt_chars,
                                       max_text_tokens=self.max_text_tokens)
         return dataclasses.replace(limits, min_frames=self.min_frames, max_frames=self.max_frames,
-                                   audio=True)
+                                   audio=True, last_frame=self.condition_images[1] > 0)
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _encode_prompt(self, prompt: str) -> torch.Tensor:
-        """(1, L, D) in the encoder's dtype: diffusers' ``get_qwen3vl_prompt_embeds`` of the
-        prompt verbatim (no template, no special tokens), hidden state ``TEXT_LAYER``."""
-        layer = int(self.diffusers_text_layer)
-        config = self.text_encoder.config
-        if int(config.text_config.num_hidden_layers) <= layer:
-            raise InvalidRequestError("prompt", f"the text encoder has no layer {layer} "
-                                      "(MiniMax-H3 conditions on its hidden state after it)")
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        host = torch.tensor([ids], dtype=torch.long)
-        # What the processor's create_mm_token_type_ids gives: 1 / 2 on the image / video pad
-        # tokens, 0 on text (a text-only prompt: all 0).
-        types = torch.zeros_like(host)
-        types[host == int(config.image_token_id)] = 1
-        types[host == int(config.video_token_id)] = 2
-        input_ids = upload(host, self.device)
-        outputs = self.text_encoder.model(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-            mm_token_type_ids=upload(types, self.device), use_cache=False,
-            output_hidden_states=True)
-        return outputs.hidden_states[layer].to(self.text_encoder.dtype)  # type: ignore[no-any-return]
-
-    @property
-    def diffusers_text_layer(self) -> int:
-        from ditserve.engine.families.minimax_h3 import TEXT_LAYER
-
-        return TEXT_LAYER
+    def _encode_prompt(self, prompt: str, images: tuple[ConditionImage, ...] = (),
+                       canvas: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, L, D) in the encoder's dtype and the (L,) modality tags of its rows: the
+        presentation of ``prompt`` after the keyframes ``images`` put on the ``canvas``
+        (width, height) - arguments the prompt cache keys on by value (``presentation``)."""
+        frames = keyframes.on_canvas(images, *canvas)
+        return presentation.encode(
+            self.text_encoder, self.tokenizer, self.image_processor, prompt, frames,
+            layer=TEXT_LAYER, device=self.device, text_tag=self.text_tag,
+            video_tag=self.video_tag)
 
     def aligned_frames(self, num_frames: int) -> int:
         """diffusers' frame count: rounded up to 17 n + 5, between 5 and 15 s at 24 fps."""
@@ -192,10 +187,11 @@ class MiniMaxH3StepPipeline:
                 f"{num_frames} (rounded up to {aligned})")
         return int(aligned)
 
-    def layout(self, text_len: int, num_frames: int, height: int, width: int
-               ) -> tuple[ItemLayout, tuple[int, int, int, int]]:
-        """diffusers' packed layout of one request, and its (latent frames, latent height,
-        latent width, audio latents per channel)."""
+    def layout(self, text_tags: torch.Tensor, num_frames: int, height: int, width: int,
+               anchors: tuple[str, ...] = ()) -> tuple[ItemLayout, tuple[int, int, int, int]]:
+        """diffusers' packed layout of one request (its prompt rows' modality tags, its
+        keyframes' anchors), and its (latent frames, latent height, latent width, audio
+        latents per channel)."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import (
             MiniMaxH3PrepareLayoutStep,
         )
@@ -205,13 +201,12 @@ class MiniMaxH3StepPipeline:
                                                self.latents_per_chunk)
         h, w = height // self.spatial_factor, width // self.spatial_factor
         audio = facts.audio_latent_num_frames(num_frames)
-        tags = torch.full((text_len,), self.text_tag, dtype=torch.long)
-        positions, token_tags, video_idx, audio_idx, text_idx, _, _ = \
+        positions, token_tags, video_idx, audio_idx, text_idx, conditions, _ = \
             MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                tags, frames, h, w, audio, self.patch, self.audio_channels,
-                facts.MINIMAX_H3_AUDIO_TAG, facts.MINIMAX_H3_VIDEO_TAG, ())
-        return ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx), \
-            (frames, h, w, audio)
+                text_tags, frames, h, w, audio, self.patch, self.audio_channels,
+                facts.MINIMAX_H3_AUDIO_TAG, self.video_tag, anchors)
+        return ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx,
+                          int(conditions)), (frames, h, w, audio)
 
     def _trajectory(self, scheduler: Any, steps: int) -> SchedulerTrajectory:
         # diffusers' grid has steps + 1 points (the terminal zero): ``steps`` forwards.
@@ -237,14 +232,25 @@ class MiniMaxH3StepPipeline:
             raise InvalidRequestError("height", f"height and width must be multiples of "
                                       f"{self.pixel_multiple}, got {p.height}x{p.width}")
         frames = self.aligned_frames(p.num_frames)
-        text = self._encode_prompt(p.prompt)
+        anchors = keyframes.anchors(p.images, p.last_frame)
+        if anchors and self.image_processor is None:
+            raise InvalidRequestError("image", "this MiniMax-H3 directory has no processor "
+                                      "folder (Qwen3-VL's image processor): it serves text "
+                                      "to video only")
+        placed = keyframes.on_canvas(p.images, p.width, p.height)
+        text, tags = self._encode_prompt(p.prompt, p.images, (p.width, p.height))
         layout, (latent_frames, h, w, audio_len) = self.layout(
-            int(text.shape[1]), frames, p.height, p.width)
-        # One CPU generator, as diffusers draws: the video noise, then the audio noise in
-        # rows, video after video.
+            tags, frames, p.height, p.width, anchors)
+        conditions = keyframes.encode(self.vae, placed, device=self.device,
+                                      pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
+        # One CPU generator, as diffusers draws: the keyframes' noise, the video noise, then
+        # the audio noise in rows, video after video.
         generator = torch.Generator("cpu").manual_seed(state.seed)
-        videos, audios = [], []
+        videos, audios, held = [], [], []
         for _ in range(n):
+            if conditions:
+                held.append(keyframes.noised_rows(self.scheduler, conditions, generator,
+                                                  self.patch))
             noise = torch.randn((1, self.latent_channels, latent_frames, h, w),
                                 generator=generator, dtype=torch.float32)
             videos.append(patchify_video_latents(noise, self.patch))
@@ -258,6 +264,8 @@ class MiniMaxH3StepPipeline:
         state.host["layout"] = layout
         state.host["text"] = text
         state.host["grid"] = (latent_frames, h, w, audio_len)
+        if held:
+            state.host[KEYFRAME_ROWS] = upload(torch.stack(held), self.device)
         state.host[AUDIO] = _AudioTrack(upload(torch.stack(audios), self.device),
                                         self._trajectory(self.audio_scheduler,
                                                          p.num_inference_steps))
@@ -271,13 +279,18 @@ class MiniMaxH3StepPipeline:
             video_t = state.current_timestep()
             audio_t = float(track.schedule.timesteps[state.step_index])
             video = batch.hidden_states[rows]
+            held = state.host.get(KEYFRAME_ROWS)
             for r in range(state.rows):
-                items.append(StepItem(state.host["layout"], state.host["text"], video[r],
+                # The keyframe rows lead the video rows, where the layout reserved them.
+                rows_r = video[r] if held is None else torch.cat([held[r], video[r]])
+                items.append(StepItem(state.host["layout"], state.host["text"], rows_r,
                                       track.latents[r], video_t, audio_t))
-        kwargs = joint_inputs(items, keyframe_noise_aug=0.999, device=self.device)
+        kwargs = joint_inputs(items, keyframe_noise_aug=keyframes.NOISE_AUG, device=self.device)
         with items_in_flight(items):
             video_out, audio_out = self.transformer(**kwargs, return_dict=False)
-        videos = video_out[0].split([int(i.video.shape[0]) for i in items])
+        # Each item's predictions for its generated rows (the keyframe rows are never stepped).
+        videos = [out[item.layout.condition_rows:] for item, out in zip(
+            items, video_out[0].split([int(i.video.shape[0]) for i in items]), strict=True)]
         audios = audio_out[0].split([int(i.audio.shape[0]) for i in items])
         start = 0
         for state in batch.states:

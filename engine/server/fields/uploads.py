@@ -103,10 +103,11 @@ async def read_mask(upload: Any, *, limits: UploadLimits) -> ConditionImage:
     return await _decode(await upload.read(), field=field, limits=limits, mask=True)
 
 
-async def reference_image(value: Any, *, limits: UploadLimits) -> ConditionImage:
-    """A video job's ``input_reference``: an uploaded file, or (JSON bodies, OpenAI's
-    ``ImageInputReferenceParam``) ``{"image_url": "data:image/...;base64,..."}``."""
-    field = "input_reference"
+async def reference_image(value: Any, *, limits: UploadLimits,
+                          field: str = "input_reference") -> ConditionImage:
+    """A video job's ``input_reference`` (or ditserve's ``last_frame_reference``): an
+    uploaded file, or (JSON bodies, OpenAI's ``ImageInputReferenceParam``)
+    ``{"image_url": "data:image/...;base64,..."}``."""
     if is_file(value):
         return await read_image(value, field=field, limits=limits)
     if isinstance(value, bytes):  # a file part's content, read by the body reader

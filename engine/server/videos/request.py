@@ -12,6 +12,8 @@ model's native frame rate (Wan: 16 fps; 5 s -> 81 frames, the smallest valid cou
 lasts that long): give ``fps`` with ``num_frames``, never with ``seconds``. ``input_reference``
 (image-to-video: the first frame) is decoded by the route (``fields.uploads``) and taken by
 an image-to-video model (Wan 2.1 I2V, Wan 2.2 TI2V); a text-to-video model refuses it.
+ditserve's ``last_frame_reference`` (the same forms) is the video's last frame, for a model
+whose limits take one (``ModelLimits.last_frame``: MiniMax-H3's keyframes).
 
 ``limits.VideoLimits`` holds the replica's bounds; ``videos.openapi.request_schema`` describes
 the same rules from the same limits, so a body valid by the document is accepted.
@@ -48,6 +50,8 @@ from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.limits import VideoLimits
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+# The image files of a body: the first frame (OpenAI's), the last frame (ditserve's).
+REFERENCE_FIELDS = ("input_reference", "last_frame_reference")
 
 
 class VideoCreateRequest(BaseModel):
@@ -91,7 +95,7 @@ async def read_body(request: Any) -> dict[str, Any]:
     if content_type.startswith("multipart/form-data"):
         check_multipart(await request.body(), request.headers.get("content-type", ""))
     try:
-        form = await request.form(max_files=1, max_fields=64)
+        form = await request.form(max_files=len(REFERENCE_FIELDS), max_fields=64)
     except (MultiPartException, StarletteHTTPException) as e:
         message = getattr(e, "message", None) or getattr(e, "detail", None) or str(e)
         raise invalid(None, f"the form cannot be read: {message}",
@@ -101,7 +105,7 @@ async def read_body(request: Any) -> dict[str, Any]:
         plain, out = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
         for name in dict.fromkeys(name for name, _ in plain):
             value = once(form, name)
-            if name == "input_reference":
+            if name in REFERENCE_FIELDS:
                 # The file's bytes, read before the form (and its file) is closed below.
                 out[name] = await value.read() if hasattr(value, "read") else value
                 continue
@@ -180,10 +184,13 @@ def reference_refused() -> APIError:
 
 
 def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: VideoLimits,
-                        images: tuple[ConditionImage, ...] = ()) -> VideoSpec:
+                        images: tuple[ConditionImage, ...] = (),
+                        last_frame: bool = False) -> VideoSpec:
     """A validated VideoSpec, or an APIError (400, or 404 for another model). ``images``:
-    the decoded ``input_reference`` (``fields.uploads``), taken out of ``data``."""
-    if "input_reference" in data or (images and not takes_reference(engine)):
+    the decoded ``input_reference`` then ``last_frame_reference`` (``fields.uploads``),
+    taken out of ``data``; ``last_frame``: the last of them is the last frame."""
+    if any(name in data for name in REFERENCE_FIELDS) or \
+            (images and not takes_reference(engine)):
         raise reference_refused()
     seconds = data.get("seconds")
     if seconds is not None and (isinstance(seconds, bool)
@@ -207,14 +214,15 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
-        else body.guidance_scale, images=images,
+        else body.guidance_scale, images=images, last_frame=last_frame,
         max_sequence_length=body.max_sequence_length, audio=bool(body.audio),
         **extensions.fields(),
     )
     try:
         engine.validate_params(params)
     except InvalidRequestError as e:
-        if e.field == "image":
-            raise invalid("input_reference", f"input_reference: {e.message}") from e
+        if e.field in ("image", "last_frame"):
+            name = REFERENCE_FIELDS[e.field == "last_frame"]
+            raise invalid(name, f"{name}: {e.message}") from e
         raise request_error(e) from e
     return VideoSpec(params=params, fps=fps, model=limits.model_name)

@@ -49,6 +49,7 @@ from ditserve.engine.server.streaming import EventBridge, sse
 from ditserve.engine.server.videos import openapi as video_openapi
 from ditserve.engine.server.videos.byte_ranges import Unsatisfiable, choose_range
 from ditserve.engine.server.videos.request import (
+    REFERENCE_FIELDS,
     parse_video_request,
     read_body,
     reference_refused,
@@ -95,13 +96,14 @@ async def create_video(request: Request) -> JSONResponse:
     state, videos = _videos(request)
     check_loaded(state)  # a restart: 503, not a verdict by an image model's limits
     data = await read_body(request)
-    reference = data.pop("input_reference", None)
-    if reference is not None and not takes_reference(state.engine):
+    references = [(name, data.pop(name)) for name in REFERENCE_FIELDS if name in data]
+    if references and not takes_reference(state.engine):
         raise reference_refused()  # before decoding anything
-    images = () if reference is None else (
-        await reference_image(reference, limits=state.upload_limits()),)
+    images = tuple([await reference_image(value, limits=state.upload_limits(), field=name)
+                    for name, value in references])
     spec = parse_video_request(data, engine=state.engine, limits=state.video_limits(),
-                               images=images)
+                               images=images,
+                               last_frame=any(n == REFERENCE_FIELDS[1] for n, _ in references))
     check_admitting(state)
     try:
         job = await asyncio.to_thread(videos.create, spec, request_id=request_id_of(request))
