@@ -17,7 +17,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from weights.support import wide_wan  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.errors import ConfigError, ModelLoadError
 from ditserve.engine.formats.gguf_linear import GGUFBlockLinear
 from ditserve.engine.request import SamplingParams
@@ -47,7 +47,7 @@ def generate(model_dir: Path, checkpoint: Path | None = None, names: tuple[str, 
              **changes: object) -> dict[str, torch.Tensor]:
     config = EngineConfig(model=str(model_dir), checkpoint=None if checkpoint is None
                           else str(checkpoint), device="cpu").replace(**changes)
-    runner = ModelRunner(config, model_dir=model_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=model_dir)
     try:
         return drive(runner, {0: [(n, PARAMS[n]) for n in names]}, max_num_seqs=2)[0]
     finally:
@@ -152,7 +152,7 @@ def test_gguf_q8_0_equals_diffusers_gguf_loading_and_streams_as_resident(
     report = convert(wide_dir, path, to="gguf:Q8_0")
     assert report.quantized >= 2 * 10  # every block linear of both blocks, and more
     config = EngineConfig(model=str(wide_dir), checkpoint=str(path), device="cpu")
-    runner = ModelRunner(config, model_dir=wide_dir)
+    runner = ModelRunner(RunnerConfig.of(config), model_dir=wide_dir)
     try:
         block = runner.pipeline.transformer.blocks[1]  # type: ignore[attr-defined]
         layer = block.attn1.to_q
