@@ -9,7 +9,7 @@ split, fused or reshaped - so the mapping is this table of module paths, read in
 direction; a test checks that diffusers' converter, given what ``to_original`` writes, gives
 back exactly the diffusers folder's tensors (Wan 2.1 text-to-video and image-to-video).
 
-Covers the one-DiT ``WanTransformer3DModel`` (Wan 2.1 T2V and I2V, Wan 2.2 TI2V); Wan 2.2's
+Covers the Wan family's one-DiT models (Wan 2.1 T2V and I2V, Wan 2.2 TI2V); Wan 2.2's
 two experts are two files and are refused by the callers. Loading keeps diffusers' converter
 (``weights.dit_file.map_keys``); this module is what ``weights.convert`` writes with.
 """
