@@ -19,11 +19,12 @@ batch 1/2/4. Methods:
   variant compiles once). All of them run on the one model, built once on the GPU: bf16
   methods first, then it is quantized in place.
 
-Reports ms/step (median of CUDA-event timings), peak HBM, pinned host bytes, the measured
-pinned H2D bandwidth, host-synchronizing CUDA calls per step (torch profiler), and checks the
-issues' targets. Prints a table; writes JSON, a markdown table and profiler traces to --out.
-Model, inputs, timer and profiler are ``bench/harness.py``'s; the offload is read through its
-typed report (``handle.snapshot()``).
+Reports ms/step (median of CUDA-event timings), peak HBM (``max_memory_allocated`` over each
+cell; the bench keeps its reference outputs on the host, so they do not count in a later
+method's peak), pinned host bytes, the measured pinned H2D bandwidth, host-synchronizing CUDA
+calls per step (torch profiler), and checks the issues' targets. Prints a table; writes JSON,
+a markdown table and profiler traces to --out. Model, inputs, timer and profiler are
+``bench/harness.py``'s; the offload is read through its typed report (``handle.snapshot()``).
 
     python3 bench/offload.py --out out/offload
     python3 bench/offload.py --methods resident dlo --resolutions 1024 --batches 1 4 --out $OUT
@@ -201,7 +202,9 @@ class Bench:
         is judged here."""
         inputs = harness.image_inputs(self.args.model, model, self.args.resolutions[0], 1, self.device)
         with torch.no_grad():
-            self.outputs[method] = model(**inputs)[0].clone()
+            # On the host: a kept output left in HBM would count in every later method's peak
+            # (resident's 1024^2 b1 output is 512 KiB: DLO's peak rows missed by that much).
+            self.outputs[method] = model(**inputs)[0].detach().to("cpu", copy=True)
         reference = {"dlo": "resident", "dlo-packed": "dlo"}.get(method)
         if reference in self.outputs:
             same = torch.equal(self.outputs[method], self.outputs[reference])

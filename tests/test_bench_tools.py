@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 # Modules the programs share (not programs themselves: no main).
@@ -204,6 +205,46 @@ def test_offload_bench_tiny_run_reports_dlo_against_resident(tmp_path: Path) -> 
     assert targets["host pinned <= 1.02 x streamed bytes"]["ok"]
     table = (tmp_path / "offload_bench.md").read_text()
     assert "| 64 | 1 |" in table and "| 64 | 2 |" in table
+
+
+class _DeviceOutput:
+    """A CUDA output as a CPU-only machine can stand one in: it says it lives on the GPU, its
+    clone stays there, and only a copy to the host gives a real tensor."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def clone(self) -> _DeviceOutput:
+        return _DeviceOutput(self.value.clone())
+
+    def detach(self) -> _DeviceOutput:
+        return self
+
+    def to(self, device: str | torch.device, *, copy: bool = False) -> torch.Tensor | _DeviceOutput:
+        return self.value.clone() if torch.device(device).type == "cpu" else self
+
+    def cpu(self) -> torch.Tensor:
+        return self.value.clone()
+
+
+def test_offload_bench_keeps_reference_outputs_off_the_device(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cell's peak HBM is read as max_memory_allocated, so an output the bench keeps for a
+    bit-identity check must not stay in HBM: resident's kept 1024^2 b1 output (512 KiB) put
+    DLO's peak rows 0.46 MiB over their bound."""
+    bench = load("offload")
+    monkeypatch.setattr(bench.harness, "image_inputs", lambda *a, **k: {})
+    args = argparse.Namespace(out=str(tmp_path), resolutions=[64], model="flux",
+                              compiled_batches=[1])
+    b = bench.Bench(args)
+    b.results["methods"] = {"resident": {}, "dlo": {}}
+    for method in ("resident", "dlo"):
+        b.record_output(method, lambda **inputs: (_DeviceOutput(torch.arange(4.0)),))
+        kept = b.outputs[method]
+        assert isinstance(kept, torch.Tensor) and kept.device.type == "cpu", method
+    assert b.results["methods"]["dlo"]["identical_to"] == {"resident": True}
 
 
 def test_offload_bench_formats_smoke_runs_every_format_method_and_judges_the_targets(
