@@ -5,8 +5,9 @@ trace, on a model of step times instead of a GPU (issue 47's high-priority laten
 Pure Python, no model. A step lasts ``--step-base-ms`` + ``--step-ms-per-ktoken`` x the rows x
 tokens it denoises (compute-bound: Z-Image on one H200 measured 152.5 ms at b1 and 587.6 ms at
 b4 for 1024x1024, 4096 tokens a row), plus ``--encode-ms`` per admitted request and
-``--decode-ms-per-mpixel`` per decoded megapixel. A request that arrives during a step waits for
-it to end, as on the engine. It prints, per scheduling variant, the high-priority p50/p90 and
+``--decode-ms-per-mpixel`` per decoded megapixel. As on the engine, the step loop plans step N+1
+when step N starts on the GPU (``engine.runner.inflight``), so a request arriving during step N
+is first planned into step N+2; the ``lookahead 0`` row plans at step ends instead. It prints, per scheduling variant, the high-priority p50/p90 and
 their ratio to the modelled idle latency, and one lower bound: the same trace with the
 low-priority requests removed (the high-priority class alone on the GPU), which no scheduler
 of low-priority work can beat:
@@ -48,10 +49,12 @@ class Arrival:
 class StepModel:
     """Seconds one step takes, from the work it does."""
 
+    # Z-Image on one H200 (docs/benchmarks.md, issue 47): 152.5 ms a 1024x1024 step at b1,
+    # 587.6 ms at b4; encode 63.1 ms, decode 91.3 ms a 1024x1024 image.
     base_ms: float = 7.45
     ms_per_ktoken: float = 35.41
-    encode_ms: float = 100.0
-    decode_ms_per_mpixel: float = 230.0
+    encode_ms: float = 63.1
+    decode_ms_per_mpixel: float = 91.3
 
     def seconds(self, tokens: int, encoded: int, decoded_pixels: int) -> float:
         ms = (self.base_ms + self.ms_per_ktoken * tokens / 1000 + self.encode_ms * encoded
@@ -82,32 +85,40 @@ def params(arrival: Arrival, steps: int) -> SamplingParams:
                           priority=arrival.priority)
 
 
-def replay(trace: list[Arrival], steps: int, model: StepModel, config: SchedulerConfig
-           ) -> dict[str, float]:
-    """Latency (seconds from arrival to output) of every request, keyed by trace index."""
-    now = 0.0
-    s = StepScheduler(ResolvedScheduling.for_family(config), clock=lambda: now)
+def replay(trace: list[Arrival], steps: int, model: StepModel, config: SchedulerConfig, *,
+           lookahead: int = 1) -> dict[str, float]:
+    """Latency (seconds from arrival to output) of every request, keyed by trace index.
+
+    ``lookahead`` 1 is the engine's step loop (``engine.runner.inflight``): it plans and
+    queues step N+1 as soon as step N starts on the GPU, so a step's admissions and pauses
+    are decided one GPU step before it runs; 0 plans each step when the previous one ended.
+    A request's output is ready when the step that decoded it ends."""
+    host = gpu_free = 0.0  # when the loop plans next; when the GPU has run all it was given
+    s = StepScheduler(ResolvedScheduling.for_family(config), clock=lambda: host)
     pending = sorted(range(len(trace)), key=lambda i: trace[i].at)
     done: dict[str, float] = {}
     for _ in range(100_000):
-        while pending and trace[pending[0]].at <= now:
+        while pending and trace[pending[0]].at <= host:
             i = pending.pop(0)
             request = params(trace[i], steps)
             s.add(str(i), request, DEFAULT_WORK_RULE.of(request), arrived_at=trace[i].at)
         if not s.has_work():
             if not pending:
                 return done
-            now = trace[pending[0]].at
+            host = max(gpu_free, trace[pending[0]].at)  # an idle loop flushes, then waits
             continue
         plan = s.schedule()
         tokens = sum(s.get(rid).work.tokens for rid in plan.denoise)  # type: ignore[union-attr]
         pixels = sum(params(trace[int(rid)], steps).height * params(trace[int(rid)], steps).width
                      for rid in plan.decode)
-        now += model.seconds(tokens, len(plan.encode), pixels)
+        start = max(host, gpu_free)
+        end = start + model.seconds(tokens, len(plan.encode), pixels)
+        # Lookahead 1: the loop goes on once the step before this one has ended (its fence).
+        host, gpu_free = (start if lookahead else end), end
         s.update(plan, RunnerOutput(stepped=list(plan.denoise), decoded=list(plan.decode),
                                     finished={rid: None for rid in plan.decode}))
         for rid in plan.decode:
-            done[rid] = now - trace[int(rid)].at
+            done[rid] = end - trace[int(rid)].at
     raise SystemExit("the scheduler stopped making progress")
 
 
@@ -148,23 +159,25 @@ def main(argv: list[str] | None = None) -> int:
                       args.decode_ms_per_mpixel)
     idle = replay([Arrival(0.0, -1, size)], steps, model, SchedulerConfig())["0"]
     high = [str(i) for i, a in enumerate(trace) if a.priority < 0]
-    runs = {name: replay(trace, steps, model, config)
-            for name, config in variants(args.max_num_seqs).items()}
+    configs = variants(args.max_num_seqs)
+    runs = {name: replay(trace, steps, model, config) for name, config in configs.items()}
+    runs["priority K=0, lookahead 0"] = replay(trace, steps, model, configs["priority K=0"],
+                                               lookahead=0)
     only_high = [a if a.priority < 0 else Arrival(a.at, 1, "") for a in trace]
     bound = replay([a for a in only_high if a.size], steps, model,
                    SchedulerConfig(max_num_seqs=args.max_num_seqs))
     print(f"modelled idle latency of one {size} {steps}-step request: {idle:.2f} s; "
           f"{len(high)} high-priority of {len(trace)}")
-    print(f"{'run':<22} {'high p50':>9} {'high p90':>9} {'p90/idle':>9} {'low p50':>8} "
+    print(f"{'run':<26} {'high p50':>9} {'high p90':>9} {'p90/idle':>9} {'low p50':>8} "
           f"{'makespan':>9}")
     for name, done in runs.items():
         lat = [done[i] for i in high]
         low = [v for k, v in done.items() if k not in high]
         span = max(trace[int(k)].at + v for k, v in done.items())
-        print(f"{name:<22} {statistics.median(lat):>9.2f} {p90(lat):>9.2f} "
+        print(f"{name:<26} {statistics.median(lat):>9.2f} {p90(lat):>9.2f} "
               f"{p90(lat) / idle:>8.2f}x {statistics.median(low):>8.2f} {span:>9.2f}")
     lat = list(bound.values())
-    print(f"{'high-priority alone':<22} {statistics.median(lat):>9.2f} {p90(lat):>9.2f} "
+    print(f"{'high-priority alone':<26} {statistics.median(lat):>9.2f} {p90(lat):>9.2f} "
           f"{p90(lat) / idle:>8.2f}x {'-':>8} {'-':>9}")
     return 0
 

@@ -32,11 +32,13 @@ def test_the_trace_is_seeded_saturating_and_mixes_the_two_classes() -> None:
 def test_summary_and_targets_from_outcomes() -> None:
     bench = load("serving_priority")
     outcomes = [bench.Outcome(i, bench.HIGH if i < 2 else bench.LOW, 0.0, 200, 1.0 + i,
-                              10.0) for i in range(5)]
+                              10.0, queue_s=0.1 * (i + 1)) for i in range(5)]
     outcomes.append(bench.Outcome(5, bench.LOW, 0.0, 429, 0.1, 0.1, "full"))
     s = bench.summary(outcomes)
     assert (s["ok"], s["errors"], s["high_count"], s["low_count"]) == (5, 1, 2, 3)
     assert s["throughput_rps"] == 0.5 and s["high_p90_s"] == 2.0 and s["low_p50_s"] == 4.0
+    # The admission wait of the high-priority requests only (the server's queue_seconds).
+    assert s["high_queue_p90_s"] == 0.2 and s["high_p50_s"] == 2.0  # nearest rank, as above
     rows = bench.targets(1.6, {"priority": {"high_p90_s": 2.0, "throughput_rps": 0.5},
                                "fcfs": {"throughput_rps": 0.5}})
     assert [(round(r, 3), met) for _, r, met in rows] == [(1.25, True), (1.0, True)]
