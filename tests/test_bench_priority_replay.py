@@ -5,8 +5,9 @@ bound is what the replay shows for an urgent request arriving into a full batch.
 
 from __future__ import annotations
 
-from ditserve.engine.config import SchedulerConfig
 from test_bench_tools import load  # type: ignore[import-not-found]
+
+from ditserve.engine.config import SchedulerConfig
 
 MODEL_MS = {"base_ms": 0.0, "ms_per_ktoken": 100.0, "encode_ms": 50.0,
             "decode_ms_per_mpixel": 0.0}
