@@ -60,6 +60,10 @@ def test_cpu_smoke_run_of_the_priority_mode(tmp_path: Path) -> None:
     assert set(report["runs"]) == {"priority", "fcfs"}
     for run in report["runs"].values():
         assert run["ok"] == run["requests"] == 8 and run["high_count"] >= 1
+    # Every served request carries the server's admission wait (issue 47's breakdown).
+    for policy in ("priority", "fcfs"):
+        assert all(o["queue_s"] is not None and 0.0 <= o["queue_s"] <= o["latency_s"]
+                   for o in report["records"][policy])
     assert report["runs"]["fcfs"]["preemptions"] == 0  # fcfs never pauses
     assert report["idle_high_p90_s"] is not None and len(report["records"]["idle"]) == 2
     assert [t["ratio"] is not None for t in report["targets"]] == [True, True]
