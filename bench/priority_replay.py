@@ -7,10 +7,11 @@ tokens it denoises (compute-bound: Z-Image on one H200 measured 152.5 ms at b1 a
 b4 for 1024x1024, 4096 tokens a row), plus ``--encode-ms`` per admitted request and
 ``--decode-ms-per-mpixel`` per decoded megapixel. As on the engine, the step loop plans step N+1
 when step N starts on the GPU (``engine.runner.inflight``), so a request arriving during step N
-is first planned into step N+2; the ``lookahead 0`` row plans at step ends instead. It prints, per scheduling variant, the high-priority p50/p90 and
-their ratio to the modelled idle latency, and one lower bound: the same trace with the
-low-priority requests removed (the high-priority class alone on the GPU), which no scheduler
-of low-priority work can beat:
+is first planned into step N+2; the ``lookahead 0`` row plans at step ends instead. It
+prints, per scheduling variant, the high-priority p50/p90 and their ratio to the modelled idle
+latency, and one lower bound: the same trace with the
+low-priority requests removed (the high-priority class alone on the GPU), which no handling
+of the low-priority work can beat on this loop:
 
     python3 bench/priority_replay.py --trace z-prio.json
 
