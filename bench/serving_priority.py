@@ -57,6 +57,9 @@ class Outcome:
     latency_s: float
     finished_s: float
     error: str | None = None
+    # The server's queue_seconds: arrival to admission into a step plan (issue 47: splits a
+    # high-priority latency into waiting for a step boundary and running its steps).
+    queue_s: float | None = None
 
 
 def trace(count: int, rate: float, high_share: float, seed: int,
@@ -93,11 +96,13 @@ async def send(url: str, arrivals: list[Arrival], *, size: str, steps: int, time
             try:
                 r = await client.post(f"{url}/v1/images/generations", json=body)
                 status, error = r.status_code, None if r.status_code == 200 else r.text[:300]
+                meta = r.json().get("ditserve", {}) if status == 200 else {}
+                queued = meta.get("queue_seconds")
             except httpx.HTTPError as e:
-                status, error = 0, f"{type(e).__name__}: {e}"
+                status, error, queued = 0, f"{type(e).__name__}: {e}", None
             done = time.monotonic()
             return Outcome(a.index, a.priority, a.arrival_s, status, done - sent, done - start,
-                           error)
+                           error, queued)
 
         return list(await asyncio.gather(*(one(a) for a in arrivals)))
 
@@ -121,6 +126,8 @@ def summary(outcomes: list[Outcome]) -> dict[str, Any]:
         latencies = [o.latency_s for o in ok if o.priority == level]
         out[f"{name}_count"] = len(latencies)
         out[f"{name}_p50_s"], out[f"{name}_p90_s"] = p(latencies, 0.5), p(latencies, 0.9)
+    queued = [o.queue_s for o in ok if o.priority == HIGH and o.queue_s is not None]
+    out["high_queue_p50_s"], out["high_queue_p90_s"] = p(queued, 0.5), p(queued, 0.9)
     return out
 
 
@@ -146,14 +153,14 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 def print_report(idle_p90: float | None, runs: dict[str, dict[str, Any]], *,
                  with_targets: bool = True, latency_target: float = TARGET_LATENCY) -> None:
     head = (f"{'policy':<10} {'ok/n':>7} {'req/s':>7} {'high p50':>9} {'high p90':>9} "
-            f"{'low p50':>8} {'low p90':>8} {'preempt':>8} {'paused s':>9}")
+            f"{'low p50':>8} {'low p90':>8} {'preempt':>8} {'paused s':>9} {'high queue p90':>15}")
     print(head)
     print("-" * len(head))
     for name, s in runs.items():
         print(f"{name:<10} {s['ok']:>3}/{s['requests']:<3} {_fmt(s['throughput_rps'], '.3f'):>7} "
               f"{_fmt(s['high_p50_s']):>9} {_fmt(s['high_p90_s']):>9} {_fmt(s['low_p50_s']):>8} "
               f"{_fmt(s['low_p90_s']):>8} {_fmt(s.get('preemptions'), '.0f'):>8} "
-              f"{_fmt(s.get('paused_seconds')):>9}")
+              f"{_fmt(s.get('paused_seconds')):>9} {_fmt(s.get('high_queue_p90_s')):>15}")
     if not with_targets:
         return
     print(f"idle high-priority p90: {_fmt(idle_p90)} s")

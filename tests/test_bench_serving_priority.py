@@ -32,11 +32,13 @@ def test_the_trace_is_seeded_saturating_and_mixes_the_two_classes() -> None:
 def test_summary_and_targets_from_outcomes() -> None:
     bench = load("serving_priority")
     outcomes = [bench.Outcome(i, bench.HIGH if i < 2 else bench.LOW, 0.0, 200, 1.0 + i,
-                              10.0) for i in range(5)]
+                              10.0, queue_s=0.1 * (i + 1)) for i in range(5)]
     outcomes.append(bench.Outcome(5, bench.LOW, 0.0, 429, 0.1, 0.1, "full"))
     s = bench.summary(outcomes)
     assert (s["ok"], s["errors"], s["high_count"], s["low_count"]) == (5, 1, 2, 3)
     assert s["throughput_rps"] == 0.5 and s["high_p90_s"] == 2.0 and s["low_p50_s"] == 4.0
+    # The admission wait of the high-priority requests only (the server's queue_seconds).
+    assert s["high_queue_p90_s"] == 0.2 and s["high_p50_s"] == 2.0  # nearest rank, as above
     rows = bench.targets(1.6, {"priority": {"high_p90_s": 2.0, "throughput_rps": 0.5},
                                "fcfs": {"throughput_rps": 0.5}})
     assert [(round(r, 3), met) for _, r, met in rows] == [(1.25, True), (1.0, True)]
@@ -58,6 +60,10 @@ def test_cpu_smoke_run_of_the_priority_mode(tmp_path: Path) -> None:
     assert set(report["runs"]) == {"priority", "fcfs"}
     for run in report["runs"].values():
         assert run["ok"] == run["requests"] == 8 and run["high_count"] >= 1
+    # Every served request carries the server's admission wait (issue 47's breakdown).
+    for policy in ("priority", "fcfs"):
+        assert all(o["queue_s"] is not None and 0.0 <= o["queue_s"] <= o["latency_s"]
+                   for o in report["records"][policy])
     assert report["runs"]["fcfs"]["preemptions"] == 0  # fcfs never pauses
     assert report["idle_high_p90_s"] is not None and len(report["records"]["idle"]) == 2
     assert [t["ratio"] is not None for t in report["targets"]] == [True, True]

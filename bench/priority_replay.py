@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Priority replay: the engine's StepScheduler over a recorded ``bench/serving.py --priority``
+trace, on a model of step times instead of a GPU (issue 47's high-priority latency target).
+
+Pure Python, no model. A step lasts ``--step-base-ms`` + ``--step-ms-per-ktoken`` x the rows x
+tokens it denoises (compute-bound: Z-Image on one H200 measured 152.5 ms at b1 and 587.6 ms at
+b4 for 1024x1024, 4096 tokens a row), plus ``--encode-ms`` per admitted request and
+``--decode-ms-per-mpixel`` per decoded megapixel. As on the engine, the step loop plans step N+1
+when step N starts on the GPU (``engine.runner.inflight``), so a request arriving during step N
+is first planned into step N+2; the ``lookahead 0`` row plans at step ends instead. It
+prints, per scheduling variant, the high-priority p50/p90 and their ratio to the modelled idle
+latency, and one lower bound: the same trace with the
+low-priority requests removed (the high-priority class alone on the GPU), which no handling
+of the low-priority work can beat on this loop:
+
+    python3 bench/priority_replay.py --trace z-prio.json
+
+``--trace`` is the JSON that ``bench/serving.py --priority --out`` writes (its ``trace``,
+``size`` and ``steps``); without it a seeded Poisson trace of the same shape is drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.request import SamplingParams
+from ditserve.engine.sched.scheduler import DEFAULT_WORK_RULE, StepScheduler
+from ditserve.engine.sched.work import ResolvedScheduling
+from ditserve.engine.step.plan import RunnerOutput
+
+LOW_SIZES = ("512x512", "768x768", "1024x1024", "1360x768")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float
+    priority: int
+    size: str
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Seconds one step takes, from the work it does."""
+
+    # Z-Image on one H200 (docs/benchmarks.md, issue 47): 152.5 ms a 1024x1024 step at b1,
+    # 587.6 ms at b4; encode 63.1 ms, decode 91.3 ms a 1024x1024 image.
+    base_ms: float = 7.45
+    ms_per_ktoken: float = 35.41
+    encode_ms: float = 63.1
+    decode_ms_per_mpixel: float = 91.3
+
+    def seconds(self, tokens: int, encoded: int, decoded_pixels: int) -> float:
+        ms = (self.base_ms + self.ms_per_ktoken * tokens / 1000 + self.encode_ms * encoded
+              + self.decode_ms_per_mpixel * decoded_pixels / 2**20)
+        return ms / 1000
+
+
+def load_trace(path: str) -> tuple[list[Arrival], str, int]:
+    data = json.loads(Path(path).read_text())
+    size = data["size"]
+    return ([Arrival(a["arrival_s"], a["priority"], a["size"] or size) for a in data["trace"]],
+            size, int(data["steps"]))
+
+
+def draw_trace(count: int, rate: float, high_share: float, size: str, seed: int
+               ) -> list[Arrival]:
+    rng, at, out = random.Random(seed), 0.0, []
+    for _ in range(count):
+        high = rng.random() < high_share
+        out.append(Arrival(at, -1 if high else 1, size if high else rng.choice(LOW_SIZES)))
+        at += rng.expovariate(rate)
+    return out
+
+
+def params(arrival: Arrival, steps: int) -> SamplingParams:
+    width, height = (int(v) for v in arrival.size.split("x"))
+    return SamplingParams(prompt="p", height=height, width=width, num_inference_steps=steps,
+                          priority=arrival.priority)
+
+
+def replay(trace: list[Arrival], steps: int, model: StepModel, config: SchedulerConfig, *,
+           lookahead: int = 1) -> dict[str, float]:
+    """Latency (seconds from arrival to output) of every request, keyed by trace index.
+
+    ``lookahead`` 1 is the engine's step loop (``engine.runner.inflight``): it plans and
+    queues step N+1 as soon as step N starts on the GPU, so a step's admissions and pauses
+    are decided one GPU step before it runs; 0 plans each step when the previous one ended.
+    A request's output is ready when the step that decoded it ends."""
+    host = gpu_free = 0.0  # when the loop plans next; when the GPU has run all it was given
+    s = StepScheduler(ResolvedScheduling.for_family(config), clock=lambda: host)
+    pending = sorted(range(len(trace)), key=lambda i: trace[i].at)
+    done: dict[str, float] = {}
+    for _ in range(100_000):
+        while pending and trace[pending[0]].at <= host:
+            i = pending.pop(0)
+            request = params(trace[i], steps)
+            s.add(str(i), request, DEFAULT_WORK_RULE.of(request), arrived_at=trace[i].at)
+        if not s.has_work():
+            if not pending:
+                return done
+            host = max(gpu_free, trace[pending[0]].at)  # an idle loop flushes, then waits
+            continue
+        plan = s.schedule()
+        tokens = sum(s.get(rid).work.tokens for rid in plan.denoise)  # type: ignore[union-attr]
+        pixels = sum(params(trace[int(rid)], steps).height * params(trace[int(rid)], steps).width
+                     for rid in plan.decode)
+        start = max(host, gpu_free)
+        end = start + model.seconds(tokens, len(plan.encode), pixels)
+        # Lookahead 1: the loop goes on once the step before this one has ended (its fence).
+        host, gpu_free = (start if lookahead else end), end
+        s.update(plan, RunnerOutput(stepped=list(plan.denoise), decoded=list(plan.decode),
+                                    finished={rid: None for rid in plan.decode}))
+        for rid in plan.decode:
+            done[rid] = end - trace[int(rid)].at
+    raise SystemExit("the scheduler stopped making progress")
+
+
+def p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else float("nan")
+
+
+def variants(max_num_seqs: int) -> dict[str, SchedulerConfig]:
+    def config(policy: str, companions: int | None = None, **kw: Any) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=max_num_seqs, scheduling_policy=policy,
+                               urgent_companions=companions, **kw)
+    return {"fcfs": config("fcfs"), "priority": config("priority"),
+            "priority K=1": config("priority", 1), "priority K=0": config("priority", 0)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default=None, help="bench/serving.py --priority's JSON")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--rate", type=float, default=2.56, help="arrivals a second (no --trace)")
+    p.add_argument("--high-share", type=float, default=0.25)
+    p.add_argument("--size", default="1024x1024")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-base-ms", type=float, default=StepModel.base_ms)
+    p.add_argument("--step-ms-per-ktoken", type=float, default=StepModel.ms_per_ktoken)
+    p.add_argument("--encode-ms", type=float, default=StepModel.encode_ms)
+    p.add_argument("--decode-ms-per-mpixel", type=float, default=StepModel.decode_ms_per_mpixel)
+    args = p.parse_args(argv)
+    if args.trace:
+        trace, size, steps = load_trace(args.trace)
+    else:
+        size, steps = args.size, args.steps
+        trace = draw_trace(args.requests, args.rate, args.high_share, size, args.seed)
+    model = StepModel(args.step_base_ms, args.step_ms_per_ktoken, args.encode_ms,
+                      args.decode_ms_per_mpixel)
+    idle = replay([Arrival(0.0, -1, size)], steps, model, SchedulerConfig())["0"]
+    high = [str(i) for i, a in enumerate(trace) if a.priority < 0]
+    configs = variants(args.max_num_seqs)
+    runs = {name: replay(trace, steps, model, config) for name, config in configs.items()}
+    runs["priority K=0, lookahead 0"] = replay(trace, steps, model, configs["priority K=0"],
+                                               lookahead=0)
+    only_high = [a if a.priority < 0 else Arrival(a.at, 1, "") for a in trace]
+    bound = replay([a for a in only_high if a.size], steps, model,
+                   SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    print(f"modelled idle latency of one {size} {steps}-step request: {idle:.2f} s; "
+          f"{len(high)} high-priority of {len(trace)}")
+    print(f"{'run':<26} {'high p50':>9} {'high p90':>9} {'p90/idle':>9} {'low p50':>8} "
+          f"{'makespan':>9}")
+    for name, done in runs.items():
+        lat = [done[i] for i in high]
+        low = [v for k, v in done.items() if k not in high]
+        span = max(trace[int(k)].at + v for k, v in done.items())
+        print(f"{name:<26} {statistics.median(lat):>9.2f} {p90(lat):>9.2f} "
+              f"{p90(lat) / idle:>8.2f}x {statistics.median(low):>8.2f} {span:>9.2f}")
+    lat = list(bound.values())
+    print(f"{'high-priority alone':<26} {statistics.median(lat):>9.2f} {p90(lat):>9.2f} "
+          f"{p90(lat) / idle:>8.2f}x {'-':>8} {'-':>9}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
