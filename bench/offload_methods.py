@@ -313,5 +313,6 @@ def markdown(r: dict[str, Any]) -> str:
     for t in r.get("targets", []):
         v = "-" if t["value"] is None else f"{t['value']:.2f} {t['unit']}"
         b = "-" if t["bound"] is None else f"{t['bound']:.2f} {t['unit']}"
-        lines.append(f"| {t['target']} | {v} | {b} | {'yes' if t['ok'] else 'NO'} |")
+        ok = "-" if t["ok"] is None else "yes" if t["ok"] else "NO"  # None: nothing to judge
+        lines.append(f"| {t['target']} | {v} | {b} | {ok} |")
     return "\n".join(lines) + "\n"

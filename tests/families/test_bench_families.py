@@ -83,6 +83,24 @@ def test_tiny_cosmos3_super_runs_its_baseline_in_the_same_process(tmp_path: Path
     assert result["baseline"] == str(tmp_path / "baseline-cosmos3" / "offload_families.json")
     growth = [t for t in result["targets"] if t["target"].startswith("DLO peak HBM growth")]
     assert len(growth) == 1
+    # The peak split into the offload's own share and the activations', shown, not judged.
+    split = [t for t in result["targets"] if t["target"].startswith("(split")]
+    assert len(split) == 2 and all(t["bound"] is None and t["ok"] is None for t in split)
+    own = result["methods"]["dlo"]["report"]
+    assert split[0]["value"] * 2**30 == own["slots"] * own["slot_bytes"] + own[
+        "resident_module_bytes"]
     with pytest.raises(SystemExit):  # an earlier run's file and a run now: one or the other
         bench.main(["--tiny", "--model", "cosmos3-super", "--baseline", "x.json",
                     "--baseline-model", "cosmos3", "--out", str(tmp_path / "both")])
+
+
+def test_cosmos3_layer_memory_counts_both_dits_at_720p(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    # On the meta device: full-size layers, no weights; the wider DiT holds more.
+    tool = load("cosmos3_layer_memory")
+    assert tool.main([]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| cosmos3")]
+    peaks = {r[1].strip(): float(r[3]) for r in rows}
+    assert set(peaks) == {"cosmos3", "cosmos3-super"}
+    assert 0 < peaks["cosmos3"] < peaks["cosmos3-super"]

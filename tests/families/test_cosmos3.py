@@ -415,6 +415,37 @@ def test_sliced_token_math_equals_whole(family_dir) -> None:  # type: ignore[no-
         assert (a - b).abs().max().item() <= 1e-5
 
 
+def test_sliced_token_math_never_upcasts_a_whole_sequence(family_dir) -> None:  # type: ignore[no-untyped-def]
+    # diffusers' RMSNorm works in float32: over a 720p step's 88k tokens its copies of the
+    # queries were the layer's largest tensors. Sliced, no float32 tensor spans a pathway.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ditserve.engine.families.cosmos3 import block, packing
+    from ditserve.engine.weights.loader import load_dit
+
+    class Float32Rows(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim():
+                    self.rows.add(int(t.shape[0]))
+            return out
+
+    dit: Any = load_dit(family_dir(VARIANT), dtype="bfloat16")
+    dit.set_attn_processor(packing.PackedItemsProcessor())
+    block.chunk_token_math(dit, chunk_tokens=3)
+    g = torch.Generator().manual_seed(0)
+    und, gen = (torch.randn(n, 32, generator=g).to(torch.bfloat16) for n in (40, 24))
+    rope = tuple(torch.randn(n, 16, generator=g).to(torch.bfloat16) for n in (40, 40, 24, 24))
+    with torch.no_grad(), Float32Rows() as seen:
+        dit.layers[0](und, gen, rope)
+    assert seen.rows and not seen.rows & {40, 24}
+
+
 def test_memory_plan_leaves_the_host_modules_out(family_runner) -> None:  # type: ignore[no-untyped-def]
     # The planner's resident DiT bytes are the tensors outside the layers and outside the
     # token table and LM head, which never reach the device.

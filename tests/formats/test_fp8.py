@@ -9,8 +9,10 @@ import pytest
 import torch
 from formats.support import flux_inputs, tiny_flux  # type: ignore[import-not-found]
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ditserve.engine.errors import FormatError
+from ditserve.engine.formats import fp8_quant
 from ditserve.engine.formats.fp8_linear import FP8Linear, fp8_matmul
 from ditserve.engine.formats.fp8_quant import (
     FP8_DTYPE,
@@ -51,6 +53,54 @@ def test_activation_scales_are_per_token_in_scaled_mm_layout() -> None:
     q, scale = quantize_activation(x)
     assert scale.shape == (5, 1) and scale.is_contiguous()
     torch.testing.assert_close(dequantize(q, scale), x, rtol=2**-4, atol=0)
+
+
+def whole_tensor_quantization(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule as one expression (what ``torch.compile`` fuses)."""
+    rows = x.float()
+    scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sliced_quantization_is_bit_identical_and_leaves_the_input(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(3)
+    x = (torch.randn(37, 48) * torch.logspace(-3, 3, 37).unsqueeze(1)).to(dtype)
+    x[5] = 0
+    before = x.clone()
+    monkeypatch.setattr(fp8_quant, "SLICE_ELEMENTS", 48 * 8)  # 8 rows a slice, 5 slices
+    q, scale = quantize_activation(x)
+    q_ref, scale_ref = whole_tensor_quantization(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(x, before)
+
+
+class LargestFloat32(TorchDispatchMode):
+    """The most elements of any float32 tensor an op creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.elements = max(self.elements, t.numel())
+        return out
+
+
+def test_activation_quantization_never_upcasts_the_whole_activation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a 720p video's ~88k tokens a whole-activation float32 copy is GiBs per linear (three
+    of them at once before the fix): the working copy is one slice."""
+    monkeypatch.setattr(fp8_quant, "SLICE_ELEMENTS", 64 * 16, raising=False)
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    with LargestFloat32() as seen:
+        quantize_activation(x)
+    assert 0 < seen.elements <= 64 * 16
 
 
 def make_layer(in_features: int = 64, out_features: int = 48, *, bias: bool = True,
