@@ -300,8 +300,9 @@ def completed(run: dict[str, Any]) -> bool:
 def rest_lines(configs: dict[str, Any]) -> list[str]:
     """Each planned configuration's HBM at rest (allocated once the engine started) against
     what its plan holds all the time, the prompt cache's bound left out (it starts empty);
-    and, for a failed run, what was allocated and reserved when it failed. A gap at rest is
-    a held term the planner misses; none at rest puts a miss in a phase."""
+    for a failed run, what was allocated and reserved when it failed; and what the engine
+    left allocated once shut down. A gap at rest is a held term the planner misses (or HBM an
+    earlier configuration of the process left behind); none at rest puts a miss in a step."""
     lines = []
     for name, run in configs.items():
         plan = (run.get("pipeline") or {}).get("memory") or {}
@@ -316,6 +317,9 @@ def rest_lines(configs: dict[str, Any]) -> list[str]:
             line += (f"; when it failed {mem['allocated'] / GIB:.3f} GiB allocated, "
                      f"peak {mem['peak_allocated'] / GIB:.3f} allocated, "
                      f"{mem['peak_reserved'] / GIB:.3f} reserved")
+        if run.get("left_allocated") is not None:
+            # What the next configuration of this process starts with (not in its plan).
+            line += f"; left allocated after shutdown {run['left_allocated'] / GIB:.3f} GiB"
         lines.append(line)
     return lines
 

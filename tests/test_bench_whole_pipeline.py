@@ -81,6 +81,7 @@ def test_a_run_that_fails_is_recorded_with_its_hbm_and_the_gap_at_rest() -> None
             "held_bytes": {"dit": gib, "prompt cache": gib // 4}}
     failed = {"flags": "--dlo-hbm-budget-gib 4", "failed": "2 x 28 steps: out of memory",
               "weights_on_device": int(1.5 * gib), "pipeline": {"memory": plan},
+              "left_allocated": 0,
               "memory": {"allocated": int(3.85 * gib), "peak_allocated": int(3.9 * gib),
                          "peak_reserved": 4 * gib}}
     results = {"configs": {"budget4": failed}, "steps": 28, "size": "full"}
@@ -93,7 +94,7 @@ def test_a_run_that_fails_is_recorded_with_its_hbm_and_the_gap_at_rest() -> None
     assert "failed: 2 x 28 steps: out of memory" in text
     assert ("- budget4 at rest: 1.500 GiB allocated, planned held 1.000 GiB without the "
             "prompt cache (+0.500); when it failed 3.850 GiB allocated, peak 3.900 allocated, "
-            "4.000 reserved") in text
+            "4.000 reserved; left allocated after shutdown 0.000 GiB") in text
 
 
 def test_host_rss_names_the_phase_a_peak_fell_in() -> None:
