@@ -11,7 +11,7 @@ What it sees is what the model's code allocates, as CUDA would. Two differences,
 output only - flash attention's footprint on the GPU (its working set is a few MiB; the CPU's
 math path would hold the S x S scores, which CUDA never does); and the caching allocator's
 rounding, the cuBLAS workspaces and fragmentation are not counted (on an H100 a Flux step
-measured 1.12-1.24x this count: docs/benchmarks.md, "Issue 45 item 12").
+under DLO measured 1.16-1.24x this count: docs/benchmarks.md, "Issue 45 item 12").
 """
 
 from __future__ import annotations
