@@ -13,9 +13,9 @@ the per-token activation quantization, then a bf16 output), and prints the peak 
 layer's input with the op where it is reached - so a measured growth can be split into the
 slots' and the activations' shares.
 
-A dispatch mode sees every op's outputs; a new tensor (not a view, not an in-place op's
-result) adds its bytes while alive (a ``weakref.finalize`` takes them back). The attention kernel is counted as flash
-attention's: its output only (its working set is a few MiB). The allocator's rounding and
+``live_bytes.LiveBytes`` sees every op's outputs; a new tensor (not a view, not an in-place op's
+result) adds its bytes while alive. The attention kernel is counted as flash attention's: its
+output only (its working set is a few MiB). The allocator's rounding and
 the cuBLAS workspace are not counted, so a GPU's number is somewhat higher.
 
     python3 bench/cosmos3_layer_memory.py            # Nano and Super at 1280x720x189, CFG
@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import weakref
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from live_bytes import LiveBytes, track_modules
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ditserve.engine.families.cosmos3 import packing
 from ditserve.engine.families.cosmos3.block import chunk_token_math
@@ -40,35 +39,6 @@ from ditserve.engine.makers.builders import dit_class, dit_config
 
 GIB = 2**30
 PROMPT_TOKENS = (210, 190)  # as bench/cosmos3_inputs.py
-
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the tensors ops have created and that are still alive, and their peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.peak_op = ""
-        self.where = "layer"  # the innermost module running (``track_modules``)
-
-    def _release(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # A view op's output shares its input's bytes; in-place and out= ops return a tensor
-        # they were given: nothing new. (Below autograd, ``Tensor._is_view`` is not set.)
-        given = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
-        fresh = not func.is_view
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if fresh and isinstance(t, torch.Tensor) and id(t) not in given:
-                nbytes = t.untyped_storage().nbytes()
-                self.live += nbytes
-                weakref.finalize(t, self._release, nbytes)
-        if self.live > self.peak:
-            self.peak, self.peak_op = self.live, f"{func} in {self.where}"
-        return out
 
 
 class ScaledMMLinear(nn.Module):
@@ -85,15 +55,6 @@ class ScaledMMLinear(nn.Module):
                           device=x.device)
         del x_fp8, scale
         return out
-
-
-def track_modules(layer: nn.Module, counted: LiveBytes) -> None:
-    """Name the innermost running submodule of ``layer`` in ``counted.where``."""
-    for name, module in layer.named_modules():
-        def enter(_m: nn.Module, _a: Any, name: str = name) -> None:
-            counted.where = name or "layer"
-
-        module.register_forward_pre_hook(enter)
 
 
 def fp8_linears(module: nn.Module) -> None:
@@ -136,7 +97,7 @@ def layer_peak(variant: str, vision_tokens: int, fp8: bool) -> tuple[float, floa
     items = [SimpleNamespace(layout=SimpleNamespace(und_len=n, gen_len=vision_tokens))
              for n in PROMPT_TOKENS]
     counted = LiveBytes()
-    track_modules(layer, counted)
+    track_modules(layer, counted, root="layer")
     try:
         with packing.items_in_flight(items), torch.no_grad(), counted:  # no autograd graph
             out = layer(und, gen, rotary)

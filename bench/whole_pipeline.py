@@ -23,7 +23,10 @@ empty negative prompt is cached as in serving). Latency of an N-step request =
 fixed + N x per-step, with per-step = (lat_b - lat_a) / (b - a) and fixed = lat_a - a x
 per-step (encode, decode, admission); when b = N it is the measured lat_b. Peak HBM is
 ``torch.cuda.max_memory_allocated`` (and reserved) over the two timed requests, weights
-included, next to the engine's own predicted peak (its printed plan, ``pipeline_report``).
+included, next to the engine's own predicted peak (its printed plan, ``pipeline_report``),
+and the HBM allocated at rest against what the plan holds all the time; a configuration whose
+timed requests fail (out of HBM under a budget) is recorded with the allocator's state then.
+On a GPU the caching allocator runs with expandable segments, as ``ditserve serve`` sets it.
 Before each configuration loads, its host plan is printed and recorded (``host_plan``): what
 each component's bytes are held in (tmpfs pages, page cache, pinned copies), what that
 commits against the host's available memory, and the DiT backing the engine's ``auto`` takes
@@ -49,6 +52,7 @@ from typing import Any
 import harness
 import torch
 
+from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.families import family_named
@@ -175,8 +179,14 @@ def run_config(name: str, flags: str, w: Workload, model: Path, args: argparse.N
             t0 = time.perf_counter()
             handles = [engine.add_request(request(w, model, f"{name} timed {steps} #{i}",
                                                   steps)) for i in range(together)]
-            for handle in handles:
-                handle.result()
+            try:
+                for handle in handles:
+                    handle.result()
+            except DitServeError as e:  # e.g. out of HBM under a budget: the plan's miss
+                harness.log(f"{name}: {together} x {steps} steps failed: {e}")
+                out |= {"failed": f"{together} x {steps} steps: {e}", "memory": cuda_memory(),
+                        "prompt_cache": (engine.pipeline_report() or {}).get("prompt_cache")}
+                return out
             latencies[steps] = time.perf_counter() - t0
             harness.log(f"{name}: {together} x {steps} steps in {latencies[steps]:.2f} s")
         out["memory"] = cuda_memory()
@@ -206,8 +216,8 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
     runs = results["configs"]
     out = []
     whole, base = runs.get(WHOLE), runs.get(BASELINE)
-    whole = None if whole is None or "refused" in whole else whole
-    base = None if base is None or "refused" in base else base
+    whole = None if whole is None or not completed(whole) else whole
+    base = None if base is None or not completed(base) else base
     if whole and whole.get("memory"):
         peak = whole["memory"]["peak_allocated"] / GIB
         out.append({"target": f"{WHOLE} peak HBM <= {w.peak_gib} GiB", "value": peak,
@@ -218,7 +228,7 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
         plan = (r.get("pipeline") or {}).get("memory") or {}
         budget, mem = plan.get("budget_bytes"), r.get("memory")
         if "refused" in r or not mem or not budget or plan.get("auto"):
-            continue
+            continue  # a failed run's memory is its state when it failed: judged too
         for kind in ("allocated", "reserved"):
             used = mem[f"peak_{kind}"] / GIB
             out.append({"target": f"{name} peak {kind} <= its budget {budget / GIB:.2f} GiB",
@@ -230,7 +240,7 @@ def targets(results: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
     for name, r in runs.items():
         plan = (r.get("pipeline") or {}).get("memory") or {}
         mem, predicted = r.get("memory"), plan.get("predicted_peak_bytes")
-        if "refused" in r or not mem or predicted is None:
+        if not completed(r) or not mem or predicted is None:
             continue
         cache = r.get("prompt_cache") or {}
         unfilled = (plan.get("held_bytes") or {}).get("prompt cache", 0) - cache.get("bytes", 0)
@@ -252,12 +262,15 @@ def table(results: dict[str, Any]) -> str:
               "step s",
               "encode+decode s", f"request s ({results['steps']} steps)", "vs baseline")
     base = results["configs"].get(BASELINE)
-    base = None if base is None or "refused" in base else base
+    base = None if base is None or not completed(base) else base
     rows = []
     for name, r in results["configs"].items():
         if "refused" in r:
             rows.append((name, f"`{r['flags']}`", f"refused at start: {r['refused']}",
                          *("-",) * 6))
+            continue
+        if "failed" in r:
+            rows.append((name, f"`{r['flags']}`", f"failed: {r['failed']}", *("-",) * 6))
             continue
         mem = r.get("memory") or {}
         ratio = f"{r['request_s'] / base['request_s']:.3f}x" if base else "-"
@@ -271,11 +284,44 @@ def table(results: dict[str, Any]) -> str:
                      ratio))
     lines = harness.md_table(header, rows)
     lines += host_lines(results["configs"])
+    lines += rest_lines(results["configs"])
     for t in results["targets"]:
         verdict = "not judged (tiny)" if results["size"] == "tiny" else (
             "met" if t["met"] else "MISSED")
         lines.append(f"- {t['target']}: {t['value']:.3f} (bound {t['bound']}) {verdict}")
     return "\n".join(lines)
+
+
+def completed(run: dict[str, Any]) -> bool:
+    """Whether a configuration's timed requests all ran (not refused at start, none failed)."""
+    return "refused" not in run and "failed" not in run
+
+
+def rest_lines(configs: dict[str, Any]) -> list[str]:
+    """Each planned configuration's HBM at rest (allocated once the engine started) against
+    what its plan holds all the time, the prompt cache's bound left out (it starts empty);
+    for a failed run, what was allocated and reserved when it failed; and what the engine
+    left allocated once shut down. A gap at rest is a held term the planner misses (or HBM an
+    earlier configuration of the process left behind); none at rest puts a miss in a step."""
+    lines = []
+    for name, run in configs.items():
+        plan = (run.get("pipeline") or {}).get("memory") or {}
+        held, rest = plan.get("held_bytes"), run.get("weights_on_device")
+        if held is None or rest is None:
+            continue
+        planned = sum(held.values()) - held.get("prompt cache", 0)
+        line = (f"- {name} at rest: {rest / GIB:.3f} GiB allocated, planned held "
+                f"{planned / GIB:.3f} GiB without the prompt cache ({(rest - planned) / GIB:+.3f})")
+        mem = run.get("memory") or {}
+        if "failed" in run and mem:
+            line += (f"; when it failed {mem['allocated'] / GIB:.3f} GiB allocated, "
+                     f"peak {mem['peak_allocated'] / GIB:.3f} allocated, "
+                     f"{mem['peak_reserved'] / GIB:.3f} reserved")
+        if run.get("left_allocated") is not None:
+            # What the next configuration of this process starts with (not in its plan).
+            line += f"; left allocated after shutdown {run['left_allocated'] / GIB:.3f} GiB"
+        lines.append(line)
+    return lines
 
 
 def host_lines(configs: dict[str, Any]) -> list[str]:
@@ -400,6 +446,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.device != "cpu":
+        # As ``ditserve serve`` does before CUDA starts (engine.allocator): expandable
+        # segments. Without them the caching allocator's fixed segments fragment under the
+        # budget's cap - the H100's 4 GiB Flux run failed with 120-360 MiB reserved but
+        # unallocated - and the bench measured an allocator the server never runs.
+        prefer_expandable_segments()
     w = WORKLOADS[args.model]
     if args.size == "tiny":  # the tiny models' own small sizes
         w = Workload(w.family, 64, 64, 9 if w.frames > 1 else 1, args.steps, args.timed,

@@ -344,7 +344,7 @@ def test_a_budget_the_defaults_miss_lowers_the_prompt_cache_and_the_requests_per
 
     model = family_dir("flux")
     with caplog.at_level(logging.WARNING):
-        r = budget_runner(model, 0.75)
+        r = budget_runner(model, 1.0)
     try:
         assert r.config.pipeline.prompt_cache_gib == 0.25
         assert r.whole.cache.max_bytes == int(0.25 * GIB)
@@ -352,9 +352,9 @@ def test_a_budget_the_defaults_miss_lowers_the_prompt_cache_and_the_requests_per
     finally:
         r.close()
     assert "lowered --prompt-cache-gib 1 -> 0.25" in caplog.text
-    # A step budget far past what 1 GiB holds: the requests per step come down with it.
+    # A step budget far past what 1.5 GiB holds: the requests per step come down with it.
     config = EngineConfig(model=str(model), device="cpu",
-                          offload=OffloadConfig(enabled=True, hbm_budget_gib=1.0),
+                          offload=OffloadConfig(enabled=True, hbm_budget_gib=1.5),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_batch_tokens=1 << 20))
     engine = DiffusionEngine(config).start()
     try:
