@@ -27,6 +27,7 @@ what ``tests/test_bench_model_delivery.py`` checks at a small size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -154,6 +155,16 @@ def _wait_for(done: Callable[[], bool], what: str, timeout_s: float = WAIT_S) ->
         time.sleep(0.01)
 
 
+def _settle(folder: Path, quiet_s: float = 1.0) -> None:
+    """Wait until the bytes under ``folder`` stop growing for ``quiet_s``."""
+    last, since = -1, time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        now = _bytes_on_disk(folder) if folder.exists() else 0
+        if now != last:
+            last, since = now, time.monotonic()
+        time.sleep(0.05)
+
+
 def verify(root: Path) -> bool:
     """``cachectl verify``: every published file re-hashed against its manifest."""
     return subprocess.run(_cli("verify", "--root", str(root)), capture_output=True,
@@ -166,7 +177,12 @@ def published(root: Path) -> list[str]:
 
 
 def _bytes_on_disk(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    total = 0
+    for dirpath, _dirs, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):  # renamed into place meanwhile
+                total += os.stat(os.path.join(dirpath, name)).st_size
+    return total
 
 
 def _same_copy(results: list[dict[str, Any]], files: dict[str, bytes]) -> bool:
@@ -218,6 +234,9 @@ class Bench:
         pods = start_pods(root, sock, self.env, node)
         try:
             _wait_for(lambda: self.hub.held(BIG), "the download to reach the hold point")
+            # The daemon writes what it received in huggingface_hub's 10 MiB chunks; let it
+            # write what is in flight, so the kill loses no more than a real one would.
+            _settle(root / ".partial")
             daemon.kill()  # mid-download, as a node's OOM killer or a crash would
             on_disk = _bytes_on_disk(root / ".partial")
             served_before = self._served_since(first)
@@ -322,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = [judge(r, model_bytes)[0] for r in rows]
     if args.json is not None:
         args.json.write_text(json.dumps({"model_bytes": model_bytes, "rows": rows,
+                                         "files": {n: len(d) for n, d in files.items()},
                                          "ok": verdicts}, indent=1, default=str))
     return 0 if all(verdicts) else 1
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from model_sources import FILES, LocalHub, Repo, moto_s3
+from model_sources import FILES, LocalHub, Repo, moto_s3, weights
 
 from ditserve.cachectl import pulls
 from ditserve.cachectl.errors import (
@@ -190,27 +190,41 @@ def test_three_pulls_at_once_download_once(hub: LocalHub, tmp_path: Path) -> Non
     assert dict(hub.served) == {name: len(data) for name, data in FILES.items()}
 
 
+def _big_on_disk(folder: Path) -> int:
+    """Bytes of the partial pull's copy of the one big file, whatever it is called there."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()
+               and p.stat().st_size > 2**20)
+
+
 @pytest.mark.slow
 def test_a_killed_pull_resumes_where_it_stopped(hub: LocalHub, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     big = "transformer/diffusion_pytorch_model.safetensors"
-    hub.delay_s = 0.1  # ~0.5 s for the big file's five 64 KiB chunks
-    proc = _popen(root, "hf://org/tiny")
+    # Bigger than huggingface_hub's 10 MiB write chunk, so a kill leaves bytes to resume from.
+    files = {**FILES, big: weights(12 * 2**20, 7)}
+    hub.repos["org/big"] = Repo(files)
+    hub.hold(big, 11 * 2**20)
+    proc = _popen(root, "hf://org/big")
     deadline = time.monotonic() + 60
-    while hub.served[big] < 128 * 1024 and time.monotonic() < deadline:
+    while not hub.held(big):
+        assert time.monotonic() < deadline and proc.poll() is None, "never reached the hold"
+        time.sleep(0.02)
+    while _big_on_disk(root / ".partial") < 10 * 2**20:  # the received chunk written
+        assert time.monotonic() < deadline, "nothing of the big file reached the disk"
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    first = hub.served[big]
-    assert 0 < first < len(FILES[big])
+    have = _big_on_disk(root / ".partial")
     assert _published(root) == []
-    hub.delay_s = 0.0
-    done = _cli(root, "pull", "--no-daemon", "--json", "hf://org/tiny")
+    restarted = len(hub.gets)
+    hub.release()
+    done = _cli(root, "pull", "--no-daemon", "--json", "hf://org/big")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert (Path(result["model_dir"]) / big).read_bytes() == FILES[big]
-    # Resumed: the second pull fetched (about) only what the first had not written.
-    assert hub.served[big] < 2 * len(FILES[big]) - 64 * 1024
+    assert (Path(result["model_dir"]) / big).read_bytes() == files[big]
+    # Resumed: one GET of the big file, from the first byte not on disk, sending the rest.
+    again = [g for g in hub.gets[restarted:] if g.name == big]
+    assert [(g.start, g.sent) for g in again] == [(have, len(files[big]) - have)]
 
 
 def test_cli_pull_links_the_model_and_exits_3_on_404(hub: LocalHub, tmp_path: Path) -> None:
