@@ -5,7 +5,7 @@ the git blob id) through ``HfApi``. Downloads ``workers`` files at a time from t
 ``resolve`` URLs with huggingface_hub's ``http_get``: each file streams into
 ``.incomplete/<name>`` inside the pull's model folder, and a pull that finds one there (its
 daemon was killed) continues it with a range request from its size, then renames it into
-place. Not ``snapshot_download``: since huggingface_hub 1.x it writes each file to a
+place. Not ``snapshot_download``: the pinned huggingface_hub (2.4) writes each file to a
 process-unique temporary name, so a killed pull's bytes were never resumed (the whole model
 was fetched again; bench/model_delivery.py measured it). The commit is pinned in every URL,
 so a resumed file cannot mix two versions. ``$HF_ENDPOINT`` is honoured (read at pull time, so

@@ -1,7 +1,8 @@
 """A local hub-compatible HTTP server, for the pull tests and ``bench/model_delivery.py``.
 
 ``LocalHub`` serves model repositories held in memory, on 127.0.0.1, through the endpoints
-huggingface_hub's ``model_info``, ``list_repo_tree`` and ``snapshot_download`` call:
+huggingface_hub's ``model_info``, ``list_repo_tree`` and file downloads (``http_get`` of a
+``resolve`` URL, ``hf_hub_download``, ``snapshot_download``) call:
 
     GET  /api/models/{repo}[/revision/{rev}]       {"id", "sha", "siblings"}
     GET  /api/models/{repo}/tree/{rev}             [{"type": "file", "path", "size", "oid",
