@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,24 @@ def _wait_for(done: Callable[[], bool], what: str, timeout_s: float = WAIT_S) ->
         time.sleep(0.01)
 
 
+def daemon_phases(log: Path) -> dict[str, float]:
+    """Seconds the daemon's last pull spent in each phase, from its ``pull_phase`` log lines
+    (each phase lasts until the next one is logged; "published" ends the pull)."""
+    marks: list[tuple[str, float]] = []
+    for line in log.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        if rec.get("event") == "pull_phase":
+            if rec["phase"] == "resolving":
+                marks = []  # a new pull (after a restart): time the last one only
+            marks.append((rec["phase"], datetime.fromisoformat(rec["ts"]).timestamp()))
+    phases: dict[str, float] = {}
+    for (phase, start), (_next, end) in zip(marks, marks[1:], strict=False):
+        phases[phase] = phases.get(phase, 0.0) + end - start
+    return phases
+
+
 def _settle(folder: Path, quiet_s: float = 1.0) -> None:
     """Wait until the bytes under ``folder`` stop growing for ``quiet_s``."""
     last, since = -1, time.monotonic()
@@ -223,6 +242,7 @@ class Bench:
             daemon.stop()
         served = self._served_since(first)
         return {"scenario": "once", "served": served, "seconds": seconds,
+                "daemon_phases": daemon_phases(node / "daemon.log"),
                 "one_entry": _same_copy(results, self.files) and len(published(root)) == 1,
                 "verified": verify(root), "pods": results}
 
@@ -253,7 +273,8 @@ class Bench:
         after = self.hub.gets[restart_from:]
         big_starts = [g.start for g in after if g.name == BIG]
         return {"scenario": "resume", "served": self._served_since(first),
-                "seconds": seconds, "killed_at_served": served_before, "on_disk_at_kill": on_disk,
+                "seconds": seconds, "killed_at_served": served_before,
+                "daemon_phases": daemon_phases(node / "daemon.log"),  # the restarted one "on_disk_at_kill": on_disk,
                 "missing_at_kill": self.model_bytes - on_disk,
                 "served_after_restart": self._served_since(restart_from),
                 "big_get_starts_after_restart": big_starts,
@@ -341,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{URI}: {model_bytes} bytes ({model_bytes / 2**20:.1f} MiB) in {len(files)} files; "
           f"{PODS} pods per node, one `cachectl serve`")
     print(table(rows, model_bytes))
+    for row in rows:
+        if row.get("daemon_phases"):
+            which = "restarted daemon's" if row["scenario"] == "resume" else "daemon's"
+            print(f"{row['scenario']}: the {which} pull by phase (s): " + ", ".join(
+                f"{phase} {sec:.1f}" for phase, sec in row["daemon_phases"].items()))
     verdicts = [judge(r, model_bytes)[0] for r in rows]
     if args.json is not None:
         args.json.write_text(json.dumps({"model_bytes": model_bytes, "rows": rows,
