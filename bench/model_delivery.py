@@ -274,7 +274,8 @@ class Bench:
         big_starts = [g.start for g in after if g.name == BIG]
         return {"scenario": "resume", "served": self._served_since(first),
                 "seconds": seconds, "killed_at_served": served_before,
-                "daemon_phases": daemon_phases(node / "daemon.log"),  # the restarted one "on_disk_at_kill": on_disk,
+                "on_disk_at_kill": on_disk,
+                "daemon_phases": daemon_phases(node / "daemon.log"),  # the restarted one
                 "missing_at_kill": self.model_bytes - on_disk,
                 "served_after_restart": self._served_since(restart_from),
                 "big_get_starts_after_restart": big_starts,
