@@ -353,8 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     files = model_files(int(args.size_mib * 2**20))
     model_bytes = sum(len(d) for d in files.values())
+    repo = Repo(files)
+    for name in files:  # the hub hashes its files once, here, not inside a timed resolve
+        repo.tree_row(name)
     with tempfile.TemporaryDirectory(prefix="model-delivery-") as tmp, \
-            LocalHub(repos={REPO_ID: Repo(files)}).running() as hub:
+            LocalHub(repos={REPO_ID: repo}).running() as hub:
         work = args.workdir or Path(tmp)
         bench = Bench(hub, files, work)
         runs = {"once": bench.once, "resume": lambda: bench.resume(args.kill_at),
