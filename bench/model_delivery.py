@@ -206,12 +206,17 @@ def _bytes_on_disk(folder: Path) -> int:
     return total
 
 
-def _same_copy(results: list[dict[str, Any]], files: dict[str, bytes]) -> bool:
-    """Every pod ready on one entry, and its big file exactly the served one."""
+def _same_copy(results: list[dict[str, Any]], files: dict[str, bytes], work: Path) -> bool:
+    """Every pod ready on one entry (its answer and its --link), and the entry's big file
+    exactly the served one."""
     dirs = {r.get("model_dir") for r in results}
     if len(dirs) != 1 or None in dirs or any(r["rc"] != 0 for r in results):
         return False
-    got = hashlib.sha256((Path(str(dirs.pop())) / BIG).read_bytes()).hexdigest()
+    model_dir = Path(str(dirs.pop()))
+    links = {(work / f"pod{i}" / "model").resolve() for i in range(len(results))}
+    if links != {model_dir.resolve()}:
+        return False
+    got = hashlib.sha256((model_dir / BIG).read_bytes()).hexdigest()
     return got == hashlib.sha256(files[BIG]).hexdigest()
 
 
@@ -243,7 +248,7 @@ class Bench:
         served = self._served_since(first)
         return {"scenario": "once", "served": served, "seconds": seconds,
                 "daemon_phases": daemon_phases(node / "daemon.log"),
-                "one_entry": _same_copy(results, self.files) and len(published(root)) == 1,
+                "one_entry": _same_copy(results, self.files, node) and len(published(root)) == 1,
                 "verified": verify(root), "pods": results}
 
     def resume(self, kill_at: float) -> dict[str, Any]:
@@ -279,7 +284,7 @@ class Bench:
                 "missing_at_kill": self.model_bytes - on_disk,
                 "served_after_restart": self._served_since(restart_from),
                 "big_get_starts_after_restart": big_starts,
-                "one_entry": _same_copy(results, self.files) and len(published(root)) == 1,
+                "one_entry": _same_copy(results, self.files, node) and len(published(root)) == 1,
                 "verified": verify(root), "pods": results}
 
     def corrupted(self, times: int) -> dict[str, Any]:
@@ -298,7 +303,7 @@ class Bench:
         return {"scenario": name, "served": self._served_since(first), "seconds": seconds,
                 "rc": results[0]["rc"], "error": results[0]["last_words"],
                 "published": published(root),
-                "one_entry": _same_copy(results, self.files),
+                "one_entry": _same_copy(results, self.files, node),
                 "verified": verify(root) if published(root) else None, "pods": results}
 
 
