@@ -156,7 +156,7 @@ class LocalHub:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[LocalHub]:
-        server = _QuietServer(("127.0.0.1", 0), _handler(self))
+        server = _HubServer(self)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         self.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -168,8 +168,12 @@ class LocalHub:
             server.server_close()
 
 
-class _QuietServer(ThreadingHTTPServer):
+class _HubServer(ThreadingHTTPServer):
     daemon_threads = True
+
+    def __init__(self, hub: LocalHub) -> None:
+        self.hub = hub
+        super().__init__(("127.0.0.1", 0), _Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client killed mid-request (the point of the crash tests) is not an error here.
@@ -177,115 +181,115 @@ class _QuietServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def _handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _Handler(BaseHTTPRequestHandler):
+    """The hub's endpoints (module doc); the ``LocalHub`` it serves is its server's."""
 
-        def log_message(self, *args: Any) -> None:
-            pass
+    server: _HubServer
+    protocol_version = "HTTP/1.1"
 
-        def _send(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None,
-                  *, head: bool = False) -> None:
-            self.send_response(code)
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            if "Content-Length" not in (headers or {}):
-                self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if not head:
-                self.wfile.write(body)
+    def log_message(self, *args: Any) -> None:
+        pass
 
-        def _error(self, code: int, error_code: str, *, head: bool = False) -> None:
-            body = json.dumps({"error": error_code}).encode()
-            self._send(code, body, {"X-Error-Code": error_code,
-                                    "Content-Type": "application/json"}, head=head)
+    def _send(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None,
+              *, head: bool = False) -> None:
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if "Content-Length" not in (headers or {}):
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
 
-        def _json(self, doc: Any) -> None:
-            self._send(200, json.dumps(doc).encode(), {"Content-Type": "application/json"})
+    def _error(self, code: int, error_code: str, *, head: bool = False) -> None:
+        body = json.dumps({"error": error_code}).encode()
+        self._send(code, body, {"X-Error-Code": error_code,
+                                "Content-Type": "application/json"}, head=head)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            self._route(head=False)
+    def _json(self, doc: Any) -> None:
+        self._send(200, json.dumps(doc).encode(), {"Content-Type": "application/json"})
 
-        def do_HEAD(self) -> None:  # noqa: N802
-            self._route(head=True)
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._route(head=False)
 
-        def _route(self, *, head: bool) -> None:
-            path = self.path.split("?", 1)[0]
-            auth = self.headers.get("Authorization")
-            m = re.match(r"^/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?$", path)
-            if m:
-                repo, code, err = hub._lookup(m.group(1), m.group(2) or "main", auth)
-                if repo is None:
-                    return self._error(code, err)
-                return self._json({"id": m.group(1), "sha": repo.commit,
-                                   "siblings": [{"rfilename": n} for n in repo.files]})
-            m = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)$", path)
-            if m:
-                repo, code, err = hub._lookup(m.group(1), m.group(2), auth)
-                if repo is None:
-                    return self._error(code, err)
-                return self._json([repo.tree_row(n) for n in repo.files])
-            m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
-            if m:
-                return self._resolve(m.group(1), m.group(2), m.group(3), auth, head=head)
-            return self._error(404, "NotFound", head=head)
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._route(head=True)
 
-        def _resolve(self, repo_id: str, rev: str, name: str, auth: str | None, *,
-                     head: bool) -> None:
-            repo, code, err = hub._lookup(repo_id, rev, auth)
+    def _route(self, *, head: bool) -> None:
+        path = self.path.split("?", 1)[0]
+        auth = self.headers.get("Authorization")
+        m = re.match(r"^/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?$", path)
+        if m:
+            repo, code, err = self.server.hub._lookup(m.group(1), m.group(2) or "main", auth)
             if repo is None:
-                return self._error(code, err, head=head)
-            if name not in repo.files:
-                return self._error(404, "EntryNotFound", head=head)
-            data = repo.files[name]
-            etag = repo.etag(name)
-            headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"',
-                       "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-            if len(data) >= LFS_MIN_BYTES:
-                headers |= {"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(data))}
-            if head:
-                return self._send(200, b"", headers | {"Content-Length": str(len(data))},
-                                  head=True)
-            start = 0
-            rng = re.match(r"bytes=(\d+)-", self.headers.get("Range", ""))
-            if rng:
-                start = int(rng.group(1))
-                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-            get = Get(name, start)
-            with hub._count_lock:
-                hub.gets.append(get)
-            self.send_response(206 if rng else 200)
-            for k, v in (headers | {"Content-Length": str(len(data) - start)}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self._stream(get, data)
+                return self._error(code, err)
+            return self._json({"id": m.group(1), "sha": repo.commit,
+                               "siblings": [{"rfilename": n} for n in repo.files]})
+        m = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)$", path)
+        if m:
+            repo, code, err = self.server.hub._lookup(m.group(1), m.group(2), auth)
+            if repo is None:
+                return self._error(code, err)
+            return self._json([repo.tree_row(n) for n in repo.files])
+        m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
+        if m:
+            return self._resolve(m.group(1), m.group(2), m.group(3), auth, head=head)
+        return self._error(404, "NotFound", head=head)
 
-        def _stream(self, get: Get, data: bytes) -> None:
-            sent = get.start
-            for chunk in hub._body(get.name, data, get.start):
-                hold = hub.hold_at.get(get.name)
-                if hold is not None and sent + len(chunk) > hold:
-                    # Send up to the hold point, then wait: the client sees a stalled download.
-                    head_part = chunk[:max(0, hold - sent)]
-                    if not self._write(get, head_part):
-                        return
-                    sent += len(head_part)
-                    chunk = chunk[len(head_part):]
-                    hub._released.wait(HOLD_LIMIT_S)
-                if hub.delay_s:
-                    time.sleep(hub.delay_s)
-                if not self._write(get, chunk):
+    def _resolve(self, repo_id: str, rev: str, name: str, auth: str | None, *,
+                 head: bool) -> None:
+        repo, code, err = self.server.hub._lookup(repo_id, rev, auth)
+        if repo is None:
+            return self._error(code, err, head=head)
+        if name not in repo.files:
+            return self._error(404, "EntryNotFound", head=head)
+        data = repo.files[name]
+        etag = repo.etag(name)
+        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"',
+                   "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        if len(data) >= LFS_MIN_BYTES:
+            headers |= {"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(data))}
+        if head:
+            return self._send(200, b"", headers | {"Content-Length": str(len(data))},
+                              head=True)
+        start = 0
+        rng = re.match(r"bytes=(\d+)-", self.headers.get("Range", ""))
+        if rng:
+            start = int(rng.group(1))
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        get = Get(name, start)
+        with self.server.hub._count_lock:
+            self.server.hub.gets.append(get)
+        self.send_response(206 if rng else 200)
+        for k, v in (headers | {"Content-Length": str(len(data) - start)}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self._stream(get, data)
+
+    def _stream(self, get: Get, data: bytes) -> None:
+        sent = get.start
+        for chunk in self.server.hub._body(get.name, data, get.start):
+            hold = self.server.hub.hold_at.get(get.name)
+            if hold is not None and sent + len(chunk) > hold:
+                # Send up to the hold point, then wait: the client sees a stalled download.
+                head_part = chunk[:max(0, hold - sent)]
+                if not self._write(get, head_part):
                     return
-                sent += len(chunk)
+                sent += len(head_part)
+                chunk = chunk[len(head_part):]
+                self.server.hub._released.wait(HOLD_LIMIT_S)
+            if self.server.hub.delay_s:
+                time.sleep(self.server.hub.delay_s)
+            if not self._write(get, chunk):
+                return
+            sent += len(chunk)
 
-        def _write(self, get: Get, chunk: bytes | memoryview) -> bool:
-            if not chunk:
-                return True
-            try:
-                self.wfile.write(chunk)
-            except (BrokenPipeError, ConnectionResetError):
-                return False
-            hub._count(get, len(chunk))
+    def _write(self, get: Get, chunk: bytes | memoryview) -> bool:
+        if not chunk:
             return True
-
-    return Handler
+        try:
+            self.wfile.write(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        self.server.hub._count(get, len(chunk))
+        return True
