@@ -9,8 +9,9 @@ place. Not ``snapshot_download``: the pinned huggingface_hub (2.4) writes each f
 process-unique temporary name, so a killed pull's bytes were never resumed (the whole model
 was fetched again; bench/model_delivery.py measured it). The commit is pinned in every URL,
 so a resumed file cannot mix two versions. ``$HF_ENDPOINT`` is honoured (read at pull time, so
-a mirror or a test fixture works), the token comes from the request or ``$HF_TOKEN``. The hub's errors become the cache's: 404 -> ModelNotFoundError, 401/403 and
-gated repos -> ModelAccessError. Called through ``sources.source_for`` by ``pulls``.
+a mirror or a test fixture works), the token comes from the request or ``$HF_TOKEN``. The
+hub's errors become the cache's: 404 -> ModelNotFoundError, 401/403 and gated repos ->
+ModelAccessError. Called through ``sources.source_for`` by ``pulls``.
 """
 
 from __future__ import annotations
