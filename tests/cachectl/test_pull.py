@@ -227,6 +227,29 @@ def test_a_killed_pull_resumes_where_it_stopped(hub: LocalHub, tmp_path: Path) -
     assert [(g.start, g.sent) for g in again] == [(have, len(files[big]) - have)]
 
 
+def test_a_flipped_byte_in_a_resumed_partial_file_is_caught(hub: LocalHub,
+                                                            tmp_path: Path) -> None:
+    """What a killed pull left is trusted only as far as the digest check: a byte flipped in it
+    (on disk, before the resume) fails the file's SHA-256, and the file is fetched whole."""
+    big = "transformer/diffusion_pytorch_model.safetensors"
+    files = {**FILES, big: weights(3 * 2**20, 8)}
+    hub.repos["org/big"] = Repo(files)
+    key = pull(tmp_path / "first", PullRequest("hf://org/big")).key
+    root = tmp_path / "cache"
+    partial = Layout(root).partial(key) / "model" / ".incomplete" / big
+    partial.parent.mkdir(parents=True)
+    left = bytearray(files[big][:2**20])
+    left[1234] ^= 0x01
+    partial.write_bytes(bytes(left))
+    before = len(hub.gets)
+    model = pull(root, PullRequest("hf://org/big"))
+    assert (model.model_dir / big).read_bytes() == files[big]
+    assert check_model_entry(model.path, full=True) == []
+    # Resumed from the partial file's end, caught by the digest, then fetched from byte 0.
+    assert [(g.start, g.sent) for g in hub.gets[before:] if g.name == big] == [
+        (2**20, 2 * 2**20), (0, 3 * 2**20)]
+
+
 def test_cli_pull_links_the_model_and_exits_3_on_404(hub: LocalHub, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     link = tmp_path / "run" / "model"
