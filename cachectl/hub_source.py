@@ -1,12 +1,17 @@
 """``hf://org/repo[@revision]``: a model repository on a Hugging Face hub.
 
 Resolves the revision to a commit and lists its files with their digests (LFS SHA-256, else
-the git blob id) through ``HfApi``; downloads with ``snapshot_download`` into the pull's
-partial folder (``local_dir``: huggingface_hub keeps unfinished files there and resumes them
-with range requests, ``max_workers`` files at a time). ``$HF_ENDPOINT`` is honoured (read at
-pull time, so a mirror or a test fixture works), the token comes from the request or
-``$HF_TOKEN``. The hub's errors become the cache's: 404 -> ModelNotFoundError, 401/403 and
-gated repos -> ModelAccessError. Called through ``sources.source_for`` by ``pulls``.
+the git blob id) through ``HfApi``. Downloads ``workers`` files at a time from the commit's
+``resolve`` URLs with huggingface_hub's ``http_get``: each file streams into
+``.incomplete/<name>`` inside the pull's model folder, and a pull that finds one there (its
+daemon was killed) continues it with a range request from its size, then renames it into
+place. Not ``snapshot_download``: the pinned huggingface_hub (2.4) writes each file to a
+process-unique temporary name, so a killed pull's bytes were never resumed (the whole model
+was fetched again; bench/model_delivery.py measured it). The commit is pinned in every URL,
+so a resumed file cannot mix two versions. ``$HF_ENDPOINT`` is honoured (read at pull time, so
+a mirror or a test fixture works), the token comes from the request or ``$HF_TOKEN``. The
+hub's errors become the cache's: 404 -> ModelNotFoundError, 401/403 and gated repos ->
+ModelAccessError. Called through ``sources.source_for`` by ``pulls``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,7 @@ from ditserve.cachectl.errors import ModelAccessError, ModelNotFoundError, Model
 from ditserve.cachectl.model_uri import ModelUri
 from ditserve.cachectl.sources import Credentials, RemoteFile, Snapshot
 
+INCOMPLETE = ".incomplete"  # inside the model folder of a partial pull; never published
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
@@ -89,12 +96,36 @@ class HubSource:
         return Snapshot(str(self.uri), identity, commit, files)
 
     def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int) -> None:
-        from huggingface_hub import snapshot_download
+        todo = [f for f in snapshot.files
+                if not ((model_dir / f.name).is_file()
+                        and (model_dir / f.name).stat().st_size == f.size)]
+        with self._hub_errors(), ThreadPoolExecutor(max_workers=workers,
+                                                    thread_name_prefix="cachectl-hub") as pool:
+            for _ in pool.map(lambda f: self._fetch(snapshot.revision, f, model_dir), todo):
+                pass
 
-        with self._hub_errors():
-            snapshot_download(self.uri.repo, revision=snapshot.revision, local_dir=model_dir,
-                              token=self.token, endpoint=self.endpoint, max_workers=workers,
-                              tqdm_class=_silent_tqdm())
+    def _fetch(self, commit: str, f: RemoteFile, model_dir: Path) -> None:
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.file_download import http_get
+        from huggingface_hub.utils import build_hf_headers
+
+        part = model_dir / INCOMPLETE / f.name
+        part.parent.mkdir(parents=True, exist_ok=True)
+        have = part.stat().st_size if part.exists() else 0
+        if have > f.size:  # not a prefix of this file: start over
+            part.unlink()
+            have = 0
+        if have < f.size:
+            url = hf_hub_url(self.uri.repo, f.name, revision=commit, endpoint=self.endpoint)
+            with open(part, "ab") as out:
+                # http_get sends "Range: bytes=<have>-" and, should the server answer 200
+                # instead of 206, truncates back to where this download started.
+                http_get(url, out, resume_size=have, expected_size=f.size,
+                         headers=build_hf_headers(token=self.token),
+                         tqdm_class=_silent_tqdm())
+        final = model_dir / f.name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(part, final)
 
 
 def _status(e: Any) -> int | None:

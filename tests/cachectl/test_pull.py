@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from model_sources import FILES, HubFixture, Repo, moto_s3
+from model_sources import FILES, LocalHub, Repo, moto_s3, weights
 
 from ditserve.cachectl import pulls
 from ditserve.cachectl.errors import (
@@ -34,13 +34,13 @@ from ditserve.cachectl.sources import Credentials
 
 
 @pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubFixture]:
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalHub]:
     from huggingface_hub import constants
 
     # tests/conftest.py sets HF_HUB_OFFLINE=1 for everything else; a pull is explicit network
     # use (here only to 127.0.0.1).
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    fixture = HubFixture(repos={"org/tiny": Repo(dict(FILES)),
+    fixture = LocalHub(repos={"org/tiny": Repo(dict(FILES)),
                                 "org/private": Repo(dict(FILES), token="hf_secret")})
     with fixture.running() as running:
         monkeypatch.setenv("HF_ENDPOINT", running.url)
@@ -67,7 +67,7 @@ def test_uri_parsing() -> None:
             parse_model_uri(bad)
 
 
-def test_hf_pull_publishes_an_exact_checked_copy_and_joins_it_again(hub: HubFixture,
+def test_hf_pull_publishes_an_exact_checked_copy_and_joins_it_again(hub: LocalHub,
                                                                       tmp_path: Path) -> None:
     root = tmp_path / "cache"
     phases: list[str] = []
@@ -84,13 +84,13 @@ def test_hf_pull_publishes_an_exact_checked_copy_and_joins_it_again(hub: HubFixt
     assert {"resolving", "downloading", "checking digests", "publishing"} <= set(phases)
     assert not any(Layout(root).partials.iterdir())  # the partial folder became the entry
 
-    served = sum(hub.gets.values())
+    served = sum(hub.served.values())
     again = pull(root, PullRequest("hf://org/tiny@main"))  # a branch: the same commit
     assert (again.key, again.downloaded) == (model.key, False)
-    assert sum(hub.gets.values()) == served  # joined: not one more byte downloaded
+    assert sum(hub.served.values()) == served  # joined: not one more byte downloaded
 
 
-def test_hf_errors_say_what_is_wrong(hub: HubFixture, tmp_path: Path) -> None:
+def test_hf_errors_say_what_is_wrong(hub: LocalHub, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     with pytest.raises(ModelNotFoundError, match="no repository org/missing"):
         pull(root, PullRequest("hf://org/missing"))
@@ -103,7 +103,7 @@ def test_hf_errors_say_what_is_wrong(hub: HubFixture, tmp_path: Path) -> None:
     assert _files(model.model_dir) == FILES
 
 
-def test_a_byte_corrupted_in_transit_is_downloaded_again(hub: HubFixture,
+def test_a_byte_corrupted_in_transit_is_downloaded_again(hub: LocalHub,
                                                           tmp_path: Path) -> None:
     big = "transformer/diffusion_pytorch_model.safetensors"
     hub.corrupt[big] = 1
@@ -112,7 +112,7 @@ def test_a_byte_corrupted_in_transit_is_downloaded_again(hub: HubFixture,
     assert hub.corrupt[big] == 0
 
 
-def test_a_file_corrupted_twice_fails_and_publishes_nothing(hub: HubFixture,
+def test_a_file_corrupted_twice_fails_and_publishes_nothing(hub: LocalHub,
                                                             tmp_path: Path) -> None:
     root = tmp_path / "cache"
     hub.corrupt["vae/diffusion_pytorch_model.safetensors"] = 2
@@ -120,13 +120,13 @@ def test_a_file_corrupted_twice_fails_and_publishes_nothing(hub: HubFixture,
         pull(root, PullRequest("hf://org/tiny"))
     assert _published(root) == []
     # The bad file was deleted, the good ones kept: the next pull fetches only the bad one.
-    served = dict(hub.gets)
+    served = dict(hub.served)
     pull(root, PullRequest("hf://org/tiny"))
-    fetched_again = {n for n, b in hub.gets.items() if b != served.get(n, 0)}
+    fetched_again = {n for n, b in hub.served.items() if b != served.get(n, 0)}
     assert fetched_again == {"vae/diffusion_pytorch_model.safetensors"}
 
 
-def test_verify_finds_a_byte_flipped_on_disk(hub: HubFixture, tmp_path: Path) -> None:
+def test_verify_finds_a_byte_flipped_on_disk(hub: LocalHub, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     model = pull(root, PullRequest("hf://org/tiny"))
     target = model.model_dir / "transformer/diffusion_pytorch_model.safetensors"
@@ -147,7 +147,7 @@ def test_verify_finds_a_byte_flipped_on_disk(hub: HubFixture, tmp_path: Path) ->
         pull(root, PullRequest("hf://org/tiny"))
 
 
-def test_disk_full_is_caught_before_downloading(hub: HubFixture, tmp_path: Path,
+def test_disk_full_is_caught_before_downloading(hub: LocalHub, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.statvfs
 
@@ -159,7 +159,7 @@ def test_disk_full_is_caught_before_downloading(hub: HubFixture, tmp_path: Path,
     monkeypatch.setattr(pulls.os, "statvfs", Full)
     with pytest.raises(InsufficientSpaceError, match="cachectl gc"):
         pull(tmp_path / "cache", PullRequest("hf://org/tiny"))
-    assert sum(hub.gets.values()) == 0
+    assert sum(hub.served.values()) == 0
 
 
 def _cli(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -176,7 +176,7 @@ def _popen(root: Path, *args: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
-def test_three_pulls_at_once_download_once(hub: HubFixture, tmp_path: Path) -> None:
+def test_three_pulls_at_once_download_once(hub: LocalHub, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     hub.delay_s = 0.02  # long enough that the three overlap
     procs = [_popen(root, "hf://org/tiny") for _ in range(3)]
@@ -187,33 +187,70 @@ def test_three_pulls_at_once_download_once(hub: HubFixture, tmp_path: Path) -> N
         results.append(json.loads(out))
     assert len({r["key"] for r in results}) == 1
     assert sorted(r["downloaded"] for r in results) == [False, False, True]
-    assert dict(hub.gets) == {name: len(data) for name, data in FILES.items()}
+    assert dict(hub.served) == {name: len(data) for name, data in FILES.items()}
+
+
+def _big_on_disk(folder: Path) -> int:
+    """Bytes of the partial pull's copy of the one big file, whatever it is called there."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()
+               and p.stat().st_size > 2**20)
 
 
 @pytest.mark.slow
-def test_a_killed_pull_resumes_where_it_stopped(hub: HubFixture, tmp_path: Path) -> None:
+def test_a_killed_pull_resumes_where_it_stopped(hub: LocalHub, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     big = "transformer/diffusion_pytorch_model.safetensors"
-    hub.delay_s = 0.1  # ~0.5 s for the big file's five 64 KiB chunks
-    proc = _popen(root, "hf://org/tiny")
+    # Bigger than huggingface_hub's 10 MiB write chunk, so a kill leaves bytes to resume from.
+    files = {**FILES, big: weights(12 * 2**20, 7)}
+    hub.repos["org/big"] = Repo(files)
+    hub.hold(big, 11 * 2**20)
+    proc = _popen(root, "hf://org/big")
     deadline = time.monotonic() + 60
-    while hub.gets[big] < 128 * 1024 and time.monotonic() < deadline:
+    while not hub.held(big):
+        assert time.monotonic() < deadline and proc.poll() is None, "never reached the hold"
+        time.sleep(0.02)
+    while _big_on_disk(root / ".partial") < 10 * 2**20:  # the received chunk written
+        assert time.monotonic() < deadline, "nothing of the big file reached the disk"
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    first = hub.gets[big]
-    assert 0 < first < len(FILES[big])
+    have = _big_on_disk(root / ".partial")
     assert _published(root) == []
-    hub.delay_s = 0.0
-    done = _cli(root, "pull", "--no-daemon", "--json", "hf://org/tiny")
+    restarted = len(hub.gets)
+    hub.release()
+    done = _cli(root, "pull", "--no-daemon", "--json", "hf://org/big")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert (Path(result["model_dir"]) / big).read_bytes() == FILES[big]
-    # Resumed: the second pull fetched (about) only what the first had not written.
-    assert hub.gets[big] < 2 * len(FILES[big]) - 64 * 1024
+    assert (Path(result["model_dir"]) / big).read_bytes() == files[big]
+    # Resumed: one GET of the big file, from the first byte not on disk, sending the rest.
+    again = [g for g in hub.gets[restarted:] if g.name == big]
+    assert [(g.start, g.sent) for g in again] == [(have, len(files[big]) - have)]
 
 
-def test_cli_pull_links_the_model_and_exits_3_on_404(hub: HubFixture, tmp_path: Path) -> None:
+def test_a_flipped_byte_in_a_resumed_partial_file_is_caught(hub: LocalHub,
+                                                            tmp_path: Path) -> None:
+    """What a killed pull left is trusted only as far as the digest check: a byte flipped in it
+    (on disk, before the resume) fails the file's SHA-256, and the file is fetched whole."""
+    big = "transformer/diffusion_pytorch_model.safetensors"
+    files = {**FILES, big: weights(3 * 2**20, 8)}
+    hub.repos["org/big"] = Repo(files)
+    key = pull(tmp_path / "first", PullRequest("hf://org/big")).key
+    root = tmp_path / "cache"
+    partial = Layout(root).partial(key) / "model" / ".incomplete" / big
+    partial.parent.mkdir(parents=True)
+    left = bytearray(files[big][:2**20])
+    left[1234] ^= 0x01
+    partial.write_bytes(bytes(left))
+    before = len(hub.gets)
+    model = pull(root, PullRequest("hf://org/big"))
+    assert (model.model_dir / big).read_bytes() == files[big]
+    assert check_model_entry(model.path, full=True) == []
+    # Resumed from the partial file's end, caught by the digest, then fetched from byte 0.
+    assert [(g.start, g.sent) for g in hub.gets[before:] if g.name == big] == [
+        (2**20, 2 * 2**20), (0, 3 * 2**20)]
+
+
+def test_cli_pull_links_the_model_and_exits_3_on_404(hub: LocalHub, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     link = tmp_path / "run" / "model"
     ok = _cli(root, "pull", "--no-daemon", "--link", str(link), "hf://org/tiny")
@@ -280,7 +317,7 @@ def test_s3_resumes_a_partial_object_and_reports_missing_sources(s3: object,
         pull(root, PullRequest("s3://no-such-bucket/x", creds))
 
 
-def test_a_read_only_cache_joins_but_never_downloads(hub: HubFixture, tmp_path: Path,
+def test_a_read_only_cache_joins_but_never_downloads(hub: LocalHub, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
