@@ -44,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.errors import InvalidRequestError, ModelLoadError
 from ditserve.engine.families import MINIMAX_H3
 from ditserve.engine.families.minimax_h3 import TEXT_LAYER, keyframes, presentation
+from ditserve.engine.families.minimax_h3 import references as refs
 from ditserve.engine.families.minimax_h3.packing import (
     ItemLayout,
     StepItem,
@@ -55,6 +56,7 @@ from ditserve.engine.families.minimax_h3.packing import (
     joint_inputs,
 )
 from ditserve.engine.pipelines.common import upload
+from ditserve.engine.reference_media import Reference, ReferenceLimits, check_references
 from ditserve.engine.request import ConditionImage, ModelLimits
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.sampler import SchedulerTrajectory
@@ -68,6 +70,7 @@ MAX_PROMPT_TOKENS = 1024  # bounds the planner's estimate; prompts are never tru
 AUDIO = "audio"  # host: the request's _AudioTrack
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # diffusers' (ImageNet)
 KEYFRAME_ROWS = "keyframe_rows"  # host: (n, K, C * patch) noised keyframe rows, or absent
+REFERENCE_AUDIO_ROWS = "reference_audio_rows"  # host: (R, C_a) clean soundtrack rows (ref2va)
 
 
 @dataclass
@@ -145,6 +148,20 @@ class MiniMaxH3StepPipeline:
         self.image_processor = keyframes.load_image_processor(components.model_dir)
         self.condition_images = (0, 0) if self.image_processor is None else \
             (0, keyframes.MAX_KEYFRAMES)
+        # A ref2va replica (``references``: its DiT is the checkpoint's transformer_ref)
+        # serves the omni-reference workflow alone: image (and audio) references, no
+        # keyframes, no text-only requests (diffusers' ref2va needs a reference).
+        self.workflow = refs.workflow_of(components.model_dir)
+        self.reference_short_edge = int(components.config.get(
+            "reference_image_short_edge", refs.DEFAULT_SHORT_EDGE))
+        self.reference_limits: ReferenceLimits | None = None
+        if self.workflow == refs.REF2VA:
+            if self.image_processor is None:
+                raise ModelLoadError("a ref2va replica needs the model's processor folder "
+                                     "(Qwen3-VL's image processor)")
+            self.condition_images = (0, 0)
+            self.reference_limits = ReferenceLimits(
+                refs.MAX_IMAGES, refs.MAX_AUDIOS, int(self.audio_vae.config.sampling_rate))
 
     @property
     def min_frames(self) -> int:
@@ -161,15 +178,27 @@ class MiniMaxH3StepPipeline:
                                       max_prompt_chars=self.max_prompt_chars,
                                       max_text_tokens=self.max_text_tokens)
         return dataclasses.replace(limits, min_frames=self.min_frames, max_frames=self.max_frames,
-                                   audio=True, last_frame=self.condition_images[1] > 0)
+                                   audio=True, last_frame=self.condition_images[1] > 0,
+                                   references=self.reference_limits)
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
     def _encode_prompt(self, prompt: str, images: tuple[ConditionImage, ...] = (),
-                       canvas: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+                       canvas: tuple[int, int] = (0, 0),
+                       references: tuple[Reference, ...] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, L, D) in the encoder's dtype and the (L,) modality tags of its rows: the
         presentation of ``prompt`` after the keyframes ``images`` put on the ``canvas``
-        (width, height) - arguments the prompt cache keys on by value (``presentation``)."""
+        (width, height), or after the ``references`` (``ref2va``) - arguments the prompt
+        cache keys on by value (``presentation``, ``references``)."""
+        if references:
+            # Soundtracks reach the presentation as labels only: any duration will do.
+            normalized = self._normalized(references, self.max_frames)
+            ids, tags, vision = refs.presentation(
+                self.tokenizer, self.image_processor, prompt, normalized,
+                text_tag=self.text_tag, video_tag=self.video_tag)
+            return presentation.encode_ids(self.text_encoder, ids, tags, vision,
+                                           layer=TEXT_LAYER, device=self.device)
         frames = keyframes.on_canvas(images, *canvas)
         return presentation.encode(
             self.text_encoder, self.tokenizer, self.image_processor, prompt, frames,
@@ -187,6 +216,41 @@ class MiniMaxH3StepPipeline:
                 f"{num_frames} (rounded up to {aligned})")
         return int(aligned)
 
+    def _normalized(self, references: tuple[Reference, ...], num_frames: int) -> list[Any]:
+        """The references as diffusers' setup step leaves them for a clip of
+        ``num_frames`` (``references.normalize``)."""
+        return refs.normalize(refs.diffusers_references(references),
+                              short_edge=self.reference_short_edge,
+                              multiple=self.pixel_multiple,
+                              audio_rate=int(self.audio_vae.config.sampling_rate),
+                              duration_s=num_frames / self.fps)
+
+    def grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """(latent frames, latent height, latent width, audio latents per channel)."""
+        facts = self._facts
+        frames = facts.video_latent_num_frames(num_frames, self.frames_per_chunk,
+                                               self.latents_per_chunk)
+        return (int(frames), height // self.spatial_factor, width // self.spatial_factor,
+                int(facts.audio_latent_num_frames(num_frames)))
+
+    def reference_layout(self, text_tags: torch.Tensor, references: list[Any],
+                         conditions: list[torch.Tensor], audio_conditions: list[torch.Tensor],
+                         grid: tuple[int, int, int, int]) -> ItemLayout:
+        """diffusers' ``ref2va`` layout of one request: ``[text | reference blocks | audio
+        | video]``, each block's geometry the shape of its encoded latents."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+            MiniMaxH3Ref2VAPrepareLayoutStep,
+        )
+
+        frames, h, w, audio = grid
+        positions, token_tags, video_idx, audio_idx, text_idx, video_refs, audio_refs = \
+            MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+                text_tags, references, conditions, audio_conditions, frames, h, w, audio,
+                self.patch, self.audio_channels, self._facts.MINIMAX_H3_AUDIO_TAG,
+                self.video_tag)
+        return ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx,
+                          int(video_refs), int(audio_refs))
+
     def layout(self, text_tags: torch.Tensor, num_frames: int, height: int, width: int,
                anchors: tuple[str, ...] = ()) -> tuple[ItemLayout, tuple[int, int, int, int]]:
         """diffusers' packed layout of one request (its prompt rows' modality tags, its
@@ -197,10 +261,7 @@ class MiniMaxH3StepPipeline:
         )
 
         facts = self._facts
-        frames = facts.video_latent_num_frames(num_frames, self.frames_per_chunk,
-                                               self.latents_per_chunk)
-        h, w = height // self.spatial_factor, width // self.spatial_factor
-        audio = facts.audio_latent_num_frames(num_frames)
+        frames, h, w, audio = self.grid(num_frames, height, width)
         positions, token_tags, video_idx, audio_idx, text_idx, conditions, _ = \
             MiniMaxH3PrepareLayoutStep.build_packed_sequence(
                 text_tags, frames, h, w, audio, self.patch, self.audio_channels,
@@ -232,18 +293,35 @@ class MiniMaxH3StepPipeline:
             raise InvalidRequestError("height", f"height and width must be multiples of "
                                       f"{self.pixel_multiple}, got {p.height}x{p.width}")
         frames = self.aligned_frames(p.num_frames)
-        anchors = keyframes.anchors(p.images, p.last_frame)
-        if anchors and self.image_processor is None:
-            raise InvalidRequestError("image", "this MiniMax-H3 directory has no processor "
-                                      "folder (Qwen3-VL's image processor): it serves text "
-                                      "to video only")
-        placed = keyframes.on_canvas(p.images, p.width, p.height)
-        text, tags = self._encode_prompt(p.prompt, p.images, (p.width, p.height))
-        layout, (latent_frames, h, w, audio_len) = self.layout(
-            tags, frames, p.height, p.width, anchors)
-        conditions = keyframes.encode(self.vae, placed, device=self.device,
-                                      pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
-        # One CPU generator, as diffusers draws: the keyframes' noise, the video noise, then
+        check_references(p.references, self.reference_limits)
+        audio_conditions: list[torch.Tensor] = []
+        if self.reference_limits is not None:
+            if p.images or p.last_frame:
+                raise InvalidRequestError("image", "a ref2va replica takes references, not "
+                                          "keyframes: send the images as references")
+            normalized = self._normalized(p.references, frames)
+            text, tags = self._encode_prompt(p.prompt, references=p.references)
+            conditions = keyframes.encode(
+                self.vae, [r.image for r in normalized if r.kind == "image"],
+                device=self.device, pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
+            audio_conditions = refs.encode_audio(self.audio_vae, normalized, device=self.device)
+            grid = self.grid(frames, p.height, p.width)
+            layout = self.reference_layout(tags, normalized, conditions, audio_conditions,
+                                           grid)
+        else:
+            anchors = keyframes.anchors(p.images, p.last_frame)
+            if anchors and self.image_processor is None:
+                raise InvalidRequestError("image", "this MiniMax-H3 directory has no "
+                                          "processor folder (Qwen3-VL's image processor): it "
+                                          "serves text to video only")
+            placed = keyframes.on_canvas(p.images, p.width, p.height)
+            text, tags = self._encode_prompt(p.prompt, p.images, (p.width, p.height))
+            layout, grid = self.layout(tags, frames, p.height, p.width, anchors)
+            conditions = keyframes.encode(self.vae, placed, device=self.device,
+                                          pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
+        latent_frames, h, w, audio_len = grid
+        # One CPU generator, as diffusers draws: the keyframes' (or visual references')
+        # noise, the video noise, then
         # the audio noise in rows, video after video.
         generator = torch.Generator("cpu").manual_seed(state.seed)
         videos, audios, held = [], [], []
@@ -266,6 +344,8 @@ class MiniMaxH3StepPipeline:
         state.host["grid"] = (latent_frames, h, w, audio_len)
         if held:
             state.host[KEYFRAME_ROWS] = upload(torch.stack(held), self.device)
+        if audio_conditions:
+            state.host[REFERENCE_AUDIO_ROWS] = upload(torch.cat(audio_conditions), self.device)
         state.host[AUDIO] = _AudioTrack(upload(torch.stack(audios), self.device),
                                         self._trajectory(self.audio_scheduler,
                                                          p.num_inference_steps))
@@ -280,18 +360,23 @@ class MiniMaxH3StepPipeline:
             audio_t = float(track.schedule.timesteps[state.step_index])
             video = batch.hidden_states[rows]
             held = state.host.get(KEYFRAME_ROWS)
+            sound = state.host.get(REFERENCE_AUDIO_ROWS)
             for r in range(state.rows):
-                # The keyframe rows lead the video rows, where the layout reserved them.
+                # The conditioning rows lead the video (and audio) rows, where the layout
+                # reserved them.
                 rows_r = video[r] if held is None else torch.cat([held[r], video[r]])
+                audio_r = track.latents[r] if sound is None else \
+                    torch.cat([sound, track.latents[r]])
                 items.append(StepItem(state.host["layout"], state.host["text"], rows_r,
-                                      track.latents[r], video_t, audio_t))
+                                      audio_r, video_t, audio_t))
         kwargs = joint_inputs(items, keyframe_noise_aug=keyframes.NOISE_AUG, device=self.device)
         with items_in_flight(items):
             video_out, audio_out = self.transformer(**kwargs, return_dict=False)
         # Each item's predictions for its generated rows (the keyframe rows are never stepped).
         videos = [out[item.layout.condition_rows:] for item, out in zip(
             items, video_out[0].split([int(i.video.shape[0]) for i in items]), strict=True)]
-        audios = audio_out[0].split([int(i.audio.shape[0]) for i in items])
+        audios = [out[item.layout.condition_audio_rows:] for item, out in zip(
+            items, audio_out[0].split([int(i.audio.shape[0]) for i in items]), strict=True)]
         start = 0
         for state in batch.states:
             track = state.host[AUDIO]

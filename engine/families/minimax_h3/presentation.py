@@ -57,13 +57,23 @@ def encode(text_encoder: Any, tokenizer: Any, image_processor: Any, prompt: str,
     """(1, L, D) in the encoder's dtype and the (L,) modality tags of its rows: the hidden
     state ``layer`` of the presentation of ``prompt`` after the keyframes ``frames`` (PIL,
     on the canvas)."""
+    vision, counts = vision_inputs(image_processor, frames)
+    ids, tags = presentation(tokenizer, prompt, counts, text_tag=text_tag, video_tag=video_tag)
+    return encode_ids(text_encoder, ids, tags, vision, layer=layer, device=device)
+
+
+@torch.inference_mode()
+def encode_ids(text_encoder: Any, ids: Sequence[int], tags: Sequence[int],
+               vision: dict[str, torch.Tensor], *, layer: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``get_qwen3vl_prompt_embeds`` of a tokenized presentation: (1, L, D) in the encoder's
+    dtype (the hidden state ``layer``, its image pads filled from ``vision``) and the (L,)
+    modality tags ``tags``. Shared by the keyframe and the reference workflows."""
     config = text_encoder.config
     if int(config.text_config.num_hidden_layers) <= layer:
         raise InvalidRequestError("prompt", f"the text encoder has no layer {layer} "
                                   "(MiniMax-H3 conditions on its hidden state after it)")
-    vision, counts = vision_inputs(image_processor, frames)
-    ids, tags = presentation(tokenizer, prompt, counts, text_tag=text_tag, video_tag=video_tag)
-    host = torch.tensor([ids], dtype=torch.long)
+    host = torch.tensor([list(ids)], dtype=torch.long)
     # What the processor's create_mm_token_type_ids gives: 1 / 2 on the image / video pad
     # tokens, 0 on text (a text-only prompt: all 0).
     types = torch.zeros_like(host)
