@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import TypeAlias
 
 from ditserve.engine.condition_image import ConditionImage
 from ditserve.engine.errors import InvalidRequestError
@@ -42,7 +42,7 @@ class ReferenceAudio:
         return f"ReferenceAudio({self.channels}x{self.frames} at {self.sample_rate} Hz)"
 
 
-Reference = Union[ConditionImage, ReferenceAudio]
+Reference: TypeAlias = ConditionImage | ReferenceAudio
 
 
 @dataclass(frozen=True)
