@@ -220,3 +220,35 @@ def test_ref2va_refusals(runner, family_runner) -> None:  # type: ignore[no-unty
     with pytest.raises(InvalidRequestError, match="ref2va replica") as e:
         SamplingParams(references=(picture(32, 32, 1),), **base).validate_for(t2va)
     assert e.value.field == "references"
+
+
+def test_generate_takes_references(replica, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import wave
+
+    import av
+    import numpy as np
+
+    from ditserve.engine.cli.main import main
+    from ditserve.engine.pipelines.conditioning import to_pil
+
+    image = tmp_path / "cat.png"
+    to_pil(picture(48, 32, 8)).save(image)
+    voice = tmp_path / "voice.wav"
+    with wave.open(str(voice), "wb") as writer:
+        writer.setnchannels(2)
+        writer.setsampwidth(2)
+        writer.setframerate(RATE)
+        writer.writeframes((np.sin(np.arange(2 * RATE)) * 9000).astype("<i2").tobytes())
+    out = tmp_path / "ref.mp4"
+    code = main(["generate", "--model", str(replica), "--device", "cpu", "--prompt", "a cat",
+                 "--steps", "1", "--seed", "4", "--height", "32", "--width", "64",
+                 "--num-frames", str(FRAMES), "--reference", str(image), "--reference",
+                 str(voice), "--audio", "--out", str(out)])
+    assert code == 0
+    with av.open(str(out)) as container:
+        assert container.streams.video[0].frames == FRAMES
+        assert container.streams.audio[0].rate == RATE
+    # A file that cannot be read is refused before the model loads.
+    assert main(["generate", "--model", str(replica), "--device", "cpu", "--prompt", "x",
+                 "--reference", str(tmp_path / "missing.png"), "--out", str(out)]) != 0
+    assert "--reference" in capsys.readouterr().err
