@@ -1,5 +1,6 @@
 """Step-wise MiniMax-H3 text-to-video with its sound track (diffusers' ``t2va`` workflow),
-and from a first and/or last frame (``fl2va``), on top of diffusers' components.
+from a first and/or last frame (``fl2va``), and - on a ref2va replica - from image and audio
+references (``ref2va``: ``references``), on top of diffusers' components.
 
 Composes the stages of diffusers' modular workflows as ``MiniMaxH3Blocks`` composes them, cut
 at step boundaries: encode (``presentation``: the prompt after any keyframes' vision blocks,
