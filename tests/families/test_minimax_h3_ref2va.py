@@ -182,18 +182,43 @@ MIXED: dict[int, list[tuple[str, SamplingParams]]] = {
 }
 
 
-def test_batched_equals_alone(runner) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def alone(runner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     single: dict[str, torch.Tensor] = {}
     for group in MIXED.values():
         for rid, params in group:
             pixels, _ = drive(runner, {0: [(rid, params)]}, max_num_seqs=1)
             single[rid] = pixels[rid]
+    return single
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for rid, pixels in want.items():
+        diff = (got[rid] - pixels).abs().max().item()
+        assert diff <= SAME, f"request {rid}: max abs diff {diff}"
+
+
+def test_batched_equals_alone(runner, alone) -> None:  # type: ignore[no-untyped-def]
     together, sizes = drive(runner, MIXED, max_num_seqs=4)
     assert max(sizes) >= 2, "the scenario must actually batch"
-    assert set(together) == set(single)
-    for rid, pixels in single.items():
-        diff = (together[rid] - pixels).abs().max().item()
-        assert diff <= SAME, f"request {rid}: max abs diff {diff}"
+    assert_same(together, alone)
+
+
+def test_offload_equals_resident(replica, alone) -> None:  # type: ignore[no-untyped-def]
+    # DLO streams the replica's DiT (the checkpoint's transformer_ref, through the links).
+    from ditserve.engine.config import OffloadConfig
+
+    offloaded = ModelRunner(RunnerConfig.of(EngineConfig(
+        model=str(replica), device="cpu", offload=OffloadConfig(enabled=True))),
+        model_dir=replica)
+    try:
+        report = offloaded.offload_report()
+        assert report is not None and report["blocks"] == 3
+        together, _ = drive(offloaded, MIXED, max_num_seqs=4)
+    finally:
+        offloaded.close()
+    assert_same(together, alone)
 
 
 def test_ref2va_refusals(runner, family_runner) -> None:  # type: ignore[no-untyped-def]
