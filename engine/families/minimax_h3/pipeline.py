@@ -3,14 +3,15 @@ from a first and/or last frame (``fl2va``), and - on a ref2va replica - from ima
 references (``ref2va``: ``references``), on top of diffusers' components.
 
 Composes the stages of diffusers' modular workflows as ``MiniMaxH3Blocks`` composes them, cut
-at step boundaries: encode (``presentation``: the prompt after any keyframes' vision blocks,
-the Qwen3-VL hidden state after layer 50; ``keyframes``: the keyframes on the canvas, their
-conditioning latents), prepare (``MiniMaxH3PrepareLayoutStep``: the ``17 n + 5`` frame
-count, the packed ``[text | keyframes | audio | video]`` layout; float32 keyframe, video and
+at step boundaries: encode (``conditioning``, per workflow: ``presentation``: the prompt
+after any keyframes' or references' vision blocks, the Qwen3-VL hidden state after layer 50;
+``keyframes`` / ``references``: their conditioning latents), prepare (the ``17 n + 5`` frame
+count; ``MiniMaxH3PrepareLayoutStep`` / ``MiniMaxH3Ref2VAPrepareLayoutStep``: the packed
+``[text | keyframes or references | audio | video]`` layout; float32 conditioning, video and
 audio noise off one CPU generator, in that order; ``MiniMaxH3SetTimestepsStep``: shift 12 for
 video, 3 for audio), one denoise forward per step (``MiniMaxH3LoopDenoiser``;
 ``MiniMaxH3LoopSchedulerStep``: each modality's generated rows step down their own schedule
-in float32, the keyframe rows held), decode (``MiniMaxH3AfterDenoiseStep``,
+in float32, the conditioning rows held), decode (``MiniMaxH3AfterDenoiseStep``,
 ``MiniMaxH3VideoDecodeStep``, ``MiniMaxH3AudioDecodeStep``). The layout and timestep plans
 are diffusers' own static functions; the rest follows them op for op, so a request equals
 diffusers' call for the same seed.
@@ -45,19 +46,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ditserve.engine.errors import InvalidRequestError, ModelLoadError
+from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import MINIMAX_H3
-from ditserve.engine.families.minimax_h3 import TEXT_LAYER, keyframes, presentation
+from ditserve.engine.families.minimax_h3 import TEXT_LAYER, conditioning, keyframes, presentation
 from ditserve.engine.families.minimax_h3 import references as refs
 from ditserve.engine.families.minimax_h3.packing import (
-    ItemLayout,
     StepItem,
     install,
     items_in_flight,
     joint_inputs,
 )
 from ditserve.engine.pipelines.common import upload
-from ditserve.engine.reference_media import Reference, ReferenceLimits, check_references
+from ditserve.engine.reference_media import Reference, check_references
 from ditserve.engine.request import ConditionImage, ModelLimits
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.sampler import SchedulerTrajectory
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 MAX_PROMPT_CHARS = 4000
 MAX_PROMPT_TOKENS = 1024  # bounds the planner's estimate; prompts are never truncated
 AUDIO = "audio"  # host: the request's _AudioTrack
-PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # diffusers' (ImageNet)
+PIXEL_MEAN, PIXEL_STD = conditioning.PIXEL_MEAN, conditioning.PIXEL_STD
 KEYFRAME_ROWS = "keyframe_rows"  # host: (n, K, C * patch) noised keyframe rows, or absent
 REFERENCE_AUDIO_ROWS = "reference_audio_rows"  # host: (R, C_a) clean soundtrack rows (ref2va)
 
@@ -149,20 +149,14 @@ class MiniMaxH3StepPipeline:
         self.image_processor = keyframes.load_image_processor(components.model_dir)
         self.condition_images = (0, 0) if self.image_processor is None else \
             (0, keyframes.MAX_KEYFRAMES)
-        # A ref2va replica (``references``: its DiT is the checkpoint's transformer_ref)
-        # serves the omni-reference workflow alone: image (and audio) references, no
-        # keyframes, no text-only requests (diffusers' ref2va needs a reference).
-        self.workflow = refs.workflow_of(components.model_dir)
+        # A ref2va replica (its DiT the checkpoint's transformer_ref) serves the
+        # omni-reference workflow alone (``references.replica_limits``).
         self.reference_short_edge = int(components.config.get(
             "reference_image_short_edge", refs.DEFAULT_SHORT_EDGE))
-        self.reference_limits: ReferenceLimits | None = None
-        if self.workflow == refs.REF2VA:
-            if self.image_processor is None:
-                raise ModelLoadError("a ref2va replica needs the model's processor folder "
-                                     "(Qwen3-VL's image processor)")
+        self.reference_limits = refs.replica_limits(
+            components.model_dir, self.image_processor, int(self.audio_vae.config.sampling_rate))
+        if self.reference_limits is not None:
             self.condition_images = (0, 0)
-            self.reference_limits = ReferenceLimits(
-                refs.MAX_IMAGES, refs.MAX_AUDIOS, int(self.audio_vae.config.sampling_rate))
 
     @property
     def min_frames(self) -> int:
@@ -193,13 +187,7 @@ class MiniMaxH3StepPipeline:
         (width, height), or after the ``references`` (``ref2va``) - arguments the prompt
         cache keys on by value (``presentation``, ``references``)."""
         if references:
-            # Soundtracks reach the presentation as labels only: any duration will do.
-            normalized = self._normalized(references, self.max_frames)
-            ids, tags, vision = refs.presentation(
-                self.tokenizer, self.image_processor, prompt, normalized,
-                text_tag=self.text_tag, video_tag=self.video_tag)
-            return presentation.encode_ids(self.text_encoder, ids, tags, vision,
-                                           layer=TEXT_LAYER, device=self.device)
+            return conditioning.presented(self, prompt, references)
         frames = keyframes.on_canvas(images, *canvas)
         return presentation.encode(
             self.text_encoder, self.tokenizer, self.image_processor, prompt, frames,
@@ -216,59 +204,6 @@ class MiniMaxH3StepPipeline:
                 f"rounded up to 17n+5, must lie in [{self.min_frames}, {self.max_frames}]; got "
                 f"{num_frames} (rounded up to {aligned})")
         return int(aligned)
-
-    def _normalized(self, references: tuple[Reference, ...], num_frames: int) -> list[Any]:
-        """The references as diffusers' setup step leaves them for a clip of
-        ``num_frames`` (``references.normalize``)."""
-        return refs.normalize(refs.diffusers_references(references),
-                              short_edge=self.reference_short_edge,
-                              multiple=self.pixel_multiple,
-                              audio_rate=int(self.audio_vae.config.sampling_rate),
-                              duration_s=num_frames / self.fps)
-
-    def grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
-        """(latent frames, latent height, latent width, audio latents per channel)."""
-        facts = self._facts
-        frames = facts.video_latent_num_frames(num_frames, self.frames_per_chunk,
-                                               self.latents_per_chunk)
-        return (int(frames), height // self.spatial_factor, width // self.spatial_factor,
-                int(facts.audio_latent_num_frames(num_frames)))
-
-    def reference_layout(self, text_tags: torch.Tensor, references: list[Any],
-                         conditions: list[torch.Tensor], audio_conditions: list[torch.Tensor],
-                         grid: tuple[int, int, int, int]) -> ItemLayout:
-        """diffusers' ``ref2va`` layout of one request: ``[text | reference blocks | audio
-        | video]``, each block's geometry the shape of its encoded latents."""
-        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-            MiniMaxH3Ref2VAPrepareLayoutStep,
-        )
-
-        frames, h, w, audio = grid
-        positions, token_tags, video_idx, audio_idx, text_idx, video_refs, audio_refs = \
-            MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
-                text_tags, references, conditions, audio_conditions, frames, h, w, audio,
-                self.patch, self.audio_channels, self._facts.MINIMAX_H3_AUDIO_TAG,
-                self.video_tag)
-        return ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx,
-                          int(video_refs), int(audio_refs))
-
-    def layout(self, text_tags: torch.Tensor, num_frames: int, height: int, width: int,
-               anchors: tuple[str, ...] = ()) -> tuple[ItemLayout, tuple[int, int, int, int]]:
-        """diffusers' packed layout of one request (its prompt rows' modality tags, its
-        keyframes' anchors), and its (latent frames, latent height, latent width, audio
-        latents per channel)."""
-        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-            MiniMaxH3PrepareLayoutStep,
-        )
-
-        facts = self._facts
-        frames, h, w, audio = self.grid(num_frames, height, width)
-        positions, token_tags, video_idx, audio_idx, text_idx, conditions, _ = \
-            MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                text_tags, frames, h, w, audio, self.patch, self.audio_channels,
-                facts.MINIMAX_H3_AUDIO_TAG, self.video_tag, anchors)
-        return ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx,
-                          int(conditions)), (frames, h, w, audio)
 
     def _trajectory(self, scheduler: Any, steps: int) -> SchedulerTrajectory:
         # diffusers' grid has steps + 1 points (the terminal zero): ``steps`` forwards.
@@ -295,35 +230,12 @@ class MiniMaxH3StepPipeline:
                                       f"{self.pixel_multiple}, got {p.height}x{p.width}")
         frames = self.aligned_frames(p.num_frames)
         check_references(p.references, self.reference_limits)
-        audio_conditions: list[torch.Tensor] = []
-        if self.reference_limits is not None:
-            if p.images or p.last_frame:
-                raise InvalidRequestError("image", "a ref2va replica takes references, not "
-                                          "keyframes: send the images as references")
-            normalized = self._normalized(p.references, frames)
-            text, tags = self._encode_prompt(p.prompt, references=p.references)
-            conditions = keyframes.encode(
-                self.vae, [r.image for r in normalized if r.kind == "image"],
-                device=self.device, pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
-            audio_conditions = refs.encode_audio(self.audio_vae, normalized, device=self.device)
-            grid = self.grid(frames, p.height, p.width)
-            layout = self.reference_layout(tags, normalized, conditions, audio_conditions,
-                                           grid)
-        else:
-            anchors = keyframes.anchors(p.images, p.last_frame)
-            if anchors and self.image_processor is None:
-                raise InvalidRequestError("image", "this MiniMax-H3 directory has no "
-                                          "processor folder (Qwen3-VL's image processor): it "
-                                          "serves text to video only")
-            placed = keyframes.on_canvas(p.images, p.width, p.height)
-            text, tags = self._encode_prompt(p.prompt, p.images, (p.width, p.height))
-            layout, grid = self.layout(tags, frames, p.height, p.width, anchors)
-            conditions = keyframes.encode(self.vae, placed, device=self.device,
-                                          pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
+        prepared = (conditioning.referenced if self.reference_limits is not None
+                    else conditioning.keyframed)(self, p, frames)
+        conditions, grid = prepared.visual, prepared.grid
         latent_frames, h, w, audio_len = grid
         # One CPU generator, as diffusers draws: the keyframes' (or visual references')
-        # noise, the video noise, then
-        # the audio noise in rows, video after video.
+        # noise, the video noise, then the audio noise in rows, video after video.
         generator = torch.Generator("cpu").manual_seed(state.seed)
         videos, audios, held = [], [], []
         for _ in range(n):
@@ -340,13 +252,13 @@ class MiniMaxH3StepPipeline:
         state.rows = n
         state.schedule = self._trajectory(self.scheduler, p.num_inference_steps)
         state.step_index = 0
-        state.host["layout"] = layout
-        state.host["text"] = text
+        state.host["layout"] = prepared.layout
+        state.host["text"] = prepared.text
         state.host["grid"] = (latent_frames, h, w, audio_len)
         if held:
             state.host[KEYFRAME_ROWS] = upload(torch.stack(held), self.device)
-        if audio_conditions:
-            state.host[REFERENCE_AUDIO_ROWS] = upload(torch.cat(audio_conditions), self.device)
+        if prepared.audio:
+            state.host[REFERENCE_AUDIO_ROWS] = upload(torch.cat(prepared.audio), self.device)
         state.host[AUDIO] = _AudioTrack(upload(torch.stack(audios), self.device),
                                         self._trajectory(self.audio_scheduler,
                                                          p.num_inference_steps))

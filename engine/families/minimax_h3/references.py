@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.errors import ConfigError, InvalidRequestError
+from ditserve.engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 from ditserve.engine.families.base import index_file
 from ditserve.engine.pipelines.conditioning import to_pil
-from ditserve.engine.reference_media import FIELD, Reference, ReferenceAudio
+from ditserve.engine.reference_media import FIELD, Reference, ReferenceAudio, ReferenceLimits
 
 REF2VA = "ref2va"
 WORKFLOW_KEY = "ditserve_workflow"  # the replica directory's mark in its index
@@ -61,6 +61,18 @@ def workflow_of(model_dir: str | Path) -> str | None:
         return None
     value = json.loads(found.read_text()).get(WORKFLOW_KEY)
     return value if isinstance(value, str) else None
+
+
+def replica_limits(model_dir: str | Path, image_processor: Any,
+                   audio_rate: int) -> ReferenceLimits | None:
+    """What a ref2va replica's requests may reference (diffusers' limits: 9 images, 3
+    soundtracks at the audio VAE's rate); None for any other directory (t2va, fl2va)."""
+    if workflow_of(model_dir) != REF2VA:
+        return None
+    if image_processor is None:
+        raise ModelLoadError("a ref2va replica needs the model's processor folder (Qwen3-VL's "
+                             "image processor)")
+    return ReferenceLimits(MAX_IMAGES, MAX_AUDIOS, audio_rate)
 
 
 def write_ref2va_replica(source: str | Path, out: str | Path) -> Path:
