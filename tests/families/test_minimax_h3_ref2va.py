@@ -277,3 +277,23 @@ def test_generate_takes_references(replica, tmp_path, capsys) -> None:  # type: 
     assert main(["generate", "--model", str(replica), "--device", "cpu", "--prompt", "x",
                  "--reference", str(tmp_path / "missing.png"), "--out", str(out)]) != 0
     assert "--reference" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sp2_equals_alone(replica, alone, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Two gloo ranks, DLO streaming over them (the warm-up itself runs a reference request):
+    # the reference blocks are rows like any other, split with the rest.
+    from ditserve.engine.config import OffloadConfig, ParallelConfig, SchedulerConfig
+    from ditserve.engine.loop.engine import DiffusionEngine
+
+    monkeypatch.setenv("DITSERVE_WORKER_TIMEOUT_S", "120")
+    config = EngineConfig(model=str(replica), device="cpu", offload=OffloadConfig(enabled=True),
+                          parallel=ParallelConfig(sequence_parallel_size=2),
+                          scheduler=SchedulerConfig(max_num_seqs=4))
+    engine = DiffusionEngine(config).start()
+    try:
+        handles = {rid: engine.add_request(p) for group in MIXED.values() for rid, p in group}
+        results = {rid: h.result(timeout=240).pixels for rid, h in handles.items()}
+    finally:
+        engine.shutdown()
+    assert_same(results, alone)
