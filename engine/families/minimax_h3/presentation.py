@@ -4,8 +4,9 @@ diffusers' text-encoder steps: ``MiniMaxH3TextEncoderStep`` (``t2va``: the promp
 no template, no special tokens) and ``MiniMaxH3FL2VATextEncoderStep`` (``fl2va``: a
 ``"<Picture i>: "`` label and a vision block of image tokens per keyframe before the prompt,
 the vision rows tagged as video), both read by ``get_qwen3vl_prompt_embeds``: the hidden
-state after decoder layer 50, the image tokens filled from the keyframes' vision features.
-Called by the step pipeline's ``_encode_prompt`` (``engine.families.minimax_h3.pipeline``).
+state after decoder layer 50, the image tokens filled from the keyframes' vision features
+(``encode_ids``, which the ``ref2va`` presentation goes through too). Called by the step
+pipeline's ``_encode_prompt`` (``engine.families.minimax_h3.pipeline``) and ``conditioning``.
 """
 
 from __future__ import annotations

@@ -15,17 +15,19 @@ What diffusers' ``ref2va`` blocks do before the denoise loop, for one request:
   area cap and at most 1:4; an audio reference truncated to the generated duration and made
   stereo (diffusers' own ``_normalize_audio_condition``; only references already at the
   audio VAE's rate are taken, as resampling needs torchaudio);
-- the prompt's presentation (``MiniMaxH3Ref2VATextEncoderStep._build_presentation``, called
-  as diffusers' own static function): a ``"<Picture i>: "`` label and a vision block per
-  image, an ``"<Audio j>: "`` label per audio reference, then the prompt;
-- ``encode_images`` (``MiniMaxH3Ref2VAReferenceEncoderStep``): each image through the
-  keyframes' recipe (``keyframes.encode``: sampled under seed 42, rounded through float16),
-  then noised to ``t = 0.999`` with one draw each off the request's generator, before the
-  generated rows' noise (``keyframes.noised_rows``);
+- ``presentation`` (``MiniMaxH3Ref2VATextEncoderStep._build_presentation``, called as
+  diffusers' own static function): a ``"<Picture i>: "`` label and a vision block per image,
+  an ``"<Audio j>: "`` label per audio reference, then the prompt;
+- the images' conditioning latents (``MiniMaxH3Ref2VAReferenceEncoderStep``): the keyframes'
+  recipe (``keyframes.encode``: sampled under seed 42, rounded through float16), then noised
+  to ``t = 0.999`` with one draw each off the request's generator, before the generated
+  rows' noise (``keyframes.noised_rows``);
 - ``encode_audio``: each soundtrack's audio-VAE posterior *mean*, normalized, held clean
   (``t = 1``) in front of the generated audio rows;
-- ``layout`` (``MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence``, diffusers'
+- the layout (``MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence``, diffusers'
   static function): ``[text | reference blocks | audio | video]``.
+
+``conditioning.referenced`` composes them for the step pipeline.
 
 Video references are refused: the conditioner reads them through Qwen3-VL's video
 processor, which needs torchvision (not installable beside the CPU torch here).
