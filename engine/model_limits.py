@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.reference_media import ReferenceLimits
 
 MAX_SIDE = 8192
 MAX_FRAMES = 1025
@@ -39,6 +40,8 @@ class ModelLimits:
     audio: whether it generates a sound track with its videos (a request's ``audio``).
     last_frame: whether a request's last image may be the video's last frame (a request's
         ``last_frame``: MiniMax-H3's keyframe workflow).
+    references: what an omni-reference model takes (a request's ``references``: MiniMax-H3's
+        ``ref2va`` replica); None: the model takes no references.
     """
 
     pixel_multiple: int = 16
@@ -55,6 +58,7 @@ class ModelLimits:
     image_strength: tuple[float, float] | None = None
     audio: bool = False
     last_frame: bool = False
+    references: ReferenceLimits | None = None
 
     def check_last_frame(self, wanted: object, *, images: int) -> None:
         """Refuse a last-frame image where the model conditions on a first frame only, or

@@ -22,6 +22,7 @@ from ditserve.engine.lora_ref import check_loras
 from ditserve.engine.model_limits import MAX_FRAMES as MAX_FRAMES
 from ditserve.engine.model_limits import MAX_SIDE as MAX_SIDE
 from ditserve.engine.model_limits import ModelLimits as ModelLimits
+from ditserve.engine.reference_media import Reference, check_references, shape_key
 from ditserve.engine.request_status import RequestStatus as RequestStatus
 
 MAX_STEPS = 1000
@@ -52,6 +53,8 @@ class BatchKey:
     # The text length of a request that names one: prompts of another length would be padded
     # to a common length, which changes a Flux or Wan output (their text attention is unmasked).
     max_sequence_length: int | None = None
+    # The references' kinds and sizes: their rows join the request's packed sequence.
+    references: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class SamplingParams:
     deadline_s: seconds from arrival by which the result is wanted; the scheduler refuses or
         stops a request that cannot make it (``DeadlineError``). None: no deadline.
     audio: the video's sound track too (``ModelLimits.audio``: models that make one).
+    references: the media an omni-reference model conditions on, in the order it reads them
+        (``engine.reference_media``: images and audio; ``ModelLimits.references``).
     """
 
     prompt: str
@@ -110,6 +115,7 @@ class SamplingParams:
     priority: int = 0
     deadline_s: float | None = None
     audio: bool = False
+    references: tuple[Reference, ...] = ()
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -165,7 +171,8 @@ class SamplingParams:
     def batch_key(self) -> BatchKey:
         return BatchKey(height=self.height, width=self.width, num_frames=self.num_frames,
                         condition=tuple((i.width, i.height) for i in self.images),
-                        max_sequence_length=self.max_sequence_length)
+                        max_sequence_length=self.max_sequence_length,
+                        references=tuple(shape_key(r) for r in self.references))
 
     @property
     def rows(self) -> int:
@@ -187,6 +194,7 @@ class SamplingParams:
         model's default ``strength`` filled in where it denoises from a source image."""
         limits.check_audio(self.audio)  # a sound track only from a model that makes one
         limits.check_last_frame(self.last_frame, images=len(self.images))
+        check_references(self.references, limits.references)
         strength = source_strength(images=len(self.images), mask=self.mask,
                                    strength=self.strength, steps=self.num_inference_steps,
                                    image_strength=limits.image_strength)

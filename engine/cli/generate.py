@@ -119,6 +119,20 @@ def _input_images(paths: list[Path] | None, last: Path | None = None) -> tuple[A
     return tuple(images)
 
 
+def _references(paths: list[Path] | None) -> tuple[Any, ...]:
+    """--reference files, in order, decoded as the server decodes ``references``."""
+    from ditserve.engine.media.reference_input import decode_reference
+
+    out = []
+    for path in paths or ():
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"--reference {str(path)!r}: {e.strerror or e}") from e
+        out.append(decode_reference(data, field=f"--reference {path}"))
+    return tuple(out)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.loop.engine import DiffusionEngine, WarmUp
     from ditserve.engine.server.model_defaults import model_defaults
@@ -134,7 +148,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = replace(generation_params(args, defaults),
                      images=_input_images(args.image, args.last_image),
                      last_frame=args.last_image is not None,
-                     mask=_input_mask(args.mask), strength=args.strength)
+                     mask=_input_mask(args.mask), strength=args.strength,
+                     references=_references(args.reference))
     fps = defaults.fps if args.fps is None else args.fps
     # With --compile: compile at the requested size before the request runs.
     engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(params.height, params.width)))
@@ -208,6 +223,11 @@ def add_generate_parser(subcommands: Any) -> None:
                      help="the video's last frame (MiniMax-H3 keyframes): with --image, a "
                           "video from that first frame to this one; alone, a video ending on "
                           "it")
+    gen.add_argument("--reference", type=Path, action="append", default=None, metavar="PATH",
+                     help="a reference of an omni-reference replica (MiniMax-H3 ref2va: `model "
+                          "ref2va`): an image (PNG, JPEG, WebP; up to 9) or a WAV soundtrack "
+                          "at the audio VAE's rate (up to 3, with an image); repeat it, in "
+                          "the order the model reads them")
     gen.add_argument("--mask", type=Path, default=None, metavar="PATH",
                      help="inpainting with --image (Z-Image): the region to repaint, white "
                           "(or, in a PNG with transparency, transparent as OpenAI's edits)")

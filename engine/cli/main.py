@@ -103,6 +103,15 @@ def cmd_init_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ref2va(args: argparse.Namespace) -> int:
+    from ditserve.engine.families.minimax_h3.references import write_ref2va_replica
+
+    path = write_ref2va_replica(args.checkpoint, args.out)
+    print(f"wrote the ref2va replica directory {path} (links into {args.checkpoint}; its DiT "
+          "is the checkpoint's transformer_ref): serve it with --model")
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     """A rank > 0 of a replica whose processes were started by a launcher (e.g. a pod)."""
     from ditserve.engine.config import RunnerConfig
@@ -187,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "present; a GPU builds a full pipeline in seconds)")
     rnd.add_argument("--seed", type=int, default=0)
     rnd.set_defaults(func=cmd_init_random)
+    ref2va = model_sub.add_parser(
+        "ref2va", help="write the model directory of a MiniMax-H3 ref2va replica (the "
+                       "omni-reference workflow: the checkpoint's transformer_ref as its DiT; "
+                       "links, no copies) to OUT")
+    ref2va.add_argument("checkpoint", type=Path, help="a MiniMax-H3 directory with "
+                                                      "transformer_ref")
+    ref2va.add_argument("out", type=Path, help="a new directory")
+    ref2va.set_defaults(func=cmd_ref2va)
     add_convert_parsers(model_sub)
     return parser
 

@@ -197,11 +197,13 @@ def _warm_step(executor: Executor, scheduler: SchedulerConfig, height: int, widt
     # A model that needs input images (image-to-video) warms up on plain grey ones.
     grey = ConditionImage(width, height, bytes([128]) * (width * height * 3))
     fewest = int(executor.runner.condition_images[0])
-    # A model with a shortest clip (MiniMax-H3: 5 s) warms up on it.
+    # A model with a shortest clip (MiniMax-H3: 5 s) warms up on it; an omni-reference
+    # model (MiniMax-H3's ref2va replica), which needs a reference, on a grey image one.
     frames = int(executor.runner.limits.min_frames)
+    references = (grey,) if executor.runner.limits.references is not None else ()
     params = SamplingParams(prompt="warm up", height=height, width=width,
                             num_inference_steps=1, seed=0, images=(grey,) * fewest,
-                            num_frames=frames)
+                            num_frames=frames, references=references)
     work = {}
     for rank in range(executor.num_ranks):
         # Every warm-up request in one step, whatever the work budget: the compile must see

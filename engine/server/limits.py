@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
+from ditserve.engine.reference_media import ReferenceLimits
 from ditserve.engine.request import MAX_SIDE, MAX_STEPS
 from ditserve.engine.server.model_defaults import ModelDefaults
 
@@ -53,6 +54,7 @@ class VideoLimits:
     max_text_tokens: int = 512  # the most max_sequence_length may be (the loaded pipeline's)
     step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
     audio: bool = False  # the model generates a sound track (a request's ``audio``)
+    references: ReferenceLimits | None = None  # an omni-reference replica's (``references``)
 
     @property
     def allowed_frames(self) -> list[int]:

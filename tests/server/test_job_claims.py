@@ -17,6 +17,7 @@ from server.redis_support import RedisServer
 
 from ditserve.engine.condition_image import ConditionImage
 from ditserve.engine.config.step_cache import StepCacheSpec
+from ditserve.engine.reference_media import ReferenceAudio
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.jobs.files import VideoFiles
@@ -206,7 +207,9 @@ def test_records_round_trip_every_request_field() -> None:
         guidance_scale=4.5, true_cfg_scale=2.0, seed=9, num_frames=9, partial_images=1,
         images=(ConditionImage(2, 1, bytes(range(6))),), max_sequence_length=64,
         loras=(LoraRef("ink", "/adapters/ink.safetensors", 0.7, 8, 2),),
-        step_cache=StepCacheSpec("teacache", threshold=0.2), priority=-1, deadline_s=30.0)
+        step_cache=StepCacheSpec("teacache", threshold=0.2), priority=-1, deadline_s=30.0,
+        references=(ConditionImage(1, 2, bytes(range(6))),
+                    ReferenceAudio(8000, 2, bytes(range(16)))))
     job = VideoJob("video_" + "a" * 32, VideoSpec(params, fps=12, model="wan"), "req",
                    created_at=5.0, status=JobStatus.IN_PROGRESS, steps_done=3, owner="r1",
                    token="t", attempts=2, queue_entry="1-0", path="/v/x.mp4")

@@ -17,8 +17,9 @@ cross-attention; the checkpoint is guidance-distilled (no CFG, one forward per s
 rectified-flow schedules step the video (shift 12) and audio (shift 3) rows of the one
 forward. Served here: text-to-video with audio (``t2va``) and the keyframe workflow
 (``fl2va``: a first and/or last frame, read through the ``processor`` folder's Qwen3-VL
-image processor, which the step pipeline loads itself); the omni-reference workflow
-(``ref2va``, the ``transformer_ref`` DiT) is not.
+image processor, which the step pipeline loads itself); and, on a ref2va replica (its DiT
+the checkpoint's ``transformer_ref``: ``references.write_ref2va_replica``), the
+omni-reference workflow (``ref2va``) with image and audio references - not video ones.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ ViT decoder, a mono audio VAE hopping 200 samples at 8 kHz (40 latents per secon
 released rate), the two MiniMax-H3 schedulers as released (shift 12 for video, 3 for
 audio) and a ``processor``: Qwen3-VL's image processor (16 px patches merged 2x2, its
 released normalization) beside the tokenizer, which the keyframe workflow reads a first or
-last frame into the prompt through (a tiny one reads at most 4 vision tokens of a frame) -
-or, with ``released``, the components at their released shapes. Saved as diffusers saves a
+last frame into the prompt through (a tiny one reads at most 4 vision tokens of a frame),
+and ``transformer_ref``, the omni-reference workflow's DiT (same shape, other weights; a tiny
+model encodes image references at a 64 px short edge) - or, with ``released``, the
+components at their released shapes. Saved as diffusers saves a
 modular pipeline (``modular_model_index.json``). Called through ``engine.makers.builders``.
 
 transformers cannot build ``Qwen3VLProcessor`` without torchvision (its video processor
@@ -35,6 +37,8 @@ from ditserve.engine.families.minimax_h3 import (
 
 TINY_TEXT_WIDTH = 16  # the tiny DiT's text_dim
 TINY_SAMPLING_RATE = 8000  # 200-sample hop: the released 40 latents per second
+TINY_REFERENCE_SHORT_EDGE = 64  # an image reference's short edge (released: 2048)
+REF_SEED_OFFSET = 1  # transformer_ref's weights are drawn from seed + 1
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
             "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -151,6 +155,10 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     torch.manual_seed(seed)
     tokenizer = make_tokenizer()
     dit = make_dit(variant, size, dtype=dtype, device=device, seed=seed)
+    # The omni-reference workflow's DiT (``ref2va``): the same class and shape, its own
+    # weights; tiny models only (a second released-size DiT is another 66 GB to write).
+    extra = {} if size != "tiny" else {"transformer_ref": make_dit(
+        variant, size, dtype=dtype, device=device, seed=seed + REF_SEED_OFFSET)}
     if released is not None:
         parts = build_released(released, dtype=dtype, device=device, seed=seed)
     else:
@@ -161,7 +169,12 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     processor = vl_processor(tokenizer, make_image_processor("tiny" if released is None
                                                              else "full"))
     pipe.update_components(transformer=dit, tokenizer=tokenizer, processor=processor,
-                           **make_schedulers(), **parts)
+                           **make_schedulers(), **parts, **extra)
+    if size == "tiny":
+        # A tiny model encodes an image reference at a 64 px short edge (the released 2048
+        # would make thousands of rows of a tiny frame); saved in modular_model_index.json,
+        # which diffusers' ref2va setup step and the engine both read.
+        pipe.register_to_config(reference_image_short_edge=TINY_REFERENCE_SHORT_EDGE)
     return pipe
 
 

@@ -18,7 +18,8 @@ What diffusers' ``fl2va`` blocks do before the denoise loop, for one request:
 Qwen3-VL's image processor, which reads the keyframes into the prompt, comes from the
 model's ``processor`` folder by transformers' ``AutoImageProcessor`` (the class diffusers'
 own ``Qwen3VLProcessor`` loads there; the PIL backend where torchvision is absent). Called by
-the step pipeline (``engine.families.minimax_h3.pipeline``).
+``conditioning`` and the step pipeline; the ``ref2va`` image references use the same encode
+and noise recipe.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Several MiniMax-H3 sequences in one DiT forward: their joint layout and their attention.
 
 MiniMax-H3's DiT reads ONE packed sequence per request, ``[text | keyframes | audio |
-video]`` rows (keyframe rows only in the ``fl2va`` workflow) addressed by sequence-wide index
+video]`` rows (keyframe rows only in the ``fl2va`` workflow; ``ref2va`` puts its reference
+blocks there) addressed by sequence-wide index
 tensors, with a table of the distinct timesteps present
 and each row's index into it; its batch axis only replicates that one layout. Here every
 video of a step - requests with other prompts (other text lengths) and at other steps - is
@@ -44,8 +45,10 @@ class ItemLayout:
 
     position_ids: (S, 3) float64 rotary coordinates; token_tags: (S,) modality tags;
     video_indices / audio_indices / text_indices: the rows of each modality;
-    condition_rows: how many leading video rows are keyframe conditioning (``fl2va``), held
-    at their noise-augmentation level and never stepped.
+    condition_rows: how many leading video rows are keyframe or reference conditioning
+    (``fl2va``, ``ref2va``), held at their noise-augmentation level and never stepped;
+    condition_audio_rows: how many leading audio rows are reference soundtracks (``ref2va``),
+    held clean (``t = 1``) and never stepped.
     """
 
     position_ids: torch.Tensor
@@ -54,6 +57,7 @@ class ItemLayout:
     audio_indices: torch.Tensor
     text_indices: torch.Tensor
     condition_rows: int = 0
+    condition_audio_rows: int = 0
 
     @property
     def length(self) -> int:
@@ -67,8 +71,8 @@ class ItemLayout:
 @dataclass(frozen=True)
 class StepItem:
     """One video of this step's forward: its layout, its prompt's rows (1, L, D), its video
-    rows (V, C * patch; the layout's conditioning rows first) and audio rows (A, C_a), and
-    its two timesteps."""
+    rows (V, C * patch) and audio rows (A, C_a), the layout's conditioning rows first in
+    each, and its two timesteps."""
 
     layout: ItemLayout
     text: torch.Tensor
@@ -81,12 +85,13 @@ class StepItem:
 def row_timesteps(layout: ItemLayout, video_t: float, audio_t: float,
                   keyframe_noise_aug: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct timesteps of one item's rows and each row's index into them, as
-    diffusers' set-timesteps step plans them: keyframe rows at ``max(t, noise_aug)``, no
-    audio reference rows."""
+    diffusers' set-timesteps step plans them: keyframe and reference rows at
+    ``max(t, noise_aug)``, reference soundtracks at 1."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 
     return MiniMaxH3SetTimestepsStep.build_row_timesteps(  # type: ignore[no-any-return]
-        layout.video_indices, layout.audio_indices, layout.condition_rows, 0, layout.text_len,
+        layout.video_indices, layout.audio_indices, layout.condition_rows,
+        layout.condition_audio_rows, layout.text_len,
         video_t, audio_t,
         max(video_t, keyframe_noise_aug), 1.0)
 

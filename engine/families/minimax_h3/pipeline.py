@@ -1,15 +1,17 @@
 """Step-wise MiniMax-H3 text-to-video with its sound track (diffusers' ``t2va`` workflow),
-and from a first and/or last frame (``fl2va``), on top of diffusers' components.
+from a first and/or last frame (``fl2va``), and - on a ref2va replica - from image and audio
+references (``ref2va``: ``references``), on top of diffusers' components.
 
 Composes the stages of diffusers' modular workflows as ``MiniMaxH3Blocks`` composes them, cut
-at step boundaries: encode (``presentation``: the prompt after any keyframes' vision blocks,
-the Qwen3-VL hidden state after layer 50; ``keyframes``: the keyframes on the canvas, their
-conditioning latents), prepare (``MiniMaxH3PrepareLayoutStep``: the ``17 n + 5`` frame
-count, the packed ``[text | keyframes | audio | video]`` layout; float32 keyframe, video and
+at step boundaries: encode (``conditioning``, per workflow: ``presentation``: the prompt
+after any keyframes' or references' vision blocks, the Qwen3-VL hidden state after layer 50;
+``keyframes`` / ``references``: their conditioning latents), prepare (the ``17 n + 5`` frame
+count; ``MiniMaxH3PrepareLayoutStep`` / ``MiniMaxH3Ref2VAPrepareLayoutStep``: the packed
+``[text | keyframes or references | audio | video]`` layout; float32 conditioning, video and
 audio noise off one CPU generator, in that order; ``MiniMaxH3SetTimestepsStep``: shift 12 for
 video, 3 for audio), one denoise forward per step (``MiniMaxH3LoopDenoiser``;
 ``MiniMaxH3LoopSchedulerStep``: each modality's generated rows step down their own schedule
-in float32, the keyframe rows held), decode (``MiniMaxH3AfterDenoiseStep``,
+in float32, the conditioning rows held), decode (``MiniMaxH3AfterDenoiseStep``,
 ``MiniMaxH3VideoDecodeStep``, ``MiniMaxH3AudioDecodeStep``). The layout and timestep plans
 are diffusers' own static functions; the rest follows them op for op, so a request equals
 diffusers' call for the same seed.
@@ -46,15 +48,16 @@ import torch
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import MINIMAX_H3
-from ditserve.engine.families.minimax_h3 import TEXT_LAYER, keyframes, presentation
+from ditserve.engine.families.minimax_h3 import TEXT_LAYER, conditioning, keyframes, presentation
+from ditserve.engine.families.minimax_h3 import references as refs
 from ditserve.engine.families.minimax_h3.packing import (
-    ItemLayout,
     StepItem,
     install,
     items_in_flight,
     joint_inputs,
 )
 from ditserve.engine.pipelines.common import upload
+from ditserve.engine.reference_media import Reference, check_references
 from ditserve.engine.request import ConditionImage, ModelLimits
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.sampler import SchedulerTrajectory
@@ -66,8 +69,9 @@ if TYPE_CHECKING:
 MAX_PROMPT_CHARS = 4000
 MAX_PROMPT_TOKENS = 1024  # bounds the planner's estimate; prompts are never truncated
 AUDIO = "audio"  # host: the request's _AudioTrack
-PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # diffusers' (ImageNet)
+PIXEL_MEAN, PIXEL_STD = conditioning.PIXEL_MEAN, conditioning.PIXEL_STD
 KEYFRAME_ROWS = "keyframe_rows"  # host: (n, K, C * patch) noised keyframe rows, or absent
+REFERENCE_AUDIO_ROWS = "reference_audio_rows"  # host: (R, C_a) clean soundtrack rows (ref2va)
 
 
 @dataclass
@@ -145,6 +149,14 @@ class MiniMaxH3StepPipeline:
         self.image_processor = keyframes.load_image_processor(components.model_dir)
         self.condition_images = (0, 0) if self.image_processor is None else \
             (0, keyframes.MAX_KEYFRAMES)
+        # A ref2va replica (its DiT the checkpoint's transformer_ref) serves the
+        # omni-reference workflow alone (``references.replica_limits``).
+        self.reference_short_edge = int(components.config.get(
+            "reference_image_short_edge", refs.DEFAULT_SHORT_EDGE))
+        self.reference_limits = refs.replica_limits(
+            components.model_dir, self.image_processor, int(self.audio_vae.config.sampling_rate))
+        if self.reference_limits is not None:
+            self.condition_images = (0, 0)
 
     @property
     def min_frames(self) -> int:
@@ -161,15 +173,21 @@ class MiniMaxH3StepPipeline:
                                       max_prompt_chars=self.max_prompt_chars,
                                       max_text_tokens=self.max_text_tokens)
         return dataclasses.replace(limits, min_frames=self.min_frames, max_frames=self.max_frames,
-                                   audio=True, last_frame=self.condition_images[1] > 0)
+                                   audio=True, last_frame=self.condition_images[1] > 0,
+                                   references=self.reference_limits)
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
     def _encode_prompt(self, prompt: str, images: tuple[ConditionImage, ...] = (),
-                       canvas: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+                       canvas: tuple[int, int] = (0, 0),
+                       references: tuple[Reference, ...] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, L, D) in the encoder's dtype and the (L,) modality tags of its rows: the
         presentation of ``prompt`` after the keyframes ``images`` put on the ``canvas``
-        (width, height) - arguments the prompt cache keys on by value (``presentation``)."""
+        (width, height), or after the ``references`` (``ref2va``) - arguments the prompt
+        cache keys on by value (``presentation``, ``references``)."""
+        if references:
+            return conditioning.presented(self, prompt, references)
         frames = keyframes.on_canvas(images, *canvas)
         return presentation.encode(
             self.text_encoder, self.tokenizer, self.image_processor, prompt, frames,
@@ -186,27 +204,6 @@ class MiniMaxH3StepPipeline:
                 f"rounded up to 17n+5, must lie in [{self.min_frames}, {self.max_frames}]; got "
                 f"{num_frames} (rounded up to {aligned})")
         return int(aligned)
-
-    def layout(self, text_tags: torch.Tensor, num_frames: int, height: int, width: int,
-               anchors: tuple[str, ...] = ()) -> tuple[ItemLayout, tuple[int, int, int, int]]:
-        """diffusers' packed layout of one request (its prompt rows' modality tags, its
-        keyframes' anchors), and its (latent frames, latent height, latent width, audio
-        latents per channel)."""
-        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-            MiniMaxH3PrepareLayoutStep,
-        )
-
-        facts = self._facts
-        frames = facts.video_latent_num_frames(num_frames, self.frames_per_chunk,
-                                               self.latents_per_chunk)
-        h, w = height // self.spatial_factor, width // self.spatial_factor
-        audio = facts.audio_latent_num_frames(num_frames)
-        positions, token_tags, video_idx, audio_idx, text_idx, conditions, _ = \
-            MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                text_tags, frames, h, w, audio, self.patch, self.audio_channels,
-                facts.MINIMAX_H3_AUDIO_TAG, self.video_tag, anchors)
-        return ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx,
-                          int(conditions)), (frames, h, w, audio)
 
     def _trajectory(self, scheduler: Any, steps: int) -> SchedulerTrajectory:
         # diffusers' grid has steps + 1 points (the terminal zero): ``steps`` forwards.
@@ -232,19 +229,13 @@ class MiniMaxH3StepPipeline:
             raise InvalidRequestError("height", f"height and width must be multiples of "
                                       f"{self.pixel_multiple}, got {p.height}x{p.width}")
         frames = self.aligned_frames(p.num_frames)
-        anchors = keyframes.anchors(p.images, p.last_frame)
-        if anchors and self.image_processor is None:
-            raise InvalidRequestError("image", "this MiniMax-H3 directory has no processor "
-                                      "folder (Qwen3-VL's image processor): it serves text "
-                                      "to video only")
-        placed = keyframes.on_canvas(p.images, p.width, p.height)
-        text, tags = self._encode_prompt(p.prompt, p.images, (p.width, p.height))
-        layout, (latent_frames, h, w, audio_len) = self.layout(
-            tags, frames, p.height, p.width, anchors)
-        conditions = keyframes.encode(self.vae, placed, device=self.device,
-                                      pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
-        # One CPU generator, as diffusers draws: the keyframes' noise, the video noise, then
-        # the audio noise in rows, video after video.
+        check_references(p.references, self.reference_limits)
+        prepared = (conditioning.referenced if self.reference_limits is not None
+                    else conditioning.keyframed)(self, p, frames)
+        conditions, grid = prepared.visual, prepared.grid
+        latent_frames, h, w, audio_len = grid
+        # One CPU generator, as diffusers draws: the keyframes' (or visual references')
+        # noise, the video noise, then the audio noise in rows, video after video.
         generator = torch.Generator("cpu").manual_seed(state.seed)
         videos, audios, held = [], [], []
         for _ in range(n):
@@ -261,11 +252,13 @@ class MiniMaxH3StepPipeline:
         state.rows = n
         state.schedule = self._trajectory(self.scheduler, p.num_inference_steps)
         state.step_index = 0
-        state.host["layout"] = layout
-        state.host["text"] = text
+        state.host["layout"] = prepared.layout
+        state.host["text"] = prepared.text
         state.host["grid"] = (latent_frames, h, w, audio_len)
         if held:
             state.host[KEYFRAME_ROWS] = upload(torch.stack(held), self.device)
+        if prepared.audio:
+            state.host[REFERENCE_AUDIO_ROWS] = upload(torch.cat(prepared.audio), self.device)
         state.host[AUDIO] = _AudioTrack(upload(torch.stack(audios), self.device),
                                         self._trajectory(self.audio_scheduler,
                                                          p.num_inference_steps))
@@ -280,18 +273,23 @@ class MiniMaxH3StepPipeline:
             audio_t = float(track.schedule.timesteps[state.step_index])
             video = batch.hidden_states[rows]
             held = state.host.get(KEYFRAME_ROWS)
+            sound = state.host.get(REFERENCE_AUDIO_ROWS)
             for r in range(state.rows):
-                # The keyframe rows lead the video rows, where the layout reserved them.
+                # The conditioning rows lead the video (and audio) rows, where the layout
+                # reserved them.
                 rows_r = video[r] if held is None else torch.cat([held[r], video[r]])
+                audio_r = track.latents[r] if sound is None else \
+                    torch.cat([sound, track.latents[r]])
                 items.append(StepItem(state.host["layout"], state.host["text"], rows_r,
-                                      track.latents[r], video_t, audio_t))
+                                      audio_r, video_t, audio_t))
         kwargs = joint_inputs(items, keyframe_noise_aug=keyframes.NOISE_AUG, device=self.device)
         with items_in_flight(items):
             video_out, audio_out = self.transformer(**kwargs, return_dict=False)
         # Each item's predictions for its generated rows (the keyframe rows are never stepped).
         videos = [out[item.layout.condition_rows:] for item, out in zip(
             items, video_out[0].split([int(i.video.shape[0]) for i in items]), strict=True)]
-        audios = audio_out[0].split([int(i.audio.shape[0]) for i in items])
+        audios = [out[item.layout.condition_audio_rows:] for item, out in zip(
+            items, audio_out[0].split([int(i.audio.shape[0]) for i in items]), strict=True)]
         start = 0
         for state in batch.states:
             track = state.host[AUDIO]

@@ -4,8 +4,9 @@ diffusers' text-encoder steps: ``MiniMaxH3TextEncoderStep`` (``t2va``: the promp
 no template, no special tokens) and ``MiniMaxH3FL2VATextEncoderStep`` (``fl2va``: a
 ``"<Picture i>: "`` label and a vision block of image tokens per keyframe before the prompt,
 the vision rows tagged as video), both read by ``get_qwen3vl_prompt_embeds``: the hidden
-state after decoder layer 50, the image tokens filled from the keyframes' vision features.
-Called by the step pipeline's ``_encode_prompt`` (``engine.families.minimax_h3.pipeline``).
+state after decoder layer 50, the image tokens filled from the keyframes' vision features
+(``encode_ids``, which the ``ref2va`` presentation goes through too). Called by the step
+pipeline's ``_encode_prompt`` (``engine.families.minimax_h3.pipeline``) and ``conditioning``.
 """
 
 from __future__ import annotations
@@ -57,13 +58,23 @@ def encode(text_encoder: Any, tokenizer: Any, image_processor: Any, prompt: str,
     """(1, L, D) in the encoder's dtype and the (L,) modality tags of its rows: the hidden
     state ``layer`` of the presentation of ``prompt`` after the keyframes ``frames`` (PIL,
     on the canvas)."""
+    vision, counts = vision_inputs(image_processor, frames)
+    ids, tags = presentation(tokenizer, prompt, counts, text_tag=text_tag, video_tag=video_tag)
+    return encode_ids(text_encoder, ids, tags, vision, layer=layer, device=device)
+
+
+@torch.inference_mode()
+def encode_ids(text_encoder: Any, ids: Sequence[int], tags: Sequence[int],
+               vision: dict[str, torch.Tensor], *, layer: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``get_qwen3vl_prompt_embeds`` of a tokenized presentation: (1, L, D) in the encoder's
+    dtype (the hidden state ``layer``, its image pads filled from ``vision``) and the (L,)
+    modality tags ``tags``. Shared by the keyframe and the reference workflows."""
     config = text_encoder.config
     if int(config.text_config.num_hidden_layers) <= layer:
         raise InvalidRequestError("prompt", f"the text encoder has no layer {layer} "
                                   "(MiniMax-H3 conditions on its hidden state after it)")
-    vision, counts = vision_inputs(image_processor, frames)
-    ids, tags = presentation(tokenizer, prompt, counts, text_tag=text_tag, video_tag=video_tag)
-    host = torch.tensor([ids], dtype=torch.long)
+    host = torch.tensor([list(ids)], dtype=torch.long)
     # What the processor's create_mm_token_type_ids gives: 1 / 2 on the image / video pad
     # tokens, 0 on text (a text-only prompt: all 0).
     types = torch.zeros_like(host)

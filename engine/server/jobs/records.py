@@ -2,7 +2,7 @@
 
 Every replica must read every job - its request included, since the replica that claims a
 job runs it from this record alone - so the whole ``VideoJob`` round-trips: the sampling
-parameters (conditioning images as zlib-compressed, base64 RGB bytes; LoRA references as
+parameters (conditioning images and references as zlib-compressed, base64 bytes; LoRA references as
 their names, files and scales, which every replica of a deployment resolves alike), the
 status, the lease and the result. Called by the SQLite and Redis backends only.
 """
@@ -17,6 +17,7 @@ from typing import Any
 
 from ditserve.engine.condition_image import ConditionImage
 from ditserve.engine.config.step_cache import StepCacheSpec
+from ditserve.engine.reference_media import Reference, ReferenceAudio
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.server.jobs.model import JobStatus, VideoJob, VideoSpec
 
@@ -50,9 +51,32 @@ def _encode_params(params: SamplingParams) -> dict[str, Any]:
                       "rgb": base64.b64encode(zlib.compress(i.rgb, 1)).decode("ascii")}
                      for i in params.images]
     out["loras"] = [dataclasses.asdict(lora) for lora in params.loras]
+    out["references"] = [_encode_reference(r) for r in params.references]
     out["step_cache"] = (dataclasses.asdict(params.step_cache)
                          if params.step_cache is not None else None)
     return out
+
+
+def _packed(data: bytes) -> str:
+    return base64.b64encode(zlib.compress(data, 1)).decode("ascii")
+
+
+def _unpacked(text: str) -> bytes:
+    return zlib.decompress(base64.b64decode(text))
+
+
+def _encode_reference(reference: Reference) -> dict[str, Any]:
+    if isinstance(reference, ConditionImage):
+        return {"kind": "image", "width": reference.width, "height": reference.height,
+                "rgb": _packed(reference.rgb)}
+    return {"kind": "audio", "sample_rate": reference.sample_rate,
+            "channels": reference.channels, "samples": _packed(reference.samples)}
+
+
+def _decode_reference(data: dict[str, Any]) -> Reference:
+    if data["kind"] == "image":
+        return ConditionImage(data["width"], data["height"], _unpacked(data["rgb"]))
+    return ReferenceAudio(data["sample_rate"], data["channels"], _unpacked(data["samples"]))
 
 
 def _decode_params(data: dict[str, Any]) -> SamplingParams:
@@ -61,6 +85,7 @@ def _decode_params(data: dict[str, Any]) -> SamplingParams:
         ConditionImage(i["width"], i["height"], zlib.decompress(base64.b64decode(i["rgb"])))
         for i in data["images"])
     values["loras"] = tuple(LoraRef(**lora) for lora in data["loras"])
+    values["references"] = tuple(_decode_reference(r) for r in data.get("references", ()))
     cache = data["step_cache"]
     values["step_cache"] = StepCacheSpec(**cache) if cache is not None else None
     return SamplingParams(**values)

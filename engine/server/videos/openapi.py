@@ -95,10 +95,36 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                   ) | {"description": "generate the model's sound track too, muxed into the "
                                       "MP4 (AAC); only a model that makes one (Cosmos3 with a "
                                       "sound tokenizer)"},
+        "references": _references_schema(limits, form=form),
         "step_cache": ({**step_cache_field.form_schema(limits.step_cache_policies),
                         "description": step_cache_field.DESCRIPTION}
                        if form else step_cache_field.openapi_schema(limits.step_cache_policies)),
     }
+
+
+def _references_schema(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
+    """ditserve's ``references`` (``fields.references``): only on an omni-reference replica."""
+    taken = limits.references
+    if taken is None:
+        return {"not": {}, "description": "references: only a ref2va replica takes them"}
+    most = taken.images + taken.audios
+    audio = (f"WAV soundtracks at {taken.audio_rate} Hz (up to {taken.audios}, with an "
+             "image)" if taken.audio_rate is not None else "no audio")
+    description = (f"the media the video is conditioned on, in the order the model reads "
+                   f"them: images (PNG, JPEG, WebP; up to {taken.images}) and {audio}; "
+                   "video files are refused")
+    if form:
+        return {"type": "array", "maxItems": most, "description": description + " (file "
+                "parts named references or references[], or references[] data URLs)",
+                "items": {"type": "string", "format": "binary"}}
+    url = {"type": "string", "pattern": "^data:[^,;]*;base64,"}
+    return {"type": "array", "minItems": 1, "maxItems": most, "description": description,
+            "items": {"anyOf": [
+                url,
+                {"type": "object", "required": ["image_url"], "additionalProperties": False,
+                 "properties": {"image_url": url}},
+                {"type": "object", "required": ["audio_url"], "additionalProperties": False,
+                 "properties": {"audio_url": url}}]}}
 
 
 def request_schema(limits: VideoLimits, *, form: bool) -> dict[str, Any]:

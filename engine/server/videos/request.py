@@ -13,7 +13,9 @@ lasts that long): give ``fps`` with ``num_frames``, never with ``seconds``. ``in
 (image-to-video: the first frame) is decoded by the route (``fields.uploads``) and taken by
 an image-to-video model (Wan 2.1 I2V, Wan 2.2 TI2V); a text-to-video model refuses it.
 ditserve's ``last_frame_reference`` (the same forms) is the video's last frame, for a model
-whose limits take one (``ModelLimits.last_frame``: MiniMax-H3's keyframes).
+whose limits take one (``ModelLimits.last_frame``: MiniMax-H3's keyframes). ditserve's
+``references`` (``fields.references``: images and WAV soundtracks, in order) are the media of
+an omni-reference replica (``ModelLimits.references``: MiniMax-H3's ``ref2va``).
 
 ``limits.VideoLimits`` holds the replica's bounds; ``videos.openapi.request_schema`` describes
 the same rules from the same limits, so a body valid by the document is accepted.
@@ -31,6 +33,7 @@ from starlette.formparsers import MultiPartException
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.client import EngineClient
+from ditserve.engine.reference_media import Reference
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.server.config import MAX_FPS
 from ditserve.engine.server.errors import APIError, invalid, shown
@@ -45,6 +48,8 @@ from ditserve.engine.server.fields.body import (
 )
 from ditserve.engine.server.fields.extensions import form_value, parse_extensions
 from ditserve.engine.server.fields.forms import fold_nested, once
+from ditserve.engine.server.fields.references import FIELD as REFERENCES
+from ditserve.engine.server.fields.references import MAX_REFERENCES, is_reference_field
 from ditserve.engine.server.fields.uploads import check_multipart
 from ditserve.engine.server.jobs.model import VideoSpec
 from ditserve.engine.server.limits import VideoLimits
@@ -75,6 +80,7 @@ class VideoCreateRequest(BaseModel):
     deadline_s: Number | None = None
     step_cache: Any = None  # checked by fields.step_cache (its messages, not pydantic's)
     audio: StrictBool | None = None  # a sound track too (models that make one: Cosmos3)
+    references: Any = None  # taken out and decoded by the route (fields.references)
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
@@ -95,14 +101,21 @@ async def read_body(request: Any) -> dict[str, Any]:
     if content_type.startswith("multipart/form-data"):
         check_multipart(await request.body(), request.headers.get("content-type", ""))
     try:
-        form = await request.form(max_files=len(REFERENCE_FIELDS), max_fields=64)
+        form = await request.form(max_files=len(REFERENCE_FIELDS) + MAX_REFERENCES,
+                                  max_fields=64)
     except (MultiPartException, StarletteHTTPException) as e:
         message = getattr(e, "message", None) or getattr(e, "detail", None) or str(e)
         raise invalid(None, f"the form cannot be read: {message}",
                       code="invalid_multipart") from e
     out: dict[str, Any] = {}
     try:
-        plain, out = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
+        items = form.multi_items()
+        # The references in their order (file parts and the SDK's references[] text).
+        references = [value for name, value in items if is_reference_field(name)]
+        plain, out = fold_nested([(n, v) for n, v in items if not is_reference_field(n)])
+        if references:
+            out[REFERENCES] = [await value.read() if hasattr(value, "read") else value
+                               for value in references]
         for name in dict.fromkeys(name for name, _ in plain):
             value = once(form, name)
             if name in REFERENCE_FIELDS:
@@ -185,10 +198,12 @@ def reference_refused() -> APIError:
 
 def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: VideoLimits,
                         images: tuple[ConditionImage, ...] = (),
-                        last_frame: bool = False) -> VideoSpec:
+                        last_frame: bool = False,
+                        references: tuple[Reference, ...] = ()) -> VideoSpec:
     """A validated VideoSpec, or an APIError (400, or 404 for another model). ``images``:
     the decoded ``input_reference`` then ``last_frame_reference`` (``fields.uploads``),
-    taken out of ``data``; ``last_frame``: the last of them is the last frame."""
+    taken out of ``data``; ``last_frame``: the last of them is the last frame;
+    ``references``: the decoded ``references`` (``fields.references``), taken out too."""
     if any(name in data for name in REFERENCE_FIELDS) or \
             (images and not takes_reference(engine)):
         raise reference_refused()
@@ -215,6 +230,7 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         num_inference_steps=steps, num_frames=frames, seed=body.seed,
         guidance_scale=limits.default_guidance if body.guidance_scale is None
         else body.guidance_scale, images=images, last_frame=last_frame,
+        references=references,
         max_sequence_length=body.max_sequence_length, audio=bool(body.audio),
         **extensions.fields(),
     )

@@ -32,6 +32,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import is_head
 from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
+from ditserve.engine.server.fields.references import FIELD as REFERENCES
+from ditserve.engine.server.fields.references import (
+    as_list,
+    decode_references,
+    references_refused,
+    takes_references,
+)
 from ditserve.engine.server.fields.uploads import reference_image
 from ditserve.engine.server.jobs.errors import NeverFits, StoreFull, StoreUnavailable
 from ditserve.engine.server.jobs.model import API_FINISHED, JOB_ID_PATTERN, deleted_object
@@ -99,11 +106,16 @@ async def create_video(request: Request) -> JSONResponse:
     references = [(name, data.pop(name)) for name in REFERENCE_FIELDS if name in data]
     if references and not takes_reference(state.engine):
         raise reference_refused()  # before decoding anything
+    media = as_list(data.pop(REFERENCES, None))
+    if media and not takes_references(state.engine):
+        raise references_refused()  # before decoding anything
     images = tuple([await reference_image(value, limits=state.upload_limits(), field=name)
                     for name, value in references])
     spec = parse_video_request(data, engine=state.engine, limits=state.video_limits(),
                                images=images,
-                               last_frame=any(n == REFERENCE_FIELDS[1] for n, _ in references))
+                               last_frame=any(n == REFERENCE_FIELDS[1] for n, _ in references),
+                               references=await decode_references(
+                                   media, limits=state.upload_limits()))
     check_admitting(state)
     try:
         job = await asyncio.to_thread(videos.create, spec, request_id=request_id_of(request))

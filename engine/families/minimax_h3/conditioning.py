@@ -1,0 +1,120 @@
+"""What one MiniMax-H3 request conditions on, before its noise is drawn: its prompt's rows,
+its packed layout, its latent grid, and the conditioning latents its layout reserved rows
+for - per workflow, as diffusers' blocks prepare them:
+
+- ``keyframed`` (``t2va``, ``fl2va``): the prompt after any keyframes' vision blocks, the
+  keyframes on the canvas and encoded (``keyframes``), ``MiniMaxH3PrepareLayoutStep``'s
+  layout;
+- ``referenced`` (``ref2va``, a ref2va replica): the references normalized, presented and
+  encoded (``references``), ``MiniMaxH3Ref2VAPrepareLayoutStep``'s layout.
+
+Called by the step pipeline's ``prepare_encode`` (``engine.families.minimax_h3.pipeline``),
+whose components and model facts it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.families.minimax_h3 import keyframes
+from ditserve.engine.families.minimax_h3 import references as refs
+from ditserve.engine.families.minimax_h3.packing import ItemLayout
+from ditserve.engine.reference_media import Reference
+from ditserve.engine.request import SamplingParams
+
+PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # diffusers' (ImageNet)
+Grid = tuple[int, int, int, int]  # latent frames, latent height, width, audio latents
+
+
+@dataclass
+class Conditioning:
+    """text: (1, L, D) prompt rows; layout: the packed sequence; grid: the generated rows'
+    latent shape; visual: each keyframe's or image reference's (1, C, 1, h, w) latents, in
+    packed order (noised by the caller, off the request's generator); audio: each
+    soundtrack's clean (A * 2, C_a) rows."""
+
+    text: torch.Tensor
+    layout: ItemLayout
+    grid: Grid
+    visual: list[torch.Tensor]
+    audio: list[torch.Tensor] = field(default_factory=list)
+
+
+def grid(pipe: Any, num_frames: int, height: int, width: int) -> Grid:
+    facts = pipe._facts
+    frames = facts.video_latent_num_frames(num_frames, pipe.frames_per_chunk,
+                                           pipe.latents_per_chunk)
+    return (int(frames), height // pipe.spatial_factor, width // pipe.spatial_factor,
+            int(facts.audio_latent_num_frames(num_frames)))
+
+
+def keyframed(pipe: Any, p: SamplingParams, frames: int) -> Conditioning:
+    """A text-only or keyframe request (``frames``: its aligned frame count)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    anchors = keyframes.anchors(p.images, p.last_frame)
+    if anchors and pipe.image_processor is None:
+        raise InvalidRequestError("image", "this MiniMax-H3 directory has no processor folder "
+                                  "(Qwen3-VL's image processor): it serves text to video only")
+    placed = keyframes.on_canvas(p.images, p.width, p.height)
+    text, tags = pipe._encode_prompt(p.prompt, p.images, (p.width, p.height))
+    shape = grid(pipe, frames, p.height, p.width)
+    latent_frames, h, w, audio = shape
+    positions, token_tags, video_idx, audio_idx, text_idx, conditions, _ = \
+        MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            tags, latent_frames, h, w, audio, pipe.patch, pipe.audio_channels,
+            pipe._facts.MINIMAX_H3_AUDIO_TAG, pipe.video_tag, anchors)
+    layout = ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx, int(conditions))
+    visual = keyframes.encode(pipe.vae, placed, device=pipe.device, pixel_mean=PIXEL_MEAN,
+                              pixel_std=PIXEL_STD)
+    return Conditioning(text, layout, shape, visual)
+
+
+def normalized(pipe: Any, references: tuple[Reference, ...], num_frames: int) -> list[Any]:
+    """The references as diffusers' setup step leaves them for a clip of ``num_frames``."""
+    return refs.normalize(refs.diffusers_references(references),
+                          short_edge=pipe.reference_short_edge, multiple=pipe.pixel_multiple,
+                          audio_rate=int(pipe.audio_vae.config.sampling_rate),
+                          duration_s=num_frames / pipe.fps)
+
+
+def presented(pipe: Any, prompt: str, references: tuple[Reference, ...]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``ref2va`` prompt rows and their tags (``_encode_prompt`` with references)."""
+    from ditserve.engine.families.minimax_h3 import TEXT_LAYER, presentation
+
+    # Soundtracks reach the presentation as labels only: any duration will do.
+    media = normalized(pipe, references, pipe.max_frames)
+    ids, tags, vision = refs.presentation(pipe.tokenizer, pipe.image_processor, prompt, media,
+                                          text_tag=pipe.text_tag, video_tag=pipe.video_tag)
+    return presentation.encode_ids(pipe.text_encoder, ids, tags, vision, layer=TEXT_LAYER,
+                                   device=pipe.device)
+
+
+def referenced(pipe: Any, p: SamplingParams, frames: int) -> Conditioning:
+    """A ``ref2va`` request on a ref2va replica (``frames``: its aligned frame count)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3Ref2VAPrepareLayoutStep,
+    )
+
+    if p.images or p.last_frame:
+        raise InvalidRequestError("image", "a ref2va replica takes references, not keyframes: "
+                                  "send the images as references")
+    media = normalized(pipe, p.references, frames)
+    text, tags = pipe._encode_prompt(p.prompt, references=p.references)
+    visual = keyframes.encode(pipe.vae, [r.image for r in media if r.kind == "image"],
+                              device=pipe.device, pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
+    audio = refs.encode_audio(pipe.audio_vae, media, device=pipe.device)
+    shape = grid(pipe, frames, p.height, p.width)
+    latent_frames, h, w, audio_len = shape
+    positions, token_tags, video_idx, audio_idx, text_idx, video_refs, audio_refs = \
+        MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+            tags, media, visual, audio, latent_frames, h, w, audio_len, pipe.patch,
+            pipe.audio_channels, pipe._facts.MINIMAX_H3_AUDIO_TAG, pipe.video_tag)
+    layout = ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx,
+                        int(video_refs), int(audio_refs))
+    return Conditioning(text, layout, shape, visual, audio)
