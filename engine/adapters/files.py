@@ -117,6 +117,11 @@ def convert(pipeline_class: Any, tensors: dict[str, torch.Tensor]
     tensors prefixed by component, network alphas by ``<component>.<module>.alpha``)."""
     from diffusers.utils import convert_unet_state_dict_to_peft
 
+    if not hasattr(pipeline_class, "lora_state_dict"):
+        # diffusers ships no LoRA loader for this pipeline (Cosmos3): no format to read.
+        raise AdapterError(f"diffusers' {pipeline_class.__name__} has no LoRA loader, so "
+                           "LoRA adapters are not served for this model; serve it without "
+                           "--lora-modules / --lora")
     kwargs = {}
     if "return_alphas" in inspect.signature(pipeline_class.lora_state_dict).parameters:
         kwargs["return_alphas"] = True

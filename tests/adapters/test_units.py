@@ -89,6 +89,19 @@ def test_a_bad_file_is_not_registered() -> None:
     assert "x" not in c
 
 
+def test_a_pipeline_without_a_lora_loader_refuses_adapters_by_name(tmp_path: Path) -> None:
+    """Cosmos3's diffusers pipeline has no ``lora_state_dict``: an adapter for it is an
+    AdapterError saying so (a 400 at load, a refusal at start), not an AttributeError."""
+    from diffusers import Cosmos3OmniPipeline
+
+    from ditserve.engine.adapters.files import read_adapter
+
+    dit = {"transformer.x.to_q.lora_A.weight": torch.randn(4, 32),
+           "transformer.x.to_q.lora_B.weight": torch.randn(32, 4)}
+    with pytest.raises(AdapterError, match="Cosmos3OmniPipeline has no LoRA loader"):
+        read_adapter(write(tmp_path / "c.safetensors", dit), Cosmos3OmniPipeline, max_rank=64)
+
+
 def test_fused_catalog() -> None:
     c = AdapterCatalog(AdapterConfig(lora_modules={"a": "/a"}, fuse=True), inspect=lambda p: 4)
     assert c.resolve([("a", 1.0)]) == ()

@@ -497,3 +497,24 @@ def test_on_cuda_fp8_dlo_equals_resident_fp8(family_dir) -> None:  # type: ignor
     offloaded = fp8_run(model, "cuda", OffloadConfig(enabled=True, checkpoint_mmap="off"))
     for rid in resident:
         assert torch.equal(offloaded[rid], resident[rid]), rid
+
+
+def test_a_tiny_models_default_request_is_tiny(family_dir) -> None:  # type: ignore[no-untyped-def]
+    """Cosmos3's DiT config names its width ``hidden_size``: a tiny one is read as a test
+    model (64x64, 4 steps, a short clip), not given the released 1280x720x189 at 35 steps,
+    which a bare ``ditserve generate`` on ``init-tiny --family cosmos3`` would run for hours on
+    a CPU."""
+    from ditserve.engine.families.defaults import TINY, TINY_VIDEO_FRAMES
+    from ditserve.engine.server.model_defaults import model_defaults
+
+    defaults = model_defaults(family_dir(VARIANT))
+    assert defaults.output == "video"
+    assert (defaults.width, defaults.height, defaults.steps) == (TINY.width, TINY.height,
+                                                                 TINY.steps)
+    assert defaults.frames == TINY_VIDEO_FRAMES
+
+
+def test_the_released_width_is_not_a_test_models() -> None:
+    from ditserve.engine.families.base import dit_width
+
+    assert dit_width({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128}) == 4096
