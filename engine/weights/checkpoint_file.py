@@ -1,8 +1,8 @@
 """What a DiT checkpoint file is, read from its header alone: format, key layout and tensors.
 
 ``--model`` may name a file instead of a diffusers directory: a single-file safetensors
-checkpoint (Flux in BFL/ComfyUI key names, Wan in its original ones, or diffusers' own), a GGUF
-file (city96's layout, Flux and Wan), or FP8
+checkpoint (Flux and FLUX.2 in BFL/ComfyUI key names, Wan and Z-Image in their original ones,
+or diffusers' own), a GGUF file (city96's layout, the same names), or FP8
 pre-quantized safetensors (e4m3 weights, optionally with ComfyUI's ``<layer>.scale_weight``
 scales). ``inspect_checkpoint`` tells them apart by their bytes - safetensors' 8-byte header
 length and JSON header, GGUF's magic - and checks that every tensor's bytes lie inside the file,
@@ -103,16 +103,22 @@ def inspect_checkpoint(path: str | Path) -> CheckpointFile:
         sample = ", ".join(sorted(tensors)[:4])
         raise ModelLoadError(
             f"{str(path)!r}: its tensor names ({sample}, ...) are of no DiT family ditserve reads "
-            "from a file (Flux in BFL/ComfyUI or diffusers names, Qwen-Image, Wan)")
+            "from a file (Flux and FLUX.2 in BFL/ComfyUI or diffusers names, Qwen-Image, Wan, "
+            "Z-Image)")
     return CheckpointFile(path, fmt, family, tensors)
 
 
 # Key markers per family (names in a file's own layout, prefixes stripped); first match wins.
 _FAMILY_MARKERS = (
+    # FLUX.2 before Flux: its BFL files have Flux's ``double_blocks.0.img_attn.qkv`` too, and
+    # modulation shared by all blocks (BFL's ``lin``, diffusers' ``linear``).
+    ("flux2", ("single_stream_modulation.lin.weight", "single_stream_modulation.linear.weight")),
     ("flux", ("double_blocks.0.img_attn.qkv.weight",
               "single_transformer_blocks.0.proj_mlp.weight")),
     ("qwen-image", ("transformer_blocks.0.img_mod.1.weight",)),
     ("wan", ("blocks.0.self_attn.q.weight", "blocks.0.attn1.to_q.weight")),
+    # Z-Image: the same name in its original layout and in diffusers'
+    ("z-image", ("layers.0.adaLN_modulation.0.weight",)),
 )
 
 

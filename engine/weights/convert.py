@@ -2,10 +2,12 @@
 layouts other tools read.
 
 - ``single-file``: safetensors in BFL's key names for Flux (``flux1-dev.safetensors``, what
-  ComfyUI and diffusers' ``from_single_file`` read), in Wan's original names for Wan
-  (``weights.wan_keys``: Wan-AI's and Comfy-Org's files), the tensors as stored;
+  ComfyUI and diffusers' ``from_single_file`` read) and FLUX.2 (``weights.flux2_keys``), in
+  Wan's original names for Wan (``weights.wan_keys``: Wan-AI's and Comfy-Org's files), in
+  Tongyi-MAI's original names for Z-Image (``weights.z_image_keys``), the tensors as stored;
 - ``gguf:<type>`` (Q8_0, Q4_K, Q4_0, Q4_1, Q5_0, Q5_1): GGUF in the same names, as city96's
-  Flux and Wan files (``general.architecture`` ``flux``/``wan``): 2-D weights whose rows fit
+  Flux and Wan files (``general.architecture`` the family: ``flux``, ``wan``, ``flux2``,
+  ``z-image``): 2-D weights whose rows fit
   the type's block are quantized; 1-D tensors, ones of at most 1024 values and ones of more
   than two dimensions (Wan's 5-D patch embedding, F32 in city96's files) stay F32; other
   weights F16 (a tiny model's narrow layers, or 64-wide inputs under a K-quant's 256-value
@@ -42,7 +44,7 @@ TARGETS = CONVERT_TARGETS  # the forms ``convert`` writes (spelled torch-free fo
 # city96's rule: tensors this small stay unquantized (F32).
 SMALL_TENSOR = 1024
 # The families ``convert`` writes, with their file layout (BFL's, diffusers', Wan's original).
-FILE_FAMILIES = ("flux", "qwen-image", "wan")
+FILE_FAMILIES = ("flux", "qwen-image", "wan", "flux2", "z-image")
 
 
 @dataclass(frozen=True)
@@ -143,13 +145,13 @@ def _fp8_state(src: str | Path, component: str) -> tuple[dict[str, torch.Tensor]
 def _file_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """diffusers' names -> the file layout (Flux: BFL's; Wan: its original names; Qwen-Image:
     diffusers' own), FP8 scales mapped with their weights."""
-    if family not in ("flux", "wan"):
+    rename = _RENAMES.get(family)
+    if rename is None:
         return state
     scales = {k[: -len(FP8_SCALE_SUFFIX)] + ".weight": v for k, v in state.items()
               if k.endswith(FP8_SCALE_SUFFIX)}
     rest = {k: v for k, v in state.items() if not k.endswith(FP8_SCALE_SUFFIX)}
     marker = {k: rest.pop(k) for k in ("scaled_fp8",) if k in rest}
-    rename = _flux_names if family == "flux" else _wan_names
     out = rename(rest)
     for key, scale in rename(scales).items():
         out[key[: -len(".weight")] + FP8_SCALE_SUFFIX] = scale
@@ -170,6 +172,27 @@ def _wan_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from ditserve.engine.weights.wan_keys import to_original
 
     return to_original(state)
+
+
+def _flux2_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from ditserve.engine.weights.flux2_keys import to_original
+
+    return to_original(state, cat=_cat_rows)
+
+
+def _z_image_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from ditserve.engine.weights.z_image_keys import to_original
+
+    return to_original(state, cat=_cat_rows)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, dim=0)
+
+
+# The families whose files use other names than diffusers' (Qwen-Image's use diffusers').
+_RENAMES = {"flux": _flux_names, "wan": _wan_names, "flux2": _flux2_names,
+            "z-image": _z_image_names}
 
 
 def write_gguf(state: dict[str, torch.Tensor], dst: Path, *, qtype: str, arch: str,

@@ -21,7 +21,8 @@ weights is read or any device memory taken. Then, by format:
 Flux's BFL names are mapped by ``flux_keys`` (diffusers' converter hard-codes the released
 width); other families' by diffusers' own single-file mapping functions (Wan's original names:
 ``convert_wan_transformer_to_diffusers``, whose inverse ``wan_keys`` is what ``convert``
-writes).
+writes; FLUX.2's BFL names and Z-Image's original ones likewise, with ``flux2_keys`` and
+``z_image_keys`` as the inverses).
 
 Called by ``weights.loader`` and ``weights.backing_choice`` when the model has a checkpoint.
 """
@@ -126,6 +127,9 @@ def map_keys(family: str, checkpoint: dict[str, Any], model: nn.Module) -> dict[
         if flux_keys.is_bfl(checkpoint):
             return flux_keys.to_diffusers(checkpoint, cat=_cat)
         return dict(checkpoint)
+    # ComfyUI-style prefixes (``model.diffusion_model.``): not every family's converter
+    # strips them (FLUX.2's does not)
+    checkpoint = {flux_keys.strip_prefix(k): v for k, v in checkpoint.items()}
     own = set(model.state_dict())
     if set(checkpoint) <= own:
         return dict(checkpoint)
