@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 WIDE_DIT = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
@@ -59,3 +60,57 @@ def wide_wan(tiny_wan_dir: Path, dst: Path, widths: dict[str, int] | None = None
             p.normal_(0.0, 0.05)
     model.save_pretrained(dst / "transformer")
     return dst
+
+
+# 256-wide tiny DiTs of FLUX.2 and Z-Image (2 heads of 128), so Q4_K's 256-value rows fit
+# their block linears (the tiny ones are 32 wide). Z-Image's FFN is int(dim / 3 * 8) = 682
+# wide: its ``w2`` (682 inputs) stays F16 in a Q4_K file, every other block linear quantizes.
+K_QUANT_DITS: dict[str, dict[str, object]] = {
+    "flux2": dict(attention_head_dim=128, num_attention_heads=2, axes_dims_rope=(32, 32, 32, 32)),
+    "z-image": dict(dim=256, n_heads=2, n_kv_heads=2, axes_dims=[32, 48, 48]),
+}
+
+
+def widened(tiny_dir: Path, dst: Path, widths: dict[str, object]) -> Path:
+    """A copy of a tiny pipeline at ``dst`` whose DiT's config takes ``widths``, random
+    weights of a trained model's scale (float32). The DiT class is the folder's own."""
+    import json
+
+    import diffusers
+
+    shutil.copytree(tiny_dir, dst)
+    config = json.loads((tiny_dir / "transformer" / "config.json").read_text())
+    cls = getattr(diffusers, config["_class_name"])
+    config = dict(cls.load_config(str(tiny_dir), subfolder="transformer"))
+    config.update(widths)
+    shutil.rmtree(dst / "transformer")
+    torch.manual_seed(5)
+    model = cls.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(dst / "transformer")
+    return dst
+
+
+def align_folder_dits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a folder's DiT load give each tensor an allocation of its own (64-byte aligned),
+    as a checkpoint file's load does (``dit_file._own_storage``). A tiny folder's own load
+    (Wan's, Z-Image's) leaves its tensors 8-byte aligned (where each lies after safetensors'
+    header), and
+    CPU matmul kernels take another path for such pointers: outputs differ in the last bits
+    (within 1e-5 here), whatever the weights."""
+    from ditserve.engine.weights import load
+    from ditserve.engine.weights.loader import DIT_COMPONENT, load_dit
+
+    ordinary = load.load_components
+
+    def aligned(model_dir: Path, *, dtype: str, dits: object = None) -> object:
+        if dits is None:
+            dit = load_dit(model_dir, dtype=dtype)
+            for tensor in dit.parameters():
+                tensor.data = tensor.data.clone()
+            dits = {DIT_COMPONENT: dit}
+        return ordinary(model_dir, dtype=dtype, dits=dits)
+
+    monkeypatch.setattr(load, "load_components", aligned)

@@ -18,7 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
-from weights.support import K_QUANT_WAN, wide_wan  # type: ignore[import-not-found]
+from weights.support import (  # type: ignore[import-not-found]
+    K_QUANT_WAN,
+    align_folder_dits,
+    wide_wan,
+)
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
 from ditserve.engine.errors import ConfigError, ModelLoadError
@@ -60,28 +64,6 @@ def generate(model_dir: Path, checkpoint: Path | None = None, names: tuple[str, 
         return drive(runner, {0: [(n, PARAMS[n]) for n in names]}, max_num_seqs=2)[0]
     finally:
         runner.close()
-
-
-def align_folder_dits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make a folder's DiT load give each tensor an allocation of its own (64-byte aligned),
-    as a checkpoint file's load does (``dit_file._own_storage``). This tiny Wan folder's own
-    load leaves its tensors 8-byte aligned (where each lies after safetensors' header), and
-    CPU matmul kernels take another path for such pointers: outputs differ in the last bits
-    (within 1e-5 here), whatever the weights."""
-    from ditserve.engine.weights import load
-    from ditserve.engine.weights.loader import DIT_COMPONENT, load_dit
-
-    ordinary = load.load_components
-
-    def aligned(model_dir: Path, *, dtype: str, dits: object = None) -> object:
-        if dits is None:
-            dit = load_dit(model_dir, dtype=dtype)
-            for tensor in dit.parameters():
-                tensor.data = tensor.data.clone()
-            dits = {DIT_COMPONENT: dit}
-        return ordinary(model_dir, dtype=dtype, dits=dits)
-
-    monkeypatch.setattr(load, "load_components", aligned)
 
 
 @pytest.mark.parametrize("variant", ["wan", "wan-i2v", "wan2.2-ti2v"])
