@@ -2,7 +2,8 @@
 key names (BFL's for FLUX.2, Tongyi-MAI's for Z-Image; ``model convert`` writes them as the
 community's single files and city96-style GGUF files are), served with ``--model FILE
 --base-model DIR`` on the tiny models (CPU): the key tables invert diffusers' converters at the
-released shapes; a single file gives the folder's DiT and images bit for bit; GGUF Q8_0 (tiny)
+released shapes; a single file (ComfyUI-prefixed too) gives the folder's DiT, and images bit for
+bit; GGUF Q8_0 (tiny)
 and Q4_K (256 wide) keep the block linears quantized, equal diffusers' own GGUF loading of the
 same file inside diffusers' pipeline within 1e-3 on [0, 1] pixels, and stream under layerwise
 offload equal to resident; an FP8 file loads as FP8 layers; a file of another width is refused
@@ -218,3 +219,26 @@ REFUSAL = {
     "z-image": "first mismatching tensor x_pad_token is [1, 256] in the file but [1, 32] in "
                "the model",
 }
+
+
+@pytest.mark.parametrize("family", ["flux2", "z-image"])
+def test_comfyui_prefixed_single_file_loads_too(family: str,
+                                                tiny_variant_dir: Callable[[str], Path],
+                                                tmp_path: Path) -> None:
+    """ComfyUI's files put ``model.diffusion_model.`` before the original names (FLUX.2's
+    converter does not strip it: ``map_keys`` does)."""
+    from safetensors.torch import load_file, save_file
+
+    from ditserve.engine.weights.checkpoint_file import inspect_checkpoint
+    from ditserve.engine.weights.dit_file import load_dit_file
+    from ditserve.engine.weights.loader import load_dit
+
+    model_dir = tiny_variant_dir(family)
+    plain, prefixed = tmp_path / "plain.safetensors", tmp_path / "comfy.safetensors"
+    convert(model_dir, plain, to="single-file")
+    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(str(plain)).items()},
+              str(prefixed))
+    assert inspect_checkpoint(prefixed).family == family
+    want = load_dit(model_dir, dtype="float32").state_dict()
+    got = load_dit_file(prefixed, model_dir, dtype="float32").state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
