@@ -3,10 +3,9 @@ key names (BFL's for FLUX.2, Tongyi-MAI's for Z-Image; ``model convert`` writes 
 community's single files and city96-style GGUF files are), served with ``--model FILE
 --base-model DIR`` on the tiny models (CPU): the key tables invert diffusers' converters at the
 released shapes; a single file (ComfyUI-prefixed too) gives the folder's DiT, and images bit for
-bit; GGUF Q8_0 (tiny)
-and Q4_K (256 wide) keep the block linears quantized, equal diffusers' own GGUF loading of the
-same file inside diffusers' pipeline within 1e-3 on [0, 1] pixels, and stream under layerwise
-offload equal to resident; an FP8 file loads as FP8 layers; a file of another width is refused
+bit; GGUF Q8_0 (tiny) and Q4_K (256 wide) keep the block linears quantized, equal diffusers'
+own GGUF loading of the same file inside diffusers' pipeline within 1e-3 on [0, 1] pixels, and
+stream under layerwise offload equal to resident; an FP8 file loads as FP8 layers; a file of another width is refused
 naming the first mismatching tensor and both shapes."""
 
 from __future__ import annotations
