@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -31,8 +32,8 @@ from ditserve.engine.server.options import add_server_options, server_config_fro
 from ditserve.engine.termination import record_fatal
 
 log = logging.getLogger(__name__)
-__all__ = ["add_server_options", "configs_from_args", "run_server", "serve_from_args",
-           "server_config_from_args"]
+__all__ = ["add_server_options", "build_server", "configs_from_args", "run_server",
+           "serve_from_args", "server_config_from_args"]
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, ServerConfig]:
@@ -47,6 +48,25 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
+    failed: list[BaseException] = []
+    server = build_server(engine_config, server_config, on_start_failed=failed.append)
+    if server_config.api_key is None:
+        log.info("auth is off (set %s or --api-key to require a Bearer token)",
+                 server_config.api_key_env)
+    server.run()
+    if failed:
+        log.error("the engine failed to start: %s", failed[0])
+        record_fatal(f"the engine failed to start: {failed[0]}")
+        return 1
+    return 0
+
+
+def build_server(engine_config: Any, server_config: ServerConfig, *,
+                 on_start_failed: Callable[[BaseException], None]) -> DrainingServer:
+    """The engine (not started: the app's lifespan starts it once the server listens), its
+    app and the server around them: everything ``serve`` imports before it serves. The
+    model's libraries (diffusers, transformers) are not among them: the engine imports them
+    as it starts (start phase ``imports``), so the server answers /health meanwhile."""
     from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics
@@ -58,11 +78,10 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
 
         read_model_index(engine_config.model)  # a wrong path fails now, not after binding
 
-    failed: list[BaseException] = []
     server: DrainingServer | None = None
 
-    def on_start_failed(exc: BaseException) -> None:
-        failed.append(exc)
+    def start_failed(exc: BaseException) -> None:
+        on_start_failed(exc)
         if server is not None:
             server.should_exit = True
 
@@ -71,7 +90,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     options = engine_options(engine_config, server_config, metrics, lambda: engine)
     engine = DiffusionEngine(engine_config, **options)
     app = create_app(engine, server_config, serving_metrics=metrics,
-                     on_start_failed=on_start_failed)
+                     on_start_failed=start_failed)
     uv_config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
         lifespan="on", timeout_graceful_shutdown=5, http=APIErrorH11Protocol,
@@ -79,15 +98,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
         access_log=server_config.log_level in ("debug", "trace"),
     )
     server = DrainingServer(uv_config, state=app.state.server)
-    if server_config.api_key is None:
-        log.info("auth is off (set %s or --api-key to require a Bearer token)",
-                 server_config.api_key_env)
-    server.run()
-    if failed:
-        log.error("the engine failed to start: %s", failed[0])
-        record_fatal(f"the engine failed to start: {failed[0]}")
-        return 1
-    return 0
+    return server
 
 
 class DrainingServer(uvicorn.Server):
