@@ -68,6 +68,16 @@ def test_building_the_server_imports_no_model_library(tiny_model_dir: Path) -> N
     assert step_pipeline_modules(modules) == []
 
 
+def test_a_video_replica_builds_its_server_without_model_libraries_too(tmp_path: Path) -> None:
+    from ditserve.engine.makers.tiny_model import init_tiny
+
+    modules = _run(BUILD_SERVER, init_tiny(tmp_path / "wan", family="wan"))
+    assert isinstance(modules, list)
+    assert "ditserve.engine.server.videos.routes" in modules
+    assert _loaded(modules, MODEL_LIBRARIES) == []
+    assert step_pipeline_modules(modules) == []
+
+
 def test_a_started_flux_engine_imported_flux_alone(tiny_model_dir: Path) -> None:
     started = _run(START_ENGINE, tiny_model_dir)
     assert isinstance(started, dict)
