@@ -18,8 +18,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -82,8 +81,13 @@ def source_call_defaults(pipeline_class: str, module: str) -> dict[str, Any] | N
     return defaults
 
 
-_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow}
+# Spelled out, not the ``operator`` module: the repository's ``operator`` folder shadows it
+# for the type checker.
+_ARITHMETIC: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b,
+    ast.Pow: lambda a, b: a**b,
+}
 
 
 def _constant(node: ast.expr) -> Any:

@@ -43,7 +43,7 @@ from ditserve.engine.placement.budget_plan import (
 )
 from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.weights.load import LoadedWeights, load_weights
-from ditserve.engine.weights.loader import import_pipeline_class
+from ditserve.engine.weights.loader import import_pipeline_class, model_family
 
 if TYPE_CHECKING:
     from ditserve.engine.offload import OffloadHandle
@@ -115,7 +115,7 @@ def read_weights(model_dir: str | Path, *, dtype: DType, offload: ResolvedOffloa
     change after loading (``weights_replaced``)."""
     with context_meanwhile(device, timeline):
         with timed(timeline, "imports"):
-            import_pipeline_class(model_dir)
+            import_pipeline_class(model_family(model_dir))  # at once if already imported
         with timed(timeline, "read"):
             return load_weights(
                 model_dir, dtype=dtype, offload=offload.options, sp_size=sp_size,

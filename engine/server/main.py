@@ -19,7 +19,7 @@ import logging
 import signal
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -30,6 +30,9 @@ from ditserve.engine.server.config import ServerConfig
 # engine.args with them without importing uvicorn); re-exported for the CLI.
 from ditserve.engine.server.options import add_server_options, server_config_from_args
 from ditserve.engine.termination import record_fatal
+
+if TYPE_CHECKING:
+    from ditserve.engine.loop.engine import DiffusionEngine
 
 log = logging.getLogger(__name__)
 __all__ = ["add_server_options", "build_server", "configs_from_args", "run_server",
@@ -48,11 +51,16 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
+    from ditserve.engine.loop.startup import import_model_libraries
+
     failed: list[BaseException] = []
-    server = build_server(engine_config, server_config, on_start_failed=failed.append)
+    server, engine = build_server(engine_config, server_config, on_start_failed=failed.append)
     if server_config.api_key is None:
         log.info("auth is off (set %s or --api-key to require a Bearer token)",
                  server_config.api_key_env)
+    # Here on the main thread, not on the engine's worker thread once the server listens:
+    # there the same imports cost more CPU time, which delays ready (issue 50).
+    import_model_libraries(engine_config.model, engine.start_timeline)
     server.run()
     if failed:
         log.error("the engine failed to start: %s", failed[0])
@@ -62,11 +70,12 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
 
 
 def build_server(engine_config: Any, server_config: ServerConfig, *,
-                 on_start_failed: Callable[[BaseException], None]) -> DrainingServer:
+                 on_start_failed: Callable[[BaseException], None]
+                 ) -> tuple[DrainingServer, DiffusionEngine]:
     """The engine (not started: the app's lifespan starts it once the server listens), its
-    app and the server around them: everything ``serve`` imports before it serves. The
-    model's libraries (diffusers, transformers) are not among them: the engine imports them
-    as it starts (start phase ``imports``), so the server answers /health meanwhile."""
+    app and the server around them. The model's libraries (diffusers, transformers) are not
+    imported for them: the engine imports them in its start phase ``imports``
+    (``loop.startup.import_model_libraries``)."""
     from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics
@@ -98,7 +107,7 @@ def build_server(engine_config: Any, server_config: ServerConfig, *,
         access_log=server_config.log_level in ("debug", "trace"),
     )
     server = DrainingServer(uv_config, state=app.state.server)
-    return server
+    return server, engine
 
 
 class DrainingServer(uvicorn.Server):

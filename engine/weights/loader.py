@@ -189,13 +189,13 @@ def dit_class(model_dir: str | Path | None = None, component: str = DIT_COMPONEN
     return getattr(diffusers, family.dit_class)
 
 
-def import_pipeline_class(model_dir: str | Path) -> Any:
-    """The diffusers pipeline class the model directory names, imported: with it diffusers,
-    the model's DiT, VAE and text-encoder classes and transformers (several seconds; the
-    engine's start phase ``imports``, which nothing before the engine's start pays)."""
+def import_pipeline_class(family: Family) -> Any:
+    """The family's diffusers pipeline class, imported: with it diffusers, the model's DiT,
+    VAE and text-encoder classes and transformers (several seconds: the engine's start phase
+    ``imports``; nothing the server builds before imports them)."""
     import diffusers
 
-    return getattr(diffusers, model_family(model_dir).pipeline_class)
+    return getattr(diffusers, family.pipeline_class)
 
 
 def keeps_float32(model_cls: Any, tensor_name: str) -> bool:

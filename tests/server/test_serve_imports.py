@@ -22,8 +22,12 @@ import json, sys
 from ditserve.engine.cli.main import build_parser
 from ditserve.engine.server.main import build_server, configs_from_args
 args = build_parser().parse_args(["serve", "--model", sys.argv[1], "--port", "0"])
-build_server(*configs_from_args(args), on_start_failed=print)
-json.dump(sorted(sys.modules), sys.stdout)
+server, engine = build_server(*configs_from_args(args), on_start_failed=print)
+built = sorted(sys.modules)
+from ditserve.engine.loop.startup import import_model_libraries
+import_model_libraries(sys.argv[1], engine.start_timeline)  # `serve`, before the server runs
+json.dump({"built": built, "imported": sorted(sys.modules),
+           "phases": sorted(engine.start_report()["phases"])}, sys.stdout)
 """
 
 START_ENGINE = """
@@ -58,21 +62,27 @@ def step_pipeline_modules(modules: list[str]) -> list[str]:
 
 
 def test_building_the_server_imports_no_model_library(tiny_model_dir: Path) -> None:
-    modules = _run(BUILD_SERVER, tiny_model_dir)
-    assert isinstance(modules, list)
+    found = _run(BUILD_SERVER, tiny_model_dir)
+    assert isinstance(found, dict)
+    modules = found["built"]
     # The serve path was really taken: the engine, the HTTP app and uvicorn are there.
     assert {"ditserve.engine.loop.engine", "ditserve.engine.server.app", "fastapi",
             "uvicorn"} <= set(modules)
     assert _loaded(modules, MODEL_LIBRARIES) == []
     assert _loaded(modules, VIDEO_CODECS) == []
     assert step_pipeline_modules(modules) == []
+    # Then the engine imports them, as a start phase of its own (before any step pipeline).
+    assert {"diffusers", "transformers"} <= set(found["imported"])
+    assert "imports" in found["phases"]
+    assert step_pipeline_modules(found["imported"]) == []
 
 
 def test_a_video_replica_builds_its_server_without_model_libraries_too(tmp_path: Path) -> None:
     from ditserve.engine.makers.tiny_model import init_tiny
 
-    modules = _run(BUILD_SERVER, init_tiny(tmp_path / "wan", family="wan"))
-    assert isinstance(modules, list)
+    found = _run(BUILD_SERVER, init_tiny(tmp_path / "wan", family="wan"))
+    assert isinstance(found, dict)
+    modules = found["built"]
     assert "ditserve.engine.server.videos.routes" in modules
     assert _loaded(modules, MODEL_LIBRARIES) == []
     assert step_pipeline_modules(modules) == []
