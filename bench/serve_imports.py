@@ -13,8 +13,8 @@ starts. With ``--importtime`` one more start runs under ``python -X importtime``
 tables follow: self time summed per top-level package (``ditserve`` split by its
 subpackages), and the heaviest single imports (cumulative).
 
-    ditserve model init-tiny --family flux /tmp/flux-tiny
-    python3 bench/serve_imports.py --model /tmp/flux-tiny --runs 7 --importtime
+    ditserve model init-tiny --family flux flux-tiny
+    python3 bench/serve_imports.py --model flux-tiny --runs 7 --importtime
 
 Runs on a CPU (the tiny model) as on a GPU host (a full model: add ``--serve-args``).
 """
