@@ -35,8 +35,8 @@ from typing import Any
 
 import harness
 
-PHASES = ("process", "cuda_init", "read", "place", "pin_register", "encoders", "warm_up",
-          "compile", "load")
+PHASES = ("process", "cuda_init", "imports", "read", "place", "pin_register", "encoders",
+          "warm_up", "compile", "load")
 VARIANTS = {"dlo": ["--offload", "dlo"], "resident": ["--offload", "none"],
             "compile": ["--offload", "dlo", "--compile"]}
 

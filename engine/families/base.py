@@ -78,6 +78,9 @@ class Family:
     name: the CLI name (``--family``); label: the name the operator's ``model.family`` uses.
     pipeline_class / dit_class: the diffusers class names of the pipeline and its DiT (only
         the family's module spells them; everything else reads them from here).
+    pipeline_module: the diffusers module that defines ``pipeline_class``: the server reads
+        the pipeline's call defaults from its source (``engine.pipeline_defaults``), so a
+        replica's HTTP side never imports diffusers; None: they come from the imported class.
     dit_components: DiT components every model of the family has; expert_components: DiTs
         some models add (Wan 2.2's low-noise expert ``transformer_2``), switched per step,
         used only when model_index.json sets ``expert_switch`` (Wan: ``boundary_ratio``).
@@ -151,6 +154,7 @@ class Family:
     defaults: DefaultsRule = field(default=square_image, compare=False)
     min_frames: int = 1
     call_overrides: CallOverrides | None = field(default=None, compare=False)
+    pipeline_module: str | None = None
 
     @property
     def video(self) -> bool:

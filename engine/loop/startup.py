@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import FLUX, Family
-from ditserve.engine.weights.loader import model_family
+from ditserve.engine.weights.loader import import_pipeline_class, model_family
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,19 @@ def _warm_step(executor: Executor, scheduler: SchedulerConfig, height: int, widt
         if missing:
             raise DitServeError(f"warm-up step on rank {rank} returned no image for "
                                 f"{', '.join(sorted(missing))}")
+
+
+def import_model_libraries(model_dir: str | None, timeline: StartTimeline) -> None:
+    """Import the served model's diffusers pipeline class (diffusers, transformers, its model
+    classes) now, on the calling thread, as start phase ``imports``; the engine's start then
+    finds them imported. ``ditserve serve`` calls it on the main thread before the server
+    runs: on the worker thread that runs the start the same imports cost more CPU time
+    (docs/benchmarks.md, "Issue 50"). A directory that is no model imports nothing here:
+    loading it says why."""
+    family = served_family(model_dir)
+    if family is not None:
+        with timeline.phase("imports"):
+            import_pipeline_class(family)
 
 
 def served_family(model_dir: str | None) -> Family | None:

@@ -43,6 +43,7 @@ from ditserve.engine.placement.budget_plan import (
 )
 from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.weights.load import LoadedWeights, load_weights
+from ditserve.engine.weights.loader import import_pipeline_class, model_family
 
 if TYPE_CHECKING:
     from ditserve.engine.offload import OffloadHandle
@@ -106,18 +107,22 @@ def read_weights(model_dir: str | Path, *, dtype: DType, offload: ResolvedOffloa
                  sp_size: int, checkpoint: str | None, keep_private: str | None,
                  device: torch.device, sharded: bool,
                  timeline: StartTimeline | None = None) -> LoadedWeights:
-    """The model's weights in host memory (start phase ``read``), while the CUDA context is
-    made (``cuda_init``, on its own thread: ``context_meanwhile``): the first CUDA call makes
-    it wherever it falls, so make it here and time reading and placing apart from it.
+    """The model's classes imported (start phase ``imports``), then its weights in host
+    memory (``read``), while the CUDA context is made (``cuda_init``, on its own thread:
+    ``context_meanwhile``): the first CUDA call makes it wherever it falls, so make it here,
+    beside the imports and the reading that need no device, and time them apart from it.
     ``sharded``: DLO shards over a weight group; ``keep_private``: why the DiT's weights
     change after loading (``weights_replaced``)."""
-    with context_meanwhile(device, timeline), timed(timeline, "read"):
-        return load_weights(
-            model_dir, dtype=dtype, offload=offload.options, sp_size=sp_size,
-            streams_from_mapping=(device.type == "cuda" and not sharded
-                                  and offload.options.compress == "none"),
-            keep_private=keep_private, sharded=sharded, checkpoint=checkpoint,
-        )
+    with context_meanwhile(device, timeline):
+        with timed(timeline, "imports"):
+            import_pipeline_class(model_family(model_dir))  # at once if already imported
+        with timed(timeline, "read"):
+            return load_weights(
+                model_dir, dtype=dtype, offload=offload.options, sp_size=sp_size,
+                streams_from_mapping=(device.type == "cuda" and not sharded
+                                      and offload.options.compress == "none"),
+                keep_private=keep_private, sharded=sharded, checkpoint=checkpoint,
+            )
 
 
 def first_allocation(device: torch.device) -> None:

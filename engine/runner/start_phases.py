@@ -4,9 +4,13 @@ Owns ``StartTimeline``: the engine (``loop.engine``) makes one per start and han
 the executor -> ``ModelRunner`` -> ``assemble``); each part wraps its work in
 ``timeline.phase(name)``. Phases, in the order they run:
 
-    process       interpreter start to the engine's start (imports, arguments, the server)
+    process       interpreter start to the engine's start (torch, the server's imports,
+                  arguments); the model's libraries are not imported yet
     cuda_init     creating the CUDA context on this process's device (on its own thread,
-                  while ``read`` runs: the two overlap, so their sum exceeds their wall time)
+                  while ``imports`` and ``read`` run: they overlap, so the phases' sum
+                  exceeds their wall time)
+    imports       importing the model's diffusers pipeline class: diffusers, transformers,
+                  the DiT, VAE and text-encoder classes (``weights.loader``)
     read          reading the weights into host memory (safetensors, mmap, the node cache)
     place         building the pipeline and moving its resident parts to the device
     pin_register  layerwise offload: pinning or registering host memory, slots, hooks
@@ -33,8 +37,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-PHASES = ("process", "cuda_init", "read", "place", "pin_register", "encoders", "warm_up",
-          "compile", "load")
+PHASES = ("process", "cuda_init", "imports", "read", "place", "pin_register", "encoders",
+          "warm_up", "compile", "load")
 
 
 def process_age_s() -> float | None:

@@ -17,8 +17,9 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -30,9 +31,12 @@ from ditserve.engine.server.config import ServerConfig
 from ditserve.engine.server.options import add_server_options, server_config_from_args
 from ditserve.engine.termination import record_fatal
 
+if TYPE_CHECKING:
+    from ditserve.engine.loop.engine import DiffusionEngine
+
 log = logging.getLogger(__name__)
-__all__ = ["add_server_options", "configs_from_args", "run_server", "serve_from_args",
-           "server_config_from_args"]
+__all__ = ["add_server_options", "build_server", "configs_from_args", "run_server",
+           "serve_from_args", "server_config_from_args"]
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, ServerConfig]:
@@ -47,6 +51,31 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
+    from ditserve.engine.loop.startup import import_model_libraries
+
+    failed: list[BaseException] = []
+    server, engine = build_server(engine_config, server_config, on_start_failed=failed.append)
+    if server_config.api_key is None:
+        log.info("auth is off (set %s or --api-key to require a Bearer token)",
+                 server_config.api_key_env)
+    # Here on the main thread, not on the engine's worker thread once the server listens:
+    # there the same imports cost more CPU time, which delays ready (issue 50).
+    import_model_libraries(engine_config.model, engine.start_timeline)
+    server.run()
+    if failed:
+        log.error("the engine failed to start: %s", failed[0])
+        record_fatal(f"the engine failed to start: {failed[0]}")
+        return 1
+    return 0
+
+
+def build_server(engine_config: Any, server_config: ServerConfig, *,
+                 on_start_failed: Callable[[BaseException], None]
+                 ) -> tuple[DrainingServer, DiffusionEngine]:
+    """The engine (not started: the app's lifespan starts it once the server listens), its
+    app and the server around them. The model's libraries (diffusers, transformers) are not
+    imported for them: the engine imports them in its start phase ``imports``
+    (``loop.startup.import_model_libraries``)."""
     from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics
@@ -58,11 +87,10 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
 
         read_model_index(engine_config.model)  # a wrong path fails now, not after binding
 
-    failed: list[BaseException] = []
     server: DrainingServer | None = None
 
-    def on_start_failed(exc: BaseException) -> None:
-        failed.append(exc)
+    def start_failed(exc: BaseException) -> None:
+        on_start_failed(exc)
         if server is not None:
             server.should_exit = True
 
@@ -71,7 +99,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     options = engine_options(engine_config, server_config, metrics, lambda: engine)
     engine = DiffusionEngine(engine_config, **options)
     app = create_app(engine, server_config, serving_metrics=metrics,
-                     on_start_failed=on_start_failed)
+                     on_start_failed=start_failed)
     uv_config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
         lifespan="on", timeout_graceful_shutdown=5, http=APIErrorH11Protocol,
@@ -79,15 +107,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
         access_log=server_config.log_level in ("debug", "trace"),
     )
     server = DrainingServer(uv_config, state=app.state.server)
-    if server_config.api_key is None:
-        log.info("auth is off (set %s or --api-key to require a Bearer token)",
-                 server_config.api_key_env)
-    server.run()
-    if failed:
-        log.error("the engine failed to start: %s", failed[0])
-        record_fatal(f"the engine failed to start: {failed[0]}")
-        return 1
-    return 0
+    return server, engine
 
 
 class DrainingServer(uvicorn.Server):

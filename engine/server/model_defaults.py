@@ -3,7 +3,8 @@ diffusers pipeline: the same defaults as a default diffusers call.
 
 Called once by ServerState.build and by ``ditserve generate``, before the model loads (the
 default size is also the ``--compile`` warm-up size). Reads three small JSON files and the
-pipeline class's ``__call__`` signature (``pipeline_defaults.call_defaults``), nothing else:
+pipeline class's ``__call__`` defaults (``pipeline_defaults.call_defaults``, from the source
+of the family's ``pipeline_module``: diffusers is not imported here), nothing else:
 
 - guidance and true CFG are the pipeline's own defaults: Flux ``guidance_scale`` 3.5 and
   ``true_cfg_scale`` 1.0; Qwen-Image ``true_cfg_scale`` 4.0 (true CFG runs once a
@@ -71,7 +72,7 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     family = FLUX if root is None else family_of_pipeline(index.get("_class_name"))
     if family is None:  # not a supported model: the loader refuses it with the reason
         return TINY
-    call: Mapping[str, Any] = call_defaults(family.pipeline_class)
+    call: Mapping[str, Any] = call_defaults(family.pipeline_class, family.pipeline_module)
     if root is not None and family.call_overrides is not None:
         # The checkpoint's own way to run the shared pipeline class (Z-Image-Turbo).
         scheduler = _json(root / "scheduler" / "scheduler_config.json")

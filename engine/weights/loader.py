@@ -189,6 +189,15 @@ def dit_class(model_dir: str | Path | None = None, component: str = DIT_COMPONEN
     return getattr(diffusers, family.dit_class)
 
 
+def import_pipeline_class(family: Family) -> Any:
+    """The family's diffusers pipeline class, imported: with it diffusers, the model's DiT,
+    VAE and text-encoder classes and transformers (several seconds: the engine's start phase
+    ``imports``; nothing the server builds before imports them)."""
+    import diffusers
+
+    return getattr(diffusers, family.pipeline_class)
+
+
 def keeps_float32(model_cls: Any, tensor_name: str) -> bool:
     """Whether diffusers loads this DiT tensor in float32 whatever the dtype asked for (the
     class's ``_keep_in_fp32_modules``, e.g. Wan's norms and modulation tables), matched the

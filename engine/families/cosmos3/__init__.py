@@ -62,6 +62,7 @@ def cosmos3_defaults(dit: Mapping[str, Any], vae: Mapping[str, Any],
 
 COSMOS3 = Family(
     name="cosmos3", label="Cosmos3", pipeline_class="Cosmos3OmniPipeline",
+    pipeline_module="diffusers.pipelines.cosmos.pipeline_cosmos3_omni",
     dit_class="Cosmos3OmniTransformer", dit_components=("transformer",),
     components=("vae", "text_tokenizer", "scheduler"),  # + sound_tokenizer where it has sound
     # The safety checker (the cosmos_guardrail package) is not part of ditserve: off, and

@@ -73,6 +73,7 @@ def defaults(dit: Mapping[str, Any], vae: Mapping[str, Any],
 
 FLUX = Family(
     name="flux", label="Flux", pipeline_class="FluxPipeline",
+    pipeline_module="diffusers.pipelines.flux.pipeline_flux",
     dit_class="FluxTransformer2DModel", dit_components=("transformer",),
     components=("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                 "scheduler"),

@@ -68,6 +68,7 @@ TEXT_LAYERS = (10, 20, 30)
 
 FLUX2 = Family(
     name="flux2", label="Flux2", pipeline_class="Flux2Pipeline",
+    pipeline_module="diffusers.pipelines.flux2.pipeline_flux2",
     dit_class="Flux2Transformer2DModel", dit_components=("transformer",),
     components=("vae", "text_encoder", "tokenizer", "scheduler"),
     block_lists=("transformer_blocks", "single_transformer_blocks"),

@@ -61,6 +61,7 @@ RELEASED_COMPONENTS: dict[str, dict[str, ComponentShape]] = {
 
 FLUX2_KLEIN = Family(
     name="flux2-klein", label="Flux2Klein", pipeline_class="Flux2KleinPipeline",
+    pipeline_module="diffusers.pipelines.flux2.pipeline_flux2_klein",
     dit_class=FLUX2.dit_class, dit_components=FLUX2.dit_components,
     components=FLUX2.components, block_lists=FLUX2.block_lists,
     resident_modules=FLUX2.resident_modules,

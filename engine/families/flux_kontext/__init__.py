@@ -14,6 +14,7 @@ from ditserve.engine.families.flux import DIT_SIZES, FLUX, RELEASED_COMPONENTS
 
 FLUX_KONTEXT = Family(
     name="flux-kontext", label="FluxKontext", pipeline_class="FluxKontextPipeline",
+    pipeline_module="diffusers.pipelines.flux.pipeline_flux_kontext",
     dit_class=FLUX.dit_class, dit_components=FLUX.dit_components, components=FLUX.components,
     block_lists=FLUX.block_lists, resident_modules=FLUX.resident_modules,
     output="image",

@@ -48,6 +48,7 @@ RELEASED_COMPONENTS: dict[str, ComponentShape] = {
 
 QWEN_IMAGE = Family(
     name="qwen-image", label="QwenImage", pipeline_class="QwenImagePipeline",
+    pipeline_module="diffusers.pipelines.qwenimage.pipeline_qwenimage",
     dit_class="QwenImageTransformer2DModel", dit_components=("transformer",),
     components=("vae", "text_encoder", "tokenizer", "scheduler"),
     block_lists=("transformer_blocks",),

@@ -20,6 +20,7 @@ from ditserve.engine.families.qwen_image import DIT_SIZES, QWEN_IMAGE, RELEASED_
 
 QWEN_IMAGE_EDIT = Family(
     name="qwen-image-edit", label="QwenImageEdit", pipeline_class="QwenImageEditPipeline",
+    pipeline_module="diffusers.pipelines.qwenimage.pipeline_qwenimage_edit",
     dit_class=QWEN_IMAGE.dit_class, dit_components=QWEN_IMAGE.dit_components,
     components=(*QWEN_IMAGE.components, "processor"), self_loaded=("processor",),
     block_lists=QWEN_IMAGE.block_lists, resident_modules=QWEN_IMAGE.resident_modules,

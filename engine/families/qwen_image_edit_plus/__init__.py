@@ -20,6 +20,7 @@ from ditserve.engine.families.qwen_image_edit import QWEN_IMAGE_EDIT
 QWEN_IMAGE_EDIT_PLUS: Family = dataclasses.replace(
     QWEN_IMAGE_EDIT, name="qwen-image-edit-plus", label="QwenImageEditPlus",
     pipeline_class="QwenImageEditPlusPipeline",
+    pipeline_module="diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus",
     loader_version="qwen-image-edit-plus-loader-1",
     step_pipeline="ditserve.engine.families.qwen_image_edit.pipeline:QwenImageEditPlusStepPipeline",
     dit_sizes={"qwen-image-edit-plus": QWEN_IMAGE.dit_sizes["qwen-image"]},

@@ -58,6 +58,7 @@ TI2V = "wan2.2-ti2v"  # the variant with Wan 2.2's VAE and per-token timesteps
 
 WAN = Family(
     name="wan", label="Wan", pipeline_class="WanPipeline",
+    pipeline_module="diffusers.pipelines.wan.pipeline_wan",
     dit_class="WanTransformer3DModel", dit_components=("transformer",),
     expert_components=("transformer_2",), expert_switch="boundary_ratio",
     components=("vae", "text_encoder", "tokenizer", "scheduler"),

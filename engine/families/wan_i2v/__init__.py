@@ -43,6 +43,7 @@ TI2V_I2V = "wan2.2-ti2v-i2v"  # the variant without an image encoder
 
 WAN_I2V = Family(
     name="wan-i2v", label="WanI2V", pipeline_class="WanImageToVideoPipeline",
+    pipeline_module="diffusers.pipelines.wan.pipeline_wan_i2v",
     dit_class=WAN.dit_class, dit_components=WAN.dit_components,
     expert_components=WAN.expert_components, expert_switch=WAN.expert_switch,
     components=WAN.components,  # + image_encoder / image_processor where the model has them

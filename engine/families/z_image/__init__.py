@@ -85,6 +85,7 @@ def defaults(dit: Mapping[str, Any], vae: Mapping[str, Any],
 
 Z_IMAGE = Family(
     name="z-image", label="ZImage", pipeline_class="ZImagePipeline",
+    pipeline_module="diffusers.pipelines.z_image.pipeline_z_image",
     dit_class="ZImageTransformer2DModel", dit_components=("transformer",),
     components=("vae", "text_encoder", "tokenizer", "scheduler"),
     # In the order the forward runs them: image tokens, caption tokens, then both together.
