@@ -140,6 +140,7 @@ class ServerState:
             max_steps=images.max_steps, max_frames=max_frames,
             step_cache_policies=images.step_cache_policies,
             max_text_tokens=images.max_text_tokens, audio=self.model_limits().audio,
+            min_frames=self.model_limits().min_frames,
         )
 
     def start_engine(self) -> None:

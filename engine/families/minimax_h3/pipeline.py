@@ -152,7 +152,16 @@ class MiniMaxH3StepPipeline:
 
     @property
     def max_frames(self) -> int:
-        return int(15.0 * self.fps)  # diffusers' max_duration (15 s) at 24 fps
+        """The longest count within diffusers' max_duration (15 s at 24 fps) that its
+        rounding up to 17n+5 keeps there (345): 346 to 360 would round up to 362."""
+        top = int(15.0 * self.fps)
+        while top > self.min_frames and self._aligned(top) > int(15.0 * self.fps):
+            top -= 1
+        return top
+
+    def _aligned(self, num_frames: int) -> int:
+        return int(self._facts.align_num_frames(num_frames, self.frames_per_chunk,
+                                                self.latents_per_chunk))
 
     def limits(self) -> ModelLimits:
         """Positions are computed on the fly: no table bounds the size; clips of 5 to 15 s."""
@@ -178,8 +187,7 @@ class MiniMaxH3StepPipeline:
 
     def aligned_frames(self, num_frames: int) -> int:
         """diffusers' frame count: rounded up to 17 n + 5, between 5 and 15 s at 24 fps."""
-        aligned = self._facts.align_num_frames(num_frames, self.frames_per_chunk,
-                                               self.latents_per_chunk)
+        aligned = self._aligned(num_frames)
         if not self.min_frames <= aligned <= self.max_frames:
             raise InvalidRequestError(
                 "num_frames", f"MiniMax-H3 generates 5 to 15 s at {self.fps} fps: num_frames, "
