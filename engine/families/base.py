@@ -170,12 +170,16 @@ def dit_heads(config: Mapping[str, Any]) -> int | None:
 
 def dit_width(config: Mapping[str, Any]) -> int | None:
     """A DiT ``config.json``'s hidden width: heads x ``attention_head_dim``, or ``dim``
-    (Z-Image's, Lumina's); None when neither."""
+    (Z-Image's, Lumina's), or ``hidden_size`` (Cosmos3's, a transformers-style config);
+    None when none."""
     heads, head_dim = config.get("num_attention_heads"), config.get("attention_head_dim")
     if isinstance(heads, int) and isinstance(head_dim, int):
         return heads * head_dim
-    value = config.get("dim")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    for name in ("dim", "hidden_size"):
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def resolve(reference: str) -> Any:

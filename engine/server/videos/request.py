@@ -153,7 +153,8 @@ def _frames_and_fps(body: VideoCreateRequest, limits: VideoLimits) -> tuple[int,
     frames = limits.default_frames if body.num_frames is None else body.num_frames
     if frames not in range(limits.min_frames, limits.max_frames + 1) \
             or (frames - 1) % limits.frame_step:
-        raise invalid("num_frames", f"num_frames: must be {limits.frame_step}k+1 between "
+        form = "an integer" if limits.frame_step == 1 else f"{limits.frame_step}k+1"
+        raise invalid("num_frames", f"num_frames: must be {form} between "
                                     f"{limits.min_frames} and {limits.max_frames} for this "
                                     f"model, got {shown(frames)}")
     return frames, fps
