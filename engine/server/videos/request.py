@@ -212,6 +212,12 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
     extensions = parse_extensions(body, engine=engine, model_name=limits.model_name)
     width, height = _size(body, limits)
     frames, fps = _frames_and_fps(body, limits)
+    if body.audio and fps != limits.default_fps:
+        # The sound track lasts the frames at the model's own rate: played at another, the
+        # picture would outlast (or undercut) its sound.
+        raise invalid("fps", f"fps: a video with its sound track (audio) plays at the model's "
+                             f"{limits.default_fps} fps, which the sound is made for; leave fps "
+                             f"out, got {fps}")
     steps = limits.default_steps if body.num_inference_steps is None \
         else body.num_inference_steps
     if not 1 <= steps <= limits.max_steps:
