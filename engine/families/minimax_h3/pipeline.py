@@ -143,25 +143,17 @@ class MiniMaxH3StepPipeline:
         # Keyframes (a first and a last frame) where the directory has Qwen3-VL's image
         # processor, which reads them into the prompt; text only otherwise.
         self.image_processor = keyframes.load_image_processor(components.model_dir)
-        self.condition_images = (0, 0) if self.image_processor is None else \
-            (0, keyframes.MAX_KEYFRAMES)
+        self.condition_images = (0, 0 if self.image_processor is None else keyframes.MAX_KEYFRAMES)
 
     @property
     def min_frames(self) -> int:
         return int(5.0 * self.fps)  # diffusers' min_duration (5 s) at 24 fps
 
     @property
-    def max_frames(self) -> int:
-        """The longest count within diffusers' max_duration (15 s at 24 fps) that its
-        rounding up to 17n+5 keeps there (345): 346 to 360 would round up to 362."""
-        top = int(15.0 * self.fps)
-        while top > self.min_frames and self._aligned(top) > int(15.0 * self.fps):
-            top -= 1
-        return top
-
-    def _aligned(self, num_frames: int) -> int:
-        return int(self._facts.align_num_frames(num_frames, self.frames_per_chunk,
-                                                self.latents_per_chunk))
+    def max_frames(self) -> int:  # 15 s (diffusers' max_duration) once rounded up to 17n+5
+        top, chunk = int(15.0 * self.fps), (self.frames_per_chunk, self.latents_per_chunk)
+        return max(n for n in range(self.min_frames, top + 1)
+                   if self._facts.align_num_frames(n, *chunk) <= top)  # 345: 346 -> 362
 
     def limits(self) -> ModelLimits:
         """Positions are computed on the fly: no table bounds the size; clips of 5 to 15 s."""
@@ -187,7 +179,8 @@ class MiniMaxH3StepPipeline:
 
     def aligned_frames(self, num_frames: int) -> int:
         """diffusers' frame count: rounded up to 17 n + 5, between 5 and 15 s at 24 fps."""
-        aligned = self._aligned(num_frames)
+        aligned = self._facts.align_num_frames(num_frames, self.frames_per_chunk,
+                                               self.latents_per_chunk)
         if not self.min_frames <= aligned <= self.max_frames:
             raise InvalidRequestError(
                 "num_frames", f"MiniMax-H3 generates 5 to 15 s at {self.fps} fps: num_frames, "
