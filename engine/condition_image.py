@@ -69,6 +69,18 @@ def source_strength(*, images: int, mask: ConditionImage | None, strength: float
     return strength
 
 
+def check_mask_fits(source: ConditionImage, mask: ConditionImage) -> None:
+    """Refuse a mask whose aspect ratio is not its source image's: it is resized to the
+    output (a scaled copy is fine), and a mask of another shape would be stretched over
+    a region the user did not mark. OpenAI asks for the image's very size; a pixel of
+    rounding either way is allowed."""
+    fitted = mask.width * source.height / source.width  # the mask's height at the image's shape
+    if abs(fitted - mask.height) > 1:
+        raise InvalidRequestError(
+            "mask", f"is {mask.width}x{mask.height} pixels, the image {source.width}x"
+                    f"{source.height}: a mask has the image's size (or its aspect ratio)")
+
+
 def _check_source(*, images: int, mask: ConditionImage | None, strength: float | None,
                   steps: int, image_strength: tuple[float, float] | None) -> None:
     if image_strength is None:

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ditserve.engine.condition_image import ConditionImage as ConditionImage
-from ditserve.engine.condition_image import kept_steps, source_strength
+from ditserve.engine.condition_image import check_mask_fits, kept_steps, source_strength
 from ditserve.engine.config.step_cache import StepCacheSpec
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.lora_ref import MAX_LORA_SCALE as MAX_LORA_SCALE
@@ -121,17 +121,19 @@ class SamplingParams:
     def uses_true_cfg(self) -> bool:
         return self.true_cfg_scale > 1.0 and self.negative_prompt is not None
 
-    def _validate_frames(self, frame_step: int | None, max_frames: int) -> None:
+    def _validate_frames(self, frame_step: int | None, max_frames: int,
+                         min_frames: int = 1) -> None:
         frames = self.num_frames
         if frame_step is None:
             if frames != 1:
                 raise InvalidRequestError("num_frames", "this is an image model: num_frames must "
                                           f"be 1, got {frames!r}")
             return
-        if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= max_frames:
+        if not isinstance(frames, int) or isinstance(frames, bool) \
+                or not min_frames <= frames <= max_frames:
             raise InvalidRequestError(
-                "num_frames", f"must be an integer in [1, {max_frames}] for this model, got "
-                f"{frames!r}")
+                "num_frames", f"must be an integer in [{min_frames}, {max_frames}] for this "
+                f"model, got {frames!r}")
         if (frames - 1) % frame_step:
             lower = frames - (frames - 1) % frame_step
             raise InvalidRequestError(
@@ -198,11 +200,15 @@ class SamplingParams:
         strength = source_strength(images=len(self.images), mask=self.mask,
                                    strength=self.strength, steps=self.num_inference_steps,
                                    image_strength=limits.image_strength)
+        if isinstance(self.mask, ConditionImage) and len(self.images) == 1 \
+                and isinstance(self.images[0], ConditionImage):
+            check_mask_fits(self.images[0], self.mask)
         params = dataclasses.replace(self, strength=strength)
         return params.validate(pixel_multiple=limits.pixel_multiple,
                                max_prompt_chars=limits.max_prompt_chars,
                                frame_step=limits.frame_step, max_side=limits.max_side,
-                               max_frames=limits.max_frames, condition_images=limits.condition_images,
+                               max_frames=limits.max_frames, min_frames=limits.min_frames,
+                               condition_images=limits.condition_images,
                                max_text_tokens=limits.max_text_tokens,
                                min_condition_side=limits.min_condition_side,
                                max_condition_aspect=limits.max_condition_aspect)
@@ -227,6 +233,7 @@ class SamplingParams:
         max_text_tokens: int | None = None,
         max_side: int = MAX_SIDE,
         max_frames: int = MAX_FRAMES,
+        min_frames: int = 1,
         min_condition_side: int | None = None,
         max_condition_aspect: float | None = None,
     ) -> SamplingParams:
@@ -237,6 +244,7 @@ class SamplingParams:
         condition_images: (fewest, most) conditioning images the model takes.
         max_text_tokens: the model's bound on ``max_sequence_length`` (None: only >= 1).
         max_side, max_frames: what the model's positional tables reach (``ModelLimits``).
+        min_frames: the shortest clip the model generates (``ModelLimits``; MiniMax-H3: 5 s).
         min_condition_side, max_condition_aspect: the input images' bounds (``ModelLimits``).
         """
         self._validate_images(condition_images)
@@ -246,7 +254,7 @@ class SamplingParams:
         self._validate_text(requires_prompt, max_prompt_chars)
         self._validate_size(pixel_multiple, max_side)
         self._validate_counts(max_images)
-        self._validate_frames(frame_step, max_frames)
+        self._validate_frames(frame_step, max_frames, min_frames)
         if self.step_cache is not None:
             if not isinstance(self.step_cache, StepCacheSpec):
                 raise InvalidRequestError("step_cache", "must be a StepCacheSpec")

@@ -55,10 +55,17 @@ class VideoLimits:
     step_cache_policies: tuple[str, ...] = STEP_CACHE_POLICIES  # what the model takes
     audio: bool = False  # the model generates a sound track (a request's ``audio``)
     references: ReferenceLimits | None = None  # an omni-reference replica's (``references``)
+    min_frames: int = 1  # the shortest clip the model generates (MiniMax-H3: 5 s)
 
     @property
     def allowed_frames(self) -> list[int]:
-        return list(range(1, self.max_frames + 1, self.frame_step))
+        return [f for f in range(1, self.max_frames + 1, self.frame_step)
+                if f >= self.min_frames]
+
+    @property
+    def min_seconds(self) -> float:
+        """The shortest ``seconds`` whose frame count reaches ``min_frames``."""
+        return (self.min_frames - 1) / self.default_fps if self.min_frames > 1 else 0.0
 
     @property
     def max_seconds(self) -> float:
@@ -67,8 +74,10 @@ class VideoLimits:
 
     @property
     def second_strings(self) -> list[str]:
-        """OpenAI's string form: whole seconds, "1" up to the longest allowed."""
-        return [str(s) for s in range(1, math.floor(self.max_seconds) + 1)]
+        """OpenAI's string form: whole seconds, the shortest allowed (1 s or more) up to the
+        longest allowed."""
+        return [str(s) for s in range(1, math.floor(self.max_seconds) + 1)
+                if self.frames_for(s) >= self.min_frames]
 
     def frames_for(self, seconds: float) -> int:
         """The smallest valid frame count lasting at least ``seconds`` at the native rate."""

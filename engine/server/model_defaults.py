@@ -11,8 +11,9 @@ of the family's ``pipeline_module``: diffusers is not imported here), nothing el
   ``negative_prompt`` is given, the empty one included); Wan ``guidance_scale`` 5.0 (CFG
   against ``negative_prompt``, or the empty prompt);
 - a DiT narrower than 1024 (``attention_head_dim * num_attention_heads`` of
-  ``transformer/config.json``, or its ``dim``) is a test-sized model, like ``ditserve model init-tiny``: 64x64
-  and 4 steps (video: 9 frames), so a request without a size costs milliseconds, not minutes;
+  ``transformer/config.json``, or its ``dim`` or ``hidden_size``: ``families.base.dit_width``)
+  is a test-sized model, like ``ditserve model init-tiny``: 64x64 and 4 steps (video: 9
+  frames, or the family's shortest clip, at the family's own frame rate), so a request without a size costs milliseconds, not minutes;
 - otherwise the family's own rule (``Family.defaults``, in its module under
   ``engine.families``) gives size, steps and frames: an image family a square of the VAE's
   ``sample_size`` when it is a real image size (>= 256; Flux.1: 1024), else 1024, and the
@@ -84,11 +85,15 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
     dit = _json(root / "transformer" / "config.json")
     width = dit_width(dit)
     tiny = width is not None and width < TEST_MODEL_WIDTH
-    if tiny:
-        frames = max(TINY_VIDEO_FRAMES, family.min_frames)  # MiniMax-H3: 5 s at least
-        size = replace(TINY, output="video", frames=frames) if family.video else TINY
+    if tiny and not family.video:
+        size = TINY
     else:
         size = family.defaults(dit, _json(root / "vae" / "config.json"), call)
+    if tiny and family.video:
+        frames = max(TINY_VIDEO_FRAMES, family.min_frames)  # MiniMax-H3: 5 s at least
+        # At the family's own frame rate: the one its sound track is made for (24 fps:
+        # Cosmos3, MiniMax-H3), and the one ``seconds`` counts frames at.
+        size = replace(TINY, output="video", frames=frames, fps=size.fps)
     defaults = replace(size, guidance=guidance, true_cfg=true_cfg)
     log.debug("defaults of %s: %s", root, defaults)
     return defaults

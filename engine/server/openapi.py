@@ -160,7 +160,8 @@ def _static_schemas() -> dict[str, Any]:
                                  "pixel_multiple": integer, "max_width": integer,
                                  "max_height": integer, "max_steps": integer,
                                  "max_prompt_chars": nullable_int, "positions": nullable_int,
-                                 "frame_step": integer, "max_frames": integer,
+                                 "frame_step": integer, "min_frames": integer,
+                                 "max_frames": integer,
                                  "max_seconds": {"type": "number"}}},
                              "defaults": {"type": "object"},
                              "adapters": {"type": "array", "items": string}}}

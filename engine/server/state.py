@@ -141,6 +141,7 @@ class ServerState:
             step_cache_policies=images.step_cache_policies,
             max_text_tokens=images.max_text_tokens, audio=self.model_limits().audio,
             references=self.model_limits().references,
+            min_frames=self.model_limits().min_frames,
         )
 
     def start_engine(self) -> None:

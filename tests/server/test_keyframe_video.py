@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import time
 from collections.abc import Iterator
 
@@ -78,3 +79,24 @@ def test_a_last_frame_alone_in_json(keyframe_server) -> None:  # type: ignore[no
     client = openai.OpenAI(base_url=f"{keyframe_server.url}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     assert wait_done(client, response.json()["id"]).status == "completed"
+
+
+def test_frame_counts_outside_the_models_clip_lengths_are_400(keyframe_server) -> None:  # type: ignore[no-untyped-def]
+    # MiniMax-H3 generates 5 to 15 s at 24 fps, its count rounded up to 17n+5: these were
+    # admitted and failed in the engine (a job "failed" with generation_failed).
+    url = keyframe_server.url
+    served = httpx.get(f"{url}/v1/models").json()["data"][0]["ditserve"]["limits"]
+    assert (served["min_frames"], served["max_frames"]) == (120, 345)  # 346..360 -> 362
+    shortest = served["min_frames"] / httpx.get(f"{url}/v1/models").json()["data"][0][
+        "ditserve"]["defaults"]["fps"]
+    for fields, param, said in (({"num_frames": "5"}, "num_frames", "120"),
+                                ({"num_frames": "350"}, "num_frames", "345"),
+                                ({"seconds": "1"}, "seconds", f"from {math.ceil(shortest)}")):
+        response = httpx.post(f"{url}/v1/videos", timeout=60, data={
+            "prompt": "waves", "size": "64x32", "num_inference_steps": "1", **fields})
+        assert response.status_code == 400, (fields, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and said in error["message"], error
+    response = httpx.post(f"{url}/v1/videos", timeout=60, json={
+        "prompt": "waves", "size": "64x32", "num_inference_steps": 1, "seconds": 0.5})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "seconds"

@@ -126,3 +126,16 @@ def test_http_defaults_are_generates_which_equal_diffusers(engine_of, variant: s
         flags += ["--negative-prompt", fields["negative_prompt"]]
     cli = generation_params(build_parser().parse_args(flags), model_defaults(engine.config.model))
     assert http == cli
+
+
+@pytest.mark.parametrize("family", ["cosmos3", "minimax-h3"])
+def test_tiny_video_models_default_to_a_small_clip_at_their_own_rate(
+        family: str, tmp_path: Path) -> None:
+    # Cosmos3's DiT config gives its width as hidden_size: its tiny model was taken for a
+    # full one (1280x720, 189 frames, 35 steps: minutes on a CPU). MiniMax-H3's tiny model
+    # played at 16 fps the 24 fps clip its sound track is made for.
+    from ditserve.engine.makers.tiny_model import init_tiny
+
+    defaults = model_defaults(init_tiny(tmp_path / "model", family=family))
+    assert (defaults.width, defaults.height, defaults.steps) == (64, 64, 4)
+    assert defaults.fps == 24

@@ -60,3 +60,17 @@ def test_openapi_offers_audio(served: Any) -> None:
     text = json.dumps(run(served, script, close=False).json())
     # Any boolean: a model without sound restricts it to false ("enum": [false]).
     assert '"audio": {"anyOf": [{"type": "boolean", "description"' in text
+
+
+def test_a_sound_track_keeps_the_models_frame_rate(served: Any) -> None:
+    # The sound is made for the frames at the model's 24 fps: at 8 fps the MP4's picture
+    # lasted three times its sound.
+    async def script(client: Any) -> Any:
+        return await client.post("/v1/videos", json={
+            "prompt": "rain", "size": "64x64", "num_frames": 9, "fps": 8,
+            "num_inference_steps": 1, "audio": True})
+
+    response = run(served, script, close=False)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "fps" and "24 fps" in error["message"]

@@ -135,3 +135,30 @@ def test_progress_counts_the_steps_strength_keeps(zimage) -> None:  # type: igno
         engine.shutdown()
     assert {e.total_steps for e in events} == {5}
     assert [e.step for e in events if e.kind == "step"] == [1, 2, 3, 4, 5]
+
+
+def test_max_sequence_length_in_the_edit_form_is_a_number(client) -> None:  # type: ignore[no-untyped-def]
+    # The form's text "64" is typed as the JSON body's integer (it was left a string: 400).
+    edited = client.images.edit(image=("src.png", png(32, 32), "image/png"), prompt="x",
+                                size="32x32", extra_body={"max_sequence_length": 64,
+                                                          "num_inference_steps": 1})
+    assert len(edited.data) == 1
+    with pytest.raises(openai.BadRequestError) as error:
+        client.images.edit(image=("src.png", png(32, 32), "image/png"), prompt="x",
+                           size="32x32", extra_body={"max_sequence_length": 0})
+    assert error.value.body["param"] == "max_sequence_length"
+    assert "[1, " in error.value.body["message"]
+
+
+def test_a_mask_of_another_shape_is_refused(client) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.images.edit(image=("src.png", png(64, 32), "image/png"),
+                           mask=("mask.png", transparent_mask(32, 32), "image/png"),
+                           prompt="x", size="64x32", extra_body={"num_inference_steps": 1})
+    assert error.value.body["param"] == "mask"
+    assert "64x32" in error.value.body["message"]
+    # A scaled copy of the image's shape is resized to the output, as before.
+    scaled = client.images.edit(image=("src.png", png(64, 32), "image/png"),
+                                mask=("mask.png", transparent_mask(32, 16), "image/png"),
+                                prompt="x", size="64x32", extra_body={"num_inference_steps": 1})
+    assert len(scaled.data) == 1

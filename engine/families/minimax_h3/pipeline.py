@@ -147,8 +147,7 @@ class MiniMaxH3StepPipeline:
         # Keyframes (a first and a last frame) where the directory has Qwen3-VL's image
         # processor, which reads them into the prompt; text only otherwise.
         self.image_processor = keyframes.load_image_processor(components.model_dir)
-        self.condition_images = (0, 0) if self.image_processor is None else \
-            (0, keyframes.MAX_KEYFRAMES)
+        self.condition_images = (0, 0 if self.image_processor is None else keyframes.MAX_KEYFRAMES)
         # A ref2va replica (its DiT the checkpoint's transformer_ref) serves the
         # omni-reference workflow alone (``references.replica_limits``).
         self.reference_short_edge = int(components.config.get(
@@ -163,8 +162,10 @@ class MiniMaxH3StepPipeline:
         return int(5.0 * self.fps)  # diffusers' min_duration (5 s) at 24 fps
 
     @property
-    def max_frames(self) -> int:
-        return int(15.0 * self.fps)  # diffusers' max_duration (15 s) at 24 fps
+    def max_frames(self) -> int:  # 15 s (diffusers' max_duration) once rounded up to 17n+5
+        top, chunk = int(15.0 * self.fps), (self.frames_per_chunk, self.latents_per_chunk)
+        return max(n for n in range(self.min_frames, top + 1)
+                   if self._facts.align_num_frames(n, *chunk) <= top)  # 345: 346 -> 362
 
     def limits(self) -> ModelLimits:
         """Positions are computed on the fly: no table bounds the size; clips of 5 to 15 s."""

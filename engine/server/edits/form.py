@@ -18,18 +18,21 @@ from fastapi import Request
 
 from ditserve.engine.request import ConditionImage
 from ditserve.engine.server.errors import invalid
+from ditserve.engine.server.fields.body import Integer, Number, typed_fields
 from ditserve.engine.server.fields.extensions import form_value
 from ditserve.engine.server.fields.forms import fold_nested, once
 from ditserve.engine.server.fields.uploads import is_file, read_image, read_mask, read_multipart
+from ditserve.engine.server.generation.request import ImageGenerationRequest
 from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.state import ServerState
 
 IMAGE_FIELDS = ("image", "image[]")
 # OpenAI's edit-only fields that mean nothing to a DiT: accepted and ignored.
 IGNORED_EDIT_FIELDS = ("input_fidelity",)
-# The form's own number and flag fields (the extensions' are ``fields.extensions``').
-_INTEGERS = ("n", "partial_images", "output_compression", "num_inference_steps", "seed")
-_NUMBERS = ("guidance_scale", "true_cfg_scale", "strength")
+# The form's number and flag fields: the generation body's own (``max_sequence_length``
+# included), and the edit's ``strength``.
+_INTEGERS = typed_fields(ImageGenerationRequest, Integer)
+_NUMBERS = (*typed_fields(ImageGenerationRequest, Number), "strength")
 _BOOLEANS = ("stream",)
 
 

@@ -10,7 +10,7 @@ Called by the generation body's parser (``generation.request``), the video jobs'
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, BeforeValidator, Strict, StrictInt
 from pydantic import ValidationError as PydanticValidationError
@@ -27,6 +27,14 @@ def _integral(value: Any) -> Any:
 
 
 Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+def typed_fields(model: type[BaseModel], kind: Any) -> tuple[str, ...]:
+    """The fields of ``model`` declared ``kind`` (``Integer`` or ``Number``, optional or
+    not): what a form reader types its text as, read off the body's own declaration so a
+    field added to the body is typed in its form too."""
+    return tuple(name for name, field in model.model_fields.items()
+                 if field.annotation == kind or kind in get_args(field.annotation))
 
 
 _TYPE_MESSAGES = {

@@ -41,8 +41,8 @@ def served(state: ServerState) -> dict[str, Any]:
                                 "guidance_scale": images.default_guidance}
     if state.videos is not None:
         video = state.video_limits()
-        limits.update(frame_step=video.frame_step, max_frames=video.max_frames,
-                      max_seconds=round(video.max_seconds, 6))
+        limits.update(frame_step=video.frame_step, min_frames=video.min_frames,
+                      max_frames=video.max_frames, max_seconds=round(video.max_seconds, 6))
         defaults.update(num_frames=video.default_frames, fps=video.default_fps)
     return {"output": state.output, "loaded": facts is not None, "limits": limits,
             "defaults": defaults, "adapters": list(facts.adapters) if facts else []}

@@ -56,7 +56,8 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
     whole = limits.second_strings
     seconds_text: dict[str, Any] = {"type": "string", "enum": whole} if whole else {"not": {}}
     seconds: dict[str, Any] = seconds_text if form else {"anyOf": [
-        {"type": "number", "exclusiveMinimum": 0, "maximum": limits.max_seconds},
+        {"type": "number", "exclusiveMinimum": limits.min_seconds,
+         "maximum": limits.max_seconds},
         seconds_text]}
     seconds["description"] = (f"duration: frames at the model's native {limits.default_fps} "
                               "fps (the smallest valid count that lasts this long); not with "
@@ -71,8 +72,9 @@ def _properties(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                                 f"default {width}x{height})"},
         "seconds": seconds,
         "num_frames": {"type": "integer", "enum": limits.allowed_frames,
-                       "description": f"{limits.frame_step}k+1 frames up to "
-                                      f"{limits.max_frames} (default {limits.default_frames})"},
+                       "description": f"{limits.frame_step}k+1 frames from "
+                                      f"{limits.min_frames} to {limits.max_frames} (default "
+                                      f"{limits.default_frames})"},
         "fps": integer(1, MAX_FPS, f"MP4 frame rate (default {limits.default_fps})"),
         "num_inference_steps": integer(1, limits.max_steps,
                                        f"denoise steps (default {limits.default_steps})"),

@@ -23,7 +23,6 @@ the same rules from the same limits, so a body valid by the document is accepted
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
@@ -45,6 +44,7 @@ from ditserve.engine.server.fields.body import (
     decode_json,
     pydantic_error,
     request_error,
+    typed_fields,
 )
 from ditserve.engine.server.fields.extensions import form_value, parse_extensions
 from ditserve.engine.server.fields.forms import fold_nested, once
@@ -84,9 +84,11 @@ class VideoCreateRequest(BaseModel):
 
 
 FIELDS = tuple(VideoCreateRequest.model_fields)
-# The form's own number fields (the extensions' are ``fields.extensions``').
-_INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "max_sequence_length")
-_NUMBER_FIELDS = ("guidance_scale",)
+# The form's number fields, as the body declares them; ``seconds`` stays text (OpenAI's form
+# sends whole seconds as a string, "4").
+_INTEGER_FIELDS = typed_fields(VideoCreateRequest, Integer)
+_NUMBER_FIELDS = tuple(name for name in typed_fields(VideoCreateRequest, Number)
+                       if name != "seconds")
 
 
 async def read_body(request: Any) -> dict[str, Any]:
@@ -162,25 +164,30 @@ def _frames_and_fps(body: VideoCreateRequest, limits: VideoLimits) -> tuple[int,
     if not 1 <= fps <= MAX_FPS:
         raise invalid("fps", f"fps: must be an integer in [1, {MAX_FPS}], got {shown(fps)}")
     frames = limits.default_frames if body.num_frames is None else body.num_frames
-    if frames not in range(1, limits.max_frames + 1) or (frames - 1) % limits.frame_step:
-        raise invalid("num_frames", f"num_frames: must be {limits.frame_step}k+1 between 1 "
-                                    f"and {limits.max_frames} for this model, got "
-                                    f"{shown(frames)}")
+    if frames not in range(limits.min_frames, limits.max_frames + 1) \
+            or (frames - 1) % limits.frame_step:
+        form = "an integer" if limits.frame_step == 1 else f"{limits.frame_step}k+1"
+        raise invalid("num_frames", f"num_frames: must be {form} between "
+                                    f"{limits.min_frames} and {limits.max_frames} for this "
+                                    f"model, got {shown(frames)}")
     return frames, fps
 
 
 def _seconds(value: str | float, limits: VideoLimits) -> float:
-    top = limits.max_seconds
+    top, low = limits.max_seconds, limits.min_seconds
     if isinstance(value, str):
-        if value not in limits.second_strings:
-            raise invalid("seconds", f"seconds: as a string, must be whole seconds from 1 to "
-                                     f"{math.floor(top)} for this replica (or send a number), "
-                                     f"got {shown(value)}")
+        whole = limits.second_strings
+        if value not in whole:
+            span = f"from {whole[0]} to {whole[-1]}" if whole else "none"
+            raise invalid("seconds", f"seconds: as a string, must be whole seconds {span} for "
+                                     f"this replica (or send a number), got {shown(value)}")
         return float(value)
-    if not 0 < value <= top:
-        raise invalid("seconds", f"seconds: must be > 0 and at most {top:g} (max_frames "
-                                 f"{limits.max_frames} at {limits.default_fps} fps), got "
-                                 f"{shown(value)}")
+    # A model with a shortest clip (MiniMax-H3: 5 s) refuses here what its encode would fail.
+    if not 0 < value <= top or limits.frames_for(value) < limits.min_frames:
+        shortest = f"at least {low:g}" if limits.min_frames > 1 else "> 0"
+        raise invalid("seconds", f"seconds: must be {shortest} and at most {top:g} "
+                                 f"(num_frames {limits.min_frames} to {limits.max_frames} at "
+                                 f"{limits.default_fps} fps), got {shown(value)}")
     return float(value)
 
 
@@ -220,6 +227,12 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
     extensions = parse_extensions(body, engine=engine, model_name=limits.model_name)
     width, height = _size(body, limits)
     frames, fps = _frames_and_fps(body, limits)
+    if body.audio and fps != limits.default_fps:
+        # The sound track lasts the frames at the model's own rate: played at another, the
+        # picture would outlast (or undercut) its sound.
+        raise invalid("fps", f"fps: a video with its sound track (audio) plays at the model's "
+                             f"{limits.default_fps} fps, which the sound is made for; leave fps "
+                             f"out, got {fps}")
     steps = limits.default_steps if body.num_inference_steps is None \
         else body.num_inference_steps
     if not 1 <= steps <= limits.max_steps:
