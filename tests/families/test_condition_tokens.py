@@ -10,9 +10,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ditserve.engine.config import EngineConfig, SchedulerConfig
+from ditserve.engine.config import (
+    EngineConfig,
+    PipelineConfig,
+    ResolvedOffload,
+    SchedulerConfig,
+)
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.loop.engine import DiffusionEngine
+from ditserve.engine.placement.memory_estimates import budget_inputs, planned_step_tokens
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.runner.group_forwards import GroupForwards
 from ditserve.engine.sched.scheduler import StepScheduler
@@ -114,3 +120,29 @@ def test_the_request_bound_refuses_an_edit_by_its_total_tokens(family_dir: Any) 
         assert refused.value.field == "size"
     finally:
         engine.shutdown()
+
+
+def test_the_planner_budgets_one_conditioned_request_alone(family_runner: Any,
+                                                           monkeypatch: Any) -> None:
+    """A request above the step budget runs alone, up to max_request_tokens: the planner's
+    denoise estimate covers the family's usual request with its most conditioning (CFG
+    rows), where it did the text-to-image budget only; a text-only family's is unchanged."""
+    settings = dict(scheduler=SchedulerConfig(max_num_seqs=1), pipeline_config=PipelineConfig(),
+                    offload=ResolvedOffload())
+    flux = family_runner("flux").pipeline
+    sched = ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1), flux.family)
+    assert planned_step_tokens(flux, sched) == sched.max_batch_tokens
+
+    kontext = family_runner("flux-kontext").pipeline
+    sched = ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1), kontext.family)
+    most = kontext.most_condition_tokens
+    assert most >= kontext.condition_tokens(SamplingParams(
+        prompt="p", images=(picture(1024, 1024),))) > 0
+    assert planned_step_tokens(kontext, sched) == sched.max_batch_tokens + 2 * most
+    # FLUX.2: ten references at 1 MP go past four budgets: capped at what one request may be.
+    flux2 = family_runner("flux2").pipeline
+    sched = ResolvedScheduling.for_family(SchedulerConfig(max_num_seqs=1), flux2.family)
+    assert planned_step_tokens(flux2, sched) == sched.max_request_tokens > sched.max_batch_tokens
+    conditioned = budget_inputs(flux2, **settings).denoise_activations
+    monkeypatch.setattr(type(flux2), "most_condition_tokens", property(lambda self: 0))
+    assert conditioned > budget_inputs(flux2, **settings).denoise_activations
