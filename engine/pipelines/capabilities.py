@@ -50,6 +50,23 @@ class ImageConditioned(Protocol):
 
 
 @runtime_checkable
+class ConditionTokens(Protocol):
+    """A pipeline whose conditioning joins the DiT's sequence (an edit's source image,
+    reference images, keyframes): the tokens it adds to each row, for the work rule.
+
+    ``condition_tokens(params)``: those tokens of a request, from its images' sizes by the
+    pipeline's own resize rule (no pixels resized: the scheduler asks per step).
+    ``most_condition_tokens``: the most any request it admits may add (its largest count of
+    images at their largest resize), for the HBM planner's estimate of one request alone.
+    """
+
+    def condition_tokens(self, params: SamplingParams) -> int: ...
+
+    @property
+    def most_condition_tokens(self) -> int: ...
+
+
+@runtime_checkable
 class BatchedConditions(Protocol):
     """Encodes the admitted requests' input images in one batch before their prompts."""
 
@@ -115,9 +132,17 @@ def cfg_rows_of(pipeline: StepPipeline) -> CfgRule:
 
 def work_rule_of(pipeline: StepPipeline) -> WorkRule:
     """How the loaded model turns a request into rows and tokens: its DiT's token side and
-    CFG rule, where it declares them, else its pixel multiple and its family's rule."""
+    CFG rule, where it declares them, else its pixel multiple and its family's rule; and the
+    tokens its conditioning adds, where it declares them (``ConditionTokens``)."""
+    conditioned = pipeline.condition_tokens if isinstance(pipeline, ConditionTokens) else None
     return WorkRule(pixels_per_token=pixels_per_token_of(pipeline),
-                    frame_step=pipeline.frame_step, cfg_rows=cfg_rows_of(pipeline))
+                    frame_step=pipeline.frame_step, cfg_rows=cfg_rows_of(pipeline),
+                    condition_tokens=conditioned)
+
+
+def most_condition_tokens_of(pipeline: object) -> int:
+    """The most tokens a request's conditioning may add to a row (0: none joins the DiT)."""
+    return int(pipeline.most_condition_tokens) if isinstance(pipeline, ConditionTokens) else 0
 
 
 def condition_images_of(pipeline: object) -> tuple[int, int]:

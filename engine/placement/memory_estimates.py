@@ -37,7 +37,11 @@ from ditserve.engine.families.base import dit_width
 from ditserve.engine.offload.builders import block_tensors, slot_count
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
-from ditserve.engine.pipelines.capabilities import host_modules_of, keeps_encoder_hidden_states
+from ditserve.engine.pipelines.capabilities import (
+    host_modules_of,
+    keeps_encoder_hidden_states,
+    most_condition_tokens_of,
+)
 from ditserve.engine.pipelines.vae_decode import DEFAULT_TILE_PIXELS
 from ditserve.engine.placement.budget_plan import BudgetInputs
 from ditserve.engine.placement.component_placement import module_bytes
@@ -50,6 +54,7 @@ VIDEO_DECODE_COPIES = 8  # Wan's causal 3-D decoder (and Qwen-Image's, built the
 # The shape a video model's decode is planned for when nothing bounds it: Wan's own default.
 VIDEO_PLAN_SHAPE = (81, 480, 832)
 TEMPLATE_TOKENS = 64  # prompt templates (Qwen-Image's) on top of the text tokens
+CFG_ROWS = 2  # a request with classifier-free guidance: its positive and negative rows
 
 
 def dit_blocks(transformer: torch.nn.Module, block_lists: Any) -> tuple[int, tuple[int, ...]]:
@@ -143,6 +148,19 @@ def planned_shape(pipeline: Any) -> tuple[int, int, int]:
     return 1, side, side
 
 
+def planned_step_tokens(pipeline: Any, sched: ResolvedScheduling) -> int:
+    """The latent tokens of the largest step the scheduler may run: its work budget
+    (``max_batch_tokens``, conditioning tokens included - the work rule counts them), or one
+    request above it, which runs alone up to ``max_request_tokens``: the family's usual
+    request with the most conditioning the pipeline admits (``most_condition_tokens``: an
+    edit's largest sources, FLUX.2's ten references, MiniMax-H3's nine image references) on
+    both rows of a CFG pair. Without conditioning that is the budget itself."""
+    most = most_condition_tokens_of(pipeline)
+    lone = int(pipeline.family.reference_work) + CFG_ROWS * most
+    return max(sched.max_batch_tokens, min(sched.max_request_tokens, lone)) if most \
+        else sched.max_batch_tokens
+
+
 def _dit_width(transformer: torch.nn.Module) -> int:
     """The DiT's hidden width (an expert stack's: its first expert's)."""
     configs = (getattr(m, "config", None) for m in transformer.modules())
@@ -179,7 +197,8 @@ def budget_inputs(pipeline: Any, *, scheduler: SchedulerConfig, pipeline_config:
     # The pipeline's compute dtype (Wan's skips the float32 tables diffusers keeps first,
     # whose 4 bytes once doubled this estimate).
     elem = pipeline.dtype.itemsize
-    denoise = (pipeline.family.activation_copies * (sched.max_batch_tokens + rows * text)
+    denoise = (pipeline.family.activation_copies * (planned_step_tokens(pipeline, sched)
+                                                    + rows * text)
                * _dit_width(transformer) * elem)
     encoders = tuple((name, m) for name in ENCODER_ATTRS
                      if isinstance(m := getattr(pipeline, name, None), torch.nn.Module))

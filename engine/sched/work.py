@@ -11,13 +11,19 @@ twice its size.
 ``WorkRule`` turns ``SamplingParams`` into ``RequestWork`` from three facts of the served model:
 the pixels per token side (VAE factor x patch size: the ``pixel_multiple`` requests already
 validate against), the frames per latent frame of a video model (``frame_step``), and the
-family's CFG rule (``Family.cfg_rows``). Nothing in it is family-specific code; a test keeps it
-equal to the rows and tokens every pipeline actually builds.
+family's CFG rule (``Family.cfg_rows``) - and, where the model conditions on images, the
+tokens those join each row's sequence with (``condition_tokens``: an edit's source image, FLUX.2's
+references, MiniMax-H3's keyframes and image references), which the pipeline computes from the
+request's images by its own resize rule. So a FLUX.1 Kontext edit at 1024x1024 counts twice the
+tokens of a text-to-image request of that size: the DiT attends over both. Nothing in it is
+family-specific code; a test keeps it equal to the rows and tokens every pipeline actually
+builds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import get_args
 
 from ditserve.engine.config import SchedulerConfig
@@ -87,11 +93,16 @@ class WorkRule:
     cfg_rows: "true_cfg" - negative-prompt rows when ``true_cfg_scale`` > 1 with a negative
         prompt (Flux, Qwen-Image); "guidance" - when ``guidance_scale`` > 1 (Wan);
         "guidance_positive" - when ``guidance_scale`` > 0 (Z-Image).
+    condition_tokens: the tokens a request's conditioning adds to each of its rows (the
+        pipeline's ``condition_tokens``: its images after the family's resize rule); None for
+        a model whose conditioning joins no sequence (text only; Wan I2V's channels).
     """
 
     pixels_per_token: int = 16
     frame_step: int | None = None
     cfg_rows: CfgRule = "true_cfg"
+    condition_tokens: Callable[[SamplingParams], int] | None = field(default=None,
+                                                                      compare=False)
 
     def __post_init__(self) -> None:
         if self.cfg_rows not in CFG_RULES:
@@ -106,10 +117,18 @@ class WorkRule:
             cfg = params.uses_true_cfg
         return params.num_images * (2 if cfg else 1)
 
-    def tokens_per_row(self, params: SamplingParams) -> int:
+    def generated_tokens_per_row(self, params: SamplingParams) -> int:
+        """The latent tokens a row generates (its size and frames), conditioning aside."""
         side = self.pixels_per_token
         frames = 1 if self.frame_step is None else (params.num_frames - 1) // self.frame_step + 1
         return frames * (params.height // side) * (params.width // side)
+
+    def tokens_per_row(self, params: SamplingParams) -> int:
+        """The tokens a row's forward holds: the generated ones and its conditioning's."""
+        generated = self.generated_tokens_per_row(params)
+        if self.condition_tokens is None:
+            return generated
+        return generated + int(self.condition_tokens(params))
 
     def of(self, params: SamplingParams) -> RequestWork:
         """The request's rows and tokens. Its LoRA adapters add nothing (issue 45): the budget

@@ -497,3 +497,15 @@ def test_keyframes_on_cuda_match_diffusers_and_dlo_equals_resident(family_dir) -
         offloaded.close()
     assert max(sizes) >= 3
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("case", sorted(KEYFRAMES))
+def test_work_counts_the_keyframes_rows(family_runner, case: str) -> None:  # type: ignore[no-untyped-def]
+    """The work rule's conditioning is the keyframe rows the packed sequence holds."""
+    runner = family_runner(VARIANT)
+    params = KEYFRAMES[case]
+    state = DenoiseState(case, params, seed=0)
+    runner.pipeline.prepare_encode(state)
+    rule = runner.work_rule
+    conditioning = rule.tokens_per_row(params) - rule.generated_tokens_per_row(params)
+    assert conditioning == state.host["layout"].condition_rows > 0

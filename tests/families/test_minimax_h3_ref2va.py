@@ -297,3 +297,18 @@ def test_sp2_equals_alone(replica, alone, monkeypatch) -> None:  # type: ignore[
     finally:
         engine.shutdown()
     assert_same(results, alone)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_work_counts_the_reference_rows(runner, case: str) -> None:  # type: ignore[no-untyped-def]
+    """The work rule's conditioning is the image references' rows of the packed sequence
+    (each at its own short edge, whatever the canvas); soundtracks are not counted."""
+    params = CASES[case]
+    state = DenoiseState(case, params, seed=0)
+    runner.pipeline.prepare_encode(state)
+    rule = runner.work_rule
+    conditioning = rule.tokens_per_row(params) - rule.generated_tokens_per_row(params)
+    assert conditioning == state.host["layout"].condition_rows > 0
+    # The planner's worst case: nine references at 1:4 (the tiny model's 64 px short edge:
+    # 256x64, 8 x 2 rows of 32 px).
+    assert runner.pipeline.most_condition_tokens == 9 * 8 * 2

@@ -19,7 +19,7 @@ import torch
 from engine.driver import drive  # type: ignore[import-not-found]
 from families.test_image_conditioned import as_pil, assert_close, picture  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig, RunnerConfig, SchedulerConfig
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import family_named
 from ditserve.engine.request import SamplingParams
@@ -114,7 +114,11 @@ def test_requests_with_different_images_equal_their_solo_runs(family_runner, var
                        images=(picture(120, 120, 10),))
     b = SamplingParams(prompt="make the sky a deep blue", height=64, width=64,
                        num_inference_steps=2, seed=4, images=(picture(120, 120, 11),))
-    together, sizes = drive(runner, {0: [("a", a), ("b", b)]}, max_num_seqs=2)
+    # Each row carries its source's ~1 MP of tokens (the work rule counts them, a's CFG
+    # rows twice): the step's budget is both requests' work.
+    work = sum(runner.work_rule.of(p).tokens for p in (a, b))
+    both = SchedulerConfig(max_num_seqs=2, max_batch_tokens=work)
+    together, sizes = drive(runner, {0: [("a", a), ("b", b)]}, max_num_seqs=2, config=both)
     assert max(sizes) == 2  # they shared forwards (a with its CFG rows, b without)
     for rid, params in (("a", a), ("b", b)):
         alone, _ = drive(runner, {0: [(rid, params)]}, max_num_seqs=1)

@@ -55,3 +55,14 @@ def test_a_reference_diffusers_refuses_is_a_400(client, width: int, height: int,
                            size="64x64", extra_body={"num_inference_steps": 1})
     assert error.value.body["param"] == "image"
     assert reason in error.value.body["message"]
+
+
+def test_an_edit_over_the_request_bound_by_its_references_is_a_400(client) -> None:  # type: ignore[no-untyped-def]
+    """The references' tokens count toward --max-request-tokens: a 64x64 target (a few
+    hundred tokens) with four 512x512 references (16384 tokens each on the tiny model's
+    4-pixel tokens) is past the default bound of four step budgets (32768)."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.images.edit(image=[(f"r{i}.png", png(512, 512), "image/png") for i in range(4)],
+                           prompt="x", size="64x64", extra_body={"num_inference_steps": 1})
+    assert error.value.body["param"] == "size"
+    assert "input images" in error.value.body["message"]

@@ -26,6 +26,7 @@ only; diffusers' call computes and drops 131k logits per token). Prompt upsampli
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,17 @@ MIN_REFERENCE_SIDE = 64
 MAX_REFERENCE_ASPECT = 8
 REFERENCE_TIME_SCALE = 10  # reference i's time coordinate: 10 + 10 i (diffusers' scale)
 IMAGE_TOKENS = "image_latents"  # static row: the packed reference-image tokens
+
+
+def reference_size(width: int, height: int, multiple: int) -> tuple[int, int]:
+    """(width, height) a reference enters the VAE at: above ``MAX_REFERENCE_PIXELS`` scaled
+    down to that area (diffusers' ``Flux2ImageProcessor._resize_to_target_area``: sides
+    truncated), then cropped to ``multiple``. ``_preprocess`` crops to it; the work rule
+    counts its tokens from it without resizing a pixel."""
+    if width * height > MAX_REFERENCE_PIXELS:
+        scale = math.sqrt(MAX_REFERENCE_PIXELS / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    return width // multiple * multiple, height // multiple * multiple
 
 
 def empirical_mu(image_seq_len: int, num_steps: int) -> float:
@@ -198,12 +210,23 @@ class Flux2StepPipeline:
             pil = self.image_processor.check_image_input(to_pil(image))
             if pil.width * pil.height > MAX_REFERENCE_PIXELS:
                 pil = self.image_processor._resize_to_target_area(pil, MAX_REFERENCE_PIXELS)
-            multiple = self.pixel_multiple
-            width, height = pil.width // multiple * multiple, pil.height // multiple * multiple
+            width, height = reference_size(pil.width, pil.height, self.pixel_multiple)
             pixels = self.image_processor.preprocess(pil, height=height, width=width,
                                                      resize_mode="crop")
             prepared.append(((height, width), pixels))
         return prepared
+
+    def condition_tokens(self, params: SamplingParams) -> int:
+        """The references' tokens each row carries (the work rule's conditioning): each at
+        its VAE size (``reference_size``) in 16-pixel tokens, all of them."""
+        side = self.pixel_multiple
+        return sum((w // side) * (h // side) for w, h in (
+            reference_size(i.width, i.height, side) for i in params.images))
+
+    @property
+    def most_condition_tokens(self) -> int:
+        """The most references, each at the area cap (1024x1024: 4096 tokens)."""
+        return self.condition_images[1] * (MAX_REFERENCE_PIXELS // self.pixel_multiple ** 2)
 
     def _bn_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The VAE's latent batch norm (mean, std) over the patchified channels."""

@@ -29,7 +29,7 @@ from ditserve.engine.pipelines.conditioning import encode_once, take_encoded, to
 from ditserve.engine.step.denoise_state import DenoiseState
 
 if TYPE_CHECKING:
-    from ditserve.engine.request import ConditionImage
+    from ditserve.engine.request import ConditionImage, SamplingParams
     from ditserve.engine.step.input_batch import InputBatch
     from ditserve.engine.weights.loader import LoadedComponents
 
@@ -57,13 +57,30 @@ class FluxKontextStepPipeline(FluxStepPipeline):
     def source_size(self, image: ConditionImage) -> tuple[int, int]:
         """(width, height) the source is resized to, as diffusers' ``_auto_resize``; a source
         under 16 pixels on a side (diffusers divides by zero) takes its own aspect ratio."""
-        height, width = self.image_processor.get_default_height_width(to_pil(image))
+        # diffusers rounds the image's own sides down to the VAE's multiple (read off the
+        # sizes: no pixels converted, as the work rule asks every step).
+        height, width = self.image_processor.get_default_height_width(
+            image, height=image.height, width=image.width)
         if not height or not width:
             height, width = image.height, image.width
         aspect = width / height
         _, width, height = min((abs(aspect - w / h), w, h) for w, h in self.preferred_resolutions)
         multiple = self.pixel_multiple
         return width // multiple * multiple, height // multiple * multiple
+
+    def condition_tokens(self, params: SamplingParams) -> int:
+        """The source's tokens each row carries (the work rule's conditioning): its resized
+        size's 16-pixel tokens, as many as the target's at the same size."""
+        if not params.images:
+            return 0
+        width, height = self.source_size(params.images[0])
+        return (width // self.pixel_multiple) * (height // self.pixel_multiple)
+
+    @property
+    def most_condition_tokens(self) -> int:
+        """The largest preferred Kontext resolution's tokens (any source resizes to one)."""
+        multiple = self.pixel_multiple
+        return max((w // multiple) * (h // multiple) for w, h in self.preferred_resolutions)
 
     def _preprocess(self, state: DenoiseState) -> tuple[Hashable, torch.Tensor] | None:
         if not state.params.images:

@@ -118,3 +118,31 @@ def referenced(pipe: Any, p: SamplingParams, frames: int) -> Conditioning:
     layout = ItemLayout(positions, token_tags, video_idx, audio_idx, text_idx,
                         int(video_refs), int(audio_refs))
     return Conditioning(text, layout, shape, visual, audio)
+
+
+class ConditionRows:
+    """The work rule's conditioning rows of a MiniMax-H3 request (the pipeline's
+    ``ConditionTokens``): a ref2va replica's image references at their own short edge
+    (``references.image_rows``), else one canvas of rows per keyframe - the packed sequence's
+    ``[reference blocks]`` / ``[keyframe conditions]``. The pipeline inherits it."""
+
+    pixel_multiple: int
+    reference_short_edge: int
+    reference_limits: Any
+
+    def condition_tokens(self, params: SamplingParams) -> int:
+        side = self.pixel_multiple
+        if self.reference_limits is not None:
+            return refs.image_rows(params.references, short_edge=self.reference_short_edge,
+                                   multiple=side)
+        return len(params.images) * (params.height // side) * (params.width // side)
+
+    @property
+    def most_condition_tokens(self) -> int:
+        """The most image references at 1:4 on a ref2va replica. Keyframes add a canvas of
+        rows each (two at most), where the usual clip the planner counts is 124 canvases of
+        pixel frames (~3.4x its 37 latent frames): its margin covers them."""
+        if self.reference_limits is None:
+            return 0
+        return refs.most_image_rows(short_edge=self.reference_short_edge,
+                                    multiple=self.pixel_multiple)

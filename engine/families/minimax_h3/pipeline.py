@@ -84,7 +84,7 @@ class _AudioTrack:
     prediction: torch.Tensor | None = None
 
 
-class MiniMaxH3StepPipeline:
+class MiniMaxH3StepPipeline(conditioning.ConditionRows):
     """StepPipeline for MiniMax-H3 text-to-video with audio (see module docstring)."""
 
     family = MINIMAX_H3

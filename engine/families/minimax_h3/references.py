@@ -125,6 +125,32 @@ def diffusers_references(references: Sequence[Reference]) -> list[Any]:
     return out
 
 
+def reference_size(width: int, height: int, *, short_edge: int, multiple: int
+                   ) -> tuple[int, int]:
+    """(width, height) diffusers' setup step gives an image reference: its short edge at
+    ``short_edge`` (upscaling included), sides rounded to ``multiple``."""
+    scale = short_edge / min(width, height)
+    return (max(multiple, round(width * scale / multiple) * multiple),
+            max(multiple, round(height * scale / multiple) * multiple))
+
+
+def image_rows(references: Sequence[Reference], *, short_edge: int, multiple: int) -> int:
+    """The rows the image references add to the packed sequence: each at its
+    ``reference_size``, one row per ``multiple``-pixel token (audio references not counted:
+    the work rule counts no audio rows, the generated soundtrack's neither)."""
+    sizes = (reference_size(r.width, r.height, short_edge=short_edge, multiple=multiple)
+             for r in references if not isinstance(r, ReferenceAudio))
+    return sum((w // multiple) * (h // multiple) for w, h in sizes)
+
+
+def most_image_rows(*, short_edge: int, multiple: int) -> int:
+    """The most rows image references may add: ``MAX_IMAGES`` of them at the longest
+    admitted aspect (1:4: 16,384 rows each at the released 2048 short edge)."""
+    width, height = reference_size(MAX_ASPECT * short_edge, short_edge,
+                                   short_edge=short_edge, multiple=multiple)
+    return MAX_IMAGES * (width // multiple) * (height // multiple)
+
+
 def normalize(references: Sequence[Any], *, short_edge: int, multiple: int,
               audio_rate: int, duration_s: float) -> list[Any]:
     """diffusers' setup step on ``references`` (diffusers' dataclasses, module docstring):
@@ -149,9 +175,7 @@ def normalize(references: Sequence[Any], *, short_edge: int, multiple: int,
         if width > MAX_ASPECT * height or height > MAX_ASPECT * width:
             raise InvalidRequestError(FIELD, f"reference {index + 1} is {width}x{height}: "
                                       "MiniMax-H3 takes image references within 1:4 and 4:1")
-        scale = short_edge / min(width, height)
-        size = (max(multiple, round(width * scale / multiple) * multiple),
-                max(multiple, round(height * scale / multiple) * multiple))
+        size = reference_size(width, height, short_edge=short_edge, multiple=multiple)
         if image.size != size:
             image = resizer.resize(image, height=size[1], width=size[0])
         out.append(MiniMaxH3ImageReference(image=image))

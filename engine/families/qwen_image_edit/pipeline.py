@@ -51,11 +51,14 @@ PLUS_PROMPT_AREA = 384 * 384  # Plus: the size Qwen2.5-VL reads each image at
 # Qwen2.5-VL's processor refuses images beyond 200:1, and the 1 MP resize onto a 32-pixel
 # grid stretches a source of about 164:1 past that: sources are refused above this.
 MAX_SOURCE_ASPECT = 150.0
+# The aspects a source may have (1:1 to MAX_SOURCE_ASPECT in 1/16 steps; the area rule is
+# symmetric in width and height), swept for the largest source the planner budgets for.
+ADMITTED_ASPECTS = tuple(1 + k / 16 for k in range(int((MAX_SOURCE_ASPECT - 1) * 16) + 1))
 PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 VISION_PATCH = 28  # pixels per vision token side (14-pixel patches merged 2x2)
 
 
-def area_size(area: int, width: int, height: int) -> tuple[int, int]:
+def area_size(area: int, width: float, height: float) -> tuple[int, int]:
     """(width, height) of ``area`` at the aspect ratio width/height, sides on a 32-pixel grid
     (diffusers' ``calculate_dimensions``)."""
     ratio = width / height
@@ -86,6 +89,22 @@ class QwenImageEditStepPipeline(QwenImageStepPipeline):
         self.vision_tokens = int(self.vision_processor.merge_size) ** 2  # patches per token
 
     # -- the sources -------------------------------------------------------------------------
+    def condition_tokens(self, params: SamplingParams) -> int:
+        """The sources' tokens each row carries (the work rule's conditioning): each source
+        at its VAE size (``area_size``, about 1 MP) in 16-pixel tokens, image after image."""
+        side = self.pixel_multiple
+        return sum((w // side) * (h // side)
+                   for w, h in (area_size(VAE_AREA, i.width, i.height) for i in params.images))
+
+    @property
+    def most_condition_tokens(self) -> int:
+        """The most sources at the largest VAE size an admitted aspect gives (1:1 is not the
+        largest: the 32-pixel rounding of a long thin source can add a little)."""
+        side = self.pixel_multiple
+        largest = max((w // side) * (h // side) for w, h in (
+            area_size(VAE_AREA, aspect, 1) for aspect in ADMITTED_ASPECTS))
+        return self.condition_images[1] * largest
+
     def _vae_image(self, image: Any) -> torch.Tensor:
         """(1, 3, 1, H, W) in [-1, 1]: the source at about 1 MP, as diffusers prepares it."""
         width, height = area_size(VAE_AREA, *image.size)
