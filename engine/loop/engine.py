@@ -91,7 +91,7 @@ class DiffusionEngine:
         self._queue_for(config)
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
-        self._model_leases: ModelLeases | None = None  # pulled cache entries served from
+        self._model_leases = ModelLeases()  # on the pulled cache entries served from
 
     @property
     def schedulers(self) -> list[StepScheduler]:
@@ -139,7 +139,7 @@ class DiffusionEngine:
     def start(self) -> DiffusionEngine:
         """Load the model and warm up (blocking), then start the step loops: -> READY."""
         try:
-            self._model_leases = ModelLeases.of(self.config)
+            self._model_leases.take(self.config)
             executor, self.model_dir = open_executor(
                 self.config, self.warmup, offload=self.offload,
                 on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING),
@@ -150,7 +150,7 @@ class DiffusionEngine:
                 self.model_dir, max_rank=adapters.max_lora_rank,
                 shapes=bank.linear_shapes() if bank is not None else None))
         except BaseException as e:
-            self._release_model()
+            self._model_leases.release()
             self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise
         self._adopt_fitted_scheduler(executor)
@@ -172,13 +172,8 @@ class DiffusionEngine:
                     self.start_timeline.ready()
         if stopped_meanwhile:
             executor.shutdown()
-            self._release_model()
-        return self
-
-    def _release_model(self) -> None:
-        if self._model_leases is not None:
             self._model_leases.release()
-            self._model_leases = None
+        return self
 
     def drain(self) -> None:
         """Refuse new requests from now on; running and queued ones continue."""
@@ -201,7 +196,7 @@ class DiffusionEngine:
             thread.join(timeout=60)
         if self.executor is not None:
             self.executor.shutdown()
-        self._release_model()  # the ranks read the model no more
+        self._model_leases.release()  # the ranks read the model no more
 
     # -- what the server reads (engine.loop.client.EngineClient) -------------------------------------
     @property

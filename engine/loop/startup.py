@@ -12,7 +12,7 @@ the DiT blocks at the size the engine is told to expect (``WarmUp.compile_size``
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,16 +83,18 @@ class ModelLeases:
     ``--model`` (and a checkpoint file) may lie in a model ``cachectl pull`` downloaded
     (``<root>/v1/models/<key>/model``, usually through the pod's ``/models/model`` symlink);
     while this engine holds the lease, ``cachectl rm`` and ``gc`` leave that entry alone. A
-    model anywhere else takes no lease. Held from before the load until ``release`` (the
+    model anywhere else takes no lease. Taken before the load, held until ``release`` (the
     engine's shutdown, or a failed start); the kernel drops it if the process dies.
     """
 
-    def __init__(self, paths: Sequence[str | Path]) -> None:
+    def __init__(self) -> None:
+        self.held: list[HeldLock] = []
+
+    def take(self, config: EngineConfig) -> None:
         from ditserve.cachectl.model_lease import lease_pulled_model
 
-        self.held: list[HeldLock] = []
         try:
-            for path in paths:
+            for path in (p for p in (config.model, config.checkpoint) if p is not None):
                 lease = lease_pulled_model(path)
                 if lease is not None:
                     log.info("serving from the pulled model %s (leased)", lease.path.name)
@@ -100,10 +102,6 @@ class ModelLeases:
         except BaseException:
             self.release()
             raise
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> ModelLeases:
-        return cls([p for p in (config.model, config.checkpoint) if p is not None])
 
     def release(self) -> None:
         for lease in self.held:
