@@ -22,10 +22,11 @@ from cachectl_support import (
 )
 from model_sources import FILES, LocalHub, Repo, weights
 
-from ditserve.cachectl import locks
+from ditserve.cachectl import locks, pulled_gc
 from ditserve.cachectl.cli import main
 from ditserve.cachectl.layout import Layout
 from ditserve.cachectl.model_lease import lease_pulled_model, pulled_entry_of
+from ditserve.cachectl.node_status import model_rows
 from ditserve.cachectl.pulled import PulledModel
 from ditserve.cachectl.pulls import PullRequest, pull
 from ditserve.cachectl.store import CacheStore
@@ -85,8 +86,13 @@ def test_list_shows_pulled_models_beside_runtime_entries(
         line = next(ln for ln in capsys.readouterr().out.splitlines()
                     if ln.startswith(model.key[:16]))
         assert " pulled " in line and " yes " in line and line.endswith("hf://org/tiny")
-    # The daemon's NodeCache lists runtime entries as `entries`, pulled ones as `models`.
+        # The daemon's NodeCache: runtime entries as `entries`, pulled ones as `models`.
+        rows = model_rows(pulled_gc.list_models(store.layout), [], previous=None, now="now")
+        assert [(r["key"], r["state"], r["uri"], r["inUse"]) for r in rows] == [
+            (model.key, "Ready", "hf://org/tiny", True)]
     assert [i.key for i in store.list()] == [runtime]
+    assert not model_rows(pulled_gc.list_models(store.layout), [], previous=None,
+                          now="now")[0]["inUse"]
 
 
 def test_rm_removes_a_pulled_model_unless_leased_or_being_pulled(
