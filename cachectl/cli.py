@@ -42,6 +42,7 @@ from ditserve.cachectl.errors import BuildError, CacheError, EntryCorruptError, 
 from ditserve.cachectl.identity import DTYPES
 from ditserve.cachectl.layout import default_root
 from ditserve.cachectl.model_build import ModelLoader
+from ditserve.cachectl.pulled_gc import DEFAULT_PARTIAL_MAX_AGE_S
 
 LOADER_ENV = "DITSERVE_CACHECTL_LOADER"
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
@@ -194,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="required: keep at most N bytes (500M, 10G, ...; 0 removes every "
                         "entry no process uses)")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    g.add_argument("--partial-age", type=float, default=DEFAULT_PARTIAL_MAX_AGE_S, metavar="S",
+                   help="remove .partial/<key> folders of interrupted pulls untouched for S "
+                        "seconds (default a day; a pull retried sooner resumes there)")
     g.add_argument("--json", action="store_true")
 
     r = sub.add_parser("rm", parents=[common], help="remove entries now (refused while in use)")

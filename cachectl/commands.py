@@ -249,24 +249,27 @@ def cmd_verify(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
 def cmd_list(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
     from ditserve.cachectl.store import CacheStore
 
-    infos = CacheStore(root, create=False).list()
+    infos = CacheStore(root, create=False).list_all()
     if args.json:
         print(json.dumps([i.to_json() for i in infos], sort_keys=True))
         return EXIT_OK
-    print(f"{'KEY':<16} {'SIZE':>10} {'DTYPE':<9} {'IN-USE':<6} {'LAST-USED':<20} CREATED")
+    print(f"{'KEY':<16} {'KIND':<7} {'SIZE':>10} {'DTYPE':<9} {'IN-USE':<6} {'LAST-USED':<20} "
+          "CREATED               URI")
     for i in infos:
-        dtype = (i.identity or {}).get("dtype", "?")
+        dtype = (i.identity or {}).get("dtype", "?") if i.kind == "runtime" else "-"
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.last_used))
         note = f"  ({i.problem})" if i.problem else ""
-        print(f"{i.key[:16]} {i.bytes / 2**30:>8.2f}Gi {dtype:<9} {'yes' if i.in_use else 'no':<6} "
-              f"{used:<20} {i.created_at or '?'}{note}")
+        print(f"{i.key[:16]} {i.kind:<7} {i.bytes / 2**30:>8.2f}Gi {dtype:<9} "
+              f"{'yes' if i.in_use else 'no':<6} {used:<20} {i.created_at or '?':<21} "
+              f"{i.uri or '-'}{note}")
     return EXIT_OK
 
 
 def cmd_gc(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
     from ditserve.cachectl.store import CacheStore
 
-    report = CacheStore(root, create=False).gc(args.max_bytes, dry_run=args.dry_run)
+    report = CacheStore(root, create=False).gc(args.max_bytes, dry_run=args.dry_run,
+                                               partial_max_age_s=args.partial_age)
     if args.json:
         print(json.dumps(report.to_json(), sort_keys=True))
         return EXIT_OK
@@ -277,6 +280,10 @@ def cmd_gc(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
         print(f"kept   {key} (in use)")
     for key, why in report.skipped.items():
         print(f"kept   {key} ({why})")
+    for key in report.partials_removed:
+        print(f"{verb} .partial/{key} (an interrupted pull)")
+    for key in report.partials_kept:
+        print(f"kept   .partial/{key} (a pull runs, or it changed within --partial-age)")
     print(f"{report.bytes_before / 2**30:.2f} GiB -> {report.bytes_after / 2**30:.2f} GiB "
           f"(budget {args.max_bytes / 2**30:.2f} GiB)")
     return EXIT_OK
@@ -294,7 +301,8 @@ def cmd_rm(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
         elif store.remove(key):
             print(f"removed {key}")
         else:
-            print(f"entry {key} is in use or being built; not removed", file=sys.stderr)
+            print(f"entry {key} is in use or being built or pulled; not removed",
+                  file=sys.stderr)
             rc = EXIT_UNAVAILABLE
     return rc
 

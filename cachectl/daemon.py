@@ -51,7 +51,7 @@ from ditserve.cachectl.metrics import DaemonMetrics
 from ditserve.cachectl.model_build import ModelLoader, ModelRequest
 from ditserve.cachectl.node_status import NodeStatusReporter
 from ditserve.cachectl.pull_jobs import PullCoordinator, PullStatus
-from ditserve.cachectl.pulled import list_models
+from ditserve.cachectl.pulled_gc import list_models
 from ditserve.cachectl.pulls import PullRequest
 from ditserve.cachectl.scrub import Scrubber
 from ditserve.cachectl.sources import Credentials

@@ -1,5 +1,9 @@
 """Listing and garbage collection of entries: LRU down to a byte budget, never an entry in use.
 
+Both kinds of entry count and go in one LRU order: runtime entries (``v1/entries``, this
+module) and pulled models (``v1/models``, ``pulled_gc``, same rules); the sweep also drops
+stale ``.partial/<key>`` folders of interrupted pulls (``pulled_gc.sweep_partials``).
+
 An entry is in use while any process holds its lease (a shared flock on the entry directory)
 or its build lock; GC takes both exclusively without waiting and skips the entry if either is
 held. A removed entry is first renamed into ``.tmp/`` (it vanishes atomically for new joiners),
@@ -17,11 +21,14 @@ import os
 import secrets
 import shutil
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ditserve.cachectl import locks
+from ditserve.cachectl import locks, pulled_gc
+from ditserve.cachectl.entry_info import PULLED, EntryInfo
 from ditserve.cachectl.errors import CacheError, ReadOnlyCacheError, UsageError
 from ditserve.cachectl.identity import is_key
 from ditserve.cachectl.layout import Layout
@@ -37,23 +44,6 @@ def require_writable(layout: Layout, action: str) -> None:
         raise ReadOnlyCacheError(str(layout.root), action)
 
 
-@dataclass(frozen=True)
-class EntryInfo:
-    key: str
-    path: Path
-    bytes: int
-    created_at: str | None
-    last_used: float
-    in_use: bool
-    identity: dict[str, Any] | None
-    problem: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "bytes": self.bytes, "created_at": self.created_at,
-                "last_used": self.last_used, "in_use": self.in_use,
-                "identity": self.identity, "problem": self.problem}
-
-
 @dataclass
 class GcReport:
     removed: list[str] = field(default_factory=list)
@@ -63,6 +53,9 @@ class GcReport:
     bytes_before: int = 0
     bytes_after: int = 0
     dry_run: bool = False
+    partials_removed: list[str] = field(default_factory=list)  # .partial/<key> of dead pulls
+    partials_kept: list[str] = field(default_factory=list)     # a pull runs, or changed lately
+    partial_bytes_freed: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -113,6 +106,18 @@ def list_entries(layout: Layout) -> list[EntryInfo]:
     return infos
 
 
+def list_all(layout: Layout) -> list[EntryInfo]:
+    """Runtime entries, then pulled models (``EntryInfo.kind`` tells them apart)."""
+    return list_entries(layout) + pulled_gc.list_models(layout)
+
+
+def remove_any(layout: Layout, key: str, *, dry_run: bool) -> bool:
+    """Remove the runtime entry or pulled model ``key`` (whichever exists) unless in use."""
+    if os.path.lexists(layout.model(key)) and not os.path.lexists(layout.entry(key)):
+        return pulled_gc.remove_model(layout, key, dry_run=dry_run)
+    return remove_entry(layout, key, dry_run=dry_run)
+
+
 def remove_entry(layout: Layout, key: str, *, dry_run: bool) -> bool:
     """Remove ``key`` unless a builder or a reader holds it; True if removed (or removable)."""
     path = layout.entry(key)
@@ -149,14 +154,20 @@ def remove_entry(layout: Layout, key: str, *, dry_run: bool) -> bool:
     return True
 
 
-def collect(layout: Layout, max_bytes: int, *, dry_run: bool) -> GcReport:
+def collect(layout: Layout, max_bytes: int, *, dry_run: bool,
+            partial_max_age_s: float = pulled_gc.DEFAULT_PARTIAL_MAX_AGE_S,
+            clock: Callable[[], float] = time.time) -> GcReport:
+    """Remove unused entries of both kinds, least recently used first, until at most
+    ``max_bytes``; then sweep (partials older than ``partial_max_age_s`` whose pull is over)."""
     if not isinstance(max_bytes, int) or max_bytes < 0:
         raise UsageError("gc needs a byte budget >= 0 (--max-bytes N; 0 removes every entry "
                          "no process uses)")
     if not dry_run:
         require_writable(layout, "collect garbage (gc)")
     report = GcReport(dry_run=dry_run)
-    infos = sorted(list_entries(layout), key=lambda i: i.last_used)
+    if partial_max_age_s < 0:
+        raise UsageError("--partial-age must be >= 0 seconds")
+    infos = sorted(list_all(layout), key=lambda i: i.last_used)
     total = report.bytes_before = sum(i.bytes for i in infos)
     for info in infos:
         if total <= max_bytes:
@@ -164,7 +175,8 @@ def collect(layout: Layout, max_bytes: int, *, dry_run: bool) -> GcReport:
         if info.problem is not None and info.problem.startswith("unreadable"):
             report.skipped[info.key] = info.problem  # cannot tell whether it is in use
             continue
-        if remove_entry(layout, info.key, dry_run=dry_run):
+        remove = pulled_gc.remove_model if info.kind == PULLED else remove_entry
+        if remove(layout, info.key, dry_run=dry_run):
             report.removed.append(info.key)
             report.freed_bytes += info.bytes
             total -= info.bytes
@@ -173,6 +185,10 @@ def collect(layout: Layout, max_bytes: int, *, dry_run: bool) -> GcReport:
     report.bytes_after = total
     if not dry_run:
         sweep_orphans(layout)
+    partials = pulled_gc.sweep_partials(layout, max_age_s=partial_max_age_s, now=clock,
+                                        dry_run=dry_run)
+    report.partials_removed, report.partials_kept = partials.removed, partials.kept
+    report.partial_bytes_freed = partials.freed_bytes
     return report
 
 

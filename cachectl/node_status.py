@@ -8,8 +8,8 @@ and at least every ``heartbeat_s``; the operator reads it (per-deployment summar
 labels for the engine pods' preferred affinity), and so can users: `kubectl get nodecaches`.
 
 Rows: one per published entry (Ready, or Failed when its structure check found a problem) and
-one per build that is running or failed. ``models``: one row per pulled model on disk (Ready)
-and per pull that is downloading (with its bytes so far) or failed (with its reason). A Ready entry names the model path it was built from
+one per build that is running or failed. ``models``: one row per pulled model on disk (Ready,
+with ``inUse`` while an engine leases it) and per pull that is downloading (with its bytes so far) or failed (with its reason). A Ready entry names the model path it was built from
 when this daemon built or served it by path; the object itself remembers those paths across
 daemon restarts (the store keys entries by content, not by path).
 
@@ -74,8 +74,10 @@ def model_rows(models: Iterable[Any], pulls: Iterable[PullView], *,
     on_disk = set()
     for info in models:
         on_disk.add(info.key)
-        row: dict[str, Any] = {"state": "Failed" if info.problem else "Ready", "uri": info.uri,
-                               "key": info.key, "bytes": int(info.bytes)}
+        row: dict[str, Any] = {"state": "Failed" if info.problem else "Ready",
+                               "uri": info.uri or "", "key": info.key, "bytes": int(info.bytes)}
+        if getattr(info, "in_use", None) is not None:  # an engine serves from it (its lease)
+            row["inUse"] = bool(info.in_use)
         if info.problem:
             row["message"] = str(info.problem)[:1024]
         rows.append(row)

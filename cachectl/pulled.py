@@ -9,11 +9,13 @@ a byte is downloaded and concurrent pulls of one source meet on one lock.
 
 This module owns the manifest (per file: size, SHA-256, and the digest the source published),
 publishing a finished partial directory, the cheap structure check a join does, and the full
-re-hash ``cachectl verify`` does. Called by ``pulls`` and the CLI's verify and list.
+re-hash ``cachectl verify`` does. Called by ``pulls`` and the CLI's verify and list; listing,
+removal and gc of pulled entries are ``pulled_gc``'s, the engine's lease ``model_lease``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -145,6 +147,7 @@ def publish_partial(layout: Layout, key: str, identity: dict[str, Any],
     target = layout.model(key)
     os.rename(partial, target)  # atomic: readers see all of the entry or nothing
     _fsync_dir(layout.models)
+    mark_used(target)
     return target
 
 
@@ -219,8 +222,16 @@ def find_published(layout: Layout, key: str, uri: str) -> PulledModel | None:
     if problems:
         raise entry_error(key, problems)
     doc = read_manifest(entry)
+    mark_used(entry)
     return PulledModel(key, entry, uri, doc["identity"].get("revision"), doc["total_bytes"],
                        downloaded=False)
+
+
+def mark_used(entry: Path) -> None:
+    """The entry directory's mtime is its last use, for LRU gc (as runtime entries). Best
+    effort: a read-only mount cannot set it."""
+    with contextlib.suppress(OSError):
+        os.utime(entry)
 
 
 @dataclass(frozen=True)

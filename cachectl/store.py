@@ -12,6 +12,7 @@ ReadOnlyCacheError.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import json
@@ -93,7 +94,9 @@ class CacheStore:
         return identity.key
 
     def exists(self, key: str) -> bool:
-        return os.path.lexists(self.layout.entry(checked_key(key)))
+        """A runtime entry or a pulled model of that key exists."""
+        key = checked_key(key)
+        return os.path.lexists(self.layout.entry(key)) or os.path.lexists(self.layout.model(key))
 
     def keys(self) -> list[str]:
         return gc.entry_keys(self.layout)
@@ -267,16 +270,26 @@ class CacheStore:
 
     # ---- list / gc / remove (see gc.py) -------------------------------------------------
     def list(self) -> list[EntryInfo]:
-        """Every published entry with its size, last use and whether a process holds it."""
+        """Every published runtime entry with its size, last use and whether a process holds
+        it (the daemon's NodeCache ``entries``; pulled models are its ``models``)."""
         return gc.list_entries(self.layout)
 
-    def remove(self, key: str) -> bool:
-        """Remove one entry now; False if a reader or a builder holds it."""
-        return gc.remove_entry(self.layout, checked_key(key), dry_run=False)
+    def list_all(self) -> builtins.list[EntryInfo]:
+        """Runtime entries and pulled models (``cachectl list``); ``kind`` tells them apart."""
+        return gc.list_all(self.layout)
 
-    def gc(self, max_bytes: int, *, dry_run: bool = False) -> GcReport:
-        """Remove unleased entries, least recently used first, until at most ``max_bytes``."""
-        return gc.collect(self.layout, max_bytes, dry_run=dry_run)
+    def remove(self, key: str) -> bool:
+        """Remove one runtime entry or pulled model now; False if a reader, a builder or a
+        pull holds it."""
+        return gc.remove_any(self.layout, checked_key(key), dry_run=False)
+
+    def gc(self, max_bytes: int, *, dry_run: bool = False,
+           partial_max_age_s: float = gc.pulled_gc.DEFAULT_PARTIAL_MAX_AGE_S) -> GcReport:
+        """Remove unleased entries of both kinds, least recently used first, until at most
+        ``max_bytes``; then drop partial pulls untouched for ``partial_max_age_s`` whose pull
+        is over."""
+        return gc.collect(self.layout, max_bytes, dry_run=dry_run,
+                          partial_max_age_s=partial_max_age_s, clock=self.clock)
 
 
 def checked_key(key: str) -> str:

@@ -46,7 +46,7 @@ from ditserve.engine.loop.results import (
     RequestEvent,
     RequestHandle,
 )
-from ditserve.engine.loop.startup import WarmUp, open_executor, served_family
+from ditserve.engine.loop.startup import ModelLeases, WarmUp, open_executor, served_family
 from ditserve.engine.loop.step_loop import StepLoops
 from ditserve.engine.request import ModelLimits, SamplingParams
 from ditserve.engine.runner.start_phases import StartTimeline
@@ -91,6 +91,7 @@ class DiffusionEngine:
         self._queue_for(config)
         self._threads: list[threading.Thread] = []
         self.adapters: AdapterCatalog | None = None  # the served LoRA adapters, from start()
+        self._model_leases = ModelLeases()  # on the pulled cache entries served from
 
     @property
     def schedulers(self) -> list[StepScheduler]:
@@ -138,6 +139,7 @@ class DiffusionEngine:
     def start(self) -> DiffusionEngine:
         """Load the model and warm up (blocking), then start the step loops: -> READY."""
         try:
+            self._model_leases.take(self.config)
             executor, self.model_dir = open_executor(
                 self.config, self.warmup, offload=self.offload,
                 on_compiling=lambda: self._lifecycle.move(EnginePhase.COMPILING),
@@ -148,6 +150,7 @@ class DiffusionEngine:
                 self.model_dir, max_rank=adapters.max_lora_rank,
                 shapes=bank.linear_shapes() if bank is not None else None))
         except BaseException as e:
+            self._model_leases.release()
             self._lifecycle.move(EnginePhase.FAILED, f"{type(e).__name__}: {e}")
             raise
         self._adopt_fitted_scheduler(executor)
@@ -169,6 +172,7 @@ class DiffusionEngine:
                     self.start_timeline.ready()
         if stopped_meanwhile:
             executor.shutdown()
+            self._model_leases.release()
         return self
 
     def drain(self) -> None:
@@ -192,6 +196,7 @@ class DiffusionEngine:
             thread.join(timeout=60)
         if self.executor is not None:
             self.executor.shutdown()
+        self._model_leases.release()  # the ranks read the model no more
 
     # -- what the server reads (engine.loop.client.EngineClient) -------------------------------------
     @property

@@ -1,6 +1,7 @@
 """Start-up of an engine replica: everything between LOADING and READY.
 
-Called once by ``DiffusionEngine.start``: ``open_executor`` resolves the model directory,
+Called once by ``DiffusionEngine.start``: ``ModelLeases`` keeps the node cache from removing a
+pulled model the engine serves from; ``open_executor`` resolves the model directory,
 builds the executor (loading the weights on every rank) and warms it up. The warm-up runs one
 real one-step request through every stage on every rank, so the first request does not pay
 for lazy initialization and every rank proves it can run; with ``--compile`` it then compiles
@@ -32,6 +33,7 @@ from ditserve.engine.sched.scheduler import StepScheduler
 from ditserve.engine.sched.work import ResolvedScheduling
 
 if TYPE_CHECKING:
+    from ditserve.cachectl.locks import HeldLock
     from ditserve.engine.runner.compile_cache import CompileKey
 
 from ditserve.engine.errors import ModelLoadError
@@ -73,6 +75,38 @@ def resolve_model(config: EngineConfig) -> Path:
     log.warning("no --model given: serving the embedded tiny model (random weights) from %s",
                 model_dir)
     return model_dir
+
+
+class ModelLeases:
+    """Shared leases on the node cache's pulled entries the model is served from.
+
+    ``--model`` (and a checkpoint file) may lie in a model ``cachectl pull`` downloaded
+    (``<root>/v1/models/<key>/model``, usually through the pod's ``/models/model`` symlink);
+    while this engine holds the lease, ``cachectl rm`` and ``gc`` leave that entry alone. A
+    model anywhere else takes no lease. Taken before the load, held until ``release`` (the
+    engine's shutdown, or a failed start); the kernel drops it if the process dies.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[HeldLock] = []
+
+    def take(self, config: EngineConfig) -> None:
+        from ditserve.cachectl.model_lease import lease_pulled_model
+
+        try:
+            for path in (p for p in (config.model, config.checkpoint) if p is not None):
+                lease = lease_pulled_model(path)
+                if lease is not None:
+                    log.info("serving from the pulled model %s (leased)", lease.path.name)
+                    self.held.append(lease)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        for lease in self.held:
+            lease.release()
+        self.held = []
 
 
 def make_executor(runner: RunnerConfig, *, parallel: ParallelConfig, model_dir: Path,

@@ -43,7 +43,7 @@ def test_the_cli_surface_is_the_documented_one() -> None:
                  "--no-daemon", "--daemon-only"},
         "verify": {"--root", "keys", "--json", "--threads"},
         "list": {"--root", "--json"},
-        "gc": {"--root", "--max-bytes", "--dry-run", "--json"},
+        "gc": {"--partial-age", "--root", "--max-bytes", "--dry-run", "--json"},
         "rm": {"--root", "keys"},
         "serve": {"--root", "--socket", "--tcp", "--metrics-port", "--metrics-host",
                   "--scrub-interval", "--scrub-rate-mib", "--max-builds", "--grace-period"},
