@@ -67,7 +67,7 @@ class PullView(Protocol):
     reason: str | None
 
 
-def model_rows(models: Iterable[Any], pulls: Iterable[PullView], *,
+def model_rows(models: Iterable[EntryInfo], pulls: Iterable[PullView], *,
                previous: Mapping[str, Any] | None, now: str) -> list[dict[str, Any]]:
     """``status.models``: pulled models on disk, then running and failed pulls."""
     rows: list[dict[str, Any]] = []
@@ -76,8 +76,7 @@ def model_rows(models: Iterable[Any], pulls: Iterable[PullView], *,
         on_disk.add(info.key)
         row: dict[str, Any] = {"state": "Failed" if info.problem else "Ready",
                                "uri": info.uri or "", "key": info.key, "bytes": int(info.bytes)}
-        if getattr(info, "in_use", None) is not None:  # an engine serves from it (its lease)
-            row["inUse"] = bool(info.in_use)
+        row["inUse"] = info.in_use  # an engine serves from it (holds its lease)
         if info.problem:
             row["message"] = str(info.problem)[:1024]
         rows.append(row)

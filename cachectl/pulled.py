@@ -9,7 +9,7 @@ a byte is downloaded and concurrent pulls of one source meet on one lock.
 
 This module owns the manifest (per file: size, SHA-256, and the digest the source published),
 publishing a finished partial directory, the cheap structure check a join does, and the full
-re-hash ``cachectl verify`` does. Called by ``pulls`` and the CLI's verify and list; listing,
+re-hash ``cachectl verify`` does. Called by ``pulls`` and the CLI's verify; listing,
 removal and gc of pulled entries are ``pulled_gc``'s, the engine's lease ``model_lease``'s.
 """
 
@@ -22,13 +22,14 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ditserve.cachectl.errors import CORRUPT, UNREADABLE, Problem, entry_error
+from ditserve.cachectl.identity import is_key
 from ditserve.cachectl.layout import Layout
 
 SCHEMA = 1
@@ -234,28 +235,8 @@ def mark_used(entry: Path) -> None:
         os.utime(entry)
 
 
-@dataclass(frozen=True)
-class PulledInfo:
-    """One pulled entry on disk, for listings and the node status (structure not checked)."""
-
-    key: str
-    uri: str
-    bytes: int
-    problem: str | None = None
-
-
-def list_models(layout: Layout) -> list[PulledInfo]:
-    infos = []
-    for key in model_keys(layout):
-        try:
-            doc = json.loads((layout.model(key) / MANIFEST).read_text())
-            infos.append(PulledInfo(key, str(doc["uri"]), int(doc["total_bytes"])))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            infos.append(PulledInfo(key, "", 0, f"manifest unreadable: {e}"))
-    return infos
-
-
-def model_keys(layout: Layout) -> Iterable[str]:
+def model_keys(layout: Layout) -> list[str]:
+    """The keys of the pulled entries on disk (names that are not keys are not entries)."""
     if not layout.models.is_dir():
         return []
-    return sorted(p.name for p in layout.models.iterdir() if not p.name.startswith("."))
+    return sorted(name for name in os.listdir(layout.models) if is_key(name))

@@ -30,15 +30,9 @@ from ditserve.cachectl.entry_info import PULLED, EntryInfo
 from ditserve.cachectl.errors import ReadOnlyCacheError
 from ditserve.cachectl.identity import is_key
 from ditserve.cachectl.layout import Layout
-from ditserve.cachectl.pulled import MANIFEST
+from ditserve.cachectl.pulled import MANIFEST, model_keys
 
 DEFAULT_PARTIAL_MAX_AGE_S = 24 * 3600.0
-
-
-def model_keys(layout: Layout) -> list[str]:
-    if not layout.models.is_dir():
-        return []
-    return sorted(name for name in os.listdir(layout.models) if is_key(name))
 
 
 def _bytes_under(path: Path) -> int:

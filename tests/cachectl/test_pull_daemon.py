@@ -18,9 +18,9 @@ import pytest
 from model_sources import FILES, LocalHub, Repo
 
 from ditserve.cachectl.client import DaemonClient
+from ditserve.cachectl.entry_info import PULLED, EntryInfo
 from ditserve.cachectl.node_status import model_rows
 from ditserve.cachectl.pull_jobs import PullJob, PullStatus
-from ditserve.cachectl.pulled import PulledInfo
 from ditserve.cachectl.pulls import PullRequest
 
 BIG = "transformer/diffusion_pytorch_model.safetensors"
@@ -143,7 +143,8 @@ def test_node_status_rows_show_downloads_with_progress_and_failures() -> None:
     failed = PullJob("s3://b/p", PullRequest("s3://b/p"), status=PullStatus.FAILED,
                      reason="NotFound", error="no objects under 'p/'")
     done = PullJob("hf://org/c", PullRequest("hf://org/c"), status=PullStatus.READY, key="k" * 64)
-    on_disk = [PulledInfo("k" * 64, "hf://org/c", 99)]
+    on_disk = [EntryInfo("k" * 64, Path("k" * 64), 99, None, 0.0, False, None, kind=PULLED,
+                         uri="hf://org/c")]
     rows = model_rows(on_disk, [running, failed, done], previous=None, now="T0")
     by_uri: dict[str, Any] = {r["uri"]: r for r in rows}
     assert by_uri["hf://org/a"] == {"state": "Downloading", "uri": "hf://org/a", "doneBytes": 10,
@@ -151,6 +152,6 @@ def test_node_status_rows_show_downloads_with_progress_and_failures() -> None:
     assert by_uri["s3://b/p"]["state"] == "Failed"
     assert by_uri["s3://b/p"]["message"].startswith("NotFound: no objects")
     assert by_uri["hf://org/c"] == {"state": "Ready", "uri": "hf://org/c", "key": "k" * 64,
-                                    "bytes": 99, "since": "T0"}
+                                    "bytes": 99, "inUse": False, "since": "T0"}
     again = model_rows(on_disk, [running], previous={"models": rows}, now="T1")
     assert {r["uri"]: r["since"] for r in again} == {"hf://org/a": "T0", "hf://org/c": "T0"}
