@@ -31,7 +31,8 @@ TINY_STEPS = 4
 TINY_VIDEO_FRAMES = 9
 FULL_SIDE = 1024
 MIN_SAMPLE_SIDE = 256  # a VAE sample_size below this is a test value, not an image size
-VIDEO_FPS = 16  # the Wan models' native frame rate
+VIDEO_FPS = 16  # the Wan 2.1 and Wan 2.2 A14B models' native frame rate
+RESIDUAL_VAE_FPS = 24  # Wan 2.2 TI2V-5B's, the one model with Wan 2.2's residual 16x VAE
 
 
 def image_side(vae: Mapping[str, Any]) -> int:
@@ -49,7 +50,10 @@ def square_image(dit: Mapping[str, Any], vae: Mapping[str, Any],
 
 def pipeline_video(dit: Mapping[str, Any], vae: Mapping[str, Any],
                    call: Mapping[str, Any]) -> ModelDefaults:
-    """A video family's usual rule: the pipeline's own size, frame count and step count."""
+    """A video family's usual rule: the pipeline's own size, frame count and step count, at
+    the model's frame rate (read off its VAE: Wan 2.2's residual VAE comes with TI2V-5B, which
+    generates 24 fps; the Wan 2.1 VAE's models, Wan 2.2 A14B included, 16)."""
+    fps = RESIDUAL_VAE_FPS if vae.get("is_residual") is True else VIDEO_FPS
     return ModelDefaults(int(call["width"]), int(call["height"]),
                          int(call["num_inference_steps"]), output="video",
-                         frames=int(call["num_frames"]), fps=VIDEO_FPS)
+                         frames=int(call["num_frames"]), fps=fps)

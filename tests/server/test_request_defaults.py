@@ -139,3 +139,15 @@ def test_tiny_video_models_default_to_a_small_clip_at_their_own_rate(
     defaults = model_defaults(init_tiny(tmp_path / "model", family=family))
     assert (defaults.width, defaults.height, defaults.steps) == (64, 64, 4)
     assert defaults.fps == 24
+
+
+@pytest.mark.parametrize(("family", "fps"), [("wan", 16), ("wan2.2-ti2v", 24),
+                                             ("wan2.2-ti2v-i2v", 24), ("wan-i2v", 16)])
+def test_wan_videos_default_to_their_models_frame_rate(family: str, fps: int,
+                                                       tmp_path: Path) -> None:
+    # Wan 2.2 TI2V-5B (the model with Wan 2.2's residual VAE) generates 24 fps; it was
+    # written at Wan 2.1's 16, so its clips played 1.5x slow and `seconds` counted too few.
+    from ditserve.engine.makers.tiny_model import init_tiny
+
+    defaults = model_defaults(init_tiny(tmp_path / "model", family=family))
+    assert defaults.output == "video" and defaults.fps == fps
