@@ -197,3 +197,25 @@ def test_distilled_klein_ignores_guidance(family_dir: Callable[[str], Path], tmp
     assert state_rows == [1]
     assert runner.work_rule.rows(params) == 1  # admitted as the one row it runs
     assert (ours["d"] - reference(model, params)).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize(("width", "height"), [(64, 64), (1024, 1024), (1025, 1024),
+                                               (2000, 1500), (4000, 16), (16, 4000), (3000, 17),
+                                               (1536, 640), (777, 1999), (4096, 4096)])
+def test_reference_size_is_the_size_diffusers_prepares(width: int, height: int) -> None:
+    # The work rule counts a reference's tokens from ``reference_size`` without resizing a
+    # pixel; the image diffusers' Flux2Pipeline actually encodes must have exactly that size.
+    # (A side under 16 crops to nothing in diffusers; the edge refuses references under 64
+    # pixels a side or beyond 1:8 before this.)
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    from ditserve.engine.families.flux2.pipeline import MAX_REFERENCE_PIXELS, reference_size
+
+    multiple = 16  # the VAE's 8x and the 2x2 patch
+    image = Flux2ImageProcessor._resize_if_exceeds_area(Image.new("RGB", (width, height)),
+                                                        MAX_REFERENCE_PIXELS)
+    w, h = image.size
+    processed = Flux2ImageProcessor(vae_scale_factor=8).preprocess(
+        image, height=h // multiple * multiple, width=w // multiple * multiple,
+        resize_mode="crop")
+    assert reference_size(width, height, multiple) == (processed.shape[-1], processed.shape[-2])
