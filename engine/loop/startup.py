@@ -91,11 +91,19 @@ class ModelLeases:
         self.held: list[HeldLock] = []
 
     def take(self, config: EngineConfig) -> None:
+        from ditserve.cachectl.errors import LockTimeoutError
         from ditserve.cachectl.model_lease import lease_pulled_model
 
         try:
             for path in (p for p in (config.model, config.checkpoint) if p is not None):
-                lease = lease_pulled_model(path)
+                try:
+                    lease = lease_pulled_model(path)
+                except (FileNotFoundError, LockTimeoutError) as e:
+                    # cachectl rm / gc took the entry between the pod's pull and this start
+                    raise ModelLoadError(
+                        f"the pulled model {path} was removed from the node cache (or is "
+                        f"being removed) as this replica started ({e}); restart the pod so "
+                        "its init container pulls it again") from e
                 if lease is not None:
                     log.info("serving from the pulled model %s (leased)", lease.path.name)
                     self.held.append(lease)

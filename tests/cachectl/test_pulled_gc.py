@@ -258,3 +258,22 @@ def test_the_engine_holds_the_lease_while_it_serves_a_pulled_model(
         engine.shutdown()
     assert not next(i for i in store.list_all() if i.key == key).in_use
     assert main(["rm", "--root", str(root), key]) == 0
+
+
+def test_a_pulled_model_removed_as_the_engine_starts_is_a_clear_load_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # rm / gc may take the entry between the pod's pull and the engine's lease: the start
+    # fails naming the model and what to do, not with a bare FileNotFoundError.
+    from ditserve.cachectl import model_lease
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.errors import ModelLoadError
+    from ditserve.engine.loop.startup import ModelLeases
+
+    def removed(path: object, **_: object) -> None:
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(model_lease, "lease_pulled_model", removed)
+    leases = ModelLeases()
+    with pytest.raises(ModelLoadError, match="removed from the node cache.*restart the pod"):
+        leases.take(EngineConfig(model="/models/model", device="cpu"))
+    assert leases.held == []
