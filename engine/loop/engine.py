@@ -272,28 +272,8 @@ class DiffusionEngine:
                                       "resident at once (--max-loras); name fewer")
         if self.runner is not None:  # what the served model's step cache can do
             self.runner.step_cache.check(params.step_cache)
-            self._check_work(params)
+            self.runner.work_rule.check_request(params, self.max_request_tokens)
         return params
-
-    def _check_work(self, params: SamplingParams) -> None:
-        """Refuse a request whose one step would exceed ``max_request_tokens``: a step is
-        never cut short, so it would hold the replica even after its client left."""
-        work = self.runner.work_rule.of(params)
-        tokens = work.tokens
-        bound = self.max_request_tokens
-        if tokens > bound:
-            what = "size and frames" if params.num_frames > 1 else "size"
-            rule = self.runner.work_rule
-            conditioned = work.tokens_per_row - rule.generated_tokens_per_row(params)
-            inputs = (f" (of which {conditioned * work.rows} the input images' tokens the "
-                      "model reads beside its own)" if conditioned else "")
-            raise InvalidRequestError(
-                "size", f"{params.width}x{params.height}"
-                f"{f' x {params.num_frames} frames' if params.num_frames > 1 else ''} x "
-                f"{work.rows} row(s) is {tokens} tokens of work per step{inputs}; this server "
-                f"takes at most {bound} per request (--max-request-tokens, default 4 x the step "
-                f"budget --max-batch-tokens): ask for a smaller {what}, fewer images"
-                f"{', or smaller or fewer input images' if conditioned else ''}")
 
     def add_request(
         self,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from typing import get_args
 
 from ditserve.engine.config import SchedulerConfig
+from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import FLUX, Family
 from ditserve.engine.families.base import CfgRule
 from ditserve.engine.request import SamplingParams
@@ -139,3 +140,22 @@ class WorkRule:
         1024x1024 requests fill the default budget exactly, so any adapter left one of them
         out (0.87x the adapter-free throughput on one H200, 2.23 against 2.75 rows a step)."""
         return RequestWork(self.rows(params), self.tokens_per_row(params))
+
+    def check_request(self, params: SamplingParams, bound: int) -> None:
+        """Refuse a request whose one step would exceed ``bound`` tokens
+        (``max_request_tokens``): a step is never cut short, so it would hold the replica even
+        after its client left."""
+        work = self.of(params)
+        if work.tokens <= bound:
+            return
+        frames = f" x {params.num_frames} frames" if params.num_frames > 1 else ""
+        what = "size and frames" if frames else "size"
+        conditioned = work.tokens_per_row - self.generated_tokens_per_row(params)
+        inputs = (f" (of which {conditioned * work.rows} the input images' tokens the model "
+                  "reads beside its own)" if conditioned else "")
+        raise InvalidRequestError(
+            "size", f"{params.width}x{params.height}{frames} x {work.rows} row(s) is "
+            f"{work.tokens} tokens of work per step{inputs}; this server takes at most {bound} "
+            "per request (--max-request-tokens, default 4 x the step budget "
+            f"--max-batch-tokens): ask for a smaller {what}, fewer images"
+            f"{', or smaller or fewer input images' if conditioned else ''}")
