@@ -26,6 +26,7 @@ from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.request import ConditionImage, SamplingParams
 from ditserve.engine.runner.group_forwards import shape_groups
 from ditserve.engine.runner.model_runner import ModelRunner
+from ditserve.engine.server.streaming import parse_sse
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.input_batch import InputBatchBuilder
 
@@ -559,7 +560,7 @@ def test_image_route_answers_the_one_frame_as_a_png(family_dir) -> None:  # type
     engine = DiffusionEngine(EngineConfig(model=str(model), device="cpu")).start()
     app = create_app(engine, ServerConfig(model_name="cosmos3-tiny"), start_engine=False)
 
-    async def script() -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    async def script() -> tuple[Any, Any, dict[str, Any], dict[str, Any], str]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused",
@@ -572,10 +573,13 @@ def test_image_route_answers_the_one_frame_as_a_png(family_dir) -> None:  # type
                 model="cosmos3-tiny", prompt="a harbour", size="64x32", n=2,
                 extra_body={"num_inference_steps": 2, "seed": 1})
             card = (await http.get("/v1/models/cosmos3-tiny")).json()
-            return one, two, card, (await http.get("/openapi.json")).json()
+            streamed = await http.post("/v1/images/generations", json={
+                "prompt": "a harbour", "size": "32x32", "stream": True, "partial_images": 1,
+                "num_inference_steps": 2})
+            return one, two, card, (await http.get("/openapi.json")).json(), streamed.text
 
     try:
-        one, two, card, doc = asyncio.run(script())
+        one, two, card, doc, streamed = asyncio.run(script())
     finally:
         app.state.server.stop()
     assert one.data is not None and len(one.data) == 1 and one.output_format == "png"
@@ -590,6 +594,12 @@ def test_image_route_answers_the_one_frame_as_a_png(family_dir) -> None:  # type
     assert card["ditserve"]["output"] == "video" and card["ditserve"]["images"] is True
     assert {"/v1/images/generations", "/v1/videos"} <= set(doc["paths"])
     assert "ImageGenerationRequest" in doc["components"]["schemas"]
+    images = [(kind, data) for kind, data in parse_sse(streamed)
+              if kind.startswith("image_generation.")]  # between ditserve's progress events
+    assert [kind for kind, _ in images] == ["image_generation.partial_image",
+                                           "image_generation.completed"]
+    assert all(png_pixels(base64.b64decode(data["b64_json"])).shape == (32, 32, 3)
+               for _, data in images)
 
 
 def test_generate_writes_a_png(family_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
