@@ -618,3 +618,20 @@ def test_generate_writes_a_png(family_dir, tmp_path) -> None:  # type: ignore[no
     for refused in (["--num-frames", "5"], ["--audio"]):
         assert main([*common, *refused, "--out", str(tmp_path / "no.png")]) == 2
     assert not (tmp_path / "no.png").exists()
+
+
+def test_only_a_video_model_that_makes_still_images_writes_an_image(family_dir) -> None:  # type: ignore[no-untyped-def]
+    """Cosmos3's defaults say it makes still images; a video model that does not (Wan) is
+    refused an image ``--out`` before loading, as before."""
+    from pathlib import Path
+
+    from ditserve.engine.cli.generate import output_path
+    from ditserve.engine.errors import ConfigError
+    from ditserve.engine.server.model_defaults import model_defaults
+
+    defaults = model_defaults(family_dir(VARIANT))
+    assert defaults.output == "video" and defaults.still_images and defaults.makes_images
+    out = Path("x.png")
+    assert output_path(out, video=True, still_images=True) == out
+    with pytest.raises(ConfigError, match="this is a video model"):
+        output_path(out, video=True)
