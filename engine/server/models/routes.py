@@ -1,8 +1,8 @@
 """GET /v1/models and GET /v1/models/{id}: the served model, in OpenAI's model format, with
 ditserve's own ``ditserve`` object: what the replica makes (``output``; ``images``: whether
-it serves /v1/images/generations, a video model's still images included), what a request may ask of it (the
-loaded model's limits within the server's flags: sizes, frames, steps, prompt length) and
-its defaults. The same limits are in the OpenAPI document's request schemas. Its LoRA
+it serves /v1/images/generations, a video model's still images included), what a request may
+ask of it (the loaded model's limits within the server's flags: sizes, frames, steps, prompt
+length) and its defaults. The same limits are in the OpenAPI document's request schemas. Its LoRA
 adapters follow as models of their own, whose card has ``parent`` (the base model) and
 ``root`` (the adapter's file), as vLLM lists LoRA modules."""
 
