@@ -56,12 +56,15 @@ VIDEO_SUFFIX = ".mp4"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
-def output_path(out: Path | None, *, video: bool) -> Path:
+def output_path(out: Path | None, *, video: bool, still_images: bool = False) -> Path:
     """Where ``generate`` writes: ``--out`` if its extension fits what the model makes (an
-    MP4 for a video model, an image format for an image model), else an error that says so."""
+    MP4 for a video model, an image format for an image model or for a video model that makes
+    still images, ``still_images``: Cosmos3), else an error that says so."""
     if out is None:
         return Path("out.mp4" if video else "out.png")
     suffix = out.suffix.lower()
+    if video and still_images and suffix in IMAGE_SUFFIXES:
+        return out
     if video and suffix != VIDEO_SUFFIX:
         raise ConfigError(f"--out {out}: this is a video model, which writes an H.264 MP4; "
                           f"give a {VIDEO_SUFFIX} path (e.g. {out.with_suffix(VIDEO_SUFFIX)})")
@@ -69,6 +72,21 @@ def output_path(out: Path | None, *, video: bool) -> Path:
         raise ConfigError(f"--out {out}: this is an image model; give a path ending in one of "
                           f"{', '.join(IMAGE_SUFFIXES)} (e.g. {out.with_suffix('.png')})")
     return out
+
+
+def still_image_frames(args: argparse.Namespace, out: Path) -> int | None:
+    """A video model's image ``--out`` (``output_path`` let it through: the model makes still
+    images) asks for its one frame: 1, or an error for --num-frames > 1 or --audio, which an
+    image cannot hold. None for any other ``--out``: the flags stand."""
+    if out.suffix.lower() not in IMAGE_SUFFIXES:
+        return None
+    if args.num_frames not in (None, 1):
+        raise ConfigError(f"--out {out}: an image holds one frame; give --num-frames 1 or a "
+                          f"{VIDEO_SUFFIX} path for {args.num_frames} frames")
+    if args.audio:
+        raise ConfigError(f"--out {out}: an image has no sound track; give a {VIDEO_SUFFIX} "
+                          "path for --audio")
+    return 1
 
 
 def generation_params(args: argparse.Namespace, defaults: ModelDefaults) -> SamplingParams:
@@ -143,13 +161,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     defaults = model_defaults(config.model)
     video = defaults.output == "video"
-    out = output_path(args.out, video=video)  # refused before minutes of loading
+    # refused before minutes of loading
+    out = output_path(args.out, video=video, still_images=defaults.still_images)
+    still_frames = still_image_frames(args, out) if video else None
     # --image files are decoded (and a bad one refused) before the model loads.
     params = replace(generation_params(args, defaults),
                      images=_input_images(args.image, args.last_image),
                      last_frame=args.last_image is not None,
                      mask=_input_mask(args.mask), strength=args.strength,
                      references=_references(args.reference))
+    if still_frames is not None:  # a still image's one frame (Cosmos3's text-to-image)
+        params = replace(params, num_frames=still_frames)
     fps = defaults.fps if args.fps is None else args.fps
     # With --compile: compile at the requested size before the request runs.
     engine = DiffusionEngine(config, warmup=WarmUp(compile_size=(params.height, params.width)))
@@ -165,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         result = handle.result()
         print(file=sys.stderr)
-        if result.is_video:
+        if result.is_video and out.suffix.lower() == VIDEO_SUFFIX:
             paths = _save_videos(result.pixels, out, fps, result.audio, result.audio_rate)
         else:
             paths = _save_images(result.images, out)
@@ -192,7 +214,9 @@ def add_generate_parser(subcommands: Any) -> None:
                           "prompt, as diffusers)")
     gen.add_argument("--out", type=Path, default=None,
                      help="output path: an image (.png, .jpg, .webp; default out.png) for image "
-                          "models, an H.264 .mp4 for video models (default out.mp4)")
+                          "models, an H.264 .mp4 for video models (default out.mp4); a video "
+                          "model that makes still images (Cosmos3) writes its one frame to an "
+                          "image path")
     gen.add_argument("--height", type=int, default=None,
                      help="pixels (default: the model's usual size; 64 for a tiny model)")
     gen.add_argument("--width", type=int, default=None, help="pixels (default as --height)")

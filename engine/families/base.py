@@ -121,6 +121,9 @@ class Family:
         the builders and the tests read).
     defaults: the size, steps and frames of a full-size model's requests
         (``engine.server.model_defaults``; guidance comes from the pipeline's call defaults).
+    still_images: a video family whose one-frame video is a still image its pipeline makes as
+        text-to-image (Cosmos3): its replicas serve /v1/images/generations too (one frame,
+        written as a PNG), and ``generate`` writes an image for an image ``--out``.
     min_frames: the shortest clip a video family's pipeline generates (MiniMax-H3: 5 s at
         24 fps, 124 frames); a tiny model's default request asks for at least that many.
     call_overrides: what a checkpoint changes of the pipeline's call defaults, read off its
@@ -153,6 +156,7 @@ class Family:
     released_components: ReleasedComponents = field(default_factory=dict, compare=False)
     defaults: DefaultsRule = field(default=square_image, compare=False)
     min_frames: int = 1
+    still_images: bool = False
     call_overrides: CallOverrides | None = field(default=None, compare=False)
     pipeline_module: str | None = None
 

@@ -24,6 +24,13 @@ class ModelDefaults:
     fps: int = 16
     guidance: float = 3.5  # Flux-dev's distilled guidance; Wan's CFG scale
     true_cfg: float = 1.0  # Flux and Qwen-Image: CFG scale with a negative prompt
+    # A video model whose one-frame video is a still image (``Family.still_images``).
+    still_images: bool = False
+
+    @property
+    def makes_images(self) -> bool:
+        """Whether the model makes images: an image model, or a video model's one frame."""
+        return self.output == "image" or self.still_images
 
 
 TINY = ModelDefaults(64, 64, 4)

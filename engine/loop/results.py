@@ -24,7 +24,8 @@ class GenerationResult:
     (``SamplingParams.audio``), (n, channels, samples) float in [-1, 1] on CPU at
     ``audio_rate`` samples per second; None otherwise.
 
-    ``images`` (PIL) are made from the pixels on first use, in the caller's thread: converting
+    ``images`` (PIL) are made from the pixels on first use (a one-frame video's too: its
+    frames, a video model's still images), in the caller's thread: converting
     a 1024x1024 image takes tens of milliseconds, which the engine loop would otherwise spend
     between two steps with the GPU idle.
     """

@@ -111,10 +111,13 @@ def create_app(
             video = key[1] is not None
             kind = (video_openapi.schemas(key[1]) if key[1] is not None
                     else image_openapi.schemas(key[0]))
+            if video and state.makes_images:  # a video model's still images (Cosmos3)
+                kind |= image_openapi.schemas(key[0])
             if key[2]:
                 kind |= edit_openapi.schemas(key[0], key[2], repaints=key[3])
             documents[key] = build_openapi(app, api_key=config.api_key is not None,
-                                           kind_schemas=kind, video=video, edits=key[2] > 0)
+                                           kind_schemas=kind, video=video, edits=key[2] > 0,
+                                           still_images=video and state.makes_images)
         return documents[key]
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -22,7 +22,8 @@ of the family's ``pipeline_module``: diffusers is not imported here), nothing el
   pipeline's own 832x480, 81 frames (5 s at its native 16 fps), 50 steps.
 
 ``output`` says what the replica makes (``"image"`` or ``"video"``, from the family registry):
-a video replica serves /v1/videos, an image replica /v1/images/generations.
+a video replica serves /v1/videos, an image replica /v1/images/generations, and a video
+replica whose family makes still images (``still_images``: Cosmos3's one frame) both.
 
 A family whose checkpoints run one pipeline class differently (Z-Image-Turbo and Base) says
 what a checkpoint's scheduler config changes of the call defaults (``Family.call_overrides``).
@@ -94,6 +95,7 @@ def model_defaults(model_dir: str | Path | None) -> ModelDefaults:
         # At the family's own frame rate: the one its sound track is made for (24 fps:
         # Cosmos3, MiniMax-H3), and the one ``seconds`` counts frames at.
         size = replace(TINY, output="video", frames=frames, fps=size.fps)
-    defaults = replace(size, guidance=guidance, true_cfg=true_cfg)
+    defaults = replace(size, guidance=guidance, true_cfg=true_cfg,
+                       still_images=family.still_images)
     log.debug("defaults of %s: %s", root, defaults)
     return defaults

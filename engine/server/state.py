@@ -14,7 +14,8 @@ frame counts its positional tables reach).
 
 One model per replica: ``output`` (from the model's family, read before it loads) says
 whether this replica makes images (/v1/images/generations) or videos (/v1/videos, whose
-jobs ``videos`` owns: the store, its directory and the encoding threads).
+jobs ``videos`` owns: the store, its directory and the encoding threads); ``makes_images``
+whether the image route is served (a video model that makes still images serves both).
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ class ServerState:
     def output(self) -> str:
         """What this replica makes: "image" or "video"."""
         return self.model.output
+
+    @property
+    def makes_images(self) -> bool:
+        """Whether /v1/images/generations is served: an image replica, or a video replica
+        whose model makes still images (its one-frame video: Cosmos3's text-to-image)."""
+        return self.model.makes_images
 
     def model_limits(self) -> ModelLimits:
         """The loaded model's own limits; before it loaded, the usual ones of its kind."""

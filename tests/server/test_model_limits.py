@@ -41,6 +41,7 @@ def test_the_model_card_shows_the_models_own_limits(wan_server) -> None:
     card = httpx.get(f"{wan_server.url}/v1/models/model").json()
     served = card["ditserve"]
     assert served["output"] == "video" and served["loaded"] is True
+    assert served["images"] is False  # Wan makes no still images: the image route is a 400
     limits = served["limits"]
     assert (limits["pixel_multiple"], limits["positions"]) == (16, 32)
     assert (limits["max_width"], limits["max_height"]) == (TINY_WAN_SIDE, TINY_WAN_SIDE)

@@ -74,6 +74,8 @@ COSMOS3 = Family(
     resident_modules=("norm", "norm_moe_gen", "rotary_emb", "proj_in", "proj_out",
                       "time_proj", "time_embedder"),
     output="video",
+    # Text-to-image is the pipeline's num_frames=1 call: served as a PNG by the image route.
+    still_images=True,
     loader_version="cosmos3-loader-1", cfg_rows="guidance",
     # Ulysses splits the key-value heads too: 8 in both DiTs (32 and 64 query heads), so 8
     # bounds the SP size (the SP hooks refuse a size that does not divide them).

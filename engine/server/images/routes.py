@@ -4,6 +4,8 @@ A request is parsed and validated (``generation.request``), admitted to the engi
 request id, then awaited plain or as Server-Sent Events (``generation.waiting``, shared with
 the edits route: admission errors, the per-request timeout, client disconnects and failures).
 Before the model loaded it is not judged at all: 503 ``model_loading`` (``phase.check_loaded``).
+A video replica serves it when its model makes still images (``ServerState.makes_images``:
+Cosmos3's text-to-image, a one-frame video answered as a PNG); others answer 400.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 )
 async def create_image(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    if state.output != "image":
+    if not state.makes_images:
         raise APIError(400, f"this server serves the video model {state.model_name!r}: "
                             "create videos with POST /v1/videos (one model per replica)",
                        param="model", code="unsupported_model")

@@ -1,7 +1,8 @@
 """GET /v1/models and GET /v1/models/{id}: the served model, in OpenAI's model format, with
-ditserve's own ``ditserve`` object: what the replica makes, what a request may ask of it (the
-loaded model's limits within the server's flags: sizes, frames, steps, prompt length) and
-its defaults. The same limits are in the OpenAPI document's request schemas. Its LoRA
+ditserve's own ``ditserve`` object: what the replica makes (``output``; ``images``: whether
+it serves /v1/images/generations, a video model's still images included), what a request may
+ask of it (the loaded model's limits within the server's flags: sizes, frames, steps, prompt
+length) and its defaults. The same limits are in the OpenAPI document's request schemas. Its LoRA
 adapters follow as models of their own, whose card has ``parent`` (the base model) and
 ``root`` (the adapter's file), as vLLM lists LoRA modules."""
 
@@ -44,7 +45,7 @@ def served(state: ServerState) -> dict[str, Any]:
         limits.update(frame_step=video.frame_step, min_frames=video.min_frames,
                       max_frames=video.max_frames, max_seconds=round(video.max_seconds, 6))
         defaults.update(num_frames=video.default_frames, fps=video.default_fps)
-    return {"output": state.output, "loaded": facts is not None, "limits": limits,
+    return {"output": state.output, "images": state.makes_images, "loaded": facts is not None, "limits": limits,
             "defaults": defaults, "adapters": list(facts.adapters) if facts else []}
 
 
