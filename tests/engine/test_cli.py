@@ -38,7 +38,7 @@ def test_generate_flag_set_is_frozen() -> None:
     assert flags("generate") == ENGINE_FLAGS | {
         "--prompt", "--negative-prompt", "--out", "--height", "--width", "--steps", "--seed",
         "--guidance-scale", "--true-cfg-scale", "--num-images", "--num-frames", "--fps",
-        "--image", "--last-image", "--mask", "--strength", "--audio",
+        "--image", "--last-image", "--reference", "--mask", "--strength", "--audio",
         "--max-sequence-length",
         "--lora",
     }
