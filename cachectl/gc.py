@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ditserve.cachectl import locks, pulled_gc
@@ -34,6 +32,7 @@ from ditserve.cachectl.identity import is_key
 from ditserve.cachectl.layout import Layout
 from ditserve.cachectl.publish import remove_stale_temps
 from ditserve.cachectl.records import sweep_record_temps
+from ditserve.cachectl.removal import lease_free, remove_leased_dir
 from ditserve.cachectl.stamps import forget_stamp
 from ditserve.cachectl.verify import entry_dir_problem, load_manifest
 
@@ -74,7 +73,7 @@ def _info(layout: Layout, key: str) -> EntryInfo:
         return EntryInfo(key, path, 0, None, st.st_mtime, False, None, bad.what)
     try:
         size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-        in_use = not _lease_free(path)
+        in_use = not lease_free(path)
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -86,14 +85,6 @@ def _info(layout: Layout, key: str) -> EntryInfo:
     except CacheError as e:
         identity, created, problem = None, None, str(e)
     return EntryInfo(key, path, size, created, st.st_mtime, in_use, identity, problem)
-
-
-def _lease_free(path: Path) -> bool:
-    probe = locks.try_exclusive_dir(path)
-    if probe is None:
-        return False
-    probe.release()
-    return True
 
 
 def list_entries(layout: Layout) -> list[EntryInfo]:
@@ -120,38 +111,9 @@ def remove_any(layout: Layout, key: str, *, dry_run: bool) -> bool:
 
 def remove_entry(layout: Layout, key: str, *, dry_run: bool) -> bool:
     """Remove ``key`` unless a builder or a reader holds it; True if removed (or removable)."""
-    path = layout.entry(key)
-    if dry_run:  # nothing opened for writing: works on a read-only root
-        try:
-            return locks.is_free(layout.build_lock(key)) and (
-                os.path.islink(path) or _lease_free(path))
-        except FileNotFoundError:
-            return False
-    require_writable(layout, f"remove entry {key}")
-    build = locks.try_exclusive(layout.build_lock(key))
-    if build is None:
-        return False
-    with build:
-        if os.path.islink(path):  # not ours to follow: drop the link itself
-            os.unlink(path)
-            forget_stamp(layout.stamp(key))
-            build.unlink_and_release()
-            return True
-        try:
-            lease = locks.try_exclusive_dir(path)
-        except FileNotFoundError:
-            return False
-        if lease is None:
-            return False
-        doomed = layout.tmp / f"{key}.gc.{os.getpid()}.{secrets.token_hex(4)}"
-        # The rename makes it vanish atomically for new joiners; one already waiting on the
-        # old directory's flock sees the path gone (inode check) and reports it missing.
-        os.rename(path, doomed)
-        forget_stamp(layout.stamp(key))
-        lease.release()
-        build.unlink_and_release()
-    shutil.rmtree(doomed, ignore_errors=True)
-    return True
+    return remove_leased_dir(layout, key, layout.entry(key), dry_run=dry_run,
+                             check_writable=lambda: require_writable(layout, f"remove entry {key}"),
+                             forget=lambda: forget_stamp(layout.stamp(key)))
 
 
 def collect(layout: Layout, max_bytes: int, *, dry_run: bool,

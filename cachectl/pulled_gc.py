@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ditserve.cachectl.errors import ReadOnlyCacheError
 from ditserve.cachectl.identity import is_key
 from ditserve.cachectl.layout import Layout
 from ditserve.cachectl.pulled import MANIFEST, model_keys
+from ditserve.cachectl.removal import lease_free, remove_leased_dir
 
 DEFAULT_PARTIAL_MAX_AGE_S = 24 * 3600.0
 
@@ -42,15 +42,6 @@ def _bytes_under(path: Path) -> int:
             with contextlib.suppress(FileNotFoundError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
     return total
-
-
-def lease_free(path: Path) -> bool:
-    """True if no reader holds the directory's lease (a probe: taken and dropped at once)."""
-    probe = locks.try_exclusive_dir(path)
-    if probe is None:
-        return False
-    probe.release()
-    return True
 
 
 def model_info(layout: Layout, key: str) -> EntryInfo:
@@ -95,34 +86,9 @@ def _require_writable(layout: Layout, action: str) -> None:
 def remove_model(layout: Layout, key: str, *, dry_run: bool) -> bool:
     """Remove pulled entry ``key`` unless a pull or a reader holds it; True if removed (or,
     with ``dry_run``, removable)."""
-    path = layout.model(key)
-    if dry_run:  # nothing opened for writing: works on a read-only root
-        try:
-            return locks.is_free(layout.build_lock(key)) and (
-                os.path.islink(path) or lease_free(path))
-        except FileNotFoundError:
-            return False
-    _require_writable(layout, f"remove pulled model {key}")
-    build = locks.try_exclusive(layout.build_lock(key))
-    if build is None:  # a pull of this key runs (it may be about to publish it)
-        return False
-    with build:
-        if os.path.islink(path):  # never made by cachectl: drop the link, never follow it
-            os.unlink(path)
-            build.unlink_and_release()
-            return True
-        try:
-            lease = locks.try_exclusive_dir(path)
-        except FileNotFoundError:
-            return False
-        if lease is None:
-            return False
-        doomed = layout.tmp / f"{key}.gc.{os.getpid()}.{secrets.token_hex(4)}"
-        os.rename(path, doomed)  # gone for new readers at once; sweep_orphans ends a dead rmtree
-        lease.release()
-        build.unlink_and_release()
-    shutil.rmtree(doomed, ignore_errors=True)
-    return True
+    return remove_leased_dir(
+        layout, key, layout.model(key), dry_run=dry_run,
+        check_writable=lambda: _require_writable(layout, f"remove pulled model {key}"))
 
 
 def _newest_change(path: Path) -> float:
