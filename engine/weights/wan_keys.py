@@ -20,6 +20,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ditserve.engine.weights import key_tables
+
 # A prefix ComfyUI-style files may carry before the original names.
 ORIGINAL_PREFIXES = ("model.diffusion_model.",)
 
@@ -71,10 +73,7 @@ def is_original(names: Any) -> bool:
 
 
 def strip_prefix(name: str) -> str:
-    for prefix in ORIGINAL_PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix):]
-    return name
+    return key_tables.strip_prefix(name, ORIGINAL_PREFIXES)
 
 
 def to_original(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,13 +12,19 @@ table is what ``weights.convert`` writes with; a test checks that diffusers' con
 what ``to_original`` writes, gives back the folder's tensors (released shapes on meta tensors,
 tiny ones by value). Every transform is along dim 0, so FP8 per-row scales map with their
 weights.
+
+The table lists only the names that differ (the rest are the same in both layouts, and kept),
+so it is not a ``weights.key_tables.Layout`` (whose tables name every tensor); the q, k, v join
+is that module's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
+
+from ditserve.engine.weights.key_tables import Cat, pop_joined
 
 # (diffusers prefix, original prefix) of top-level modules (the 2x2 patch's embedder and
 # final layer: the released DiT has one patch size).
@@ -37,7 +43,7 @@ _FUSED = ("attention.qkv.weight", ("attention.to_q.weight", "attention.to_k.weig
 _BLOCK_KEY = re.compile(r"((?:noise_refiner|context_refiner|layers)\.\d+\.)(.+)")
 
 
-def to_original(state: Mapping[str, Any], *, cat: Callable[[list[Any]], Any]) -> dict[str, Any]:
+def to_original(state: Mapping[str, Any], *, cat: Cat) -> dict[str, Any]:
     """A diffusers-named Z-Image state dict in the original names. ``cat`` joins along dim 0."""
     out: dict[str, Any] = {}
     fused: dict[str, dict[str, Any]] = {}
@@ -52,9 +58,10 @@ def to_original(state: Mapping[str, Any], *, cat: Callable[[list[Any]], Any]) ->
         else:
             out[block + _renamed(rest, _BLOCK)] = value
     for block, parts in fused.items():
-        if set(parts) != set(_FUSED[1]):
+        joined = pop_joined(parts, _FUSED[1], cat)
+        if joined is None:
             raise KeyError(f"Z-Image block {block} has {sorted(parts)} of q, k, v only")
-        out[block + _FUSED[0]] = cat([parts[p] for p in _FUSED[1]])
+        out[block + _FUSED[0]] = joined
     return out
 
 
