@@ -25,8 +25,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from job_processes import answers, running, wait_until
 
 PHASES = ("process", "cuda_init", "imports", "read", "place", "pin_register", "encoders",
           "warm_up", "compile", "load")
@@ -56,38 +55,15 @@ def read_floor(model: Path, chunk: int = 64 << 20) -> dict[str, float]:
 
 def start_once(args: argparse.Namespace, flags: list[str], env: dict[str, str],
                log_path: Path) -> dict[str, Any]:
-    import httpx
-
     port = harness.free_port()
     cmd = [*shlex.split(args.server_cmd), "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(args.model), *flags, *shlex.split(args.serve_args)]
     harness.log(f"launching: {shlex.join(cmd)}")
     url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        spawned = time.perf_counter()
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = spawned + args.timeout
-            while True:
-                if process.poll() is not None:
-                    raise SystemExit(f"server exited with {process.returncode}; see {log_path}")
-                if time.perf_counter() > deadline:
-                    raise SystemExit(f"not ready after {args.timeout}s; see {log_path}")
-                try:
-                    if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)  # polling a child's readiness: 50 ms resolution
-            wall = time.perf_counter() - spawned
-            samples = harness.scrape_metrics(url)
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with running(cmd, log_path, env=env) as (process, spawned):
+        wall = wait_until(lambda: answers(f"{url}/ready"), process, spawned, args.timeout,
+                          log_path, every_s=0.05)
+        samples = harness.scrape_metrics(url)
     phases = {name: samples.get(f'ditserve:start_phase_seconds{{phase="{name}"}}')
               for name in PHASES}
     return {"ready_s": wall, "engine_ready_s": samples.get("ditserve:start_to_ready_seconds"),

@@ -1,12 +1,18 @@
-"""Processes the job benchmarks share (``jobs.py``, ``job_scenarios.py``): a free port, moto's
-S3 server, stopping a server the way Kubernetes does (SIGTERM, then SIGKILL)."""
+"""Processes the benchmarks share: a free port, moto's S3 server, running a server the way
+Kubernetes does (stopped with SIGTERM, then SIGKILL) and waiting for it to get ready. The job
+benchmarks (``jobs.py``, ``job_scenarios.py``) and the start benchmarks (``cold_start.py``,
+``serve_imports.py``) use them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -39,3 +45,44 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,
+            stderr_path: Path | None = None) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+    """A server process, its output in ``log_path`` (stderr apart in ``stderr_path`` if
+    given), stopped on leaving. Yields the process and the ``perf_counter`` just before it
+    was spawned, so a start bench counts from the spawn and not from the caller's setup."""
+    with open(log_path, "wb") as log, open(stderr_path or os.devnull, "wb") as err:
+        spawned = time.perf_counter()
+        process = subprocess.Popen(cmd, stdout=log, env=env,
+                                   stderr=err if stderr_path else subprocess.STDOUT)
+        try:
+            yield process, spawned
+        finally:
+            stop(process)
+
+
+def wait_until(ready: Callable[[], bool], process: subprocess.Popen[bytes], since: float,
+               timeout: float, log_path: Path, every_s: float) -> float:
+    """Ask ``ready`` every ``every_s`` until it says yes: the seconds from ``since`` (a
+    ``perf_counter``). A server that exits first, or is not ready ``timeout`` seconds after
+    ``since``, ends the bench with a pointer to its log."""
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode}; see {log_path}")
+        if time.perf_counter() - since > timeout:
+            raise SystemExit(f"not ready after {timeout}s; see {log_path}")
+        if ready():
+            return time.perf_counter() - since
+        time.sleep(every_s)  # polling a child process's readiness
+
+
+def answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether a GET of ``url`` is answered 200 (a server still starting may not listen)."""
+    import httpx  # only the benches that start servers need an HTTP client
+
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -25,9 +25,7 @@ import argparse
 import os
 import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from job_processes import answers, running, wait_until
 
 from ditserve.engine.runner.start_phases import PHASES
 
@@ -91,42 +90,26 @@ def start_once(cmd: list[str], url: str, log_path: Path, timeout: float,
     import httpx
 
     listening = None
-    with open(log_path, "wb") as log, open(stderr_path or "/dev/null", "wb") as err:
-        spawned = time.perf_counter()
-        process = subprocess.Popen(cmd, stdout=log,
-                                   stderr=err if stderr_path else subprocess.STDOUT)
-        try:
-            while True:
-                if process.poll() is not None:
-                    raise SystemExit(f"server exited with {process.returncode}; see {log_path}")
-                if time.perf_counter() - spawned > timeout:
-                    raise SystemExit(f"not ready after {timeout}s; see {log_path}")
-                if listening is None:
-                    try:
-                        if httpx.get(f"{url}/health", timeout=2).is_success:
-                            listening = time.perf_counter() - spawned
-                    except httpx.TransportError:
-                        pass
-                elif READY_LINE in (stderr_path or log_path).read_bytes():
-                    # The engine logs this line as it turns READY. Watching the log, not
-                    # polling /ready, keeps the bench from costing the start CPU time.
-                    break
-                time.sleep(0.02)  # 20 ms resolution
-            ready = time.perf_counter() - spawned
-            if httpx.get(f"{url}/ready", timeout=10).status_code != 200:
-                raise SystemExit(f"logged ready but /ready is not 200; see {log_path}")
-            cpu = cpu_seconds(process.pid)
-            samples = harness.scrape_metrics(url)
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with running(cmd, log_path, stderr_path=stderr_path) as (process, spawned):
+
+        def ready() -> bool:
+            nonlocal listening
+            if listening is None:
+                if answers(f"{url}/health"):
+                    listening = time.perf_counter() - spawned
+                return False
+            # The engine logs this line as it turns READY. Watching the log, not polling
+            # /ready, keeps the bench from costing the start CPU time.
+            return READY_LINE in (stderr_path or log_path).read_bytes()
+
+        ready_s = wait_until(ready, process, spawned, timeout, log_path, every_s=0.02)
+        if httpx.get(f"{url}/ready", timeout=10).status_code != 200:
+            raise SystemExit(f"logged ready but /ready is not 200; see {log_path}")
+        cpu = cpu_seconds(process.pid)
+        samples = harness.scrape_metrics(url)
     phases = {name: samples.get(f'ditserve:start_phase_seconds{{phase="{name}"}}')
               for name in PHASES}
-    return {"listening_s": listening, "ready_s": ready, "cpu_s": cpu,
+    return {"listening_s": listening, "ready_s": ready_s, "cpu_s": cpu,
             "phases": {k: v for k, v in phases.items() if v is not None}}
 
 

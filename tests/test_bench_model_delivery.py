@@ -19,7 +19,7 @@ MIB = 2**20
 def test_the_model_is_a_real_diffusers_folder_with_readable_safetensors(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    bench = load("model_delivery")
+    bench = load("delivery_fixture")  # the model is built there, beside the node's processes
     files = bench.model_files(3 * MIB)
     assert abs(sum(len(d) for d in files.values()) - 3 * MIB) < 2 * bench.COLUMNS * 2
     assert json.loads(files["model_index.json"])["_class_name"] == "FluxPipeline"
