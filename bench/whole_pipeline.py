@@ -127,6 +127,21 @@ def cuda_memory() -> dict[str, int]:
             "peak_reserved": torch.cuda.max_memory_reserved()}
 
 
+def cuda_tensors_alive(top: int = 8) -> list[dict[str, Any]]:
+    """The largest CUDA tensors Python still reaches (after an engine's shutdown: what keeps
+    HBM allocated, and the module that owns each parameter or buffer, where one does)."""
+    owners = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Module):
+            for name, t in [*obj._parameters.items(), *obj._buffers.items()]:
+                if t is not None and t.is_cuda:
+                    owners[id(t)] = f"{type(obj).__name__}.{name}"
+    found = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.is_cuda]
+    found.sort(key=lambda t: t.untyped_storage().nbytes(), reverse=True)
+    return [{"bytes": t.untyped_storage().nbytes(), "shape": list(t.shape),
+             "dtype": str(t.dtype), "owner": owners.get(id(t))} for t in found[:top]]
+
+
 def host_plan(config: Any, model: Path) -> dict[str, Any] | None:
     """The engine's host plan of this configuration's load (None: no offload, no plan)."""
     if not config.offload.enabled:
@@ -198,6 +213,8 @@ def run_config(name: str, flags: str, w: Workload, model: Path, args: argparse.N
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             out["left_allocated"] = torch.cuda.memory_allocated()
+            if out["left_allocated"]:
+                out["left_tensors"] = cuda_tensors_alive()
     a, b = args.timed
     per_step = (latencies[b] - latencies[a]) / (b - a)
     out |= {"latency_s": {str(k): v for k, v in latencies.items()}, "step_s": per_step,
@@ -320,6 +337,10 @@ def rest_lines(configs: dict[str, Any]) -> list[str]:
         if run.get("left_allocated") is not None:
             # What the next configuration of this process starts with (not in its plan).
             line += f"; left allocated after shutdown {run['left_allocated'] / GIB:.3f} GiB"
+            left = [f"{t['bytes'] / 2**20:.0f} MiB {t['owner'] or t['dtype']} {t['shape']}"
+                    for t in run.get("left_tensors") or []]
+            if left:
+                line += " (largest still reachable: " + ", ".join(left[:4]) + ")"
         lines.append(line)
     return lines
 

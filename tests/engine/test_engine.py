@@ -207,3 +207,21 @@ def test_a_request_over_the_step_budget_is_refused_up_front(tiny_model_dir) -> N
                                           scheduler=SchedulerConfig(max_batch_tokens=1024,
                                                                     max_request_tokens=10**6)))
     assert raised.max_request_tokens == 10**6
+
+
+def test_shutdown_lets_the_model_go_while_handles_live(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """A handle keeps the engine (its cancel() calls the engine's abort); shutting down must
+    still let the model's modules be collected, or an engine started next in the same
+    process finds the old one's resident weights under its HBM budget."""
+    import gc
+    import weakref
+
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_model_dir), device="cpu")).start()
+    handle = engine.add_request(SamplingParams(prompt="x", num_inference_steps=1, seed=1))
+    handle.result(timeout=60)
+    runner = weakref.ref(engine.runner)
+    engine.shutdown()
+    gc.collect()
+    assert runner() is None
+    assert engine.runner is None and engine.pipeline_report() is None
+    assert not handle.cancel()  # finished: nothing to abort, and no error after shutdown
