@@ -2,7 +2,8 @@
 placement of its components: the peak HBM and latency that issue 34's targets judge.
 
 Every component is at its released shape (``ditserve model init-random --size full``, built on
-the GPU into ``--model-dir`` when that holds no model: Flux ~34 GB, Qwen-Image ~58 GB,
+the GPU into ``--model-dir`` when that holds no model, one component at a time, so the GPU
+needs room for the largest, not the sum: Flux ~34 GB, Qwen-Image ~58 GB,
 Z-Image ~20 GB, Wan2.1 ~40 GB, FLUX.2 [dev] ~113 GB - on a host of 128 GiB put it in /dev/shm,
 where DLO maps the checkpoint instead of copying it, and with ``--spill-dir`` the text
 encoders on a local disk, where their page cache can be evicted - [klein] 4B ~16 GB, Cosmos3-Nano ~31 GB: its DiT reads the prompt's tokens itself, so only the Wan 2.2

@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "and VAE, for quick runs")
     rnd.add_argument("--device", default="auto",
                      help="where to allocate and initialize the modules (auto: cuda if "
-                          "present; a GPU builds a full pipeline in seconds)")
+                          "present; a GPU builds a full pipeline in seconds); each is "
+                          "written and freed before the next is built, so it needs room "
+                          "for the largest component, not the whole pipeline")
     rnd.add_argument("--seed", type=int, default=0)
     rnd.set_defaults(func=cmd_init_random)
     ref2va = model_sub.add_parser(

@@ -15,7 +15,9 @@ blocks and few heads (CPU checks) and ``tiny`` is a few hundred kilobytes (tests
 
 Tokenizers are built from an in-code vocabulary either way. Those parts are each family's
 own builder module (``Family.builders``, e.g. ``engine.families.wan.builders``). Every module is left
-on ``device`` (``init_random`` writes them from there, a tensor at a time).
+on ``device``; inside ``engine.makers.writing.writing_components`` (``init_random``), each large
+one - a DiT, a released-shape component - is written as soon as it is built and emptied, so
+the next is built in the memory it held.
 
 Called by ``tiny_model.init_tiny`` and ``random_model.init_random``; the bench builds DiTs
 in memory with ``make_dit``.
@@ -84,13 +86,17 @@ def dit_setting(variant: str, size: str, name: str) -> Any:
     return inspect.signature(dit_class(variant).__init__).parameters[name].default
 
 
-def make_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> Any:
+def make_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int,
+             component: str = "transformer") -> Any:
     """One random DiT on ``device``, allocated and initialized in ``dtype`` there (so a full
     one never needs a float32 copy), in the dtypes an ordinary load gives: the class's
-    keep-in-float32 modules (Wan's norms and modulation tables) in float32."""
+    keep-in-float32 modules (Wan's norms and modulation tables) in float32. ``component``:
+    its name in the pipeline (a second DiT's is another), under which ``init-random`` writes
+    it as soon as it is built (``engine.makers.writing``)."""
     import torch
 
     from ditserve.engine.makers.released import allocating
+    from ditserve.engine.makers.writing import finished
     from ditserve.engine.weights.loader import keeps_float32
 
     torch.manual_seed(seed)
@@ -100,7 +106,7 @@ def make_dit(variant: str, size: str, *, dtype: Any, device: Any, seed: int) -> 
     for name, p in model.named_parameters():
         if keeps_float32(cls, name) and p.is_floating_point():
             p.data = p.data.float()
-    return model.eval().requires_grad_(False)
+    return finished(component, model.eval().requires_grad_(False))
 
 
 def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: int,

@@ -16,11 +16,15 @@ Every variant of ``engine.families.MODEL_VARIANTS``, built by its family's build
 Sizes: ``full`` (the released DiT), ``small`` (the same widths with two or a few blocks and 4
 heads: for CPU checks) and ``tiny`` (a few MB; tiny parts only).
 
-Every module is allocated and initialized once, in the target dtype, on ``device``: on a GPU
-a full pipeline builds in seconds and is written from there a tensor at a time, so the host
-holds about one shard (5 GB) at a time; on a CPU it needs the pipeline's size in free RAM and
-minutes of random initialization. Writing the directory needs as much disk. Weights are
-never downloaded.
+Every module is allocated and initialized once, in the target dtype, on ``device``, and the
+pipeline is written a component at a time (``engine.makers.writing``): each DiT and
+released-shape encoder or VAE is saved as soon as it is built and freed before the next is
+built, so the peak memory is about the largest component, not the pipeline's sum (FLUX.2
+[dev]: its 60 GiB DiT, not that plus its 45 GiB Mistral encoder). On a GPU a full pipeline
+builds in seconds and is written from there a tensor at a time, so the host holds about one
+shard (5 GB) at a time; on a CPU it needs the largest component's size in free RAM and
+minutes of random initialization. Writing the directory needs the pipeline's size in disk.
+The files are those a whole build would write, byte for byte. Weights are never downloaded.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import MODEL_VARIANTS
+from ditserve.engine.families.base import ComponentShape
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +91,35 @@ def init_random(
                               f"({found}); choose another directory")
         return target
     started = time.perf_counter()
-    pipe = _build(family, size, dtype=dtype, device=_resolve_device(device), seed=seed,
-                  components=chosen)
-    params = _parameters(pipe)
-    log.info("built a random %s-size %s pipeline (%s): %s in %.1fs", size, family,
-             "every component at released shape" if chosen == "all" else "tiny encoders",
-             ", ".join(f"{name} {n / 1e9:.2f}B" for name, n in params.items()),
-             time.perf_counter() - started)
-    target.mkdir(parents=True, exist_ok=True)
-    # Written from where the modules live, a tensor at a time (safetensors moves each one
-    # to the host as it serializes a shard): the host holds about one shard.
-    pipe.save_pretrained(str(target), max_shard_size="5GB")  # a modular pipeline takes a str
+    params = write_pipeline(target, family, size, dtype=dtype, device=_resolve_device(device),
+                            seed=seed, components=chosen)
     dit_params = sum(n for name, n in params.items() if name.startswith("transformer"))
     marker.write_text(json.dumps({**wanted, "transformer_parameters": dit_params,
                                   "parameters": params}))
-    log.info("wrote %s in %.1fs", target, time.perf_counter() - started)
+    log.info("wrote a random %s-size %s pipeline (%s) to %s: %s in %.1fs", size, family,
+             "every component at released shape" if chosen == "all" else "tiny encoders",
+             target, ", ".join(f"{name} {n / 1e9:.2f}B" for name, n in params.items()),
+             time.perf_counter() - started)
     return target
+
+
+def write_pipeline(target: Path, family: str, size: str, *, dtype: str, device: Any, seed: int,
+                   components: str,
+                   shapes: Mapping[str, ComponentShape] | None = None) -> dict[str, int]:
+    """Builds the pipeline and writes it to ``target`` a large component at a time
+    (``engine.makers.writing``): each DiT and released-shape component is written as soon as
+    it is built and freed before the next, then the rest; returns the parameters per module
+    component. ``shapes``: the released components' table (``build_pipeline``'s)."""
+    from ditserve.engine.makers.builders import build_pipeline
+    from ditserve.engine.makers.writing import save_pipeline, writing_components
+    from ditserve.engine.weights.loader import torch_dtype
+
+    target.mkdir(parents=True, exist_ok=True)
+    with writing_components(target) as writer:
+        pipe = build_pipeline(family, size, dtype=torch_dtype(dtype), device=device, seed=seed,
+                              components=components, shapes=shapes)
+    save_pipeline(pipe, target, writer.written)
+    return _parameters(pipe)
 
 
 def default_components(size: str) -> str:
@@ -115,12 +134,3 @@ def _parameters(pipe: Any) -> dict[str, int]:
 
     return {name: sum(p.numel() for p in module.parameters())
             for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
-
-
-def _build(family: str, size: str, *, dtype: str, device: Any, seed: int,
-           components: str) -> Any:
-    from ditserve.engine.makers.builders import build_pipeline
-    from ditserve.engine.weights.loader import torch_dtype
-
-    return build_pipeline(family, size, dtype=torch_dtype(dtype), device=device, seed=seed,
-                          components=components)

@@ -69,10 +69,13 @@ def build_released(table: Mapping[str, ComponentShape], *, dtype: Any, device: A
     builders' in-code tokenizers decide (special-token ids), merged over the table's."""
     import torch
 
+    from ditserve.engine.makers.writing import finished
+
     modules = {}
     for index, (name, shape) in enumerate(table.items()):
         # One seed per component: its weights do not depend on what was built before it.
         torch.manual_seed(seed + 1000 * (index + 1))
-        modules[name] = make_component(shape, dtype=dtype, device=device,
-                                       extra=(ids or {}).get(name))
+        # Written and emptied at once when init-random writes (engine.makers.writing).
+        modules[name] = finished(name, make_component(shape, dtype=dtype, device=device,
+                                                      extra=(ids or {}).get(name)))
     return modules

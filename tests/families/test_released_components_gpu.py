@@ -1,8 +1,8 @@
 """`init-random --components all` on CUDA (run on the device machine): the released T5-XXL,
 CLIP-L and Flux VAE around a small Flux DiT are built on the GPU and written from there, with
-the host holding far less than the pipeline's bytes; the directory loads under DLO with the
-blocks streamed from the checkpoint mapping, no private copy, and the released encoders'
-shapes in their config.json."""
+the host holding far less than the pipeline's bytes and the GPU about the largest
+component's; the directory loads under DLO with the blocks streamed from the checkpoint
+mapping, no private copy, and the released encoders' shapes in their config.json."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def test_released_flux_parts_build_on_the_gpu_and_load(tmp_path: Path) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    torch.cuda.reset_peak_memory_stats()
     try:
         model = init_random(tmp_path / "flux", family="flux", size="small", components="all",
                             device="cuda")
@@ -53,6 +54,11 @@ def test_released_flux_parts_build_on_the_gpu_and_load(tmp_path: Path) -> None:
     assert total > 10e9  # T5-XXL's encoder alone is 9.5 GB
     # Built on the device and written a shard at a time: the host never held the pipeline.
     assert peak[0] - before < 0.75 * total, (peak[0] - before, total)
+    # Written a component at a time, each freed before the next is built: the GPU held about
+    # the largest (T5-XXL's 9.5 GB), never the whole pipeline.
+    largest = 2 * max(marker["parameters"].values())
+    hbm = torch.cuda.max_memory_allocated()
+    assert hbm < 1.1 * largest < total, (hbm, largest, total)
     t5 = json.loads((model / "text_encoder_2" / "config.json").read_text())
     wanted = released_shapes("flux")["text_encoder_2"].config
     assert (t5["d_model"], t5["num_layers"], t5["d_ff"]) == (

@@ -44,7 +44,9 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
                    released: Mapping[str, ComponentShape] | None = None) -> Any:
     pipeline = flux.build_pipeline("flux", size, dtype=dtype, device=device, seed=seed,
                                    released=released)
-    return _from_flux(pipeline, tiny=size == "tiny")
+    # With released shapes (a test's scaled table around a tiny DiT) the VAE is the table's:
+    # init-random has already written it as the pipeline's.
+    return _from_flux(pipeline, tiny=size == "tiny" and released is None)
 
 
 def build_tiny(variant: str, seed: int) -> Any:

@@ -158,7 +158,8 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     # The omni-reference workflow's DiT (``ref2va``): the same class and shape, its own
     # weights; tiny models only (a second released-size DiT is another 66 GB to write).
     extra = {} if size != "tiny" else {"transformer_ref": make_dit(
-        variant, size, dtype=dtype, device=device, seed=seed + REF_SEED_OFFSET)}
+        variant, size, dtype=dtype, device=device, seed=seed + REF_SEED_OFFSET,
+        component="transformer_ref")}
     if released is not None:
         parts = build_released(released, dtype=dtype, device=device, seed=seed)
     else:

@@ -89,7 +89,7 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
     extra: dict[str, Any] = {}
     if variant == EXPERTS:
         extra = {"transformer_2": make_dit(variant, size, dtype=dtype, device=device,
-                                           seed=seed + 1),
+                                           seed=seed + 1, component="transformer_2"),
                  "boundary_ratio": WAN22_BOUNDARY_RATIO}
     if variant == TI2V:
         extra = {"expand_timesteps": True}
