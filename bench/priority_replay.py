@@ -17,6 +17,14 @@ of the low-priority work can beat on this loop:
 
 ``--trace`` is the JSON that ``bench/serving.py --priority --out`` writes (its ``trace``,
 ``size`` and ``steps``); without it a seeded Poisson trace of the same shape is drawn.
+
+``--fit-log`` (the servers' logs of that run, ``<out>-<policy>.server-N.log``) fits the
+forward part of the model to the GPU that ran it: each ``engine.steps`` summary line gives a
+window's step count, mean forward GPU time and mean rows x tokens, and a weighted least-squares
+line through the windows (the first window of each log left out: it holds the warm-up's
+first-use costs) replaces ``--step-base-ms`` and ``--step-ms-per-ktoken``. It also prints
+each window's wall time outside the forwards (encodes, decodes, and whatever else kept the GPU
+from the next forward), which the model charges only as encode and decode.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -61,6 +70,48 @@ class StepModel:
         ms = (self.base_ms + self.ms_per_ktoken * tokens / 1000 + self.encode_ms * encoded
               + self.decode_ms_per_mpixel * decoded_pixels / 2**20)
         return ms / 1000
+
+
+# One ``engine.steps`` summary (engine/loop/step_log.py): steps, wall s, mean forward ms, rows
+# x tokens a step.
+SUMMARY = re.compile(r"(\d+) steps in ([\d.]+) s: step ([\d.]+) ms mean .*?/ ([\d.]+) tokens")
+
+
+@dataclass(frozen=True)
+class Window:
+    """One step-log summary: ``steps`` forwards of ``forward_ms`` mean GPU time over
+    ``tokens`` mean rows x tokens, in ``wall_s`` seconds."""
+
+    steps: int
+    wall_s: float
+    forward_ms: float
+    tokens: float
+
+    @property
+    def outside_s(self) -> float:
+        """Wall time of the window not spent in forwards."""
+        return self.wall_s - self.steps * self.forward_ms / 1000
+
+
+def log_windows(text: str, *, skip: int = 1) -> list[Window]:
+    """The step-log windows of one server log, the first ``skip`` left out (warm-up)."""
+    found = [Window(int(m[1]), float(m[2]), float(m[3]), float(m[4]))
+             for m in SUMMARY.finditer(text)]
+    return found[skip:]
+
+
+def fit_forward(windows: list[Window]) -> tuple[float, float]:
+    """(base ms, ms per 1000 tokens) of the line through the windows' mean forward times,
+    each weighted by its step count (the mean of a linear model is the model of the mean)."""
+    weight = sum(w.steps for w in windows)
+    mean_x = sum(w.steps * w.tokens / 1000 for w in windows) / weight
+    mean_y = sum(w.steps * w.forward_ms for w in windows) / weight
+    spread = sum(w.steps * (w.tokens / 1000 - mean_x) ** 2 for w in windows)
+    if spread <= 0:
+        raise ValueError("the windows' mean tokens do not differ: no line to fit")
+    slope = sum(w.steps * (w.tokens / 1000 - mean_x) * (w.forward_ms - mean_y)
+                for w in windows) / spread
+    return mean_y - slope * mean_x, slope
 
 
 def load_trace(path: str) -> tuple[list[Arrival], str, int]:
@@ -150,7 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms-per-ktoken", type=float, default=StepModel.ms_per_ktoken)
     p.add_argument("--encode-ms", type=float, default=StepModel.encode_ms)
     p.add_argument("--decode-ms-per-mpixel", type=float, default=StepModel.decode_ms_per_mpixel)
+    p.add_argument("--fit-log", action="append", default=[],
+                   help="a server log of the traced run: fit base and ms per ktoken to it")
     args = p.parse_args(argv)
+    if args.fit_log:
+        windows = []
+        for path in args.fit_log:
+            for w in log_windows(Path(path).read_text()):
+                windows.append(w)
+                print(f"{Path(path).name}: {w.steps} steps, {w.tokens:.0f} tokens, forward "
+                      f"{w.forward_ms:.0f} ms, {w.outside_s:.2f} s of {w.wall_s:.1f} outside")
+        args.step_base_ms, args.step_ms_per_ktoken = fit_forward(windows)
+        print(f"fitted: step {args.step_base_ms:.2f} ms + {args.step_ms_per_ktoken:.2f} ms "
+              f"per 1000 rows x tokens")
     if args.trace:
         trace, size, steps = load_trace(args.trace)
     else:

@@ -38,3 +38,21 @@ def test_an_urgent_request_into_a_full_batch_runs_alone_under_zero_companions() 
     # The engine's loop planned the next four-row step before it arrived: one more step.
     assert abs(run(0, 1)["4"] - (first - 0.01 + 4 * 0.4096 + alone)) < 1e-9
     assert run(None, 0)["4"] > run(0, 0)["4"]  # unbounded: it shares its steps with four rows
+
+
+def test_the_forward_fit_reads_the_step_log_and_recovers_its_line() -> None:
+    """--fit-log: the engine's step summaries (warm-up window left out) through a known line
+    (5 ms + 40 ms a ktoken) give that line back, and the time outside the forwards."""
+    bench = load("priority_replay")
+    line = ("2026-12-06 01:37:03,964 INFO ditserve.engine.steps: {n} steps in {wall} s: step "
+            "{ms} ms mean (min 151, max 1269), batch 3.79 requests / 3.79 rows / 1.00 shape "
+            "groups / {tok} tokens, 1 images finished, 0 requests failed")
+    text = "\n".join([line.format(n=14, wall=10.9, ms=999, tok=1000),  # warm-up: skipped
+                      "INFO ditserve.engine.server.state: engine ready: serving zimage",
+                      line.format(n=10, wall=10.0, ms=5 + 40 * 8.0, tok=8000),
+                      line.format(n=20, wall=12.0, ms=5 + 40 * 12.5, tok=12500)])
+    windows = bench.log_windows(text)
+    assert [w.steps for w in windows] == [10, 20]
+    assert abs(windows[0].outside_s - (10.0 - 10 * 0.325)) < 1e-9
+    base, slope = bench.fit_forward(windows)
+    assert abs(base - 5.0) < 1e-9 and abs(slope - 40.0) < 1e-9

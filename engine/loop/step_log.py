@@ -7,6 +7,11 @@ with layerwise offload each rank's recent host->device copy rate. Idle periods
 log nothing. It is an ``EngineObserver``: the engine calls it on its loop
 thread, after each step, so the summary costs no extra synchronization. Operators read step
 time drifting in pod logs without scraping /metrics; the benchmarks keep the server's log.
+
+At DEBUG (``ditserve -v serve``) it also logs every step, pause, resume and finished request
+as it happens, each step with its forward time and the wall time since the step before: a
+window's summary says how much of it went outside the forwards, these lines say in which steps
+and next to which pauses, resumes and admissions (issue 47's priority run lost ~2 s there).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class StepLog:
         self._copy_rates = copy_rates
         self._since: float | None = None  # start of the current window
         self._last: float | None = None  # the latest event
+        self._last_step: float | None = None  # the latest step (the per-step DEBUG lines)
         self._reset()
 
     def _reset(self) -> None:
@@ -59,10 +65,25 @@ class StepLog:
         self._rows += rows
         self._groups += groups
         self._tokens += tokens
+        now, previous = self._clock(), self._last_step
+        self._last_step = now
+        if self._log.isEnabledFor(logging.DEBUG):
+            since = "-" if previous is None else f"{1e3 * (now - previous):.1f}"
+            self._log.debug("step: %d requests / %d rows / %d shape groups / %d tokens, "
+                            "forward %.1f ms, %s ms since the last step", requests, rows,
+                            groups, tokens, 1e3 * seconds, since)
 
     def on_finished(self, result: Any) -> None:
         self._roll()
         self._images += int(result.num_images)
+        self._log.debug("finished %s (queued %.3f s)", getattr(result, "request_id", "?"),
+                        getattr(result, "queue_seconds", float("nan")))
+
+    def on_preempted(self, request_id: str) -> None:
+        self._log.debug("paused %s", request_id)
+
+    def on_resumed(self, request_id: str, seconds: float) -> None:
+        self._log.debug("resumed %s after %.3f s", request_id, seconds)
 
     def on_failed(self, request_id: str, reason: str) -> None:
         self._roll()

@@ -88,3 +88,29 @@ def test_copy_rates_of_an_engine_report() -> None:
     assert copy_rates_of({"h2d_gbps_recent": 54.0}) == [54.0]
     assert copy_rates_of({"h2d_gbps_recent": 54.0,
                           "ranks": [{"h2d_gbps_recent": 54.0}, None]}) == [54.0, None]
+
+
+def test_at_debug_every_step_pause_resume_and_finish_is_a_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 47: the per-step lines put each step's forward time beside the wall time since
+    the step before, and the pauses, resumes and finishes between them, in order."""
+    clock = Clock()
+    steps = StepLog(10.0, clock=clock, logger=logging.getLogger("test.steps_debug"))
+    caplog.set_level(logging.DEBUG, logger="test.steps_debug")
+    clock.now = 1.0
+    steps.on_step(requests=5, rows=5, seconds=0.7, groups=3, tokens=15584)
+    steps.on_preempted("4")
+    clock.now = 1.5
+    steps.on_step(requests=2, rows=2, seconds=0.3, groups=2, tokens=8176)
+    clock.now = 1.6
+    steps.on_resumed("4", 0.6)
+    steps.on_finished(SimpleNamespace(num_images=1, request_id="0", queue_seconds=0.25))
+    assert [r.getMessage() for r in caplog.records] == [
+        "step: 5 requests / 5 rows / 3 shape groups / 15584 tokens, forward 700.0 ms, "
+        "- ms since the last step",
+        "paused 4",
+        "step: 2 requests / 2 rows / 2 shape groups / 8176 tokens, forward 300.0 ms, "
+        "500.0 ms since the last step",
+        "resumed 4 after 0.600 s",
+        "finished 0 (queued 0.250 s)"]
+    assert all(r.levelno == logging.DEBUG for r in caplog.records)  # INFO sees no new line
