@@ -139,6 +139,12 @@ def open_executor(
     """Load the model on every rank and warm it up; returns the executor and model directory.
     ``offload``: ``config``'s offload, resolved once by the caller; ``timeline`` records the
     start phases (see ``runner.start_phases``)."""
+    from ditserve.engine.runner.model_imports import join_model_imports
+
+    # ``serve``'s background import of the model's libraries (``start_model_imports``), joined
+    # before anything here can import them: resolving the model may build the embedded tiny
+    # one or check a checkpoint file against the DiT's class.
+    join_model_imports(timeline)
     model_dir = resolve_model(config)
     # Below here the ranks see only their part of the config.
     executor = make_executor(RunnerConfig.of(config, offload=offload), parallel=config.parallel,
@@ -279,9 +285,9 @@ def _warm_step(executor: Executor, scheduler: SchedulerConfig, height: int, widt
 def start_model_imports(model_dir: str | None) -> ModelImports | None:
     """Start importing the served model's diffusers pipeline class (diffusers, transformers,
     its model classes) on a thread of its own (``runner.model_imports``); the engine's start
-    joins it before it reads the weights. ``ditserve serve`` calls it first thing, so the
-    imports overlap building the HTTP server, its start and the engine's work up to the
-    weights (docs/benchmarks.md, "Issue 50"). A directory that is no model imports nothing
+    joins it first thing (``open_executor``). ``ditserve serve`` calls it first thing, so the
+    imports overlap building the HTTP server and its start (docs/benchmarks.md, "Issue
+    50"). A directory that is no model imports nothing
     here: loading it says why."""
     from ditserve.engine.runner.model_imports import import_in_background
 

@@ -108,15 +108,15 @@ def read_weights(model_dir: str | Path, *, dtype: DType, offload: ResolvedOffloa
                  sp_size: int, checkpoint: str | None, keep_private: str | None,
                  device: torch.device, sharded: bool,
                  timeline: StartTimeline | None = None) -> LoadedWeights:
-    """The model's classes imported (start phase ``imports``, or ``imports_wait`` where
-    ``serve`` started them on a thread: ``runner.model_imports``), then its weights in host
+    """The model's classes imported (start phase ``imports``; under ``serve`` already done
+    on their own thread: ``runner.model_imports``), then its weights in host
     memory (``read``), while the CUDA context is made (``cuda_init``, on its own thread:
     ``context_meanwhile``): the first CUDA call makes it wherever it falls, so make it here,
     beside the imports and the reading that need no device, and time them apart from it.
     ``sharded``: DLO shards over a weight group; ``keep_private``: why the DiT's weights
     change after loading (``weights_replaced``)."""
     with context_meanwhile(device, timeline):
-        # The classes below need them: join the background import (``serve``) or import here.
+        # The classes below need them (the engine's start joined ``serve``'s import thread).
         wait_for_model_imports(model_family(model_dir), timeline)
         with timed(timeline, "read"):
             return load_weights(

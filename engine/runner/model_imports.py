@@ -4,8 +4,11 @@ Importing the family's diffusers pipeline class (diffusers, transformers, the Di
 text-encoder classes) is the longest part of a start before the weights (issue 50: 5-8 s on
 a GPU host). ``ditserve serve`` starts it on a background thread (``import_in_background``)
 as soon as it knows the family, and the main thread goes on building the HTTP server, which
-listens and starts the engine meanwhile; the engine's first need for those classes, reading
-the weights (``runner.assembly.read_weights``), joins it (``wait_for_model_imports``).
+listens and starts the engine meanwhile; the engine's start joins it first thing
+(``loop.startup.open_executor``: ``join_model_imports``), before anything of it can reach
+diffusers - resolving the model builds the embedded tiny one or checks a checkpoint file
+against the DiT's class - and ``runner.assembly.read_weights`` makes sure the classes it
+needs are imported (``wait_for_model_imports``: in place where nothing was started).
 
 What keeps two threads importing at once safe: Python locks each module while it runs, so a
 module imported from both threads runs once and the second one waits - but a thread that
@@ -14,7 +17,7 @@ goes ahead without waiting, and may see it half built. So the background thread 
 fixed thing, the pipeline class, and before it starts the caller imports on its own thread
 what both sides would otherwise import at once (``SHARED_FIRST``: torch, and the HTTP stack
 huggingface_hub shares with uvicorn; ``tests/server/test_serve_imports.py`` keeps that list
-complete). Nothing else imports diffusers or transformers before the join.
+complete). Nothing else imports diffusers or transformers before the join (the same test).
 
 Errors: whatever the import raises (a missing package, a broken install) is kept and raised
 again, the same exception, by the join - the engine's start fails with it as it did when the
@@ -98,16 +101,23 @@ def import_in_background(family: Family, **kwargs: Any) -> ModelImports:
     return imports.start()
 
 
-def wait_for_model_imports(family: Family, timeline: StartTimeline | None = None) -> None:
-    """``family``'s pipeline class imported: the background import joined if one was started
-    (once: a later caller imports in place, at once when it is done), else imported here as
-    start phase ``imports``."""
+def join_model_imports(timeline: StartTimeline | None = None) -> bool:
+    """Join the background import if one was started and not joined yet (once: a later
+    caller finds none); raise what it raised. True when there was one."""
     global _pending
     with _lock:
         pending, _pending = _pending, None
-    if pending is not None:
-        pending.join(timeline)
-        if pending.family == family:
-            return
+    if pending is None:
+        return False
+    pending.join(timeline)
+    return True
+
+
+def wait_for_model_imports(family: Family, timeline: StartTimeline | None = None) -> None:
+    """``family``'s pipeline class imported: the background import joined if one is pending,
+    else imported here as start phase ``imports`` (at once when already imported)."""
+    pending = _pending
+    if join_model_imports(timeline) and pending is not None and pending.family == family:
+        return
     with timed(timeline, "imports"):
-        import_pipeline_class(family)  # at once if already imported
+        import_pipeline_class(family)

@@ -5,7 +5,8 @@ the executor -> ``ModelRunner`` -> ``assemble``); each part wraps its work in
 ``timeline.phase(name)``. Phases, in the order they run:
 
     process       interpreter start to the engine's start (torch, the server's imports,
-                  arguments); the model's libraries are not imported yet
+                  arguments); the model's libraries are not imported yet (under ``serve`` they
+                  import meanwhile, on their own thread: ``imports``)
     cuda_init     creating the CUDA context on this process's device (on its own thread,
                   while ``imports`` and ``read`` run: they overlap, so the phases' sum
                   exceeds their wall time)
@@ -13,8 +14,9 @@ the executor -> ``ModelRunner`` -> ``assemble``); each part wraps its work in
                   the DiT, VAE and text-encoder classes (``weights.loader``); under ``serve``
                   on a thread of its own from before the server is built
                   (``runner.model_imports``), overlapping ``process`` and what follows
-    imports_wait  how long the start waited for that thread before reading the weights:
-                  the part of ``imports`` the overlap did not hide
+    imports_wait  how long the engine's start waited for that thread (it joins it first,
+                  ``loop.startup.open_executor``): the part of ``imports`` the overlap did
+                  not hide
     read          reading the weights into host memory (safetensors, mmap, the node cache)
     place         building the pipeline and moving its resident parts to the device
     pin_register  layerwise offload: pinning or registering host memory, slots, hooks

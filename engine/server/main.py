@@ -54,7 +54,7 @@ def run_server(engine_config: Any, server_config: ServerConfig) -> int:
     from ditserve.engine.loop.startup import start_model_imports
 
     # First: the model's libraries import on their own thread while the server is built and
-    # starts the engine, which joins them before it reads the weights (issue 50). A failed
+    # starts the engine, whose start joins them first thing (issue 50). A failed
     # import fails the engine's start with the import's own error.
     start_model_imports(engine_config.model)
     failed: list[BaseException] = []

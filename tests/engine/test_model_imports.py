@@ -14,6 +14,7 @@ from ditserve.engine.runner import model_imports
 from ditserve.engine.runner.model_imports import (
     ModelImports,
     import_in_background,
+    join_model_imports,
     wait_for_model_imports,
 )
 from ditserve.engine.runner.start_phases import StartTimeline
@@ -73,3 +74,13 @@ def test_the_start_imports_in_place_when_nothing_was_started() -> None:
     wait_for_model_imports(FLUX, timeline)
     assert list(timeline.report()["phases"]) == ["imports"]
 
+
+
+def test_the_engines_start_joins_first_and_reading_the_weights_imports_nothing_more() -> None:
+    imported = []
+    import_in_background(FLUX, importer=imported.append)
+    timeline = _timeline()
+    assert join_model_imports(timeline) is True  # the engine's start (open_executor)
+    assert join_model_imports(timeline) is False  # once
+    assert imported == [FLUX]
+    assert {"imports", "imports_wait"} <= timeline.report()["phases"].keys()

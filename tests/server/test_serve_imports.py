@@ -49,7 +49,7 @@ json.dump({"modules": sorted(sys.modules), "phases": sorted(phases)}, sys.stdout
 """
 
 
-def _run(script: str, model_dir: Path) -> object:
+def _run(script: str, model_dir: Path | str) -> object:
     done = subprocess.run([sys.executable, "-P", "-c", script, str(model_dir)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -121,8 +121,8 @@ sys.meta_path.insert(0, Watch())
 from ditserve.engine.cli.main import build_parser
 from ditserve.engine.loop.startup import start_model_imports
 from ditserve.engine.server.main import build_server, configs_from_args
-args = build_parser().parse_args(["serve", "--model", sys.argv[1], "--port", "0",
-                                  "--device", "cpu"])
+model = ["--model", sys.argv[1]] if sys.argv[1] else []  # none: the embedded tiny model
+args = build_parser().parse_args(["serve", *model, "--port", "0", "--device", "cpu"])
 engine_config, server_config = configs_from_args(args)
 start_model_imports(engine_config.model)
 server, engine = build_server(engine_config, server_config, on_start_failed=print)
@@ -138,12 +138,19 @@ json.dump({"threads": sorted(BEFORE_JOIN), "phases": sorted(phases), "ready": re
 """
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
-def test_serve_imports_the_model_libraries_on_their_own_thread(family: str,
-                                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["flux", "wan", "embedded"])
+def test_serve_imports_the_model_libraries_on_their_own_thread(
+        family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ditserve.engine.makers.tiny_model import init_tiny
 
-    found = _run(SERVE_START, init_tiny(tmp_path / family, family=family))
+    if family == "embedded":
+        # No --model: the engine's start builds the embedded tiny Flux (with diffusers'
+        # classes) before it loads it, in a fresh home.
+        monkeypatch.setenv("DITSERVE_HOME", str(tmp_path / "home"))
+        model: Path | str = ""
+    else:
+        model = init_tiny(tmp_path / family, family=family)
+    found = _run(SERVE_START, model)
     assert isinstance(found, dict)
     assert found["ready"] is True
     # Nothing but the background thread imported diffusers or transformers: the server's
