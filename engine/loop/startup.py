@@ -139,8 +139,6 @@ def open_executor(
     """Load the model on every rank and warm it up; returns the executor and model directory.
     ``offload``: ``config``'s offload, resolved once by the caller; ``timeline`` records the
     start phases (see ``runner.start_phases``)."""
-    from ditserve.engine.runner.model_imports import join_model_imports
-
     # ``serve``'s background import of the model's libraries (``start_model_imports``), joined
     # before anything here can import them: resolving the model may build the embedded tiny
     # one or check a checkpoint file against the DiT's class.
@@ -280,6 +278,14 @@ def _warm_step(executor: Executor, scheduler: SchedulerConfig, height: int, widt
         if missing:
             raise DitServeError(f"warm-up step on rank {rank} returned no image for "
                                 f"{', '.join(sorted(missing))}")
+
+
+def join_model_imports(timeline: StartTimeline | None = None) -> bool:
+    """Join ``start_model_imports``'s thread if it is still to be joined (``runner.
+    model_imports.join_model_imports``); raises what the import raised."""
+    from ditserve.engine.runner import model_imports
+
+    return model_imports.join_model_imports(timeline)
 
 
 def start_model_imports(model_dir: str | None) -> ModelImports | None:

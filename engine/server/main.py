@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable
@@ -51,14 +52,23 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
-    from ditserve.engine.loop.startup import start_model_imports
+    from ditserve.engine.loop.startup import join_model_imports, start_model_imports
 
     # First: the model's libraries import on their own thread while the server is built and
     # starts the engine, whose start joins them first thing (issue 50). A failed
     # import fails the engine's start with the import's own error.
     start_model_imports(engine_config.model)
     failed: list[BaseException] = []
-    server, engine = build_server(engine_config, server_config, on_start_failed=failed.append)
+    try:
+        server, engine = build_server(engine_config, server_config,
+                                      on_start_failed=failed.append)
+    except BaseException:
+        # The error ends the process: let the import thread finish first (a daemon thread
+        # cut off at interpreter exit can die holding stderr's lock). Its own error, if any,
+        # would only hide this one.
+        with contextlib.suppress(BaseException):
+            join_model_imports()
+        raise
     if server_config.api_key is None:
         log.info("auth is off (set %s or --api-key to require a Bearer token)",
                  server_config.api_key_env)

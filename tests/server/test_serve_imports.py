@@ -227,3 +227,20 @@ def test_a_failed_background_import_fails_the_start_with_its_message(
     # diffusers' own message (its lazy module wraps the import's error), as without the thread
     assert "Failed to import diffusers.pipelines.flux.pipeline_flux" in failed[0]
     assert "import of diffusers.pipelines.flux.pipeline_flux halted" in done.stderr
+
+
+def test_a_failed_server_build_waits_for_the_import_thread_then_raises(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ditserve.engine.config import EngineConfig
+    from ditserve.engine.runner import model_imports
+    from ditserve.engine.server import main
+    from ditserve.engine.server.config import ServerConfig
+
+    def broken_build(*args: object, **kwargs: object) -> None:
+        assert model_imports._pending is not None  # the import thread was started first
+        raise RuntimeError("cannot build the app")
+
+    monkeypatch.setattr(main, "build_server", broken_build)
+    with pytest.raises(RuntimeError, match="cannot build the app"):
+        main.run_server(EngineConfig(model=str(tiny_model_dir), device="cpu"), ServerConfig())
+    assert model_imports._pending is None  # joined before the error left run_server
