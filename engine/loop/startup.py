@@ -292,9 +292,8 @@ def start_model_imports(model_dir: str | None) -> ModelImports | None:
     """Start importing the served model's diffusers pipeline class (diffusers, transformers,
     its model classes) on a thread of its own (``runner.model_imports``); the engine's start
     joins it first thing (``open_executor``). ``ditserve serve`` calls it first thing, so the
-    imports overlap building the HTTP server and its start (docs/benchmarks.md, "Issue
-    50"). A directory that is no model imports nothing
-    here: loading it says why."""
+    imports overlap building the HTTP server and its start (docs/benchmarks.md, "Issue 50").
+    A directory that is no model imports nothing here: loading it says why."""
     from ditserve.engine.runner.model_imports import import_in_background
 
     family = served_family(model_dir)

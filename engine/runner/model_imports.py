@@ -93,7 +93,7 @@ _pending: ModelImports | None = None
 
 def import_in_background(family: Family, **kwargs: Any) -> ModelImports:
     """Start importing ``family``'s pipeline class on a thread; the next
-    ``wait_for_model_imports`` in this process joins it."""
+    ``join_model_imports`` (or ``wait_for_model_imports``) in this process joins it."""
     global _pending
     imports = ModelImports(family, **kwargs)
     with _lock:
