@@ -16,9 +16,7 @@ the model to /dev/null first, as the targets assume). Variants:
 
     python3 bench/cold_start.py --model /models/flux1-dev --variants dlo resident compile
 
-Prints one table (seconds): ``imports`` is the model's libraries' import on its own thread
-(it overlaps ``process`` and the phases after it), ``imports_wait`` what the start waited for
-it; ``--out`` writes JSON beside it.
+Prints one table (seconds); ``--out`` writes JSON beside it.
 """
 
 from __future__ import annotations
@@ -36,11 +34,8 @@ from typing import Any
 import harness
 from job_processes import answers, running, wait_until
 
-# As ``engine.runner.start_phases.PHASES``. ``cuda_init`` and ``imports`` run on threads of
-# their own, overlapping the others (their sum exceeds ready); ``imports_wait`` is the part of
-# ``imports`` the start still waited for before reading the weights.
-PHASES = ("process", "cuda_init", "imports", "imports_wait", "read", "place", "pin_register",
-          "encoders", "warm_up", "compile", "load")
+PHASES = ("process", "cuda_init", "imports", "read", "place", "pin_register", "encoders",
+          "warm_up", "compile", "load")
 VARIANTS = {"dlo": ["--offload", "dlo"], "resident": ["--offload", "none"],
             "compile": ["--offload", "dlo", "--compile"]}
 

@@ -11,10 +11,7 @@ and the CPU seconds the process used (user + system: steadier than wall time whe
 shares the cores), and stops it. The table gives the median and the range of ``--runs``
 starts. With ``--importtime`` one more start runs under ``python -X importtime`` and two more
 tables follow: self time summed per top-level package (``ditserve`` split by its
-subpackages), and the heaviest single imports (cumulative). ``serve`` imports the model's
-libraries on a thread of its own while the main thread builds the server, and CPython's
-importtime counters are not per thread, so those two tables mix both threads' imports: read
-them as approximate (time ``import_pipeline_class`` alone for a clean tree).
+subpackages), and the heaviest single imports (cumulative).
 
     ditserve model init-tiny --family flux flux-tiny
     python3 bench/serve_imports.py --model flux-tiny --runs 7 --importtime

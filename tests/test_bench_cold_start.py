@@ -25,16 +25,3 @@ def test_the_table_shows_the_phases_that_ran_and_the_ratio_to_the_floor() -> Non
     assert lines[0] == "| variant | ready | read | place | warm_up | floor | ready/floor |"
     assert lines[2] == "| dlo | 12.00 | 4.00 | - | 1.50 | 4.00 | 3.0x |"
     assert lines[3] == "| resident | 20.00 | 4.00 | 9.00 | - | 4.00 | 5.0x |"
-
-
-def test_the_table_shows_the_imports_and_the_wait_for_them() -> None:
-    from ditserve.engine.runner.start_phases import PHASES
-
-    bench = load("cold_start")
-    assert bench.PHASES == PHASES  # every phase the engine reports has its column
-    rows = [("dlo", {"ready_s": 10.0,
-                     "phases": {"process": 3.0, "imports": 6.0, "imports_wait": 2.5}})]
-    lines = bench.table(rows, {"seconds": 1.0}).splitlines()
-    assert lines[0] == ("| variant | ready | process | imports | imports_wait | floor "
-                        "| ready/floor |")
-    assert lines[2] == "| dlo | 10.00 | 3.00 | 6.00 | 2.50 | 1.00 | 10.0x |"

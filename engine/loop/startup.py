@@ -35,11 +35,10 @@ from ditserve.engine.sched.work import ResolvedScheduling
 if TYPE_CHECKING:
     from ditserve.cachectl.locks import HeldLock
     from ditserve.engine.runner.compile_cache import CompileKey
-    from ditserve.engine.runner.model_imports import ModelImports
 
 from ditserve.engine.errors import ModelLoadError
 from ditserve.engine.families import FLUX, Family
-from ditserve.engine.weights.loader import model_family
+from ditserve.engine.weights.loader import import_pipeline_class, model_family
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +138,6 @@ def open_executor(
     """Load the model on every rank and warm it up; returns the executor and model directory.
     ``offload``: ``config``'s offload, resolved once by the caller; ``timeline`` records the
     start phases (see ``runner.start_phases``)."""
-    # ``serve``'s background import of the model's libraries (``start_model_imports``), joined
-    # before anything here can import them: resolving the model may build the embedded tiny
-    # one or check a checkpoint file against the DiT's class.
-    join_model_imports(timeline)
     model_dir = resolve_model(config)
     # Below here the ranks see only their part of the config.
     executor = make_executor(RunnerConfig.of(config, offload=offload), parallel=config.parallel,
@@ -280,24 +275,17 @@ def _warm_step(executor: Executor, scheduler: SchedulerConfig, height: int, widt
                                 f"{', '.join(sorted(missing))}")
 
 
-def join_model_imports(timeline: StartTimeline | None = None) -> bool:
-    """Join ``start_model_imports``'s thread if it is still to be joined (``runner.
-    model_imports.join_model_imports``); raises what the import raised."""
-    from ditserve.engine.runner import model_imports
-
-    return model_imports.join_model_imports(timeline)
-
-
-def start_model_imports(model_dir: str | None) -> ModelImports | None:
-    """Start importing the served model's diffusers pipeline class (diffusers, transformers,
-    its model classes) on a thread of its own (``runner.model_imports``); the engine's start
-    joins it first thing (``open_executor``). ``ditserve serve`` calls it first thing, so the
-    imports overlap building the HTTP server and its start (docs/benchmarks.md, "Issue 50").
-    A directory that is no model imports nothing here: loading it says why."""
-    from ditserve.engine.runner.model_imports import import_in_background
-
+def import_model_libraries(model_dir: str | None, timeline: StartTimeline) -> None:
+    """Import the served model's diffusers pipeline class (diffusers, transformers, its model
+    classes) now, on the calling thread, as start phase ``imports``; the engine's start then
+    finds them imported. ``ditserve serve`` calls it on the main thread before the server
+    runs: on the worker thread that runs the start the same imports cost more CPU time
+    (docs/benchmarks.md, "Issue 50"). A directory that is no model imports nothing here:
+    loading it says why."""
     family = served_family(model_dir)
-    return import_in_background(family) if family is not None else None
+    if family is not None:
+        with timeline.phase("imports"):
+            import_pipeline_class(family)
 
 
 def served_family(model_dir: str | None) -> Family | None:

@@ -41,10 +41,9 @@ from ditserve.engine.placement.budget_plan import (
     FittedSettings,
     plan_budget,
 )
-from ditserve.engine.runner.model_imports import wait_for_model_imports
 from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.weights.load import LoadedWeights, load_weights
-from ditserve.engine.weights.loader import model_family
+from ditserve.engine.weights.loader import import_pipeline_class, model_family
 
 if TYPE_CHECKING:
     from ditserve.engine.offload import OffloadHandle
@@ -108,16 +107,15 @@ def read_weights(model_dir: str | Path, *, dtype: DType, offload: ResolvedOffloa
                  sp_size: int, checkpoint: str | None, keep_private: str | None,
                  device: torch.device, sharded: bool,
                  timeline: StartTimeline | None = None) -> LoadedWeights:
-    """The model's classes imported (start phase ``imports``; under ``serve`` already done
-    on their own thread: ``runner.model_imports``), then its weights in host
+    """The model's classes imported (start phase ``imports``), then its weights in host
     memory (``read``), while the CUDA context is made (``cuda_init``, on its own thread:
     ``context_meanwhile``): the first CUDA call makes it wherever it falls, so make it here,
     beside the imports and the reading that need no device, and time them apart from it.
     ``sharded``: DLO shards over a weight group; ``keep_private``: why the DiT's weights
     change after loading (``weights_replaced``)."""
     with context_meanwhile(device, timeline):
-        # The classes below need them (the engine's start joined ``serve``'s import thread).
-        wait_for_model_imports(model_family(model_dir), timeline)
+        with timed(timeline, "imports"):
+            import_pipeline_class(model_family(model_dir))  # at once if already imported
         with timed(timeline, "read"):
             return load_weights(
                 model_dir, dtype=dtype, offload=offload.options, sp_size=sp_size,

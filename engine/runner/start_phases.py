@@ -5,18 +5,12 @@ the executor -> ``ModelRunner`` -> ``assemble``); each part wraps its work in
 ``timeline.phase(name)``. Phases, in the order they run:
 
     process       interpreter start to the engine's start (torch, the server's imports,
-                  arguments); the model's libraries are not imported yet (under ``serve`` they
-                  import meanwhile, on their own thread: ``imports``)
+                  arguments); the model's libraries are not imported yet
     cuda_init     creating the CUDA context on this process's device (on its own thread,
                   while ``imports`` and ``read`` run: they overlap, so the phases' sum
                   exceeds their wall time)
     imports       importing the model's diffusers pipeline class: diffusers, transformers,
-                  the DiT, VAE and text-encoder classes (``weights.loader``); under ``serve``
-                  on a thread of its own from before the server is built
-                  (``runner.model_imports``), overlapping ``process`` and what follows
-    imports_wait  how long the engine's start waited for that thread (it joins it first,
-                  ``loop.startup.open_executor``): the part of ``imports`` the overlap did
-                  not hide
+                  the DiT, VAE and text-encoder classes (``weights.loader``)
     read          reading the weights into host memory (safetensors, mmap, the node cache)
     place         building the pipeline and moving its resident parts to the device
     pin_register  layerwise offload: pinning or registering host memory, slots, hooks
@@ -43,8 +37,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-PHASES = ("process", "cuda_init", "imports", "imports_wait", "read", "place", "pin_register",
-          "encoders", "warm_up", "compile", "load")
+PHASES = ("process", "cuda_init", "imports", "read", "place", "pin_register", "encoders",
+          "warm_up", "compile", "load")
 
 
 def process_age_s() -> float | None:
@@ -87,14 +81,6 @@ class StartTimeline:
             with self._lock:
                 self._seconds[name] = self._seconds.get(name, 0.0) + took
             log.info("start phase %s: %.2fs", name, took)
-
-    def record(self, name: str, seconds: float) -> None:
-        """Add ``seconds`` to phase ``name``: work timed elsewhere (another thread's)."""
-        if name not in PHASES:
-            raise ValueError(f"unknown start phase {name!r}; add it to start_phases.PHASES")
-        with self._lock:
-            self._seconds[name] = self._seconds.get(name, 0.0) + seconds
-        log.info("start phase %s: %.2fs", name, seconds)
 
     def ready(self) -> float:
         """Mark READY; log the phases and the total (process start to ready). Returns it."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 from collections.abc import Callable
@@ -52,26 +51,16 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def run_server(engine_config: Any, server_config: ServerConfig) -> int:
-    from ditserve.engine.loop.startup import join_model_imports, start_model_imports
+    from ditserve.engine.loop.startup import import_model_libraries
 
-    # First: the model's libraries import on their own thread while the server is built and
-    # starts the engine, whose start joins them first thing (issue 50). A failed
-    # import fails the engine's start with the import's own error.
-    start_model_imports(engine_config.model)
     failed: list[BaseException] = []
-    try:
-        server, engine = build_server(engine_config, server_config,
-                                      on_start_failed=failed.append)
-    except BaseException:
-        # The error ends the process: let the import thread finish first (a daemon thread
-        # cut off at interpreter exit can die holding stderr's lock). Its own error, if any,
-        # would only hide this one.
-        with contextlib.suppress(BaseException):
-            join_model_imports()
-        raise
+    server, engine = build_server(engine_config, server_config, on_start_failed=failed.append)
     if server_config.api_key is None:
         log.info("auth is off (set %s or --api-key to require a Bearer token)",
                  server_config.api_key_env)
+    # Here on the main thread, not on the engine's worker thread once the server listens:
+    # there the same imports cost more CPU time, which delays ready (issue 50).
+    import_model_libraries(engine_config.model, engine.start_timeline)
     server.run()
     if failed:
         log.error("the engine failed to start: %s", failed[0])
@@ -85,8 +74,8 @@ def build_server(engine_config: Any, server_config: ServerConfig, *,
                  ) -> tuple[DrainingServer, DiffusionEngine]:
     """The engine (not started: the app's lifespan starts it once the server listens), its
     app and the server around them. The model's libraries (diffusers, transformers) are not
-    imported for them: ``run_server`` imports them on a thread of their own
-    (``loop.startup.start_model_imports``), or the engine's start in place."""
+    imported for them: the engine imports them in its start phase ``imports``
+    (``loop.startup.import_model_libraries``)."""
     from ditserve.engine.loop.engine import DiffusionEngine
     from ditserve.engine.server.app import create_app
     from ditserve.engine.server.metrics import ServingMetrics

@@ -122,10 +122,8 @@ def _start_metrics(report: dict[str, Any] | None) -> Iterator[Metric]:
     """Where this replica's start went: seconds per phase, and process start to ready."""
     phases = GaugeMetricFamily("ditserve:start_phase_seconds",
                                "Seconds this replica's start spent per phase (process, "
-                               "cuda_init, imports, imports_wait, read, place, pin_register, "
-                               "encoders, warm_up, compile, load; cuda_init and imports run "
-                               "on threads of their own, overlapping the others).",
-                               labels=["phase"])
+                               "cuda_init, read, place, pin_register, encoders, warm_up, "
+                               "compile, load).", labels=["phase"])
     for name, seconds in ((report or {}).get("phases") or {}).items():
         phases.add_metric([name], float(seconds))
     yield phases
