@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +45,25 @@ def family_runner(family_dir: Callable[[str], Path]) -> Callable[..., Any]:
         return runners[variant]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def family_offload_runner(family_dir: Callable[[str], Path]) -> Iterator[Callable[..., Any]]:
+    """family_offload_runner(variant) -> a CPU ModelRunner streaming that tiny model's blocks
+    (DLO), built once and shared as family_runner's are; closed when the session ends."""
+    from ditserve.engine.config import EngineConfig, OffloadConfig
+    from ditserve.engine.runner.model_runner import ModelRunner
+
+    runners: dict[str, Any] = {}
+
+    def get(variant: str) -> Any:
+        if variant not in runners:
+            model = family_dir(variant)
+            config = RunnerConfig.of(EngineConfig(model=str(model), device="cpu",
+                                                  offload=OffloadConfig(enabled=True)))
+            runners[variant] = ModelRunner(config, model_dir=model)
+        return runners[variant]
+
+    yield get
+    for runner in runners.values():
+        runner.close()

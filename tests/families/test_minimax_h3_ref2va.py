@@ -9,35 +9,35 @@ The tiny model encodes an image reference at a 64 px short edge (its index's
 
 from __future__ import annotations
 
-import types
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from engine.driver import drive  # type: ignore[import-not-found]
+from families.family_support import (  # type: ignore[import-not-found]
+    AUDIO_TOLERANCE,
+    TOLERANCE,
+    assert_same,
+    drive_alone,
+    open_runner,
+    run_pipeline,
+)
+from families.minimax_support import BASE as CLIP  # type: ignore[import-not-found]
+from families.minimax_support import (  # type: ignore[import-not-found]
+    FRAMES,
+    diffusers_pipeline,
+)
+from families.minimax_support import frame as picture  # type: ignore[import-not-found]
 
-from ditserve.engine.config import EngineConfig, RunnerConfig
+from ditserve.engine.config import EngineConfig, OffloadConfig
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.reference_media import ReferenceAudio
-from ditserve.engine.request import ConditionImage, SamplingParams
-from ditserve.engine.runner.model_runner import ModelRunner
+from ditserve.engine.request import SamplingParams
 from ditserve.engine.step.denoise_state import DenoiseState
-from ditserve.engine.step.input_batch import InputBatchBuilder
 
 VARIANT = "minimax-h3"
-TOLERANCE = 1e-3  # fp32 pixels in [0, 1], as the family's t2va and fl2va tests
-AUDIO_TOLERANCE = 1e-3  # fp32 waveform samples, as the family's t2va tests
-SAME = 1e-4  # ours against ours (batching)
-FRAMES = 124
 RATE = 8000  # the tiny audio VAE's
-
-
-def picture(width: int, height: int, seed: int) -> ConditionImage:
-    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(seed))
-    return ConditionImage(width, height, pixels.numpy().tobytes())
 
 
 def sound(seconds: float, channels: int, seed: int) -> ReferenceAudio:
@@ -46,7 +46,7 @@ def sound(seconds: float, channels: int, seed: int) -> ReferenceAudio:
     return ReferenceAudio(RATE, channels, wave.numpy().astype("<f4").tobytes())
 
 
-BASE = {"num_frames": FRAMES, "height": 32, "width": 64, "guidance_scale": 1.0, "audio": True}
+BASE = {**CLIP, "audio": True}  # every request here asks for its sound track
 CASES: dict[str, SamplingParams] = {
     "one-image": SamplingParams(prompt="a red cat", num_inference_steps=2, seed=7,
                                 references=(picture(40, 24, 1),), **BASE),
@@ -70,37 +70,21 @@ def replica(family_dir, tmp_path_factory) -> Path:  # type: ignore[no-untyped-de
 
 @pytest.fixture(scope="module")
 def runner(replica) -> Any:  # type: ignore[no-untyped-def]
-    runner = ModelRunner(RunnerConfig.of(EngineConfig(model=str(replica), device="cpu")),
-                         model_dir=replica)
-    yield runner
-    runner.close()
+    with open_runner(replica, device="cpu") as runner:
+        yield runner
 
 
 def reference(model_dir: Path, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' modular pipeline, ``workflow="ref2va"``, on the checkpoint itself (its
     ``transformer_ref``): (1, F, 3, H, W), (1, 2, samples)."""
-    import diffusers
     from diffusers.modular_pipelines.minimax_h3 import (
         MiniMaxH3AudioReference,
         MiniMaxH3ImageReference,
     )
-    from transformers import AutoImageProcessor
-    from transformers.processing_utils import ProcessorMixin
 
     from ditserve.engine.pipelines.conditioning import to_pil
 
-    pipe = diffusers.ModularPipeline.from_pretrained(str(model_dir), workflow="ref2va")
-    parts = ("transformer_ref", "text_encoder", "tokenizer", "vae", "audio_vae", "scheduler",
-             "audio_scheduler")
-    pipe.load_components(names=list(parts), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    # As the family's other tests: the Qwen3-VL processor's image half (no torchvision).
-    config = pipe.text_encoder.config
-    ids = types.SimpleNamespace(image_token_ids=[config.image_token_id],
-                                video_token_ids=[config.video_token_id], audio_token_ids=[])
-    pipe.processor = types.SimpleNamespace(
-        image_processor=AutoImageProcessor.from_pretrained(str(model_dir / "processor")),
-        create_mm_token_type_ids=lambda x: ProcessorMixin.create_mm_token_type_ids(ids, x))
+    pipe = diffusers_pipeline(model_dir, "transformer_ref", workflow="ref2va")
     references: list[Any] = []
     for item in p.references:
         if isinstance(item, ReferenceAudio):
@@ -114,25 +98,6 @@ def reference(model_dir: Path, p: SamplingParams) -> tuple[torch.Tensor, torch.T
                generator=torch.Generator().manual_seed(p.seed or 0), output_type="pt",
                output=["videos", "audio"])
     return out["videos"].cpu(), out["audio"].cpu()
-
-
-def run_pipeline(runner: ModelRunner, requests: Sequence[tuple[str, SamplingParams]]
-                 ) -> dict[str, DenoiseState]:
-    """Every request through the pipeline at once, by hand (one forward per step)."""
-    pipeline = runner.pipeline
-    states = {rid: DenoiseState(rid, p, p.seed or 0) for rid, p in requests}
-    for state in states.values():
-        pipeline.prepare_encode(state)
-    builder = InputBatchBuilder()
-    while running := [s for s in states.values()
-                      if s.step_index < s.params.num_inference_steps]:
-        batch = builder.build(running)
-        output = pipeline.denoise_step(batch)
-        for state, rows in zip(running, batch.split(output), strict=True):
-            pipeline.step(state, rows)
-    for state in states.values():
-        pipeline.post_decode(state)
-    return states
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -184,19 +149,7 @@ MIXED: dict[int, list[tuple[str, SamplingParams]]] = {
 
 @pytest.fixture(scope="module")
 def alone(runner) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    single: dict[str, torch.Tensor] = {}
-    for group in MIXED.values():
-        for rid, params in group:
-            pixels, _ = drive(runner, {0: [(rid, params)]}, max_num_seqs=1)
-            single[rid] = pixels[rid]
-    return single
-
-
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for rid, pixels in want.items():
-        diff = (got[rid] - pixels).abs().max().item()
-        assert diff <= SAME, f"request {rid}: max abs diff {diff}"
+    return drive_alone(runner, MIXED)
 
 
 def test_batched_equals_alone(runner, alone) -> None:  # type: ignore[no-untyped-def]
@@ -207,17 +160,10 @@ def test_batched_equals_alone(runner, alone) -> None:  # type: ignore[no-untyped
 
 def test_offload_equals_resident(replica, alone) -> None:  # type: ignore[no-untyped-def]
     # DLO streams the replica's DiT (the checkpoint's transformer_ref, through the links).
-    from ditserve.engine.config import OffloadConfig
-
-    offloaded = ModelRunner(RunnerConfig.of(EngineConfig(
-        model=str(replica), device="cpu", offload=OffloadConfig(enabled=True))),
-        model_dir=replica)
-    try:
+    with open_runner(replica, device="cpu", offload=OffloadConfig(enabled=True)) as offloaded:
         report = offloaded.offload_report()
         assert report is not None and report["blocks"] == 3
         together, _ = drive(offloaded, MIXED, max_num_seqs=4)
-    finally:
-        offloaded.close()
     assert_same(together, alone)
 
 
@@ -283,7 +229,7 @@ def test_generate_takes_references(replica, tmp_path, capsys) -> None:  # type: 
 def test_sp2_equals_alone(replica, alone, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # Two gloo ranks, DLO streaming over them (the warm-up itself runs a reference request):
     # the reference blocks are rows like any other, split with the rest.
-    from ditserve.engine.config import OffloadConfig, ParallelConfig, SchedulerConfig
+    from ditserve.engine.config import ParallelConfig, SchedulerConfig
     from ditserve.engine.loop.engine import DiffusionEngine
 
     monkeypatch.setenv("DITSERVE_WORKER_TIMEOUT_S", "120")
