@@ -17,6 +17,7 @@ from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.runner.model_runner import ModelRunner
 
 TOLERANCE = 1e-4
+FP8_TOLERANCE = 1e-3  # batched against alone through FP8 linears (see its test)
 
 
 def make_runner(model: Path, files: dict[str, Path], **extra: Any) -> ModelRunner:
@@ -67,7 +68,11 @@ def test_fp8_linears_take_the_delta(adapter_models, lora_files) -> None:  # type
     out, _ = drive(runner, {0: [("base", p), ("a", with_a)]}, max_num_seqs=2)
     alone, _ = drive(runner, {0: [("a-alone", with_a)]}, max_num_seqs=1)
     assert (out["a"] - out["base"]).abs().max().item() > 1e-2  # the delta was applied
-    assert (out["a"] - alone["a-alone"]).abs().max().item() <= TOLERANCE
+    # Batched against alone, FP8 cannot promise 1e-4: a matmul blocked for two rows rounds
+    # its float32 sums differently, and the next layer's per-token FP8 quantization can turn
+    # such a last-bit difference into one FP8 step of an activation (seen: 2.8e-4 on an Intel
+    # Xeon, under 1e-4 on an AMD EPYC). 1e-3 on [0, 1] pixels is the issues' own bound.
+    assert (out["a"] - alone["a-alone"]).abs().max().item() <= FP8_TOLERANCE
 
 
 def test_fused_adapter_equals_the_per_request_adapter(adapter_runner, adapter_models,
