@@ -108,10 +108,13 @@ class SlotDequant:
 def open_slot_dequant(layouts: Sequence[BlockLayout], modules: Sequence[nn.Module], *,
                       slots: int, device: torch.device) -> SlotDequant:
     """Plan the streamed blocks' runs and allocate the slots' decoded regions; raises when
-    no streamed block has a GGUF layer (the option would do nothing)."""
+    blocks stream but none has a GGUF layer (the option would do nothing). With every block
+    resident (an HBM budget that holds them all) there is nothing to decode: no regions."""
     blocks = [block_dequant(layout, module) for layout, module in zip(layouts, modules,
                                                                        strict=True)]
     found = [b for b in blocks if b is not None]
+    if not layouts:
+        return SlotDequant([], [])
     if not found:
         raise OffloadError("--dlo-dequant slot dequantizes GGUF layers into the slots, but no "
                            "streamed block holds one; load a GGUF checkpoint or use "

@@ -16,6 +16,7 @@ from ditserve.engine.errors import OffloadError
 from ditserve.engine.formats.gguf_linear import GGUFBlockLinear
 from ditserve.engine.formats.gguf_quant import quantize
 from ditserve.engine.offload import enable_offload
+from ditserve.engine.placement.memory_estimates import dit_decoded_bytes
 from ditserve.engine.weights.dit_file import gguf_quant
 
 SLOT = OffloadConfig(enabled=True, dequant="slot")
@@ -73,6 +74,8 @@ def test_slot_dequant_is_bit_identical_to_compute_dequant(qtype: str, slots: int
     largest = max(sum(m.out_features * m.in_features for m in gguf_layers(block)) * 2
                   for block in [*model.transformer_blocks, *model.single_transformer_blocks])
     assert report["decoded_slot_bytes"] >= largest
+    # The engine's budget planner counts the same decoded region per slot.
+    assert dit_decoded_bytes(model, None) == report["decoded_slot_bytes"]
     assert report["slot_bytes"] == plain_report["slot_bytes"] + report["decoded_slot_bytes"]
     assert plain_report["decoded_slot_bytes"] == 0
 
@@ -141,3 +144,17 @@ def test_slot_dequant_rules() -> None:
     assert any("rank-local" in p for p in format_problems(SLOT, group_size=2))
     assert any("must be one of" in p
                for p in format_problems(OffloadConfig(enabled=True, dequant="x")))  # type: ignore[arg-type]
+
+
+def test_every_block_resident_needs_no_decoded_region() -> None:
+    model = gguf_flux("Q8_0")
+    inputs = flux_inputs(1, dtype=torch.bfloat16)
+    want = run(model, inputs)
+    handle = enable_offload(model, OffloadConfig(enabled=True, dequant="slot",
+                                                 resident_layers=5), "cpu")
+    try:
+        assert torch.equal(run(model, inputs), want)
+        report = handle.report()
+    finally:
+        handle.disable()
+    assert report["streamed_blocks"] == 0 and report["decoded_slot_bytes"] == 0
