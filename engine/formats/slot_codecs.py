@@ -13,6 +13,14 @@ temporaries, no host sync). Two codecs:
   dtype and written into the layer's place in the target, so the layer then runs a plain
   linear over bits identical to what it would have dequantized itself.
 
+diffusers' dequantizers of most types (Q4_K among them; not Q8_0) build small constant tensors
+from Python lists on the blocks' device at every call (``torch.tensor([0, 4], device=...)``):
+a copy from pageable memory, which synchronizes the host with the current stream. On the
+decode stream that stream waits for the next block's copy, so the host would stall in the
+prefetch (before the running block's compute is queued) and the copy, decode and compute
+would serialize. ``DeviceConstants`` serves those calls from a cache instead (the same values,
+made once per device), so a GGUF decode queues without a host sync and its bits do not change.
+
 Leaf module: imports no offload code and no loader (the GGUF dequantizer comes with the
 layer's ``GGUFQuant``).
 """
@@ -22,9 +30,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ditserve.engine.errors import FormatError
 from ditserve.engine.formats.gguf_linear import GGUFQuant
@@ -58,6 +67,29 @@ class PackedCodec:
         packed = PackedBf16(self.layout, staged)
         check_target(packed, out)
         return functools.partial(decode_checked, packed, out)
+
+
+# Types whose diffusers dequantizer makes no constant tensor (no need for the cache).
+NO_CONSTANTS = frozenset({"Q8_0", "BF16", "F16", "F32"})
+_CONSTANTS: dict[tuple[str, str, str], torch.Tensor] = {}
+
+
+class DeviceConstants(TorchFunctionMode):
+    """Inside: ``torch.tensor(values, dtype=..., device=...)`` of a list returns one cached
+    tensor per (values, dtype, device) - read-only use only, as diffusers' dequantizers make
+    (shift amounts, lookup tables). Every other call runs as is."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if (func is torch.tensor and len(args) == 1 and isinstance(args[0], list | tuple)
+                and set(kwargs) <= {"dtype", "device"}):
+            key = (repr(args[0]), str(kwargs.get("dtype")), str(kwargs.get("device")))
+            cached = _CONSTANTS.get(key)
+            if cached is None:
+                cached = _CONSTANTS[key] = func(*args, **kwargs)
+            return cached
+        return func(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -111,7 +143,16 @@ class GGUFCodec:
                               f"{out.device}")
 
     def decode(self, staged: torch.Tensor, out: torch.Tensor) -> None:
-        """Dequantize every run of ``staged`` into its place in ``out``."""
+        """Dequantize every run of ``staged`` into its place in ``out`` (on CUDA with the
+        dequantizers' constants cached: no host sync)."""
+        if staged.device.type != "cpu" and any(r.quant.name not in NO_CONSTANTS
+                                               for r in self.runs):
+            with DeviceConstants():
+                self._decode(staged, out)
+        else:
+            self._decode(staged, out)
+
+    def _decode(self, staged: torch.Tensor, out: torch.Tensor) -> None:
         for run in self.runs:
             q = run.quant
             blocks = staged[run.byte_offset : run.byte_offset + run.nbytes].view(-1, q.type_size)

@@ -42,6 +42,8 @@ def test_slot_dequant_equals_compute_dequant_on_cuda(qtype: str, slots: int) -> 
 
 
 def test_slot_dequant_steady_state_has_no_host_synchronization() -> None:
+    # Q4_K: diffusers' dequantizer makes constant tensors from lists at every call (a
+    # synchronizing copy); the codec's DeviceConstants must serve them from its cache.
     model, inputs = gguf_flux("Q4_K"), cuda_inputs()
     handle = enable_offload(model, OffloadConfig(enabled=True, dequant="slot"), device="cuda")
     try:
