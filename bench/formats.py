@@ -17,7 +17,11 @@ pinned at a time (<= ~50 GB while converting).
     ditserve model init-random /data/flux-full --size full --components dit
     python3 bench/formats.py --model-dir /data/flux-full --out $OUT/formats
     python3 bench/formats.py --model-dir /data/flux-full --formats gguf:Q4_K --resident --out $OUT
+    python3 bench/formats.py --model-dir /data/flux-full --formats gguf:Q8_0 --dequant compute slot
     python3 bench/formats.py --tiny --model-dir /tmp/flux-tiny --out /tmp/formats  # CPU smoke
+
+``--dequant``: where GGUF layers dequantize under DLO (``--dlo-dequant``): each mode given is
+its own row for a GGUF format ("gguf:Q8_0" compute, "gguf:Q8_0+slot"); other formats run once.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 import harness
 import torch
 
-from ditserve.engine.config import OffloadConfig
+from ditserve.engine.config import DEQUANT_MODES, OffloadConfig
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.weights.convert import convert
 from ditserve.engine.weights.dit_file import load_dit_file
@@ -76,18 +80,27 @@ def time_forwards(model: Any, device: torch.device, args: argparse.Namespace) ->
 
 
 def run_format(fmt: str, args: argparse.Namespace, device: torch.device, gbps: float
-               ) -> dict[str, Any]:
+               ) -> list[dict[str, Any]]:
+    """The format's row (and, for GGUF with several ``--dequant`` modes, one row per mode)."""
     result: dict[str, Any] = {"format": fmt}
     dit = load_format(args.model_dir, args.work, fmt, result)
-    handle = enable_offload(dit, OffloadConfig(enabled=True), device=device)
-    report = handle.snapshot().to_json()
-    result["streamed_bytes"] = report["streamed_bytes"]
-    result["dlo_ms"] = time_forwards(dit, device, args)
-    result["floor_ms"] = report["streamed_bytes"] / (gbps * 1e9) * 1e3
-    result["dlo_over_floor"] = result["dlo_ms"] / result["floor_ms"]
-    handle.disable()
-    log(f"{fmt}: DLO b1 {result['dlo_ms']:.1f} ms, floor {result['floor_ms']:.1f} ms "
-        f"({result['streamed_bytes'] / 2**30:.2f} GiB/step)")
+    modes = args.dequant if fmt.startswith("gguf:") else ["compute"]
+    rows = []
+    for mode in modes:
+        row = dict(result, format=fmt if mode == "compute" else f"{fmt}+{mode}",
+                   dequant=mode)
+        handle = enable_offload(dit, OffloadConfig(enabled=True, dequant=mode), device=device)
+        report = handle.snapshot().to_json()
+        row["streamed_bytes"] = report["streamed_bytes"]
+        row["slot_bytes"] = report["slot_bytes"]
+        row["dlo_ms"] = time_forwards(dit, device, args)
+        row["floor_ms"] = report["streamed_bytes"] / (gbps * 1e9) * 1e3
+        row["dlo_over_floor"] = row["dlo_ms"] / row["floor_ms"]
+        handle.disable()
+        log(f"{row['format']}: DLO b1 {row['dlo_ms']:.1f} ms, floor {row['floor_ms']:.1f} ms "
+            f"({row['streamed_bytes'] / 2**30:.2f} GiB/step)")
+        rows.append(row)
+    result = rows[0]
     if args.resident and device.type == "cuda":
         dit.to(device)
         result["resident_ms"] = time_forwards(dit, device, args)
@@ -100,7 +113,7 @@ def run_format(fmt: str, args: argparse.Namespace, device: torch.device, gbps: f
     gc.collect()
     if fmt != "bf16" and not args.keep_files:
         file_for(args.work, fmt).unlink(missing_ok=True)
-    return result
+    return rows
 
 
 def diffusers_gguf_ms(fmt: str, args: argparse.Namespace, device: torch.device) -> float:
@@ -161,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--resident", action="store_true",
                    help="also time each DiT resident (and diffusers' GGUF path)")
+    p.add_argument("--dequant", nargs="+", choices=DEQUANT_MODES, default=["compute"],
+                   help="GGUF: where layers dequantize under DLO, a row per mode")
     p.add_argument("--keep-files", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny DiT on the CPU (smoke run)")
     p.add_argument("--out", type=Path, default=Path("out/formats"))
@@ -182,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     h2d = harness.measure_h2d(device)
     # On a CPU there is no transfer to bound: a nominal 1 GB/s keeps the smoke run's sums real.
     gbps = h2d["registered_gbps"] if cuda else 1.0
-    rows = [run_format(fmt, args, device, gbps) for fmt in args.formats]
+    rows = [row for fmt in args.formats for row in run_format(fmt, args, device, gbps)]
     result = {"environment": harness.environment(device), "h2d": h2d, "rows": rows,
               "targets": targets(rows)}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -278,10 +278,15 @@ def test_checkpoint_formats_smoke_streams_each_format(tmp_path: Path) -> None:
     formats = load("formats")
     out = tmp_path / "out"
     assert formats.main(["--tiny", "--model-dir", str(tmp_path / "flux"), "--out", str(out),
-                         "--formats", "bf16", "gguf:Q8_0", "fp8"]) == 0
+                         "--formats", "bf16", "gguf:Q8_0", "fp8", "--dequant", "compute",
+                         "slot"]) == 0
     result = json.loads((out / "formats.json").read_text())
     rows = {r["format"]: r for r in result["rows"]}
-    assert set(rows) == {"bf16", "gguf:Q8_0", "fp8"}
+    assert set(rows) == {"bf16", "gguf:Q8_0", "gguf:Q8_0+slot", "fp8"}
+    # slot dequantization streams the same bytes through larger slots
+    slot, compute = rows["gguf:Q8_0+slot"], rows["gguf:Q8_0"]
+    assert slot["streamed_bytes"] == compute["streamed_bytes"]
+    assert slot["slot_bytes"] > compute["slot_bytes"]
     # the quantized forms stream fewer bytes than bf16 (the tiny DiT's small tensors stay F32)
     assert rows["gguf:Q8_0"]["streamed_bytes"] < rows["bf16"]["streamed_bytes"]
     assert rows["fp8"]["streamed_bytes"] < rows["bf16"]["streamed_bytes"]

@@ -61,6 +61,9 @@ from ditserve.engine.config.types import (
     COMPRESS_MODES as COMPRESS_MODES,
 )
 from ditserve.engine.config.types import (
+    DEQUANT_MODES as DEQUANT_MODES,
+)
+from ditserve.engine.config.types import (
     DLO_COMPONENTS as DLO_COMPONENTS,
 )
 from ditserve.engine.config.types import (

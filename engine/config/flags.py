@@ -14,6 +14,7 @@ from typing import Any
 from ditserve.engine.config import (
     COMPILE_BACKENDS,
     COMPRESS_MODES,
+    DEQUANT_MODES,
     DLO_COMPONENTS,
     DTYPES,
     GATHER_ENGINES,
@@ -56,6 +57,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "dlo_pin_limit_gib": ("offload", "pin_limit_gib"),
     "dlo_checkpoint_mmap": ("offload", "checkpoint_mmap"),
     "dlo_compress": ("offload", "compress"),
+    "dlo_dequant": ("offload", "dequant"),
     "dlo_components": ("offload", "components"),
     "prompt_cache_size": ("pipeline", "prompt_cache_size"),
     "prompt_cache_gib": ("pipeline", "prompt_cache_gib"),
@@ -178,6 +180,10 @@ def _add_offload_options(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--dlo-compress", choices=COMPRESS_MODES, default=None,
                    help="lossless: keep streamed blocks' bf16 bytes packed (0.75x, bit-exact) "
                         "in host memory and decode them on the device after each copy")
+    o.add_argument("--dlo-dequant", choices=DEQUANT_MODES, default=None,
+                   help="GGUF DiT under DLO: compute (default) dequantizes each layer at each "
+                        "call; slot dequantizes each streamed block into a bf16 slot region "
+                        "on the decode stream after its copy (bit-identical; larger slots)")
     o.add_argument("--dlo-components", choices=DLO_COMPONENTS, default=None,
                    help="all (default): DLO also parks the text encoders in pinned host "
                         "memory, on the device only while they encode; dit: stream the DiT "

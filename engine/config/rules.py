@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ditserve.engine.config.adapters import adapter_problems
+from ditserve.engine.config.dequant_rules import dequant_problems
 from ditserve.engine.config.judged import judged, remember_judged
 from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.config.types import (
@@ -187,6 +188,7 @@ def format_problems(
     if quantization == "fp8" and lossless:
         out.append("quantization=fp8 and offload.compress=lossless do not combine (FP8 leaves "
                    "little bf16 to pack, and FP8 bytes pack poorly): choose one")
+    out.extend(dequant_problems(off, quantization=quantization, group_size=group_size))
     if quantization == "fp8" and off.enabled and off.runtime_cache:
         out.append("quantization=fp8 changes the DiT's tensors, which the runtime cache v1 "
                    "neither stores nor keys on: drop --dlo-runtime-cache or --quantization")

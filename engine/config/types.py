@@ -36,6 +36,10 @@ MODEL_FAMILIES: tuple[str, ...] = (AUTO_FAMILY, *family_labels())
 # and which linear layers run in FP8. ``format_problems`` says what each combines with.
 CompressMode = Literal["none", "lossless"]
 COMPRESS_MODES: tuple[str, ...] = get_args(CompressMode)
+# Where a GGUF DiT's streamed layers dequantize under DLO: at each call on the compute stream,
+# or into a bf16 slot region on the offload's decode stream (engine.offload.slot_dequant).
+DequantMode = Literal["compute", "slot"]
+DEQUANT_MODES: tuple[str, ...] = get_args(DequantMode)
 Quantization = Literal["fp8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # An AllGather group splits each packed bf16 run by whole stripes, so its size must divide
@@ -70,6 +74,10 @@ class OffloadConfig:
     checkpoint_mmap: "auto" streams straight from the checkpoint's safetensors when it can.
     compress: "lossless" keeps the streamed blocks' bf16 regions packed (12-bit, bit-exact) in
         host memory and decodes them on the device after each copy; "none" streams raw bytes.
+    dequant: where a GGUF DiT's streamed layers dequantize: "compute" (each layer, at each
+        call, on the compute stream) or "slot" (the offload's decode stream dequantizes each
+        block into a bf16 region of its slot after the copy; the layers run plain linears
+        over it, bit-identical; each slot grows by the largest block's bf16 GGUF weights).
     components: what DLO governs besides streaming the DiT: "all" also parks the text
         encoders in (pinned) host memory, on the device only for an encode pass; "dit"
         keeps them resident (docs/offload.md, "Whole pipeline").
@@ -87,6 +95,7 @@ class OffloadConfig:
     pin_limit_gib: float = 0.0
     checkpoint_mmap: CheckpointMmap = "auto"
     compress: CompressMode = "none"
+    dequant: DequantMode = "compute"
     components: DloComponents = "all"
 
 

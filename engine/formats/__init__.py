@@ -7,6 +7,8 @@ them. One concept per module:
 - ``packed_encode``: the encoder (torch on a CPU or a CUDA device; at offload enable);
 - ``packed_decode``: decoding into a caller-owned bf16 tensor (CPU; dispatches CUDA);
 - ``packed_triton``: the Triton GPU decoder (imported only on CUDA);
+- ``slot_codecs``: the codecs the offload's decode stream runs into slot regions (packed bf16,
+  GGUF dequantization);
 - ``fp8_quant``: rowwise e4m3 quantization of weights and activations;
 - ``fp8_linear``: ``FP8Linear``, plain fp8 weight + fp32 scale tensors, ``torch._scaled_mm``
   on CUDA and an emulated matmul elsewhere;

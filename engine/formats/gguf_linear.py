@@ -6,7 +6,10 @@ carrying the quant type). Layer offload plans flat slabs from plain tensors and 
 into slots by ``param.data = view``, so - as with ``FP8Linear`` (``formats.fp8_linear``) - the
 blocks are held here as a plain uint8 buffer ``weight_q`` (rows, bytes per row) and the quant
 type as an attribute: offload streams the stored bytes with the block (Q8_0 about 0.53x,
-Q4_K about 0.28x of bf16's), and the dequantization is the compute's first step on the device.
+Q4_K about 0.28x of bf16's), and the dequantization is the compute's first step on the device
+- or, with ``--dlo-dequant slot``, the offload's decode stream dequantizes the bytes into a bf16
+slot region (``formats.slot_codecs.GGUFCodec``) and points ``decoded_weight`` at it, and the
+layer runs a plain linear over it.
 
 The numbers are diffusers': the same per-type torch dequantization (``dequantize_functions``,
 plain torch ops, so they run on CPU and CUDA alike), then ``weight.to(compute_dtype)`` and
@@ -47,6 +50,10 @@ class GGUFBlockLinear(nn.Module):
     """Drop-in for ``nn.Linear`` at inference over GGUF-quantized weight bytes."""
 
     weight_q: torch.Tensor
+    # Set by slot dequantization (``offload.slot_dequant``) while the block is streamed: the
+    # weight already dequantized into a slot, in the compute dtype. Not a registered buffer:
+    # it is no stored tensor (state dicts, layouts and slabs never see it).
+    decoded_weight: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, *, weight_q: torch.Tensor,
                  quant: GGUFQuant, bias: nn.Parameter | None,
@@ -68,7 +75,9 @@ class GGUFBlockLinear(nn.Module):
             self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.dequantized_weight().to(self.compute_dtype)
+        weight = self.decoded_weight
+        if weight is None:
+            weight = self.dequantized_weight().to(self.compute_dtype)
         bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
         return F.linear(x, weight, bias)
 

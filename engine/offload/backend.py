@@ -7,7 +7,8 @@ residency, open the device transfer, open the host backing and fill it (packing 
 with ``compress`` lossless), open the AllGather over a group (shard slots sized to the filled
 backing), allocate the device slots (``offload.slots``; by default two, or eight with
 AllGather), move resident modules to the device, open the mapped transfer or the decoding
-transfer, attach the hooks, and only then swap the streamed blocks' tensors for placeholders. Every step registers its
+transfer (packed runs; with ``dequant`` slot, GGUF layers into each slot's decoded region:
+``slot_dequant``), attach the hooks, and only then swap the streamed blocks' tensors for placeholders. Every step registers its
 undo on one ``contextlib.ExitStack``: any failure unwinds what was done and raises
 ``OffloadError``; the model is left as it was.
 
@@ -46,6 +47,7 @@ from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle
 from ditserve.engine.offload.host.weight_plan import HostWeightPlan
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import GIB
+from ditserve.engine.offload.slot_dequant import open_slot_dequant
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +153,21 @@ def _enable(
         transfer = pairing.open_mapped_transfer(base, mapped, split.plan, config, undo)
     if config.compress == "lossless":
         transfer = pairing.open_decoding(transfer, backing, split.plan, slots, undo)
+    dequant = None
+    if config.dequant == "slot":  # GGUF layers decoded into the slots (slot_dequant)
+        dequant = open_slot_dequant(split.plan.streamed_blocks,
+                                    [split.blocks[i][1] for i in split.plan.streamed],
+                                    slots=slots, device=base.device)
+        undo.callback(dequant.restore)
+        transfer = pairing.open_decoding(transfer, backing, split.plan, slots, undo,
+                                         in_place=True)
     streamer = builders.attach(model, split, backing=backing, transfer=transfer,
-                               slots=slot_buffers, strict=group_size > 1, undo=undo)
+                               slots=slot_buffers, strict=group_size > 1, undo=undo,
+                               dequant=dequant)
     builders.swap_in_placeholders(streamer.blocks, undo)
     return OffloadHandle(model, split.plan, base.device, transfer=transfer, backing=backing,
                          streamer=streamer, slots=slot_buffers, collective=group_size > 1,
-                         host_plan=plan_facts)
+                         host_plan=plan_facts, dequant=dequant)
 
 
 def _check_request(

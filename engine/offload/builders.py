@@ -24,10 +24,17 @@ from torch import nn
 from ditserve.engine.config import OffloadConfig
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.discovery import Discovery
-from ditserve.engine.offload.hooks import BlockStreamer, StreamedBlock, make_streamed_block
+from ditserve.engine.offload.hooks import (
+    BlockStreamer,
+    StreamedBlock,
+    make_streamed_block,
+    placeholder,
+)
 from ditserve.engine.offload.host.backing import HostBacking
+from ditserve.engine.offload.movement.decode import DecodeInPlace
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import GIB, OffloadPlan, SlotLayout, TensorSpec, build_plan
+from ditserve.engine.offload.slot_dequant import STORED, BlockDequant, SlotDequant, decoded_bytes
 
 # Device slots when offload.slots is unset. Rank-local streaming is copy-bound in every block,
 # so two slots reach the PCIe floor. AllGather's shard copies are shorter than the single
@@ -133,6 +140,9 @@ def split_model(
         activation_reserve_bytes=activation_reserve_bytes,
         shard_multiple=group_size,
         slots=slots,
+        # --dlo-dequant slot: each slot also holds the largest block's decoded GGUF weights.
+        slot_extra_bytes=max((decoded_bytes(m) for _, m in found.blocks), default=0)
+        if config.dequant == "slot" else 0,
     )
     for index in plan.residency.resident:
         resident.extend(tensors[index])
@@ -203,25 +213,54 @@ def attach(
     slots: Sequence[dict[Hashable, torch.Tensor]],
     strict: bool,
     undo: contextlib.ExitStack,
+    dequant: SlotDequant | None = None,
 ) -> BlockStreamer:
-    """Prepare every streamed block's loads and views, then hook the blocks."""
+    """Prepare every streamed block's loads and views, then hook the blocks. ``dequant``:
+    the blocks' GGUF layers decode into the slots' decoded regions (``slot_dequant``)."""
     device = transfer.device
     bases = {
         dtype: torch.zeros((), dtype=dtype, device=device)  # type: ignore[call-overload]
         for dtype, _, _ in split.plan.slot.regions
     }
-    streamed = [
-        make_streamed_block(
+    streamed = []
+    for position, index in enumerate(split.plan.streamed):
+        hosts = backing.regions(index)
+        block_dq = dequant.blocks[position] if dequant is not None else None
+        if dequant is not None and block_dq is not None:
+            hosts = dict(hosts)
+            hosts[STORED] = DecodeInPlace(hosts[STORED], block_dq.codec, tuple(
+                region[: block_dq.codec.numel] for region in dequant.regions))
+        block = make_streamed_block(
             split.plan.blocks[index], split.blocks[index][1], split.block_tensors[index],
-            slots=slots, host_regions=backing.regions(index), placeholder_bases=bases,
+            slots=slots, host_regions=hosts, placeholder_bases=bases,
             prepare=transfer.prepare,
         )
-        for index in split.plan.streamed
-    ]
+        if dequant is not None and block_dq is not None:
+            _derive(block, block_dq, dequant.regions, undo)
+        streamed.append(block)
     streamer = BlockStreamer(streamed, transfer, strict=strict)
     undo.callback(streamer.detach)  # first: an attach that fails mid-way leaves hooks too
     streamer.attach(root=model)  # counts passes; completes them even when a forward raises
     return streamer
+
+
+def _derive(block: StreamedBlock, dq: BlockDequant, regions: Sequence[torch.Tensor],
+            undo: contextlib.ExitStack) -> None:
+    """Give each GGUF layer of ``block`` a ``decoded_weight``: a placeholder between its
+    forwards, a view of the slot's decoded region while it runs."""
+    base = torch.zeros((), dtype=dq.codec.dtype, device=regions[0].device)
+    views: list[list[torch.Tensor]] = [[] for _ in regions]
+    for layer, run in dq.layers:
+        shape = (run.rows, run.cols)
+        tensor = torch.empty(0, dtype=dq.codec.dtype, device=base.device)
+        tensor.data = placeholder(base, shape)
+        undo.callback(setattr, layer, "decoded_weight", None)
+        layer.decoded_weight = tensor
+        block.derived.append(tensor)
+        block.derived_placeholders.append(placeholder(base, shape))
+        for s, region in enumerate(regions):
+            views[s].append(region[run.out_offset : run.out_offset + run.numel].view(shape))
+    block.derived_views = views
 
 
 def swap_in_placeholders(blocks: Sequence[StreamedBlock], undo: contextlib.ExitStack) -> None:

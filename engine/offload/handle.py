@@ -22,6 +22,7 @@ from ditserve.engine.offload.host.backing import HostBacking
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import OffloadPlan
 from ditserve.engine.offload.report import OffloadProbe, OffloadReport, Traffic
+from ditserve.engine.offload.slot_dequant import SlotDequant
 
 # The live handle of each offloaded model (a model is offloaded at most once at a time).
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, OffloadHandle] = weakref.WeakKeyDictionary()
@@ -42,9 +43,11 @@ class OffloadHandle:
         slots: list[dict[Hashable, torch.Tensor]],
         collective: bool,
         host_plan: Mapping[str, Any],
+        dequant: SlotDequant | None = None,
     ) -> None:
         """collective: every load is a collective of a group (AllGather mode).
-        host_plan: the loader's HostWeightPlan facts (``describe()``), for the report."""
+        host_plan: the loader's HostWeightPlan facts (``describe()``), for the report.
+        dequant: GGUF layers decoded into the slots (``--dlo-dequant slot``)."""
         self._model = weakref.ref(model)
         self.plan = plan
         self.device = device
@@ -53,6 +56,7 @@ class OffloadHandle:
         self._streamer = streamer
         self._slots = slots
         self._host_plan = dict(host_plan)
+        self._dequant = dequant
         self.active = True
         # AllGather mode: every rank must run the same passes (forwards or idle passes).
         self.needs_collective_participation = collective
@@ -104,13 +108,16 @@ class OffloadHandle:
             streamed_bytes=plan.streamed_bytes,
             resident_block_bytes=plan.resident_block_bytes,
             resident_module_bytes=plan.resident_module_bytes,
-            slot_bytes=plan.slot.nbytes,
+            # A slot's decoded region (--dlo-dequant slot) is slot memory too.
+            slot_bytes=plan.slot.nbytes + (self._dequant.slot_bytes if self._dequant else 0),
             slots=len(self._slots) if plan.streamed else 0,
             host=self._backing.report(),
             transfer=self._transfer.report(),
             traffic=Traffic(streamer.bytes_transferred, streamer.loads, streamer.misses,
                             streamer.passes),
             host_plan=self._host_plan,
+            dequant="slot" if self._dequant is not None else "compute",
+            decoded_slot_bytes=self._dequant.slot_bytes if self._dequant else 0,
         )
 
     def report(self) -> dict[str, Any]:
@@ -152,6 +159,9 @@ class OffloadHandle:
             hosts = self._backing.release(index, gather=gather)
             for tensor, host in zip(block.tensors, hosts, strict=True):
                 tensor.data = host
+        if self._dequant is not None:
+            self._dequant.restore()  # the GGUF layers dequantize at each call again
+            self._dequant.regions.clear()
         self._slots.clear()
         self._streamer.blocks.clear()
         self._transfer.close()

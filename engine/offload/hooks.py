@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,12 @@ class StreamedBlock:
     copies: list[Any]  # per slot: the transfer's prepared load of (slot region, host source)
     placeholders: list[torch.Tensor]
     nbytes: int
+    # Derived tensors (``slot_dequant``: GGUF weights decoded into a slot region): pointed like
+    # the block's own tensors, but no stored tensor stands behind them (disable gives nothing
+    # back to them; their owner's ``restore`` unsets them).
+    derived: list[torch.Tensor] = field(default_factory=list)
+    derived_views: list[list[torch.Tensor]] = field(default_factory=list)  # per slot
+    derived_placeholders: list[torch.Tensor] = field(default_factory=list)
 
 
 def placeholder(base: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -181,6 +187,10 @@ class BlockStreamer:
         block = self.blocks[k]
         targets = block.placeholders if slot is None else block.views[slot]
         for tensor, target in zip(block.tensors, targets, strict=True):
+            tensor.data = target
+        derived = block.derived_placeholders if slot is None else (
+            block.derived_views[slot] if block.derived else [])
+        for tensor, target in zip(block.derived, derived, strict=True):
             tensor.data = target
         if slot is None:
             self.pointed.pop(k, None)

@@ -154,11 +154,15 @@ def open_decoding(
     plan: OffloadPlan,
     slots: int,
     undo: contextlib.ExitStack,
+    *,
+    in_place: bool = False,
 ) -> Transfer:
-    """Packed regions: copy (or gather) into per-slot device staging, decode into the slot."""
+    """Packed regions: copy (or gather) into per-slot device staging, decode into the slot.
+    ``in_place``: GGUF layers (``--dlo-dequant slot``), decoded from the slot itself (no
+    staging; the hooks' prepared loads carry the codecs)."""
     largest = largest_run(source for index in plan.streamed
                           for source in backing.regions(index).values())
-    if largest == 0:
+    if largest == 0 and not in_place:
         raise OffloadError(
             "--dlo-compress lossless packs bfloat16 weights, but the streamed blocks hold none "
             "(dtypes: " + ", ".join(sorted({str(r.dtype) for b in plan.streamed_blocks

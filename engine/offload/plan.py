@@ -169,17 +169,19 @@ def budget_residency(
     fixed_bytes: int,
     activation_reserve_bytes: int,
     slots: int = 2,
+    slot_extra_bytes: int = 0,
 ) -> Residency:
     """Keep as many block bytes resident as fit in the budget, spread along the block order.
 
     The budget pays first for the always-resident modules (``fixed_bytes``), the activation
-    reserve and ``slots`` slots of the largest block; what is left holds resident blocks. They are
+    reserve and ``slots`` slots of the largest block (each with ``slot_extra_bytes`` more: a
+    decoded region, ``slot_dequant``); what is left holds resident blocks. They are
     spread evenly (error diffusion over cumulative bytes), not taken from the front: while a
     resident block computes, the copy stream keeps loading the next streamed block, so the
     step stays at streamed bytes / bandwidth. A leading run of resident blocks would leave
     the copy engine idle for their whole compute time.
     """
-    largest = max(block_bytes, default=0)
+    largest = max(block_bytes, default=0) + slot_extra_bytes
     minimum = fixed_bytes + activation_reserve_bytes + slots * largest
     if budget_bytes < minimum:
         raise OffloadError(
@@ -251,8 +253,11 @@ def build_plan(
     activation_reserve_bytes: int = 0,
     shard_multiple: int = 1,
     slots: int = 2,
+    slot_extra_bytes: int = 0,
 ) -> OffloadPlan:
-    """Lay out every block and choose the resident ones (fixed count or HBM budget)."""
+    """Lay out every block and choose the resident ones (fixed count or HBM budget).
+    ``slot_extra_bytes``: device bytes each slot holds beyond the blocks' layout (a decoded
+    region), which the budget pays for with the slots."""
     if resident_layers and hbm_budget_bytes is not None:
         raise OffloadError(
             "offload.resident_layers and offload.hbm_budget_gib both choose the resident "
@@ -271,5 +276,6 @@ def build_plan(
             fixed_bytes=resident_module_bytes,
             activation_reserve_bytes=activation_reserve_bytes,
             slots=slots,
+            slot_extra_bytes=slot_extra_bytes,
         )
     return OffloadPlan(layouts, residency, resident_module_bytes)

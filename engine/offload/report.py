@@ -58,6 +58,8 @@ class OffloadReport:
     transfer: TransferReport
     traffic: Traffic
     host_plan: Mapping[str, Any] = field(default_factory=dict)  # the loader's plan, as it said
+    dequant: str = "compute"  # where GGUF layers dequantize: "compute" | "slot"
+    decoded_slot_bytes: int = 0  # of slot_bytes: the decoded region (dequant "slot")
 
     @property
     def resident_blocks(self) -> int:
@@ -90,6 +92,8 @@ class OffloadReport:
             "resident_module_bytes": self.resident_module_bytes,
             "slot_bytes": self.slot_bytes,
             "slots": self.slots,
+            "dequant": self.dequant,
+            "decoded_slot_bytes": self.decoded_slot_bytes,
             "host_bytes": self.host.host_bytes,
             "pinned_host_bytes": self.pinned_host_bytes,
             "backing": self.host.backing,

@@ -66,6 +66,8 @@ class BudgetInputs:
     dit_fixed: the DiT's modules outside its block lists (always resident).
     dit_blocks: each streamable block's bytes as the offload lays it out, in call order.
     slots: device slots streamed blocks go through.
+    slot_extra: bytes each slot holds beyond the largest streamed block's layout (the decoded
+        region of ``--dlo-dequant slot``: the largest block's GGUF weights in bf16).
     encoders: (name, bytes) of each text encoder.
     parkable: encoders may leave the device - parked in host memory between encodes, or
         streamed layer by layer (``offload.components=all``).
@@ -95,6 +97,7 @@ class BudgetInputs:
     vae_tiling: str = "auto"
     streamable: tuple[tuple[str, int], ...] = ()
     decode_shape: tuple[int, int, int] = (1, 1024, 1024)  # (frames, height, width) planned
+    slot_extra: int = 0
 
     @property
     def encoder_bytes(self) -> int:
@@ -181,7 +184,7 @@ def _plan(inputs: BudgetInputs, *, blocks: Sequence[int], encoders: dict[str, st
     """The plan with these choices (no check that it fits)."""
     keep = set(blocks)
     streamed = [size for i, size in enumerate(inputs.dit_blocks) if i not in keep]
-    slots = inputs.slots * max(streamed, default=0)
+    slots = inputs.slots * (max(streamed) + inputs.slot_extra) if streamed else 0
     held = {"dit": inputs.dit_fixed + sum(inputs.dit_blocks[i] for i in blocks),
             "dit slots": slots, "vae": inputs.vae, "prompt cache": inputs.prompt_cache}
     streamed_held = dict(inputs.streamable)
@@ -248,7 +251,7 @@ def plan_budget(inputs: BudgetInputs, budget: int, *, auto: bool = False) -> Bud
     dit_budget = max(dit_budget, least.held["dit"] + least.held["dit slots"])
     residency = budget_residency(list(inputs.dit_blocks), budget_bytes=dit_budget,
                                  fixed_bytes=inputs.dit_fixed, activation_reserve_bytes=0,
-                                 slots=inputs.slots)
+                                 slots=inputs.slots, slot_extra_bytes=inputs.slot_extra)
     blocks = residency.resident
     plan = _plan(inputs, blocks=blocks, encoders=least_modes, tiled=tile_allowed,
                  budget=budget, auto=auto)

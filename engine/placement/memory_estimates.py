@@ -37,6 +37,7 @@ from ditserve.engine.families.base import dit_width
 from ditserve.engine.offload.builders import block_tensors, slot_count
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
+from ditserve.engine.offload.slot_dequant import decoded_bytes
 from ditserve.engine.pipelines.capabilities import (
     host_modules_of,
     keeps_encoder_hidden_states,
@@ -71,6 +72,13 @@ def dit_blocks(transformer: torch.nn.Module, block_lists: Any) -> tuple[int, tup
     fixed = sum(t.numel() * t.element_size()
                 for t in (*transformer.parameters(), *transformer.buffers()) if id(t) not in inside)
     return fixed, tuple(sizes)
+
+
+def dit_decoded_bytes(transformer: torch.nn.Module, block_lists: Any) -> int:
+    """The decoded region one slot holds under ``--dlo-dequant slot``: the largest block's
+    GGUF weights in their compute dtype (0 without GGUF layers)."""
+    found = discover(transformer, block_lists)
+    return max((decoded_bytes(module) for _, module in found.blocks), default=0)
 
 
 def streamed_encoder_bytes(encoder: torch.nn.Module) -> int | None:
@@ -223,4 +231,6 @@ def budget_inputs(pipeline: Any, *, scheduler: SchedulerConfig, pipeline_config:
         prompt_cache=int(pipeline_config.prompt_cache_gib * (1 << 30))
         if pipeline_config.prompt_cache_size > 0 else 0,
         vae_tiling=pipeline_config.vae_tiling, streamable=streamable,
-        decode_shape=(frames, height, width))
+        decode_shape=(frames, height, width),
+        slot_extra=dit_decoded_bytes(transformer, pipeline.block_lists)
+        if offload.options.dequant == "slot" else 0)

@@ -148,3 +148,20 @@ def test_without_a_budget_the_lowest_peak_placement_streams_large_encoders() -> 
     # Encoders that may not leave the device (--dlo-components dit) stay resident.
     pinned = dataclasses.replace(flux, parkable=False)
     assert set(least_encoders(pinned, tiled=True).values()) == {"resident"}
+
+
+def test_decoded_slot_regions_are_held_with_the_slots() -> None:
+    # --dlo-dequant slot: each slot also holds the largest block's dequantized weights.
+    extra = 640 * MIB
+    slotted = dataclasses.replace(INPUTS, slot_extra=extra)
+    minimum = plan_budget(INPUTS, 200 * GIB).minimum
+    plan = plan_budget(slotted, 200 * GIB)
+    assert plan.minimum - minimum >= 2 * extra - 2 * MIB  # the slack grows with the peak
+    streamed = plan_budget(slotted, plan.minimum)
+    assert streamed.held["dit slots"] == 2 * (680 * MIB + extra)
+    assert fits(streamed)
+    with pytest.raises(BudgetError):
+        plan_budget(slotted, minimum)
+    # Every budget above the minimum still fits, blocks bought as the budget grows.
+    for budget in range(plan.minimum, 40 * GIB, 2 * GIB):
+        assert fits(plan_budget(slotted, budget)), budget

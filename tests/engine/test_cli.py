@@ -18,7 +18,7 @@ ENGINE_FLAGS = {
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
     "--dlo-pin-limit-gib",
     "--dlo-checkpoint-mmap", "--data-parallel-size", "--sequence-parallel-size",
-    "--quantization", "--dlo-compress",
+    "--quantization", "--dlo-compress", "--dlo-dequant",
     "--lora-modules", "--max-loras", "--max-lora-rank", "--lora-fuse",
     "--scheduling-policy", "--priority-aging-s", "--max-preemptions",
     "--dlo-components", "--prompt-cache-size", "--prompt-cache-gib", "--vae-tiling",
@@ -146,3 +146,16 @@ def test_init_tiny_is_safe_for_concurrent_processes(tmp_path) -> None:  # type: 
 
     assert read_model_index(target)[0] == "FluxPipeline"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tiny.")]  # no leftovers
+
+
+def test_dlo_dequant_maps_onto_the_offload_config_and_needs_offload() -> None:
+    config = engine_config_from_args(parse("--offload", "dlo", "--dlo-dequant", "slot"))
+    assert config.offload.dequant == "slot"
+    assert engine_config_from_args(parse()).offload.dequant == "compute"
+    with pytest.raises(ConfigError, match="offload.dequant=slot .* needs offload.enabled"):
+        engine_config_from_args(parse("--dlo-dequant", "slot"))
+    with pytest.raises(ConfigError, match="offload.dequant=slot and offload.compress=lossless"):
+        engine_config_from_args(parse("--offload", "dlo", "--dlo-dequant", "slot",
+                                      "--dlo-compress", "lossless"))
+    with pytest.raises(SystemExit):  # argparse refuses an unknown choice
+        parse("--dlo-dequant", "host")

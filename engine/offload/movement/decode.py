@@ -1,4 +1,11 @@
-"""Decoding transfer: loads of packed host regions (``--dlo-compress lossless``) into slots.
+"""Decoding transfer: loads of coded host regions into slots - packed bf16 runs
+(``--dlo-compress lossless``) and GGUF layers dequantized in the slot (``--dlo-dequant slot``).
+
+Each coded source names a codec (``formats.slot_codecs``: staged bytes -> target view) and
+where its bytes land: a packed run in the slot's *staging* buffer, decoded into the slot's bf16
+region (below); a ``DecodeInPlace`` source (GGUF) in the slot's own region of its dtype (the
+stored bytes, as a plain load puts them), decoded from there into a target of its own per slot
+(the block's dequantized weights). Either way the decode is step 2 below.
 
 Wraps the transfer the backing pairs with otherwise - the copy stream, or an AllGather - and
 adds one step per load. A load of block k into device slot s:
@@ -9,8 +16,10 @@ adds one step per load. A load of block k into device slot s:
    rank copies its stripes, ``all_gather_into_tensor`` rebuilds the packed run;
 2. the decode stream waits for those bytes (``inner.wait_ready`` issued on it), decodes the
    staging bytes into the slot's bf16 region (``formats.packed_decode.decode_checked``: one
-   Triton kernel per run, no allocation, no host sync) and records this transfer's
-   ``ready[s]``;
+   Triton kernel per run, no allocation, no host sync) - or a GGUF block's bytes from the
+   slot's uint8 region into its decoded region (diffusers' torch dequantizers: a few kernels
+   per layer and their temporaries, allocated on the decode stream, no host sync) - and
+   records this transfer's ``ready[s]``;
 3. the compute stream waits on ``ready[s]`` before block k runs (``wait_ready``).
 
 Why a stream of its own: the copy stream goes straight on to the next block's bytes while
@@ -21,7 +30,9 @@ next block and the compute of the previous one.
 Write-after-read: the inner load of slot s waits for compute's release of s; ``release(s)``
 first makes the compute stream wait for slot s's decode - a no-op in the steady state, where
 compute already waited on it before running the block, but not when a prefetched block never
-ran (a miss) - so a released slot's staging and bf16 region are no longer being written.
+ran (a miss) - so a released slot's staging, bf16 region and decoded region are no longer
+being written, and the next decode into slot s (after the next copy into s, which waits for
+compute's release) never overwrites weights a block still reads.
 
 On a CPU every step runs synchronously in call order (CI runs this path).
 
@@ -36,10 +47,19 @@ from typing import Any
 
 import torch
 
-from ditserve.engine.formats.packed_decode import check_target, decode_checked
-from ditserve.engine.formats.packed_layout import PackedBf16
+from ditserve.engine.formats.slot_codecs import Decode, PackedCodec, SlotCodec
 from ditserve.engine.offload.host.packed_slabs import PackedSource
 from ditserve.engine.offload.movement.transfer import DelegatingTransfer, Transfer, TransferReport
+
+
+@dataclass(frozen=True)
+class DecodeInPlace:
+    """A host region copied as stored into the slot's region of its dtype, then decoded
+    from there by ``codec`` into ``targets[slot]`` (GGUF layers: their dequantized weights)."""
+
+    data: Any  # the backing's copy source, moved by the inner transfer unchanged
+    codec: SlotCodec
+    targets: tuple[torch.Tensor, ...]  # per slot: the device view the codec writes
 
 
 @dataclass(frozen=True)
@@ -47,7 +67,7 @@ class PackedLoad:
     """A prepared load: the inner transfer's, and the runs to decode once its bytes landed."""
 
     inner: Any
-    runs: tuple[tuple[PackedBf16, torch.Tensor], ...]  # (packed bytes in staging, slot region)
+    runs: tuple[Decode, ...]  # each codec bound to its (staged bytes, target) pair
 
 
 def largest_run(sources: Iterable[Any]) -> int:
@@ -58,14 +78,15 @@ def largest_run(sources: Iterable[Any]) -> int:
 def copy_source(source: Any) -> Any:
     """What the inner transfer moves for a host source: a packed region's bytes, or the
     source itself (sizes an AllGather's shard slots)."""
-    return source.data if isinstance(source, PackedSource) else source
+    return source.data if isinstance(source, PackedSource | DecodeInPlace) else source
 
 
 class DecodingTransfer(DelegatingTransfer):
-    """Copies (or gathers) packed bytes into per-slot staging, then decodes into the slot."""
+    """Copies (or gathers) coded bytes into the slot (or its staging), then decodes them."""
 
     def __init__(self, inner: Transfer, *, slots: int, staging_bytes: int) -> None:
-        """staging_bytes: the largest packed run a slot receives (one buffer per slot)."""
+        """staging_bytes: the largest packed run a slot receives (one buffer per slot; 0
+        when only in-place sources decode, whose targets the caller owns as slot regions)."""
         super().__init__(inner)
         self.staging = [torch.empty(staging_bytes, dtype=torch.uint8, device=self.device)
                         for _ in range(slots)]
@@ -76,15 +97,18 @@ class DecodingTransfer(DelegatingTransfer):
         self.decoded_runs = 0
 
     def prepare(self, pairs: Sequence[tuple[torch.Tensor, Any]], slot: int) -> PackedLoad:
-        """Route each packed source through slot ``slot``'s staging (checked here, once)."""
+        """Route each packed source through slot ``slot``'s staging and each in-place source
+        into the slot; every (codec, staged, target) is checked here, once."""
         inner_pairs: list[tuple[torch.Tensor, Any]] = []
-        runs: list[tuple[PackedBf16, torch.Tensor]] = []
+        runs: list[Decode] = []
         for dst, src in pairs:
             if isinstance(src, PackedSource):
-                packed = PackedBf16(src.layout, self.staging[slot][: src.layout.nbytes])
-                check_target(packed, dst)
-                inner_pairs.append((packed.data, src.data))
-                runs.append((packed, dst))
+                staged = self.staging[slot][: src.layout.nbytes]
+                runs.append(PackedCodec(src.layout).bind(staged, dst))
+                inner_pairs.append((staged, src.data))
+            elif isinstance(src, DecodeInPlace):
+                runs.append(src.codec.bind(dst, src.targets[slot]))
+                inner_pairs.append((dst, src.data))
             else:
                 inner_pairs.append((dst, src))
         return PackedLoad(self.inner.prepare(inner_pairs, slot), tuple(runs))
@@ -93,15 +117,15 @@ class DecodingTransfer(DelegatingTransfer):
         self.inner.load(prepared.inner, slot)
         self.decoded_runs += len(prepared.runs)
         if self.stream is None:  # CPU: the bytes are already there
-            for packed, dst in prepared.runs:
-                decode_checked(packed, dst)
+            for decode in prepared.runs:
+                decode()
             return
         with torch.cuda.stream(self.stream):
             # Read-after-write on the staging buffer: the inner transfer's ready event (its
             # copy, or its gather) becomes a wait of the decode stream, not of the host.
             self.inner.wait_ready(slot)
-            for packed, dst in prepared.runs:
-                decode_checked(packed, dst)
+            for decode in prepared.runs:
+                decode()
             self.ready[slot].record(self.stream)
 
     def wait_ready(self, slot: int) -> None:
