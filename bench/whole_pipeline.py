@@ -134,8 +134,9 @@ def cuda_tensors_alive(top: int = 8) -> list[dict[str, Any]]:
     owners = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.nn.Module):
-            for name, t in [*obj._parameters.items(), *obj._buffers.items()]:
-                if t is not None and t.is_cuda:
+            for name, t in [*obj.named_parameters(recurse=False),
+                            *obj.named_buffers(recurse=False)]:
+                if t.is_cuda:
                     owners[id(t)] = f"{type(obj).__name__}.{name}"
     found = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.is_cuda]
     found.sort(key=lambda t: t.untyped_storage().nbytes(), reverse=True)
