@@ -222,21 +222,22 @@ def attach(
         dtype: torch.zeros((), dtype=dtype, device=device)  # type: ignore[call-overload]
         for dtype, _, _ in split.plan.slot.regions
     }
+    decoding = dequant.blocks if dequant is not None else [None] * len(split.plan.streamed)
+    regions = dequant.regions if dequant is not None else []
     streamed = []
-    for position, index in enumerate(split.plan.streamed):
+    for index, block_dq in zip(split.plan.streamed, decoding, strict=True):
         hosts = backing.regions(index)
-        block_dq = dequant.blocks[position] if dequant is not None else None
-        if dequant is not None and block_dq is not None:
+        if block_dq is not None:
             hosts = dict(hosts)
             hosts[STORED] = DecodeInPlace(hosts[STORED], block_dq.codec, tuple(
-                region[: block_dq.codec.numel] for region in dequant.regions))
+                region[: block_dq.codec.numel] for region in regions))
         block = make_streamed_block(
             split.plan.blocks[index], split.blocks[index][1], split.block_tensors[index],
             slots=slots, host_regions=hosts, placeholder_bases=bases,
             prepare=transfer.prepare,
         )
-        if dequant is not None and block_dq is not None:
-            _derive(block, block_dq, dequant.regions, undo)
+        if block_dq is not None:
+            _derive(block, block_dq, regions, undo)
         streamed.append(block)
     streamer = BlockStreamer(streamed, transfer, strict=strict)
     undo.callback(streamer.detach)  # first: an attach that fails mid-way leaves hooks too

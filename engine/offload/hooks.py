@@ -188,10 +188,10 @@ class BlockStreamer:
         targets = block.placeholders if slot is None else block.views[slot]
         for tensor, target in zip(block.tensors, targets, strict=True):
             tensor.data = target
-        derived = block.derived_placeholders if slot is None else (
-            block.derived_views[slot] if block.derived else [])
-        for tensor, target in zip(block.derived, derived, strict=True):
-            tensor.data = target
+        if block.derived:  # only blocks with GGUF layers under --dlo-dequant slot
+            targets = block.derived_placeholders if slot is None else block.derived_views[slot]
+            for tensor, target in zip(block.derived, targets, strict=True):
+                tensor.data = target
         if slot is None:
             self.pointed.pop(k, None)
         else:

@@ -49,7 +49,7 @@ def _targets(module: nn.Module) -> Iterator[tuple[str, GGUFBlockLinear, int]]:
     cursor = 0
     for name, layer in module.named_modules():
         if isinstance(layer, GGUFBlockLinear):
-            align = max(1, ALIGN_BYTES // torch.empty((), dtype=layer.compute_dtype).element_size())
+            align = max(1, ALIGN_BYTES // layer.compute_dtype.itemsize)
             cursor = round_up(cursor, align)
             yield name, layer, cursor
             cursor += layer.out_features * layer.in_features
@@ -59,8 +59,8 @@ def decoded_bytes(module: nn.Module) -> int:
     """Bytes of a block's decoded region (0: the block has no GGUF layer)."""
     end = 0
     for _, layer, offset in _targets(module):
-        item = torch.empty((), dtype=layer.compute_dtype).element_size()
-        end = round_up((offset + layer.out_features * layer.in_features) * item, ALIGN_BYTES)
+        end = round_up((offset + layer.out_features * layer.in_features)
+                       * layer.compute_dtype.itemsize, ALIGN_BYTES)
     return end
 
 
@@ -124,7 +124,7 @@ def open_slot_dequant(layouts: Sequence[BlockLayout], modules: Sequence[nn.Modul
         raise OffloadError("the streamed blocks' GGUF layers compute in several dtypes; "
                            "--dlo-dequant slot decodes into one")
     numel = max(b.codec.numel for b in found)
-    align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    align = max(1, ALIGN_BYTES // dtype.itemsize)
     regions = [torch.empty(round_up(numel, align), dtype=dtype, device=device)
                for _ in range(slots)]
     return SlotDequant(blocks, regions)
