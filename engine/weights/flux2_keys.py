@@ -19,7 +19,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ditserve.engine.weights import key_tables
-from ditserve.engine.weights.key_tables import Blocks, Cat, Fused, Layout
+from ditserve.engine.weights.flux_keys import (
+    DOUBLE_NORMS,
+    DOUBLE_QKV,
+    FINAL_MODULATION,
+    SINGLE_NORMS,
+)
+from ditserve.engine.weights.key_tables import Blocks, Cat, Layout
 
 _LAYOUT = Layout(
     unknown="FLUX.2 tensors with no original name",
@@ -37,7 +43,7 @@ _LAYOUT = Layout(
         ("proj_out", "final_layer.linear"),
     ),
     # The final modulation: BFL's (shift, scale) rows, diffusers' (scale, shift).
-    swapped=("norm_out.linear", "final_layer.adaLN_modulation.1"),
+    swapped=FINAL_MODULATION,
     blocks=(
         # Full keys for the norms (BFL's RMSNorm weight is ``scale``).
         Blocks(
@@ -50,25 +56,14 @@ _LAYOUT = Layout(
                 ("ff_context.linear_in", "txt_mlp.0"),
                 ("ff_context.linear_out", "txt_mlp.2"),
             ),
-            keys=(
-                ("attn.norm_q.weight", "img_attn.norm.query_norm.scale"),
-                ("attn.norm_k.weight", "img_attn.norm.key_norm.scale"),
-                ("attn.norm_added_q.weight", "txt_attn.norm.query_norm.scale"),
-                ("attn.norm_added_k.weight", "txt_attn.norm.key_norm.scale"),
-            ),
-            fused=(
-                Fused("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
-                Fused("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
-            ),
+            keys=DOUBLE_NORMS,
+            fused=DOUBLE_QKV,
         ),
         # The single blocks' fused projection is one tensor in diffusers too: a rename.
         Blocks(
             "single_transformer_blocks.", "single_blocks.",
             paths=(("attn.to_qkv_mlp_proj", "linear1"), ("attn.to_out", "linear2")),
-            keys=(
-                ("attn.norm_q.weight", "norm.query_norm.scale"),
-                ("attn.norm_k.weight", "norm.key_norm.scale"),
-            ),
+            keys=SINGLE_NORMS,
         ),
     ),
 )

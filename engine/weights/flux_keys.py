@@ -27,6 +27,24 @@ from ditserve.engine.weights.key_tables import Blocks, Cat, Fused, Layout
 # diffusers' key prefixes that BFL-style files may carry before the BFL names.
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
+# The attention tables BFL's two generations share (FLUX.2 keeps FLUX.1's names for the
+# q/k norms, the fused qkv of both streams and the final modulation; ``flux2_keys`` reuses them).
+FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
+DOUBLE_NORMS = (
+    ("attn.norm_q.weight", "img_attn.norm.query_norm.scale"),
+    ("attn.norm_k.weight", "img_attn.norm.key_norm.scale"),
+    ("attn.norm_added_q.weight", "txt_attn.norm.query_norm.scale"),
+    ("attn.norm_added_k.weight", "txt_attn.norm.key_norm.scale"),
+)
+DOUBLE_QKV = (
+    Fused("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+    Fused("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+)
+SINGLE_NORMS = (
+    ("attn.norm_q.weight", "norm.query_norm.scale"),
+    ("attn.norm_k.weight", "norm.key_norm.scale"),
+)
+
 _LAYOUT = Layout(
     unknown="Flux tensors with no BFL name",
     # (diffusers name, BFL name) for tensors copied as they are.
@@ -42,7 +60,7 @@ _LAYOUT = Layout(
         ("proj_out", "final_layer.linear"),
     ),
     # The final modulation: BFL stores (shift, scale), diffusers (scale, shift).
-    swapped=("norm_out.linear", "final_layer.adaLN_modulation.1"),
+    swapped=FINAL_MODULATION,
     blocks=(
         Blocks(
             "transformer_blocks.", "double_blocks.",
@@ -56,24 +74,13 @@ _LAYOUT = Layout(
                 ("attn.to_out.0", "img_attn.proj"),
                 ("attn.to_add_out", "txt_attn.proj"),
             ),
-            keys=(
-                ("attn.norm_q.weight", "img_attn.norm.query_norm.scale"),
-                ("attn.norm_k.weight", "img_attn.norm.key_norm.scale"),
-                ("attn.norm_added_q.weight", "txt_attn.norm.query_norm.scale"),
-                ("attn.norm_added_k.weight", "txt_attn.norm.key_norm.scale"),
-            ),
-            fused=(
-                Fused("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
-                Fused("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
-            ),
+            keys=DOUBLE_NORMS,
+            fused=DOUBLE_QKV,
         ),
         Blocks(
             "single_transformer_blocks.", "single_blocks.",
             paths=(("norm.linear", "modulation.lin"), ("proj_out", "linear2")),
-            keys=(
-                ("attn.norm_q.weight", "norm.query_norm.scale"),
-                ("attn.norm_k.weight", "norm.key_norm.scale"),
-            ),
+            keys=SINGLE_NORMS,
             # (3 * inner + mlp, ...): q, k, v of ``inner`` rows each (``linear2``'s rows, the
             # width diffusers' converter hard-codes), then the MLP's input rows
             fused=(Fused("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
