@@ -46,3 +46,17 @@ def run(model: torch.nn.Module, inputs: dict) -> torch.Tensor:  # type: ignore[t
 def holds_storage(tensor: torch.Tensor) -> bool:
     """False for an offload placeholder (a zero-stride view of one element)."""
     return tensor.numel() <= 1 or tensor.untyped_storage().nbytes() >= tensor.numel() * tensor.element_size()
+
+
+def steady_steps_without_sync(model: torch.nn.Module, inputs: dict, *, steps: int = 3) -> None:  # type: ignore[type-arg]
+    """One cold step, then ``steps`` more with CUDA's sync debug mode at "error": any call in
+    them that synchronizes the host with the device raises."""
+    run(model, inputs)  # cold step (first loads, a kernel's first compile)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            run(model, inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from offload.support import build_flux, flux_inputs, holds_storage, run  # type: ignore[import-not-found]
+from offload.support import build_flux, flux_inputs, holds_storage, run, steady_steps_without_sync  # type: ignore[import-not-found]
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
@@ -103,15 +103,7 @@ def test_steady_state_has_no_host_synchronization() -> None:
     x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
     handle = enable_offload(model, DLO, device="cuda")
     try:
-        run(model, {"x": x})  # cold step
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
-        try:
-            for _ in range(3):
-                run(model, {"x": x})
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
+        steady_steps_without_sync(model, {"x": x})
         assert handle.report()["load_misses"] == 1
     finally:
         handle.disable()

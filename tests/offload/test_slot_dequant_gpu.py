@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from offload.support import flux_inputs, run  # type: ignore[import-not-found]
+from offload.support import flux_inputs, run, steady_steps_without_sync  # type: ignore[import-not-found]
 from offload.test_slot_dequant import gguf_flux  # type: ignore[import-not-found]
 
 from ditserve.engine.config import OffloadConfig
@@ -47,15 +47,7 @@ def test_slot_dequant_steady_state_has_no_host_synchronization() -> None:
     model, inputs = gguf_flux("Q4_K"), cuda_inputs()
     handle = enable_offload(model, OffloadConfig(enabled=True, dequant="slot"), device="cuda")
     try:
-        run(model, inputs)  # cold step
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
-        try:
-            for _ in range(3):
-                run(model, inputs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
+        steady_steps_without_sync(model, inputs)
         assert handle.report()["load_misses"] == 1
     finally:
         handle.disable()
