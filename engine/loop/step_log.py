@@ -76,8 +76,7 @@ class StepLog:
     def on_finished(self, result: Any) -> None:
         self._roll()
         self._images += int(result.num_images)
-        self._log.debug("finished %s (queued %.3f s)", getattr(result, "request_id", "?"),
-                        getattr(result, "queue_seconds", float("nan")))
+        self._log.debug("finished %s (queued %.3f s)", result.request_id, result.queue_seconds)
 
     def on_preempted(self, request_id: str) -> None:
         self._log.debug("paused %s", request_id)

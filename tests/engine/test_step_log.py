@@ -26,7 +26,7 @@ def test_summarizes_each_interval_and_skips_idle_gaps(caplog: pytest.LogCaptureF
         clock.now = 2.0 * i
         steps.on_step(requests=2, rows=4, seconds=0.2, groups=2, tokens=8192 + 512 * i)
     clock.now = 9.0
-    steps.on_finished(SimpleNamespace(num_images=3))
+    steps.on_finished(SimpleNamespace(num_images=3, request_id="r", queue_seconds=0.0))
     clock.now = 10.5  # the interval is over: the next event closes the window
     steps.on_step(requests=1, rows=1, seconds=0.4, groups=1, tokens=4096)
     assert [r.getMessage() for r in caplog.records] == [
