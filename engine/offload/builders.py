@@ -34,7 +34,12 @@ from ditserve.engine.offload.host.backing import HostBacking
 from ditserve.engine.offload.movement.decode import DecodeInPlace
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import GIB, OffloadPlan, SlotLayout, TensorSpec, build_plan
-from ditserve.engine.offload.slot_dequant import STORED, BlockDequant, SlotDequant, decoded_bytes
+from ditserve.engine.offload.slot_dequant import (
+    STORED,
+    BlockDequant,
+    SlotDequant,
+    slot_decoded_bytes,
+)
 
 # Device slots when offload.slots is unset. Rank-local streaming is copy-bound in every block,
 # so two slots reach the PCIe floor. AllGather's shard copies are shorter than the single
@@ -141,7 +146,7 @@ def split_model(
         shard_multiple=group_size,
         slots=slots,
         # --dlo-dequant slot: each slot also holds the largest block's decoded GGUF weights.
-        slot_extra_bytes=max((decoded_bytes(m) for _, m in found.blocks), default=0)
+        slot_extra_bytes=slot_decoded_bytes(m for _, m in found.blocks)
         if config.dequant == "slot" else 0,
     )
     for index in plan.residency.resident:

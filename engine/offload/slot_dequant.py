@@ -22,7 +22,7 @@ Built by ``backend.enable_offload``; the views are wired by ``builders.attach``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +62,12 @@ def decoded_bytes(module: nn.Module) -> int:
         end = round_up((offset + layer.out_features * layer.in_features)
                        * layer.compute_dtype.itemsize, ALIGN_BYTES)
     return end
+
+
+def slot_decoded_bytes(blocks: Iterable[nn.Module]) -> int:
+    """The decoded region one slot holds: the largest block's (the offload plan's HBM budget
+    and the engine's budget planner both add it to each slot)."""
+    return max((decoded_bytes(block) for block in blocks), default=0)
 
 
 def block_dequant(layout: BlockLayout, module: nn.Module) -> BlockDequant | None:

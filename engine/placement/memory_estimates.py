@@ -37,7 +37,7 @@ from ditserve.engine.families.base import dit_width
 from ditserve.engine.offload.builders import block_tensors, slot_count
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
-from ditserve.engine.offload.slot_dequant import decoded_bytes
+from ditserve.engine.offload.slot_dequant import slot_decoded_bytes
 from ditserve.engine.pipelines.capabilities import (
     host_modules_of,
     keeps_encoder_hidden_states,
@@ -77,8 +77,7 @@ def dit_blocks(transformer: torch.nn.Module, block_lists: Any) -> tuple[int, tup
 def dit_decoded_bytes(transformer: torch.nn.Module, block_lists: Any) -> int:
     """The decoded region one slot holds under ``--dlo-dequant slot``: the largest block's
     GGUF weights in their compute dtype (0 without GGUF layers)."""
-    found = discover(transformer, block_lists)
-    return max((decoded_bytes(module) for _, module in found.blocks), default=0)
+    return slot_decoded_bytes(module for _, module in discover(transformer, block_lists).blocks)
 
 
 def streamed_encoder_bytes(encoder: torch.nn.Module) -> int | None:
