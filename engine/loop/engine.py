@@ -194,13 +194,13 @@ class DiffusionEngine:
             self._wakeup.notify_all()  # the loops see a final phase and leave
         for thread in self._threads:
             thread.join(timeout=60)
-        executor, self.executor = self.executor, None
-        if executor is not None:
-            executor.shutdown()
         # Dropping the executor lets the model's device memory go back once collected, even
         # while callers still hold request handles (each keeps the engine for its cancel()):
         # an engine started later in the same process would otherwise find the old one's
         # resident modules under its HBM budget.
+        executor, self.executor = self.executor, None
+        if executor is not None:
+            executor.shutdown()
         self._model_leases.release()  # the ranks read the model no more
 
     # -- what the server reads (engine.loop.client.EngineClient) -------------------------------------
