@@ -43,10 +43,12 @@ def test_slot_dequant_equals_compute_dequant_on_cuda(qtype: str, slots: int) -> 
     assert report["decoded_slot_bytes"] > 0
 
 
-def test_slot_dequant_steady_state_has_no_host_synchronization() -> None:
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_slot_dequant_steady_state_has_no_host_synchronization(qtype: str) -> None:
     # Q4_K: diffusers' dequantizer makes constant tensors from lists at every call (a
     # synchronizing copy); the codec's DeviceConstants must serve them from its cache.
-    model, inputs = gguf_flux("Q4_K"), cuda_inputs()
+    # Q8_0: the fused Triton kernel's launches must not sync either.
+    model, inputs = gguf_flux(qtype), cuda_inputs()
     handle = enable_offload(model, OffloadConfig(enabled=True, dequant="slot"), device="cuda")
     try:
         steady_steps_without_sync(model, inputs)
