@@ -11,7 +11,8 @@ temporaries, no host sync). Two codecs:
 - ``GGUFCodec``: a block's GGUF linears (``--dlo-dequant slot``): each layer's stored blocks
   dequantized with the same torch function ``GGUFBlockLinear`` uses, cast to the compute
   dtype and written into the layer's place in the target, so the layer then runs a plain
-  linear over bits identical to what it would have dequantized itself.
+  linear over bits identical to what it would have dequantized itself (Q8_0 on CUDA: the
+  fused kernel of ``gguf_q8_0`` writing straight into the target, as the layer would).
 
 diffusers' dequantizers of most types (Q4_K among them; not Q8_0) build small constant tensors
 from Python lists on the blocks' device at every call (``torch.tensor([0, 4], device=...)``):
@@ -37,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from ditserve.engine.errors import FormatError
 from ditserve.engine.formats.gguf_linear import GGUFQuant
+from ditserve.engine.formats.gguf_q8_0 import dequantize_q8_0_into, fused_q8_0
 from ditserve.engine.formats.packed_decode import check_target, decode_checked
 from ditserve.engine.formats.packed_layout import PackedBf16, PackedLayout
 
@@ -156,7 +158,10 @@ class GGUFCodec:
         for run in self.runs:
             q = run.quant
             blocks = staged[run.byte_offset : run.byte_offset + run.nbytes].view(-1, q.type_size)
+            target = out[run.out_offset : run.out_offset + run.numel]
+            if fused_q8_0(q.name, blocks, self.dtype):  # no temporaries, no extra copy
+                dequantize_q8_0_into(blocks, target)
+                continue
             # GGUFBlockLinear.forward's own steps: dequantize, reshape, cast to compute dtype.
             weight = q.dequantize(blocks, q.block_size, q.type_size).reshape(run.rows, run.cols)
-            out[run.out_offset : run.out_offset + run.numel].view(run.rows, run.cols).copy_(
-                weight.to(self.dtype))
+            target.view(run.rows, run.cols).copy_(weight.to(self.dtype))

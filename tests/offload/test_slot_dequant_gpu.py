@@ -1,6 +1,7 @@
 """GGUF slot dequantization on CUDA (run on the device machine): the decode stream's outputs
 bit-identical to the compute-side dequantization under DLO, in every slot count, steps
-queued back to back; and a steady state with no host synchronization."""
+queued back to back; a steady state with no host synchronization; and Q8_0's fused kernel
+leaving every DLO output as diffusers' dequantizer gives it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from offload.support import flux_inputs, run, steady_steps_without_sync  # type:
 from offload.test_slot_dequant import gguf_flux  # type: ignore[import-not-found]
 
 from ditserve.engine.config import OffloadConfig
+from ditserve.engine.formats import gguf_q8_0
 from ditserve.engine.offload import enable_offload
 
 pytestmark = pytest.mark.gpu
@@ -41,13 +43,47 @@ def test_slot_dequant_equals_compute_dequant_on_cuda(qtype: str, slots: int) -> 
     assert report["decoded_slot_bytes"] > 0
 
 
-def test_slot_dequant_steady_state_has_no_host_synchronization() -> None:
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_slot_dequant_steady_state_has_no_host_synchronization(qtype: str) -> None:
     # Q4_K: diffusers' dequantizer makes constant tensors from lists at every call (a
     # synchronizing copy); the codec's DeviceConstants must serve them from its cache.
-    model, inputs = gguf_flux("Q4_K"), cuda_inputs()
+    # Q8_0: the fused Triton kernel's launches must not sync either.
+    model, inputs = gguf_flux(qtype), cuda_inputs()
     handle = enable_offload(model, OffloadConfig(enabled=True, dequant="slot"), device="cuda")
     try:
         steady_steps_without_sync(model, inputs)
         assert handle.report()["load_misses"] == 1
     finally:
         handle.disable()
+
+
+@pytest.mark.parametrize("dequant", ["compute", "slot"])
+def test_fused_q8_0_kernel_changes_no_dlo_output(dequant: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Q8_0 on CUDA dequantizes with formats.gguf_triton's kernel; with it switched off the
+    # same steps run diffusers' dequantizer and cast: the outputs must not move a bit.
+    from ditserve.engine.formats import gguf_triton
+
+    launches = []
+    launch = gguf_triton.dequantize_q8_0_cuda
+    monkeypatch.setattr(gguf_triton, "dequantize_q8_0_cuda",
+                        lambda *a, **k: launches.append(1) or launch(*a, **k))
+    model, inputs = gguf_flux("Q8_0"), cuda_inputs()
+
+    def steps() -> list[torch.Tensor]:
+        config = OffloadConfig(enabled=True, slots=2, dequant=dequant)  # type: ignore[arg-type]
+        handle = enable_offload(model, config, device="cuda")
+        try:
+            out = [run(model, inputs) for _ in range(3)]
+            torch.cuda.synchronize()
+        finally:
+            handle.disable()
+        return out
+
+    fused = steps()
+    assert launches  # the kernel ran
+    monkeypatch.setattr(gguf_q8_0, "FUSED", False)
+    launches.clear()
+    plain = steps()
+    assert not launches
+    assert all(torch.equal(f, p) for f, p in zip(fused, plain, strict=True))
