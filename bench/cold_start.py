@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from job_processes import answers, running, wait_until
+from job_processes import answers, free_port, running, wait_until
 
 PHASES = ("process", "cuda_init", "imports", "read", "place", "pin_register", "encoders",
           "warm_up", "compile", "load")
@@ -55,7 +55,7 @@ def read_floor(model: Path, chunk: int = 64 << 20) -> dict[str, float]:
 
 def start_once(args: argparse.Namespace, flags: list[str], env: dict[str, str],
                log_path: Path) -> dict[str, Any]:
-    port = harness.free_port()
+    port = free_port()
     cmd = [*shlex.split(args.server_cmd), "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(args.model), *flags, *shlex.split(args.serve_args)]
     harness.log(f"launching: {shlex.join(cmd)}")

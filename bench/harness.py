@@ -9,7 +9,7 @@ model's own config), the CUDA-event step timer (``time_steps``), host->device co
 (``rss_gib``, ``guest_physical_gib``), the writers (``write_json``, ``md_table``) and what the
 serving benchmarks share: Poisson arrivals, percentiles, ``/metrics`` samples and the step
 counters read from their deltas (``poisson_arrivals``, ``percentile``, ``scrape_metrics``,
-``step_summary``, ``free_port``).
+``step_summary``; a free port is ``job_processes.free_port``).
 
 Programs read engine state only through the offload handle's public, typed report
 (``handle.snapshot()``) and read-only probe (``handle.probe()``): no private attributes, no
@@ -27,7 +27,6 @@ import math
 import platform
 import random
 import re
-import socket
 import statistics
 import time
 from collections import Counter
@@ -416,9 +415,3 @@ def step_summary(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "offload_bytes": delta("ditserve:offload_bytes_transferred_total"),
     }
 
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface, for a server the benchmark starts."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

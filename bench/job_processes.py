@@ -17,6 +17,7 @@ from typing import Any
 
 
 def free_port() -> int:
+    """A free TCP port on the loopback interface, for a server the benchmark starts."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -70,7 +71,9 @@ def wait_until(ready: Callable[[], bool], process: subprocess.Popen[bytes], sinc
     ``since``, ends the bench with a pointer to its log."""
     while True:
         if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}; see {log_path}")
+            tail = log_path.read_text(errors="replace").splitlines()[-20:]
+            raise SystemExit(f"server exited with {process.returncode}; see {log_path}:\n"
+                             + "\n".join(tail))
         if time.perf_counter() - since > timeout:
             raise SystemExit(f"not ready after {timeout}s; see {log_path}")
         if ready():
@@ -86,3 +89,11 @@ def answers(url: str, timeout: float = 2.0) -> bool:
         return httpx.get(url, timeout=timeout).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str, log_path: Path, *, timeout: float,
+               every_s: float = 0.2) -> float:
+    """Wait until the server at ``url`` answers ``/ready`` with 200 (``wait_until``'s rules):
+    the seconds it took from this call."""
+    return wait_until(lambda: answers(f"{url}/ready", timeout=5), process, time.perf_counter(),
+                      timeout, log_path, every_s)

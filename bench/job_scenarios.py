@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from job_processes import free_port, start_moto, stop  # noqa: E402
+from job_processes import free_port, start_moto, stop, wait_ready  # noqa: E402
 
 STARTUP_TIMEOUT_S = 300.0
 SAMPLE_S = 0.05
@@ -112,20 +112,8 @@ class Replica:
                                             stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                tail = self.log.read_text(errors="replace").splitlines()[-20:]
-                raise SystemExit(f"{self.name} exited with {self.process.returncode}:\n"
-                                 + "\n".join(tail))
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)  # polling a child process's readiness
-        raise SystemExit(f"{self.name} did not get ready")
+        assert self.process is not None
+        wait_ready(self.process, self.url, self.log, timeout=STARTUP_TIMEOUT_S, every_s=0.1)
 
     def kill(self) -> None:
         assert self.process is not None

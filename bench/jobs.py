@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from job_processes import free_port, start_moto, stop
+from job_processes import free_port, start_moto, stop, wait_ready
 
 TARGET = 1.05
 STARTUP_TIMEOUT_S = 300.0
@@ -81,21 +81,6 @@ def launch(args: argparse.Namespace, tmp: Path, name: str, flags: list[str]
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                    env={**os.environ, "DITSERVE_HOME": str(tmp / "home")})
     return process, f"http://127.0.0.1:{port}", log
-
-
-def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log.read_text(errors="replace").splitlines()[-20:]
-            raise SystemExit(f"a server exited with {process.returncode}:\n" + "\n".join(tail))
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)  # polling a child process's readiness
-    raise SystemExit("a server did not get ready")
 
 
 def one_job(create_on: str, follow_on: str, body: dict[str, Any]) -> float:
@@ -175,7 +160,7 @@ def one_replica_each(args: argparse.Namespace, tmp: Path, redis_url: str
     try:
         for group in servers.values():
             for process, url, log in group:
-                wait_ready(process, url, log)
+                wait_ready(process, url, log, timeout=STARTUP_TIMEOUT_S)
         urls = {label: group[0][1] for label, group in servers.items()}
         body, rng = job_body(args), random.Random(args.seed)
         for url in urls.values():
@@ -201,7 +186,7 @@ def replicas_on_redis(args: argparse.Namespace, tmp: Path, redis_url: str) -> di
     group = start(args, tmp, label, args.replicas, redis_url)
     try:
         for process, url, log in group:
-            wait_ready(process, url, log)
+            wait_ready(process, url, log, timeout=STARTUP_TIMEOUT_S)
         urls = [url for _, url, _ in group]
         body, rng = job_body(args), random.Random(args.seed)
         for _ in range(args.warmup):

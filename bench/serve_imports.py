@@ -29,12 +29,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import harness
-from job_processes import answers, running, wait_until
+from job_processes import answers, free_port, running, wait_until
 
 from ditserve.engine.runner.start_phases import PHASES
 
@@ -60,11 +59,12 @@ def package_of(module: str) -> str:
     return ".".join(parts[:3]) if parts[0] == "ditserve" else parts[0]
 
 
-def seconds_per_package(rows: list[tuple[int, int, int, str]]) -> Counter[str]:
+def seconds_per_package(rows: list[tuple[int, int, int, str]]) -> dict[str, float]:
     """Self time summed per package: each module's own time, counted once (seconds)."""
-    total: Counter[str] = Counter()
+    total: dict[str, float] = {}
     for self_us, _, _, module in rows:
-        total[package_of(module)] += self_us / 1e6
+        package = package_of(module)
+        total[package] = total.get(package, 0.0) + self_us / 1e6
     return total
 
 
@@ -128,7 +128,7 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
 
 def packages_table(rows: list[tuple[int, int, int, str]], n: int) -> str:
     per = seconds_per_package(rows)
-    body = [[name, f"{seconds:.3f}"] for name, seconds in per.most_common(n)]
+    body = [[name, f"{seconds:.3f}"] for name, seconds in sorted(per.items(), key=lambda kv: -kv[1])[:n]]
     body.append(["(all)", f"{sum(per.values()):.3f}"])
     return "\n".join(harness.md_table(["package", "self s"], body))
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="serve-imports-"))
 
     def command(*python_flags: str) -> tuple[list[str], str]:
-        port = harness.free_port()
+        port = free_port()
         cmd = [a.python, "-P", *python_flags, "-m", "ditserve.engine.cli", "serve",
                "--host", "127.0.0.1", "--port", str(port), "--model", str(a.model),
                *shlex.split(a.serve_args)]

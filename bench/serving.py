@@ -56,7 +56,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from harness import free_port, percentile, scrape_metrics, step_summary
+from harness import percentile, scrape_metrics, step_summary
+from job_processes import free_port
 
 from ditserve.engine.loop.step_log import copy_rates_of
 

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from harness import free_port, percentile, poisson_arrivals, scrape_metrics, step_summary
+from harness import percentile, poisson_arrivals, scrape_metrics, step_summary
+from job_processes import free_port, wait_ready
 
 THROUGHPUT_TARGET = 0.97
 HBM_TARGET = 0.20
@@ -61,7 +62,8 @@ class HbmSampler:
     """The GPU's memory.used (MiB) every ``period`` s in a thread; None without nvidia-smi."""
 
     def __init__(self, period: float = 0.2) -> None:
-        self.period, self.peak, self.base = period, None, self._read()
+        self.period, self.base = period, self._read()
+        self.peak: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -171,7 +173,7 @@ def bench_config(args: argparse.Namespace, mode: str, seqs: int) -> dict[str, An
     with HbmSampler() as hbm, log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_ready(process, url, args.startup_timeout, log_path)
+            wait_ready(process, url, log_path, timeout=args.startup_timeout, every_s=0.5)
             for _ in range(args.warmup):  # first-job costs (kernels, allocator): not measured
                 asyncio.run(run_jobs(url, [0.0], args, steps=1))
             before = scrape_metrics(url)
@@ -184,20 +186,6 @@ def bench_config(args: argparse.Namespace, mode: str, seqs: int) -> dict[str, An
     summary = summarize(records, before, after, hbm.peak_gib)
     return {"label": f"{mode}@{seqs}", "mode": mode, "max_num_seqs": seqs, "summary": summary,
             "offload": offload, "records": [asdict(r) for r in records]}
-
-
-def wait_ready(process: subprocess.Popen[bytes], url: str, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)  # polling a child process's HTTP readiness
-    raise SystemExit(f"server not ready after {timeout}s; see {log}")
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
