@@ -22,6 +22,9 @@ pinned at a time (<= ~50 GB while converting).
 
 ``--dequant``: where GGUF layers dequantize under DLO (``--dlo-dequant``): each mode given is
 its own row for a GGUF format ("gguf:Q8_0" compute, "gguf:Q8_0+slot"); other formats run once.
+``--slots``: DLO slot counts, a row per count ("gguf:Q8_0+3slots"): with two slots a step is
+about the sum over blocks of max(copy, compute), which exceeds both sums where some blocks copy
+longer than they compute and others the reverse; a third slot lets the copy run ahead.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 
 from ditserve.engine.config import DEQUANT_MODES, OffloadConfig
 from ditserve.engine.offload import enable_offload
+from ditserve.engine.offload.builders import DEFAULT_SLOTS
 from ditserve.engine.weights.convert import convert
 from ditserve.engine.weights.dit_file import load_dit_file
 from ditserve.engine.weights.loader import load_dit
@@ -86,10 +90,14 @@ def run_format(fmt: str, args: argparse.Namespace, device: torch.device, gbps: f
     dit = load_format(args.model_dir, args.work, fmt, result)
     modes = args.dequant if fmt.startswith("gguf:") else ["compute"]
     rows = []
-    for mode in modes:
-        row = dict(result, format=fmt if mode == "compute" else f"{fmt}+{mode}",
-                   dequant=mode)
-        handle = enable_offload(dit, OffloadConfig(enabled=True, dequant=mode), device=device)
+    for mode, slots in ((m, n) for m in modes for n in args.slots):
+        # A row per (mode, slots): more slots let the copy run further ahead where some
+        # blocks copy longer than they compute and others the reverse.
+        label = (fmt if mode == "compute" else f"{fmt}+{mode}") + (
+            "" if slots == DEFAULT_SLOTS else f"+{slots}slots")
+        row = dict(result, format=label, dequant=mode, slots=slots)
+        handle = enable_offload(dit, OffloadConfig(enabled=True, dequant=mode, slots=slots),
+                                device=device)
         report = handle.snapshot().to_json()
         row["streamed_bytes"] = report["streamed_bytes"]
         row["slot_bytes"] = report["slot_bytes"]
@@ -176,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time each DiT resident (and diffusers' GGUF path)")
     p.add_argument("--dequant", nargs="+", choices=DEQUANT_MODES, default=["compute"],
                    help="GGUF: where layers dequantize under DLO, a row per mode")
+    p.add_argument("--slots", nargs="+", type=int, default=[DEFAULT_SLOTS],
+                   help="DLO slot counts, a row per count (default: the engine's)")
     p.add_argument("--keep-files", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny DiT on the CPU (smoke run)")
     p.add_argument("--out", type=Path, default=Path("out/formats"))

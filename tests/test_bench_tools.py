@@ -294,6 +294,22 @@ def test_checkpoint_formats_smoke_streams_each_format(tmp_path: Path) -> None:
     assert not list((tmp_path / "flux-formats").iterdir())  # converted files removed
 
 
+def test_checkpoint_formats_smoke_gives_a_row_per_slot_count(tmp_path: Path) -> None:
+    formats = load("formats")
+    out = tmp_path / "out"
+    assert formats.main(["--tiny", "--model-dir", str(tmp_path / "flux"), "--out", str(out),
+                         "--formats", "gguf:Q8_0", "--dequant", "compute", "slot",
+                         "--slots", "2", "3"]) == 0
+    rows = {r["format"]: r for r in json.loads((out / "formats.json").read_text())["rows"]}
+    assert set(rows) == {"gguf:Q8_0", "gguf:Q8_0+3slots", "gguf:Q8_0+slot",
+                         "gguf:Q8_0+slot+3slots"}
+    assert rows["gguf:Q8_0+3slots"]["slots"] == 3 and rows["gguf:Q8_0"]["slots"] == 2
+    # a third slot holds one more block of the same size: the same bytes a step
+    three, two = rows["gguf:Q8_0+3slots"], rows["gguf:Q8_0"]
+    assert three["streamed_bytes"] == two["streamed_bytes"]
+    assert three["slot_bytes"] == two["slot_bytes"]  # per slot
+
+
 def test_offload_mmap_bench_tiny_run_equals_resident(tmp_path: Path) -> None:
     bench = load("offload_mmap")
     assert bench.main(["--tiny", "--out", str(tmp_path / "out"), "--res", "64", "--warmup",
