@@ -106,6 +106,15 @@ class PromptReadsImages(Protocol):
 
 
 @runtime_checkable
+class EncoderReadsImages(Protocol):
+    """Shows its text encoder a request's images although the prompt cache can stage them
+    (MiniMax-H3's keyframes and references): its encoder's vision side stays on the device
+    when streamed, as ``PromptReadsImages``' does."""
+
+    encoder_reads_images: bool
+
+
+@runtime_checkable
 class EncoderHiddenStates(Protocol):
     """Reads the prompt off every encoder layer's hidden state (Qwen-Image): an encode holds
     all of them, which the memory estimate counts."""
@@ -155,6 +164,13 @@ def host_modules_of(pipeline: object) -> Sequence[torch.nn.Module]:
 
 def prompt_reads_images(pipeline: object) -> bool:
     return isinstance(pipeline, PromptReadsImages) and bool(pipeline.prompt_reads_images)
+
+
+def encoder_reads_images(pipeline: object) -> bool:
+    """Whether any prompt encoding runs the encoder's vision side (False: prompts are text
+    only, and a streamed encoder keeps its vision side in host memory)."""
+    return prompt_reads_images(pipeline) or (isinstance(pipeline, EncoderReadsImages)
+                                             and bool(pipeline.encoder_reads_images))
 
 
 def keeps_encoder_hidden_states(pipeline: object) -> bool:

@@ -39,6 +39,7 @@ from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.plan import TensorSpec, layout_block
 from ditserve.engine.offload.slot_dequant import slot_decoded_bytes
 from ditserve.engine.pipelines.capabilities import (
+    encoder_reads_images,
     host_modules_of,
     keeps_encoder_hidden_states,
     most_condition_tokens_of,
@@ -80,15 +81,17 @@ def dit_decoded_bytes(transformer: torch.nn.Module, block_lists: Any) -> int:
     return slot_decoded_bytes(module for _, module in discover(transformer, block_lists).blocks)
 
 
-def streamed_encoder_bytes(encoder: torch.nn.Module) -> int | None:
+def streamed_encoder_bytes(encoder: torch.nn.Module, *, vision: bool = False) -> int | None:
     """What a streamed encoder holds on the device (its modules outside its layer lists but
-    not kept on the host, and ``ENCODER_SLOTS`` slots of its largest layer); None if DLO
-    finds no layers to stream."""
+    not kept on the host - with ``vision``, as for a text-only pipeline, its vision side
+    neither - and ``ENCODER_SLOTS`` slots of its largest layer); None if DLO finds no layers
+    to stream."""
     try:
         fixed, layers = dit_blocks(encoder, None)
     except OffloadError:
         return None
-    return fixed - host_side_bytes(encoder) + ENCODER_SLOTS * max(layers, default=0)
+    return (fixed - host_side_bytes(encoder, vision=vision)
+            + ENCODER_SLOTS * max(layers, default=0))
 
 
 def _config_value(config: Any, *names: str) -> int:
@@ -209,8 +212,9 @@ def budget_inputs(pipeline: Any, *, scheduler: SchedulerConfig, pipeline_config:
                * _dit_width(transformer) * elem)
     encoders = tuple((name, m) for name in ENCODER_ATTRS
                      if isinstance(m := getattr(pipeline, name, None), torch.nn.Module))
+    text_only = not encoder_reads_images(pipeline)
     streamable = tuple((name, held) for name, m in encoders
-                       if (held := streamed_encoder_bytes(m)) is not None)
+                       if (held := streamed_encoder_bytes(m, vision=text_only)) is not None)
     all_layers = keeps_encoder_hidden_states(pipeline)
     encode = max((encode_activation_bytes(m, prompts=rows, tokens=text + TEMPLATE_TOKENS,
                                           all_layers=all_layers)

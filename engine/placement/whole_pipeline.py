@@ -31,7 +31,11 @@ import torch
 
 from ditserve.engine.allocator import cap_reserved, lift_cap
 from ditserve.engine.config import PipelineConfig, ResolvedOffload
-from ditserve.engine.pipelines.capabilities import PromptEncoder, prompt_reads_images
+from ditserve.engine.pipelines.capabilities import (
+    PromptEncoder,
+    encoder_reads_images,
+    prompt_reads_images,
+)
 from ditserve.engine.pipelines.vae_decode import (
     IMAGE_TILING_PIXELS,
     VIDEO_TILING_PIXELS,
@@ -119,12 +123,13 @@ class WholePipeline:
                 module.to(device)
         self.parked: ParkedModules | None = None
         parked = {name: m for name, m in encoders.items() if self.modes[name] == PARKED}
-        _require_pin_room(encoders, self.modes)
+        text_only = not encoder_reads_images(pipeline)  # vision sides stay on the host
+        _require_pin_room(encoders, self.modes, vision=text_only)
         if parked:
             self.parked = ParkedModules(parked, device=device)
         self.streamed = StreamedEncoders(
             {name: m for name, m in encoders.items() if self.modes[name] == STREAMED},
-            device=device, offload=offload)
+            device=device, offload=offload, vision=text_only)
         self.cache = PromptCache(max_entries=pipeline_config.prompt_cache_size,
                                  max_bytes=int(pipeline_config.prompt_cache_gib * GIB))
         self.plan: list[ComponentPlan] = [self._dit_row(pipeline, offload_report)]
@@ -303,11 +308,13 @@ class WholePipeline:
                            "requests": 0 if self.decoder is None else self.decoder.decoded}}
 
 
-def _require_pin_room(encoders: dict[str, torch.nn.Module], modes: dict[str, str]) -> None:
+def _require_pin_room(encoders: dict[str, torch.nn.Module], modes: dict[str, str], *,
+                      vision: bool) -> None:
     """Refuse to start, rather than be OOM-killed, when the offloaded encoders' pinned copies
     (a parked encoder whole, a streamed one's layers) do not fit the host now - the load's
     host plan (``weights.host_check``) checked the same before the DiT was read."""
-    pinned = {name: module_bytes(m) - (host_side_bytes(m) if modes[name] == STREAMED else 0)
+    pinned = {name: module_bytes(m) - (host_side_bytes(m, vision=vision)
+                                       if modes[name] == STREAMED else 0)
               for name, m in encoders.items() if modes[name] in (PARKED, STREAMED)}
     if pinned:
         require_room(sum(pinned.values()),

@@ -16,6 +16,7 @@ from ditserve.engine.pipelines.capabilities import (
     cfg_rows_of,
     condition_images_of,
     decodes_in_batches,
+    encoder_reads_images,
     host_modules_of,
     keeps_encoder_hidden_states,
     pixels_per_token_of,
@@ -26,8 +27,8 @@ from ditserve.engine.step_cache.runtime import CachedBlockLists, RefusesStepCach
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 OPTIONAL = {"pixels_per_token", "cfg_rows", "condition_images", "encode_conditions",
             "host_modules", "_encode_prompt", "_encode_prompts", "text_prompts",
-            "prompt_reads_images", "encoder_keeps_hidden_states", "batched_decode",
-            "step_cache_refusal", "step_cache_block_lists"}
+            "prompt_reads_images", "encoder_reads_images", "encoder_keeps_hidden_states",
+            "batched_decode", "step_cache_refusal", "step_cache_block_lists"}
 
 
 class _Plain:
@@ -58,6 +59,7 @@ def test_a_pipeline_without_capabilities_gets_the_defaults() -> None:
     assert condition_images_of(plain) == (0, 0)
     assert tuple(host_modules_of(plain)) == ()
     assert not prompt_reads_images(plain) and not keeps_encoder_hidden_states(plain)
+    assert not encoder_reads_images(plain)
     assert decodes_in_batches(plain)
     for protocol in (BatchedConditions, BatchedPromptEncoder, RefusesStepCache,
                      CachedBlockLists):
@@ -71,6 +73,8 @@ def test_declared_capabilities_are_read_through_their_protocols() -> None:
     assert condition_images_of(declared) == (0, 1)
     assert len(host_modules_of(declared)) == 1
     assert prompt_reads_images(declared) and keeps_encoder_hidden_states(declared)
+    assert encoder_reads_images(declared)  # a prompt that reads images shows the encoder them
+    assert encoder_reads_images(SimpleNamespace(encoder_reads_images=True))
     assert not decodes_in_batches(declared)
     for protocol in (BatchedConditions, RefusesStepCache, CachedBlockLists):
         assert isinstance(declared, protocol)

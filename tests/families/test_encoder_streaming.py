@@ -177,8 +177,10 @@ def test_streamed_encoders_on_cuda_equal_resident_ones(variant: str) -> None:
               for name, m in encoders.items()}
     resident = {name: _hidden_states(m, inputs[name]) for name, m in encoders.items()}
     # Every table on the host: ids from the host (as pipelines pass them) and from the
-    # device (looked up after a copy back) give the same states.
-    streamed = StreamedEncoders(encoders, device=cuda, offload=DLO, min_table_bytes=0)
+    # device (looked up after a copy back) give the same states; a VLM's vision side stays
+    # on the host too, as a text-only pipeline streams it.
+    streamed = StreamedEncoders(encoders, device=cuda, offload=DLO, min_table_bytes=0,
+                                vision=True)
     try:
         for ids_on in ("cpu", "cuda", "cpu"):  # later passes reuse the slots left filled
             for name, module in encoders.items():

@@ -90,6 +90,7 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
     family = MINIMAX_H3
     # post_decode reads each request's own audio rows: one request per VAE call.
     batched_decode = False
+    encoder_reads_images = True  # keyframes and references pass Qwen3-VL's vision side
     step_cache_refusal = ("the step cache is not available for MiniMax-H3: its blocks run "
                           "every video of a step packed into one sequence, with no rows to "
                           "reuse")
