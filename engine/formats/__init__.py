@@ -7,8 +7,9 @@ them. One concept per module:
 - ``packed_encode``: the encoder (torch on a CPU or a CUDA device; at offload enable);
 - ``packed_decode``: decoding into a caller-owned bf16 tensor (CPU; dispatches CUDA);
 - ``packed_triton``: the Triton GPU decoder (imported only on CUDA);
-- ``gguf_q8_0``: GGUF Q8_0 dequantization into a caller's tensor (CPU; dispatches CUDA);
-- ``gguf_triton``: its fused Triton kernel (imported only on CUDA);
+- ``gguf_fused``: GGUF Q8_0 and Q4_K dequantization into a caller's tensor (CPU; dispatches
+  CUDA);
+- ``gguf_triton``: their fused Triton kernels (imported only on CUDA);
 - ``slot_codecs``: the codecs the offload's decode stream runs into slot regions (packed bf16,
   GGUF dequantization);
 - ``fp8_quant``: rowwise e4m3 quantization of weights and activations;

@@ -14,8 +14,8 @@ layer runs a plain linear over it.
 The numbers are diffusers': the same per-type torch dequantization (``dequantize_functions``,
 plain torch ops, so they run on CPU and CUDA alike), then ``weight.to(compute_dtype)`` and
 ``F.linear``, as ``GGUFLinear.forward_native`` - so a DiT of these layers equals diffusers' own
-GGUF loading of the same file. Q8_0 on CUDA goes through ``gguf_q8_0``'s fused kernel instead
-(diffusers' numbers bit for bit, in one pass over the blocks).
+GGUF loading of the same file. Q8_0 and Q4_K on CUDA go through ``gguf_fused``'s kernels
+instead (diffusers' numbers bit for bit, in one pass over the blocks).
 
 Built by ``weights.dit_file`` from a GGUF-loaded DiT (with diffusers' dequantizer for the
 type: this leaf package imports neither diffusers nor gguf); run inside the DiT's blocks.
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditserve.engine.formats.gguf_q8_0 import dequantize_q8_0_into, fused_q8_0
+from ditserve.engine.formats.gguf_fused import dequantize_into, fused_type
 
 # (blocks (n, type_size) uint8, block_size, type_size) -> values (n, block_size)
 BlockDequantizer = Callable[[torch.Tensor, int, int], torch.Tensor]
@@ -79,13 +79,14 @@ class GGUFBlockLinear(nn.Module):
 
     def compute_weight(self) -> torch.Tensor:
         """The (out, in) weight in the compute dtype: diffusers' dequantizer then a cast, or
-        for Q8_0 on CUDA the fused kernel writing the compute dtype at once (same bits)."""
+        for Q8_0 and Q4_K on CUDA the fused kernel writing the compute dtype at once (same
+        bits)."""
         q = self.quant
         blocks = self.weight_q.reshape(-1, q.type_size)
-        if fused_q8_0(q.name, blocks, self.compute_dtype):
+        if fused_type(q.name, blocks, self.compute_dtype):
             out = torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype,
                               device=blocks.device)
-            return dequantize_q8_0_into(blocks, out)
+            return dequantize_into(q.name, blocks, out)
         return self.dequantized_weight().to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,16 +11,18 @@ temporaries, no host sync). Two codecs:
 - ``GGUFCodec``: a block's GGUF linears (``--dlo-dequant slot``): each layer's stored blocks
   dequantized with the same torch function ``GGUFBlockLinear`` uses, cast to the compute
   dtype and written into the layer's place in the target, so the layer then runs a plain
-  linear over bits identical to what it would have dequantized itself (Q8_0 on CUDA: the
-  fused kernel of ``gguf_q8_0`` writing straight into the target, as the layer would).
+  linear over bits identical to what it would have dequantized itself (Q8_0 and Q4_K on
+  CUDA: the fused kernel of ``gguf_fused`` writing straight into the target, as the layer
+  would).
 
-diffusers' dequantizers of most types (Q4_K among them; not Q8_0) build small constant tensors
-from Python lists on the blocks' device at every call (``torch.tensor([0, 4], device=...)``):
-a copy from pageable memory, which synchronizes the host with the current stream. On the
-decode stream that stream waits for the next block's copy, so the host would stall in the
-prefetch (before the running block's compute is queued) and the copy, decode and compute
-would serialize. ``DeviceConstants`` serves those calls from a cache instead (the same values,
-made once per device), so a GGUF decode queues without a host sync and its bits do not change.
+diffusers' dequantizers of most types (Q4_K among them where it is not fused; not Q8_0) build
+small constant tensors from Python lists on the blocks' device at every call
+(``torch.tensor([0, 4], device=...)``): a copy from pageable memory, which synchronizes the
+host with the current stream. On the decode stream that stream waits for the next block's
+copy, so the host would stall in the prefetch (before the running block's compute is queued)
+and the copy, decode and compute would serialize. ``DeviceConstants`` serves those calls from
+a cache instead (the same values, made once per device), so a GGUF decode queues without a
+host sync and its bits do not change.
 
 Leaf module: imports no offload code and no loader (the GGUF dequantizer comes with the
 layer's ``GGUFQuant``).
@@ -37,8 +39,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ditserve.engine.errors import FormatError
+from ditserve.engine.formats.gguf_fused import dequantize_into, fused_type
 from ditserve.engine.formats.gguf_linear import GGUFQuant
-from ditserve.engine.formats.gguf_q8_0 import dequantize_q8_0_into, fused_q8_0
 from ditserve.engine.formats.packed_decode import check_target, decode_checked
 from ditserve.engine.formats.packed_layout import PackedBf16, PackedLayout
 
@@ -147,20 +149,26 @@ class GGUFCodec:
     def decode(self, staged: torch.Tensor, out: torch.Tensor) -> None:
         """Dequantize every run of ``staged`` into its place in ``out`` (on CUDA with the
         dequantizers' constants cached: no host sync)."""
-        if staged.device.type != "cpu" and any(r.quant.name not in NO_CONSTANTS
-                                               for r in self.runs):
+        if self._needs_constants(staged):
             with DeviceConstants():
                 self._decode(staged, out)
         else:
             self._decode(staged, out)
+
+    def _needs_constants(self, staged: torch.Tensor) -> bool:
+        """Whether a run on ``staged``'s device calls a diffusers dequantizer that makes
+        constant tensors (the fused kernels make none)."""
+        return staged.device.type != "cpu" and any(
+            r.quant.name not in NO_CONSTANTS and not fused_type(r.quant.name, staged, self.dtype)
+            for r in self.runs)
 
     def _decode(self, staged: torch.Tensor, out: torch.Tensor) -> None:
         for run in self.runs:
             q = run.quant
             blocks = staged[run.byte_offset : run.byte_offset + run.nbytes].view(-1, q.type_size)
             target = out[run.out_offset : run.out_offset + run.numel]
-            if fused_q8_0(q.name, blocks, self.dtype):  # no temporaries, no extra copy
-                dequantize_q8_0_into(blocks, target)
+            if fused_type(q.name, blocks, self.dtype):  # no temporaries, no extra copy
+                dequantize_into(q.name, blocks, target)
                 continue
             # GGUFBlockLinear.forward's own steps: dequantize, reshape, cast to compute dtype.
             weight = q.dequantize(blocks, q.block_size, q.type_size).reshape(run.rows, run.cols)

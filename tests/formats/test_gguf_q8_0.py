@@ -1,7 +1,8 @@
-"""Q8_0 dequantization into a caller's tensor (``formats.gguf_q8_0``), CPU path: diffusers'
+"""Q8_0 dequantization into a caller's tensor (``formats.gguf_fused``), CPU path: diffusers'
 ``dequantize_blocks_Q8_0(...).to(dtype)`` bit for bit over every fp16 scale pattern and every
 int8 value; writes only its target; refuses targets it cannot fill; on CPU the layers keep
-diffusers' functions (the kernel itself: ``test_gguf_q8_0_gpu.py``)."""
+diffusers' functions (the kernel itself: ``test_gguf_q8_0_gpu.py``; Q4_K:
+``test_gguf_q4_k.py``)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,10 @@ import torch
 from diffusers.quantizers.gguf.utils import dequantize_blocks_Q8_0
 
 from ditserve.engine.errors import FormatError
-from ditserve.engine.formats.gguf_q8_0 import (
-    BLOCK_BYTES,
-    BLOCK_VALUES,
-    dequantize_q8_0_into,
-    fused_q8_0,
-)
+from ditserve.engine.formats.gguf_fused import TYPES, dequantize_into, fused_type
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BLOCK_BYTES, BLOCK_VALUES = TYPES["Q8_0"].block_bytes, TYPES["Q8_0"].block_values
 
 
 @functools.cache
@@ -49,8 +46,8 @@ def test_cpu_path_equals_diffusers_for_every_scale_and_value(dtype: torch.dtype)
     diffusers = dequantize_blocks_Q8_0(blocks, BLOCK_VALUES, BLOCK_BYTES)
     assert diffusers.dtype == torch.float16  # what the fused path must reproduce, then cast
     want = diffusers.to(dtype)
-    got = dequantize_q8_0_into(blocks, torch.empty(blocks.shape[0] * BLOCK_VALUES,
-                                                   dtype=dtype)).view(-1, BLOCK_VALUES)
+    out = torch.empty(blocks.shape[0] * BLOCK_VALUES, dtype=dtype)
+    got = dequantize_into("Q8_0", blocks, out).view(-1, BLOCK_VALUES)
     assert same_bits(got, want)
     # The edges are in there: finite scales whose products overflow fp16, fp16 subnormal
     # products, -128 with negative scales.
@@ -67,7 +64,7 @@ def test_writes_only_its_target_from_unaligned_blocks() -> None:
     blocks = raw[1:].view(-1, BLOCK_BYTES)  # starts at an odd byte
     slot = torch.zeros(37 * BLOCK_VALUES + 300, dtype=torch.bfloat16)
     target = slot[100 : 100 + 37 * BLOCK_VALUES].view(37, BLOCK_VALUES)
-    dequantize_q8_0_into(blocks, target)
+    dequantize_into("Q8_0", blocks, target)
     want = dequantize_blocks_Q8_0(blocks.clone(), BLOCK_VALUES, BLOCK_BYTES).to(torch.bfloat16)
     assert torch.equal(target.view(torch.int16), want.view(torch.int16))
     assert not slot[:100].any() and not slot[100 + 37 * BLOCK_VALUES :].any()
@@ -76,17 +73,17 @@ def test_writes_only_its_target_from_unaligned_blocks() -> None:
 def test_refuses_targets_it_cannot_fill() -> None:
     blocks = torch.zeros(4, BLOCK_BYTES, dtype=torch.uint8)
     with pytest.raises(FormatError, match="holds 100 values"):
-        dequantize_q8_0_into(blocks, torch.empty(100, dtype=torch.bfloat16))
+        dequantize_into("Q8_0", blocks, torch.empty(100, dtype=torch.bfloat16))
     with pytest.raises(FormatError, match="float64"):
-        dequantize_q8_0_into(blocks, torch.empty(128, dtype=torch.float64))
+        dequantize_into("Q8_0", blocks, torch.empty(128, dtype=torch.float64))
     with pytest.raises(FormatError, match="non-contiguous"):
-        dequantize_q8_0_into(blocks, torch.empty(256, dtype=torch.bfloat16)[::2])
+        dequantize_into("Q8_0", blocks, torch.empty(256, dtype=torch.bfloat16)[::2])
     with pytest.raises(FormatError, match=r"\(n, 34\)"):
-        dequantize_q8_0_into(blocks.view(-1, 17), torch.empty(128, dtype=torch.bfloat16))
+        dequantize_into("Q8_0", blocks.view(-1, 17), torch.empty(128, dtype=torch.bfloat16))
     empty = torch.empty(0, dtype=torch.bfloat16)
-    assert dequantize_q8_0_into(blocks[:0], empty) is empty
+    assert dequantize_into("Q8_0", blocks[:0], empty) is empty
 
 
 def test_cpu_keeps_diffusers_functions() -> None:
     # The CPU path above is the reference; layers and codecs on CPU call diffusers as before.
-    assert not fused_q8_0("Q8_0", torch.zeros(2, BLOCK_BYTES, dtype=torch.uint8), torch.bfloat16)
+    assert not fused_type("Q8_0", torch.zeros(2, BLOCK_BYTES, dtype=torch.uint8), torch.bfloat16)

@@ -10,11 +10,17 @@ import numpy as np
 import pytest
 import torch
 from diffusers.quantizers.gguf.utils import dequantize_blocks_Q8_0
-from formats.test_gguf_q8_0 import DTYPES, every_pattern, same_bits  # type: ignore[import-not-found]
+from formats.test_gguf_q8_0 import (  # type: ignore[import-not-found]
+    BLOCK_BYTES,
+    BLOCK_VALUES,
+    DTYPES,
+    every_pattern,
+    same_bits,
+)
 
-from ditserve.engine.formats import gguf_q8_0
+from ditserve.engine.formats import gguf_fused
+from ditserve.engine.formats.gguf_fused import dequantize_into
 from ditserve.engine.formats.gguf_linear import GGUFBlockLinear
-from ditserve.engine.formats.gguf_q8_0 import BLOCK_BYTES, BLOCK_VALUES, dequantize_q8_0_into
 from ditserve.engine.formats.gguf_quant import quantize
 from ditserve.engine.weights.dit_file import gguf_quant
 
@@ -32,10 +38,10 @@ def test_kernel_equals_diffusers_for_every_scale_and_value(dtype: torch.dtype) -
     blocks = every_pattern().cuda()
     want = dequantize_blocks_Q8_0(blocks, BLOCK_VALUES, BLOCK_BYTES).to(dtype)
     out = torch.empty(blocks.shape[0] * BLOCK_VALUES, dtype=dtype, device="cuda")
-    got = dequantize_q8_0_into(blocks, out).view(-1, BLOCK_VALUES)
+    got = dequantize_into("Q8_0", blocks, out).view(-1, BLOCK_VALUES)
     torch.cuda.synchronize()
     assert same_bits(got.cpu(), want.cpu())
-    cpu = dequantize_q8_0_into(every_pattern(), torch.empty(out.shape, dtype=dtype))
+    cpu = dequantize_into("Q8_0", every_pattern(), torch.empty(out.shape, dtype=dtype))
     assert same_bits(got.cpu(), cpu.view(-1, BLOCK_VALUES))
 
 
@@ -49,7 +55,7 @@ def test_kernel_into_a_slot_on_a_side_stream_without_allocation_or_host_sync() -
     target = slot[200 : 200 + n * BLOCK_VALUES]  # not 16-byte aligned
     want = dequantize_blocks_Q8_0(data.view(n, BLOCK_BYTES).cuda(), BLOCK_VALUES,
                                   BLOCK_BYTES).to(torch.bfloat16).view(-1)
-    dequantize_q8_0_into(blocks, target)  # warm-up: compiles the kernel
+    dequantize_into("Q8_0", blocks, target)  # warm-up: compiles the kernel
     target.zero_()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -57,7 +63,7 @@ def test_kernel_into_a_slot_on_a_side_stream_without_allocation_or_host_sync() -
     torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
     try:
         with torch.cuda.stream(stream):
-            dequantize_q8_0_into(blocks, target)
+            dequantize_into("Q8_0", blocks, target)
             done = torch.cuda.Event()
             done.record(stream)
     finally:
@@ -83,7 +89,7 @@ def test_q8_0_linear_output_unchanged_by_the_fused_kernel(
     x = torch.randn(64, 1024, device="cuda").to(dtype)
     with torch.inference_mode():
         fused = layer(x)
-        monkeypatch.setattr(gguf_q8_0, "FUSED", False)  # diffusers' dequantizer, then .to()
+        monkeypatch.setattr(gguf_fused, "FUSED", False)  # diffusers' dequantizer, then .to()
         plain = layer(x)
     assert launches == [1]
     assert torch.equal(fused, plain)

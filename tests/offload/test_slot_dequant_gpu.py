@@ -1,7 +1,7 @@
 """GGUF slot dequantization on CUDA (run on the device machine): the decode stream's outputs
 bit-identical to the compute-side dequantization under DLO, in every slot count, steps
-queued back to back; a steady state with no host synchronization; and Q8_0's fused kernel
-leaving every DLO output as diffusers' dequantizer gives it."""
+queued back to back; a steady state with no host synchronization; and the fused Q8_0 and
+Q4_K kernels leaving every DLO output as diffusers' dequantizers give it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from offload.support import flux_inputs, run, steady_steps_without_sync  # type:
 from offload.test_slot_dequant import gguf_flux  # type: ignore[import-not-found]
 
 from ditserve.engine.config import OffloadConfig
-from ditserve.engine.formats import gguf_q8_0
+from ditserve.engine.formats import gguf_fused
 from ditserve.engine.offload import enable_offload
 
 pytestmark = pytest.mark.gpu
@@ -43,11 +43,13 @@ def test_slot_dequant_equals_compute_dequant_on_cuda(qtype: str, slots: int) -> 
     assert report["decoded_slot_bytes"] > 0
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
-def test_slot_dequant_steady_state_has_no_host_synchronization(qtype: str) -> None:
-    # Q4_K: diffusers' dequantizer makes constant tensors from lists at every call (a
+@pytest.mark.parametrize(("qtype", "fused"), [("Q4_K", True), ("Q4_K", False), ("Q8_0", True)])
+def test_slot_dequant_steady_state_has_no_host_synchronization(
+        qtype: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fused (Q8_0, Q4_K): the Triton kernels' launches must not sync. Unfused (Q4_K with the
+    # kernels off): diffusers' dequantizer makes constant tensors from lists at every call (a
     # synchronizing copy); the codec's DeviceConstants must serve them from its cache.
-    # Q8_0: the fused Triton kernel's launches must not sync either.
+    monkeypatch.setattr(gguf_fused, "FUSED", fused)
     model, inputs = gguf_flux(qtype), cuda_inputs()
     handle = enable_offload(model, OffloadConfig(enabled=True, dequant="slot"), device="cuda")
     try:
@@ -57,18 +59,20 @@ def test_slot_dequant_steady_state_has_no_host_synchronization(qtype: str) -> No
         handle.disable()
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 @pytest.mark.parametrize("dequant", ["compute", "slot"])
-def test_fused_q8_0_kernel_changes_no_dlo_output(dequant: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # Q8_0 on CUDA dequantizes with formats.gguf_triton's kernel; with it switched off the
-    # same steps run diffusers' dequantizer and cast: the outputs must not move a bit.
+def test_fused_kernel_changes_no_dlo_output(qtype: str, dequant: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # Q8_0 and Q4_K on CUDA dequantize with formats.gguf_triton's kernels; with them switched
+    # off the same steps run diffusers' dequantizer and cast: the outputs must not move a bit.
     from ditserve.engine.formats import gguf_triton
 
     launches = []
-    launch = gguf_triton.dequantize_q8_0_cuda
-    monkeypatch.setattr(gguf_triton, "dequantize_q8_0_cuda",
+    kernel = f"dequantize_{qtype.lower()}_cuda"
+    launch = getattr(gguf_triton, kernel)
+    monkeypatch.setattr(gguf_triton, kernel,
                         lambda *a, **k: launches.append(1) or launch(*a, **k))
-    model, inputs = gguf_flux("Q8_0"), cuda_inputs()
+    model, inputs = gguf_flux(qtype), cuda_inputs()
 
     def steps() -> list[torch.Tensor]:
         config = OffloadConfig(enabled=True, slots=2, dequant=dequant)  # type: ignore[arg-type]
@@ -82,7 +86,7 @@ def test_fused_q8_0_kernel_changes_no_dlo_output(dequant: str,
 
     fused = steps()
     assert launches  # the kernel ran
-    monkeypatch.setattr(gguf_q8_0, "FUSED", False)
+    monkeypatch.setattr(gguf_fused, "FUSED", False)
     launches.clear()
     plain = steps()
     assert not launches
