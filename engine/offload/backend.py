@@ -8,9 +8,10 @@ with ``compress`` lossless), open the AllGather over a group (shard slots sized 
 backing), allocate the device slots (``offload.slots``; by default two, or eight with
 AllGather), move resident modules to the device, open the mapped transfer or the decoding
 transfer (packed runs; with ``dequant`` slot, GGUF layers into each slot's decoded region:
-``slot_dequant``), attach the hooks, and only then swap the streamed blocks' tensors for placeholders. Every step registers its
-undo on one ``contextlib.ExitStack``: any failure unwinds what was done and raises
-``OffloadError``; the model is left as it was.
+``slot_dequant``), attach the hooks, and only then swap the streamed blocks' tensors for
+placeholders (with ``release_slots``, the slots then go back until the first pass:
+``movement.slot_release``). Every step registers its undo on one ``contextlib.ExitStack``:
+any failure unwinds what was done and raises ``OffloadError``; the model is left as it was.
 
 The option rules are ``engine.config.offload_problems``'s; enable asserts them (with the
 group it is given) unless the options are those of an engine config already judged
@@ -45,6 +46,7 @@ from ditserve.engine.offload.accounting import host_accounting
 from ditserve.engine.offload.discovery import discover
 from ditserve.engine.offload.handle import _ACTIVE, OffloadHandle
 from ditserve.engine.offload.host.weight_plan import HostWeightPlan
+from ditserve.engine.offload.movement.slot_release import SlotRelease
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import GIB
 from ditserve.engine.offload.slot_dequant import open_slot_dequant
@@ -66,6 +68,7 @@ def enable_offload(
     host_plan: HostWeightPlan | None = None,
     block_lists: Sequence[str] | None = None,
     host_modules: Sequence[nn.Module] = (),
+    release_slots: bool = False,
 ) -> OffloadHandle:
     """Stream ``transformer``'s blocks from host memory through ``offload.slots`` device slots.
 
@@ -84,11 +87,19 @@ def enable_offload(
     moving to the device (a text encoder's token embedding, which looks its rows up on the
     host; an output head its pipeline never runs).
 
+    ``release_slots``: give the slots' device memory back when a pass ends and take it again
+    before the next one begins (``movement.slot_release``), for a model that runs seldom
+    beside another that runs often (a streamed text encoder beside the DiT). Rank-local only.
+
     All or nothing: raises ``OffloadError`` with a message that says how to fix the cause,
     leaving the model unchanged. The model must then be called with inputs on ``device``;
     do not move it with ``.to()`` while offload is enabled.
     """
     group_size = _group_size(group)
+    if release_slots and group_size > 1:
+        raise OffloadError(
+            "release_slots gives a rank-local offload's slots back between passes; AllGather "
+            "ranks keep theirs (their loads are collectives) - drop release_slots or the group")
     _check_request(offload_config, host_plan, group_size)
     if transformer in _ACTIVE:
         raise OffloadError(
@@ -102,7 +113,7 @@ def enable_offload(
             handle = _enable(transformer, offload_config, torch.device(device), undo,
                              reserve=reserve, group=group, group_size=group_size,
                              host_plan=host_plan, block_lists=block_lists,
-                             host_modules=host_modules)
+                             host_modules=host_modules, release_slots=release_slots)
             undo.pop_all()  # success: keep everything
     except OffloadError:
         raise
@@ -128,6 +139,7 @@ def _enable(
     host_plan: HostWeightPlan | None,
     block_lists: Sequence[str] | None,
     host_modules: Sequence[nn.Module],
+    release_slots: bool = False,
 ) -> OffloadHandle:
     """The steps, in order (module docstring); each registers its undo on ``undo``."""
     plan_facts = (host_plan.describe() if host_plan is not None
@@ -161,13 +173,18 @@ def _enable(
         undo.callback(dequant.restore)
         transfer = pairing.open_decoding(transfer, backing, split.plan, slots, undo,
                                          in_place=True)
+    release = (SlotRelease(slot_buffers, transfer,
+                           extra=dequant.regions if dequant is not None else ())
+               if release_slots and split.plan.streamed else None)
     streamer = builders.attach(model, split, backing=backing, transfer=transfer,
                                slots=slot_buffers, strict=group_size > 1, undo=undo,
-                               dequant=dequant)
+                               dequant=dequant, slot_release=release)
     builders.swap_in_placeholders(streamer.blocks, undo)
+    if release is not None:
+        release.release()  # held from the first pass on, not from now
     return OffloadHandle(model, split.plan, base.device, transfer=transfer, backing=backing,
                          streamer=streamer, slots=slot_buffers, collective=group_size > 1,
-                         host_plan=plan_facts, dequant=dequant)
+                         host_plan=plan_facts, dequant=dequant, slot_release=release)
 
 
 def _check_request(
@@ -192,7 +209,7 @@ def _log_enabled(handle: OffloadHandle) -> None:
     r = handle.snapshot()
     log.info(
         "DLO on %s: %d blocks streamed (%s/step), %d resident (%s), slots %d x %s, "
-        "host %s %s via %s",
+        "host %s %s via %s%s",
         r.device,
         r.streamed_blocks,
         _fmt_bytes(r.streamed_bytes),
@@ -203,6 +220,7 @@ def _log_enabled(handle: OffloadHandle) -> None:
         r.host.backing,
         _fmt_bytes(r.host.host_bytes),
         r.transfer.name,
+        ", slots given back between passes" if r.slots_released_between_passes else "",
     )
     accounting = host_accounting(r)
     log.info("%s", accounting.summary())

@@ -32,6 +32,7 @@ from ditserve.engine.offload.hooks import (
 )
 from ditserve.engine.offload.host.backing import HostBacking
 from ditserve.engine.offload.movement.decode import DecodeInPlace
+from ditserve.engine.offload.movement.slot_release import SlotRelease
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import GIB, OffloadPlan, SlotLayout, TensorSpec, build_plan
 from ditserve.engine.offload.slot_dequant import (
@@ -219,9 +220,12 @@ def attach(
     strict: bool,
     undo: contextlib.ExitStack,
     dequant: SlotDequant | None = None,
+    slot_release: SlotRelease | None = None,
 ) -> BlockStreamer:
     """Prepare every streamed block's loads and views, then hook the blocks. ``dequant``:
-    the blocks' GGUF layers decode into the slots' decoded regions (``slot_dequant``)."""
+    the blocks' GGUF layers decode into the slots' decoded regions (``slot_dequant``);
+    ``slot_release``: the slots go back between passes, which also end with the forward of
+    the module holding every block list (``pass_scope``)."""
     device = transfer.device
     bases = {
         dtype: torch.zeros((), dtype=dtype, device=device)  # type: ignore[call-overload]
@@ -244,10 +248,29 @@ def attach(
         if block_dq is not None:
             _derive(block, block_dq, regions, undo)
         streamed.append(block)
-    streamer = BlockStreamer(streamed, transfer, strict=strict)
+    streamer = BlockStreamer(streamed, transfer, strict=strict, slot_release=slot_release)
     undo.callback(streamer.detach)  # first: an attach that fails mid-way leaves hooks too
-    streamer.attach(root=model)  # counts passes; completes them even when a forward raises
+    # Counts passes; completes them even when a forward raises.
+    if slot_release is None:
+        streamer.attach(root=model)
+    else:
+        streamer.attach(root=model, scope=pass_scope(model, split.blocks))
     return streamer
+
+
+def pass_scope(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> nn.Module:
+    """The innermost module whose forward runs every block list: the common owner of the
+    lists (``model.language_model.layers`` and ``model.vision_tower.transformer.layers``:
+    ``model``). A pipeline may call it rather than ``model`` (FLUX.2 and Qwen-Image call their
+    encoder's ``.model``: its LM head stays unused), and its end is then a pass's end."""
+    owners = {name.rsplit(".", 1)[0].rpartition(".")[0] for name, _ in blocks}
+    parts = [owner.split(".") if owner else [] for owner in owners]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return model.get_submodule(".".join(common)) if common else model
 
 
 def _derive(block: StreamedBlock, dq: BlockDequant, regions: Sequence[torch.Tensor],

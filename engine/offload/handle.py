@@ -19,6 +19,7 @@ from torch import nn
 
 from ditserve.engine.offload.hooks import BlockStreamer
 from ditserve.engine.offload.host.backing import HostBacking
+from ditserve.engine.offload.movement.slot_release import SlotRelease
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import OffloadPlan
 from ditserve.engine.offload.report import OffloadProbe, OffloadReport, Traffic
@@ -44,10 +45,12 @@ class OffloadHandle:
         collective: bool,
         host_plan: Mapping[str, Any],
         dequant: SlotDequant | None = None,
+        slot_release: SlotRelease | None = None,
     ) -> None:
         """collective: every load is a collective of a group (AllGather mode).
         host_plan: the loader's HostWeightPlan facts (``describe()``), for the report.
-        dequant: GGUF layers decoded into the slots (``--dlo-dequant slot``)."""
+        dequant: GGUF layers decoded into the slots (``--dlo-dequant slot``).
+        slot_release: the slots given back between passes (``release_slots``)."""
         self._model = weakref.ref(model)
         self.plan = plan
         self.device = device
@@ -57,6 +60,7 @@ class OffloadHandle:
         self._slots = slots
         self._host_plan = dict(host_plan)
         self._dequant = dequant
+        self._slot_release = slot_release
         self.active = True
         # AllGather mode: every rank must run the same passes (forwards or idle passes).
         self.needs_collective_participation = collective
@@ -118,6 +122,9 @@ class OffloadHandle:
             host_plan=self._host_plan,
             dequant="slot" if self._dequant is not None else "compute",
             decoded_slot_bytes=self._dequant.slot_bytes if self._dequant else 0,
+            slots_released_between_passes=self._slot_release is not None,
+            slots_allocated=(self._slot_release.allocated if self._slot_release is not None
+                             else bool(self._slots) and bool(plan.streamed)),
         )
 
     def report(self) -> dict[str, Any]:

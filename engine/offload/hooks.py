@@ -42,6 +42,13 @@ blocks cost no bytes and the ring stays warm for the next step. ``skipped_bytes`
 bytes of skipped blocks that were not in a slot already. Strict mode never skips: its loads
 are collectives the other ranks join.
 
+Released slots (``movement.slot_release``, ``enable_offload(release_slots=True)``: streamed
+text encoders, which run once per request): the end of a pass gives the slots' storages back
+and the first block of the next pass grows them again, so no prefetch crosses the pass's end
+(the window does not wrap: its bytes would be freed unread) and every pass starts cold, one
+miss each. A pass then also ends with the innermost module holding every block list (the
+``scope``, ``builders.pass_scope``: a pipeline may call ``encoder.model``, not the encoder).
+
 Called by the backend's builders (build, attach) and ``handle`` (detach, idle passes); the
 copy sources come from a ``host`` backing, the bytes move through a ``movement`` transfer.
 """
@@ -58,6 +65,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ditserve.engine.errors import OffloadError
+from ditserve.engine.offload.movement.slot_release import SlotRelease
 from ditserve.engine.offload.movement.transfer import Transfer
 from ditserve.engine.offload.plan import BlockLayout
 
@@ -126,11 +134,13 @@ class BlockStreamer:
     """The per-block hook state machine over a ring of slots."""
 
     def __init__(
-        self, blocks: Sequence[StreamedBlock], transfer: Transfer, *, strict: bool = False
+        self, blocks: Sequence[StreamedBlock], transfer: Transfer, *, strict: bool = False,
+        slot_release: SlotRelease | None = None,
     ) -> None:
         self.blocks = list(blocks)
         self.transfer = transfer
         self.strict = strict  # whole passes only (AllGather: loads are collectives)
+        self.slot_release = slot_release  # slots given back between passes (module docstring)
         self.position = 0  # strict: the block the current pass runs next
         self.passes = 0  # completed passes (forwards, one_pass scopes, idle passes)
         self._started = False  # a block ran in the current pass
@@ -146,7 +156,7 @@ class BlockStreamer:
         self.misses = 0
         self._handles: list[RemovableHandle] = []
 
-    def attach(self, root: nn.Module | None = None) -> None:
+    def attach(self, root: nn.Module | None = None, scope: nn.Module | None = None) -> None:
         for k, block in enumerate(self.blocks):
             self._handles.append(block.module.register_forward_pre_hook(self._pre_hook(k)))
             # always_call: a block that raises still releases its slot (the free event is
@@ -157,6 +167,11 @@ class BlockStreamer:
             # always_call: a forward that raises still completes its pass, so this rank's
             # collectives stay matched with the other ranks'.
             self._handles.append(root.register_forward_hook(
+                lambda module, args, output: self._forward_ended(), always_call=True))
+        if scope is not None and scope is not root:
+            # Released slots: a forward of the scope alone ends a pass too. Inside the root's
+            # forward, the root's end then finds the pass finished and does nothing.
+            self._handles.append(scope.register_forward_hook(
                 lambda module, args, output: self._forward_ended(), always_call=True))
 
     def detach(self) -> None:
@@ -205,6 +220,8 @@ class BlockStreamer:
             if k not in self.loaded:
                 self.skipped_bytes += self.blocks[k].nbytes
             return
+        if self.slot_release is not None and not self.slot_release.allocated:
+            self.slot_release.restore()  # the pass's first block: the slots come back, empty
         if self.strict:
             if k == self.position - 1:
                 pass  # a repeat (another shape group): k and its window sit in slots
@@ -239,6 +256,8 @@ class BlockStreamer:
     def _window(self, k: int) -> list[int]:
         """Block k and the blocks after it (circularly) that should sit in slots now."""
         n = len(self.blocks)
+        if self.slot_release is not None:  # the slots go back at the pass's end: no wrap
+            return list(range(k, min(k + self.slots, n)))
         return [(k + j) % n for j in range(min(self.slots, n))]
 
     def _victim(self, window: list[int]) -> int:
@@ -282,6 +301,9 @@ class BlockStreamer:
                 self.before_block(k)
                 self.after_block(k)
             self.position = 0
+        if self.slot_release is not None:
+            self.slot_release.release()
+            self.loaded = [None] * self.slots  # their bytes are gone with the storage
         self.passes += 1
         self._started = False
 

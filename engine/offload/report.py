@@ -60,6 +60,10 @@ class OffloadReport:
     host_plan: Mapping[str, Any] = field(default_factory=dict)  # the loader's plan, as it said
     dequant: str = "compute"  # where GGUF layers dequantize: "compute" | "slot"
     decoded_slot_bytes: int = 0  # of slot_bytes: the decoded region (dequant "slot")
+    # ``enable_offload(release_slots=True)``: the slots' storages go back between passes
+    # (``movement.slot_release``); ``slots_allocated`` says whether they are held now.
+    slots_released_between_passes: bool = False
+    slots_allocated: bool = True
 
     @property
     def resident_blocks(self) -> int:
@@ -94,6 +98,8 @@ class OffloadReport:
             "slots": self.slots,
             "dequant": self.dequant,
             "decoded_slot_bytes": self.decoded_slot_bytes,
+            "slots_released_between_passes": self.slots_released_between_passes,
+            "slots_allocated": self.slots_allocated,
             "host_bytes": self.host.host_bytes,
             "pinned_host_bytes": self.pinned_host_bytes,
             "backing": self.host.backing,

@@ -8,10 +8,12 @@ smallest budget it could meet. Called by ``engine.runner.assembly`` before DLO i
 
 The model of the device's memory (docs/offload.md, "Whole pipeline"): weights that stay on
 the device (the DiT's resident modules and blocks, its slots, resident encoders and a
-streamed encoder's slots and non-layer modules, the VAE) and the prompt cache's bound are held all the time; on top comes the largest of three
-phases of a step, which run one after another on one stream:
+streamed encoder's non-layer modules, the VAE) and the prompt cache's bound are held all the
+time; on top comes the largest of three phases of a step, which run one after another on one
+stream:
 
-- encode: parked encoders visit the device (their bytes) plus one batched encoder pass;
+- encode: parked encoders visit the device (their bytes), streamed encoders take their slots
+  back (``streamed_slots``: given back between passes) plus one batched encoder pass;
 - denoise: one step's activations at the scheduler's work budget (``max_batch_tokens``);
 - decode: one VAE decode, tiled when a whole decode would not fit.
 
@@ -73,6 +75,9 @@ class BudgetInputs:
         streamed layer by layer (``offload.components=all``).
     streamable: (name, bytes held on the device when streamed: its modules outside its layer
         lists and two slots of its largest layer) of each encoder DLO can stream.
+    streamed_slots: (name, bytes of those slots) of each streamable encoder whose slots are
+        given back between its passes (``enable_offload(release_slots=True)``): counted in
+        the encode phase only, not held through the denoise and decode.
     encode_activations: one batched encoder pass over a step's prompts.
     vae: the VAE's weights.
     decode_whole / decode_tiled: one decode's activation peak at the largest shape the plan
@@ -98,6 +103,7 @@ class BudgetInputs:
     streamable: tuple[tuple[str, int], ...] = ()
     decode_shape: tuple[int, int, int] = (1, 1024, 1024)  # (frames, height, width) planned
     slot_extra: int = 0
+    streamed_slots: tuple[tuple[str, int], ...] = ()
 
     @property
     def encoder_bytes(self) -> int:
@@ -187,12 +193,17 @@ def _plan(inputs: BudgetInputs, *, blocks: Sequence[int], encoders: dict[str, st
     slots = inputs.slots * (max(streamed) + inputs.slot_extra) if streamed else 0
     held = {"dit": inputs.dit_fixed + sum(inputs.dit_blocks[i] for i in blocks),
             "dit slots": slots, "vae": inputs.vae, "prompt cache": inputs.prompt_cache}
-    streamed_held = dict(inputs.streamable)
+    streamed_held, released = dict(inputs.streamable), dict(inputs.streamed_slots)
+    streaming = [name for name, _ in inputs.encoders if encoders[name] == STREAMED]
     held["encoders"] = sum(size if encoders[name] == RESIDENT else
-                           streamed_held[name] if encoders[name] == STREAMED else 0
+                           streamed_held[name] - released.get(name, 0)
+                           if encoders[name] == STREAMED else 0
                            for name, size in inputs.encoders)
     parked = sum(size for name, size in inputs.encoders if encoders[name] == PARKED)
-    phases = {"encode": inputs.encode_activations + parked,
+    # Released slots come back for the encode only; the encoders encode one after another,
+    # each giving its slots back as its pass ends, but counting them together errs large.
+    visiting = parked + sum(released.get(name, 0) for name in streaming)
+    phases = {"encode": inputs.encode_activations + visiting,
               "denoise": inputs.denoise_activations,
               "decode": _decode_need(inputs, tiled)}
     return BudgetPlan(budget=budget, resident_blocks=tuple(sorted(blocks)),
@@ -203,7 +214,8 @@ def _plan(inputs: BudgetInputs, *, blocks: Sequence[int], encoders: dict[str, st
 
 def least_encoders(inputs: BudgetInputs, tiled: bool) -> dict[str, str]:
     """Each encoder streamed or parked, whichever combination gives the lowest peak
-    (streaming holds slots all the time; parking holds the whole encoder while it encodes)."""
+    (streaming holds its non-layer modules all the time and its slots at least while it
+    encodes; parking holds the whole encoder while it encodes)."""
     if not inputs.parkable:
         return {name: RESIDENT for name, _ in inputs.encoders}
     options = [[PARKED, STREAMED] if name in dict(inputs.streamable) else [PARKED]

@@ -27,6 +27,12 @@ one repeated block class holding most of the weights: ``encoder.block`` for T5, 
 language model's and the vision tower's ``layers``/``blocks`` for Qwen2.5-VL). Encoders it
 finds none in stay parked. Each encoder streams with the options the replica's resolved offload
 gives encoders (``ResolvedOffload.encoder_options``: rank-local, two slots).
+
+An encoder runs once per request, the DiT tens of times, so each encoder's slots are given
+back when its pass ends and taken again when the next begins (``enable_offload``'s
+``release_slots``): between encodes a streamed encoder holds only its modules outside the
+layers, and the DiT's denoise peak carries no encoder slots (FLUX.2's Mistral-24B: two 0.9 GiB
+layer slots). ``StreamedEncoder.slot_bytes`` is that part of its device bytes.
 """
 
 from __future__ import annotations
@@ -136,18 +142,20 @@ class StreamedEncoder:
 
     handle: OffloadHandle
     total_bytes: int
-    device_bytes: int  # slots + resident modules, on the device all the time
+    device_bytes: int  # slots + resident modules, on the device while it encodes
     streamed_blocks: int
     slots: int
     host_side_bytes: int = 0  # token table, output head and vision side kept in host memory
     vision_bytes: int = 0  # of which the vision side (a text-only pipeline's VLM encoder)
+    slot_bytes: int = 0  # of device_bytes: its slots, given back between encode passes
 
     def lives(self) -> str:
         what = "token table, output head" + (", vision side" if self.vision_bytes else "")
         kept = (f", {self.host_side_bytes / 2**30:.2f} GiB outside the layers ({what}) in "
                 "host memory" if self.host_side_bytes >= 1 << 20 else "")
+        given = " (given back between encodes)" if self.slot_bytes else ""
         return (f"streamed by DLO: {self.streamed_blocks} layers from pinned host, "
-                f"{self.slots} slots{kept}")
+                f"{self.slots} slots{given}{kept}")
 
 
 class StreamedEncoders:
@@ -177,7 +185,7 @@ class StreamedEncoders:
                 self._keep_on_host(name, module, on_host, device, seeing)
                 handle = enable_offload(module, config, device=device,
                                         activation_reserve_bytes=ENCODER_ACTIVATION_RESERVE_BYTES,
-                                        host_modules=on_host)
+                                        host_modules=on_host, release_slots=True)
                 self.encoders[name] = _described(
                     handle, module_bytes(module),
                     host_bytes=module_bytes(torch.nn.ModuleList(on_host)),
@@ -243,8 +251,9 @@ def _described(handle: OffloadHandle, total_bytes: int, *, host_bytes: int,
     resident = int(report.get("resident_module_bytes", 0)) + int(
         report.get("resident_block_bytes", 0))
     slots = int(report.get("slots", 0))
+    slot_bytes = slots * int(report.get("slot_bytes", 0))
     return StreamedEncoder(
         handle=handle, total_bytes=total_bytes, host_side_bytes=host_bytes,
-        vision_bytes=vision_bytes,
-        device_bytes=resident + slots * int(report.get("slot_bytes", 0)),
+        vision_bytes=vision_bytes, device_bytes=resident + slot_bytes,
+        slot_bytes=slot_bytes if report.get("slots_released_between_passes") else 0,
         streamed_blocks=int(report.get("streamed_blocks", 0)), slots=slots)

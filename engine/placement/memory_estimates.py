@@ -94,6 +94,17 @@ def streamed_encoder_bytes(encoder: torch.nn.Module, *, vision: bool = False) ->
             + ENCODER_SLOTS * max(layers, default=0))
 
 
+def streamed_encoder_slot_bytes(encoder: torch.nn.Module) -> int | None:
+    """Of ``streamed_encoder_bytes``: the ``ENCODER_SLOTS`` slots of its largest layer, which
+    a streamed encoder gives back between its passes (``encoder_streaming``); None if DLO
+    finds no layers to stream."""
+    try:
+        _, layers = dit_blocks(encoder, None)
+    except OffloadError:
+        return None
+    return ENCODER_SLOTS * max(layers, default=0)
+
+
 def _config_value(config: Any, *names: str) -> int:
     for source in (config, getattr(config, "text_config", None)):
         for name in names:
@@ -215,6 +226,8 @@ def budget_inputs(pipeline: Any, *, scheduler: SchedulerConfig, pipeline_config:
     text_only = not encoder_reads_images(pipeline)
     streamable = tuple((name, held) for name, m in encoders
                        if (held := streamed_encoder_bytes(m, vision=text_only)) is not None)
+    released = tuple((name, slots) for name, m in encoders
+                     if (slots := streamed_encoder_slot_bytes(m)) is not None)
     all_layers = keeps_encoder_hidden_states(pipeline)
     encode = max((encode_activation_bytes(m, prompts=rows, tokens=text + TEMPLATE_TOKENS,
                                           all_layers=all_layers)
@@ -233,7 +246,7 @@ def budget_inputs(pipeline: Any, *, scheduler: SchedulerConfig, pipeline_config:
         denoise_activations=denoise,
         prompt_cache=int(pipeline_config.prompt_cache_gib * (1 << 30))
         if pipeline_config.prompt_cache_size > 0 else 0,
-        vae_tiling=pipeline_config.vae_tiling, streamable=streamable,
+        vae_tiling=pipeline_config.vae_tiling, streamable=streamable, streamed_slots=released,
         decode_shape=(frames, height, width),
         slot_extra=dit_decoded_bytes(transformer, pipeline.block_lists)
         if offload.options.dequant == "slot" else 0)

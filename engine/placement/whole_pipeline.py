@@ -68,7 +68,8 @@ GIB = 1 << 30
 @dataclass(frozen=True)
 class ComponentPlan:
     """One row of the plan. device_bytes: weight bytes it holds on the device all the time;
-    transient_bytes: more it holds only during its own pass (a parked encoder's encode)."""
+    transient_bytes: more it holds only during its own pass (a parked encoder's encode, a
+    streamed encoder's slots)."""
 
     name: str
     bytes: int
@@ -240,7 +241,8 @@ class WholePipeline:
                                  "only to encode a prompt-cache miss", 0, size)
         if name in self.streamed:
             streamed = self.streamed[name]
-            return ComponentPlan(name, size, streamed.lives(), streamed.device_bytes)
+            return ComponentPlan(name, size, streamed.lives(),
+                                 streamed.device_bytes - streamed.slot_bytes, streamed.slot_bytes)
         return ComponentPlan(name, size, "resident", size)
 
     def _vae_row(self, vae: torch.nn.Module, mode: str) -> ComponentPlan:

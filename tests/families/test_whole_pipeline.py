@@ -102,9 +102,10 @@ def test_streamed_encoders_equal_resident_encoders(family_dir, variant: str) -> 
     assert encoders
     for name in encoders:
         # Every family's encoders are layer stacks: without a budget they stream, holding
-        # their slots on the device and nothing more during an encode.
+        # their modules outside the layers on the device, and their slots only while they
+        # encode (given back between encodes: transient, as a parked encoder's visit).
         assert plan[name]["lives"].startswith("streamed by DLO")
-        assert plan[name]["device_bytes"] > 0 and plan[name]["transient_bytes"] == 0
+        assert plan[name]["device_bytes"] > 0 and plan[name]["transient_bytes"] > 0
     resident_plan = {row["name"]: row for row in resident.pipeline_report()["plan"]}
     assert all(resident_plan[name]["lives"] == "resident" for name in encoders)
     assert_same(generate(streamed, variant), generate(resident, variant))
