@@ -27,7 +27,7 @@ import torch
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 # Modules the programs share (not programs themselves: no main).
 SHARED = ("harness", "offload_methods", "cosmos3_inputs", "minimax_h3_inputs", "adapter_files",
-          "job_processes", "live_bytes", "delivery_fixture")  # in import order
+          "job_processes", "live_bytes", "delivery_fixture", "sync_sites")  # in import order
 PROGRAMS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in SHARED)
 
 
