@@ -10,6 +10,8 @@ thread's stack; ``group_sites`` turns the records into one row per call site.
 from __future__ import annotations
 
 import importlib.util
+import linecache
+import sys
 import threading
 import traceback
 import warnings
@@ -44,6 +46,7 @@ class SyncCapture:
         self.records: list[SyncRecord] = []
         self.intact = True  # False: something replaced the handler while it was entered
         self._lock = threading.Lock()
+        self._stacks: dict[tuple[tuple[str, int, str], ...], tuple[Frame, ...]] = {}
         self._guard = warnings.catch_warnings()  # puts the filters and handler back on exit
         self._handler = self._show
         self._previous: Callable[..., Any] = warnings.showwarning
@@ -65,11 +68,20 @@ class SyncCapture:
         if SYNC_MESSAGE not in str(message):
             self._previous(message, category, filename, lineno, file, line)
             return
-        stack = traceback.extract_stack()[:-1]  # without this handler
-        while stack and stack[-1].filename == warnings.__file__:  # warnings' own frames
-            stack.pop()
-        frames = tuple(Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in stack)
+        # A step can warn thousands of times; reading source lines for each one made steps
+        # take seconds (2026-12-06, H100). Key each stack by its raw frames (no line text) and
+        # build the Frame tuple, with text, once per distinct stack.
+        raw = [(f.f_code.co_filename, lineno, f.f_code.co_name)
+               for f, lineno in traceback.walk_stack(sys._getframe(1))][::-1]
+        while raw and raw[-1][0] == warnings.__file__:  # warnings' own frames
+            raw.pop()
+        key = tuple(raw)
         with self._lock:
+            frames = self._stacks.get(key)
+            if frames is None:
+                frames = tuple(Frame(path, line, name, linecache.getline(path, line).strip())
+                               for path, line, name in key)
+                self._stacks[key] = frames
             self.records.append(SyncRecord(threading.current_thread().name, frames))
 
 
