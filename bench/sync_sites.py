@@ -10,8 +10,8 @@ thread's stack; ``group_sites`` turns the records into one row per call site.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import linecache
-import sys
 import threading
 import traceback
 import warnings
@@ -71,8 +71,10 @@ class SyncCapture:
         # A step can warn thousands of times; reading source lines for each one made steps
         # take seconds (2026-12-06, H100). Key each stack by its raw frames (no line text) and
         # build the Frame tuple, with text, once per distinct stack.
+        here = inspect.currentframe()
+        caller = here.f_back if here is not None else None  # skip this handler's own frame
         raw = [(f.f_code.co_filename, lineno, f.f_code.co_name)
-               for f, lineno in traceback.walk_stack(sys._getframe(1))][::-1]
+               for f, lineno in traceback.walk_stack(caller)][::-1]
         while raw and raw[-1][0] == warnings.__file__:  # warnings' own frames
             raw.pop()
         key = tuple(raw)
