@@ -16,7 +16,8 @@ happen (arrivals are submitted from the engine's loop thread after a given numbe
 steps, so a round is the same every time). The first round warms up; during the second,
 ``torch.cuda.set_sync_debug_mode("warn")`` is on and every warning it raises is recorded with
 the stack of the thread that warned. It prints, per policy, the window's denoise steps, wall
-and forward time, pauses and resumes, and one row per synchronizing site - the innermost frame
+and forward time, pauses and resumes, each step's wall time and synchronizing calls (min,
+median, max) beside the seconds spent recording them, and one row per synchronizing site - the innermost frame
 in ditserve - with its count, its rate per step and an example ditserve-only stack:
 
     python3 bench/step_syncs.py --model DIR --serve-args "--dtype bfloat16" --out syncs.json
@@ -95,16 +96,23 @@ def workload(requests: int, urgent: int, sizes: Sequence[str], urgent_size: str,
 
 class Round:
     """An engine observer: counts the steps, forward time, pauses and resumes of the current
-    round and submits its arrivals as their step comes (from the loop thread, between steps)."""
+    round and submits its arrivals as their step comes (from the loop thread, between steps).
+    With a ``syncs`` counter it also keeps each step's wall time (from the step before) and
+    the synchronizing calls recorded during it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.begin([], lambda arrival: None)
 
-    def begin(self, arrivals: list[Arrival], submit: Callable[[Arrival], None]) -> None:
+    def begin(self, arrivals: list[Arrival], submit: Callable[[Arrival], None],
+              syncs: Callable[[], int] | None = None) -> None:
         with self._lock:
             self._pending, self._submit = list(arrivals), submit
             self.steps, self.forward_s, self.pauses, self.resumes = 0, 0.0, 0, 0
+            self._syncs = syncs
+            self.step_walls: list[float] = []
+            self.step_syncs: list[int] = []
+            self._last = (time.monotonic(), syncs() if syncs else 0)
         self._submit_due()
 
     @property
@@ -131,6 +139,11 @@ class Round:
         with self._lock:
             self.steps += 1
             self.forward_s += seconds
+            if self._syncs is not None:
+                now, count = time.monotonic(), self._syncs()
+                self.step_walls.append(now - self._last[0])
+                self.step_syncs.append(count - self._last[1])
+                self._last = (now, count)
         self._submit_due()
 
     def on_preempted(self, request_id: str) -> None:
@@ -146,7 +159,7 @@ class Round:
 
 
 def run_round(engine: DiffusionEngine, tally: Round, arrivals: list[Arrival],
-              timeout_s: float) -> dict[str, Any]:
+              timeout_s: float, syncs: Callable[[], int] | None = None) -> dict[str, Any]:
     """Submit ``arrivals`` as the round's steps come; wait for every request to end."""
     handles: list[RequestHandle] = []
     failed: list[str] = []
@@ -163,7 +176,7 @@ def run_round(engine: DiffusionEngine, tally: Round, arrivals: list[Arrival],
                 failed.append(f"{arrival}: refused: {type(e).__name__}: {e}")
 
     started = time.monotonic()
-    tally.begin(arrivals, submit)
+    tally.begin(arrivals, submit, syncs)
     while True:
         with lock:
             futures = [h.future for h in handles]
@@ -187,7 +200,8 @@ def run_round(engine: DiffusionEngine, tally: Round, arrivals: list[Arrival],
     return {"requests": len(handles) + len(failed), "finished": finished, "failed": failed,
             "steps": tally.steps, "wall_s": wall, "forward_s": tally.forward_s,
             "outside_forwards_s": wall - tally.forward_s, "pauses": tally.pauses,
-            "resumes": tally.resumes}
+            "resumes": tally.resumes, "step_walls_s": tally.step_walls,
+            "step_syncs": tally.step_syncs}
 
 
 # -- the program ----------------------------------------------------------------------------------
@@ -222,7 +236,8 @@ def measure(args: argparse.Namespace, model: str, policy: str,
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
-                window = run_round(engine, tally, arrivals, args.timeout)
+                window = run_round(engine, tally, arrivals, args.timeout,
+                                   lambda: capture.count)
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
@@ -231,6 +246,7 @@ def measure(args: argparse.Namespace, model: str, policy: str,
     window["sites"] = group_sites(capture.records, package_roots(), window["steps"])
     window["syncs"] = len(capture.records)
     window["capture_intact"] = capture.intact
+    window["handler_s"] = capture.handler_s
     return window
 
 
@@ -242,6 +258,10 @@ def print_run(policy: str, run: dict[str, Any], dry_run: bool) -> None:
           f"{run['requests']}; {run['syncs']} synchronizing calls")
     for failure in run["failed"]:
         print(f"  FAILED {failure}")
+    if run["step_walls_s"]:
+        walls, counts = sorted(run["step_walls_s"]), sorted(run["step_syncs"])
+        print(f"  per step: wall {quantiles(walls)} s, synchronizing calls {quantiles(counts)} "
+              f"(min/median/max); recording them took {run['handler_s']:.2f} s of the window")
     if not run["capture_intact"]:
         print("  note: the warning handler was replaced during the window; counts may be short")
     if dry_run:
@@ -258,6 +278,11 @@ def print_run(policy: str, run: dict[str, Any], dry_run: bool) -> None:
         for frame in site["stack"]:
             print(f"      {frame}")
         print(f"      -> {site['callee']}")
+
+
+def quantiles(ordered: Sequence[float]) -> str:
+    """``min/median/max`` of sorted values, compactly."""
+    return "/".join(f"{v:.3g}" for v in (ordered[0], ordered[len(ordered) // 2], ordered[-1]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import linecache
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -45,6 +46,9 @@ class SyncCapture:
     def __init__(self) -> None:
         self.records: list[SyncRecord] = []
         self.intact = True  # False: something replaced the handler while it was entered
+        # Seconds spent in this handler: under sync-debug mode full-size steps took 23-36 s
+        # (2026-12-06); this says how much of that is the recording, and how much is torch's.
+        self.handler_s = 0.0
         self._lock = threading.Lock()
         self._stacks: dict[tuple[tuple[str, int, str], ...], tuple[Frame, ...]] = {}
         self._guard = warnings.catch_warnings()  # puts the filters and handler back on exit
@@ -68,6 +72,7 @@ class SyncCapture:
         if SYNC_MESSAGE not in str(message):
             self._previous(message, category, filename, lineno, file, line)
             return
+        started = time.perf_counter()
         # A step can warn thousands of times; reading source lines for each one made steps
         # take seconds (2026-12-06, H100). Key each stack by its raw frames (no line text) and
         # build the Frame tuple, with text, once per distinct stack.
@@ -85,6 +90,13 @@ class SyncCapture:
                                for path, line, name in key)
                 self._stacks[key] = frames
             self.records.append(SyncRecord(threading.current_thread().name, frames))
+            self.handler_s += time.perf_counter() - started
+
+    @property
+    def count(self) -> int:
+        """The sync-debug warnings recorded so far."""
+        with self._lock:
+            return len(self.records)
 
 
 def package_roots() -> list[Path]:

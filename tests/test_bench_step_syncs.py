@@ -30,6 +30,9 @@ def test_the_dry_run_pauses_and_resumes_low_priority_rows_for_urgent_ones(
     assert run["pauses"] >= 1 and run["resumes"] >= 1
     assert run["steps"] >= 4  # the window's denoise steps, the per-step rates' denominator
     assert run["syncs"] == 0 and run["sites"] == []  # sync debug mode is off on the CPU
+    # One wall time and one sync count per step of the window, to tell a slow step's cause.
+    assert len(run["step_walls_s"]) == len(run["step_syncs"]) == run["steps"]
+    assert all(w > 0 for w in run["step_walls_s"]) and set(run["step_syncs"]) == {0}
 
 
 def test_the_workload_sends_urgent_requests_while_low_priority_ones_run() -> None:
@@ -90,6 +93,7 @@ def test_the_capture_records_the_stack_of_the_thread_that_warned() -> None:
     assert capture.intact
     assert [r.thread for r in capture.records] == ["engine-loop", "engine-loop"]
     assert capture.records[0].frames[-1].function == "synchronizing_call"
+    assert capture.count == 2 and capture.handler_s > 0
     assert [str(w.message) for w in others] == ["something else"]  # passed on, not recorded
 
 
