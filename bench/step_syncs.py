@@ -105,11 +105,13 @@ class Round:
         self.begin([], lambda arrival: None)
 
     def begin(self, arrivals: list[Arrival], submit: Callable[[Arrival], None],
-              syncs: Callable[[], int] | None = None) -> None:
+              syncs: Callable[[], int] | None = None, window_steps: int | None = None,
+              end_window: Callable[[], None] = lambda: None) -> None:
         with self._lock:
             self._pending, self._submit = list(arrivals), submit
             self.steps, self.forward_s, self.pauses, self.resumes = 0, 0.0, 0, 0
             self._syncs = syncs
+            self._window = (window_steps, end_window)
             self.step_walls: list[float] = []
             self.step_syncs: list[int] = []
             self._last = (time.monotonic(), syncs() if syncs else 0)
@@ -144,6 +146,9 @@ class Round:
                 self.step_walls.append(now - self._last[0])
                 self.step_syncs.append(count - self._last[1])
                 self._last = (now, count)
+            window_steps, end_window = self._window
+        if window_steps is not None and self.steps == window_steps:
+            end_window()  # the rest of the round runs at full speed
         self._submit_due()
 
     def on_preempted(self, request_id: str) -> None:
@@ -159,8 +164,11 @@ class Round:
 
 
 def run_round(engine: DiffusionEngine, tally: Round, arrivals: list[Arrival],
-              timeout_s: float, syncs: Callable[[], int] | None = None) -> dict[str, Any]:
-    """Submit ``arrivals`` as the round's steps come; wait for every request to end."""
+              timeout_s: float, syncs: Callable[[], int] | None = None,
+              window_steps: int | None = None,
+              end_window: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Submit ``arrivals`` as the round's steps come; wait for every request to end.
+    ``end_window`` is called after the round's ``window_steps``-th denoise step."""
     handles: list[RequestHandle] = []
     failed: list[str] = []
     lock = threading.Lock()
@@ -176,7 +184,7 @@ def run_round(engine: DiffusionEngine, tally: Round, arrivals: list[Arrival],
                 failed.append(f"{arrival}: refused: {type(e).__name__}: {e}")
 
     started = time.monotonic()
-    tally.begin(arrivals, submit, syncs)
+    tally.begin(arrivals, submit, syncs, window_steps, end_window)
     while True:
         with lock:
             futures = [h.future for h in handles]
@@ -232,18 +240,22 @@ def measure(args: argparse.Namespace, model: str, policy: str,
             run_round(engine, tally, arrivals, args.timeout)
         if cuda:
             torch.cuda.synchronize()  # the warm-up's own work is not the window's
+        def end_window() -> None:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+
         with SyncCapture() as capture:
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
                 window = run_round(engine, tally, arrivals, args.timeout,
-                                   lambda: capture.count)
+                                   lambda: capture.count, args.sync_steps, end_window)
             finally:
-                if cuda:
-                    torch.cuda.set_sync_debug_mode("default")
+                end_window()
     finally:
         engine.shutdown()
-    window["sites"] = group_sites(capture.records, package_roots(), window["steps"])
+    window["sync_steps"] = min(window["steps"], args.sync_steps or window["steps"])
+    window["sites"] = group_sites(capture.records, package_roots(), window["sync_steps"])
     window["syncs"] = len(capture.records)
     window["capture_intact"] = capture.intact
     window["handler_s"] = capture.handler_s
@@ -251,7 +263,9 @@ def measure(args: argparse.Namespace, model: str, policy: str,
 
 
 def print_run(policy: str, run: dict[str, Any], dry_run: bool) -> None:
-    print(f"\n== {policy}: {run['steps']} denoise steps in {run['wall_s']:.2f} s (forwards "
+    watched = "" if run["sync_steps"] == run["steps"] else \
+        f"; sync-debug mode on for the first {run['sync_steps']}"
+    print(f"\n== {policy}: {run['steps']} denoise steps{watched} in {run['wall_s']:.2f} s (forwards "
           f"{run['forward_s']:.2f} s, outside them {run['outside_forwards_s']:.2f} s), "
           f"{run['pauses']} pauses, {run['resumes']} resumes, finished "
           f"{run['finished']['low']} low + {run['finished']['high']} high of "
@@ -299,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"(default {URGENT_SIZE['cuda']}; dry run {URGENT_SIZE['cpu']})")
     p.add_argument("--policy", choices=("priority", "fcfs", "both"), default="both")
     p.add_argument("--warmup-rounds", type=int, default=1)
+    p.add_argument("--sync-steps", type=int, default=None,
+                   help="run only the measured round's first N denoise steps under sync-debug "
+                   "mode (default: all; the mode can slow a step by seconds)")
     p.add_argument("--serve-args", default="", help="more `ditserve serve` engine flags")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a round may take")
     p.add_argument("--dry-run", action="store_true",

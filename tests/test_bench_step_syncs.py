@@ -23,16 +23,30 @@ def test_the_dry_run_pauses_and_resumes_low_priority_rows_for_urgent_ones(
     code = bench.main(["--dry-run", "--family", "z-image", "--policy", "priority",
                        "--steps", "4", "--requests", "3", "--urgent", "1",
                        "--sizes", "32x32,48x32", "--urgent-size", "32x32",
-                       "--warmup-rounds", "0", "--out", str(out)])
+                       "--warmup-rounds", "0", "--sync-steps", "3", "--out", str(out)])
     assert code == 0
     run = json.loads(out.read_text())["runs"]["priority"]
     assert run["finished"] == {"low": 3, "high": 1} and run["failed"] == []
     assert run["pauses"] >= 1 and run["resumes"] >= 1
-    assert run["steps"] >= 4  # the window's denoise steps, the per-step rates' denominator
+    assert run["steps"] >= 4  # the window's denoise steps
+    assert run["sync_steps"] == 3  # those under sync-debug mode: the per-step rates' denominator
     assert run["syncs"] == 0 and run["sites"] == []  # sync debug mode is off on the CPU
     # One wall time and one sync count per step of the window, to tell a slow step's cause.
     assert len(run["step_walls_s"]) == len(run["step_syncs"]) == run["steps"]
     assert all(w > 0 for w in run["step_walls_s"]) and set(run["step_syncs"]) == {0}
+
+
+def test_the_round_ends_the_sync_window_once_after_its_steps() -> None:
+    bench = load("step_syncs")
+    ended: list[int] = []
+    syncs = iter([0, 5, 9, 9, 9])  # the capture's count at begin and after each step
+    tally = bench.Round()
+    tally.begin([], lambda arrival: None, lambda: next(syncs), 2,
+                lambda: ended.append(tally.steps))
+    for _ in range(4):
+        tally.on_step(requests=1, rows=1, seconds=0.01)
+    assert ended == [2]
+    assert tally.step_syncs == [5, 4, 0, 0] and len(tally.step_walls) == 4
 
 
 def test_the_workload_sends_urgent_requests_while_low_priority_ones_run() -> None:
