@@ -7,7 +7,10 @@ the process was spawned, then reads the engine's own account of its start from `
 (``ditserve:start_phase_seconds{phase}``, ``ditserve:start_to_ready_seconds``) and stops it.
 The floor is what no start can beat: reading every file of the model directory once, timed
 here first (from the page cache when the model is warm there: run the bench twice, or ``cat``
-the model to /dev/null first, as the targets assume). Variants:
+the model to /dev/null first, as the targets assume). With ``--image-check``, each started
+server then makes one image (fixed prompt, seed and size, a few steps) and the table compares
+it with the first variant's, pixel by pixel: issue 50 asks that a replica started from compiled
+artifacts serves the same images. Variants:
 
     dlo         --offload dlo
     resident    --offload none
@@ -22,17 +25,23 @@ Prints one table (seconds); ``--out`` writes JSON beside it.
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
+import io
 import json
 import os
 import shlex
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import harness
+import numpy as np
 from job_processes import answers, free_port, running, wait_until
+from PIL import Image
 
 PHASES = ("process", "cuda_init", "imports", "read", "place", "pin_register", "encoders",
           "warm_up", "compile", "load")
@@ -64,20 +73,68 @@ def start_once(args: argparse.Namespace, flags: list[str], env: dict[str, str],
         wall = wait_until(lambda: answers(f"{url}/ready"), process, spawned, args.timeout,
                           log_path, every_s=0.05)
         samples = harness.scrape_metrics(url)
+        image = make_image(url, args.image_size, args.timeout) if args.image_check else None
     phases = {name: samples.get(f'ditserve:start_phase_seconds{{phase="{name}"}}')
               for name in PHASES}
-    return {"ready_s": wall, "engine_ready_s": samples.get("ditserve:start_to_ready_seconds"),
-            "phases": {k: v for k, v in phases.items() if v is not None}}
+    result = {"ready_s": wall, "engine_ready_s": samples.get("ditserve:start_to_ready_seconds"),
+              "phases": {k: v for k, v in phases.items() if v is not None}}
+    if image is not None:
+        result["image"] = image
+    return result
+
+
+def make_image(url: str, size: str, timeout_s: float) -> np.ndarray:
+    """One image from the server: the same prompt, seed, size and steps for every variant."""
+    body = json.dumps({"prompt": "a lighthouse on a cliff at dawn", "size": size, "seed": 7,
+                       "num_inference_steps": 4, "response_format": "b64_json"}).encode()
+    request = urllib.request.Request(f"{url}/v1/images/generations", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        b64 = json.loads(response.read())["data"][0]["b64_json"]
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def image_verdict(image: np.ndarray, reference: np.ndarray) -> dict[str, Any]:
+    """How one variant's image compares with the first variant's (0-255 pixel values)."""
+    if image.shape != reference.shape:
+        return {"same": False, "max_diff": None, "sha256": pixels_digest(image)}
+    diff = np.abs(image.astype(np.int16) - reference.astype(np.int16))
+    return {"same": bool(diff.max() == 0), "max_diff": int(diff.max()),
+            "mean_diff": float(diff.mean()), "sha256": pixels_digest(image)}
+
+
+def pixels_digest(image: np.ndarray) -> str:
+    return hashlib.sha256(image.tobytes()).hexdigest()
+
+
+def compare_images(rows: list[tuple[str, dict[str, Any]]]) -> None:
+    """Each row's image replaced by its verdict against the first row's image."""
+    made = [r for _, r in rows if "image" in r]
+    if made:
+        reference = made[0]["image"]
+        for r in made:
+            r["image"] = image_verdict(r["image"], reference)
+
+
+def image_cell(verdict: dict[str, Any] | None) -> str:
+    if verdict is None:
+        return "-"
+    if verdict["same"]:
+        return "same"
+    return "other size" if verdict["max_diff"] is None else f"max diff {verdict['max_diff']}"
 
 
 def table(rows: list[tuple[str, dict[str, Any]]], floor: dict[str, float]) -> str:
     shown = [p for p in PHASES if any(p in r["phases"] for _, r in rows)]
-    head = ["variant", "ready", *shown, "floor", "ready/floor"]
+    checked = any("image" in r for _, r in rows)
+    head = ["variant", "ready", *shown, "floor", "ready/floor",
+            *(["image vs first"] if checked else [])]
     body = []
     for name, r in rows:
         body.append([name, f"{r['ready_s']:.2f}",
                      *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in shown),
-                     f"{floor['seconds']:.2f}", f"{r['ready_s'] / floor['seconds']:.1f}x"])
+                     f"{floor['seconds']:.2f}", f"{r['ready_s'] / floor['seconds']:.1f}x",
+                     *([image_cell(r.get("image"))] if checked else [])])
     return "\n".join(harness.md_table(head, body))
 
 
@@ -88,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-cmd", default=f"{sys.executable} -m ditserve.engine.cli")
     p.add_argument("--serve-args", default="", help="more `ditserve serve` flags")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to ready, per start")
+    p.add_argument("--image-check", action="store_true",
+                   help="make one image on each started server and compare it with the first's")
+    p.add_argument("--image-size", default="512x512", help="that image's WxH")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     floor = read_floor(a.model)
@@ -107,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             rows.append((run, start_once(a, VARIANTS[variant], env, logs / f"{run}.log")))
             harness.log(f"{run}: ready in {rows[-1][1]['ready_s']:.2f}s")
+    compare_images(rows)
     print(table(rows, floor))
     if a.out is not None:
         a.out.write_text(json.dumps({"floor": floor, "runs": dict(rows)}, indent=1))
