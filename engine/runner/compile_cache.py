@@ -9,8 +9,16 @@ next process on the same node hit those caches instead of compiling again.
 Owns the key and the file: ``<cache root>/v1/compile/<key>.bin``. The key is the SHA-256 of
 what makes the artifacts reusable: the DiT (its config.json and its weight files' names and
 sizes), the shapes the warm-up compiles (the warm-up size, the batch sizes), the backend, the
-dtype, offload and sequence parallelism, the torch version and the device (the GPU's name).
-A process whose key differs never loads another's artifacts.
+dtype, offload and sequence parallelism, the torch version and the device (the GPU's name),
+the compiled blocks' structure (``block_structure``) and whether torch's caching precompile
+was on. A process whose key differs never loads another's artifacts.
+
+The structure matters for torch's experimental caching precompile (``TORCH_CACHING_PRECOMPILE=1``,
+docs/benchmarks.md "Start to ready"): with it the artifacts hold Dynamo's traced code too, and
+to make that loadable elsewhere Dynamo drops the guards it cannot serialize (on the attention
+processor, the attention backend, module identities). Keying on the block's module classes,
+its processors and the attention backend keeps those facts equal wherever the code is reused.
+Inductor's own caches are content-addressed and would only miss.
 
 Engine pods mount the cache read-only: they read artifacts from the mount and hand new ones
 to the node's cachectl daemon (``PUT /v1/compile/<key>`` over its socket), which publishes
@@ -47,6 +55,8 @@ class CompileKey:
     sp_size: int
     torch_version: str
     device: str  # the GPU's name, or "cpu"
+    blocks: str = ""  # block_structure(): the compiled blocks' module classes and processors
+    precompile: bool = False  # torch's caching precompile on (Dynamo's code in the artifacts)
 
     @property
     def digest(self) -> str:
@@ -65,6 +75,45 @@ def model_fingerprint(model_dir: Path) -> str:
             if path.is_file():
                 h.update(f"{path.name}:{path.stat().st_size}\n".encode())
     return h.hexdigest()
+
+
+def block_structure(model: torch.nn.Module) -> str:
+    """SHA-256 of what the compiled blocks' traced code assumes beyond tensor shapes: for the
+    first block of each repeated class, every submodule's class, each attention processor's
+    class, and diffusers' active attention backend. LoRA wrappers, packed, FP8 or GGUF linears
+    and other processors all change it."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    firsts: dict[str, torch.nn.Module] = {}
+    for module in model.modules():
+        if type(module).__name__ in names:
+            firsts.setdefault(type(module).__name__, module)
+    doc: dict[str, object] = {"backend": attention_backend()}
+    for name, block in sorted(firsts.items()):
+        doc[name] = [[path, _qualname(type(sub)),
+                      _qualname(type(sub.processor)) if hasattr(sub, "processor") else None]
+                     for path, sub in block.named_modules()]
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def attention_backend() -> str:
+    """diffusers' active attention backend (``native``, ``flash``, ...)."""
+    try:
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    except ImportError:
+        return "unknown"
+    backend, _fn = _AttentionBackendRegistry.get_active_backend()
+    return str(getattr(backend, "value", backend))
+
+
+def precompile_on() -> bool:
+    """Whether torch's caching precompile is on (``TORCH_CACHING_PRECOMPILE=1``)."""
+    import torch._dynamo
+
+    return bool(getattr(torch._dynamo.config, "caching_precompile", False))
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def torch_version() -> str:

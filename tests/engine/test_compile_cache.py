@@ -14,10 +14,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from ditserve.cachectl.daemon import Daemon, DaemonConfig, create_app
-from ditserve.engine.runner.compile_cache import CompileKey, load, model_fingerprint
+from ditserve.engine.runner.compile_cache import (
+    CompileKey,
+    block_structure,
+    load,
+    model_fingerprint,
+)
 
 CHILD = Path(__file__).with_name("compile_cache_child.py")
 KEY = CompileKey(model="m", shapes=((1024, 1024, 1), (1024, 1024, 2)), backend="inductor",
@@ -29,8 +35,53 @@ def test_the_key_changes_with_what_makes_artifacts_unshareable() -> None:
     assert KEY.digest == dataclasses.replace(KEY).digest
     for change in ({"model": "other"}, {"shapes": ((1024, 1024, 1),)}, {"backend": "aot_eager"},
                    {"torch_version": "2.14.0"}, {"device": "cuda:NVIDIA H100 80GB HBM3"},
-                   {"offload": False}, {"sp_size": 2}, {"dtype": "float16"}):
+                   {"offload": False}, {"sp_size": 2}, {"dtype": "float16"},
+                   {"blocks": "f" * 64}, {"precompile": True}):
         assert dataclasses.replace(KEY, **change).digest != KEY.digest, change
+
+
+class _Processor:
+    def __call__(self, *args: object) -> None: ...
+
+
+class _OtherProcessor(_Processor): ...
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_q = torch.nn.Linear(4, 4)
+        self.processor: _Processor = _Processor()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+        self.ff = torch.nn.Linear(4, 4)
+
+
+class _DiT(torch.nn.Module):
+    _repeated_blocks = ["_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(4, 4)
+
+
+def test_the_block_structure_names_what_dropped_precompile_guards_assumed() -> None:
+    first = block_structure(_DiT())
+    assert block_structure(_DiT()) == first  # weights and instances do not matter
+    outside = _DiT()
+    outside.head = torch.nn.Identity()  # not a compiled block
+    assert block_structure(outside) == first
+    swapped = _DiT()
+    swapped.blocks[0].ff = torch.nn.Identity()  # e.g. an FP8 or GGUF linear, a LoRA wrapper
+    assert block_structure(swapped) != first
+    processor = _DiT()
+    processor.blocks[0].attn.processor = _OtherProcessor()  # SP's or a family's processor
+    assert block_structure(processor) != first
 
 
 def test_the_model_fingerprint_follows_the_dit_config_and_files(tmp_path: Path) -> None:
@@ -103,3 +154,34 @@ def test_a_second_process_loads_what_the_first_compiled_on_the_gpu(tmp_path: Pat
     assert first == {"loaded": False, "saved": True, "hits": 0, "misses": 1}
     second = _child("load", root, tmp_path / "inductor-2", "cuda")
     assert second == {"loaded": True, "saved": False, "hits": 1, "misses": 0}
+
+
+def test_the_replicas_key_names_its_compiled_blocks(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the engine's start keys the node cache's artifacts with (``loop.startup``)."""
+    from types import SimpleNamespace
+
+    from ditserve.engine.config.resolved_offload import ResolvedOffload
+    from ditserve.engine.loop.startup import WarmUp, _shared_compiles
+
+    root = tmp_path / "cache"
+    (root / "v1").mkdir(parents=True)
+    dit = _DiT()
+    runner = SimpleNamespace(pixel_multiple=16, device=torch.device("cpu"),
+                             pipeline=SimpleNamespace(transformer=dit))
+    def key(precompile: bool) -> CompileKey:
+        import torch._dynamo
+
+        monkeypatch.setattr(torch._dynamo.config, "caching_precompile", precompile)
+        shared = _shared_compiles(SimpleNamespace(runner=runner), WarmUp(compile_size=(64, 64)),
+                                  tmp_path, backend="inductor", dtype="bfloat16",
+                                  offload=ResolvedOffload(cache_root=str(root)),
+                                  max_num_seqs=4, sp_size=1)
+        assert shared is not None and shared.root == root
+        return shared.key
+
+    plain = key(False)
+    assert plain.blocks == block_structure(dit)
+    assert plain.shapes == ((32, 32, 1), (64, 64, 1), (64, 64, 2))
+    # Artifacts holding Dynamo's code (TORCH_CACHING_PRECOMPILE=1) are kept apart.
+    assert key(True).precompile and key(True).digest != plain.digest
