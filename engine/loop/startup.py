@@ -203,8 +203,7 @@ def _shared_compiles(executor: Executor, warmup: WarmUp, model_dir: Path, *, bac
         backend=backend, dtype=dtype, offload=offload.enabled, sp_size=sp_size,
         torch_version=compile_cache.torch_version(),
         device=compile_cache.device_name(runner.device),
-        blocks=compile_cache.block_structure(runner.pipeline.transformer),
-        precompile=compile_cache.precompile_on())
+        blocks=compile_cache.block_structure(runner.pipeline.transformer))
     return _SharedCompiles(root, key)
 
 

@@ -10,15 +10,15 @@ Owns the key and the file: ``<cache root>/v1/compile/<key>.bin``. The key is the
 what makes the artifacts reusable: the DiT (its config.json and its weight files' names and
 sizes), the shapes the warm-up compiles (the warm-up size, the batch sizes), the backend, the
 dtype, offload and sequence parallelism, the torch version and the device (the GPU's name),
-the compiled blocks' structure (``block_structure``) and whether torch's caching precompile
-was on. A process whose key differs never loads another's artifacts.
+and the compiled blocks' structure (``block_structure``). A process whose key differs never
+loads another's artifacts.
 
-The structure matters for torch's experimental caching precompile (``TORCH_CACHING_PRECOMPILE=1``,
-docs/benchmarks.md "Start to ready"): with it the artifacts hold Dynamo's traced code too, and
-to make that loadable elsewhere Dynamo drops the guards it cannot serialize (on the attention
-processor, the attention backend, module identities). Keying on the block's module classes,
-its processors and the attention backend keeps those facts equal wherever the code is reused.
-Inductor's own caches are content-addressed and would only miss.
+Inductor's own caches are content-addressed, so foreign artifacts would only miss; the
+structure is for what is not: torch's caching precompile puts Dynamo's traced code into the
+artifacts and drops the guards it cannot serialize (on the attention processor, the attention
+backend, module identities), so such code may only be reused where the blocks' module classes,
+processors and attention backend are the same. The engine turns that precompile off today
+(``compiled_blocks.turn_off_caching_precompile``: a second replica's warm-up fails with it).
 
 Engine pods mount the cache read-only: they read artifacts from the mount and hand new ones
 to the node's cachectl daemon (``PUT /v1/compile/<key>`` over its socket), which publishes
@@ -56,7 +56,6 @@ class CompileKey:
     torch_version: str
     device: str  # the GPU's name, or "cpu"
     blocks: str = ""  # block_structure(): the compiled blocks' module classes and processors
-    precompile: bool = False  # torch's caching precompile on (Dynamo's code in the artifacts)
 
     @property
     def digest(self) -> str:
@@ -103,13 +102,6 @@ def attention_backend() -> str:
         return "unknown"
     backend, _fn = _AttentionBackendRegistry.get_active_backend()
     return str(getattr(backend, "value", backend))
-
-
-def precompile_on() -> bool:
-    """Whether torch's caching precompile is on (``TORCH_CACHING_PRECOMPILE=1``)."""
-    import torch._dynamo
-
-    return bool(getattr(torch._dynamo.config, "caching_precompile", False))
 
 
 def _qualname(cls: type) -> str:

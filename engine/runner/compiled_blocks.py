@@ -69,6 +69,7 @@ def compile_repeated_blocks(model: nn.Module, backend: str) -> int:
             f"--compile: {type(model).__name__} does not declare its repeated blocks "
             "(diffusers' _repeated_blocks); run it without --compile"
         )
+    turn_off_caching_precompile()
     compiled = 0
     for module in model.modules():
         if type(module).__name__ in names:
@@ -79,3 +80,20 @@ def compile_repeated_blocks(model: nn.Module, backend: str) -> int:
     log.info("compiling %d repeated blocks (%s) with the %s backend on first use",
              compiled, ", ".join(sorted(names)), backend)
     return compiled
+
+
+def turn_off_caching_precompile() -> None:
+    """Undo ``TORCH_CACHING_PRECOMPILE=1`` before the blocks are wrapped (the wrappers read it).
+
+    With it, torch 2.13 saves Dynamo's traced code beside the compiled artifacts and a second
+    replica installs it instead of tracing - and then fails its warm-up as soon as one shape
+    still needs a trace ("Name '__builtins_dict___0' already exists in scope": the installed
+    code and the new trace claim the same name in the blocks' module). Measured on the CPU
+    with the tiny Flux (docs/benchmarks.md "Start to ready"): a replica that cannot start is
+    worse than one that traces for a few seconds."""
+    import torch._dynamo
+
+    if getattr(torch._dynamo.config, "caching_precompile", False):
+        log.warning("--compile: ignoring TORCH_CACHING_PRECOMPILE=1: with regional compilation "
+                    "torch's caching precompile makes a second replica's warm-up fail")
+        torch._dynamo.config.caching_precompile = False
