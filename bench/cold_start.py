@@ -34,7 +34,6 @@ import shlex
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +84,13 @@ def start_once(args: argparse.Namespace, flags: list[str], env: dict[str, str],
 
 def make_image(url: str, size: str, timeout_s: float) -> np.ndarray:
     """One image from the server: the same prompt, seed, size and steps for every variant."""
-    body = json.dumps({"prompt": "a lighthouse on a cliff at dawn", "size": size, "seed": 7,
-                       "num_inference_steps": 4, "response_format": "b64_json"}).encode()
-    request = urllib.request.Request(f"{url}/v1/images/generations", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        b64 = json.loads(response.read())["data"][0]["b64_json"]
+    import httpx  # as the other benches that start servers
+
+    response = httpx.post(f"{url}/v1/images/generations", timeout=timeout_s, json={
+        "prompt": "a lighthouse on a cliff at dawn", "size": size, "seed": 7,
+        "num_inference_steps": 4, "response_format": "b64_json"})
+    response.raise_for_status()
+    b64 = response.json()["data"][0]["b64_json"]
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 

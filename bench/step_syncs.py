@@ -17,8 +17,9 @@ steps, so a round is the same every time). The first round warms up; during the 
 ``torch.cuda.set_sync_debug_mode("warn")`` is on and every warning it raises is recorded with
 the stack of the thread that warned. It prints, per policy, the window's denoise steps, wall
 and forward time, pauses and resumes, each step's wall time and synchronizing calls (min,
-median, max) beside the seconds spent recording them, and one row per synchronizing site - the innermost frame
-in ditserve - with its count, its rate per step and an example ditserve-only stack:
+median, max) beside the seconds spent recording them, and one row per synchronizing site -
+the innermost frame in ditserve - with its count, its rate per step and an example
+ditserve-only stack:
 
     python3 bench/step_syncs.py --model DIR --serve-args "--dtype bfloat16" --out syncs.json
 
@@ -94,27 +95,36 @@ def workload(requests: int, urgent: int, sizes: Sequence[str], urgent_size: str,
     return sorted(lows + highs, key=lambda a: a.at_step)
 
 
+@dataclass(frozen=True)
+class SyncWindow:
+    """The measured round's watch: ``count`` reads the synchronizing calls recorded so far;
+    ``end`` (sync-debug mode off) is called after the round's ``steps``-th denoise step, or
+    never when ``steps`` is None."""
+
+    count: Callable[[], int]
+    steps: int | None = None
+    end: Callable[[], None] = lambda: None
+
+
 class Round:
     """An engine observer: counts the steps, forward time, pauses and resumes of the current
     round and submits its arrivals as their step comes (from the loop thread, between steps).
-    With a ``syncs`` counter it also keeps each step's wall time (from the step before) and
-    the synchronizing calls recorded during it."""
+    Watched by a ``SyncWindow``, it also keeps each step's wall time (from the step before)
+    and the synchronizing calls recorded during it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.begin([], lambda arrival: None)
 
     def begin(self, arrivals: list[Arrival], submit: Callable[[Arrival], None],
-              syncs: Callable[[], int] | None = None, window_steps: int | None = None,
-              end_window: Callable[[], None] = lambda: None) -> None:
+              window: SyncWindow | None = None) -> None:
         with self._lock:
             self._pending, self._submit = list(arrivals), submit
             self.steps, self.forward_s, self.pauses, self.resumes = 0, 0.0, 0, 0
-            self._syncs = syncs
-            self._window = (window_steps, end_window)
+            self._window = window
             self.step_walls: list[float] = []
             self.step_syncs: list[int] = []
-            self._last = (time.monotonic(), syncs() if syncs else 0)
+            self._last = (time.monotonic(), window.count() if window else 0)
         self._submit_due()
 
     @property
@@ -141,14 +151,14 @@ class Round:
         with self._lock:
             self.steps += 1
             self.forward_s += seconds
-            if self._syncs is not None:
-                now, count = time.monotonic(), self._syncs()
+            window, steps = self._window, self.steps
+            if window is not None:
+                now, count = time.monotonic(), window.count()
                 self.step_walls.append(now - self._last[0])
                 self.step_syncs.append(count - self._last[1])
                 self._last = (now, count)
-            window_steps, end_window = self._window
-        if window_steps is not None and self.steps == window_steps:
-            end_window()  # the rest of the round runs at full speed
+        if window is not None and steps == window.steps:
+            window.end()  # the rest of the round runs at full speed
         self._submit_due()
 
     def on_preempted(self, request_id: str) -> None:
@@ -164,11 +174,8 @@ class Round:
 
 
 def run_round(engine: DiffusionEngine, tally: Round, arrivals: list[Arrival],
-              timeout_s: float, syncs: Callable[[], int] | None = None,
-              window_steps: int | None = None,
-              end_window: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """Submit ``arrivals`` as the round's steps come; wait for every request to end.
-    ``end_window`` is called after the round's ``window_steps``-th denoise step."""
+              timeout_s: float, window: SyncWindow | None = None) -> dict[str, Any]:
+    """Submit ``arrivals`` as the round's steps come; wait for every request to end."""
     handles: list[RequestHandle] = []
     failed: list[str] = []
     lock = threading.Lock()
@@ -184,7 +191,7 @@ def run_round(engine: DiffusionEngine, tally: Round, arrivals: list[Arrival],
                 failed.append(f"{arrival}: refused: {type(e).__name__}: {e}")
 
     started = time.monotonic()
-    tally.begin(arrivals, submit, syncs, window_steps, end_window)
+    tally.begin(arrivals, submit, window)
     while True:
         with lock:
             futures = [h.future for h in handles]
@@ -240,6 +247,7 @@ def measure(args: argparse.Namespace, model: str, policy: str,
             run_round(engine, tally, arrivals, args.timeout)
         if cuda:
             torch.cuda.synchronize()  # the warm-up's own work is not the window's
+
         def end_window() -> None:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
@@ -249,7 +257,7 @@ def measure(args: argparse.Namespace, model: str, policy: str,
                 torch.cuda.set_sync_debug_mode("warn")
             try:
                 window = run_round(engine, tally, arrivals, args.timeout,
-                                   lambda: capture.count, args.sync_steps, end_window)
+                                   SyncWindow(lambda: capture.count, args.sync_steps, end_window))
             finally:
                 end_window()
     finally:

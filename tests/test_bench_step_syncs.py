@@ -41,8 +41,8 @@ def test_the_round_ends_the_sync_window_once_after_its_steps() -> None:
     ended: list[int] = []
     syncs = iter([0, 5, 9, 9, 9])  # the capture's count at begin and after each step
     tally = bench.Round()
-    tally.begin([], lambda arrival: None, lambda: next(syncs), 2,
-                lambda: ended.append(tally.steps))
+    tally.begin([], lambda arrival: None,
+                bench.SyncWindow(lambda: next(syncs), 2, lambda: ended.append(tally.steps)))
     for _ in range(4):
         tally.on_step(requests=1, rows=1, seconds=0.01)
     assert ended == [2]

@@ -13,11 +13,12 @@ dtype, offload and sequence parallelism, the torch version and the device (the G
 and the compiled blocks' structure (``block_structure``). A process whose key differs never
 loads another's artifacts.
 
-Inductor's own caches are content-addressed, so foreign artifacts would only miss; the
-structure is for what is not: torch's caching precompile puts Dynamo's traced code into the
-artifacts and drops the guards it cannot serialize (on the attention processor, the attention
-backend, module identities), so such code may only be reused where the blocks' module classes,
-processors and attention backend are the same. The engine turns that precompile off today
+The structure keeps replicas that trace different graphs from the same checkpoint apart
+(FP8, GGUF or packed linears, LoRA wrappers, another attention processor or backend): under one
+key the first one's artifacts would be published and every other one would miss them and
+compile in full. It is also what torch's caching precompile would need, which puts Dynamo's
+traced code into the artifacts and drops the guards it cannot serialize (on these very
+things); the engine turns that precompile off today
 (``compiled_blocks.turn_off_caching_precompile``: a second replica's warm-up fails with it).
 
 Engine pods mount the cache read-only: they read artifacts from the mount and hand new ones
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ditserve.cachectl.compiled import compiled_path, publish_compiled
+from ditserve.engine.runner.compiled_blocks import repeated_blocks
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +83,9 @@ def block_structure(model: torch.nn.Module) -> str:
     first block of each repeated class, every submodule's class, each attention processor's
     class, and diffusers' active attention backend. LoRA wrappers, packed, FP8 or GGUF linears
     and other processors all change it."""
-    names = set(getattr(model, "_repeated_blocks", None) or ())
     firsts: dict[str, torch.nn.Module] = {}
-    for module in model.modules():
-        if type(module).__name__ in names:
-            firsts.setdefault(type(module).__name__, module)
+    for block in repeated_blocks(model):
+        firsts.setdefault(type(block).__name__, block)
     doc: dict[str, object] = {"backend": attention_backend()}
     for name, block in sorted(firsts.items()):
         doc[name] = [[path, _qualname(type(sub)),

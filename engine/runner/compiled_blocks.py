@@ -57,29 +57,30 @@ def require_toolchain(backend: str, device: torch.device) -> None:
     )
 
 
-def compile_repeated_blocks(model: nn.Module, backend: str) -> int:
-    """Compile the forward of every block listed in the model's ``_repeated_blocks``.
-
-    ``_repeated_blocks`` is diffusers' declaration of a model's repeated block classes (Flux:
-    its double- and single-stream blocks). Returns how many blocks were compiled.
-    """
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """Every block of a class the model lists in ``_repeated_blocks`` (diffusers' declaration
+    of its repeated block classes; Flux: its double- and single-stream blocks), in module
+    order; empty when it declares none."""
     names = set(getattr(model, "_repeated_blocks", None) or ())
-    if not names:
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def compile_repeated_blocks(model: nn.Module, backend: str) -> int:
+    """Compile the forward of every block of ``repeated_blocks``; how many were compiled."""
+    blocks = repeated_blocks(model)
+    if not blocks:
         raise ConfigError(
             f"--compile: {type(model).__name__} does not declare its repeated blocks "
             "(diffusers' _repeated_blocks); run it without --compile"
         )
     turn_off_caching_precompile()
-    compiled = 0
-    for module in model.modules():
-        if type(module).__name__ in names:
-            # An instance attribute shadows the class's forward; Module.__call__ (and with it
-            # every hook) stays eager.
-            module.forward = torch.compile(module.forward, backend=backend)  # type: ignore[method-assign]
-            compiled += 1
+    for block in blocks:
+        # An instance attribute shadows the class's forward; Module.__call__ (and with it
+        # every hook) stays eager.
+        block.forward = torch.compile(block.forward, backend=backend)  # type: ignore[method-assign]
     log.info("compiling %d repeated blocks (%s) with the %s backend on first use",
-             compiled, ", ".join(sorted(names)), backend)
-    return compiled
+             len(blocks), ", ".join(sorted({type(b).__name__ for b in blocks})), backend)
+    return len(blocks)
 
 
 def turn_off_caching_precompile() -> None:
