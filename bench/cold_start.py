@@ -9,8 +9,9 @@ The floor is what no start can beat: reading every file of the model directory o
 here first (from the page cache when the model is warm there: run the bench twice, or ``cat``
 the model to /dev/null first, as the targets assume). With ``--image-check``, each started
 server then makes one image (fixed prompt, seed and size, a few steps) and the table compares
-it with the first variant's, pixel by pixel: issue 50 asks that a replica started from compiled
-artifacts serves the same images. Variants:
+it with the first variant's and with the start before it, pixel by pixel (the JSON keeps each
+image's digest): issue 50 asks that a replica started from compiled artifacts serves the same
+images as the replica that compiled them. Variants:
 
     dlo         --offload dlo
     resident    --offload none
@@ -108,12 +109,15 @@ def pixels_digest(image: np.ndarray) -> str:
 
 
 def compare_images(rows: list[tuple[str, dict[str, Any]]]) -> None:
-    """Each row's image replaced by its verdict against the first row's image."""
+    """Each row's image replaced by its verdict against the first row's image; each row after
+    the first also gets ``image_vs_previous``, its verdict against the row before it (so
+    ``compile-2nd`` is compared with ``compile``, not only with the uncompiled start)."""
     made = [r for _, r in rows if "image" in r]
-    if made:
-        reference = made[0]["image"]
-        for r in made:
-            r["image"] = image_verdict(r["image"], reference)
+    images = [r["image"] for r in made]
+    for i, r in enumerate(made):
+        r["image"] = image_verdict(images[i], images[0])
+        if i:
+            r["image_vs_previous"] = image_verdict(images[i], images[i - 1])
 
 
 def image_cell(verdict: dict[str, Any] | None) -> str:
@@ -128,13 +132,14 @@ def table(rows: list[tuple[str, dict[str, Any]]], floor: dict[str, float]) -> st
     shown = [p for p in PHASES if any(p in r["phases"] for _, r in rows)]
     checked = any("image" in r for _, r in rows)
     head = ["variant", "ready", *shown, "floor", "ready/floor",
-            *(["image vs first"] if checked else [])]
+            *(["image vs first", "vs previous"] if checked else [])]
     body = []
     for name, r in rows:
         body.append([name, f"{r['ready_s']:.2f}",
                      *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in shown),
                      f"{floor['seconds']:.2f}", f"{r['ready_s'] / floor['seconds']:.1f}x",
-                     *([image_cell(r.get("image"))] if checked else [])])
+                     *([image_cell(r.get("image")), image_cell(r.get("image_vs_previous"))]
+                       if checked else [])])
     return "\n".join(harness.md_table(head, body))
 
 

@@ -99,11 +99,14 @@ def workload(requests: int, urgent: int, sizes: Sequence[str], urgent_size: str,
 class SyncWindow:
     """The measured round's watch: ``count`` reads the synchronizing calls recorded so far;
     ``end`` (sync-debug mode off) is called after the round's ``steps``-th denoise step, or
-    never when ``steps`` is None."""
+    never when ``steps`` is None; ``state`` says what the mode is now and ``handler_s`` the
+    seconds spent recording so far, for the line printed as each step ends."""
 
     count: Callable[[], int]
     steps: int | None = None
     end: Callable[[], None] = lambda: None
+    state: Callable[[], str] = lambda: "-"
+    handler_s: Callable[[], float] = lambda: 0.0
 
 
 class Round:
@@ -157,8 +160,17 @@ class Round:
                 self.step_walls.append(now - self._last[0])
                 self.step_syncs.append(count - self._last[1])
                 self._last = (now, count)
-        if window is not None and steps == window.steps:
-            window.end()  # the rest of the round runs at full speed
+        if window is not None:
+            # As each step ends, not only in the table: on 2026-12-07 a run cut short by its
+            # call's limit showed 33 s steps after the window should have closed, and
+            # nothing of its own to say whether the mode was still on.
+            print(f"  step {steps}: wall {self.step_walls[-1]:.2f} s, "
+                  f"{self.step_syncs[-1]} synchronizing calls, recording {window.handler_s():.2f}"
+                  f" s so far, sync-debug mode {window.state()}", file=sys.stderr, flush=True)
+            if steps == window.steps:
+                window.end()  # the rest of the round runs at full speed
+                print(f"  sync window closed after step {steps}: sync-debug mode "
+                      f"{window.state()}", file=sys.stderr, flush=True)
         self._submit_due()
 
     def on_preempted(self, request_id: str) -> None:
@@ -252,12 +264,16 @@ def measure(args: argparse.Namespace, model: str, policy: str,
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
 
+        def sync_mode() -> str:  # torch reports 0 (default), 1 (warn) or 2 (error)
+            return str(torch.cuda.get_sync_debug_mode()) if cuda else "off (dry run)"
+
         with SyncCapture() as capture:
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
                 window = run_round(engine, tally, arrivals, args.timeout,
-                                   SyncWindow(lambda: capture.count, args.sync_steps, end_window))
+                                   SyncWindow(lambda: capture.count, args.sync_steps, end_window,
+                                              sync_mode, lambda: capture.handler_s))
             finally:
                 end_window()
     finally:

@@ -47,9 +47,14 @@ def test_each_image_is_compared_with_the_first_variants() -> None:
     assert verdicts[2]["max_diff"] == 3 and verdicts[3]["max_diff"] is None
     assert verdicts[0]["sha256"] == verdicts[1]["sha256"] != verdicts[2]["sha256"]
     lines = bench.table(rows, {"seconds": 4.0}).splitlines()
-    assert lines[0].endswith("| ready/floor | image vs first |")
-    assert [line.rsplit("|", 2)[1].strip() for line in lines[2:]] == [
+    assert lines[0].endswith("| ready/floor | image vs first | vs previous |")
+    assert [line.split("|")[-3].strip() for line in lines[2:]] == [
         "same", "same", "max diff 3", "other size"]
+    # Each start after the first against the one before it: compile-2nd against compile.
+    assert [line.split("|")[-2].strip() for line in lines[2:]] == [
+        "-", "same", "max diff 3", "other size"]
+    assert "image_vs_previous" not in rows[0][1]
+    assert rows[1][1]["image_vs_previous"]["same"] is True
 
 
 def test_a_cpu_start_makes_its_image_and_reports_it(tmp_path: Path) -> None:

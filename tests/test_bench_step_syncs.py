@@ -36,17 +36,28 @@ def test_the_dry_run_pauses_and_resumes_low_priority_rows_for_urgent_ones(
     assert all(w > 0 for w in run["step_walls_s"]) and set(run["step_syncs"]) == {0}
 
 
-def test_the_round_ends_the_sync_window_once_after_its_steps() -> None:
+def test_the_round_ends_the_sync_window_once_after_its_steps(
+        capsys: pytest.CaptureFixture[str]) -> None:
     bench = load("step_syncs")
     ended: list[int] = []
     syncs = iter([0, 5, 9, 9, 9])  # the capture's count at begin and after each step
     tally = bench.Round()
     tally.begin([], lambda arrival: None,
-                bench.SyncWindow(lambda: next(syncs), 2, lambda: ended.append(tally.steps)))
+                bench.SyncWindow(lambda: next(syncs), 2, lambda: ended.append(tally.steps),
+                                 lambda: "on" if not ended else "off", lambda: 0.25))
     for _ in range(4):
         tally.on_step(requests=1, rows=1, seconds=0.01)
     assert ended == [2]
     assert tally.step_syncs == [5, 4, 0, 0] and len(tally.step_walls) == 4
+    # Each step says, as it ends, its calls and the mode; the window's close is a line too,
+    # with the mode read after turning it off (a run cut short still tells whether it was).
+    lines = [line.strip() for line in capsys.readouterr().err.splitlines()]
+    assert len(lines) == 5
+    assert lines[0].startswith("step 1: wall ")
+    assert lines[0].endswith("5 synchronizing calls, recording 0.25 s so far, sync-debug mode on")
+    assert lines[1].endswith("4 synchronizing calls, recording 0.25 s so far, sync-debug mode on")
+    assert lines[2] == "sync window closed after step 2: sync-debug mode off"
+    assert lines[4].startswith("step 4: ") and lines[4].endswith("sync-debug mode off")
 
 
 def test_the_workload_sends_urgent_requests_while_low_priority_ones_run() -> None:

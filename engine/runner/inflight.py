@@ -9,17 +9,25 @@ behind the one the GPU is running: after queueing step N it waits for step N-1's
 
 A step's decodes are copied to pinned host memory without a sync and handed back once that
 step's fence has passed: one step later on CUDA, at once on the CPU (nothing is queued there).
-Each forward is timed with CUDA events, so the reported step time is GPU time.
+Each forward is timed with CUDA events, so the reported step time is GPU time. So are the
+step's other parts (``timed_part``: the admitted prompts' encode, the finished requests'
+decode), with the host's time queuing them beside: at DEBUG, each completed step logs them, so
+time between forwards can be named (issue 47's priority run lost 0.3-1.9 s at a time there).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,11 +44,30 @@ class CompletedStep:
 
 
 @dataclass
+class StepPart:
+    """A part of a step besides its forward: what, for how many requests, its GPU time (CUDA
+    events; wall time on the CPU) and the host's time queuing it."""
+
+    name: str
+    count: int
+    host_s: float
+    timers: tuple[Any, Any] | None = None
+    seconds: float = 0.0
+
+    def finish(self) -> str:
+        if self.timers is not None:
+            self.seconds = self.timers[0].elapsed_time(self.timers[1]) / 1000.0
+        return (f"{self.name} {self.count} in {1e3 * self.seconds:.1f} ms "
+                f"(host {1e3 * self.host_s:.1f} ms)")
+
+
+@dataclass
 class _QueuedStep:
     result: CompletedStep = field(default_factory=CompletedStep)
     timers: tuple[Any, Any] | None = None  # CUDA (start, end) events of the forward
     fence: Any = None  # CUDA event recorded after everything the step queued
     queued_work: bool = False
+    parts: list[StepPart] = field(default_factory=list)
 
 
 class InFlightSteps:
@@ -82,6 +109,26 @@ class InFlightSteps:
             step.result.seconds = time.perf_counter() - self._forward_start
         self._forward_start = None
 
+    @contextlib.contextmanager
+    def timed_part(self, name: str, count: int) -> Iterator[None]:
+        """Time the body as a part of the open step (``count`` requests); nothing when 0.
+        Only where DEBUG logging is on: recording events costs a little every step."""
+        if not count or not log.isEnabledFor(logging.DEBUG):
+            yield
+            return
+        timers = None
+        if self._cuda:
+            stream = torch.cuda.current_stream(self._device)
+            timers = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timers[0].record(stream)
+        started = time.perf_counter()
+        yield
+        host_s = time.perf_counter() - started
+        if timers is not None:
+            timers[1].record(stream)
+        # On the CPU nothing is queued: the host's time is the part's time.
+        self._open.parts.append(StepPart(name, count, host_s, timers, host_s))
+
     def work_queued(self) -> None:
         """The open step queued GPU work that is not a forward (a collective-only pass)."""
         self._open.queued_work = True
@@ -122,5 +169,8 @@ class InFlightSteps:
             if done.timers is not None:
                 start, end = done.timers
                 done.result.seconds = start.elapsed_time(end) / 1000.0
+            if done.parts:
+                log.debug("step parts besides the forward: %s",
+                          ", ".join(part.finish() for part in done.parts))
             completed.append(done.result)
         return completed

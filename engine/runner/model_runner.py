@@ -1,14 +1,13 @@
 """ModelRunner: executes StepPlans on one device; owns the pipeline and per-request tensors.
 
-Called only from the engine's step loop. One ``execute(plan)`` encodes the newly admitted
-requests, runs the plan's batch through the denoise forwards - one per shape group, block-major
-under layerwise offload (``group_forwards``) - applies each request's own sampler step, and
-decodes the requests that just finished. On CUDA all of it is queued, and
-``execute`` returns once the *previous* step has finished (``InFlightSteps``), so the GPU
-always has the next step while the host prepares the one after; decoded pixels and forward
-times are therefore reported one call late there. Failures are isolated: a request that fails
-to encode or decode fails alone; if a group's forward fails, each of its requests is retried
-alone so only the culprit fails (the other groups' results stand).
+Called only from the engine's step loop. One ``execute(plan)`` encodes the newly admitted requests,
+runs the plan's batch through the denoise forwards - one per shape group, block-major under
+layerwise offload (``group_forwards``) - applies each request's own sampler step, and decodes the
+requests that just finished. On CUDA all of it is queued, and ``execute`` returns once the
+*previous* step has finished (``InFlightSteps``), so the GPU always has the next step while the
+host prepares the one after (decoded pixels and step times come one call late). Failures are
+isolated: a request that fails to encode or decode fails alone; if a group's forward fails, each of
+its requests is retried alone so only the culprit fails (the other groups' results stand).
 
 With sequence parallelism (``sequence_group``) the DiT's forward runs on this process's share
 of the tokens (``engine.parallel``): every process of the SP group executes the same plans,
@@ -219,7 +218,8 @@ class ModelRunner:
         self._encode_conditions(plan.encode)
         encoding = [rid for rid in plan.encode if rid not in out.failed]
         # The admitted requests' prompts in one encoder pass (cache misses; the next ones' too).
-        with self.whole.encoding([self._states[r] for r in encoding if r in self._states], upcoming):
+        with self._inflight.timed_part("encode", len(encoding)), self.whole.encoding(
+                [self._states[r] for r in encoding if r in self._states], upcoming):
             for rid in encoding:
                 self._guarded(out, rid, "encode", self.pipeline.prepare_encode)
         batch = [self._states[rid] for rid in plan.denoise if rid not in out.failed]
@@ -271,7 +271,8 @@ class ModelRunner:
         missing = [rid for rid in rids if rid not in self._states]
         out.failed.update({rid: "decode: request state missing" for rid in missing})
         states = [self._states[rid] for rid in rids if rid not in missing]
-        failed = self.whole.decode(states) if states else {}
+        with self._inflight.timed_part("decode", len(states)):
+            failed = self.whole.decode(states) if states else {}
         out.failed.update(failed)
         for state in states:
             if state.request_id not in failed:

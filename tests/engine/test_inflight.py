@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -77,3 +79,43 @@ def test_on_a_gpu_a_collective_only_pass_keeps_the_host_one_step_ahead(
     assert steps.close() == []
     steps.work_queued()
     assert len(steps.close()) == 1 and steps.num_queued == 1
+
+
+def test_at_debug_a_completed_step_logs_its_encode_and_decode_times(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Time between forwards is named: each completed step's encode and decode, GPU time by
+    its events and the host's queuing time, logged when the step completes (one close later)."""
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    steps = InFlightSteps(torch.device("cuda", 0))
+    with caplog.at_level(logging.DEBUG, logger="ditserve.engine.runner.inflight"):
+        with steps.timed_part("encode", 3):
+            pass
+        steps.forward_started()
+        steps.forward_ended(requests=3, rows=3)
+        with steps.timed_part("decode", 0):  # nothing decoded: no part
+            pass
+        assert steps.close() == [] and not caplog.records  # still queued
+        steps.forward_started()
+        steps.forward_ended(requests=3, rows=3)
+        steps.close()
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith("step parts besides the forward: encode 3 in 250.0 ms (host ")
+    assert "decode" not in message
+
+
+def test_parts_are_timed_only_where_debug_logging_is_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    steps = InFlightSteps(torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="ditserve.engine.runner.inflight"):
+        with steps.timed_part("decode", 2):
+            pass
+        steps.close()
+    assert not caplog.records
+    with caplog.at_level(logging.DEBUG, logger="ditserve.engine.runner.inflight"):
+        with steps.timed_part("decode", 2):
+            pass
+        steps.close()  # on the CPU a step completes at once; the host's time is its time
+    (record,) = caplog.records
+    assert record.getMessage().startswith("step parts besides the forward: decode 2 in ")
