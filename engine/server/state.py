@@ -38,6 +38,7 @@ from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.fields.step_cache import step_cache_policies
 from ditserve.engine.server.fields.uploads import UploadLimits
+from ditserve.engine.server.heap import GcPauses, freeze_startup_heap, thaw_heap
 from ditserve.engine.server.jobs.backend import JobBackend
 from ditserve.engine.server.jobs.files import VideoFiles
 from ditserve.engine.server.jobs.results import ResultStore
@@ -68,6 +69,7 @@ class ServerState:
     on_start_failed: Callable[[BaseException], None] | None = None
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _stopped: bool = False
+    _gc_pauses: GcPauses = field(default_factory=GcPauses)
 
     @classmethod
     def build(cls, engine: EngineClient, config: ServerConfig, *, metrics: ServingMetrics | None = None,
@@ -154,8 +156,10 @@ class ServerState:
     def start_engine(self) -> None:
         """Blocking; run in a thread. A failure is recorded and reported, never raised."""
         try:
+            self._gc_pauses.install()
             self.engine.start()  # a failure leaves the engine FAILED, with the reason
             log.info("engine ready: serving %s", self.model_name)
+            freeze_startup_heap()  # collections skip startup's objects from now on (heap)
         except BaseException as e:
             if isinstance(e, (ConfigError, ModelLoadError, AdapterError)):
                 # An operator's mistake whose message says how to fix it: the clear line
@@ -186,6 +190,8 @@ class ServerState:
         self.engine.shutdown(grace_seconds)
         if self.videos is not None:
             self.videos.close()  # after the engine: its aborts fail the unfinished jobs
+        self._gc_pauses.remove()
+        thaw_heap()
         log.info("engine stopped")
 
 
