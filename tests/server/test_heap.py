@@ -25,7 +25,9 @@ def test_freezing_moves_the_live_heap_out_of_collections_and_thawing_gives_it_ba
         thawed: None) -> None:
     assert gc.get_freeze_count() == 0
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() > 1000  # torch and the test's own modules at least
+    # torch and the test's own modules at least (threads of earlier tests may free a few
+    # frozen objects meanwhile: the count only falls)
+    assert frozen >= gc.get_freeze_count() > 1000
     thaw_heap()
     assert gc.get_freeze_count() == 0
 
