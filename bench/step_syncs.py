@@ -23,6 +23,10 @@ ditserve-only stack:
 
     python3 bench/step_syncs.py --model DIR --serve-args "--dtype bfloat16" --out syncs.json
 
+``--sync-steps N`` keeps the mode on for the round's first N steps only; ``--no-stacks`` counts
+the calls per step without walking their stacks (no sites table), which tells torch's own cost
+of warning from the recording's. Each measured step prints a line as it ends.
+
 Without ``--model`` it builds the tiny random-weight model of ``--family`` (``ditserve model
 init-tiny``) in a temporary directory. ``--dry-run`` runs the same workload on the CPU without
 the sync mode (it checks the workload, not the syncs). Sync debug mode reports stream syncs and
@@ -267,7 +271,7 @@ def measure(args: argparse.Namespace, model: str, policy: str,
         def sync_mode() -> str:  # torch reports 0 (default), 1 (warn) or 2 (error)
             return str(torch.cuda.get_sync_debug_mode()) if cuda else "off (dry run)"
 
-        with SyncCapture() as capture:
+        with SyncCapture(stacks=not args.no_stacks) as capture:
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -279,7 +283,9 @@ def measure(args: argparse.Namespace, model: str, policy: str,
     finally:
         engine.shutdown()
     window["sync_steps"] = min(window["steps"], args.sync_steps or window["steps"])
-    window["sites"] = group_sites(capture.records, package_roots(), window["sync_steps"])
+    window["stacks"] = capture.stacks
+    window["sites"] = group_sites(capture.records, package_roots(), window["sync_steps"]) \
+        if capture.stacks else []
     window["syncs"] = len(capture.records)
     window["capture_intact"] = capture.intact
     window["handler_s"] = capture.handler_s
@@ -304,6 +310,9 @@ def print_run(policy: str, run: dict[str, Any], dry_run: bool) -> None:
         print("  note: the warning handler was replaced during the window; counts may be short")
     if dry_run:
         print("  (dry run: sync debug mode off, nothing captured)")
+        return
+    if not run.get("stacks", True):
+        print("  (--no-stacks: calls counted, no stack walked, no sites)")
         return
     if not run["sites"]:
         print("  no synchronizing call in the window")
@@ -340,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-steps", type=int, default=None,
                    help="run only the measured round's first N denoise steps under sync-debug "
                    "mode (default: all; the mode can slow a step by seconds)")
+    p.add_argument("--no-stacks", action="store_true",
+                   help="count the synchronizing calls per step without walking their stacks "
+                   "(no sites table): tells torch's cost of warning from the recording's")
     p.add_argument("--serve-args", default="", help="more `ditserve serve` engine flags")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a round may take")
     p.add_argument("--dry-run", action="store_true",

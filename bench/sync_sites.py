@@ -43,7 +43,10 @@ class SyncCapture:
     raised it (the warnings module calls ``showwarning`` in that thread); other warnings go
     on to the handler that was installed before."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, stacks: bool = True) -> None:
+        """stacks=False: count the warnings per thread and walk no stack (their records
+        have no frames), to tell torch's own cost of warning from this handler's."""
+        self.stacks = stacks
         self.records: list[SyncRecord] = []
         self.intact = True  # False: something replaced the handler while it was entered
         # Seconds spent in this handler: under sync-debug mode full-size steps took 23-36 s
@@ -73,6 +76,11 @@ class SyncCapture:
             self._previous(message, category, filename, lineno, file, line)
             return
         started = time.perf_counter()
+        if not self.stacks:
+            with self._lock:
+                self.records.append(SyncRecord(threading.current_thread().name, ()))
+                self.handler_s += time.perf_counter() - started
+            return
         # A step can warn thousands of times; reading source lines for each one made steps
         # take seconds (2026-12-06, H100). Key each stack by its raw frames (no line text) and
         # build the Frame tuple, with text, once per distinct stack.

@@ -126,3 +126,32 @@ def test_the_capture_records_the_stack_of_the_thread_that_warned() -> None:
 def test_without_cuda_it_exits_2_unless_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert load("step_syncs").main(["--policy", "fcfs"]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_without_stacks_the_capture_counts_each_thread_and_walks_no_stack(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--no-stacks: the recording's cost leaves the step, so a slow step under sync-debug
+    mode is torch's own warning path."""
+    bench = load("step_syncs")
+    sync_sites = load("sync_sites")
+    message = f"Warning: {sync_sites.SYNC_MESSAGE}"
+    with sync_sites.SyncCapture(stacks=False) as capture:
+        for _ in range(3):
+            warnings.warn(message, UserWarning, stacklevel=1)
+        worker = threading.Thread(target=warnings.warn, args=(message, UserWarning),
+                                  name="loop")
+        worker.start()
+        worker.join()
+    assert capture.count == 4
+    assert [r.thread for r in capture.records] == ["MainThread"] * 3 + ["loop"]
+    assert all(r.frames == () for r in capture.records)
+    run = {"sync_steps": 1, "steps": 1, "wall_s": 1.0, "forward_s": 0.5,
+           "outside_forwards_s": 0.5, "pauses": 0, "resumes": 0,
+           "finished": {"low": 1, "high": 0}, "requests": 1, "syncs": 4, "failed": [],
+           "step_walls_s": [1.0], "step_syncs": [4], "capture_intact": True,
+           "handler_s": capture.handler_s, "stacks": False, "sites": []}
+    bench.print_run("priority", run, dry_run=False)
+    out = capsys.readouterr().out
+    assert "4 synchronizing calls" in out
+    assert "(--no-stacks: calls counted, no stack walked, no sites)" in out
+    assert "no synchronizing call in the window" not in out
