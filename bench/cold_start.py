@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import httpx
 import numpy as np
 from job_processes import answers, free_port, running, wait_until
 from PIL import Image
@@ -85,8 +86,6 @@ def start_once(args: argparse.Namespace, flags: list[str], env: dict[str, str],
 
 def make_image(url: str, size: str, timeout_s: float) -> np.ndarray:
     """One image from the server: the same prompt, seed, size and steps for every variant."""
-    import httpx  # as the other benches that start servers
-
     response = httpx.post(f"{url}/v1/images/generations", timeout=timeout_s, json={
         "prompt": "a lighthouse on a cliff at dawn", "size": size, "seed": 7,
         "num_inference_steps": 4, "response_format": "b64_json"})

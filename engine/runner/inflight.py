@@ -43,28 +43,52 @@ class CompletedStep:
     seconds: float = 0.0
 
 
+class Span:
+    """A stretch of the open step's queued work, timed as the rest of the step is: between two
+    CUDA events on the current stream on a GPU (read once the step has completed), by the wall
+    clock on the CPU (where nothing is queued)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream: Any = None
+        self._events: tuple[Any, Any] | None = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.current_stream(device)
+            self._events = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+            self._events[0].record(self._stream)
+        self._started = time.perf_counter()
+        self.host_s = 0.0  # the host's time queuing it (set by ``end``)
+
+    def end(self) -> Span:
+        self.host_s = time.perf_counter() - self._started
+        if self._events is not None:
+            self._events[1].record(self._stream)
+        return self
+
+    def seconds(self) -> float:
+        """GPU seconds; call once the step has completed (its fence passed)."""
+        if self._events is None:
+            return self.host_s
+        return float(self._events[0].elapsed_time(self._events[1])) / 1000.0
+
+
 @dataclass
 class StepPart:
-    """A part of a step besides its forward: what, for how many requests, its GPU time (CUDA
-    events; wall time on the CPU) and the host's time queuing it."""
+    """A part of a step besides its forward: what, for how many requests, and its span."""
 
     name: str
     count: int
-    host_s: float
-    timers: tuple[Any, Any] | None = None
-    seconds: float = 0.0
+    span: Span
 
-    def finish(self) -> str:
-        if self.timers is not None:
-            self.seconds = self.timers[0].elapsed_time(self.timers[1]) / 1000.0
-        return (f"{self.name} {self.count} in {1e3 * self.seconds:.1f} ms "
-                f"(host {1e3 * self.host_s:.1f} ms)")
+    def describe(self) -> str:
+        return (f"{self.name} {self.count} in {1e3 * self.span.seconds():.1f} ms "
+                f"(host {1e3 * self.span.host_s:.1f} ms)")
 
 
 @dataclass
 class _QueuedStep:
     result: CompletedStep = field(default_factory=CompletedStep)
-    timers: tuple[Any, Any] | None = None  # CUDA (start, end) events of the forward
+    forward: Span | None = None  # the step's forwards, queued
     fence: Any = None  # CUDA event recorded after everything the step queued
     queued_work: bool = False
     parts: list[StepPart] = field(default_factory=list)
@@ -78,7 +102,7 @@ class InFlightSteps:
         self._cuda = device.type == "cuda"
         self._open = _QueuedStep()
         self._queued: deque[_QueuedStep] = deque()
-        self._forward_start: Any = None
+        self._forward: Span | None = None
 
     @property
     def num_queued(self) -> int:
@@ -88,11 +112,7 @@ class InFlightSteps:
     # -- building the open step -----------------------------------------------------------------
     def forward_started(self) -> None:
         self._open.queued_work = True
-        if self._cuda:
-            self._forward_start = torch.cuda.Event(enable_timing=True)
-            self._forward_start.record(torch.cuda.current_stream(self._device))
-        else:
-            self._forward_start = time.perf_counter()
+        self._forward = Span(self._device)
 
     def forward_ended(self, *, requests: int, rows: int, groups: int = 1,
                       tokens: int = 0) -> None:
@@ -101,13 +121,8 @@ class InFlightSteps:
         step = self._open
         step.result.requests, step.result.rows = requests, rows
         step.result.groups, step.result.tokens = groups, tokens
-        if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(torch.cuda.current_stream(self._device))
-            step.timers = (self._forward_start, end)
-        else:
-            step.result.seconds = time.perf_counter() - self._forward_start
-        self._forward_start = None
+        assert self._forward is not None, "forward_ended without forward_started"
+        step.forward, self._forward = self._forward.end(), None
 
     @contextlib.contextmanager
     def timed_part(self, name: str, count: int) -> Iterator[None]:
@@ -116,18 +131,9 @@ class InFlightSteps:
         if not count or not log.isEnabledFor(logging.DEBUG):
             yield
             return
-        timers = None
-        if self._cuda:
-            stream = torch.cuda.current_stream(self._device)
-            timers = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            timers[0].record(stream)
-        started = time.perf_counter()
+        span = Span(self._device)
         yield
-        host_s = time.perf_counter() - started
-        if timers is not None:
-            timers[1].record(stream)
-        # On the CPU nothing is queued: the host's time is the part's time.
-        self._open.parts.append(StepPart(name, count, host_s, timers, host_s))
+        self._open.parts.append(StepPart(name, count, span.end()))
 
     def work_queued(self) -> None:
         """The open step queued GPU work that is not a forward (a collective-only pass)."""
@@ -166,11 +172,10 @@ class InFlightSteps:
             done = self._queued.popleft()
             if done.fence is not None:
                 done.fence.synchronize()  # releases the GIL
-            if done.timers is not None:
-                start, end = done.timers
-                done.result.seconds = start.elapsed_time(end) / 1000.0
+            if done.forward is not None:
+                done.result.seconds = done.forward.seconds()
             if done.parts:
                 log.debug("step parts besides the forward: %s",
-                          ", ".join(part.finish() for part in done.parts))
+                          ", ".join(part.describe() for part in done.parts))
             completed.append(done.result)
         return completed

@@ -13,9 +13,10 @@ that collections skip; objects made while serving are collected as before. The s
 on stop, so a process that starts engines one after another (the test suite, a notebook) does
 not keep the stopped ones' cycles for ever.
 
-``GcPauses`` times every collection (``gc.callbacks``) and logs those over 20 ms at DEBUG
-(``ditserve -v serve``), beside the step log's lines, so a gap between forwards can be told
-apart from a collection.
+``GcPauses`` times every collection (``gc.callbacks``): totals per generation on ``/metrics``
+(``ditserve:gc_pause_seconds``, ``ditserve:gc_collections``), and those over 20 ms logged at
+DEBUG (``ditserve -v serve``) beside the step log's lines, so a gap between forwards can be
+told apart from a collection.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class GcPauses:
         self._started = threading.local()  # a collection runs in the thread that set it off
         self.seconds = [0.0, 0.0, 0.0]
         self.collections = [0, 0, 0]
+
+    def totals(self) -> tuple[list[float], list[int]]:
+        """Seconds and passes per generation so far (``/metrics``: ``ditserve:gc_*``)."""
+        return list(self.seconds), list(self.collections)
 
     def install(self) -> GcPauses:
         gc.callbacks.append(self._on_collection)

@@ -13,7 +13,7 @@ time (``track_videos``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -41,6 +41,24 @@ ERROR_REASONS = ("invalid_request", "model_not_found", "not_found", "method_not_
                  "unauthorized", "payload_too_large", "queue_full", "store_full",
                  "unavailable", "timeout", "client_disconnect", "engine_error", "internal",
                  "deadline")
+
+
+class _GcCollector(Collector):
+    """The garbage collector's passes and seconds by generation (``server.heap.GcPauses``):
+    a full pass (generation 2) holds every thread, the step loop's too."""
+
+    def __init__(self, totals: Callable[[], tuple[Sequence[float], Sequence[int]]]) -> None:
+        self._totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        pause = CounterMetricFamily("ditserve:gc_pause_seconds", "Seconds in garbage "
+                                    "collection, by generation.", labels=["generation"])
+        count = CounterMetricFamily("ditserve:gc_collections", "Garbage collector passes, "
+                                    "by generation.", labels=["generation"])
+        for generation, (seconds, passes) in enumerate(zip(*self._totals(), strict=True)):
+            pause.add_metric([str(generation)], seconds)
+            count.add_metric([str(generation)], passes)
+        yield from (pause, count)
 
 
 class _VideoStoreCollector(Collector):
@@ -316,6 +334,9 @@ class ServingMetrics:
 
     def track_videos(self, usage: Callable[[], tuple[dict[str, int], int]]) -> None:
         self.registry.register(_VideoStoreCollector(usage))
+
+    def track_gc(self, totals: Callable[[], tuple[Sequence[float], Sequence[int]]]) -> None:
+        self.registry.register(_GcCollector(totals))
 
     # -- HTTP layer -------------------------------------------------------------------------
     def count_error(self, reason: str) -> None:

@@ -156,7 +156,7 @@ class ServerState:
     def start_engine(self) -> None:
         """Blocking; run in a thread. A failure is recorded and reported, never raised."""
         try:
-            self._gc_pauses.install()
+            self.metrics.track_gc(self._gc_pauses.install().totals)
             self.engine.start()  # a failure leaves the engine FAILED, with the reason
             log.info("engine ready: serving %s", self.model_name)
             freeze_startup_heap()  # collections skip startup's objects from now on (heap)

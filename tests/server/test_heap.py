@@ -8,6 +8,7 @@ import logging
 import re
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from server.conftest import ServerProcess
 
@@ -65,3 +66,26 @@ def test_a_ready_server_has_frozen_its_startup_heap(server: ServerProcess) -> No
     server.wait_ready()
     match = re.search(r"froze (\d+) objects of the startup heap", server.log_text())
     assert match is not None and int(match.group(1)) > 10_000, server.log_text()[-2000:]
+
+
+def test_totals_are_copies_of_the_counts_per_generation() -> None:
+    ticks = iter(float(i) for i in range(100))
+    pauses = GcPauses(clock=lambda: next(ticks)).install()
+    try:
+        gc.collect(1)
+    finally:
+        pauses.remove()
+    seconds, passes = pauses.totals()
+    assert (seconds, passes) == ([0.0, 1.0, 0.0], [0, 1, 0])
+    seconds[1] = 9.0  # the caller's copy
+    assert pauses.seconds[1] == 1.0
+
+
+def test_the_server_exports_its_collections_by_generation(server: ServerProcess,
+                                                          metric) -> None:  # type: ignore[no-untyped-def]
+    server.wait_ready()
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    # The freeze's own full collection ran after the collector was installed.
+    assert metric(text, 'ditserve:gc_collections_total{generation="2"}') >= 1
+    assert metric(text, 'ditserve:gc_pause_seconds_total{generation="2"}') > 0
+    assert metric(text, 'ditserve:gc_collections_total{generation="0"}') >= 0
