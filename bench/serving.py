@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     priority = _bench_module("serving_priority")
     priority.add_options(p)
     args = p.parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the server logs go beside it
     headers = {}
     if os.environ.get("DITSERVE_API_KEY"):
         headers["Authorization"] = f"Bearer {os.environ['DITSERVE_API_KEY']}"

@@ -12,6 +12,8 @@ At DEBUG (``ditserve -v serve``) it also logs every step, pause, resume and fini
 as it happens, each step with its forward time and the wall time since the step before: a
 window's summary says how much of it went outside the forwards, these lines say in which steps
 and next to which pauses, resumes and admissions (issue 47's priority run lost ~2 s there).
+Given a ``ThreadSamples``, a step that came more than ``STALL_S`` after the step before beyond
+its own forward also logs where every busy thread was sampled in between (``thread_samples``).
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ditserve.engine.loop.thread_samples import ThreadSamples
+
 log = logging.getLogger("ditserve.engine.steps")
 
 DEFAULT_INTERVAL_S = 10.0
+# Wall time between two steps beyond the later one's forward that is worth naming (DEBUG).
+STALL_S = 0.15
 
 
 class StepLog:
@@ -36,13 +42,16 @@ class StepLog:
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger = log,
         copy_rates: Callable[[], list[float | None]] | None = None,
+        samples: ThreadSamples | None = None,
     ) -> None:
         """copy_rates: each rank's recent H2D rate in GB/s (``copy_rates_of`` an offload
-        report), appended to the line when offload copies were timed."""
+        report), appended to the line when offload copies were timed. samples: where the
+        process's threads were (a stall's DEBUG line names them), sampled on the same clock."""
         self.interval_s = interval_s
         self._clock = clock
         self._log = logger
         self._copy_rates = copy_rates
+        self._samples = samples
         self._since: float | None = None  # start of the current window
         self._last: float | None = None  # the latest event
         self._last_step: float | None = None  # the latest step (the per-step DEBUG lines)
@@ -72,6 +81,11 @@ class StepLog:
             self._log.debug("step: %d requests / %d rows / %d shape groups / %d tokens, "
                             "forward %.1f ms, %s ms since the last step", requests, rows,
                             groups, tokens, 1e3 * seconds, since)
+            if (self._samples is not None and previous is not None
+                    and now - previous - seconds > STALL_S):
+                self._log.debug("between the last two steps, %.0f ms beyond the forward: %s",
+                                1e3 * (now - previous - seconds),
+                                self._samples.describe(previous, now))
 
     def on_finished(self, result: Any) -> None:
         self._roll()

@@ -34,6 +34,8 @@ from ditserve.engine.errors import AdapterError, ConfigError, ModelLoadError
 from ditserve.engine.loop.client import EngineClient
 from ditserve.engine.loop.startup import WarmUp
 from ditserve.engine.loop.step_log import StepLog, copy_rates_of
+from ditserve.engine.loop.step_log import log as step_logger
+from ditserve.engine.loop.thread_samples import ThreadSamples
 from ditserve.engine.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, ModelLimits
 from ditserve.engine.server.config import ServerConfig, parse_size
 from ditserve.engine.server.fields.step_cache import step_cache_policies
@@ -254,7 +256,10 @@ def engine_options(engine_config: EngineConfig, config: ServerConfig, metrics: S
     step log, which reads copy rates from ``engine_fn()``) and the warm-up, which with
     --compile compiles at the default size so no request after /ready waits for a compile."""
     width, height = _defaults(engine_config, config)[0]
-    step_log = StepLog(copy_rates=lambda: copy_rates_of(engine_fn().offload_report()))
+    # At DEBUG a slow gap between steps names where each thread was (engine/loop/thread_samples).
+    samples = ThreadSamples().start() if step_logger.isEnabledFor(logging.DEBUG) else None
+    step_log = StepLog(copy_rates=lambda: copy_rates_of(engine_fn().offload_report()),
+                       samples=samples)
     return {"observers": [metrics, step_log], "warmup": WarmUp(compile_size=(height, width))}
 
 
