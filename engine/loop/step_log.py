@@ -77,6 +77,8 @@ class StepLog:
         now, previous = self._clock(), self._last_step
         self._last_step = now
         if self._log.isEnabledFor(logging.DEBUG):
+            if self._samples is not None:
+                self._samples.keep_running()
             since = "-" if previous is None else f"{1e3 * (now - previous):.1f}"
             self._log.debug("step: %d requests / %d rows / %d shape groups / %d tokens, "
                             "forward %.1f ms, %s ms since the last step", requests, rows,

@@ -9,7 +9,8 @@ thread's innermost frame (``sys._current_frames``) every ``interval_s`` and keep
 thread was during it (issue 47's priority run lost 0.3-1.9 s at a time between forwards).
 
 Sampling takes the interpreter lock for well under a millisecond every 10 ms; it runs only
-while the step log is at DEBUG (``ditserve -v serve``).
+while the step log is at DEBUG (``ditserve -v serve``) and the engine is stepping: the step log
+keeps it running at each step, and it stops by itself ``keep_s`` after the last one.
 """
 
 from __future__ import annotations
@@ -76,12 +77,22 @@ class ThreadSamples:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_wanted = 0.0  # time.monotonic() of the last start / keep_running
 
     def start(self) -> ThreadSamples:
-        self._thread = threading.Thread(target=self._run, name="ditserve-thread-samples",
-                                        daemon=True)
-        self._thread.start()
+        """Sample on a daemon thread from now until ``stop``, or until ``keep_running`` has
+        not been called for ``keep_s`` (an idle engine is not sampled)."""
+        self._last_wanted = time.monotonic()
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="ditserve-thread-samples",
+                                            daemon=True)
+            self._thread.start()
         return self
+
+    def keep_running(self) -> None:
+        """Called by the step log at each step: (re)starts the sampling thread."""
+        self.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -90,6 +101,8 @@ class ThreadSamples:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if time.monotonic() - self._last_wanted > self.keep_s:
+                return  # idle: the next step starts it again
             self.sample()
 
     def sample(self) -> None:

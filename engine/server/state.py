@@ -257,7 +257,7 @@ def engine_options(engine_config: EngineConfig, config: ServerConfig, metrics: S
     --compile compiles at the default size so no request after /ready waits for a compile."""
     width, height = _defaults(engine_config, config)[0]
     # At DEBUG a slow gap between steps names where each thread was (engine/loop/thread_samples).
-    samples = ThreadSamples().start() if step_logger.isEnabledFor(logging.DEBUG) else None
+    samples = ThreadSamples() if step_logger.isEnabledFor(logging.DEBUG) else None
     step_log = StepLog(copy_rates=lambda: copy_rates_of(engine_fn().offload_report()),
                        samples=samples)
     return {"observers": [metrics, step_log], "warmup": WarmUp(compile_size=(height, width))}

@@ -75,7 +75,7 @@ def test_paths_read_from_the_package_folder() -> None:
 def test_a_slow_gap_between_steps_logs_where_the_threads_were(
         caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    samples = ThreadSamples(clock=lambda: now[0])
+    samples = ThreadSamples(interval_s=3600.0, clock=lambda: now[0])  # sampled by hand here
     steps = StepLog(10.0, clock=lambda: now[0], logger=logging.getLogger("test.stalls"),
                     samples=samples)
     caplog.set_level(logging.DEBUG, logger="test.stalls")
@@ -91,3 +91,15 @@ def test_a_slow_gap_between_steps_logs_where_the_threads_were(
     assert len(stalls) == 1
     assert stalls[0].startswith("between the last two steps, 500 ms beyond the forward: ")
     assert "MainThread (3 samples): " in stalls[0]
+    samples.stop()
+
+
+def test_the_sampling_thread_stops_when_no_step_keeps_it_running() -> None:
+    samples = ThreadSamples(interval_s=0.005, keep_s=0.05)
+    samples.keep_running()
+    assert any(t.name == "ditserve-thread-samples" for t in threading.enumerate())
+    time.sleep(0.3)  # no step: it stops by itself
+    assert not any(t.name == "ditserve-thread-samples" for t in threading.enumerate())
+    samples.keep_running()  # the next step starts it again
+    assert any(t.name == "ditserve-thread-samples" for t in threading.enumerate())
+    samples.stop()
