@@ -5,6 +5,7 @@ bound is what the replay shows for an urgent request arriving into a full batch.
 
 from __future__ import annotations
 
+import pytest
 from test_bench_tools import load  # type: ignore[import-not-found]
 
 from ditserve.engine.config import SchedulerConfig
@@ -56,3 +57,20 @@ def test_the_forward_fit_reads_the_step_log_and_recovers_its_line() -> None:
     assert abs(windows[0].outside_s - (10.0 - 10 * 0.325)) < 1e-9
     base, slope = bench.fit_forward(windows)
     assert abs(base - 5.0) < 1e-9 and abs(slope - 40.0) < 1e-9
+
+
+def test_the_schedule_free_bound_runs_the_urgent_requests_own_work_in_arrival_order() -> None:
+    bench = load("priority_replay")
+    model = bench.StepModel(**MODEL_MS)
+    one = bench.own_work_s(model, bench.Arrival(0.0, -1, "1024x1024"), 4)
+    # 4 steps x 4096 tokens x 0.1 ms, one 50 ms encode, one 1024x1024 decode; no step base.
+    assert one == pytest.approx((4 * 409.6 + MODEL_MS["encode_ms"]
+                                 + MODEL_MS["decode_ms_per_mpixel"]) / 1000)
+    apart = [bench.Arrival(0.0, -1, "1024x1024"), bench.Arrival(10.0, -1, "1024x1024")]
+    assert bench.largest_latency_bound(apart, 4, model) == pytest.approx(one)
+    together = [bench.Arrival(0.0, -1, "1024x1024"), bench.Arrival(0.5 * one, -1, "1024x1024")]
+    # The second waits for the first's work: it ends at 2 x one, half of one after arriving.
+    assert bench.largest_latency_bound(together, 4, model) == pytest.approx(1.5 * one)
+    # No schedule the replay finds beats it.
+    done = bench.replay(together, 4, model, SchedulerConfig(scheduling_policy="priority"))
+    assert max(done.values()) >= bench.largest_latency_bound(together, 4, model)
