@@ -46,6 +46,7 @@ _FLAG_TARGETS: dict[str, tuple[str | None, str]] = {
     "priority_aging_s": ("scheduler", "aging_s"),
     "max_preemptions": ("scheduler", "max_preemptions"),
     "urgent_companions": ("scheduler", "urgent_companions"),
+    "plan_at": ("scheduler", "plan_at"),
     "offload": ("offload", "enabled"),  # --offload dlo|none, read as a bool (_offload_mode)
     "dlo_slots": ("offload", "slots"),
     "dlo_resident_layers": ("offload", "resident_layers"),
@@ -130,6 +131,11 @@ def add_engine_options(parser: argparse.ArgumentParser, *, with_config_file: boo
                    help="with --scheduling-policy priority: the most rows of other requests "
                         "a step holds beside an urgent one (priority below 0); companions "
                         "beyond it are paused (default: unbounded)")
+    g.add_argument("--plan-at", type=float, default=None, metavar="FRACTION",
+                   help="plan the next step once the running one is this far through its "
+                        "DiT blocks on the GPU (default 0: as soon as it starts); 0.8 lets a "
+                        "request arriving in the first 80%% of a step join the next one "
+                        "(CUDA; the host must plan a step within the last 20%%)")
     _add_offload_options(parser)
     _add_pipeline_options(parser)
     _add_lora_options(parser)

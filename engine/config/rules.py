@@ -1,9 +1,9 @@
 """Engine configuration rules: which option values and combinations are rejected, and why.
 
 The one set of rules the engine CLI, the HTTP server (``--config`` YAML) and the Kubernetes
-operator all apply (``validate``, and the family / sequence-parallel / format rules the
-operator calls on a spec before any model is read), so a spec is judged the same way
-everywhere. Each rule returns messages that say how to fix the config. Pure Python.
+operator all apply (``validate``, and the family / sequence-parallel / format rules the operator
+calls on a spec before any model is read), so a spec is judged the same way everywhere. Each
+rule returns messages that say how to fix the config. Pure Python.
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ def problems(config: EngineConfig) -> list[str]:
     int_at_least(out, "scheduler.max_preemptions", sch.max_preemptions, 0)
     if sch.urgent_companions is not None:
         int_at_least(out, "scheduler.urgent_companions", sch.urgent_companions, 0)
+    if not (isinstance(sch.plan_at, (int, float)) and 0 <= sch.plan_at < 1):
+        out.append(f"scheduler.plan_at must be a number >= 0 and < 1, got {sch.plan_at!r}")
 
     pipe = config.pipeline
     int_at_least(out, "pipeline.prompt_cache_size", pipe.prompt_cache_size, 0)
@@ -129,10 +131,7 @@ def checkpoint_problems(config: EngineConfig) -> list[str]:
 
 
 def format_problems(
-    off: OffloadConfig,
-    *,
-    quantization: str | None = None,
-    dtype: str | None = None,
+    off: OffloadConfig, *, quantization: str | None = None, dtype: str | None = None,
     group_size: int = 1,
 ) -> list[str]:
     """What the host weight formats combine with, in one place (docs/formats.md).

@@ -191,6 +191,11 @@ class SchedulerConfig:
         ends. Running companions beyond it are paused when it is admitted (as far as
         ``max_preemptions`` allows). None (the default): unbounded - urgent requests only
         go first.
+    plan_at: how far through its DiT blocks the running step must be on the GPU before the
+        loop plans the next step (``engine.runner.plan_point``). 0 (the default): as soon as
+        it starts, so a request arriving during step N first runs in step N+2; 0.8: one
+        arriving in the first 80% of step N joins step N+1, if the host can plan and queue
+        a step within the last 20% of one. CUDA only.
 
     The bound on a step's distinct LoRA adapters is not a scheduler option: it is
     ``adapters.max_loras`` (``--max-loras``), which the engine hands the resolved scheduling.
@@ -205,6 +210,7 @@ class SchedulerConfig:
     aging_s: float = 30.0
     max_preemptions: int = 2
     urgent_companions: int | None = None
+    plan_at: float = 0.0
 
 
 @dataclass(frozen=True)

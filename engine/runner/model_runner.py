@@ -46,6 +46,7 @@ from ditserve.engine.runner.assembly import (
 from ditserve.engine.runner.block_major import BlockMajor
 from ditserve.engine.runner.group_forwards import GroupForward, GroupForwards, shape_groups
 from ditserve.engine.runner.inflight import InFlightSteps
+from ditserve.engine.runner.plan_point import PlanPoint
 from ditserve.engine.runner.start_phases import StartTimeline, timed
 from ditserve.engine.step.denoise_state import DenoiseState
 from ditserve.engine.step.plan import RunnerOutput, StepPlan
@@ -67,14 +68,11 @@ class ModelRunner:
         sequence_group: Any = None,
         timeline: StartTimeline | None = None,
     ) -> None:
-        """config: this rank's part of the replica's config (``RunnerConfig.of``), its
-        offload as the composition root resolved it.
-        device: overrides ``config.device`` (each DP rank passes its own).
-        weight_group: the process group DLO shards weights over (None: rank-local).
-        sequence_group: the SP group this process runs its DP rank's forwards with (None:
-        the whole sequence here).
-        timeline: records this runner's start phases (cuda_init, read, place, pin_register,
-        encoders); None records nothing."""
+        """config: this rank's part of the replica's config (``RunnerConfig.of``, offload
+        resolved). device: overrides ``config.device`` (each DP rank its own). weight_group:
+        the group DLO shards weights over (None: rank-local). sequence_group: the SP group of
+        this DP rank's forwards (None: the whole sequence here). timeline: records the start
+        phases (cuda_init, read, place, pin_register, encoders); None records nothing."""
         self.device = device if device is not None else resolve_device(config.device)
         self._sequence: Any = None
         if sequence_group is not None:
@@ -108,7 +106,6 @@ class ModelRunner:
                  model_dir, self.device, time.perf_counter() - started,
                  "dlo" if offload.enabled else "off")
         from ditserve.engine.placement.whole_pipeline import WholePipeline
-
         # Encoders parked, prompt cache, VAE tiling, and the one printed plan (issue 34).
         with timed(timeline, "encoders"):
             self.whole = WholePipeline(self.pipeline, pipeline_config=config.pipeline,
@@ -122,16 +119,18 @@ class ModelRunner:
         self.step_cache = StepCache(self.pipeline, default=config.step_cache.spec(),
                                     offload=self.offload,
                                     sequence_parallel=self._sequence is not None)
-        # Under offload the shape groups of a step run block-major, as one pass; resident,
-        # one after the other (the weights do not move, so there is nothing to share).
+        # Under offload a step's shape groups run block-major, as one pass; resident, one
+        # after the other (the weights do not move: nothing to share).
         self._block_major = (BlockMajor(self.pipeline.transformer, self.pipeline.block_lists)
                              if offload.enabled else None)
-        self._forwards = GroupForwards(
-            self.pipeline, block_major=self._block_major,
-            one_pass=self.offload.one_pass if self.offload is not None else None,
-            around=self.step_cache.scope)
+        one_pass = self.offload.one_pass if self.offload is not None else None
+        self._forwards = GroupForwards(self.pipeline, block_major=self._block_major,
+                                       one_pass=one_pass, around=self.step_cache.scope)
         self.work_rule = work_rule_of(self.pipeline)
         self._inflight = InFlightSteps(self.device)
+        self.plan_point = PlanPoint(  # when the loop may plan the next step (scheduler.plan_at)
+            self.pipeline.transformer, self.pipeline.block_lists, config.scheduler.plan_at,
+            device=self.device, compiled=config.compile is not None)
 
     @property
     def limits(self) -> ModelLimits:
@@ -165,6 +164,7 @@ class ModelRunner:
         return self.whole.report()
 
     def close(self) -> None:
+        self.plan_point.close()
         self.whole.close()
         self.step_cache.close()
         if self._block_major is not None:
