@@ -143,12 +143,14 @@ def params(arrival: Arrival, steps: int) -> SamplingParams:
 
 
 def replay(trace: list[Arrival], steps: int, model: StepModel, config: SchedulerConfig, *,
-           lookahead: int = 1) -> dict[str, float]:
+           lookahead: int = 1, plan_at: float = 0.0) -> dict[str, float]:
     """Latency (seconds from arrival to output) of every request, keyed by trace index.
 
     ``lookahead`` 1 is the engine's step loop (``engine.runner.inflight``): it plans and
     queues step N+1 as soon as step N starts on the GPU, so a step's admissions and pauses
     are decided one GPU step before it runs; 0 plans each step when the previous one ended.
+    ``plan_at`` (with lookahead 1) is the engine's ``scheduler.plan_at``: the loop plans step
+    N+1 once step N is that fraction through on the GPU.
     A request's output is ready when the step that decoded it ends."""
     host = gpu_free = 0.0  # when the loop plans next; when the GPU has run all it was given
     s = StepScheduler(ResolvedScheduling.for_family(config), clock=lambda: host)
@@ -171,7 +173,7 @@ def replay(trace: list[Arrival], steps: int, model: StepModel, config: Scheduler
         start = max(host, gpu_free)
         end = start + model.seconds(tokens, len(plan.encode), pixels)
         # Lookahead 1: the loop goes on once the step before this one has ended (its fence).
-        host, gpu_free = (start if lookahead else end), end
+        host, gpu_free = (start + plan_at * (end - start) if lookahead else end), end
         s.update(plan, RunnerOutput(stepped=list(plan.denoise), decoded=list(plan.decode),
                                     finished={rid: None for rid in plan.decode}))
         for rid in plan.decode:
@@ -252,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {name: replay(trace, steps, model, config) for name, config in configs.items()}
     runs["priority K=0, lookahead 0"] = replay(trace, steps, model, configs["priority K=0"],
                                                lookahead=0)
+    for k in (1, 0):  # --plan-at 0.8 (engine.runner.plan_point)
+        runs[f"priority K={k}, plan at 0.8"] = replay(trace, steps, model,
+                                                    configs[f"priority K={k}"], plan_at=0.8)
     only_high = [a if a.priority < 0 else Arrival(a.at, 1, "") for a in trace]
     bound = replay([a for a in only_high if a.size], steps, model,
                    SchedulerConfig(max_num_seqs=args.max_num_seqs))

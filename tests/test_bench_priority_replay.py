@@ -74,3 +74,17 @@ def test_the_schedule_free_bound_runs_the_urgent_requests_own_work_in_arrival_or
     # No schedule the replay finds beats it.
     done = bench.replay(together, 4, model, SchedulerConfig(scheduling_policy="priority"))
     assert max(done.values()) >= bench.largest_latency_bound(together, 4, model)
+
+
+def test_planning_late_lets_an_early_arrival_into_the_next_step() -> None:
+    bench = load("priority_replay")
+    model = bench.StepModel(**MODEL_MS)
+    trace = [bench.Arrival(0.0, 1, "1024x1024") for _ in range(4)]
+    trace.append(bench.Arrival(0.01, -1, "1024x1024"))
+    config = SchedulerConfig(max_num_seqs=8, scheduling_policy="priority", urgent_companions=0)
+    first = 4 * 0.4096 + 4 * 0.05  # the four-row step running when it arrives
+    alone = 4 * 0.4096 + 0.05
+    # Planned at 80% of the running step, after its arrival: the very next step is its own.
+    late = bench.replay(trace, 4, model, config, plan_at=0.8)
+    assert abs(late["4"] - (first - 0.01 + alone)) < 1e-9
+    assert late["4"] < bench.replay(trace, 4, model, config)["4"]  # planned at the step's start
