@@ -12,7 +12,7 @@ from ditserve.engine.errors import ConfigError
 
 ENGINE_FLAGS = {
     "--model", "--base-model", "--dtype", "--device", "--compile", "--max-num-seqs",
-    "--max-batch-tokens", "--max-request-tokens", "--urgent-companions",
+    "--max-batch-tokens", "--max-request-tokens", "--urgent-companions", "--plan-at",
     "--max-bypass",
     "--max-queue", "--offload", "--dlo-slots", "--dlo-resident-layers", "--dlo-hbm-budget-gib",
     "--dlo-no-use-allgather", "--dlo-gather", "--dlo-runtime-cache", "--cache-root",
