@@ -186,8 +186,7 @@ def own_work_s(model: StepModel, arrival: Arrival, steps: int) -> float:
     step, one encode, one decode (the per-step base left out, as a batch amortizes it)."""
     request = params(arrival, steps)
     tokens = DEFAULT_WORK_RULE.of(request).tokens
-    return (steps * model.ms_per_ktoken * tokens / 1000 + model.encode_ms
-            + model.decode_ms_per_mpixel * request.height * request.width / 2**20) / 1000
+    return model.seconds(steps * tokens, 1, request.height * request.width) - model.base_ms / 1000
 
 
 def largest_latency_bound(arrivals: list[Arrival], steps: int, model: StepModel) -> float:

@@ -83,11 +83,10 @@ class StepLog:
             self._log.debug("step: %d requests / %d rows / %d shape groups / %d tokens, "
                             "forward %.1f ms, %s ms since the last step", requests, rows,
                             groups, tokens, 1e3 * seconds, since)
-            if (self._samples is not None and previous is not None
-                    and now - previous - seconds > STALL_S):
+            beyond = None if previous is None else now - previous - seconds
+            if self._samples is not None and beyond is not None and beyond > STALL_S:
                 self._log.debug("between the last two steps, %.0f ms beyond the forward: %s",
-                                1e3 * (now - previous - seconds),
-                                self._samples.describe(previous, now))
+                                1e3 * beyond, self._samples.describe(previous, now))
 
     def on_finished(self, result: Any) -> None:
         self._roll()

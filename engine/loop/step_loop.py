@@ -88,11 +88,10 @@ class StepLoops:
 
     def _schedule(self, group: tuple[int, ...]) -> dict[int, RankWork]:
         """Plan one step of every rank in ``group``, with the requests each plan admits."""
-        runner = getattr(self._executor, "runner", None)  # rank 0's, in this process
-        if 0 in group and runner is not None:
+        if 0 in group:  # rank 0's runner is in this process (``Executor.runner``)
             # Not before the queued step has reached its plan point (``scheduler.plan_at``):
             # requests arriving until then still make the next step.
-            runner.plan_point.wait()
+            self._executor.runner.plan_point.wait()
         with self._lock:
             self._pending.queues.release()
             self._wakeup.notify_all()  # released requests may be another loop's work

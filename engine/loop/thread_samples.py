@@ -77,22 +77,17 @@ class ThreadSamples:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_wanted = 0.0  # time.monotonic() of the last start / keep_running
+        self._last_wanted = 0.0  # time.monotonic() of the last keep_running
 
-    def start(self) -> ThreadSamples:
-        """Sample on a daemon thread from now until ``stop``, or until ``keep_running`` has
-        not been called for ``keep_s`` (an idle engine is not sampled)."""
+    def keep_running(self) -> None:
+        """Sample on a daemon thread until ``stop``, or until this has not been called for
+        ``keep_s`` (the step log calls it at each step, so an idle engine is not sampled)."""
         self._last_wanted = time.monotonic()
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="ditserve-thread-samples",
                                             daemon=True)
             self._thread.start()
-        return self
-
-    def keep_running(self) -> None:
-        """Called by the step log at each step: (re)starts the sampling thread."""
-        self.start()
 
     def stop(self) -> None:
         self._stop.set()

@@ -13,7 +13,9 @@ average (2 - f at worst). The price: the host must plan and queue N+1 within the
 of N, or the GPU waits for it (the step log's DEBUG lines show such gaps). Under block-major
 shape groups the block runs once per group, the last recording wins; a step whose forward
 skips the block (step caching) or runs none does not wait. CUDA only: on the CPU nothing is
-queued ahead, so there is nothing to wait for.
+queued ahead, so there is nothing to wait for. The loop that steps rank 0 waits on rank 0's
+point (the runner in the engine's process); with data parallelism the other ranks' own loops
+plan as before.
 """
 
 from __future__ import annotations

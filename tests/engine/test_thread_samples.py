@@ -55,7 +55,8 @@ def test_samples_older_than_keep_s_are_dropped() -> None:
 
 
 def test_the_background_thread_samples_until_stopped() -> None:
-    samples = ThreadSamples(interval_s=0.005).start()
+    samples = ThreadSamples(interval_s=0.005)
+    samples.keep_running()
     time.sleep(0.1)
     samples.stop()
     assert samples.between(0.0, time.monotonic() + 1)  # the main thread, at least
