@@ -25,6 +25,9 @@ its own row for a GGUF format ("gguf:Q8_0" compute, "gguf:Q8_0+slot"); other for
 ``--slots``: DLO slot counts, a row per count ("gguf:Q8_0+3slots"): with two slots a step is
 about the sum over blocks of max(copy, compute), which exceeds both sums where some blocks copy
 longer than they compute and others the reverse; a third slot lets the copy run ahead.
+``--compile``: each row is timed again with the blocks compiled as ``--compile`` serves them
+("fp8+compiled"): eager FP8 quantizes each linear's activations in separate kernels, which
+makes a b1 step compute-bound at half the bytes; compiled, inductor fuses them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 from ditserve.engine.config import DEQUANT_MODES, OffloadConfig
 from ditserve.engine.offload import enable_offload
 from ditserve.engine.offload.builders import DEFAULT_SLOTS
+from ditserve.engine.runner.compiled_blocks import compile_repeated_blocks
 from ditserve.engine.weights.convert import convert
 from ditserve.engine.weights.dit_file import load_dit_file
 from ditserve.engine.weights.loader import load_dit
@@ -104,10 +108,26 @@ def run_format(fmt: str, args: argparse.Namespace, device: torch.device, gbps: f
         row["dlo_ms"] = time_forwards(dit, device, args)
         row["floor_ms"] = report["streamed_bytes"] / (gbps * 1e9) * 1e3
         row["dlo_over_floor"] = row["dlo_ms"] / row["floor_ms"]
-        handle.disable()
-        log(f"{row['format']}: DLO b1 {row['dlo_ms']:.1f} ms, floor {row['floor_ms']:.1f} ms "
-            f"({row['streamed_bytes'] / 2**30:.2f} GiB/step)")
         rows.append(row)
+        if args.compile:
+            # The same offload with the blocks compiled: to dynamo a slot view is just another
+            # input, so the streamed blocks trace as they run.
+            compile_repeated_blocks(dit, args.compile_backend)
+            t0 = time.monotonic()
+            try:
+                compiled_ms = time_forwards(dit, device, args)
+            except Exception as e:  # one format failing to compile must not lose the others
+                log(f"{label}+compiled: {type(e).__name__}: {e}")
+                row["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            else:
+                rows.append(dict(row, format=f"{label}+compiled", compiled=True,
+                                 dlo_ms=compiled_ms, compile_and_time_s=time.monotonic() - t0,
+                                 dlo_over_floor=compiled_ms / row["floor_ms"]))
+            harness.uncompile_blocks(dit)
+        handle.disable()
+        for r in rows[-(2 if rows[-1].get("compiled") else 1):]:
+            log(f"{r['format']}: DLO b1 {r['dlo_ms']:.1f} ms, floor {r['floor_ms']:.1f} ms "
+                f"({r['streamed_bytes'] / 2**30:.2f} GiB/step)")
     result = rows[0]
     if args.resident and device.type == "cuda":
         dit.to(device)
@@ -186,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="GGUF: where layers dequantize under DLO, a row per mode")
     p.add_argument("--slots", nargs="+", type=int, default=[DEFAULT_SLOTS],
                    help="DLO slot counts, a row per count (default: the engine's)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time each row with the blocks compiled (a '+compiled' row)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend for --compile (aot_eager: a CPU smoke run)")
     p.add_argument("--keep-files", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny DiT on the CPU (smoke run)")
     p.add_argument("--out", type=Path, default=Path("out/formats"))

@@ -310,6 +310,25 @@ def test_checkpoint_formats_smoke_gives_a_row_per_slot_count(tmp_path: Path) -> 
     assert three["slot_bytes"] == two["slot_bytes"]  # per slot
 
 
+def test_checkpoint_formats_smoke_times_a_compiled_row_beside_each_eager_one(
+        tmp_path: Path) -> None:
+    formats = load("formats")
+    out = tmp_path / "out"
+    assert formats.main(["--tiny", "--model-dir", str(tmp_path / "flux"), "--out", str(out),
+                         "--formats", "fp8", "--compile", "--compile-backend", "aot_eager"]) == 0
+    rows = {r["format"]: r for r in json.loads((out / "formats.json").read_text())["rows"]}
+    assert set(rows) == {"fp8", "fp8+compiled"}
+    eager, compiled = rows["fp8"], rows["fp8+compiled"]
+    assert compiled["compiled"] and "compiled" not in eager
+    # the same offload, so the same bytes and floor; its own time and ratio
+    assert compiled["streamed_bytes"] == eager["streamed_bytes"]
+    assert compiled["floor_ms"] == eager["floor_ms"]
+    assert compiled["dlo_over_floor"] == compiled["dlo_ms"] / compiled["floor_ms"]
+    targets = [t["target"] for t in json.loads((out / "formats.json").read_text())["targets"]]
+    assert "fp8+compiled DLO b1 <= 1.05 x its floor" in targets
+    assert "fp8+compiled" in (out / "formats.md").read_text()
+
+
 def test_offload_mmap_bench_tiny_run_equals_resident(tmp_path: Path) -> None:
     bench = load("offload_mmap")
     assert bench.main(["--tiny", "--out", str(tmp_path / "out"), "--res", "64", "--warmup",
