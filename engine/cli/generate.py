@@ -249,9 +249,10 @@ def add_generate_parser(subcommands: Any) -> None:
                           "it")
     gen.add_argument("--reference", type=Path, action="append", default=None, metavar="PATH",
                      help="a reference of an omni-reference replica (MiniMax-H3 ref2va: `model "
-                          "ref2va`): an image (PNG, JPEG, WebP; up to 9) or a WAV soundtrack "
-                          "at the audio VAE's rate (up to 3, with an image); repeat it, in "
-                          "the order the model reads them")
+                          "ref2va`): an image (PNG, JPEG, WebP; up to 9), a video file "
+                          "(MP4, WebM, MOV; up to 3, with its soundtrack) or a WAV soundtrack "
+                          "at the audio VAE's rate (up to 3, with an image or a video); "
+                          "repeat it, in the order the model reads them")
     gen.add_argument("--mask", type=Path, default=None, metavar="PATH",
                      help="inpainting with --image (Z-Image): the region to repaint, white "
                           "(or, in a PNG with transparency, transparent as OpenAI's edits)")

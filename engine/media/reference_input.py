@@ -1,12 +1,12 @@
 """Reference files (an omni-reference request's ``references``, ``generate --reference``):
-file bytes -> an image ``ConditionImage`` or a ``ReferenceAudio``.
+file bytes -> an image ``ConditionImage``, a ``ReferenceAudio`` or a ``ReferenceVideo``.
 
 One decoder for the HTTP route (``server.fields.references``) and the CLI. The kind is read
 off the file's signature: a WAV file (``RIFF....WAVE``, integer PCM of 8, 16, 24 or 32 bits,
 mono or stereo, read with the standard library's ``wave``) is an audio reference at its own
-rate; a video container (MP4/MOV, WebM/Matroska, AVI) is refused - video references need
-Qwen3-VL's video processor, which needs torchvision (not installable beside the CPU torch
-here); anything else is decoded as an image (``image_input.decode_image``: PNG, JPEG, WebP,
+rate; a video container (MP4/MOV, WebM/Matroska, AVI) is a video reference, probed with PyAV
+(``video_reference.probe``: decodable, its size, frames, rate and soundtrack) and carried as
+the file; anything else is decoded as an image (``image_input.decode_image``: PNG, JPEG, WebP,
 bounded by ``max_pixels``). Errors are ``InvalidRequestError`` naming the field.
 """
 
@@ -17,6 +17,7 @@ import struct
 import wave
 
 from ditserve.engine.errors import InvalidRequestError
+from ditserve.engine.media import video_reference
 from ditserve.engine.media.image_input import DEFAULT_MAX_PIXELS, decode_image
 from ditserve.engine.reference_media import Reference, ReferenceAudio
 
@@ -36,9 +37,7 @@ def decode_reference(data: bytes, *, field: str = "references",
                      max_pixels: int = DEFAULT_MAX_PIXELS) -> Reference:
     """A reference file's bytes -> the reference (see module docstring)."""
     if is_video(data):
-        raise InvalidRequestError(field, "video references are not served (they "
-                                  "need Qwen3-VL's video processor, which needs torchvision); "
-                                  "send image references (PNG, JPEG, WebP) and WAV audio")
+        return video_reference.probe(data, field=field)
     if is_wav(data):
         return decode_wav(data, field=field)
     return decode_image(data, field=field, max_pixels=max_pixels)

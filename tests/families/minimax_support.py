@@ -3,10 +3,12 @@ references, and diffusers' modular pipeline set up as ditserve's environment all
 
 from __future__ import annotations
 
+import io
 import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ditserve.engine.request import ConditionImage, SamplingParams
@@ -31,6 +33,8 @@ def diffusers_pipeline(model_dir: Path, dit: str, *, device: str = "cpu",
     from transformers import AutoImageProcessor
     from transformers.processing_utils import ProcessorMixin
 
+    from ditserve.engine.families.minimax_h3 import video_processor
+
     options = {} if workflow is None else {"workflow": workflow}
     pipe = diffusers.ModularPipeline.from_pretrained(str(model_dir), **options)
     parts = (dit, "text_encoder", "tokenizer", "vae", "audio_vae", "scheduler",
@@ -45,8 +49,11 @@ def diffusers_pipeline(model_dir: Path, dit: str, *, device: str = "cpu",
     config = pipe.text_encoder.config
     ids = types.SimpleNamespace(image_token_ids=[config.image_token_id],
                                 video_token_ids=[config.video_token_id], audio_token_ids=[])
+    # Its video processor is ditserve's torchvision-free one (equal to transformers' where
+    # torchvision imports: tests/families/test_minimax_h3_video_processor.py).
     pipe.processor = types.SimpleNamespace(
         image_processor=AutoImageProcessor.from_pretrained(str(model_dir / "processor")),
+        video_processor=video_processor.load(model_dir / "processor"),
         create_mm_token_type_ids=lambda x: ProcessorMixin.create_mm_token_type_ids(ids, x))
     return pipe
 
@@ -85,3 +92,39 @@ KEYFRAME_MIX: dict[int, list[tuple[str, SamplingParams]]] = {
                                 images=(frame(64, 32, 7), frame(40, 40, 8)), last_frame=True,
                                 **BASE))],
 }
+
+
+def mp4(seconds: float, fps: int, width: int, height: int, seed: int, *,
+        sound_rate: int | None = None) -> bytes:
+    """An H.264 MP4 of smooth random motion (a drifting gradient plus noise), with an AAC
+    mono soundtrack at ``sound_rate`` if given."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    count = round(seconds * fps)
+    base = rng.integers(0, 256, size=(height, width, 3)).astype(np.int32)
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        video = container.add_stream("libx264", rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        audio = None
+        if sound_rate is not None:
+            audio = container.add_stream("aac", rate=sound_rate, layout="mono")
+        for index in range(count):
+            pixels = ((base + 7 * index) % 256).astype(np.uint8)
+            for packet in video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        container.mux(video.encode())
+        if audio is not None:
+            assert sound_rate is not None
+            samples = int(seconds * sound_rate)
+            wave = (np.sin(np.arange(samples) * 0.05) * 0.5).astype(np.float32)[None]
+            step = 1024
+            for start in range(0, samples, step):
+                chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, start:start + step]),
+                                                   format="fltp", layout="mono")
+                chunk.sample_rate = sound_rate
+                for packet in audio.encode(chunk):
+                    container.mux(packet)
+            container.mux(audio.encode())
+    return out.getvalue()

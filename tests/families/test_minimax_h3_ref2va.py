@@ -170,12 +170,12 @@ def test_offload_equals_resident(replica, alone) -> None:  # type: ignore[no-unt
 def test_ref2va_refusals(runner, family_runner) -> None:  # type: ignore[no-untyped-def]
     limits = runner.limits
     base = dict(prompt="x", **BASE)
-    with pytest.raises(InvalidRequestError, match="at least one image reference") as e:
+    with pytest.raises(InvalidRequestError, match="at least one image or video reference") as e:
         SamplingParams(**base).validate_for(limits)  # text only: diffusers refuses it too
     assert e.value.field == "references"
     with pytest.raises(InvalidRequestError, match="at most 9 image references"):
         SamplingParams(references=(picture(32, 32, 1),) * 10, **base).validate_for(limits)
-    with pytest.raises(InvalidRequestError, match="at least one image reference"):
+    with pytest.raises(InvalidRequestError, match="at least one image or video reference"):
         SamplingParams(references=(sound(1.0, 2, 1),), **base).validate_for(limits)
     with pytest.raises(InvalidRequestError, match="8000 Hz"):
         SamplingParams(references=(picture(32, 32, 1), ReferenceAudio(16000, 1, b"\0" * 64)),
@@ -256,5 +256,8 @@ def test_work_counts_the_reference_rows(runner, case: str) -> None:  # type: ign
     conditioning = rule.tokens_per_row(params) - rule.generated_tokens_per_row(params)
     assert conditioning == state.host["layout"].condition_rows > 0
     # The planner's worst case: nine references at 1:4 (the tiny model's 64 px short edge:
-    # 256x64, 8 x 2 rows of 32 px).
-    assert runner.pipeline.most_condition_tokens == 9 * 8 * 2
+    # 256x64, 8 x 2 rows of 32 px) and three videos over the longest clip (345 frames) on the
+    # tiny canvas's area (32 x 64: 2 rows a frame).
+    pipe = runner.pipeline
+    assert pipe.max_frames == 345
+    assert pipe.most_condition_tokens == 9 * 8 * 2 + 3 * 345 * 2

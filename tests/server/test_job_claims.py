@@ -17,7 +17,7 @@ from server.redis_support import RedisServer
 
 from ditserve.engine.condition_image import ConditionImage
 from ditserve.engine.config.step_cache import StepCacheSpec
-from ditserve.engine.reference_media import ReferenceAudio
+from ditserve.engine.reference_media import ReferenceAudio, ReferenceVideo
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.jobs.files import VideoFiles
@@ -209,7 +209,9 @@ def test_records_round_trip_every_request_field() -> None:
         loras=(LoraRef("ink", "/adapters/ink.safetensors", 0.7, 8, 2),),
         step_cache=StepCacheSpec("teacache", threshold=0.2), priority=-1, deadline_s=30.0,
         references=(ConditionImage(1, 2, bytes(range(6))),
-                    ReferenceAudio(8000, 2, bytes(range(16)))))
+                    ReferenceAudio(8000, 2, bytes(range(16))),
+                    # A video reference is stored as the file sent (compressed already).
+                    ReferenceVideo(b"\0\0\0\x18ftypmp42 frames", 48, 32, 72, 29.97, 8000, 1)))
     job = VideoJob("video_" + "a" * 32, VideoSpec(params, fps=12, model="wan"), "req",
                    created_at=5.0, status=JobStatus.IN_PROGRESS, steps_done=3, owner="r1",
                    token="t", attempts=2, queue_entry="1-0", path="/v/x.mp4")

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from families.minimax_support import mp4  # type: ignore[import-not-found]
 from openai.types import Video
 from PIL import Image
 from server.video_support import mp4_facts
@@ -100,6 +101,34 @@ def test_image_and_wav_file_parts(ref2va_server) -> None:  # type: ignore[no-unt
     assert done.status == "completed", done.error
 
 
+def test_video_file_part_with_its_soundtrack(ref2va_server) -> None:  # type: ignore[no-untyped-def]
+    files = [("references", ("dance.mp4", mp4(2.0, 30, 48, 32, 1, sound_rate=8000),
+                             "video/mp4")),
+             ("references", ("cat.png", png(32, 32, 2), "image/png"))]
+    response = httpx.post(f"{ref2va_server.url}/v1/videos", timeout=60, files=files,
+                          data={**BASE, "audio": "true"})
+    assert response.status_code == 200, response.text
+    done = wait_done(client_of(ref2va_server), response.json()["id"])
+    assert done.status == "completed", done.error
+    import av
+
+    data = client_of(ref2va_server).videos.download_content(done.id).read()
+    assert mp4_facts(data)["frames"] == FRAMES
+    with av.open(io.BytesIO(data)) as container:
+        assert container.streams.audio[0].rate == 8000
+
+
+def test_sdk_video_url_in_extra_body(ref2va_server) -> None:  # type: ignore[no-untyped-def]
+    client = client_of(ref2va_server)
+    job = client.videos.create(
+        prompt="waves like these", size="64x32",  # type: ignore[arg-type]
+        extra_body={"num_frames": FRAMES, "num_inference_steps": 1, "seed": 5,
+                    "references": [{"video_url": data_url(mp4(1.0, 24, 32, 48, 3),
+                                                          "video/mp4")}]})
+    done = wait_done(client, job.id)
+    assert done.status == "completed", done.error
+
+
 def test_references_in_a_json_body(ref2va_server) -> None:  # type: ignore[no-untyped-def]
     response = httpx.post(f"{ref2va_server.url}/v1/videos", timeout=60, json={
         "prompt": "waves", "size": "64x32", "num_frames": FRAMES, "num_inference_steps": 1,
@@ -122,14 +151,17 @@ def refused(server: object, **body: object) -> dict[str, str]:
 def test_what_a_ref2va_replica_refuses(ref2va_server) -> None:  # type: ignore[no-untyped-def]
     image = data_url(png(32, 32, 5))
     error = refused(ref2va_server)  # text only: diffusers' ref2va needs a reference too
-    assert error["param"] == "references" and "at least one image reference" in error["message"]
+    assert error["param"] == "references" and "at least one image or video reference" in error["message"]
     error = refused(ref2va_server, references=[image] * 10)
     assert "at most 9 image references" in error["message"]
     error = refused(ref2va_server, references=[data_url(b"not an image")])
     assert error["code"] == "invalid_reference" and "references[0]" in error["message"]
-    mp4 = b"\0\0\0\x18ftypmp42" + b"\0" * 32
-    error = refused(ref2va_server, references=[image, data_url(mp4, "video/mp4")])
-    assert "video references are not served" in error["message"]
+    broken = b"\0\0\0\x18ftypmp42" + b"\0" * 32
+    error = refused(ref2va_server, references=[image, data_url(broken, "video/mp4")])
+    assert "references[1]" in error["message"] and "not a readable video" in error["message"]
+    loud = data_url(mp4(1.0, 24, 32, 32, 4, sound_rate=16000), "video/mp4")
+    error = refused(ref2va_server, references=[{"video_url": loud}])
+    assert "16000 Hz" in error["message"] and "ffmpeg -ar 8000" in error["message"]
     error = refused(ref2va_server, references=[image, data_url(wav(0.5, 16000), "audio/wav")])
     assert "8000 Hz" in error["message"] and "torchaudio" in error["message"]
     error = refused(ref2va_server, references=["https://example.com/cat.png"])

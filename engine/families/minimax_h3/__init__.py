@@ -19,7 +19,8 @@ forward. Served here: text-to-video with audio (``t2va``) and the keyframe workf
 (``fl2va``: a first and/or last frame, read through the ``processor`` folder's Qwen3-VL
 image processor, which the step pipeline loads itself); and, on a ref2va replica (its DiT
 the checkpoint's ``transformer_ref``: ``references.write_ref2va_replica``), the
-omni-reference workflow (``ref2va``) with image and audio references - not video ones.
+omni-reference workflow (``ref2va``) with image, video and audio references (video ones
+read through ``video_processor``, Qwen3-VL's video processor without torchvision).
 """
 
 from __future__ import annotations

@@ -9,14 +9,17 @@ released rate), the two MiniMax-H3 schedulers as released (shift 12 for video, 3
 audio) and a ``processor``: Qwen3-VL's image processor (16 px patches merged 2x2, its
 released normalization) beside the tokenizer, which the keyframe workflow reads a first or
 last frame into the prompt through (a tiny one reads at most 4 vision tokens of a frame),
-and ``transformer_ref``, the omni-reference workflow's DiT (same shape, other weights; a tiny
+and the video processor's ``video_preprocessor_config.json`` (the omni-reference
+workflow's video references; a tiny model puts them on a 32 x 64 canvas), and
+``transformer_ref``, the omni-reference workflow's DiT (same shape, other weights; a tiny
 model encodes image references at a 64 px short edge) - or, with ``released``, the
 components at their released shapes. Saved as diffusers saves a
 modular pipeline (``modular_model_index.json``). Called through ``engine.makers.builders``.
 
 transformers cannot build ``Qwen3VLProcessor`` without torchvision (its video processor
-needs it), so ``vl_processor`` assembles the pieces the keyframe workflow uses and saves the
-released folder layout (the tokenizer's files and ``preprocessor_config.json``); diffusers
+needs it), so ``vl_processor`` assembles the pieces the workflows use and saves the released
+folder layout (the tokenizer's files, ``preprocessor_config.json`` and
+``video_preprocessor_config.json``, which transformers' class reads too); diffusers
 then names the component ``Qwen3VLProcessor`` in the index, as the released model does.
 """
 
@@ -38,6 +41,9 @@ from ditserve.engine.families.minimax_h3 import (
 TINY_TEXT_WIDTH = 16  # the tiny DiT's text_dim
 TINY_SAMPLING_RATE = 8000  # 200-sample hop: the released 40 latents per second
 TINY_REFERENCE_SHORT_EDGE = 64  # an image reference's short edge (released: 2048)
+# The canvas a tiny model puts a video reference on (short edge, area cap; released: 768,
+# 768 x 1344): a tiny clip's own 32 x 64.
+TINY_CANVAS = (32, 32 * 64)
 REF_SEED_OFFSET = 1  # transformer_ref's weights are drawn from seed + 1
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
             "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -110,6 +116,11 @@ VISION: dict[str, Any] = dict(patch_size=16, merge_size=2, temporal_patch_size=2
               image_std=[0.5] * 3)
 RELEASED_PIXELS = (65536, 16777216)
 TINY_PIXELS = (1024, 4096)  # 1 to 4 vision tokens
+# Qwen3-VL's video processor: pixels of a whole sampled clip (frames x height x width).
+# Full: transformers' Qwen3VLVideoProcessor defaults; tiny: a 2 fps sample of a tiny clip
+# is shrunk to 32 x 32 a frame (one vision token a block), so the resize runs too.
+RELEASED_VIDEO_PIXELS = (128 * 32 * 32, 768 * 32 * 32)
+TINY_VIDEO_PIXELS = (1024, 16384)
 
 
 def make_image_processor(size: str) -> Any:
@@ -119,19 +130,35 @@ def make_image_processor(size: str) -> Any:
     return Qwen2VLImageProcessorPil(size={"shortest_edge": low, "longest_edge": high}, **VISION)
 
 
+def make_video_processor(size: str) -> Any:
+    from ditserve.engine.families.minimax_h3.video_processor import VideoProcessor
+
+    low, high = TINY_VIDEO_PIXELS if size == "tiny" else RELEASED_VIDEO_PIXELS
+    return VideoProcessor(min_pixels=low, max_pixels=high, image_mean=(0.5,) * 3,
+                          image_std=(0.5,) * 3)
+
+
 def _save_pieces(processor: Any, save_directory: str | Path, **_: Any) -> None:
+    import json
+
+    from ditserve.engine.families.minimax_h3.video_processor import CONFIG_NAME
+
     processor.tokenizer.save_pretrained(save_directory)
     processor.image_processor.save_pretrained(save_directory)
+    if processor.video_processor is not None:  # the file transformers' class reads too
+        config = processor.video_processor.to_config()
+        (Path(save_directory) / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
 
-def vl_processor(tokenizer: Any, images: Any) -> Any:
-    """A ``Qwen3VLProcessor`` of ``tokenizer`` and the image processor ``images`` without
-    transformers' class check (module docstring); it saves the released folder layout."""
+def vl_processor(tokenizer: Any, images: Any, videos: Any = None) -> Any:
+    """A ``Qwen3VLProcessor`` of ``tokenizer``, the image processor ``images`` and the video
+    processor ``videos`` (``video_processor.VideoProcessor``) without transformers' class
+    check (module docstring); it saves the released folder layout."""
     from transformers import Qwen3VLProcessor
 
     processor = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
     processor.tokenizer, processor.image_processor = tokenizer, images
-    processor.video_processor, processor.chat_template = None, None
+    processor.video_processor, processor.chat_template = videos, None
     processor.save_pretrained = types.MethodType(_save_pieces, processor)  # type: ignore[method-assign]
     return processor
 
@@ -167,15 +194,17 @@ def build_pipeline(variant: str, size: str, *, dtype: Any, device: Any, seed: in
         parts = {"text_encoder": make_text_encoder(tokenizer, width=width).to(dtype),
                  "vae": make_vae().to(dtype), "audio_vae": make_audio_vae().to(dtype)}
     pipe: Any = diffusers.MiniMaxH3ModularPipeline(blocks=diffusers.MiniMaxH3Blocks())
-    processor = vl_processor(tokenizer, make_image_processor("tiny" if released is None
-                                                             else "full"))
+    kind = "tiny" if released is None else "full"
+    processor = vl_processor(tokenizer, make_image_processor(kind), make_video_processor(kind))
     pipe.update_components(transformer=dit, tokenizer=tokenizer, processor=processor,
                            **make_schedulers(), **parts, **extra)
     if size == "tiny":
         # A tiny model encodes an image reference at a 64 px short edge (the released 2048
         # would make thousands of rows of a tiny frame); saved in modular_model_index.json,
         # which diffusers' ref2va setup step and the engine both read.
-        pipe.register_to_config(reference_image_short_edge=TINY_REFERENCE_SHORT_EDGE)
+        pipe.register_to_config(reference_image_short_edge=TINY_REFERENCE_SHORT_EDGE,
+                                canvas_short_edge=TINY_CANVAS[0],
+                                canvas_max_pixels=TINY_CANVAS[1])
     return pipe
 
 

@@ -23,7 +23,7 @@ from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families.minimax_h3 import keyframes
 from ditserve.engine.families.minimax_h3 import references as refs
 from ditserve.engine.families.minimax_h3.packing import ItemLayout
-from ditserve.engine.reference_media import Reference
+from ditserve.engine.reference_media import Reference, ReferenceVideo
 from ditserve.engine.request import SamplingParams
 
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # diffusers' (ImageNet)
@@ -76,21 +76,25 @@ def keyframed(pipe: Any, p: SamplingParams, frames: int) -> Conditioning:
 
 def normalized(pipe: Any, references: tuple[Reference, ...], num_frames: int) -> list[Any]:
     """The references as diffusers' setup step leaves them for a clip of ``num_frames``."""
-    return refs.normalize(refs.diffusers_references(references),
+    media = refs.diffusers_references(references, clip_frames=num_frames, fps=pipe.fps)
+    return refs.normalize(media,
                           short_edge=pipe.reference_short_edge, multiple=pipe.pixel_multiple,
                           audio_rate=int(pipe.audio_vae.config.sampling_rate),
-                          duration_s=num_frames / pipe.fps)
+                          num_frames=num_frames, fps=pipe.fps, canvas=pipe.canvas)
 
 
-def presented(pipe: Any, prompt: str, references: tuple[Reference, ...]
+def presented(pipe: Any, prompt: str, references: tuple[Reference, ...], frames: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``ref2va`` prompt rows and their tags (``_encode_prompt`` with references)."""
+    """The ``ref2va`` prompt rows and their tags (``_encode_prompt`` with references) for a
+    clip of ``frames``: video references are cut to it before the conditioner samples them;
+    without videos, soundtracks reach the presentation as labels only and any clip will do
+    (``frames`` 0: the longest)."""
     from ditserve.engine.families.minimax_h3 import TEXT_LAYER, presentation
 
-    # Soundtracks reach the presentation as labels only: any duration will do.
-    media = normalized(pipe, references, pipe.max_frames)
-    ids, tags, vision = refs.presentation(pipe.tokenizer, pipe.image_processor, prompt, media,
-                                          text_tag=pipe.text_tag, video_tag=pipe.video_tag)
+    media = normalized(pipe, references, frames or pipe.max_frames)
+    ids, tags, vision = refs.presentation(pipe.tokenizer, pipe.vision_processors, prompt, media,
+                                          fps=pipe.fps, text_tag=pipe.text_tag,
+                                          video_tag=pipe.video_tag)
     return presentation.encode_ids(pipe.text_encoder, ids, tags, vision, layer=TEXT_LAYER,
                                    device=pipe.device)
 
@@ -105,9 +109,13 @@ def referenced(pipe: Any, p: SamplingParams, frames: int) -> Conditioning:
         raise InvalidRequestError("image", "a ref2va replica takes references, not keyframes: "
                                   "send the images as references")
     media = normalized(pipe, p.references, frames)
-    text, tags = pipe._encode_prompt(p.prompt, references=p.references)
-    visual = keyframes.encode(pipe.vae, [r.image for r in media if r.kind == "image"],
-                              device=pipe.device, pixel_mean=PIXEL_MEAN, pixel_std=PIXEL_STD)
+    # The prompt cache keys on the clip's length only where a video reference depends on it.
+    clip = frames if any(isinstance(r, ReferenceVideo) for r in p.references) else 0
+    text, tags = pipe._encode_prompt(p.prompt, references=p.references, frames=clip)
+    visual = refs.encode_visual(pipe.vae, media, device=pipe.device, pixel_mean=PIXEL_MEAN,
+                                pixel_std=PIXEL_STD, encode_seed=keyframes.ENCODE_SEED,
+                                frames_per_chunk=pipe.frames_per_chunk,
+                                latents_per_chunk=pipe.latents_per_chunk)
     audio = refs.encode_audio(pipe.audio_vae, media, device=pipe.device)
     shape = grid(pipe, frames, p.height, p.width)
     latent_frames, h, w, audio_len = shape
@@ -123,26 +131,41 @@ def referenced(pipe: Any, p: SamplingParams, frames: int) -> Conditioning:
 class ConditionRows:
     """The work rule's conditioning rows of a MiniMax-H3 request (the pipeline's
     ``ConditionTokens``): a ref2va replica's image references at their own short edge
-    (``references.image_rows``), else one canvas of rows per keyframe - the packed sequence's
-    ``[reference blocks]`` / ``[keyframe conditions]``. The pipeline inherits it."""
+    (``references.image_rows``) and video references on their canvas over the clip
+    (``references.video_rows``), else one canvas of rows per keyframe - the packed
+    sequence's ``[reference blocks]`` / ``[keyframe conditions]``. The pipeline inherits it."""
 
     pixel_multiple: int
     reference_short_edge: int
     reference_limits: Any
+    canvas: tuple[int, int]
+    fps: int
+
+    @property
+    def max_frames(self) -> int:  # the pipeline's: the longest clip
+        raise NotImplementedError
 
     def condition_tokens(self, params: SamplingParams) -> int:
         side = self.pixel_multiple
         if self.reference_limits is not None:
             return refs.image_rows(params.references, short_edge=self.reference_short_edge,
-                                   multiple=side)
+                                   multiple=side) + \
+                refs.video_rows(params.references, num_frames=params.num_frames,
+                                multiple=side, canvas=self.canvas, fps=self.fps)
         return len(params.images) * (params.height // side) * (params.width // side)
 
     @property
     def most_condition_tokens(self) -> int:
-        """The most image references at 1:4 on a ref2va replica. Keyframes add a canvas of
-        rows each (two at most), where the usual clip the planner counts is 124 canvases of
-        pixel frames (~3.4x its 37 latent frames): its margin covers them."""
-        if self.reference_limits is None:
+        """The most image references at 1:4 on a ref2va replica, and the most video
+        references at the longest clip on the largest canvas (12 references at most in all:
+        both bounds together are an upper bound). Keyframes add a canvas of rows each (two at
+        most), where the usual clip the planner counts is 124 canvases of pixel frames (~3.4x
+        its 37 latent frames): its margin covers them."""
+        limits = self.reference_limits
+        if limits is None:
             return 0
+        short_edge, area = self.canvas
+        largest = area // (self.pixel_multiple ** 2)  # the canvas's cap, in rows a frame
         return refs.most_image_rows(short_edge=self.reference_short_edge,
-                                    multiple=self.pixel_multiple)
+                                    multiple=self.pixel_multiple) + \
+            limits.videos * self.max_frames * largest

@@ -42,13 +42,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import MINIMAX_H3
-from ditserve.engine.families.minimax_h3 import TEXT_LAYER, conditioning, keyframes, presentation
+from ditserve.engine.families.minimax_h3 import (
+    TEXT_LAYER,
+    conditioning,
+    keyframes,
+    presentation,
+    video_processor,
+)
 from ditserve.engine.families.minimax_h3 import references as refs
 from ditserve.engine.families.minimax_h3.packing import (
     StepItem,
@@ -56,6 +63,7 @@ from ditserve.engine.families.minimax_h3.packing import (
     items_in_flight,
     joint_inputs,
 )
+from ditserve.engine.families.minimax_h3.video_processor import VisionProcessors
 from ditserve.engine.pipelines.common import upload
 from ditserve.engine.reference_media import Reference, check_references
 from ditserve.engine.request import ConditionImage, ModelLimits
@@ -67,6 +75,7 @@ if TYPE_CHECKING:
     from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_PROMPT_CHARS = 4000
+CANVAS = (768, 768 * 1344)  # diffusers' canvas_short_edge, canvas_max_pixels (released)
 MAX_PROMPT_TOKENS = 1024  # bounds the planner's estimate; prompts are never truncated
 AUDIO = "audio"  # host: the request's _AudioTrack
 PIXEL_MEAN, PIXEL_STD = conditioning.PIXEL_MEAN, conditioning.PIXEL_STD
@@ -153,8 +162,15 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
         # omni-reference workflow alone (``references.replica_limits``).
         self.reference_short_edge = int(components.config.get(
             "reference_image_short_edge", refs.DEFAULT_SHORT_EDGE))
+        # The canvas rule (short edge, area cap) a video reference is put on, as the target.
+        self.canvas = (int(components.config.get("canvas_short_edge", CANVAS[0])),
+                       int(components.config.get("canvas_max_pixels", CANVAS[1])))
+        self.vision_processors = VisionProcessors(
+            self.image_processor,
+            video_processor.load(Path(components.model_dir) / keyframes.PROCESSOR))
         self.reference_limits = refs.replica_limits(
-            components.model_dir, self.image_processor, int(self.audio_vae.config.sampling_rate))
+            components.model_dir, self.image_processor, int(self.audio_vae.config.sampling_rate),
+            self.vision_processors.video_processor)
         if self.reference_limits is not None:
             self.condition_images = (0, 0)
 
@@ -182,14 +198,15 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
     @torch.inference_mode()
     def _encode_prompt(self, prompt: str, images: tuple[ConditionImage, ...] = (),
                        canvas: tuple[int, int] = (0, 0),
-                       references: tuple[Reference, ...] = ()
+                       references: tuple[Reference, ...] = (), frames: int = 0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, L, D) in the encoder's dtype and the (L,) modality tags of its rows: the
         presentation of ``prompt`` after the keyframes ``images`` put on the ``canvas``
-        (width, height), or after the ``references`` (``ref2va``) - arguments the prompt
-        cache keys on by value (``presentation``, ``references``)."""
+        (width, height), or after the ``references`` (``ref2va``; ``frames``: the clip a
+        video reference is cut to) - arguments the prompt cache keys on by value
+        (``presentation``, ``references``)."""
         if references:
-            return conditioning.presented(self, prompt, references)
+            return conditioning.presented(self, prompt, references, frames)
         frames = keyframes.on_canvas(images, *canvas)
         return presentation.encode(
             self.text_encoder, self.tokenizer, self.image_processor, prompt, frames,

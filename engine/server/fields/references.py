@@ -4,14 +4,15 @@ conditions on (MiniMax-H3's ``ref2va``), in the order the model reads them.
 Forms it takes, one reference each, in order:
 
 - JSON: ``"references": [...]`` of data URLs (``"data:image/png;base64,..."``,
-  ``"data:audio/wav;base64,..."``) or objects ``{"image_url": URL}`` / ``{"audio_url": URL}``
-  with a data URL (OpenAI's ``ImageInputReferenceParam`` form);
+  ``"data:audio/wav;base64,..."``, ``"data:video/mp4;base64,..."``) or objects
+  ``{"image_url": URL}`` / ``{"audio_url": URL}`` / ``{"video_url": URL}`` with a data URL
+  (OpenAI's ``ImageInputReferenceParam`` form);
 - multipart: file parts named ``references`` or ``references[]`` (repeated), and the text
   fields the OpenAI SDK writes for ``extra_body={"references": [...]}``: ``references[]``
-  (a data URL each) and ``references[][image_url]`` / ``references[][audio_url]``.
+  (a data URL each) and ``references[][image_url]`` / ``[audio_url]`` / ``[video_url]``.
 
-Each is decoded by ``engine.media.reference_input`` (an image, a WAV soundtrack; a video
-file is refused). No URL is fetched and no file stored. A replica that takes no references
+Each is decoded by ``engine.media.reference_input`` (an image, a WAV soundtrack, a video
+file with its soundtrack). No URL is fetched and no file stored. A replica that takes no references
 refuses the field before anything is decoded; counts beyond the model's are the engine's
 400 (``reference_media.check_references``). Called by the video route.
 """
@@ -32,7 +33,8 @@ from ditserve.engine.server.fields.uploads import UploadLimits, is_file
 
 MAX_REFERENCES = 16  # decoded at most per request (the model's own bound is lower: 9 + 3)
 FORM_NAMES = (FIELD, f"{FIELD}[]")
-_FORM_KEY = re.compile(r"^references\[\]\[(image_url|audio_url)\]$")
+_KEYS = ("image_url", "audio_url", "video_url")
+_FORM_KEY = re.compile(r"^references\[\]\[(image_url|audio_url|video_url)\]$")
 
 
 def is_reference_field(name: str) -> bool:
@@ -61,8 +63,8 @@ def as_list(value: Any) -> list[Any]:
 
 async def decode_references(values: list[Any], *, limits: UploadLimits
                             ) -> tuple[Reference, ...]:
-    """Each value (a file part's bytes, a data URL, an ``{"image_url"|"audio_url": URL}``
-    object) decoded, in order; a 400 naming the reference that cannot be read."""
+    """Each value (a file part's bytes, a data URL, an ``{"image_url"|"audio_url"|
+    "video_url": URL}`` object) decoded, in order; a 400 naming the reference that cannot be read."""
     if len(values) > MAX_REFERENCES:
         raise invalid(FIELD, f"references: at most {MAX_REFERENCES} per request, got "
                              f"{len(values)}", code="invalid_reference")
@@ -84,12 +86,13 @@ async def _bytes(value: Any, name: str) -> bytes:
     if isinstance(value, bytes):
         return value
     if isinstance(value, dict) and len(value) == 1:
-        value = value.get("image_url", value.get("audio_url"))
+        value = next((value[key] for key in _KEYS if key in value), None)
     if not isinstance(value, str) or not value.startswith("data:") or ";base64," not in value:
         raise invalid(FIELD, f"{name}: must be a file part, a data URL "
-                             "(data:image/png;base64,... or data:audio/wav;base64,...) or "
-                             '{"image_url": DATA_URL} / {"audio_url": DATA_URL}; this server '
-                             "fetches no URLs", code="invalid_reference")
+                             "(data:image/png;base64,..., data:audio/wav;base64,..., "
+                             'data:video/mp4;base64,...) or {"image_url"|"audio_url"|'
+                             '"video_url": DATA_URL}; this server fetches no URLs',
+                      code="invalid_reference")
     try:
         return base64.b64decode(value.partition(";base64,")[2], validate=True)
     except ValueError as e:

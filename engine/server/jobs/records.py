@@ -17,7 +17,7 @@ from typing import Any
 
 from ditserve.engine.condition_image import ConditionImage
 from ditserve.engine.config.step_cache import StepCacheSpec
-from ditserve.engine.reference_media import Reference, ReferenceAudio
+from ditserve.engine.reference_media import Reference, ReferenceAudio, ReferenceVideo
 from ditserve.engine.request import LoraRef, SamplingParams
 from ditserve.engine.server.jobs.model import JobStatus, VideoJob, VideoSpec
 
@@ -69,6 +69,11 @@ def _encode_reference(reference: Reference) -> dict[str, Any]:
     if isinstance(reference, ConditionImage):
         return {"kind": "image", "width": reference.width, "height": reference.height,
                 "rgb": _packed(reference.rgb)}
+    if isinstance(reference, ReferenceVideo):  # the file as sent (compressed already)
+        return {"kind": "video", "file": base64.b64encode(reference.data).decode("ascii"),
+                "width": reference.width, "height": reference.height,
+                "count": reference.count, "fps": reference.fps,
+                "audio_rate": reference.audio_rate, "audio_channels": reference.audio_channels}
     return {"kind": "audio", "sample_rate": reference.sample_rate,
             "channels": reference.channels, "samples": _packed(reference.samples)}
 
@@ -76,6 +81,10 @@ def _encode_reference(reference: Reference) -> dict[str, Any]:
 def _decode_reference(data: dict[str, Any]) -> Reference:
     if data["kind"] == "image":
         return ConditionImage(data["width"], data["height"], _unpacked(data["rgb"]))
+    if data["kind"] == "video":
+        return ReferenceVideo(base64.b64decode(data["file"]), data["width"], data["height"],
+                              data["count"], data["fps"], data["audio_rate"],
+                              data["audio_channels"])
     return ReferenceAudio(data["sample_rate"], data["channels"], _unpacked(data["samples"]))
 
 

@@ -109,12 +109,14 @@ def _references_schema(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
     taken = limits.references
     if taken is None:
         return {"not": {}, "description": "references: only a ref2va replica takes them"}
-    most = taken.images + taken.audios
+    most = taken.total or taken.images + taken.audios + taken.videos
     audio = (f"WAV soundtracks at {taken.audio_rate} Hz (up to {taken.audios}, with an "
-             "image)" if taken.audio_rate is not None else "no audio")
+             "image or a video)" if taken.audio_rate is not None else "no audio")
+    videos = (f"video files (MP4, WebM, MOV; up to {taken.videos}, each with its soundtrack "
+              "at the same rate, if any)" if taken.videos else "no video files")
     description = (f"the media the video is conditioned on, in the order the model reads "
-                   f"them: images (PNG, JPEG, WebP; up to {taken.images}) and {audio}; "
-                   "video files are refused")
+                   f"them: images (PNG, JPEG, WebP; up to {taken.images}), {videos} and "
+                   f"{audio}")
     if form:
         return {"type": "array", "maxItems": most, "description": description + " (file "
                 "parts named references or references[], or references[] data URLs)",
@@ -126,7 +128,9 @@ def _references_schema(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
                 {"type": "object", "required": ["image_url"], "additionalProperties": False,
                  "properties": {"image_url": url}},
                 {"type": "object", "required": ["audio_url"], "additionalProperties": False,
-                 "properties": {"audio_url": url}}]}}
+                 "properties": {"audio_url": url}},
+                {"type": "object", "required": ["video_url"], "additionalProperties": False,
+                 "properties": {"video_url": url}}]}}
 
 
 def request_schema(limits: VideoLimits, *, form: bool) -> dict[str, Any]:
