@@ -94,6 +94,24 @@ def test_tiny_cosmos3_super_runs_its_baseline_in_the_same_process(tmp_path: Path
                     "--baseline-model", "cosmos3", "--out", str(tmp_path / "both")])
 
 
+def test_super_is_built_fp8_one_layer_at_a_time() -> None:
+    # build_fp8_by_layer: every decoder layer from a one-layer DiT of its own, quantized as
+    # made (an 80 GiB GPU never holds the Super DiT's bf16), then one stack of the config's
+    # layer count whose layers' linears are FP8 - what the whole build then quantized gives.
+    import torch
+
+    from ditserve.engine.formats.fp8_linear import FP8Linear
+
+    bench = load_bench()
+    dit = bench.build_fp8_by_layer("cosmos3-super", "tiny", torch.device("cpu"), 0)
+    assert len(dit.layers) == dit.config.num_hidden_layers == 2
+    kinds = [{type(m) for m in layer.modules()} for layer in dit.layers]
+    assert all(FP8Linear in k for k in kinds)
+    first, second = (layer.state_dict() for layer in dit.layers)
+    assert first.keys() == second.keys()
+    assert any(not torch.equal(first[k].float(), second[k].float()) for k in first)  # own seeds
+
+
 def test_cosmos3_layer_memory_counts_both_dits_at_720p(capsys: pytest.CaptureFixture[str]
                                                         ) -> None:
     # On the meta device: full-size layers, no weights; the wider DiT holds more.
