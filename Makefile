@@ -19,11 +19,12 @@ demo: install
 	$(VENV)/bin/ditserve demo
 
 # Tests run in up to four pytest-xdist workers (two on CI's 2-core runner: 30 min instead of
-# 36); `make test PYTEST_WORKERS=0` runs them in this process, as a debugger wants.
+# 36), a file's tests in one worker in file order, as a serial run has them (module fixtures
+# are shared by a file's tests); `make test PYTEST_WORKERS=0` runs them in this process.
 PYTEST_WORKERS ?= auto
 test: install helm
 	@set +e; $(VENV)/bin/pytest -q -p no:cacheprovider --numprocesses=$(PYTEST_WORKERS) \
-	  --maxprocesses=4 $(PYTEST_ARGS); rc=$$?; \
+	  --maxprocesses=4 --dist=loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc = 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 lint: install
