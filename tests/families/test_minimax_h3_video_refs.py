@@ -247,3 +247,20 @@ def test_decode_reads_as_diffusers_reads_a_file(tmp_path) -> None:  # type: igno
     first, _, _ = video_reference.decode(ours, limit=10)
     assert np.array_equal(first, theirs.frames[:10])
     assert video_reference.frames_needed(ours, 24, 24.0) == 31  # 24 frames at 24 fps of 30
+
+
+def test_generate_takes_a_video_reference(replica, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import av
+
+    from ditserve.engine.cli.main import main
+
+    clip = tmp_path / "dance.mov"
+    clip.write_bytes(mp4(1.0, 25, 48, 32, 12, sound_rate=RATE))
+    out = tmp_path / "out.mp4"
+    assert main(["generate", "--model", str(replica), "--device", "cpu", "--prompt", "dance",
+                 "--steps", "1", "--seed", "2", "--height", "32", "--width", "64",
+                 "--num-frames", str(FRAMES), "--reference", str(clip), "--audio",
+                 "--out", str(out)]) == 0
+    with av.open(str(out)) as container:
+        assert container.streams.video[0].frames == FRAMES
+        assert container.streams.audio[0].rate == RATE
