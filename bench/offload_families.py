@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -123,6 +124,15 @@ def build_dit(model: str, size: str, device: torch.device, seed: int,
     return one(seed)
 
 
+def layer_count(model: str, size: str) -> int:
+    """A Cosmos3 DiT's decoder layers at ``size``: its config's, else the class's default
+    (the released Nano shape is the class's defaults and names none)."""
+    from ditserve.engine.makers.builders import dit_class, dit_config
+
+    default = inspect.signature(dit_class(model).__init__).parameters["num_hidden_layers"]
+    return int(dit_config(model, size).get("num_hidden_layers", default.default))
+
+
 def build_fp8_by_layer(model: str, size: str, device: torch.device, seed: int
                       ) -> torch.nn.Module:
     """A random Cosmos3 DiT whose decoder layers' linears are FP8, built and quantized one
@@ -139,8 +149,8 @@ def build_fp8_by_layer(model: str, size: str, device: torch.device, seed: int
     from ditserve.engine.weights.quantize import fp8_rule
 
     config = dit_config(model, size)
-    count = int(config["num_hidden_layers"])
     cls = dit_class(model)
+    count = layer_count(model, size)
 
     def one_layer(s: int) -> torch.nn.Module:
         torch.manual_seed(s)

@@ -104,6 +104,9 @@ def test_super_is_built_fp8_one_layer_at_a_time() -> None:
 
     bench = load_bench()
     dit = bench.build_fp8_by_layer("cosmos3-super", "tiny", torch.device("cpu"), 0)
+    # The released Nano config names no layer count (the class's default); Super's does.
+    assert bench.layer_count("cosmos3", "full") == 36
+    assert bench.layer_count("cosmos3-super", "full") == 64
     assert len(dit.layers) == dit.config.num_hidden_layers == 2
     kinds = [{type(m) for m in layer.modules()} for layer in dit.layers]
     assert all(FP8Linear in k for k in kinds)
