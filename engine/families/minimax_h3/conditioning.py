@@ -15,18 +15,21 @@ whose components and model facts it reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ditserve.engine.errors import InvalidRequestError
-from ditserve.engine.families.minimax_h3 import keyframes
+from ditserve.engine.families.minimax_h3 import keyframes, video_processor
 from ditserve.engine.families.minimax_h3 import references as refs
 from ditserve.engine.families.minimax_h3.packing import ItemLayout
+from ditserve.engine.families.minimax_h3.video_processor import VisionProcessors
 from ditserve.engine.reference_media import Reference, ReferenceVideo
 from ditserve.engine.request import SamplingParams
 
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # diffusers' (ImageNet)
+CANVAS = (768, 768 * 1344)  # diffusers' canvas_short_edge, canvas_max_pixels (released)
 Grid = tuple[int, int, int, int]  # latent frames, latent height, width, audio latents
 
 
@@ -140,10 +143,41 @@ class ConditionRows:
     reference_limits: Any
     canvas: tuple[int, int]
     fps: int
+    image_processor: Any
+    vision_processors: VisionProcessors
+    condition_images: tuple[int, int]
+
+    @property
+    def audio_rate(self) -> int:  # the pipeline's: its audio VAE's sampling rate
+        raise NotImplementedError
 
     @property
     def max_frames(self) -> int:  # the pipeline's: the longest clip
         raise NotImplementedError
+
+    def read_conditioners(self, components: Any) -> None:
+        """What the model directory lets a request condition on: keyframes (a first and a
+        last frame) where it has Qwen3-VL's image processor, which reads them into the
+        prompt (text only otherwise); on a ref2va replica (its DiT the checkpoint's
+        transformer_ref) references instead (``references.replica_limits``), video ones
+        where the processor folder has the video processor too."""
+        config = components.config
+        self.image_processor = keyframes.load_image_processor(components.model_dir)
+        self.condition_images = (0, 0 if self.image_processor is None
+                                 else keyframes.MAX_KEYFRAMES)
+        self.reference_short_edge = int(config.get("reference_image_short_edge",
+                                                   refs.DEFAULT_SHORT_EDGE))
+        # The canvas rule (short edge, area cap) a video reference is put on, as the target.
+        self.canvas = (int(config.get("canvas_short_edge", CANVAS[0])),
+                       int(config.get("canvas_max_pixels", CANVAS[1])))
+        self.vision_processors = VisionProcessors(
+            self.image_processor,
+            video_processor.load(Path(components.model_dir) / keyframes.PROCESSOR))
+        self.reference_limits = refs.replica_limits(
+            components.model_dir, self.image_processor, int(self.audio_rate),
+            self.vision_processors.video_processor)
+        if self.reference_limits is not None:
+            self.condition_images = (0, 0)
 
     def condition_tokens(self, params: SamplingParams) -> int:
         side = self.pixel_multiple

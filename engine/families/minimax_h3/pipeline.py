@@ -42,28 +42,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ditserve.engine.errors import InvalidRequestError
 from ditserve.engine.families import MINIMAX_H3
-from ditserve.engine.families.minimax_h3 import (
-    TEXT_LAYER,
-    conditioning,
-    keyframes,
-    presentation,
-    video_processor,
-)
-from ditserve.engine.families.minimax_h3 import references as refs
+from ditserve.engine.families.minimax_h3 import TEXT_LAYER, conditioning, keyframes, presentation
 from ditserve.engine.families.minimax_h3.packing import (
     StepItem,
     install,
     items_in_flight,
     joint_inputs,
 )
-from ditserve.engine.families.minimax_h3.video_processor import VisionProcessors
 from ditserve.engine.pipelines.common import upload
 from ditserve.engine.reference_media import Reference, check_references
 from ditserve.engine.request import ConditionImage, ModelLimits
@@ -75,7 +66,6 @@ if TYPE_CHECKING:
     from ditserve.engine.weights.loader import LoadedComponents
 
 MAX_PROMPT_CHARS = 4000
-CANVAS = (768, 768 * 1344)  # diffusers' canvas_short_edge, canvas_max_pixels (released)
 MAX_PROMPT_TOKENS = 1024  # bounds the planner's estimate; prompts are never truncated
 AUDIO = "audio"  # host: the request's _AudioTrack
 PIXEL_MEAN, PIXEL_STD = conditioning.PIXEL_MEAN, conditioning.PIXEL_STD
@@ -154,25 +144,11 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
         self._audio_stats = (amean.view(1, -1, 1).to(device), astd.view(1, -1, 1).to(device))
         self._pixel_stats = tuple(torch.tensor(v, device=device).view(1, -1, 1, 1, 1)
                                   for v in (PIXEL_MEAN, PIXEL_STD))
-        # Keyframes (a first and a last frame) where the directory has Qwen3-VL's image
-        # processor, which reads them into the prompt; text only otherwise.
-        self.image_processor = keyframes.load_image_processor(components.model_dir)
-        self.condition_images = (0, 0 if self.image_processor is None else keyframes.MAX_KEYFRAMES)
-        # A ref2va replica (its DiT the checkpoint's transformer_ref) serves the
-        # omni-reference workflow alone (``references.replica_limits``).
-        self.reference_short_edge = int(components.config.get(
-            "reference_image_short_edge", refs.DEFAULT_SHORT_EDGE))
-        # The canvas rule (short edge, area cap) a video reference is put on, as the target.
-        self.canvas = (int(components.config.get("canvas_short_edge", CANVAS[0])),
-                       int(components.config.get("canvas_max_pixels", CANVAS[1])))
-        self.vision_processors = VisionProcessors(
-            self.image_processor,
-            video_processor.load(Path(components.model_dir) / keyframes.PROCESSOR))
-        self.reference_limits = refs.replica_limits(
-            components.model_dir, self.image_processor, int(self.audio_vae.config.sampling_rate),
-            self.vision_processors.video_processor)
-        if self.reference_limits is not None:
-            self.condition_images = (0, 0)
+        self.read_conditioners(components)
+
+    @property
+    def audio_rate(self) -> int:
+        return int(self.audio_vae.config.sampling_rate)
 
     @property
     def min_frames(self) -> int:
@@ -207,9 +183,9 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
         (``presentation``, ``references``)."""
         if references:
             return conditioning.presented(self, prompt, references, frames)
-        frames = keyframes.on_canvas(images, *canvas)
+        placed = keyframes.on_canvas(images, *canvas)
         return presentation.encode(
-            self.text_encoder, self.tokenizer, self.image_processor, prompt, frames,
+            self.text_encoder, self.tokenizer, self.image_processor, prompt, placed,
             layer=TEXT_LAYER, device=self.device, text_tag=self.text_tag,
             video_tag=self.video_tag)
 
@@ -363,4 +339,4 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
                                           return_dict=False)[0]
             waves.append(audio.float().permute(1, 0, 2))  # (1, 2, samples)
         state.audio = torch.cat(waves).to("cpu", non_blocking=True)
-        state.audio_rate = int(self.audio_vae.config.sampling_rate)
+        state.audio_rate = self.audio_rate
