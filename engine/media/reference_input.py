@@ -28,8 +28,13 @@ def is_wav(data: bytes) -> bool:
     return data[:4] == b"RIFF" and data[8:12] == b"WAVE"
 
 
+# A QuickTime file's first atom: ``ftyp`` (MP4, MOV since 2001), or one older files start
+# with; Matroska/WebM's EBML magic; RIFF AVI.
+_FIRST_ATOMS = (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot")
+
+
 def is_video(data: bytes) -> bool:
-    return data[4:8] == b"ftyp" or data[:4] == b"\x1a\x45\xdf\xa3" or \
+    return data[4:8] in _FIRST_ATOMS or data[:4] == b"\x1a\x45\xdf\xa3" or \
         (data[:4] == b"RIFF" and data[8:12] == b"AVI ")
 
 

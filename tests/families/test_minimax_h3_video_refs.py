@@ -10,6 +10,7 @@ test_minimax_h3_video_processor.py)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +265,31 @@ def test_generate_takes_a_video_reference(replica, tmp_path) -> None:  # type: i
     with av.open(str(out)) as container:
         assert container.streams.video[0].frames == FRAMES
         assert container.streams.audio[0].rate == RATE
+
+
+def test_container_files_are_told_from_images() -> None:
+    import av
+
+    from ditserve.engine.media.reference_input import is_video
+
+    def container(fmt: str, codec: str) -> bytes:
+        out = io.BytesIO()
+        with av.open(out, mode="w", format=fmt) as file:
+            stream = file.add_stream(codec, rate=24)
+            stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+            frame = av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")
+            for packet in [*stream.encode(frame), *stream.encode()]:
+                file.mux(packet)
+        return out.getvalue()
+
+    for fmt, codec in (("mp4", "libx264"), ("mov", "libx264"), ("matroska", "libx264"),
+                       ("avi", "mpeg4")):
+        assert is_video(container(fmt, codec)), fmt
+    # A QuickTime file from before the ftyp atom starts with another atom.
+    assert is_video(b"\0\0\0\x08wide\0\0\0\x10mdat" + bytes(8))
+    png = io.BytesIO()
+    picture_pixels = np.zeros((4, 4, 3), np.uint8)
+    from PIL import Image
+
+    Image.fromarray(picture_pixels).save(png, format="PNG")
+    assert not is_video(png.getvalue())
