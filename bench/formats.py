@@ -27,7 +27,10 @@ about the sum over blocks of max(copy, compute), which exceeds both sums where s
 longer than they compute and others the reverse; a third slot lets the copy run ahead.
 ``--compile``: each row is timed again with the blocks compiled as ``--compile`` serves them
 ("fp8+compiled"): eager FP8 quantizes each linear's activations in separate kernels, which
-makes a b1 step compute-bound at half the bytes; compiled, inductor fuses them.
+makes a b1 step compute-bound at half the bytes; compiled, inductor fuses them. With
+``--resident`` too, the resident DiT is also timed compiled, and each compiled row gets a second
+target, ``DLO b1 <= 1.05 x max(floor, resident)``: where a format's resident step is longer
+than its copies (Q4_K's dequantization), no streaming schedule gets below the resident step.
 """
 
 from __future__ import annotations
@@ -132,6 +135,15 @@ def run_format(fmt: str, args: argparse.Namespace, device: torch.device, gbps: f
     if args.resident and device.type == "cuda":
         dit.to(device)
         result["resident_ms"] = time_forwards(dit, device, args)
+        if args.compile:
+            # What a compiled DLO step can reach where the step is compute-bound: the same
+            # blocks compiled and resident (no copies at all).
+            compile_repeated_blocks(dit, args.compile_backend)
+            resident_compiled_ms = time_forwards(dit, device, args)
+            for r in rows:
+                if r.get("compiled"):
+                    r["resident_ms"] = resident_compiled_ms
+            harness.uncompile_blocks(dit)
         del dit
         harness.release_device_cache()
         if fmt.startswith("gguf:"):
@@ -165,6 +177,13 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"target": f"{r['format']} DLO b1 <= {FLOOR_BOUND} x its floor",
                     "value": r["dlo_ms"], "bound": FLOOR_BOUND * r["floor_ms"],
                     "ok": r["dlo_ms"] <= FLOOR_BOUND * r["floor_ms"]})
+        if r.get("compiled") and "resident_ms" in r:
+            # A step is bounded by its copies and by its compute, whichever is longer: where
+            # the resident step is above the floor, this is the bound the step can reach.
+            reach = max(r["floor_ms"], r["resident_ms"])
+            out.append({"target": f"{r['format']} DLO b1 <= {FLOOR_BOUND} x max(floor, resident)",
+                        "value": r["dlo_ms"], "bound": FLOOR_BOUND * reach,
+                        "ok": r["dlo_ms"] <= FLOOR_BOUND * reach})
         if bf16 is not None and r is not bf16:
             r["floor_vs_bf16"] = r["streamed_bytes"] / bf16["streamed_bytes"]
         if "diffusers_resident_ms" in r:

@@ -443,3 +443,20 @@ def test_programs_use_only_public_engine_state_and_share_only_the_harness(name: 
                 and isinstance(node.func.value.value, ast.Name) \
                 and node.func.value.value.id in modules:
             pytest.fail(f"{name}.py:{node.lineno} mutates module state: {ast.unparse(node)}")
+
+
+def test_checkpoint_formats_judges_a_compiled_row_against_its_resident_step_too() -> None:
+    # A compute-bound format (Q4_K: its resident step is longer than its copies) can reach
+    # the resident step, not the copy floor: the compiled row gets both targets.
+    formats = load("formats")
+    rows = [{"format": "gguf:Q4_K", "dlo_ms": 197.0, "floor_ms": 124.0, "resident_ms": 193.0,
+             "streamed_bytes": 6},
+            {"format": "gguf:Q4_K+compiled", "compiled": True, "dlo_ms": 174.0,
+             "floor_ms": 124.0, "resident_ms": 168.0, "streamed_bytes": 6}]
+    judged = {t["target"]: t for t in formats.targets(rows)}
+    floor = judged["gguf:Q4_K+compiled DLO b1 <= 1.05 x its floor"]
+    reach = judged["gguf:Q4_K+compiled DLO b1 <= 1.05 x max(floor, resident)"]
+    assert not floor["ok"] and floor["bound"] == 1.05 * 124.0
+    assert reach["ok"] and reach["bound"] == 1.05 * 168.0
+    # the eager row keeps only its floor target (its resident time is the eager one)
+    assert "gguf:Q4_K DLO b1 <= 1.05 x max(floor, resident)" not in judged

@@ -52,7 +52,7 @@ from ditserve.engine.distributed.protocol import (
 from ditserve.engine.distributed.rendezvous import (
     Rendezvous,
     destroy,
-    free_port,
+    host_store,
     init_groups,
     rank_device,
     worker_timeout_s,
@@ -93,8 +93,10 @@ class MultiProcessExecutor:
         # at a time (a step loop, or a report refresh from a /ready handler).
         self._locks = [threading.Lock() for _ in range(world)]
         rdv = Rendezvous.from_env()
+        store = None
         if rdv is None:
-            rdv = Rendezvous("127.0.0.1", free_port(), world, 0, 0)
+            store = host_store(world, self.timeout_s)
+            rdv = Rendezvous("127.0.0.1", store.port, world, 0, 0)
             self._spawn_workers(rdv, config, parallel, model_dir)
         elif rdv.world_size != world or rdv.rank != 0:
             raise ConfigError(
@@ -104,7 +106,7 @@ class MultiProcessExecutor:
             )
         device = rank_device(config.device, rdv.local_rank)
         try:
-            groups = init_groups(rdv, device, self.timeout_s, self.topology)
+            groups = init_groups(rdv, device, self.timeout_s, self.topology, store)
             self._links = {r: Link(groups.pair(r), peer=r) for r in range(1, world)}
             self.runner = ModelRunner(config, model_dir=model_dir, device=device,
                                       weight_group=groups.weight,

@@ -72,9 +72,22 @@ class Rendezvous:
 
 
 def free_port() -> int:
+    """A port nothing listens on now. Another process can take it before the caller binds it:
+    where the caller starts the listener itself, prefer ``host_store``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def host_store(world_size: int, timeout_s: float, host: str = "127.0.0.1") -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on a port the OS picks as it binds.
+
+    Choosing a free port and binding it later leaves a window in which another process (a
+    parallel test, a gloo connection's ephemeral port) can take it; binding first and handing
+    the bound port (``.port``) to the workers leaves none. Workers join it as clients, through
+    ``rendezvous_store``."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
@@ -109,10 +122,21 @@ class Groups:
         return self.pairs[rank - 1]
 
 
+def rendezvous_store(rdv: Rendezvous, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT: rank 0 serves it, the others join it.
+
+    Every rank passes a store to ``init_process_group`` (none gives it a ``tcp://`` URL):
+    torch prefixes the keys of a store it makes from a URL and not those of one it is given,
+    so ranks that joined the two ways would never see each other's addresses."""
+    return dist.TCPStore(rdv.master_addr, rdv.master_port, rdv.world_size,
+                         is_master=rdv.rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float,
-                topology: Topology) -> Groups:
+                topology: Topology, store: dist.Store | None = None) -> Groups:
     """Join the rendezvous; returns this process's weight and sequence groups (as the
-    ``topology`` names them) and the pair groups."""
+    ``topology`` names them) and the pair groups. store: rank 0's own ``host_store`` when it
+    hosts the rendezvous itself (None: ``rendezvous_store``)."""
     if topology.world_size != rdv.world_size:
         raise ConfigError(f"the topology has {topology.world_size} processes but the rendezvous "
                           f"WORLD_SIZE is {rdv.world_size}")
@@ -128,7 +152,7 @@ def init_groups(rdv: Rendezvous, device: torch.device, timeout_s: float,
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = True
     dist.init_process_group(
-        backend, init_method=f"tcp://{rdv.master_addr}:{rdv.master_port}",
+        backend, store=store if store is not None else rendezvous_store(rdv, timeout_s),
         rank=rdv.rank, world_size=rdv.world_size, timeout=timeout, pg_options=options,
     )
     # Every rank creates every group, in the same order (a collective requirement).

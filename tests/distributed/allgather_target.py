@@ -19,12 +19,12 @@ check raises, which ``torch.multiprocessing.spawn`` re-raises in the parent.
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from distributed.rendezvous_support import join_group  # type: ignore[import-not-found]
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
@@ -80,8 +80,7 @@ def run_rank(rank: int, world: int, port: int, out: str, backend: str = "gloo",
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    join_group(backend, rank, world, port, timeout_s=60)
     try:
         _checks(rank, world, Path(out), device, OffloadConfig(enabled=True, slots=slots,
                                                               gather=gather))

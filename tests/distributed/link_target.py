@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-
 # Around the frame size: inline, exactly full, one byte over, and far over (pixels).
 SIZES = [0, 100, 16 * 1024 - 40, 16 * 1024, 16 * 1024 + 1, 300_000]
 
@@ -14,11 +12,11 @@ def message(size: int) -> dict[str, object]:
 
 def run_end(rank: int, port: int) -> None:
     import torch.distributed as dist
+    from distributed.rendezvous_support import join_group  # type: ignore[import-not-found]
 
     from ditserve.engine.distributed.protocol import Link
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    join_group("gloo", rank, 2, port, timeout_s=60)
     try:
         pair = dist.new_group([0, 1], backend="gloo")
         link = Link(pair, peer=1 - rank)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from distributed.rendezvous_support import join_group  # type: ignore[import-not-found]
 
 from ditserve.engine.parallel.sharding import shard_dit
 from ditserve.engine.parallel.ulysses import SequenceGroup, ulysses_attention
@@ -159,8 +160,7 @@ def _hung_peer(rank: int, world: int) -> str | None:
 
 
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    join_group("gloo", rank, world, port, timeout_s=120)
     try:
         sp = SequenceGroup.of(dist.new_group(list(range(world)), backend="gloo"))
         results: dict[str, Any] = {name: _check(build, inputs, sp)

@@ -8,7 +8,7 @@ import pytest
 import torch.multiprocessing as mp
 from distributed.allgather_target import run_rank  # type: ignore[import-not-found]
 
-from ditserve.engine.distributed.rendezvous import free_port
+from ditserve.engine.distributed.rendezvous import host_store
 from ditserve.engine.errors import OffloadError
 from ditserve.engine.offload.plan import ALIGN_BYTES, TensorSpec, build_plan, layout_block
 from ditserve.engine.offload.shards import shard_block, shard_slot_numel
@@ -61,7 +61,8 @@ def test_shard_refuses_unpadded_regions_and_bad_ranks() -> None:
 def test_gloo_ranks_gather_exact_blocks(tmp_path, world: int, slots: int | None) -> None:  # type: ignore[no-untyped-def]
     # Every check (bit-identical gathered blocks, exact forwards, idle passes, a faulting
     # forward, collective restore) runs inside the ranks; a failure there fails the spawn.
-    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path), "gloo", slots), nprocs=world,
+    store = host_store(world, 60)
+    mp.spawn(run_rank, args=(world, store.port, str(tmp_path), "gloo", slots), nprocs=world,
              join=True)
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     model_bytes = facts[0]["model_block_bytes"]
@@ -92,7 +93,8 @@ def test_nccl_ranks_gather_exact_blocks(tmp_path, slots: int, gather: str) -> No
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    mp.spawn(run_rank, args=(2, free_port(), str(tmp_path), "nccl", slots, gather), nprocs=2,
+    store = host_store(2, 60)
+    mp.spawn(run_rank, args=(2, store.port, str(tmp_path), "nccl", slots, gather), nprocs=2,
              join=True)
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert facts[0]["final"]["transfer"] == (

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from distributed.sp_target import CASES, run_rank  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, ParallelConfig, sequence_parallel_problems
-from ditserve.engine.distributed.rendezvous import free_port
+from ditserve.engine.distributed.rendezvous import host_store
 from ditserve.engine.distributed.topology import Topology
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.loop.engine import DiffusionEngine, EnginePhase
@@ -55,7 +55,8 @@ def test_joint_key_mask_follows_the_all_to_all_order() -> None:
 @pytest.mark.slow
 def test_sequence_parallel_dits_equal_the_plain_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
     world = 2
-    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    store = host_store(world, 120)
+    mp.spawn(run_rank, args=(world, store.port, str(tmp_path)), nprocs=world, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for name, (_, inputs) in CASES.items():
         for rank in ranks:

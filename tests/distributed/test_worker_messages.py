@@ -68,6 +68,7 @@ def test_a_link_carries_messages_of_any_size_between_two_processes() -> None:
     import torch.multiprocessing as mp
     from distributed.link_target import run_end  # type: ignore[import-not-found]
 
-    from ditserve.engine.distributed.rendezvous import free_port
+    from ditserve.engine.distributed.rendezvous import host_store
 
-    mp.spawn(run_end, args=(free_port(),), nprocs=2, join=True)
+    store = host_store(2, 60)
+    mp.spawn(run_end, args=(store.port,), nprocs=2, join=True)

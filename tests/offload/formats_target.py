@@ -12,12 +12,12 @@ re-raises in the parent.
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from distributed.rendezvous_support import join_group  # type: ignore[import-not-found]
 from torch import nn
 
 from ditserve.engine.config import OffloadConfig
@@ -68,8 +68,7 @@ def _steps(model: nn.Module, x: torch.Tensor, config: OffloadConfig) -> tuple[li
 
 
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    join_group("gloo", rank, world, port, timeout_s=120)
     try:
         model = ToyDiT()
         weights = {k: v.clone() for k, v in model.state_dict().items()}

@@ -8,7 +8,7 @@ import pytest
 import torch.multiprocessing as mp
 from offload.formats_target import run_rank  # type: ignore[import-not-found]
 
-from ditserve.engine.distributed.rendezvous import free_port
+from ditserve.engine.distributed.rendezvous import host_store
 
 
 @pytest.mark.slow
@@ -16,7 +16,8 @@ def test_packed_and_fp8_blocks_gather_exactly_over_two_gloo_ranks(tmp_path) -> N
     # The equality checks (packed == plain == resident, weights decoded back exactly, FP8
     # DLO == resident FP8) run inside the ranks; a failure there fails the spawn.
     world = 2
-    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    store = host_store(world, 120)
+    mp.spawn(run_rank, args=(world, store.port, str(tmp_path)), nprocs=world, join=True)
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for rank, f in enumerate(facts):
         plain, packed, fp8 = f["plain"], f["packed"], f["fp8"]
