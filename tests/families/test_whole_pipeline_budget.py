@@ -210,13 +210,12 @@ def test_a_refused_budget_is_the_servers_termination_message(family_dir, tmp_pat
     """`ditserve serve` under a budget it cannot meet exits, and the refusal - with the
     smallest budget - is the pod's termination message (the operator's status reads it)."""
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import free_port  # type: ignore[import-not-found]
+
+    port = free_port()
     log = tmp_path / "termination-log"
     log.write_text("")  # the kubelet creates the file before the container starts
     env = {**os.environ, "DITSERVE_TERMINATION_LOG": str(log), "HF_HUB_OFFLINE": "1"}

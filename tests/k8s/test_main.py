@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,14 +12,9 @@ from typing import Any
 import aiohttp
 import pytest
 from k8s.k8s_emulator import DEPLOYMENTS, Emulator, eventually, http, write_kubeconfig
+from ports import free_port  # type: ignore[import-not-found]
 
 pytestmark = [pytest.mark.kmock(cls=Emulator)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _healthy(url: str) -> bool:
@@ -34,7 +28,7 @@ async def _healthy(url: str) -> bool:
 async def test_console_script_serves_liveness_reconciles_and_stops(kmock: Emulator,
                                                                   tmp_path: Path) -> None:
     config = write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))
-    port = _free_port()
+    port = free_port()
     script = Path(sys.executable).parent / "ditserve-operator"
     log = (tmp_path / "operator.log").open("wb")
     proc = await asyncio.create_subprocess_exec(

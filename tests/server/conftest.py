@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port  # type: ignore[import-not-found]
 
 STARTUP_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_port  # type: ignore[import-not-found]
 
 STARTUP_TIMEOUT_S = 20.0
 
@@ -28,12 +29,6 @@ def redis_server_binary() -> str:
                         "redis-server)")
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RedisServer:
