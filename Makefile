@@ -18,12 +18,12 @@ helm:
 demo: install
 	$(VENV)/bin/ditserve demo
 
-# `make test PYTEST_WORKERS=auto` spreads the files over up to four pytest-xdist workers, a
-# file's tests in one worker in file order (module fixtures are shared by a file's tests): 30-32
-# min instead of 36 on a 2-core machine. Not the default: in parallel, two workers' gloo
-# rendezvous and test servers pick free ports at the same time, and one run in two lost a
-# distributed test to that; CI runs the tests one after another (0: in this process).
-PYTEST_WORKERS ?= 0
+# `make test` spreads the test files over pytest-xdist workers (one per core, at most four), a
+# file's tests in one worker in file order (module fixtures are shared by a file's tests): 31-37
+# min instead of 41-45 on a 2-core machine. Parallel files never race for a port: spawned ranks
+# join a store their parent bound first, and test servers take ports from a block of their own
+# below the ephemeral range (tests/ports.py). PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= auto
 test: install helm
 	@set +e; $(VENV)/bin/pytest -q -p no:cacheprovider --numprocesses=$(PYTEST_WORKERS) \
 	  --maxprocesses=4 --dist=loadfile $(PYTEST_ARGS); rc=$$?; \
