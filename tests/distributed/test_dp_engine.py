@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -198,3 +200,37 @@ def test_report_refreshes_from_another_thread_do_not_disturb_steps(tiny_model_di
         poller.join(timeout=60)
         engine.shutdown()
     assert refreshes > 0
+
+
+def test_ranks_a_launcher_started_meet_through_the_environment(  # type: ignore[no-untyped-def]
+        tiny_model_dir, alone, monkeypatch, tmp_path) -> None:
+    # As in a pod: the launcher starts rank 0 (serve's engine) and `ditserve worker` for rank 1
+    # with MASTER_ADDR/MASTER_PORT; rank 0 serves the rendezvous store there and the worker,
+    # started first, keeps trying until it is up.
+    from ports import free_port  # type: ignore[import-not-found]
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "ditserve.engine.cli", "worker", "--model", str(tiny_model_dir),
+             "--device", "cpu", "--data-parallel-size", "2"],
+            stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, **env, "RANK": "1", "LOCAL_RANK": "1", "HF_HUB_OFFLINE": "1"})
+    for name, value in {**env, "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        engine = dp_engine(tiny_model_dir, 2)
+        try:
+            handles = [engine.add_request(p) for p in REQUESTS]
+            results = [h.result(timeout=120) for h in handles]
+            assert engine.stats().ranks == 2
+        finally:
+            engine.shutdown()
+        assert worker.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    for i, result in enumerate(results):
+        assert (result.pixels - alone[i]).abs().max().item() <= 1e-4, f"request {i}"
