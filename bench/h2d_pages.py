@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ditserve.engine.distributed.rendezvous import free_port
+from ditserve.engine.distributed.ports import free_port
 from ditserve.engine.offload.host.memory import PinnedMemory
 
 MIB, GIB = 2**20, 2**30

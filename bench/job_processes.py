@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -17,10 +16,11 @@ from typing import Any
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface, for a server the benchmark starts."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free TCP port on the loopback interface, for a server the benchmark starts (below
+    the ephemeral range: see ``ditserve.engine.distributed.ports``)."""
+    from ditserve.engine.distributed.ports import free_port as pick
+
+    return pick()
 
 
 def start_moto() -> Any:

@@ -705,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/offload_dp.py needs 2 CUDA devices (or --tiny for a CPU smoke run)",
               file=sys.stderr)
         return 2
-    from ditserve.engine.distributed.rendezvous import free_port
+    from ditserve.engine.distributed.ports import free_port
 
     if not args.process_per_method:
         mp.spawn(rank_main, args=(world, free_port(), args), nprocs=world, join=True)

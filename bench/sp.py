@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_smoke and torch.cuda.device_count() < world:
         print("bench/sp.py needs 2 CUDA devices (or --cpu-smoke)", file=sys.stderr)
         return 2
-    from ditserve.engine.distributed.rendezvous import free_port
+    from ditserve.engine.distributed.ports import free_port
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

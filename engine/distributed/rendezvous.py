@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -69,14 +68,6 @@ class Rendezvous:
         if not 0 <= rank < world:
             raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
         return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, world, rank, local)
-
-
-def free_port() -> int:
-    """A port nothing listens on now. Another process can take it before the caller binds it:
-    where the caller starts the listener itself, prefer ``host_store``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def host_store(world_size: int, timeout_s: float, host: str = "127.0.0.1") -> dist.TCPStore:
