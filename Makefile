@@ -20,9 +20,11 @@ demo: install
 
 # `make test` spreads the test files over pytest-xdist workers (one per core, at most four), a
 # file's tests in one worker in file order (module fixtures are shared by a file's tests): 31-37
-# min instead of 41-45 on a 2-core machine. Parallel files never race for a port: spawned ranks
-# join a store their parent bound first, and test servers take ports from a block of their own
-# below the ephemeral range (tests/ports.py). PYTEST_WORKERS=0 runs them in this process.
+# min instead of 41-45 on a 2-core machine. What a worker's earlier files leave behind must not
+# reach its later ones: spawned ranks import from the worker's sys.path (a bench program that
+# put bench/ there made them import bench/offload.py for tests/offload), and ports are taken
+# from a block per worker below the ephemeral range (tests/ports.py), rank 0's store bound
+# before its workers start. PYTEST_WORKERS=0 runs the files in this process.
 PYTEST_WORKERS ?= auto
 test: install helm
 	@set +e; $(VENV)/bin/pytest -q -p no:cacheprovider --numprocesses=$(PYTEST_WORKERS) \

@@ -48,9 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).parent))
-from job_processes import free_port, start_moto, stop, wait_ready  # noqa: E402
+from job_processes import free_port, start_moto, stop, wait_ready
 
 STARTUP_TIMEOUT_S = 300.0
 SAMPLE_S = 0.05

@@ -16,6 +16,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,13 +35,17 @@ PROGRAMS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in SHARED)
 def load(name: str) -> ModuleType:
     """A bench program as a module. Programs import the shared modules by name (their folder
     is on sys.path when they run): bind them while the program loads, then put sys.modules
-    back."""
+    back. A program that changes sys.path as it loads gets it put back too: a test worker's
+    sys.path is what the processes it spawns import from (bench/offload.py would stand in
+    for tests/offload)."""
     saved = {shared: sys.modules.get(shared) for shared in SHARED}
+    path = list(sys.path)
     try:
         for shared in SHARED:
             sys.modules[shared] = _exec(BENCH / f"{shared}.py", f"bench_{shared}")
         return _exec(BENCH / f"{name}.py", f"bench_{name}")
     finally:
+        sys.path[:] = path
         for shared, module in saved.items():
             if module is not None:
                 sys.modules[shared] = module
@@ -417,8 +422,12 @@ def test_every_program_loads(name: str) -> None:
 
 @pytest.mark.parametrize("name", PROGRAMS + list(SHARED))
 def test_programs_use_only_public_engine_state_and_share_only_the_harness(name: str) -> None:
-    tree = ast.parse((BENCH / f"{name}.py").read_text())
+    source = (BENCH / f"{name}.py").read_text()
+    tree = ast.parse(source)
     assert _changes_module_globals(tree) == [], f"{name}.py changes module-level state"
+    # A program runs with its folder on sys.path already; one that adds it as it loads leaves
+    # bench/ on the path of whatever imported it (a test worker, and the processes it spawns).
+    assert not re.search(r"sys\.path\.(insert|append)", source), f"{name}.py changes sys.path"
     modules = _engine_aliases(tree)
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
