@@ -20,11 +20,9 @@ demo: install
 
 # `make test` spreads the test files over pytest-xdist workers (one per core, at most four), a
 # file's tests in one worker in file order (module fixtures are shared by a file's tests): 31-37
-# min instead of 41-45 on a 2-core machine. What a worker's earlier files leave behind must not
-# reach its later ones: spawned ranks import from the worker's sys.path (a bench program that
-# put bench/ there made them import bench/offload.py for tests/offload), and ports are taken
-# from a block per worker below the ephemeral range (tests/ports.py), rank 0's store bound
-# before its workers start. PYTEST_WORKERS=0 runs the files in this process.
+# min instead of 41-45 on a 2-core machine. A worker's earlier files must leave nothing its
+# later ones trip on (its sys.path is what the ranks it spawns import from); test servers take
+# ports from a block per worker (tests/ports.py). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= auto
 test: install helm
 	@set +e; $(VENV)/bin/pytest -q -p no:cacheprovider --numprocesses=$(PYTEST_WORKERS) \

@@ -14,13 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface, for a server the benchmark starts (below
-    the ephemeral range: see ``ditserve.engine.distributed.ports``)."""
-    from ditserve.engine.distributed.ports import free_port as pick
-
-    return pick()
+# The benches' servers take their ports from below the ephemeral range (see that module).
+from ditserve.engine.distributed.ports import free_port as free_port
 
 
 def start_moto() -> Any:

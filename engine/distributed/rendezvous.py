@@ -70,14 +70,14 @@ class Rendezvous:
         return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, world, rank, local)
 
 
-def host_store(world_size: int, timeout_s: float, host: str = "127.0.0.1") -> dist.TCPStore:
+def host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's rendezvous store, listening on a port the OS picks as it binds.
 
     Choosing a free port and binding it later leaves a window in which another process (a
     parallel test, a gloo connection's ephemeral port) can take it; binding first and handing
     the bound port (``.port``) to the workers leaves none. Workers join it as clients, through
     ``rendezvous_store``."""
-    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -1,10 +1,9 @@
-"""A rendezvous for tests that spawn their own ranks, free of port races.
+"""A rendezvous for tests that spawn their own ranks.
 
-The test process hosts the store (the engine's ``host_store``: bound to a port the OS
-picks as it binds) and hands the bound port to the ranks, which join it as clients (a store
-object, as the engine's ranks join: see ``rendezvous_store``). Choosing a
-free port first and letting rank 0 bind it later raced with parallel test workers and with
-gloo's own ephemeral connections: a port taken in between failed the spawn.
+The test process hosts the store (the engine's ``host_store``: bound to a port the OS picks
+as it binds) and hands the bound port to the ranks, which join it as clients (a store object,
+as the engine's ranks join: see ``rendezvous_store``). No port is chosen first and bound
+later, so nothing running beside the test can take it in between.
 """
 
 from __future__ import annotations
