@@ -128,6 +128,11 @@ class Bench:
             self.results["methods"]["resident"] = {"weights_bytes": weights}
             self.cells("resident", model)
             self.record_output("resident", model)
+            if not a.no_profile and not self.over_deadline():
+                # the same profiled step without copies: bench/trace_gaps.py compares the two
+                self.results["methods"]["resident"]["profile"] = harness.profile_steps(
+                    model, harness.image_inputs(a.model, model, a.profile_res, 1, self.device), 3,
+                    self.out / "resident_trace.json.gz")
         if "resident-compiled" in a.methods:
             self.compiled("resident-compiled", model)
             harness.uncompile_blocks(model)  # the bf16 offloads below run eagerly

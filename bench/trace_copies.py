@@ -17,58 +17,16 @@ X" from "the copies wait".
 from __future__ import annotations
 
 import argparse
-import bisect
-import gzip
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-H2D = "Memcpy HtoD (Pinned -> Device)"
-KINDS = ("nccl", "gemm", "attention", "other kernels", "memset")
-
-
-def kind_of(event: dict[str, Any]) -> str | None:
-    """Which kind of GPU work an event is (None: not GPU work that can overlap a copy)."""
-    cat, name = event.get("cat"), event.get("name", "")
-    if cat == "gpu_memset":
-        return "memset"
-    if cat != "kernel":
-        return None
-    if name.startswith("nccl"):
-        return "nccl"
-    if "sdpa" in name or "flash" in name or "fmha" in name or "attention" in name:
-        return "attention"
-    if "nvjet" in name or "gemm" in name or "cutlass" in name or "xmma" in name:
-        return "gemm"
-    return "other kernels"
-
-
-def covered(spans: list[tuple[float, float]], starts: list[float], a: float, b: float) -> float:
-    """Length of [a, b] covered by the union of sorted, merged ``spans``."""
-    total = 0.0
-    i = max(bisect.bisect_right(starts, a) - 1, 0)
-    while i < len(spans) and spans[i][0] < b:
-        lo, hi = max(spans[i][0], a), min(spans[i][1], b)
-        total += max(0.0, hi - lo)
-        i += 1
-    return total
-
-
-def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
+from trace_events import H2D, KINDS, covered, kind_of, load_events, merged
 
 
 def copies_of(path: Path) -> list[dict[str, Any]]:
     """Every pinned H2D copy of a trace with its GB/s and per-kind overlap fractions."""
-    with gzip.open(path) if path.suffix == ".gz" else open(path, "rb") as f:
-        events = json.load(f)["traceEvents"]
+    events = load_events(path)
     spans: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
     spans["compute"] = []
     for e in events:

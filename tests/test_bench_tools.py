@@ -28,7 +28,7 @@ import torch
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 # Modules the programs share (not programs themselves: no main).
 SHARED = ("harness", "offload_methods", "cosmos3_inputs", "minimax_h3_inputs", "adapter_files",
-          "job_processes", "live_bytes", "delivery_fixture", "sync_sites")  # in import order
+          "job_processes", "live_bytes", "delivery_fixture", "sync_sites", "trace_events")  # in import order
 PROGRAMS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in SHARED)
 
 
@@ -193,6 +193,43 @@ def test_offload_dp_shard_frames_samples_every_2mib(tmp_path: Path) -> None:
 
 
 # -- the CPU smoke modes ---------------------------------------------------------------------------
+def test_trace_gaps_splits_idle_compute_by_what_it_waited_for(tmp_path: Path) -> None:
+    tg = load("trace_gaps")
+    step = {"ph": "X", "cat": "user_annotation", "name": "bench_step", "ts": 0, "dur": 10}
+    resident = [step, kernel("nvjet_gemm", 0, 600), kernel("flash_fwd", 600, 400)]
+    dlo = [
+        step, {**step, "ts": 2000},  # two profiled steps
+        h2d(0, 300, 15_000_000),  # the first block's copy: compute waits for it
+        kernel("nvjet_gemm", 300, 700), h2d(300, 800, 40_000_000),  # 500 us of it beside
+        # 100 us idle while the copy runs on, then a host gap of 200 us with no copy
+        kernel("flash_fwd", 1100, 400), kernel("elementwise", 1700, 300),
+    ]
+    paths = []
+    for name, events in (("resident", resident), ("dlo", dlo)):
+        paths.append(tmp_path / f"{name}_trace.json.gz")
+        with gzip.open(paths[-1], "wt") as f:
+            json.dump({"traceEvents": events}, f)
+
+    times = tg.step_times(tg.load_events(paths[1]))
+    assert times.steps == 2
+    assert times.window == pytest.approx(2.0 / 2)  # 2000 us over two steps, in ms
+    assert times.compute == pytest.approx(1.4 / 2)
+    assert times.by_kind == pytest.approx({"gemm": 0.35, "attention": 0.2, "other kernels": 0.15})
+    assert times.copies == pytest.approx(1.1 / 2)
+    assert times.copy_gb == pytest.approx(0.055 / 2)
+    assert times.overlap == pytest.approx(0.7 / 2)  # the GEMM beside the second copy
+    assert times.idle_copying == pytest.approx(0.4 / 2)  # before the GEMM, before attention
+    assert times.idle_host == pytest.approx(0.2 / 2)
+    assert times.gaps == pytest.approx(3 / 2)
+
+    table = tg.table(["resident", "dlo"], [tg.step_times(tg.load_events(p)) for p in paths])
+    assert "| GPU window ms | 1.0 | 1.0 | 1.000 |" in table
+    assert "| compute busy ms | 1.0 | 0.7 | 0.700 |" in table
+    assert "| compute idle, no copy ms | 0.0 | 0.1 | - |" in table
+    with pytest.raises(ValueError, match="no profiled steps"):
+        tg.step_times([step])
+
+
 def test_offload_bench_tiny_run_reports_dlo_against_resident(tmp_path: Path) -> None:
     bench = load("offload")
     assert bench.main(["--tiny", "--out", str(tmp_path), "--resolutions", "64", "--batches",
