@@ -1,5 +1,6 @@
 """What every answer gets, whatever the route: the request id, the body size limit, HEAD on
-GET routes, and a generic 500 for a bug. Pure ASGI middleware (no BaseHTTPMiddleware, which
+GET routes, a client that leaves mid-body counted as a disconnect, and a generic 500 for a
+bug. Pure ASGI middleware (no BaseHTTPMiddleware, which
 would buffer streaming answers and hide the client's disconnect from the routes).
 
 ``create_app`` stacks them as: RequestIdMiddleware (outermost) -> CORS (optional) ->
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import ClientDisconnect
 
 from ditserve.engine.server.errors import APIError, log_error
 
@@ -167,6 +169,12 @@ class GuardMiddleware:
             scope.setdefault("state", {})["head"] = True
         try:
             await self.app(scope, limited_receive, guarded_send)
+        except ClientDisconnect:
+            # The client left before its body was read in full (or broke its framing, and the
+            # HTTP server dropped the connection after its own 400): nobody is left to answer.
+            self.count("client_disconnect")
+            log.info("request %s: the client disconnected before its body arrived (%s %s)",
+                     rid, scope["method"], scope.get("path"))
         except Exception:
             log.exception("request %s: unhandled error in %s %s", rid, scope["method"],
                           scope.get("path"))

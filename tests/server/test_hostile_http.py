@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -84,6 +85,39 @@ def test_protocol_errors_are_the_api_error_object(server, request_bytes, status,
     if code == "invalid_http":
         assert "not valid HTTP/1.1" in error["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200  # the server carries on
+
+
+@pytest.mark.parametrize("request_bytes", [
+    # the client leaves 10 bytes into a 100-byte JSON body
+    b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 100\r\n\r\n{\"prompt\":",
+    # a chunked body whose chunk size is no number: the HTTP server answers 400 and drops it
+    b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+])
+def test_a_body_the_client_never_finishes_is_a_disconnect_not_a_500(server, metric,
+                                                                     request_bytes) -> None:
+    def errors() -> str:
+        return httpx.get(f"{server.url}/metrics").text
+
+    def count(text: str, reason: str) -> float:
+        return metric(text, f'ditserve:request_errors_total{{reason="{reason}"}}')
+
+    before = errors()
+    where = urlsplit(server.url)
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:
+        sock.sendall(request_bytes)
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(65536):  # whatever the server says before it closes
+            pass
+    for _ in range(100):  # the route sees the disconnect a moment after the socket closes
+        after = errors()
+        if count(after, "client_disconnect") > count(before, "client_disconnect"):
+            break
+        time.sleep(0.05)
+    assert count(after, "client_disconnect") == count(before, "client_disconnect") + 1
+    assert count(after, "internal") == count(before, "internal")
+    assert "unhandled error" not in server.log_text()
 
 
 def test_a_trailing_slash_is_a_404_naming_the_route_not_a_redirect_to_the_host(server) -> None:
