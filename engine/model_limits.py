@@ -42,6 +42,9 @@ class ModelLimits:
         ``last_frame``: MiniMax-H3's keyframe workflow).
     references: what an omni-reference model takes (a request's ``references``: MiniMax-H3's
         ``ref2va`` replica); None: the model takes no references.
+    guidance: False for a guidance-distilled model with no guidance input at all (MiniMax-H3:
+        no guidance scale, no negative prompt, one forward per step); such a model refuses
+        them rather than ignore them.
     """
 
     pixel_multiple: int = 16
@@ -59,6 +62,23 @@ class ModelLimits:
     audio: bool = False
     last_frame: bool = False
     references: ReferenceLimits | None = None
+    guidance: bool = True
+
+    def check_guidance(self, *, guidance_scale: float, negative_prompt: str | None,
+                       true_cfg_scale: float) -> None:
+        """Refuse guidance a guidance-distilled model has no input for (it would be ignored,
+        and the job would report a setting that changed nothing)."""
+        if self.guidance:
+            return
+        why = "this model is guidance-distilled (guidance is in its weights, one forward per step)"
+        if negative_prompt:
+            raise InvalidRequestError("negative_prompt", f"{why}: it takes no negative prompt")
+        if guidance_scale != 1.0:
+            raise InvalidRequestError("guidance_scale", f"{why}: it takes no guidance_scale; "
+                                      f"leave it out (or send 1), got {guidance_scale}")
+        if true_cfg_scale != 1.0:
+            raise InvalidRequestError("true_cfg_scale", f"{why}: it takes no true_cfg_scale; "
+                                      f"leave it out (or send 1), got {true_cfg_scale}")
 
     def check_last_frame(self, wanted: object, *, images: int) -> None:
         """Refuse a last-frame image where the model conditions on a first frame only, or

@@ -195,6 +195,9 @@ class SamplingParams:
         """``validate`` under the loaded model's limits; returns the request with the
         model's default ``strength`` filled in where it denoises from a source image."""
         limits.check_audio(self.audio)  # a sound track only from a model that makes one
+        limits.check_guidance(guidance_scale=self.guidance_scale,
+                              negative_prompt=self.negative_prompt,
+                              true_cfg_scale=self.true_cfg_scale)
         limits.check_last_frame(self.last_frame, images=len(self.images))
         check_references(self.references, limits.references)
         strength = source_strength(images=len(self.images), mask=self.mask,

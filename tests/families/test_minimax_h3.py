@@ -8,6 +8,7 @@ refuses shorter ones) on a 32 px high canvas, so a request is a few hundred rows
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -68,10 +69,18 @@ def test_refuses_what_diffusers_refuses(family_runner) -> None:  # type: ignore[
     short = SamplingParams(prompt="x", num_frames=9, height=32, width=32, guidance_scale=1.0)
     with pytest.raises(InvalidRequestError, match="5 to 15 s"):
         pipeline.prepare_encode(DenoiseState("short", short, 1))
-    negative = SamplingParams(prompt="x", negative_prompt="y", true_cfg_scale=4.0,
-                              num_frames=FRAMES, height=32, width=32)
-    with pytest.raises(InvalidRequestError, match="guidance-distilled"):
-        pipeline.prepare_encode(DenoiseState("cfg", negative, 1))
+    # Guidance-distilled: no input for guidance, so asking for it is refused, not ignored
+    # (the request edge validates against these limits before a job is made).
+    limits = family_runner(VARIANT).limits
+    plain = SamplingParams(prompt="x", num_frames=FRAMES, height=32, width=32, guidance_scale=1.0)
+    plain.validate_for(limits)
+    for field, change in (("negative_prompt", dict(negative_prompt="y", true_cfg_scale=4.0)),
+                          ("negative_prompt", dict(negative_prompt="y")),
+                          ("guidance_scale", dict(guidance_scale=3.0)),
+                          ("true_cfg_scale", dict(true_cfg_scale=2.0))):
+        with pytest.raises(InvalidRequestError, match="guidance-distilled") as refused:
+            dataclasses.replace(plain, **change).validate_for(limits)
+        assert refused.value.field == field
 
 
 MIXED: dict[int, list[tuple[str, SamplingParams]]] = {

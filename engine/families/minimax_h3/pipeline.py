@@ -168,7 +168,7 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
                                       max_text_tokens=self.max_text_tokens)
         return dataclasses.replace(limits, min_frames=self.min_frames, max_frames=self.max_frames,
                                    audio=True, last_frame=self.condition_images[1] > 0,
-                                   references=self.reference_limits)
+                                   references=self.reference_limits, guidance=False)
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -217,9 +217,6 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
 
         p = state.params
         n = p.num_images
-        if p.uses_true_cfg:
-            raise InvalidRequestError("negative_prompt", "MiniMax-H3 is guidance-distilled: it "
-                                      "takes no negative prompt (leave true_cfg_scale at 1)")
         if p.height % self.pixel_multiple or p.width % self.pixel_multiple:
             raise InvalidRequestError("height", f"height and width must be multiples of "
                                       f"{self.pixel_multiple}, got {p.height}x{p.width}")
