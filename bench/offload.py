@@ -138,6 +138,8 @@ class Bench:
             harness.uncompile_blocks(model)  # the bf16 offloads below run eagerly
         if "dlo" in a.methods:
             self.offloaded("dlo", model, OffloadConfig(enabled=True), profile=not a.no_profile)
+        for slots in a.dlo_slots:  # deeper prefetch: copies run up to slots - 1 blocks ahead
+            self.offloaded(f"dlo-s{slots}", model, OffloadConfig(enabled=True, slots=slots))
         if "dlo-packed" in a.methods:
             self.offloaded("dlo-packed", model, OffloadConfig(enabled=True, compress="lossless"))
         if "dlo-budget" in a.methods:
@@ -384,8 +386,10 @@ def format_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def markdown_table(r: dict[str, Any]) -> str:
-    methods = [m for m in ("resident", "resident-compiled", "dlo", "dlo-budget", "dlo-packed",
-                           *FP8_METHODS, "diffusers-block", "diffusers-leaf")
+    slot_methods = sorted({c["method"] for c in r["cells"] if c["method"].startswith("dlo-s")},
+                          key=lambda m: int(m.removeprefix("dlo-s")))
+    methods = [m for m in ("resident", "resident-compiled", "dlo", *slot_methods, "dlo-budget",
+                           "dlo-packed", *FP8_METHODS, "diffusers-block", "diffusers-leaf")
                if any(c["method"] == m for c in r["cells"])]
     lines = [f"GPU: {r['gpu']}, torch {r['torch']}, {r['date']}; model "
              f"{r['model']['params'] / 1e9:.2f}B params ({r['model']['bytes'] / GIB:.2f} GiB bf16); "
@@ -463,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="issue 24's host-format methods and targets: " + " ".join(
                        f"--{k.replace('_', '-')} {v}" for k, v in FORMAT_DEFAULTS.items()))
     p.add_argument("--tiny", action="store_true", help="small model: smoke-test on a CPU")
+    p.add_argument("--dlo-slots", nargs="+", type=int, default=[],
+                   help="also time DLO with each of these slot counts (methods dlo-sN)")
     p.add_argument("--methods", nargs="+",
                    default=["resident", "dlo", "dlo-budget", "diffusers-block", "diffusers-leaf"])
     if p.parse_known_args(argv)[0].formats:

@@ -46,7 +46,7 @@ class StepTimes:
     gaps: float
 
     def rows(self) -> list[tuple[str, str]]:
-        rate = self.copy_gb / self.copies if self.copies else 0.0
+        rate = self.copy_gb / (self.copies / 1e3) if self.copies else 0.0
         return [
             ("profiled steps", f"{self.steps}"),
             ("GPU window ms", f"{self.window:.1f}"),

@@ -230,6 +230,33 @@ def test_trace_gaps_splits_idle_compute_by_what_it_waited_for(tmp_path: Path) ->
         tg.step_times([step])
 
 
+def test_slot_model_pipelines_copies_and_compute_through_the_ring() -> None:
+    sm = load("slot_model")
+    blocks = sm.parse_blocks(["2x1/3", "2x3/1"])  # two copy-bound blocks, two compute-bound
+    assert blocks == [(1.0, 3.0)] * 2 + [(3.0, 1.0)] * 2
+    # Two slots: a copy waits for the slot the block before last used, so the step is the sum
+    # of the larger of each block's compute and the next block's copy (the ring wraps).
+    assert sm.step_ms(blocks, 2) == pytest.approx(max(1, 3) + max(1, 1) + max(3, 1) + max(3, 3))
+    # With a slot per block every copy runs ahead: the copies alone bound the step.
+    assert sm.step_ms(blocks, 4) == pytest.approx(max(1 + 1 + 3 + 3, 3 + 3 + 1 + 1))
+    uniform = sm.parse_blocks(["5x2/1"])
+    assert sm.step_ms(uniform, 2) == pytest.approx(10)  # compute-bound: copies hidden
+    assert "| 2 | 10.0 | 1.250 |" in sm.table(blocks, [2, 4])
+    with pytest.raises(argparse.ArgumentTypeError):
+        sm.parse_blocks(["19 x 7"])
+
+
+def test_offload_bench_times_extra_slot_counts(tmp_path: Path) -> None:
+    bench = load("offload")
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--resolutions", "64", "--batches", "1",
+                       "--warmup", "0", "--iters", "1", "--no-profile", "--methods", "resident",
+                       "dlo", "--dlo-slots", "3"]) == 0
+    results = json.loads((tmp_path / "offload_bench.json").read_text())
+    assert {c["method"] for c in results["cells"]} == {"resident", "dlo", "dlo-s3"}
+    assert results["methods"]["dlo-s3"]["report_at_start"]["slots"] == 3
+    assert "dlo-s3 ms/step" in (tmp_path / "offload_bench.md").read_text()
+
+
 def test_offload_bench_tiny_run_reports_dlo_against_resident(tmp_path: Path) -> None:
     bench = load("offload")
     assert bench.main(["--tiny", "--out", str(tmp_path), "--resolutions", "64", "--batches",
