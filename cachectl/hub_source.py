@@ -17,6 +17,7 @@ ModelAccessError. Called through ``sources.source_for`` by ``pulls``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +80,8 @@ class HubSource:
             raise ModelSourceError(uri, f"the hub answered {code}: {e}") from e
         except OfflineModeIsEnabled as e:
             raise ModelSourceError(uri, f"huggingface_hub is in offline mode: {e}") from e
+        except _transport_errors() as e:  # refused, reset, timed out, DNS: the hub is unreachable
+            raise ModelSourceError(uri, f"cannot reach {self.endpoint}: {e}") from e
 
     def resolve(self) -> Snapshot:
         from huggingface_hub import HfApi
@@ -149,3 +152,14 @@ def _silent_tqdm() -> Any:
             super().__init__(*args, **kwargs)
 
     return Silent
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Network failures as huggingface_hub's HTTP client raises them (httpx2 from
+    huggingface_hub 2, httpx before), and the OS's own; not other OSErrors (a full disk)."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for client in ("httpx2", "httpx"):
+        with contextlib.suppress(ImportError):
+            errors.append(importlib.import_module(client).TransportError)
+    return tuple(errors)
+

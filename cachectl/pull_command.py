@@ -118,7 +118,9 @@ def _link(link: Path, model_dir: str) -> None:
     link.parent.mkdir(parents=True, exist_ok=True)
     tmp = link.with_name(f".{link.name}.{os.getpid()}")
     tmp.unlink(missing_ok=True)
-    os.symlink(model_dir, tmp)
+    # Absolute: a relative --root gives a relative folder, which the link's own directory
+    # would resolve differently.
+    os.symlink(os.path.abspath(model_dir), tmp)
     os.replace(tmp, link)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from model_sources import FILES, LocalHub, Repo, moto_s3, weights
+from ports import free_port
 
 from ditserve.cachectl import pulls
 from ditserve.cachectl.errors import (
@@ -261,6 +262,32 @@ def test_cli_pull_links_the_model_and_exits_3_on_404(hub: LocalHub, tmp_path: Pa
     assert missing.returncode == 3 and "no repository org/gone" in missing.stderr
     bad = _cli(root, "pull", "ftp://x/y")
     assert bad.returncode == 2 and "hf://org/repo" in bad.stderr
+
+
+def test_an_unreachable_hub_is_a_source_error_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    from ditserve.cachectl.errors import ModelSourceError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("HF_ENDPOINT", nobody)
+    with pytest.raises(ModelSourceError, match=f"cannot reach {nobody}") as e:
+        pull(tmp_path / "cache", PullRequest("hf://org/tiny"))
+    assert e.value.reason == "SourceError"
+    cli = _cli(tmp_path / "cache", "pull", "--no-daemon", "hf://org/tiny")
+    assert cli.returncode == 3, cli.stderr
+    assert "cannot reach" in cli.stderr and "Traceback" not in cli.stderr
+
+
+def test_a_link_from_a_relative_root_points_at_the_model(hub: LocalHub, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    ok = _cli(Path("cache"), "pull", "--no-daemon", "--link", "run/model", "hf://org/tiny")
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "run" / "model" / "model_index.json").read_bytes() == \
+        FILES["model_index.json"]
 
 
 @pytest.fixture
