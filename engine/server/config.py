@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from ditserve.engine.config import (
     int_at_least,
@@ -205,6 +206,10 @@ def _video_problems(config: ServerConfig) -> list[str]:
     if store is not None and (not isinstance(store, str) or not JOB_STORE_PATTERN.match(store)):
         out.append("server.job_store must be sqlite:///ABSOLUTE/PATH or redis://HOST:PORT/DB, "
                    f"got {_redacted(store)!r}")
+    elif isinstance(store, str) and store.startswith(("redis:", "rediss:")) \
+            and not re.fullmatch(r"/?|/\d+", urlsplit(store).path):
+        out.append("server.job_store: a Redis URL names its database by number "
+                   f"(redis://HOST:PORT/DB, e.g. /0), got {_redacted(store)!r}")
     elif (isinstance(store, str) and not store.startswith("sqlite:")
           and config.video_dir is None and config.job_results is None):
         out.append("server.job_store: a Redis job store is shared by replicas, so their videos "

@@ -235,7 +235,12 @@ def open_backend(url: str | None, video_dir: Path, *, namespace: str,
     if scheme in ("redis", "rediss", "unix"):
         from ditserve.engine.server.jobs.redis_backend import RedisBackend
 
-        return RedisBackend(url, namespace=namespace)
+        backend = RedisBackend(url, namespace=namespace)
+        try:
+            backend.check_database()
+        except ValueError as e:
+            raise ConfigError(f"server.job_store: {e}") from e
+        return backend
     raise ConfigError(f"server.job_store: {scheme!r} is no job store; use sqlite:///PATH or "
                       "redis://HOST:PORT/DB")
 

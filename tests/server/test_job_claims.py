@@ -241,6 +241,20 @@ def test_an_unreachable_redis_is_store_unavailable(tmp_path: Path) -> None:
         store.close()
 
 
+def test_a_redis_database_the_server_lacks_is_a_config_error(tmp_path: Path) -> None:
+    from ditserve.engine.errors import ConfigError
+    from ditserve.engine.server.state import open_backend
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with pytest.raises(ConfigError, match="DB index is out of range"):
+            open_backend(redis.url.rsplit("/", 1)[0] + "/99", tmp_path, namespace="n",
+                         clock=time.time)
+        open_backend(redis.url, tmp_path, namespace="n", clock=time.time).close()
+    finally:
+        redis.stop()
+
+
 def test_a_sqlite_file_has_one_server_and_a_url_names_an_absolute_path(tmp_path: Path) -> None:
     from ditserve.engine.errors import ConfigError
     from ditserve.engine.server.config import ServerConfig

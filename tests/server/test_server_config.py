@@ -130,6 +130,8 @@ def test_results_in_a_bucket_from_flag_yaml_and_environment(tmp_path, monkeypatc
     (("--job-store", "postgres://db/jobs"), "server.job_store must be sqlite:///ABSOLUTE/PATH"),
     (("--job-store", "redis://:secret@host:6379/0"), "a Redis job store is shared by replicas"),
     (("--job-store", "mysql://:secret@host/0"), "'mysql://***@host/0'"),
+    (("--job-store", "redis://:secret@host:6379/abc", "--video-dir", "/v"),
+     "names its database by number"),
     (("--job-lease", "0"), "server.job_lease_s must be"),
     (("--job-namespace", "a b"), "server.job_namespace must be"),
     (("--job-results", "https://bucket/videos"), "server.job_results must be s3://BUCKET"),

@@ -62,6 +62,16 @@ class RedisBackend:
         self._job_prefix = f"{prefix}:job:"
         self._group_ready = False
 
+    def check_database(self) -> None:
+        """At start: reach the server and its database. Raises StoreUnavailable when Redis
+        cannot be reached (it may come back), ValueError when it refuses the URL's database
+        (``DB index is out of range``): that is the configuration, not an outage."""
+        try:
+            with self._reach():
+                self._r.ping()
+        except redis.exceptions.ResponseError as e:
+            raise ValueError(f"Redis refused the job store URL: {e}") from e
+
     def _key(self, job_id: str) -> str:
         return self._job_prefix + job_id
 
