@@ -62,7 +62,7 @@ def source_strength(*, images: int, mask: ConditionImage | None, strength: float
     exactly one source; a strength is in [0, 1] and keeps at least one of the ``steps``
     (``kept_steps``). None (a model without source strength, or no source) stays None;
     with a source it becomes the model's default."""
-    if image_strength is not None and images and strength is None:
+    if image_strength is not None and images == 1 and strength is None:
         strength = image_strength[1 if mask is not None else 0]
     _check_source(images=images, mask=mask, strength=strength, steps=steps,
                   image_strength=image_strength)
@@ -91,6 +91,9 @@ def _check_source(*, images: int, mask: ConditionImage | None, strength: float |
             raise InvalidRequestError("strength", "this model does not denoise from its "
                                       "source image; leave strength out")
         return
+    if (mask is not None or strength is not None) and images > 1:
+        raise InvalidRequestError("image", f"this model edits one source image (image-to-image "
+                                  f"and inpainting), got {images}")
     if (mask is not None or strength is not None) and images != 1:
         field = "mask" if mask is not None else "strength"
         raise InvalidRequestError(field, f"needs exactly one source image, got {images}")

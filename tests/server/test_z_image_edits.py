@@ -162,3 +162,13 @@ def test_a_mask_of_another_shape_is_refused(client) -> None:  # type: ignore[no-
                                 mask=("mask.png", transparent_mask(32, 16), "image/png"),
                                 prompt="x", size="64x32", extra_body={"num_inference_steps": 1})
     assert len(scaled.data) == 1
+
+
+def test_two_source_images_are_refused_by_name(client) -> None:  # type: ignore[no-untyped-def]
+    two = [("a.png", png(32, 32), "image/png"), ("b.png", png(32, 32), "image/png")]
+    with pytest.raises(openai.BadRequestError) as error:  # no strength sent: image is the fault
+        client.images.edit(image=two, prompt="x", size="32x32")
+    assert error.value.body["param"] == "image" and "1" in error.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.images.edit(image=two, prompt="x", size="32x32", extra_body={"strength": 0.5})
+    assert error.value.body["param"] == "image"
