@@ -100,6 +100,17 @@ def test_error_classes(client) -> None:
     with pytest.raises(openai.BadRequestError) as unknown:
         client.images.generate(prompt="a fox", extra_body={"colour": "red"})
     assert unknown.value.body["code"] == "unknown_field"
+    assert "supported fields: prompt" in unknown.value.body["message"]
+    # Inside a list of objects: the entry and the field are named, not the body's fields.
+    with pytest.raises(openai.BadRequestError) as nested:
+        client.images.generate(prompt="a fox", extra_body={"loras": [{"name": "a", "foo": 1}]})
+    assert nested.value.body["param"] == "loras[0].foo"
+    assert nested.value.body["code"] == "unknown_field"
+    assert "supported fields" not in nested.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as nameless:
+        client.images.generate(prompt="a fox", extra_body={"loras": [{"scale": 1}]})
+    assert nameless.value.body["param"] == "loras[0].name"
+    assert nameless.value.body["code"] == "missing_field"
     with pytest.raises(openai.NotFoundError) as missing:
         client.images.generate(prompt="a fox", model="dall-e-3")
     assert missing.value.body["code"] == "model_not_found"

@@ -50,12 +50,12 @@ def pydantic_error(error: PydanticValidationError, *,
     """The first problem of a pydantic validation, as a field-precise 400 (``fields``: the
     body's field names, listed for an unknown one)."""
     first = error.errors(include_url=False)[0]
-    loc = [str(part) for part in first.get("loc", ())]
-    param = loc[0] if loc else None  # a union's member names follow the field: drop them
+    param = field_path(first.get("loc", ()))
     kind, value = first.get("type", ""), first.get("input")
     if kind == "extra_forbidden":
-        return invalid(param, f"{param}: unknown field; supported fields: {', '.join(fields)}",
-                       code="unknown_field")
+        top_level = param is not None and param.isidentifier()  # not loras[0].x
+        listed = f"; supported fields: {', '.join(fields)}" if top_level else ""
+        return invalid(param, f"{param}: unknown field{listed}", code="unknown_field")
     if kind == "missing":
         return invalid(param, f"{param}: is required", code="missing_field")
     if param == "response_format":
@@ -65,6 +65,22 @@ def pydantic_error(error: PydanticValidationError, *,
         return invalid(param, f"{param}: is out of range, got {shown(value)}")
     message = _TYPE_MESSAGES.get(kind) or first.get("msg", "is invalid")
     return invalid(param, f"{param}: {message}, got {shown(value)}")
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def field_path(loc: tuple[int | str, ...] | list[int | str]) -> str | None:
+    """A pydantic error location as the body names it: ``loras[0].name``. A union's member
+    tags in the location (``str``, a model's class name, ``function-after[...]``) are
+    pydantic's, not the body's: dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part.islower() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out or None
 
 
 class _NotJSON(ValueError):
