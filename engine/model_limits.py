@@ -42,6 +42,9 @@ class ModelLimits:
         ``last_frame``: MiniMax-H3's keyframe workflow).
     references: what an omni-reference model takes (a request's ``references``: MiniMax-H3's
         ``ref2va`` replica); None: the model takes no references.
+    frame_align: (multiple, remainder) for a video model that rounds a clip's frame count up
+        to the next ``multiple * n + remainder`` its VAE encodes (MiniMax-H3: 17 n + 5); the
+        request is rounded as it arrives, so the job reports the frames its video has.
     guidance: False for a guidance-distilled model with no guidance input at all (MiniMax-H3:
         no guidance scale, no negative prompt, one forward per step); such a model refuses
         them rather than ignore them.
@@ -63,6 +66,14 @@ class ModelLimits:
     last_frame: bool = False
     references: ReferenceLimits | None = None
     guidance: bool = True
+    frame_align: tuple[int, int] | None = None
+
+    def aligned_frames(self, frames: int) -> int:
+        """``frames`` rounded up as the model's VAE needs (unchanged without ``frame_align``)."""
+        if self.frame_align is None or not isinstance(frames, int) or frames < 1:
+            return frames
+        multiple, remainder = self.frame_align
+        return frames + (remainder - frames) % multiple
 
     def check_guidance(self, *, guidance_scale: float, negative_prompt: str | None,
                        true_cfg_scale: float) -> None:

@@ -206,7 +206,8 @@ class SamplingParams:
         if isinstance(self.mask, ConditionImage) and len(self.images) == 1 \
                 and isinstance(self.images[0], ConditionImage):
             check_mask_fits(self.images[0], self.mask)
-        params = dataclasses.replace(self, strength=strength)
+        params = dataclasses.replace(self, strength=strength,
+                                     num_frames=limits.aligned_frames(self.num_frames))
         return params.validate(pixel_multiple=limits.pixel_multiple,
                                max_prompt_chars=limits.max_prompt_chars,
                                frame_step=limits.frame_step, max_side=limits.max_side,

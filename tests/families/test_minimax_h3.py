@@ -73,7 +73,12 @@ def test_refuses_what_diffusers_refuses(family_runner) -> None:  # type: ignore[
     # (the request edge validates against these limits before a job is made).
     limits = family_runner(VARIANT).limits
     plain = SamplingParams(prompt="x", num_frames=FRAMES, height=32, width=32, guidance_scale=1.0)
-    plain.validate_for(limits)
+    assert plain.validate_for(limits).num_frames == FRAMES
+    # Any count is rounded up to the 17 n + 5 the VAE encodes, as diffusers does, before the
+    # request is queued (a video job reports the frames its MP4 will have).
+    assert dataclasses.replace(plain, num_frames=FRAMES - 4).validate_for(limits).num_frames \
+        == FRAMES
+    assert limits.aligned_frames(FRAMES + 1) == FRAMES + 17
     for field, change in (("negative_prompt", dict(negative_prompt="y", true_cfg_scale=4.0)),
                           ("negative_prompt", dict(negative_prompt="y")),
                           ("guidance_scale", dict(guidance_scale=3.0)),

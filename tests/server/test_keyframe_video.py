@@ -73,9 +73,12 @@ def test_first_and_last_frame_files(keyframe_server) -> None:  # type: ignore[no
 def test_a_last_frame_alone_in_json(keyframe_server) -> None:  # type: ignore[no-untyped-def]
     url = "data:image/png;base64," + base64.b64encode(png(64, 32, (10, 200, 90))).decode()
     response = httpx.post(f"{keyframe_server.url}/v1/videos", timeout=60, json={
-        "prompt": "waves", "size": "64x32", "num_frames": FRAMES, "num_inference_steps": 1,
+        "prompt": "waves", "size": "64x32", "num_frames": FRAMES - 4, "num_inference_steps": 1,
         "last_frame_reference": {"image_url": url}})
     assert response.status_code == 200, response.text
+    # 120 frames round up to 17 n + 5 as the VAE needs: the job says what its video will be.
+    job = response.json()
+    assert job["ditserve"]["num_frames"] == FRAMES and job["seconds"] == f"{FRAMES / 24:g}"
     client = openai.OpenAI(base_url=f"{keyframe_server.url}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     assert wait_done(client, response.json()["id"]).status == "completed"

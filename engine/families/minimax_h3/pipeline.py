@@ -168,7 +168,8 @@ class MiniMaxH3StepPipeline(conditioning.ConditionRows):
                                       max_text_tokens=self.max_text_tokens)
         return dataclasses.replace(limits, min_frames=self.min_frames, max_frames=self.max_frames,
                                    audio=True, last_frame=self.condition_images[1] > 0,
-                                   references=self.reference_limits, guidance=False)
+                                   references=self.reference_limits, guidance=False,
+                                   frame_align=(self.frames_per_chunk, self.latents_per_chunk))
 
     # -- encode ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -248,7 +248,9 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
         **extensions.fields(),
     )
     try:
-        engine.validate_params(params)
+        # With the model's own rounding applied (MiniMax-H3's frame count): the job reports
+        # the clip its video will have.
+        params = engine.validate_params(params)
     except InvalidRequestError as e:
         if e.field in ("image", "last_frame"):
             name = REFERENCE_FIELDS[e.field == "last_frame"]
