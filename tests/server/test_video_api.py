@@ -37,6 +37,8 @@ JOB = {"prompt": "waves at night", "size": "32x16", "num_frames": 5, "fps": 8,
     ({"prompt": "x", "seed": -1}, "seed", "[0, 2^63)"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown field"),
     ({"prompt": "x", "input_reference": "frame.png"}, "input_reference", "text only"),
+    ({"prompt": "x", "last_frame_reference": {"image_url": "data:image/png;base64,AA=="}},
+     "last_frame_reference", "text only"),  # the field sent is the one named
     ({"prompt": "x", "audio": True}, "audio", "no sound track"),  # Wan makes none
     ({"prompt": "x", "audio": "yes"}, "audio", "true or false"),
 ])

@@ -197,10 +197,10 @@ def takes_reference(engine: EngineClient) -> bool:
     return facts is not None and facts.limits.condition_images[1] > 0
 
 
-def reference_refused() -> APIError:
-    return invalid("input_reference", "input_reference: image-to-video is not supported; "
-                                      "this server generates video from text only",
-                   code="unsupported_value")
+def reference_refused(name: str = "input_reference") -> APIError:
+    """A reference image sent to a text-only model; ``name``: the field the client sent."""
+    return invalid(name, f"{name}: image-to-video is not supported; this server generates "
+                         "video from text only", code="unsupported_value")
 
 
 def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: VideoLimits,
@@ -211,9 +211,11 @@ def parse_video_request(data: dict[str, Any], *, engine: EngineClient, limits: V
     the decoded ``input_reference`` then ``last_frame_reference`` (``fields.uploads``),
     taken out of ``data``; ``last_frame``: the last of them is the last frame;
     ``references``: the decoded ``references`` (``fields.references``), taken out too."""
-    if any(name in data for name in REFERENCE_FIELDS) or \
-            (images and not takes_reference(engine)):
-        raise reference_refused()
+    sent = [name for name in REFERENCE_FIELDS if name in data]
+    if sent:
+        raise reference_refused(sent[0])
+    if images and not takes_reference(engine):
+        raise reference_refused(REFERENCE_FIELDS[last_frame and len(images) == 1])
     seconds = data.get("seconds")
     if seconds is not None and (isinstance(seconds, bool)
                                 or not isinstance(seconds, (str, int, float))):

@@ -105,7 +105,7 @@ async def create_video(request: Request) -> JSONResponse:
     data = await read_body(request)
     references = [(name, data.pop(name)) for name in REFERENCE_FIELDS if name in data]
     if references and not takes_reference(state.engine):
-        raise reference_refused()  # before decoding anything
+        raise reference_refused(references[0][0])  # before decoding anything
     media = as_list(data.pop(REFERENCES, None))
     if media and not takes_references(state.engine):
         raise references_refused()  # before decoding anything
