@@ -99,7 +99,9 @@ class ServerState:
     def makes_images(self) -> bool:
         """Whether /v1/images/generations is served: an image replica, or a video replica
         whose model makes still images (its one-frame video: Cosmos3's text-to-image)."""
-        return self.model.makes_images
+        # An edit-only model (its requests need an input image: Qwen-Image-Edit) serves only
+        # /v1/images/edits; known once it loaded.
+        return self.model.makes_images and self.model_limits().condition_images[0] == 0
 
     def model_limits(self) -> ModelLimits:
         """The loaded model's own limits; before it loaded, the usual ones of its kind."""

@@ -85,6 +85,16 @@ def test_the_route_is_documented_as_a_multipart_form(edit_server) -> None:  # ty
     assert not [f for f in refused if validator.is_valid(f)]
 
 
+def test_an_edit_only_replica_serves_no_text_to_image(edit_server, client) -> None:  # type: ignore[no-untyped-def]
+    card = httpx.get(f"{edit_server.url}/v1/models").json()["data"][0]
+    assert card["ditserve"]["images"] is False  # /v1/images/generations is not served
+    assert "/v1/images/generations" not in httpx.get(f"{edit_server.url}/openapi.json").json()["paths"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(prompt="a fox", size="64x64")
+    assert refused.value.body["code"] == "unsupported_model"
+    assert "/v1/images/edits" in refused.value.body["message"]
+
+
 def test_a_text_to_image_replica_leaves_the_route_out(server) -> None:  # type: ignore[no-untyped-def]
     doc = httpx.get(f"{server.url}/openapi.json").json()
     assert "/v1/images/generations" in doc["paths"]

@@ -32,9 +32,10 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_image(request: Request) -> Response:
     state: ServerState = request.app.state.server
     if not state.makes_images:
-        raise APIError(400, f"this server serves the video model {state.model_name!r}: "
-                            "create videos with POST /v1/videos (one model per replica)",
-                       param="model", code="unsupported_model")
+        where = ("edits the images it is sent: send them with POST /v1/images/edits"
+                 if state.output == "image" else "makes videos: create them with POST /v1/videos")
+        raise APIError(400, f"this server's model {state.model_name!r} {where} (one model per "
+                            "replica)", param="model", code="unsupported_model")
     check_loaded(state)  # 503 while loading: no verdict by limits not read yet
     rid = request_id_of(request)  # the client's (or a new) id; the engine's is unique
     limits = state.limits()
