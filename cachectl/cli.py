@@ -37,6 +37,7 @@ from ditserve.cachectl.commands import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     LoaderFn,
+    model_paths,
 )
 from ditserve.cachectl.errors import BuildError, CacheError, EntryCorruptError, UsageError
 from ditserve.cachectl.identity import DTYPES
@@ -229,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "--max-bytes 0 removes every entry no process uses")
     root = getattr(args, "root", None) or default_root()
     try:
+        if getattr(args, "model", None) is not None:
+            model_paths(args)  # a checkpoint file without its base model: say so first
         if getattr(args, "model", None) is not None and args.dtype is None:
             # A checkpoint file is served in its base model's dtype, as `ditserve serve`.
             args.dtype = default_dtype(args.base_model or args.model, args.component,

@@ -59,7 +59,11 @@ def _request(args: argparse.Namespace) -> Any:
 
 def model_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
     """(model directory, checkpoint file or None) of ``--model [--base-model]``."""
-    if args.base_model is None:
+    if getattr(args, "base_model", None) is None:
+        if args.model.is_file():
+            raise UsageError(f"{str(args.model)!r} is a checkpoint file: pass it with "
+                             "--base-model DIR, the diffusers directory of its other "
+                             "components (docs/formats.md)")
         return args.model.resolve(), None
     if not args.model.is_file():
         raise UsageError(f"--base-model goes with --model FILE (a DiT checkpoint file); "

@@ -72,9 +72,9 @@ def _family_and_index(model_dir: str | Path) -> tuple[Family, dict[str, Any]]:
     root = Path(model_dir)
     if root.is_file():
         raise ModelLoadError(
-            f"{str(root)!r} is a file, not a diffusers directory: the engine serves a DiT "
-            "checkpoint file with --model FILE --base-model DIR (docs/formats.md); the node "
-            "cache (cachectl build) builds entries from diffusers directories only"
+            f"{str(root)!r} is a file, not a diffusers directory: a DiT checkpoint file goes "
+            "with --model FILE --base-model DIR (ditserve serve and cachectl build alike; "
+            "docs/formats.md)"
         )
     if not root.is_dir():
         raise ModelLoadError(

@@ -160,9 +160,9 @@ def test_a_file_where_a_directory_is_needed_says_what_to_do(
 
     code = cachectl_main(["build", "--model", str(files["gguf:Q8_0"]),
                           "--root", str(tmp_path / "cache")])
-    assert code != 0
+    assert code == 2  # a usage error
     err = capsys.readouterr().err
-    assert "is a file, not a diffusers directory" in err and "--base-model" in err
+    assert "is a checkpoint file: pass it with --base-model DIR" in err
 
 
 def test_option_rules_for_checkpoint_files() -> None:
