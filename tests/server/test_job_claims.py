@@ -119,6 +119,9 @@ def test_a_dead_claimers_job_goes_to_the_next_after_its_lease(backends) -> None:
     assert not store.complete(job_id, path, 21)
     done = store.get(job_id)
     assert (done["status"], done["progress"]) == ("completed", 100)
+    # Every step ran, though the steps the store heard of stopped at 0 (the new claim's)
+    steps = done["ditserve"]["num_inference_steps"]
+    assert done["ditserve"]["steps_done"] == steps > 0
     assert store.claim("replica-c", LEASE_S) is None  # a finished job is never claimed
 
 

@@ -212,6 +212,9 @@ class JobStore:
             if job.status.is_finished:
                 return False
             job.path, job.size_bytes = path, size
+            # Every step ran, whatever progress reached the store (steps reported while it
+            # was unreachable are lost, and only this result was kept for it to come back).
+            job.steps_done = job.spec.params.num_inference_steps
             self._finish(job, JobStatus.COMPLETED)
             return True
 
