@@ -98,6 +98,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointFile:
         tensors = _safetensors_tensors(path, head)
         stored = {t.dtype for t in tensors.values()}
         fmt = CheckpointFormat.FP8 if stored & FP8_DTYPES else CheckpointFormat.SINGLE_FILE
+        _refuse_integer_weights(path, tensors)
     family = family_of_keys(tensors)
     if family is None:
         sample = ", ".join(sorted(tensors)[:4])
@@ -106,6 +107,17 @@ def inspect_checkpoint(path: str | Path) -> CheckpointFile:
             "from a file (Flux and FLUX.2 in BFL/ComfyUI or diffusers names, Qwen-Image, Wan, "
             "Z-Image)")
     return CheckpointFile(path, fmt, family, tensors)
+
+
+def _refuse_integer_weights(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    """A DiT's weights are floating point (F32, F16, BF16, FP8); an integer or boolean tensor
+    (ComfyUI's FP8 marker aside) means a file of something else, which a cast would turn into
+    a model that runs and draws noise."""
+    for name, info in sorted(tensors.items()):
+        if info.dtype[0] in "IUB" and name.rsplit(".", 1)[-1] not in FP8_MARKERS:
+            raise ModelLoadError(
+                f"{str(path)!r}: tensor {name!r} is stored as {info.dtype}; a DiT checkpoint "
+                "stores its weights as floating point (F32, F16, BF16 or FP8)")
 
 
 # Key markers per family (names in a file's own layout, prefixes stripped); first match wins.

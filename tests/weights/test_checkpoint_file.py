@@ -130,6 +130,22 @@ def test_file_of_other_shapes_is_refused_with_key_and_both_shapes(
            "[256, 256] in the model" in message
 
 
+def test_integer_weights_are_refused_naming_the_tensor(files: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(files["single-file"]))
+    name = sorted(k for k, v in state.items() if v.dim() == 2)[0]
+    state[name] = state[name].to(torch.int32)  # a file of something else, not a DiT's weights
+    path = tmp_path / "ints.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(ModelLoadError, match=f"{name}' is stored as I32"):
+        inspect_checkpoint(path)
+    # FP8 files keep ComfyUI's marker tensor beside float weights: accepted
+    assert inspect_checkpoint(files["fp8"]).family == "flux"
+
+
 def test_file_of_no_known_family_is_refused(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
