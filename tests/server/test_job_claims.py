@@ -149,6 +149,7 @@ def test_a_job_whose_replicas_keep_dying_fails_with_a_reason(backends) -> None:
     failed = store.get(job_id)
     assert (failed["status"], failed["error"]["code"]) == ("failed", "job_interrupted")
     assert f"stopped {MAX_ATTEMPTS} times" in failed["error"]["message"]
+    assert failed["ditserve"]["attempts"] == MAX_ATTEMPTS  # the claims that ran, no more
 
 
 def test_cancel_reaches_the_replica_running_the_job(backends) -> None:

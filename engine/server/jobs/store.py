@@ -159,14 +159,14 @@ class JobStore:
             token = secrets.token_hex(8)
 
             def take(job: VideoJob, token: str = token) -> bool:
-                job.attempts += 1
-                if job.attempts > MAX_ATTEMPTS:
+                if job.attempts >= MAX_ATTEMPTS:  # attempts counts claims that ran
                     job.error = {"code": "job_interrupted", "message": (
                         f"the replica running this job stopped {MAX_ATTEMPTS} times before "
                         "it finished (killed, out of memory, or cut off from the job store "
                         "for longer than the lease); see those replicas' logs")}
                     self._finish(job, JobStatus.FAILED)
                     return True
+                job.attempts += 1
                 job.owner, job.token = owner, token
                 job.status, job.steps_done, job.eta_s = JobStatus.QUEUED, 0, None
                 return True
