@@ -78,8 +78,9 @@ def _family_and_index(model_dir: str | Path) -> tuple[Family, dict[str, Any]]:
         )
     if not root.is_dir():
         raise ModelLoadError(
-            f"model directory {str(root)!r} does not exist; pass --model a local diffusers "
-            "directory (ditserve never downloads weights) or omit it to use the tiny model"
+            f"model directory {str(root)!r} does not exist; pass a local diffusers directory "
+            "(--model DIR, or --base-model DIR beside a checkpoint file; ditserve never "
+            "downloads weights), or omit --model to use the tiny model"
         )
     found_index = index_file(root)
     if found_index is None:
