@@ -15,7 +15,7 @@ sizes) and ``hooks`` (views into slots).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ditserve.engine.errors import OffloadError
@@ -171,15 +171,21 @@ def budget_residency(
     slots: int = 2,
     slot_extra_bytes: int = 0,
 ) -> Residency:
-    """Keep as many block bytes resident as fit in the budget, spread along the block order.
+    """Keep as many block bytes resident as fit in the budget: the largest blocks first,
+    spread evenly among their kind.
 
     The budget pays first for the always-resident modules (``fixed_bytes``), the activation
     reserve and ``slots`` slots of the largest block (each with ``slot_extra_bytes`` more: a
-    decoded region, ``slot_dequant``); what is left holds resident blocks. They are
-    spread evenly (error diffusion over cumulative bytes), not taken from the front: while a
-    resident block computes, the copy stream keeps loading the next streamed block, so the
-    step stays at streamed bytes / bandwidth. A leading run of resident blocks would leave
-    the copy engine idle for their whole compute time.
+    decoded region, ``slot_dequant``); what is left holds resident blocks. Larger blocks go
+    first: every block of a step attends over the same tokens, so a block's compute grows
+    more slowly than its bytes and the largest blocks are the most copy-bound (Flux's double
+    blocks near the balance point copy for 12.8 ms and compute for ~7.4, its singles the
+    other way round; keeping doubles removes the copies the step waits for, keeping singles
+    removes copies the stream had time for). Where every block is copy-bound, any kept byte
+    saves the same. Within a kind (blocks within 10% of its largest) the kept ones are
+    spread evenly, not taken from the front: while a resident block computes, the copy
+    stream keeps loading the next streamed one, and a run of resident blocks would leave it
+    idle (docs/offload.md, "How many slots").
     """
     largest = max(block_bytes, default=0) + slot_extra_bytes
     minimum = fixed_bytes + activation_reserve_bytes + slots * largest
@@ -192,26 +198,46 @@ def budget_residency(
             f"({slots * largest / GIB:.2f}); "
             "raise the budget or use --dlo-resident-layers"
         )
-    available = budget_bytes - minimum
-    total = sum(block_bytes)
-    if total == 0:
-        return Residency("hbm_budget", (), budget_bytes, activation_reserve_bytes)
-    share = min(1.0, available / total)
+    left = budget_bytes - minimum
     resident: list[int] = []
-    kept = 0
-    seen = 0
-    for i, size in enumerate(block_bytes):
-        seen += size
-        # Keep block i when that brings the kept bytes closest to share * bytes seen so far.
-        if kept + size <= available and kept + size / 2 <= share * seen:
+    for kind in _block_kinds(block_bytes):
+        # as many as fit taking the largest first; any that many of the kind fit as well
+        for i in _spread(kind, sum(1 for _ in _fitting(kind, block_bytes, left))):
             resident.append(i)
-            kept += size
+            left -= block_bytes[i]
     # Rounding can leave room for a few more whole blocks: fill it front to back.
     for i, size in enumerate(block_bytes):
-        if i not in resident and kept + size <= available:
+        if i not in resident and size <= left:
             resident.append(i)
-            kept += size
+            left -= size
     return Residency("hbm_budget", tuple(sorted(resident)), budget_bytes, activation_reserve_bytes)
+
+
+def _block_kinds(block_bytes: Sequence[int]) -> list[list[int]]:
+    """Block indices grouped by size, largest kind first (a kind: within 10% of its largest)."""
+    kinds: list[list[int]] = []
+    for i in sorted(range(len(block_bytes)), key=lambda i: (-block_bytes[i], i)):
+        if kinds and block_bytes[i] >= 0.9 * block_bytes[kinds[-1][0]]:
+            kinds[-1].append(i)
+        else:
+            kinds.append([i])
+    return [sorted(kind) for kind in kinds]
+
+
+def _fitting(kind: list[int], block_bytes: Sequence[int], left: int) -> Iterator[int]:
+    """As many of ``kind``'s blocks (largest first) as ``left`` bytes hold."""
+    for i in sorted(kind, key=lambda i: -block_bytes[i]):
+        if block_bytes[i] > left:
+            return
+        left -= block_bytes[i]
+        yield i
+
+
+def _spread(kind: list[int], count: int) -> list[int]:
+    """``count`` of ``kind``'s blocks (in block order), evenly spaced along it."""
+    if count <= 0:
+        return []
+    return [kind[(2 * j + 1) * len(kind) // (2 * count)] for j in range(count)]
 
 
 @dataclass(frozen=True)
