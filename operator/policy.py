@@ -57,14 +57,19 @@ class AdminPolicy:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> AdminPolicy:
-        """The policy the chart set on the operator (unset variables keep the defaults)."""
-        roots = _names(environ.get(MODEL_ROOTS_ENV)) or DEFAULT_MODEL_ROOTS
+        """The policy the chart set on the operator (unset variables keep the defaults; an
+        empty model-roots list is the admin's: no node directory is allowed, only PVCs)."""
+        listed = environ.get(MODEL_ROOTS_ENV)
+        roots = DEFAULT_MODEL_ROOTS if listed is None else _names(listed)
         engine = environ.get(ENGINE_IMAGE_ENV) or DEFAULT_IMAGE
         return cls(model_roots=tuple(_clean(r) for r in roots),
                    cache_root=_clean(environ.get(CACHE_ROOT_ENV) or DEFAULT_CACHE_ROOT),
                    engine_image=engine,
                    helper_image=environ.get(HELPER_IMAGE_ENV) or engine,
                    pull_secrets=_names(environ.get(PULL_SECRETS_ENV)))
+
+    def _roots(self) -> str:
+        return ", ".join(self.model_roots) or "none: models come from PVCs or model.uri"
 
     def allows_model_path(self, path: str) -> bool:
         if not path.startswith("/") or ".." in path.split("/"):
@@ -79,13 +84,13 @@ class AdminPolicy:
         host_path = spec.model.host_path
         if host_path is not None and not self.allows_model_path(host_path):
             out.append(f"model.hostPath {host_path!r} is outside the node directories the "
-                       f"cluster admin allows for models ({', '.join(self.model_roots)}; chart "
+                       f"cluster admin allows for models ({self._roots()}; chart "
                        "value cachectl.modelHostPaths): put the model under one of them, or use "
                        "model.persistentVolumeClaim")
         for lora in spec.loras:  # adapters' node paths: the same roots as models
             if lora.host_path is not None and not self.allows_model_path(lora.host_path):
                 out.append(f"loras[{lora.name}].hostPath {lora.host_path!r} is outside the node "
-                           f"directories the cluster admin allows ({', '.join(self.model_roots)}"
+                           f"directories the cluster admin allows ({self._roots()}"
                            "; chart value cachectl.modelHostPaths): put it under one of them, "
                            "or use a persistentVolumeClaim")
         if spec.cache.enabled and spec.cache.root is not None \

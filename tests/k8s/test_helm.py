@@ -317,6 +317,15 @@ def test_helm_test_hook_probes_the_operator_and_a_daemon(
     # Two operators without leader election would both reconcile.
     ({"operator": {"replicas": 2, "leaderElection": {"enabled": False}}}, "needs operator.leader"),
     ({"cachectl": {"modelHostPaths": ["models"]}}, "/cachectl/modelHostPaths/0"),
+    # The node's whole root as the cache (engine pods would mount it), and ".." segments the
+    # API server refuses (and the operator would read as another directory).
+    ({"cachectl": {"root": "/"}}, "/cachectl/root"),
+    ({"cachectl": {"root": "/var/../etc"}}, "/cachectl/root"),
+    ({"cachectl": {"modelHostPaths": ["/mnt/../etc"]}}, "/cachectl/modelHostPaths/0"),
+    # One path for two of the daemon's volumes: a pod the API server refuses.
+    ({"cachectl": {"modelHostPaths": ["/var/cache/ditserve/"]}}, "where the daemon mounts its cache"),
+    ({"cachectl": {"modelHostPaths": ["/tmp"]}}, "its scratch space"),
+    ({"nameOverride": "Foo_Bar"}, "/nameOverride"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
 ])
 def test_values_schema_rejects_bad_values(tmp_path: Path, values: dict[str, Any],
@@ -325,6 +334,18 @@ def test_values_schema_rejects_bad_values(tmp_path: Path, values: dict[str, Any]
     result = helm(tmp_path, "template", "rel", str(CHART), "-f", str(tmp_path / "bad.yaml"),
                   check=False)
     assert result.returncode != 0 and complaint in result.stderr, result.stderr
+
+
+def test_an_empty_model_path_list_allows_no_node_directory(tmp_path: Path) -> None:
+    # An admin with PVC-only models sets the list empty: that must not mean the default root.
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump({"cachectl": {"modelHostPaths": []}}))
+    docs = [d for d in yaml.safe_load_all(helm(tmp_path, "template", "rel", str(CHART), "-f",
+                                               str(tmp_path / "none.yaml")).stdout) if d]
+    (dep,) = by_kind(docs, "Deployment")
+    policy = AdminPolicy.from_env({e["name"]: e["value"] for e in _container(dep)["env"]})
+    assert policy.model_roots == ()
+    assert not policy.allows_model_path("/mnt/models/flux")
+    assert AdminPolicy.from_env({}).model_roots == ("/mnt/models",)  # unset: the default
 
 
 def test_notes_tell_how_to_apply_and_wait(tmp_path: Path) -> None:
