@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from PIL import Image
 from server.video_support import FakeEngine, fake_video_engine, run, video_app
 
@@ -75,3 +76,20 @@ def test_a_video_job_form_field_given_twice_is_refused(tmp_path: Path) -> None:
                                                       "num_frames": ["5", "9"]})
 
     refused(run(app, script), "num_frames")
+
+
+@pytest.mark.parametrize(("source", "size"), [
+    ((64, 64), "64x64"),  # the default's own shape
+    ((128, 96), "64x48"),  # 4:3 at about the default's area, on the 16 px grid
+    ((1, 300), "16x256"),  # a strip: the narrowest side the grid has, the rest at the area
+    ((4000, 16), "256x16"),
+])
+def test_auto_size_keeps_the_default_area(source: tuple[int, int], size: str) -> None:
+    from ditserve.engine.request import ConditionImage
+    from ditserve.engine.server.edits.form import auto_size
+    from ditserve.engine.server.limits import RequestLimits
+
+    limits = RequestLimits("m", default_size=(64, 64), default_steps=4, pixel_multiple=16,
+                           max_prompt_chars=None)
+    width, height = source
+    assert auto_size(ConditionImage(width, height, bytes(width * height * 3)), limits) == size

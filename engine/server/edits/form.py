@@ -37,12 +37,20 @@ _BOOLEANS = ("stream",)
 
 
 def auto_size(image: ConditionImage, limits: RequestLimits) -> str:
-    """The source's aspect ratio at the default size's area, on the pixel grid."""
+    """The source's aspect ratio at the default size's area, on the pixel grid. A source
+    too narrow for the grid (a 1x300 strip) gets the narrowest side the grid allows and the
+    other side at the same area: the area holds, not the extreme ratio."""
     area = limits.default_size[0] * limits.default_size[1]
     aspect = image.width / image.height
     m = limits.pixel_multiple
-    width = max(m, min(limits.max_side, int(math.sqrt(area * aspect)) // m * m))
-    height = max(m, min(limits.max_side, int(math.sqrt(area / aspect)) // m * m))
+    width = int(math.sqrt(area * aspect)) // m * m
+    height = int(math.sqrt(area / aspect)) // m * m
+    if width < m:
+        width, height = m, area // m // m * m
+    elif height < m:
+        width, height = area // m // m * m, m
+    width = max(m, min(limits.max_side, width))
+    height = max(m, min(limits.max_side, height))
     return f"{width}x{height}"
 
 
