@@ -117,8 +117,7 @@ def create_app(
                 kind |= edit_openapi.schemas(key[0], key[2], repaints=key[3])
             documents[key] = build_openapi(app, api_key=config.api_key is not None,
                                            kind_schemas=kind, video=video, edits=key[2] > 0,
-                                           still_images=video and state.makes_images,
-                                           generations=state.makes_images)
+                                           images=state.makes_images)
         return documents[key]
 
     app.openapi = openapi  # type: ignore[method-assign]

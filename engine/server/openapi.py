@@ -188,8 +188,7 @@ def _static_schemas() -> dict[str, Any]:
 
 
 def build_openapi(app: FastAPI, *, api_key: bool, kind_schemas: dict[str, Any],
-                  video: bool, edits: bool = False, still_images: bool = False,
-                  generations: bool = True) -> dict[str, Any]:
+                  video: bool, edits: bool = False, images: bool = True) -> dict[str, Any]:
     """The whole document for this replica (``app.openapi`` caches it per limits).
 
     One model per replica: a video replica's document (``video``, with
@@ -197,16 +196,17 @@ def build_openapi(app: FastAPI, *, api_key: bool, kind_schemas: dict[str, Any],
     route (tag ``images``); an image replica's (``generation.openapi.schemas``) the reverse. The
     other kind's routes answer 400 and are left out, and so is the edits route (tag
     ``edits``) unless the model edits (``edits``, with ``edits.openapi.schemas``). A video
-    replica whose model makes still images (``still_images``: Cosmos3) holds the image route too;
-    an image replica whose model needs an input image (``generations`` False: an edit-only
-    model such as Qwen-Image-Edit) holds only the edits route.
+    replica whose model makes still images (``images``: Cosmos3) holds the image route too;
+    an image replica whose model needs an input image (``images`` False: an edit-only model
+    such as Qwen-Image-Edit) holds only the edits route.
     """
     doc = get_openapi(title="ditserve", version="0.1.0", routes=app.routes,
                       description="OpenAI-style image and video generation on a diffusion "
                                   "transformer (one model per replica). Errors are OpenAI's "
                                   "error object; see docs/serving.md.")
-    served = {"videos", *(("images",) if still_images else ())} if video \
-        else {*(("images",) if generations else ()), *(("edits",) if edits else ())}
+    served = {"videos"} if video else {"edits"} if edits else set()
+    if images:
+        served.add("images")
     others = {"images", "videos", "edits"} - served
     for path in list(doc.get("paths", {})):
         operations = doc["paths"][path]

@@ -159,7 +159,7 @@ class JobStore:
             token = secrets.token_hex(8)
 
             def take(job: VideoJob, token: str = token) -> bool:
-                if job.attempts >= MAX_ATTEMPTS:  # attempts counts claims that ran
+                if job.attempts >= MAX_ATTEMPTS:  # claims that ran
                     job.error = {"code": "job_interrupted", "message": (
                         f"the replica running this job stopped {MAX_ATTEMPTS} times before "
                         "it finished (killed, out of memory, or cut off from the job store "
@@ -212,9 +212,7 @@ class JobStore:
             if job.status.is_finished:
                 return False
             job.path, job.size_bytes = path, size
-            # Every step ran, whatever progress reached the store (steps reported while it
-            # was unreachable are lost, and only this result was kept for it to come back).
-            job.steps_done = job.spec.params.num_inference_steps
+            job.steps_done = job.spec.params.num_inference_steps  # whatever reports got lost
             self._finish(job, JobStatus.COMPLETED)
             return True
 
