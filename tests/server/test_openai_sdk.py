@@ -101,6 +101,12 @@ def test_error_classes(client) -> None:
         client.images.generate(prompt="a fox", extra_body={"colour": "red"})
     assert unknown.value.body["code"] == "unknown_field"
     assert "supported fields: prompt" in unknown.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as spelled:  # any spelling is named as sent
+        client.images.generate(prompt="a fox", extra_body={"Colour-2": "red"})
+    assert spelled.value.body["param"] == "Colour-2"
+    with pytest.raises(openai.BadRequestError) as nested_spelled:
+        client.images.generate(prompt="a fox", extra_body={"loras": [{"name": "a", "Foo": 1}]})
+    assert nested_spelled.value.body["param"] == "loras[0].Foo"
     # Inside a list of objects: the entry and the field are named, not the body's fields.
     with pytest.raises(openai.BadRequestError) as nested:
         client.images.generate(prompt="a fox", extra_body={"loras": [{"name": "a", "foo": 1}]})

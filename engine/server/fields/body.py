@@ -50,8 +50,9 @@ def pydantic_error(error: PydanticValidationError, *,
     """The first problem of a pydantic validation, as a field-precise 400 (``fields``: the
     body's field names, listed for an unknown one)."""
     first = error.errors(include_url=False)[0]
-    param = field_path(first.get("loc", ()))
     kind, value = first.get("type", ""), first.get("input")
+    # an unknown key is the client's own spelling, whatever it is: kept as the path's end
+    param = field_path(first.get("loc", ()), keep_last=kind == "extra_forbidden")
     if kind == "extra_forbidden":
         top_level = param is not None and param.isidentifier()  # not loras[0].x
         listed = f"; supported fields: {', '.join(fields)}" if top_level else ""
@@ -70,16 +71,19 @@ def pydantic_error(error: PydanticValidationError, *,
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
 
 
-def field_path(loc: tuple[int | str, ...] | list[int | str]) -> str | None:
-    """A pydantic error location as the body names it: ``loras[0].name``. A union's member
-    tags in the location (``str``, a model's class name, ``function-after[...]``) are
-    pydantic's, not the body's: dropped."""
+def field_path(loc: tuple[int | str, ...] | list[int | str], *,
+               keep_last: bool = False) -> str | None:
+    """A pydantic error location as the body names it: ``loras[0].name``. The first part is
+    the body's field as sent; after it, a union's member tags (``str``, a model's class name,
+    ``function-after[...]``) are pydantic's, not the body's: dropped (``keep_last``: the last
+    part is the client's key, kept as sent)."""
     out = ""
-    for part in loc:
+    for n, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.isidentifier() and part.islower() and part not in _TYPE_TAGS:
-            out += f".{part}" if out else part
+        elif n == 0 or (keep_last and n == len(loc) - 1) or (
+                part.isidentifier() and part.islower() and part not in _TYPE_TAGS):
+            out += f".{part}" if out else str(part)
     return out or None
 
 
