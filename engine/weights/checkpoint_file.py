@@ -109,12 +109,15 @@ def inspect_checkpoint(path: str | Path) -> CheckpointFile:
     return CheckpointFile(path, fmt, family, tensors)
 
 
+_NOT_WEIGHTS = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "BOOL"})
+
+
 def _refuse_integer_weights(path: Path, tensors: dict[str, TensorInfo]) -> None:
     """A DiT's weights are floating point (F32, F16, BF16, FP8); an integer or boolean tensor
     (ComfyUI's FP8 marker aside) means a file of something else, which a cast would turn into
     a model that runs and draws noise."""
     for name, info in sorted(tensors.items()):
-        if info.dtype[0] in "IUB" and name.rsplit(".", 1)[-1] not in FP8_MARKERS:
+        if info.dtype in _NOT_WEIGHTS and name.rsplit(".", 1)[-1] not in FP8_MARKERS:
             raise ModelLoadError(
                 f"{str(path)!r}: tensor {name!r} is stored as {info.dtype}; a DiT checkpoint "
                 "stores its weights as floating point (F32, F16, BF16 or FP8)")

@@ -45,7 +45,7 @@ def test_image_selection() -> None:
         ("style", 1.0, 16), ("detail", 0.4, 16))
     with pytest.raises(APIError) as info:
         image({"prompt": "x", "loras": [{"name": "detail", "weight": 1}]})
-    assert info.value.status == 400 and info.value.param == "loras"
+    assert info.value.status == 400 and info.value.param == "loras[0].weight"
     with pytest.raises(APIError) as info:
         image({"prompt": "x", "loras": [{"name": "style", "scale": 50}]})
     assert info.value.status == 400 and "scale must be a number" in info.value.message

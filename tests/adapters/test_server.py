@@ -91,7 +91,8 @@ def test_unknown_adapters_are_openai_404s(lora_server) -> None:  # type: ignore[
         "loras", "adapter_not_found", "invalid_request_error")
     bad_scale = httpx.post(f"{server.url}{GEN}", headers=AUTH,
                            json={"prompt": "x", "loras": [{"name": "style", "scale": "1"}]})
-    assert bad_scale.status_code == 400 and bad_scale.json()["error"]["param"] == "loras"
+    assert bad_scale.status_code == 400
+    assert bad_scale.json()["error"]["param"] == "loras[0].scale"  # the entry's field, named
 
 
 def test_load_use_and_unload_an_adapter(lora_server, metric=metric_value) -> None:  # type: ignore[no-untyped-def]

@@ -142,8 +142,12 @@ def test_integer_weights_are_refused_naming_the_tensor(files: dict[str, Path],
     save_file(state, str(path))
     with pytest.raises(ModelLoadError, match=f"{name}' is stored as I32"):
         inspect_checkpoint(path)
-    # FP8 files keep ComfyUI's marker tensor beside float weights: accepted
+    # FP8 files keep ComfyUI's marker tensor beside float weights, and bf16 files are bf16:
+    # both accepted
     assert inspect_checkpoint(files["fp8"]).family == "flux"
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(str(files["single-file"])).items()}
+    save_file(state, str(tmp_path / "bf16.safetensors"))
+    assert inspect_checkpoint(tmp_path / "bf16.safetensors").family == "flux"
 
 
 def test_file_of_no_known_family_is_refused(tmp_path: Path) -> None:
