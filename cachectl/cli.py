@@ -230,12 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "--max-bytes 0 removes every entry no process uses")
     root = getattr(args, "root", None) or default_root()
     try:
-        if getattr(args, "model", None) is not None:
-            model_paths(args)  # a checkpoint file without its base model: say so first
         if getattr(args, "model", None) is not None and args.dtype is None:
-            # A checkpoint file is served in its base model's dtype, as `ditserve serve`.
-            args.dtype = default_dtype(args.base_model or args.model, args.component,
-                                       engine_loader)
+            # A checkpoint file is served in its base model's dtype, as `ditserve serve`
+            # (model_paths first refuses a checkpoint file without its base model).
+            model_dir, _ = model_paths(args)
+            args.dtype = default_dtype(model_dir, args.component, engine_loader)
         rc = COMMANDS[args.command](root, args, engine_loader)
         sys.stdout.flush()  # a closed pipe must fail here, not in the interpreter's exit
         return rc

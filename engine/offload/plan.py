@@ -15,7 +15,7 @@ sizes) and ``hooks`` (views into slots).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from ditserve.engine.errors import OffloadError
@@ -202,7 +202,7 @@ def budget_residency(
     resident: list[int] = []
     for kind in _block_kinds(block_bytes):
         # as many as fit taking the largest first; any that many of the kind fit as well
-        for i in _spread(kind, sum(1 for _ in _fitting(kind, block_bytes, left))):
+        for i in _spread(kind, _how_many_fit(kind, block_bytes, left)):
             resident.append(i)
             left -= block_bytes[i]
     # Rounding can leave room for a few more whole blocks: fill it front to back.
@@ -224,13 +224,15 @@ def _block_kinds(block_bytes: Sequence[int]) -> list[list[int]]:
     return [sorted(kind) for kind in kinds]
 
 
-def _fitting(kind: list[int], block_bytes: Sequence[int], left: int) -> Iterator[int]:
-    """As many of ``kind``'s blocks (largest first) as ``left`` bytes hold."""
-    for i in sorted(kind, key=lambda i: -block_bytes[i]):
-        if block_bytes[i] > left:
-            return
-        left -= block_bytes[i]
-        yield i
+def _how_many_fit(kind: list[int], block_bytes: Sequence[int], left: int) -> int:
+    """How many of ``kind``'s blocks ``left`` bytes hold, counting the largest first."""
+    count = 0
+    for size in sorted((block_bytes[i] for i in kind), reverse=True):
+        if size > left:
+            break
+        left -= size
+        count += 1
+    return count
 
 
 def _spread(kind: list[int], count: int) -> list[int]:
