@@ -94,8 +94,10 @@ def engine_loader() -> ModelLoader:
 def default_dtype(model: Path, component: str, loader: LoaderFn) -> str:
     """``--dtype`` when omitted: the dtype the DiT is stored in (``st_format.stored_dtype``),
     the rule ``ditserve serve`` follows too, so both agree on the entry."""
+    from ditserve.cachectl.model_build import require_model_dir
     from ditserve.cachectl.st_header import stored_dtype
 
+    require_model_dir(model)
     try:
         found = stored_dtype(list(loader().source_files(model.resolve(), component)))
     except Exception as e:  # the loader's own errors name what is wrong with the directory

@@ -156,6 +156,14 @@ def describe_loader(module: ModuleType, checkpoint: ModuleType | None = None) ->
     )
 
 
+def require_model_dir(model_dir: Path) -> None:
+    """Refuse a ``--model``/``--base-model`` directory that is not there, before anything reads
+    it (the dtype default included), in words that fit `cachectl`."""
+    if not model_dir.is_dir():
+        raise BuildError(f"model directory {str(model_dir)!r} does not exist; pass the "
+                         "local diffusers directory (the one holding model_index.json)")
+
+
 @dataclass(frozen=True)
 class ModelRequest:
     """What to build: a local model directory, the runtime dtype, an optional revision label,
@@ -176,9 +184,7 @@ class ModelRequest:
             raise BuildError(f"{str(self.model_dir)!r} is a checkpoint file: pass it with "
                              "--base-model DIR, a diffusers directory of the same family (its "
                              "config and other components), as `ditserve serve` takes it")
-        if not self.model_dir.is_dir():
-            raise BuildError(f"model directory {str(self.model_dir)!r} does not exist; pass the "
-                             "local diffusers directory (the one holding model_index.json)")
+        require_model_dir(self.model_dir)
         if self.checkpoint is not None and not self.checkpoint.is_file():
             raise BuildError(f"checkpoint file {str(self.checkpoint)!r} does not exist")
         if self.placement.tp_size > 1:

@@ -114,6 +114,6 @@ from ditserve.engine.config.types import (
 from ditserve.engine.config.types import (
     raise_problems as raise_problems,
 )
-from ditserve.engine.config.types import (
+from ditserve.engine.config.unknown_keys import (
     reject_unknown_keys as reject_unknown_keys,
 )

@@ -8,6 +8,7 @@ YAML file (whose keys follow ``EngineConfig.to_mapping()``). The resulting mappi
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from ditserve.engine.config import (
 from ditserve.engine.config.adapters import modules_mapping, parse_lora_module
 from ditserve.engine.config.checkpoint_dtype import AUTO_DTYPE, checkpoint_dtype
 from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
+from ditserve.engine.config.types import option_sections
+from ditserve.engine.config.unknown_keys import Section, reject_unknown_sections
 from ditserve.engine.errors import ConfigError
 
 # (flag dest) -> (section or None, key in EngineConfig.to_mapping())
@@ -320,11 +323,21 @@ def _split_checkpoint(merged: dict[str, Any]) -> None:
                           f"--model {model!r} is not a file")
 
 
-def engine_config_and_server_section(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, Any]]:
+def engine_config_and_server_section(
+    args: argparse.Namespace, server_options: Collection[str] | None = None,
+) -> tuple[EngineConfig, dict[str, Any]]:
     """The EngineConfig from ``--config`` (if given) and the flags, and the file's ``server:``
-    section (the HTTP layer's own options; empty without a file)."""
+    section (the HTTP layer's own options; empty without a file). With ``server_options``
+    (the server's keys) an unknown key anywhere in the file is named in one error with the
+    others, so every typo is reported at once."""
     data: dict[str, Any] = {}
     if getattr(args, "config", None) is not None:
         data = load_config_file(args.config)
     server_section = data.pop("server", None) or {}
+    # ``base_model`` is the file's spelling of --base-model: it becomes ``model`` below.
+    (top, known, _), *nested = option_sections(data)
+    sections: list[Section] = [(top, {*known, "base_model"}, ""), *nested]
+    if server_options is not None:
+        sections.append((server_section, server_options, "server"))
+    reject_unknown_sections(sections)
     return engine_config_from_args(args, base=data), server_section

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 
 from ditserve.engine.config.adapters import AdapterConfig
 from ditserve.engine.config.step_cache import StepCacheSpec
+from ditserve.engine.config.unknown_keys import Section, reject_unknown_keys
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import AUTO_FAMILY, family_labels
 
@@ -308,16 +309,14 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 
 
-def reject_unknown_keys(data: Any, known: set[str], path: str = "") -> None:
-    """A config mapping may only hold ``known`` keys; the error names the others."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
-    unknown = sorted(set(data) - known)
-    if unknown:
-        where = f" in {path}" if path else ""
-        raise ConfigError(
-            f"unknown option(s){where}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
+def option_sections(data: Mapping[str, Any]) -> list[Section]:
+    """An engine config mapping's sections with the keys each may hold (removed options too:
+    building one tells how to update it), for ``reject_unknown_sections``."""
+    def known(cls: type, path: str) -> set[str]:
+        removed = {k.split(".", 1)[1] for k in _REMOVED if k.split(".", 1)[0] == path}
+        return {f.name for f in fields(cls)} | removed
+    return [(data, known(EngineConfig, ""), ""), *[(data[key], known(cls, key), key)
+            for key, cls in _NESTED.items() if isinstance(data.get(key), Mapping)]]
 
 
 def raise_problems(what: str, found: list[str]) -> None:

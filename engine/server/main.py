@@ -18,6 +18,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import fields
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,8 @@ __all__ = ["add_server_options", "build_server", "configs_from_args", "run_serve
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, ServerConfig]:
     """(EngineConfig, ServerConfig) from the flags and the optional YAML file."""
-    engine_config, server_section = engine_config_and_server_section(args)
+    engine_config, server_section = engine_config_and_server_section(
+        args, server_options={f.name for f in fields(ServerConfig)})
     return engine_config, server_config_from_args(args, base=server_section)
 
 

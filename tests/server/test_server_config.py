@@ -49,6 +49,11 @@ def test_api_key_flag_and_custom_env(tmp_path, monkeypatch) -> None:
     ("server: {hots: 1.2.3.4}\n", "unknown option(s) in server: hots"),
     ("schedular: {}\n", "unknown option(s): schedular"),
     ("scheduler: {max_num_seq: 2}\n", "unknown option(s) in scheduler: max_num_seq"),
+    # Every typo of a file at once, wherever it is: not one per restart.
+    ("schedular: {}\noffload: {slotz: 3}\nserver: {prot: 1}\n",
+     "unknown option(s): schedular, offload.slotz, server.prot; known at the top level: "),
+    ("scheduler: {policy: fifo}\nserver: {prot: 1}\n", "unknown option(s) in server: prot"),
+    ("base_model: /nowhere\n", "--base-model goes with --model FILE"),
     ("server: {api_key: x}\n", "server.api_key must not be written in a config file"),
     ("server: {port: 70000}\n", "server.port must be an integer in [0, 65535], got 70000"),
     ("server: {default_size: big}\n", "server.default_size must look like '1024x1024'"),
