@@ -1,4 +1,4 @@
-"""Decoded pixels -> PIL images and PNG bytes (the engine's output formats)."""
+"""Decoded pixels -> PIL images, and images -> the bytes of an output format (PNG, JPEG, WebP)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,22 @@ def to_pil_images(pixels: Any) -> list[Any]:
     return [Image.fromarray(a) for a in array]
 
 
+# The formats an answer's images can take (OpenAI's output_format) and PIL's name for each.
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
 def png_bytes(image: Any) -> bytes:
+    return image_bytes(image, "png")
+
+
+def image_bytes(image: Any, output_format: str, compression: int | None = None) -> bytes:
+    """``image`` encoded as ``output_format``. PNG is lossless and ignores ``compression``;
+    JPEG and WebP take it as their quality (0-100, OpenAI's output_compression: 100, the
+    default, keeps the most detail)."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    if output_format == "png":
+        image.save(buffer, format="PNG")
+    else:
+        quality = 100 if compression is None else compression
+        image.save(buffer, format=IMAGE_FORMATS[output_format], quality=quality)
     return buffer.getvalue()

@@ -115,6 +115,20 @@ def test_exif_orientation_is_applied(client) -> None:  # type: ignore[no-untyped
     assert (decoded.width, decoded.height) == (64, 128)
 
 
+def test_sdk_edit_in_the_output_format_asked_for_and_openais_values_checked(client) -> None:  # type: ignore[no-untyped-def]
+    response = client.images.edit(image=("cat.png", png(64, 64), "image/png"), prompt="red",
+                                  output_format="webp", input_fidelity="high",
+                                  extra_body={"num_inference_steps": 1})
+    assert response.output_format == "webp"
+    image = Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json)))
+    assert (image.format, image.size) == ("WEBP", (64, 64))
+    for field, value in (("input_fidelity", "medium"), ("output_format", "gif")):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.images.edit(image=("cat.png", png(64, 64), "image/png"), prompt="red",
+                               extra_body={field: value})
+        assert error.value.body["param"] == field and repr(value) in error.value.body["message"]
+
+
 def _post(server, files: dict[str, object], data: dict[str, str] | None = None) -> httpx.Response:  # type: ignore[no-untyped-def]
     return httpx.post(f"{server.url}/v1/images/edits", files=files,
                       data=data or {"prompt": "x"}, timeout=120)

@@ -63,8 +63,8 @@ def test_concurrent_requests_equal_alone_and_batch(server, metric) -> None:
 
 
 LIMIT_PROMPT = "x" * 4001
-FIELDS = ("prompt, model, n, size, response_format, user, stream, partial_images, background, "
-          "moderation, output_compression, output_format, quality, style, safety_identifier, "
+FIELDS = ("prompt, model, n, size, response_format, user, stream, partial_images, output_format, "
+          "output_compression, background, moderation, quality, style, safety_identifier, "
           "negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed, "
           "max_sequence_length, loras, priority, deadline_s, step_cache")
 HUGE = "9" * 5000
@@ -130,7 +130,7 @@ BAD_INPUTS = [
     ("stream-type", {"prompt": "cat", "stream": "yes"}, 400, "stream",
      "stream: must be true or false, got 'yes'"),
     ("ignored-field-type", {"prompt": "cat", "quality": 5}, 400, "quality",
-     "quality: must be a string, got 5"),
+     "quality: must be one of 'auto', 'low', 'medium', 'high', 'standard' or 'hd', got 5"),
     ("output-compression", {"prompt": "cat", "output_compression": 101}, 400,
      "output_compression", "output_compression: must be an integer in [0, 100], got 101"),
     ("response-format", {"prompt": "cat", "response_format": "url"}, 400, "response_format",
@@ -228,15 +228,58 @@ def test_sse_stream_reports_steps_partial_images_then_each_image(server) -> None
 
 def test_openai_fields_that_do_not_apply_are_accepted_and_ignored(server) -> None:
     body = {"prompt": "a fox", "seed": 3, "size": "auto", "quality": "hd", "style": "vivid",
-            "output_format": "jpeg", "background": "transparent", "moderation": "low",
-            "output_compression": 50, "safety_identifier": "u1", "user": "u1",
-            "response_format": None, "n": None}
+            "background": "opaque", "moderation": "low", "output_compression": 50,
+            "safety_identifier": "u1", "user": "u1", "response_format": None, "n": None}
     response = post(server, body, timeout=60)
     assert response.status_code == 200, response.text
     data = response.json()
     assert (data["size"], data["output_format"], data["background"]) == ("64x64", "png", "opaque")
     plain = post(server, {"prompt": "a fox", "seed": 3}, timeout=60).json()
     assert data["data"] == plain["data"]  # the ignored fields changed nothing
+
+
+@pytest.mark.parametrize(("output_format", "pil_format"), [("jpeg", "JPEG"), ("webp", "WEBP")])
+def test_output_format_writes_the_images_in_it(server, output_format, pil_format) -> None:
+    png = Image.fromarray(decode_png(post(server, {"prompt": "a fox", "seed": 3}, timeout=60)
+                                     .json()["data"][0]["b64_json"]))
+    sizes = []
+    for compression in (90, 10):
+        response = post(server, {"prompt": "a fox", "seed": 3, "output_format": output_format,
+                                 "output_compression": compression}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["output_format"] == output_format
+        raw = base64.b64decode(response.json()["data"][0]["b64_json"])
+        image = Image.open(io.BytesIO(raw))
+        assert (image.format, image.size, image.mode) == (pil_format, (64, 64), "RGB")
+        sizes.append(len(raw))
+        # The same picture as the PNG, written by the encoder at output_compression quality.
+        again = io.BytesIO()
+        png.save(again, format=pil_format, quality=compression)
+        assert np.array_equal(np.asarray(image), np.asarray(Image.open(again)))
+    assert sizes[1] < sizes[0]  # output_compression is the quality the encoder used
+    streamed = post(server, {"prompt": "a fox", "seed": 3, "stream": True, "partial_images": 1,
+                             "num_inference_steps": 2, "output_format": output_format},
+                    timeout=60)
+    images = [e for _, e in parse_sse(streamed.text) if isinstance(e, dict) and "b64_json" in e]
+    assert len(images) == 2  # a preview and the final image, both in the format asked for
+    for event in images:
+        assert event["output_format"] == output_format
+        assert Image.open(io.BytesIO(base64.b64decode(event["b64_json"]))).format == pil_format
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("background", "transparent", "background: 'transparent' is not available"),
+    ("output_format", "gif", "output_format: "),
+    ("quality", "bogus", "quality: "),
+    ("moderation", "strict", "moderation: "),
+    ("style", "bold", "style: "),
+])
+def test_openai_enumerated_fields_take_openais_values(server, field, value, message) -> None:
+    response = post(server, {"prompt": "a fox", field: value}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(message), error
+    assert repr(value) in error["message"]
 
 
 def test_request_ids_on_every_answer_and_in_the_log(server) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from ditserve.engine.request import ConditionImage
-from ditserve.engine.server.errors import invalid
+from ditserve.engine.server.errors import invalid, shown
 from ditserve.engine.server.fields.body import Integer, Number, typed_fields
 from ditserve.engine.server.fields.extensions import form_value
 from ditserve.engine.server.fields.forms import fold_nested, once
@@ -27,8 +27,9 @@ from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.state import ServerState
 
 IMAGE_FIELDS = ("image", "image[]")
-# OpenAI's edit-only fields that mean nothing to a DiT: accepted and ignored.
-IGNORED_EDIT_FIELDS = ("input_fidelity",)
+# OpenAI's edit-only fields that mean nothing to a DiT: accepted (with OpenAI's values) and
+# ignored.
+IGNORED_EDIT_FIELDS = {"input_fidelity": ("high", "low")}
 # The form's number and flag fields: the generation body's own (``max_sequence_length``
 # included), and the edit's ``strength``.
 _INTEGERS = typed_fields(ImageGenerationRequest, Integer)
@@ -85,9 +86,12 @@ async def read_edit(request: Request, state: ServerState) -> tuple[dict[str, Any
         images = [await read_image(f, field="image", limits=upload) for f in files]
         plain, fields = fold_nested(form.multi_items())  # the SDK's step_cache[policy], ...
         for name in dict.fromkeys(name for name, _ in plain):
-            if name in IMAGE_FIELDS or name in IGNORED_EDIT_FIELDS or name == "mask":
+            if name in IMAGE_FIELDS or name == "mask":
                 continue
             value = once(form, name)
+            if name in IGNORED_EDIT_FIELDS:
+                check_ignored(name, value)
+                continue
             if is_file(value):
                 raise invalid(name, f"{name}: must be a text field, not a file")
             fields[name] = form_value(name, str(value), integers=_INTEGERS,
@@ -96,6 +100,14 @@ async def read_edit(request: Request, state: ServerState) -> tuple[dict[str, Any
         await form.close()
     strength = fields.pop("strength", None)
     return fields, Edit(images, mask, strength)
+
+
+def check_ignored(name: str, value: Any) -> None:
+    """An ignored edit field must still hold one of OpenAI's values (a typo is a 400)."""
+    allowed = IGNORED_EDIT_FIELDS[name]
+    if is_file(value) or str(value) not in allowed:
+        raise invalid(name, f"{name}: must be one of {', '.join(map(repr, allowed))}, "
+                            f"got {shown(value if not is_file(value) else 'a file')}")
 
 
 def edit_images(state: ServerState) -> int:

@@ -63,7 +63,7 @@ def form_schema(limits: RequestLimits, images: int, *, repaints: bool = False
         "description": f"{step_cache_field.DESCRIPTION}; a policy name, 'every=K', the JSON "
                        "object as text, or its keys as step_cache[policy], "
                        "step_cache[threshold], step_cache[every] (the OpenAI SDK's extra_body)"}
-    properties["input_fidelity"] = {"type": "string",
+    properties["input_fidelity"] = {"enum": ["high", "low"],
                                     "description": "OpenAI field, accepted and ignored"}
     if repaints:
         properties["mask"] = {**file, "description": "inpainting: a PNG whose fully "

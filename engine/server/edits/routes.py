@@ -74,4 +74,5 @@ async def edit_image(request: Request) -> Response:
     except InvalidRequestError as e:
         raise request_error(e) from e
     return await respond(state, request, rid, p, stream=parsed.stream,
-                         pixel_multiple=limits.pixel_multiple, names=EDIT_EVENTS)
+                         pixel_multiple=limits.pixel_multiple, names=EDIT_EVENTS,
+                         encoding=parsed.encoding)

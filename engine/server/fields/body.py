@@ -62,6 +62,9 @@ def pydantic_error(error: PydanticValidationError, *,
     if param == "response_format":
         return invalid(param, "response_format: only 'b64_json' is supported (this server "
                               f"does not host image URLs), got {shown(value)}")
+    if kind == "literal_error":  # one of OpenAI's enumerated values (output_format, quality)
+        expected = first.get("ctx", {}).get("expected", "")
+        return invalid(param, f"{param}: must be one of {expected}, got {shown(value)}")
     if kind == "float_type" and isinstance(value, int) and not isinstance(value, bool):
         return invalid(param, f"{param}: is out of range, got {shown(value)}")
     message = _TYPE_MESSAGES.get(kind) or first.get("msg", "is invalid")

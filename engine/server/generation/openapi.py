@@ -16,7 +16,7 @@ from typing import Any
 from ditserve.engine.request import MAX_IMAGES, MAX_PARTIAL_IMAGES
 from ditserve.engine.server.fields import step_cache as step_cache_field
 from ditserve.engine.server.generation.events import ERROR, GENERATION_EVENTS, ImageEvents
-from ditserve.engine.server.generation.request import FIELDS, IGNORED_FIELDS
+from ditserve.engine.server.generation.request import FIELD_VALUES, FIELDS, IGNORED_FIELDS
 from ditserve.engine.server.limits import RequestLimits
 from ditserve.engine.server.openapi import (
     LORAS_SCHEMA,
@@ -63,8 +63,10 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
                              "Events (progress, partial images, then the images)"}),
         "partial_images": integer(0, MAX_PARTIAL_IMAGES, "previews to stream at evenly spaced "
                                   "steps (with stream)"),
-        **{name: nullable(text) for name in IGNORED_FIELDS if name != "output_compression"},
-        "output_compression": integer(0, 100, "accepted and ignored (PNG is lossless)"),
+        **{name: nullable(text) for name in IGNORED_FIELDS},
+        **{name: nullable({"enum": list(values)}) for name, values in FIELD_VALUES.items()},
+        "output_compression": integer(0, 100, "JPEG's and WebP's quality (default 100); PNG "
+                                      "is lossless and ignores it"),
         "negative_prompt": nullable(text),
         "num_inference_steps": integer(1, limits.max_steps,
                                        f"denoise steps (default {limits.default_steps})"),
@@ -82,6 +84,11 @@ def request_schema(limits: RequestLimits) -> dict[str, Any]:
     }
     for name in IGNORED_FIELDS:
         properties[name]["description"] = "OpenAI field, accepted and ignored"
+    # 'transparent' is OpenAI's value, refused here: the document lists what is accepted.
+    properties["background"] = nullable({"enum": ["auto", "opaque"], "description": "OpenAI "
+                                         "field: images are opaque RGB ('transparent' is "
+                                         "refused with 400)"})
+    properties["output_format"]["description"] = "the images' format (default png)"
     assert set(properties) == set(FIELDS), "the schema and the parser disagree on the fields"
     return {
         "type": "object", "title": "ImageGenerationRequest", "required": ["prompt"],
@@ -121,7 +128,8 @@ def stream_event_schemas(events: ImageEvents = GENERATION_EVENTS,
                 "properties": {"type": {"const": kind}, **properties}}
 
     image = {"b64_json": string, "background": string, "created_at": integer,
-             "output_format": {"const": "png"}, "quality": string, "size": string,
+             "output_format": {"enum": list(FIELD_VALUES["output_format"])}, "quality": string,
+             "size": string,
              "image_index": integer, "request_id": string}
     image_required = ["b64_json", "created_at", "output_format", "size"]
     return {
@@ -164,8 +172,10 @@ def schemas(limits: RequestLimits) -> dict[str, Any]:
                 "created": integer,
                 "data": {"type": "array", "minItems": 1, "items": {
                     "type": "object", "required": ["b64_json"],
-                    "properties": {"b64_json": {"type": "string", "description": "PNG"}}}},
-                "background": {"const": "opaque"}, "output_format": {"const": "png"},
+                    "properties": {"b64_json": {"type": "string", "description":
+                                                "the image, as output_format says"}}}},
+                "background": {"const": "opaque"},
+                "output_format": {"enum": list(FIELD_VALUES["output_format"])},
                 "size": string, "usage": ref("Usage"),
                 "ditserve": {"type": "object", "description": "seed and timings",
                              "required": ["request_id", "seed", "num_inference_steps"],

@@ -35,12 +35,18 @@ from ditserve.engine.server.fields.body import (
     request_error,
 )
 from ditserve.engine.server.fields.extensions import parse_extensions
+from ditserve.engine.server.generation.responses import ImageEncoding
 from ditserve.engine.server.limits import RequestLimits
 
-# OpenAI fields that mean nothing to a diffusion model: accepted (type-checked) and ignored.
-# The answer says what was done instead (output_format "png", background "opaque").
-IGNORED_FIELDS = ("background", "moderation", "output_compression", "output_format",
-                  "quality", "style", "safety_identifier")
+# OpenAI fields that mean nothing to a diffusion model: accepted (checked against OpenAI's
+# values) and ignored. The answer says what was done instead (background "opaque");
+# background "transparent" is refused (the DiT draws opaque RGB), not silently dropped.
+IGNORED_FIELDS = ("background", "moderation", "quality", "style", "safety_identifier")
+# OpenAI's values of the enumerated fields (output_format is honoured: responses.ImageEncoding).
+FIELD_VALUES: dict[str, tuple[str, ...]] = {
+    "background": ("auto", "opaque", "transparent"), "moderation": ("auto", "low"),
+    "quality": ("auto", "low", "medium", "high", "standard", "hd"),
+    "style": ("vivid", "natural"), "output_format": ("png", "jpeg", "webp")}
 
 
 class ImageGenerationRequest(BaseModel):
@@ -57,13 +63,13 @@ class ImageGenerationRequest(BaseModel):
     user: StrictStr | None = None
     stream: StrictBool | None = None
     partial_images: Integer | None = None
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    output_compression: Integer | None = None  # JPEG's and WebP's quality
     # ignored (IGNORED_FIELDS)
-    background: StrictStr | None = None
-    moderation: StrictStr | None = None
-    output_compression: Integer | None = None
-    output_format: StrictStr | None = None
-    quality: StrictStr | None = None
-    style: StrictStr | None = None
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    moderation: Literal["auto", "low"] | None = None
+    quality: Literal["auto", "low", "medium", "high", "standard", "hd"] | None = None
+    style: Literal["vivid", "natural"] | None = None
     safety_identifier: StrictStr | None = None
     # ditserve's extensions
     negative_prompt: StrictStr | None = None
@@ -89,6 +95,10 @@ class ParsedRequest:
     @property
     def stream(self) -> bool:
         return bool(self.body.stream)
+
+    @property
+    def encoding(self) -> ImageEncoding:
+        return ImageEncoding(self.body.output_format or "png", self.body.output_compression)
 
 
 def _size(body: ImageGenerationRequest, limits: RequestLimits) -> tuple[int, int]:
@@ -126,6 +136,10 @@ def _check_ranges(body: ImageGenerationRequest) -> None:
         value = getattr(body, name)
         if value is not None and not 0 <= value <= top:
             raise invalid(name, f"{name}: must be an integer in [0, {top}], got {shown(value)}")
+    if body.background == "transparent":
+        raise invalid("background", "background: 'transparent' is not available: the model "
+                                    "draws opaque RGB images; omit it or pass 'opaque' or "
+                                    "'auto'", code="unsupported_value")
 
 
 def parse_generation_request(raw: bytes, *, engine: EngineClient, limits: RequestLimits

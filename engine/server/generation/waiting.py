@@ -63,21 +63,24 @@ def admit(state: ServerState, engine_request_id: str, params: SamplingParams,
 
 async def respond(state: ServerState, request: Request, rid: str, params: SamplingParams, *,
                   stream: bool, pixel_multiple: int,
-                  names: ImageEvents = GENERATION_EVENTS) -> Response:
+                  names: ImageEvents = GENERATION_EVENTS,
+                  encoding: responses.ImageEncoding = responses.PNG) -> Response:
     """Admit a judged request and answer it: its images (JSON), or with ``stream`` its events
-    (``names``: the route's event names)."""
+    (``names``: the route's event names), the images written as ``encoding`` says."""
     size = f"{params.width}x{params.height}"
     tokens = responses.image_tokens(params.width, params.height, pixel_multiple)
     if stream:
         bridge = streaming.EventBridge(asyncio.get_running_loop())
         handle = admit(state, engine_id(request.scope), params, on_event=bridge.push)
         return StreamingResponse(
-            event_stream(state, rid, handle, bridge, size=size, tokens=tokens, names=names),
+            event_stream(state, rid, handle, bridge, size=size, tokens=tokens, names=names,
+                         encoding=encoding),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     handle = admit(state, engine_id(request.scope), params)
-    return await answer(state, request, rid, handle, size=size, tokens=tokens)
+    return await answer(state, request, rid, handle, size=size, tokens=tokens,
+                        encoding=encoding)
 
 
 def failure(state: ServerState, request_id: str, exc: BaseException) -> APIError:
@@ -118,7 +121,8 @@ def silence(future: asyncio.Future[Any]) -> None:
 
 
 async def answer(state: ServerState, request: Request, rid: str, handle: RequestHandle, *,
-                 size: str, tokens: int) -> Response:
+                 size: str, tokens: int,
+                 encoding: responses.ImageEncoding = responses.PNG) -> Response:
     """Wait for a plain request's images, its timeout or its client's disconnect."""
     result_future = asyncio.wrap_future(handle.future)
     silence(result_future)
@@ -142,7 +146,7 @@ async def answer(state: ServerState, request: Request, rid: str, handle: Request
         raise failure(state, rid, exc) from exc
     result = result_future.result()
     body = await asyncio.to_thread(responses.generation_response, result, request_id=rid,
-                                   size=size, tokens_per_image=tokens)
+                                   size=size, tokens_per_image=tokens, encoding=encoding)
     state.metrics.count_success()
     log.debug("request %s: %d image(s) %s, %d steps in %.2fs", rid, result.num_images, size,
               result.num_inference_steps, result.latency_seconds)
@@ -152,6 +156,7 @@ async def answer(state: ServerState, request: Request, rid: str, handle: Request
 async def event_stream(state: ServerState, rid: str, handle: RequestHandle,
                        bridge: streaming.EventBridge, *, size: str, tokens: int,
                        names: ImageEvents = GENERATION_EVENTS,
+                       encoding: responses.ImageEncoding = responses.PNG,
                        ) -> AsyncIterator[bytes]:
     """queued* -> (progress | partial_image)* -> completed (one per image) | error.
     Leaving early (disconnect) aborts the request."""
@@ -182,7 +187,7 @@ async def event_stream(state: ServerState, rid: str, handle: RequestHandle,
             elif event.kind == "preview":
                 payloads = await asyncio.to_thread(
                     responses.partial_image_payloads, event.pixels, index=previews,
-                    step=event.step, size=size, request_id=rid)
+                    step=event.step, size=size, request_id=rid, encoding=encoding)
                 previews += 1
                 for payload in payloads:
                     yield streaming.sse(names.partial_image, payload)
@@ -191,7 +196,8 @@ async def event_stream(state: ServerState, rid: str, handle: RequestHandle,
                 result = await asyncio.wrap_future(handle.future)
                 payloads = await asyncio.to_thread(responses.completed_payloads, result,
                                                    request_id=rid, size=size,
-                                                   tokens_per_image=tokens)
+                                                   tokens_per_image=tokens,
+                                                   encoding=encoding)
                 state.metrics.count_success()
                 done = True
                 for payload in payloads:

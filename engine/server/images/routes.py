@@ -41,4 +41,4 @@ async def create_image(request: Request) -> Response:
     limits = state.limits()
     parsed = parse_generation_request(await request.body(), engine=state.engine, limits=limits)
     return await respond(state, request, rid, parsed.params, stream=parsed.stream,
-                         pixel_multiple=limits.pixel_multiple)
+                         pixel_multiple=limits.pixel_multiple, encoding=parsed.encoding)
