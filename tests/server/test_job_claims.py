@@ -222,6 +222,32 @@ def test_records_round_trip_every_request_field() -> None:
     assert decode_job(encode_job(job)) == job
 
 
+def test_a_large_reference_is_packed_once_and_leaves_with_the_finished_job(backends,
+                                                                           monkeypatch) -> None:
+    from ditserve.engine.server.jobs import records
+
+    # A 3000x2000 photo's pixels (one per backend: the packing is remembered per process).
+    rgb = bytes(range(250)) * (3000 * 2000 * 3 // 250 - 1) + bytes(range(250))[::-1]
+    rgb = rgb[:-1] + backends.kind[:1].encode()
+    params = SamplingParams(prompt="p", height=16, width=16, num_frames=5, seed=1,
+                            images=(ConditionImage(3000, 2000, rgb),))
+    packed = []
+    real = records.zlib.compress
+    monkeypatch.setattr(records.zlib, "compress", lambda data, level: (
+        packed.append(len(data)), real(data, level))[1])
+    store = backends.open()
+    job_id = store.add(VideoSpec(params=params, fps=8, model="m"), "r")["id"]
+    job = store.claim("replica-a", 30)
+    assert job.spec.params.images[0].rgb == rgb  # the worker gets the pixels as sent
+    for step in range(1, 4):
+        assert store.stepped(job_id, job.token, step)
+    assert packed == [len(rgb)]  # every change after the first reused the packed text
+    assert store.fail(job_id, "engine_error", "boom", token=job.token)
+    finished = store.backend.get(job_id)
+    assert finished.spec.params.images == () and finished.status is JobStatus.FAILED
+    assert store.get(job_id)["status"] == "failed"  # the job itself is all still there
+
+
 def test_an_unreachable_redis_is_store_unavailable(tmp_path: Path) -> None:
     from ditserve.engine.server.jobs.redis_backend import RedisBackend
 

@@ -19,6 +19,7 @@ list's ``after`` cursor stays meaningful after the job it names was deleted or e
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 import secrets
@@ -107,6 +108,14 @@ class VideoSpec:
     @property
     def seconds(self) -> str:
         return f"{self.duration_s:g}"
+
+    def without_media(self) -> VideoSpec:
+        """This spec without its input media (images, references): what a finished job keeps,
+        since an input_reference may be a large photo and nothing needs it any more."""
+        p = self.params
+        if not (p.images or p.references):
+            return self
+        return dataclasses.replace(self, params=dataclasses.replace(p, images=(), references=()))
 
     @property
     def raw_bytes(self) -> int:

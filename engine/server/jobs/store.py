@@ -6,8 +6,7 @@ job (its MP4 included) stays until its ``expires_at`` (``ttl_s`` after it finish
 DELETE - it is never evicted early to make room. Room is checked at admission instead, in
 the backend's transaction (so replicas admitting at once never overshoot):
 
-- ``max_jobs`` bounds the jobs held, in any state (queued, running, finished and not yet
-  expired);
+- ``max_jobs`` bounds the jobs held, in any state (queued, running, finished, not expired);
 - ``max_bytes`` bounds the bytes of stored MP4s plus the reservations of unfinished jobs
   (each reserves the raw RGB size of its frames, which bounds its H.264 file; the real size
   replaces the reservation once stored; a failed or cancelled job releases it).
@@ -327,6 +326,7 @@ class JobStore:
             self.observer.on_job_finished(job.status.label, seconds)
 
     def _finish(self, job: VideoJob, status: JobStatus) -> None:
+        job.spec = job.spec.without_media()  # nothing runs a finished job again
         job.status = status
         job.completed_at = self.clock()
         job.expires_at = job.completed_at + self.limits.ttl_s
