@@ -12,6 +12,7 @@ message is made encodable (a lone surrogate in a client's value cannot break the
 from __future__ import annotations
 
 import logging
+import re
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,6 +123,26 @@ def _meant(request: Request) -> str:
     return ""
 
 
+# OpenAI routes ditserve does not offer, answered as such: a bare 404 reads, in the SDK, as
+# "that video does not exist" (NotFoundError).
+_UNSUPPORTED_ROUTES = (
+    ("POST", re.compile(r"/v1/videos/[^/]+/remix"), "video_id",
+     "remixing a finished video is not supported by ditserve; create a new video with "
+     "POST /v1/videos (the same prompt and seed reproduce it)"),
+    ("POST", re.compile(r"/v1/images/variations"), "image",
+     "image variations are not supported by ditserve; edit the image with "
+     "POST /v1/images/edits (a prompt says what to change)"),
+)
+
+
+def unsupported_openai_route(method: str, path: str) -> APIError | None:
+    """A 400 ``unsupported_value`` for an OpenAI route ditserve leaves out (None: another)."""
+    for route_method, pattern, param, message in _UNSUPPORTED_ROUTES:
+        if method == route_method and pattern.fullmatch(path.rstrip("/")):
+            return invalid(param, message, code="unsupported_value")
+    return None
+
+
 def install_handlers(app: FastAPI, count: Callable[[str], None], *,
                      authorize: Callable[[Request], None] | None = None) -> None:
     """Render APIError and the framework's HTTP and validation errors as OpenAI JSON;
@@ -148,6 +169,9 @@ def install_handlers(app: FastAPI, count: Callable[[str], None], *,
                 return render(request, unauthorized)
         if exc.status_code == 405:
             return render(request, method_not_allowed(exc, request))
+        missing = unsupported_openai_route(request.method, request.url.path)
+        if exc.status_code in (404, 405) and missing is not None:
+            return render(request, missing)
         if exc.status_code == 404:
             return render(request, APIError(
                 404, f"no route {request.method} {shown(request.url.path)}"

@@ -59,10 +59,13 @@ def unavailable(state: Any, message: str, *, code: str = "unavailable") -> APIEr
 
 def too_many(state: Any, message: str = QUEUE_FULL, retry_after: float | None = None, *,
              code: str = "queue_full", reason: str = "queue_full") -> APIError:
-    """A 429 with Retry-After (``retry_after`` s, default the server's)."""
+    """A 429 with Retry-After (``retry_after`` s, default the server's). Past a minute it
+    also says ``x-should-retry: false``: the OpenAI SDK ignores a Retry-After that long and
+    would retry within seconds, to no purpose."""
     seconds = state.config.retry_after_s if retry_after is None else int(retry_after)
+    headers = {"Retry-After": str(seconds), **(NO_RETRY if seconds > 60 else {})}
     return APIError(429, message, type="rate_limit_error", code=code, reason=reason,
-                    headers={"Retry-After": str(seconds)})
+                    headers=headers)
 
 
 def deadline_unmeetable(message: str) -> APIError:

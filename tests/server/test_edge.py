@@ -114,6 +114,25 @@ def test_each_error_counts_under_its_own_reason(metric) -> None:
             == expected, reason
 
 
+def test_openai_routes_ditserve_leaves_out_say_so_not_404() -> None:
+    # A 404 reads in the SDK as "that video does not exist" (NotFoundError).
+    auth = {"Authorization": "Bearer k"}
+    remix, variation, locked = call(
+        app_for(api_key="k"),
+        ("POST", "/v1/videos/video_abc/remix", {"json": {"prompt": "x"}, "headers": auth}),
+        ("POST", "/v1/images/variations", {"files": {"image": ("a.png", b"x")},
+                                           "headers": auth}),
+        ("POST", "/v1/videos/video_abc/remix", {"json": {"prompt": "x"}}))
+    for response, param, words in ((remix, "video_id", "remixing a finished video"),
+                                   (variation, "image", "image variations")):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, "unsupported_value")
+        assert error["message"].startswith(words) and "not supported by ditserve" in error[
+            "message"]
+    assert locked.status_code == 401  # the key is still asked for first
+
+
 def test_a_queue_full_answer_is_429() -> None:
     (response,) = call(app_for(FakeEngine(outcome="queue_full")),
                        ("POST", GEN, {"json": {"prompt": "cat"}}))

@@ -257,6 +257,8 @@ def test_content_of_an_unfinished_or_failed_job_is_409(tmp_path: Path) -> None:
     _, running = run(video_app(hanging)[0], script)
     assert running.status_code == 409
     assert running.json()["error"]["code"] == "video_not_ready"
+    # The OpenAI SDK would retry a 409 at once: the status says when the content is there.
+    assert running.headers["x-should-retry"] == "false"
 
     app, _ = video_app(failing)
 
@@ -271,6 +273,7 @@ def test_content_of_an_unfinished_or_failed_job_is_409(tmp_path: Path) -> None:
     assert final["error"]["code"] == "generation_failed"
     assert "see the server log" in final["error"]["message"]
     assert content.status_code == 409 and content.json()["error"]["code"] == "video_unavailable"
+    assert content.headers["x-should-retry"] == "false"  # no retry makes a failed job's MP4
 
 
 def test_admission_is_the_stores_and_jobs_wait_for_room(tmp_path: Path) -> None:
@@ -291,6 +294,7 @@ def test_admission_is_the_stores_and_jobs_wait_for_room(tmp_path: Path) -> None:
     first, second, waiting, events = run(app, script)
     assert first.status_code == 200 and waiting["status"] == "queued"
     assert second.status_code == 429 and second.headers["retry-after"] == "7"
+    assert "x-should-retry" not in second.headers  # a short wait: the SDK's retry may help
     assert second.json()["error"]["code"] == "store_full"
     assert "max_jobs=1" in second.json()["error"]["message"]
     final = events[-1][1]["video"]
@@ -419,3 +423,16 @@ def test_a_job_the_claiming_replica_cannot_run_fails_with_a_reason(tmp_path: Pat
     final = run(app, script)[-1][1]["video"]
     assert (final["status"], final["error"]["code"]) == ("failed", "invalid_request")
     assert "num_frames" in final["error"]["message"]
+
+
+def test_a_long_retry_after_also_says_not_to_retry_now() -> None:
+    # The OpenAI SDK ignores a Retry-After over a minute and retries within seconds: a store
+    # full of finished jobs for the next hour says so instead.
+    from types import SimpleNamespace
+
+    from ditserve.engine.server.phase import too_many
+
+    state = SimpleNamespace(config=ServerConfig(retry_after_s=1))
+    hour = too_many(state, "full", 3565, code="store_full", reason="store_full")
+    assert hour.headers == {"Retry-After": "3565", "x-should-retry": "false"}
+    assert too_many(state, "full", 30).headers == {"Retry-After": "30"}

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ditserve.engine.server.auth import require_api_key
 from ditserve.engine.server.edge import is_head
-from ditserve.engine.server.errors import APIError, invalid, request_id_of, shown
+from ditserve.engine.server.errors import NO_RETRY, APIError, invalid, request_id_of, shown
 from ditserve.engine.server.fields.references import FIELD as REFERENCES
 from ditserve.engine.server.fields.references import (
     as_list,
@@ -218,7 +218,10 @@ async def video_content(video_id: str, request: Request) -> Response:
         raise APIError(409, f"video {video_id} is {status}" + (
             f" ({job['progress']}%): download it once its status is completed" if ready
             else ": it has no content"), param="video_id",
-            code="video_not_ready" if ready else "video_unavailable")
+            code="video_not_ready" if ready else "video_unavailable",
+            # The OpenAI SDK retries a 409 at once; the content comes when the job's status
+            # says so (poll it), or never for a failed job: let the client see the answer.
+            headers=dict(NO_RETRY))
     etag = f'"{video_id}"'  # an id names one immutable file
     headers = {"Accept-Ranges": "bytes", "ETag": etag,
                "Last-Modified": formatdate(where.completed_at, usegmt=True),
