@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ditserve.cachectl.commands import (
+    ALL_COMPONENTS,
     COMMANDS,
     EXIT_CORRUPT,
     EXIT_UNAVAILABLE,
@@ -98,8 +99,11 @@ def default_dtype(model: Path, component: str, loader: LoaderFn) -> str:
     from ditserve.cachectl.st_header import stored_dtype
 
     require_model_dir(model)
+    if component == ALL_COMPONENTS:  # every DiT: the dtype of the model's first, as serve's
+        component = "transformer"
+    model_loader = loader()  # a loader that cannot be found says so itself, not as a dtype
     try:
-        found = stored_dtype(list(loader().source_files(model.resolve(), component)))
+        found = stored_dtype(list(model_loader.source_files(model.resolve(), component)))
     except Exception as e:  # the loader's own errors name what is wrong with the directory
         raise BuildError(f"cannot tell the dtype of {str(model)!r}: {e}; pass --dtype") from e
     if found is None:

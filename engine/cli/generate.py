@@ -156,6 +156,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ditserve.engine.server.model_defaults import model_defaults
 
     loras = [parse_lora_arg(text) for text in args.lora or ()]
+    for text, (_, path, _) in zip(args.lora or (), loras, strict=True):
+        if not Path(path).exists():  # refused before minutes of loading
+            raise ConfigError(f"--lora {text!r}: adapter file {path!r} does not exist")
     if loras:  # the request's adapters are served as --lora-modules
         args.lora_modules = [*(args.lora_modules or ()), *(f"{n}={p}" for n, p, _ in loras)]
     config = engine_config_from_args(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ditserve.engine.errors import ConfigError
@@ -89,7 +90,11 @@ def parse_lora_arg(text: str) -> tuple[str, str, float]:
             scale = float(tail)
             path = head
         except ValueError:
-            pass
+            # A path may hold a colon; a mistyped scale after an existing file is an error
+            # (not "no such file" for the file and the typo together).
+            if "/" not in tail and not Path(path).exists() and Path(head).exists():
+                raise ConfigError(f"--lora {text!r}: the scale after the last ':' must be a "
+                                  f"number, got {tail!r}") from None
     return name, path, scale
 
 

@@ -34,6 +34,27 @@ def test_flag_syntax() -> None:
             parse_lora_module(bad)
 
 
+def test_a_mistyped_scale_is_named_not_taken_for_the_path(tmp_path) -> None:
+    adapter = tmp_path / "style.safetensors"
+    adapter.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="the scale after the last ':' must be a number, "
+                                          "got 'abc'"):
+        parse_lora_arg(f"style={adapter}:abc")
+    odd = tmp_path / "odd:name.safetensors"  # a colon that belongs to an existing file
+    odd.write_bytes(b"x")
+    assert parse_lora_arg(f"s={odd}") == ("s", str(odd), 1.0)
+
+
+def test_generate_refuses_a_missing_adapter_before_loading(tmp_path, capsys) -> None:
+    from ditserve.engine.cli.main import main
+
+    rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.png"),
+               "--lora", f"style={tmp_path / 'nope.safetensors'}:0.5"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "adapter file" in err and "nope.safetensors" in err
+    assert "does not exist" in err and "Traceback" not in err
+
+
 def test_config_rules_through_from_mapping() -> None:
     ok = EngineConfig.from_mapping({"adapters": {"lora_modules": {"a": "/a.safetensors"},
                                                  "max_loras": 2}})

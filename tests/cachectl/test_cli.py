@@ -271,6 +271,21 @@ def test_ensure_all_components_caches_every_dit_of_a_two_expert_model(
     assert len({r["key"] for r in lines}) == 2  # one entry per DiT
     manifests = [json.loads((Path(r["path"]) / "manifest.json").read_text()) for r in lines]
     assert sum("transformer_2" in json.dumps(m) for m in manifests) == 1
+    # Without --dtype: the stored dtype (the first DiT's), as for one component.
+    assert main(["build", "--root", str(root), "--model", str(model), "--component", "all",
+                 "--json"]) == 0
+    built = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["key"] for r in built} == {r["key"] for r in lines}  # tiny Wan is float32
+
+
+def test_a_loader_that_cannot_be_found_is_not_called_a_dtype_problem(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DITSERVE_CACHECTL_LOADER", "nope:nothing")
+    assert main(["build", "--root", str(tmp_path / "c"), "--model", str(tiny_model)]) == 3
+    err = capsys.readouterr().err
+    assert "names no loader" in err and "dtype" not in err
 
 
 def test_daemon_only_ensure_never_writes_the_cache_and_says_why(
