@@ -141,6 +141,9 @@ def _post(server, files: dict[str, object], data: dict[str, str] | None = None) 
      "not a PNG, JPEG or WebP"),
     ({"image": ("a.png", png(64, 64)[:60])}, "image", "invalid_image", "could not be decoded"),
     ({"n": (None, "1")}, "image", "missing_field", "is required"),
+    # their order across the two names would be lost ('picture 1' of a Plus prompt)
+    ({"image[]": ("a.png", png(64, 64)), "image": ("b.png", png(64, 64))}, "image",
+     "invalid_value", "not both"),
 ])
 def test_refusals_are_400s_naming_the_field(kontext_server, files, param, code, words) -> None:  # type: ignore[no-untyped-def]
     response = _post(kontext_server, files)

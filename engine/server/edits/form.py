@@ -79,6 +79,10 @@ async def read_edit(request: Request, state: ServerState) -> tuple[dict[str, Any
                               code="unsupported_value")
         mask_file = once(form, "mask")
         mask = None if mask_file is None else await read_mask(mask_file, limits=upload)
+        given = [name for name in IMAGE_FIELDS if form.getlist(name)]
+        if len(given) > 1:  # their order across the two names is lost: picture 1 is ambiguous
+            raise invalid("image", "image: send the images as 'image' or as 'image[]', not "
+                                   "both (the order of 'picture 1, 2, ...' would be lost)")
         files = [v for name in IMAGE_FIELDS for v in form.getlist(name)]
         if not files:
             raise invalid("image", "image: is required (one or more image files)",
