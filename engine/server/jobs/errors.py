@@ -22,8 +22,8 @@ class NeverFits(DitServeError):
 
     def __init__(self, reserved: int, max_bytes: int) -> None:
         super().__init__(
-            f"this video reserves {reserved} bytes (frames x height x width x 3, the bound of "
-            f"its MP4 until it is encoded), more than the video store's whole {max_bytes} "
+            f"this video reserves {reserved} bytes (frames x height x width x 3 + 64 KiB, the "
+            f"bound of its MP4 until it is encoded), more than the video store's whole {max_bytes} "
             "bytes (--video-max-bytes): it can never fit; ask for fewer frames or a smaller "
             "size, or raise --video-max-bytes")
         self.reserved = reserved
