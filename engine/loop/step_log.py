@@ -68,7 +68,7 @@ class StepLog:
 
     def on_step(self, *, requests: int, rows: int, seconds: float, groups: int = 1,
                 tokens: int = 0) -> None:
-        self._roll()
+        self._roll(began=self._clock() - seconds)  # the step's time belongs to its window
         self._times.append(seconds)
         self._requests += requests
         self._rows += rows
@@ -103,18 +103,21 @@ class StepLog:
         self._roll()
         self._failed += 1
 
-    def _roll(self) -> None:
+    def _roll(self, began: float | None = None) -> None:
         """Close the window before this event if it is over; a window that went idle ends at
-        its last event, so an idle gap is never averaged in."""
+        its last event, so an idle gap is never averaged in. A new window starts when the
+        event ``began`` (a step: when its forward started, so a window of one long step
+        reports that step's time, not 0 s), else now."""
         now = self._clock()
+        start = now if began is None else began
         if self._since is None:
-            self._since = now
+            self._since = start
         elif self._last is not None and now - self._last >= self.interval_s:
             self._emit(self._last - self._since)
-            self._since = now
+            self._since = start
         elif now - self._since >= self.interval_s:
-            self._emit(now - self._since)
-            self._since = now
+            self._emit(start - self._since)
+            self._since = start
         self._last = now
 
     def _emit(self, elapsed: float) -> None:

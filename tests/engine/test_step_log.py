@@ -27,16 +27,16 @@ def test_summarizes_each_interval_and_skips_idle_gaps(caplog: pytest.LogCaptureF
         steps.on_step(requests=2, rows=4, seconds=0.2, groups=2, tokens=8192 + 512 * i)
     clock.now = 9.0
     steps.on_finished(SimpleNamespace(num_images=3, request_id="r", queue_seconds=0.0))
-    clock.now = 10.5  # the interval is over: the next event closes the window
+    clock.now = 10.5  # the interval is over: the next step (from 10.1 s) closes the window
     steps.on_step(requests=1, rows=1, seconds=0.4, groups=1, tokens=4096)
     assert [r.getMessage() for r in caplog.records] == [
-        "5 steps in 10.5 s: step 200 ms mean (min 200, max 200), batch 2.00 requests / "
+        "5 steps in 10.3 s: step 200 ms mean (min 200, max 200), batch 2.00 requests / "
         "4.00 rows / 2.00 shape groups / 9216 tokens, 3 images finished, 0 requests failed"]
     caplog.clear()
     clock.now = 500.0  # after a long idle gap: the window ended at its last event
     steps.on_failed("r", "boom")
-    assert [r.getMessage() for r in caplog.records] == [
-        "1 steps in 0.0 s: step 400 ms mean (min 400, max 400), batch 1.00 requests / "
+    assert [r.getMessage() for r in caplog.records] == [  # from the step's start (10.1 s)
+        "1 steps in 0.4 s: step 400 ms mean (min 400, max 400), batch 1.00 requests / "
         "1.00 rows / 1.00 shape groups / 4096 tokens, 0 images finished, 0 requests failed"]
 
 
