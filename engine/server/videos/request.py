@@ -180,7 +180,8 @@ def _seconds(value: str | float, limits: VideoLimits) -> float:
         if value not in whole:
             span = f"from {whole[0]} to {whole[-1]}" if whole else "none"
             raise invalid("seconds", f"seconds: as a string, must be whole seconds {span} for "
-                                     f"this replica (or send a number), got {shown(value)}")
+                                     "this replica (a fractional duration: num_frames, or a "
+                                     f"number in a JSON body), got {shown(value)}")
         return float(value)
     # A model with a shortest clip (MiniMax-H3: 5 s) refuses here what its encode would fail.
     if not 0 < value <= top or limits.frames_for(value) < limits.min_frames:
