@@ -167,6 +167,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # refused before minutes of loading
     out = output_path(args.out, video=video, still_images=defaults.still_images)
     still_frames = still_image_frames(args, out) if video else None
+    if args.fps is not None and (not video or still_frames is not None):
+        raise ConfigError(f"--fps {args.fps}: {out} is an image, which has no frame rate; "
+                          "give a .mp4 --out of a video model, or leave --fps out")
     # --image files are decoded (and a bad one refused) before the model loads.
     params = replace(generation_params(args, defaults),
                      images=_input_images(args.image, args.last_image),

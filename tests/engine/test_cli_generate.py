@@ -66,3 +66,13 @@ def test_an_image_model_still_writes_a_png(
     with Image.open(out) as image:
         assert image.format == "PNG" and image.size == (64, 64)
 
+
+
+def test_a_frame_rate_for_an_image_is_refused_before_loading(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "fox.png"
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "a fox", "--fps", "16",
+                 "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--fps 16" in err and "no frame rate" in err and not out.exists()
