@@ -6,6 +6,7 @@ content (Range, If-Range, HEAD, 416), failures of the engine, and the job metric
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -436,3 +437,13 @@ def test_a_long_retry_after_also_says_not_to_retry_now() -> None:
     hour = too_many(state, "full", 3565, code="store_full", reason="store_full")
     assert hour.headers == {"Retry-After": "3565", "x-should-retry": "false"}
     assert too_many(state, "full", 30).headers == {"Retry-After": "30"}
+
+
+def test_a_default_frame_count_the_model_cannot_make_is_said_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path), ServerConfig(default_frames=10))
+    state = app.state.server
+    with caplog.at_level(logging.WARNING, logger="ditserve.engine.server.state"):
+        state.start_engine()
+    assert state.video_limits().default_frames == 9  # 4k+1 at most 10
+    assert "--default-frames 10: this model makes 9 frames instead" in caplog.text
