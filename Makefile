@@ -23,9 +23,14 @@ demo: install
 # min instead of 41-45 on a 2-core machine. A worker's earlier files must leave nothing its
 # later ones trip on (its sys.path is what the ranks it spawns import from); test servers take
 # ports from a block per worker (tests/ports.py). PYTEST_WORKERS=0: one process.
+# Each worker (and every server or rank it starts) computes on one thread: with a worker per
+# core, torch's default of a thread per core oversubscribes the cores, and the tiny models' small
+# kernels lose more to it than threads gain (a sample of four files: 4:21 -> 2:49 on 2 cores).
 PYTEST_WORKERS ?= auto
+TEST_THREADS ?= 1
 test: install helm
-	@set +e; $(VENV)/bin/pytest -q -p no:cacheprovider --numprocesses=$(PYTEST_WORKERS) \
+	@set +e; OMP_NUM_THREADS=$(TEST_THREADS) MKL_NUM_THREADS=$(TEST_THREADS) \
+	  $(VENV)/bin/pytest -q -p no:cacheprovider --numprocesses=$(PYTEST_WORKERS) \
 	  --maxprocesses=4 --dist=loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc = 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
