@@ -153,8 +153,11 @@ class WorkRule:
         conditioned = work.tokens_per_row - self.generated_tokens_per_row(params)
         inputs = (f" (of which {conditioned * work.rows} the input images' tokens the model "
                   "reads beside its own)" if conditioned else "")
+        # Blame what makes most of the work: the input images when they do (the client's
+        # fix is to downscale them, not to shrink the size it asked for).
+        field = "image" if 2 * conditioned > work.tokens_per_row else "size"
         raise InvalidRequestError(
-            "size", f"{params.width}x{params.height}{frames} x {work.rows} row(s) is "
+            field, f"{params.width}x{params.height}{frames} x {work.rows} row(s) is "
             f"{work.tokens} tokens of work per step{inputs}; this server takes at most {bound} "
             "per request (--max-request-tokens, default 4 x the step budget "
             f"--max-batch-tokens): ask for a smaller {what}, fewer images"
