@@ -22,6 +22,7 @@ import torch
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.config.step_cache import POLICIES as STEP_CACHE_POLICIES
 from ditserve.engine.errors import (
+    DeadlineError,
     DitServeError,
     InvalidRequestError,
     QueueFullError,
@@ -87,6 +88,9 @@ class FakeEngine:
         self.validate_params(params)
         if self.outcome == "queue_full":
             raise QueueFullError("1 requests are waiting (max_queue=1)")
+        if self.outcome == "deadline":
+            raise DeadlineError(f"deadline_s={params.deadline_s} cannot be met: the scheduler "
+                                "estimates 59.3 s", estimate_s=59.3)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._handles:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")

@@ -447,3 +447,16 @@ def test_a_default_frame_count_the_model_cannot_make_is_said_at_start(
         state.start_engine()
     assert state.video_limits().default_frames == 9  # 4k+1 at most 10
     assert "--default-frames 10: this model makes 9 frames instead" in caplog.text
+
+
+def test_a_job_past_its_own_deadline_is_not_blamed_on_the_replica(tmp_path: Path) -> None:
+    app, _ = video_app(fake_video_engine(tmp_path, outcome="deadline"))
+
+    async def script(client):
+        job = (await client.post(VIDEOS, json={**JOB, "deadline_s": 0.5})).json()
+        return await finish(client, job["id"])
+
+    final = run(app, script)[-1][1]["video"]
+    assert final["status"] == "failed" and final["error"]["code"] == "deadline_exceeded"
+    assert final["error"]["message"].startswith("deadline_s=0.5 cannot be met")
+    assert "this replica" not in final["error"]["message"]

@@ -182,8 +182,9 @@ class JobWorker:
             return False
         except (InvalidRequestError, DeadlineError) as e:
             self._forget(job.id)
-            code = "deadline_exceeded" if isinstance(e, DeadlineError) else "invalid_request"
-            self.store.fail(job.id, code, f"this replica cannot run the job: {e}", token=token)
+            code, text = (("deadline_exceeded", str(e)) if isinstance(e, DeadlineError) else
+                          ("invalid_request", f"this replica cannot run the job: {e}"))
+            self.store.fail(job.id, code, text, token=token)  # a deadline is the job's own
             return True
         except Exception as e:  # anything else would recur on every claim: fail the job
             log.exception("video %s: the engine refused it", job.id)
