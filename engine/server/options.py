@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from ditserve.engine.config.flags import add_engine_options
+from ditserve.engine.errors import ConfigError
 from ditserve.engine.server.config import (
     JOB_NAMESPACE_ENV,
     JOB_RESULTS_ENV,
@@ -131,8 +132,18 @@ def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | Non
     job_store = config.job_store or env.get(JOB_STORE_ENV) or None
     namespace = config.job_namespace or env.get(JOB_NAMESPACE_ENV) or None
     results = config.job_results or env.get(JOB_RESULTS_ENV) or None
-    return validate_server(replace(config, api_key=api_key, job_store=job_store,
-                                   job_results=results, job_namespace=namespace))
+    # Values read from the environment are named as such if they are refused: the message's
+    # server.* key was never written by the operator.
+    from_env = [f"${name}" for name, value, given in (
+        (JOB_STORE_ENV, job_store, config.job_store), (JOB_RESULTS_ENV, results, config.job_results),
+        (JOB_NAMESPACE_ENV, namespace, config.job_namespace)) if value and not given]
+    try:
+        return validate_server(replace(config, api_key=api_key, job_store=job_store,
+                                       job_results=results, job_namespace=namespace))
+    except ConfigError as e:
+        if not from_env:
+            raise
+        raise ConfigError(f"{e}\n  (read from the environment: {', '.join(from_env)})") from e
 
 
 def build_serve_parser(prog: str = SERVE_PROG) -> argparse.ArgumentParser:

@@ -160,8 +160,12 @@ def test_a_file_for_another_model_is_refused_at_load(lora_server, tmp_path: Path
                       json={"lora_name": "wrong", "lora_path": str(wrong)})
     assert load.status_code == 400, load.text
     assert "trained for another model" in load.json()["error"]["message"]
+    assert load.json()["error"]["param"] == "lora_path"  # the file is what is wrong
     ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]]
     assert "wrong" not in ids
+    named = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=AUTH,
+                       json={"lora_name": "bad name", "lora_path": str(wrong)})
+    assert named.status_code == 400 and named.json()["error"]["param"] == "lora_name"
 
 
 def test_max_loras_is_a_strict_bound(tmp_path: Path, metric=metric_value) -> None:  # type: ignore[no-untyped-def]

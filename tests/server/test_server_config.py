@@ -148,3 +148,13 @@ def test_bad_job_stores_are_refused(monkeypatch, argv, message) -> None:
     with pytest.raises(ConfigError) as info:
         configs_from_args(parse(*argv))
     assert message in str(info.value) and "secret" not in str(info.value)
+
+
+def test_a_refused_value_from_the_environment_names_its_variable(monkeypatch) -> None:
+    # No flag or file set server.job_store: the message says where the value came from.
+    monkeypatch.setenv("DITSERVE_JOB_STORE", "mysql://:secret@host/0")
+    with pytest.raises(ConfigError) as info:
+        configs_from_args(parse())
+    text = str(info.value)
+    assert "server.job_store must be" in text and "$DITSERVE_JOB_STORE" in text
+    assert "secret" not in text

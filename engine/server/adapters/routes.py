@@ -26,12 +26,13 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
-from ditserve.engine.config.adapters import NAME_PATTERN
+from ditserve.engine.config.adapters import NAME_PATTERN, check_name
 from ditserve.engine.errors import (
     AdapterConflictError,
     AdapterError,
     AdapterFileNotFoundError,
     AdapterNotFoundError,
+    ConfigError,
 )
 from ditserve.engine.server import openapi
 from ditserve.engine.server.auth import require_api_key
@@ -117,6 +118,10 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
         raise invalid("lora_name", f"{body.lora_name!r} is the served model's name; give "
                                    "the adapter another name", code="adapter_name_taken")
     try:
+        check_name(body.lora_name)
+    except ConfigError as e:
+        raise invalid("lora_name", str(e)) from e
+    try:
         entry = await asyncio.to_thread(catalog.load, body.lora_name, body.lora_path)
     except AdapterFileNotFoundError as e:
         raise APIError(404, str(e), param="lora_path", code="adapter_file_not_found",
@@ -124,8 +129,8 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
     except AdapterConflictError as e:
         raise APIError(409, str(e), param="lora_name", code="adapter_exists",
                        reason="conflict") from e
-    except AdapterError as e:
-        raise invalid("lora_path" if "file" in str(e) else "lora_name", str(e)) from e
+    except AdapterError as e:  # the name passed above: what is refused is the file
+        raise invalid("lora_path", str(e)) from e
     log.info("LoRA adapter %s loaded from %s (rank %d)", entry.name, entry.path, entry.rank)
     return PlainTextResponse(f"Success: LoRA adapter '{entry.name}' added successfully.")
 
