@@ -18,8 +18,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ditserve.engine.weights.convert import convert
 
     report = convert(args.src, args.dst, to=args.to)
-    print(f"wrote {report.path} ({args.to}): {report.tensors} tensors, {report.quantized} "
-          f"quantized, {report.bytes / 2**20:.1f} MiB")
+    # Two units: the file's tensors, and the model's linear layers quantized (a file may hold
+    # several of those in one tensor: BFL's fused qkv is diffusers' to_q, to_k and to_v).
+    print(f"wrote {report.path} ({args.to}): {report.tensors} tensors in the file, "
+          f"{report.quantized} of the model's linear layers quantized, "
+          f"{report.bytes / 2**20:.1f} MiB")
     return 0
 
 

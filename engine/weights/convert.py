@@ -49,7 +49,8 @@ FILE_FAMILIES = ("flux", "qwen-image", "wan", "flux2", "z-image")
 
 @dataclass(frozen=True)
 class ConvertReport:
-    """What was written: the file, its bytes, and how many tensors took the target type."""
+    """What was written: the file, its bytes, its tensors, and how many of the model's linear
+    layers took the target type (a fused file tensor may hold several)."""
 
     path: Path
     bytes: int
@@ -89,8 +90,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str,
         save_file({k: v.contiguous() for k, v in state.items()}, str(dst),
                   metadata={"format": "pt", "ditserve.convert": to})
     report = ConvertReport(dst, dst.stat().st_size, len(state), quantized)
-    log.info("wrote %s: %d tensors (%d in %s), %.2f GiB", dst, report.tensors, quantized, to,
-             report.bytes / 2**30)
+    log.info("wrote %s: %d tensors (%d of the model's linear layers in %s), %.2f GiB", dst,
+             report.tensors, quantized, to, report.bytes / 2**30)
     return report
 
 
