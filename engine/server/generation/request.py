@@ -15,7 +15,7 @@ OpenAPI document.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 from pydantic import ValidationError as PydanticValidationError
@@ -42,11 +42,16 @@ from ditserve.engine.server.limits import RequestLimits
 # values) and ignored. The answer says what was done instead (background "opaque");
 # background "transparent" is refused (the DiT draws opaque RGB), not silently dropped.
 IGNORED_FIELDS = ("background", "moderation", "quality", "style", "safety_identifier")
-# OpenAI's values of the enumerated fields (output_format is honoured: responses.ImageEncoding).
+# OpenAI's values of its enumerated fields (output_format is honoured: responses.ImageEncoding).
+OutputFormat = Literal["png", "jpeg", "webp"]
+Background = Literal["auto", "opaque", "transparent"]
+Moderation = Literal["auto", "low"]
+Quality = Literal["auto", "low", "medium", "high", "standard", "hd"]
+Style = Literal["vivid", "natural"]
 FIELD_VALUES: dict[str, tuple[str, ...]] = {
-    "background": ("auto", "opaque", "transparent"), "moderation": ("auto", "low"),
-    "quality": ("auto", "low", "medium", "high", "standard", "hd"),
-    "style": ("vivid", "natural"), "output_format": ("png", "jpeg", "webp")}
+    "background": get_args(Background), "moderation": get_args(Moderation),
+    "quality": get_args(Quality), "style": get_args(Style),
+    "output_format": get_args(OutputFormat)}
 
 
 class ImageGenerationRequest(BaseModel):
@@ -63,13 +68,13 @@ class ImageGenerationRequest(BaseModel):
     user: StrictStr | None = None
     stream: StrictBool | None = None
     partial_images: Integer | None = None
-    output_format: Literal["png", "jpeg", "webp"] | None = None
+    output_format: OutputFormat | None = None
     output_compression: Integer | None = None  # JPEG's and WebP's quality
     # ignored (IGNORED_FIELDS)
-    background: Literal["auto", "opaque", "transparent"] | None = None
-    moderation: Literal["auto", "low"] | None = None
-    quality: Literal["auto", "low", "medium", "high", "standard", "hd"] | None = None
-    style: Literal["vivid", "natural"] | None = None
+    background: Background | None = None
+    moderation: Moderation | None = None
+    quality: Quality | None = None
+    style: Style | None = None
     safety_identifier: StrictStr | None = None
     # ditserve's extensions
     negative_prompt: StrictStr | None = None

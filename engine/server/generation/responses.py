@@ -37,7 +37,8 @@ class ImageEncoding:
     output_format: str = "png"
     compression: int | None = None
 
-    def base64(self, image: Any) -> str:
+    def b64_json(self, image: Any) -> str:
+        """``image`` in this encoding, as the answer's ``b64_json`` carries it."""
         return base64.b64encode(image_bytes(image, self.output_format, self.compression)
                                 ).decode("ascii")
 
@@ -77,7 +78,7 @@ def generation_response(result: Any, *, request_id: str, size: str, tokens_per_i
     """The OpenAI images response, plus a ``ditserve`` object with seed and timings."""
     return {
         "created": int(created if created is not None else time.time()),
-        "data": [{"b64_json": encoding.base64(image)} for image in result.images],
+        "data": [{"b64_json": encoding.b64_json(image)} for image in result.images],
         "background": BACKGROUND,
         "output_format": encoding.output_format,
         "size": size,
@@ -87,7 +88,7 @@ def generation_response(result: Any, *, request_id: str, size: str, tokens_per_i
 
 
 def _image_event(image: Any, *, size: str, encoding: ImageEncoding) -> dict[str, Any]:
-    return {"b64_json": encoding.base64(image), "background": BACKGROUND,
+    return {"b64_json": encoding.b64_json(image), "background": BACKGROUND,
             "created_at": int(time.time()), "output_format": encoding.output_format,
             "quality": QUALITY, "size": size}
 
