@@ -117,7 +117,8 @@ def test_the_request_bound_refuses_an_edit_by_its_total_tokens(family_dir: Any) 
         with pytest.raises(InvalidRequestError, match="input images") as refused:
             engine.validate_params(SamplingParams(prompt="p", height=size, width=size,
                                                   images=four))
-        assert refused.value.field == "size"
+        # The four references are 1024 of its 1280 tokens: the images are what to shrink.
+        assert refused.value.field == "image"
     finally:
         engine.shutdown()
 
