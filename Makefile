@@ -20,9 +20,10 @@ demo: install
 
 # `make test` spreads the test files over pytest-xdist workers (one per core, at most four), a
 # file's tests in one worker in file order (module fixtures are shared by a file's tests): about
-# 25 min on a 2-core machine (41-45 in one process, before one thread per worker). A worker's earlier files must leave nothing its
-# later ones trip on (its sys.path is what the ranks it spawns import from); test servers take
-# ports from a block per worker (tests/ports.py). PYTEST_WORKERS=0: one process.
+# 25 min on a 2-core machine (41-45 in one process, before one thread per worker). A worker's
+# earlier files must leave nothing its later ones trip on (its sys.path is what the ranks it
+# spawns import from); test servers take ports from a block per worker (tests/ports.py).
+# PYTEST_WORKERS=0: one process.
 # Each worker (and every server or rank it starts) computes on one thread: with a worker per
 # core, torch's default of a thread per core oversubscribes the cores, and the tiny models' small
 # kernels lose more to it than threads gain (four heavy files 4:21 -> 2:49; the suite 33 -> 25 min).
