@@ -169,11 +169,9 @@ def install_handlers(app: FastAPI, count: Callable[[str], None], *,
                 return render(request, unauthorized)
         if exc.status_code == 405:
             return render(request, method_not_allowed(exc, request))
-        missing = unsupported_openai_route(request.method, request.url.path)
-        if exc.status_code in (404, 405) and missing is not None:
-            return render(request, missing)
         if exc.status_code == 404:
-            return render(request, APIError(
+            missing = unsupported_openai_route(request.method, request.url.path)
+            return render(request, missing or APIError(
                 404, f"no route {request.method} {shown(request.url.path)}"
                      f"{_meant(request)}; see /docs or /openapi.json", code="not_found",
                 reason="not_found"))

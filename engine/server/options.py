@@ -128,22 +128,23 @@ def server_config_from_args(args: argparse.Namespace, base: dict[str, Any] | Non
     config = replace(config, **changes)
     env = os.environ if environ is None else environ
     api_key = getattr(args, "api_key", None) or env.get(config.api_key_env) or None
-    # The URL may hold a password: Kubernetes passes it from a Secret in the environment.
-    job_store = config.job_store or env.get(JOB_STORE_ENV) or None
-    namespace = config.job_namespace or env.get(JOB_NAMESPACE_ENV) or None
-    results = config.job_results or env.get(JOB_RESULTS_ENV) or None
-    # Values read from the environment are named as such if they are refused: the message's
-    # server.* key was never written by the operator.
-    from_env = [f"${name}" for name, value, given in (
-        (JOB_STORE_ENV, job_store, config.job_store), (JOB_RESULTS_ENV, results, config.job_results),
-        (JOB_NAMESPACE_ENV, namespace, config.job_namespace)) if value and not given]
+    # The URL may hold a password: Kubernetes passes it from a Secret in the environment. A
+    # value read there and refused is named by its variable: no server.* key was written.
+    from_env = {field: env[variable] for field, variable in _FROM_ENVIRONMENT
+                if not getattr(config, field) and env.get(variable)}
     try:
-        return validate_server(replace(config, api_key=api_key, job_store=job_store,
-                                       job_results=results, job_namespace=namespace))
+        return validate_server(replace(config, api_key=api_key, **from_env))
     except ConfigError as e:
         if not from_env:
             raise
-        raise ConfigError(f"{e}\n  (read from the environment: {', '.join(from_env)})") from e
+        variables = ", ".join(f"${v}" for f, v in _FROM_ENVIRONMENT if f in from_env)
+        raise ConfigError(f"{e}\n  (read from the environment: {variables})") from e
+
+
+# Server options a deployment may set through the environment (when neither a flag nor the
+# config file does), each with its variable.
+_FROM_ENVIRONMENT = (("job_store", JOB_STORE_ENV), ("job_results", JOB_RESULTS_ENV),
+                     ("job_namespace", JOB_NAMESPACE_ENV))
 
 
 def build_serve_parser(prog: str = SERVE_PROG) -> argparse.ArgumentParser:

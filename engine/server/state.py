@@ -164,10 +164,10 @@ class ServerState:
             self.engine.start()  # a failure leaves the engine FAILED, with the reason
             log.info("engine ready: serving %s", self.model_name)
             wanted = self.config.default_frames
-            if self.output == "video" and wanted and self.video_limits().default_frames != wanted:
+            served = self.video_limits().default_frames if self.output == "video" else wanted
+            if wanted and served != wanted:
                 log.warning("--default-frames %d: this model makes %d frames instead (the "
-                            "nearest count it can make at most as long)", wanted,
-                            self.video_limits().default_frames)
+                            "nearest count it can make at most as long)", wanted, served)
             freeze_startup_heap()  # collections skip startup's objects from now on (heap)
         except BaseException as e:
             if isinstance(e, (ConfigError, ModelLoadError, AdapterError)):
