@@ -32,7 +32,8 @@ _PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "dep
             "Pod": "pods", "DiffusionDeployment": "diffusiondeployments",
             "LeaderWorkerSet": "leaderworkersets", "PodDisruptionBudget": "poddisruptionbudgets",
             "Node": "nodes", "NodeCache": "nodecaches", "Event": "events",
-            "HorizontalPodAutoscaler": "horizontalpodautoscalers"}
+            "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+            "ScaledObject": "scaledobjects"}
 
 
 def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,

@@ -6,7 +6,7 @@ filters lists and watches by label and field selectors, serves ``/scale``, check
 resourceVersion and uid preconditions, validates + defaults custom resources against their
 CRD, and refuses objects whose names or schemas are invalid (``api_semantics``). This subclass
 adds exactly those, knows the project's CRDs (DiffusionDeployment, NodeCache) and the
-LeaderWorkerSet API (``Emulator.lws_installed``), records every request in ``calls`` (for
+LeaderWorkerSet and KEDA APIs (``Emulator.lws_installed``, ``keda_installed``), records every request in ``calls`` (for
 the RBAC test), plus helpers to start kopf against it.
 """
 
@@ -48,6 +48,7 @@ PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
 NODECACHES = kmock.resource("ditserve.io", "v1alpha1", "nodecaches")
 LWS = kmock.resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
 HPAS = kmock.resource("autoscaling", "v2", "horizontalpodautoscalers")
+SCALED_OBJECTS = kmock.resource("keda.sh", "v1alpha1", "scaledobjects")
 PEERINGS = kmock.resource("kopf.dev", "v1", "kopfpeerings")
 CLUSTER_PEERINGS = kmock.resource("kopf.dev", "v1", "clusterkopfpeerings")
 _ALL_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
@@ -83,6 +84,7 @@ class Emulator(kmock.KubernetesEmulator):
     otherwise, the LeaderWorkerSet API)."""
 
     lws_installed = True
+    keda_installed = True
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -96,6 +98,10 @@ class Emulator(kmock.KubernetesEmulator):
             self.resources[LWS] = kmock.ResourceInfo(
                 kind="LeaderWorkerSet", singular="leaderworkerset", namespaced=True,
                 shortnames={"lws"}, subresources={"status", "scale"}, verbs=_ALL_VERBS)
+        if self.keda_installed:
+            self.resources[SCALED_OBJECTS] = kmock.ResourceInfo(
+                kind="ScaledObject", singular="scaledobject", namespaced=True,
+                shortnames={"so"}, subresources={"status"}, verbs=_ALL_VERBS)
         # kopf's peering CRDs (the chart installs them): leader election of operator replicas.
         self.resources[PEERINGS] = kmock.ResourceInfo(
             kind="KopfPeering", singular="kopfpeering", namespaced=True, verbs=_ALL_VERBS)
@@ -158,7 +164,8 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> Any:
         self._record(request)
-        if request.resource == LWS and not self.lws_installed:
+        if (request.resource == LWS and not self.lws_installed
+                or request.resource == SCALED_OBJECTS and not self.keda_installed):
             raise kmock.KubernetesError(status=404, reason="NotFound",
                                         message="the server could not find the requested resource")
         data = request.data
