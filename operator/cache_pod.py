@@ -158,9 +158,10 @@ def ensure_container(spec: DeploymentSpec, image: str) -> dict[str, Any]:
                 {"name": "HF_HUB_OFFLINE", "value": "1"},
                 {"name": "HOME", "value": "/tmp"}],
         "resources": resources,
+        # readOnly only when true: the API server drops a false one (children.matches).
         "volumeMounts": [mount,
                          {"name": "cache", "mountPath": root,
-                          "readOnly": not builds_in_pod(spec)},
+                          **({} if builds_in_pod(spec) else {"readOnly": True})},
                          {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": copy.deepcopy(RESTRICTED_CONTAINER),
         "terminationMessagePolicy": "FallbackToLogsOnError",

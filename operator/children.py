@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditserve.operator import autoscaling, render, scale_to_zero, workloads
+from ditserve.operator import autoscaling, render, scale_to_zero, sizing, workloads
 from ditserve.operator.errors import KubeApiError
 from ditserve.operator.judge import validate
 from ditserve.operator.kube import KubeClient, manifest_path, resource_path
@@ -46,20 +46,42 @@ def _describe(manifest: Mapping[str, Any]) -> str:
     return f"{manifest['kind']} {meta.get('namespace')}/{meta['name']}"
 
 
-def matches(want: Any, have: Any) -> bool:
+# Fields the API server stores as a resource.Quantity, in its canonical form rather than as
+# written (57344Mi as 56Gi, 0.5 as 500m, 8000m as 8): compared by value, never as strings.
+_QUANTITY_MAPS = {("resources", "requests"), ("resources", "limits")}  # every key a quantity
+_QUANTITY_FIELDS = {("emptyDir", "sizeLimit"), ("target", "averageValue"), ("target", "value")}
+
+
+def _is_quantity(path: tuple[str, ...]) -> bool:
+    return path[-3:-1] in _QUANTITY_MAPS or path[-2:] in _QUANTITY_FIELDS
+
+
+def _same_scalar(want: Any, have: Any, path: tuple[str, ...]) -> bool:
+    if want == have:
+        return True
+    if _is_quantity(path):
+        value = sizing.quantity_value(want)
+        return value is not None and value == sizing.quantity_value(have)
+    return False
+
+
+def matches(want: Any, have: Any, _path: tuple[str, ...] = ()) -> bool:
     """Whether the live object ``have`` already holds everything ``want`` says (the server adds
-    defaults, status and metadata of its own; those do not count as a difference).
+    defaults, status and metadata of its own; those do not count as a difference, nor does a
+    quantity it stored in its canonical form).
 
     A key someone added next to the operator's (a selector label, a ConfigMap key) is not
     drift the operator repairs: server-side apply cannot remove a field another manager owns,
-    so treating it as drift would re-apply forever."""
+    so treating it as drift would re-apply forever. ``_path`` holds the keys leading here
+    (list items keep their list's key)."""
     if isinstance(want, Mapping):
         return isinstance(have, Mapping) and all(
-            key in have and matches(value, have[key]) for key, value in want.items())
+            key in have and matches(value, have[key], (*_path[-2:], key))
+            for key, value in want.items())
     if isinstance(want, list):
         return (isinstance(have, list) and len(want) == len(have)
-                and all(matches(w, h) for w, h in zip(want, have, strict=True)))
-    return bool(want == have)
+                and all(matches(w, h, _path) for w, h in zip(want, have, strict=True)))
+    return _same_scalar(want, have, _path)
 
 
 def _applied_generation(obj: Mapping[str, Any] | None) -> str | None:

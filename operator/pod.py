@@ -153,11 +153,12 @@ def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
 
 
 def _command(spec: DeploymentSpec, role: Role) -> dict[str, Any]:
-    if role is Role.SINGLE:
-        return {"command": ["ditserve", "serve", "--config", CONFIG_PATH],
-                "args": [*spec.engine.args, *lora_args(spec.loras)]}
-    return {"command": ["sh", "-c", LAUNCHER, "ditserve-launcher"],
-            "args": [*spec.engine.args, *lora_args(spec.loras)]}
+    # No empty "args": the API server drops an empty list, and the live object would then
+    # never match the rendered one (children.matches).
+    args = [*spec.engine.args, *lora_args(spec.loras)]
+    command = (["ditserve", "serve", "--config", CONFIG_PATH] if role is Role.SINGLE
+               else ["sh", "-c", LAUNCHER, "ditserve-launcher"])
+    return {"command": command, **({"args": args} if args else {})}
 
 
 def engine_container(spec: DeploymentSpec, image: str, role: Role = Role.SINGLE) -> dict[str, Any]:

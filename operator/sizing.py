@@ -33,6 +33,11 @@ _SUFFIX = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
 _QUANTITY = re.compile(r"^\+?(?P<num>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suffix>[KMGTPE]i|[kMGTPE])?$")
+# Kubernetes' full quantity grammar (resource.Quantity): a signed number, then a binary suffix,
+# a decimal exponent or a decimal SI suffix (n, u and m too: 500m CPU).
+_ANY_QUANTITY = re.compile(r"^(?P<num>[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+))"
+                           r"((?P<exp>[eE][+-]?[0-9]+)|(?P<suffix>[KMGTPE]i|[numkMGTPE]))?$")
+_SMALL_SUFFIX = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3")}
 
 STARTUP_BASE_S = 300
 STARTUP_PER_GIB_S = 20
@@ -51,8 +56,25 @@ def quantity_bytes(value: int | str, *, what: str) -> int:
     return math.ceil(Decimal(match["num"]) * _SUFFIX[match["suffix"] or ""])
 
 
+def quantity_value(value: object) -> Decimal | None:
+    """The value of any Kubernetes quantity (``56Gi`` and ``57344Mi`` alike, ``500m``, ``0.5``,
+    ``1e3``), or None when ``value`` is not one. The API server stores a quantity in its own
+    canonical form, not as written, so the operator compares quantities by this value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    match = _ANY_QUANTITY.match(str(value).strip())
+    if match is None:
+        return None
+    number = Decimal(match["num"])
+    if match["exp"] is not None:
+        return number.scaleb(int(match["exp"][1:]))
+    suffix = match["suffix"] or ""
+    return number * (_SMALL_SUFFIX[suffix] if suffix in _SMALL_SUFFIX else _SUFFIX[suffix])
+
+
 def mebibytes(n_bytes: int | float) -> str:
-    """A quantity in whole Mi, rounded up (the API server keeps it as written)."""
+    """A quantity in whole Mi, rounded up. The API server stores its canonical form instead
+    (57344Mi as 56Gi): ``children.matches`` compares quantities by value."""
     return f"{math.ceil(n_bytes / 2**20)}Mi"
 
 

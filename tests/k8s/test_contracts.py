@@ -41,7 +41,7 @@ def test_engine_reads_the_rendered_command_and_config(name: str, tmp_path: Path)
     engine = kids["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     config_file = tmp_path / "engine.yaml"
     config_file.write_text(kids["ConfigMap"]["data"]["engine.yaml"])
-    command = [*engine["command"], *engine["args"]]
+    command = [*engine["command"], *engine.get("args", [])]
     assert command[0] == "ditserve"
     argv = [config_file.as_posix() if a == "/etc/ditserve/engine.yaml" else a for a in command[1:]]
     args = engine_parser().parse_args(argv)
