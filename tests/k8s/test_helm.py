@@ -389,7 +389,7 @@ def test_the_job_store_redis_admits_only_engine_pods(
     assert peer["podSelector"]["matchLabels"].items() <= engine.items()
     assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
     secrets = by_kind(docs, "Secret")
-    assert sorted(s["metadata"]["namespace"] for s in secrets) == ["default", "ml"]
+    assert sorted(s["metadata"]["namespace"] for s in secrets) == ["default", RELEASE_NAMESPACE, "ml"]
     assert {s["stringData"]["url"] for s in secrets} == {
         f"redis://:s3cret@rel-ditserve-redis.{RELEASE_NAMESPACE}.svc:6379/0"}
     container = _container(redis)

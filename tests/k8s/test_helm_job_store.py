@@ -1,0 +1,45 @@
+"""The chart's Redis job store with a password, rendered by the real helm binary: the Redis pod
+finds its password Secret in its own namespace whatever ``secretNamespaces`` lists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from k8s.chart import RELEASE_NAMESPACE, by_kind, named, template
+
+PASSWORD = "s3cret"
+
+
+def _redis(password: str, secret_namespaces: list[str]) -> dict[str, Any]:
+    return {"jobStore": {"redis": {"enabled": True, "password": password,
+                                   "secretNamespaces": secret_namespaces}}}
+
+
+@pytest.fixture(scope="module")
+def engines_only(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The documented use: the Secret listed for the engines' namespaces only."""
+    return template(tmp_path_factory.mktemp("helm"), _redis(PASSWORD, ["ml", "ml-dev"]))
+
+
+def test_the_redis_pod_finds_its_password_secret(engines_only: list[dict[str, Any]]) -> None:
+    redis_pod = named(engines_only, "Deployment", "rel-ditserve-redis")
+    namespace = redis_pod["metadata"]["namespace"]
+    (container,) = redis_pod["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in container["env"] if e["name"] == "REDIS_PASSWORD"]
+    ref = env["valueFrom"]["secretKeyRef"]
+    secrets = {(s["metadata"]["namespace"], s["metadata"]["name"]): s
+               for s in by_kind(engines_only, "Secret")}
+    assert (namespace, ref["name"]) in secrets, "no password Secret beside the Redis pod"
+    assert secrets[(namespace, ref["name"])]["stringData"][ref["key"]] == PASSWORD
+    # And each listed namespace still gets its own.
+    assert sorted(ns for ns, name in secrets if name == ref["name"]) == sorted(
+        {RELEASE_NAMESPACE, "ml", "ml-dev"})
+
+
+def test_the_release_namespace_listed_too_gets_one_secret(tmp_path: Path) -> None:
+    docs = template(tmp_path, _redis("s3cret", ["ml", RELEASE_NAMESPACE]))
+    assert sorted(s["metadata"]["namespace"] for s in by_kind(docs, "Secret")
+                  if s["metadata"]["name"] == "rel-ditserve-job-store") == sorted(
+        [RELEASE_NAMESPACE, "ml"])
