@@ -196,7 +196,8 @@ class ModelAccessError(ModelSourceError, PermissionError):
 
 
 class ModelDigestError(ModelSourceError):
-    """A downloaded file differs from the digest its source published; it was deleted, so the
-    next pull downloads it again. Nothing was published."""
+    """A downloaded file differs from the digest its source published (it was deleted, so the
+    next pull downloads it again; nothing was published), or the node's entry for the same key
+    holds other files than the source lists (it is not joined)."""
 
     reason = "DigestMismatch"

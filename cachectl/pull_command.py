@@ -147,10 +147,10 @@ def cmd_pull(root: Path, args: argparse.Namespace, _loader: Any) -> int:
 
 
 def verify_models(root: Path, keys: list[str] | None) -> list[tuple[str, list[Problem]]]:
-    """Re-hash pulled entries (all, or those of ``keys`` that are pulled entries)."""
-    from ditserve.cachectl.pulled import check_model_entry, model_keys
+    """Re-hash pulled entries (all, or those of ``keys`` that are pulled entries), each under
+    its reader lease; one that gc removed meanwhile is left out."""
+    from ditserve.cachectl.pulled_verify import verify_pulled_models
 
-    layout = Layout(root)
-    wanted = [k for k in model_keys(layout) if keys is None or k in keys]
-    return [(k, check_model_entry(layout.model(k), full=True)) for k in wanted]
+    return [(r.key, r.problems) for r in verify_pulled_models(Layout(root), keys)
+            if not r.skipped]
 

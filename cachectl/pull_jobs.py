@@ -5,7 +5,8 @@ download thread); the key's flock still serializes pulls outside the daemon (a
 ``--no-daemon`` pull). A job reports its phase and bytes on disk against the snapshot's size,
 which the daemon answers to long-polling clients and the node status puts into the node's
 ``NodeCache`` (``status.models``). A failed job keeps its reason (``NotFound``,
-``Unauthorized``, ``DigestMismatch``, ``DiskFull`` ...) until a new request retries it.
+``Unauthorized``, ``DigestMismatch``, ``DiskFull`` ...) until a new request retries it; a
+ready job answers only the requests of the next half minute (``READY_ANSWER_S``).
 Credentials arrive with the request and live only in the job's request object (never in
 logs, snapshots or the node status). Called by the daemon's HTTP handlers.
 """
@@ -32,6 +33,11 @@ from ditserve.cachectl.logs import event
 from ditserve.cachectl.model_uri import parse_model_uri
 from ditserve.cachectl.pulls import PullRequest, pull
 from ditserve.cachectl.store import CacheStore
+
+# A ready job answers a new request for its URI this long after it finished: a client's
+# long poll that ended just before the job did asks again at once. Later requests resolve
+# the URI again (metadata only; the entry is joined, not downloaded).
+READY_ANSWER_S = 30.0
 
 
 class PullStatus(str, enum.Enum):
@@ -68,6 +74,7 @@ class PullJob:
     error: str | None = None
     reason: str | None = None
     started_at: float = field(default_factory=time.time)
+    finished_at: float = 0.0  # time.monotonic()
     future: Future[None] = field(default_factory=Future)
 
     def snapshot(self) -> dict[str, Any]:
@@ -76,7 +83,18 @@ class PullJob:
                 "progress": {"done_bytes": self.done_bytes, "total_bytes": self.total_bytes},
                 "error": self.error, "reason": self.reason}
 
+    def answers_again(self, request: PullRequest) -> bool:
+        """Whether a finished job answers a new request for its URI as it is: only a ready
+        one, just finished (the client that polled across its end), asked with the same
+        credentials, whose folder is still there. Otherwise the URI is resolved afresh: a
+        branch may have moved, and a request's own token must be the one that is checked."""
+        return (self.status is PullStatus.READY
+                and time.monotonic() - self.finished_at <= READY_ANSWER_S
+                and request.credentials == self.request.credentials
+                and bool(self.model_dir) and Path(str(self.model_dir)).is_dir())
+
     def finish(self, status: PullStatus, phase: str) -> None:
+        self.finished_at = time.monotonic()
         self.status, self.phase = status, phase
         if not self.future.done():
             self.future.set_result(None)
@@ -101,11 +119,8 @@ class PullCoordinator:
         uri = str(parse_model_uri(request.uri))  # UsageError for a malformed URI
         with self._lock:
             job = self._jobs.get(uri)
-            gone = (job is not None and job.status is PullStatus.READY
-                    and not (job.model_dir and Path(job.model_dir).is_dir()))  # `rm`-ed since
-            if job is not None and job.status is not PullStatus.FAILED and not gone:
-                # Running: join it. Ready: answer it (each poll would otherwise ask the
-                # source again); a new daemon or a failed job resolves afresh.
+            if job is not None and (job.status is PullStatus.DOWNLOADING
+                                    or job.answers_again(request)):
                 return job
             if self._stopping:
                 raise CacheError("the daemon is stopping; retry, or pull with --no-daemon")

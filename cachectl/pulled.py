@@ -28,14 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ditserve.cachectl.errors import CORRUPT, UNREADABLE, Problem, entry_error
+from ditserve.cachectl.errors import CORRUPT, UNREADABLE, ModelDigestError, Problem, entry_error
+from ditserve.cachectl.hashing import RateLimiter
 from ditserve.cachectl.identity import is_key
 from ditserve.cachectl.layout import Layout
+from ditserve.cachectl.sources import Snapshot
 
 SCHEMA = 1
 MODEL_DIR = "model"  # the model folder inside an entry (the source may hold a manifest.json)
 MANIFEST = "manifest.json"
 _CHUNK = 8 << 20
+
+
+_LIMITED_CHUNK = 8 << 20
 
 
 def canonical(doc: Any) -> bytes:
@@ -46,9 +51,15 @@ def model_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(canonical(identity)).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, limiter: RateLimiter | None = None) -> str:
     with open(path, "rb") as f:  # hashlib releases the GIL: files hash in parallel threads
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        if limiter is None:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        h = hashlib.sha256()
+        while chunk := f.read(_LIMITED_CHUNK):
+            limiter.acquire(len(chunk))  # the scrub's read rate, shared by its threads
+            h.update(chunk)
+        return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -114,11 +125,12 @@ def local_files(model_dir: Path) -> dict[str, Path]:
     return found
 
 
-def hash_files(paths: dict[str, Path], *, threads: int | None = None) -> dict[str, str]:
-    """SHA-256 of each file, files spread over threads."""
+def hash_files(paths: dict[str, Path], *, threads: int | None = None,
+                limiter: RateLimiter | None = None) -> dict[str, str]:
+    """SHA-256 of each file, files spread over threads (read at most ``limiter``'s rate)."""
     workers = threads or max(1, len(os.sched_getaffinity(0)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cachectl-hash") as pool:
-        digests = pool.map(file_sha256, paths.values())
+        digests = pool.map(lambda p: file_sha256(p, limiter), paths.values())
         return dict(zip(paths, digests, strict=True))
 
 
@@ -170,9 +182,12 @@ def read_manifest(entry: Path) -> dict[str, Any]:
 
 
 def check_model_entry(entry: Path, *, full: bool,
-                      on_file: Callable[[str], None] | None = None) -> list[Problem]:
+                      on_file: Callable[[str], None] | None = None,
+                      limiter: RateLimiter | None = None,
+                      on_hashed: Callable[[int], None] | None = None) -> list[Problem]:
     """What is wrong with a pulled entry: structure (manifest, the exact file set, regular
-    files, sizes) always; with ``full`` every file's SHA-256 too. Never repairs anything."""
+    files, sizes) always; with ``full`` every file's SHA-256 too (read at most ``limiter``'s
+    rate; ``on_hashed`` gets the bytes hashed). Never repairs anything."""
     key = entry.name
     if entry.is_symlink() or not entry.is_dir():
         return [Problem(key, None, "not a directory (a symlink is never followed)")]
@@ -200,9 +215,11 @@ def check_model_entry(entry: Path, *, full: bool,
             to_hash[name] = present[name]
     if full and to_hash:
         try:
-            digests = hash_files(to_hash)
+            digests = hash_files(to_hash, limiter=limiter)
         except PermissionError as e:
             return [*problems, Problem(key, None, f"unreadable: {e}", UNREADABLE)]
+        if on_hashed is not None:
+            on_hashed(sum(expected[n]["size"] for n in digests))
         for name, digest in digests.items():
             if on_file is not None:
                 on_file(name)
@@ -213,9 +230,11 @@ def check_model_entry(entry: Path, *, full: bool,
     return problems
 
 
-def find_published(layout: Layout, key: str, uri: str) -> PulledModel | None:
-    """The published entry of ``key`` (a join: its structure is checked, not re-hashed);
-    None if there is none. One whose structure is wrong is refused, never pulled over."""
+def find_published(layout: Layout, key: str, snapshot: Snapshot) -> PulledModel | None:
+    """The published entry of ``key`` for ``snapshot`` (a join: its structure is checked, not
+    re-hashed; the daemon's scrub and ``cachectl verify`` re-hash); None if there is none.
+    One whose structure is wrong, or whose files are not the ones the source lists now, is
+    refused, never pulled over."""
     entry = layout.model(key)
     if not entry.exists() and not entry.is_symlink():
         return None
@@ -223,9 +242,26 @@ def find_published(layout: Layout, key: str, uri: str) -> PulledModel | None:
     if problems:
         raise entry_error(key, problems)
     doc = read_manifest(entry)
+    _check_same_listing(doc, snapshot)
     mark_used(entry)
-    return PulledModel(key, entry, uri, doc["identity"].get("revision"), doc["total_bytes"],
-                       downloaded=False)
+    return PulledModel(key, entry, snapshot.uri, doc["identity"].get("revision"),
+                       doc["total_bytes"], downloaded=False)
+
+
+def _check_same_listing(doc: dict[str, Any], snapshot: Snapshot) -> None:
+    """The entry's files must be the snapshot's: the same names, sizes and source digests.
+    The key pins a hub commit but not the hub: an entry pulled through another endpoint (a
+    mirror) under the same commit id, holding other bytes, is refused rather than joined."""
+    have = {f["name"]: (f["size"], f.get("source_digest")) for f in doc["files"]}
+    want = {f.name: (f.size, f.digest) for f in snapshot.files}
+    if have != want:
+        differ = sorted(set(have) ^ set(want)) or sorted(n for n in want if have[n] != want[n])
+        raise ModelDigestError(
+            snapshot.uri, f"the node's entry {doc['key']} for this revision holds other files "
+                          f"than the source lists now ({', '.join(differ[:3])}"
+                          f"{' ...' if len(differ) > 3 else ''}): it was pulled from another "
+                          f"endpoint, or the source rewrote the revision. Remove it (`cachectl "
+                          f"rm {doc['key']}`) and pull again")
 
 
 def mark_used(entry: Path) -> None:

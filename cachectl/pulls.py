@@ -44,7 +44,13 @@ from ditserve.cachectl.pulled import (
     model_key,
     publish_partial,
 )
-from ditserve.cachectl.sources import Credentials, Snapshot, Source, source_digest_matches
+from ditserve.cachectl.sources import (
+    Credentials,
+    Snapshot,
+    Source,
+    check_listing,
+    source_digest_matches,
+)
 
 PROGRESS_INTERVAL_S = 1.0
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -161,8 +167,9 @@ def pull(root: Path, request: PullRequest, *,
     source = source_for(uri, request.credentials)
     phase("resolving")
     snapshot = source.resolve()
+    check_listing(snapshot)
     key = model_key(snapshot.identity)
-    found = find_published(layout, key, snapshot.uri)
+    found = find_published(layout, key, snapshot)
     if found is not None:
         return found
     try:
@@ -178,7 +185,7 @@ def pull(root: Path, request: PullRequest, *,
         raise LockTimeoutError(key, request.lock_timeout_s,
                                locks.read_holder(layout.build_lock(key)))
     with held:
-        found = find_published(layout, key, snapshot.uri)  # pulled while we waited
+        found = find_published(layout, key, snapshot)  # pulled while we waited
         if found is not None:
             return found
         partial = layout.partial(key)

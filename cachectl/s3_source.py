@@ -93,9 +93,6 @@ class S3Source:
                     name = obj["Key"][len(prefix):]
                     if not name or name.endswith("/"):  # folder markers hold no file
                         continue
-                    if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
-                        raise ModelSourceError(str(self.uri), f"object key {obj['Key']!r} would "
-                                                              "leave the model folder")
                     objects.append((name, int(obj["Size"]), obj["ETag"].strip('"')))
             if not objects:
                 raise ModelNotFoundError(str(self.uri), f"no objects under {prefix!r} in bucket "

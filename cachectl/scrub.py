@@ -1,4 +1,5 @@
-"""Periodic scrub: the daemon re-verifies every entry at a bounded read rate.
+"""Periodic scrub: the daemon re-verifies every entry (runtime entries and pulled models) at
+a bounded read rate.
 
 Corrupt entries are reported (log + metric) and left in place: an operator decides
 (``cachectl verify``, ``cachectl rm``). Called by the daemon, in a thread of its own.
@@ -13,6 +14,7 @@ import time
 from ditserve.cachectl.hashing import RateLimiter
 from ditserve.cachectl.logs import event
 from ditserve.cachectl.metrics import DaemonMetrics
+from ditserve.cachectl.pulled_verify import verify_pulled_models
 from ditserve.cachectl.store import CacheStore
 from ditserve.cachectl.verify import VerifyReport
 
@@ -36,6 +38,9 @@ class Scrubber:
         # Each entry is hashed under a shared lease, so GC cannot remove it mid-hash; one GC
         # removed before we leased it comes back skipped, not corrupt.
         reports = self.store.verify(limiter=limiter)
+        # Pulled models too: a join checks their structure only, so a changed byte is found
+        # here (or by `cachectl verify`).
+        reports += verify_pulled_models(self.store.layout, limiter=limiter)
         for r in reports:
             if r.skipped:
                 event(self.logger, "scrub_skipped", key=r.key, why=r.skipped)

@@ -2,7 +2,9 @@
 
 ``RemoteFile`` / ``Snapshot`` are the contract between a source (``hub_source``,
 ``s3_source``) and ``pulls`` (which picks the source of a URI);
-``source_digest_matches`` checks one downloaded file against what its source published
+``check_listing`` refuses a listing that could not be a model folder (before anything is
+written: a hub or bucket names the files, and a name must never reach outside the pull's
+folder); ``source_digest_matches`` checks one downloaded file against what its source published
 (the hub's LFS SHA-256 or git blob SHA-1, an object's SHA-256 checksum or single-part MD5
 ETag). Called by ``pulls``.
 """
@@ -53,6 +55,27 @@ class Credentials:
     aws_session_token: str | None = None
     aws_region: str | None = None
     s3_endpoint: str | None = None
+
+
+def check_listing(snapshot: Snapshot) -> None:
+    """Refuse a listing no model folder can hold: no files, a name that is absolute or has an
+    empty, ``.`` or ``..`` part (it would leave the folder: a hostile or broken mirror must not
+    write or delete files elsewhere on the node), or a name that is also another's folder."""
+    from ditserve.cachectl.errors import ModelNotFoundError, ModelSourceError
+
+    if not snapshot.files:
+        raise ModelNotFoundError(snapshot.uri, "the source lists no files for this revision")
+    names = {f.name for f in snapshot.files}
+    for name in sorted(names):
+        if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
+            raise ModelSourceError(snapshot.uri, f"the source lists a file {name!r} that would "
+                                                 "leave the model folder; nothing was written")
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in names:
+                raise ModelSourceError(snapshot.uri, f"the source lists {folder!r} both as a "
+                                                     f"file and as the folder of {name!r}")
 
 
 class Source(Protocol):
