@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -315,6 +316,8 @@ def cmd_serve(root: Path, args: argparse.Namespace, loader: LoaderFn) -> int:
     from ditserve.cachectl import logs
     from ditserve.cachectl.daemon import DaemonConfig, serve
 
+    # Absolute: the daemon hands out model paths that clients in other directories link to.
+    root = Path(os.path.abspath(root))
     config = DaemonConfig(root=root, socket_path=args.socket or default_socket(root),
                           tcp=args.tcp, metrics_port=args.metrics_port,
                           metrics_host=args.metrics_host,

@@ -250,6 +250,9 @@ def create_app(daemon: Daemon) -> FastAPI:
     return app
 
 
+_SUN_PATH_MAX = 107  # sockaddr_un's sun_path, less its terminating NUL (Linux)
+
+
 def _bind_unix(path: Path, mode: int) -> socket.socket:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
@@ -263,7 +266,13 @@ def _bind_unix(path: Path, mode: int) -> socket.socket:
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(path))
+    try:
+        sock.bind(str(path))
+    except OSError as e:  # e.g. a path over the 107 bytes a Unix socket address holds
+        sock.close()
+        raise CacheError(f"cannot listen on the socket {path}: {e.strerror or e} (a Unix "
+                         f"socket's path may be at most {_SUN_PATH_MAX} bytes; this one is "
+                         f"{len(os.fsencode(path))}): pass a shorter --socket") from e
     os.chmod(path, mode)  # engine pods run as other users; the hostPath dir guards access
     sock.listen(128)  # clients that connect before the event loop accepts wait in the backlog
     return sock

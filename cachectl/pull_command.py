@@ -12,6 +12,7 @@ Called by ``commands.COMMANDS`` with the parsed arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -115,13 +116,22 @@ def _pull(root: Path, args: argparse.Namespace, progress: Any, client: Any) -> d
 
 def _link(link: Path, model_dir: str) -> None:
     """Point ``link`` at the model folder, replacing an older link atomically."""
-    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_dir() and not link.is_symlink():
+        raise CacheError(f"cannot link {link} to the pulled model {model_dir}: {link} is a "
+                         "directory; name a path that is free or already a link")
     tmp = link.with_name(f".{link.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    # Absolute: a relative --root gives a relative folder, which the link's own directory
-    # would resolve differently.
-    os.symlink(os.path.abspath(model_dir), tmp)
-    os.replace(tmp, link)
+    try:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)
+        # Absolute: a relative --root gives a relative folder, which the link's own directory
+        # would resolve differently.
+        os.symlink(os.path.abspath(model_dir), tmp)
+        os.replace(tmp, link)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise CacheError(f"cannot link {link} to the pulled model {model_dir}: "
+                         f"{e.strerror or e}") from e
 
 
 def cmd_pull(root: Path, args: argparse.Namespace, _loader: Any) -> int:

@@ -21,7 +21,7 @@ import errno
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,6 +112,16 @@ class _DiskProgress:
         self._thread.join()
 
 
+@contextlib.contextmanager
+def _read_only_as(layout: Layout, uri: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise ReadOnlyCacheError(str(layout.root), f"pull {uri}") from e
+        raise
+
+
 def _preflight(layout: Layout, snapshot: Snapshot, partial: Path) -> None:
     """Enough free space for what is still to download (bytes already there count)."""
     still = max(0, snapshot.total_bytes - (_bytes_under(partial) if partial.exists() else 0))
@@ -172,15 +182,13 @@ def pull(root: Path, request: PullRequest, *,
     found = find_published(layout, key, snapshot)
     if found is not None:
         return found
-    try:
-        layout.create()  # like `build`, a pull creates the cache it writes to
-    except OSError as e:
-        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise ReadOnlyCacheError(str(layout.root), f"pull {snapshot.uri}") from e
-        raise
     phase("waiting for the lock")
-    held = locks.acquire(layout.build_lock(key), shared=False, timeout_s=request.lock_timeout_s,
-                         on_wait=on_wait)
+    # Like `build`, a pull creates the cache it writes to; on a read-only mount of an existing
+    # cache that succeeds, and the lock file is the first write.
+    with _read_only_as(layout, snapshot.uri):
+        layout.create()
+        held = locks.acquire(layout.build_lock(key), shared=False,
+                             timeout_s=request.lock_timeout_s, on_wait=on_wait)
     if held is None:
         raise LockTimeoutError(key, request.lock_timeout_s,
                                locks.read_holder(layout.build_lock(key)))

@@ -302,3 +302,24 @@ def test_daemon_only_ensure_never_writes_the_cache_and_says_why(
     assert rc == 3 and "no cachectl daemon answered" in err
     assert "never writes the cache itself" in err
     assert not (root / "v1").exists()  # nothing was built here
+
+
+def test_serve_on_a_socket_path_too_long_says_so_and_exits_3(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    too_long = tmp_path / ("s" * 120)
+    assert main(["--root", str(tmp_path / "cache"), "serve", "--socket", str(too_long),
+                 "--scrub-interval", "0"]) == 3
+    err = capsys.readouterr().err
+    assert "a Unix socket's path may be at most 107 bytes" in err and "--socket" in err
+
+
+def test_the_daemon_of_a_relative_root_hands_out_absolute_paths(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ditserve.cachectl import daemon
+
+    served: list[daemon.DaemonConfig] = []
+    monkeypatch.setattr(daemon, "serve", lambda config, *_a: served.append(config) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--root", "cache", "serve"]) == 0
+    assert served[0].root == tmp_path / "cache" and served[0].root.is_absolute()
+    assert served[0].socket_path.is_absolute()

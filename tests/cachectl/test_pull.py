@@ -360,3 +360,37 @@ def test_a_read_only_cache_joins_but_never_downloads(hub: LocalHub, tmp_path: Pa
     assert not pull(root, PullRequest("hf://org/tiny")).downloaded  # a join writes nothing
     with pytest.raises(ReadOnlyCacheError, match="read-only"):
         pull(root, PullRequest("hf://org/private", Credentials(hf_token="hf_secret")))
+
+
+def test_a_read_only_mount_of_an_existing_cache_is_read_only_at_the_lock(
+        hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from ditserve.cachectl import locks
+    from ditserve.cachectl.errors import ReadOnlyCacheError
+
+    root = tmp_path / "cache"
+    pull(root, PullRequest("hf://org/tiny"))  # the cache exists: creating it writes nothing
+
+    def lock_file_refused(path: Path, **_kw: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(locks, "acquire", lock_file_refused)
+    with pytest.raises(ReadOnlyCacheError, match="read-only"):
+        pull(root, PullRequest("hf://org/private", Credentials(hf_token="hf_secret")))
+
+
+def test_a_link_that_cannot_be_made_is_a_message_and_exit_3(hub: LocalHub,
+                                                            tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    taken = tmp_path / "run"
+    (taken / "model").mkdir(parents=True)
+    cli = _cli(root, "pull", "--no-daemon", "--link", str(taken / "model"), "hf://org/tiny")
+    assert cli.returncode == 3, cli.stderr
+    assert "is a directory" in cli.stderr and "Traceback" not in cli.stderr
+    assert sorted(p.name for p in taken.iterdir()) == ["model"]  # no temporary link left
+    under_a_file = tmp_path / "a-file"
+    under_a_file.write_text("")
+    cli = _cli(root, "pull", "--no-daemon", "--link", str(under_a_file / "model"),
+               "hf://org/tiny")
+    assert cli.returncode == 3 and "cannot link" in cli.stderr and "Traceback" not in cli.stderr
