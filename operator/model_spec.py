@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ditserve.cachectl.errors import UsageError
 from ditserve.cachectl.model_uri import parse_model_uri
 from ditserve.engine.config import MODEL_FAMILIES
+from ditserve.operator import nodecache
 from ditserve.operator.spec_reader import SpecReader
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -41,7 +42,8 @@ class ModelSpec:
 def read_model(m: SpecReader) -> ModelSpec:
     pvc = m.child("persistentVolumeClaim")
     return ModelSpec(
-        host_path=m.text("hostPath"),
+        # In cachectl's form: the volume, the ensure command, node labels and status agree.
+        host_path=None if (host := m.text("hostPath")) is None else nodecache.node_path(host),
         claim_name=pvc.text("claimName"),
         sub_path=pvc.text("subPath", "") or "",
         uri=m.text("uri") or None,

@@ -46,7 +46,8 @@ def dd_cache_models(spec: kopf.Spec, name: str, namespace: str | None,
     host_path = model.get("hostPath")
     if not isinstance(host_path, str) or (spec.get("cache") or {}).get("mode") == "None":
         return None
-    return {(host_path, str(model.get("dtype") or "bfloat16")): (namespace or "default", name)}
+    return {(nodecache.node_path(host_path), str(model.get("dtype") or "bfloat16")):
+            (namespace or "default", name)}
 
 
 def _signature(body: Mapping[str, Any] | None) -> frozenset[tuple[Any, ...]]:

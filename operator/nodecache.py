@@ -12,8 +12,9 @@ crds/ditserve.io_nodecaches.yaml). The operator reads them for two things:
   DiffusionDeployment's ``status.nodeCache``.
 
 Entries are matched to a deployment by the model's node path and dtype, the inputs the daemon
-was asked to build from (only hostPath models go through the daemon). Pure; called by
-``pod`` (the affinity term), ``status`` (the summary) and ``handlers`` (the node labels).
+was asked to build from (only hostPath models go through the daemon). The path is compared as
+``node_path`` writes it, the form cachectl records. Pure; called by ``pod`` (the affinity
+term), ``status`` (the summary), ``handlers`` (the node labels) and ``model_spec`` (the path).
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ class NodeEntry:
     dtype: str
     state: str
     message: str = ""
+
+
+def node_path(path: str) -> str:
+    """An absolute node path in the form cachectl records it: no repeated or trailing slash,
+    no "." segment (``/mnt/models//flux/`` -> ``/mnt/models/flux``); others are returned as is.
+
+    cachectl records ``Path.resolve()`` of the path, run in the init container that mounts the
+    model at this very path, so it resolves no symlink of the node's (the mount point is a
+    plain directory there). Lexical only, and ".." is kept: the operator cannot see the
+    node's symlinks, through which ".." may lead elsewhere (the admin policy refuses it)."""
+    if not path.startswith("/"):
+        return path
+    return "/" + "/".join(part for part in path.split("/") if part not in ("", "."))
 
 
 def cache_label_key(model: str, dtype: str) -> str:
