@@ -105,7 +105,8 @@ def default_dtype(model: Path, component: str, loader: LoaderFn) -> str:
     try:
         found = stored_dtype(list(model_loader.source_files(model.resolve(), component)))
     except Exception as e:  # the loader's own errors name what is wrong with the directory
-        raise BuildError(f"cannot tell the dtype of {str(model)!r}: {e}; pass --dtype") from e
+        # (--dtype would not help: building reads the same files)
+        raise BuildError(f"{str(model)!r} is not a usable model directory: {e}") from e
     if found is None:
         if os.environ.get(LOADER_ENV):
             # A loader named by $DITSERVE_CACHECTL_LOADER reads files the engine does not,

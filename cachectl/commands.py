@@ -20,6 +20,7 @@ from typing import Any
 from ditserve.cachectl.client import through_daemon
 from ditserve.cachectl.errors import (
     CORRUPT,
+    BuildError,
     CacheError,
     DaemonError,
     EntryCorruptError,
@@ -137,7 +138,10 @@ def _components(args: argparse.Namespace, loader: LoaderFn) -> list[str]:
         return [args.component]
     if args.base_model is not None:
         return ["transformer"]  # a checkpoint file holds one DiT: the model's first
-    return list(loader().components(args.model.resolve()))
+    try:
+        return list(loader().components(args.model.resolve()))
+    except Exception as e:  # the loader's own errors name what is wrong with the directory
+        raise BuildError(f"{str(args.model)!r} is not a usable model directory: {e}") from e
 
 
 def _daemon_only_ensure(client: Any, args: argparse.Namespace,

@@ -323,3 +323,17 @@ def test_the_daemon_of_a_relative_root_hands_out_absolute_paths(
     assert main(["--root", "cache", "serve"]) == 0
     assert served[0].root == tmp_path / "cache" and served[0].root.is_absolute()
     assert served[0].socket_path.is_absolute()
+
+
+def test_a_directory_that_is_no_model_is_one_line_and_exit_3(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    not_a_model = tmp_path / "mnt-models"  # e.g. a hostPath naming the models' parent folder
+    not_a_model.mkdir()
+    root = str(tmp_path / "cache")
+    assert main(["--root", root, "ensure", "--model", str(not_a_model), "--dtype", "bfloat16",
+                 "--component", "all", "--no-daemon"]) == 3
+    assert "is not a usable model directory" in capsys.readouterr().err
+    (not_a_model / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    assert main(["--root", root, "build", "--model", str(not_a_model)]) == 3
+    err = capsys.readouterr().err
+    assert "missing component(s) transformer" in err and "--dtype" not in err
