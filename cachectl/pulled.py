@@ -150,6 +150,9 @@ def publish_partial(layout: Layout, key: str, identity: dict[str, Any],
         finally:
             os.close(fd)
     manifest = partial / MANIFEST
+    # A pull killed after this write and before the rename left a read-only manifest; only
+    # root could write over it, so replace it.
+    manifest.unlink(missing_ok=True)
     manifest.write_text(json.dumps(manifest_doc(key, identity, files, uri), indent=1, sort_keys=True))
     os.chmod(manifest, 0o444)
     with open(manifest, "rb") as f:

@@ -134,3 +134,28 @@ def test_the_daemon_resolves_a_uri_again_once_its_answer_is_old_or_for_other_cre
             assert moved.key != first.key  # the branch's new commit, not the old answer
     finally:
         coordinator.stop()
+
+
+def test_a_pull_killed_before_its_rename_is_published_by_the_next_one_without_root(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import stat
+
+    root = tmp_path / "cache"
+    for _hub in _serve(monkeypatch, {"org/tiny": Repo(dict(FILES))}):
+        model = pull(root, PullRequest("hf://org/tiny"))
+        # Back to the state a kill between the manifest's write and the rename leaves.
+        partial = Layout(root).partial(model.key)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        model.path.rename(partial)
+        assert not stat.S_IMODE((partial / "manifest.json").stat().st_mode) & 0o222
+
+        real_write_text = Path.write_text
+
+        def as_a_non_root_writer(self: Path, *args: object, **kwargs: object) -> int:
+            if self.exists() and not stat.S_IMODE(self.stat().st_mode) & 0o200:
+                raise PermissionError(13, "Permission denied", str(self))  # no DAC override
+            return real_write_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Path, "write_text", as_a_non_root_writer)
+        again = pull(root, PullRequest("hf://org/tiny"))
+    assert again.key == model.key and again.path.is_dir() and not partial.exists()
