@@ -114,7 +114,7 @@ MAX_COMPILE_ARTIFACT_BYTES = 4 << 30
 
 
 _PULL_FAILURE_CODE = {"NotFound": 404, "Unauthorized": 403, "corrupt": 409, "DiskFull": 507,
-                      "DigestMismatch": 502, "SourceError": 502}
+                      "cancelled": 503, "DigestMismatch": 502, "SourceError": 502}
 
 
 class Daemon:

@@ -201,3 +201,13 @@ class ModelDigestError(ModelSourceError):
     holds other files than the source lists (it is not joined)."""
 
     reason = "DigestMismatch"
+
+
+class PullCancelledError(CacheError):
+    """The pull was stopped (the daemon's SIGTERM, Ctrl-C) while downloading; what it fetched
+    stays in its partial folder, and the next pull of the same source continues from it."""
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(f"the pull of {uri} was stopped; its partial download is kept and the "
+                         "next pull continues it")
+        self.uri = uri

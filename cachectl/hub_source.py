@@ -19,14 +19,20 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ditserve.cachectl.errors import ModelAccessError, ModelNotFoundError, ModelSourceError
 from ditserve.cachectl.model_uri import ModelUri
-from ditserve.cachectl.sources import Credentials, RemoteFile, Snapshot
+from ditserve.cachectl.sources import (
+    CancellableWriter,
+    Credentials,
+    RemoteFile,
+    Snapshot,
+    fetch_all,
+)
 
 INCOMPLETE = ".incomplete"  # inside the model folder of a partial pull; never published
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -98,16 +104,17 @@ class HubSource:
         identity = {"schema": 1, "source": "hf", "repo": self.uri.repo, "revision": commit}
         return Snapshot(str(self.uri), identity, commit, files)
 
-    def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int) -> None:
+    def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int,
+                 cancel: threading.Event) -> None:
         todo = [f for f in snapshot.files
                 if not ((model_dir / f.name).is_file()
                         and (model_dir / f.name).stat().st_size == f.size)]
-        with self._hub_errors(), ThreadPoolExecutor(max_workers=workers,
-                                                    thread_name_prefix="cachectl-hub") as pool:
-            for _ in pool.map(lambda f: self._fetch(snapshot.revision, f, model_dir), todo):
-                pass
+        with self._hub_errors():
+            fetch_all(snapshot.uri, lambda f: self._fetch(snapshot.revision, f, model_dir, cancel),
+                      todo, workers=workers, cancel=cancel, thread_name_prefix="cachectl-hub")
 
-    def _fetch(self, commit: str, f: RemoteFile, model_dir: Path) -> None:
+    def _fetch(self, commit: str, f: RemoteFile, model_dir: Path,
+               cancel: threading.Event) -> None:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.file_download import http_get
         from huggingface_hub.utils import build_hf_headers
@@ -123,7 +130,8 @@ class HubSource:
             with open(part, "ab") as out:
                 # http_get sends "Range: bytes=<have>-" and, should the server answer 200
                 # instead of 206, truncates back to where this download started.
-                http_get(url, out, resume_size=have, expected_size=f.size,
+                http_get(url, CancellableWriter(out, cancel, str(self.uri)),  # type: ignore[arg-type]
+                         resume_size=have, expected_size=f.size,
                          headers=build_hf_headers(token=self.token),
                          tqdm_class=_silent_tqdm())
         final = model_dir / f.name

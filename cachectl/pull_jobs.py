@@ -28,6 +28,7 @@ from ditserve.cachectl.errors import (
     InsufficientSpaceError,
     LockTimeoutError,
     ModelSourceError,
+    PullCancelledError,
 )
 from ditserve.cachectl.logs import event
 from ditserve.cachectl.model_uri import parse_model_uri
@@ -110,6 +111,7 @@ class PullCoordinator:
         self._lock = threading.Lock()
         self._jobs: dict[str, PullJob] = {}
         self._stopping = False
+        self._cancel = threading.Event()  # set by stop(): running downloads end at a chunk
 
     def jobs(self) -> list[PullJob]:
         with self._lock:
@@ -144,13 +146,17 @@ class PullCoordinator:
 
         try:
             model = pull(self.store.root, job.request, on_phase=on_phase,
-                         on_progress=on_progress, on_wait=on_wait)
+                         on_progress=on_progress, on_wait=on_wait, cancel=self._cancel)
             job.key, job.model_dir, job.downloaded = model.key, str(model.model_dir), model.downloaded
             job.done_bytes = job.total_bytes = model.total_bytes
             event(self.logger, "pull_done", uri=job.uri, key=model.key,
                   downloaded=model.downloaded, bytes=model.total_bytes,
                   seconds=round(time.monotonic() - start, 3))
             job.finish(PullStatus.READY, "published")
+        except PullCancelledError as e:  # the daemon is stopping: not the source's failure
+            job.reason, job.error = "cancelled", str(e)
+            event(self.logger, "pull_stopped", uri=job.uri)
+            job.finish(PullStatus.FAILED, "stopped")
         except Exception as e:  # every failure must reach the waiting clients
             job.reason, job.error = failure_reason(e), str(e)
             event(self.logger, "pull_failed", logging.ERROR, uri=job.uri, reason=job.reason,
@@ -158,8 +164,9 @@ class PullCoordinator:
             job.finish(PullStatus.FAILED, "failed")
 
     def stop(self) -> None:
-        """Take no new pulls; running ones are abandoned with the process (their partial
-        folders stay, and the next pull resumes them)."""
+        """Take no new pulls; running downloads stop at their next chunk and release their
+        locks (their partial folders stay, and the next pull resumes them)."""
         with self._lock:
             self._stopping = True
+        self._cancel.set()
         self._pool.shutdown(wait=False, cancel_futures=True)

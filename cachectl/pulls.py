@@ -151,10 +151,11 @@ def _check(snapshot: Snapshot, model_dir: Path) -> tuple[list[PulledFile], list[
 
 
 def _download_checked(source: Source, snapshot: Snapshot, model_dir: Path, *, workers: int,
-                      on_phase: Callable[[str], None]) -> list[PulledFile]:
+                      on_phase: Callable[[str], None],
+                      cancel: threading.Event) -> list[PulledFile]:
     for attempt in (1, 2):
         on_phase("downloading" if attempt == 1 else "downloading again (digest mismatch)")
-        source.download(snapshot, model_dir, workers=workers)
+        source.download(snapshot, model_dir, workers=workers, cancel=cancel)
         on_phase("checking digests")
         files, bad = _check(snapshot, model_dir)
         if not bad:
@@ -169,8 +170,10 @@ def _download_checked(source: Source, snapshot: Snapshot, model_dir: Path, *, wo
 def pull(root: Path, request: PullRequest, *,
          on_phase: Callable[[str], None] | None = None,
          on_progress: Callable[[int, int], None] | None = None,
-         on_wait: Callable[[float], None] | None = None) -> PulledModel:
-    """Pull ``request.uri`` into the cache at ``root`` (see the module doc)."""
+         on_wait: Callable[[float], None] | None = None,
+         cancel: threading.Event | None = None) -> PulledModel:
+    """Pull ``request.uri`` into the cache at ``root`` (see the module doc). Setting ``cancel``
+    stops the download within a chunk (``PullCancelledError``; the partial folder stays)."""
     phase = on_phase or (lambda _p: None)
     layout = Layout(Path(root))
     uri = parse_model_uri(request.uri)
@@ -203,7 +206,7 @@ def pull(root: Path, request: PullRequest, *,
             model_dir.mkdir(parents=True, exist_ok=True)
             with _DiskProgress(partial, snapshot.total_bytes, on_progress):
                 files = _download_checked(source, snapshot, model_dir, workers=request.workers,
-                                          on_phase=phase)
+                                          on_phase=phase, cancel=cancel or threading.Event())
             # The downloaders' own bookkeeping (huggingface_hub's .cache, unfinished parts).
             for aside in (".cache", ".incomplete"):
                 shutil.rmtree(model_dir / aside, ignore_errors=True)

@@ -20,14 +20,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ditserve.cachectl.errors import ModelAccessError, ModelNotFoundError, ModelSourceError
+from ditserve.cachectl.errors import (
+    ModelAccessError,
+    ModelNotFoundError,
+    ModelSourceError,
+    PullCancelledError,
+)
 from ditserve.cachectl.model_uri import ModelUri
-from ditserve.cachectl.sources import Credentials, RemoteFile, Snapshot
+from ditserve.cachectl.sources import Credentials, RemoteFile, Snapshot, fetch_all
 
 INCOMPLETE = ".incomplete"  # inside the model folder of a partial pull; never published
 _CHUNK = 8 << 20
@@ -116,17 +121,18 @@ class S3Source:
             return {"algorithm": "md5", "value": etag}
         return None
 
-    def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int) -> None:
+    def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int,
+                 cancel: threading.Event) -> None:
         client = self.client(workers)
         todo = [f for f in snapshot.files
                 if not ((model_dir / f.name).is_file()
                         and (model_dir / f.name).stat().st_size == f.size)]
-        with self._s3_errors(), ThreadPoolExecutor(max_workers=workers,
-                                                   thread_name_prefix="cachectl-s3") as pool:
-            for _ in pool.map(lambda f: self._fetch(client, f, model_dir), todo):
-                pass
+        with self._s3_errors():
+            fetch_all(snapshot.uri, lambda f: self._fetch(client, f, model_dir, cancel), todo,
+                      workers=workers, cancel=cancel, thread_name_prefix="cachectl-s3")
 
-    def _fetch(self, client: Any, f: RemoteFile, model_dir: Path) -> None:
+    def _fetch(self, client: Any, f: RemoteFile, model_dir: Path,
+               cancel: threading.Event) -> None:
         part = model_dir / INCOMPLETE / f.name
         part.parent.mkdir(parents=True, exist_ok=True)
         have = part.stat().st_size if part.exists() else 0
@@ -142,6 +148,8 @@ class S3Source:
             body = client.get_object(**args)["Body"]
             with open(part, "ab") as out:
                 for chunk in body.iter_chunks(_CHUNK):
+                    if cancel.is_set():
+                        raise PullCancelledError(str(self.uri))
                     out.write(chunk)
         final = model_dir / f.name
         final.parent.mkdir(parents=True, exist_ok=True)

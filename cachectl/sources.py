@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
+
+from ditserve.cachectl.errors import ModelNotFoundError, ModelSourceError, PullCancelledError
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,6 @@ def check_listing(snapshot: Snapshot) -> None:
     """Refuse a listing no model folder can hold: no files, a name that is absolute or has an
     empty, ``.`` or ``..`` part (it would leave the folder: a hostile or broken mirror must not
     write or delete files elsewhere on the node), or a name that is also another's folder."""
-    from ditserve.cachectl.errors import ModelNotFoundError, ModelSourceError
-
     if not snapshot.files:
         raise ModelNotFoundError(snapshot.uri, "the source lists no files for this revision")
     names = {f.name for f in snapshot.files}
@@ -82,9 +85,43 @@ class Source(Protocol):
     def resolve(self) -> Snapshot:
         """Ask the source what to fetch (cheap: metadata only)."""
 
-    def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int) -> None:
+    def download(self, snapshot: Snapshot, model_dir: Path, *, workers: int,
+                 cancel: threading.Event) -> None:
         """Fetch every file of ``snapshot`` into ``model_dir``, resuming what an earlier,
-        interrupted download left there."""
+        interrupted download left there; stop within a chunk once ``cancel`` is set
+        (``PullCancelledError``)."""
+
+
+def fetch_all(uri: str, fetch: Callable[[RemoteFile], None], files: list[RemoteFile], *,
+              workers: int, cancel: threading.Event, thread_name_prefix: str) -> None:
+    """``fetch`` each file, ``workers`` at a time. Any failure here - Ctrl-C in the main
+    thread included - sets ``cancel``, so the other files stop at their next chunk instead of
+    running to their end while the pool waits for them."""
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix) as pool:
+        try:
+            for _ in pool.map(fetch, files):
+                pass
+        except BaseException:
+            cancel.set()
+            raise
+    if cancel.is_set():
+        raise PullCancelledError(uri)
+
+
+class CancellableWriter:
+    """A file a downloader writes chunks to, which refuses the next chunk once ``cancel`` is
+    set (huggingface_hub's ``http_get`` has no cancel hook of its own)."""
+
+    def __init__(self, out: BinaryIO, cancel: threading.Event, uri: str) -> None:
+        self._out, self._cancel, self._uri = out, cancel, uri
+
+    def write(self, chunk: bytes) -> int:
+        if self._cancel.is_set():
+            raise PullCancelledError(self._uri)
+        return self._out.write(chunk)
+
+    def __getattr__(self, name: str) -> Any:  # tell, seek, truncate, flush, name ...
+        return getattr(self._out, name)
 
 
 def _stream_digest(path: Path, h: Any, prefix: bytes = b"") -> Any:

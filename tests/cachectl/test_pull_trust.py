@@ -159,3 +159,70 @@ def test_a_pull_killed_before_its_rename_is_published_by_the_next_one_without_ro
         monkeypatch.setattr(Path, "write_text", as_a_non_root_writer)
         again = pull(root, PullRequest("hf://org/tiny"))
     assert again.key == model.key and again.path.is_dir() and not partial.exists()
+
+
+BIG = 24 << 20  # huggingface_hub writes a download in 10 MiB pieces: cancelled at a piece
+
+
+def _slow_big_repo() -> dict[str, Repo]:
+    from model_sources import weights
+
+    return {"org/big": Repo({"model_index.json": b"{}", "big.safetensors": weights(BIG)})}
+
+
+def _part_sizes(root: Path) -> list[int]:
+    return [p.stat().st_size for p in root.glob(".partial/*/model/.incomplete/big.safetensors")]
+
+
+def test_stopping_the_daemon_stops_its_download_and_frees_the_lock(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import time
+
+    from ditserve.cachectl import locks
+
+    root = tmp_path / "cache"
+    coordinator = PullCoordinator(CacheStore(root), logging.getLogger("test.pulls"))
+    for hub in _serve(monkeypatch, _slow_big_repo()):
+        hub.delay_s = 0.004  # per 64 KiB: about 1.5 s for the file
+        job = coordinator.submit(PullRequest("hf://org/big"))
+        while not (any(_part_sizes(root)) or job.future.done()):
+            time.sleep(0.01)
+        coordinator.stop()
+        job.future.result(timeout=60)
+        assert (job.status, job.reason) == (PullStatus.FAILED, "cancelled")
+    (part,) = _part_sizes(root)
+    assert 0 < part < BIG  # stopped mid-file, its bytes kept for the next pull
+    layout = Layout(root)
+    (key,) = [p.name for p in (root / ".partial").iterdir()]
+    held = locks.acquire(layout.build_lock(key), shared=False, timeout_s=0)
+    assert held is not None  # released: a --no-daemon pull or the next daemon goes on
+    held.release()
+
+
+def test_a_cancelled_pull_keeps_its_bytes_and_the_next_one_continues(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from ditserve.cachectl.errors import PullCancelledError
+
+    root = tmp_path / "cache"
+    cancel = threading.Event()
+    for hub in _serve(monkeypatch, _slow_big_repo()):
+        hub.delay_s = 0.004
+
+        def cancel_at_the_first_piece() -> None:
+            while not any(_part_sizes(root)):
+                time.sleep(0.01)
+            cancel.set()
+
+        watcher = threading.Thread(target=cancel_at_the_first_piece, daemon=True)
+        watcher.start()
+        with pytest.raises(PullCancelledError, match="partial download is kept"):
+            pull(root, PullRequest("hf://org/big"), cancel=cancel)
+        (part,) = _part_sizes(root)
+        assert 0 < part < BIG
+        hub.delay_s = 0.0
+        model = pull(root, PullRequest("hf://org/big"))
+        assert model.downloaded
+        assert hub.gets[-1].name == "big.safetensors" and hub.gets[-1].start == part
