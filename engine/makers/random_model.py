@@ -40,6 +40,7 @@ from typing import Any
 from ditserve.engine.errors import ConfigError
 from ditserve.engine.families import MODEL_VARIANTS
 from ditserve.engine.families.base import ComponentShape
+from ditserve.engine.makers.tiny_model import refuse_foreign_directory
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ FAMILIES = tuple(MODEL_VARIANTS)
 SIZES = ("tiny", "small", "full")
 COMPONENTS = ("all", "dit")
 _COMPLETE_MARKER = ".ditserve-random-complete"
+_STARTED_MARKER = ".ditserve-random-started"  # removed once the complete marker is written
 
 
 def _resolve_device(name: str) -> Any:
@@ -90,17 +92,35 @@ def init_random(
             raise ConfigError(f"{str(target)!r} already holds a different random model "
                               f"({found}); choose another directory")
         return target
+    _claim(target, wanted)
     started = time.perf_counter()
     params = write_pipeline(target, family, size, dtype=dtype, device=_resolve_device(device),
                             seed=seed, components=chosen)
     dit_params = sum(n for name, n in params.items() if name.startswith("transformer"))
     marker.write_text(json.dumps({**wanted, "transformer_parameters": dit_params,
                                   "parameters": params}))
+    (target / _STARTED_MARKER).unlink()
     log.info("wrote a random %s-size %s pipeline (%s) to %s: %s in %.1fs", size, family,
              "every component at released shape" if chosen == "all" else "tiny encoders",
              target, ", ".join(f"{name} {n / 1e9:.2f}B" for name, n in params.items()),
              time.perf_counter() - started)
     return target
+
+
+def _claim(target: Path, wanted: dict[str, Any]) -> None:
+    """Mark ``target`` as being written with ``wanted`` before the first byte, so that a run
+    interrupted midway (minutes of writing at full size) is continued by the same command;
+    a directory that holds anything else is the user's and is refused."""
+    started = target / _STARTED_MARKER
+    if started.exists():
+        found = json.loads(started.read_text())
+        if found != wanted:
+            raise ConfigError(f"{str(target)!r} holds an unfinished random model of other "
+                              f"settings ({found}); choose another directory")
+        return
+    refuse_foreign_directory(target, "a random model")
+    target.mkdir(parents=True, exist_ok=True)
+    started.write_text(json.dumps(wanted))
 
 
 def write_pipeline(target: Path, family: str, size: str, *, dtype: str, device: Any, seed: int,

@@ -49,22 +49,23 @@ def init_tiny(
     from filelock import FileLock
 
     target = Path(path)
-    if (target / _COMPLETE_MARKER).exists():
+    wanted = {"family": family, "seed": seed, "random_weights": True}
+    if _holds_tiny(target, wanted):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        if (target / _COMPLETE_MARKER).exists():
+        if _holds_tiny(target, wanted):
             return target
+        refuse_foreign_directory(target, "a tiny model")
         from ditserve.engine.makers.builders import build_tiny
 
         pipe = build_tiny(family, seed)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             pipe.save_pretrained(str(staging))  # a modular pipeline takes a str only
-            (staging / _COMPLETE_MARKER).write_text(
-                json.dumps({"family": family, "seed": seed, "random_weights": True}))
-            if target.exists():  # an incomplete leftover from an interrupted older version
-                shutil.rmtree(target)
+            (staging / _COMPLETE_MARKER).write_text(json.dumps(wanted))
+            if target.exists():  # empty (refuse_foreign_directory said so)
+                target.rmdir()
             staging.rename(target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -75,3 +76,29 @@ def init_tiny(
 def ensure_tiny(path: str | os.PathLike[str] | None = None) -> Path:
     """The embedded model's directory, created on first use."""
     return init_tiny(path or default_tiny_dir())
+
+
+def _holds_tiny(target: Path, wanted: dict[str, object]) -> bool:
+    """Whether ``target`` already holds the tiny model asked for; another one is refused
+    (writing over it would leave the old model under a message naming the new one)."""
+    marker = target / _COMPLETE_MARKER
+    if not marker.exists():
+        return False
+    found = json.loads(marker.read_text())
+    if found != wanted:
+        from ditserve.engine.errors import ConfigError
+
+        raise ConfigError(f"{str(target)!r} already holds a different tiny model ({found}); "
+                          "choose another directory")
+    return True
+
+
+def refuse_foreign_directory(target: Path, what: str) -> None:
+    """Refuse to write ``what`` into a directory that already holds anything: it is the
+    user's (a downloaded model, a home directory), never ours to replace."""
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        from ditserve.engine.errors import ConfigError
+
+        kind = "a directory that is not empty" if target.is_dir() else "a file"
+        raise ConfigError(f"{str(target)!r} is {kind} and holds no model ditserve wrote; "
+                          f"{what} is written only to a new or empty directory: choose another")

@@ -59,3 +59,42 @@ def test_refuses_a_directory_holding_another_random_model(tmp_path) -> None:
         init_random(tmp_path, size="tiny")
     with pytest.raises(ConfigError, match="size must be one of tiny, small, full"):
         init_random(tmp_path / "x", size="huge")
+
+
+def test_a_directory_holding_anything_else_is_never_written_over(tmp_path, capsys) -> None:
+    from ditserve.engine.makers.tiny_model import init_tiny
+
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("years of work")
+    assert main(["model", "init-tiny", str(precious)]) == 2
+    assert "is a directory that is not empty" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="is a directory that is not empty"):
+        init_random(precious, size="tiny", device="cpu")
+    assert sorted(p.name for p in precious.iterdir()) == ["thesis.txt"]
+    assert (precious / "thesis.txt").read_text() == "years of work"
+
+    flux = init_tiny(tmp_path / "m", family="flux")
+    with pytest.raises(ConfigError, match="already holds a different tiny model"):
+        init_tiny(flux, family="wan")
+    assert init_tiny(flux, family="flux") == flux  # the same one: nothing to do
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (init_tiny(empty) / "model_index.json").exists()
+
+
+def test_an_interrupted_random_model_is_continued_by_the_same_command(tmp_path) -> None:
+    target = tmp_path / "r"
+    target.mkdir()
+    settings = {"family": "flux", "size": "tiny", "components": "dit", "dtype": "bfloat16",
+                "seed": 0, "random_weights": True}
+    (target / ".ditserve-random-started").write_text(json.dumps(settings))
+    (target / "model_index.json").write_text("{")  # cut short by a kill
+    assert init_random(target, size="tiny", device="cpu") == target
+    assert json.loads((target / "model_index.json").read_text())["_class_name"] == "FluxPipeline"
+    assert not (target / ".ditserve-random-started").exists()
+    with pytest.raises(ConfigError, match="unfinished random model of other settings"):
+        other = tmp_path / "o"
+        other.mkdir()
+        (other / ".ditserve-random-started").write_text(json.dumps({**settings, "seed": 1}))
+        init_random(other, size="tiny", device="cpu")
