@@ -89,6 +89,41 @@ def still_image_frames(args: argparse.Namespace, out: Path) -> int | None:
     return 1
 
 
+def check_writable(out: Path) -> None:
+    """Refuse an ``--out`` that cannot be written before minutes of generating: a directory,
+    or a path whose folder is a file or not writable."""
+    import os
+
+    if out.is_dir():
+        raise ConfigError(f"--out {out}: is a directory; give a file path such as "
+                          f"{out / ('out' + (out.suffix or '.png'))}")
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"--out {out}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: the folder {folder} is not writable here")
+
+
+def check_fps(args: argparse.Namespace, out: Path, *, native_fps: int, image: bool) -> None:
+    """``--fps`` before the model loads: only for an MP4, within the writer's range, and left
+    at the model's rate with ``--audio`` (the sound track is made for it; as the HTTP API)."""
+    if args.fps is None:
+        return
+    if image:
+        raise ConfigError(f"--fps {args.fps}: {out} is an image, which has no frame rate; "
+                          "give a .mp4 --out of a video model, or leave --fps out")
+    from ditserve.engine.media.video import MAX_ENCODER_FPS
+
+    if not 1 <= args.fps <= MAX_ENCODER_FPS:
+        raise ConfigError(f"--fps {args.fps}: must be in [1, {MAX_ENCODER_FPS}]")
+    if args.audio and args.fps != native_fps:
+        raise ConfigError(f"--fps {args.fps}: a video with its sound track (--audio) plays at "
+                          f"the model's {native_fps} fps, which the sound is made for; leave "
+                          "--fps out")
+
+
 def generation_params(args: argparse.Namespace, defaults: ModelDefaults) -> SamplingParams:
     """The request ``generate`` runs: the flags given, the model pipeline's defaults for the
     rest (``server.model_defaults``: a default diffusers call's guidance, CFG, frames)."""
@@ -166,10 +201,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     video = defaults.output == "video"
     # refused before minutes of loading
     out = output_path(args.out, video=video, still_images=defaults.still_images)
+    check_writable(out)
     still_frames = still_image_frames(args, out) if video else None
-    if args.fps is not None and (not video or still_frames is not None):
-        raise ConfigError(f"--fps {args.fps}: {out} is an image, which has no frame rate; "
-                          "give a .mp4 --out of a video model, or leave --fps out")
+    check_fps(args, out, native_fps=defaults.fps,
+              image=not video or still_frames is not None)
+    if args.image and defaults.still_images and 1 in (still_frames, args.num_frames):
+        # Cosmos3's pipeline makes its one-frame video from the text alone.
+        raise ConfigError(f"--image: a one-frame request ({out}) does not use the input image "
+                          f"(it conditions a video's first frame); give a {VIDEO_SUFFIX} --out "
+                          "of more frames, or leave --image out")
     # --image files are decoded (and a bad one refused) before the model loads.
     params = replace(generation_params(args, defaults),
                      images=_input_images(args.image, args.last_image),

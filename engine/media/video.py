@@ -54,6 +54,9 @@ def _audio_stream(container: Any, audio: Audio) -> tuple[Any, Any]:
     return stream, frame
 
 
+MAX_ENCODER_FPS = 240  # the frame rates this writer accepts (the HTTP API allows fewer)
+
+
 def _encode(video: Any, target: Any, *, fps: int, crf: int, audio: Audio | None = None) -> None:
     import av
 
@@ -61,8 +64,9 @@ def _encode(video: Any, target: Any, *, fps: int, crf: int, audio: Audio | None 
     count, height, width, _ = frames.shape
     if height % 2 or width % 2:  # yuv420p subsamples chroma 2x2
         raise InvalidRequestError("size", f"H.264 needs even sides, got {width}x{height}")
-    if not isinstance(fps, int) or isinstance(fps, bool) or not 1 <= fps <= 240:
-        raise InvalidRequestError("fps", f"must be an integer in [1, 240], got {fps!r}")
+    if not isinstance(fps, int) or isinstance(fps, bool) or not 1 <= fps <= MAX_ENCODER_FPS:
+        raise InvalidRequestError("fps", f"must be an integer in [1, {MAX_ENCODER_FPS}], "
+                                         f"got {fps!r}")
     with av.open(target, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height = width, height

@@ -76,3 +76,67 @@ def test_a_frame_rate_for_an_image_is_refused_before_loading(
                  "--device", "cpu", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--fps 16" in err and "no frame rate" in err and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_cosmos3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ditserve.engine.makers.tiny_model import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny-cosmos3", family="cosmos3")
+
+
+@pytest.fixture
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is refused must be refused before the model loads (minutes on a real one)."""
+    from ditserve.engine.loop import engine
+
+    def refuse(*_a: object, **_kw: object) -> None:
+        raise AssertionError("the model was loaded for a request the flags already refuse")
+
+    monkeypatch.setattr(engine.DiffusionEngine, "__init__", refuse)
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--fps", "0"], "--fps 0: must be in [1, 240]"),
+    (["--fps", "241"], "--fps 241: must be in [1, 240]"),
+    (["--audio", "--fps", "12"], "plays at the model's 24 fps"),
+    (["--image", "IMAGE", "--num-frames", "1"], "does not use the input image"),
+])
+def test_video_flags_that_cannot_be_honoured_are_refused_before_loading(
+    tiny_cosmos3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_loading: None,
+    flags: list[str], named: str,
+) -> None:
+    from PIL import Image
+
+    image = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), "red").save(image)
+    out = tmp_path / "clip.mp4"
+    argv = ["generate", "--model", str(tiny_cosmos3), "--prompt", "waves", "--device", "cpu",
+            "--out", str(out), *(str(image) if f == "IMAGE" else f for f in flags)]
+    assert main(argv) == 2
+    assert named in capsys.readouterr().err and not out.exists()
+
+
+def test_an_input_image_for_a_still_image_is_refused_before_loading(
+    tiny_cosmos3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_loading: None,
+) -> None:
+    from PIL import Image
+
+    image = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), "red").save(image)
+    assert main(["generate", "--model", str(tiny_cosmos3), "--prompt", "waves", "--image",
+                 str(image), "--device", "cpu", "--out", str(tmp_path / "still.png")]) == 2
+    assert "does not use the input image" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["a-directory.png", "a-file/fox.png"])
+def test_an_out_path_that_cannot_be_written_is_refused_before_loading(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_loading: None,
+    where: str,
+) -> None:
+    (tmp_path / "a-directory.png").mkdir()
+    (tmp_path / "a-file").write_text("")
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "a fox",
+                 "--device", "cpu", "--out", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / where}" in err and "Traceback" not in err
