@@ -48,6 +48,8 @@ class ModelLimits:
     guidance: False for a guidance-distilled model with no guidance input at all (MiniMax-H3:
         no guidance scale, no negative prompt, one forward per step); such a model refuses
         them rather than ignore them.
+    image_needs_frames: the fewest frames a request's input images are used at (Cosmos3: 2;
+        its one-frame video is made from the text alone), so such a request is refused.
     """
 
     pixel_multiple: int = 16
@@ -67,6 +69,7 @@ class ModelLimits:
     references: ReferenceLimits | None = None
     guidance: bool = True
     frame_align: tuple[int, int] | None = None
+    image_needs_frames: int = 1
 
     def aligned_frames(self, frames: int) -> int:
         """``frames`` rounded up as the model's VAE needs (unchanged without ``frame_align``)."""
@@ -74,6 +77,15 @@ class ModelLimits:
             return frames
         multiple, remainder = self.frame_align
         return frames + (remainder - frames) % multiple
+
+    def check_images_used(self, *, images: int, frames: int) -> None:
+        """Refuse input images a request this short would not use (rather than ignore them)."""
+        if images and isinstance(frames, int) and frames < self.image_needs_frames:
+            raise InvalidRequestError(
+                "image", f"a {frames}-frame request does not use an input image (this model "
+                         "makes it from the text alone; the image conditions a video's first "
+                         f"frame): ask for at least {self.image_needs_frames} frames, or send "
+                         "no image")
 
     def check_guidance(self, *, guidance_scale: float, negative_prompt: str | None,
                        true_cfg_scale: float) -> None:

@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from families.cosmos3_support import CASES, VARIANT, reference  # type: ignore[import-not-found]
+from families.cosmos3_support import (  # type: ignore[import-not-found]
+    CASES,
+    VARIANT,
+    picture,
+    reference,
+)
 
 from ditserve.engine.config import EngineConfig
 from ditserve.engine.server.streaming import parse_sse
@@ -167,3 +172,24 @@ def test_only_a_video_model_that_makes_still_images_writes_an_image(family_dir) 
     assert output_path(out, video=True, still_images=True) == out
     with pytest.raises(ConfigError, match="this is a video model"):
         output_path(out, video=True)
+
+
+def test_an_input_image_for_one_frame_is_refused_not_ignored(family_dir) -> None:  # type: ignore[no-untyped-def]
+    """diffusers' Cosmos3 pipeline makes a one-frame video from the text alone: an image sent
+    with it (``input_reference`` and ``num_frames: 1``, ``generate --image`` to a .png) would be
+    dropped without a word, so it is refused; two frames and more use it."""
+    from ditserve.engine.errors import InvalidRequestError
+    from ditserve.engine.loop.engine import DiffusionEngine
+    from ditserve.engine.request import SamplingParams
+
+    engine = DiffusionEngine(EngineConfig(model=str(family_dir(VARIANT)), device="cpu")).start()
+    try:
+        image = (picture(32, 32, seed=1),)
+        with pytest.raises(InvalidRequestError, match="does not use an input image") as refused:
+            engine.validate_params(SamplingParams(prompt="sea", height=32, width=32,
+                                                  num_frames=1, images=image))
+        assert refused.value.field == "image"
+        assert engine.validate_params(SamplingParams(prompt="sea", height=32, width=32,
+                                                     num_frames=5, images=image)).images
+    finally:
+        engine.shutdown()

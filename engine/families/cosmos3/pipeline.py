@@ -140,7 +140,8 @@ class Cosmos3StepPipeline:
                                       frame_step=self.frame_step,
                                       max_prompt_chars=self.max_prompt_chars,
                                       max_text_tokens=self.max_text_tokens)
-        return dataclasses.replace(limits, audio=self.has_sound)
+        # A one-frame video is made from the text alone (diffusers' own rule, below).
+        return dataclasses.replace(limits, audio=self.has_sound, image_needs_frames=2)
 
     @property
     def has_sound(self) -> bool:
