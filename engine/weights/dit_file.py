@@ -160,7 +160,7 @@ def _split_scales(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     """(weights and other tensors, FP8 scales keyed by their weight's name); markers dropped."""
     weights, scales = {}, {}
     for name, value in tensors.items():
-        if name in FP8_MARKERS:
+        if name.rsplit(".", 1)[-1] in FP8_MARKERS:  # ComfyUI writes it under the prefix too
             continue
         if name.endswith(FP8_SCALE_SUFFIX):
             scales[name[: -len(FP8_SCALE_SUFFIX)] + ".weight"] = value

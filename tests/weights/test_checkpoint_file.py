@@ -201,3 +201,23 @@ def test_option_rules_for_checkpoint_files() -> None:
     cached = EngineConfig.from_mapping(
         {**base, "offload": {"enabled": True, "runtime_cache": True}})
     assert cached.offload.runtime_cache and cached.checkpoint == "/models/flux.gguf"
+
+
+def test_a_comfyui_fp8_file_under_the_full_checkpoint_prefix_loads(
+        files: dict[str, Path], tiny_model_dir: Path, tmp_path: Path) -> None:
+    """ComfyUI's full checkpoints put everything, the ``scaled_fp8`` marker too, under
+    ``model.diffusion_model.``; the marker was then taken for a tensor the model lacks."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ditserve.engine.weights.dit_file import load_dit_file
+
+    state = load_file(str(files["fp8"]))
+    assert "scaled_fp8" in state  # the marker our FP8 files carry, as ComfyUI's
+    prefixed = tmp_path / "comfy-full.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in state.items()}, str(prefixed))
+    assert check_checkpoint(prefixed, tiny_model_dir).family == "flux"
+    bare = load_dit_file(files["fp8"], tiny_model_dir, dtype="float32").state_dict()
+    full = load_dit_file(prefixed, tiny_model_dir, dtype="float32").state_dict()
+    assert bare.keys() == full.keys()
+    assert all(torch.equal(bare[k], full[k]) for k in bare)
