@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ditserve.engine.config.adapters import parse_lora_arg
 from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
-from ditserve.engine.errors import ConfigError
+from ditserve.engine.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from ditserve.engine.request import SamplingParams
@@ -52,6 +52,16 @@ def _save_videos(pixels: object, out: Path, fps: int, audio: object = None,
             for i, (v, track) in enumerate(zip(videos, tracks, strict=True))]
 
 
+# A request field (``InvalidRequestError.field``, the HTTP API's names) -> its flag here.
+FLAG_OF_FIELD = {
+    "prompt": "--prompt", "negative_prompt": "--negative-prompt", "height": "--height",
+    "width": "--width", "size": "--height/--width", "num_inference_steps": "--steps",
+    "seed": "--seed", "guidance_scale": "--guidance-scale", "true_cfg_scale": "--true-cfg-scale",
+    "max_sequence_length": "--max-sequence-length", "n": "--num-images",
+    "num_images": "--num-images", "num_frames": "--num-frames", "image": "--image",
+    "last_frame": "--last-image", "references": "--reference", "mask": "--mask",
+    "strength": "--strength", "audio": "--audio", "loras": "--lora",
+}
 VIDEO_SUFFIX = ".mp4"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
@@ -227,10 +237,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             params = replace(params, loras=engine.adapters.resolve(
                 [(name, scale) for name, _, scale in loras]))
         started = time.perf_counter()
-        handle = engine.add_request(
-            params, on_event=lambda e: e.kind == "step" and print(
-                f"\rstep {e.step}/{e.total_steps}", end="", file=sys.stderr, flush=True)
-        )
+        try:
+            handle = engine.add_request(
+                params, on_event=lambda e: e.kind == "step" and print(
+                    f"\rstep {e.step}/{e.total_steps}", end="", file=sys.stderr, flush=True)
+            )
+        except InvalidRequestError as e:  # named by the flag typed, not the API's field
+            raise ConfigError(f"{FLAG_OF_FIELD.get(e.field, e.field)}: {e.message}") from e
         result = handle.result()
         print(file=sys.stderr)
         if result.is_video and out.suffix.lower() == VIDEO_SUFFIX:

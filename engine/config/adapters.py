@@ -71,18 +71,20 @@ def adapter_problems(config: AdapterConfig) -> list[str]:
     return out
 
 
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """``NAME=PATH`` (``--lora-modules``) -> (name, path)."""
+def parse_lora_module(text: str, flag: str = "--lora-modules",
+                      form: str = "NAME=PATH") -> tuple[str, str]:
+    """``NAME=PATH`` (``--lora-modules``) -> (name, path); ``flag``/``form``: how the error
+    names the option the user typed."""
     name, sep, path = text.partition("=")
     if not sep or not path:
-        raise ConfigError(f"--lora-modules takes NAME=PATH, got {text!r}")
+        raise ConfigError(f"{flag} takes {form}, got {text!r}")
     return check_name(name), path
 
 
 def parse_lora_arg(text: str) -> tuple[str, str, float]:
     """``NAME=PATH[:SCALE]`` (``generate --lora``) -> (name, path, scale). A trailing
     ``:number`` is the scale; any other colon belongs to the path."""
-    name, path = parse_lora_module(text)
+    name, path = parse_lora_module(text, "--lora", "NAME=PATH[:SCALE]")
     scale = 1.0
     head, sep, tail = path.rpartition(":")
     if sep and head:

@@ -317,6 +317,10 @@ def _split_checkpoint(merged: dict[str, Any]) -> None:
             raise ConfigError(
                 f"--model {model!r} is a checkpoint file: pass --base-model DIR, a diffusers "
                 "directory of the same family, for the DiT's config and the other components")
+        if not Path(base).is_dir():  # named here: the "model directory" check blames --model
+            raise ConfigError(f"--base-model {base!r} is not a directory: pass the diffusers "
+                              f"directory of {model!r}'s family (the one holding "
+                              "model_index.json)")
         merged["checkpoint"], merged["model"] = model, base
     elif base is not None:
         raise ConfigError("--base-model goes with --model FILE (a checkpoint file); "

@@ -87,6 +87,9 @@ def is_checkpoint_file(path: str | Path) -> bool:
 def inspect_checkpoint(path: str | Path) -> CheckpointFile:
     """Read and check ``path``'s header (see the module docstring); raises ModelLoadError."""
     path = Path(path)
+    if path.is_dir():
+        raise ModelLoadError(f"{str(path)!r} is a directory, not a checkpoint file (a "
+                             ".safetensors or .gguf file holding one DiT)")
     if not path.is_file():
         raise ModelLoadError(f"checkpoint file {str(path)!r} does not exist")
     with path.open("rb") as f:

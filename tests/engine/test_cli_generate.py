@@ -140,3 +140,28 @@ def test_an_out_path_that_cannot_be_written_is_refused_before_loading(
                  "--device", "cpu", "--out", str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
     assert f"--out {tmp_path / where}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--num-images", "9"], "error: --num-images: must be an integer in [1, 8], got 9"),
+    (["--steps", "0"], "error: --steps: must be an integer in [1, 1000], got 0"),
+    (["--lora", "style.safetensors"], "error: --lora takes NAME=PATH[:SCALE]"),
+    (["--model", "A-FILE", "--base-model", "no-such-dir"], "error: --base-model 'no-such-dir'"),
+])
+def test_errors_name_the_flag_that_was_typed(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    flags: list[str], said: str,
+) -> None:
+    checkpoint = tmp_path / "dit.safetensors"
+    checkpoint.write_bytes(b"")
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "a fox", "--device", "cpu",
+            "--out", str(tmp_path / "fox.png"),
+            *(str(checkpoint) if f == "A-FILE" else f for f in flags)]
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_inspect_on_a_directory_says_it_is_one(tiny_model_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model", "inspect", str(tiny_model_dir)]) == 2
+    assert "is a directory, not a checkpoint file" in capsys.readouterr().err
