@@ -129,7 +129,9 @@ def _add_pull(sub: Any, common: argparse.ArgumentParser) -> None:
     pl.add_argument("--socket", type=Path, default=None,
                     help="daemon socket (default: $DITSERVE_CACHECTL_SOCKET or ROOT/cachectl.sock)")
     pl.add_argument("--timeout", type=float, default=6 * 3600.0,
-                    help="seconds to wait in total (another pull of the same model included)")
+                    help="seconds to wait: for the daemon's download, or (pulling here) for "
+                         "another pull of the same model; a download this process runs "
+                         "itself is not cut short")
     pl.add_argument("--json", action="store_true", help="print the result as JSON")
     pull_how = pl.add_mutually_exclusive_group()
     pull_how.add_argument("--no-daemon", action="store_true", help="never ask the daemon")

@@ -68,6 +68,8 @@ class PullJob:
     status: PullStatus = PullStatus.DOWNLOADING
     phase: str = "queued"
     key: str | None = None
+    path: str | None = None  # the entry; model_dir is its model/ folder
+    revision: str | None = None  # the commit a hub revision resolved to
     model_dir: str | None = None
     done_bytes: int = 0
     total_bytes: int = 0
@@ -79,8 +81,11 @@ class PullJob:
     future: Future[None] = field(default_factory=Future)
 
     def snapshot(self) -> dict[str, Any]:
+        # The fields of a local pull's answer (``PulledModel.to_json``) and the job's own.
         return {"status": self.status.value, "uri": self.uri, "key": self.key,
-                "model_dir": self.model_dir, "phase": self.phase, "downloaded": self.downloaded,
+                "path": self.path, "model_dir": self.model_dir, "revision": self.revision,
+                "bytes": self.total_bytes if self.status is PullStatus.READY else None,
+                "phase": self.phase, "downloaded": self.downloaded,
                 "progress": {"done_bytes": self.done_bytes, "total_bytes": self.total_bytes},
                 "error": self.error, "reason": self.reason}
 
@@ -148,6 +153,7 @@ class PullCoordinator:
             model = pull(self.store.root, job.request, on_phase=on_phase,
                          on_progress=on_progress, on_wait=on_wait, cancel=self._cancel)
             job.key, job.model_dir, job.downloaded = model.key, str(model.model_dir), model.downloaded
+            job.path, job.revision = str(model.path), model.revision
             job.done_bytes = job.total_bytes = model.total_bytes
             event(self.logger, "pull_done", uri=job.uri, key=model.key,
                   downloaded=model.downloaded, bytes=model.total_bytes,

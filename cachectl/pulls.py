@@ -123,12 +123,34 @@ def _read_only_as(layout: Layout, uri: str) -> Iterator[None]:
 
 
 def _preflight(layout: Layout, snapshot: Snapshot, partial: Path) -> None:
-    """Enough free space for what is still to download (bytes already there count)."""
+    """Enough free space for what is still to download (bytes already there count), and
+    inodes for its files and folders (a filesystem reporting no inode count, f_files 0, has
+    no such limit)."""
     still = max(0, snapshot.total_bytes - (_bytes_under(partial) if partial.exists() else 0))
     st = os.statvfs(layout.root)
     free = st.f_bavail * st.f_frsize
     if still > free:
         raise InsufficientSpaceError(str(layout.root), still, free)
+    inodes = _inodes_needed(snapshot)
+    if st.f_files and inodes > st.f_favail:
+        raise InsufficientSpaceError(str(layout.root), inodes, st.f_favail, unit="inodes")
+
+
+def _inodes_needed(snapshot: Snapshot) -> int:
+    """Each file, its unfinished part, each folder (twice: beside .incomplete/), and the
+    entry's own folders and manifest."""
+    folders = {str(Path(f.name).parent) for f in snapshot.files} - {"."}
+    return 2 * len(snapshot.files) + 2 * len(folders) + 5
+
+
+def _out_of_space(layout: Layout, snapshot: Snapshot) -> InsufficientSpaceError:
+    """What ran out when a write failed with ENOSPC: inodes when none are left, else bytes."""
+    st = os.statvfs(layout.root)
+    if st.f_files and st.f_favail == 0:
+        return InsufficientSpaceError(str(layout.root), _inodes_needed(snapshot), 0,
+                                      unit="inodes")
+    return InsufficientSpaceError(str(layout.root), snapshot.total_bytes,
+                                  st.f_bavail * st.f_frsize)
 
 
 def _check(snapshot: Snapshot, model_dir: Path) -> tuple[list[PulledFile], list[str]]:
@@ -214,9 +236,7 @@ def pull(root: Path, request: PullRequest, *,
             path = publish_partial(layout, key, snapshot.identity, files, snapshot.uri)
         except OSError as e:
             if e.errno in _SPACE_ERRNOS:
-                st = os.statvfs(layout.root)
-                raise InsufficientSpaceError(str(layout.root), snapshot.total_bytes,
-                                             st.f_bavail * st.f_frsize) from e
+                raise _out_of_space(layout, snapshot) from e
             raise
     phase("published")
     return PulledModel(key, path, snapshot.uri, snapshot.revision, snapshot.total_bytes,

@@ -156,11 +156,43 @@ def test_disk_full_is_caught_before_downloading(hub: LocalHub, tmp_path: Path,
         def __init__(self, path: str) -> None:
             st = real(path)
             self.f_frsize, self.f_bavail = st.f_frsize, 1
+            self.f_files, self.f_favail = st.f_files, st.f_favail
 
     monkeypatch.setattr(pulls.os, "statvfs", Full)
     with pytest.raises(InsufficientSpaceError, match="cachectl gc"):
         pull(tmp_path / "cache", PullRequest("hf://org/tiny"))
     assert sum(hub.served.values()) == 0
+
+
+def test_inodes_that_run_out_are_named_as_inodes(hub: LocalHub, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.statvfs
+    left = {"inodes": 3}
+
+    class FewInodes:
+        def __init__(self, path: str) -> None:
+            st = real(path)
+            self.f_frsize, self.f_bavail = st.f_frsize, st.f_bavail
+            self.f_files, self.f_favail = 1000, left["inodes"]
+
+    monkeypatch.setattr(pulls.os, "statvfs", FewInodes)
+    with pytest.raises(InsufficientSpaceError, match="free inodes, 3 left") as preflight:
+        pull(tmp_path / "cache", PullRequest("hf://org/tiny"))
+    assert preflight.value.unit == "inodes" and sum(hub.served.values()) == 0
+
+    left["inodes"] = 10**6  # the preflight passes; then the filesystem runs out (ENOSPC)
+    real_mkdir = Path.mkdir
+
+    def out_of_inodes(self: Path, *args: object, **kwargs: object) -> None:
+        if ".incomplete" in self.parts:
+            left["inodes"] = 0
+            raise OSError(28, "No space left on device", str(self))
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", out_of_inodes)
+    with pytest.raises(InsufficientSpaceError, match="free inodes, 0 left") as during:
+        pull(tmp_path / "cache", PullRequest("hf://org/tiny"))
+    assert during.value.unit == "inodes"
 
 
 def _cli(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -119,6 +119,10 @@ def test_the_daemon_resolves_a_uri_again_once_its_answer_is_old_or_for_other_cre
     try:
         for hub in _serve(monkeypatch, repos):
             first = _ready(coordinator, PullRequest("hf://org/tiny"))
+            local = pull(tmp_path / "cache", PullRequest("hf://org/tiny")).to_json()
+            answer = first.snapshot()  # `pull --json` through a daemon: the same fields
+            assert {k: answer[k] for k in local if k != "downloaded"} == {
+                k: v for k, v in local.items() if k != "downloaded"}
             assert _ready(coordinator, PullRequest("hf://org/tiny")) is first  # just finished
             allowed = _ready(coordinator, PullRequest("hf://org/private",
                                                       Credentials(hf_token="hf_ok")))
