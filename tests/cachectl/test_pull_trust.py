@@ -6,6 +6,7 @@ request's own token must be checked). Against the local hub fixture; no network.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ def online(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # 127.0.0.1 only
 
 
+@contextlib.contextmanager
 def _serve(monkeypatch: pytest.MonkeyPatch, repos: dict[str, Repo]) -> Iterator[LocalHub]:
     with LocalHub(repos=repos).running() as running:
         monkeypatch.setenv("HF_ENDPOINT", running.url)
@@ -48,10 +50,10 @@ def test_a_listed_name_that_leaves_the_folder_writes_and_deletes_nothing(
     victim = tmp_path / "deep" / "escaped.txt"
     victim.parent.mkdir()
     victim.write_text("precious")
-    for _hub in _serve(monkeypatch, {"org/evil": Repo({"model_index.json": b"{}",
-                                                        name: b"hostile"})}):
-        with pytest.raises(ModelSourceError, match="would leave the model folder"):
-            pull(root, PullRequest("hf://org/evil"))
+    hostile = {"org/evil": Repo({"model_index.json": b"{}", name: b"hostile"})}
+    with (_serve(monkeypatch, hostile),
+          pytest.raises(ModelSourceError, match="would leave the model folder")):
+        pull(root, PullRequest("hf://org/evil"))
     assert victim.read_text() == "precious"
     assert sorted(p.name for p in tmp_path.rglob("*escaped*")) == ["escaped.txt"]
     assert not (root / "v1" / "models").exists() or not any((root / "v1" / "models").iterdir())
@@ -60,7 +62,7 @@ def test_a_listed_name_that_leaves_the_folder_writes_and_deletes_nothing(
 def test_a_name_that_is_also_a_folder_and_an_empty_repository_are_refused(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     repos = {"org/both": Repo({"x": b"file", "x/y.json": b"{}"}), "org/empty": Repo({})}
-    for _hub in _serve(monkeypatch, repos):
+    with _serve(monkeypatch, repos):
         with pytest.raises(ModelSourceError, match="both as a file and as the folder"):
             pull(tmp_path / "cache", PullRequest("hf://org/both"))
         with pytest.raises(ModelNotFoundError, match="lists no files"):
@@ -71,20 +73,20 @@ def test_an_entry_pulled_through_another_endpoint_is_not_joined(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     root = tmp_path / "cache"
     poisoned = {**FILES, WEIGHTS: b"POISONED" * 4096}  # same commit id as the real hub's
-    for _mirror in _serve(monkeypatch, {"org/tiny": Repo(poisoned)}):
+    with _serve(monkeypatch, {"org/tiny": Repo(poisoned)}):
         first = pull(root, PullRequest("hf://org/tiny"))
-    for _hub in _serve(monkeypatch, {"org/tiny": Repo(dict(FILES))}):
-        with pytest.raises(ModelDigestError, match=f"cachectl rm {first.key}") as refused:
-            pull(root, PullRequest("hf://org/tiny"))
+    with (_serve(monkeypatch, {"org/tiny": Repo(dict(FILES))}),
+          pytest.raises(ModelDigestError, match=f"cachectl rm {first.key}") as refused):
+        pull(root, PullRequest("hf://org/tiny"))
     assert WEIGHTS in str(refused.value)
-    for _mirror in _serve(monkeypatch, {"org/tiny": Repo(poisoned)}):  # the same bytes: joined
+    with _serve(monkeypatch, {"org/tiny": Repo(poisoned)}):  # the same bytes: joined
         again = pull(root, PullRequest("hf://org/tiny"))
     assert (again.key, again.downloaded) == (first.key, False)
 
 
 def test_the_scrub_and_verify_find_a_changed_byte_in_a_pulled_model(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for _hub in _serve(monkeypatch, {"org/tiny": Repo(dict(FILES))}):
+    with _serve(monkeypatch, {"org/tiny": Repo(dict(FILES))}):
         model = pull(tmp_path / "cache", PullRequest("hf://org/tiny"))
     weights = model.model_dir / WEIGHTS
     weights.chmod(0o644)
@@ -117,7 +119,7 @@ def test_the_daemon_resolves_a_uri_again_once_its_answer_is_old_or_for_other_cre
     store = CacheStore(tmp_path / "cache")
     coordinator = PullCoordinator(store, logging.getLogger("test.pulls"))
     try:
-        for hub in _serve(monkeypatch, repos):
+        with _serve(monkeypatch, repos) as hub:
             first = _ready(coordinator, PullRequest("hf://org/tiny"))
             local = pull(tmp_path / "cache", PullRequest("hf://org/tiny")).to_json()
             answer = first.snapshot()  # `pull --json` through a daemon: the same fields
@@ -145,21 +147,20 @@ def test_a_pull_killed_before_its_rename_is_published_by_the_next_one_without_ro
     import stat
 
     root = tmp_path / "cache"
-    for _hub in _serve(monkeypatch, {"org/tiny": Repo(dict(FILES))}):
+    real_write_text = Path.write_text
+
+    def as_a_non_root_writer(self: Path, *args: object, **kwargs: object) -> int:
+        if self.exists() and not stat.S_IMODE(self.stat().st_mode) & 0o200:
+            raise PermissionError(13, "Permission denied", str(self))  # no DAC override
+        return real_write_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    with _serve(monkeypatch, {"org/tiny": Repo(dict(FILES))}):
         model = pull(root, PullRequest("hf://org/tiny"))
         # Back to the state a kill between the manifest's write and the rename leaves.
         partial = Layout(root).partial(model.key)
         partial.parent.mkdir(parents=True, exist_ok=True)
         model.path.rename(partial)
         assert not stat.S_IMODE((partial / "manifest.json").stat().st_mode) & 0o222
-
-        real_write_text = Path.write_text
-
-        def as_a_non_root_writer(self: Path, *args: object, **kwargs: object) -> int:
-            if self.exists() and not stat.S_IMODE(self.stat().st_mode) & 0o200:
-                raise PermissionError(13, "Permission denied", str(self))  # no DAC override
-            return real_write_text(self, *args, **kwargs)  # type: ignore[arg-type]
-
         monkeypatch.setattr(Path, "write_text", as_a_non_root_writer)
         again = pull(root, PullRequest("hf://org/tiny"))
     assert again.key == model.key and again.path.is_dir() and not partial.exists()
@@ -186,7 +187,7 @@ def test_stopping_the_daemon_stops_its_download_and_frees_the_lock(
 
     root = tmp_path / "cache"
     coordinator = PullCoordinator(CacheStore(root), logging.getLogger("test.pulls"))
-    for hub in _serve(monkeypatch, _slow_big_repo()):
+    with _serve(monkeypatch, _slow_big_repo()) as hub:
         hub.delay_s = 0.004  # per 64 KiB: about 1.5 s for the file
         job = coordinator.submit(PullRequest("hf://org/big"))
         while not (any(_part_sizes(root)) or job.future.done()):
@@ -212,7 +213,7 @@ def test_a_cancelled_pull_keeps_its_bytes_and_the_next_one_continues(
 
     root = tmp_path / "cache"
     cancel = threading.Event()
-    for hub in _serve(monkeypatch, _slow_big_repo()):
+    with _serve(monkeypatch, _slow_big_repo()) as hub:
         hub.delay_s = 0.004
 
         def cancel_at_the_first_piece() -> None:
