@@ -48,6 +48,9 @@ class ModelLimits:
     guidance: False for a guidance-distilled model with no guidance input at all (MiniMax-H3:
         no guidance scale, no negative prompt, one forward per step); such a model refuses
         them rather than ignore them.
+    true_cfg: whether ``true_cfg_scale`` is an input (Flux, FLUX.2, Qwen-Image: CFG against a
+        negative prompt); False where classifier-free guidance is ``guidance_scale`` (Wan,
+        Z-Image, Cosmos3), so a request's ``true_cfg_scale`` is refused, not ignored.
     image_needs_frames: the fewest frames a request's input images are used at (Cosmos3: 2;
         its one-frame video is made from the text alone), so such a request is refused.
     """
@@ -70,6 +73,7 @@ class ModelLimits:
     guidance: bool = True
     frame_align: tuple[int, int] | None = None
     image_needs_frames: int = 1
+    true_cfg: bool = True
 
     def aligned_frames(self, frames: int) -> int:
         """``frames`` rounded up as the model's VAE needs (unchanged without ``frame_align``)."""
@@ -102,6 +106,14 @@ class ModelLimits:
         if true_cfg_scale != 1.0:
             raise InvalidRequestError("true_cfg_scale", f"{why}: it takes no true_cfg_scale; "
                                       f"leave it out (or send 1), got {true_cfg_scale}")
+
+    def check_true_cfg(self, true_cfg_scale: float) -> None:
+        """Refuse a true-CFG scale where the model's CFG is ``guidance_scale``."""
+        if not self.true_cfg and self.guidance and true_cfg_scale != 1.0:
+            raise InvalidRequestError(
+                "true_cfg_scale", "this model has no true CFG: its classifier-free guidance "
+                f"is guidance_scale (with negative_prompt); leave true_cfg_scale out (or send "
+                f"1), got {true_cfg_scale}")
 
     def check_last_frame(self, wanted: object, *, images: int) -> None:
         """Refuse a last-frame image where the model conditions on a first frame only, or

@@ -200,6 +200,7 @@ class SamplingParams:
                               true_cfg_scale=self.true_cfg_scale)
         limits.check_last_frame(self.last_frame, images=len(self.images))
         limits.check_images_used(images=len(self.images), frames=self.num_frames)
+        limits.check_true_cfg(self.true_cfg_scale)
         check_references(self.references, limits.references)
         strength = source_strength(images=len(self.images), mask=self.mask,
                                    strength=self.strength, steps=self.num_inference_steps,

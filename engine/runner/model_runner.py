@@ -33,6 +33,7 @@ from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.pipelines.capabilities import (
     BatchedConditions,
+    cfg_rows_of,
     condition_images_of,
     work_rule_of,
 )
@@ -136,7 +137,8 @@ class ModelRunner:
     def limits(self) -> ModelLimits:
         """What the loaded model can run (its pipeline's ``limits``, with the input images
         an image-conditioned pipeline takes)."""
-        return dataclasses.replace(self.pipeline.limits(), condition_images=self.condition_images)
+        return dataclasses.replace(self.pipeline.limits(), condition_images=self.condition_images,
+                                   true_cfg=cfg_rows_of(self.pipeline) == "true_cfg")
 
     @property
     def pixel_multiple(self) -> int:

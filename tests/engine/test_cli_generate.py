@@ -165,3 +165,14 @@ def test_inspect_on_a_directory_says_it_is_one(tiny_model_dir: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["model", "inspect", str(tiny_model_dir)]) == 2
     assert "is a directory, not a checkpoint file" in capsys.readouterr().err
+
+
+def test_true_cfg_on_a_model_whose_cfg_is_guidance_scale_is_refused_not_ignored(
+    tiny_wan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "waves.mp4"
+    assert main(["generate", "--model", str(tiny_wan), "--prompt", "waves", "--device", "cpu",
+                 "--negative-prompt", "blur", "--true-cfg-scale", "7", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--true-cfg-scale: this model has no true CFG" in err and "guidance_scale" in err
+    assert not out.exists()
