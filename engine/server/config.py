@@ -166,6 +166,12 @@ def problems(config: ServerConfig) -> list[str]:
         not isinstance(config.default_size, str) or parse_size(config.default_size) is None
     ):
         out.append(f"server.default_size must look like '1024x1024', got {config.default_size!r}")
+    elif config.default_size is not None and isinstance(config.max_side, int) \
+            and max(parse_size(config.default_size) or (0, 0)) > config.max_side:
+        # A default the server would refuse when a client sends it (max_side bounds the work
+        # of every request); the model's own default is fitted instead (``state``).
+        out.append(f"server.default_size {config.default_size} exceeds server.max_side "
+                   f"{config.max_side}; lower one or raise the other")
     for name in ("default_steps", "max_side", "max_steps"):
         if getattr(config, name) is not None:
             int_at_least(out, f"server.{name}", getattr(config, name), 1)

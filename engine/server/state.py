@@ -117,12 +117,14 @@ class ServerState:
         config, model = self.config, self.model_limits()
         max_steps = min(config.max_steps or MAX_STEPS, MAX_STEPS)
         max_side = min(config.max_side or MAX_SIDE, model.max_side)
+        max_side -= max_side % model.pixel_multiple
         return RequestLimits(
-            model_name=self.model_name, default_size=self.default_size,
+            model_name=self.model_name,
+            default_size=fitted_size(self.default_size, max_side, model.pixel_multiple),
             # A model's default (Flux-dev's 28) never exceeds what --max-steps allows.
             default_steps=min(self.default_steps, max_steps),
             pixel_multiple=model.pixel_multiple, max_prompt_chars=model.max_prompt_chars,
-            max_side=max_side - max_side % model.pixel_multiple,
+            max_side=max_side,
             max_steps=max_steps, default_guidance=self.model.guidance,
             step_cache_policies=step_cache_policies(self.engine),
             default_true_cfg=self.model.true_cfg,
@@ -144,7 +146,7 @@ class ServerState:
         default = min(config.default_frames or model.frames, max_frames)
         images = self.limits()
         return VideoLimits(
-            model_name=self.model_name, default_size=self.default_size,
+            model_name=self.model_name, default_size=images.default_size,
             default_steps=images.default_steps,
             default_frames=default - (default - 1) % frame_step,
             default_fps=config.default_fps or model.fps, default_guidance=model.guidance,
@@ -286,3 +288,14 @@ def _defaults(engine_config: EngineConfig, config: ServerConfig) -> tuple[tuple[
     size = parse_size(config.default_size) if config.default_size else None
     size = size or (defaults.width, defaults.height)  # ServerConfig validated the pattern
     return size, config.default_steps or defaults.steps
+
+
+def fitted_size(size: tuple[int, int], max_side: int, multiple: int) -> tuple[int, int]:
+    """The model's default (width, height) scaled down, aspect kept, to fit ``max_side`` (as
+    the default steps fit ``max_steps``), each side a multiple of the model's pixel step."""
+    width, height = size
+    if max(width, height) <= max_side:
+        return size
+    scale = max_side / max(width, height)
+    return tuple(max(multiple, int(side * scale) // multiple * multiple)  # type: ignore[return-value]
+                 for side in (width, height))

@@ -182,6 +182,25 @@ def test_default_size_and_steps_follow_the_config() -> None:
     assert image.size == (32, 48)  # width x height
 
 
+def test_the_models_default_size_fits_max_side_as_its_steps_fit_max_steps() -> None:
+    """The model's 1024x1024 under --max-side 512 is 512x512 (aspect kept), not a default
+    that runs past the bound a client's own size is held to."""
+    from ditserve.engine.server.state import fitted_size
+
+    assert fitted_size((1024, 1024), 512, 16) == (512, 512)
+    assert fitted_size((1280, 720), 640, 16) == (640, 352)
+    assert fitted_size((64, 64), 512, 16) == (64, 64)
+    config = ServerConfig(max_side=32)  # the fake engine's model makes 64x64 by default
+    (response,), _ = call(FakeEngine(), ("POST", GEN, {"prompt": "cat"}), config=config)
+    from base64 import b64decode
+    from io import BytesIO
+
+    from PIL import Image
+
+    image = Image.open(BytesIO(b64decode(response.json()["data"][0]["b64_json"])))
+    assert image.size == (32, 32)
+
+
 @pytest.mark.parametrize(("header", "ok"), [
     (None, False), ("", False), ("Bearer k", True), ("bearer k", True), ("Bearer k2", False),
     ("Basic k", False), ("Bearerk", False),

@@ -57,6 +57,8 @@ def test_api_key_flag_and_custom_env(tmp_path, monkeypatch) -> None:
     ("server: {api_key: x}\n", "server.api_key must not be written in a config file"),
     ("server: {port: 70000}\n", "server.port must be an integer in [0, 65535], got 70000"),
     ("server: {default_size: big}\n", "server.default_size must look like '1024x1024'"),
+    ("server: {default_size: 256x256, max_side: 64}\n",
+     "server.default_size 256x256 exceeds server.max_side 64"),
     ("server: [1]\n", "server: expected a mapping, got list"),
     ("server: {allowed_origins: [ftp://x]}\n", "server.allowed_origins must be a list of"),
     ("server: {max_side: 0}\n", "server.max_side must be an integer >= 1, got 0"),
