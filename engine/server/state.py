@@ -79,6 +79,12 @@ class ServerState:
         """metrics: the ServingMetrics the engine was given as an observer (``engine_options``);
         without one, only HTTP-level and scrape-time metrics are exported."""
         name = config.model_name or _model_name(engine.config)
+        if name in engine.config.adapters.lora_modules:
+            # ``model`` selects an adapter by name: this one could never be (the runtime
+            # route refuses the same name, 400 adapter_name_taken).
+            raise ConfigError(f"--lora-modules {name}=...: {name!r} is the served model's "
+                              "name (--served-model-name), so requests could never select the "
+                              "adapter; give it another name")
         size, steps = _defaults(engine.config, config)
         metrics = metrics or ServingMetrics(lambda: engine)
         model = model_defaults(engine.config.model)

@@ -206,3 +206,19 @@ def test_max_loras_is_a_strict_bound(tmp_path: Path, metric=metric_value) -> Non
         assert metric(metrics, "ditserve:lora_resident_bytes") > 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("named", [(), ("--served-model-name", "fox")])
+def test_an_adapter_named_as_the_served_model_is_refused_at_start(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        named: tuple[str, ...]) -> None:
+    """``model`` selects an adapter by name, so one named as the model could never be used
+    (and /v1/models listed two entries of one id); the runtime route already refuses it."""
+    from ditserve.engine.cli.main import main
+
+    served = named[1] if named else tiny_model_dir.name
+    adapter = tmp_path / "style.safetensors"
+    adapter.write_bytes(b"")
+    assert main(["serve", "--model", str(tiny_model_dir), *named, "--port", "0",
+                 "--lora-modules", f"{served}={adapter}"]) == 2
+    assert f"{served!r} is the served model's name" in capsys.readouterr().err
