@@ -11,13 +11,13 @@ import argparse
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 from ditserve.engine.allocator import prefer_expandable_segments
 from ditserve.engine.cli.convert import add_convert_parsers
+from ditserve.engine.cli.demo import cmd_demo
 from ditserve.engine.cli.generate import add_generate_parser
-from ditserve.engine.config.flags import add_engine_options, engine_config_from_args
+from ditserve.engine.config.flags import add_engine_options
 from ditserve.engine.errors import DitServeError
 from ditserve.engine.families import MODEL_VARIANTS
 from ditserve.engine.server.options import add_server_options
@@ -33,53 +33,6 @@ def _setup_logging(verbose: bool) -> None:
     )
     for noisy in ("httpx", "urllib3", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-DEMO_PROMPTS = [
-    "a red fox in fresh snow", "a lighthouse at dusk", "a bowl of ramen, studio light",
-    "an astronaut riding a horse", "a watercolor city skyline", "a macro photo of a bee",
-]
-DEMO_STEPS = [4, 8, 2, 6, 4, 3]
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from ditserve.engine.loop.engine import DiffusionEngine
-    from ditserve.engine.request import SamplingParams
-
-    config = engine_config_from_args(args)
-    print("ditserve demo: a tiny random-weight Flux model (images are noise-like by design); "
-          f"{len(DEMO_PROMPTS)} concurrent requests with different step counts, "
-          f"max_num_seqs={config.scheduler.max_num_seqs}")
-    engine = DiffusionEngine(config).start()
-    out_dir: Path = args.out_dir
-    try:
-        started = time.perf_counter()
-        handles = [
-            engine.add_request(SamplingParams(prompt=p, num_inference_steps=s, seed=i,
-                                              height=args.size, width=args.size))
-            for i, (p, s) in enumerate(zip(DEMO_PROMPTS, DEMO_STEPS, strict=True))
-        ]
-        results = [h.result(timeout=600) for h in handles]
-        elapsed = time.perf_counter() - started
-        stats = engine.stats()
-    finally:
-        engine.shutdown()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"\n{'request':<8} {'steps':>5} {'seed':>5} {'queue s':>8} {'latency s':>9}  image")
-    for i, r in enumerate(results):
-        path = out_dir / f"demo-{i}.png"
-        r.images[0].save(path)
-        print(f"{i:<8} {r.num_inference_steps:>5} {r.seed:>5} {r.queue_seconds:>8.3f} "
-              f"{r.latency_seconds:>9.3f}  {path}")
-    images = sum(len(r.images) for r in results)
-    print(f"\nrequests {len(results)} | denoise steps run {stats.steps_run} "
-          f"(vs {sum(DEMO_STEPS)} unbatched) | mean batch size {stats.mean_batch_rows:.2f} | "
-          f"{images / elapsed:.2f} images/s | wall {elapsed:.2f}s")
-    if stats.step_cache_block_runs:
-        print(f"step cache: skipped {stats.step_cache_skipped_blocks} of "
-              f"{stats.step_cache_block_runs} block computations, "
-              f"{stats.step_cache_skipped_bytes} streamed bytes not copied")
-    return 0
 
 
 def cmd_init_tiny(args: argparse.Namespace) -> int:
