@@ -222,6 +222,14 @@ def _video_problems(config: ServerConfig) -> list[str]:
                    "must be too: set server.job_results (--job-results) to an s3://BUCKET/"
                    "PREFIX, or server.video_dir (--video-dir) to a directory every replica "
                    "mounts (a ReadWriteMany volume)")
+    elif (isinstance(store, str) and store.startswith("sqlite:")
+          and config.video_dir is None and config.job_results is None):
+        # Its records outlive the process; without a directory the videos go to a private
+        # temporary one removed at exit, and a finished job's content would be gone.
+        out.append("server.job_store: a SQLite file keeps jobs across restarts, so their videos "
+                   "must be kept too: set server.video_dir (--video-dir) to a directory, or "
+                   "server.job_results (--job-results) to s3://BUCKET/PREFIX (without "
+                   "--job-store, both live in --video-dir)")
     results = config.job_results
     if results is not None and (not isinstance(results, str)
                                 or not JOB_RESULTS_PATTERN.match(results)):

@@ -111,7 +111,8 @@ def test_the_job_store_from_flag_yaml_and_environment(tmp_path, monkeypatch) -> 
     monkeypatch.setenv("DITSERVE_JOB_STORE", "redis://:pw@env:6379/0")
     _, server = configs_from_args(parse("--video-dir", "/v"))
     assert server.job_store == "redis://:pw@env:6379/0"
-    _, server = configs_from_args(parse("--job-store", f"sqlite:///{tmp_path}/jobs.db"))
+    _, server = configs_from_args(parse("--job-store", f"sqlite:///{tmp_path}/jobs.db",
+                                        "--video-dir", "/v"))
     assert server.job_store == f"sqlite:///{tmp_path}/jobs.db"  # the flag wins
     monkeypatch.setenv("DITSERVE_JOB_NAMESPACE", "models/wan")  # the operator's
     assert configs_from_args(parse("--video-dir", "/v"))[1].job_namespace == "models/wan"
@@ -139,6 +140,8 @@ def test_results_in_a_bucket_from_flag_yaml_and_environment(tmp_path, monkeypatc
     (("--job-store", "mysql://:secret@host/0"), "'mysql://***@host/0'"),
     (("--job-store", "redis://:secret@host:6379/abc", "--video-dir", "/v"),
      "names its database by number"),
+    # Its records outlive a restart; the videos of a private temporary directory would not.
+    (("--job-store", "sqlite:///var/jobs.db"), "a SQLite file keeps jobs across restarts"),
     (("--job-lease", "0"), "server.job_lease_s must be"),
     (("--job-namespace", "a b"), "server.job_namespace must be"),
     (("--job-results", "https://bucket/videos"), "server.job_results must be s3://BUCKET"),

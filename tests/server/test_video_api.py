@@ -277,6 +277,27 @@ def test_content_of_an_unfinished_or_failed_job_is_409(tmp_path: Path) -> None:
     assert content.headers["x-should-retry"] == "false"  # no retry makes a failed job's MP4
 
 
+def test_a_completed_job_whose_file_is_gone_is_409_not_never_existed(tmp_path: Path) -> None:
+    video_dir = tmp_path / "videos"
+    app, _ = video_app(fake_video_engine(tmp_path), ServerConfig(video_dir=str(video_dir)))
+
+    async def script(client):
+        job = (await client.post(VIDEOS, json=JOB)).json()
+        await finish(client, job["id"])
+        for mp4 in video_dir.rglob("*.mp4"):  # lost by the result store (removed by hand)
+            mp4.unlink()
+        lost = await client.get(f"{VIDEOS}/{job['id']}/content")
+        await client.delete(f"{VIDEOS}/{job['id']}")
+        return lost, await client.get(f"{VIDEOS}/{job['id']}/content")
+
+    lost, deleted = run(app, script)
+    assert lost.status_code == 409, lost.text
+    error = lost.json()["error"]
+    assert error["code"] == "video_unavailable" and "gone from the result store" in error["message"]
+    assert lost.headers["x-should-retry"] == "false"
+    assert deleted.status_code == 404
+
+
 def test_admission_is_the_stores_and_jobs_wait_for_room(tmp_path: Path) -> None:
     """A job waits in the store until the engine has room (it is claimed then, not
     refused); the store's bounds give 429 with Retry-After."""

@@ -244,7 +244,14 @@ async def video_content(video_id: str, request: Request) -> Response:
         # short (a file stays readable once open; an object's GET is under way).
         reader = await asyncio.to_thread(videos.store.files.read, video_id, start, end)
     except ResultMissing:
-        raise _not_found(video_id) from None
+        if await asyncio.to_thread(videos.store.job, video_id) is None:
+            raise _not_found(video_id) from None  # deleted or expired meanwhile
+        # The job says completed; its result store lost the file (files removed by hand, a
+        # bucket's lifecycle rule): not "never existed", and no retry brings it back.
+        raise APIError(409, f"video {video_id} is completed, but its MP4 is gone from the "
+                            "result store (--video-dir or --job-results); create the video "
+                            "again", param="video_id", code="video_unavailable",
+                       headers=dict(NO_RETRY)) from None
     return StreamingResponse(_read(reader), status_code=206 if chosen else 200,
                              media_type=MP4, headers=headers)
 
