@@ -194,6 +194,20 @@ def problems(config: ServerConfig) -> list[str]:
     return out
 
 
+def _redis_url_problem(url: str) -> str | None:
+    """What redis-py, the engine's client, finds wrong in a Redis URL (a port that is no
+    number or out of range, a broken IPv6 host, a bad query option), before a pod starts."""
+    if not url.startswith(("redis:", "rediss:", "unix:")):
+        return None
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as e:  # its messages name the part, never the password
+        return str(e)
+    return None
+
+
 def _video_problems(config: ServerConfig) -> list[str]:
     out: list[str] = []
     for name in ("default_frames", "default_fps", "max_frames"):
@@ -216,6 +230,8 @@ def _video_problems(config: ServerConfig) -> list[str]:
             and not re.fullmatch(r"/?|/\d+", urlsplit(store).path):
         out.append("server.job_store: a Redis URL names its database by number "
                    f"(redis://HOST:PORT/DB, e.g. /0), got {_redacted(store)!r}")
+    elif isinstance(store, str) and (problem := _redis_url_problem(store)):
+        out.append(f"server.job_store {_redacted(store)!r}: {problem}")
     elif (isinstance(store, str) and not store.startswith("sqlite:")
           and config.video_dir is None and config.job_results is None):
         out.append("server.job_store: a Redis job store is shared by replicas, so their videos "

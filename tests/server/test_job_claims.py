@@ -320,3 +320,27 @@ def test_a_redis_that_lost_its_data_is_unavailable_once_then_serves_again(tmp_pa
     job_id = store.add(spec(), "r")["id"]
     assert store.claim("replica-a", 30).id == job_id
     store.close()
+
+
+def test_consumers_of_replicas_gone_are_dropped_from_the_group(tmp_path: Path, request,
+                                                               monkeypatch) -> None:
+    """Each replica process reads under a name of its own; Redis would keep them all. A
+    consumer holding a job (pending) stays whatever its idle time."""
+    from ditserve.engine.server.jobs import redis_backend
+
+    backends = Backends("redis", tmp_path, request)
+    store = backends.open()
+    store.add(spec(), "r")
+    held = store.claim("replica-holding", 30)
+    assert held is not None
+    backend = store.backend
+    # A replica that ran jobs (all done) and then went away: a consumer with none pending.
+    backend._r.xgroup_createconsumer(backend._queue, redis_backend.GROUP, "replica-gone")
+    names = {c["name"] for c in backend._r.xinfo_consumers(backend._queue, redis_backend.GROUP)}
+    assert {"replica-holding", "replica-gone"} <= names
+    monkeypatch.setattr(redis_backend, "GONE_CONSUMER_S", 0.0)
+    backends.open().claim("replica-new", 30)  # a new replica's first look at the queue
+    names = {c["name"] for c in backend._r.xinfo_consumers(backend._queue, redis_backend.GROUP)}
+    assert "replica-gone" not in names and "replica-holding" in names
+    for opened in backends.opened:
+        opened.close()

@@ -71,3 +71,79 @@ def test_a_handed_back_job_claimed_at_once_by_its_own_replica_runs_again(tmp_pat
     finally:
         worker.close()
         store.close()
+
+
+def _one_slot_engine(tmp_path: Path):
+    from dataclasses import replace
+
+    engine = fake_video_engine(tmp_path, outcome="hang")
+    engine.config = replace(engine.config, scheduler=replace(engine.config.scheduler,
+                                                             max_num_seqs=1))
+    return engine
+
+
+def _looped(worker: JobWorker, turns: int) -> None:
+    """Let the worker's loop look for room ``turns`` more times."""
+    seen = []
+    real = worker._has_room
+
+    def counted() -> bool:
+        seen.append(1)
+        return real()
+
+    worker._has_room = counted  # type: ignore[method-assign]
+    wait_for(lambda: len(seen) >= turns, f"{turns} turns of the worker's loop")
+    worker._has_room = real  # type: ignore[method-assign]
+
+
+def test_a_replica_sharing_the_store_claims_no_job_it_has_no_slot_for(tmp_path: Path,
+                                                                      redis_server) -> None:
+    """With replicas sharing a store, a job claimed beyond the free slots would wait behind
+    a busy engine while another replica idles; alone on SQLite one job is claimed ahead."""
+    from ditserve.engine.server.jobs.redis_backend import RedisBackend
+
+    params = SamplingParams(prompt="p", height=16, width=16, num_frames=5,
+                            num_inference_steps=2, seed=3)
+    for shared in (True, False):
+        engine = _one_slot_engine(tmp_path / f"shared-{shared}")
+        videos = tmp_path / f"videos-{shared}"
+        backend = (RedisBackend(redis_server.url, namespace=f"prefetch-{tmp_path.name}")
+                   if shared else SqliteBackend(videos / "jobs.sqlite3", clock=time.time))
+        store = JobStore(StoreLimits(), VideoFiles(videos, shared=shared), backend)
+        worker = JobWorker(engine, store, lease_s=LEASE_S, poll_s=0.01)
+        worker.start()
+        try:
+            first, second = (store.add(VideoSpec(params=params, fps=8, model="m"), f"r{i}")["id"]
+                             for i in range(2))
+            wait_for(lambda: len(engine.submitted) >= 1, "the engine to run the first job")
+            assert store.job(first).owner is not None
+            _looped(worker, 10)
+            claimed = store.job(second).owner is not None
+            assert claimed is (not shared), f"shared={shared}"
+            assert len(engine.submitted) == (1 if shared else 2)
+        finally:
+            worker.close()
+            store.close()
+
+
+def test_a_jobs_deadline_counts_from_its_creation_not_its_claim() -> None:
+    import pytest
+
+    from ditserve.engine.errors import DeadlineError
+    from ditserve.engine.server.jobs.model import VideoJob
+
+    params = SamplingParams(prompt="p", height=16, width=16, num_frames=5, deadline_s=15.0)
+    job = VideoJob("video_x", VideoSpec(params=params, fps=8, model="m"), "r", created_at=100.0)
+    assert job.params_at(110.0).deadline_s == 5.0  # 10 s were spent waiting in the queue
+    assert job.params_at(90.0).deadline_s == 15.0  # another host's clock a little behind
+    with pytest.raises(DeadlineError, match="waited 20.0 s in the queue, past its deadline_s 15"):
+        job.params_at(120.0)
+    no_deadline = VideoJob("video_y", VideoSpec(params=replace_deadline(params), fps=8,
+                                                model="m"), "r", created_at=100.0)
+    assert no_deadline.params_at(10_000.0).deadline_s is None
+
+
+def replace_deadline(params: SamplingParams) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, deadline_s=None)

@@ -142,6 +142,12 @@ def test_results_in_a_bucket_from_flag_yaml_and_environment(tmp_path, monkeypatc
      "names its database by number"),
     # Its records outlive a restart; the videos of a private temporary directory would not.
     (("--job-store", "sqlite:///var/jobs.db"), "a SQLite file keeps jobs across restarts"),
+    # What redis-py (the engines' client) cannot parse: refused here, not a traceback at start.
+    (("--job-store", "redis://127.0.0.1:notaport/0", "--video-dir", "/v"),
+     "Port could not be cast to integer"),
+    (("--job-store", "redis://127.0.0.1:99999/0", "--video-dir", "/v"), "Port out of range"),
+    (("--job-store", "redis://h:6379/0?socket_timeout=abc", "--video-dir", "/v"),
+     "Invalid value for 'socket_timeout'"),
     (("--job-lease", "0"), "server.job_lease_s must be"),
     (("--job-namespace", "a b"), "server.job_namespace must be"),
     (("--job-results", "https://bucket/videos"), "server.job_results must be s3://BUCKET"),

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ditserve.engine.errors import DeadlineError
 from ditserve.engine.request import SamplingParams
 from ditserve.engine.server.config import (
     DEFAULT_VIDEO_MAX_BYTES,
@@ -160,6 +161,19 @@ class VideoJob:
     def held_bytes(self) -> int:
         """What the job counts against the store's byte bound."""
         return self.size_bytes + self.reserved_bytes
+
+    def params_at(self, now: float) -> SamplingParams:
+        """The job's request as an engine takes it at ``now``: its ``deadline_s`` counts from
+        the job's creation (a client's clock), not from this claim, so the time it waited in
+        the queue (or ran on a replica that died) is spent; DeadlineError once it is past."""
+        params = self.spec.params
+        if params.deadline_s is None:
+            return params
+        waited = max(0.0, now - self.created_at)
+        if waited >= params.deadline_s:
+            raise DeadlineError(f"the job waited {waited:.1f} s in the queue, past its "
+                                f"deadline_s {params.deadline_s:g}")
+        return dataclasses.replace(params, deadline_s=params.deadline_s - waited)
 
     @property
     def progress(self) -> int:

@@ -40,6 +40,7 @@ from ditserve.engine.server.jobs.records import decode_job, encode_job
 
 GROUP = "workers"
 TIMEOUT_S = 2.0
+GONE_CONSUMER_S = 3600.0  # a consumer that read nothing this long belongs to a replica gone
 UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                redis.exceptions.BusyLoadingError)
 
@@ -98,6 +99,16 @@ class RedisBackend:
             if "BUSYGROUP" not in str(e):
                 raise
         self._group_ready = True
+        self._forget_gone_consumers()
+
+    def _forget_gone_consumers(self) -> None:
+        """Each replica process reads as a consumer of its own name, which Redis keeps in the
+        group for good: drop those that hold no entry and have not read for an hour (every
+        live replica reads every ``POLL_S``; one dropped by mistake is made again by its next
+        read), so rollouts and restarts do not grow the group without bound."""
+        for consumer in self._r.xinfo_consumers(self._queue, GROUP):
+            if consumer["pending"] == 0 and consumer["idle"] >= GONE_CONSUMER_S * 1000:
+                self._r.xgroup_delconsumer(self._queue, GROUP, consumer["name"])
 
     # -- the JobBackend contract ---------------------------------------------------------------
     def add(self, job: VideoJob, admit: Callable[[Usage], None]) -> None:

@@ -4,9 +4,9 @@ has room, runs them, keeps their leases, and writes their results.
 A thread (``ditserve-video-jobs``) loops: it writes the progress reported since its last
 turn, renews its leases every third of a lease (letting go of a job cancelled, deleted or
 taken over: the engine request is aborted), retries the writes the store refused while
-unreachable, then claims jobs while running + waiting < ``max_num_seqs`` + ``PREFETCH`` (a
-free batch slot, plus one job waiting in the engine so the next free slot is filled at the
-very next step). It wakes when a job is created here or a slot frees, else every ``poll_s``.
+unreachable, then claims jobs while running + waiting < ``max_num_seqs`` (on a local store
+plus ``PREFETCH``, waiting in the engine for the next free slot; shared, an idle replica takes
+it). It wakes when a job is created here or a slot frees, else every ``poll_s``.
 
 A claimed job is an ordinary engine request (its id is the job id). Progress: a local store
 (SQLite) is written from the engine's loop thread at each step (followers hear steps in
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 ENCODE_THREADS = 2  # libx264 threads internally; two jobs may encode while others denoise
 POLL_S = 0.2  # how often an idle replica looks for jobs created elsewhere
-PREFETCH = 1  # jobs claimed beyond the batch slots: the next one waits in the engine
+PREFETCH = 1  # a lone replica claims one job beyond its slots: it waits in the engine
 PROGRESS_S = 0.25  # a shared store gets a job's progress at most this often
 UNREACHABLE_LOG_S = 10.0  # one warning per this long while the store is unreachable
 
@@ -161,7 +161,8 @@ class JobWorker:
         stats = self.engine.stats()
         with self._lock:
             in_engine = sum(h.in_engine for h in self._held.values())
-        return max(in_engine, stats.running + stats.waiting) < slots + PREFETCH
+        prefetch = 0 if self.store.shared else PREFETCH  # replicas share: idle ones take it
+        return max(in_engine, stats.running + stats.waiting) < slots + prefetch
 
     def _begin(self, job: VideoJob) -> bool:
         """Run a claimed job; False: the engine took no more (claim nothing else now)."""
@@ -174,7 +175,7 @@ class JobWorker:
                 return True
             held = self._held[job.id] = Held(token, job.spec, in_engine=True)
         try:
-            handle = self.engine.add_request(job.spec.params, request_id=job.id,
+            handle = self.engine.add_request(job.params_at(self.store.clock()), request_id=job.id,
                                              on_event=partial(self._on_event, job.id))
         except (QueueFullError, EngineStoppedError):
             self._forget(job.id)
