@@ -8,7 +8,9 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 from server.video_support import fake_video_engine
 
 from ditserve.engine.request import SamplingParams
@@ -96,39 +98,39 @@ def _looped(worker: JobWorker, turns: int) -> None:
     worker._has_room = real  # type: ignore[method-assign]
 
 
-def test_a_replica_sharing_the_store_claims_no_job_it_has_no_slot_for(tmp_path: Path,
-                                                                      redis_server) -> None:
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_replica_sharing_the_store_claims_no_job_it_has_no_slot_for(
+        tmp_path: Path, request: pytest.FixtureRequest, shared: bool) -> None:
     """With replicas sharing a store, a job claimed beyond the free slots would wait behind
     a busy engine while another replica idles; alone on SQLite one job is claimed ahead."""
-    from ditserve.engine.server.jobs.redis_backend import RedisBackend
-
     params = SamplingParams(prompt="p", height=16, width=16, num_frames=5,
                             num_inference_steps=2, seed=3)
-    for shared in (True, False):
-        engine = _one_slot_engine(tmp_path / f"shared-{shared}")
-        videos = tmp_path / f"videos-{shared}"
-        backend = (RedisBackend(redis_server.url, namespace=f"prefetch-{tmp_path.name}")
-                   if shared else SqliteBackend(videos / "jobs.sqlite3", clock=time.time))
-        store = JobStore(StoreLimits(), VideoFiles(videos, shared=shared), backend)
-        worker = JobWorker(engine, store, lease_s=LEASE_S, poll_s=0.01)
-        worker.start()
-        try:
-            first, second = (store.add(VideoSpec(params=params, fps=8, model="m"), f"r{i}")["id"]
-                             for i in range(2))
-            wait_for(lambda: len(engine.submitted) >= 1, "the engine to run the first job")
-            assert store.job(first).owner is not None
-            _looped(worker, 10)
-            claimed = store.job(second).owner is not None
-            assert claimed is (not shared), f"shared={shared}"
-            assert len(engine.submitted) == (1 if shared else 2)
-        finally:
-            worker.close()
-            store.close()
+    engine = _one_slot_engine(tmp_path)
+    videos = tmp_path / "videos"
+    if shared:
+        from ditserve.engine.server.jobs.redis_backend import RedisBackend
+
+        backend: Any = RedisBackend(request.getfixturevalue("redis_server").url,
+                                    namespace=f"prefetch-{tmp_path.name}")
+    else:
+        backend = SqliteBackend(videos / "jobs.sqlite3", clock=time.time)
+    store = JobStore(StoreLimits(), VideoFiles(videos, shared=shared), backend)
+    worker = JobWorker(engine, store, lease_s=LEASE_S, poll_s=0.01)
+    worker.start()
+    try:
+        first, second = (store.add(VideoSpec(params=params, fps=8, model="m"), f"r{i}")["id"]
+                         for i in range(2))
+        wait_for(lambda: len(engine.submitted) >= 1, "the engine to run the first job")
+        assert store.job(first).owner is not None
+        _looped(worker, 10)
+        assert (store.job(second).owner is not None) is (not shared)
+        assert len(engine.submitted) == (1 if shared else 2)
+    finally:
+        worker.close()
+        store.close()
 
 
 def test_a_jobs_deadline_counts_from_its_creation_not_its_claim() -> None:
-    import pytest
-
     from ditserve.engine.errors import DeadlineError
     from ditserve.engine.server.jobs.model import VideoJob
 
