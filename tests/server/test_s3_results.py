@@ -109,13 +109,28 @@ def test_an_unreachable_bucket_is_a_503_to_retry_not_a_500(s3, tmp_path: Path) -
         def unreachable(**kwargs: Any) -> Any:
             raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
 
-        results._client.get_object = unreachable  # the store goes away after the PUT
+        results._quick.get_object = unreachable  # the store goes away after the PUT
         return await client.get(f"/v1/videos/{job['id']}/content")
 
     response = run(app, script)
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "job_store_unavailable"
     assert "retry-after" in response.headers
+
+
+def test_reads_and_deletes_give_up_within_seconds_writes_retry_longer(s3) -> None:
+    """botocore's defaults (60 s to connect, 60 s per read, retried) held a content request
+    for minutes on a bucket that stopped answering, past every client's and ingress's
+    timeout, so none saw the 503 with Retry-After."""
+    from ditserve.engine.server.jobs.s3_results import S3Results
+
+    results = S3Results(f"s3://{BUCKET}/timeouts")
+    quick, patient = results._quick.meta.config, results._client.meta.config
+    assert (quick.connect_timeout, quick.read_timeout, quick.retries["total_max_attempts"]
+            ) == (3.0, 10.0, 2)
+    assert (patient.connect_timeout, patient.read_timeout,
+            patient.retries["total_max_attempts"]) == (3.0, 60.0, 6)
+    results.close()
 
 
 def test_a_wrong_bucket_or_url_stops_the_server_with_a_reason(s3) -> None:

@@ -212,6 +212,11 @@ def test_publication_is_atomic_and_a_directory_has_one_owner(tmp_path: Path) -> 
     shared = [VideoFiles(root, shared=True) for _ in range(2)]  # replicas on one volume
     shared[0].sweep(set())  # never sweeps: other replicas' files are theirs
     assert (root / f"{kept}.mp4").is_file()
+    # A server started there with a store of its own (a forgotten --job-store) would sweep
+    # away every video the shared store's jobs name: it is refused instead.
+    with pytest.raises(ConfigError, match="holds the videos of replicas sharing a job store"):
+        VideoFiles(root)
+    assert (root / f"{kept}.mp4").is_file()
     for files in shared:
         files.close()
 

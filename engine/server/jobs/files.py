@@ -15,7 +15,9 @@ Three kinds of root:
   exclusive ``flock`` on ``<root>/.lock`` (a second server on the directory refuses to
   start); at start ``sweep`` removes the temp files and the MP4s no job names any more;
 - shared (``--video-dir`` on a volume every replica mounts, with a Redis job store): no lock,
-  no sweep - files go with their jobs (DELETE, expiry) whichever replica removes them;
+  no sweep - files go with their jobs (DELETE, expiry) whichever replica removes them; the
+  root is marked (``SHARED_MARKER``), so a server with a store of its own refuses it rather
+  than sweep away the shared store's videos;
 - private (no ``--video-dir``): a temporary directory removed at shutdown.
 """
 
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".mp4"
 TEMP_DIR = ".tmp"
 LOCK_FILE = ".lock"
+SHARED_MARKER = ".shared-job-store"  # a shared root's: an owned server never takes it
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
 
@@ -56,6 +59,11 @@ class VideoFiles:
         if self.shared:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
+                marker = self.root / SHARED_MARKER
+                if not marker.exists():
+                    marker.write_text("the videos of ditserve replicas sharing a job store "
+                                      "(Redis); a server with a store of its own refuses this "
+                                      "directory\n")
             except OSError as e:
                 raise ConfigError(f"server.video_dir {str(self.root)!r} cannot be used: {e}"
                                   ) from e
@@ -64,6 +72,11 @@ class VideoFiles:
         (self.root / TEMP_DIR).mkdir(exist_ok=True)
 
     def _claim(self) -> None:
+        if (self.root / SHARED_MARKER).exists():
+            # Its start-up sweep would delete every video the shared store's jobs name.
+            raise ConfigError(f"server.video_dir {str(self.root)!r} holds the videos of "
+                              "replicas sharing a job store (Redis); give this server the same "
+                              "--job-store, or another --video-dir")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)

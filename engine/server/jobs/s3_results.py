@@ -43,6 +43,9 @@ _TAKEN = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 _NO_CONDITIONS = {"NotImplemented", "501"}
 
 
+CONNECT_S = 3.0  # to reach the store; a bucket that does not answer is an outage
+
+
 def parse_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix`` -> ("bucket", "some/prefix/"); the prefix may be empty."""
     parts = urlsplit(url)
@@ -62,7 +65,11 @@ class S3Results:
     def __init__(self, url: str, *, client: Any = None) -> None:
         self.url = url
         self.bucket, self.prefix = parse_url(url)
-        self._client = client if client is not None else _client()
+        # Writes ride out a store's brief hiccups (an encoding thread waits); reads and
+        # deletes answer an HTTP request (or run in the expiry sweep under one), so they give
+        # up within seconds: the client gets 503 with Retry-After, not a hang of minutes.
+        self._client = client if client is not None else _client(retries=5, read_s=60.0)
+        self._quick = client if client is not None else _client(retries=1, read_s=10.0)
         self._conditional = True  # PUT with If-None-Match until the store says it cannot
         self._check()
 
@@ -132,7 +139,7 @@ class S3Results:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            answer = self._client.get_object(Bucket=self.bucket, Key=self.key_of(job_id),
+            answer = self._quick.get_object(Bucket=self.bucket, Key=self.key_of(job_id),
                                              Range=f"bytes={start}-{end - 1}")
         except ClientError as e:
             if _code(e) in _MISSING:
@@ -148,7 +155,7 @@ class S3Results:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            self._client.delete_object(Bucket=self.bucket, Key=self.key_of(job_id))
+            self._quick.delete_object(Bucket=self.bucket, Key=self.key_of(job_id))
         except (ClientError, BotoCoreError) as e:
             log.warning("video %s: its object in %s was not deleted (%s); the bucket's "
                         "lifecycle rule is the backstop", job_id, self.url, e)
@@ -157,8 +164,9 @@ class S3Results:
         """Nothing: a shared bucket's objects go with their jobs (and its lifecycle rule)."""
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._client.close()
+        for client in {id(c): c for c in (self._client, self._quick)}.values():
+            with contextlib.suppress(Exception):
+                client.close()
 
 
 class ObjectRange:
@@ -174,13 +182,15 @@ class ObjectRange:
         self._body.close()
 
 
-def _client() -> Any:
+def _client(*, retries: int, read_s: float) -> Any:
     import boto3
     from botocore.config import Config
 
-    # Standard retries ride out a store's brief hiccups before a PUT fails its job.
-    return boto3.session.Session().client(
-        "s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+    # botocore's defaults (60 s to connect, 60 s per read, each retried) would hold a request
+    # for minutes on a bucket that does not answer.
+    return boto3.session.Session().client("s3", config=Config(
+        retries={"max_attempts": retries, "mode": "standard"}, connect_timeout=CONNECT_S,
+        read_timeout=read_s))
 
 
 def _code(error: Any) -> str:
