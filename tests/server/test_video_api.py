@@ -483,3 +483,30 @@ def test_a_job_past_its_own_deadline_is_not_blamed_on_the_replica(tmp_path: Path
     # What is left of it when a replica takes the job (the wait in the queue counts).
     assert re.match(r"deadline_s=0\.\d+ cannot be met", final["error"]["message"])
     assert "this replica" not in final["error"]["message"]
+
+
+def test_a_job_whose_record_vanished_is_not_blamed_on_a_delete(tmp_path: Path) -> None:
+    """A follower cannot tell a DELETE elsewhere from an expiry or a Redis that lost its
+    data: its last event says so, not "cancelled by a DELETE" nobody sent."""
+    import threading
+
+    app, _ = video_app(fake_video_engine(tmp_path, outcome="hang"))
+    store = app.state.server.videos.store
+    real_subscribe = store.subscribe
+
+    def subscribe_then_lose(video_id, listener):
+        current = real_subscribe(video_id, listener)
+        # The record goes behind the store's back, as when Redis restarts empty.
+        threading.Timer(0.05, store.backend.remove, args=(video_id,)).start()
+        return current
+
+    store.subscribe = subscribe_then_lose
+
+    async def script(client):
+        job = (await client.post(VIDEOS, json=JOB)).json()
+        return await finish(client, job["id"])
+
+    final = run(app, script)[-1][1]["video"]
+    assert final["status"] == "failed" and final["error"]["code"] == "cancelled"
+    message = final["error"]["message"]
+    assert "gone from the job store" in message and "lost with the store's data" in message

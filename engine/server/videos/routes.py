@@ -317,6 +317,9 @@ async def _events(videos: VideoJobs, video_id: str, bridge: EventBridge,
 
 
 def _deleted_elsewhere(job: dict[str, Any]) -> dict[str, Any]:
-    """The last word on a job another replica deleted while this one streamed it."""
+    """The last word on a job whose record is gone while this replica streamed it: a DELETE
+    (on any replica), its expiry, or a store that lost its data; which, nobody here knows."""
     return {**job, "status": "failed", "error": {
-        "code": "cancelled", "message": "the job was cancelled by a DELETE"}}
+        "code": "cancelled", "message": "the job is gone from the job store: deleted (a "
+                                        "DELETE on any replica), expired, or lost with the "
+                                        "store's data (a Redis restarted empty)"}}
