@@ -344,3 +344,26 @@ def test_consumers_of_replicas_gone_are_dropped_from_the_group(tmp_path: Path, r
     assert "replica-gone" not in names and "replica-holding" in names
     for opened in backends.opened:
         opened.close()
+
+
+def test_a_record_of_another_version_breaks_nothing_else(tmp_path: Path, request) -> None:
+    """Mid-rollout a newer replica may write a record this one cannot read: the list and the
+    metrics go on without it, and the job itself is the store's 503 (another replica may
+    read it), never a 500 for the whole deployment."""
+    import json
+
+    backends = Backends("redis", tmp_path, request)
+    store = backends.open()
+    readable, newer = (store.add(spec(i), "r")["id"] for i in range(2))
+    backend = store.backend
+    record = json.loads(backend._r.get(backend._key(newer)))
+    backend._r.set(backend._key(newer), json.dumps({**record, "schema": 2}))
+    listed, _ = store.page(limit=10, after=None, order="desc")
+    assert [job["id"] for job in listed] == [readable]
+    counts, _ = store.usage()  # what /metrics reads
+    assert counts["queued"] == 1
+    with pytest.raises(StoreUnavailable, match="another replica may answer"):
+        store.get(newer)
+    assert store.get(readable)["id"] == readable
+    for opened in backends.opened:
+        opened.close()

@@ -27,6 +27,7 @@ Redis costs a request 2 s, never a hang.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +38,8 @@ from ditserve.engine.server.jobs.backend import Change, Usage
 from ditserve.engine.server.jobs.errors import StoreUnavailable
 from ditserve.engine.server.jobs.model import VideoJob
 from ditserve.engine.server.jobs.records import decode_job, encode_job
+
+log = logging.getLogger(__name__)
 
 GROUP = "workers"
 TIMEOUT_S = 2.0
@@ -131,7 +134,7 @@ class RedisBackend:
     def get(self, job_id: str) -> VideoJob | None:
         with self._reach():
             raw = self._r.get(self._key(job_id))
-        return decode_job(raw) if raw is not None else None
+        return _decoded(job_id, raw) if raw is not None else None
 
     def page(self, *, limit: int, after: str | None, descending: bool
              ) -> tuple[list[VideoJob], bool]:
@@ -153,7 +156,17 @@ class RedisBackend:
         if not ids:
             return []
         raws = self._r.mget([self._key(i) for i in ids])
-        return [decode_job(raw) for raw in raws if raw is not None]  # None: removed meanwhile
+        jobs = []
+        for job_id, raw in zip(ids, raws, strict=True):
+            if raw is None:  # removed meanwhile
+                continue
+            try:
+                jobs.append(decode_job(raw))
+            except (ValueError, KeyError, TypeError) as e:
+                # One record this version cannot read (a newer replica's, mid-rollout) must
+                # not take the list, the metrics and every other job with it.
+                _warn_unreadable(job_id, e)
+        return jobs
 
     def update(self, job_id: str, change: Change) -> VideoJob | None:
         key = self._key(job_id)
@@ -162,7 +175,7 @@ class RedisBackend:
             raw = pipe.get(key)
             if raw is None:
                 return None
-            job = decode_job(raw)
+            job = _decoded(job_id, raw)
             before = decode_job(raw)
             if change(job) is False:
                 return None
@@ -201,7 +214,7 @@ class RedisBackend:
             raw = pipe.get(key)
             if raw is None:
                 return None
-            job = decode_job(raw)
+            job = _decoded(job_id, raw)
             pipe.multi()
             pipe.delete(key)
             pipe.zrem(self._ids, job_id)
@@ -270,3 +283,22 @@ class RedisBackend:
     def close(self) -> None:
         self._r.close()
 
+
+_warned: set[str] = set()
+
+
+def _warn_unreadable(job_id: str, error: Exception) -> None:
+    if job_id not in _warned:  # once per job: lists and metric scrapes read it again
+        _warned.add(job_id)
+        log.warning("video job %s: its record cannot be read here and is left out (%s)",
+                    job_id, error)
+
+
+def _decoded(job_id: str, raw: str | bytes) -> VideoJob:
+    """The job of ``raw``; a record this version cannot read is the store's to answer for
+    (503, retried: during a rollout another replica reads it), never a 500."""
+    try:
+        return decode_job(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise StoreUnavailable(f"video job {job_id} was written by a ditserve this replica "
+                               f"cannot read ({e}); another replica may answer") from e
