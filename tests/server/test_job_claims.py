@@ -367,3 +367,19 @@ def test_a_record_of_another_version_breaks_nothing_else(tmp_path: Path, request
     assert store.get(readable)["id"] == readable
     for opened in backends.opened:
         opened.close()
+
+
+def test_a_replica_with_a_shorter_lease_takes_no_job_a_longer_lease_still_holds(
+        tmp_path: Path, request) -> None:
+    """The lease goes by the longest any replica of the namespace holds jobs for: a replica
+    started with a shorter --job-lease (mid-rollout) must not take a healthy replica's job."""
+    backends = Backends("redis", tmp_path, request)
+    patient, hasty = backends.open(), backends.open()
+    job_id = patient.add(spec(), "r")["id"]
+    held = patient.claim("replica-patient", 30)  # renews every 10 s
+    assert held is not None and held.id == job_id
+    backends.expire_leases()  # LEASE_S + 0.2 s without a renewal
+    assert hasty.claim("replica-hasty", LEASE_S) is None  # its own lease ran out, not 30 s
+    assert patient.job(job_id).owner == "replica-patient"
+    for opened in backends.opened:
+        opened.close()

@@ -7,7 +7,9 @@ Redis Cluster slot, so its transactions stay possible there):
 - ``P:ids``: every id, in a sorted set read lexicographically (ids sort by creation);
 - ``P:expiry``: finished jobs by their ``expires_at``;
 - ``P:usage``: the jobs and bytes held (admission reads it, every change keeps it exact);
-- ``P:queue``: the work queue, a Redis stream read by the consumer group ``workers``.
+- ``P:queue``: the work queue, a Redis stream read by the consumer group ``workers``;
+- ``P:leases``: the longest ``--job-lease`` a replica of the namespace claimed with (a job is
+  taken from its replica only after that long without a renewal).
 
 The queue is Redis Streams' reliable delivery: ``XREADGROUP`` hands an entry to one replica
 (it stays in the group's pending list under that replica's name), the replica's lease is that
@@ -64,6 +66,7 @@ class RedisBackend:
         self._ids, self._expiry = f"{prefix}:ids", f"{prefix}:expiry"
         self._usage, self._queue = f"{prefix}:usage", f"{prefix}:queue"
         self._job_prefix = f"{prefix}:job:"
+        self._leases = f"{prefix}:leases"  # the longest --job-lease (ms) of its replicas
         self._group_ready = False
 
     def check_database(self) -> None:
@@ -260,7 +263,12 @@ class RedisBackend:
                     return None  # ``take`` declined: the entry stays pending, its lease runs
 
     def _next_entry(self, owner: str, lease_ms: int) -> tuple[str, str] | None:
-        """(entry id, job id): first an entry whose lease expired, else a new one."""
+        """(entry id, job id): first an entry whose lease expired, else a new one. Expired
+        by the longest lease any replica of the namespace holds its jobs for: one replica's
+        shorter ``--job-lease`` must not take jobs another renews only every third of its
+        own (it would restart them from step 0 on a healthy replica)."""
+        self._r.zadd(self._leases, {"longest": lease_ms}, gt=True)
+        lease_ms = max(lease_ms, int(self._r.zscore(self._leases, "longest") or 0))
         _, taken, _ = self._r.xautoclaim(self._queue, GROUP, owner, lease_ms, "0-0", count=1)
         if not taken:
             read = self._r.xreadgroup(GROUP, owner, {self._queue: ">"}, count=1)
