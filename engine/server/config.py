@@ -251,7 +251,10 @@ def _video_problems(config: ServerConfig) -> list[str]:
                                 or not JOB_RESULTS_PATTERN.match(results)):
         out.append(f"server.job_results must be s3://BUCKET or s3://BUCKET/PREFIX, got "
                    f"{results!r}")
-    number_at_least(out, "server.job_lease_s", config.job_lease_s, 0.1)
+    # Renewed every third of it: below a second a renewal's round trip (and a busy step
+    # loop) outlasts the lease, and healthy replicas take each other's jobs (as the
+    # operator's spec.jobs.leaseSeconds, at least 1).
+    number_at_least(out, "server.job_lease_s", config.job_lease_s, 1)
     space = config.job_namespace
     if space is not None and (not isinstance(space, str) or not JOB_NAMESPACE.match(space)):
         out.append("server.job_namespace must be 1-200 letters, digits or . _ / : -, got "

@@ -149,6 +149,7 @@ def test_results_in_a_bucket_from_flag_yaml_and_environment(tmp_path, monkeypatc
     (("--job-store", "redis://h:6379/0?socket_timeout=abc", "--video-dir", "/v"),
      "Invalid value for 'socket_timeout'"),
     (("--job-lease", "0"), "server.job_lease_s must be"),
+    (("--job-lease", "0.1"), "server.job_lease_s must be a number >= 1"),
     (("--job-namespace", "a b"), "server.job_namespace must be"),
     (("--job-results", "https://bucket/videos"), "server.job_results must be s3://BUCKET"),
     (("--job-results", "s3://B/x"), "server.job_results must be s3://BUCKET"),

@@ -77,7 +77,7 @@ class S3Results:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            self._client.head_bucket(Bucket=self.bucket)
+            self._quick.head_bucket(Bucket=self.bucket)  # at start: a dead bucket says so
         except ClientError as e:
             code = _code(e)
             why = ("there is no such bucket" if code in _MISSING else
