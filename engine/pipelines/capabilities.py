@@ -21,6 +21,7 @@ from ditserve.engine.families.base import CfgRule
 from ditserve.engine.sched.work import WorkRule
 
 if TYPE_CHECKING:
+    from ditserve.engine.model_limits import ModelLimits
     from ditserve.engine.pipelines.base import StepPipeline
     from ditserve.engine.request import SamplingParams
     from ditserve.engine.step.denoise_state import DenoiseState
@@ -156,6 +157,15 @@ def most_condition_tokens_of(pipeline: object) -> int:
 
 def condition_images_of(pipeline: object) -> tuple[int, int]:
     return pipeline.condition_images if isinstance(pipeline, ImageConditioned) else (0, 0)
+
+
+def model_limits_of(pipeline: StepPipeline) -> ModelLimits:
+    """What the loaded model can run: its pipeline's ``limits``, with the input images an
+    image-conditioned pipeline takes and whether ``true_cfg_scale`` is one of its inputs."""
+    import dataclasses
+
+    return dataclasses.replace(pipeline.limits(), condition_images=condition_images_of(pipeline),
+                               true_cfg=cfg_rows_of(pipeline) == "true_cfg")
 
 
 def host_modules_of(pipeline: object) -> Sequence[torch.nn.Module]:

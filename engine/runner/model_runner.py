@@ -33,8 +33,8 @@ from ditserve.engine.pipelines import StepPipeline
 from ditserve.engine.pipelines.base import decode_preview
 from ditserve.engine.pipelines.capabilities import (
     BatchedConditions,
-    cfg_rows_of,
     condition_images_of,
+    model_limits_of,
     work_rule_of,
 )
 from ditserve.engine.request import ModelLimits, NewRequest
@@ -135,10 +135,8 @@ class ModelRunner:
 
     @property
     def limits(self) -> ModelLimits:
-        """What the loaded model can run (its pipeline's ``limits``, with the input images
-        an image-conditioned pipeline takes)."""
-        return dataclasses.replace(self.pipeline.limits(), condition_images=self.condition_images,
-                                   true_cfg=cfg_rows_of(self.pipeline) == "true_cfg")
+        """What the loaded model can run (``capabilities.model_limits_of``)."""
+        return model_limits_of(self.pipeline)
 
     @property
     def pixel_multiple(self) -> int:
