@@ -78,3 +78,12 @@ def open_runner(model: Path, **engine: Any) -> Iterator[ModelRunner]:
         yield runner
     finally:
         runner.close()
+
+
+def true_cfg(variant: str) -> dict[str, float]:
+    """A true-CFG scale where the variant's family takes one (Flux-like); elsewhere CFG is
+    ``guidance_scale``, and a request's true_cfg_scale would be refused."""
+    from ditserve.engine.families import family_of_variant
+
+    family = family_of_variant(variant)
+    return {"true_cfg_scale": 3.0} if family is not None and family.cfg_rows == "true_cfg" else {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from engine.driver import drive  # type: ignore[import-not-found]
+from families.family_support import true_cfg  # type: ignore[import-not-found]
 
 from ditserve.engine.config import EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
 from ditserve.engine.loop.engine import DiffusionEngine
@@ -22,7 +23,7 @@ def requests(variant: str) -> list[SamplingParams]:
         SamplingParams(prompt="a red fox", num_inference_steps=3, seed=21,
                        guidance_scale=1.0, **base),
         SamplingParams(prompt="a castle", negative_prompt="fog", num_inference_steps=2,
-                       seed=22, true_cfg_scale=3.0, guidance_scale=3.0, **base),
+                       seed=22, guidance_scale=3.0, **base, **true_cfg(variant)),
         SamplingParams(prompt="a lake", num_inference_steps=4, seed=23, guidance_scale=1.0,
                        **base),
     ]

@@ -83,7 +83,7 @@ def test_generate_refuses_a_frame_count_the_model_cannot_make(family_dir, capsys
                  "--prompt", "x", "--steps", "1", "--height", "32", "--width", "32",
                  "--num-frames", "8"])
     assert code == 2
-    assert "num_frames" in capsys.readouterr().err
+    assert "--num-frames: must be 4k+1" in capsys.readouterr().err  # the flag typed
 
 
 def test_mp4_carries_a_sound_track(tmp_path: Path) -> None:

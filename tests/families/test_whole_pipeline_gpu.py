@@ -23,13 +23,15 @@ from ditserve.engine.step.plan import RunnerOutput
 pytestmark = pytest.mark.gpu
 
 
-def arrivals(video: bool) -> dict[int, list[tuple[str, SamplingParams]]]:
-    common = {"height": 32, "width": 32, "num_inference_steps": 3,
-              **({"num_frames": 5} if video else {})}
+def arrivals(r: ModelRunner) -> dict[int, list[tuple[str, SamplingParams]]]:
+    """Two CFG requests: true CFG where the model takes it, else CFG by guidance_scale."""
+    common = {"height": 32, "width": 32, "num_inference_steps": 3, "guidance_scale": 3.0,
+              **({"num_frames": 5} if r.frame_step is not None else {}),
+              **({"true_cfg_scale": 3.0} if r.limits.true_cfg else {})}
     return {0: [("a", SamplingParams(prompt="a red fox", negative_prompt="fog", seed=1,
-                                     true_cfg_scale=3.0, guidance_scale=3.0, **common)),
+                                     **common)),
                 ("b", SamplingParams(prompt="a red fox", negative_prompt="fog", seed=2,
-                                     true_cfg_scale=3.0, guidance_scale=3.0, **common))]}
+                                     **common))]}
 
 
 def run(model: object, *, components: str, cache: int) -> tuple[dict[str, torch.Tensor],
@@ -39,7 +41,7 @@ def run(model: object, *, components: str, cache: int) -> tuple[dict[str, torch.
                                                                        components=components),
                                                  pipeline=PipelineConfig(prompt_cache_size=cache))),
                     model_dir=model)  # type: ignore[arg-type]
-    out, _ = drive(r, arrivals(r.frame_step is not None), max_num_seqs=2)
+    out, _ = drive(r, arrivals(r), max_num_seqs=2)
     return out, r
 
 
@@ -92,7 +94,7 @@ def test_measured_peak_stays_under_the_predicted_peak_at_the_smallest_budget(fam
         assert memory["resident_blocks"] == 0
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        out, _ = drive(r, arrivals(r.frame_step is not None), max_num_seqs=2)
+        out, _ = drive(r, arrivals(r), max_num_seqs=2)
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated() - baseline
     finally:
@@ -108,7 +110,7 @@ def test_auto_keeps_a_model_that_fits_resident(family_dir) -> None:  # type: ign
     r = budget_runner(family_dir("flux"), "auto")
     try:
         memory, offload = r.pipeline_report()["memory"], r.offload_report()
-        out, _ = drive(r, arrivals(False), max_num_seqs=2)
+        out, _ = drive(r, arrivals(r), max_num_seqs=2)
     finally:
         r.close()
     assert memory["auto"] and memory["budget_bytes"] > 0
@@ -188,7 +190,7 @@ def test_a_request_out_of_hbm_under_the_budget_fails_alone_and_serving_goes_on(f
     total = torch.cuda.get_device_properties(index).total_memory
     try:
         video = r.frame_step is not None
-        before, _ = drive(r, arrivals(video), max_num_seqs=2)
+        before, _ = drive(r, arrivals(r), max_num_seqs=2)
         # Squeeze the cap to what is reserved now: any new allocator segment is refused.
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved(index) / total,
@@ -201,7 +203,7 @@ def test_a_request_out_of_hbm_under_the_budget_fails_alone_and_serving_goes_on(f
         failed = {rid: why for output in outputs for rid, why in output.failed.items()}
         # The runner's own cap back.
         cap_reserved(torch.device("cuda", index), r.pipeline_report()["memory"]["budget_bytes"])
-        after, _ = drive(r, arrivals(video), max_num_seqs=2)
+        after, _ = drive(r, arrivals(r), max_num_seqs=2)
     finally:
         r.close()
     assert "large" not in got
