@@ -288,10 +288,12 @@ def test_a_completed_job_whose_file_is_gone_is_409_not_never_existed(tmp_path: P
         for mp4 in video_dir.rglob("*.mp4"):  # lost by the result store (removed by hand)
             mp4.unlink()
         lost = await client.get(f"{VIDEOS}/{job['id']}/content")
+        head = await client.head(f"{VIDEOS}/{job['id']}/content")
         await client.delete(f"{VIDEOS}/{job['id']}")
-        return lost, await client.get(f"{VIDEOS}/{job['id']}/content")
+        return lost, head, await client.get(f"{VIDEOS}/{job['id']}/content")
 
-    lost, deleted = run(app, script)
+    lost, head, deleted = run(app, script)
+    assert head.status_code == 409  # no headers promising a body that is gone
     assert lost.status_code == 409, lost.text
     error = lost.json()["error"]
     assert error["code"] == "video_unavailable" and "gone from the result store" in error["message"]

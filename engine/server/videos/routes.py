@@ -237,12 +237,13 @@ async def video_content(video_id: str, request: Request) -> Response:
     headers["Content-Length"] = str(end - start)
     if chosen is not None:
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{where.size}"
-    if is_head(request):  # the headers only: never fetch a bucket's object to drop it
-        return Response(status_code=206 if chosen else 200, media_type=MP4, headers=headers)
+    head = is_head(request)
     try:
         # Opened before answering: a DELETE or an expiry from now on cannot cut the body
-        # short (a file stays readable once open; an object's GET is under way).
-        reader = await asyncio.to_thread(videos.store.files.read, video_id, start, end)
+        # short (a file stays readable once open; an object's GET is under way). A HEAD
+        # reads one byte: the headers of a file that is gone would promise a body.
+        reader = await asyncio.to_thread(videos.store.files.read, video_id,
+                                         start, start + 1 if head else end)
     except ResultMissing:
         if await asyncio.to_thread(videos.store.job, video_id) is None:
             raise _not_found(video_id) from None  # deleted or expired meanwhile
@@ -252,6 +253,9 @@ async def video_content(video_id: str, request: Request) -> Response:
                             "result store (--video-dir or --job-results); create the video "
                             "again", param="video_id", code="video_unavailable",
                        headers=dict(NO_RETRY)) from None
+    if head:
+        await asyncio.to_thread(reader.close)
+        return Response(status_code=206 if chosen else 200, media_type=MP4, headers=headers)
     return StreamingResponse(_read(reader), status_code=206 if chosen else 200,
                              media_type=MP4, headers=headers)
 
