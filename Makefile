@@ -20,7 +20,8 @@ demo: install
 
 # `make test` spreads the test files over pytest-xdist workers (one per core, at most four), a
 # file's tests in one worker in file order (module fixtures are shared by a file's tests): about
-# 25 min on a 2-core machine (41-45 in one process, before one thread per worker). A worker's
+# 11-25 min on a 2-core machine (clean-clone CI on 2026-12-08: 11:04 and 11:26; 41-45 in one
+# process, before one thread per worker). A worker's
 # earlier files must leave nothing its later ones trip on (its sys.path is what the ranks it
 # spawns import from); test servers take ports from a block per worker (tests/ports.py).
 # PYTEST_WORKERS=0: one process.
