@@ -70,22 +70,32 @@ def plan_shards(raws: Mapping[str, RawTensor], shard_bytes: int) -> list[list[st
 
 def preflight(layout: Layout, nbytes: int, files: int) -> None:
     """Refuse before writing when the filesystem lacks the bytes or the inodes."""
-    st = os.statvfs(layout.tmp)
+    short = space_shortfall(layout, nbytes + SPACE_MARGIN, files + 2)  # + temp dir, manifest
+    if short is not None:
+        raise short
+
+
+def space_shortfall(layout: Layout, nbytes: int, inodes: int, *,
+                    at: Path | None = None) -> InsufficientSpaceError | None:
+    """What the filesystem under ``at`` (the temp dir by default) lacks for writing ``nbytes``
+    in ``inodes`` new files and folders - inodes, else bytes - or None. Some filesystems
+    (btrfs) report no inode counts at all: nothing to check there."""
+    st = os.statvfs(at or layout.tmp)
+    if st.f_files and st.f_favail < inodes:
+        return InsufficientSpaceError(str(layout.root), inodes, st.f_favail, unit="inodes")
     free = st.f_bavail * st.f_frsize
-    if free < nbytes + SPACE_MARGIN:
-        raise InsufficientSpaceError(str(layout.root), nbytes + SPACE_MARGIN, free)
-    # Some filesystems (btrfs) report no inode counts at all: nothing to check there.
-    if st.f_files and st.f_favail < files + 2:  # + temp dir and manifest
-        raise InsufficientSpaceError(str(layout.root), files + 2, st.f_favail, unit="inodes")
+    if free < nbytes:
+        return InsufficientSpaceError(str(layout.root), nbytes, free)
+    return None
 
 
-def _out_of_space(layout: Layout, nbytes: int, files: int) -> InsufficientSpaceError:
-    """What ran out while writing (the temp dir is already removed): inodes or bytes."""
-    st = os.statvfs(layout.tmp)
-    if st.f_files and st.f_favail < files + 2:
-        return InsufficientSpaceError(str(layout.root), files + 2, st.f_favail, unit="inodes")
-    return InsufficientSpaceError(str(layout.root), nbytes + SPACE_MARGIN,
-                                  st.f_bavail * st.f_frsize)
+def out_of_space(layout: Layout, nbytes: int, inodes: int, *,
+                 at: Path | None = None) -> InsufficientSpaceError:
+    """What ran out when a write failed with ENOSPC: the inodes when fewer than ``inodes``
+    are left, else the bytes."""
+    st = os.statvfs(at or layout.tmp)
+    return (space_shortfall(layout, 0, inodes, at=at)
+            or InsufficientSpaceError(str(layout.root), nbytes, st.f_bavail * st.f_frsize))
 
 
 def remove_stale_temps(layout: Layout, key: str) -> int:
@@ -140,7 +150,7 @@ def write_entry(
         # writer leaves a temp dir, which the next owner of the key's lock removes.
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in _FULL:
-            raise _out_of_space(layout, total, len(shards)) from e
+            raise out_of_space(layout, total + SPACE_MARGIN, len(shards) + 2) from e
         raise
     stage("before_rename")
     # rename(2) of a directory onto a missing name is atomic: readers see all of it or nothing.

@@ -40,9 +40,6 @@ MANIFEST = "manifest.json"
 _CHUNK = 8 << 20
 
 
-_LIMITED_CHUNK = 8 << 20
-
-
 def canonical(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -56,7 +53,7 @@ def file_sha256(path: Path, limiter: RateLimiter | None = None) -> str:
         if limiter is None:
             return hashlib.file_digest(f, "sha256").hexdigest()
         h = hashlib.sha256()
-        while chunk := f.read(_LIMITED_CHUNK):
+        while chunk := f.read(_CHUNK):
             limiter.acquire(len(chunk))  # the scrub's read rate, shared by its threads
             h.update(chunk)
         return h.hexdigest()

@@ -27,13 +27,13 @@ from pathlib import Path
 
 from ditserve.cachectl import locks
 from ditserve.cachectl.errors import (
-    InsufficientSpaceError,
     LockTimeoutError,
     ModelDigestError,
     ReadOnlyCacheError,
 )
 from ditserve.cachectl.layout import Layout
 from ditserve.cachectl.model_uri import ModelUri, parse_model_uri
+from ditserve.cachectl.publish import out_of_space, space_shortfall
 from ditserve.cachectl.pulled import (
     MODEL_DIR,
     PulledFile,
@@ -124,16 +124,11 @@ def _read_only_as(layout: Layout, uri: str) -> Iterator[None]:
 
 def _preflight(layout: Layout, snapshot: Snapshot, partial: Path) -> None:
     """Enough free space for what is still to download (bytes already there count), and
-    inodes for its files and folders (a filesystem reporting no inode count, f_files 0, has
-    no such limit)."""
+    inodes for its files and folders."""
     still = max(0, snapshot.total_bytes - (_bytes_under(partial) if partial.exists() else 0))
-    st = os.statvfs(layout.root)
-    free = st.f_bavail * st.f_frsize
-    if still > free:
-        raise InsufficientSpaceError(str(layout.root), still, free)
-    inodes = _inodes_needed(snapshot)
-    if st.f_files and inodes > st.f_favail:
-        raise InsufficientSpaceError(str(layout.root), inodes, st.f_favail, unit="inodes")
+    short = space_shortfall(layout, still, _inodes_needed(snapshot), at=layout.root)
+    if short is not None:
+        raise short
 
 
 def _inodes_needed(snapshot: Snapshot) -> int:
@@ -141,16 +136,6 @@ def _inodes_needed(snapshot: Snapshot) -> int:
     entry's own folders and manifest."""
     folders = {str(Path(f.name).parent) for f in snapshot.files} - {"."}
     return 2 * len(snapshot.files) + 2 * len(folders) + 5
-
-
-def _out_of_space(layout: Layout, snapshot: Snapshot) -> InsufficientSpaceError:
-    """What ran out when a write failed with ENOSPC: inodes when none are left, else bytes."""
-    st = os.statvfs(layout.root)
-    if st.f_files and st.f_favail == 0:
-        return InsufficientSpaceError(str(layout.root), _inodes_needed(snapshot), 0,
-                                      unit="inodes")
-    return InsufficientSpaceError(str(layout.root), snapshot.total_bytes,
-                                  st.f_bavail * st.f_frsize)
 
 
 def _check(snapshot: Snapshot, model_dir: Path) -> tuple[list[PulledFile], list[str]]:
@@ -236,7 +221,7 @@ def pull(root: Path, request: PullRequest, *,
             path = publish_partial(layout, key, snapshot.identity, files, snapshot.uri)
         except OSError as e:
             if e.errno in _SPACE_ERRNOS:
-                raise _out_of_space(layout, snapshot) from e
+                raise out_of_space(layout, snapshot.total_bytes, 1, at=layout.root) from e
             raise
     phase("published")
     return PulledModel(key, path, snapshot.uri, snapshot.revision, snapshot.total_bytes,
