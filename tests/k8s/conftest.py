@@ -68,3 +68,20 @@ def default_chart(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
     from k8s.chart import template
 
     return template(tmp_path_factory.mktemp("chart"))
+
+
+@pytest.fixture()
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Failed syncs are retried after RETRY_DELAY_S; a test cannot wait the production 30 s."""
+    import ditserve.operator.deployments as handlers
+
+    monkeypatch.setattr(handlers, "RETRY_DELAY_S", 0.5)
+
+
+@pytest.fixture()
+def operator_calls_within_rbac(kmock: Any, default_chart: list[dict[str, Any]]) -> Iterator[None]:
+    """Every API call the operator makes in a test is allowed by the chart's default RBAC."""
+    from k8s.e2e_support import refused_operator_calls
+
+    yield
+    assert refused_operator_calls(kmock, default_chart) == []

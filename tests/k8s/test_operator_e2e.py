@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from k8s.e2e_support import refused_operator_calls
 from k8s.k8s_emulator import (
     CONFIGMAPS,
     DD,
@@ -28,7 +26,8 @@ from k8s.k8s_emulator import (
     running_operator,
 )
 
-pytestmark = [pytest.mark.kmock(cls=Emulator), pytest.mark.usefixtures("no_operator_errors")]
+pytestmark = [pytest.mark.kmock(cls=Emulator),
+              pytest.mark.usefixtures("no_operator_errors", "operator_calls_within_rbac")]
 TEST_TIMEOUT_S = 60
 
 SPEC: dict[str, Any] = {
@@ -37,13 +36,6 @@ SPEC: dict[str, Any] = {
     "parallelism": {"data": 2, "sequence": 1},
 }
 
-
-@pytest.fixture(autouse=True)
-def operator_calls_within_rbac(kmock: Emulator,
-                               default_chart: list[dict[str, Any]]) -> Iterator[None]:
-    """Every API call the operator makes in these tests is allowed by the chart's RBAC."""
-    yield
-    assert refused_operator_calls(kmock, default_chart) == []
 
 
 def _obj(kmock: Emulator, resource: Any, name: str, namespace: str = "default") -> Any:

@@ -6,7 +6,7 @@ budgets, and per-node cache status turned into node labels and a status summary.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +38,13 @@ from k8s.k8s_emulator import (
 import ditserve.operator.deployments as handlers
 from ditserve.operator.nodecache import cache_label_key
 
-pytestmark = [pytest.mark.kmock(cls=Emulator)]
+pytestmark = [pytest.mark.kmock(cls=Emulator),
+              pytest.mark.usefixtures("quick_retries", "operator_calls_within_rbac")]
 TEST_TIMEOUT_S = 60
 SPEC: dict[str, Any] = {"replicas": 1, "model": {"hostPath": "/mnt/models/tiny", "sizeGiB": 2}}
 RETRIED = r"failed temporarily: Child(ApplyFailed|Conflict)"
 
 
-@pytest.fixture(autouse=True)
-def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Failed syncs are retried after RETRY_DELAY_S; a test cannot wait the production 30 s.
-    monkeypatch.setattr(handlers, "RETRY_DELAY_S", 0.5)
-
-
-@pytest.fixture(autouse=True)
-def operator_calls_within_rbac(kmock: Emulator,
-                               default_chart: list[dict[str, Any]]) -> Iterator[None]:
-    yield
-    assert refused_operator_calls(kmock, default_chart) == []
 
 
 def _reason(kmock: Emulator, name: str, ctype: str = "Ready",

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s.e2e_support import cond, create, create_dd, merge_patch, obj, refused_operator_calls
+from k8s.e2e_support import cond, create, create_dd, merge_patch, obj
 from k8s.k8s_emulator import (
     CONFIGMAPS,
     DD,
@@ -30,22 +30,13 @@ from k8s.k8s_emulator import (
 
 import ditserve.operator.deployments as handlers
 
-pytestmark = [pytest.mark.kmock(cls=Emulator)]
+pytestmark = [pytest.mark.kmock(cls=Emulator),
+              pytest.mark.usefixtures("quick_retries", "operator_calls_within_rbac")]
 TEST_TIMEOUT_S = 60
 SPEC: dict[str, Any] = {"replicas": 2, "model": {"hostPath": "/mnt/models/tiny", "sizeGiB": 2}}
 API = "/apis/apps/v1/namespaces/default/deployments"
 
 
-@pytest.fixture(autouse=True)
-def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handlers, "RETRY_DELAY_S", 0.5)
-
-
-@pytest.fixture(autouse=True)
-def operator_calls_within_rbac(kmock: Emulator,
-                               default_chart: list[dict[str, Any]]) -> Iterator[None]:
-    yield
-    assert refused_operator_calls(kmock, default_chart) == []
 
 
 def _events(kmock: Emulator, name: str) -> list[dict[str, Any]]:

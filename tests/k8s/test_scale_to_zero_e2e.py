@@ -7,12 +7,12 @@ it had no path for the kind.)"""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s.e2e_support import cond, create_dd, dd_url, merge_patch, obj, refused_operator_calls
+from k8s.e2e_support import cond, create_dd, dd_url, merge_patch, obj
 from k8s.k8s_emulator import (
     DD,
     DEPLOYMENTS,
@@ -23,9 +23,8 @@ from k8s.k8s_emulator import (
     running_operator,
 )
 
-import ditserve.operator.deployments as handlers
-
-pytestmark = [pytest.mark.kmock(cls=Emulator)]
+pytestmark = [pytest.mark.kmock(cls=Emulator),
+              pytest.mark.usefixtures("quick_retries", "operator_calls_within_rbac")]
 TEST_TIMEOUT_S = 60
 SPEC: dict[str, Any] = {"model": {"hostPath": "/mnt/models/tiny", "sizeGiB": 2}}
 PLAIN = {"enabled": True, "minReplicas": 1, "maxReplicas": 4}
@@ -34,16 +33,6 @@ FROM_ZERO = {"enabled": True, "minReplicas": 0, "maxReplicas": 4,
                              "prometheusAddress": "http://prometheus-operated.monitoring:9090"}}
 
 
-@pytest.fixture(autouse=True)
-def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handlers, "RETRY_DELAY_S", 0.5)
-
-
-@pytest.fixture(autouse=True)
-def operator_calls_within_rbac(kmock: Emulator,
-                               default_chart: list[dict[str, Any]]) -> Iterator[None]:
-    yield
-    assert refused_operator_calls(kmock, default_chart) == []
 
 
 def _run(scenario: Callable[[], Any]) -> Any:
