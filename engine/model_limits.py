@@ -51,8 +51,9 @@ class ModelLimits:
     true_cfg: whether ``true_cfg_scale`` is an input (Flux, FLUX.2, Qwen-Image: CFG against a
         negative prompt); False where classifier-free guidance is ``guidance_scale`` (Wan,
         Z-Image, Cosmos3), so a request's ``true_cfg_scale`` is refused, not ignored.
-    image_needs_frames: the fewest frames a request's input images are used at (Cosmos3: 2;
-        its one-frame video is made from the text alone), so such a request is refused.
+    image_needs_frames: the fewest frames a request's input images are used at (2 for a
+        ``Family.still_images`` family, Cosmos3: its one frame is made from the text alone), so
+        a shorter request with an image is refused.
     """
 
     pixel_multiple: int = 16

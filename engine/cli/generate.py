@@ -216,7 +216,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_fps(args, out, native_fps=defaults.fps,
               image=not video or still_frames is not None)
     if args.image and defaults.still_images and 1 in (still_frames, args.num_frames):
-        # Cosmos3's pipeline makes its one-frame video from the text alone.
+        # Refused before loading by the rule the engine applies once loaded
+        # (``capabilities.model_limits_of``: a still image is made from the text alone).
         raise ConfigError(f"--image: a one-frame request ({out}) does not use the input image "
                           f"(it conditions a video's first frame); give a {VIDEO_SUFFIX} --out "
                           "of more frames, or leave --image out")

@@ -123,7 +123,8 @@ class Family:
         (``engine.server.model_defaults``; guidance comes from the pipeline's call defaults).
     still_images: a video family whose one-frame video is a still image its pipeline makes as
         text-to-image (Cosmos3): its replicas serve /v1/images/generations too (one frame,
-        written as a PNG), and ``generate`` writes an image for an image ``--out``.
+        written as a PNG), and ``generate`` writes an image for an image ``--out``; being made
+        from the text alone, a one-frame request refuses an input image (every route).
     min_frames: the shortest clip a video family's pipeline generates (MiniMax-H3: 5 s at
         24 fps, 124 frames); a tiny model's default request asks for at least that many.
     call_overrides: what a checkpoint changes of the pipeline's call defaults, read off its

@@ -161,11 +161,14 @@ def condition_images_of(pipeline: object) -> tuple[int, int]:
 
 def model_limits_of(pipeline: StepPipeline) -> ModelLimits:
     """What the loaded model can run: its pipeline's ``limits``, with the input images an
-    image-conditioned pipeline takes and whether ``true_cfg_scale`` is one of its inputs."""
+    image-conditioned pipeline takes, whether ``true_cfg_scale`` is one of its inputs, and
+    (a family whose one frame is a still image made from the text: ``Family.still_images``)
+    that an input image needs two frames or more."""
     import dataclasses
 
     return dataclasses.replace(pipeline.limits(), condition_images=condition_images_of(pipeline),
-                               true_cfg=cfg_rows_of(pipeline) == "true_cfg")
+                               true_cfg=cfg_rows_of(pipeline) == "true_cfg",
+                               image_needs_frames=2 if pipeline.family.still_images else 1)
 
 
 def host_modules_of(pipeline: object) -> Sequence[torch.nn.Module]:

@@ -140,8 +140,7 @@ class Cosmos3StepPipeline:
                                       frame_step=self.frame_step,
                                       max_prompt_chars=self.max_prompt_chars,
                                       max_text_tokens=self.max_text_tokens)
-        # A one-frame video is made from the text alone (diffusers' own rule, below).
-        return dataclasses.replace(limits, audio=self.has_sound, image_needs_frames=2)
+        return dataclasses.replace(limits, audio=self.has_sound)
 
     @property
     def has_sound(self) -> bool:
