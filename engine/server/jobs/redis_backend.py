@@ -267,8 +267,11 @@ class RedisBackend:
         by the longest lease any replica of the namespace holds its jobs for: one replica's
         shorter ``--job-lease`` must not take jobs another renews only every third of its
         own (it would restart them from step 0 on a healthy replica)."""
-        self._r.zadd(self._leases, {"longest": lease_ms}, gt=True)
-        lease_ms = max(lease_ms, int(self._r.zscore(self._leases, "longest") or 0))
+        with self._r.pipeline(transaction=False) as pipe:  # one round trip per look
+            pipe.zadd(self._leases, {"longest": lease_ms}, gt=True)
+            pipe.zscore(self._leases, "longest")
+            _, longest = pipe.execute()
+        lease_ms = max(lease_ms, int(longest or 0))
         _, taken, _ = self._r.xautoclaim(self._queue, GROUP, owner, lease_ms, "0-0", count=1)
         if not taken:
             read = self._r.xreadgroup(GROUP, owner, {self._queue: ">"}, count=1)
